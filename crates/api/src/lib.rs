@@ -1,0 +1,20 @@
+//! The wire and domain vocabulary of Trellis.
+//!
+//! - [`pb`]: code generated from `proto/` (prost messages, tonic clients and servers).
+//! - [`ident`] and [`net`]: validated domain types (cluster identities, CIDRs, IPs).
+//! - [`wire`]: the parsing helpers that turn request strings into those types, failing with
+//!   [`Error::InvalidArgument`] naming the offending field.
+//!
+//! Domain logic works on the validated types only; prost types stop at the gRPC handlers.
+
+pub mod ident;
+pub mod net;
+pub mod pb;
+pub mod wire;
+
+pub use ident::{ClusterId, ClusterIdentity};
+pub use trellis_error::{Error, Result};
+
+/// The encoded `FileDescriptorSet` of every Trellis proto, for gRPC server reflection.
+pub const FILE_DESCRIPTOR_SET: &[u8] =
+    include_bytes!(concat!(env!("OUT_DIR"), "/trellis_descriptor.bin"));

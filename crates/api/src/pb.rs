@@ -1,0 +1,17 @@
+//! Code generated from `proto/trellis/**` by `build.rs`: one module per proto package, e.g.
+//! [`trellis::ipam::v1`]. Re-exported at short paths for the services.
+
+#[allow(
+    missing_docs,
+    missing_debug_implementations,
+    unreachable_pub,
+    clippy::all,
+    clippy::pedantic,
+    rustdoc::all
+)]
+mod generated {
+    include!(concat!(env!("OUT_DIR"), "/trellis.rs"));
+}
+
+pub use generated::trellis;
+pub use generated::trellis::ipam::v1 as ipam;

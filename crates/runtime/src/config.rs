@@ -1,0 +1,116 @@
+//! Flags every service shares. Each flag is also read from `TRELLIS_<FLAG>`; a service's own
+//! config struct embeds [`CommonConfig`] with `#[command(flatten)]`.
+
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::time::Duration;
+
+use clap::{Args, ValueEnum};
+
+/// Flags common to all Trellis services.
+#[derive(Debug, Clone, Args)]
+pub struct CommonConfig {
+    /// Address the gRPC server listens on. Defaults to 0.0.0.0 and the service's own port
+    /// (discovery 7101, broker 7102, forwarder 7103, ipam 7104, endpoints 7105, gateway 7106);
+    /// port 0 picks a free one, logged at start.
+    #[arg(long, env = "TRELLIS_LISTEN", value_name = "HOST:PORT")]
+    pub listen: Option<SocketAddr>,
+
+    /// Where this service keeps its state: `etcd://HOST:PORT[,HOST:PORT...]/PREFIX` (its own
+    /// etcd in production; PREFIX isolates services sharing one) or `memory://` (lost on exit;
+    /// for the lab and tests).
+    #[arg(long, env = "TRELLIS_STORE", value_name = "URL")]
+    pub store: String,
+
+    /// ID of the local cluster (letters, digits, '.', '_' and '-'; at most 128). Tags every
+    /// log line and span.
+    #[arg(long, env = "TRELLIS_CLUSTER_ID", value_name = "ID")]
+    pub cluster_id: String,
+
+    /// Human-readable name of the local cluster; defaults to the cluster ID.
+    #[arg(long, env = "TRELLIS_CLUSTER_NAME", value_name = "NAME")]
+    pub cluster_name: Option<String>,
+
+    /// Log line format on stderr. Verbosity follows `RUST_LOG` (default `info`). Spans are
+    /// exported over OTLP when `OTEL_EXPORTER_OTLP_ENDPOINT` is set (e.g.
+    /// `http://127.0.0.1:4317`).
+    #[arg(long, env = "TRELLIS_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
+    pub log_format: LogFormat,
+
+    /// How long in-flight requests may take to finish after SIGTERM/SIGINT before the
+    /// server stops anyway, in seconds.
+    #[arg(long, env = "TRELLIS_SHUTDOWN_GRACE", value_name = "SECONDS", default_value_t = 10)]
+    pub shutdown_grace: u64,
+}
+
+/// How log lines are written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum LogFormat {
+    /// Human-readable lines.
+    Text,
+    /// One JSON object per line, for log collectors.
+    Json,
+}
+
+impl CommonConfig {
+    /// The listen address, or `0.0.0.0:default_port`.
+    pub fn listen_addr(&self, default_port: u16) -> SocketAddr {
+        self.listen
+            .unwrap_or(SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), default_port))
+    }
+
+    /// The cluster name, falling back to the ID.
+    pub fn cluster_name(&self) -> &str {
+        self.cluster_name.as_deref().unwrap_or(&self.cluster_id)
+    }
+
+    /// The drain deadline after a shutdown signal.
+    pub fn shutdown_grace(&self) -> Duration {
+        Duration::from_secs(self.shutdown_grace)
+    }
+}
+
+/// Access to the common part of a service's config, for [`crate::launch`].
+pub trait HasCommon {
+    /// The embedded common flags.
+    fn common(&self) -> &CommonConfig;
+}
+
+/// Default ports of DESIGN.md.
+pub mod ports {
+    pub const DISCOVERY: u16 = 7101;
+    pub const BROKER: u16 = 7102;
+    pub const FORWARDER: u16 = 7103;
+    pub const IPAM: u16 = 7104;
+    pub const ENDPOINTS: u16 = 7105;
+    pub const GATEWAY: u16 = 7106;
+    /// WireGuard UDP.
+    pub const WIREGUARD: u16 = 51840;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Debug, Parser)]
+    struct Cli {
+        #[command(flatten)]
+        common: CommonConfig,
+    }
+
+    #[test]
+    fn defaults_and_fallbacks() {
+        let cli = Cli::try_parse_from(["x", "--store", "memory://", "--cluster-id", "c1"])
+            .expect("parses");
+        assert_eq!(cli.common.listen_addr(7104).port(), 7104);
+        assert_eq!(cli.common.cluster_name(), "c1");
+        assert_eq!(cli.common.log_format, LogFormat::Text);
+        assert_eq!(cli.common.shutdown_grace(), Duration::from_secs(10));
+    }
+
+    #[test]
+    fn store_and_cluster_id_are_required() {
+        let err = Cli::try_parse_from(["x", "--cluster-id", "c1"]).expect_err("store missing");
+        assert!(err.to_string().contains("--store"), "{err}");
+    }
+}

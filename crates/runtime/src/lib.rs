@@ -1,0 +1,26 @@
+//! What every Trellis service binary shares, so that a service's `main.rs` stays a few lines:
+//!
+//! - [`config`]: the common flags (`--listen`, `--store`, `--cluster-id`, ...) with their
+//!   `TRELLIS_*` environment variables;
+//! - [`telemetry`]: logs through `tracing`, spans exported over OTLP with the resource
+//!   attributes DESIGN.md fixes;
+//! - [`propagation`]: W3C trace context carried across gRPC, server and client side;
+//! - [`server`]: a gRPC server that always serves health and reflection (v1 and v1alpha);
+//! - [`client`]: channels to other services with timeouts and trace propagation;
+//! - [`shutdown`]: SIGTERM/SIGINT to a cancellation token, graceful drain;
+//! - [`launch`]: the `main` of every service binary.
+//!
+//! The domain error type and its gRPC table are re-exported from `trellis-error`.
+
+pub mod client;
+pub mod config;
+pub mod launch;
+pub mod propagation;
+pub mod server;
+pub mod shutdown;
+pub mod telemetry;
+
+pub use config::CommonConfig;
+pub use launch::launch;
+pub use shutdown::Shutdown;
+pub use trellis_error::{Error, Result};

@@ -1,0 +1,97 @@
+//! The gRPC server every service runs: its own routes plus `grpc.health.v1.Health` and server
+//! reflection (v1 and v1alpha, so any grpcurl works), W3C trace context on every request, and
+//! a graceful stop: on shutdown health turns NOT_SERVING, new connections are refused, in-flight
+//! requests get the grace period to finish.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use tokio::net::TcpListener;
+use tokio_stream::wrappers::TcpListenerStream;
+use tonic::service::Routes;
+use tonic::transport::Server;
+use tonic_health::ServingStatus;
+
+use crate::propagation::server_span;
+use crate::shutdown::Shutdown;
+
+/// A bound, not yet serving, gRPC server. Binding first lets callers learn the real port when
+/// they asked for port 0.
+#[derive(Debug)]
+pub struct GrpcServer {
+    listener: TcpListener,
+    addr: SocketAddr,
+}
+
+impl GrpcServer {
+    /// Binds the listen address.
+    pub async fn bind(addr: SocketAddr) -> anyhow::Result<Self> {
+        let listener = TcpListener::bind(addr)
+            .await
+            .with_context(|| format!("cannot listen on {addr}"))?;
+        let addr = listener.local_addr()?;
+        Ok(Self { listener, addr })
+    }
+
+    /// The address actually bound.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Serves `routes` (whose gRPC service names are `services`, reported healthy) until
+    /// `shutdown`, then drains for at most `grace`.
+    pub async fn serve(
+        self,
+        routes: Routes,
+        services: &[&'static str],
+        shutdown: Shutdown,
+        grace: Duration,
+    ) -> anyhow::Result<()> {
+        let (reporter, health) = tonic_health::server::health_reporter();
+        for name in services.iter().copied().chain([""]) {
+            reporter
+                .set_service_status(name, ServingStatus::Serving)
+                .await;
+        }
+
+        let reflection = || {
+            tonic_reflection::server::Builder::configure()
+                .register_encoded_file_descriptor_set(trellis_api::FILE_DESCRIPTOR_SET)
+                .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        };
+        let routes = routes
+            .add_service(health)
+            .add_service(reflection().build_v1()?)
+            .add_service(reflection().build_v1alpha()?);
+
+        let draining = shutdown.clone();
+        let owned: Vec<&'static str> = services.to_vec();
+        let stop = async move {
+            draining.cancelled().await;
+            for name in owned.into_iter().chain([""]) {
+                reporter
+                    .set_service_status(name, ServingStatus::NotServing)
+                    .await;
+            }
+        };
+
+        tracing::info!(addr = %self.addr, services = ?services, "serving gRPC");
+        let server = Server::builder()
+            .trace_fn(server_span)
+            .tcp_nodelay(true)
+            .http2_keepalive_interval(Some(Duration::from_secs(30)))
+            .add_routes(routes)
+            .serve_with_incoming_shutdown(TcpListenerStream::new(self.listener), stop);
+        tokio::pin!(server);
+
+        tokio::select! {
+            served = &mut server => served.context("gRPC server failed")?,
+            () = async { shutdown.cancelled().await; tokio::time::sleep(grace).await } => {
+                tracing::warn!(grace_secs = grace.as_secs(), "grace period over, closing remaining connections");
+            }
+        }
+        tracing::info!(addr = %self.addr, "gRPC server stopped");
+        Ok(())
+    }
+}

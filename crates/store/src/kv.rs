@@ -1,0 +1,45 @@
+//! Keys, values and the revisions that order them.
+
+use std::fmt;
+
+/// A store-wide logical clock: every change bumps it by one. A fresh store is at revision 1.
+pub type Revision = i64;
+
+/// A lease handle; keys attached to it die with it.
+///
+/// Displayed in hex, like `etcdctl` prints lease ids, so log lines can be matched against it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct LeaseId(pub i64);
+
+impl fmt::Display for LeaseId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:x}", self.0)
+    }
+}
+
+/// One stored key with its metadata, as etcd reports it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KeyValue {
+    /// The key, without any store prefix.
+    pub key: String,
+    /// The value.
+    pub value: Vec<u8>,
+    /// The revision that created the key (since it last did not exist).
+    pub create_revision: Revision,
+    /// The revision that last changed the key.
+    pub mod_revision: Revision,
+    /// How many times the key was written since it was created (1 right after creation).
+    pub version: i64,
+    /// The lease the key is attached to, if any.
+    pub lease: Option<LeaseId>,
+}
+
+/// The keys under a prefix as of one revision.
+#[derive(Debug, Clone)]
+pub struct Listing {
+    /// The keys, sorted by key.
+    pub kvs: Vec<KeyValue>,
+    /// The store revision the listing was taken at: watch from `revision + 1` to follow on
+    /// from it without gaps.
+    pub revision: Revision,
+}

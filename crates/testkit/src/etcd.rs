@@ -1,0 +1,299 @@
+//! [`Etcd`]: a real, single-node etcd process for tests, bound to loopback only.
+
+use std::fs::{self, File, OpenOptions};
+use std::io::{Read, Write};
+use std::net::{Ipv4Addr, SocketAddr, TcpStream};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+use std::{env, thread};
+
+use anyhow::{Context, bail};
+use tempfile::TempDir;
+
+use crate::ports::free_port;
+use crate::tools::{require_tool, tool_path};
+
+/// How long etcd may take to become healthy (it usually takes well under a second).
+const READY_TIMEOUT: Duration = Duration::from_secs(20);
+
+/// Fresh ports to try when etcd cannot bind: another test may have taken a port between
+/// [`free_port`] releasing it and etcd binding it.
+const START_ATTEMPTS: usize = 3;
+
+/// A running etcd: a single-node cluster on two free loopback ports with its data in a
+/// temporary directory. Killed (and the directory removed) on drop.
+///
+/// Blocking (plain `std::process`), so it works from sync and async tests alike; from an async
+/// test, start it before spawning work onto the runtime, or inside `spawn_blocking`.
+///
+/// ```no_run
+/// # fn demo() {
+/// let Some(etcd) = trellis_testkit::Etcd::start_or_skip() else { return };
+/// let url = etcd.url("ipam"); // etcd://127.0.0.1:PORT/ipam
+/// # let _ = url; }
+/// ```
+#[derive(Debug)]
+pub struct Etcd {
+    binary: PathBuf,
+    dir: TempDir,
+    client_port: u16,
+    peer_port: u16,
+    child: Option<Child>,
+}
+
+impl Etcd {
+    /// Starts etcd and waits until it serves requests; the error includes etcd's log tail.
+    pub fn start() -> anyhow::Result<Self> {
+        let binary = tool_path("etcd")
+            .context("etcd not found on PATH or in .tools/bin (scripts/setup.sh installs it)")?;
+        let mut failures = Vec::new();
+        for _ in 0..START_ATTEMPTS {
+            let mut etcd = Self {
+                binary: binary.clone(),
+                dir: tempfile::Builder::new()
+                    .prefix("trellis-etcd-")
+                    .tempdir()
+                    .context("creating etcd's temporary directory")?,
+                client_port: free_port(),
+                peer_port: free_port(),
+                child: None,
+            };
+            match etcd.launch() {
+                Ok(()) => return Ok(etcd),
+                Err(err) => failures.push(format!("{err:#}")),
+            }
+        }
+        bail!(
+            "etcd failed to start {START_ATTEMPTS} times:\n{}",
+            failures.join("\n---\n")
+        )
+    }
+
+    /// Starts etcd, or returns `None` when it is not installed (see
+    /// [`require_tool`](crate::require_tool): skips loudly, fails in CI).
+    ///
+    /// # Panics
+    ///
+    /// If etcd is installed but does not start: that is a broken test environment.
+    pub fn start_or_skip() -> Option<Self> {
+        require_tool("etcd")?;
+        match Self::start() {
+            Ok(etcd) => Some(etcd),
+            Err(err) => panic!("{err:#}"),
+        }
+    }
+
+    /// The client endpoint, `127.0.0.1:PORT`.
+    pub fn endpoint(&self) -> String {
+        format!("127.0.0.1:{}", self.client_port)
+    }
+
+    /// A store URL for this etcd with the given key prefix: `etcd://127.0.0.1:PORT/prefix`.
+    pub fn url(&self, prefix: &str) -> String {
+        format!("etcd://{}/{}", self.endpoint(), prefix.trim_start_matches('/'))
+    }
+
+    /// The directory etcd keeps its data in (survives [`Etcd::kill`] and [`Etcd::restart`]).
+    pub fn data_dir(&self) -> PathBuf {
+        self.dir.path().join("data")
+    }
+
+    /// Whether etcd is up and reports itself healthy right now.
+    pub fn is_healthy(&self) -> bool {
+        health_check(self.client_port)
+    }
+
+    /// Kills etcd with SIGKILL (a crash, for fault tests) and reaps it. Idempotent.
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            // Errors only mean it already exited.
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Starts etcd again on the same data directory and ports (killing it first if it still
+    /// runs), and waits until it serves requests.
+    pub fn restart(&mut self) -> anyhow::Result<()> {
+        self.kill();
+        self.launch()
+    }
+
+    /// The last `lines` lines of etcd's combined stdout and stderr, for failure messages.
+    pub fn log_tail(&self, lines: usize) -> String {
+        let log = fs::read_to_string(self.log_path()).unwrap_or_default();
+        let all: Vec<&str> = log.lines().collect();
+        all[all.len().saturating_sub(lines)..].join("\n")
+    }
+
+    fn log_path(&self) -> PathBuf {
+        self.dir.path().join("etcd.log")
+    }
+
+    fn launch(&mut self) -> anyhow::Result<()> {
+        let log = OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.log_path())
+            .context("opening etcd's log file")?;
+        let mut command = self.command(&log)?;
+        let child = command
+            .spawn()
+            .with_context(|| format!("spawning {}", self.binary.display()))?;
+        self.child = Some(child);
+        self.wait_ready().with_context(|| {
+            format!(
+                "etcd on 127.0.0.1:{} did not become ready; log tail:\n{}",
+                self.client_port,
+                self.log_tail(30)
+            )
+        })
+    }
+
+    fn command(&self, log: &File) -> anyhow::Result<Command> {
+        let client = format!("http://127.0.0.1:{}", self.client_port);
+        let peer = format!("http://127.0.0.1:{}", self.peer_port);
+        let mut command = Command::new(&self.binary);
+        command
+            .arg("--name=trellis-test")
+            .arg(format!("--data-dir={}", self.data_dir().display()))
+            .arg(format!("--listen-client-urls={client}"))
+            .arg(format!("--advertise-client-urls={client}"))
+            .arg(format!("--listen-peer-urls={peer}"))
+            .arg(format!("--initial-advertise-peer-urls={peer}"))
+            .arg(format!("--initial-cluster=trellis-test={peer}"))
+            .arg("--initial-cluster-state=new")
+            .arg("--logger=zap")
+            .arg("--log-outputs=stderr")
+            .arg("--log-level=error")
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().context("duplicating etcd's log file")?)
+            .stderr(log.try_clone().context("duplicating etcd's log file")?);
+        // etcd reads every flag from ETCD_* variables too; a developer's own settings must not
+        // leak into the test cluster.
+        for (name, _) in env::vars_os() {
+            if name.to_string_lossy().starts_with("ETCD") {
+                command.env_remove(name);
+            }
+        }
+        Ok(command)
+    }
+
+    fn wait_ready(&mut self) -> anyhow::Result<()> {
+        let deadline = Instant::now() + READY_TIMEOUT;
+        loop {
+            if let Some(child) = &mut self.child
+                && let Some(status) = child.try_wait().context("polling etcd")?
+            {
+                self.child = None;
+                bail!("etcd exited with {status}");
+            }
+            if health_check(self.client_port) {
+                return Ok(());
+            }
+            if Instant::now() >= deadline {
+                bail!("etcd not healthy after {}s", READY_TIMEOUT.as_secs());
+            }
+            thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+impl Drop for Etcd {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// `GET /health` on the client port: etcd answers `{"health":"true"}` once it has a leader
+/// and serves reads.
+fn health_check(port: u16) -> bool {
+    http_request(port, "GET", "/health", "").is_some_and(|response| {
+        is_ok(&response) && response.contains(r#""health":"true""#)
+    })
+}
+
+/// Whether a raw HTTP response has status 200 (Go answers an HTTP/1.0 request in kind).
+fn is_ok(response: &str) -> bool {
+    response.split(' ').nth(1) == Some("200")
+}
+
+/// One HTTP/1.0 request to etcd's client port (which also serves HTTP); the raw response.
+pub(crate) fn http_request(port: u16, method: &str, path: &str, body: &str) -> Option<String> {
+    let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, port));
+    let timeout = Duration::from_secs(1);
+    let mut stream = TcpStream::connect_timeout(&addr, timeout).ok()?;
+    stream.set_read_timeout(Some(timeout)).ok()?;
+    stream.set_write_timeout(Some(timeout)).ok()?;
+    let request = format!(
+        "{method} {path} HTTP/1.0\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    stream.write_all(request.as_bytes()).ok()?;
+    let mut response = String::new();
+    stream.read_to_string(&mut response).ok()?;
+    Some(response)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// base64 of "trellis" and "works", for etcd's JSON gateway.
+    const KEY: &str = "dHJlbGxpcw==";
+    const VALUE: &str = "d29ya3M=";
+
+    fn put(etcd: &Etcd) -> Option<String> {
+        let body = format!(r#"{{"key":"{KEY}","value":"{VALUE}"}}"#);
+        http_request(etcd.client_port, "POST", "/v3/kv/put", &body)
+    }
+
+    fn get(etcd: &Etcd) -> Option<String> {
+        let body = format!(r#"{{"key":"{KEY}"}}"#);
+        http_request(etcd.client_port, "POST", "/v3/kv/range", &body)
+    }
+
+    #[test]
+    fn etcd_serves_reads_and_writes() {
+        let Some(etcd) = Etcd::start_or_skip() else {
+            return;
+        };
+        assert!(etcd.is_healthy());
+        assert_eq!(etcd.endpoint(), format!("127.0.0.1:{}", etcd.client_port));
+        assert_eq!(etcd.url("/ipam"), format!("etcd://{}/ipam", etcd.endpoint()));
+
+        let put = put(&etcd).expect("put answered");
+        assert!(is_ok(&put), "{put}");
+        let got = get(&etcd).expect("range answered");
+        assert!(got.contains(VALUE), "{got}");
+    }
+
+    #[test]
+    fn etcd_survives_kill_and_restart_with_its_data() {
+        let Some(mut etcd) = Etcd::start_or_skip() else {
+            return;
+        };
+        put(&etcd).expect("put answered");
+        etcd.kill();
+        assert!(!etcd.is_healthy());
+        etcd.kill();
+
+        etcd.restart().expect("restart");
+        let got = get(&etcd).expect("range answered");
+        assert!(got.contains(VALUE), "data survives a restart: {got}");
+    }
+
+    #[test]
+    fn drop_stops_etcd_and_removes_its_data() {
+        let Some(etcd) = Etcd::start_or_skip() else {
+            return;
+        };
+        let port = etcd.client_port;
+        let dir = etcd.dir.path().to_owned();
+        drop(etcd);
+        assert!(!health_check(port));
+        assert!(!dir.exists());
+    }
+}

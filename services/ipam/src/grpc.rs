@@ -1,0 +1,202 @@
+//! The `trellis.ipam.v1.Ipam` gRPC handlers: validate the request into domain values (errors
+//! name the field), call [`Ipam`], map the answer back. Nothing else happens here.
+
+use std::net::IpAddr;
+use std::sync::Arc;
+
+use ipnet::IpNet;
+use tonic::{Request, Response, Status};
+use trellis_api::pb::ipam::ipam_server::Ipam as IpamApi;
+use trellis_api::pb::ipam::{self as pb, MappingPath as PbPath};
+use trellis_api::{ClusterId, ClusterIdentity, wire};
+use trellis_error::Result;
+
+use crate::core::{Ipam, MappingPath};
+use crate::records::ClusterRecord;
+
+/// The gRPC face of one [`Ipam`].
+#[derive(Debug, Clone)]
+pub struct IpamService {
+    core: Arc<Ipam>,
+}
+
+impl IpamService {
+    pub fn new(core: Arc<Ipam>) -> Self {
+        Self { core }
+    }
+
+    fn cidr(&self, field: &str, value: &str) -> Result<IpNet> {
+        wire::require_family_net(field, wire::cidr(field, value)?, self.core.family())
+    }
+
+    fn ip(&self, value: &str) -> Result<IpAddr> {
+        wire::require_family_ip("ip", wire::ip("ip", value)?, self.core.family())
+    }
+}
+
+fn cluster_id(value: &str) -> Result<ClusterId> {
+    ClusterId::parse("cluster_id", value)
+}
+
+fn cluster(id: &str, name: &str) -> Result<ClusterIdentity> {
+    ClusterIdentity::parse("cluster_id", id, "cluster_name", name)
+}
+
+fn text<T: ToString>(value: Option<T>) -> String {
+    value.map(|v| v.to_string()).unwrap_or_default()
+}
+
+fn cluster_subnets(rec: ClusterRecord) -> pb::ClusterSubnets {
+    pb::ClusterSubnets {
+        cluster_id: rec.id.to_string(),
+        cluster_name: rec.name,
+        remote_pod_cidr: text(rec.remote.map(|v| v.pod_cidr)),
+        remote_pod_cidr_nat: text(rec.remote.map(|v| v.pod_cidr_nat)),
+        remote_external_cidr: text(rec.remote.map(|v| v.external_cidr)),
+        remote_external_cidr_nat: text(rec.remote.map(|v| v.external_cidr_nat)),
+        local_pod_cidr_nat: text(rec.local_nat.map(|n| n.pod_cidr)),
+        local_external_cidr_nat: text(rec.local_nat.map(|n| n.external_cidr)),
+    }
+}
+
+#[tonic::async_trait]
+impl IpamApi for IpamService {
+    async fn get_subnets_per_cluster(
+        &self,
+        request: Request<pb::GetSubnetsPerClusterRequest>,
+    ) -> Result<Response<pb::GetSubnetsPerClusterResponse>, Status> {
+        let req = request.into_inner();
+        let cluster = cluster(&req.cluster_id, &req.cluster_name)?;
+        let pod = self.cidr("pod_cidr", &req.pod_cidr)?;
+        let external = self.cidr("external_cidr", &req.external_cidr)?;
+        let view = self.core.subnets_for(&cluster, pod, external).await?;
+        Ok(Response::new(pb::GetSubnetsPerClusterResponse {
+            pod_cidr_nat: view.pod_cidr_nat.to_string(),
+            external_cidr_nat: view.external_cidr_nat.to_string(),
+        }))
+    }
+
+    async fn set_local_nat(
+        &self,
+        request: Request<pb::SetLocalNatRequest>,
+    ) -> Result<Response<pb::SetLocalNatResponse>, Status> {
+        let req = request.into_inner();
+        let cluster = cluster(&req.cluster_id, &req.cluster_name)?;
+        let pod = self.cidr("pod_cidr", &req.pod_cidr)?;
+        let external = self.cidr("external_cidr", &req.external_cidr)?;
+        self.core.set_local_nat(&cluster, pod, external).await?;
+        Ok(Response::new(pb::SetLocalNatResponse {}))
+    }
+
+    async fn free_subnets_per_cluster(
+        &self,
+        request: Request<pb::FreeSubnetsPerClusterRequest>,
+    ) -> Result<Response<pb::FreeSubnetsPerClusterResponse>, Status> {
+        let id = cluster_id(&request.into_inner().cluster_id)?;
+        let existed = self.core.free(&id).await?;
+        Ok(Response::new(pb::FreeSubnetsPerClusterResponse { existed }))
+    }
+
+    async fn map_endpoint_ip(
+        &self,
+        request: Request<pb::MapEndpointIpRequest>,
+    ) -> Result<Response<pb::MapEndpointIpResponse>, Status> {
+        let req = request.into_inner();
+        let id = cluster_id(&req.cluster_id)?;
+        let ip = self.ip(&req.ip)?;
+        let mapped = self.core.map_endpoint_ip(&id, ip, req.induced).await?;
+        let path = match mapped.path {
+            MappingPath::LocalNat => PbPath::LocalNat,
+            MappingPath::Home => PbPath::Home,
+            MappingPath::External => PbPath::External,
+        };
+        Ok(Response::new(pb::MapEndpointIpResponse {
+            ip: mapped.ip.to_string(),
+            path: path.into(),
+        }))
+    }
+
+    async fn unmap_endpoint_ip(
+        &self,
+        request: Request<pb::UnmapEndpointIpRequest>,
+    ) -> Result<Response<pb::UnmapEndpointIpResponse>, Status> {
+        let req = request.into_inner();
+        let id = cluster_id(&req.cluster_id)?;
+        let ip = self.ip(&req.ip)?;
+        let released = self.core.unmap_endpoint_ip(&id, ip).await?;
+        Ok(Response::new(pb::UnmapEndpointIpResponse { released }))
+    }
+
+    async fn get_home_pod_ip(
+        &self,
+        request: Request<pb::GetHomePodIpRequest>,
+    ) -> Result<Response<pb::GetHomePodIpResponse>, Status> {
+        let req = request.into_inner();
+        let id = cluster_id(&req.cluster_id)?;
+        let ip = self.ip(&req.ip)?;
+        let home = self.core.home_pod_ip(&id, ip).await?;
+        Ok(Response::new(pb::GetHomePodIpResponse { home_ip: home.to_string() }))
+    }
+
+    async fn get_cluster_identity(
+        &self,
+        request: Request<pb::GetClusterIdentityRequest>,
+    ) -> Result<Response<pb::GetClusterIdentityResponse>, Status> {
+        let ip = self.ip(&request.into_inner().ip)?;
+        let found = self.core.cluster_identity(ip).await?;
+        Ok(Response::new(pb::GetClusterIdentityResponse {
+            cluster_id: text(found.as_ref().map(|c| &c.id)),
+            cluster_name: found.map(|c| c.name).unwrap_or_default(),
+        }))
+    }
+
+    async fn does_cluster_mapping_exist(
+        &self,
+        request: Request<pb::DoesClusterMappingExistRequest>,
+    ) -> Result<Response<pb::DoesClusterMappingExistResponse>, Status> {
+        let id = cluster_id(&request.into_inner().cluster_id)?;
+        let exists = self.core.mapping_exists(&id).await?;
+        Ok(Response::new(pb::DoesClusterMappingExistResponse { exists }))
+    }
+
+    async fn list_cluster_subnets(
+        &self,
+        _request: Request<pb::ListClusterSubnetsRequest>,
+    ) -> Result<Response<pb::ListClusterSubnetsResponse>, Status> {
+        let clusters = self.core.list_clusters().await?;
+        Ok(Response::new(pb::ListClusterSubnetsResponse {
+            clusters: clusters.into_iter().map(cluster_subnets).collect(),
+        }))
+    }
+
+    async fn get_local_subnets(
+        &self,
+        _request: Request<pb::GetLocalSubnetsRequest>,
+    ) -> Result<Response<pb::GetLocalSubnetsResponse>, Status> {
+        let local = self.core.local();
+        Ok(Response::new(pb::GetLocalSubnetsResponse {
+            pod_cidr: local.ranges.pod_cidr.to_string(),
+            service_cidr: text(local.ranges.service_cidr),
+            external_cidr: local.ranges.external_cidr.to_string(),
+            pools: local.pools.iter().map(ToString::to_string).collect(),
+            reserved: local.reserved.iter().map(ToString::to_string).collect(),
+        }))
+    }
+
+    async fn list_endpoint_mappings(
+        &self,
+        _request: Request<pb::ListEndpointMappingsRequest>,
+    ) -> Result<Response<pb::ListEndpointMappingsResponse>, Status> {
+        let mappings = self.core.list_endpoint_mappings().await?;
+        Ok(Response::new(pb::ListEndpointMappingsResponse {
+            mappings: mappings
+                .into_iter()
+                .map(|m| pb::EndpointMapping {
+                    ip: m.ip.to_string(),
+                    external_ip: m.external_ip.to_string(),
+                    cluster_ids: m.clusters.into_iter().map(String::from).collect(),
+                })
+                .collect(),
+        }))
+    }
+}

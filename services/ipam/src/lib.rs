@@ -1,0 +1,77 @@
+//! `trellis-ipam`: the IPAM service of one Trellis cluster (DESIGN.md "IPAM RPCs", thesis
+//! §4.2, §5.3.3, §5.4, §6.4).
+//!
+//! - [`subnets`]: the local ranges and pools, validated at start;
+//! - [`alloc`]: the pure remapping arithmetic;
+//! - [`records`]: what is stored, under which keys;
+//! - [`core`]: the operations, as optimistic transactions on the store;
+//! - [`grpc`]: the thin gRPC layer;
+//! - [`config`]: the flags.
+
+pub mod alloc;
+pub mod config;
+pub mod core;
+pub mod grpc;
+pub mod records;
+pub mod subnets;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use anyhow::Context as _;
+use tokio::task::JoinHandle;
+use tonic::server::NamedService;
+use tonic::service::Routes;
+use trellis_api::pb::ipam::ipam_server::IpamServer;
+use trellis_runtime::config::ports;
+use trellis_runtime::server::GrpcServer;
+use trellis_runtime::Shutdown;
+
+pub use crate::config::Config;
+pub use crate::core::Ipam;
+use crate::grpc::IpamService;
+
+/// Largest request accepted, in bytes. IPAM requests are a few strings; anything bigger is
+/// an abuse and is refused by the transport before it reaches a handler.
+pub const MAX_REQUEST_BYTES: usize = 16 * 1024;
+
+/// The gRPC routes of the IPAM service.
+pub fn routes(core: Arc<Ipam>) -> Routes {
+    Routes::new(IpamServer::new(IpamService::new(core)).max_decoding_message_size(MAX_REQUEST_BYTES))
+}
+
+/// A running IPAM server.
+#[derive(Debug)]
+pub struct Started {
+    /// The address it listens on.
+    pub addr: SocketAddr,
+    /// The domain core, for in-process callers (the lab, tests).
+    pub core: Arc<Ipam>,
+    /// Finishes when the server has stopped.
+    pub task: JoinHandle<anyhow::Result<()>>,
+}
+
+/// Opens the store, checks the configuration against it, binds and starts serving.
+pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started> {
+    let local = config.local_subnets()?;
+    let store = trellis_store::open(&config.common.store)
+        .await
+        .with_context(|| format!("opening store {}", config.common.store))?;
+    let core = Arc::new(Ipam::open(store, local).await.context("opening the IPAM")?);
+    let server = GrpcServer::bind(config.common.listen_addr(ports::IPAM)).await?;
+    let addr = server.local_addr();
+    let routes = routes(core.clone());
+    let grace = config.common.shutdown_grace();
+    let task = tokio::spawn(async move {
+        server
+            .serve(routes, &[IpamServer::<IpamService>::NAME], shutdown, grace)
+            .await
+    });
+    Ok(Started { addr, core, task })
+}
+
+/// Runs the IPAM until `shutdown`.
+pub async fn run(config: Config, shutdown: Shutdown) -> anyhow::Result<()> {
+    let started = start(config, shutdown).await?;
+    started.task.await.context("IPAM server task")?
+}

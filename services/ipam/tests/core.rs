@@ -1,0 +1,355 @@
+//! Behaviour of the IPAM core on the in-memory store: remapping, endpoint translation,
+//! freeing, and the no-overlap invariant under random sequences of operations.
+
+use std::net::IpAddr;
+use std::sync::Arc;
+
+use ipnet::IpNet;
+use proptest::prelude::*;
+use trellis_api::net::overlaps;
+use trellis_api::{ClusterId, ClusterIdentity};
+use trellis_error::Error;
+use trellis_ipam::core::{Ipam, MappingPath};
+use trellis_ipam::subnets::{LocalRanges, LocalSubnets};
+use trellis_store::{MemoryStore, SharedStore};
+
+fn net(s: &str) -> IpNet {
+    s.parse().expect("test network")
+}
+fn ip(s: &str) -> IpAddr {
+    s.parse().expect("test ip")
+}
+fn cluster(id: &str) -> ClusterIdentity {
+    ClusterIdentity::parse("cluster_id", id, "cluster_name", &format!("name-{id}")).expect("valid id")
+}
+fn id(s: &str) -> ClusterId {
+    ClusterId::parse("cluster_id", s).expect("valid id")
+}
+
+fn local(pools: &[&str]) -> LocalSubnets {
+    LocalSubnets::new(
+        LocalRanges {
+            pod_cidr: net("10.0.0.0/16"),
+            service_cidr: Some(net("10.96.0.0/12")),
+            external_cidr: net("10.201.0.0/16"),
+        },
+        pools.iter().map(|p| net(p)).collect(),
+        vec![],
+    )
+    .expect("valid local subnets")
+}
+
+async fn ipam_with(pools: &[&str]) -> (Ipam, SharedStore) {
+    let store: SharedStore = Arc::new(MemoryStore::new());
+    let ipam = Ipam::open(store.clone(), local(pools)).await.expect("opens");
+    (ipam, store)
+}
+
+async fn ipam() -> Ipam {
+    ipam_with(&["10.0.0.0/8", "192.168.0.0/16", "172.16.0.0/12"]).await.0
+}
+
+#[tokio::test]
+async fn a_remote_cidr_equal_to_ours_is_remapped_with_the_same_prefix_length() {
+    let ipam = ipam().await;
+    let view = ipam
+        .subnets_for(&cluster("a"), net("10.0.0.0/16"), net("10.201.0.0/16"))
+        .await
+        .expect("maps");
+    assert_ne!(view.pod_cidr_nat, net("10.0.0.0/16"));
+    assert_eq!(view.pod_cidr_nat.prefix_len(), 16);
+    assert_ne!(view.external_cidr_nat, net("10.201.0.0/16"));
+    assert_eq!(view.external_cidr_nat.prefix_len(), 16);
+    for mine in ipam.local().blocked() {
+        assert!(!overlaps(view.pod_cidr_nat, mine), "{} overlaps {mine}", view.pod_cidr_nat);
+        assert!(!overlaps(view.external_cidr_nat, mine));
+    }
+    assert!(!overlaps(view.pod_cidr_nat, view.external_cidr_nat));
+}
+
+#[tokio::test]
+async fn a_free_remote_cidr_is_kept_and_the_call_is_idempotent() {
+    let ipam = ipam().await;
+    let first = ipam
+        .subnets_for(&cluster("a"), net("10.5.0.0/16"), net("10.205.0.0/16"))
+        .await
+        .expect("maps");
+    assert_eq!(first.pod_cidr_nat, net("10.5.0.0/16"));
+    assert_eq!(first.external_cidr_nat, net("10.205.0.0/16"));
+    let again = ipam
+        .subnets_for(&cluster("a"), net("10.5.0.0/16"), net("10.205.0.0/16"))
+        .await
+        .expect("maps again");
+    assert_eq!(first, again);
+    let changed = ipam
+        .subnets_for(&cluster("a"), net("10.6.0.0/16"), net("10.205.0.0/16"))
+        .await
+        .expect_err("different CIDR for a mapped cluster");
+    assert!(matches!(changed, Error::FailedPrecondition(_)), "{changed}");
+}
+
+#[tokio::test]
+async fn two_remotes_with_the_same_cidr_get_different_non_overlapping_remaps() {
+    let ipam = ipam().await;
+    let a = ipam
+        .subnets_for(&cluster("a"), net("10.0.0.0/16"), net("10.201.0.0/16"))
+        .await
+        .expect("maps a");
+    let c = ipam
+        .subnets_for(&cluster("c"), net("10.0.0.0/16"), net("10.201.0.0/16"))
+        .await
+        .expect("maps c");
+    let all = [a.pod_cidr_nat, a.external_cidr_nat, c.pod_cidr_nat, c.external_cidr_nat];
+    for (i, x) in all.iter().enumerate() {
+        for y in &all[i + 1..] {
+            assert!(!overlaps(*x, *y), "{x} overlaps {y}");
+        }
+    }
+}
+
+#[tokio::test]
+async fn exhausted_pools_are_resource_exhausted_and_store_nothing() {
+    // Pools with room for exactly one more /16 besides our own ranges.
+    let (ipam, _store) = ipam_with(&["10.0.0.0/15"]).await;
+    // 10.0.0.0/16 is ours; 10.1.0.0/16 is the only free /16 in the pool.
+    let a = ipam
+        .subnets_for(&cluster("a"), net("10.0.0.0/16"), net("192.168.7.0/24"))
+        .await
+        .expect("first remap fits");
+    assert_eq!(a.pod_cidr_nat, net("10.1.0.0/16"));
+    let before = ipam.list_clusters().await.expect("lists");
+    let err = ipam
+        .subnets_for(&cluster("b"), net("10.0.0.0/16"), net("192.168.8.0/24"))
+        .await
+        .expect_err("pools exhausted");
+    assert!(matches!(err, Error::ResourceExhausted(_)), "{err}");
+    assert!(err.to_string().contains("10.0.0.0/15"), "message names the pools: {err}");
+    assert_eq!(ipam.list_clusters().await.expect("lists"), before);
+}
+
+#[tokio::test]
+async fn local_pod_ips_map_through_the_targets_view_of_us() {
+    let ipam = ipam().await;
+    let c = id("c");
+    let err = ipam.map_endpoint_ip(&c, ip("10.0.3.7"), false).await.expect_err("unknown cluster");
+    assert!(matches!(err, Error::NotFound(_)), "{err}");
+    ipam.subnets_for(&cluster("c"), net("10.0.0.0/16"), net("10.201.0.0/16")).await.expect("maps");
+    let err = ipam.map_endpoint_ip(&c, ip("10.0.3.7"), false).await.expect_err("no local nat yet");
+    assert!(matches!(err, Error::FailedPrecondition(_)), "{err}");
+    assert!(!ipam.mapping_exists(&c).await.expect("answers"));
+
+    ipam.set_local_nat(&cluster("c"), net("10.81.0.0/16"), net("10.82.0.0/16")).await.expect("sets");
+    assert!(ipam.mapping_exists(&c).await.expect("answers"));
+    for induced in [false, true] {
+        let m = ipam.map_endpoint_ip(&c, ip("10.0.3.7"), induced).await.expect("maps");
+        assert_eq!(m.ip, ip("10.81.3.7"));
+        assert_eq!(m.path, MappingPath::LocalNat);
+    }
+}
+
+#[tokio::test]
+async fn set_local_nat_requires_our_prefix_lengths() {
+    let ipam = ipam().await;
+    let err = ipam
+        .set_local_nat(&cluster("c"), net("10.81.0.0/24"), net("10.82.0.0/16"))
+        .await
+        .expect_err("wrong size");
+    assert!(matches!(&err, Error::InvalidArgument { field, .. } if field == "pod_cidr"), "{err}");
+    assert!(ipam.list_clusters().await.expect("lists").is_empty());
+}
+
+#[tokio::test]
+async fn third_cluster_ips_go_through_one_shared_external_address() {
+    let ipam = ipam().await;
+    // Hub view: A and C both use 10.0.0.0/16 like us, so both get remapped.
+    let a = ipam.subnets_for(&cluster("a"), net("10.0.0.0/16"), net("10.201.0.0/16")).await.expect("a");
+    ipam.subnets_for(&cluster("c"), net("10.0.0.0/16"), net("10.201.0.0/16")).await.expect("c");
+    ipam.subnets_for(&cluster("d"), net("10.9.0.0/16"), net("10.209.0.0/16")).await.expect("d");
+    ipam.set_local_nat(&cluster("c"), net("10.80.0.0/16"), net("10.70.0.0/16")).await.expect("c nat");
+    ipam.set_local_nat(&cluster("d"), net("10.60.0.0/16"), net("10.50.0.0/16")).await.expect("d nat");
+
+    // A pod of A, as the hub sees it.
+    let pod_in_a = trellis_api::net::translate(ip("10.0.1.5"), net("10.0.0.0/16"), a.pod_cidr_nat)
+        .expect("inside");
+    let to_c = ipam.map_endpoint_ip(&id("c"), pod_in_a, false).await.expect("maps for c");
+    assert_eq!(to_c.path, MappingPath::External);
+    assert!(net("10.70.0.0/16").contains(&to_c.ip), "{} not in C's view of our external CIDR", to_c.ip);
+    let to_d = ipam.map_endpoint_ip(&id("d"), pod_in_a, false).await.expect("maps for d");
+    assert!(net("10.50.0.0/16").contains(&to_d.ip));
+    // One external address per original IP, shared by all targets: same host bits.
+    assert_eq!(
+        trellis_api::net::translate(to_c.ip, net("10.70.0.0/16"), net("10.201.0.0/16")),
+        trellis_api::net::translate(to_d.ip, net("10.50.0.0/16"), net("10.201.0.0/16")),
+    );
+    // Idempotent.
+    assert_eq!(ipam.map_endpoint_ip(&id("c"), pod_in_a, false).await.expect("again"), to_c);
+    let mappings = ipam.list_endpoint_mappings().await.expect("lists");
+    assert_eq!(mappings.len(), 1);
+    assert_eq!(mappings[0].clusters.len(), 2);
+
+    // A different endpoint gets a different external address.
+    let other = trellis_api::net::translate(ip("10.0.1.6"), net("10.0.0.0/16"), a.pod_cidr_nat).expect("inside");
+    let other_c = ipam.map_endpoint_ip(&id("c"), other, false).await.expect("maps");
+    assert_ne!(other_c.ip, to_c.ip);
+
+    // Unmapping releases the address only when the last target lets go.
+    assert!(!ipam.unmap_endpoint_ip(&id("c"), pod_in_a).await.expect("unmaps c"));
+    assert!(ipam.unmap_endpoint_ip(&id("d"), pod_in_a).await.expect("unmaps d"));
+    assert!(!ipam.unmap_endpoint_ip(&id("d"), pod_in_a).await.expect("idempotent"));
+    assert_eq!(ipam.list_endpoint_mappings().await.expect("lists").len(), 1);
+
+    // An induced request for a non-local IP is refused: the home IPAM answers those.
+    let err = ipam.map_endpoint_ip(&id("c"), pod_in_a, true).await.expect_err("not home");
+    assert!(matches!(&err, Error::InvalidArgument { field, .. } if field == "ip"), "{err}");
+    // An IP no cluster owns is not mapped.
+    let err = ipam.map_endpoint_ip(&id("c"), ip("172.31.0.1"), false).await.expect_err("nobody's");
+    assert!(matches!(err, Error::NotFound(_)), "{err}");
+}
+
+#[tokio::test]
+async fn home_ip_identity_and_the_targets_own_pods() {
+    let ipam = ipam().await;
+    let a = ipam.subnets_for(&cluster("a"), net("10.0.0.0/16"), net("10.201.0.0/16")).await.expect("a");
+    let seen = trellis_api::net::translate(ip("10.0.4.2"), net("10.0.0.0/16"), a.pod_cidr_nat).expect("inside");
+    assert_eq!(ipam.home_pod_ip(&id("a"), seen).await.expect("home"), ip("10.0.4.2"));
+    let who = ipam.cluster_identity(seen).await.expect("answers").expect("found");
+    assert_eq!(who.id, id("a"));
+    assert_eq!(who.name, "name-a");
+    assert_eq!(ipam.cluster_identity(ip("172.31.9.9")).await.expect("answers"), None);
+    let err = ipam.home_pod_ip(&id("a"), ip("172.31.9.9")).await.expect_err("outside");
+    assert!(matches!(&err, Error::InvalidArgument { field, .. } if field == "ip"), "{err}");
+    // Reflecting A's pod back to A yields its home IP.
+    ipam.set_local_nat(&cluster("a"), net("10.33.0.0/16"), net("10.34.0.0/16")).await.expect("nat");
+    let back = ipam.map_endpoint_ip(&id("a"), seen, false).await.expect("maps");
+    assert_eq!((back.ip, back.path), (ip("10.0.4.2"), MappingPath::Home));
+}
+
+#[tokio::test]
+async fn free_releases_ranges_and_endpoint_mappings_and_is_idempotent() {
+    let (ipam, _store) = ipam_with(&["10.0.0.0/15"]).await;
+    let a = ipam.subnets_for(&cluster("a"), net("10.0.0.0/16"), net("192.168.1.0/24")).await.expect("a");
+    ipam.subnets_for(&cluster("c"), net("192.168.50.0/24"), net("192.168.51.0/24")).await.expect("c");
+    ipam.set_local_nat(&cluster("c"), net("10.80.0.0/16"), net("10.70.0.0/16")).await.expect("nat");
+    let pod_in_a = trellis_api::net::translate(ip("10.0.1.5"), net("10.0.0.0/16"), a.pod_cidr_nat).expect("inside");
+    ipam.map_endpoint_ip(&id("c"), pod_in_a, false).await.expect("maps");
+    assert_eq!(ipam.list_endpoint_mappings().await.expect("lists").len(), 1);
+
+    assert!(ipam.free(&id("a")).await.expect("frees"));
+    // A's pod CIDR may now belong to someone else: its endpoint mapping is gone too.
+    assert!(ipam.list_endpoint_mappings().await.expect("lists").is_empty());
+    assert!(!ipam.free(&id("a")).await.expect("idempotent"));
+    // The range A held is free again.
+    let b = ipam.subnets_for(&cluster("b"), net("10.0.0.0/16"), net("192.168.2.0/24")).await.expect("b");
+    assert_eq!(b.pod_cidr_nat, a.pod_cidr_nat);
+}
+
+#[tokio::test]
+async fn a_different_local_config_is_refused_on_an_existing_store() {
+    let (_ipam, store) = ipam_with(&["10.0.0.0/8"]).await;
+    let other = LocalSubnets::new(
+        LocalRanges {
+            pod_cidr: net("10.1.0.0/16"),
+            service_cidr: Some(net("10.96.0.0/12")),
+            external_cidr: net("10.201.0.0/16"),
+        },
+        vec![net("10.0.0.0/8")],
+        vec![],
+    )
+    .expect("valid");
+    let err = Ipam::open(store.clone(), other).await.expect_err("mismatch");
+    assert!(matches!(err, Error::FailedPrecondition(_)), "{err}");
+    // The same config reopens fine (a second replica, or a restart).
+    Ipam::open(store, local(&["10.0.0.0/8"])).await.expect("same config reopens");
+}
+
+#[tokio::test]
+async fn concurrent_allocations_on_one_store_never_collide() {
+    let store: SharedStore = Arc::new(MemoryStore::new());
+    let mut replicas = Vec::new();
+    for _ in 0..3 {
+        replicas.push(Arc::new(Ipam::open(store.clone(), local(&["10.0.0.0/8"])).await.expect("opens")));
+    }
+    let mut tasks = Vec::new();
+    for n in 0..30 {
+        let replica = replicas[n % 3].clone();
+        tasks.push(tokio::spawn(async move {
+            replica
+                .subnets_for(&cluster(&format!("c{n}")), net("10.0.0.0/16"), net("10.201.0.0/16"))
+                .await
+        }));
+    }
+    let mut nets = Vec::new();
+    for t in tasks {
+        let view = t.await.expect("joins").expect("maps");
+        nets.extend([view.pod_cidr_nat, view.external_cidr_nat]);
+    }
+    for (i, x) in nets.iter().enumerate() {
+        for y in &nets[i + 1..] {
+            assert!(!overlaps(*x, *y), "{x} overlaps {y}");
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+enum Step {
+    Get { cluster: u8, pod_third: u8, pod_len: u8, ext_third: u8 },
+    Free { cluster: u8 },
+}
+
+fn step() -> impl Strategy<Value = Step> {
+    prop_oneof![
+        3 => (0u8..6, 0u8..8, 14u8..=20, 0u8..8).prop_map(|(cluster, pod_third, pod_len, ext_third)| Step::Get {
+            cluster, pod_third, pod_len, ext_third
+        }),
+        1 => (0u8..6).prop_map(|cluster| Step::Free { cluster }),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+
+    /// Over random sequences of get and free, with a small pool so that remaps and exhaustion
+    /// both happen, no two mappings ever overlap each other or a local range, and every remap
+    /// keeps its prefix length.
+    #[test]
+    fn mappings_never_overlap(steps in proptest::collection::vec(step(), 1..40)) {
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
+        runtime.block_on(async move {
+            let (ipam, _store) = ipam_with(&["10.0.0.0/12"]).await;
+            for step in steps {
+                match step {
+                    Step::Get { cluster: c, pod_third, pod_len, ext_third } => {
+                        let pod = IpNet::new(std::net::Ipv4Addr::new(10, pod_third, 0, 0).into(), pod_len).expect("valid").trunc();
+                        let ext = IpNet::new(std::net::Ipv4Addr::new(10, 200 + ext_third, 0, 0).into(), 20).expect("valid");
+                        match ipam.subnets_for(&cluster(&format!("c{c}")), pod, ext).await {
+                            Ok(view) => {
+                                prop_assert_eq!(view.pod_cidr_nat.prefix_len(), pod.prefix_len());
+                                prop_assert_eq!(view.external_cidr_nat.prefix_len(), ext.prefix_len());
+                            }
+                            Err(Error::ResourceExhausted(_) | Error::FailedPrecondition(_)) => {}
+                            Err(other) => prop_assert!(false, "unexpected error {other}"),
+                        }
+                    }
+                    Step::Free { cluster: c } => {
+                        ipam.free(&id(&format!("c{c}"))).await.expect("frees");
+                    }
+                }
+                let mut nets: Vec<IpNet> = Vec::new();
+                for rec in ipam.list_clusters().await.expect("lists") {
+                    if let Some(v) = rec.remote {
+                        nets.extend([v.pod_cidr_nat, v.external_cidr_nat]);
+                    }
+                }
+                for (i, x) in nets.iter().enumerate() {
+                    for mine in ipam.local().blocked() {
+                        prop_assert!(!overlaps(*x, mine), "{} overlaps local {}", x, mine);
+                    }
+                    for y in &nets[i + 1..] {
+                        prop_assert!(!overlaps(*x, *y), "{} overlaps {}", x, y);
+                    }
+                }
+            }
+            Ok(())
+        })?;
+    }
+}
