@@ -109,8 +109,15 @@ mod tests {
 
     #[test]
     fn accepts_uuids_and_dns_labels() {
-        for ok in ["c1", "6f1c9e3a-1d2b-4c5d-8e9f-0a1b2c3d4e5f", "leaf.eu-west_1"] {
-            assert_eq!(ClusterId::parse("cluster_id", ok).map(|c| c.0).ok(), Some(ok.into()));
+        for ok in [
+            "c1",
+            "6f1c9e3a-1d2b-4c5d-8e9f-0a1b2c3d4e5f",
+            "leaf.eu-west_1",
+        ] {
+            assert_eq!(
+                ClusterId::parse("cluster_id", ok).map(|c| c.0).ok(),
+                Some(ok.into())
+            );
         }
     }
 

@@ -127,9 +127,18 @@ mod tests {
 
     #[test]
     fn translate_refuses_mismatches() {
-        assert_eq!(translate(ip("10.2.0.1"), net("10.1.0.0/24"), net("10.3.3.0/24")), None);
-        assert_eq!(translate(ip("10.1.0.1"), net("10.1.0.0/24"), net("10.3.0.0/16")), None);
-        assert_eq!(translate(ip("10.1.0.1"), net("10.1.0.0/24"), net("fd00::/120")), None);
+        assert_eq!(
+            translate(ip("10.2.0.1"), net("10.1.0.0/24"), net("10.3.3.0/24")),
+            None
+        );
+        assert_eq!(
+            translate(ip("10.1.0.1"), net("10.1.0.0/24"), net("10.3.0.0/16")),
+            None
+        );
+        assert_eq!(
+            translate(ip("10.1.0.1"), net("10.1.0.0/24"), net("fd00::/120")),
+            None
+        );
     }
 
     #[test]

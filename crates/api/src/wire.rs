@@ -19,7 +19,10 @@ fn check_text<'a>(field: &str, value: &'a str) -> Result<&'a str> {
     if value.len() > MAX_ADDR_TEXT_LEN {
         return Err(Error::invalid(
             field,
-            format!("is {} bytes long; an address is at most {MAX_ADDR_TEXT_LEN}", value.len()),
+            format!(
+                "is {} bytes long; an address is at most {MAX_ADDR_TEXT_LEN}",
+                value.len()
+            ),
         ));
     }
     Ok(value)
@@ -124,7 +127,10 @@ mod tests {
         assert_eq!(field, "ip");
         let v6 = cidr("pod_cidr", "fd00::/64").expect("valid v6");
         let (_, why) = reason(require_family_net("pod_cidr", v6, Family::V4));
-        assert!(why.contains("IPv6 but this cluster is configured for IPv4"), "{why}");
+        assert!(
+            why.contains("IPv6 but this cluster is configured for IPv4"),
+            "{why}"
+        );
     }
 
     #[test]

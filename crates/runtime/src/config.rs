@@ -38,7 +38,12 @@ pub struct CommonConfig {
 
     /// How long in-flight requests may take to finish after SIGTERM/SIGINT before the
     /// server stops anyway, in seconds.
-    #[arg(long, env = "TRELLIS_SHUTDOWN_GRACE", value_name = "SECONDS", default_value_t = 10)]
+    #[arg(
+        long,
+        env = "TRELLIS_SHUTDOWN_GRACE",
+        value_name = "SECONDS",
+        default_value_t = 10
+    )]
     pub shutdown_grace: u64,
 }
 
@@ -54,8 +59,10 @@ pub enum LogFormat {
 impl CommonConfig {
     /// The listen address, or `0.0.0.0:default_port`.
     pub fn listen_addr(&self, default_port: u16) -> SocketAddr {
-        self.listen
-            .unwrap_or(SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), default_port))
+        self.listen.unwrap_or(SocketAddr::new(
+            IpAddr::V4(Ipv4Addr::UNSPECIFIED),
+            default_port,
+        ))
     }
 
     /// The cluster name, falling back to the ID.

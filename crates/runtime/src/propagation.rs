@@ -41,7 +41,8 @@ pub fn server_span(request: &http::Request<()>) -> tracing::Span {
         otel.kind = "server",
         rpc.system = "grpc",
     );
-    let parent = global::get_text_map_propagator(|p| p.extract(&HeaderExtractor(request.headers())));
+    let parent =
+        global::get_text_map_propagator(|p| p.extract(&HeaderExtractor(request.headers())));
     // A failure only means the span is not exported (no OTLP layer installed).
     let _ = span.set_parent(parent);
     span
@@ -52,7 +53,10 @@ pub fn server_span(request: &http::Request<()>) -> tracing::Span {
 pub struct TraceInterceptor;
 
 impl tonic::service::Interceptor for TraceInterceptor {
-    fn call(&mut self, mut request: tonic::Request<()>) -> Result<tonic::Request<()>, tonic::Status> {
+    fn call(
+        &mut self,
+        mut request: tonic::Request<()>,
+    ) -> Result<tonic::Request<()>, tonic::Status> {
         let cx = tracing::Span::current().context();
         global::get_text_map_propagator(|p| {
             p.inject_context(&cx, &mut MetadataInjector(request.metadata_mut()));

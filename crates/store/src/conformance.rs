@@ -138,9 +138,15 @@ pub async fn versions_and_revisions_increase(store: SharedStore) {
     let first = put(&store, "k", "1").await;
     let second = put(&store, "k", "2").await;
     let other = put(&store, "other", "x").await;
-    assert!(first < second && second < other, "{first} < {second} < {other}");
+    assert!(
+        first < second && second < other,
+        "{first} < {second} < {other}"
+    );
     let kv = get(&store, "k").await.expect("k exists");
-    assert_eq!((kv.create_revision, kv.mod_revision, kv.version), (first, second, 2));
+    assert_eq!(
+        (kv.create_revision, kv.mod_revision, kv.version),
+        (first, second, 2)
+    );
     assert_eq!(revision(&store).await, other);
 
     assert!(store.delete("k").await.expect("delete"));
@@ -169,7 +175,10 @@ pub async fn list_by_prefix_is_sorted_and_scoped(store: SharedStore) {
     assert_eq!(keys(&listing.kvs), ["ab/1"]);
 
     let listing = store.list("").await.expect("list");
-    assert_eq!(keys(&listing.kvs), ["a", "a/0", "a/1", "a/2", "a/3/x", "ab/1", "b"]);
+    assert_eq!(
+        keys(&listing.kvs),
+        ["a", "a/0", "a/1", "a/2", "a/3/x", "ab/1", "b"]
+    );
 
     let listing = store.list("zz/").await.expect("list");
     assert!(listing.kvs.is_empty());
@@ -184,7 +193,11 @@ pub async fn delete_reports_whether_the_key_existed(store: SharedStore) {
     assert_eq!(get(&store, "k").await, None);
     let after = revision(&store).await;
     assert!(!store.delete("k").await.expect("delete"));
-    assert_eq!(revision(&store).await, after, "a no-op delete is not a revision");
+    assert_eq!(
+        revision(&store).await,
+        after,
+        "a no-op delete is not a revision"
+    );
 }
 
 /// When every compare holds, all success ops apply at one revision.
@@ -205,7 +218,10 @@ pub async fn txn_success_branch_is_atomic(store: SharedStore) {
     assert!(outcome.succeeded);
     let a = get(&store, "a").await.expect("a written");
     let b = get(&store, "b").await.expect("b written");
-    assert_eq!((a.mod_revision, b.mod_revision), (outcome.revision, outcome.revision));
+    assert_eq!(
+        (a.mod_revision, b.mod_revision),
+        (outcome.revision, outcome.revision)
+    );
     assert_eq!(get(&store, "gone").await, None);
     assert_eq!(get(&store, "failed").await, None);
     assert_eq!(revision(&store).await, outcome.revision);
@@ -233,7 +249,11 @@ pub async fn txn_failure_branch(store: SharedStore) {
     // A failed txn without failure ops writes nothing.
     let before = revision(&store).await;
     let outcome = store
-        .txn(Txn::new().when(Compare::absent("y")).then(Op::put("z", "1")))
+        .txn(
+            Txn::new()
+                .when(Compare::absent("y"))
+                .then(Op::put("z", "1")),
+        )
         .await
         .expect("txn");
     assert!(!outcome.succeeded);
@@ -247,27 +267,47 @@ pub async fn txn_value_compare(store: SharedStore) {
         let store = Arc::clone(&store);
         async move {
             store
-                .txn(Txn::new().when(Compare::value(key, value)).then(Op::put("hit", value)))
+                .txn(
+                    Txn::new()
+                        .when(Compare::value(key, value))
+                        .then(Op::put("hit", value)),
+                )
                 .await
                 .expect("txn")
                 .succeeded
         }
     };
     assert!(!attempt("b", "k").await);
-    assert!(!attempt("", "missing").await, "a missing key has no value, not an empty one");
+    assert!(
+        !attempt("", "missing").await,
+        "a missing key has no value, not an empty one"
+    );
     assert!(attempt("a", "k").await);
-    assert_eq!(get(&store, "hit").await.map(|kv| kv.value), Some(b"a".to_vec()));
+    assert_eq!(
+        get(&store, "hit").await.map(|kv| kv.value),
+        Some(b"a".to_vec())
+    );
 }
 
 /// A mod-revision compare holds only for the revision that last wrote the key.
 pub async fn txn_mod_revision_compare(store: SharedStore) {
     let stale = put(&store, "k", "1").await;
     let current = put(&store, "k", "2").await;
-    let swap = |revision: Revision| Txn::new().when(Compare::mod_revision("k", revision)).then(Op::put("k", "3"));
+    let swap = |revision: Revision| {
+        Txn::new()
+            .when(Compare::mod_revision("k", revision))
+            .then(Op::put("k", "3"))
+    };
     assert!(!store.txn(swap(stale)).await.expect("txn").succeeded);
-    assert!(!store.txn(swap(0)).await.expect("txn").succeeded, "0 means absent");
+    assert!(
+        !store.txn(swap(0)).await.expect("txn").succeeded,
+        "0 means absent"
+    );
     assert!(store.txn(swap(current)).await.expect("txn").succeeded);
-    assert_eq!(get(&store, "k").await.map(|kv| kv.value), Some(b"3".to_vec()));
+    assert_eq!(
+        get(&store, "k").await.map(|kv| kv.value),
+        Some(b"3".to_vec())
+    );
 }
 
 /// Many racing "create if absent" transactions: exactly one wins.
@@ -351,13 +391,22 @@ pub async fn watch_from_now_sees_puts_and_deletes_in_order(store: SharedStore) {
 
     let event = next_event(&mut events).await;
     let kv = put_event(&event);
-    assert_eq!((kv.key.as_str(), kv.value.as_slice()), ("w/a", b"1".as_slice()));
-    assert_eq!((kv.create_revision, kv.mod_revision, kv.version), (first, first, 1));
+    assert_eq!(
+        (kv.key.as_str(), kv.value.as_slice()),
+        ("w/a", b"1".as_slice())
+    );
+    assert_eq!(
+        (kv.create_revision, kv.mod_revision, kv.version),
+        (first, first, 1)
+    );
 
     let event = next_event(&mut events).await;
     let kv = put_event(&event);
     assert_eq!(kv.value, b"2");
-    assert_eq!((kv.create_revision, kv.mod_revision, kv.version), (first, second, 2));
+    assert_eq!(
+        (kv.create_revision, kv.mod_revision, kv.version),
+        (first, second, 2)
+    );
 
     let event = next_event(&mut events).await;
     assert_eq!(delete_event(&event), ("w/a", deleted_at));
@@ -370,10 +419,7 @@ pub async fn watch_resumes_without_gaps_or_duplicates(store: SharedStore) {
     let seen = next_event(&mut events).await.revision();
     drop(events);
 
-    let missed = [
-        put(&store, "r/2", "b").await,
-        put(&store, "r/1", "c").await,
-    ];
+    let missed = [put(&store, "r/2", "b").await, put(&store, "r/1", "c").await];
     assert!(store.delete("r/2").await.expect("delete"));
     put(&store, "elsewhere", "x").await;
 
@@ -435,13 +481,19 @@ pub async fn watch_txn_events_share_one_revision(store: SharedStore) {
         )
         .await
         .expect("txn");
-    assert!(outcome.succeeded, "a txn without compares takes the success branch");
+    assert!(
+        outcome.succeeded,
+        "a txn without compares takes the success branch"
+    );
     let got = [
         next_event(&mut events).await,
         next_event(&mut events).await,
         next_event(&mut events).await,
     ];
-    assert_eq!(got.iter().map(WatchEvent::key).collect::<Vec<_>>(), ["t/b", "t/a", "t/c"]);
+    assert_eq!(
+        got.iter().map(WatchEvent::key).collect::<Vec<_>>(),
+        ["t/b", "t/a", "t/c"]
+    );
     assert!(got.iter().all(|event| event.revision() == outcome.revision));
     assert!(matches!(got[2], WatchEvent::Delete { .. }));
 }
@@ -472,7 +524,10 @@ pub async fn lease_revoke_deletes_keys_with_events(store: SharedStore) {
         deleted.iter().map(|(key, _)| *key).collect::<BTreeSet<_>>(),
         BTreeSet::from(["l/1", "l/2"])
     );
-    assert_eq!(deleted[0].1, deleted[1].1, "one revision for the whole lease");
+    assert_eq!(
+        deleted[0].1, deleted[1].1,
+        "one revision for the whole lease"
+    );
     assert_eq!(get(&store, "l/1").await, None);
     assert!(get(&store, "l/3").await.is_some());
 }
@@ -511,7 +566,10 @@ pub async fn lease_keep_alive_postpones_expiry(store: SharedStore) {
         tokio::time::sleep(Duration::from_millis(500)).await;
         store.keep_alive(lease).await.expect("lease alive");
     }
-    assert!(get(&store, "k").await.is_some(), "4 s later the key is still there");
+    assert!(
+        get(&store, "k").await.is_some(),
+        "4 s later the key is still there"
+    );
 }
 
 /// A revoked lease cannot be refreshed, revoked again or attached to.
@@ -525,7 +583,10 @@ pub async fn lease_operations_on_a_revoked_lease_fail(store: SharedStore) {
     assert_eq!(store.keep_alive(lease).await, not_found);
     assert_eq!(store.revoke_lease(lease).await, not_found);
     assert_eq!(
-        store.put_with_lease("k", b"v".to_vec(), lease).await.map(|_| ()),
+        store
+            .put_with_lease("k", b"v".to_vec(), lease)
+            .await
+            .map(|_| ()),
         not_found
     );
     let txn = Txn::new().then(Op::put_with_lease("k", "v", lease));
@@ -552,7 +613,10 @@ pub async fn put_without_lease_detaches_the_key(store: SharedStore) {
     put(&store, "k", "2").await;
     assert_eq!(get(&store, "k").await.map(|kv| kv.lease), Some(None));
     store.revoke_lease(lease).await.expect("revoke");
-    assert_eq!(get(&store, "k").await.map(|kv| kv.value), Some(b"2".to_vec()));
+    assert_eq!(
+        get(&store, "k").await.map(|kv| kv.value),
+        Some(b"2".to_vec())
+    );
 }
 
 /// Transaction puts can attach keys to a lease.

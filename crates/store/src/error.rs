@@ -60,10 +60,19 @@ mod tests {
             requested: 3,
             compacted: 9,
         };
-        assert!(matches!(Error::from(StoreError::Unavailable("x".into())), Error::Unavailable(_)));
+        assert!(matches!(
+            Error::from(StoreError::Unavailable("x".into())),
+            Error::Unavailable(_)
+        ));
         assert!(matches!(Error::from(compacted), Error::Aborted(_)));
-        assert!(matches!(Error::from(StoreError::LeaseNotFound(LeaseId(7))), Error::NotFound(_)));
-        assert!(matches!(Error::from(StoreError::Internal("x".into())), Error::Internal(_)));
+        assert!(matches!(
+            Error::from(StoreError::LeaseNotFound(LeaseId(7))),
+            Error::NotFound(_)
+        ));
+        assert!(matches!(
+            Error::from(StoreError::Internal("x".into())),
+            Error::Internal(_)
+        ));
     }
 
     #[test]
@@ -79,7 +88,10 @@ mod tests {
             requested: 3,
             compacted: 9,
         };
-        assert!(err.to_string().starts_with("watch start revision 3 is compacted"));
+        assert!(
+            err.to_string()
+                .starts_with("watch start revision 3 is compacted")
+        );
         assert_eq!(
             StoreError::LeaseNotFound(LeaseId(255)).to_string(),
             "lease ff not found (expired or revoked)"

@@ -84,7 +84,11 @@ impl Op {
     }
 
     /// Sets `key` to `value`, attached to `lease`.
-    pub fn put_with_lease(key: impl Into<String>, value: impl Into<Vec<u8>>, lease: LeaseId) -> Self {
+    pub fn put_with_lease(
+        key: impl Into<String>,
+        value: impl Into<Vec<u8>>,
+        lease: LeaseId,
+    ) -> Self {
         Self::Put {
             key: key.into(),
             value: value.into(),

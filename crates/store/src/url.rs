@@ -38,7 +38,9 @@ impl StoreUrl {
             return if rest.is_empty() {
                 Ok(Self::Memory)
             } else {
-                Err(invalid(format!("memory:// takes no host or path, got {rest:?}")))
+                Err(invalid(format!(
+                    "memory:// takes no host or path, got {rest:?}"
+                )))
             };
         }
         if !scheme.eq_ignore_ascii_case("etcd") {
@@ -47,7 +49,9 @@ impl StoreUrl {
             )));
         }
         if rest.contains(['?', '#']) {
-            return Err(invalid("query strings and fragments are not supported".into()));
+            return Err(invalid(
+                "query strings and fragments are not supported".into(),
+            ));
         }
         if rest.chars().any(char::is_whitespace) {
             return Err(invalid("whitespace is not allowed".into()));
@@ -66,7 +70,9 @@ impl StoreUrl {
             .collect::<Result<Vec<_>, _>>()?;
         let prefix = path.trim_matches('/');
         if prefix.split('/').any(str::is_empty) && !prefix.is_empty() {
-            return Err(invalid(format!("prefix {prefix:?} has an empty path segment")));
+            return Err(invalid(format!(
+                "prefix {prefix:?} has an empty path segment"
+            )));
         }
         Ok(Self::Etcd {
             endpoints,
@@ -192,7 +198,10 @@ mod tests {
 
     #[test]
     fn port_defaults_to_2379() {
-        assert_eq!(StoreUrl::parse("etcd://etcd-0/x"), Ok(etcd(&["etcd-0:2379"], "x")));
+        assert_eq!(
+            StoreUrl::parse("etcd://etcd-0/x"),
+            Ok(etcd(&["etcd-0:2379"], "x"))
+        );
     }
 
     #[test]
@@ -227,7 +236,13 @@ mod tests {
 
     #[test]
     fn bad_port() {
-        for url in ["etcd://h:abc", "etcd://h:", "etcd://h:0", "etcd://h:65536", "etcd://h:-1"] {
+        for url in [
+            "etcd://h:abc",
+            "etcd://h:",
+            "etcd://h:0",
+            "etcd://h:65536",
+            "etcd://h:-1",
+        ] {
             assert!(error(url).contains("invalid port"), "{url}");
         }
     }

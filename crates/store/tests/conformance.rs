@@ -54,18 +54,30 @@ async fn etcd_prefixes_isolate_stores() {
     assert_eq!(ipam.get("pools/b").await.expect("get"), None);
     let listed = ipam.list("").await.expect("list");
     assert_eq!(
-        listed.kvs.iter().map(|kv| kv.key.as_str()).collect::<Vec<_>>(),
+        listed
+            .kvs
+            .iter()
+            .map(|kv| kv.key.as_str())
+            .collect::<Vec<_>>(),
         ["pools/a"]
     );
     let listed = fabric.list("pools/").await.expect("list");
     assert_eq!(
-        listed.kvs.iter().map(|kv| kv.key.as_str()).collect::<Vec<_>>(),
+        listed
+            .kvs
+            .iter()
+            .map(|kv| kv.key.as_str())
+            .collect::<Vec<_>>(),
         ["pools/b"]
     );
     // Without a prefix the raw layout shows: each service under its own directory.
     let listed = root.list("").await.expect("list");
     assert_eq!(
-        listed.kvs.iter().map(|kv| kv.key.as_str()).collect::<Vec<_>>(),
+        listed
+            .kvs
+            .iter()
+            .map(|kv| kv.key.as_str())
+            .collect::<Vec<_>>(),
         ["/fabric/pools/b", "/ipam/pools/a"]
     );
 
@@ -135,7 +147,28 @@ async fn open_fails_fast_when_etcd_is_unreachable() {
         matches!(&err, StoreError::Unavailable(msg) if msg.contains(&format!("127.0.0.1:{port}"))),
         "{err}"
     );
-    assert!(started.elapsed() < Duration::from_secs(8), "took {:?}", started.elapsed());
+    assert!(
+        started.elapsed() < Duration::from_secs(8),
+        "took {:?}",
+        started.elapsed()
+    );
+}
+
+#[tokio::test]
+async fn open_fails_fast_when_etcd_hangs() {
+    // Accepts connections (the kernel completes the handshake) but never answers.
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let addr = silent.local_addr().expect("local addr");
+    let started = Instant::now();
+    let err = trellis_store::open(&format!("etcd://{addr}"))
+        .await
+        .expect_err("nothing answers there");
+    assert!(matches!(err, StoreError::Unavailable(_)), "{err}");
+    assert!(
+        started.elapsed() < Duration::from_secs(8),
+        "took {:?}",
+        started.elapsed()
+    );
 }
 
 #[tokio::test]
@@ -144,7 +177,9 @@ async fn open_rejects_bad_urls() {
         trellis_store::open("etcd://h:notaport").await,
         Err(StoreError::InvalidUrl(_))
     ));
-    let store = trellis_store::open("memory://").await.expect("memory store");
+    let store = trellis_store::open("memory://")
+        .await
+        .expect("memory store");
     assert_eq!(store.put("k", Vec::new()).await, Ok(2));
 }
 
@@ -164,7 +199,11 @@ async fn etcd_outage_is_unavailable_and_recovers() {
     ));
     // A watch loses its stream: it reports that rather than going quiet.
     assert!(matches!(
-        tokio::time::timeout(Duration::from_secs(15), futures::StreamExt::next(&mut events)).await,
+        tokio::time::timeout(
+            Duration::from_secs(15),
+            futures::StreamExt::next(&mut events)
+        )
+        .await,
         Ok(Some(Err(StoreError::Unavailable(_))))
     ));
 

@@ -91,7 +91,11 @@ impl Etcd {
 
     /// A store URL for this etcd with the given key prefix: `etcd://127.0.0.1:PORT/prefix`.
     pub fn url(&self, prefix: &str) -> String {
-        format!("etcd://{}/{}", self.endpoint(), prefix.trim_start_matches('/'))
+        format!(
+            "etcd://{}/{}",
+            self.endpoint(),
+            prefix.trim_start_matches('/')
+        )
     }
 
     /// The directory etcd keeps its data in (survives [`Etcd::kill`] and [`Etcd::restart`]).
@@ -209,9 +213,8 @@ impl Drop for Etcd {
 /// `GET /health` on the client port: etcd answers `{"health":"true"}` once it has a leader
 /// and serves reads.
 fn health_check(port: u16) -> bool {
-    http_request(port, "GET", "/health", "").is_some_and(|response| {
-        is_ok(&response) && response.contains(r#""health":"true""#)
-    })
+    http_request(port, "GET", "/health", "")
+        .is_some_and(|response| is_ok(&response) && response.contains(r#""health":"true""#))
 }
 
 /// Whether a raw HTTP response has status 200 (Go answers an HTTP/1.0 request in kind).
@@ -262,7 +265,10 @@ mod tests {
         };
         assert!(etcd.is_healthy());
         assert_eq!(etcd.endpoint(), format!("127.0.0.1:{}", etcd.client_port));
-        assert_eq!(etcd.url("/ipam"), format!("etcd://{}/ipam", etcd.endpoint()));
+        assert_eq!(
+            etcd.url("/ipam"),
+            format!("etcd://{}/ipam", etcd.endpoint())
+        );
 
         let put = put(&etcd).expect("put answered");
         assert!(is_ok(&put), "{put}");

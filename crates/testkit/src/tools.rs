@@ -1,6 +1,7 @@
 //! Finding the external tools tests drive, and skipping (or, in CI, failing) without them.
 
 use std::env;
+use std::io::Write;
 use std::path::{Path, PathBuf};
 
 /// The workspace root (two levels above this crate), where `.tools/` and `scripts/` live.
@@ -28,8 +29,10 @@ pub fn in_ci() -> bool {
 
 /// The tool `name`, or `None` after announcing that the current test is skipped.
 ///
-/// Call at the top of a test and `return` on `None`. Skipping says so on stderr with a line
-/// starting with `SKIPPED:`, naming the test (its thread) and the tool.
+/// Call at the top of a test and `return` on `None`. Skipping says so on the process's stderr,
+/// past the harness's output capture, with a line starting with `SKIPPED:` that names the test
+/// (its thread) and the tool. (nextest still stores a passing test's stderr; see it with
+/// `--success-output immediate`.)
 ///
 /// # Panics
 ///
@@ -45,7 +48,10 @@ pub fn require_tool(name: &str) -> Option<PathBuf> {
         !in_ci(),
         "required tool `{name}` is missing (test {test}); scripts/setup.sh installs it"
     );
-    eprintln!(
+    // Straight to the process's stderr: `eprintln!` would be captured (and hidden) by the
+    // test harness for a test that passes.
+    let _ = writeln!(
+        std::io::stderr(),
         "SKIPPED: {test}: required tool `{name}` not found on PATH or in .tools/bin \
          (scripts/setup.sh installs it)"
     );

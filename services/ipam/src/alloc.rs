@@ -12,7 +12,12 @@ pub fn conflicts(net: IpNet, used: &[IpNet]) -> bool {
 /// The first network of `prefix_len` (and `family`) inside `pools`, in pool order, that
 /// overlaps none of `used`. Walks candidates by jumping past each blocking range, so the cost
 /// is bounded by the number of used ranges, not by the pool size.
-pub fn first_free(family: Family, prefix_len: u8, pools: &[IpNet], used: &[IpNet]) -> Option<IpNet> {
+pub fn first_free(
+    family: Family,
+    prefix_len: u8,
+    pools: &[IpNet],
+    used: &[IpNet],
+) -> Option<IpNet> {
     if prefix_len > family.bits() {
         return None;
     }
@@ -50,7 +55,9 @@ pub fn first_free(family: Family, prefix_len: u8, pools: &[IpNet], used: &[IpNet
                 None => return net_from_u128(family, start, prefix_len),
                 Some(blocked_end) => {
                     // Next aligned candidate after the blocking range.
-                    let Some(next) = blocked_end.checked_add(1) else { break };
+                    let Some(next) = blocked_end.checked_add(1) else {
+                        break;
+                    };
                     let Some(aligned) = next.checked_add(host_max).map(|v| v & !host_max) else {
                         break;
                     };
@@ -75,15 +82,24 @@ mod tests {
     fn skips_used_ranges_and_keeps_the_prefix_length() {
         let pools = [net("10.0.0.0/8")];
         let used = [net("10.0.0.0/16"), net("10.1.0.0/17")];
-        assert_eq!(first_free(Family::V4, 16, &pools, &used), Some(net("10.2.0.0/16")));
-        assert_eq!(first_free(Family::V4, 17, &pools, &used), Some(net("10.1.128.0/17")));
+        assert_eq!(
+            first_free(Family::V4, 16, &pools, &used),
+            Some(net("10.2.0.0/16"))
+        );
+        assert_eq!(
+            first_free(Family::V4, 17, &pools, &used),
+            Some(net("10.1.128.0/17"))
+        );
     }
 
     #[test]
     fn moves_to_the_next_pool_and_reports_exhaustion() {
         let pools = [net("10.0.0.0/15"), net("192.168.0.0/16")];
         let used = [net("10.0.0.0/16"), net("10.1.0.0/16")];
-        assert_eq!(first_free(Family::V4, 16, &pools, &used), Some(net("192.168.0.0/16")));
+        assert_eq!(
+            first_free(Family::V4, 16, &pools, &used),
+            Some(net("192.168.0.0/16"))
+        );
         let used = [net("10.0.0.0/15"), net("192.168.0.0/16")];
         assert_eq!(first_free(Family::V4, 16, &pools, &used), None);
         // A pool smaller than the wanted network can never hold it.
@@ -93,7 +109,10 @@ mod tests {
     #[test]
     fn ignores_other_families_and_handles_the_whole_space() {
         assert_eq!(first_free(Family::V6, 64, &[net("10.0.0.0/8")], &[]), None);
-        assert_eq!(first_free(Family::V6, 0, &[net("::/0")], &[]), Some(net("::/0")));
+        assert_eq!(
+            first_free(Family::V6, 0, &[net("::/0")], &[]),
+            Some(net("::/0"))
+        );
         assert_eq!(
             first_free(Family::V6, 64, &[net("fd00::/48")], &[net("fd00::/64")]),
             Some(net("fd00:0:0:1::/64"))

@@ -80,9 +80,17 @@ mod tests {
     #[test]
     fn parses_lists_and_defaults() {
         let c = Config::try_parse_from([
-            "trellis-ipam", "--store", "memory://", "--cluster-id", "a",
-            "--pod-cidr", "10.0.0.0/16", "--external-cidr", "10.201.0.0/16",
-            "--reserved", "10.250.0.0/16,10.251.0.0/16",
+            "trellis-ipam",
+            "--store",
+            "memory://",
+            "--cluster-id",
+            "a",
+            "--pod-cidr",
+            "10.0.0.0/16",
+            "--external-cidr",
+            "10.201.0.0/16",
+            "--reserved",
+            "10.250.0.0/16,10.251.0.0/16",
         ])
         .expect("parses");
         assert_eq!(c.pools.len(), 3);
@@ -93,10 +101,20 @@ mod tests {
     #[test]
     fn rejects_host_bits_with_a_hint() {
         let err = Config::try_parse_from([
-            "trellis-ipam", "--store", "memory://", "--cluster-id", "a",
-            "--pod-cidr", "10.0.0.5/16", "--external-cidr", "10.201.0.0/16",
+            "trellis-ipam",
+            "--store",
+            "memory://",
+            "--cluster-id",
+            "a",
+            "--pod-cidr",
+            "10.0.0.5/16",
+            "--external-cidr",
+            "10.201.0.0/16",
         ])
         .expect_err("host bits");
-        assert!(err.to_string().contains("the network is 10.0.0.0/16"), "{err}");
+        assert!(
+            err.to_string().contains("the network is 10.0.0.0/16"),
+            "{err}"
+        );
     }
 }

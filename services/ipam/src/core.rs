@@ -16,8 +16,8 @@ use trellis_store::{Compare, KeyValue, Op, SharedStore, Txn};
 
 use crate::alloc::{conflicts, first_free};
 use crate::records::{
-    ClusterRecord, EndpointRecord, LocalNat, RemoteView, CLUSTERS_PREFIX, ENDPOINTS_PREFIX,
-    EPOCH_KEY, EXTERNAL_CURSOR_KEY, EXTERNAL_PREFIX, LOCAL_KEY, SUBNETS_PREFIX, cluster_key,
+    CLUSTERS_PREFIX, ClusterRecord, ENDPOINTS_PREFIX, EPOCH_KEY, EXTERNAL_CURSOR_KEY,
+    EXTERNAL_PREFIX, EndpointRecord, LOCAL_KEY, LocalNat, RemoteView, SUBNETS_PREFIX, cluster_key,
     decode, encode, endpoint_key, external_key,
 };
 use crate::subnets::{LocalRanges, LocalSubnets};
@@ -90,16 +90,25 @@ impl Contention {
 }
 
 fn put(key: impl Into<String>, value: Vec<u8>) -> Op {
-    Op::Put { key: key.into(), value, lease: None }
+    Op::Put {
+        key: key.into(),
+        value,
+        lease: None,
+    }
 }
 
 fn unchanged(key: impl Into<String>, revision: i64) -> Compare {
-    Compare::ModRevision { key: key.into(), revision }
+    Compare::ModRevision {
+        key: key.into(),
+        revision,
+    }
 }
 
 fn translated(ip: IpAddr, from: IpNet, to: IpNet) -> Result<IpAddr> {
     translate(ip, from, to).ok_or_else(|| {
-        Error::Internal(format!("cannot translate {ip} from {from} to {to}: sizes differ"))
+        Error::Internal(format!(
+            "cannot translate {ip} from {from} to {to}: sizes differ"
+        ))
     })
 }
 
@@ -155,12 +164,17 @@ impl Ipam {
 
     async fn snapshot(&self) -> Result<Snapshot> {
         let listing = self.store.list(SUBNETS_PREFIX).await?;
-        let mut snapshot = Snapshot { epoch_revision: 0, records: Vec::new() };
+        let mut snapshot = Snapshot {
+            epoch_revision: 0,
+            records: Vec::new(),
+        };
         for kv in listing.kvs {
             if kv.key == EPOCH_KEY {
                 snapshot.epoch_revision = kv.mod_revision;
             } else if kv.key.starts_with(CLUSTERS_PREFIX) {
-                snapshot.records.push((decode(&kv.key, &kv.value)?, kv.mod_revision));
+                snapshot
+                    .records
+                    .push((decode(&kv.key, &kv.value)?, kv.mod_revision));
             }
         }
         Ok(snapshot)
@@ -244,7 +258,12 @@ impl Ipam {
                 Error::ResourceExhausted(format!(
                     "no free /{} left in the pools ({}) for cluster {id}'s {what} {net}",
                     net.prefix_len(),
-                    self.local.pools.iter().map(ToString::to_string).collect::<Vec<_>>().join(", ")
+                    self.local
+                        .pools
+                        .iter()
+                        .map(ToString::to_string)
+                        .collect::<Vec<_>>()
+                        .join(", ")
                 ))
             };
             let pod_cidr_nat = self
@@ -254,7 +273,12 @@ impl Ipam {
             let external_cidr_nat = self
                 .pick(external_cidr, &used)
                 .ok_or_else(|| exhausted("external CIDR", external_cidr))?;
-            let view = RemoteView { pod_cidr, pod_cidr_nat, external_cidr, external_cidr_nat };
+            let view = RemoteView {
+                pod_cidr,
+                pod_cidr_nat,
+                external_cidr,
+                external_cidr_nat,
+            };
 
             let (mut rec, revision) = match existing {
                 Some((rec, rev)) => (rec.clone(), *rev),
@@ -271,7 +295,10 @@ impl Ipam {
                         unchanged(EPOCH_KEY, snapshot.epoch_revision),
                         unchanged(cluster_key(id), revision),
                     ],
-                    success: vec![put(cluster_key(id), encode(&rec)?), put(EPOCH_KEY, Vec::new())],
+                    success: vec![
+                        put(cluster_key(id), encode(&rec)?),
+                        put(EPOCH_KEY, Vec::new()),
+                    ],
                     failure: vec![],
                 })
                 .await?;
@@ -317,7 +344,10 @@ impl Ipam {
             }
         }
         let id = &cluster.id;
-        let nat = LocalNat { pod_cidr, external_cidr };
+        let nat = LocalNat {
+            pod_cidr,
+            external_cidr,
+        };
         let mut contention = Contention::new("recording local NAT");
         loop {
             let (mut rec, revision) = match self.record(id).await? {
@@ -387,7 +417,9 @@ impl Ipam {
         self.store
             .txn(Txn {
                 compares: vec![unchanged(cluster_key(id), revision)],
-                success: vec![Op::Delete { key: cluster_key(id) }],
+                success: vec![Op::Delete {
+                    key: cluster_key(id),
+                }],
                 failure: vec![],
             })
             .await?;
@@ -420,15 +452,23 @@ impl Ipam {
                 }
                 let ops = if inside || er.clusters.is_empty() {
                     vec![
-                        Op::Delete { key: kv.key.clone() },
-                        Op::Delete { key: external_key(er.external_ip) },
+                        Op::Delete {
+                            key: kv.key.clone(),
+                        },
+                        Op::Delete {
+                            key: external_key(er.external_ip),
+                        },
                     ]
                 } else {
                     vec![put(kv.key.clone(), encode(&er)?)]
                 };
                 let committed = self
                     .store
-                    .txn(Txn { compares: vec![unchanged(&kv.key, kv.mod_revision)], success: ops, failure: vec![] })
+                    .txn(Txn {
+                        compares: vec![unchanged(&kv.key, kv.mod_revision)],
+                        success: ops,
+                        failure: vec![],
+                    })
                     .await?;
                 if committed.succeeded {
                     released += 1;
@@ -443,7 +483,12 @@ impl Ipam {
 
     /// Translates an endpoint IP for target `id` (see the proto for the three paths).
     #[tracing::instrument(skip(self), fields(cluster.id = %id))]
-    pub async fn map_endpoint_ip(&self, id: &ClusterId, ip: IpAddr, induced: bool) -> Result<Mapped> {
+    pub async fn map_endpoint_ip(
+        &self,
+        id: &ClusterId,
+        ip: IpAddr,
+        induced: bool,
+    ) -> Result<Mapped> {
         let local = &self.local.ranges;
         let (rec, _) = self.live_record(id).await?;
         if local.pod_cidr.contains(&ip) {
@@ -453,7 +498,10 @@ impl Ipam {
                 ))
             })?;
             let ip = translated(ip, local.pod_cidr, nat.pod_cidr)?;
-            return Ok(Mapped { ip, path: MappingPath::LocalNat });
+            return Ok(Mapped {
+                ip,
+                path: MappingPath::LocalNat,
+            });
         }
         if induced {
             return Err(Error::invalid(
@@ -467,10 +515,16 @@ impl Ipam {
         }
         if let Some(view) = rec.remote.filter(|v| v.pod_cidr_nat.contains(&ip)) {
             let ip = translated(ip, view.pod_cidr_nat, view.pod_cidr)?;
-            return Ok(Mapped { ip, path: MappingPath::Home });
+            return Ok(Mapped {
+                ip,
+                path: MappingPath::Home,
+            });
         }
         let external = self.map_external(id, ip).await?;
-        Ok(Mapped { ip: external, path: MappingPath::External })
+        Ok(Mapped {
+            ip: external,
+            path: MappingPath::External,
+        })
     }
 
     /// The external path: one address of our external CIDR per original IP, shared by all
@@ -495,7 +549,10 @@ impl Ipam {
                     }
                     er.clusters.insert(id.clone());
                     let txn = Txn {
-                        compares: vec![unchanged(&key, kv.mod_revision), unchanged(cluster_key(id), rec_revision)],
+                        compares: vec![
+                            unchanged(&key, kv.mod_revision),
+                            unchanged(cluster_key(id), rec_revision),
+                        ],
                         success: vec![put(&key, encode(&er)?)],
                         failure: vec![],
                     };
@@ -507,7 +564,11 @@ impl Ipam {
                         owner_checked = true;
                     }
                     let (external_ip, next_cursor) = self.next_external().await?;
-                    let er = EndpointRecord { ip, external_ip, clusters: BTreeSet::from([id.clone()]) };
+                    let er = EndpointRecord {
+                        ip,
+                        external_ip,
+                        clusters: BTreeSet::from([id.clone()]),
+                    };
                     let txn = Txn {
                         compares: vec![
                             unchanged(&key, 0),
@@ -558,7 +619,9 @@ impl Ipam {
         let family = self.family();
         let candidate = |offset: u128| u128_to_ip(family, first + offset);
         let Some(ip) = candidate(cursor) else {
-            return Err(Error::Internal(format!("cursor {cursor} outside {external}")));
+            return Err(Error::Internal(format!(
+                "cursor {cursor} outside {external}"
+            )));
         };
         if self.store.get(&external_key(ip)).await?.is_none() {
             return Ok((ip, (cursor + 1) % size));
@@ -599,13 +662,22 @@ impl Ipam {
             }
             let release = er.clusters.is_empty();
             let ops = if release {
-                vec![Op::Delete { key: key.clone() }, Op::Delete { key: external_key(er.external_ip) }]
+                vec![
+                    Op::Delete { key: key.clone() },
+                    Op::Delete {
+                        key: external_key(er.external_ip),
+                    },
+                ]
             } else {
                 vec![put(&key, encode(&er)?)]
             };
             let committed = self
                 .store
-                .txn(Txn { compares: vec![unchanged(&key, kv.mod_revision)], success: ops, failure: vec![] })
+                .txn(Txn {
+                    compares: vec![unchanged(&key, kv.mod_revision)],
+                    success: ops,
+                    failure: vec![],
+                })
                 .await?;
             if committed.succeeded {
                 return Ok(release);
@@ -618,12 +690,17 @@ impl Ipam {
     pub async fn home_pod_ip(&self, id: &ClusterId, ip: IpAddr) -> Result<IpAddr> {
         let (rec, _) = self.live_record(id).await?;
         let view = rec.remote.ok_or_else(|| {
-            Error::FailedPrecondition(format!("the pod CIDR of cluster {id} is not known yet (GetSubnetsPerCluster)"))
+            Error::FailedPrecondition(format!(
+                "the pod CIDR of cluster {id} is not known yet (GetSubnetsPerCluster)"
+            ))
         })?;
         if !view.pod_cidr_nat.contains(&ip) {
             return Err(Error::invalid(
                 "ip",
-                format!("{ip} is not in cluster {id}'s pod CIDR as we address it ({})", view.pod_cidr_nat),
+                format!(
+                    "{ip} is not in cluster {id}'s pod CIDR as we address it ({})",
+                    view.pod_cidr_nat
+                ),
             ));
         }
         translated(ip, view.pod_cidr_nat, view.pod_cidr)
@@ -637,18 +714,28 @@ impl Ipam {
             .into_iter()
             .map(|(r, _)| r)
             .find(|r| !r.freeing && r.remote.is_some_and(|v| v.pod_cidr_nat.contains(&ip)))
-            .map(|r| ClusterIdentity { id: r.id, name: r.name }))
+            .map(|r| ClusterIdentity {
+                id: r.id,
+                name: r.name,
+            }))
     }
 
     /// Whether an induced mapping for `id` can be answered: we know how `id` addresses us.
     pub async fn mapping_exists(&self, id: &ClusterId) -> Result<bool> {
-        Ok(matches!(self.record(id).await?, Some((rec, _)) if !rec.freeing && rec.local_nat.is_some()))
+        Ok(
+            matches!(self.record(id).await?, Some((rec, _)) if !rec.freeing && rec.local_nat.is_some()),
+        )
     }
 
     /// Every remote cluster's record, by ID.
     pub async fn list_clusters(&self) -> Result<Vec<ClusterRecord>> {
-        let mut records: Vec<ClusterRecord> =
-            self.snapshot().await?.records.into_iter().map(|(r, _)| r).collect();
+        let mut records: Vec<ClusterRecord> = self
+            .snapshot()
+            .await?
+            .records
+            .into_iter()
+            .map(|(r, _)| r)
+            .collect();
         records.sort_by(|a, b| a.id.cmp(&b.id));
         Ok(records)
     }

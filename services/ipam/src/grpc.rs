@@ -135,7 +135,9 @@ impl IpamApi for IpamService {
         let id = cluster_id(&req.cluster_id)?;
         let ip = self.ip(&req.ip)?;
         let home = self.core.home_pod_ip(&id, ip).await?;
-        Ok(Response::new(pb::GetHomePodIpResponse { home_ip: home.to_string() }))
+        Ok(Response::new(pb::GetHomePodIpResponse {
+            home_ip: home.to_string(),
+        }))
     }
 
     async fn get_cluster_identity(
@@ -156,7 +158,9 @@ impl IpamApi for IpamService {
     ) -> Result<Response<pb::DoesClusterMappingExistResponse>, Status> {
         let id = cluster_id(&request.into_inner().cluster_id)?;
         let exists = self.core.mapping_exists(&id).await?;
-        Ok(Response::new(pb::DoesClusterMappingExistResponse { exists }))
+        Ok(Response::new(pb::DoesClusterMappingExistResponse {
+            exists,
+        }))
     }
 
     async fn list_cluster_subnets(

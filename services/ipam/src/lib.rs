@@ -23,9 +23,9 @@ use tokio::task::JoinHandle;
 use tonic::server::NamedService;
 use tonic::service::Routes;
 use trellis_api::pb::ipam::ipam_server::IpamServer;
+use trellis_runtime::Shutdown;
 use trellis_runtime::config::ports;
 use trellis_runtime::server::GrpcServer;
-use trellis_runtime::Shutdown;
 
 pub use crate::config::Config;
 pub use crate::core::Ipam;
@@ -37,7 +37,9 @@ pub const MAX_REQUEST_BYTES: usize = 16 * 1024;
 
 /// The gRPC routes of the IPAM service.
 pub fn routes(core: Arc<Ipam>) -> Routes {
-    Routes::new(IpamServer::new(IpamService::new(core)).max_decoding_message_size(MAX_REQUEST_BYTES))
+    Routes::new(
+        IpamServer::new(IpamService::new(core)).max_decoding_message_size(MAX_REQUEST_BYTES),
+    )
 }
 
 /// A running IPAM server.

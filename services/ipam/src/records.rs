@@ -80,7 +80,13 @@ pub struct ClusterRecord {
 impl ClusterRecord {
     /// An empty record for a cluster seen for the first time.
     pub fn new(id: ClusterId, name: String) -> Self {
-        Self { id, name, remote: None, local_nat: None, freeing: false }
+        Self {
+            id,
+            name,
+            remote: None,
+            local_nat: None,
+            freeing: false,
+        }
     }
 }
 

@@ -30,11 +30,7 @@ pub struct LocalSubnets {
 impl LocalSubnets {
     /// Validates a configuration: one address family throughout, local ranges pairwise
     /// disjoint. Errors name the flag.
-    pub fn new(
-        ranges: LocalRanges,
-        pools: Vec<IpNet>,
-        reserved: Vec<IpNet>,
-    ) -> Result<Self> {
+    pub fn new(ranges: LocalRanges, pools: Vec<IpNet>, reserved: Vec<IpNet>) -> Result<Self> {
         let family = Family::of_net(ranges.pod_cidr);
         let mut named: Vec<(&str, IpNet)> = vec![
             ("--pod-cidr", ranges.pod_cidr),
@@ -43,11 +39,19 @@ impl LocalSubnets {
         if let Some(svc) = ranges.service_cidr {
             named.push(("--service-cidr", svc));
         }
-        for (flag, net) in named.iter().copied().chain(pools.iter().map(|p| ("--pools", *p))).chain(reserved.iter().map(|r| ("--reserved", *r))) {
+        for (flag, net) in named
+            .iter()
+            .copied()
+            .chain(pools.iter().map(|p| ("--pools", *p)))
+            .chain(reserved.iter().map(|r| ("--reserved", *r)))
+        {
             if Family::of_net(net) != family {
                 return Err(Error::invalid(
                     flag,
-                    format!("{net} is {} but --pod-cidr is {family}", Family::of_net(net)),
+                    format!(
+                        "{net} is {} but --pod-cidr is {family}",
+                        Family::of_net(net)
+                    ),
                 ));
             }
         }
@@ -64,7 +68,11 @@ impl LocalSubnets {
         if pools.is_empty() {
             return Err(Error::invalid("--pools", "at least one pool is required"));
         }
-        Ok(Self { ranges, pools, reserved })
+        Ok(Self {
+            ranges,
+            pools,
+            reserved,
+        })
     }
 
     /// The address family of this cluster.
@@ -99,22 +107,40 @@ mod tests {
 
     #[test]
     fn rejects_overlapping_local_ranges_naming_the_flag() {
-        let err = LocalSubnets::new(ranges("10.0.0.0/16", "10.0.128.0/17"), vec![net("10.0.0.0/8")], vec![])
-            .expect_err("overlap");
-        assert!(matches!(&err, Error::InvalidArgument { field, .. } if field == "--external-cidr"), "{err}");
+        let err = LocalSubnets::new(
+            ranges("10.0.0.0/16", "10.0.128.0/17"),
+            vec![net("10.0.0.0/8")],
+            vec![],
+        )
+        .expect_err("overlap");
+        assert!(
+            matches!(&err, Error::InvalidArgument { field, .. } if field == "--external-cidr"),
+            "{err}"
+        );
     }
 
     #[test]
     fn rejects_mixed_families() {
-        let err = LocalSubnets::new(ranges("10.0.0.0/16", "10.201.0.0/16"), vec![net("fd00::/8")], vec![])
-            .expect_err("family");
-        assert!(err.to_string().contains("IPv6 but --pod-cidr is IPv4"), "{err}");
+        let err = LocalSubnets::new(
+            ranges("10.0.0.0/16", "10.201.0.0/16"),
+            vec![net("fd00::/8")],
+            vec![],
+        )
+        .expect_err("family");
+        assert!(
+            err.to_string().contains("IPv6 but --pod-cidr is IPv4"),
+            "{err}"
+        );
     }
 
     #[test]
     fn blocked_lists_every_local_range() {
-        let s = LocalSubnets::new(ranges("10.0.0.0/16", "10.201.0.0/16"), vec![net("10.0.0.0/8")], vec![net("10.250.0.0/16")])
-            .expect("valid");
+        let s = LocalSubnets::new(
+            ranges("10.0.0.0/16", "10.201.0.0/16"),
+            vec![net("10.0.0.0/8")],
+            vec![net("10.250.0.0/16")],
+        )
+        .expect("valid");
         assert_eq!(s.blocked().len(), 4);
     }
 }

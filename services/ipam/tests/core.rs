@@ -20,7 +20,8 @@ fn ip(s: &str) -> IpAddr {
     s.parse().expect("test ip")
 }
 fn cluster(id: &str) -> ClusterIdentity {
-    ClusterIdentity::parse("cluster_id", id, "cluster_name", &format!("name-{id}")).expect("valid id")
+    ClusterIdentity::parse("cluster_id", id, "cluster_name", &format!("name-{id}"))
+        .expect("valid id")
 }
 fn id(s: &str) -> ClusterId {
     ClusterId::parse("cluster_id", s).expect("valid id")
@@ -41,12 +42,16 @@ fn local(pools: &[&str]) -> LocalSubnets {
 
 async fn ipam_with(pools: &[&str]) -> (Ipam, SharedStore) {
     let store: SharedStore = Arc::new(MemoryStore::new());
-    let ipam = Ipam::open(store.clone(), local(pools)).await.expect("opens");
+    let ipam = Ipam::open(store.clone(), local(pools))
+        .await
+        .expect("opens");
     (ipam, store)
 }
 
 async fn ipam() -> Ipam {
-    ipam_with(&["10.0.0.0/8", "192.168.0.0/16", "172.16.0.0/12"]).await.0
+    ipam_with(&["10.0.0.0/8", "192.168.0.0/16", "172.16.0.0/12"])
+        .await
+        .0
 }
 
 #[tokio::test]
@@ -61,7 +66,11 @@ async fn a_remote_cidr_equal_to_ours_is_remapped_with_the_same_prefix_length() {
     assert_ne!(view.external_cidr_nat, net("10.201.0.0/16"));
     assert_eq!(view.external_cidr_nat.prefix_len(), 16);
     for mine in ipam.local().blocked() {
-        assert!(!overlaps(view.pod_cidr_nat, mine), "{} overlaps {mine}", view.pod_cidr_nat);
+        assert!(
+            !overlaps(view.pod_cidr_nat, mine),
+            "{} overlaps {mine}",
+            view.pod_cidr_nat
+        );
         assert!(!overlaps(view.external_cidr_nat, mine));
     }
     assert!(!overlaps(view.pod_cidr_nat, view.external_cidr_nat));
@@ -99,7 +108,12 @@ async fn two_remotes_with_the_same_cidr_get_different_non_overlapping_remaps() {
         .subnets_for(&cluster("c"), net("10.0.0.0/16"), net("10.201.0.0/16"))
         .await
         .expect("maps c");
-    let all = [a.pod_cidr_nat, a.external_cidr_nat, c.pod_cidr_nat, c.external_cidr_nat];
+    let all = [
+        a.pod_cidr_nat,
+        a.external_cidr_nat,
+        c.pod_cidr_nat,
+        c.external_cidr_nat,
+    ];
     for (i, x) in all.iter().enumerate() {
         for y in &all[i + 1..] {
             assert!(!overlaps(*x, *y), "{x} overlaps {y}");
@@ -123,7 +137,10 @@ async fn exhausted_pools_are_resource_exhausted_and_store_nothing() {
         .await
         .expect_err("pools exhausted");
     assert!(matches!(err, Error::ResourceExhausted(_)), "{err}");
-    assert!(err.to_string().contains("10.0.0.0/15"), "message names the pools: {err}");
+    assert!(
+        err.to_string().contains("10.0.0.0/15"),
+        "message names the pools: {err}"
+    );
     assert_eq!(ipam.list_clusters().await.expect("lists"), before);
 }
 
@@ -131,17 +148,30 @@ async fn exhausted_pools_are_resource_exhausted_and_store_nothing() {
 async fn local_pod_ips_map_through_the_targets_view_of_us() {
     let ipam = ipam().await;
     let c = id("c");
-    let err = ipam.map_endpoint_ip(&c, ip("10.0.3.7"), false).await.expect_err("unknown cluster");
+    let err = ipam
+        .map_endpoint_ip(&c, ip("10.0.3.7"), false)
+        .await
+        .expect_err("unknown cluster");
     assert!(matches!(err, Error::NotFound(_)), "{err}");
-    ipam.subnets_for(&cluster("c"), net("10.0.0.0/16"), net("10.201.0.0/16")).await.expect("maps");
-    let err = ipam.map_endpoint_ip(&c, ip("10.0.3.7"), false).await.expect_err("no local nat yet");
+    ipam.subnets_for(&cluster("c"), net("10.0.0.0/16"), net("10.201.0.0/16"))
+        .await
+        .expect("maps");
+    let err = ipam
+        .map_endpoint_ip(&c, ip("10.0.3.7"), false)
+        .await
+        .expect_err("no local nat yet");
     assert!(matches!(err, Error::FailedPrecondition(_)), "{err}");
     assert!(!ipam.mapping_exists(&c).await.expect("answers"));
 
-    ipam.set_local_nat(&cluster("c"), net("10.81.0.0/16"), net("10.82.0.0/16")).await.expect("sets");
+    ipam.set_local_nat(&cluster("c"), net("10.81.0.0/16"), net("10.82.0.0/16"))
+        .await
+        .expect("sets");
     assert!(ipam.mapping_exists(&c).await.expect("answers"));
     for induced in [false, true] {
-        let m = ipam.map_endpoint_ip(&c, ip("10.0.3.7"), induced).await.expect("maps");
+        let m = ipam
+            .map_endpoint_ip(&c, ip("10.0.3.7"), induced)
+            .await
+            .expect("maps");
         assert_eq!(m.ip, ip("10.81.3.7"));
         assert_eq!(m.path, MappingPath::LocalNat);
     }
@@ -154,7 +184,10 @@ async fn set_local_nat_requires_our_prefix_lengths() {
         .set_local_nat(&cluster("c"), net("10.81.0.0/24"), net("10.82.0.0/16"))
         .await
         .expect_err("wrong size");
-    assert!(matches!(&err, Error::InvalidArgument { field, .. } if field == "pod_cidr"), "{err}");
+    assert!(
+        matches!(&err, Error::InvalidArgument { field, .. } if field == "pod_cidr"),
+        "{err}"
+    );
     assert!(ipam.list_clusters().await.expect("lists").is_empty());
 }
 
@@ -162,19 +195,40 @@ async fn set_local_nat_requires_our_prefix_lengths() {
 async fn third_cluster_ips_go_through_one_shared_external_address() {
     let ipam = ipam().await;
     // Hub view: A and C both use 10.0.0.0/16 like us, so both get remapped.
-    let a = ipam.subnets_for(&cluster("a"), net("10.0.0.0/16"), net("10.201.0.0/16")).await.expect("a");
-    ipam.subnets_for(&cluster("c"), net("10.0.0.0/16"), net("10.201.0.0/16")).await.expect("c");
-    ipam.subnets_for(&cluster("d"), net("10.9.0.0/16"), net("10.209.0.0/16")).await.expect("d");
-    ipam.set_local_nat(&cluster("c"), net("10.80.0.0/16"), net("10.70.0.0/16")).await.expect("c nat");
-    ipam.set_local_nat(&cluster("d"), net("10.60.0.0/16"), net("10.50.0.0/16")).await.expect("d nat");
+    let a = ipam
+        .subnets_for(&cluster("a"), net("10.0.0.0/16"), net("10.201.0.0/16"))
+        .await
+        .expect("a");
+    ipam.subnets_for(&cluster("c"), net("10.0.0.0/16"), net("10.201.0.0/16"))
+        .await
+        .expect("c");
+    ipam.subnets_for(&cluster("d"), net("10.9.0.0/16"), net("10.209.0.0/16"))
+        .await
+        .expect("d");
+    ipam.set_local_nat(&cluster("c"), net("10.80.0.0/16"), net("10.70.0.0/16"))
+        .await
+        .expect("c nat");
+    ipam.set_local_nat(&cluster("d"), net("10.60.0.0/16"), net("10.50.0.0/16"))
+        .await
+        .expect("d nat");
 
     // A pod of A, as the hub sees it.
     let pod_in_a = trellis_api::net::translate(ip("10.0.1.5"), net("10.0.0.0/16"), a.pod_cidr_nat)
         .expect("inside");
-    let to_c = ipam.map_endpoint_ip(&id("c"), pod_in_a, false).await.expect("maps for c");
+    let to_c = ipam
+        .map_endpoint_ip(&id("c"), pod_in_a, false)
+        .await
+        .expect("maps for c");
     assert_eq!(to_c.path, MappingPath::External);
-    assert!(net("10.70.0.0/16").contains(&to_c.ip), "{} not in C's view of our external CIDR", to_c.ip);
-    let to_d = ipam.map_endpoint_ip(&id("d"), pod_in_a, false).await.expect("maps for d");
+    assert!(
+        net("10.70.0.0/16").contains(&to_c.ip),
+        "{} not in C's view of our external CIDR",
+        to_c.ip
+    );
+    let to_d = ipam
+        .map_endpoint_ip(&id("d"), pod_in_a, false)
+        .await
+        .expect("maps for d");
     assert!(net("10.50.0.0/16").contains(&to_d.ip));
     // One external address per original IP, shared by all targets: same host bits.
     assert_eq!(
@@ -182,64 +236,145 @@ async fn third_cluster_ips_go_through_one_shared_external_address() {
         trellis_api::net::translate(to_d.ip, net("10.50.0.0/16"), net("10.201.0.0/16")),
     );
     // Idempotent.
-    assert_eq!(ipam.map_endpoint_ip(&id("c"), pod_in_a, false).await.expect("again"), to_c);
+    assert_eq!(
+        ipam.map_endpoint_ip(&id("c"), pod_in_a, false)
+            .await
+            .expect("again"),
+        to_c
+    );
     let mappings = ipam.list_endpoint_mappings().await.expect("lists");
     assert_eq!(mappings.len(), 1);
     assert_eq!(mappings[0].clusters.len(), 2);
 
     // A different endpoint gets a different external address.
-    let other = trellis_api::net::translate(ip("10.0.1.6"), net("10.0.0.0/16"), a.pod_cidr_nat).expect("inside");
-    let other_c = ipam.map_endpoint_ip(&id("c"), other, false).await.expect("maps");
+    let other = trellis_api::net::translate(ip("10.0.1.6"), net("10.0.0.0/16"), a.pod_cidr_nat)
+        .expect("inside");
+    let other_c = ipam
+        .map_endpoint_ip(&id("c"), other, false)
+        .await
+        .expect("maps");
     assert_ne!(other_c.ip, to_c.ip);
 
     // Unmapping releases the address only when the last target lets go.
-    assert!(!ipam.unmap_endpoint_ip(&id("c"), pod_in_a).await.expect("unmaps c"));
-    assert!(ipam.unmap_endpoint_ip(&id("d"), pod_in_a).await.expect("unmaps d"));
-    assert!(!ipam.unmap_endpoint_ip(&id("d"), pod_in_a).await.expect("idempotent"));
+    assert!(
+        !ipam
+            .unmap_endpoint_ip(&id("c"), pod_in_a)
+            .await
+            .expect("unmaps c")
+    );
+    assert!(
+        ipam.unmap_endpoint_ip(&id("d"), pod_in_a)
+            .await
+            .expect("unmaps d")
+    );
+    assert!(
+        !ipam
+            .unmap_endpoint_ip(&id("d"), pod_in_a)
+            .await
+            .expect("idempotent")
+    );
     assert_eq!(ipam.list_endpoint_mappings().await.expect("lists").len(), 1);
 
     // An induced request for a non-local IP is refused: the home IPAM answers those.
-    let err = ipam.map_endpoint_ip(&id("c"), pod_in_a, true).await.expect_err("not home");
-    assert!(matches!(&err, Error::InvalidArgument { field, .. } if field == "ip"), "{err}");
+    let err = ipam
+        .map_endpoint_ip(&id("c"), pod_in_a, true)
+        .await
+        .expect_err("not home");
+    assert!(
+        matches!(&err, Error::InvalidArgument { field, .. } if field == "ip"),
+        "{err}"
+    );
     // An IP no cluster owns is not mapped.
-    let err = ipam.map_endpoint_ip(&id("c"), ip("172.31.0.1"), false).await.expect_err("nobody's");
+    let err = ipam
+        .map_endpoint_ip(&id("c"), ip("172.31.0.1"), false)
+        .await
+        .expect_err("nobody's");
     assert!(matches!(err, Error::NotFound(_)), "{err}");
 }
 
 #[tokio::test]
 async fn home_ip_identity_and_the_targets_own_pods() {
     let ipam = ipam().await;
-    let a = ipam.subnets_for(&cluster("a"), net("10.0.0.0/16"), net("10.201.0.0/16")).await.expect("a");
-    let seen = trellis_api::net::translate(ip("10.0.4.2"), net("10.0.0.0/16"), a.pod_cidr_nat).expect("inside");
-    assert_eq!(ipam.home_pod_ip(&id("a"), seen).await.expect("home"), ip("10.0.4.2"));
-    let who = ipam.cluster_identity(seen).await.expect("answers").expect("found");
+    let a = ipam
+        .subnets_for(&cluster("a"), net("10.0.0.0/16"), net("10.201.0.0/16"))
+        .await
+        .expect("a");
+    let seen = trellis_api::net::translate(ip("10.0.4.2"), net("10.0.0.0/16"), a.pod_cidr_nat)
+        .expect("inside");
+    assert_eq!(
+        ipam.home_pod_ip(&id("a"), seen).await.expect("home"),
+        ip("10.0.4.2")
+    );
+    let who = ipam
+        .cluster_identity(seen)
+        .await
+        .expect("answers")
+        .expect("found");
     assert_eq!(who.id, id("a"));
     assert_eq!(who.name, "name-a");
-    assert_eq!(ipam.cluster_identity(ip("172.31.9.9")).await.expect("answers"), None);
-    let err = ipam.home_pod_ip(&id("a"), ip("172.31.9.9")).await.expect_err("outside");
-    assert!(matches!(&err, Error::InvalidArgument { field, .. } if field == "ip"), "{err}");
+    assert_eq!(
+        ipam.cluster_identity(ip("172.31.9.9"))
+            .await
+            .expect("answers"),
+        None
+    );
+    let err = ipam
+        .home_pod_ip(&id("a"), ip("172.31.9.9"))
+        .await
+        .expect_err("outside");
+    assert!(
+        matches!(&err, Error::InvalidArgument { field, .. } if field == "ip"),
+        "{err}"
+    );
     // Reflecting A's pod back to A yields its home IP.
-    ipam.set_local_nat(&cluster("a"), net("10.33.0.0/16"), net("10.34.0.0/16")).await.expect("nat");
-    let back = ipam.map_endpoint_ip(&id("a"), seen, false).await.expect("maps");
+    ipam.set_local_nat(&cluster("a"), net("10.33.0.0/16"), net("10.34.0.0/16"))
+        .await
+        .expect("nat");
+    let back = ipam
+        .map_endpoint_ip(&id("a"), seen, false)
+        .await
+        .expect("maps");
     assert_eq!((back.ip, back.path), (ip("10.0.4.2"), MappingPath::Home));
 }
 
 #[tokio::test]
 async fn free_releases_ranges_and_endpoint_mappings_and_is_idempotent() {
     let (ipam, _store) = ipam_with(&["10.0.0.0/15"]).await;
-    let a = ipam.subnets_for(&cluster("a"), net("10.0.0.0/16"), net("192.168.1.0/24")).await.expect("a");
-    ipam.subnets_for(&cluster("c"), net("192.168.50.0/24"), net("192.168.51.0/24")).await.expect("c");
-    ipam.set_local_nat(&cluster("c"), net("10.80.0.0/16"), net("10.70.0.0/16")).await.expect("nat");
-    let pod_in_a = trellis_api::net::translate(ip("10.0.1.5"), net("10.0.0.0/16"), a.pod_cidr_nat).expect("inside");
-    ipam.map_endpoint_ip(&id("c"), pod_in_a, false).await.expect("maps");
+    let a = ipam
+        .subnets_for(&cluster("a"), net("10.0.0.0/16"), net("192.168.1.0/24"))
+        .await
+        .expect("a");
+    ipam.subnets_for(
+        &cluster("c"),
+        net("192.168.50.0/24"),
+        net("192.168.51.0/24"),
+    )
+    .await
+    .expect("c");
+    ipam.set_local_nat(&cluster("c"), net("10.80.0.0/16"), net("10.70.0.0/16"))
+        .await
+        .expect("nat");
+    let pod_in_a = trellis_api::net::translate(ip("10.0.1.5"), net("10.0.0.0/16"), a.pod_cidr_nat)
+        .expect("inside");
+    ipam.map_endpoint_ip(&id("c"), pod_in_a, false)
+        .await
+        .expect("maps");
     assert_eq!(ipam.list_endpoint_mappings().await.expect("lists").len(), 1);
 
     assert!(ipam.free(&id("a")).await.expect("frees"));
     // A's pod CIDR may now belong to someone else: its endpoint mapping is gone too.
-    assert!(ipam.list_endpoint_mappings().await.expect("lists").is_empty());
+    assert!(
+        ipam.list_endpoint_mappings()
+            .await
+            .expect("lists")
+            .is_empty()
+    );
     assert!(!ipam.free(&id("a")).await.expect("idempotent"));
     // The range A held is free again.
-    let b = ipam.subnets_for(&cluster("b"), net("10.0.0.0/16"), net("192.168.2.0/24")).await.expect("b");
+    let b = ipam
+        .subnets_for(&cluster("b"), net("10.0.0.0/16"), net("192.168.2.0/24"))
+        .await
+        .expect("b");
     assert_eq!(b.pod_cidr_nat, a.pod_cidr_nat);
 }
 
@@ -256,10 +391,14 @@ async fn a_different_local_config_is_refused_on_an_existing_store() {
         vec![],
     )
     .expect("valid");
-    let err = Ipam::open(store.clone(), other).await.expect_err("mismatch");
+    let err = Ipam::open(store.clone(), other)
+        .await
+        .expect_err("mismatch");
     assert!(matches!(err, Error::FailedPrecondition(_)), "{err}");
     // The same config reopens fine (a second replica, or a restart).
-    Ipam::open(store, local(&["10.0.0.0/8"])).await.expect("same config reopens");
+    Ipam::open(store, local(&["10.0.0.0/8"]))
+        .await
+        .expect("same config reopens");
 }
 
 #[tokio::test]
@@ -267,14 +406,22 @@ async fn concurrent_allocations_on_one_store_never_collide() {
     let store: SharedStore = Arc::new(MemoryStore::new());
     let mut replicas = Vec::new();
     for _ in 0..3 {
-        replicas.push(Arc::new(Ipam::open(store.clone(), local(&["10.0.0.0/8"])).await.expect("opens")));
+        replicas.push(Arc::new(
+            Ipam::open(store.clone(), local(&["10.0.0.0/8"]))
+                .await
+                .expect("opens"),
+        ));
     }
     let mut tasks = Vec::new();
     for n in 0..30 {
         let replica = replicas[n % 3].clone();
         tasks.push(tokio::spawn(async move {
             replica
-                .subnets_for(&cluster(&format!("c{n}")), net("10.0.0.0/16"), net("10.201.0.0/16"))
+                .subnets_for(
+                    &cluster(&format!("c{n}")),
+                    net("10.0.0.0/16"),
+                    net("10.201.0.0/16"),
+                )
                 .await
         }));
     }
@@ -292,8 +439,15 @@ async fn concurrent_allocations_on_one_store_never_collide() {
 
 #[derive(Debug, Clone)]
 enum Step {
-    Get { cluster: u8, pod_third: u8, pod_len: u8, ext_third: u8 },
-    Free { cluster: u8 },
+    Get {
+        cluster: u8,
+        pod_third: u8,
+        pod_len: u8,
+        ext_third: u8,
+    },
+    Free {
+        cluster: u8,
+    },
 }
 
 fn step() -> impl Strategy<Value = Step> {

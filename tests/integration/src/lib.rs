@@ -1,1 +1,183 @@
-//! placeholder
+//! Support for multi-process tests: start a Trellis service binary as a real process, wait
+//! until its gRPC health check says SERVING, kill it with SIGKILL, start it again with the
+//! same flags. Binaries are the ones `make test` builds before running the tests.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, bail};
+use tonic::transport::Channel;
+use tonic_health::pb::health_client::HealthClient;
+use tonic_health::pb::{HealthCheckRequest, health_check_response::ServingStatus};
+
+/// Path of a workspace binary built next to the running test (`<target>/<profile>/<name>`).
+pub fn bin_path(name: &str) -> anyhow::Result<PathBuf> {
+    let exe = std::env::current_exe()?;
+    // <target>/<profile>/deps/<test-binary>
+    let profile_dir = exe
+        .parent()
+        .and_then(|deps| deps.parent())
+        .context("test binary has no profile directory")?;
+    let path = profile_dir.join(name);
+    if !path.exists() {
+        bail!(
+            "{} is missing; build it first (`cargo build --workspace --bins`, which `make test` does)",
+            path.display()
+        );
+    }
+    Ok(path)
+}
+
+/// A service binary running as a child process, killed on drop.
+#[derive(Debug)]
+pub struct ServiceProcess {
+    binary: PathBuf,
+    args: Vec<String>,
+    addr: SocketAddr,
+    grpc_service: String,
+    log: PathBuf,
+    _log_dir: tempfile::TempDir,
+    child: Option<Child>,
+}
+
+impl ServiceProcess {
+    /// Starts `binary` with `args` (which must include `--listen addr`) and waits until
+    /// `grpc_service` reports SERVING.
+    pub async fn start(
+        binary: &str,
+        args: Vec<String>,
+        addr: SocketAddr,
+        grpc_service: &str,
+    ) -> anyhow::Result<Self> {
+        let log_dir = tempfile::tempdir()?;
+        let mut this = Self {
+            binary: bin_path(binary)?,
+            args,
+            addr,
+            grpc_service: grpc_service.to_owned(),
+            log: log_dir.path().join("service.log"),
+            _log_dir: log_dir,
+            child: None,
+        };
+        this.spawn().await?;
+        Ok(this)
+    }
+
+    async fn spawn(&mut self) -> anyhow::Result<()> {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.log)?;
+        let child = Command::new(&self.binary)
+            .args(&self.args)
+            .env("RUST_LOG", "info")
+            .env_remove("OTEL_EXPORTER_OTLP_ENDPOINT")
+            .stdin(Stdio::null())
+            .stdout(log.try_clone()?)
+            .stderr(log)
+            .spawn()
+            .with_context(|| format!("starting {}", self.binary.display()))?;
+        self.child = Some(child);
+        self.wait_serving(Duration::from_secs(30)).await
+    }
+
+    async fn wait_serving(&mut self, timeout: Duration) -> anyhow::Result<()> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(child) = self.child.as_mut()
+                && let Some(status) = child.try_wait()?
+            {
+                bail!(
+                    "{} exited with {status}:\n{}",
+                    self.binary.display(),
+                    self.log_tail(40)
+                );
+            }
+            if self.health().await == Some(ServingStatus::Serving) {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                bail!(
+                    "{} not serving after {timeout:?}:\n{}",
+                    self.binary.display(),
+                    self.log_tail(40)
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    async fn health(&self) -> Option<ServingStatus> {
+        let channel = Channel::from_shared(format!("http://{}", self.addr))
+            .ok()?
+            .connect_timeout(Duration::from_millis(500))
+            .connect()
+            .await
+            .ok()?;
+        let response = HealthClient::new(channel)
+            .check(HealthCheckRequest {
+                service: self.grpc_service.clone(),
+            })
+            .await
+            .ok()?;
+        ServingStatus::try_from(response.into_inner().status).ok()
+    }
+
+    /// The gRPC address.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// A connected channel to the service.
+    pub async fn channel(&self) -> anyhow::Result<Channel> {
+        Ok(Channel::from_shared(format!("http://{}", self.addr))?
+            .connect()
+            .await?)
+    }
+
+    /// SIGKILL: no shutdown hook, no flush; whatever is not in the store is lost.
+    pub fn kill9(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// SIGTERM, then waits for a clean exit; returns the exit status.
+    pub fn terminate(&mut self) -> anyhow::Result<std::process::ExitStatus> {
+        let mut child = self.child.take().context("not running")?;
+        let status = Command::new("kill")
+            .args(["-TERM", &child.id().to_string()])
+            .status()?;
+        if !status.success() {
+            bail!("kill -TERM failed");
+        }
+        Ok(child.wait()?)
+    }
+
+    /// Starts the binary again with the same flags.
+    pub async fn restart(&mut self) -> anyhow::Result<()> {
+        self.kill9();
+        self.spawn().await
+    }
+
+    /// The last `lines` lines the process wrote.
+    pub fn log_tail(&self, lines: usize) -> String {
+        let text = std::fs::read_to_string(&self.log).unwrap_or_default();
+        let all: Vec<&str> = text.lines().collect();
+        all[all.len().saturating_sub(lines)..].join("\n")
+    }
+}
+
+impl Drop for ServiceProcess {
+    fn drop(&mut self) {
+        self.kill9();
+    }
+}
+
+/// A loopback address with a free port.
+pub fn free_addr() -> SocketAddr {
+    SocketAddr::from(([127, 0, 0, 1], trellis_testkit::free_port()))
+}

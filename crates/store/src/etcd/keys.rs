@@ -104,7 +104,10 @@ mod tests {
         let keys = Keys::new("svc");
         assert_eq!(keys.full("pools/a"), b"/svc/pools/a");
         assert_eq!(keys.strip(b"/svc/pools/a"), Ok("pools/a".to_owned()));
-        assert!(matches!(keys.strip(b"/other/x"), Err(StoreError::Internal(_))));
+        assert!(matches!(
+            keys.strip(b"/other/x"),
+            Err(StoreError::Internal(_))
+        ));
     }
 
     #[test]

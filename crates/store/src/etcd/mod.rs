@@ -8,15 +8,13 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
-use etcd_client::{
-    Client, CompareOp, ConnectOptions, GetOptions, PutOptions, TxnOp,
-};
+use etcd_client::{Client, CompareOp, ConnectOptions, GetOptions, PutOptions, TxnOp};
 
+use crate::Store;
 use crate::error::StoreError;
 use crate::kv::{KeyValue, LeaseId, Listing, Revision};
 use crate::txn::{Compare, Op, Txn, TxnOutcome};
 use crate::watch::WatchStream;
-use crate::Store;
 use errors::{from_etcd, header_revision, is_compacted, request, request_raw};
 use keys::Keys;
 
@@ -74,12 +72,12 @@ impl EtcdStore {
         // The client connects lazily: one linearizable read proves etcd is up and has a
         // leader before the service starts relying on it.
         let probe = store.keys.full("");
-        let probe = if probe.is_empty() { b"/".to_vec() } else { probe };
-        match tokio::time::timeout(
-            CONNECT_TIMEOUT,
-            store.client.kv_client().get(probe, None),
-        )
-        .await
+        let probe = if probe.is_empty() {
+            b"/".to_vec()
+        } else {
+            probe
+        };
+        match tokio::time::timeout(CONNECT_TIMEOUT, store.client.kv_client().get(probe, None)).await
         {
             Ok(Ok(_)) => {}
             Ok(Err(err)) => return Err(unreachable(err.to_string())),
@@ -170,7 +168,11 @@ impl Store for EtcdStore {
             match self.list_at_one_revision(&start, &end).await? {
                 Ok(listing) => return Ok(listing),
                 Err(err) if is_compacted(&err) && attempt < LIST_ATTEMPTS => {
-                    tracing::debug!(prefix, attempt, "etcd compacted under a paged listing; restarting it");
+                    tracing::debug!(
+                        prefix,
+                        attempt,
+                        "etcd compacted under a paged listing; restarting it"
+                    );
                     attempt += 1;
                 }
                 Err(err) => return Err(from_etcd("list", err, None)),

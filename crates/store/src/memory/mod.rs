@@ -10,11 +10,11 @@ use std::time::Duration;
 use tokio::sync::broadcast;
 use tokio::time::Instant;
 
+use crate::Store;
 use crate::error::StoreError;
 use crate::kv::{KeyValue, LeaseId, Listing, Revision};
 use crate::txn::{Op, Txn, TxnOutcome};
 use crate::watch::WatchStream;
-use crate::Store;
 use state::{Batch, State};
 
 /// How many events the store keeps for watch replay unless told otherwise.
@@ -70,11 +70,15 @@ impl Default for MemoryStore {
 
 impl fmt::Debug for MemoryStore {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let state = self.shared.lock();
-        f.debug_struct("MemoryStore")
-            .field("revision", &state.revision())
-            .field("keys", &state.key_count())
-            .finish_non_exhaustive()
+        let mut out = f.debug_struct("MemoryStore");
+        // `try_lock`: formatting must not deadlock when the state is locked by this thread.
+        match self.shared.state.try_lock() {
+            Ok(state) => out
+                .field("revision", &state.revision())
+                .field("keys", &state.key_count()),
+            Err(_) => out.field("state", &"<locked>"),
+        };
+        out.finish_non_exhaustive()
     }
 }
 
@@ -286,7 +290,10 @@ mod tests {
             Some(Err(StoreError::Compacted { requested: 2, .. })) => {}
             other => panic!("expected compacted from revision 2, got {other:?}"),
         }
-        assert!(events.next().await.is_none(), "the stream ends after an error");
+        assert!(
+            events.next().await.is_none(),
+            "the stream ends after an error"
+        );
     }
 
     #[tokio::test]

@@ -135,7 +135,11 @@ impl State {
             }
         }
         let succeeded = txn.compares.iter().all(|compare| self.holds(compare));
-        self.apply(if succeeded { &txn.success } else { &txn.failure })?;
+        self.apply(if succeeded {
+            &txn.success
+        } else {
+            &txn.failure
+        })?;
         Ok(TxnOutcome {
             succeeded,
             revision: self.revision,
@@ -362,7 +366,10 @@ mod tests {
         let short = state.grant(Duration::from_secs(1), t0);
         let long = state.grant(Duration::from_secs(5), t0);
         state
-            .apply(&[Op::put_with_lease("s", "", short), Op::put_with_lease("l", "", long)])
+            .apply(&[
+                Op::put_with_lease("s", "", short),
+                Op::put_with_lease("l", "", long),
+            ])
             .expect("put");
 
         state.expire_due(t0 + Duration::from_millis(999));
@@ -371,9 +378,14 @@ mod tests {
         state.expire_due(t0 + Duration::from_secs(1));
         assert!(state.get("s").is_none());
         assert!(state.get("l").is_some());
-        assert_eq!(state.refresh(short, t0), Err(StoreError::LeaseNotFound(short)));
+        assert_eq!(
+            state.refresh(short, t0),
+            Err(StoreError::LeaseNotFound(short))
+        );
 
-        state.refresh(long, t0 + Duration::from_secs(4)).expect("refresh");
+        state
+            .refresh(long, t0 + Duration::from_secs(4))
+            .expect("refresh");
         state.expire_due(t0 + Duration::from_secs(8));
         assert!(state.get("l").is_some());
         state.expire_due(t0 + Duration::from_secs(9));

@@ -64,7 +64,11 @@ impl Watcher {
             let batch = match self.live.recv().await {
                 Ok(batch) => batch,
                 Err(RecvError::Lagged(missed)) => {
-                    tracing::debug!(missed, next = self.next, "memory watcher lagged; catching up");
+                    tracing::debug!(
+                        missed,
+                        next = self.next,
+                        "memory watcher lagged; catching up"
+                    );
                     let Some(shared) = self.shared.upgrade() else {
                         return self.fail(closed());
                     };

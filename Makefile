@@ -1,0 +1,43 @@
+# Trellis developer entry points. `make test` is what CI runs (.ci/run).
+SHELL := /bin/bash
+.SHELLFLAGS := -euo pipefail -c
+
+ROOT := $(CURDIR)
+export PATH := $(ROOT)/.tools/bin:$(HOME)/.cargo/bin:$(PATH)
+# Reuse one target dir across clones and runs (builds are slow on 2 cores).
+export CARGO_TARGET_DIR ?= $(HOME)/.cache/trellis/target
+export CARGO_TERM_COLOR ?= never
+
+.PHONY: setup test fmt-check clippy lint-proto build nextest fmt bench-ipam clean
+
+setup:
+	bash scripts/setup.sh
+
+fmt-check:
+	cargo fmt --all -- --check
+
+clippy:
+	cargo clippy --workspace --all-targets --locked -- -D warnings
+
+lint-proto:
+	buf lint
+	buf build -o /dev/null
+
+# Binaries first: the multi-process tests in tests/integration start them.
+build:
+	cargo build --workspace --bins --locked
+
+nextest: build
+	cargo nextest run --workspace --locked --no-fail-fast
+
+test: setup fmt-check lint-proto clippy nextest
+
+fmt:
+	cargo fmt --all
+
+# MapEndpointIp throughput and latency over gRPC, memory and etcd stores (docs/benchmarks.md).
+bench-ipam: setup
+	cargo run --release --locked -p trellis-bench --bin ipam-bench -- --out bench/results/ipam.json
+
+clean:
+	cargo clean

@@ -1,0 +1,379 @@
+//! `trellis-ipam` as real processes on real etcd: grpcurl against it, restart after SIGKILL,
+//! and three replicas allocating concurrently on one etcd.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::{IpAddr, SocketAddr};
+use std::process::Command;
+
+use ipnet::IpNet;
+use tonic::transport::Channel;
+use trellis_api::pb::ipam::ipam_client::IpamClient;
+use trellis_api::pb::ipam::*;
+use trellis_integration::{ServiceProcess, free_addr};
+use trellis_testkit::{Etcd, require_tool};
+
+const IPAM: &str = "trellis.ipam.v1.Ipam";
+
+fn ipam_args(etcd: &Etcd, addr: SocketAddr, cluster: &str) -> Vec<String> {
+    [
+        "--listen",
+        &addr.to_string(),
+        "--store",
+        &etcd.url("ipam"),
+        "--cluster-id",
+        cluster,
+        "--pod-cidr",
+        "10.0.0.0/16",
+        "--external-cidr",
+        "10.201.0.0/16",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect()
+}
+
+async fn start_ipam(etcd: &Etcd, cluster: &str) -> ServiceProcess {
+    let addr = free_addr();
+    ServiceProcess::start("trellis-ipam", ipam_args(etcd, addr, cluster), addr, IPAM)
+        .await
+        .expect("trellis-ipam starts")
+}
+
+async fn client(p: &ServiceProcess) -> IpamClient<Channel> {
+    IpamClient::new(p.channel().await.expect("connects"))
+}
+
+fn grpcurl(tool: &std::path::Path, args: &[&str]) -> String {
+    let out = Command::new(tool)
+        .args(args)
+        .output()
+        .expect("grpcurl runs");
+    assert!(
+        out.status.success(),
+        "grpcurl {args:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).expect("utf-8 output")
+}
+
+fn json(text: &str) -> serde_json::Value {
+    serde_json::from_str(text).unwrap_or_else(|e| panic!("not JSON ({e}): {text}"))
+}
+
+#[tokio::test]
+async fn grpcurl_lists_the_services_and_calls_the_ipam() {
+    let Some(grpcurl_bin) = require_tool("grpcurl") else {
+        return;
+    };
+    let Some(etcd) = Etcd::start_or_skip() else {
+        return;
+    };
+    let ipam = start_ipam(&etcd, "hub").await;
+    let addr = ipam.addr().to_string();
+
+    let listed = grpcurl(&grpcurl_bin, &["-plaintext", &addr, "list"]);
+    let services: BTreeSet<&str> = listed.lines().collect();
+    assert!(services.contains(IPAM), "{listed}");
+    assert!(services.contains("grpc.health.v1.Health"), "{listed}");
+
+    // The peer uses the same pod CIDR as us: it must be remapped.
+    let body = r#"{"cluster_id": "leaf-a", "cluster_name": "leaf a", "pod_cidr": "10.0.0.0/16", "external_cidr": "10.201.0.0/16"}"#;
+    let got = json(&grpcurl(
+        &grpcurl_bin,
+        &[
+            "-plaintext",
+            "-d",
+            body,
+            &addr,
+            &format!("{IPAM}/GetSubnetsPerCluster"),
+        ],
+    ));
+    let pod_nat: IpNet = got["podCidrNat"]
+        .as_str()
+        .expect("podCidrNat")
+        .parse()
+        .expect("a CIDR");
+    assert_ne!(pod_nat.to_string(), "10.0.0.0/16");
+    assert_eq!(pod_nat.prefix_len(), 16);
+
+    let body =
+        r#"{"cluster_id": "leaf-a", "pod_cidr": "10.80.0.0/16", "external_cidr": "10.81.0.0/16"}"#;
+    grpcurl(
+        &grpcurl_bin,
+        &[
+            "-plaintext",
+            "-d",
+            body,
+            &addr,
+            &format!("{IPAM}/SetLocalNat"),
+        ],
+    );
+    let body = r#"{"cluster_id": "leaf-a", "ip": "10.0.3.7"}"#;
+    let got = json(&grpcurl(
+        &grpcurl_bin,
+        &[
+            "-plaintext",
+            "-d",
+            body,
+            &addr,
+            &format!("{IPAM}/MapEndpointIp"),
+        ],
+    ));
+    assert_eq!(got["ip"], "10.80.3.7", "{got}");
+    assert_eq!(got["path"], "MAPPING_PATH_LOCAL_NAT", "{got}");
+
+    // The cluster lookup answers from the remapped range.
+    let inside = format!("{}", pod_nat.hosts().nth(9).expect("host"));
+    let body = format!(r#"{{"ip": "{inside}"}}"#);
+    let got = json(&grpcurl(
+        &grpcurl_bin,
+        &[
+            "-plaintext",
+            "-d",
+            &body,
+            &addr,
+            &format!("{IPAM}/GetClusterIdentity"),
+        ],
+    ));
+    assert_eq!(got["clusterId"], "leaf-a", "{got}");
+    assert_eq!(got["clusterName"], "leaf a", "{got}");
+}
+
+#[tokio::test]
+async fn mappings_survive_sigkill_and_restart_even_mid_allocation() {
+    let Some(etcd) = Etcd::start_or_skip() else {
+        return;
+    };
+    let mut ipam = start_ipam(&etcd, "hub").await;
+    let mut c = client(&ipam).await;
+
+    // Acknowledged mappings, while a burst of further allocations is still in flight.
+    let mut acknowledged = BTreeMap::new();
+    for n in 0..5 {
+        let id = format!("c{n}");
+        let r = c
+            .get_subnets_per_cluster(GetSubnetsPerClusterRequest {
+                cluster_id: id.clone(),
+                cluster_name: String::new(),
+                pod_cidr: "10.0.0.0/16".into(),
+                external_cidr: "10.201.0.0/16".into(),
+            })
+            .await
+            .expect("maps")
+            .into_inner();
+        acknowledged.insert(id, (r.pod_cidr_nat, r.external_cidr_nat));
+    }
+    let mut burst = Vec::new();
+    for n in 5..40 {
+        let mut c = c.clone();
+        burst.push(tokio::spawn(async move {
+            c.get_subnets_per_cluster(GetSubnetsPerClusterRequest {
+                cluster_id: format!("c{n}"),
+                cluster_name: String::new(),
+                pod_cidr: "10.0.0.0/16".into(),
+                external_cidr: "10.201.0.0/16".into(),
+            })
+            .await
+            .map(|r| (format!("c{n}"), r.into_inner()))
+        }));
+    }
+    tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    ipam.kill9();
+    for task in burst {
+        if let Ok(Ok((id, r))) = task.await {
+            acknowledged.insert(id, (r.pod_cidr_nat, r.external_cidr_nat));
+        }
+    }
+
+    ipam.restart().await.expect("restarts");
+    let mut c = client(&ipam).await;
+    let listed = c
+        .list_cluster_subnets(ListClusterSubnetsRequest {})
+        .await
+        .expect("lists")
+        .into_inner();
+    let after: BTreeMap<String, (String, String)> = listed
+        .clusters
+        .iter()
+        .map(|r| {
+            (
+                r.cluster_id.clone(),
+                (
+                    r.remote_pod_cidr_nat.clone(),
+                    r.remote_external_cidr_nat.clone(),
+                ),
+            )
+        })
+        .collect();
+    for (id, mapping) in &acknowledged {
+        assert_eq!(
+            after.get(id),
+            Some(mapping),
+            "acknowledged mapping of {id} lost or changed"
+        );
+    }
+    assert_no_overlaps(&listed.clusters);
+
+    // Allocation after the restart continues without reusing a range.
+    for n in 40..45 {
+        c.get_subnets_per_cluster(GetSubnetsPerClusterRequest {
+            cluster_id: format!("c{n}"),
+            cluster_name: String::new(),
+            pod_cidr: "10.0.0.0/16".into(),
+            external_cidr: "10.201.0.0/16".into(),
+        })
+        .await
+        .expect("maps after restart");
+    }
+    let listed = c
+        .list_cluster_subnets(ListClusterSubnetsRequest {})
+        .await
+        .expect("lists")
+        .into_inner();
+    assert_no_overlaps(&listed.clusters);
+}
+
+fn assert_no_overlaps(clusters: &[ClusterSubnets]) {
+    let nets: Vec<(String, IpNet)> = clusters
+        .iter()
+        .flat_map(|r| {
+            [
+                (r.cluster_id.clone(), &r.remote_pod_cidr_nat),
+                (r.cluster_id.clone(), &r.remote_external_cidr_nat),
+            ]
+        })
+        .filter(|(_, n)| !n.is_empty())
+        .map(|(id, n)| (id, n.parse().expect("stored CIDR")))
+        .collect();
+    let local: [IpNet; 2] = [
+        "10.0.0.0/16".parse().expect("net"),
+        "10.201.0.0/16".parse().expect("net"),
+    ];
+    for (i, (a_id, a)) in nets.iter().enumerate() {
+        for l in &local {
+            assert!(
+                !trellis_api::net::overlaps(*a, *l),
+                "{a_id}: {a} overlaps local {l}"
+            );
+        }
+        for (b_id, b) in &nets[i + 1..] {
+            assert!(
+                !trellis_api::net::overlaps(*a, *b),
+                "{a_id}: {a} overlaps {b_id}: {b}"
+            );
+        }
+    }
+}
+
+#[tokio::test]
+async fn three_replicas_on_one_etcd_never_hand_out_the_same_range_or_address() {
+    let Some(etcd) = Etcd::start_or_skip() else {
+        return;
+    };
+    let mut replicas = Vec::new();
+    for _ in 0..3 {
+        replicas.push(start_ipam(&etcd, "hub").await);
+    }
+    let mut clients = Vec::new();
+    for r in &replicas {
+        clients.push(client(r).await);
+    }
+
+    // 24 clusters, all with our own pod CIDR, requested concurrently through all replicas.
+    let mut tasks = Vec::new();
+    for n in 0..24 {
+        let mut c = clients[n % 3].clone();
+        tasks.push(tokio::spawn(async move {
+            let id = format!("c{n}");
+            c.get_subnets_per_cluster(GetSubnetsPerClusterRequest {
+                cluster_id: id.clone(),
+                cluster_name: String::new(),
+                pod_cidr: "10.0.0.0/16".into(),
+                external_cidr: "10.201.0.0/16".into(),
+            })
+            .await
+            .expect("maps")
+            .into_inner()
+        }));
+    }
+    let mut views = Vec::new();
+    for t in tasks {
+        views.push(t.await.expect("joins"));
+    }
+    let listed = clients[0]
+        .list_cluster_subnets(ListClusterSubnetsRequest {})
+        .await
+        .expect("lists")
+        .into_inner();
+    assert_eq!(listed.clusters.len(), 24);
+    assert_no_overlaps(&listed.clusters);
+
+    // Every cluster tells us how it sees us; then endpoints of the first 12 clusters are
+    // reflected to the last 12, concurrently, through all replicas.
+    for n in 0..24 {
+        clients[n % 3]
+            .set_local_nat(SetLocalNatRequest {
+                cluster_id: format!("c{n}"),
+                cluster_name: String::new(),
+                pod_cidr: format!("10.{}.0.0/16", 100 + n),
+                external_cidr: format!("10.{}.0.0/16", 150 + n),
+            })
+            .await
+            .expect("sets local NAT");
+    }
+    let mut tasks = Vec::new();
+    for n in 0..120 {
+        let owner = &views[n % 12];
+        let pod_nat: IpNet = owner.pod_cidr_nat.parse().expect("CIDR");
+        let endpoint: IpAddr = pod_nat.hosts().nth(n / 12 + 1).expect("host");
+        let target = 12 + (n * 7) % 12;
+        let mut c = clients[n % 3].clone();
+        tasks.push(tokio::spawn(async move {
+            let r = c
+                .map_endpoint_ip(MapEndpointIpRequest {
+                    cluster_id: format!("c{target}"),
+                    ip: endpoint.to_string(),
+                    induced: false,
+                })
+                .await
+                .expect("maps")
+                .into_inner();
+            (endpoint, target, r.ip)
+        }));
+    }
+    let mut answers = Vec::new();
+    for t in tasks {
+        answers.push(t.await.expect("joins"));
+    }
+    let mappings = clients[1]
+        .list_endpoint_mappings(ListEndpointMappingsRequest {})
+        .await
+        .expect("lists")
+        .into_inner()
+        .mappings;
+    let distinct_endpoints: BTreeSet<IpAddr> = answers.iter().map(|(e, _, _)| *e).collect();
+    assert_eq!(
+        mappings.len(),
+        distinct_endpoints.len(),
+        "one mapping per original IP"
+    );
+    let externals: BTreeSet<&str> = mappings.iter().map(|m| m.external_ip.as_str()).collect();
+    assert_eq!(
+        externals.len(),
+        mappings.len(),
+        "an external address was handed out twice"
+    );
+    // Every answer is the shared external address, seen through the target's view of us.
+    let by_ip: BTreeMap<&str, &str> = mappings
+        .iter()
+        .map(|m| (m.ip.as_str(), m.external_ip.as_str()))
+        .collect();
+    for (endpoint, target, answer) in &answers {
+        let external: IpAddr = by_ip[endpoint.to_string().as_str()].parse().expect("ip");
+        let view: IpNet = format!("10.{}.0.0/16", 150 + target).parse().expect("net");
+        let expected =
+            trellis_api::net::translate(external, "10.201.0.0/16".parse().expect("net"), view)
+                .expect("inside external CIDR");
+        assert_eq!(answer, &expected.to_string());
+    }
+}
