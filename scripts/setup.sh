@@ -23,6 +23,8 @@ missing=()
 for bin in "${!want[@]}"; do
   command -v "$bin" >/dev/null 2>&1 || missing+=("${want[$bin]}")
 done
+# etcd-client's build script compiles etcd's protos, which import protobuf's well-known types.
+[ -f /usr/include/google/protobuf/descriptor.proto ] || missing+=(libprotobuf-dev)
 if ((${#missing[@]})); then
   if [ "$(id -u)" -ne 0 ]; then
     log "missing system packages (${missing[*]}); re-run as root or install them"

@@ -25,6 +25,10 @@ use crate::subnets::{LocalRanges, LocalSubnets};
 /// Give up on an operation after this many lost races (each followed by a short random wait).
 const MAX_ATTEMPTS: u32 = 100;
 
+/// How far past the shared cursor a new external allocation may start, so that concurrent
+/// allocators (tasks or replicas) rarely collide on the same address.
+const CURSOR_SPREAD: u128 = 64;
+
 /// How an endpoint IP was translated.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum MappingPath {
@@ -74,7 +78,9 @@ impl Contention {
         Self { attempt: 0, what }
     }
 
-    async fn lost(&mut self) -> Result<()> {
+    /// Counts a lost race without waiting: the caller already knows how to avoid the
+    /// collision (e.g. skip an address another replica just took).
+    fn skip(&mut self) -> Result<()> {
         self.attempt += 1;
         if self.attempt >= MAX_ATTEMPTS {
             return Err(Error::Aborted(format!(
@@ -82,6 +88,12 @@ impl Contention {
                 self.what
             )));
         }
+        Ok(())
+    }
+
+    /// Counts a lost race and waits a little, so racing writers spread out.
+    async fn lost(&mut self) -> Result<()> {
+        self.skip()?;
         let cap_ms = 1u64 << self.attempt.min(5);
         let wait = rand::rng().random_range(0..=cap_ms);
         tokio::time::sleep(Duration::from_millis(wait)).await;
@@ -533,6 +545,8 @@ impl Ipam {
         let local = &self.local.ranges;
         let mut contention = Contention::new("mapping an endpoint");
         let mut owner_checked = false;
+        // After losing a candidate address to another allocator, continue after it.
+        let mut hint = None;
         loop {
             let (rec, rec_revision) = self.live_record(id).await?;
             let nat = rec.local_nat.ok_or_else(|| {
@@ -541,7 +555,7 @@ impl Ipam {
                 ))
             })?;
             let key = endpoint_key(ip);
-            let (txn, external_ip) = match self.store.get(&key).await? {
+            let (txn, external_ip, allocated_at) = match self.store.get(&key).await? {
                 Some(kv) => {
                     let mut er: EndpointRecord = decode(&key, &kv.value)?;
                     if er.clusters.contains(id) {
@@ -556,14 +570,14 @@ impl Ipam {
                         success: vec![put(&key, encode(&er)?)],
                         failure: vec![],
                     };
-                    (txn, er.external_ip)
+                    (txn, er.external_ip, None)
                 }
                 None => {
                     if !owner_checked {
                         self.require_owner(ip).await?;
                         owner_checked = true;
                     }
-                    let (external_ip, next_cursor) = self.next_external().await?;
+                    let (external_ip, offset) = self.next_external(hint).await?;
                     let er = EndpointRecord {
                         ip,
                         external_ip,
@@ -578,17 +592,25 @@ impl Ipam {
                         success: vec![
                             put(&key, encode(&er)?),
                             put(external_key(external_ip), ip.to_string().into_bytes()),
-                            put(EXTERNAL_CURSOR_KEY, next_cursor.to_string().into_bytes()),
+                            put(EXTERNAL_CURSOR_KEY, (offset + 1).to_string().into_bytes()),
                         ],
                         failure: vec![],
                     };
-                    (txn, external_ip)
+                    (txn, external_ip, Some(offset))
                 }
             };
             if self.store.txn(txn).await?.succeeded {
                 return translated(external_ip, local.external_cidr, nat.external_cidr);
             }
-            contention.lost().await?;
+            match allocated_at {
+                // Someone else committed meanwhile (most likely took this very address):
+                // retry at once from the next address instead of waiting.
+                Some(offset) => {
+                    hint = Some(offset + 1);
+                    contention.skip()?;
+                }
+                None => contention.lost().await?,
+            }
         }
     }
 
@@ -603,28 +625,36 @@ impl Ipam {
         }
     }
 
-    /// A free address of our external CIDR and the cursor value to store with it. Starts at
-    /// the cursor; only when that address is taken does it list the reservations.
-    async fn next_external(&self) -> Result<(IpAddr, u128)> {
+    /// A free address of our external CIDR and its offset in the usable range. Starts at
+    /// `hint` (after a lost race) or at the shared cursor plus a small random spread, so
+    /// concurrent allocators rarely pick the same address; only when that address is taken
+    /// does it list the reservations.
+    async fn next_external(&self, hint: Option<u128>) -> Result<(IpAddr, u128)> {
         let external = self.local.ranges.external_cidr;
         let (first, last) = usable_hosts(external);
         let size = last - first + 1;
-        let cursor = match self.store.get(EXTERNAL_CURSOR_KEY).await? {
-            Some(kv) => std::str::from_utf8(&kv.value)
-                .ok()
-                .and_then(|s| s.parse::<u128>().ok())
-                .unwrap_or(0),
-            None => 0,
+        let start = match hint {
+            Some(offset) => offset,
+            None => {
+                let cursor = match self.store.get(EXTERNAL_CURSOR_KEY).await? {
+                    Some(kv) => std::str::from_utf8(&kv.value)
+                        .ok()
+                        .and_then(|s| s.parse::<u128>().ok())
+                        .unwrap_or(0),
+                    None => 0,
+                };
+                cursor + rand::rng().random_range(0..CURSOR_SPREAD)
+            }
         } % size;
         let family = self.family();
-        let candidate = |offset: u128| u128_to_ip(family, first + offset);
-        let Some(ip) = candidate(cursor) else {
-            return Err(Error::Internal(format!(
-                "cursor {cursor} outside {external}"
-            )));
+        let candidate = |offset: u128| {
+            u128_to_ip(family, first + offset)
+                .map(|ip| (ip, offset))
+                .ok_or_else(|| Error::Internal(format!("offset {offset} outside {external}")))
         };
+        let (ip, offset) = candidate(start)?;
         if self.store.get(&external_key(ip)).await?.is_none() {
-            return Ok((ip, (cursor + 1) % size));
+            return Ok((ip, offset));
         }
         let taken: BTreeSet<u128> = self
             .store
@@ -635,15 +665,15 @@ impl Ipam {
             .filter_map(|kv| kv.key.strip_prefix(EXTERNAL_PREFIX)?.parse::<IpAddr>().ok())
             .map(ip_to_u128)
             .collect();
-        (1..size)
-            .map(|step| (cursor + step) % size)
+        let free = (1..size)
+            .map(|step| (start + step) % size)
             .find(|offset| !taken.contains(&(first + offset)))
-            .and_then(|offset| Some((candidate(offset)?, (offset + 1) % size)))
             .ok_or_else(|| {
                 Error::ResourceExhausted(format!(
                     "the external CIDR {external} has no free address left ({size} in use)"
                 ))
-            })
+            })?;
+        candidate(free)
     }
 
     /// Releases what [`Ipam::map_endpoint_ip`] allocated for `id`. Returns whether the

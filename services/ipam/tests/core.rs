@@ -507,3 +507,70 @@ proptest! {
         })?;
     }
 }
+
+#[tokio::test]
+async fn a_full_external_cidr_is_resource_exhausted_until_an_address_is_released() {
+    let store: SharedStore = Arc::new(MemoryStore::new());
+    let tiny = LocalSubnets::new(
+        LocalRanges {
+            pod_cidr: net("10.0.0.0/16"),
+            service_cidr: None,
+            // Two usable addresses: .1 and .2.
+            external_cidr: net("10.201.0.0/30"),
+        },
+        vec![net("10.0.0.0/8")],
+        vec![],
+    )
+    .expect("valid");
+    let ipam = Ipam::open(store, tiny).await.expect("opens");
+    let a = ipam
+        .subnets_for(&cluster("a"), net("10.0.0.0/16"), net("10.202.0.0/30"))
+        .await
+        .expect("a");
+    ipam.subnets_for(&cluster("c"), net("10.7.0.0/16"), net("10.207.0.0/30"))
+        .await
+        .expect("c");
+    ipam.set_local_nat(&cluster("c"), net("10.80.0.0/16"), net("10.70.0.0/30"))
+        .await
+        .expect("nat");
+    let pod = |host: u32| {
+        let base = u32::from(match a.pod_cidr_nat.network() {
+            IpAddr::V4(v4) => v4,
+            IpAddr::V6(_) => unreachable!(),
+        });
+        IpAddr::V4((base + host).into())
+    };
+    let first = ipam
+        .map_endpoint_ip(&id("c"), pod(1), false)
+        .await
+        .expect("first");
+    let second = ipam
+        .map_endpoint_ip(&id("c"), pod(2), false)
+        .await
+        .expect("second");
+    assert_ne!(first.ip, second.ip);
+    for m in [first.ip, second.ip] {
+        assert!(
+            [ip("10.70.0.1"), ip("10.70.0.2")].contains(&m),
+            "{m} is the network/broadcast address or outside C's view"
+        );
+    }
+    let before = ipam.list_endpoint_mappings().await.expect("lists");
+    let err = ipam
+        .map_endpoint_ip(&id("c"), pod(3), false)
+        .await
+        .expect_err("full");
+    assert!(matches!(err, Error::ResourceExhausted(_)), "{err}");
+    assert_eq!(ipam.list_endpoint_mappings().await.expect("lists"), before);
+
+    assert!(
+        ipam.unmap_endpoint_ip(&id("c"), pod(1))
+            .await
+            .expect("unmaps")
+    );
+    let third = ipam
+        .map_endpoint_ip(&id("c"), pod(3), false)
+        .await
+        .expect("reuses the freed address");
+    assert_eq!(third.ip, first.ip);
+}

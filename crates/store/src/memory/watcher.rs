@@ -27,7 +27,7 @@ pub(super) fn watch(
         done: false,
     };
     if let Some(start) = start {
-        // etcd treats a start of 0 or less as "from the beginning", which is revision 1.
+        // A start below 1 means the beginning, as for the etcd backend.
         watcher.next = start.max(1);
         watcher.replay(&state)?;
     }
