@@ -64,3 +64,80 @@ impl tonic::service::Interceptor for TraceInterceptor {
         Ok(request)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use opentelemetry::trace::{TraceContextExt as _, TracerProvider as _};
+    use opentelemetry_sdk::propagation::TraceContextPropagator;
+    use opentelemetry_sdk::trace::SdkTracerProvider;
+    use tonic::service::Interceptor as _;
+    use tracing_subscriber::layer::SubscriberExt as _;
+
+    /// Runs `f` with an OpenTelemetry-backed subscriber (no exporter: spans only need valid
+    /// contexts here).
+    fn with_otel<T>(f: impl FnOnce() -> T) -> T {
+        global::set_text_map_propagator(TraceContextPropagator::new());
+        let provider = SdkTracerProvider::builder().build();
+        let subscriber = tracing_subscriber::registry()
+            .with(tracing_opentelemetry::layer().with_tracer(provider.tracer("test")));
+        tracing::subscriber::with_default(subscriber, f)
+    }
+
+    #[test]
+    fn the_server_span_continues_the_callers_trace() {
+        with_otel(|| {
+            let request = http::Request::builder()
+                .uri("/trellis.ipam.v1.Ipam/MapEndpointIp")
+                .header(
+                    "traceparent",
+                    "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+                )
+                .body(())
+                .expect("request");
+            let span = server_span(&request);
+            let cx = span.context();
+            let sc = cx.span().span_context().clone();
+            assert_eq!(
+                sc.trace_id().to_string(),
+                "4bf92f3577b34da6a3ce929d0e0e4736"
+            );
+            assert_ne!(
+                sc.span_id().to_string(),
+                "00f067aa0ba902b7",
+                "a child, not the caller's span"
+            );
+        });
+    }
+
+    #[test]
+    fn without_a_traceparent_the_server_starts_a_new_trace() {
+        with_otel(|| {
+            let request = http::Request::builder()
+                .uri("/x/y")
+                .body(())
+                .expect("request");
+            let span = server_span(&request);
+            assert!(span.context().span().span_context().is_valid());
+        });
+    }
+
+    #[test]
+    fn the_interceptor_sends_the_current_trace() {
+        with_otel(|| {
+            let span = tracing::info_span!("caller");
+            let _entered = span.enter();
+            let trace_id = span.context().span().span_context().trace_id();
+            let request = TraceInterceptor
+                .call(tonic::Request::new(()))
+                .expect("interceptor never fails");
+            let header = request
+                .metadata()
+                .get("traceparent")
+                .expect("traceparent sent")
+                .to_str()
+                .expect("ascii");
+            assert!(header.contains(&trace_id.to_string()), "{header}");
+        });
+    }
+}

@@ -16,18 +16,17 @@ use trellis_store::{Compare, KeyValue, Op, SharedStore, Txn};
 
 use crate::alloc::{conflicts, first_free};
 use crate::records::{
-    CLUSTERS_PREFIX, ClusterRecord, ENDPOINTS_PREFIX, EPOCH_KEY, EXTERNAL_CURSOR_KEY,
-    EXTERNAL_PREFIX, EndpointRecord, LOCAL_KEY, LocalNat, RemoteView, SUBNETS_PREFIX, cluster_key,
-    decode, encode, endpoint_key, external_key,
+    CLUSTERS_PREFIX, ClusterRecord, ENDPOINTS_PREFIX, EPOCH_KEY, EXTERNAL_PREFIX, EndpointRecord,
+    LOCAL_KEY, LocalNat, RemoteView, SUBNETS_PREFIX, cluster_key, decode, encode, endpoint_key,
+    external_key,
 };
 use crate::subnets::{LocalRanges, LocalSubnets};
 
 /// Give up on an operation after this many lost races (each followed by a short random wait).
 const MAX_ATTEMPTS: u32 = 100;
 
-/// How far past the shared cursor a new external allocation may start, so that concurrent
-/// allocators (tasks or replicas) rarely collide on the same address.
-const CURSOR_SPREAD: u128 = 64;
+/// Point reads of candidate external addresses before falling back to one listing.
+const MAX_PROBES: u128 = 16;
 
 /// How an endpoint IP was translated.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -577,7 +576,7 @@ impl Ipam {
                         self.require_owner(ip).await?;
                         owner_checked = true;
                     }
-                    let (external_ip, offset) = self.next_external(hint).await?;
+                    let (external_ip, offset) = self.next_external(ip, hint).await?;
                     let er = EndpointRecord {
                         ip,
                         external_ip,
@@ -592,7 +591,6 @@ impl Ipam {
                         success: vec![
                             put(&key, encode(&er)?),
                             put(external_key(external_ip), ip.to_string().into_bytes()),
-                            put(EXTERNAL_CURSOR_KEY, (offset + 1).to_string().into_bytes()),
                         ],
                         failure: vec![],
                     };
@@ -625,36 +623,27 @@ impl Ipam {
         }
     }
 
-    /// A free address of our external CIDR and its offset in the usable range. Starts at
-    /// `hint` (after a lost race) or at the shared cursor plus a small random spread, so
-    /// concurrent allocators rarely pick the same address; only when that address is taken
-    /// does it list the reservations.
-    async fn next_external(&self, hint: Option<u128>) -> Result<(IpAddr, u128)> {
+    /// A free address of our external CIDR for `ip`, and its offset in the usable range.
+    /// Probing starts at a hash of `ip` (or at `hint`, after losing an address to another
+    /// allocator), so concurrent allocations for different endpoints start far apart and
+    /// nothing shared is written besides the reservation itself. After [`MAX_PROBES`] taken
+    /// addresses the reservations are listed once to find a free one or prove there is none.
+    async fn next_external(&self, ip: IpAddr, hint: Option<u128>) -> Result<(IpAddr, u128)> {
         let external = self.local.ranges.external_cidr;
         let (first, last) = usable_hosts(external);
         let size = last - first + 1;
-        let start = match hint {
-            Some(offset) => offset,
-            None => {
-                let cursor = match self.store.get(EXTERNAL_CURSOR_KEY).await? {
-                    Some(kv) => std::str::from_utf8(&kv.value)
-                        .ok()
-                        .and_then(|s| s.parse::<u128>().ok())
-                        .unwrap_or(0),
-                    None => 0,
-                };
-                cursor + rand::rng().random_range(0..CURSOR_SPREAD)
-            }
-        } % size;
+        let start = hint.unwrap_or_else(|| spread(ip_to_u128(ip))) % size;
         let family = self.family();
         let candidate = |offset: u128| {
             u128_to_ip(family, first + offset)
                 .map(|ip| (ip, offset))
                 .ok_or_else(|| Error::Internal(format!("offset {offset} outside {external}")))
         };
-        let (ip, offset) = candidate(start)?;
-        if self.store.get(&external_key(ip)).await?.is_none() {
-            return Ok((ip, offset));
+        for step in 0..MAX_PROBES.min(size) {
+            let (address, offset) = candidate((start + step) % size)?;
+            if self.store.get(&external_key(address)).await?.is_none() {
+                return Ok((address, offset));
+            }
         }
         let taken: BTreeSet<u128> = self
             .store
@@ -665,7 +654,7 @@ impl Ipam {
             .filter_map(|kv| kv.key.strip_prefix(EXTERNAL_PREFIX)?.parse::<IpAddr>().ok())
             .map(ip_to_u128)
             .collect();
-        let free = (1..size)
+        let free = (0..size)
             .map(|step| (start + step) % size)
             .find(|offset| !taken.contains(&(first + offset)))
             .ok_or_else(|| {
@@ -780,6 +769,16 @@ impl Ipam {
         out.sort_by_key(|e| ip_to_u128(e.ip));
         Ok(out)
     }
+}
+
+/// Scatters an address over the integers (splitmix64 of its folded bits), so that the
+/// probe sequences of different endpoints start far apart.
+fn spread(value: u128) -> u128 {
+    let mut z = (value as u64) ^ ((value >> 64) as u64);
+    z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    u128::from(z ^ (z >> 31))
 }
 
 /// The addresses of `net` that may be handed out: for IPv4 networks larger than /31, all but

@@ -7,7 +7,6 @@
 //! | `subnets/clusters/<cluster_id>` | [`ClusterRecord`] |
 //! | `endpoints/<ip>` | [`EndpointRecord`]: a third-cluster endpoint behind our external CIDR |
 //! | `external/<ip>` | the original IP an external address was allocated for (uniqueness) |
-//! | `external-cursor` | where the next external allocation starts looking (a hint only) |
 //!
 //! The epoch and the cluster records share the `subnets/` prefix so a single listing is a
 //! consistent snapshot of both; an allocation commits only if the epoch it saw is unchanged,
@@ -27,7 +26,6 @@ pub const EPOCH_KEY: &str = "subnets/epoch";
 pub const CLUSTERS_PREFIX: &str = "subnets/clusters/";
 pub const ENDPOINTS_PREFIX: &str = "endpoints/";
 pub const EXTERNAL_PREFIX: &str = "external/";
-pub const EXTERNAL_CURSOR_KEY: &str = "external-cursor";
 
 /// Store key of a cluster's record.
 pub fn cluster_key(id: &ClusterId) -> String {

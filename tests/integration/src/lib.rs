@@ -2,6 +2,8 @@
 //! until its gRPC health check says SERVING, kill it with SIGKILL, start it again with the
 //! same flags. Binaries are the ones `make test` builds before running the tests.
 
+pub mod otlp;
+
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
@@ -35,6 +37,7 @@ pub fn bin_path(name: &str) -> anyhow::Result<PathBuf> {
 pub struct ServiceProcess {
     binary: PathBuf,
     args: Vec<String>,
+    env: Vec<(String, String)>,
     addr: SocketAddr,
     grpc_service: String,
     log: PathBuf,
@@ -51,10 +54,22 @@ impl ServiceProcess {
         addr: SocketAddr,
         grpc_service: &str,
     ) -> anyhow::Result<Self> {
+        Self::start_with_env(binary, args, Vec::new(), addr, grpc_service).await
+    }
+
+    /// Like [`ServiceProcess::start`], with extra environment variables.
+    pub async fn start_with_env(
+        binary: &str,
+        args: Vec<String>,
+        env: Vec<(String, String)>,
+        addr: SocketAddr,
+        grpc_service: &str,
+    ) -> anyhow::Result<Self> {
         let log_dir = tempfile::tempdir()?;
         let mut this = Self {
             binary: bin_path(binary)?,
             args,
+            env,
             addr,
             grpc_service: grpc_service.to_owned(),
             log: log_dir.path().join("service.log"),
@@ -74,6 +89,7 @@ impl ServiceProcess {
             .args(&self.args)
             .env("RUST_LOG", "info")
             .env_remove("OTEL_EXPORTER_OTLP_ENDPOINT")
+            .envs(self.env.iter().map(|(k, v)| (k, v)))
             .stdin(Stdio::null())
             .stdout(log.try_clone()?)
             .stderr(log)
@@ -145,8 +161,9 @@ impl ServiceProcess {
         }
     }
 
-    /// SIGTERM, then waits for a clean exit; returns the exit status.
-    pub fn terminate(&mut self) -> anyhow::Result<std::process::ExitStatus> {
+    /// SIGTERM, then waits (without blocking the async runtime, which may host the
+    /// process's clients or collectors) for it to exit; returns the exit status.
+    pub async fn terminate(&mut self) -> anyhow::Result<std::process::ExitStatus> {
         let mut child = self.child.take().context("not running")?;
         let status = Command::new("kill")
             .args(["-TERM", &child.id().to_string()])
@@ -154,7 +171,17 @@ impl ServiceProcess {
         if !status.success() {
             bail!("kill -TERM failed");
         }
-        Ok(child.wait()?)
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            if let Some(status) = child.try_wait()? {
+                return Ok(status);
+            }
+            if Instant::now() > deadline {
+                let _ = child.kill();
+                bail!("still running 60 s after SIGTERM:\n{}", self.log_tail(20));
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
     }
 
     /// Starts the binary again with the same flags.

@@ -377,3 +377,173 @@ async fn three_replicas_on_one_etcd_never_hand_out_the_same_range_or_address() {
         assert_eq!(answer, &expected.to_string());
     }
 }
+
+#[tokio::test]
+async fn sigterm_stops_the_service_cleanly() {
+    let Some(etcd) = Etcd::start_or_skip() else {
+        return;
+    };
+    let mut ipam = start_ipam(&etcd, "hub").await;
+    let status = ipam.terminate().await.expect("terminates");
+    assert!(
+        status.success(),
+        "exit status {status}:\n{}",
+        ipam.log_tail(20)
+    );
+    assert!(
+        ipam.log_tail(20).contains("shutting down"),
+        "{}",
+        ipam.log_tail(20)
+    );
+}
+
+#[test]
+fn help_explains_every_flag_and_its_environment_variable() {
+    let bin = trellis_integration::bin_path("trellis-ipam").expect("built");
+    let out = Command::new(bin).arg("--help").output().expect("runs");
+    assert!(out.status.success());
+    let help = String::from_utf8(out.stdout).expect("utf-8");
+    for (flag, env) in [
+        ("--listen", "TRELLIS_LISTEN"),
+        ("--store", "TRELLIS_STORE"),
+        ("--cluster-id", "TRELLIS_CLUSTER_ID"),
+        ("--cluster-name", "TRELLIS_CLUSTER_NAME"),
+        ("--log-format", "TRELLIS_LOG_FORMAT"),
+        ("--shutdown-grace", "TRELLIS_SHUTDOWN_GRACE"),
+        ("--pod-cidr", "TRELLIS_POD_CIDR"),
+        ("--service-cidr", "TRELLIS_SERVICE_CIDR"),
+        ("--external-cidr", "TRELLIS_EXTERNAL_CIDR"),
+        ("--pools", "TRELLIS_POOLS"),
+        ("--reserved", "TRELLIS_RESERVED"),
+    ] {
+        assert!(
+            help.contains(flag),
+            "--help does not mention {flag}:\n{help}"
+        );
+        assert!(help.contains(env), "--help does not mention {env}:\n{help}");
+    }
+}
+
+#[test]
+fn bad_configuration_exits_with_a_message_naming_the_problem() {
+    let bin = trellis_integration::bin_path("trellis-ipam").expect("built");
+    let run = |extra: &[&str]| {
+        let out = Command::new(&bin)
+            .args([
+                "--listen",
+                "127.0.0.1:0",
+                "--cluster-id",
+                "hub",
+                "--pod-cidr",
+                "10.0.0.0/16",
+            ])
+            .args(extra)
+            .output()
+            .expect("runs");
+        assert!(!out.status.success(), "started despite {extra:?}");
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    let err = run(&["--store", "memory://", "--external-cidr", "10.0.128.0/17"]);
+    assert!(
+        err.contains("--external-cidr") && err.contains("overlaps"),
+        "{err}"
+    );
+    let err = run(&["--store", "redis://x", "--external-cidr", "10.201.0.0/16"]);
+    assert!(err.contains("redis"), "{err}");
+    let closed = format!("etcd://127.0.0.1:{}/ipam", trellis_testkit::free_port());
+    let started = std::time::Instant::now();
+    let err = run(&["--store", &closed, "--external-cidr", "10.201.0.0/16"]);
+    assert!(err.contains("opening store"), "{err}");
+    assert!(
+        started.elapsed() < std::time::Duration::from_secs(20),
+        "took {:?}",
+        started.elapsed()
+    );
+}
+
+#[tokio::test]
+async fn spans_reach_an_otlp_collector_with_resource_attributes_and_the_callers_trace() {
+    use trellis_integration::otlp::OtlpReceiver;
+    let receiver = OtlpReceiver::start().await.expect("receiver starts");
+    let addr = free_addr();
+    let args = [
+        "--listen",
+        &addr.to_string(),
+        "--store",
+        "memory://",
+        "--cluster-id",
+        "hub-1",
+        "--cluster-name",
+        "hub",
+        "--pod-cidr",
+        "10.0.0.0/16",
+        "--external-cidr",
+        "10.201.0.0/16",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    let env = vec![
+        (
+            "OTEL_EXPORTER_OTLP_ENDPOINT".to_owned(),
+            receiver.endpoint(),
+        ),
+        ("OTEL_BSP_SCHEDULE_DELAY".to_owned(), "100".to_owned()),
+    ];
+    let mut ipam = ServiceProcess::start_with_env("trellis-ipam", args, env, addr, IPAM)
+        .await
+        .expect("starts");
+
+    // A caller in trace 4bf9...; the server must continue it.
+    let trace_id = "4bf92f3577b34da6a3ce929d0e0e4736";
+    let mut request = tonic::Request::new(GetSubnetsPerClusterRequest {
+        cluster_id: "leaf".into(),
+        cluster_name: String::new(),
+        pod_cidr: "10.0.0.0/16".into(),
+        external_cidr: "10.201.0.0/16".into(),
+    });
+    request.metadata_mut().insert(
+        "traceparent",
+        format!("00-{trace_id}-00f067aa0ba902b7-01")
+            .parse()
+            .expect("ascii"),
+    );
+    client(&ipam)
+        .await
+        .get_subnets_per_cluster(request)
+        .await
+        .expect("maps");
+    // SIGTERM flushes the batch exporter.
+    let status = ipam.terminate().await.expect("terminates");
+    assert!(status.success(), "{}", ipam.log_tail(20));
+
+    let spans = receiver.spans();
+    let ours: Vec<_> = spans.iter().filter(|s| s.trace_id == trace_id).collect();
+    assert!(
+        ours.iter()
+            .any(|s| s.name == "trellis.ipam.v1.Ipam/GetSubnetsPerCluster"
+                && s.parent_span_id == "00f067aa0ba902b7"),
+        "no server span continuing the caller's trace among {spans:#?}\nservice log:\n{}",
+        ipam.log_tail(30)
+    );
+    assert!(
+        ours.iter().any(|s| s.name == "subnets_for"),
+        "no domain span in the trace: {ours:#?}"
+    );
+    for span in &ours {
+        assert_eq!(
+            span.resource.get("service.name").map(String::as_str),
+            Some("trellis-ipam")
+        );
+        assert_eq!(
+            span.resource.get("trellis.cluster.id").map(String::as_str),
+            Some("hub-1")
+        );
+        assert_eq!(
+            span.resource
+                .get("trellis.cluster.name")
+                .map(String::as_str),
+            Some("hub")
+        );
+    }
+}
