@@ -543,7 +543,6 @@ impl Ipam {
     async fn map_external(&self, id: &ClusterId, ip: IpAddr) -> Result<IpAddr> {
         let local = &self.local.ranges;
         let mut contention = Contention::new("mapping an endpoint");
-        let mut owner_checked = false;
         // After losing a candidate address to another allocator, continue after it.
         let mut hint = None;
         loop {
@@ -572,10 +571,9 @@ impl Ipam {
                     (txn, er.external_ip, None)
                 }
                 None => {
-                    if !owner_checked {
-                        self.require_owner(ip).await?;
-                        owner_checked = true;
-                    }
+                    // The owner's record is guarded too: freeing it (which first marks it)
+                    // must not race with a new mapping into its range.
+                    let (owner_id, owner_revision) = self.owner_of(ip).await?;
                     let (external_ip, offset) = self.next_external(ip, hint).await?;
                     let er = EndpointRecord {
                         ip,
@@ -587,6 +585,7 @@ impl Ipam {
                             unchanged(&key, 0),
                             unchanged(external_key(external_ip), 0),
                             unchanged(cluster_key(id), rec_revision),
+                            unchanged(cluster_key(&owner_id), owner_revision),
                         ],
                         success: vec![
                             put(&key, encode(&er)?),
@@ -612,15 +611,21 @@ impl Ipam {
         }
     }
 
-    /// Fails unless some remote cluster's pod CIDR (as we address it) holds `ip`.
-    async fn require_owner(&self, ip: IpAddr) -> Result<()> {
-        match self.cluster_identity(ip).await? {
-            Some(_) => Ok(()),
-            None => Err(Error::NotFound(format!(
-                "{ip} is neither in the local pod CIDR {} nor in any remote cluster's pod CIDR",
-                self.local.ranges.pod_cidr
-            ))),
-        }
+    /// The live remote cluster whose pod CIDR (as we address it) holds `ip`, with its
+    /// record's revision, or `NotFound`.
+    async fn owner_of(&self, ip: IpAddr) -> Result<(ClusterId, i64)> {
+        self.snapshot()
+            .await?
+            .records
+            .into_iter()
+            .find(|(r, _)| !r.freeing && r.remote.is_some_and(|v| v.pod_cidr_nat.contains(&ip)))
+            .map(|(r, revision)| (r.id, revision))
+            .ok_or_else(|| {
+                Error::NotFound(format!(
+                    "{ip} is neither in the local pod CIDR {} nor in any remote cluster's pod CIDR",
+                    self.local.ranges.pod_cidr
+                ))
+            })
     }
 
     /// A free address of our external CIDR for `ip`, and its offset in the usable range.

@@ -208,3 +208,12 @@ impl Drop for ServiceProcess {
 pub fn free_addr() -> SocketAddr {
     SocketAddr::from(([127, 0, 0, 1], trellis_testkit::free_port()))
 }
+
+/// Awaits every task, in order; a panicked task fails the test.
+pub async fn join_all<T>(tasks: Vec<tokio::task::JoinHandle<T>>) -> Vec<T> {
+    let mut out = Vec::with_capacity(tasks.len());
+    for task in tasks {
+        out.push(task.await.expect("task panicked"));
+    }
+    out
+}

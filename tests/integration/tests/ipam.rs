@@ -9,7 +9,7 @@ use ipnet::IpNet;
 use tonic::transport::Channel;
 use trellis_api::pb::ipam::ipam_client::IpamClient;
 use trellis_api::pb::ipam::*;
-use trellis_integration::{ServiceProcess, free_addr};
+use trellis_integration::{ServiceProcess, free_addr, join_all};
 use trellis_testkit::{Etcd, require_tool};
 
 const IPAM: &str = "trellis.ipam.v1.Ipam";
@@ -30,6 +30,16 @@ fn ipam_args(etcd: &Etcd, addr: SocketAddr, cluster: &str) -> Vec<String> {
     .iter()
     .map(|s| s.to_string())
     .collect()
+}
+
+/// A peer whose pod and external CIDRs equal ours: it must be remapped.
+fn same_cidrs_as_ours(cluster_id: impl Into<String>) -> GetSubnetsPerClusterRequest {
+    GetSubnetsPerClusterRequest {
+        cluster_id: cluster_id.into(),
+        cluster_name: String::new(),
+        pod_cidr: "10.0.0.0/16".into(),
+        external_cidr: "10.201.0.0/16".into(),
+    }
 }
 
 async fn start_ipam(etcd: &Etcd, cluster: &str) -> ServiceProcess {
@@ -152,12 +162,7 @@ async fn mappings_survive_sigkill_and_restart_even_mid_allocation() {
     for n in 0..5 {
         let id = format!("c{n}");
         let r = c
-            .get_subnets_per_cluster(GetSubnetsPerClusterRequest {
-                cluster_id: id.clone(),
-                cluster_name: String::new(),
-                pod_cidr: "10.0.0.0/16".into(),
-                external_cidr: "10.201.0.0/16".into(),
-            })
+            .get_subnets_per_cluster(same_cidrs_as_ours(id.clone()))
             .await
             .expect("maps")
             .into_inner();
@@ -167,14 +172,9 @@ async fn mappings_survive_sigkill_and_restart_even_mid_allocation() {
     for n in 5..40 {
         let mut c = c.clone();
         burst.push(tokio::spawn(async move {
-            c.get_subnets_per_cluster(GetSubnetsPerClusterRequest {
-                cluster_id: format!("c{n}"),
-                cluster_name: String::new(),
-                pod_cidr: "10.0.0.0/16".into(),
-                external_cidr: "10.201.0.0/16".into(),
-            })
-            .await
-            .map(|r| (format!("c{n}"), r.into_inner()))
+            c.get_subnets_per_cluster(same_cidrs_as_ours(format!("c{n}")))
+                .await
+                .map(|r| (format!("c{n}"), r.into_inner()))
         }));
     }
     tokio::time::sleep(std::time::Duration::from_millis(5)).await;
@@ -216,14 +216,9 @@ async fn mappings_survive_sigkill_and_restart_even_mid_allocation() {
 
     // Allocation after the restart continues without reusing a range.
     for n in 40..45 {
-        c.get_subnets_per_cluster(GetSubnetsPerClusterRequest {
-            cluster_id: format!("c{n}"),
-            cluster_name: String::new(),
-            pod_cidr: "10.0.0.0/16".into(),
-            external_cidr: "10.201.0.0/16".into(),
-        })
-        .await
-        .expect("maps after restart");
+        c.get_subnets_per_cluster(same_cidrs_as_ours(format!("c{n}")))
+            .await
+            .expect("maps after restart");
     }
     let listed = c
         .list_cluster_subnets(ListClusterSubnetsRequest {})
@@ -285,21 +280,13 @@ async fn three_replicas_on_one_etcd_never_hand_out_the_same_range_or_address() {
         let mut c = clients[n % 3].clone();
         tasks.push(tokio::spawn(async move {
             let id = format!("c{n}");
-            c.get_subnets_per_cluster(GetSubnetsPerClusterRequest {
-                cluster_id: id.clone(),
-                cluster_name: String::new(),
-                pod_cidr: "10.0.0.0/16".into(),
-                external_cidr: "10.201.0.0/16".into(),
-            })
-            .await
-            .expect("maps")
-            .into_inner()
+            c.get_subnets_per_cluster(same_cidrs_as_ours(id.clone()))
+                .await
+                .expect("maps")
+                .into_inner()
         }));
     }
-    let mut views = Vec::new();
-    for t in tasks {
-        views.push(t.await.expect("joins"));
-    }
+    let views = join_all(tasks).await;
     let listed = clients[0]
         .list_cluster_subnets(ListClusterSubnetsRequest {})
         .await
@@ -341,10 +328,7 @@ async fn three_replicas_on_one_etcd_never_hand_out_the_same_range_or_address() {
             (endpoint, target, r.ip)
         }));
     }
-    let mut answers = Vec::new();
-    for t in tasks {
-        answers.push(t.await.expect("joins"));
-    }
+    let answers = join_all(tasks).await;
     let mappings = clients[1]
         .list_endpoint_mappings(ListEndpointMappingsRequest {})
         .await
@@ -496,12 +480,7 @@ async fn spans_reach_an_otlp_collector_with_resource_attributes_and_the_callers_
 
     // A caller in trace 4bf9...; the server must continue it.
     let trace_id = "4bf92f3577b34da6a3ce929d0e0e4736";
-    let mut request = tonic::Request::new(GetSubnetsPerClusterRequest {
-        cluster_id: "leaf".into(),
-        cluster_name: String::new(),
-        pod_cidr: "10.0.0.0/16".into(),
-        external_cidr: "10.201.0.0/16".into(),
-    });
+    let mut request = tonic::Request::new(same_cidrs_as_ours("leaf"));
     request.metadata_mut().insert(
         "traceparent",
         format!("00-{trace_id}-00f067aa0ba902b7-01")
