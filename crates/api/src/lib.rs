@@ -2,12 +2,15 @@
 //!
 //! - [`pb`]: code generated from `proto/` (prost messages, tonic clients and servers).
 //! - [`ident`] and [`net`]: validated domain types (cluster identities, CIDRs, IPs).
+//! - [`model`]: the peering model shared by broker and gateway (network parameters, NAT
+//!   decisions, WireGuard keys, TunnelEndpoints), converted from and to the protos.
 //! - [`wire`]: the parsing helpers that turn request strings into those types, failing with
 //!   [`Error::InvalidArgument`] naming the offending field.
 //!
 //! Domain logic works on the validated types only; prost types stop at the gRPC handlers.
 
 pub mod ident;
+pub mod model;
 pub mod net;
 pub mod pb;
 pub mod wire;

@@ -14,4 +14,6 @@ mod generated {
 }
 
 pub use generated::trellis;
+pub use generated::trellis::discovery::v1 as discovery;
 pub use generated::trellis::ipam::v1 as ipam;
+pub use generated::trellis::types::v1 as types;

@@ -1,0 +1,22 @@
+//! The peering model of DESIGN.md as validated domain types: what a NetworkConfig carries
+//! ([`NetworkSpec`], [`NatView`]), the WireGuard key it advertises ([`WgKey`]), and the
+//! [`TunnelEndpoint`] a broker derives from two NetworkConfigs and a gateway consumes.
+//! Conversions from the protos validate and name the offending field with its path
+//! (`network_config.spec.pod_cidr`).
+
+mod key;
+mod network;
+mod tunnel;
+
+pub use key::WgKey;
+pub use network::{NatView, NetworkSpec};
+pub use tunnel::{PeeringKind, TunnelEndpoint};
+
+/// `prefix.field`, or `field` alone at the top level.
+fn path(prefix: &str, field: &str) -> String {
+    if prefix.is_empty() {
+        field.to_owned()
+    } else {
+        format!("{prefix}.{field}")
+    }
+}

@@ -1,0 +1,314 @@
+//! TunnelEndpoints: everything a gateway needs for the tunnel to one remote cluster, merged by
+//! the broker from the two NetworkConfigs of a pair (DESIGN.md "Model").
+
+use std::net::SocketAddr;
+
+use ipnet::IpNet;
+use trellis_error::{Error, Result};
+
+use super::{NatView, NetworkSpec, WgKey, path};
+use crate::ident::ClusterIdentity;
+use crate::net::Family;
+use crate::pb::types as pb;
+use crate::wire;
+
+/// How a remote cluster is known.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum PeeringKind {
+    /// A direct peer (token handshake).
+    Full,
+    /// Introduced by a hub's Neighborhood; NetworkConfigs relayed by the hub.
+    Induced,
+}
+
+impl PeeringKind {
+    /// The wire enum.
+    pub fn to_proto(self) -> pb::PeeringKind {
+        match self {
+            Self::Full => pb::PeeringKind::Full,
+            Self::Induced => pb::PeeringKind::Induced,
+        }
+    }
+}
+
+/// The tunnel to one remote cluster. "nat" fields are views after remapping; they equal the
+/// real ranges when the viewer did not remap.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TunnelEndpoint {
+    pub remote: ClusterIdentity,
+    pub kind: PeeringKind,
+    /// The hub the NetworkConfigs went through (induced only).
+    pub via: Option<ClusterIdentity>,
+    /// Our real pod CIDR.
+    pub local_pod_cidr: IpNet,
+    /// Our real external CIDR.
+    pub local_external_cidr: IpNet,
+    /// How the remote addresses us (its decision on our NetworkConfig).
+    pub local_nat: NatView,
+    /// The remote's real pod CIDR.
+    pub remote_pod_cidr: IpNet,
+    /// The remote's real external CIDR.
+    pub remote_external_cidr: IpNet,
+    /// How we address the remote (our decision on its NetworkConfig).
+    pub remote_nat: NatView,
+    pub remote_endpoint: SocketAddr,
+    pub remote_public_key: WgKey,
+    /// Bumped by the broker on every change.
+    pub generation: i64,
+}
+
+impl TunnelEndpoint {
+    /// The merge of the local NetworkConfig (with the remote's decision on it) and the remote
+    /// NetworkConfig (with ours), as in thesis §5.3.2.
+    pub fn merge(
+        remote: ClusterIdentity,
+        via: Option<ClusterIdentity>,
+        local: (&NetworkSpec, NatView),
+        theirs: (&NetworkSpec, NatView),
+        generation: i64,
+    ) -> Self {
+        let kind = if via.is_some() {
+            PeeringKind::Induced
+        } else {
+            PeeringKind::Full
+        };
+        Self {
+            remote,
+            kind,
+            via,
+            local_pod_cidr: local.0.pod_cidr,
+            local_external_cidr: local.0.external_cidr,
+            local_nat: local.1,
+            remote_pod_cidr: theirs.0.pod_cidr,
+            remote_external_cidr: theirs.0.external_cidr,
+            remote_nat: theirs.1,
+            remote_endpoint: theirs.0.endpoint,
+            remote_public_key: theirs.0.public_key,
+            generation,
+        }
+    }
+
+    /// The wire form; `revision` is the store revision of the record.
+    pub fn to_proto(&self, revision: i64) -> pb::TunnelEndpoint {
+        let identity = |c: &ClusterIdentity| pb::ClusterIdentity {
+            cluster_id: c.id.to_string(),
+            cluster_name: c.name.clone(),
+        };
+        pb::TunnelEndpoint {
+            remote: Some(identity(&self.remote)),
+            kind: self.kind.to_proto().into(),
+            local_pod_cidr: self.local_pod_cidr.to_string(),
+            local_pod_cidr_nat: self.local_nat.pod_cidr_nat.to_string(),
+            local_external_cidr: self.local_external_cidr.to_string(),
+            local_external_cidr_nat: self.local_nat.external_cidr_nat.to_string(),
+            remote_pod_cidr: self.remote_pod_cidr.to_string(),
+            remote_pod_cidr_nat: self.remote_nat.pod_cidr_nat.to_string(),
+            remote_external_cidr: self.remote_external_cidr.to_string(),
+            remote_external_cidr_nat: self.remote_nat.external_cidr_nat.to_string(),
+            remote_endpoint: self.remote_endpoint.to_string(),
+            remote_public_key: self.remote_public_key.to_string(),
+            via: self.via.as_ref().map(identity),
+            generation: self.generation,
+            revision,
+            update_time: None,
+        }
+    }
+
+    /// Validates a TunnelEndpoint received over gRPC (the gateway's input).
+    pub fn from_proto(prefix: &str, te: &pb::TunnelEndpoint) -> Result<Self> {
+        let identity =
+            |field: &str, c: Option<&pb::ClusterIdentity>| -> Result<Option<ClusterIdentity>> {
+                c.filter(|c| !c.cluster_id.is_empty())
+                    .map(|c| {
+                        ClusterIdentity::parse(
+                            &path(&path(prefix, field), "cluster_id"),
+                            &c.cluster_id,
+                            &path(&path(prefix, field), "cluster_name"),
+                            &c.cluster_name,
+                        )
+                    })
+                    .transpose()
+            };
+        let remote = identity("remote", te.remote.as_ref())?
+            .ok_or_else(|| Error::invalid(path(prefix, "remote"), "is required"))?;
+        let via = identity("via", te.via.as_ref())?;
+        let kind = match (pb::PeeringKind::try_from(te.kind), &via) {
+            (Ok(pb::PeeringKind::Full), None) => PeeringKind::Full,
+            (Ok(pb::PeeringKind::Induced), Some(_)) => PeeringKind::Induced,
+            (Ok(pb::PeeringKind::Full), Some(_)) => {
+                return Err(Error::invalid(
+                    path(prefix, "via"),
+                    "must be unset for a FULL peering",
+                ));
+            }
+            (Ok(pb::PeeringKind::Induced), None) => {
+                return Err(Error::invalid(
+                    path(prefix, "via"),
+                    "is required for an INDUCED peering",
+                ));
+            }
+            _ => {
+                return Err(Error::invalid(
+                    path(prefix, "kind"),
+                    "must be FULL or INDUCED",
+                ));
+            }
+        };
+        let cidr = |field: &str, text: &str| wire::cidr(&path(prefix, field), text);
+        let local_pod_cidr = cidr("local_pod_cidr", &te.local_pod_cidr)?;
+        let family = Family::of_net(local_pod_cidr);
+        let same_size = |field: &str, text: &str, real: IpNet| -> Result<IpNet> {
+            let view = wire::require_family_net(&path(prefix, field), cidr(field, text)?, family)?;
+            if view.prefix_len() != real.prefix_len() {
+                return Err(Error::invalid(
+                    path(prefix, field),
+                    format!("{view} cannot stand for {real}: a remap keeps the prefix length"),
+                ));
+            }
+            Ok(view)
+        };
+        let local_external_cidr = wire::require_family_net(
+            &path(prefix, "local_external_cidr"),
+            cidr("local_external_cidr", &te.local_external_cidr)?,
+            family,
+        )?;
+        let remote_pod_cidr = wire::require_family_net(
+            &path(prefix, "remote_pod_cidr"),
+            cidr("remote_pod_cidr", &te.remote_pod_cidr)?,
+            family,
+        )?;
+        let remote_external_cidr = wire::require_family_net(
+            &path(prefix, "remote_external_cidr"),
+            cidr("remote_external_cidr", &te.remote_external_cidr)?,
+            family,
+        )?;
+        let local_nat = NatView {
+            pod_cidr_nat: same_size("local_pod_cidr_nat", &te.local_pod_cidr_nat, local_pod_cidr)?,
+            external_cidr_nat: same_size(
+                "local_external_cidr_nat",
+                &te.local_external_cidr_nat,
+                local_external_cidr,
+            )?,
+        };
+        let remote_nat = NatView {
+            pod_cidr_nat: same_size(
+                "remote_pod_cidr_nat",
+                &te.remote_pod_cidr_nat,
+                remote_pod_cidr,
+            )?,
+            external_cidr_nat: same_size(
+                "remote_external_cidr_nat",
+                &te.remote_external_cidr_nat,
+                remote_external_cidr,
+            )?,
+        };
+        let remote_endpoint = te.remote_endpoint.parse().map_err(|_| {
+            Error::invalid(
+                path(prefix, "remote_endpoint"),
+                format!("{:?} is not \"ip:port\"", te.remote_endpoint),
+            )
+        })?;
+        let remote_public_key =
+            WgKey::parse(&path(prefix, "remote_public_key"), &te.remote_public_key)?;
+        Ok(Self {
+            remote,
+            kind,
+            via,
+            local_pod_cidr,
+            local_external_cidr,
+            local_nat,
+            remote_pod_cidr,
+            remote_external_cidr,
+            remote_nat,
+            remote_endpoint,
+            remote_public_key,
+            generation: te.generation,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(pod: &str, ext: &str, endpoint: &str, key: u8) -> NetworkSpec {
+        NetworkSpec {
+            pod_cidr: pod.parse().expect("net"),
+            external_cidr: ext.parse().expect("net"),
+            endpoint: endpoint.parse().expect("addr"),
+            public_key: WgKey::from_bytes([key; 32]),
+        }
+    }
+
+    fn view(pod: &str, ext: &str) -> NatView {
+        NatView {
+            pod_cidr_nat: pod.parse().expect("net"),
+            external_cidr_nat: ext.parse().expect("net"),
+        }
+    }
+
+    fn identity(id: &str) -> ClusterIdentity {
+        ClusterIdentity::parse("cluster_id", id, "cluster_name", id).expect("valid")
+    }
+
+    /// Leaves A and C with the same pod CIDR, as A sees the pair.
+    fn a_to_c() -> TunnelEndpoint {
+        let ours = spec("10.0.0.0/16", "10.201.0.0/16", "192.0.2.1:51840", 1);
+        let theirs = spec("10.0.0.0/16", "10.201.0.0/16", "192.0.2.3:51840", 3);
+        TunnelEndpoint::merge(
+            identity("c"),
+            Some(identity("b")),
+            // C remapped us to 10.81/16; we remapped C to 10.83/16.
+            (&ours, view("10.81.0.0/16", "10.82.0.0/16")),
+            (&theirs, view("10.83.0.0/16", "10.84.0.0/16")),
+            1,
+        )
+    }
+
+    #[test]
+    fn merge_takes_each_side_from_the_right_network_config() {
+        let te = a_to_c();
+        assert_eq!(te.kind, PeeringKind::Induced);
+        assert_eq!(te.local_nat.pod_cidr_nat.to_string(), "10.81.0.0/16");
+        assert_eq!(te.remote_nat.pod_cidr_nat.to_string(), "10.83.0.0/16");
+        assert_eq!(te.remote_endpoint.to_string(), "192.0.2.3:51840");
+        assert_eq!(te.remote_public_key, WgKey::from_bytes([3; 32]));
+    }
+
+    #[test]
+    fn proto_round_trip_preserves_everything() {
+        let te = a_to_c();
+        let wire = te.to_proto(42);
+        assert_eq!(wire.revision, 42);
+        assert_eq!(
+            TunnelEndpoint::from_proto("tunnel_endpoint", &wire).expect("valid"),
+            te
+        );
+    }
+
+    #[test]
+    fn inconsistent_records_are_refused_naming_the_field() {
+        type Spoil = fn(&mut pb::TunnelEndpoint);
+        let cases: [(&str, Spoil); 5] = [
+            ("te.via", |t| t.via = None),
+            ("te.kind", |t| t.kind = 0),
+            ("te.remote_pod_cidr_nat", |t| {
+                t.remote_pod_cidr_nat = "10.83.0.0/24".into()
+            }),
+            ("te.remote_external_cidr", |t| {
+                t.remote_external_cidr = "fd00::/64".into()
+            }),
+            ("te.remote_public_key", |t| {
+                t.remote_public_key = String::new()
+            }),
+        ];
+        for (field, spoil) in cases {
+            let mut wire = a_to_c().to_proto(1);
+            spoil(&mut wire);
+            match TunnelEndpoint::from_proto("te", &wire) {
+                Err(Error::InvalidArgument { field: got, .. }) => assert_eq!(got, field),
+                other => panic!("{field}: {other:?}"),
+            }
+        }
+    }
+}

@@ -1,0 +1,184 @@
+//! Command-line flags of `trellis-discovery` (each also `TRELLIS_<FLAG>`).
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use clap::Parser;
+use trellis_runtime::CommonConfig;
+use trellis_runtime::config::HasCommon;
+
+use crate::records::Addresses;
+
+fn address_arg(value: &str) -> Result<String, String> {
+    crate::address::required("value", value).map_err(|e| match e {
+        trellis_error::Error::InvalidArgument { reason, .. } => reason,
+        other => other.to_string(),
+    })
+}
+
+/// The discovery service of one Trellis cluster: keeps the cluster's identity and the
+/// ForeignClusters it knows (found manually, by DNS-SRV or mDNS, peered, or induced by a hub's
+/// Neighborhood), and sends its own Neighborhoods when it is a hub.
+#[derive(Debug, Clone, Parser)]
+#[command(name = "trellis-discovery", version, about, long_about = None)]
+pub struct Config {
+    #[command(flatten)]
+    pub common: CommonConfig,
+
+    /// Address of this discovery service as other clusters reach it (returned by GetIdentity).
+    /// Defaults to the listen address when that is not a wildcard.
+    #[arg(long, env = "TRELLIS_ADVERTISE_DISCOVERY", value_name = "HOST:PORT", value_parser = address_arg)]
+    pub advertise_discovery: Option<String>,
+
+    /// Address of this cluster's broker as other clusters reach it (returned by GetIdentity).
+    #[arg(long, env = "TRELLIS_ADVERTISE_BROKER", value_name = "HOST:PORT", value_parser = address_arg)]
+    pub advertise_broker: Option<String>,
+
+    /// Address of this cluster's forwarder as other clusters reach it.
+    #[arg(long, env = "TRELLIS_ADVERTISE_FORWARDER", value_name = "HOST:PORT", value_parser = address_arg)]
+    pub advertise_forwarder: Option<String>,
+
+    /// Address of this cluster's IPAM as other clusters reach it.
+    #[arg(long, env = "TRELLIS_ADVERTISE_IPAM", value_name = "HOST:PORT", value_parser = address_arg)]
+    pub advertise_ipam: Option<String>,
+
+    /// Address of this cluster's endpoint mapper as other clusters reach it.
+    #[arg(long, env = "TRELLIS_ADVERTISE_ENDPOINTS", value_name = "HOST:PORT", value_parser = address_arg)]
+    pub advertise_endpoints: Option<String>,
+
+    /// Address of this cluster's gateway control API as other clusters reach it.
+    #[arg(long, env = "TRELLIS_ADVERTISE_GATEWAY", value_name = "HOST:PORT", value_parser = address_arg)]
+    pub advertise_gateway: Option<String>,
+
+    /// Comma-separated DNS domains to discover clusters in: each is searched for SRV records
+    /// `_trellis._tcp.<domain>` pointing at remote discovery services. Empty disables DNS-SRV
+    /// discovery.
+    #[arg(
+        long,
+        env = "TRELLIS_DNS_DOMAINS",
+        value_name = "DOMAIN,...",
+        value_delimiter = ','
+    )]
+    pub dns_domains: Vec<String>,
+
+    /// DNS server for SRV lookups (IP:PORT, UDP and TCP); defaults to the system's resolvers.
+    #[arg(long, env = "TRELLIS_DNS_NAMESERVER", value_name = "IP:PORT")]
+    pub dns_nameserver: Option<SocketAddr>,
+
+    /// Seconds between two DNS-SRV lookups; clusters whose records disappeared are noticed at
+    /// the next one.
+    #[arg(long, env = "TRELLIS_DNS_REFRESH", value_name = "SECONDS", default_value_t = 30,
+          value_parser = clap::value_parser!(u64).range(1..))]
+    pub dns_refresh: u64,
+
+    /// Announce this cluster and discover others over mDNS on the local network.
+    #[arg(long, env = "TRELLIS_MDNS")]
+    pub mdns: bool,
+
+    /// Comma-separated network interfaces mDNS uses; all when empty.
+    #[arg(
+        long,
+        env = "TRELLIS_MDNS_INTERFACES",
+        value_name = "NAME,...",
+        value_delimiter = ','
+    )]
+    pub mdns_interfaces: Vec<String>,
+
+    /// Seconds between two full re-sends of this cluster's Neighborhoods (changes are sent at
+    /// once; the resync heals peers that lost state).
+    #[arg(long, env = "TRELLIS_NEIGHBORHOOD_RESYNC", value_name = "SECONDS", default_value_t = 60,
+          value_parser = clap::value_parser!(u64).range(1..))]
+    pub neighborhood_resync: u64,
+
+    /// Longest wait, in seconds, between two attempts to reach an unreachable peer (the wait
+    /// doubles from 200 ms up to this).
+    #[arg(long, env = "TRELLIS_NEIGHBORHOOD_RETRY_MAX", value_name = "SECONDS", default_value_t = 30,
+          value_parser = clap::value_parser!(u64).range(1..))]
+    pub neighborhood_retry_max: u64,
+
+    /// Seconds a WatchForeignClusters stream may stay silent before it sends a BOOKMARK with
+    /// the latest revision it has processed.
+    #[arg(long, env = "TRELLIS_WATCH_BOOKMARK", value_name = "SECONDS", default_value_t = 30,
+          value_parser = clap::value_parser!(u64).range(1..))]
+    pub watch_bookmark: u64,
+}
+
+impl HasCommon for Config {
+    fn common(&self) -> &CommonConfig {
+        &self.common
+    }
+}
+
+impl Config {
+    /// The addresses GetIdentity returns. The discovery address falls back to a concrete listen
+    /// address (a wildcard one is useless to others).
+    pub fn advertised(&self, listening: SocketAddr) -> Addresses {
+        let discovery = self.advertise_discovery.clone().unwrap_or_else(|| {
+            if listening.ip().is_unspecified() {
+                String::new()
+            } else {
+                listening.to_string()
+            }
+        });
+        Addresses {
+            discovery,
+            broker: self.advertise_broker.clone().unwrap_or_default(),
+            forwarder: self.advertise_forwarder.clone().unwrap_or_default(),
+            ipam: self.advertise_ipam.clone().unwrap_or_default(),
+            endpoints: self.advertise_endpoints.clone().unwrap_or_default(),
+            gateway: self.advertise_gateway.clone().unwrap_or_default(),
+        }
+    }
+
+    pub fn dns_refresh(&self) -> Duration {
+        Duration::from_secs(self.dns_refresh)
+    }
+
+    pub fn neighborhood_resync(&self) -> Duration {
+        Duration::from_secs(self.neighborhood_resync)
+    }
+
+    pub fn neighborhood_retry_max(&self) -> Duration {
+        Duration::from_secs(self.neighborhood_retry_max)
+    }
+
+    pub fn watch_bookmark(&self) -> Duration {
+        Duration::from_secs(self.watch_bookmark)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(extra: &[&str]) -> Result<Config, clap::Error> {
+        let mut args = vec![
+            "trellis-discovery",
+            "--store",
+            "memory://",
+            "--cluster-id",
+            "a",
+        ];
+        args.extend_from_slice(extra);
+        Config::try_parse_from(args)
+    }
+
+    #[test]
+    fn defaults_and_lists() {
+        let c = parse(&["--dns-domains", "a.example,b.example"]).expect("parses");
+        assert_eq!(c.dns_domains, ["a.example", "b.example"]);
+        assert_eq!(c.dns_refresh(), Duration::from_secs(30));
+        assert!(!c.mdns);
+        let listening: SocketAddr = "127.0.0.1:7101".parse().expect("addr");
+        assert_eq!(c.advertised(listening).discovery, "127.0.0.1:7101");
+        let wildcard: SocketAddr = "0.0.0.0:7101".parse().expect("addr");
+        assert_eq!(c.advertised(wildcard).discovery, "");
+    }
+
+    #[test]
+    fn rejects_malformed_advertised_addresses() {
+        let err = parse(&["--advertise-broker", "http://x:1"]).expect_err("scheme");
+        assert!(err.to_string().contains("URL scheme"), "{err}");
+        assert!(parse(&["--dns-refresh", "0"]).is_err());
+    }
+}

@@ -1,0 +1,157 @@
+//! `trellis-discovery`: the discovery service of one Trellis cluster (DESIGN.md, thesis §3.4.3,
+//! §5.1-5.2, §6.1; ADR 0006).
+//!
+//! - [`records`]: what is stored, under which keys;
+//! - [`core`]: identity, ForeignClusters and received Neighborhoods, as optimistic
+//!   transactions on the store;
+//! - [`watch`]: the resumable WatchForeignClusters stream;
+//! - [`neighborhood`]: the sender that keeps every full peer's Neighborhood up to date;
+//! - [`dns`] and [`mdns`]: the automatic discovery mechanisms;
+//! - [`remote`]: calls to other clusters' discovery services;
+//! - [`address`] and [`convert`]: validation and proto mapping;
+//! - [`grpc`]: the thin gRPC layer;
+//! - [`config`]: the flags.
+
+pub mod address;
+pub mod config;
+pub mod convert;
+pub mod core;
+pub mod dns;
+pub mod grpc;
+pub mod mdns;
+pub mod neighborhood;
+pub mod records;
+pub mod remote;
+pub mod watch;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use tokio::task::JoinHandle;
+use tonic::server::NamedService;
+use tonic::service::Routes;
+use trellis_api::ClusterIdentity;
+use trellis_api::pb::discovery::discovery_server::DiscoveryServer;
+use trellis_runtime::Shutdown;
+use trellis_runtime::config::ports;
+use trellis_runtime::server::GrpcServer;
+
+pub use crate::config::Config;
+pub use crate::core::Discovery;
+use crate::grpc::DiscoveryService;
+use crate::neighborhood::SenderTiming;
+
+/// Largest request accepted, in bytes. A Neighborhood of a few hundred peers with all their
+/// addresses fits comfortably; anything bigger is refused by the transport.
+pub const MAX_REQUEST_BYTES: usize = 1024 * 1024;
+
+/// First retry delay after a failed Neighborhood send.
+const RETRY_INITIAL: Duration = Duration::from_millis(200);
+
+/// The gRPC routes of the discovery service.
+pub fn routes(core: Arc<Discovery>, bookmark_every: Duration) -> Routes {
+    Routes::new(
+        DiscoveryServer::new(DiscoveryService::new(core, bookmark_every))
+            .max_decoding_message_size(MAX_REQUEST_BYTES),
+    )
+}
+
+/// A running discovery service.
+#[derive(Debug)]
+pub struct Started {
+    /// The address it listens on.
+    pub addr: SocketAddr,
+    /// The domain core, for in-process callers (the lab, tests).
+    pub core: Arc<Discovery>,
+    /// Finishes when the server and every background task have stopped.
+    pub task: JoinHandle<anyhow::Result<()>>,
+}
+
+/// Opens the store, checks the identity against it, binds, starts serving and starts the
+/// background tasks (Neighborhood sender, DNS-SRV, mDNS).
+pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started> {
+    let common = &config.common;
+    let identity = ClusterIdentity::parse(
+        "cluster-id",
+        &common.cluster_id,
+        "cluster-name",
+        common.cluster_name(),
+    )?;
+    let store = trellis_store::open(&common.store)
+        .await
+        .with_context(|| format!("opening store {}", common.store))?;
+    let server = GrpcServer::bind(common.listen_addr(ports::DISCOVERY)).await?;
+    let addr = server.local_addr();
+    let advertised = config.advertised(addr);
+    let core = Arc::new(
+        Discovery::open(store, identity, advertised.clone())
+            .await
+            .context("opening the discovery service")?,
+    );
+
+    let mut background = Vec::new();
+    background.push(tokio::spawn(neighborhood::run(
+        core.clone(),
+        SenderTiming {
+            resync: config.neighborhood_resync(),
+            retry_initial: RETRY_INITIAL,
+            retry_max: config.neighborhood_retry_max(),
+        },
+        shutdown.clone(),
+    )));
+    if !config.dns_domains.is_empty() {
+        let settings = dns::DnsSettings {
+            domains: config.dns_domains.clone(),
+            nameserver: config.dns_nameserver,
+            refresh: config.dns_refresh(),
+        };
+        tracing::info!(domains = ?settings.domains, "dns-srv discovery enabled");
+        background.push(tokio::spawn(dns::run(
+            core.clone(),
+            settings,
+            shutdown.clone(),
+        )));
+    }
+    if config.mdns {
+        let announced: Option<SocketAddr> = advertised.discovery.parse().ok();
+        let settings = mdns::MdnsSettings {
+            port: announced.map_or(addr.port(), |a| a.port()),
+            ip: announced
+                .map(|a| a.ip())
+                .or((!addr.ip().is_unspecified()).then_some(addr.ip())),
+            interfaces: config.mdns_interfaces.clone(),
+        };
+        background.push(tokio::spawn(mdns::run(
+            core.clone(),
+            settings,
+            shutdown.clone(),
+        )));
+    }
+
+    let routes = routes(core.clone(), config.watch_bookmark());
+    let grace = common.shutdown_grace();
+    let task = tokio::spawn(async move {
+        let served = server
+            .serve(
+                routes,
+                &[DiscoveryServer::<DiscoveryService>::NAME],
+                shutdown,
+                grace,
+            )
+            .await;
+        for task in background {
+            // Background tasks watch the same token; a panic there is a bug worth reporting.
+            task.await.context("discovery background task")?;
+        }
+        served
+    });
+    Ok(Started { addr, core, task })
+}
+
+/// Runs the discovery service until `shutdown`.
+pub async fn run(config: Config, shutdown: Shutdown) -> anyhow::Result<()> {
+    let started = start(config, shutdown).await?;
+    started.task.await.context("discovery server task")?
+}

@@ -1,0 +1,313 @@
+//! The Neighborhood sender (thesis §5.2.1, ADR 0006): a reconciler that makes every full peer P
+//! with networking enabled hold "our other networked full peers, minus P".
+//!
+//! Desired state is computed from the `clusters/` records; what each peer acknowledged is in
+//! `outbox/<peer>`. A pass sends to every peer whose acknowledged list differs (a new
+//! generation, above everything it was sent before), an empty list to former peers still in the
+//! outbox (withdrawal), and, on the periodic resync, re-sends the acknowledged generation to
+//! everyone (idempotent; heals a peer that lost its store). Passes run on every store change
+//! under `clusters/`, on the resync tick, and when a failed peer's backoff expires. All state is
+//! in the store, so a restarted process simply runs a pass.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::StreamExt as _;
+use rand::Rng as _;
+use tokio::time::Instant;
+use trellis_api::ClusterId;
+use trellis_error::{Error, Result};
+use trellis_runtime::Shutdown;
+
+use crate::core::{Discovery, Snapshot};
+use crate::records::{CLUSTERS_PREFIX, Neighbor, Outbox};
+use crate::remote::{self, Outgoing};
+
+/// Timing of the sender.
+#[derive(Debug, Clone, Copy)]
+pub struct SenderTiming {
+    /// Re-send everything this often even without changes.
+    pub resync: Duration,
+    /// First retry delay after a failed send; doubles per failure.
+    pub retry_initial: Duration,
+    /// Longest retry delay.
+    pub retry_max: Duration,
+}
+
+/// A peer we failed to reach: when to try again.
+#[derive(Debug, Clone, Copy)]
+struct Backoff {
+    failures: u32,
+    next: Instant,
+}
+
+impl Backoff {
+    fn after_failure(previous: Option<Backoff>, timing: &SenderTiming) -> Self {
+        let failures = previous.map_or(0, |b| b.failures) + 1;
+        let base = timing
+            .retry_initial
+            .saturating_mul(1u32 << failures.saturating_sub(1).min(16))
+            .min(timing.retry_max);
+        // Up to +25% jitter so a hub restarting with many dead peers does not retry in lockstep.
+        let jitter = base.mul_f64(rand::rng().random_range(0.0..0.25));
+        Self {
+            failures,
+            next: Instant::now() + base + jitter,
+        }
+    }
+}
+
+/// What one pass decided to send to one peer.
+#[derive(Debug)]
+struct Job {
+    address: String,
+    outgoing: Outgoing,
+    /// The outbox entry and its revision (0 = none yet).
+    outbox: Option<(Outbox, i64)>,
+    /// The peer is no longer a networked full peer: withdraw, then forget it.
+    farewell: bool,
+}
+
+/// Runs the sender until `shutdown`.
+pub async fn run(core: Arc<Discovery>, timing: SenderTiming, shutdown: Shutdown) {
+    let mut backoff: BTreeMap<ClusterId, Backoff> = BTreeMap::new();
+    let mut next_resync = Instant::now();
+    let mut changes = None;
+    loop {
+        if changes.is_none() {
+            // Watch before reading, so no change slips between the pass and the wait.
+            match core.store().watch(CLUSTERS_PREFIX, None).await {
+                Ok(stream) => changes = Some(stream),
+                Err(err) => {
+                    tracing::warn!(error = %err, "cannot watch foreign clusters; relying on the periodic resync")
+                }
+            }
+        }
+        let resync = Instant::now() >= next_resync;
+        if resync {
+            next_resync = Instant::now() + timing.resync;
+        }
+        if let Err(err) = pass(&core, &timing, resync, &mut backoff).await {
+            tracing::warn!(error = %err, "neighborhood pass failed; retrying");
+            backoff.insert(
+                core.identity().id.clone(),
+                Backoff::after_failure(backoff.get(&core.identity().id).copied(), &timing),
+            );
+        } else {
+            backoff.remove(&core.identity().id);
+        }
+        let wake = backoff
+            .values()
+            .map(|b| b.next)
+            .fold(next_resync, Instant::min);
+        tokio::select! {
+            () = shutdown.cancelled() => return,
+            () = tokio::time::sleep_until(wake) => {}
+            event = async {
+                match changes.as_mut() {
+                    Some(stream) => stream.next().await,
+                    None => std::future::pending().await,
+                }
+            } => {
+                if !matches!(event, Some(Ok(_))) {
+                    changes = None;
+                }
+            }
+        }
+    }
+}
+
+/// The Neighborhood each networked full peer should hold: the other networked full peers.
+fn desired(snapshot: &Snapshot) -> BTreeMap<ClusterId, (String, Vec<Neighbor>)> {
+    let peers: Vec<_> = snapshot
+        .records
+        .values()
+        .filter(|(r, _)| r.is_networked_full_peer())
+        .map(|(r, _)| r)
+        .collect();
+    peers
+        .iter()
+        .map(|p| {
+            let others = peers
+                .iter()
+                .filter(|o| o.identity.id != p.identity.id)
+                .map(|o| Neighbor {
+                    identity: o.identity.clone(),
+                    addresses: o.full.clone().unwrap_or_default().addresses,
+                })
+                .collect();
+            (
+                p.identity.id.clone(),
+                (p.discovery_endpoint().to_owned(), others),
+            )
+        })
+        .collect()
+}
+
+async fn pass(
+    core: &Arc<Discovery>,
+    timing: &SenderTiming,
+    resync: bool,
+    backoff: &mut BTreeMap<ClusterId, Backoff>,
+) -> Result<()> {
+    let snapshot = core.snapshot().await?;
+    let mut outboxes = core.outboxes().await?;
+    let now = Instant::now();
+    let mut jobs = Vec::new();
+    let next_generation = |ob: Option<&(Outbox, i64)>| {
+        ob.map_or(snapshot.revision, |(o, _)| {
+            snapshot.revision.max(o.generation + 1).max(o.floor)
+        })
+    };
+    let desired = desired(&snapshot);
+    for (peer, (address, neighbors)) in &desired {
+        let outbox = outboxes.remove(peer);
+        let changed = outbox
+            .as_ref()
+            .is_none_or(|(o, _)| &o.neighbors != neighbors);
+        if !changed && !resync {
+            continue;
+        }
+        if backoff.get(peer).is_some_and(|b| b.next > now) {
+            continue;
+        }
+        if address.is_empty() {
+            tracing::warn!(cluster.id = %peer, "full peer advertised no discovery address; cannot send its neighborhood");
+            continue;
+        }
+        let generation = if changed {
+            next_generation(outbox.as_ref())
+        } else {
+            outbox
+                .as_ref()
+                .map_or(snapshot.revision, |(o, _)| o.generation)
+        };
+        let Some((record, _)) = snapshot.records.get(peer) else {
+            continue;
+        };
+        jobs.push(Job {
+            address: address.clone(),
+            outgoing: Outgoing {
+                sender: core.identity().clone(),
+                recipient: record.identity.clone(),
+                neighbors: neighbors.clone(),
+                generation,
+            },
+            outbox,
+            farewell: false,
+        });
+    }
+    // Former peers still holding something from us: tell them it is empty.
+    for (peer, (outbox, revision)) in outboxes {
+        let address = snapshot
+            .records
+            .get(&peer)
+            .map(|(r, _)| r.discovery_endpoint().to_owned())
+            .unwrap_or_default();
+        if address.is_empty() {
+            // Forgotten entirely: nobody left to tell.
+            core.forget_outbox(&peer, revision).await?;
+            continue;
+        }
+        if backoff.get(&peer).is_some_and(|b| b.next > now) {
+            continue;
+        }
+        let generation = next_generation(Some(&(outbox.clone(), revision)));
+        jobs.push(Job {
+            address,
+            outgoing: Outgoing {
+                sender: core.identity().clone(),
+                recipient: outbox.peer.clone(),
+                neighbors: Vec::new(),
+                generation,
+            },
+            outbox: Some((outbox, revision)),
+            farewell: true,
+        });
+    }
+    let results = futures::future::join_all(jobs.into_iter().map(|job| async move {
+        let result = remote::publish_neighborhood(&job.address, &job.outgoing).await;
+        (job, result)
+    }))
+    .await;
+    for (job, result) in results {
+        let peer = job.outgoing.recipient.id.clone();
+        match settle(core, &job, result).await {
+            Ok(true) => {
+                backoff.remove(&peer);
+            }
+            Ok(false) => {
+                // The peer holds a newer generation; the floor is recorded, go again at once.
+                backoff.insert(
+                    peer,
+                    Backoff {
+                        failures: 0,
+                        next: Instant::now(),
+                    },
+                );
+            }
+            Err(err) => {
+                let next = Backoff::after_failure(backoff.get(&peer).copied(), timing);
+                tracing::warn!(cluster.id = %peer, address = %job.address, error = %err, failures = next.failures, "sending neighborhood failed; will retry");
+                backoff.insert(peer, next);
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Records the outcome of one send; `Ok(false)` when it must be redone right away.
+async fn settle(core: &Discovery, job: &Job, result: Result<crate::core::Applied>) -> Result<bool> {
+    let revision = job.outbox.as_ref().map_or(0, |(_, rev)| *rev);
+    let floor = job.outbox.as_ref().map_or(0, |(o, _)| o.floor);
+    match result {
+        Ok(applied) if applied.applied => {
+            if job.farewell {
+                core.forget_outbox(&job.outgoing.recipient.id, revision)
+                    .await?;
+                tracing::info!(cluster.id = %job.outgoing.recipient.id, "withdrew neighborhood from former peer");
+            } else {
+                let acknowledged = Outbox {
+                    peer: job.outgoing.recipient.clone(),
+                    generation: job.outgoing.generation,
+                    neighbors: job.outgoing.neighbors.clone(),
+                    floor,
+                };
+                let changed = job.outbox.as_ref().is_none_or(|(o, _)| o != &acknowledged);
+                if changed {
+                    core.acknowledge(&acknowledged, revision).await?;
+                    tracing::info!(cluster.id = %job.outgoing.recipient.id, generation = job.outgoing.generation, neighbors = job.outgoing.neighbors.len(), "neighborhood acknowledged");
+                }
+            }
+            Ok(true)
+        }
+        Ok(applied) => {
+            // Stale: the peer holds a higher generation (e.g. our store was restored from an
+            // old backup). Continue numbering above it.
+            let mut outbox = job.outbox.as_ref().map_or_else(
+                || Outbox {
+                    peer: job.outgoing.recipient.clone(),
+                    generation: 0,
+                    neighbors: Vec::new(),
+                    floor: 0,
+                },
+                |(o, _)| o.clone(),
+            );
+            outbox.floor = applied.current_generation + 1;
+            // Force a real send next time: what it holds is not what we think it holds.
+            outbox.neighbors.clear();
+            outbox.generation = applied.current_generation;
+            core.acknowledge(&outbox, revision).await?;
+            Ok(false)
+        }
+        Err(Error::PermissionDenied(_) | Error::FailedPrecondition(_)) if job.farewell => {
+            // The former peer no longer accepts anything from us: it has dropped us and with
+            // us everything we introduced.
+            core.forget_outbox(&job.outgoing.recipient.id, revision)
+                .await?;
+            Ok(true)
+        }
+        Err(err) => Err(err),
+    }
+}

@@ -1,0 +1,354 @@
+//! `trellis-discovery` as real processes on real etcd: a hub's Neighborhoods reach its leaves,
+//! unpeering withdraws, a SIGKILLed leaf restarts with everything; and grpcurl lists, calls and
+//! streams the service.
+
+use std::io::Read as _;
+use std::net::SocketAddr;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use tonic::transport::Channel;
+use trellis_api::pb::discovery::discovery_client::DiscoveryClient;
+use trellis_api::pb::discovery::*;
+use trellis_api::pb::types::{
+    ClusterIdentity, ConditionStatus, ForeignCluster, PeeringKind, ServiceAddresses,
+};
+use trellis_integration::{ServiceProcess, free_addr};
+use trellis_testkit::{Etcd, require_tool};
+
+const DISCOVERY: &str = "trellis.discovery.v1.Discovery";
+
+/// How long a change may take to propagate between processes before the test fails. Generous:
+/// the sender acts on the store watch at once, this only bounds a stuck system.
+const PROPAGATION: Duration = Duration::from_secs(30);
+
+async fn start_discovery(etcd: &Etcd, cluster: &str) -> ServiceProcess {
+    let addr = free_addr();
+    let args = [
+        "--listen",
+        &addr.to_string(),
+        "--store",
+        &etcd.url(&format!("discovery-{cluster}")),
+        "--cluster-id",
+        cluster,
+        "--cluster-name",
+        &format!("cluster {cluster}"),
+        "--advertise-discovery",
+        &addr.to_string(),
+        "--neighborhood-resync",
+        "2",
+        "--neighborhood-retry-max",
+        "1",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    ServiceProcess::start("trellis-discovery", args, addr, DISCOVERY)
+        .await
+        .expect("trellis-discovery starts")
+}
+
+async fn client(p: &ServiceProcess) -> DiscoveryClient<Channel> {
+    DiscoveryClient::new(p.channel().await.expect("connects"))
+}
+
+/// Tells `on` (as its broker would) that it is peered with `peer`, networking enabled.
+async fn peer(on: &ServiceProcess, peer_id: &str, peer_addr: SocketAddr, peered: bool) {
+    client(on)
+        .await
+        .update_peering(UpdatePeeringRequest {
+            identity: Some(ClusterIdentity {
+                cluster_id: peer_id.into(),
+                cluster_name: format!("cluster {peer_id}"),
+            }),
+            peered,
+            addresses: Some(ServiceAddresses {
+                discovery: peer_addr.to_string(),
+                ..Default::default()
+            }),
+            outgoing_peering_enabled: true,
+            incoming_peering_enabled: true,
+            networking_enabled: true,
+            reason: if peered {
+                "HandshakeCompleted"
+            } else {
+                "Unpeered"
+            }
+            .into(),
+            message: String::new(),
+            expected_revision: 0,
+        })
+        .await
+        .expect("update peering");
+}
+
+fn condition(fc: &ForeignCluster, kind: &str) -> Option<ConditionStatus> {
+    fc.conditions
+        .iter()
+        .find(|c| c.r#type == kind)
+        .and_then(|c| ConditionStatus::try_from(c.status).ok())
+}
+
+/// The active induced records of `p`: (cluster, origin), and the withdrawn ones' IDs.
+async fn induced(p: &ServiceProcess) -> (Vec<(String, String)>, Vec<String>) {
+    let listed = client(p)
+        .await
+        .list_foreign_clusters(ListForeignClustersRequest {
+            kind: PeeringKind::Induced as i32,
+        })
+        .await
+        .expect("lists")
+        .into_inner()
+        .foreign_clusters;
+    let mut active = Vec::new();
+    let mut withdrawn = Vec::new();
+    for fc in listed {
+        let id = fc
+            .identity
+            .as_ref()
+            .map(|i| i.cluster_id.clone())
+            .unwrap_or_default();
+        if condition(&fc, "Withdrawn") == Some(ConditionStatus::True) {
+            withdrawn.push(id);
+        } else {
+            let origin = fc
+                .induced
+                .as_ref()
+                .and_then(|i| i.origin.as_ref())
+                .map(|o| o.cluster_id.clone())
+                .unwrap_or_default();
+            active.push((id, origin));
+        }
+    }
+    (active, withdrawn)
+}
+
+async fn wait_for(p: &ServiceProcess, active: &[&str], withdrawn: &[&str], what: &str) {
+    let want_active: Vec<(String, String)> = active
+        .iter()
+        .map(|id| ((*id).to_owned(), "b".to_owned()))
+        .collect();
+    let want_withdrawn: Vec<String> = withdrawn.iter().map(|s| (*s).to_owned()).collect();
+    let deadline = Instant::now() + PROPAGATION;
+    loop {
+        let got = induced(p).await;
+        if got.0 == want_active && got.1 == want_withdrawn {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{what}: have {got:?}, want active {want_active:?} withdrawn {want_withdrawn:?}\n{}",
+            p.log_tail(30)
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+#[tokio::test]
+async fn hub_neighborhoods_reach_leaves_withdraw_on_unpeer_and_survive_sigkill() {
+    let Some(etcd) = Etcd::start_or_skip() else {
+        return;
+    };
+    let b = start_discovery(&etcd, "b").await;
+    let mut a = start_discovery(&etcd, "a").await;
+    let c = start_discovery(&etcd, "c").await;
+    let d = start_discovery(&etcd, "d").await;
+
+    // Each leaf's broker peered with the hub, and the hub's broker with each leaf.
+    for leaf in [&a, &c, &d] {
+        peer(leaf, "b", b.addr(), true).await;
+    }
+    for (id, leaf) in [("a", &a), ("c", &c), ("d", &d)] {
+        peer(&b, id, leaf.addr(), true).await;
+    }
+    wait_for(&a, &["c", "d"], &[], "a learns c and d through b").await;
+    wait_for(&c, &["a", "d"], &[], "c learns a and d through b").await;
+    wait_for(&d, &["a", "c"], &[], "d learns a and c through b").await;
+
+    // The hub drops d: a and c withdraw d; d is told its Neighborhood is empty.
+    peer(&b, "d", d.addr(), false).await;
+    wait_for(&a, &["c"], &["d"], "a withdraws d").await;
+    wait_for(&c, &["a"], &["d"], "c withdraws d").await;
+    wait_for(&d, &[], &["a", "c"], "d withdraws a and c").await;
+
+    // SIGKILL a's discovery and restart it on the same store: nothing is lost.
+    a.kill9();
+    a.restart().await.expect("a restarts");
+    wait_for(&a, &["c"], &["d"], "a keeps its records across SIGKILL").await;
+    let got = client(&a)
+        .await
+        .get_identity(GetIdentityRequest {})
+        .await
+        .expect("identity")
+        .into_inner();
+    assert_eq!(got.identity.expect("identity").cluster_id, "a");
+
+    // The restarted a keeps working: d peers with the hub again and reappears on a.
+    peer(&b, "d", d.addr(), true).await;
+    wait_for(&a, &["c", "d"], &[], "a learns d again after the restart").await;
+}
+
+fn grpcurl(tool: &std::path::Path, args: &[&str]) -> String {
+    let out = Command::new(tool)
+        .args(args)
+        .output()
+        .expect("grpcurl runs");
+    assert!(
+        out.status.success(),
+        "grpcurl {args:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).expect("utf-8 output")
+}
+
+/// Kills the streaming grpcurl when the test ends, whatever happens.
+struct Child(std::process::Child);
+
+impl Drop for Child {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Every complete JSON message grpcurl printed so far (it prints them one after the other).
+fn messages(text: &str) -> Vec<serde_json::Value> {
+    serde_json::Deserializer::from_str(text)
+        .into_iter::<serde_json::Value>()
+        .map_while(Result::ok)
+        .collect()
+}
+
+fn summary(m: &serde_json::Value) -> (String, String) {
+    (
+        m["type"].as_str().unwrap_or_default().to_owned(),
+        m["foreignCluster"]["identity"]["clusterId"]
+            .as_str()
+            .unwrap_or_default()
+            .to_owned(),
+    )
+}
+
+#[tokio::test]
+async fn grpcurl_lists_calls_and_streams_the_discovery_service() {
+    let Some(grpcurl_bin) = require_tool("grpcurl") else {
+        return;
+    };
+    let Some(etcd) = Etcd::start_or_skip() else {
+        return;
+    };
+    let hub = start_discovery(&etcd, "hub").await;
+    let addr = hub.addr().to_string();
+
+    let listed = grpcurl(&grpcurl_bin, &["-plaintext", &addr, "list"]);
+    assert!(listed.lines().any(|l| l == DISCOVERY), "{listed}");
+    assert!(
+        listed.lines().any(|l| l == "grpc.health.v1.Health"),
+        "{listed}"
+    );
+
+    peer(&hub, "leaf-1", free_addr(), true).await;
+    let got: serde_json::Value = serde_json::from_str(&grpcurl(
+        &grpcurl_bin,
+        &[
+            "-plaintext",
+            "-d",
+            r#"{"kind": "PEERING_KIND_FULL"}"#,
+            &addr,
+            &format!("{DISCOVERY}/ListForeignClusters"),
+        ],
+    ))
+    .expect("JSON");
+    let clusters = got["foreignClusters"].as_array().expect("foreignClusters");
+    assert_eq!(clusters.len(), 1, "{got}");
+    assert_eq!(clusters[0]["identity"]["clusterId"], "leaf-1");
+    assert_eq!(clusters[0]["kind"], "PEERING_KIND_FULL");
+    assert!(
+        got["revision"]
+            .as_str()
+            .is_some_and(|r| r.parse::<i64>().is_ok()),
+        "{got}"
+    );
+
+    // Stream the watch from a grpcurl child while changes happen.
+    let mut child = Child(
+        Command::new(&grpcurl_bin)
+            .args([
+                "-plaintext",
+                "-d",
+                r#"{"start_revision": 0}"#,
+                &addr,
+                &format!("{DISCOVERY}/WatchForeignClusters"),
+            ])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("grpcurl starts"),
+    );
+    let mut stdout = child.0.stdout.take().expect("stdout");
+    let (tx, rx) = std::sync::mpsc::channel::<String>();
+    std::thread::spawn(move || {
+        let mut buf = [0u8; 4096];
+        while let Ok(n) = stdout.read(&mut buf) {
+            if n == 0
+                || tx
+                    .send(String::from_utf8_lossy(&buf[..n]).into_owned())
+                    .is_err()
+            {
+                return;
+            }
+        }
+    });
+    let mut text = String::new();
+    let mut wait_for = |count: usize| {
+        let deadline = Instant::now() + PROPAGATION;
+        loop {
+            let got = messages(&text);
+            if got.len() >= count {
+                return got;
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            assert!(!left.is_zero(), "grpcurl printed only: {text}");
+            if let Ok(chunk) = rx.recv_timeout(left.min(Duration::from_millis(200))) {
+                text.push_str(&chunk);
+            }
+        }
+    };
+    let snapshot = wait_for(2);
+    assert_eq!(
+        summary(&snapshot[0]),
+        ("WATCH_EVENT_TYPE_ADDED".into(), "leaf-1".into())
+    );
+    assert_eq!(summary(&snapshot[1]).0, "WATCH_EVENT_TYPE_BOOKMARK");
+
+    peer(&hub, "leaf-2", free_addr(), true).await;
+    peer(&hub, "leaf-1", free_addr(), false).await;
+    let got = wait_for(4);
+    assert_eq!(
+        summary(&got[2]),
+        ("WATCH_EVENT_TYPE_ADDED".into(), "leaf-2".into())
+    );
+    assert_eq!(
+        summary(&got[3]),
+        ("WATCH_EVENT_TYPE_MODIFIED".into(), "leaf-1".into())
+    );
+    assert_eq!(
+        got[3]["foreignCluster"]["conditions"]
+            .as_array()
+            .expect("conditions")
+            .iter()
+            .find(|c| c["type"] == "Peered")
+            .map(|c| c["status"].clone()),
+        Some(serde_json::json!("CONDITION_STATUS_FALSE"))
+    );
+    let revisions: Vec<i64> = got[2..]
+        .iter()
+        .map(|m| {
+            m["revision"]
+                .as_str()
+                .and_then(|r| r.parse().ok())
+                .expect("revision")
+        })
+        .collect();
+    assert!(revisions[0] < revisions[1], "{revisions:?}");
+}
