@@ -38,6 +38,10 @@ pub enum Error {
     /// A concurrent writer kept winning; retrying the whole operation may succeed.
     #[error("{0}")]
     Aborted(String),
+    /// A position outside what exists any more, e.g. a watch resuming from compacted history:
+    /// the caller must start over (list, then watch).
+    #[error("{0}")]
+    OutOfRange(String),
     /// A dependency (store, remote service) cannot be reached right now.
     #[error("{0}")]
     Unavailable(String),
@@ -69,6 +73,7 @@ impl Error {
             Self::PermissionDenied(_) => Code::PermissionDenied,
             Self::Unauthenticated(_) => Code::Unauthenticated,
             Self::Aborted(_) => Code::Aborted,
+            Self::OutOfRange(_) => Code::OutOfRange,
             Self::Unavailable(_) => Code::Unavailable,
             Self::DeadlineExceeded(_) => Code::DeadlineExceeded,
             Self::Internal(_) => Code::Internal,
@@ -90,6 +95,7 @@ impl Error {
             Self::PermissionDenied(m) => Self::PermissionDenied(format!("{what}: {m}")),
             Self::Unauthenticated(m) => Self::Unauthenticated(format!("{what}: {m}")),
             Self::Aborted(m) => Self::Aborted(format!("{what}: {m}")),
+            Self::OutOfRange(m) => Self::OutOfRange(format!("{what}: {m}")),
             Self::Unavailable(m) => Self::Unavailable(format!("{what}: {m}")),
             Self::DeadlineExceeded(m) => Self::DeadlineExceeded(format!("{what}: {m}")),
             Self::Internal(m) => Self::Internal(format!("{what}: {m}")),
@@ -109,7 +115,7 @@ impl From<Status> for Error {
     fn from(status: Status) -> Self {
         let msg = status.message().to_owned();
         match status.code() {
-            Code::InvalidArgument | Code::OutOfRange => Self::InvalidArgument {
+            Code::InvalidArgument => Self::InvalidArgument {
                 field: "request".to_owned(),
                 reason: msg,
             },
@@ -120,6 +126,7 @@ impl From<Status> for Error {
             Code::PermissionDenied => Self::PermissionDenied(msg),
             Code::Unauthenticated => Self::Unauthenticated(msg),
             Code::Aborted => Self::Aborted(msg),
+            Code::OutOfRange => Self::OutOfRange(msg),
             Code::Unavailable | Code::Cancelled => Self::Unavailable(msg),
             Code::DeadlineExceeded => Self::DeadlineExceeded(msg),
             Code::Ok | Code::Unknown | Code::Unimplemented | Code::Internal | Code::DataLoss => {
@@ -151,6 +158,7 @@ mod tests {
             Error::PermissionDenied("x".into()),
             Error::Unauthenticated("x".into()),
             Error::Aborted("x".into()),
+            Error::OutOfRange("x".into()),
             Error::Unavailable("x".into()),
             Error::DeadlineExceeded("x".into()),
             Error::Internal("x".into()),

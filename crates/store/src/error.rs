@@ -33,15 +33,15 @@ pub enum StoreError {
 
 /// The store's errors in domain terms.
 ///
-/// [`StoreError::Compacted`] becomes [`Aborted`](trellis_error::Error::Aborted): the watch is
-/// lost, but restarting the whole list-then-watch cycle succeeds, which is exactly what
-/// `Aborted` tells a caller.
+/// [`StoreError::Compacted`] becomes [`OutOfRange`](trellis_error::Error::OutOfRange): the
+/// requested history is gone, and restarting the whole list-then-watch cycle succeeds, which is
+/// what gRPC's `OUT_OF_RANGE` tells a watch client.
 impl From<StoreError> for trellis_error::Error {
     fn from(err: StoreError) -> Self {
         let msg = err.to_string();
         match err {
             StoreError::Unavailable(_) => Self::Unavailable(msg),
-            StoreError::Compacted { .. } => Self::Aborted(msg),
+            StoreError::Compacted { .. } => Self::OutOfRange(msg),
             StoreError::LeaseNotFound(_) => Self::NotFound(msg),
             StoreError::InvalidUrl(reason) => Self::invalid("store", reason),
             StoreError::Internal(_) => Self::Internal(msg),
@@ -64,7 +64,7 @@ mod tests {
             Error::from(StoreError::Unavailable("x".into())),
             Error::Unavailable(_)
         ));
-        assert!(matches!(Error::from(compacted), Error::Aborted(_)));
+        assert!(matches!(Error::from(compacted), Error::OutOfRange(_)));
         assert!(matches!(
             Error::from(StoreError::LeaseNotFound(LeaseId(7))),
             Error::NotFound(_)

@@ -4,11 +4,10 @@
 //! process-local lock, and a process killed between two steps leaves the old or the new state.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::time::Duration;
 
-use rand::Rng as _;
 use trellis_api::{ClusterId, ClusterIdentity};
 use trellis_error::{Error, Result};
+use trellis_store::retry::Contention;
 use trellis_store::{Compare, Op, SharedStore, Txn};
 
 use crate::records::{
@@ -17,9 +16,6 @@ use crate::records::{
     OUTBOX_PREFIX, Outbox, PEERED, Source, Status, WITHDRAWN, cluster_key, decode, encode,
     inbox_key, now_nanos, outbox_key, tombstone_key,
 };
-
-/// Give up on an operation after this many lost races (each followed by a short random wait).
-const MAX_ATTEMPTS: u32 = 100;
 
 /// A record with the store revision of its last change.
 pub type Versioned = (ForeignClusterRecord, i64);
@@ -60,32 +56,6 @@ pub struct Applied {
 pub struct Snapshot {
     pub records: BTreeMap<ClusterId, Versioned>,
     pub revision: i64,
-}
-
-/// Counts lost races and waits a little, randomly, before the next attempt.
-struct Contention {
-    attempt: u32,
-    what: &'static str,
-}
-
-impl Contention {
-    fn new(what: &'static str) -> Self {
-        Self { attempt: 0, what }
-    }
-
-    async fn lost(&mut self) -> Result<()> {
-        self.attempt += 1;
-        if self.attempt >= MAX_ATTEMPTS {
-            return Err(Error::Aborted(format!(
-                "{}: gave up after {MAX_ATTEMPTS} conflicting concurrent updates",
-                self.what
-            )));
-        }
-        let cap_ms = 1u64 << self.attempt.min(5);
-        let wait = rand::rng().random_range(0..=cap_ms);
-        tokio::time::sleep(Duration::from_millis(wait)).await;
-        Ok(())
-    }
 }
 
 /// Writes to several records that commit together, each guarded by the revision it was read at.

@@ -51,9 +51,10 @@ type WatchStream =
 
 fn watch_status(err: WatchError) -> Status {
     match err {
-        WatchError::Compacted(msg) => Status::out_of_range(format!(
+        WatchError::Compacted(msg) => Error::OutOfRange(format!(
             "{msg}; restart with start_revision = 0 (or list, then watch from its revision + 1)"
-        )),
+        ))
+        .into(),
         WatchError::Failed(err) => err.into(),
     }
 }

@@ -5,13 +5,12 @@
 
 use std::collections::BTreeSet;
 use std::net::IpAddr;
-use std::time::Duration;
 
 use ipnet::IpNet;
-use rand::Rng as _;
 use trellis_api::net::{Family, ip_to_u128, net_bounds, translate, u128_to_ip};
 use trellis_api::{ClusterId, ClusterIdentity};
 use trellis_error::{Error, Result};
+use trellis_store::retry::Contention;
 use trellis_store::{Compare, KeyValue, Op, SharedStore, Txn};
 
 use crate::alloc::{conflicts, first_free};
@@ -21,9 +20,6 @@ use crate::records::{
     external_key,
 };
 use crate::subnets::{LocalRanges, LocalSubnets};
-
-/// Give up on an operation after this many lost races (each followed by a short random wait).
-const MAX_ATTEMPTS: u32 = 100;
 
 /// Point reads of candidate external addresses before falling back to one listing.
 const MAX_PROBES: u128 = 16;
@@ -63,40 +59,6 @@ struct Snapshot {
 impl Snapshot {
     fn find(&self, id: &ClusterId) -> Option<&(ClusterRecord, i64)> {
         self.records.iter().find(|(r, _)| &r.id == id)
-    }
-}
-
-/// Counts lost races and waits a little, randomly, before the next attempt.
-struct Contention {
-    attempt: u32,
-    what: &'static str,
-}
-
-impl Contention {
-    fn new(what: &'static str) -> Self {
-        Self { attempt: 0, what }
-    }
-
-    /// Counts a lost race without waiting: the caller already knows how to avoid the
-    /// collision (e.g. skip an address another replica just took).
-    fn skip(&mut self) -> Result<()> {
-        self.attempt += 1;
-        if self.attempt >= MAX_ATTEMPTS {
-            return Err(Error::Aborted(format!(
-                "{}: gave up after {MAX_ATTEMPTS} conflicting concurrent updates",
-                self.what
-            )));
-        }
-        Ok(())
-    }
-
-    /// Counts a lost race and waits a little, so racing writers spread out.
-    async fn lost(&mut self) -> Result<()> {
-        self.skip()?;
-        let cap_ms = 1u64 << self.attempt.min(5);
-        let wait = rand::rng().random_range(0..=cap_ms);
-        tokio::time::sleep(Duration::from_millis(wait)).await;
-        Ok(())
     }
 }
 
