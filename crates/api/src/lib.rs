@@ -4,11 +4,15 @@
 //! - [`ident`] and [`net`]: validated domain types (cluster identities, CIDRs, IPs).
 //! - [`model`]: the peering model shared by broker and gateway (network parameters, NAT
 //!   decisions, WireGuard keys, TunnelEndpoints), converted from and to the protos.
+//! - [`address`] and [`convert`]: "host:port" service addresses, and conversions of shared
+//!   messages (identities, advertised addresses, timestamps) both ways.
 //! - [`wire`]: the parsing helpers that turn request strings into those types, failing with
 //!   [`Error::InvalidArgument`] naming the offending field.
 //!
 //! Domain logic works on the validated types only; prost types stop at the gRPC handlers.
 
+pub mod address;
+pub mod convert;
 pub mod ident;
 pub mod model;
 pub mod net;

@@ -4,10 +4,12 @@
 //! Conversions from the protos validate and name the offending field with its path
 //! (`network_config.spec.pod_cidr`).
 
+mod addresses;
 mod key;
 mod network;
 mod tunnel;
 
+pub use addresses::Addresses;
 pub use key::WgKey;
 pub use network::{NatView, NetworkSpec};
 pub use tunnel::{PeeringKind, TunnelEndpoint};

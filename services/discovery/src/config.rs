@@ -10,7 +10,7 @@ use trellis_runtime::config::HasCommon;
 use crate::records::Addresses;
 
 fn address_arg(value: &str) -> Result<String, String> {
-    crate::address::required("value", value).map_err(|e| match e {
+    trellis_api::address::required("value", value).map_err(|e| match e {
         trellis_error::Error::InvalidArgument { reason, .. } => reason,
         other => other.to_string(),
     })

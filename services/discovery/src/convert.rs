@@ -2,72 +2,15 @@
 //! untrusted messages validates every field and names it on error (the field path as in the
 //! request, e.g. `neighborhood.neighbors[2].addresses.broker`).
 
-use prost_types::Timestamp;
-use trellis_api::ClusterIdentity;
 use trellis_api::pb::types as pb;
 use trellis_error::{Error, Result};
 
-use crate::address;
 use crate::records::{
-    Addresses, Condition, ForeignClusterRecord, FullPeering, InducedPeering, Kind, Neighbor,
-    Source, Status,
+    Condition, ForeignClusterRecord, FullPeering, InducedPeering, Kind, Neighbor, Source, Status,
 };
-
-/// A timestamp from nanoseconds since the epoch.
-pub fn timestamp(nanos: i64) -> Timestamp {
-    Timestamp {
-        seconds: nanos.div_euclid(1_000_000_000),
-        nanos: i32::try_from(nanos.rem_euclid(1_000_000_000)).unwrap_or(0),
-    }
-}
-
-pub fn identity_to_pb(identity: &ClusterIdentity) -> pb::ClusterIdentity {
-    pb::ClusterIdentity {
-        cluster_id: identity.id.to_string(),
-        cluster_name: identity.name.clone(),
-    }
-}
-
-/// Parses an identity at `field` (e.g. `neighborhood.sender`); absent counts as empty.
-pub fn identity_from_pb(
-    field: &str,
-    value: Option<&pb::ClusterIdentity>,
-) -> Result<ClusterIdentity> {
-    let empty = pb::ClusterIdentity::default();
-    let value = value.unwrap_or(&empty);
-    ClusterIdentity::parse(
-        &format!("{field}.cluster_id"),
-        &value.cluster_id,
-        &format!("{field}.cluster_name"),
-        &value.cluster_name,
-    )
-}
-
-pub fn addresses_to_pb(a: &Addresses) -> pb::ServiceAddresses {
-    pb::ServiceAddresses {
-        discovery: a.discovery.clone(),
-        broker: a.broker.clone(),
-        forwarder: a.forwarder.clone(),
-        ipam: a.ipam.clone(),
-        endpoints: a.endpoints.clone(),
-        gateway: a.gateway.clone(),
-    }
-}
-
-/// Parses advertised addresses at `field`; every non-empty one must be "host:port".
-pub fn addresses_from_pb(field: &str, value: Option<&pb::ServiceAddresses>) -> Result<Addresses> {
-    let empty = pb::ServiceAddresses::default();
-    let a = value.unwrap_or(&empty);
-    let check = |name: &str, v: &str| address::optional(&format!("{field}.{name}"), v);
-    Ok(Addresses {
-        discovery: check("discovery", &a.discovery)?,
-        broker: check("broker", &a.broker)?,
-        forwarder: check("forwarder", &a.forwarder)?,
-        ipam: check("ipam", &a.ipam)?,
-        endpoints: check("endpoints", &a.endpoints)?,
-        gateway: check("gateway", &a.gateway)?,
-    })
-}
+pub use trellis_api::convert::{
+    addresses_from_pb, addresses_to_pb, identity_from_pb, identity_to_pb, timestamp,
+};
 
 pub fn kind_to_pb(kind: Kind) -> pb::PeeringKind {
     match kind {

@@ -15,7 +15,6 @@ use trellis_api::pb::discovery::{self as pb};
 use trellis_api::pb::types::WatchEventType;
 use trellis_error::{Error, Result};
 
-use crate::address;
 use crate::convert::{
     addresses_from_pb, addresses_to_pb, foreign_cluster_to_pb, identity_from_pb, identity_to_pb,
     kind_filter, neighbors_from_pb,
@@ -24,6 +23,7 @@ use crate::core::{Discovery, PeeringUpdate, ReceivedNeighborhood};
 use crate::records::Mechanism;
 use crate::remote;
 use crate::watch::{self, EventType, WatchError};
+use trellis_api::address;
 
 /// The gRPC face of one [`Discovery`].
 #[derive(Debug, Clone)]

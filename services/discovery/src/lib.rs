@@ -8,11 +8,10 @@
 //! - [`neighborhood`]: the sender that keeps every full peer's Neighborhood up to date;
 //! - [`dns`] and [`mdns`]: the automatic discovery mechanisms;
 //! - [`remote`]: calls to other clusters' discovery services;
-//! - [`address`] and [`convert`]: validation and proto mapping;
+//! - [`convert`]: proto mapping of discovery records (shared conversions live in `trellis_api`);
 //! - [`grpc`]: the thin gRPC layer;
 //! - [`config`]: the flags.
 
-pub mod address;
 pub mod config;
 pub mod convert;
 pub mod core;

@@ -96,22 +96,7 @@ impl Mechanism {
     }
 }
 
-/// Service addresses ("host:port", empty = not advertised), as in types.proto.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Addresses {
-    #[serde(default)]
-    pub discovery: String,
-    #[serde(default)]
-    pub broker: String,
-    #[serde(default)]
-    pub forwarder: String,
-    #[serde(default)]
-    pub ipam: String,
-    #[serde(default)]
-    pub endpoints: String,
-    #[serde(default)]
-    pub gateway: String,
-}
+pub use trellis_api::model::Addresses;
 
 /// The full-peering part of a record.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]

@@ -7,6 +7,7 @@ use ipnet::IpNet;
 use trellis_error::{Error, Result};
 
 use super::{NatView, NetworkSpec, WgKey, path};
+use crate::convert::identity_to_pb;
 use crate::ident::ClusterIdentity;
 use crate::net::Family;
 use crate::pb::types as pb;
@@ -90,12 +91,8 @@ impl TunnelEndpoint {
 
     /// The wire form; `revision` is the store revision of the record.
     pub fn to_proto(&self, revision: i64) -> pb::TunnelEndpoint {
-        let identity = |c: &ClusterIdentity| pb::ClusterIdentity {
-            cluster_id: c.id.to_string(),
-            cluster_name: c.name.clone(),
-        };
         pb::TunnelEndpoint {
-            remote: Some(identity(&self.remote)),
+            remote: Some(identity_to_pb(&self.remote)),
             kind: self.kind.to_proto().into(),
             local_pod_cidr: self.local_pod_cidr.to_string(),
             local_pod_cidr_nat: self.local_nat.pod_cidr_nat.to_string(),
@@ -107,7 +104,7 @@ impl TunnelEndpoint {
             remote_external_cidr_nat: self.remote_nat.external_cidr_nat.to_string(),
             remote_endpoint: self.remote_endpoint.to_string(),
             remote_public_key: self.remote_public_key.to_string(),
-            via: self.via.as_ref().map(identity),
+            via: self.via.as_ref().map(identity_to_pb),
             generation: self.generation,
             revision,
             update_time: None,
