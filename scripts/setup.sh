@@ -18,6 +18,8 @@ declare -A want=(
   [nft]=nftables
   [ip]=iproute2
   [iperf3]=iperf3
+  [ping]=iputils-ping
+  [nc]=netcat-openbsd
 )
 missing=()
 for bin in "${!want[@]}"; do

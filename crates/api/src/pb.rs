@@ -15,5 +15,7 @@ mod generated {
 
 pub use generated::trellis;
 pub use generated::trellis::discovery::v1 as discovery;
+pub use generated::trellis::gateway::v1 as gateway;
 pub use generated::trellis::ipam::v1 as ipam;
+pub use generated::trellis::peering::v1 as peering;
 pub use generated::trellis::types::v1 as types;

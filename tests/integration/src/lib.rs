@@ -2,7 +2,10 @@
 //! until its gRPC health check says SERVING, kill it with SIGKILL, start it again with the
 //! same flags. Binaries are the ones `make test` builds before running the tests.
 
+pub mod cluster;
+pub mod netns;
 pub mod otlp;
+pub mod standin_broker;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;

@@ -51,6 +51,24 @@ impl fmt::Display for WgKey {
     }
 }
 
+impl serde::Serialize for WgKey {
+    fn serialize<S: serde::Serializer>(
+        &self,
+        serializer: S,
+    ) -> std::result::Result<S::Ok, S::Error> {
+        serializer.collect_str(self)
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for WgKey {
+    fn deserialize<D: serde::Deserializer<'de>>(
+        deserializer: D,
+    ) -> std::result::Result<Self, D::Error> {
+        let text = String::deserialize(deserializer)?;
+        Self::parse("public_key", &text).map_err(serde::de::Error::custom)
+    }
+}
+
 impl fmt::Debug for WgKey {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "WgKey({self})")

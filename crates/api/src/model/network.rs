@@ -12,7 +12,7 @@ use crate::pb::types as pb;
 use crate::wire;
 
 /// A cluster's network parameters as sent to a peer (NetworkConfig spec).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct NetworkSpec {
     /// The sender's real pod CIDR.
     pub pod_cidr: IpNet,
@@ -86,13 +86,25 @@ impl NetworkSpec {
 
 /// How one cluster addresses another's pod and external CIDRs (the NAT'ed views). The
 /// receiver's decision on a NetworkConfig, and what the sender learns as its local NAT.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct NatView {
     pub pod_cidr_nat: IpNet,
     pub external_cidr_nat: IpNet,
 }
 
 impl NatView {
+    /// The wire status of a processed NetworkConfig at `generation`.
+    pub fn to_status(&self, generation: i64) -> pb::NetworkConfigStatus {
+        pb::NetworkConfigStatus {
+            pod_cidr_nat: self.pod_cidr_nat.to_string(),
+            external_cidr_nat: self.external_cidr_nat.to_string(),
+            state: pb::NetworkConfigState::Processed.into(),
+            observed_generation: generation,
+            message: String::new(),
+            update_time: None,
+        }
+    }
+
     /// Validates a decision about `spec`: each view must be a network of the same size (and
     /// family) as the range it stands for.
     pub fn for_spec(

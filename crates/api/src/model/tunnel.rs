@@ -14,7 +14,7 @@ use crate::pb::types as pb;
 use crate::wire;
 
 /// How a remote cluster is known.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub enum PeeringKind {
     /// A direct peer (token handshake).
     Full,
@@ -34,7 +34,7 @@ impl PeeringKind {
 
 /// The tunnel to one remote cluster. "nat" fields are views after remapping; they equal the
 /// real ranges when the viewer did not remap.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct TunnelEndpoint {
     pub remote: ClusterIdentity,
     pub kind: PeeringKind,

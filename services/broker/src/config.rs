@@ -1,0 +1,71 @@
+//! Command-line flags of `trellis-broker` (each also `TRELLIS_<FLAG>`).
+
+use std::time::Duration;
+
+use clap::Parser;
+use trellis_runtime::CommonConfig;
+use trellis_runtime::config::HasCommon;
+
+fn address_arg(value: &str) -> Result<String, String> {
+    trellis_api::address::required("value", value).map_err(|e| match e {
+        trellis_error::Error::InvalidArgument { reason, .. } => reason,
+        other => other.to_string(),
+    })
+}
+
+/// The peering broker of one Trellis cluster: token handshake with full peers, NetworkConfig
+/// exchange (directly, or relayed by a hub's forwarder for induced peers), TunnelEndpoints for
+/// the gateway, and unpeering.
+#[derive(Debug, Clone, Parser)]
+#[command(name = "trellis-broker", version, about, long_about = None)]
+pub struct Config {
+    #[command(flatten)]
+    pub common: CommonConfig,
+
+    /// Address of this cluster's discovery service ("host:port"): peers are recorded there,
+    /// and its ForeignClusters say which NetworkConfigs to exchange.
+    #[arg(long, env = "TRELLIS_DISCOVERY", value_name = "HOST:PORT", value_parser = address_arg)]
+    pub discovery: String,
+
+    /// Address of this cluster's IPAM service: pod and external CIDRs for our NetworkConfigs,
+    /// NAT decisions on received ones.
+    #[arg(long, env = "TRELLIS_IPAM", value_name = "HOST:PORT", value_parser = address_arg)]
+    pub ipam: String,
+
+    /// Address of this cluster's gateway service: WireGuard endpoint and public key for our
+    /// NetworkConfigs.
+    #[arg(long, env = "TRELLIS_GATEWAY", value_name = "HOST:PORT", value_parser = address_arg)]
+    pub gateway: String,
+
+    /// The peering token to use when the store holds none yet (otherwise a random one is
+    /// generated). A secret: prefer the environment variable over the flag.
+    #[arg(
+        long,
+        env = "TRELLIS_TOKEN",
+        value_name = "TOKEN",
+        hide_env_values = true
+    )]
+    pub token: Option<String>,
+
+    /// Seconds between two full reconciliations when nothing triggers one earlier.
+    #[arg(
+        long,
+        env = "TRELLIS_RESYNC",
+        value_name = "SECONDS",
+        default_value_t = 10
+    )]
+    pub resync: u64,
+}
+
+impl HasCommon for Config {
+    fn common(&self) -> &CommonConfig {
+        &self.common
+    }
+}
+
+impl Config {
+    /// The resync period.
+    pub fn resync(&self) -> Duration {
+        Duration::from_secs(self.resync.max(1))
+    }
+}

@@ -1,0 +1,541 @@
+//! The broker's domain operations: the token handshake, peering and unpeering, and receiving
+//! NetworkConfigs and their statuses. Sending NetworkConfigs and deriving TunnelEndpoints is
+//! the reconciler's job ([`crate::reconcile`]); operations here store what they learn and wake
+//! it.
+
+use std::sync::Arc;
+
+use tokio::sync::Notify;
+use trellis_api::convert::{addresses_to_pb, identity_to_pb};
+use trellis_api::model::{Addresses, NatView, NetworkSpec};
+use trellis_api::pb::discovery::{
+    GetIdentityRequest, ListForeignClustersRequest, UpdatePeeringRequest,
+};
+use trellis_api::pb::ipam::{
+    FreeSubnetsPerClusterRequest, GetSubnetsPerClusterRequest, SetLocalNatRequest,
+};
+use trellis_api::pb::peering::{HandshakeRequest, NotifyUnpeerRequest};
+use trellis_api::{ClusterId, ClusterIdentity};
+use trellis_error::{Error, Result};
+use trellis_store::retry::Contention;
+use trellis_store::{Compare, Op, SharedStore, Txn};
+
+use crate::peers::Peers;
+use crate::records::{
+    Decision, IN_PREFIX, IncomingNc, OUT_PREFIX, OutgoingNc, PendingNotify, TUNNELS_PREFIX,
+    TokenRecord, TunnelRecord, decode, encode, in_key, notify_key, out_key,
+};
+use crate::remote::Clients;
+use crate::token;
+
+/// A NetworkConfig received from a remote, validated.
+#[derive(Debug, Clone)]
+pub struct Received {
+    pub origin: ClusterIdentity,
+    pub via: Option<ClusterIdentity>,
+    pub spec: NetworkSpec,
+    pub generation: i64,
+}
+
+/// The answer to a received NetworkConfig.
+#[derive(Debug, Clone)]
+pub struct Answer {
+    /// False when a higher generation is already held.
+    pub accepted: bool,
+    pub generation: i64,
+    pub decision: Decision,
+}
+
+/// The broker of one cluster.
+#[derive(Debug)]
+pub struct Broker {
+    identity: ClusterIdentity,
+    store: SharedStore,
+    clients: Clients,
+    initial_token: Option<String>,
+    /// Wakes the reconciler.
+    pub(crate) wake: Arc<Notify>,
+}
+
+fn local(context: &str) -> impl Fn(tonic::Status) -> Error + '_ {
+    move |status| Error::from(status).context(context)
+}
+
+impl Broker {
+    pub fn new(
+        identity: ClusterIdentity,
+        store: SharedStore,
+        clients: Clients,
+        initial_token: Option<String>,
+    ) -> Self {
+        Self {
+            identity,
+            store,
+            clients,
+            initial_token,
+            wake: Arc::new(Notify::new()),
+        }
+    }
+
+    pub fn identity(&self) -> &ClusterIdentity {
+        &self.identity
+    }
+
+    pub fn store(&self) -> &SharedStore {
+        &self.store
+    }
+
+    pub fn clients(&self) -> &Clients {
+        &self.clients
+    }
+
+    /// Asks the reconciler for a pass.
+    pub fn wake(&self) {
+        self.wake.notify_one();
+    }
+
+    /// The token, created on first use.
+    pub async fn token(&self) -> Result<TokenRecord> {
+        token::current(&self.store, self.initial_token.as_deref()).await
+    }
+
+    /// The addresses this cluster advertises, as its discovery service knows them.
+    pub async fn advertised(&self) -> Result<Addresses> {
+        let answer = self
+            .clients
+            .discovery()
+            .get_identity(GetIdentityRequest {})
+            .await
+            .map_err(local(
+                "asking the local discovery service for our addresses",
+            ))?
+            .into_inner();
+        trellis_api::convert::addresses_from_pb("addresses", answer.addresses.as_ref())
+    }
+
+    /// The peering view of the local discovery service.
+    pub async fn peers(&self) -> Result<Peers> {
+        let listing = self
+            .clients
+            .discovery()
+            .list_foreign_clusters(ListForeignClustersRequest { kind: 0 })
+            .await
+            .map_err(local("listing foreign clusters"))?
+            .into_inner();
+        Ok(Peers::from_foreign_clusters(&listing.foreign_clusters))
+    }
+
+    async fn record_peering(
+        &self,
+        remote: &ClusterIdentity,
+        addresses: Option<&Addresses>,
+        peered: bool,
+        reason: &str,
+    ) -> Result<()> {
+        self.clients
+            .discovery()
+            .update_peering(UpdatePeeringRequest {
+                identity: Some(identity_to_pb(remote)),
+                peered,
+                addresses: addresses.map(addresses_to_pb),
+                outgoing_peering_enabled: peered,
+                incoming_peering_enabled: peered,
+                networking_enabled: peered,
+                reason: reason.to_owned(),
+                message: String::new(),
+                expected_revision: 0,
+            })
+            .await
+            .map_err(local(
+                "recording the peering in the local discovery service",
+            ))?;
+        Ok(())
+    }
+
+    /// Answers a remote's handshake: checks the token, records the caller as a full peer,
+    /// returns who we are and where our services are.
+    #[tracing::instrument(skip_all, fields(remote.id = %caller.id))]
+    pub async fn handshake(
+        &self,
+        presented: &str,
+        caller: &ClusterIdentity,
+        addresses: &Addresses,
+    ) -> Result<(ClusterIdentity, Addresses)> {
+        let token = self.token().await?;
+        if !token::accepts(&token, presented) {
+            tracing::warn!(remote.id = %caller.id, "refused a handshake with a wrong or expired token");
+            return Err(Error::PermissionDenied(
+                "the peering token is wrong or expired".into(),
+            ));
+        }
+        if caller.id == self.identity.id {
+            return Err(Error::invalid(
+                "identity.cluster_id",
+                "is our own cluster ID",
+            ));
+        }
+        if addresses.broker.is_empty() {
+            return Err(Error::invalid(
+                "addresses.broker",
+                "is required: we must be able to reach the caller's broker",
+            ));
+        }
+        let ours = self.advertised().await?;
+        self.record_peering(caller, Some(addresses), true, "HandshakeAccepted")
+            .await?;
+        tracing::info!(remote.id = %caller.id, remote.name = %caller.name, "accepted a peering handshake");
+        self.wake();
+        Ok((self.identity.clone(), ours))
+    }
+
+    /// Peers with the cluster whose broker listens at `address`.
+    #[tracing::instrument(skip(self, presented))]
+    pub async fn peer(
+        &self,
+        address: &str,
+        presented: &str,
+        expected: Option<&ClusterId>,
+    ) -> Result<(ClusterIdentity, Addresses)> {
+        let ours = self.advertised().await?;
+        if ours.broker.is_empty() {
+            return Err(Error::FailedPrecondition(
+                "the local discovery service advertises no broker address; peers could not reach us".into(),
+            ));
+        }
+        let answer = self
+            .clients
+            .broker(address)?
+            .handshake(HandshakeRequest {
+                token: presented.to_owned(),
+                identity: Some(identity_to_pb(&self.identity)),
+                addresses: Some(addresses_to_pb(&ours)),
+            })
+            .await
+            .map_err(|status| Error::from(status).context(format!("handshake with {address}")))?
+            .into_inner();
+        let unusable = |e: Error| {
+            Error::FailedPrecondition(format!(
+                "the broker at {address} answered an unusable handshake: {e}"
+            ))
+        };
+        let remote = trellis_api::convert::identity_from_pb("identity", answer.identity.as_ref())
+            .map_err(unusable)?;
+        let addresses =
+            trellis_api::convert::addresses_from_pb("addresses", answer.addresses.as_ref())
+                .map_err(unusable)?;
+        if remote.id == self.identity.id {
+            return Err(Error::FailedPrecondition(format!(
+                "the broker at {address} is our own"
+            )));
+        }
+        if let Some(expected) = expected.filter(|e| **e != remote.id) {
+            return Err(Error::FailedPrecondition(format!(
+                "the broker at {address} belongs to cluster {}, not {expected}",
+                remote.id
+            )));
+        }
+        self.record_peering(&remote, Some(&addresses), true, "Peered")
+            .await?;
+        tracing::info!(remote.id = %remote.id, remote.name = %remote.name, "peered");
+        self.wake();
+        Ok((remote, addresses))
+    }
+
+    /// Ends the full peering with `id`: marks it unpeered (the reconciler tears down what was
+    /// built on it) and tells the remote, retrying later if it is unreachable.
+    #[tracing::instrument(skip(self))]
+    pub async fn unpeer(&self, id: &ClusterId) -> Result<bool> {
+        let peers = self.peers().await?;
+        let Some((remote, addresses, _)) = peers.full.get(id).cloned() else {
+            return Ok(false);
+        };
+        self.record_peering(&remote, None, false, "Unpeered")
+            .await?;
+        if !addresses.broker.is_empty() {
+            let pending = PendingNotify {
+                remote: remote.clone(),
+                broker: addresses.broker.clone(),
+                reason: "Unpeered".into(),
+            };
+            self.store.put(&notify_key(id), encode(&pending)?).await?;
+            self.deliver_notify(&pending).await;
+        }
+        tracing::info!(remote.id = %id, "unpeered");
+        self.wake();
+        Ok(true)
+    }
+
+    /// Tries to deliver a pending unpeering notice; forgets it once acknowledged.
+    pub async fn deliver_notify(&self, pending: &PendingNotify) -> bool {
+        let sent = match self.clients.broker(&pending.broker) {
+            Ok(mut client) => client
+                .notify_unpeer(NotifyUnpeerRequest {
+                    identity: Some(identity_to_pb(&self.identity)),
+                    reason: pending.reason.clone(),
+                })
+                .await
+                .map_err(Error::from),
+            Err(e) => Err(e),
+        };
+        match sent {
+            Ok(_) => {
+                if let Err(err) = self.store.delete(&notify_key(&pending.remote.id)).await {
+                    tracing::warn!(error = %err, "could not forget a delivered unpeering notice");
+                }
+                true
+            }
+            Err(err) => {
+                tracing::warn!(remote.id = %pending.remote.id, error = %err, "unpeering notice not delivered yet");
+                false
+            }
+        }
+    }
+
+    /// The remote `caller` unpeered us.
+    pub async fn notified_unpeer(&self, caller: &ClusterIdentity, reason: &str) -> Result<bool> {
+        let peers = self.peers().await?;
+        if !peers.is_full_peer(&caller.id) {
+            return Ok(false);
+        }
+        self.record_peering(
+            caller,
+            None,
+            false,
+            if reason.is_empty() {
+                "RemoteUnpeered"
+            } else {
+                reason
+            },
+        )
+        .await?;
+        tracing::info!(remote.id = %caller.id, reason, "the remote unpeered us");
+        self.wake();
+        Ok(true)
+    }
+
+    /// Receives a NetworkConfig destined to us, decides how we address its origin, stores both.
+    #[tracing::instrument(skip_all, fields(remote.id = %nc.origin.id, generation = nc.generation))]
+    pub async fn receive(&self, nc: Received) -> Result<Answer> {
+        let peers = self.peers().await?;
+        match &nc.via {
+            None => {
+                if !peers.is_full_peer(&nc.origin.id) {
+                    return Err(Error::PermissionDenied(format!(
+                        "cluster {} is not a full peer of {}",
+                        nc.origin.id, self.identity.id
+                    )));
+                }
+            }
+            Some(hub) => {
+                if !peers.is_full_peer(&hub.id) {
+                    return Err(Error::PermissionDenied(format!(
+                        "the relaying hub {} is not a full peer of {}",
+                        hub.id, self.identity.id
+                    )));
+                }
+                if !peers.introduced_by(&nc.origin.id, &hub.id) {
+                    return Err(Error::FailedPrecondition(format!(
+                        "cluster {} has not (yet) been introduced to us by {}; retry later",
+                        nc.origin.id, hub.id
+                    )));
+                }
+            }
+        }
+
+        let key = in_key(&nc.origin.id);
+        let held = match self.store.get(&key).await? {
+            Some(kv) => Some((decode::<IncomingNc>(&key, &kv.value)?, kv.mod_revision)),
+            None => None,
+        };
+        if let Some((held, _)) = &held {
+            if held.generation > nc.generation {
+                return Ok(Answer {
+                    accepted: false,
+                    generation: held.generation,
+                    decision: held.decision.clone(),
+                });
+            }
+            if held.generation == nc.generation && held.spec == nc.spec && held.via == nc.via {
+                return Ok(Answer {
+                    accepted: true,
+                    generation: held.generation,
+                    decision: held.decision.clone(),
+                });
+            }
+        }
+
+        let decision = self.decide(&nc).await?;
+        let record = IncomingNc {
+            remote: nc.origin.clone(),
+            via: nc.via.clone(),
+            spec: nc.spec,
+            generation: nc.generation,
+            decision: decision.clone(),
+        };
+        let revision = held.as_ref().map_or(0, |(_, r)| *r);
+        let committed = self
+            .store
+            .txn(Txn {
+                compares: vec![Compare::ModRevision {
+                    key: key.clone(),
+                    revision,
+                }],
+                success: vec![Op::Put {
+                    key,
+                    value: encode(&record)?,
+                    lease: None,
+                }],
+                failure: vec![],
+            })
+            .await?;
+        if !committed.succeeded {
+            return Err(Error::Aborted(format!(
+                "a concurrent NetworkConfig from {} arrived; retry",
+                nc.origin.id
+            )));
+        }
+        tracing::info!(remote.id = %nc.origin.id, via = ?nc.via.as_ref().map(|v| v.id.to_string()), "received a network config");
+        self.wake();
+        Ok(Answer {
+            accepted: true,
+            generation: nc.generation,
+            decision,
+        })
+    }
+
+    /// Our NAT decision for a received spec, from the IPAM. A changed spec (a higher
+    /// generation with other CIDRs) frees the old mapping first.
+    async fn decide(&self, nc: &Received) -> Result<Decision> {
+        let request = GetSubnetsPerClusterRequest {
+            cluster_id: nc.origin.id.to_string(),
+            cluster_name: nc.origin.name.clone(),
+            pod_cidr: nc.spec.pod_cidr.to_string(),
+            external_cidr: nc.spec.external_cidr.to_string(),
+        };
+        let mut ipam = self.clients.ipam();
+        let answer = match ipam.get_subnets_per_cluster(request.clone()).await {
+            Err(status) if status.code() == tonic::Code::FailedPrecondition => {
+                tracing::info!(remote.id = %nc.origin.id, "the remote's CIDRs changed: remapping");
+                ipam.free_subnets_per_cluster(FreeSubnetsPerClusterRequest {
+                    cluster_id: nc.origin.id.to_string(),
+                })
+                .await
+                .map_err(local("freeing the remote's old mapping"))?;
+                ipam.get_subnets_per_cluster(request).await
+            }
+            other => other,
+        };
+        match answer {
+            Ok(answer) => {
+                let answer = answer.into_inner();
+                let status = trellis_api::pb::types::NetworkConfigStatus {
+                    pod_cidr_nat: answer.pod_cidr_nat,
+                    external_cidr_nat: answer.external_cidr_nat,
+                    ..Default::default()
+                };
+                let view = NatView::for_spec("ipam", &nc.spec, &status).map_err(|e| {
+                    Error::Internal(format!("the IPAM answered an unusable mapping: {e}"))
+                })?;
+                Ok(Decision::Processed {
+                    view,
+                    observed_generation: nc.generation,
+                })
+            }
+            Err(status)
+                if matches!(
+                    status.code(),
+                    tonic::Code::ResourceExhausted | tonic::Code::InvalidArgument
+                ) =>
+            {
+                tracing::warn!(remote.id = %nc.origin.id, reason = status.message(), "rejected a network config");
+                Ok(Decision::Rejected {
+                    message: status.message().to_owned(),
+                    observed_generation: nc.generation,
+                })
+            }
+            Err(status) => {
+                Err(Error::from(status).context("asking the IPAM for the remote's mapping"))
+            }
+        }
+    }
+
+    /// Stores a remote's decision on our NetworkConfig and tells the IPAM how it addresses us.
+    /// Returns false for a stale decision.
+    pub async fn decided(&self, remote: &ClusterId, decision: Decision) -> Result<bool> {
+        let key = out_key(remote);
+        let mut contention = Contention::new("recording a network config status");
+        loop {
+            let Some(kv) = self.store.get(&key).await? else {
+                return Err(Error::NotFound(format!(
+                    "no network config towards {remote}"
+                )));
+            };
+            let mut out: OutgoingNc = decode(&key, &kv.value)?;
+            if decision.observed_generation() != out.generation {
+                return Ok(false);
+            }
+            if out.decision.as_ref() == Some(&decision) {
+                return Ok(true);
+            }
+            if let Decision::Processed { view, .. } = &decision {
+                self.clients
+                    .ipam()
+                    .set_local_nat(SetLocalNatRequest {
+                        cluster_id: remote.to_string(),
+                        cluster_name: out.remote.name.clone(),
+                        pod_cidr: view.pod_cidr_nat.to_string(),
+                        external_cidr: view.external_cidr_nat.to_string(),
+                    })
+                    .await
+                    .map_err(local("recording how the remote addresses us"))?;
+            }
+            out.decision = Some(decision.clone());
+            let committed = self
+                .store
+                .txn(Txn {
+                    compares: vec![Compare::ModRevision {
+                        key: key.clone(),
+                        revision: kv.mod_revision,
+                    }],
+                    success: vec![Op::Put {
+                        key: key.clone(),
+                        value: encode(&out)?,
+                        lease: None,
+                    }],
+                    failure: vec![],
+                })
+                .await?;
+            if committed.succeeded {
+                tracing::info!(remote.id = %remote, generation = out.generation, "the remote decided on our network config");
+                self.wake();
+                return Ok(true);
+            }
+            contention.lost().await?;
+        }
+    }
+
+    /// The NetworkConfigs held, both directions.
+    pub async fn network_configs(&self) -> Result<(Vec<OutgoingNc>, Vec<IncomingNc>)> {
+        let outs = self.store.list(OUT_PREFIX).await?.kvs;
+        let ins = self.store.list(IN_PREFIX).await?.kvs;
+        Ok((
+            outs.iter()
+                .map(|kv| decode(&kv.key, &kv.value))
+                .collect::<Result<_>>()?,
+            ins.iter()
+                .map(|kv| decode(&kv.key, &kv.value))
+                .collect::<Result<_>>()?,
+        ))
+    }
+
+    /// The TunnelEndpoints with their store revisions, and the listing's revision.
+    pub async fn tunnels(&self) -> Result<(Vec<(TunnelRecord, i64)>, i64)> {
+        let listing = self.store.list(TUNNELS_PREFIX).await?;
+        let tunnels = listing
+            .kvs
+            .iter()
+            .map(|kv| Ok((decode(&kv.key, &kv.value)?, kv.mod_revision)))
+            .collect::<Result<_>>()?;
+        Ok((tunnels, listing.revision))
+    }
+}

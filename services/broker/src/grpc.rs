@@ -1,0 +1,387 @@
+//! The `trellis.peering.v1.Broker` gRPC handlers: validate the request into domain values
+//! (errors name the field), call [`Broker`], map the answer back.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tonic::{Request, Response, Status};
+use trellis_api::convert::{
+    addresses_from_pb, addresses_to_pb, identity_from_pb, identity_to_pb, timestamp,
+};
+use trellis_api::model::{NetworkSpec, PeeringKind};
+use trellis_api::pb::peering::broker_server::Broker as BrokerApi;
+use trellis_api::pb::peering::{self as pb};
+use trellis_api::pb::types;
+use trellis_api::{ClusterId, ClusterIdentity, address};
+use trellis_error::{Error, Result};
+
+use crate::core::{Broker, Received};
+use crate::records::{Decision, nc_name};
+use crate::{reconcile, token, watch};
+
+/// The gRPC face of one [`Broker`].
+#[derive(Debug, Clone)]
+pub struct BrokerService {
+    core: Arc<Broker>,
+}
+
+impl BrokerService {
+    pub fn new(core: Arc<Broker>) -> Self {
+        Self { core }
+    }
+}
+
+fn status_of(decision: &Decision) -> types::NetworkConfigStatus {
+    match decision {
+        Decision::Processed {
+            view,
+            observed_generation,
+        } => view.to_status(*observed_generation),
+        Decision::Rejected {
+            message,
+            observed_generation,
+        } => types::NetworkConfigStatus {
+            state: types::NetworkConfigState::Rejected.into(),
+            observed_generation: *observed_generation,
+            message: message.clone(),
+            ..Default::default()
+        },
+    }
+}
+
+/// The optional `via` of a NetworkConfig: absent or empty means direct.
+fn via_of(field: &str, via: Option<&types::ClusterIdentity>) -> Result<Option<ClusterIdentity>> {
+    via.filter(|v| !v.cluster_id.is_empty())
+        .map(|v| identity_from_pb(field, Some(v)))
+        .transpose()
+}
+
+/// Checks that a NetworkConfig (reference) is (origin → us [via]) and names it consistently.
+fn check_pair(
+    us: &ClusterId,
+    prefix: &str,
+    name: &str,
+    origin: &ClusterIdentity,
+    destination: &ClusterIdentity,
+    via: Option<&ClusterIdentity>,
+) -> Result<()> {
+    if destination.id != *us {
+        return Err(Error::invalid(
+            format!("{prefix}.destination.cluster_id"),
+            format!("is {}, not this cluster ({us})", destination.id),
+        ));
+    }
+    if origin.id == *us {
+        return Err(Error::invalid(
+            format!("{prefix}.origin.cluster_id"),
+            "is this cluster",
+        ));
+    }
+    if let Some(via) = via
+        && (via.id == origin.id || via.id == *us)
+    {
+        return Err(Error::invalid(
+            format!("{prefix}.via.cluster_id"),
+            "names the origin or the destination",
+        ));
+    }
+    let expected = nc_name(&origin.id, &destination.id);
+    if name != expected {
+        return Err(Error::invalid(
+            format!("{prefix}.name"),
+            format!("is {name:?}; expected {expected:?}"),
+        ));
+    }
+    Ok(())
+}
+
+#[tonic::async_trait]
+impl BrokerApi for BrokerService {
+    async fn get_token(
+        &self,
+        _request: Request<pb::GetTokenRequest>,
+    ) -> Result<Response<pb::GetTokenResponse>, Status> {
+        let token = self.core.token().await?;
+        Ok(Response::new(pb::GetTokenResponse {
+            token: token.current,
+            create_time: Some(timestamp(token.created_nanos)),
+        }))
+    }
+
+    async fn rotate_token(
+        &self,
+        request: Request<pb::RotateTokenRequest>,
+    ) -> Result<Response<pb::RotateTokenResponse>, Status> {
+        let grace = match request.into_inner().grace_period {
+            None => Duration::ZERO,
+            Some(d) if d.seconds < 0 || d.nanos < 0 => {
+                return Err(Error::invalid("grace_period", "must not be negative").into());
+            }
+            Some(d) => Duration::new(
+                u64::try_from(d.seconds).unwrap_or(0),
+                u32::try_from(d.nanos).unwrap_or(0),
+            ),
+        };
+        let token = token::rotate(self.core.store(), grace).await?;
+        Ok(Response::new(pb::RotateTokenResponse {
+            previous_token_expire_time: token
+                .previous
+                .as_ref()
+                .map(|_| timestamp(token.previous_expires_nanos)),
+            token: token.current,
+        }))
+    }
+
+    async fn peer(
+        &self,
+        request: Request<pb::PeerRequest>,
+    ) -> Result<Response<pb::PeerResponse>, Status> {
+        let req = request.into_inner();
+        let address = address::required("broker_address", &req.broker_address)?;
+        if req.token.is_empty() {
+            return Err(Error::invalid("token", "is required (the remote's GetToken)").into());
+        }
+        let expected = (!req.expected_cluster_id.is_empty())
+            .then(|| ClusterId::parse("expected_cluster_id", &req.expected_cluster_id))
+            .transpose()?;
+        let (identity, addresses) = self
+            .core
+            .peer(&address, &req.token, expected.as_ref())
+            .await?;
+        Ok(Response::new(pb::PeerResponse {
+            identity: Some(identity_to_pb(&identity)),
+            addresses: Some(addresses_to_pb(&addresses)),
+        }))
+    }
+
+    async fn unpeer(
+        &self,
+        request: Request<pb::UnpeerRequest>,
+    ) -> Result<Response<pb::UnpeerResponse>, Status> {
+        let id = ClusterId::parse("cluster_id", &request.into_inner().cluster_id)?;
+        let unpeered = self.core.unpeer(&id).await?;
+        Ok(Response::new(pb::UnpeerResponse { unpeered }))
+    }
+
+    async fn handshake(
+        &self,
+        request: Request<pb::HandshakeRequest>,
+    ) -> Result<Response<pb::HandshakeResponse>, Status> {
+        let req = request.into_inner();
+        if req.token.is_empty() || req.token.len() > 256 {
+            return Err(
+                Error::PermissionDenied("the peering token is wrong or expired".into()).into(),
+            );
+        }
+        let caller = identity_from_pb("identity", req.identity.as_ref())?;
+        let addresses = addresses_from_pb("addresses", req.addresses.as_ref())?;
+        let (identity, ours) = self.core.handshake(&req.token, &caller, &addresses).await?;
+        Ok(Response::new(pb::HandshakeResponse {
+            identity: Some(identity_to_pb(&identity)),
+            addresses: Some(addresses_to_pb(&ours)),
+        }))
+    }
+
+    async fn submit_network_config(
+        &self,
+        request: Request<pb::SubmitNetworkConfigRequest>,
+    ) -> Result<Response<pb::SubmitNetworkConfigResponse>, Status> {
+        let nc = request
+            .into_inner()
+            .network_config
+            .ok_or_else(|| Error::invalid("network_config", "is required"))?;
+        let origin = identity_from_pb("network_config.origin", nc.origin.as_ref())?;
+        let destination = identity_from_pb("network_config.destination", nc.destination.as_ref())?;
+        let via = via_of("network_config.via", nc.via.as_ref())?;
+        check_pair(
+            &self.core.identity().id,
+            "network_config",
+            &nc.name,
+            &origin,
+            &destination,
+            via.as_ref(),
+        )?;
+        if nc.generation < 1 {
+            return Err(Error::invalid("network_config.generation", "must be at least 1").into());
+        }
+        let spec = NetworkSpec::from_proto("network_config.spec", nc.spec.as_ref())?;
+        let answer = self
+            .core
+            .receive(Received {
+                origin,
+                via,
+                spec,
+                generation: nc.generation,
+            })
+            .await?;
+        Ok(Response::new(pb::SubmitNetworkConfigResponse {
+            accepted: answer.accepted,
+            status: Some(status_of(&answer.decision)),
+        }))
+    }
+
+    async fn report_network_config_status(
+        &self,
+        request: Request<pb::ReportNetworkConfigStatusRequest>,
+    ) -> Result<Response<pb::ReportNetworkConfigStatusResponse>, Status> {
+        let req = request.into_inner();
+        let reference = req
+            .network_config
+            .ok_or_else(|| Error::invalid("network_config", "is required"))?;
+        let origin = identity_from_pb("network_config.origin", reference.origin.as_ref())?;
+        let destination =
+            identity_from_pb("network_config.destination", reference.destination.as_ref())?;
+        if origin.id != self.core.identity().id {
+            return Err(
+                Error::invalid("network_config.origin.cluster_id", "is not this cluster").into(),
+            );
+        }
+        let expected = nc_name(&origin.id, &destination.id);
+        if reference.name != expected {
+            return Err(Error::invalid(
+                "network_config.name",
+                format!("is {:?}; expected {expected:?}", reference.name),
+            )
+            .into());
+        }
+        let (outs, _) = self.core.network_configs().await?;
+        let out = outs
+            .into_iter()
+            .find(|o| o.remote.id == destination.id)
+            .ok_or_else(|| {
+                Error::NotFound(format!("no network config towards {}", destination.id))
+            })?;
+        let Some(decision) = reconcile::decision_from_status(&out.spec, req.status.as_ref())?
+        else {
+            return Err(Error::invalid("status.state", "must be PROCESSED or REJECTED").into());
+        };
+        let applied = self.core.decided(&destination.id, decision).await?;
+        Ok(Response::new(pb::ReportNetworkConfigStatusResponse {
+            applied,
+        }))
+    }
+
+    async fn withdraw_network_config(
+        &self,
+        request: Request<pb::WithdrawNetworkConfigRequest>,
+    ) -> Result<Response<pb::WithdrawNetworkConfigResponse>, Status> {
+        let req = request.into_inner();
+        let reference = req
+            .network_config
+            .ok_or_else(|| Error::invalid("network_config", "is required"))?;
+        let origin = identity_from_pb("network_config.origin", reference.origin.as_ref())?;
+        let destination =
+            identity_from_pb("network_config.destination", reference.destination.as_ref())?;
+        let via = via_of("network_config.via", reference.via.as_ref())?;
+        check_pair(
+            &self.core.identity().id,
+            "network_config",
+            &reference.name,
+            &origin,
+            &destination,
+            via.as_ref(),
+        )?;
+        let removed = reconcile::withdrawn(&self.core, &origin.id).await?;
+        tracing::info!(remote.id = %origin.id, reason = req.reason, removed, "the remote withdrew its network config");
+        Ok(Response::new(pb::WithdrawNetworkConfigResponse { removed }))
+    }
+
+    async fn notify_unpeer(
+        &self,
+        request: Request<pb::NotifyUnpeerRequest>,
+    ) -> Result<Response<pb::NotifyUnpeerResponse>, Status> {
+        let req = request.into_inner();
+        let caller = identity_from_pb("identity", req.identity.as_ref())?;
+        let unpeered = self.core.notified_unpeer(&caller, &req.reason).await?;
+        Ok(Response::new(pb::NotifyUnpeerResponse { unpeered }))
+    }
+
+    async fn list_network_configs(
+        &self,
+        request: Request<pb::ListNetworkConfigsRequest>,
+    ) -> Result<Response<pb::ListNetworkConfigsResponse>, Status> {
+        let filter = request.into_inner().cluster_id;
+        let filter = (!filter.is_empty())
+            .then(|| ClusterId::parse("cluster_id", &filter))
+            .transpose()?;
+        let (outs, ins) = self.core.network_configs().await?;
+        let us = self.core.identity();
+        let mut list: Vec<types::NetworkConfig> = outs
+            .iter()
+            .map(|o| types::NetworkConfig {
+                name: nc_name(&us.id, &o.remote.id),
+                origin: Some(identity_to_pb(us)),
+                destination: Some(identity_to_pb(&o.remote)),
+                via: o.via.as_ref().map(identity_to_pb),
+                spec: Some(o.spec.to_proto()),
+                status: o.decision.as_ref().map(status_of),
+                generation: o.generation,
+                update_time: None,
+            })
+            .chain(ins.iter().map(|i| types::NetworkConfig {
+                name: nc_name(&i.remote.id, &us.id),
+                origin: Some(identity_to_pb(&i.remote)),
+                destination: Some(identity_to_pb(us)),
+                via: i.via.as_ref().map(identity_to_pb),
+                spec: Some(i.spec.to_proto()),
+                status: Some(status_of(&i.decision)),
+                generation: i.generation,
+                update_time: None,
+            }))
+            .filter(|nc| {
+                filter.as_ref().is_none_or(|f| {
+                    [&nc.origin, &nc.destination]
+                        .iter()
+                        .any(|c| c.as_ref().is_some_and(|c| c.cluster_id == f.as_str()))
+                })
+            })
+            .collect();
+        list.sort_by(|a, b| a.name.cmp(&b.name));
+        Ok(Response::new(pb::ListNetworkConfigsResponse {
+            network_configs: list,
+        }))
+    }
+
+    async fn list_tunnel_endpoints(
+        &self,
+        request: Request<pb::ListTunnelEndpointsRequest>,
+    ) -> Result<Response<pb::ListTunnelEndpointsResponse>, Status> {
+        let req = request.into_inner();
+        let filter = (!req.cluster_id.is_empty())
+            .then(|| ClusterId::parse("cluster_id", &req.cluster_id))
+            .transpose()?;
+        let kind = match types::PeeringKind::try_from(req.kind) {
+            Ok(types::PeeringKind::Unspecified) => None,
+            Ok(types::PeeringKind::Full) => Some(PeeringKind::Full),
+            Ok(types::PeeringKind::Induced) => Some(PeeringKind::Induced),
+            Err(_) => return Err(Error::invalid("kind", "is not a known peering kind").into()),
+        };
+        let (tunnels, revision) = self.core.tunnels().await?;
+        let tunnel_endpoints = tunnels
+            .iter()
+            .filter(|(t, _)| {
+                filter.as_ref().is_none_or(|f| t.remote.id == *f)
+                    && kind.is_none_or(|k| t.kind == k)
+            })
+            .map(|(t, r)| t.to_proto(*r))
+            .collect();
+        Ok(Response::new(pb::ListTunnelEndpointsResponse {
+            tunnel_endpoints,
+            revision,
+        }))
+    }
+
+    type WatchTunnelEndpointsStream =
+        tokio_stream::wrappers::ReceiverStream<Result<pb::WatchTunnelEndpointsResponse, Status>>;
+
+    async fn watch_tunnel_endpoints(
+        &self,
+        request: Request<pb::WatchTunnelEndpointsRequest>,
+    ) -> Result<Response<Self::WatchTunnelEndpointsStream>, Status> {
+        let start = request.into_inner().start_revision;
+        if start < 0 {
+            return Err(Error::invalid("start_revision", "must not be negative").into());
+        }
+        Ok(Response::new(watch::watch(self.core.clone(), start)))
+    }
+}

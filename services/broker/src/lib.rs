@@ -1,0 +1,103 @@
+//! `trellis-broker`: the peering broker of one Trellis cluster (DESIGN.md, thesis §3.2,
+//! §3.4.1–3.4.2, §5.3, §6.2).
+//!
+//! - [`token`]: the peering token;
+//! - [`core`]: handshake, peering, unpeering, receiving NetworkConfigs and statuses;
+//! - [`reconcile`]: sending our NetworkConfigs, TunnelEndpoints, teardown;
+//! - [`peers`]: which remotes we exchange NetworkConfigs with, from discovery;
+//! - [`records`]: what is stored, under which keys;
+//! - [`watch`]: the TunnelEndpoint watch the gateway consumes;
+//! - [`remote`]: clients of the local services and of other clusters;
+//! - [`grpc`]: the thin gRPC layer; [`config`]: the flags.
+
+pub mod config;
+pub mod core;
+pub mod grpc;
+pub mod peers;
+pub mod reconcile;
+pub mod records;
+pub mod remote;
+pub mod token;
+pub mod watch;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use anyhow::Context as _;
+use tokio::task::JoinHandle;
+use tonic::server::NamedService;
+use tonic::service::Routes;
+use trellis_api::ClusterIdentity;
+use trellis_api::pb::peering::broker_server::BrokerServer;
+use trellis_runtime::Shutdown;
+use trellis_runtime::config::ports;
+use trellis_runtime::server::GrpcServer;
+
+pub use crate::config::Config;
+pub use crate::core::Broker;
+use crate::grpc::BrokerService;
+use crate::remote::Clients;
+
+/// Largest request accepted, in bytes: a NetworkConfig is a few hundred bytes.
+pub const MAX_REQUEST_BYTES: usize = 64 * 1024;
+
+/// A running broker.
+#[derive(Debug)]
+pub struct Started {
+    pub addr: SocketAddr,
+    pub core: Arc<Broker>,
+    pub task: JoinHandle<anyhow::Result<()>>,
+}
+
+/// Opens the store, binds, starts serving and reconciling.
+pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started> {
+    let common = &config.common;
+    let identity = ClusterIdentity::parse(
+        "--cluster-id",
+        &common.cluster_id,
+        "--cluster-name",
+        common.cluster_name(),
+    )?;
+    if let Some(initial) = &config.token {
+        token::check_format("--token", initial)?;
+    }
+    let store = trellis_store::open(&common.store)
+        .await
+        .with_context(|| format!("opening store {}", common.store))?;
+    let clients = Clients::new(&config.discovery, &config.ipam, &config.gateway)?;
+    let core = Arc::new(Broker::new(identity, store, clients, config.token.clone()));
+    core.token()
+        .await
+        .context("initialising the peering token")?;
+    let server = GrpcServer::bind(common.listen_addr(ports::BROKER)).await?;
+    let addr = server.local_addr();
+    let routes = Routes::new(
+        BrokerServer::new(BrokerService::new(core.clone()))
+            .max_decoding_message_size(MAX_REQUEST_BYTES),
+    );
+    let grace = common.shutdown_grace();
+    let reconciler = tokio::spawn(reconcile::run(
+        core.clone(),
+        config.resync(),
+        shutdown.clone(),
+    ));
+    let task = tokio::spawn(async move {
+        let served = server
+            .serve(
+                routes,
+                &[BrokerServer::<BrokerService>::NAME],
+                shutdown,
+                grace,
+            )
+            .await;
+        reconciler.abort();
+        served
+    });
+    Ok(Started { addr, core, task })
+}
+
+/// Runs the broker until `shutdown`.
+pub async fn run(config: Config, shutdown: Shutdown) -> anyhow::Result<()> {
+    let started = start(config, shutdown).await?;
+    started.task.await.context("broker server task")?
+}

@@ -1,0 +1,132 @@
+//! Which remotes this broker must exchange NetworkConfigs with, read from the local discovery
+//! service's ForeignClusters: full peers with an established peering and networking enabled,
+//! and induced clusters (not withdrawn) introduced by such a full peer that advertises a
+//! forwarder.
+
+use std::collections::BTreeMap;
+
+use trellis_api::convert::identity_from_pb;
+use trellis_api::pb::types as pb;
+use trellis_api::{ClusterId, ClusterIdentity};
+
+/// How to reach a remote's peering plane.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Route {
+    /// A full peer: its broker directly.
+    Direct { broker: String },
+    /// An induced peer: through the hub's forwarder.
+    Relayed {
+        hub: ClusterIdentity,
+        forwarder: String,
+    },
+}
+
+/// A remote we must have NetworkConfigs with.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Remote {
+    pub identity: ClusterIdentity,
+    pub route: Route,
+}
+
+impl Remote {
+    /// The hub, for an induced remote.
+    pub fn via(&self) -> Option<&ClusterIdentity> {
+        match &self.route {
+            Route::Direct { .. } => None,
+            Route::Relayed { hub, .. } => Some(hub),
+        }
+    }
+}
+
+/// The peering-relevant view of discovery's ForeignClusters.
+#[derive(Debug, Clone, Default)]
+pub struct Peers {
+    /// Full peers with an established peering, by ID (networking or not), with their broker.
+    pub full: BTreeMap<ClusterId, (ClusterIdentity, pb::ServiceAddresses, bool)>,
+    /// Remotes to exchange NetworkConfigs with.
+    pub desired: BTreeMap<ClusterId, Remote>,
+    /// Induced clusters (not withdrawn) and the hubs that introduced them.
+    pub induced: BTreeMap<ClusterId, Vec<ClusterId>>,
+}
+
+fn condition_true(fc: &pb::ForeignCluster, kind: &str) -> bool {
+    fc.conditions
+        .iter()
+        .any(|c| c.r#type == kind && c.status == pb::ConditionStatus::True as i32)
+}
+
+impl Peers {
+    /// Interprets a listing. Malformed records are skipped with a warning: they come from our
+    /// own discovery service, and one bad record must not stop every peering.
+    pub fn from_foreign_clusters(list: &[pb::ForeignCluster]) -> Self {
+        let mut peers = Self::default();
+        for fc in list {
+            let Ok(identity) = identity_from_pb("identity", fc.identity.as_ref()) else {
+                tracing::warn!(?fc.identity, "skipping a foreign cluster with a malformed identity");
+                continue;
+            };
+            if fc.kind == pb::PeeringKind::Full as i32 && condition_true(fc, "Peered") {
+                let full = fc.full.clone().unwrap_or_default();
+                let addresses = full.addresses.unwrap_or_default();
+                peers.full.insert(
+                    identity.id.clone(),
+                    (identity, addresses, full.networking_enabled),
+                );
+            }
+        }
+        for (identity, addresses, networking) in peers.full.values() {
+            if *networking && !addresses.broker.is_empty() {
+                peers.desired.insert(
+                    identity.id.clone(),
+                    Remote {
+                        identity: identity.clone(),
+                        route: Route::Direct {
+                            broker: addresses.broker.clone(),
+                        },
+                    },
+                );
+            }
+        }
+        for fc in list {
+            if fc.kind != pb::PeeringKind::Induced as i32 || condition_true(fc, "Withdrawn") {
+                continue;
+            }
+            let Ok(identity) = identity_from_pb("identity", fc.identity.as_ref()) else {
+                continue;
+            };
+            let induced = fc.induced.clone().unwrap_or_default();
+            let hubs: Vec<ClusterIdentity> = induced
+                .origin
+                .iter()
+                .chain(induced.alternative_origins.iter())
+                .filter_map(|o| identity_from_pb("origin", Some(o)).ok())
+                .collect();
+            peers.induced.insert(
+                identity.id.clone(),
+                hubs.iter().map(|h| h.id.clone()).collect(),
+            );
+            let usable = hubs.into_iter().find_map(|hub| {
+                let (hub_identity, addresses, networking) = peers.full.get(&hub.id)?;
+                (*networking && !addresses.forwarder.is_empty())
+                    .then(|| (hub_identity.clone(), addresses.forwarder.clone()))
+            });
+            if let Some((hub, forwarder)) = usable {
+                peers.desired.entry(identity.id.clone()).or_insert(Remote {
+                    identity,
+                    route: Route::Relayed { hub, forwarder },
+                });
+            }
+        }
+        peers
+    }
+
+    /// Whether `id` is an established full peer.
+    pub fn is_full_peer(&self, id: &ClusterId) -> bool {
+        self.full.contains_key(id)
+    }
+
+    /// Whether `hub` introduced `id` (and `id` is not withdrawn).
+    pub fn introduced_by(&self, id: &ClusterId, hub: &ClusterId) -> bool {
+        self.induced.get(id).is_some_and(|hubs| hubs.contains(hub))
+    }
+}

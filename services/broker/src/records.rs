@@ -1,0 +1,154 @@
+//! What the broker keeps in its store, and where (below the store's prefix):
+//!
+//! | key | value |
+//! |---|---|
+//! | `token` | [`TokenRecord`]: the peering token (and the previous one during a grace period) |
+//! | `nc/out/<remote>` | [`OutgoingNc`]: the NetworkConfig we send to a remote, with its decision |
+//! | `nc/in/<remote>` | [`IncomingNc`]: the NetworkConfig a remote sent us, with our decision |
+//! | `tunnels/<remote>` | [`TunnelEndpoint`]: the merge of both, the gateway's input |
+//! | `tunnel-tombstones/<remote>` | the last content of a deleted TunnelEndpoint (for watches) |
+//! | `notify/<remote>` | [`PendingNotify`]: an unpeering not yet acknowledged by the remote |
+
+use serde::{Deserialize, Serialize};
+use trellis_api::model::{NatView, NetworkSpec, TunnelEndpoint};
+use trellis_api::{ClusterId, ClusterIdentity};
+use trellis_error::{Error, Result};
+
+pub const TOKEN_KEY: &str = "token";
+pub const OUT_PREFIX: &str = "nc/out/";
+pub const IN_PREFIX: &str = "nc/in/";
+pub const TUNNELS_PREFIX: &str = "tunnels/";
+pub const TOMBSTONES_PREFIX: &str = "tunnel-tombstones/";
+pub const NOTIFY_PREFIX: &str = "notify/";
+
+pub fn out_key(remote: &ClusterId) -> String {
+    format!("{OUT_PREFIX}{remote}")
+}
+pub fn in_key(remote: &ClusterId) -> String {
+    format!("{IN_PREFIX}{remote}")
+}
+pub fn tunnel_key(remote: &ClusterId) -> String {
+    format!("{TUNNELS_PREFIX}{remote}")
+}
+pub fn tombstone_key(remote: &ClusterId) -> String {
+    format!("{TOMBSTONES_PREFIX}{remote}")
+}
+pub fn notify_key(remote: &ClusterId) -> String {
+    format!("{NOTIFY_PREFIX}{remote}")
+}
+
+/// The peering token. The previous one stays valid until `previous_expires_nanos`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TokenRecord {
+    pub current: String,
+    pub created_nanos: i64,
+    #[serde(default)]
+    pub previous: Option<String>,
+    #[serde(default)]
+    pub previous_expires_nanos: i64,
+}
+
+/// A receiver's decision on a NetworkConfig.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Decision {
+    /// How the receiver addresses the sender, for the spec at `observed_generation`.
+    Processed {
+        view: NatView,
+        observed_generation: i64,
+    },
+    /// The receiver refused the spec at `observed_generation`.
+    Rejected {
+        message: String,
+        observed_generation: i64,
+    },
+}
+
+impl Decision {
+    /// The generation this decision answers.
+    pub fn observed_generation(&self) -> i64 {
+        match self {
+            Self::Processed {
+                observed_generation,
+                ..
+            }
+            | Self::Rejected {
+                observed_generation,
+                ..
+            } => *observed_generation,
+        }
+    }
+
+    /// The NAT view, when processed.
+    pub fn view(&self) -> Option<NatView> {
+        match self {
+            Self::Processed { view, .. } => Some(*view),
+            Self::Rejected { .. } => None,
+        }
+    }
+}
+
+/// Our NetworkConfig towards a remote: what we sent and what the remote decided.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct OutgoingNc {
+    pub remote: ClusterIdentity,
+    /// The hub relaying it (induced peers only).
+    pub via: Option<ClusterIdentity>,
+    /// The hub's forwarder address, to withdraw through it later.
+    #[serde(default)]
+    pub forwarder: Option<String>,
+    pub spec: NetworkSpec,
+    pub generation: i64,
+    /// The remote's decision, once known.
+    pub decision: Option<Decision>,
+}
+
+impl OutgoingNc {
+    /// The decision for the current generation, if any.
+    pub fn current_decision(&self) -> Option<&Decision> {
+        self.decision
+            .as_ref()
+            .filter(|d| d.observed_generation() == self.generation)
+    }
+}
+
+/// A remote's NetworkConfig towards us and our decision on it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct IncomingNc {
+    pub remote: ClusterIdentity,
+    pub via: Option<ClusterIdentity>,
+    pub spec: NetworkSpec,
+    pub generation: i64,
+    pub decision: Decision,
+}
+
+/// An unpeering the remote has not acknowledged yet.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PendingNotify {
+    pub remote: ClusterIdentity,
+    pub broker: String,
+    pub reason: String,
+}
+
+/// A stored TunnelEndpoint.
+pub type TunnelRecord = TunnelEndpoint;
+
+/// The NetworkConfig name both ends agree on.
+pub fn nc_name(origin: &ClusterId, destination: &ClusterId) -> String {
+    format!("{origin}--{destination}")
+}
+
+pub fn encode<T: Serialize>(value: &T) -> Result<Vec<u8>> {
+    serde_json::to_vec(value).map_err(|e| Error::Internal(format!("encoding a record: {e}")))
+}
+
+pub fn decode<T: for<'de> Deserialize<'de>>(key: &str, bytes: &[u8]) -> Result<T> {
+    serde_json::from_slice(bytes)
+        .map_err(|e| Error::Internal(format!("corrupt store record {key:?}: {e}")))
+}
+
+/// Nanoseconds since the epoch.
+pub fn now_nanos() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_nanos()).unwrap_or(i64::MAX))
+}

@@ -1,0 +1,171 @@
+//! Command-line flags of `trellis-gateway` (each also `TRELLIS_<FLAG>`).
+
+use std::net::{IpAddr, Ipv4Addr};
+use std::time::Duration;
+
+use clap::{Parser, ValueEnum};
+use trellis_runtime::CommonConfig;
+use trellis_runtime::config::HasCommon;
+
+use crate::ports::PortRange;
+
+/// Which data plane the gateway drives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum DataplaneFlag {
+    /// Control plane only: keys, ports and tunnel status from the desired state; no interfaces,
+    /// routes or rules (the lab without root).
+    None,
+    /// Userspace WireGuard (boringtun) on a tun device.
+    Userspace,
+    /// The Linux kernel WireGuard module.
+    Kernel,
+    /// Kernel when the wireguard module is loaded, userspace otherwise.
+    Auto,
+}
+
+fn port_range_arg(value: &str) -> Result<PortRange, String> {
+    PortRange::parse(value)
+}
+
+fn prefix_arg(value: &str) -> Result<String, String> {
+    crate::names::validate_prefix(value).map(|()| value.to_owned())
+}
+
+/// The gateway of one Trellis cluster: one WireGuard interface per remote cluster, routes and
+/// nftables NAT, reconciled from the local broker's TunnelEndpoints.
+#[derive(Debug, Clone, Parser)]
+#[command(name = "trellis-gateway", version, about, long_about = None)]
+pub struct Config {
+    #[command(flatten)]
+    pub common: CommonConfig,
+
+    /// The IP address remote gateways reach this gateway at (published in NetworkConfigs with
+    /// each peer's port). Required unless `--dataplane none`, where it defaults to 127.0.0.1.
+    #[arg(long, env = "TRELLIS_ENDPOINT_ADDRESS", value_name = "IP")]
+    pub endpoint_address: Option<IpAddr>,
+
+    /// UDP ports handed out to remote peers, one per peer (`FIRST-LAST`, inclusive). Each
+    /// peer's port is persisted in the store and stays the same across restarts.
+    #[arg(
+        long,
+        env = "TRELLIS_WIREGUARD_PORTS",
+        value_name = "FIRST-LAST",
+        value_parser = port_range_arg,
+        default_value_t = PortRange::default_range()
+    )]
+    pub wireguard_ports: PortRange,
+
+    /// Which WireGuard implementation to drive, or `none` for no data plane at all.
+    #[arg(long, env = "TRELLIS_DATAPLANE", value_enum, default_value_t = DataplaneFlag::Auto)]
+    pub dataplane: DataplaneFlag,
+
+    /// Address of the local broker (`host:port`), whose TunnelEndpoints the gateway applies.
+    /// Without it the gateway only serves keys, ports and status.
+    #[arg(long, env = "TRELLIS_BROKER", value_name = "HOST:PORT")]
+    pub broker: Option<String>,
+
+    /// Prefix of the WireGuard interface names (1-7 characters of a-z, 0-9, '-'); the rest is
+    /// a hash of the (local, remote) cluster pair, so names are unique on the host.
+    #[arg(
+        long,
+        env = "TRELLIS_INTERFACE_PREFIX",
+        value_name = "PREFIX",
+        value_parser = prefix_arg,
+        default_value = "tg"
+    )]
+    pub interface_prefix: String,
+
+    /// WireGuard persistent keepalive towards every peer, in seconds (0 = off). Keeps NAT
+    /// mappings open and makes a restarted peer re-handshake promptly.
+    #[arg(
+        long,
+        env = "TRELLIS_PERSISTENT_KEEPALIVE",
+        value_name = "SECONDS",
+        default_value_t = 25
+    )]
+    pub persistent_keepalive: u16,
+
+    /// How often the data plane is re-checked against the desired state even without changes
+    /// (repairs interfaces or rules someone removed), in seconds.
+    #[arg(
+        long,
+        env = "TRELLIS_RESYNC_INTERVAL",
+        value_name = "SECONDS",
+        default_value_t = 30
+    )]
+    pub resync_interval: u64,
+}
+
+impl HasCommon for Config {
+    fn common(&self) -> &CommonConfig {
+        &self.common
+    }
+}
+
+impl Config {
+    /// The endpoint address, checked against the data plane choice.
+    pub fn endpoint_ip(&self) -> anyhow::Result<IpAddr> {
+        match (self.endpoint_address, self.dataplane) {
+            (Some(ip), _) => Ok(ip),
+            (None, DataplaneFlag::None) => Ok(IpAddr::V4(Ipv4Addr::LOCALHOST)),
+            (None, _) => anyhow::bail!(
+                "--endpoint-address is required with a data plane (the address remote gateways \
+                 send WireGuard packets to)"
+            ),
+        }
+    }
+
+    /// The resync period.
+    pub fn resync(&self) -> Duration {
+        Duration::from_secs(self.resync_interval.max(1))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use trellis_runtime::config::ports;
+
+    fn parse(extra: &[&str]) -> Result<Config, clap::Error> {
+        let mut args = vec![
+            "trellis-gateway",
+            "--store",
+            "memory://",
+            "--cluster-id",
+            "a",
+        ];
+        args.extend_from_slice(extra);
+        Config::try_parse_from(args)
+    }
+
+    #[test]
+    fn defaults() {
+        let c = parse(&["--dataplane", "none"]).expect("parses");
+        assert_eq!(c.wireguard_ports, PortRange::default_range());
+        assert_eq!(c.wireguard_ports.first(), ports::WIREGUARD);
+        assert_eq!(c.interface_prefix, "tg");
+        assert_eq!(
+            c.endpoint_ip().expect("defaulted"),
+            IpAddr::V4(Ipv4Addr::LOCALHOST)
+        );
+    }
+
+    #[test]
+    fn endpoint_address_is_required_with_a_data_plane() {
+        let c = parse(&["--dataplane", "userspace"]).expect("parses");
+        let err = c.endpoint_ip().expect_err("required");
+        assert!(err.to_string().contains("--endpoint-address"), "{err}");
+    }
+
+    #[test]
+    fn bad_ranges_and_prefixes_are_refused() {
+        for bad in ["51840", "52000-51840", "0-10", "a-b"] {
+            assert!(parse(&["--wireguard-ports", bad]).is_err(), "{bad}");
+        }
+        for bad in ["", "toolongpf", "UP", "a b"] {
+            assert!(parse(&["--interface-prefix", bad]).is_err(), "{bad:?}");
+        }
+        let c = parse(&["--wireguard-ports", "40000-40009"]).expect("parses");
+        assert_eq!(c.wireguard_ports.len(), 10);
+    }
+}

@@ -1,0 +1,260 @@
+//! The gateway's operations: its public endpoint and key per peer, applying a desired set of
+//! TunnelEndpoints (ports in the store, then the data plane), and tunnel status.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::{IpAddr, SocketAddr};
+use std::time::{Duration, SystemTime};
+
+use trellis_api::model::TunnelEndpoint;
+use trellis_api::{ClusterId, ClusterIdentity};
+use trellis_error::Result;
+use trellis_store::SharedStore;
+
+use crate::dataplane::linux::Linux;
+use crate::dataplane::wireguard::PeerStats;
+use crate::dataplane::{Mode, PeerPlan};
+use crate::keys::KeyPair;
+use crate::names;
+use crate::ports::{self, PortRange};
+
+/// A handshake older than this means the tunnel is down: WireGuard re-handshakes every 120 s
+/// while traffic flows, and gives up on a session after 180 s (REJECT_AFTER_TIME).
+const HANDSHAKE_FRESH: Duration = Duration::from_secs(180);
+
+/// The desired TunnelEndpoints, by remote cluster.
+pub type Desired = BTreeMap<ClusterId, TunnelEndpoint>;
+
+/// What GetGatewayInfo answers.
+#[derive(Debug, Clone)]
+pub struct GatewayInfo {
+    pub endpoint: SocketAddr,
+    pub public_key: trellis_api::model::WgKey,
+    pub mode: Mode,
+    pub listen_port: u16,
+}
+
+/// A tunnel's lifecycle state (the proto's TunnelState).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum State {
+    Connecting,
+    Up,
+    Down,
+    Error,
+}
+
+/// The status of one tunnel.
+#[derive(Debug, Clone)]
+pub struct TunnelStatus {
+    pub plan: PeerPlan,
+    pub stats: Option<PeerStats>,
+    pub state: State,
+    pub message: String,
+}
+
+/// One tunnel as last applied.
+#[derive(Debug, Clone)]
+struct Applied {
+    plan: PeerPlan,
+    result: std::result::Result<(), String>,
+}
+
+/// Static settings of a gateway.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    pub identity: ClusterIdentity,
+    pub endpoint_ip: IpAddr,
+    pub ports: PortRange,
+    pub interface_prefix: String,
+}
+
+/// The gateway of one cluster.
+#[derive(Debug)]
+pub struct Gateway {
+    store: SharedStore,
+    settings: Settings,
+    keys: KeyPair,
+    mode: Mode,
+    dataplane: Option<tokio::sync::Mutex<Linux>>,
+    applied: std::sync::Mutex<BTreeMap<ClusterId, Applied>>,
+}
+
+impl Gateway {
+    /// A gateway over `store` with its key pair; `dataplane` is `None` exactly when `mode` is
+    /// [`Mode::None`].
+    pub fn new(
+        store: SharedStore,
+        settings: Settings,
+        mode: Mode,
+        keys: KeyPair,
+        dataplane: Option<Linux>,
+    ) -> Self {
+        Self {
+            store,
+            settings,
+            keys,
+            mode,
+            dataplane: dataplane.map(tokio::sync::Mutex::new),
+            applied: std::sync::Mutex::new(BTreeMap::new()),
+        }
+    }
+
+    /// The public key.
+    pub fn public_key(&self) -> trellis_api::model::WgKey {
+        self.keys.public()
+    }
+
+    /// The endpoint and key the peer `peer` must use (allocating its port on first request);
+    /// `None`: the base endpoint, for display.
+    pub async fn info(&self, peer: Option<&ClusterId>) -> Result<GatewayInfo> {
+        let port = match peer {
+            Some(id) => ports::allocate(&self.store, self.settings.ports, id).await?,
+            None => self.settings.ports.first(),
+        };
+        Ok(GatewayInfo {
+            endpoint: SocketAddr::new(self.settings.endpoint_ip, port),
+            public_key: self.keys.public(),
+            mode: self.mode,
+            listen_port: port,
+        })
+    }
+
+    /// The interface name of the tunnel to `peer`.
+    pub fn interface_name(&self, peer: &ClusterId) -> String {
+        names::interface_name(
+            &self.settings.interface_prefix,
+            &self.settings.identity.id,
+            peer,
+        )
+    }
+
+    /// Makes ports and data plane match `desired`, then releases the ports of tunnels that
+    /// are gone. Per-peer data plane failures are recorded in the status and counted in the
+    /// result (the caller retries sooner when there are any).
+    pub async fn apply(&self, desired: &Desired) -> Result<usize> {
+        let mut plans = Vec::with_capacity(desired.len());
+        for (id, te) in desired {
+            if id == &self.settings.identity.id {
+                tracing::warn!(peer = %id, "ignoring a tunnel endpoint for our own cluster");
+                continue;
+            }
+            let port = ports::bind_tunnel(&self.store, self.settings.ports, id).await?;
+            plans.push(PeerPlan {
+                endpoint: te.clone(),
+                port,
+                interface: self.interface_name(id),
+            });
+        }
+        let mut results: BTreeMap<ClusterId, std::result::Result<(), String>> = BTreeMap::new();
+        // The data plane's `ip` table is IPv4 only for now: an IPv6 TunnelEndpoint gets an
+        // error status instead of half a tunnel.
+        let (v4, v6): (Vec<PeerPlan>, Vec<PeerPlan>) = plans
+            .iter()
+            .cloned()
+            .partition(|p| p.endpoint.local_pod_cidr.addr().is_ipv4());
+        for p in &v6 {
+            results.insert(
+                p.endpoint.remote.id.clone(),
+                Err("IPv6 tunnels are not supported by the data plane yet".into()),
+            );
+        }
+        match &self.dataplane {
+            Some(dp) => results.extend(dp.lock().await.apply(&v4).await),
+            None => results.extend(v4.iter().map(|p| (p.endpoint.remote.id.clone(), Ok(())))),
+        }
+        let keep: BTreeSet<ClusterId> = desired.keys().cloned().collect();
+        ports::release_tunnels_except(&self.store, &keep).await?;
+        let failed = results.values().filter(|r| r.is_err()).count();
+        let applied = plans
+            .into_iter()
+            .map(|plan| {
+                let id = plan.endpoint.remote.id.clone();
+                let result = results.remove(&id).unwrap_or(Ok(()));
+                (id, Applied { plan, result })
+            })
+            .collect();
+        if let Ok(mut guard) = self.applied.lock() {
+            *guard = applied;
+        }
+        Ok(failed)
+    }
+
+    /// Removes every tunnel from the data plane (graceful stop); ports stay allocated.
+    pub async fn clear_dataplane(&self) {
+        if let Some(dp) = &self.dataplane {
+            dp.lock().await.clear().await;
+        }
+    }
+
+    /// Status of every tunnel, by remote cluster ID.
+    pub async fn tunnels(&self) -> Vec<TunnelStatus> {
+        let applied: Vec<Applied> = match self.applied.lock() {
+            Ok(guard) => guard.values().cloned().collect(),
+            Err(_) => Vec::new(),
+        };
+        let mut out = Vec::with_capacity(applied.len());
+        for a in applied {
+            out.push(self.status_of(a).await);
+        }
+        out
+    }
+
+    /// Status of the tunnel to `peer`, if there is one.
+    pub async fn tunnel(&self, peer: &ClusterId) -> Option<TunnelStatus> {
+        let applied = self.applied.lock().ok()?.get(peer).cloned()?;
+        Some(self.status_of(applied).await)
+    }
+
+    async fn status_of(&self, applied: Applied) -> TunnelStatus {
+        let Applied { plan, result } = applied;
+        if let Err(message) = result {
+            return TunnelStatus {
+                plan,
+                stats: None,
+                state: State::Error,
+                message,
+            };
+        }
+        let Some(dp) = &self.dataplane else {
+            return TunnelStatus {
+                plan,
+                stats: None,
+                state: State::Down,
+                message: "data plane disabled (--dataplane none)".into(),
+            };
+        };
+        let read = dp.lock().await.stats(&plan.endpoint.remote.id).await;
+        match read {
+            Some(Ok(stats)) => {
+                let age = stats
+                    .last_handshake
+                    .map(|t| SystemTime::now().duration_since(t).unwrap_or_default());
+                let (state, message) = match age {
+                    None => (State::Connecting, String::new()),
+                    Some(age) if age <= HANDSHAKE_FRESH => (State::Up, String::new()),
+                    Some(age) => (
+                        State::Down,
+                        format!("last handshake {} s ago", age.as_secs()),
+                    ),
+                };
+                TunnelStatus {
+                    plan,
+                    stats: Some(stats),
+                    state,
+                    message,
+                }
+            }
+            Some(Err(err)) => TunnelStatus {
+                plan,
+                stats: None,
+                state: State::Down,
+                message: format!("{err:#}"),
+            },
+            None => TunnelStatus {
+                plan,
+                stats: None,
+                state: State::Error,
+                message: "no device (recreated on the next reconciliation)".into(),
+            },
+        }
+    }
+}

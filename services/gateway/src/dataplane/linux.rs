@@ -1,0 +1,325 @@
+//! The Linux reconciler: makes the current network namespace match a set of [`PeerPlan`]s.
+//!
+//! Per peer: a WireGuard device (MTU 1420, up, rp_filter off), main-table routes for the peer's
+//! NAT'ed CIDRs, a table holding `default dev <interface>`, and an `ip rule fwmark <mark> lookup
+//! <table>`; for all peers together, the `ip trellis` nftables table. Everything is derived
+//! from the plans, so applying the same plans twice changes nothing, and a start first removes
+//! whatever a previous run left (rules at our priority, our table, our kernel interfaces: they
+//! all outlive a SIGKILLed process, spike pitfall 7).
+//!
+//! Routes are not cleaned separately: the kernel deletes a route with the interface it points
+//! to.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use ipnet::IpNet;
+use trellis_api::ClusterId;
+
+use super::PeerPlan;
+use super::cmd::{self, ip};
+use super::nft;
+use super::wireguard::{Device, DeviceSpec, Flavor, MTU, PeerStats};
+use crate::keys::KeyPair;
+use crate::names::{MARK_MASK, RULE_PRIORITY};
+
+/// How long a stats read may take before the tunnel is reported DOWN.
+const STATS_TIMEOUT: Duration = Duration::from_secs(3);
+
+/// How long to wait for a removed interface to disappear before creating one of the same name.
+const LINK_GONE_TIMEOUT: Duration = Duration::from_secs(3);
+
+/// The data plane of this namespace.
+#[derive(Debug)]
+pub struct Linux {
+    flavor: Flavor,
+    key: KeyPair,
+    keepalive: u16,
+    prefix: String,
+    devices: BTreeMap<ClusterId, Arc<Device>>,
+}
+
+impl Linux {
+    /// Prepares the namespace (forwarding on, reverse-path filtering off) and removes what a
+    /// previous run left.
+    pub async fn start(
+        flavor: Flavor,
+        key: KeyPair,
+        keepalive: u16,
+        prefix: String,
+    ) -> anyhow::Result<Self> {
+        cmd::sysctl("ip_forward", "1").await?;
+        // Replies leave through a tunnel chosen by fwmark, and packets arrive from a tunnel
+        // with sources that the main table routes elsewhere: strict or loose rp_filter would
+        // drop both. The effective value is the max of `all` and the interface's.
+        cmd::sysctl("conf/all/rp_filter", "0").await?;
+        cmd::sysctl("conf/default/rp_filter", "0").await?;
+        let this = Self {
+            flavor,
+            key,
+            keepalive,
+            prefix,
+            devices: BTreeMap::new(),
+        };
+        this.remove_stale().await?;
+        Ok(this)
+    }
+
+    async fn remove_stale(&self) -> anyhow::Result<()> {
+        let rules = current_rules().await?;
+        for (mark, table) in &rules {
+            delete_rule(*mark, *table).await?;
+        }
+        cmd::run("nft", &["-f", "-"], Some(&nft::script(&[]))).await?;
+        let links = ip(&["-o", "link", "show"]).await?;
+        let mut removed = 0;
+        for name in links.lines().filter_map(link_name) {
+            if is_ours(&self.prefix, name) {
+                ip(&["link", "delete", "dev", name]).await?;
+                removed += 1;
+            }
+        }
+        tracing::info!(
+            rules = rules.len(),
+            interfaces = removed,
+            "removed data plane state left by a previous run"
+        );
+        Ok(())
+    }
+
+    /// Makes the namespace match `plans`. Returns, per peer, `Ok` or why its tunnel is not
+    /// configured (one broken peer does not stop the others).
+    pub async fn apply(&mut self, plans: &[PeerPlan]) -> BTreeMap<ClusterId, Result<(), String>> {
+        let mut results = BTreeMap::new();
+        for plan in plans {
+            let id = plan.endpoint.remote.id.clone();
+            let result = self.apply_peer(plan).await.map_err(|e| format!("{e:#}"));
+            if let Err(err) = &result {
+                tracing::warn!(peer = %id, interface = %plan.interface, error = %err, "tunnel not configured");
+            }
+            results.insert(id, result);
+        }
+        // Rules and NAT for every planned peer (a peer whose device failed just matches no
+        // packets until it is fixed), then the devices of peers no longer planned.
+        let shared = async {
+            let nats: Vec<nft::PeerNat> = plans.iter().map(PeerPlan::nat).collect();
+            cmd::run("nft", &["-f", "-"], Some(&nft::script(&nats))).await?;
+            self.sync_rules(plans).await
+        };
+        if let Err(err) = shared.await {
+            let err = format!("{err:#}");
+            tracing::warn!(error = %err, "nftables or policy rules not applied");
+            for result in results.values_mut() {
+                if result.is_ok() {
+                    *result = Err(err.clone());
+                }
+            }
+        }
+        let planned: BTreeSet<&ClusterId> = plans.iter().map(|p| &p.endpoint.remote.id).collect();
+        let gone: Vec<ClusterId> = self
+            .devices
+            .keys()
+            .filter(|id| !planned.contains(id))
+            .cloned()
+            .collect();
+        for id in gone {
+            if let Some(device) = self.devices.remove(&id) {
+                tracing::info!(peer = %id, interface = device.name(), "removing tunnel");
+                remove_device(device).await;
+            }
+        }
+        results
+    }
+
+    async fn apply_peer(&mut self, plan: &PeerPlan) -> anyhow::Result<()> {
+        let id = &plan.endpoint.remote.id;
+        let device = match self.devices.get(id) {
+            Some(d) if d.name() == plan.interface => d.clone(),
+            _ => {
+                if let Some(old) = self.devices.remove(id) {
+                    remove_device(old).await;
+                }
+                let (flavor, name) = (self.flavor, plan.interface.clone());
+                let device = tokio::task::spawn_blocking(move || Device::create(flavor, &name))
+                    .await
+                    .context("device creation task")??;
+                let device = Arc::new(device);
+                tracing::info!(peer = %id, interface = %plan.interface, port = plan.port, "created wireguard interface");
+                self.devices.insert(id.clone(), device.clone());
+                device
+            }
+        };
+        let spec = DeviceSpec {
+            name: plan.interface.clone(),
+            listen_port: plan.port,
+            peer_key: plan.endpoint.remote_public_key,
+            peer_endpoint: plan.endpoint.remote_endpoint,
+            allowed_ips: plan.allowed_ips(),
+            keepalive: self.keepalive,
+        };
+        let (key, configured) = (self.key.clone(), device.clone());
+        let result = tokio::task::spawn_blocking(move || configured.configure(&key, &spec))
+            .await
+            .context("device configuration task")?;
+        if let Err(err) = result {
+            // A device that cannot be configured (or whose control channel broke) is rebuilt
+            // on the next pass.
+            if let Some(old) = self.devices.remove(id) {
+                remove_device(old).await;
+            }
+            return Err(err).context("configuring the wireguard device");
+        }
+        let name = plan.interface.as_str();
+        ip(&["link", "set", "dev", name, "mtu", &MTU.to_string(), "up"]).await?;
+        cmd::sysctl(&format!("conf/{name}/rp_filter"), "0").await?;
+        let routed = plan.routed();
+        for net in &routed {
+            ip(&["route", "replace", &net.to_string(), "dev", name]).await?;
+        }
+        // Routes of an earlier version of this peer's TunnelEndpoint (its NAT view changed).
+        let listed = ip(&["-o", "-4", "route", "show", "dev", name]).await?;
+        for stale in listed
+            .lines()
+            .filter_map(|l| l.split_whitespace().next()?.parse::<IpNet>().ok())
+            .filter(|n| !routed.contains(n))
+        {
+            ip(&["route", "del", &stale.to_string(), "dev", name]).await?;
+        }
+        let table = plan.table().to_string();
+        ip(&["route", "replace", "default", "dev", name, "table", &table]).await?;
+        Ok(())
+    }
+
+    async fn sync_rules(&self, plans: &[PeerPlan]) -> anyhow::Result<()> {
+        let want: BTreeSet<(u32, u32)> = plans.iter().map(|p| (p.mark(), p.table())).collect();
+        let have = current_rules().await?;
+        for (mark, table) in have.difference(&want) {
+            delete_rule(*mark, *table).await?;
+        }
+        for (mark, table) in want.difference(&have) {
+            ip(&[
+                "rule",
+                "add",
+                "pref",
+                &RULE_PRIORITY.to_string(),
+                "fwmark",
+                &format!("{mark:#x}/{MARK_MASK:#x}"),
+                "lookup",
+                &table.to_string(),
+            ])
+            .await?;
+        }
+        Ok(())
+    }
+
+    /// The counters of the peer's device; `None` when it has no device.
+    pub async fn stats(&self, id: &ClusterId) -> Option<anyhow::Result<PeerStats>> {
+        let device = self.devices.get(id)?.clone();
+        let read = tokio::time::timeout(
+            STATS_TIMEOUT,
+            tokio::task::spawn_blocking(move || device.stats()),
+        )
+        .await;
+        Some(match read {
+            Ok(Ok(Ok(stats))) => Ok(stats),
+            Ok(Ok(Err(err))) => Err(anyhow::anyhow!("reading the device: {err}")),
+            Ok(Err(err)) => Err(anyhow::anyhow!("stats task: {err}")),
+            Err(_) => Err(anyhow::anyhow!(
+                "the device did not answer within {STATS_TIMEOUT:?}"
+            )),
+        })
+    }
+
+    /// Removes every tunnel, rule and the nftables table (graceful stop).
+    pub async fn clear(&mut self) {
+        let _ = self.apply(&[]).await;
+    }
+}
+
+/// Our rules: `(mark, table)` of every rule at [`RULE_PRIORITY`].
+async fn current_rules() -> anyhow::Result<BTreeSet<(u32, u32)>> {
+    let text = ip(&["-4", "rule", "show", "pref", &RULE_PRIORITY.to_string()]).await?;
+    Ok(text.lines().filter_map(parse_rule).collect())
+}
+
+async fn delete_rule(mark: u32, table: u32) -> anyhow::Result<()> {
+    ip(&[
+        "rule",
+        "del",
+        "pref",
+        &RULE_PRIORITY.to_string(),
+        "fwmark",
+        &format!("{mark:#x}/{MARK_MASK:#x}"),
+        "lookup",
+        &table.to_string(),
+    ])
+    .await
+    .map(drop)
+}
+
+/// `1784: from all fwmark 0xca810000/0xffff0000 lookup 51841` → `(0xca810000, 51841)`.
+fn parse_rule(line: &str) -> Option<(u32, u32)> {
+    let words: Vec<&str> = line.split_whitespace().collect();
+    let after = |key: &str| {
+        words
+            .iter()
+            .position(|w| *w == key)
+            .and_then(|i| words.get(i + 1))
+    };
+    let mark = after("fwmark")?.split('/').next()?;
+    let mark = u32::from_str_radix(mark.trim_start_matches("0x"), 16).ok()?;
+    let table = after("lookup")?.parse().ok()?;
+    Some((mark, table))
+}
+
+/// The interface name of an `ip -o link show` line (`3: tg01234567: <...`, or `name@peer`).
+fn link_name(line: &str) -> Option<&str> {
+    let name = line.split(':').nth(1)?.trim();
+    Some(name.split('@').next().unwrap_or(name))
+}
+
+/// Whether `name` has the shape of our interface names (prefix + 8 hex digits).
+fn is_ours(prefix: &str, name: &str) -> bool {
+    name.strip_prefix(prefix)
+        .is_some_and(|rest| rest.len() == 8 && rest.bytes().all(|b| b.is_ascii_hexdigit()))
+}
+
+/// Drops a device off the async workers (stopping boringtun's threads or deleting the kernel
+/// link blocks), then waits until its interface is gone so a new one can take the name.
+async fn remove_device(device: Arc<Device>) {
+    let name = device.name().to_owned();
+    let _ = tokio::task::spawn_blocking(move || drop(device)).await;
+    let path = format!("/sys/class/net/{name}");
+    let deadline = tokio::time::Instant::now() + LINK_GONE_TIMEOUT;
+    while tokio::fs::try_exists(&path).await.unwrap_or(false) {
+        if tokio::time::Instant::now() > deadline {
+            tracing::warn!(interface = %name, "interface still present after removal");
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_rules_and_link_names() {
+        assert_eq!(
+            parse_rule("1784:\tfrom all fwmark 0xca810000/0xffff0000 lookup 51841"),
+            Some((0xca81_0000, 51841))
+        );
+        assert_eq!(parse_rule("0:\tfrom all lookup local"), None);
+        assert_eq!(
+            link_name("7: tg0a1b2c3d: <POINTOPOINT,NOARP,UP> mtu 1420"),
+            Some("tg0a1b2c3d")
+        );
+        assert_eq!(link_name("2: veth0@if3: <BROADCAST>"), Some("veth0"));
+        assert!(is_ours("tg", "tg0a1b2c3d"));
+        assert!(!is_ours("tg", "tg0a1b2c3"));
+        assert!(!is_ours("tg", "eth0"));
+    }
+}

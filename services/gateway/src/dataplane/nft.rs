@@ -1,0 +1,141 @@
+//! The one nftables table the gateway owns, `ip trellis`, rendered as a single `nft -f` script
+//! that deletes and recreates it in one transaction: the ruleset is never half-applied, and
+//! applying it twice (or after a crash) never duplicates a rule.
+//!
+//! Per peer interface (DESIGN.md "Data plane", ADR 0008):
+//! - `pre_mangle`: a new connection arriving from the peer gets the peer's conntrack mark;
+//!   reply packets of marked connections carry it as their fwmark, so `ip rule fwmark → table`
+//!   sends them back through the peer's tunnel even when the peer's real pod CIDR equals ours.
+//!   Only reply-direction packets are marked: marking forward packets would route them back
+//!   into the tunnel they came from.
+//! - `pre_nat`: DNAT the destination from how the peer addresses us to our real ranges.
+//! - `post_nat`: SNAT the source from the peer's real ranges to how we address the peer.
+
+use std::fmt::Write as _;
+
+use ipnet::IpNet;
+
+use crate::names::MARK_MASK;
+
+/// Name of our table (family `ip`).
+pub const TABLE: &str = "trellis";
+
+/// What the ruleset needs to know about one peer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PeerNat {
+    pub interface: String,
+    pub mark: u32,
+    /// `(how the peer sees us, our real range)`: destination prefix map.
+    pub dnat: Vec<(IpNet, IpNet)>,
+    /// `(the peer's real range, how we see it)`: source prefix map.
+    pub snat: Vec<(IpNet, IpNet)>,
+}
+
+fn map(entries: &[(IpNet, IpNet)]) -> Option<String> {
+    // Identity entries are no-ops; a map of only those needs no rule at all.
+    let entries: Vec<String> = entries
+        .iter()
+        .filter(|(from, to)| from != to)
+        .map(|(from, to)| format!("{from} : {to}"))
+        .collect();
+    (!entries.is_empty()).then(|| format!("{{ {} }}", entries.join(", ")))
+}
+
+/// The script that replaces our table with one for `peers` (or just removes it when there are
+/// none).
+pub fn script(peers: &[PeerNat]) -> String {
+    // Creating the table first makes the delete succeed whether or not it exists.
+    let mut s = format!("table ip {TABLE} {{}}\ndelete table ip {TABLE}\n");
+    if peers.is_empty() {
+        return s;
+    }
+    let _ = writeln!(s, "table ip {TABLE} {{");
+    s.push_str(
+        "  chain pre_mangle {\n    type filter hook prerouting priority mangle; policy accept;\n",
+    );
+    for p in peers {
+        let _ = writeln!(
+            s,
+            "    iifname \"{}\" ct state new ct mark set {:#010x}",
+            p.interface, p.mark
+        );
+    }
+    let _ = writeln!(
+        s,
+        "    ct direction reply ct mark and {MARK_MASK:#010x} != 0x00000000 meta mark set ct mark"
+    );
+    s.push_str("  }\n");
+    s.push_str("  chain pre_nat {\n    type nat hook prerouting priority dstnat; policy accept;\n");
+    for p in peers {
+        if let Some(m) = map(&p.dnat) {
+            let _ = writeln!(
+                s,
+                "    iifname \"{}\" dnat ip prefix to ip daddr map {m}",
+                p.interface
+            );
+        }
+    }
+    s.push_str("  }\n");
+    s.push_str(
+        "  chain post_nat {\n    type nat hook postrouting priority srcnat; policy accept;\n",
+    );
+    for p in peers {
+        if let Some(m) = map(&p.snat) {
+            let _ = writeln!(
+                s,
+                "    iifname \"{}\" snat ip prefix to ip saddr map {m}",
+                p.interface
+            );
+        }
+    }
+    s.push_str("  }\n}\n");
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn net(s: &str) -> IpNet {
+        s.parse().expect("net")
+    }
+
+    #[test]
+    fn renders_marks_and_prefix_maps_skipping_identities() {
+        let peers = [PeerNat {
+            interface: "tg01234567".into(),
+            mark: 0xca81_0000,
+            dnat: vec![
+                (net("10.83.0.0/16"), net("10.0.0.0/16")),
+                (net("10.201.0.0/16"), net("10.201.0.0/16")),
+            ],
+            snat: vec![(net("10.0.0.0/16"), net("10.81.0.0/16"))],
+        }];
+        let s = script(&peers);
+        assert!(
+            s.starts_with("table ip trellis {}\ndelete table ip trellis\n"),
+            "{s}"
+        );
+        assert!(
+            s.contains("iifname \"tg01234567\" ct state new ct mark set 0xca810000"),
+            "{s}"
+        );
+        assert!(
+            s.contains("dnat ip prefix to ip daddr map { 10.83.0.0/16 : 10.0.0.0/16 }"),
+            "{s}"
+        );
+        assert!(!s.contains("10.201.0.0/16 : 10.201.0.0/16"), "{s}");
+        assert!(
+            s.contains("snat ip prefix to ip saddr map { 10.0.0.0/16 : 10.81.0.0/16 }"),
+            "{s}"
+        );
+    }
+
+    #[test]
+    fn no_peers_only_removes_the_table() {
+        assert_eq!(
+            script(&[]),
+            "table ip trellis {}\ndelete table ip trellis\n"
+        );
+    }
+}

@@ -1,0 +1,112 @@
+//! The `trellis.gateway.v1.Gateway` gRPC handlers: validate the request into domain values
+//! (errors name the field), call [`Gateway`], map the answer back. Nothing else happens here.
+
+use std::sync::Arc;
+use std::time::SystemTime;
+
+use tonic::{Request, Response, Status};
+use trellis_api::ClusterId;
+use trellis_api::pb::gateway::gateway_server::Gateway as GatewayApi;
+use trellis_api::pb::gateway::{self as pb, TunnelState};
+use trellis_api::pb::types as types_pb;
+use trellis_error::Error;
+
+use crate::core::{Gateway, State, TunnelStatus};
+
+/// The gRPC face of one [`Gateway`].
+#[derive(Debug, Clone)]
+pub struct GatewayService {
+    core: Arc<Gateway>,
+}
+
+impl GatewayService {
+    pub fn new(core: Arc<Gateway>) -> Self {
+        Self { core }
+    }
+}
+
+fn timestamp(t: SystemTime) -> prost_types::Timestamp {
+    prost_types::Timestamp::from(t)
+}
+
+fn state(s: State) -> TunnelState {
+    match s {
+        State::Connecting => TunnelState::Connecting,
+        State::Up => TunnelState::Up,
+        State::Down => TunnelState::Down,
+        State::Error => TunnelState::Error,
+    }
+}
+
+fn tunnel_status(t: TunnelStatus) -> pb::TunnelStatus {
+    let te = &t.plan.endpoint;
+    let stats = t.stats.unwrap_or_default();
+    pb::TunnelStatus {
+        remote: Some(types_pb::ClusterIdentity {
+            cluster_id: te.remote.id.to_string(),
+            cluster_name: te.remote.name.clone(),
+        }),
+        kind: te.kind.to_proto().into(),
+        interface_name: t.plan.interface.clone(),
+        remote_endpoint: stats.endpoint.unwrap_or(te.remote_endpoint).to_string(),
+        remote_public_key: te.remote_public_key.to_string(),
+        routed_cidrs: t.plan.routed().iter().map(ToString::to_string).collect(),
+        last_handshake_time: stats.last_handshake.map(timestamp),
+        rx_bytes: stats.rx_bytes,
+        tx_bytes: stats.tx_bytes,
+        probe_rtt: None,
+        last_probe_time: None,
+        state: state(t.state).into(),
+        message: t.message,
+        applied_generation: te.generation,
+        listen_port: u32::from(t.plan.port),
+    }
+}
+
+#[tonic::async_trait]
+impl GatewayApi for GatewayService {
+    async fn get_gateway_info(
+        &self,
+        request: Request<pb::GetGatewayInfoRequest>,
+    ) -> Result<Response<pb::GetGatewayInfoResponse>, Status> {
+        let req = request.into_inner();
+        let peer = if req.cluster_id.is_empty() {
+            None
+        } else {
+            Some(ClusterId::parse("cluster_id", &req.cluster_id)?)
+        };
+        let info = self.core.info(peer.as_ref()).await?;
+        Ok(Response::new(pb::GetGatewayInfoResponse {
+            endpoint: info.endpoint.to_string(),
+            public_key: info.public_key.to_string(),
+            mode: info.mode.to_proto().into(),
+            listen_port: u32::from(info.listen_port),
+        }))
+    }
+
+    async fn list_tunnels(
+        &self,
+        _request: Request<pb::ListTunnelsRequest>,
+    ) -> Result<Response<pb::ListTunnelsResponse>, Status> {
+        let tunnels = self.core.tunnels().await;
+        Ok(Response::new(pb::ListTunnelsResponse {
+            tunnels: tunnels.into_iter().map(tunnel_status).collect(),
+        }))
+    }
+
+    async fn get_tunnel_status(
+        &self,
+        request: Request<pb::GetTunnelStatusRequest>,
+    ) -> Result<Response<pb::GetTunnelStatusResponse>, Status> {
+        let req = request.into_inner();
+        let peer = ClusterId::parse("cluster_id", &req.cluster_id)?;
+        let tunnel = self
+            .core
+            .tunnel(&peer)
+            .await
+            .ok_or_else(|| Error::NotFound(format!("no tunnel to cluster {peer}")))?;
+        Ok(Response::new(pb::GetTunnelStatusResponse {
+            tunnel: Some(tunnel_status(tunnel)),
+        }))
+    }
+}

@@ -1,0 +1,156 @@
+//! `trellis-gateway`: the gateway of one Trellis cluster (DESIGN.md "Data plane"; ADRs 0007,
+//! 0008, 0009). It runs inside whatever network namespace it is started in.
+//!
+//! - [`keys`]: the WireGuard key pair, generated once and kept in the store;
+//! - [`ports`]: one listen port per remote peer, persisted and unique;
+//! - [`names`]: interface names, connection marks and routing tables per peer;
+//! - [`dataplane`]: WireGuard devices, routes, policy rules and nftables NAT (root only);
+//! - [`source`]: the broker's TunnelEndpoints, followed with a resumable watch;
+//! - [`reconcile`]: the loop applying them;
+//! - [`core`]: the operations; [`records`]: what is stored, under which keys;
+//! - [`grpc`]: the thin gRPC layer; [`config`]: the flags.
+
+pub mod config;
+pub mod core;
+pub mod dataplane;
+pub mod grpc;
+pub mod keys;
+pub mod names;
+pub mod ports;
+pub mod reconcile;
+pub mod records;
+pub mod source;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use anyhow::Context as _;
+use tokio::task::JoinHandle;
+use tonic::server::NamedService;
+use tonic::service::Routes;
+use trellis_api::ClusterIdentity;
+use trellis_api::pb::gateway::gateway_server::GatewayServer;
+use trellis_runtime::Shutdown;
+use trellis_runtime::config::ports as default_ports;
+use trellis_runtime::server::GrpcServer;
+
+pub use crate::config::Config;
+pub use crate::core::Gateway;
+use crate::core::Settings;
+use crate::dataplane::Mode;
+use crate::dataplane::linux::Linux;
+use crate::dataplane::wireguard::Flavor;
+use crate::grpc::GatewayService;
+use crate::keys::KeyPair;
+
+/// Largest request accepted, in bytes: gateway requests carry at most a cluster ID.
+pub const MAX_REQUEST_BYTES: usize = 16 * 1024;
+
+/// The gRPC routes of the gateway service.
+pub fn routes(core: Arc<Gateway>) -> Routes {
+    Routes::new(
+        GatewayServer::new(GatewayService::new(core)).max_decoding_message_size(MAX_REQUEST_BYTES),
+    )
+}
+
+/// A running gateway.
+#[derive(Debug)]
+pub struct Started {
+    /// The address it listens on.
+    pub addr: SocketAddr,
+    /// The domain core, for in-process callers (the lab, tests).
+    pub core: Arc<Gateway>,
+    /// Finishes when the server and the reconciler have stopped (the data plane removed).
+    pub task: JoinHandle<anyhow::Result<()>>,
+}
+
+/// Opens the store, loads the key, prepares the data plane, binds, serves, and follows the
+/// broker when one is configured.
+pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started> {
+    let common = &config.common;
+    let identity = ClusterIdentity::parse(
+        "cluster-id",
+        &common.cluster_id,
+        "cluster-name",
+        common.cluster_name(),
+    )?;
+    let endpoint_ip = config.endpoint_ip()?;
+    let store = trellis_store::open(&common.store)
+        .await
+        .with_context(|| format!("opening store {}", common.store))?;
+    let keys = KeyPair::load_or_create(&store)
+        .await
+        .context("loading the gateway key")?;
+    let mode = Mode::resolve(config.dataplane);
+    let flavor = match mode {
+        Mode::None => None,
+        Mode::Userspace => Some(Flavor::Userspace),
+        Mode::Kernel => Some(Flavor::Kernel),
+    };
+    let dataplane = match flavor {
+        Some(flavor) => Some(
+            Linux::start(
+                flavor,
+                keys.clone(),
+                config.persistent_keepalive,
+                config.interface_prefix.clone(),
+            )
+            .await
+            .context("preparing the data plane (needs root in the gateway's namespace)")?,
+        ),
+        None => None,
+    };
+    tracing::info!(mode = ?mode, public_key = %keys.public(), endpoint = %endpoint_ip, ports = %config.wireguard_ports, "gateway ready");
+    let settings = Settings {
+        identity,
+        endpoint_ip,
+        ports: config.wireguard_ports,
+        interface_prefix: config.interface_prefix.clone(),
+    };
+    let core = Arc::new(Gateway::new(store, settings, mode, keys, dataplane));
+    let server = GrpcServer::bind(common.listen_addr(default_ports::GATEWAY)).await?;
+    let addr = server.local_addr();
+
+    let mut background = Vec::new();
+    let (desired_tx, desired_rx) = tokio::sync::watch::channel(None);
+    if let Some(broker) = config.broker.clone() {
+        background.push(tokio::spawn(source::run(
+            broker,
+            desired_tx,
+            shutdown.clone(),
+        )));
+    } else {
+        tracing::info!("no --broker: serving keys, ports and status only");
+        drop(desired_tx);
+    }
+    background.push(tokio::spawn(reconcile::run(
+        core.clone(),
+        desired_rx,
+        config.resync(),
+        shutdown.clone(),
+    )));
+
+    let routes = routes(core.clone());
+    let grace = common.shutdown_grace();
+    let task = tokio::spawn(async move {
+        let served = server
+            .serve(
+                routes,
+                &[GatewayServer::<GatewayService>::NAME],
+                shutdown,
+                grace,
+            )
+            .await;
+        for task in background {
+            task.await.context("gateway background task")?;
+        }
+        served
+    });
+    Ok(Started { addr, core, task })
+}
+
+/// Runs the gateway until `shutdown`.
+pub async fn run(config: Config, shutdown: Shutdown) -> anyhow::Result<()> {
+    let started = start(config, shutdown).await?;
+    started.task.await.context("gateway server task")?
+}

@@ -1,0 +1,48 @@
+//! The reconciliation loop: applies the latest desired set whenever it changes, again every
+//! resync interval (repairing whatever someone changed underneath), sooner after a failure,
+//! and removes every tunnel on a graceful stop.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::watch;
+use trellis_runtime::Shutdown;
+
+use crate::core::{Desired, Gateway};
+
+/// Wait before retrying a pass that left some tunnel unconfigured.
+const RETRY: Duration = Duration::from_secs(2);
+
+/// Runs until `shutdown`. Nothing is applied before the first desired set arrives: an empty
+/// data plane is not the same as "not known yet".
+pub async fn run(
+    core: Arc<Gateway>,
+    mut desired: watch::Receiver<Option<Desired>>,
+    resync: Duration,
+    shutdown: Shutdown,
+) {
+    let mut wait = resync;
+    let mut source_alive = true;
+    loop {
+        tokio::select! {
+            changed = desired.changed(), if source_alive => source_alive = changed.is_ok(),
+            () = tokio::time::sleep(wait) => {},
+            () = shutdown.cancelled() => break,
+        }
+        let current = desired.borrow_and_update().clone();
+        let Some(current) = current else { continue };
+        wait = match core.apply(&current).await {
+            Ok(0) => resync,
+            Ok(failed) => {
+                tracing::warn!(failed, "some tunnels are not configured; retrying soon");
+                RETRY
+            }
+            Err(err) => {
+                tracing::warn!(error = %err, "reconciliation failed; retrying soon");
+                RETRY
+            }
+        };
+    }
+    core.clear_dataplane().await;
+    tracing::info!("data plane removed");
+}

@@ -1,0 +1,64 @@
+//! What the gateway keeps in its store, and where. Key layout (below the store's own prefix):
+//!
+//! | key | value |
+//! |---|---|
+//! | `key` | [`KeyRecord`]: the WireGuard private key, written once (secret) |
+//! | `ports/peers/<cluster_id>` | [`PortRecord`]: the UDP port of that peer's interface |
+//! | `ports/used/<port>` | the cluster ID holding the port (uniqueness) |
+//!
+//! A port is taken by one transaction that writes both port keys only if both are absent, so
+//! two replicas (or two concurrent GetGatewayInfo calls) can never hand out one port twice.
+
+use serde::{Deserialize, Serialize};
+use trellis_api::ClusterId;
+use trellis_error::{Error, Result};
+
+pub const KEY_KEY: &str = "key";
+pub const PEERS_PREFIX: &str = "ports/peers/";
+pub const USED_PREFIX: &str = "ports/used/";
+
+/// Store key of a peer's port record.
+pub fn peer_key(id: &ClusterId) -> String {
+    format!("{PEERS_PREFIX}{id}")
+}
+
+/// Store key of a port's reservation.
+pub fn used_key(port: u16) -> String {
+    format!("{USED_PREFIX}{port}")
+}
+
+/// The gateway's key pair, as stored: only the private half (the public one is derived).
+/// Deliberately not `Debug`-printable with its content.
+#[derive(Clone, Serialize, Deserialize)]
+pub struct KeyRecord {
+    /// Standard base64 of the 32-byte Curve25519 private key.
+    pub private_key: String,
+}
+
+impl std::fmt::Debug for KeyRecord {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("KeyRecord { private_key: <redacted> }")
+    }
+}
+
+/// The UDP port allocated to one remote peer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PortRecord {
+    pub port: u16,
+    /// Set once a TunnelEndpoint for the peer was applied: the port is then released when that
+    /// TunnelEndpoint goes away. A port handed out by GetGatewayInfo before any tunnel exists
+    /// (the broker is still exchanging NetworkConfigs) stays reserved.
+    #[serde(default)]
+    pub tunnel: bool,
+}
+
+/// Serialises a record; our own types always serialise.
+pub fn encode<T: Serialize>(value: &T) -> Result<Vec<u8>> {
+    serde_json::to_vec(value).map_err(|e| Error::Internal(format!("encoding a record: {e}")))
+}
+
+/// Deserialises a record read from `key`, naming it when the content is corrupt.
+pub fn decode<T: for<'de> Deserialize<'de>>(key: &str, bytes: &[u8]) -> Result<T> {
+    serde_json::from_slice(bytes)
+        .map_err(|e| Error::Internal(format!("corrupt store record {key:?}: {e}")))
+}

@@ -1,0 +1,240 @@
+//! The gateway's control plane, in-process on loopback with a memory store and no data plane:
+//! keys and per-peer ports through GetGatewayInfo, tunnel status from the desired state, and
+//! bad input refused with a status naming the field.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use clap::Parser;
+use tonic::Code;
+use tonic::transport::Channel;
+use trellis_api::ClusterIdentity;
+use trellis_api::model::{NatView, TunnelEndpoint, WgKey};
+use trellis_api::pb::gateway::gateway_client::GatewayClient;
+use trellis_api::pb::gateway::*;
+use trellis_gateway::Config;
+use trellis_gateway::core::{Gateway, Settings};
+use trellis_gateway::dataplane::Mode;
+use trellis_gateway::keys::KeyPair;
+use trellis_gateway::ports::PortRange;
+use trellis_runtime::Shutdown;
+use trellis_store::SharedStore;
+
+struct Server {
+    client: GatewayClient<Channel>,
+    core: Arc<Gateway>,
+    shutdown: Shutdown,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        self.shutdown.cancel();
+    }
+}
+
+async fn serve(extra: &[&str]) -> Server {
+    let mut args = vec![
+        "trellis-gateway",
+        "--listen",
+        "127.0.0.1:0",
+        "--store",
+        "memory://",
+        "--cluster-id",
+        "a",
+        "--dataplane",
+        "none",
+    ];
+    args.extend_from_slice(extra);
+    let config = Config::try_parse_from(args).expect("config parses");
+    let shutdown = Shutdown::new();
+    let started = trellis_gateway::start(config, shutdown.clone())
+        .await
+        .expect("starts");
+    let channel = Channel::from_shared(format!("http://{}", started.addr))
+        .expect("uri")
+        .connect()
+        .await
+        .expect("connects");
+    Server {
+        client: GatewayClient::new(channel),
+        core: started.core,
+        shutdown,
+    }
+}
+
+async fn info(
+    client: &mut GatewayClient<Channel>,
+    peer: &str,
+) -> Result<GetGatewayInfoResponse, tonic::Status> {
+    client
+        .get_gateway_info(GetGatewayInfoRequest {
+            cluster_id: peer.into(),
+        })
+        .await
+        .map(tonic::Response::into_inner)
+}
+
+fn identity(id: &str) -> ClusterIdentity {
+    ClusterIdentity::parse("cluster_id", id, "cluster_name", id).expect("valid")
+}
+
+fn te(remote: &str, nat_octet: u8) -> TunnelEndpoint {
+    let net = |s: String| s.parse().expect("net");
+    TunnelEndpoint {
+        remote: identity(remote),
+        kind: trellis_api::model::PeeringKind::Full,
+        via: None,
+        local_pod_cidr: net("10.0.0.0/16".into()),
+        local_external_cidr: net("10.201.0.0/16".into()),
+        local_nat: NatView {
+            pod_cidr_nat: net("10.90.0.0/16".into()),
+            external_cidr_nat: net("10.91.0.0/16".into()),
+        },
+        remote_pod_cidr: net("10.0.0.0/16".into()),
+        remote_external_cidr: net("10.201.0.0/16".into()),
+        remote_nat: NatView {
+            pod_cidr_nat: net(format!("10.{nat_octet}.0.0/16")),
+            external_cidr_nat: net(format!("10.{}.0.0/16", nat_octet + 1)),
+        },
+        remote_endpoint: "192.0.2.9:51840".parse().expect("addr"),
+        remote_public_key: WgKey::from_bytes([9; 32]),
+        generation: 1,
+    }
+}
+
+#[tokio::test]
+async fn each_peer_gets_its_own_stable_port_and_the_shared_key() {
+    let mut s = serve(&["--wireguard-ports", "40000-40009"]).await;
+    let b = info(&mut s.client, "b").await.expect("b");
+    let c = info(&mut s.client, "c").await.expect("c");
+    assert_eq!(b.endpoint, "127.0.0.1:40000");
+    assert_eq!(c.endpoint, "127.0.0.1:40001");
+    assert_eq!(c.listen_port, 40001);
+    assert_eq!(b.public_key, c.public_key);
+    assert_eq!(b.public_key, s.core.public_key().to_string());
+    assert_eq!(b.mode, WireguardMode::None as i32);
+    assert_eq!(
+        info(&mut s.client, "b").await.expect("again").endpoint,
+        b.endpoint
+    );
+    let base = info(&mut s.client, "").await.expect("base");
+    assert_eq!(base.listen_port, 40000);
+}
+
+#[tokio::test]
+async fn bad_cluster_ids_are_refused_naming_the_field() {
+    let mut s = serve(&[]).await;
+    let err = info(&mut s.client, "no spaces").await.expect_err("invalid");
+    assert_eq!(err.code(), Code::InvalidArgument);
+    assert!(err.message().contains("cluster_id"), "{}", err.message());
+    let err = s
+        .client
+        .get_tunnel_status(GetTunnelStatusRequest {
+            cluster_id: "b".into(),
+        })
+        .await
+        .expect_err("no tunnel");
+    assert_eq!(err.code(), Code::NotFound);
+}
+
+#[tokio::test]
+async fn a_full_range_is_resource_exhausted_and_stores_nothing() {
+    let mut s = serve(&["--wireguard-ports", "40000-40001"]).await;
+    info(&mut s.client, "b").await.expect("b");
+    info(&mut s.client, "c").await.expect("c");
+    let err = info(&mut s.client, "d").await.expect_err("full");
+    assert_eq!(err.code(), Code::ResourceExhausted);
+    assert!(err.message().contains("40000-40001"), "{}", err.message());
+    assert_eq!(
+        info(&mut s.client, "c").await.expect("c kept").listen_port,
+        40001
+    );
+}
+
+fn gateway(store: SharedStore, keys: KeyPair, range: PortRange) -> Gateway {
+    Gateway::new(
+        store,
+        Settings {
+            identity: identity("a"),
+            endpoint_ip: "192.0.2.1".parse().expect("ip"),
+            ports: range,
+            interface_prefix: "tg".into(),
+        },
+        Mode::None,
+        keys,
+        None,
+    )
+}
+
+#[tokio::test]
+async fn concurrent_allocations_never_share_a_port_and_survive_a_restart() {
+    let store: SharedStore = Arc::new(trellis_store::MemoryStore::new());
+    let keys = KeyPair::load_or_create(&store).await.expect("key");
+    let range = PortRange::new(40000, 40099).expect("range");
+    // Two "replicas" on one store, racing.
+    let one = Arc::new(gateway(store.clone(), keys.clone(), range));
+    let two = Arc::new(gateway(store.clone(), keys.clone(), range));
+    let mut tasks = Vec::new();
+    for i in 0..40 {
+        let g = if i % 2 == 0 { one.clone() } else { two.clone() };
+        tasks.push(tokio::spawn(async move {
+            let id =
+                trellis_api::ClusterId::parse("cluster_id", &format!("p{}", i / 2)).expect("id");
+            (
+                i / 2,
+                g.info(Some(&id)).await.expect("allocated").listen_port,
+            )
+        }));
+    }
+    let mut by_peer = BTreeMap::new();
+    for t in tasks {
+        let (peer, port) = t.await.expect("task");
+        // Both replicas asked for each peer: they must agree.
+        if let Some(previous) = by_peer.insert(peer, port) {
+            assert_eq!(previous, port, "peer p{peer}");
+        }
+    }
+    let mut ports: Vec<u16> = by_peer.values().copied().collect();
+    ports.sort_unstable();
+    ports.dedup();
+    assert_eq!(ports.len(), 20, "unique ports: {by_peer:?}");
+
+    let again = KeyPair::load_or_create(&store).await.expect("same key");
+    assert_eq!(again.public(), keys.public());
+    let restarted = gateway(store, again, range);
+    let p3 = trellis_api::ClusterId::parse("cluster_id", "p3").expect("id");
+    assert_eq!(
+        restarted.info(Some(&p3)).await.expect("p3").listen_port,
+        by_peer[&3]
+    );
+}
+
+#[tokio::test]
+async fn removing_a_tunnel_releases_its_port_but_not_a_pending_one() {
+    let store: SharedStore = Arc::new(trellis_store::MemoryStore::new());
+    let keys = KeyPair::load_or_create(&store).await.expect("key");
+    let range = PortRange::new(40000, 40009).expect("range");
+    let g = gateway(store, keys, range);
+    let id = |s: &str| trellis_api::ClusterId::parse("cluster_id", s).expect("id");
+    // d asked for its endpoint (NetworkConfig exchange under way) but has no tunnel yet.
+    assert_eq!(g.info(Some(&id("d"))).await.expect("d").listen_port, 40000);
+    let desired: BTreeMap<_, _> = [(id("b"), te("b", 80)), (id("c"), te("c", 83))].into();
+    assert_eq!(g.apply(&desired).await.expect("applied"), 0);
+    let tunnels = g.tunnels().await;
+    assert_eq!(tunnels.len(), 2);
+    assert_eq!(tunnels[0].plan.port, 40001);
+    assert_eq!(tunnels[0].plan.routed().len(), 2);
+    assert!(
+        tunnels[0].message.contains("--dataplane none"),
+        "{}",
+        tunnels[0].message
+    );
+    assert_eq!(tunnels[1].plan.interface, g.interface_name(&id("c")));
+
+    let only_c: BTreeMap<_, _> = [(id("c"), te("c", 83))].into();
+    g.apply(&only_c).await.expect("applied");
+    assert!(g.tunnel(&id("b")).await.is_none());
+    // b's port is free again; d's is still held.
+    assert_eq!(g.info(Some(&id("e"))).await.expect("e").listen_port, 40001);
+    assert_eq!(g.info(Some(&id("d"))).await.expect("d").listen_port, 40000);
+}

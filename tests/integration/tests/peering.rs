@@ -1,0 +1,349 @@
+//! Full peering through the brokers, in process with memory stores: the token handshake, the
+//! NetworkConfig exchange with remapping of identical pod CIDRs, TunnelEndpoints on both ends
+//! with consistent NAT views, unpeering, and refused input.
+
+use std::time::{Duration, Instant};
+
+use tonic::Code;
+use trellis_api::pb::ipam::ListClusterSubnetsRequest;
+use trellis_api::pb::peering::*;
+use trellis_api::pb::types::{self as types, TunnelEndpoint};
+use trellis_integration::cluster::InProcessCluster;
+
+/// Polls `check` until it yields a value or `limit` passes.
+async fn eventually<T, F, Fut>(what: &str, limit: Duration, mut check: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let deadline = Instant::now() + limit;
+    loop {
+        if let Some(found) = check().await {
+            return found;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "timed out after {limit:?} waiting for {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+async fn tunnels(cluster: &InProcessCluster) -> Vec<TunnelEndpoint> {
+    cluster
+        .broker()
+        .await
+        .expect("connects")
+        .list_tunnel_endpoints(ListTunnelEndpointsRequest::default())
+        .await
+        .expect("lists")
+        .into_inner()
+        .tunnel_endpoints
+}
+
+async fn tunnel_to(cluster: &InProcessCluster, remote: &str) -> Option<TunnelEndpoint> {
+    tunnels(cluster)
+        .await
+        .into_iter()
+        .find(|t| t.remote.as_ref().is_some_and(|r| r.cluster_id == remote))
+}
+
+async fn token(cluster: &InProcessCluster) -> String {
+    cluster
+        .broker()
+        .await
+        .expect("connects")
+        .get_token(GetTokenRequest {})
+        .await
+        .expect("token")
+        .into_inner()
+        .token
+}
+
+async fn peer(
+    from: &InProcessCluster,
+    to: &InProcessCluster,
+    token: String,
+) -> Result<PeerResponse, tonic::Status> {
+    from.broker()
+        .await
+        .expect("connects")
+        .peer(PeerRequest {
+            broker_address: to.services.broker.to_string(),
+            token,
+            expected_cluster_id: String::new(),
+        })
+        .await
+        .map(tonic::Response::into_inner)
+}
+
+const LIMIT: Duration = Duration::from_secs(30);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn full_peering_remaps_identical_pod_cidrs_and_both_ends_agree() {
+    let a = InProcessCluster::start("leaf-a", "10.0.0.0/16", "10.201.0.0/16")
+        .await
+        .expect("a starts");
+    let b = InProcessCluster::start("hub-b", "10.0.0.0/16", "10.201.0.0/16")
+        .await
+        .expect("b starts");
+
+    let answer = peer(&a, &b, token(&b).await).await.expect("peers");
+    assert_eq!(
+        answer.identity.map(|i| i.cluster_id).as_deref(),
+        Some("hub-b")
+    );
+
+    let a_to_b = eventually("A's tunnel to B", LIMIT, || tunnel_to(&a, "hub-b")).await;
+    let b_to_a = eventually("B's tunnel to A", LIMIT, || tunnel_to(&b, "leaf-a")).await;
+    assert_eq!(a_to_b.kind, types::PeeringKind::Full as i32);
+    // Identical real CIDRs: each side remaps the other.
+    assert_eq!(a_to_b.remote_pod_cidr, "10.0.0.0/16");
+    assert_ne!(a_to_b.remote_pod_cidr_nat, "10.0.0.0/16");
+    assert_ne!(b_to_a.remote_pod_cidr_nat, "10.0.0.0/16");
+    // How B addresses A (B's decision) is what A learned as its local NAT for B, and back.
+    assert_eq!(a_to_b.local_pod_cidr_nat, b_to_a.remote_pod_cidr_nat);
+    assert_eq!(
+        a_to_b.local_external_cidr_nat,
+        b_to_a.remote_external_cidr_nat
+    );
+    assert_eq!(b_to_a.local_pod_cidr_nat, a_to_b.remote_pod_cidr_nat);
+    assert_eq!(
+        b_to_a.local_external_cidr_nat,
+        a_to_b.remote_external_cidr_nat
+    );
+    // Each end tunnels to the other's gateway with the other's key.
+    assert!(!a_to_b.remote_public_key.is_empty());
+    assert_ne!(a_to_b.remote_public_key, b_to_a.remote_public_key);
+
+    // The IPAMs hold the same views.
+    let a_ipam = a
+        .ipam()
+        .await
+        .expect("ipam")
+        .list_cluster_subnets(ListClusterSubnetsRequest {})
+        .await
+        .expect("lists")
+        .into_inner();
+    let record = a_ipam
+        .clusters
+        .iter()
+        .find(|c| c.cluster_id == "hub-b")
+        .expect("A's IPAM knows B");
+    assert_eq!(record.remote_pod_cidr_nat, a_to_b.remote_pod_cidr_nat);
+    assert_eq!(record.local_pod_cidr_nat, a_to_b.local_pod_cidr_nat);
+
+    // Peering again is idempotent: same tunnel, same views.
+    peer(&a, &b, token(&b).await).await.expect("peers again");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let again = tunnel_to(&a, "hub-b").await.expect("still there");
+    assert_eq!(again.remote_pod_cidr_nat, a_to_b.remote_pod_cidr_nat);
+    assert_eq!(again.generation, a_to_b.generation);
+
+    // Unpeering removes the tunnels and the IPAM mappings on both sides.
+    let unpeered = a
+        .broker()
+        .await
+        .expect("broker")
+        .unpeer(UnpeerRequest {
+            cluster_id: "hub-b".into(),
+        })
+        .await
+        .expect("unpeers")
+        .into_inner();
+    assert!(unpeered.unpeered);
+    eventually("A's tunnels gone", LIMIT, || async {
+        tunnels(&a).await.is_empty().then_some(())
+    })
+    .await;
+    eventually("B's tunnels gone", LIMIT, || async {
+        tunnels(&b).await.is_empty().then_some(())
+    })
+    .await;
+    eventually("B's IPAM mapping of A freed", LIMIT, || async {
+        let listed = b
+            .ipam()
+            .await
+            .ok()?
+            .list_cluster_subnets(ListClusterSubnetsRequest {})
+            .await
+            .ok()?
+            .into_inner();
+        listed.clusters.is_empty().then_some(())
+    })
+    .await;
+    let again = a
+        .broker()
+        .await
+        .expect("broker")
+        .unpeer(UnpeerRequest {
+            cluster_id: "hub-b".into(),
+        })
+        .await
+        .expect("idempotent")
+        .into_inner();
+    assert!(!again.unpeered);
+    a.stop().await;
+    b.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wrong_token_is_permission_denied_and_stores_nothing_on_either_side() {
+    let a = InProcessCluster::start("leaf-a", "10.0.0.0/16", "10.201.0.0/16")
+        .await
+        .expect("a starts");
+    let b = InProcessCluster::start("hub-b", "10.1.0.0/16", "10.202.0.0/16")
+        .await
+        .expect("b starts");
+    let err = peer(&a, &b, "not-the-token-of-b-at-all".into())
+        .await
+        .expect_err("refused");
+    assert_eq!(err.code(), Code::PermissionDenied, "{err:?}");
+    for cluster in [&a, &b] {
+        let listed = cluster
+            .discovery()
+            .await
+            .expect("discovery")
+            .list_foreign_clusters(trellis_api::pb::discovery::ListForeignClustersRequest {
+                kind: 0,
+            })
+            .await
+            .expect("lists")
+            .into_inner();
+        assert!(
+            listed.foreign_clusters.is_empty(),
+            "{}: {:?}",
+            cluster.id,
+            listed.foreign_clusters
+        );
+        let ncs = cluster
+            .broker()
+            .await
+            .expect("broker")
+            .list_network_configs(ListNetworkConfigsRequest::default())
+            .await
+            .expect("lists");
+        assert!(ncs.into_inner().network_configs.is_empty());
+    }
+    // A rotated token: the old one keeps working only during the grace period.
+    let old = token(&b).await;
+    b.broker()
+        .await
+        .expect("broker")
+        .rotate_token(RotateTokenRequest { grace_period: None })
+        .await
+        .expect("rotates");
+    let err = peer(&a, &b, old).await.expect_err("old token refused");
+    assert_eq!(err.code(), Code::PermissionDenied);
+    peer(&a, &b, token(&b).await)
+        .await
+        .expect("new token accepted");
+    a.stop().await;
+    b.stop().await;
+}
+
+fn network_config(origin: &str, destination: &str, pod: &str) -> types::NetworkConfig {
+    types::NetworkConfig {
+        name: format!("{origin}--{destination}"),
+        origin: Some(types::ClusterIdentity {
+            cluster_id: origin.into(),
+            cluster_name: origin.into(),
+        }),
+        destination: Some(types::ClusterIdentity {
+            cluster_id: destination.into(),
+            cluster_name: destination.into(),
+        }),
+        via: None,
+        spec: Some(types::NetworkConfigSpec {
+            pod_cidr: pod.into(),
+            external_cidr: "10.209.0.0/16".into(),
+            endpoint: "127.0.0.1:51999".into(),
+            public_key: "AQEBAQEBAQEBAQEBAQEBAQEBAQEBAQEBAQEBAQEBAQE=".into(),
+        }),
+        status: None,
+        generation: 1,
+        update_time: None,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_network_configs_are_refused_with_clear_errors_and_store_nothing() {
+    let b = InProcessCluster::start("hub-b", "10.1.0.0/16", "10.202.0.0/16")
+        .await
+        .expect("b starts");
+    let mut broker = b.broker().await.expect("broker");
+    let submit = |nc: types::NetworkConfig| SubmitNetworkConfigRequest {
+        network_config: Some(nc),
+    };
+
+    let err = broker
+        .submit_network_config(submit(network_config("stranger", "hub-b", "10.0.0.0/16")))
+        .await
+        .expect_err("not a peer");
+    assert_eq!(err.code(), Code::PermissionDenied, "{err:?}");
+    let err = broker
+        .submit_network_config(submit(network_config("stranger", "hub-b", "10.0.0.1/16")))
+        .await
+        .expect_err("bad cidr");
+    assert_eq!(err.code(), Code::InvalidArgument);
+    assert!(
+        err.message().contains("network_config.spec.pod_cidr"),
+        "{err:?}"
+    );
+    let err = broker
+        .submit_network_config(submit(network_config(
+            "stranger",
+            "someone-else",
+            "10.0.0.0/16",
+        )))
+        .await
+        .expect_err("not for us");
+    assert_eq!(err.code(), Code::InvalidArgument);
+    assert!(
+        err.message().contains("network_config.destination"),
+        "{err:?}"
+    );
+    let mut renamed = network_config("stranger", "hub-b", "10.0.0.0/16");
+    renamed.name = "other--hub-b".into();
+    let err = broker
+        .submit_network_config(submit(renamed))
+        .await
+        .expect_err("name mismatch");
+    assert!(err.message().contains("network_config.name"), "{err:?}");
+    let mut relayed = network_config("stranger", "hub-b", "10.0.0.0/16");
+    relayed.via = Some(types::ClusterIdentity {
+        cluster_id: "not-a-peer-hub".into(),
+        cluster_name: String::new(),
+    });
+    let err = broker
+        .submit_network_config(submit(relayed))
+        .await
+        .expect_err("unknown hub");
+    assert_eq!(err.code(), Code::PermissionDenied, "{err:?}");
+    let err = broker
+        .handshake(HandshakeRequest {
+            token: String::new(),
+            identity: None,
+            addresses: None,
+        })
+        .await
+        .expect_err("no token");
+    assert_eq!(err.code(), Code::PermissionDenied);
+
+    let ncs = broker
+        .list_network_configs(ListNetworkConfigsRequest::default())
+        .await
+        .expect("lists")
+        .into_inner();
+    assert!(ncs.network_configs.is_empty(), "{:?}", ncs.network_configs);
+    let ipam = b
+        .ipam()
+        .await
+        .expect("ipam")
+        .list_cluster_subnets(ListClusterSubnetsRequest {})
+        .await
+        .expect("lists")
+        .into_inner();
+    assert!(ipam.clusters.is_empty());
+    b.stop().await;
+}
