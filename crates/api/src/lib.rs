@@ -17,6 +17,7 @@ pub mod ident;
 pub mod model;
 pub mod net;
 pub mod pb;
+pub mod peers;
 pub mod wire;
 
 pub use ident::{ClusterId, ClusterIdentity};

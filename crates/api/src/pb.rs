@@ -15,6 +15,7 @@ mod generated {
 
 pub use generated::trellis;
 pub use generated::trellis::discovery::v1 as discovery;
+pub use generated::trellis::endpoints::v1 as endpoints;
 pub use generated::trellis::gateway::v1 as gateway;
 pub use generated::trellis::ipam::v1 as ipam;
 pub use generated::trellis::peering::v1 as peering;

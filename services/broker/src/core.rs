@@ -20,13 +20,13 @@ use trellis_error::{Error, Result};
 use trellis_store::retry::Contention;
 use trellis_store::{Compare, Op, SharedStore, Txn};
 
-use crate::peers::Peers;
 use crate::records::{
     Decision, IN_PREFIX, IncomingNc, OUT_PREFIX, OutgoingNc, PendingNotify, TUNNELS_PREFIX,
     TokenRecord, TunnelRecord, decode, encode, in_key, notify_key, out_key,
 };
 use crate::remote::Clients;
 use crate::token;
+use trellis_api::peers::Peers;
 
 /// A NetworkConfig received from a remote, validated.
 #[derive(Debug, Clone)]

@@ -4,7 +4,6 @@
 //! - [`token`]: the peering token;
 //! - [`core`]: handshake, peering, unpeering, receiving NetworkConfigs and statuses;
 //! - [`reconcile`]: sending our NetworkConfigs, TunnelEndpoints, teardown;
-//! - [`peers`]: which remotes we exchange NetworkConfigs with, from discovery;
 //! - [`records`]: what is stored, under which keys;
 //! - [`watch`]: the TunnelEndpoint watch the gateway consumes;
 //! - [`remote`]: clients of the local services and of other clusters;
@@ -13,7 +12,6 @@
 pub mod config;
 pub mod core;
 pub mod grpc;
-pub mod peers;
 pub mod reconcile;
 pub mod records;
 pub mod remote;

@@ -24,12 +24,12 @@ use trellis_runtime::Shutdown;
 use trellis_store::{Compare, Op, Txn};
 
 use crate::core::Broker;
-use crate::peers::{Remote, Route};
 use crate::records::{
     Decision, IN_PREFIX, IncomingNc, NOTIFY_PREFIX, OUT_PREFIX, OutgoingNc, PendingNotify,
     TUNNELS_PREFIX, TunnelRecord, decode, encode, in_key, nc_name, out_key, tombstone_key,
     tunnel_key,
 };
+use trellis_api::peers::{Remote, Route};
 
 /// Shortest and longest wait before retrying after a failed delivery.
 const RETRY_MIN: Duration = Duration::from_millis(200);

@@ -1,5 +1,5 @@
-//! A whole Trellis cluster in this process: IPAM, discovery, gateway (control plane only) and
-//! broker, each with its own memory store, on loopback ports. For tests of the peering plane
+//! A whole Trellis cluster in this process: IPAM, discovery, gateway (control plane only),
+//! forwarder and broker, each with its own memory store, on loopback ports. For tests of the peering plane
 //! that need many clusters at once; the multi-process tests cover real etcd and real binaries.
 
 use std::net::SocketAddr;
@@ -18,6 +18,7 @@ use trellis_runtime::Shutdown;
 pub struct Services {
     pub discovery: SocketAddr,
     pub broker: SocketAddr,
+    pub forwarder: SocketAddr,
     pub ipam: SocketAddr,
     pub gateway: SocketAddr,
 }
@@ -45,6 +46,7 @@ impl InProcessCluster {
         let services = Services {
             discovery: loopback(),
             broker: loopback(),
+            forwarder: loopback(),
             ipam: loopback(),
             gateway: loopback(),
         };
@@ -100,6 +102,8 @@ impl InProcessCluster {
             &services.discovery.to_string(),
             "--advertise-broker",
             &services.broker.to_string(),
+            "--advertise-forwarder",
+            &services.forwarder.to_string(),
             "--advertise-ipam",
             &services.ipam.to_string(),
             "--advertise-gateway",
@@ -116,6 +120,21 @@ impl InProcessCluster {
         .await
         .context("discovery")?;
         tasks.push(discovery.task);
+
+        let mut forwarder = common(services.forwarder);
+        forwarder.extend(args(&[
+            "--discovery",
+            &services.discovery.to_string(),
+            "--retry-max",
+            "1",
+        ]));
+        let forwarder = trellis_forwarder::start(
+            trellis_forwarder::Config::try_parse_from(forwarder)?,
+            shutdown.clone(),
+        )
+        .await
+        .context("forwarder")?;
+        tasks.push(forwarder.task);
 
         let mut broker = common(services.broker);
         broker.extend(args(&[

@@ -347,3 +347,87 @@ async fn bad_network_configs_are_refused_with_clear_errors_and_store_nothing() {
     assert!(ipam.clusters.is_empty());
     b.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn leaves_of_a_hub_build_an_induced_peering_with_consistent_nat_views() {
+    // All three clusters use the same pod and external CIDRs.
+    let b = InProcessCluster::start("hub-b", "10.0.0.0/16", "10.201.0.0/16")
+        .await
+        .expect("b starts");
+    let a = InProcessCluster::start("leaf-a", "10.0.0.0/16", "10.201.0.0/16")
+        .await
+        .expect("a starts");
+    let c = InProcessCluster::start("leaf-c", "10.0.0.0/16", "10.201.0.0/16")
+        .await
+        .expect("c starts");
+    peer(&a, &b, token(&b).await).await.expect("a peers with b");
+    peer(&c, &b, token(&b).await).await.expect("c peers with b");
+
+    let a_to_c = eventually("A's induced tunnel to C", LIMIT, || tunnel_to(&a, "leaf-c")).await;
+    let c_to_a = eventually("C's induced tunnel to A", LIMIT, || tunnel_to(&c, "leaf-a")).await;
+    for t in [&a_to_c, &c_to_a] {
+        assert_eq!(t.kind, types::PeeringKind::Induced as i32, "{t:?}");
+        assert_eq!(t.via.as_ref().map(|v| v.cluster_id.as_str()), Some("hub-b"));
+    }
+    // A's view of C is C's local NAT for A, and back (thesis §5.3.3, Fig. 5.7).
+    assert_eq!(a_to_c.remote_pod_cidr_nat, c_to_a.local_pod_cidr_nat);
+    assert_eq!(c_to_a.remote_pod_cidr_nat, a_to_c.local_pod_cidr_nat);
+    assert_eq!(
+        a_to_c.remote_external_cidr_nat,
+        c_to_a.local_external_cidr_nat
+    );
+    assert_ne!(
+        a_to_c.remote_pod_cidr_nat, "10.0.0.0/16",
+        "identical CIDRs must be remapped"
+    );
+    // The tunnel goes to C's gateway directly, not to the hub's.
+    let b_to_c = eventually("B's tunnel to C", LIMIT, || tunnel_to(&b, "leaf-c")).await;
+    assert_eq!(
+        a_to_c.remote_public_key, b_to_c.remote_public_key,
+        "A tunnels to C's own key"
+    );
+    // The hub holds full tunnels for both leaves and no relay once the exchange completed.
+    eventually("B's tunnel to A", LIMIT, || tunnel_to(&b, "leaf-a")).await;
+    let relays = eventually("the hub's relays to drain", LIMIT, || async {
+        let mut f = trellis_api::pb::peering::forwarder_client::ForwarderClient::connect(format!(
+            "http://{}",
+            b.services.forwarder
+        ))
+        .await
+        .ok()?;
+        let relays = f
+            .list_relays(ListRelaysRequest::default())
+            .await
+            .ok()?
+            .into_inner()
+            .relays;
+        relays.is_empty().then_some(relays)
+    })
+    .await;
+    assert!(relays.is_empty());
+
+    // B unpeers C: the induced peering between A and C is withdrawn on both leaves.
+    b.broker()
+        .await
+        .expect("broker")
+        .unpeer(UnpeerRequest {
+            cluster_id: "leaf-c".into(),
+        })
+        .await
+        .expect("unpeers");
+    eventually("A's tunnel to C withdrawn", LIMIT, || async {
+        tunnel_to(&a, "leaf-c").await.is_none().then_some(())
+    })
+    .await;
+    eventually("C's tunnel to A withdrawn", LIMIT, || async {
+        tunnel_to(&c, "leaf-a").await.is_none().then_some(())
+    })
+    .await;
+    assert!(
+        tunnel_to(&a, "hub-b").await.is_some(),
+        "A keeps its full peering with B"
+    );
+    for cluster in [a, b, c] {
+        cluster.stop().await;
+    }
+}

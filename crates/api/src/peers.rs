@@ -1,13 +1,14 @@
-//! Which remotes this broker must exchange NetworkConfigs with, read from the local discovery
+//! The peering view of a cluster's discovery service, shared by the broker and the forwarder:
+//! which remotes to exchange NetworkConfigs with, read from the local discovery
 //! service's ForeignClusters: full peers with an established peering and networking enabled,
 //! and induced clusters (not withdrawn) introduced by such a full peer that advertises a
 //! forwarder.
 
 use std::collections::BTreeMap;
 
-use trellis_api::convert::identity_from_pb;
-use trellis_api::pb::types as pb;
-use trellis_api::{ClusterId, ClusterIdentity};
+use crate::convert::identity_from_pb;
+use crate::ident::{ClusterId, ClusterIdentity};
+use crate::pb::types as pb;
 
 /// How to reach a remote's peering plane.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -56,13 +57,13 @@ fn condition_true(fc: &pb::ForeignCluster, kind: &str) -> bool {
 }
 
 impl Peers {
-    /// Interprets a listing. Malformed records are skipped with a warning: they come from our
-    /// own discovery service, and one bad record must not stop every peering.
+    /// Interprets a listing.
     pub fn from_foreign_clusters(list: &[pb::ForeignCluster]) -> Self {
         let mut peers = Self::default();
         for fc in list {
+            // Malformed records are skipped: they come from our own discovery service, and one
+            // bad record must not stop every peering.
             let Ok(identity) = identity_from_pb("identity", fc.identity.as_ref()) else {
-                tracing::warn!(?fc.identity, "skipping a foreign cluster with a malformed identity");
                 continue;
             };
             if fc.kind == pb::PeeringKind::Full as i32 && condition_true(fc, "Peered") {

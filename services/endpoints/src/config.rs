@@ -1,0 +1,143 @@
+//! Command-line flags of `trellis-endpoints` (each also `TRELLIS_<FLAG>`).
+
+use std::time::Duration;
+
+use clap::Parser;
+use trellis_runtime::CommonConfig;
+use trellis_runtime::client::Timeouts;
+use trellis_runtime::config::HasCommon;
+
+fn address_arg(value: &str) -> Result<String, String> {
+    trellis_api::address::required("value", value).map_err(|e| match e {
+        trellis_error::Error::InvalidArgument { reason, .. } => reason,
+        other => other.to_string(),
+    })
+}
+
+fn millis_arg(value: &str) -> Result<u64, String> {
+    match value.parse::<u64>() {
+        Ok(0) => Err("must be at least 1".to_owned()),
+        Ok(v) => Ok(v),
+        Err(e) => Err(format!("{value:?} is not a number of milliseconds: {e}")),
+    }
+}
+
+/// The endpoint-mapping service of one Trellis cluster: translates EndpointSlices reflected to
+/// peered clusters (asking the endpoint's home IPAM for induced peers) and writes the slices
+/// peers reflect to us into Kubernetes.
+#[derive(Debug, Clone, Parser)]
+#[command(name = "trellis-endpoints", version, about, long_about = None)]
+pub struct Config {
+    #[command(flatten)]
+    pub common: CommonConfig,
+
+    /// Address of this cluster's IPAM service (cluster lookup by IP, endpoint mapping).
+    #[arg(long, env = "TRELLIS_IPAM", value_name = "HOST:PORT", value_parser = address_arg)]
+    pub ipam: String,
+
+    /// Address of this cluster's discovery service (peers, and the IPAM and endpoints addresses
+    /// they advertise).
+    #[arg(long, env = "TRELLIS_DISCOVERY", value_name = "HOST:PORT", value_parser = address_arg)]
+    pub discovery: String,
+
+    /// Timeout of one call to a local service (IPAM, discovery), in milliseconds.
+    #[arg(long, env = "TRELLIS_LOCAL_TIMEOUT", value_name = "MS", default_value_t = 5_000, value_parser = millis_arg)]
+    pub local_timeout: u64,
+
+    /// Timeout of one call to another cluster's IPAM, in milliseconds (also its connect
+    /// timeout). When it expires the endpoint takes the hub path instead of the induced one.
+    #[arg(long, env = "TRELLIS_REMOTE_IPAM_TIMEOUT", value_name = "MS", default_value_t = 2_000, value_parser = millis_arg)]
+    pub remote_ipam_timeout: u64,
+
+    /// Attempts of one call to another cluster's IPAM when it is unavailable (at least 1).
+    #[arg(long, env = "TRELLIS_REMOTE_IPAM_ATTEMPTS", value_name = "N", default_value_t = 2,
+          value_parser = clap::value_parser!(u32).range(1..=10))]
+    pub remote_ipam_attempts: u32,
+
+    /// Timeout of one call to another cluster's endpoints service (delivering a reflected slice),
+    /// in milliseconds.
+    #[arg(long, env = "TRELLIS_DELIVER_TIMEOUT", value_name = "MS", default_value_t = 10_000, value_parser = millis_arg)]
+    pub deliver_timeout: u64,
+
+    /// Write the slices peers reflect to us into Kubernetes as `discovery.k8s.io/v1`
+    /// EndpointSlices, using the in-cluster service account or `KUBECONFIG`. Without it they are
+    /// only stored.
+    #[arg(long, env = "TRELLIS_KUBERNETES")]
+    pub kubernetes: bool,
+}
+
+impl HasCommon for Config {
+    fn common(&self) -> &CommonConfig {
+        &self.common
+    }
+}
+
+impl Config {
+    /// Timeouts of the local IPAM and discovery channels.
+    pub fn local_timeouts(&self) -> Timeouts {
+        Timeouts {
+            connect: Duration::from_millis(self.local_timeout),
+            request: Duration::from_millis(self.local_timeout),
+        }
+    }
+
+    /// Timeouts of remote IPAM channels: one budget for connecting and for the call, so a dead
+    /// home cluster costs at most `attempts` times this.
+    pub fn remote_ipam_timeouts(&self) -> Timeouts {
+        Timeouts {
+            connect: Duration::from_millis(self.remote_ipam_timeout),
+            request: Duration::from_millis(self.remote_ipam_timeout),
+        }
+    }
+
+    /// Timeouts of the channels to other clusters' endpoints services.
+    pub fn deliver_timeouts(&self) -> Timeouts {
+        Timeouts {
+            connect: Duration::from_millis(self.deliver_timeout.min(3_000)),
+            request: Duration::from_millis(self.deliver_timeout),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn base() -> Vec<&'static str> {
+        vec![
+            "trellis-endpoints",
+            "--store",
+            "memory://",
+            "--cluster-id",
+            "b",
+            "--ipam",
+            "127.0.0.1:7104",
+            "--discovery",
+            "127.0.0.1:7101",
+        ]
+    }
+
+    #[test]
+    fn defaults() {
+        let c = Config::try_parse_from(base()).expect("parses");
+        assert_eq!(c.remote_ipam_attempts, 2);
+        assert_eq!(
+            c.remote_ipam_timeouts().request,
+            Duration::from_millis(2_000)
+        );
+        assert!(!c.kubernetes);
+    }
+
+    #[test]
+    fn rejects_bad_addresses_and_zero_timeouts() {
+        let mut args = base();
+        args[6] = "http://127.0.0.1:7104";
+        assert!(Config::try_parse_from(args).is_err());
+        let mut args = base();
+        args.extend(["--remote-ipam-timeout", "0"]);
+        assert!(Config::try_parse_from(args).is_err());
+        let mut args = base();
+        args.extend(["--remote-ipam-attempts", "0"]);
+        assert!(Config::try_parse_from(args).is_err());
+    }
+}

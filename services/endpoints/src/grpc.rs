@@ -1,0 +1,144 @@
+//! The `trellis.endpoints.v1.EndpointMapper` gRPC handlers: validate the request into domain
+//! values (errors name the field), call [`Endpoints`], map the answer back. Nothing else
+//! happens here.
+
+use std::sync::Arc;
+
+use tonic::{Request, Response, Status};
+use trellis_api::pb::endpoints as pb;
+use trellis_api::pb::endpoints::endpoint_mapper_server::EndpointMapper;
+use trellis_api::{ClusterId, convert};
+use trellis_error::{Error, Result};
+
+use crate::core::{Endpoints, Translation};
+use crate::model::{Slice, dns_label, dns_subdomain};
+use crate::records::ReflectedRecord;
+
+/// The gRPC face of one [`Endpoints`].
+#[derive(Debug, Clone)]
+pub struct EndpointsService {
+    core: Arc<Endpoints>,
+}
+
+impl EndpointsService {
+    pub fn new(core: Arc<Endpoints>) -> Self {
+        Self { core }
+    }
+}
+
+fn translation(t: Translation) -> pb::AddressTranslation {
+    pb::AddressTranslation {
+        original_address: t.original,
+        translated_address: t.translated,
+        path: t.path.to_pb().into(),
+        home_cluster: t.home.as_ref().map(convert::identity_to_pb),
+        detail: t.detail,
+    }
+}
+
+fn reflected(rec: ReflectedRecord) -> pb::ReflectedSlice {
+    pb::ReflectedSlice {
+        source: Some(convert::identity_to_pb(&rec.source)),
+        slice: Some(rec.slice.to_pb()),
+        generation: rec.generation,
+        object_name: rec.object_name.unwrap_or_default(),
+        update_time: Some(convert::timestamp(rec.update_time_nanos)),
+    }
+}
+
+fn optional_id(field: &str, value: &str) -> Result<Option<ClusterId>> {
+    if value.is_empty() {
+        Ok(None)
+    } else {
+        ClusterId::parse(field, value).map(Some)
+    }
+}
+
+#[tonic::async_trait]
+impl EndpointMapper for EndpointsService {
+    async fn reflect_endpoint_slice(
+        &self,
+        request: Request<pb::ReflectEndpointSliceRequest>,
+    ) -> Result<Response<pb::ReflectEndpointSliceResponse>, Status> {
+        let req = request.into_inner();
+        let target = convert::identity_from_pb("target", req.target.as_ref())?;
+        let slice = Slice::from_pb("slice", req.slice.as_ref())?;
+        let done = self.core.reflect(&target, slice, req.deliver).await?;
+        Ok(Response::new(pb::ReflectEndpointSliceResponse {
+            slice: Some(done.slice.to_pb()),
+            translations: done.translations.into_iter().map(translation).collect(),
+            delivered: done.delivered,
+        }))
+    }
+
+    async fn unreflect_endpoint_slice(
+        &self,
+        request: Request<pb::UnreflectEndpointSliceRequest>,
+    ) -> Result<Response<pb::UnreflectEndpointSliceResponse>, Status> {
+        let req = request.into_inner();
+        let target = convert::identity_from_pb("target", req.target.as_ref())?;
+        let namespace = dns_label("namespace", &req.namespace)?;
+        let name = dns_subdomain("name", &req.name)?;
+        let done = self
+            .core
+            .unreflect(&target, &namespace, &name, req.deliver)
+            .await?;
+        Ok(Response::new(pb::UnreflectEndpointSliceResponse {
+            unreflected: done.unreflected,
+            released_addresses: done.released,
+            delivered: done.delivered,
+        }))
+    }
+
+    async fn apply_reflected_slice(
+        &self,
+        request: Request<pb::ApplyReflectedSliceRequest>,
+    ) -> Result<Response<pb::ApplyReflectedSliceResponse>, Status> {
+        let req = request.into_inner();
+        let source = convert::identity_from_pb("source", req.source.as_ref())?;
+        let slice = Slice::from_pb("slice", req.slice.as_ref())?;
+        if req.generation <= 0 {
+            return Err(Error::invalid("generation", "must be positive").into());
+        }
+        if source.id == self.core.local().id {
+            return Err(Error::invalid("source.cluster_id", "is this cluster").into());
+        }
+        let (applied, object_name) = self.core.apply(&source, slice, req.generation).await?;
+        Ok(Response::new(pb::ApplyReflectedSliceResponse {
+            applied,
+            object_name: object_name.unwrap_or_default(),
+        }))
+    }
+
+    async fn delete_reflected_slice(
+        &self,
+        request: Request<pb::DeleteReflectedSliceRequest>,
+    ) -> Result<Response<pb::DeleteReflectedSliceResponse>, Status> {
+        let req = request.into_inner();
+        let source = convert::identity_from_pb("source", req.source.as_ref())?;
+        let namespace = dns_label("namespace", &req.namespace)?;
+        let name = dns_subdomain("name", &req.name)?;
+        let deleted = self.core.delete(&source, &namespace, &name).await?;
+        Ok(Response::new(pb::DeleteReflectedSliceResponse { deleted }))
+    }
+
+    async fn list_reflected_slices(
+        &self,
+        request: Request<pb::ListReflectedSlicesRequest>,
+    ) -> Result<Response<pb::ListReflectedSlicesResponse>, Status> {
+        let req = request.into_inner();
+        let source = optional_id("source_cluster_id", &req.source_cluster_id)?;
+        let namespace = if req.namespace.is_empty() {
+            None
+        } else {
+            Some(dns_label("namespace", &req.namespace)?)
+        };
+        let slices = self
+            .core
+            .list(source.as_ref(), namespace.as_deref())
+            .await?;
+        Ok(Response::new(pb::ListReflectedSlicesResponse {
+            reflected_slices: slices.into_iter().map(reflected).collect(),
+        }))
+    }
+}

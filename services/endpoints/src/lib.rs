@@ -1,0 +1,128 @@
+//! `trellis-endpoints`: the endpoint-mapping service of one Trellis cluster (DESIGN.md
+//! "Endpoint reflection", thesis §4.2, §5.4, Listing 6.6).
+//!
+//! - [`model`]: validated EndpointSlices;
+//! - [`remote`]: clients of the local IPAM and discovery, and of other clusters' IPAMs and
+//!   endpoints services, with timeouts and bounded retries;
+//! - [`core`]: translation per target (local NAT, target home, induced through the home
+//!   cluster's IPAM, hub path), reflected-slice storage, release of hub-path allocations;
+//! - [`kube`]: the Kubernetes EndpointSlice writer;
+//! - [`records`]: what is stored, under which keys;
+//! - [`grpc`]: the thin gRPC layer;
+//! - [`config`]: the flags.
+//!
+//! Not implemented yet: the kube watcher that picks up local EndpointSlices selected for
+//! reflection (issue 5, third bullet); callers drive reflection through the RPCs.
+
+pub mod config;
+pub mod core;
+pub mod grpc;
+pub mod kube;
+pub mod model;
+pub mod records;
+pub mod remote;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use anyhow::Context as _;
+use tokio::task::JoinHandle;
+use tonic::server::NamedService;
+use tonic::service::Routes;
+use trellis_api::ClusterIdentity;
+use trellis_api::pb::endpoints::endpoint_mapper_server::EndpointMapperServer;
+use trellis_runtime::Shutdown;
+use trellis_runtime::config::ports;
+use trellis_runtime::server::GrpcServer;
+
+pub use crate::config::Config;
+pub use crate::core::Endpoints;
+use crate::grpc::EndpointsService;
+pub use crate::kube::KubeWriter;
+use crate::remote::{ClientSettings, Clients};
+
+/// Largest request accepted, in bytes: a slice of 1000 endpoints with long names and labels
+/// stays well below; anything bigger is refused by the transport.
+pub const MAX_REQUEST_BYTES: usize = 4 * 1024 * 1024;
+
+/// The gRPC routes of the endpoints service.
+pub fn routes(core: Arc<Endpoints>) -> Routes {
+    Routes::new(
+        EndpointMapperServer::new(EndpointsService::new(core))
+            .max_decoding_message_size(MAX_REQUEST_BYTES),
+    )
+}
+
+/// A running endpoints server.
+#[derive(Debug)]
+pub struct Started {
+    /// The address it listens on.
+    pub addr: SocketAddr,
+    /// The domain core, for in-process callers (the lab, tests).
+    pub core: Arc<Endpoints>,
+    /// Finishes when the server has stopped.
+    pub task: JoinHandle<anyhow::Result<()>>,
+}
+
+/// Opens the store, builds the clients (and, with `--kubernetes`, the kube client), binds and
+/// starts serving.
+pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started> {
+    let writer = if config.kubernetes {
+        Some(
+            KubeWriter::infer()
+                .await
+                .context("connecting to Kubernetes (--kubernetes)")?,
+        )
+    } else {
+        None
+    };
+    start_with_writer(config, writer, shutdown).await
+}
+
+/// [`start`] with a given Kubernetes writer (tests pass one backed by a mock API server);
+/// `--kubernetes` is ignored.
+pub async fn start_with_writer(
+    config: Config,
+    writer: Option<KubeWriter>,
+    shutdown: Shutdown,
+) -> anyhow::Result<Started> {
+    let local = ClusterIdentity::parse(
+        "cluster-id",
+        &config.common.cluster_id,
+        "cluster-name",
+        config.common.cluster_name(),
+    )?;
+    let clients = Clients::new(ClientSettings {
+        ipam: config.ipam.clone(),
+        discovery: config.discovery.clone(),
+        local: config.local_timeouts(),
+        remote_ipam: config.remote_ipam_timeouts(),
+        remote_ipam_attempts: config.remote_ipam_attempts,
+        deliver: config.deliver_timeouts(),
+    })?;
+    let store = trellis_store::open(&config.common.store)
+        .await
+        .with_context(|| format!("opening store {}", config.common.store))?;
+    let core = Arc::new(Endpoints::new(store, local, clients, writer));
+    let server = GrpcServer::bind(config.common.listen_addr(ports::ENDPOINTS)).await?;
+    let addr = server.local_addr();
+    let routes = routes(core.clone());
+    let grace = config.common.shutdown_grace();
+    let task = tokio::spawn(async move {
+        server
+            .serve(
+                routes,
+                &[EndpointMapperServer::<EndpointsService>::NAME],
+                shutdown,
+                grace,
+            )
+            .await
+    });
+    Ok(Started { addr, core, task })
+}
+
+/// Runs the endpoints service until `shutdown`.
+pub async fn run(config: Config, shutdown: Shutdown) -> anyhow::Result<()> {
+    let started = start(config, shutdown).await?;
+    started.task.await.context("endpoints server task")?
+}

@@ -1,0 +1,77 @@
+//! What the endpoints service keeps in its store, and where. Key layout (below the store's own
+//! prefix):
+//!
+//! | key | value |
+//! |---|---|
+//! | `reflected/<source_cluster_id>/<namespace>/<name>` | [`ReflectedRecord`]: a slice a peer reflected to us (target side) |
+//! | `outgoing/<target_cluster_id>/<namespace>/<name>` | [`OutgoingRecord`]: a slice we reflected to a peer (source side) |
+//!
+//! Cluster IDs, namespaces (DNS labels) and names (DNS subdomains) never contain '/', so the
+//! keys are unambiguous and a prefix listing selects one source or target. Both records are
+//! written with compare-and-swap on their own revision.
+
+use std::collections::BTreeSet;
+
+use serde::{Deserialize, Serialize};
+use trellis_api::{ClusterId, ClusterIdentity};
+use trellis_error::{Error, Result};
+
+use crate::model::Slice;
+
+pub const REFLECTED_PREFIX: &str = "reflected/";
+pub const OUTGOING_PREFIX: &str = "outgoing/";
+
+/// Store key of a slice reflected to us.
+pub fn reflected_key(source: &ClusterId, namespace: &str, name: &str) -> String {
+    format!("{REFLECTED_PREFIX}{source}/{namespace}/{name}")
+}
+
+/// Prefix of every slice one source reflected to us.
+pub fn reflected_source_prefix(source: &ClusterId) -> String {
+    format!("{REFLECTED_PREFIX}{source}/")
+}
+
+/// Store key of a slice we reflect to `target`.
+pub fn outgoing_key(target: &ClusterId, namespace: &str, name: &str) -> String {
+    format!("{OUTGOING_PREFIX}{target}/{namespace}/{name}")
+}
+
+/// Prefix of every slice we reflect to `target`.
+pub fn outgoing_target_prefix(target: &ClusterId) -> String {
+    format!("{OUTGOING_PREFIX}{target}/")
+}
+
+/// A slice a peer reflected to us, already translated for us.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReflectedRecord {
+    pub source: ClusterIdentity,
+    pub slice: Slice,
+    pub generation: i64,
+    /// The Kubernetes object written for it, when this service has Kubernetes access.
+    #[serde(default)]
+    pub object_name: Option<String>,
+    /// Nanoseconds since the epoch of the last apply.
+    pub update_time_nanos: i64,
+}
+
+/// A slice we reflect to a target: what must be released when it changes or goes away.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct OutgoingRecord {
+    pub target: ClusterIdentity,
+    /// Strictly increasing; sent as ApplyReflectedSlice.generation.
+    pub generation: i64,
+    /// Original addresses (as we address them) translated through our external CIDR for the
+    /// target: each holds an allocation in our IPAM until released.
+    pub hub_external: BTreeSet<String>,
+}
+
+/// Serialises a record; our own types always serialise.
+pub fn encode<T: Serialize>(value: &T) -> Result<Vec<u8>> {
+    serde_json::to_vec(value).map_err(|e| Error::Internal(format!("encoding a record: {e}")))
+}
+
+/// Deserialises a record read from `key`, naming it when the content is corrupt.
+pub fn decode<T: for<'de> Deserialize<'de>>(key: &str, bytes: &[u8]) -> Result<T> {
+    serde_json::from_slice(bytes)
+        .map_err(|e| Error::Internal(format!("corrupt store record {key:?}: {e}")))
+}

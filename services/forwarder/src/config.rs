@@ -1,0 +1,52 @@
+//! Command-line flags of `trellis-forwarder` (each also `TRELLIS_<FLAG>`).
+
+use std::time::Duration;
+
+use clap::Parser;
+use trellis_runtime::CommonConfig;
+use trellis_runtime::config::HasCommon;
+
+fn address_arg(value: &str) -> Result<String, String> {
+    trellis_api::address::required("value", value).map_err(|e| match e {
+        trellis_error::Error::InvalidArgument { reason, .. } => reason,
+        other => other.to_string(),
+    })
+}
+
+/// The forwarding service of a hub cluster: relays passthrough NetworkConfigs (and their
+/// statuses and withdrawals) between two of its full peers that are induced peers of each
+/// other, persisting each relay until the other end acknowledges it.
+#[derive(Debug, Clone, Parser)]
+#[command(name = "trellis-forwarder", version, about, long_about = None)]
+pub struct Config {
+    #[command(flatten)]
+    pub common: CommonConfig,
+
+    /// Address of this cluster's discovery service ("host:port"): who our full peers are and
+    /// where their brokers listen.
+    #[arg(long, env = "TRELLIS_DISCOVERY", value_name = "HOST:PORT", value_parser = address_arg)]
+    pub discovery: String,
+
+    /// Longest wait between two delivery attempts of a relay whose other end is unreachable,
+    /// in seconds (attempts back off from 200 ms up to this).
+    #[arg(
+        long,
+        env = "TRELLIS_RETRY_MAX",
+        value_name = "SECONDS",
+        default_value_t = 10
+    )]
+    pub retry_max: u64,
+}
+
+impl HasCommon for Config {
+    fn common(&self) -> &CommonConfig {
+        &self.common
+    }
+}
+
+impl Config {
+    /// The longest retry wait.
+    pub fn retry_max(&self) -> Duration {
+        Duration::from_secs(self.retry_max.max(1))
+    }
+}

@@ -1,0 +1,570 @@
+//! The forwarder's operations. Every relay is persisted before it is acknowledged, then
+//! delivered at once when the other end answers, otherwise by the retry loop ([`Forwarder::
+//! deliver_due`]) with backoff. Both ends are idempotent per generation, so re-delivery after a
+//! crash is harmless; completed relays are deleted.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::time::Duration;
+
+use tokio::sync::Notify;
+use trellis_api::convert::identity_to_pb;
+use trellis_api::model::NetworkSpec;
+use trellis_api::pb::discovery::ListForeignClustersRequest;
+use trellis_api::pb::discovery::discovery_client::DiscoveryClient;
+use trellis_api::pb::peering::broker_client::BrokerClient;
+use trellis_api::pb::peering::{
+    ReportNetworkConfigStatusRequest, SubmitNetworkConfigRequest, WithdrawNetworkConfigRequest,
+};
+use trellis_api::pb::types as pb;
+use trellis_api::peers::Peers;
+use trellis_api::{ClusterId, ClusterIdentity};
+use trellis_error::{Error, Result};
+use trellis_runtime::client::{Timeouts, TracedChannel, channel};
+use trellis_store::retry::Contention;
+use trellis_store::{Compare, Op, SharedStore, Txn};
+
+use crate::records::{
+    RELAYS_PREFIX, RelayRecord, RelayedStatus, State, decode, encode, now_nanos, relay_key,
+};
+
+/// A remote broker gets this long per delivery; the origin is waiting on the first attempt.
+const DELIVERY: Timeouts = Timeouts {
+    connect: Duration::from_secs(2),
+    request: Duration::from_secs(5),
+};
+const LOCAL: Timeouts = Timeouts {
+    connect: Duration::from_secs(2),
+    request: Duration::from_secs(10),
+};
+const RETRY_MIN: Duration = Duration::from_millis(200);
+
+/// What a relay request asks for.
+#[derive(Debug, Clone)]
+pub struct Passthrough {
+    pub origin: ClusterIdentity,
+    pub destination: ClusterIdentity,
+    pub spec: NetworkSpec,
+    pub generation: i64,
+}
+
+/// The forwarder of one hub cluster.
+#[derive(Debug)]
+pub struct Forwarder {
+    identity: ClusterIdentity,
+    store: SharedStore,
+    discovery: TracedChannel,
+    brokers: Mutex<HashMap<String, TracedChannel>>,
+    retry_max: Duration,
+    /// Wakes the retry loop.
+    pub(crate) wake: Notify,
+}
+
+/// Gives up on a delivery for good: the other end refused the content itself.
+fn is_permanent(err: &Error) -> bool {
+    matches!(
+        err,
+        Error::InvalidArgument { .. } | Error::PermissionDenied(_) | Error::NotFound(_)
+    )
+}
+
+fn nc_name(origin: &ClusterId, destination: &ClusterId) -> String {
+    format!("{origin}--{destination}")
+}
+
+impl Forwarder {
+    pub fn new(
+        identity: ClusterIdentity,
+        store: SharedStore,
+        discovery: &str,
+        retry_max: Duration,
+    ) -> Result<Self> {
+        Ok(Self {
+            identity,
+            store,
+            discovery: channel("discovery", discovery, LOCAL)?,
+            brokers: Mutex::new(HashMap::new()),
+            retry_max,
+            wake: Notify::new(),
+        })
+    }
+
+    pub fn identity(&self) -> &ClusterIdentity {
+        &self.identity
+    }
+
+    async fn peers(&self) -> Result<Peers> {
+        let listing = DiscoveryClient::new(self.discovery.clone())
+            .list_foreign_clusters(ListForeignClustersRequest { kind: 0 })
+            .await
+            .map_err(|s| Error::from(s).context("listing foreign clusters"))?
+            .into_inner();
+        Ok(Peers::from_foreign_clusters(&listing.foreign_clusters))
+    }
+
+    /// The broker address of a full peer with networking, or why it cannot be relayed to.
+    fn broker_of(peers: &Peers, id: &ClusterId, role: &str) -> Result<String> {
+        match peers.full.get(id) {
+            Some((_, addresses, true)) if !addresses.broker.is_empty() => {
+                Ok(addresses.broker.clone())
+            }
+            Some(_) => Err(Error::PermissionDenied(format!(
+                "the {role} {id} is a full peer of this hub without networking or without a broker address"
+            ))),
+            None => Err(Error::PermissionDenied(format!(
+                "the {role} {id} is not a full peer of this hub"
+            ))),
+        }
+    }
+
+    fn broker(&self, address: &str) -> Result<BrokerClient<TracedChannel>> {
+        if let Ok(cache) = self.brokers.lock()
+            && let Some(found) = cache.get(address)
+        {
+            return Ok(BrokerClient::new(found.clone()));
+        }
+        let created = channel("broker", address, DELIVERY)?;
+        if let Ok(mut cache) = self.brokers.lock() {
+            cache.insert(address.to_owned(), created.clone());
+        }
+        Ok(BrokerClient::new(created))
+    }
+
+    /// Both ends must be full peers of this hub with networking: exactly the clusters this
+    /// hub advertises to each other in its Neighborhoods.
+    async fn authorize(
+        &self,
+        origin: &ClusterId,
+        destination: &ClusterId,
+    ) -> Result<(String, String)> {
+        let peers = self.peers().await?;
+        Ok((
+            Self::broker_of(&peers, origin, "origin")?,
+            Self::broker_of(&peers, destination, "destination")?,
+        ))
+    }
+
+    async fn load(&self, key: &str) -> Result<Option<(RelayRecord, i64)>> {
+        Ok(match self.store.get(key).await? {
+            Some(kv) => Some((decode(key, &kv.value)?, kv.mod_revision)),
+            None => None,
+        })
+    }
+
+    /// Replaces the record at `key` if it is still at `revision`; `None` deletes it.
+    async fn save(&self, key: &str, revision: i64, record: Option<&RelayRecord>) -> Result<bool> {
+        let op = match record {
+            Some(r) => Op::Put {
+                key: key.to_owned(),
+                value: encode(r)?,
+                lease: None,
+            },
+            None => Op::Delete {
+                key: key.to_owned(),
+            },
+        };
+        let done = self
+            .store
+            .txn(Txn {
+                compares: vec![Compare::ModRevision {
+                    key: key.to_owned(),
+                    revision,
+                }],
+                success: vec![op],
+                failure: vec![],
+            })
+            .await?;
+        Ok(done.succeeded)
+    }
+
+    /// Accepts a passthrough NetworkConfig and tries to deliver it at once.
+    #[tracing::instrument(skip_all, fields(origin = %nc.origin.id, destination = %nc.destination.id, generation = nc.generation))]
+    pub async fn relay(&self, nc: Passthrough) -> Result<(State, Option<RelayedStatus>, bool)> {
+        self.authorize(&nc.origin.id, &nc.destination.id).await?;
+        let key = relay_key(&nc.origin.id, &nc.destination.id);
+        let mut contention = Contention::new("accepting a relay");
+        let (record, revision) = loop {
+            let existing = self.load(&key).await?;
+            if let Some((held, _)) = &existing
+                && held.generation > nc.generation
+            {
+                return Ok((held.state, held.status.clone(), false));
+            }
+            let now = now_nanos();
+            let record = RelayRecord {
+                origin: nc.origin.clone(),
+                destination: nc.destination.clone(),
+                spec: nc.spec,
+                generation: nc.generation,
+                state: State::Pending,
+                status: None,
+                reason: String::new(),
+                attempts: 0,
+                last_error: String::new(),
+                created_nanos: now,
+                updated_nanos: now,
+                next_attempt_nanos: now,
+            };
+            let revision = existing.as_ref().map_or(0, |(_, r)| *r);
+            if self.save(&key, revision, Some(&record)).await? {
+                break (
+                    record,
+                    self.store.get(&key).await?.map_or(0, |kv| kv.mod_revision),
+                );
+            }
+            contention.lost().await?;
+        };
+        tracing::info!(origin = %nc.origin.id, destination = %nc.destination.id, "accepted a relay");
+        let outcome = self.attempt(&key, record, revision, true).await?;
+        Ok((outcome.0, outcome.1, true))
+    }
+
+    /// The destination's status for a NetworkConfig it received through us.
+    pub async fn relay_status(
+        &self,
+        origin: &ClusterIdentity,
+        destination: &ClusterIdentity,
+        status: RelayedStatus,
+    ) -> Result<State> {
+        self.authorize(&origin.id, &destination.id).await?;
+        let key = relay_key(&origin.id, &destination.id);
+        let mut contention = Contention::new("accepting a relayed status");
+        loop {
+            let (mut record, revision) = match self.load(&key).await? {
+                Some(found) => found,
+                None => {
+                    return Err(Error::NotFound(format!(
+                        "no relay from {} to {} is in flight (already completed, or never relayed)",
+                        origin.id, destination.id
+                    )));
+                }
+            };
+            if status.observed_generation < record.generation {
+                return Ok(record.state);
+            }
+            record.state = State::StatusPending;
+            record.status = Some(status.clone());
+            record.attempts = 0;
+            record.next_attempt_nanos = now_nanos();
+            if self.save(&key, revision, Some(&record)).await? {
+                let revision = self.store.get(&key).await?.map_or(0, |kv| kv.mod_revision);
+                return Ok(self.attempt(&key, record, revision, false).await?.0);
+            }
+            contention.lost().await?;
+        }
+    }
+
+    /// The origin withdraws its NetworkConfig: drop any pending relay and tell the destination.
+    pub async fn relay_withdrawal(
+        &self,
+        origin: &ClusterIdentity,
+        destination: &ClusterIdentity,
+        reason: String,
+    ) -> Result<State> {
+        // The destination may already be gone from our peers (that is often why the origin
+        // withdraws): then there is nobody left to tell.
+        let peers = self.peers().await?;
+        Self::broker_of(&peers, &origin.id, "origin")?;
+        let key = relay_key(&origin.id, &destination.id);
+        if Self::broker_of(&peers, &destination.id, "destination").is_err() {
+            if let Some((_, revision)) = self.load(&key).await? {
+                self.save(&key, revision, None).await?;
+            }
+            return Ok(State::Withdrawing);
+        }
+        let now = now_nanos();
+        let record = RelayRecord {
+            origin: origin.clone(),
+            destination: destination.clone(),
+            spec: match self.load(&key).await? {
+                Some((held, _)) => held.spec,
+                None => {
+                    return self
+                        .withdraw_without_record(origin, destination, &reason)
+                        .await;
+                }
+            },
+            generation: 0,
+            state: State::Withdrawing,
+            status: None,
+            reason,
+            attempts: 0,
+            last_error: String::new(),
+            created_nanos: now,
+            updated_nanos: now,
+            next_attempt_nanos: now,
+        };
+        let mut contention = Contention::new("accepting a withdrawal");
+        loop {
+            let revision = self.load(&key).await?.map_or(0, |(_, r)| r);
+            if self.save(&key, revision, Some(&record)).await? {
+                let revision = self.store.get(&key).await?.map_or(0, |kv| kv.mod_revision);
+                return Ok(self.attempt(&key, record, revision, false).await?.0);
+            }
+            contention.lost().await?;
+        }
+    }
+
+    /// A withdrawal with no relay record to hold it: delivered once, synchronously; the
+    /// origin retries on failure.
+    async fn withdraw_without_record(
+        &self,
+        origin: &ClusterIdentity,
+        destination: &ClusterIdentity,
+        reason: &str,
+    ) -> Result<State> {
+        let peers = self.peers().await?;
+        let broker = Self::broker_of(&peers, &destination.id, "destination")?;
+        self.send_withdrawal(&broker, origin, destination, reason)
+            .await?;
+        Ok(State::Withdrawing)
+    }
+
+    async fn send_withdrawal(
+        &self,
+        broker: &str,
+        origin: &ClusterIdentity,
+        destination: &ClusterIdentity,
+        reason: &str,
+    ) -> Result<()> {
+        self.broker(broker)?
+            .withdraw_network_config(WithdrawNetworkConfigRequest {
+                network_config: Some(pb::NetworkConfigRef {
+                    name: nc_name(&origin.id, &destination.id),
+                    origin: Some(identity_to_pb(origin)),
+                    destination: Some(identity_to_pb(destination)),
+                    via: Some(identity_to_pb(&self.identity)),
+                }),
+                reason: reason.to_owned(),
+            })
+            .await
+            .map_err(Error::from)?;
+        Ok(())
+    }
+
+    /// One delivery attempt of `record` (stored at `revision`), recording the outcome.
+    /// `answering_origin` is set when the origin waits on this attempt (its Relay call): a
+    /// status obtained now goes back in that reply instead of through a later report.
+    /// Returns the state after the attempt and the destination's status when known.
+    async fn attempt(
+        &self,
+        key: &str,
+        mut record: RelayRecord,
+        revision: i64,
+        answering_origin: bool,
+    ) -> Result<(State, Option<RelayedStatus>)> {
+        let peers = self.peers().await?;
+        let result: Result<Option<State>> = async {
+            match record.state {
+                State::Pending | State::Delivered => {
+                    let broker = Self::broker_of(&peers, &record.destination.id, "destination")?;
+                    let answer = self
+                        .broker(&broker)?
+                        .submit_network_config(SubmitNetworkConfigRequest {
+                            network_config: Some(pb::NetworkConfig {
+                                name: nc_name(&record.origin.id, &record.destination.id),
+                                origin: Some(identity_to_pb(&record.origin)),
+                                destination: Some(identity_to_pb(&record.destination)),
+                                via: Some(identity_to_pb(&self.identity)),
+                                spec: Some(record.spec.to_proto()),
+                                status: None,
+                                generation: record.generation,
+                                update_time: None,
+                            }),
+                        })
+                        .await
+                        .map_err(Error::from)?
+                        .into_inner();
+                    let decided = answer.status.filter(|s| {
+                        matches!(
+                            pb::NetworkConfigState::try_from(s.state),
+                            Ok(pb::NetworkConfigState::Processed
+                                | pb::NetworkConfigState::Rejected)
+                        )
+                    });
+                    match decided {
+                        Some(s) => {
+                            record.status = Some(RelayedStatus {
+                                pod_cidr_nat: s.pod_cidr_nat,
+                                external_cidr_nat: s.external_cidr_nat,
+                                state: s.state,
+                                observed_generation: s.observed_generation,
+                                message: s.message,
+                            });
+                            // The origin is told in the Relay reply (when it waits on this
+                            // attempt) or through ReportNetworkConfigStatus, rejections too.
+                            Ok(Some(State::StatusPending))
+                        }
+                        None => Ok(Some(State::Delivered)),
+                    }
+                }
+                State::StatusPending => {
+                    let broker = Self::broker_of(&peers, &record.origin.id, "origin")?;
+                    let status = record
+                        .status
+                        .clone()
+                        .ok_or_else(|| Error::Internal("a status relay without a status".into()))?;
+                    self.broker(&broker)?
+                        .report_network_config_status(ReportNetworkConfigStatusRequest {
+                            network_config: Some(pb::NetworkConfigRef {
+                                name: nc_name(&record.origin.id, &record.destination.id),
+                                origin: Some(identity_to_pb(&record.origin)),
+                                destination: Some(identity_to_pb(&record.destination)),
+                                via: Some(identity_to_pb(&self.identity)),
+                            }),
+                            status: Some(pb::NetworkConfigStatus {
+                                pod_cidr_nat: status.pod_cidr_nat,
+                                external_cidr_nat: status.external_cidr_nat,
+                                state: status.state,
+                                observed_generation: status.observed_generation,
+                                message: status.message,
+                                update_time: None,
+                            }),
+                        })
+                        .await
+                        .map_err(Error::from)?;
+                    Ok(None)
+                }
+                State::Withdrawing => {
+                    let broker = Self::broker_of(&peers, &record.destination.id, "destination")?;
+                    self.send_withdrawal(
+                        &broker,
+                        &record.origin,
+                        &record.destination,
+                        &record.reason,
+                    )
+                    .await?;
+                    Ok(None)
+                }
+                State::Failed => Ok(Some(State::Failed)),
+            }
+        }
+        .await;
+
+        let now = now_nanos();
+        let (origin_id, destination_id) = (record.origin.id.clone(), record.destination.id.clone());
+        let next = match result {
+            // Done: nothing left to keep.
+            Ok(None) => None,
+            Ok(Some(State::StatusPending)) if answering_origin => {
+                // The origin gets the status in its Relay reply: complete.
+                let status = record.status.clone();
+                self.save(key, revision, None).await?;
+                tracing::info!(origin = %record.origin.id, destination = %record.destination.id, "relay completed");
+                let rejected = status
+                    .as_ref()
+                    .is_some_and(|s| s.state == pb::NetworkConfigState::Rejected as i32);
+                return Ok((
+                    if rejected {
+                        State::Failed
+                    } else {
+                        State::StatusPending
+                    },
+                    status,
+                ));
+            }
+            Ok(Some(state)) => {
+                record.state = state;
+                record.attempts = 0;
+                record.last_error.clear();
+                record.next_attempt_nanos = if state == State::StatusPending {
+                    now
+                } else {
+                    0
+                };
+                Some(record)
+            }
+            Err(err) if is_permanent(&err) => {
+                tracing::warn!(origin = %record.origin.id, destination = %record.destination.id, error = %err, "relay refused for good");
+                record.state = State::Failed;
+                record.last_error = err.to_string();
+                record.next_attempt_nanos = 0;
+                Some(record)
+            }
+            Err(err) => {
+                record.attempts += 1;
+                record.last_error = err.to_string();
+                let backoff = RETRY_MIN
+                    .saturating_mul(1u32 << record.attempts.min(10))
+                    .min(self.retry_max);
+                record.next_attempt_nanos =
+                    now + i64::try_from(backoff.as_nanos()).unwrap_or(i64::MAX);
+                tracing::debug!(origin = %record.origin.id, destination = %record.destination.id, attempts = record.attempts, error = %err, "relay delivery will be retried");
+                Some(record)
+            }
+        };
+        let state = next.as_ref().map_or(State::StatusPending, |r| r.state);
+        let status = next.as_ref().and_then(|r| r.status.clone());
+        if let Some(r) = &next {
+            let mut stored = r.clone();
+            stored.updated_nanos = now;
+            self.save(key, revision, Some(&stored)).await?;
+        } else {
+            self.save(key, revision, None).await?;
+            tracing::info!(origin = %origin_id, destination = %destination_id, "relay completed");
+        }
+        self.wake.notify_one();
+        Ok((state, status))
+    }
+
+    /// Retries every relay whose next attempt is due; returns when the next one will be.
+    pub async fn deliver_due(&self) -> Result<Option<i64>> {
+        let listing = self.store.list(RELAYS_PREFIX).await?;
+        let now = now_nanos();
+        let mut next: Option<i64> = None;
+        for kv in listing.kvs {
+            let record: RelayRecord = decode(&kv.key, &kv.value)?;
+            if record.state == State::Failed
+                || record.state == State::Delivered
+                || record.next_attempt_nanos == 0
+            {
+                continue;
+            }
+            if record.next_attempt_nanos > now {
+                next = Some(next.map_or(record.next_attempt_nanos, |n| {
+                    n.min(record.next_attempt_nanos)
+                }));
+                continue;
+            }
+            if let Err(err) = self.attempt(&kv.key, record, kv.mod_revision, false).await {
+                tracing::warn!(key = %kv.key, error = %err, "relay attempt failed");
+            }
+        }
+        Ok(next)
+    }
+
+    /// Relays still held, optionally for one cluster.
+    pub async fn list(&self, cluster: Option<&ClusterId>) -> Result<Vec<RelayRecord>> {
+        let listing = self.store.list(RELAYS_PREFIX).await?;
+        let mut out = Vec::new();
+        for kv in listing.kvs {
+            let record: RelayRecord = decode(&kv.key, &kv.value)?;
+            if cluster.is_none_or(|c| record.origin.id == *c || record.destination.id == *c) {
+                out.push(record);
+            }
+        }
+        Ok(out)
+    }
+}
+
+/// Runs the retry loop until `shutdown`.
+pub async fn retry_loop(forwarder: std::sync::Arc<Forwarder>, shutdown: trellis_runtime::Shutdown) {
+    loop {
+        let wait = match forwarder.deliver_due().await {
+            Ok(Some(due)) => {
+                Duration::from_nanos(u64::try_from((due - now_nanos()).max(0)).unwrap_or(0))
+                    .max(Duration::from_millis(20))
+            }
+            Ok(None) => Duration::from_secs(5),
+            Err(err) => {
+                tracing::warn!(error = %err, "cannot scan relays");
+                Duration::from_secs(1)
+            }
+        };
+        tokio::select! {
+            () = shutdown.cancelled() => return,
+            () = forwarder.wake.notified() => {}
+            () = tokio::time::sleep(wait) => {}
+        }
+    }
+}

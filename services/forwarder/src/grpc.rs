@@ -1,0 +1,253 @@
+//! The `trellis.peering.v1.Forwarder` gRPC handlers: validate into domain values (errors name
+//! the field), call [`Forwarder`], map back.
+
+use std::sync::Arc;
+
+use tonic::{Request, Response, Status};
+use trellis_api::convert::{identity_from_pb, identity_to_pb, timestamp};
+use trellis_api::model::NetworkSpec;
+use trellis_api::pb::peering::forwarder_server::Forwarder as ForwarderApi;
+use trellis_api::pb::peering::{self as pb, RelayState};
+use trellis_api::pb::types;
+use trellis_api::{ClusterId, ClusterIdentity};
+use trellis_error::{Error, Result};
+
+use crate::core::{Forwarder, Passthrough};
+use crate::records::{RelayRecord, RelayedStatus, State};
+
+/// The gRPC face of one [`Forwarder`].
+#[derive(Debug, Clone)]
+pub struct ForwarderService {
+    core: Arc<Forwarder>,
+}
+
+impl ForwarderService {
+    pub fn new(core: Arc<Forwarder>) -> Self {
+        Self { core }
+    }
+
+    /// Origin, destination and `via` of a NetworkConfig (reference) relayed by us.
+    fn pair(
+        &self,
+        prefix: &str,
+        name: &str,
+        origin: Option<&types::ClusterIdentity>,
+        destination: Option<&types::ClusterIdentity>,
+        via: Option<&types::ClusterIdentity>,
+    ) -> Result<(ClusterIdentity, ClusterIdentity)> {
+        let origin = identity_from_pb(&format!("{prefix}.origin"), origin)?;
+        let destination = identity_from_pb(&format!("{prefix}.destination"), destination)?;
+        let via = identity_from_pb(&format!("{prefix}.via"), via)?;
+        let us = &self.core.identity().id;
+        if via.id != *us {
+            return Err(Error::invalid(
+                format!("{prefix}.via.cluster_id"),
+                format!("is {}, not this hub ({us})", via.id),
+            ));
+        }
+        if origin.id == destination.id {
+            return Err(Error::invalid(
+                format!("{prefix}.destination.cluster_id"),
+                "equals the origin",
+            ));
+        }
+        if origin.id == *us || destination.id == *us {
+            return Err(Error::invalid(
+                format!("{prefix}.origin.cluster_id"),
+                "this hub cannot be an end of a relay",
+            ));
+        }
+        let expected = format!("{}--{}", origin.id, destination.id);
+        if name != expected {
+            return Err(Error::invalid(
+                format!("{prefix}.name"),
+                format!("is {name:?}; expected {expected:?}"),
+            ));
+        }
+        Ok((origin, destination))
+    }
+}
+
+fn status_to_pb(s: &RelayedStatus) -> types::NetworkConfigStatus {
+    types::NetworkConfigStatus {
+        pod_cidr_nat: s.pod_cidr_nat.clone(),
+        external_cidr_nat: s.external_cidr_nat.clone(),
+        state: s.state,
+        observed_generation: s.observed_generation,
+        message: s.message.clone(),
+        update_time: None,
+    }
+}
+
+fn state_to_pb(state: State) -> RelayState {
+    match state {
+        State::Pending => RelayState::Pending,
+        State::Delivered => RelayState::Delivered,
+        State::StatusPending => RelayState::StatusPending,
+        State::Failed => RelayState::Failed,
+        State::Withdrawing => RelayState::Withdrawing,
+    }
+}
+
+fn record_to_pb(r: &RelayRecord, hub: &ClusterIdentity) -> pb::RelayRecord {
+    pb::RelayRecord {
+        network_config: Some(types::NetworkConfigRef {
+            name: format!("{}--{}", r.origin.id, r.destination.id),
+            origin: Some(identity_to_pb(&r.origin)),
+            destination: Some(identity_to_pb(&r.destination)),
+            via: Some(identity_to_pb(hub)),
+        }),
+        generation: r.generation,
+        state: state_to_pb(r.state).into(),
+        status: r.status.as_ref().map(status_to_pb),
+        attempts: r.attempts,
+        last_error: r.last_error.clone(),
+        create_time: Some(timestamp(r.created_nanos)),
+        update_time: Some(timestamp(r.updated_nanos)),
+        next_attempt_time: (r.next_attempt_nanos > 0).then(|| timestamp(r.next_attempt_nanos)),
+    }
+}
+
+#[tonic::async_trait]
+impl ForwarderApi for ForwarderService {
+    async fn relay(
+        &self,
+        request: Request<pb::RelayRequest>,
+    ) -> Result<Response<pb::RelayResponse>, Status> {
+        let nc = request
+            .into_inner()
+            .network_config
+            .ok_or_else(|| Error::invalid("network_config", "is required"))?;
+        let (origin, destination) = self.pair(
+            "network_config",
+            &nc.name,
+            nc.origin.as_ref(),
+            nc.destination.as_ref(),
+            nc.via.as_ref(),
+        )?;
+        if nc.generation < 1 {
+            return Err(Error::invalid("network_config.generation", "must be at least 1").into());
+        }
+        let spec = NetworkSpec::from_proto("network_config.spec", nc.spec.as_ref())?;
+        let (state, status, _) = self
+            .core
+            .relay(Passthrough {
+                origin,
+                destination,
+                spec,
+                generation: nc.generation,
+            })
+            .await?;
+        let state = match (state, &status) {
+            (State::StatusPending, Some(_)) => RelayState::Completed,
+            (other, _) => state_to_pb(other),
+        };
+        Ok(Response::new(pb::RelayResponse {
+            state: state.into(),
+            status: status.as_ref().map(status_to_pb),
+        }))
+    }
+
+    async fn relay_status(
+        &self,
+        request: Request<pb::RelayStatusRequest>,
+    ) -> Result<Response<pb::RelayStatusResponse>, Status> {
+        let req = request.into_inner();
+        let reference = req
+            .network_config
+            .ok_or_else(|| Error::invalid("network_config", "is required"))?;
+        let (origin, destination) = self.pair(
+            "network_config",
+            &reference.name,
+            reference.origin.as_ref(),
+            reference.destination.as_ref(),
+            reference.via.as_ref(),
+        )?;
+        let status = req
+            .status
+            .ok_or_else(|| Error::invalid("status", "is required"))?;
+        match types::NetworkConfigState::try_from(status.state) {
+            Ok(types::NetworkConfigState::Processed) => {
+                // Only the shape can be checked here: the spec's sizes are the origin's.
+                for (field, value) in [
+                    ("status.pod_cidr_nat", &status.pod_cidr_nat),
+                    ("status.external_cidr_nat", &status.external_cidr_nat),
+                ] {
+                    trellis_api::wire::cidr(field, value)?;
+                }
+            }
+            Ok(types::NetworkConfigState::Rejected) => {}
+            _ => {
+                return Err(Error::invalid("status.state", "must be PROCESSED or REJECTED").into());
+            }
+        }
+        let state = self
+            .core
+            .relay_status(
+                &origin,
+                &destination,
+                RelayedStatus {
+                    pod_cidr_nat: status.pod_cidr_nat,
+                    external_cidr_nat: status.external_cidr_nat,
+                    state: status.state,
+                    observed_generation: status.observed_generation,
+                    message: status.message,
+                },
+            )
+            .await?;
+        let state = if state == State::StatusPending {
+            RelayState::StatusPending
+        } else {
+            state_to_pb(state)
+        };
+        Ok(Response::new(pb::RelayStatusResponse {
+            state: state.into(),
+        }))
+    }
+
+    async fn relay_withdrawal(
+        &self,
+        request: Request<pb::RelayWithdrawalRequest>,
+    ) -> Result<Response<pb::RelayWithdrawalResponse>, Status> {
+        let req = request.into_inner();
+        let reference = req
+            .network_config
+            .ok_or_else(|| Error::invalid("network_config", "is required"))?;
+        let (origin, destination) = self.pair(
+            "network_config",
+            &reference.name,
+            reference.origin.as_ref(),
+            reference.destination.as_ref(),
+            reference.via.as_ref(),
+        )?;
+        let state = self
+            .core
+            .relay_withdrawal(&origin, &destination, req.reason)
+            .await?;
+        Ok(Response::new(pb::RelayWithdrawalResponse {
+            state: state_to_pb(state).into(),
+        }))
+    }
+
+    async fn list_relays(
+        &self,
+        request: Request<pb::ListRelaysRequest>,
+    ) -> Result<Response<pb::ListRelaysResponse>, Status> {
+        let req = request.into_inner();
+        let cluster = (!req.cluster_id.is_empty())
+            .then(|| ClusterId::parse("cluster_id", &req.cluster_id))
+            .transpose()?;
+        let wanted = RelayState::try_from(req.state)
+            .map_err(|_| Error::invalid("state", "is not a known relay state"))?;
+        let hub = self.core.identity().clone();
+        let relays = self
+            .core
+            .list(cluster.as_ref())
+            .await?
+            .iter()
+            .filter(|r| wanted == RelayState::Unspecified || state_to_pb(r.state) == wanted)
+            .map(|r| record_to_pb(r, &hub))
+            .collect();
+        Ok(Response::new(pb::ListRelaysResponse { relays }))
+    }
+}

@@ -1,0 +1,88 @@
+//! `trellis-forwarder`: the forwarding service of a hub cluster. It relays passthrough
+//! NetworkConfigs from one full peer to another (induced peers of each other), relays the
+//! destination's status back, and relays withdrawals (thesis §5.3, §6.2.3; Trellis replaces
+//! Liqo's reflector between namespaces with this service).
+//!
+//! - [`core`]: accepting, persisting, delivering and retrying relays;
+//! - [`records`]: what is stored (only relays in flight);
+//! - [`grpc`]: the thin gRPC layer; [`config`]: the flags.
+
+pub mod config;
+pub mod core;
+pub mod grpc;
+pub mod records;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use anyhow::Context as _;
+use tokio::task::JoinHandle;
+use tonic::server::NamedService;
+use tonic::service::Routes;
+use trellis_api::ClusterIdentity;
+use trellis_api::pb::peering::forwarder_server::ForwarderServer;
+use trellis_runtime::Shutdown;
+use trellis_runtime::config::ports;
+use trellis_runtime::server::GrpcServer;
+
+pub use crate::config::Config;
+pub use crate::core::Forwarder;
+use crate::grpc::ForwarderService;
+
+/// Largest request accepted, in bytes.
+pub const MAX_REQUEST_BYTES: usize = 64 * 1024;
+
+/// A running forwarder.
+#[derive(Debug)]
+pub struct Started {
+    pub addr: SocketAddr,
+    pub core: Arc<Forwarder>,
+    pub task: JoinHandle<anyhow::Result<()>>,
+}
+
+/// Opens the store, binds, starts serving and retrying relays.
+pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started> {
+    let common = &config.common;
+    let identity = ClusterIdentity::parse(
+        "--cluster-id",
+        &common.cluster_id,
+        "--cluster-name",
+        common.cluster_name(),
+    )?;
+    let store = trellis_store::open(&common.store)
+        .await
+        .with_context(|| format!("opening store {}", common.store))?;
+    let core = Arc::new(Forwarder::new(
+        identity,
+        store,
+        &config.discovery,
+        config.retry_max(),
+    )?);
+    let server = GrpcServer::bind(common.listen_addr(ports::FORWARDER)).await?;
+    let addr = server.local_addr();
+    let routes = Routes::new(
+        ForwarderServer::new(ForwarderService::new(core.clone()))
+            .max_decoding_message_size(MAX_REQUEST_BYTES),
+    );
+    let grace = common.shutdown_grace();
+    let retries = tokio::spawn(core::retry_loop(core.clone(), shutdown.clone()));
+    let task = tokio::spawn(async move {
+        let served = server
+            .serve(
+                routes,
+                &[ForwarderServer::<ForwarderService>::NAME],
+                shutdown,
+                grace,
+            )
+            .await;
+        retries.abort();
+        served
+    });
+    Ok(Started { addr, core, task })
+}
+
+/// Runs the forwarder until `shutdown`.
+pub async fn run(config: Config, shutdown: Shutdown) -> anyhow::Result<()> {
+    let started = start(config, shutdown).await?;
+    started.task.await.context("forwarder server task")?
+}
