@@ -1,0 +1,141 @@
+//! The induced mesh at scale, in process with memory stores: one hub and 20 leaves, all with
+//! the same pod and external CIDRs, converge to 20·19 induced TunnelEndpoints; the hub
+//! unpeering one leaf removes that leaf's 19 induced peerings on the others.
+
+use std::time::{Duration, Instant};
+
+use trellis_api::pb::peering::{
+    GetTokenRequest, ListTunnelEndpointsRequest, PeerRequest, UnpeerRequest,
+};
+use trellis_api::pb::types::PeeringKind;
+use trellis_integration::cluster::InProcessCluster;
+use trellis_integration::join_all;
+
+const LEAVES: usize = 20;
+const LIMIT: Duration = Duration::from_secs(180);
+
+async fn induced_remotes(cluster: &InProcessCluster) -> Vec<String> {
+    let Ok(mut broker) = cluster.broker().await else {
+        return Vec::new();
+    };
+    let Ok(listed) = broker
+        .list_tunnel_endpoints(ListTunnelEndpointsRequest {
+            cluster_id: String::new(),
+            kind: PeeringKind::Induced as i32,
+        })
+        .await
+    else {
+        return Vec::new();
+    };
+    listed
+        .into_inner()
+        .tunnel_endpoints
+        .into_iter()
+        .filter_map(|t| t.remote.map(|r| r.cluster_id))
+        .collect()
+}
+
+async fn total_induced(leaves: &[InProcessCluster]) -> usize {
+    let mut total = 0;
+    for leaf in leaves {
+        total += induced_remotes(leaf).await.len();
+    }
+    total
+}
+
+async fn wait_until(what: &str, mut done: impl AsyncFnMut() -> bool) {
+    let deadline = Instant::now() + LIMIT;
+    while !done().await {
+        assert!(
+            Instant::now() < deadline,
+            "timed out after {LIMIT:?} waiting for {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hub_and_twenty_leaves_converge_to_the_full_induced_mesh() {
+    let hub = InProcessCluster::start("hub", "10.0.0.0/16", "10.201.0.0/16")
+        .await
+        .expect("hub starts");
+    let mut leaves = Vec::new();
+    for n in 0..LEAVES {
+        leaves.push(
+            InProcessCluster::start(&format!("leaf-{n:02}"), "10.0.0.0/16", "10.201.0.0/16")
+                .await
+                .expect("leaf starts"),
+        );
+    }
+    let token = hub
+        .broker()
+        .await
+        .expect("hub broker")
+        .get_token(GetTokenRequest {})
+        .await
+        .expect("token")
+        .into_inner()
+        .token;
+
+    let started = Instant::now();
+    let mut peerings = Vec::new();
+    for leaf in &leaves {
+        let mut broker = leaf.broker().await.expect("leaf broker");
+        let request = PeerRequest {
+            broker_address: hub.services.broker.to_string(),
+            token: token.clone(),
+            expected_cluster_id: "hub".into(),
+        };
+        peerings.push(tokio::spawn(async move {
+            broker.peer(request).await.map(|_| ())
+        }));
+    }
+    for peered in join_all(peerings).await {
+        peered.expect("a leaf peers with the hub");
+    }
+    let expected = LEAVES * (LEAVES - 1);
+    wait_until("the full induced mesh", async || {
+        total_induced(&leaves).await == expected
+    })
+    .await;
+    eprintln!(
+        "scale: 1 hub + {LEAVES} leaves reached {expected} induced tunnel endpoints in {:?}",
+        started.elapsed()
+    );
+
+    // Every leaf knows every other leaf, and nothing else, as induced.
+    for (n, leaf) in leaves.iter().enumerate() {
+        let mut remotes = induced_remotes(leaf).await;
+        remotes.sort();
+        let wanted: Vec<String> = (0..LEAVES)
+            .filter(|m| *m != n)
+            .map(|m| format!("leaf-{m:02}"))
+            .collect();
+        assert_eq!(remotes, wanted, "{}", leaf.id);
+    }
+
+    // The hub unpeers leaf-00: its 19 induced peerings go away on the others.
+    hub.broker()
+        .await
+        .expect("hub broker")
+        .unpeer(UnpeerRequest {
+            cluster_id: "leaf-00".into(),
+        })
+        .await
+        .expect("unpeers");
+    wait_until("leaf-00's induced peerings withdrawn", async || {
+        for leaf in &leaves[1..] {
+            if induced_remotes(leaf).await.iter().any(|r| r == "leaf-00") {
+                return false;
+            }
+        }
+        induced_remotes(&leaves[0]).await.is_empty()
+    })
+    .await;
+    assert_eq!(total_induced(&leaves).await, (LEAVES - 1) * (LEAVES - 2));
+
+    hub.stop().await;
+    for leaf in leaves {
+        leaf.stop().await;
+    }
+}
