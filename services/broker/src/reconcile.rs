@@ -106,8 +106,28 @@ async fn follow_discovery(broker: Arc<Broker>, shutdown: Shutdown) {
     }
 }
 
+/// The remotes we hold any state for (NetworkConfigs or a TunnelEndpoint).
+async fn held(broker: &Broker) -> Result<BTreeSet<ClusterId>> {
+    let mut held = BTreeSet::new();
+    for prefix in [OUT_PREFIX, IN_PREFIX, TUNNELS_PREFIX] {
+        for kv in broker.store().list(prefix).await?.kvs {
+            if let Some(id) = kv
+                .key
+                .strip_prefix(prefix)
+                .and_then(|id| ClusterId::parse("key", id).ok())
+            {
+                held.insert(id);
+            }
+        }
+    }
+    Ok(held)
+}
+
 /// One reconciliation. `Ok(false)` when something must be retried soon.
 pub async fn pass(broker: &Broker) -> Result<bool> {
+    // What we hold is read before who we peer with: a NetworkConfig received meanwhile was
+    // checked against a newer discovery listing than ours and must not look unwanted.
+    let held = held(broker).await?;
     let peers = broker.peers().await?;
     let mut settled = true;
 
@@ -134,22 +154,22 @@ pub async fn pass(broker: &Broker) -> Result<bool> {
         }
     }
 
-    let mut held = BTreeSet::new();
-    for prefix in [OUT_PREFIX, IN_PREFIX, TUNNELS_PREFIX] {
-        for kv in broker.store().list(prefix).await?.kvs {
-            if let Some(id) = kv
-                .key
-                .strip_prefix(prefix)
-                .and_then(|id| ClusterId::parse("key", id).ok())
-            {
-                held.insert(id);
+    let unwanted: Vec<&ClusterId> = held
+        .iter()
+        .filter(|id| !peers.desired.contains_key(*id))
+        .collect();
+    if !unwanted.is_empty() {
+        // Tearing down is not undone by a later pass (the remote does not re-send what we
+        // already decided on), so confirm with a fresh listing first.
+        let fresh = broker.peers().await?;
+        for id in unwanted
+            .into_iter()
+            .filter(|id| !fresh.desired.contains_key(*id))
+        {
+            if let Err(err) = teardown(broker, id, "PeeringGone").await {
+                tracing::warn!(remote.id = %id, error = %err, "teardown incomplete");
+                settled = false;
             }
-        }
-    }
-    for id in held.iter().filter(|id| !peers.desired.contains_key(*id)) {
-        if let Err(err) = teardown(broker, id, "PeeringGone").await {
-            tracing::warn!(remote.id = %id, error = %err, "teardown incomplete");
-            settled = false;
         }
     }
     Ok(settled)

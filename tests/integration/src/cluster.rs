@@ -41,8 +41,22 @@ fn args(list: &[&str]) -> Vec<String> {
 }
 
 impl InProcessCluster {
-    /// Starts cluster `id` with the given pod and external CIDRs.
+    /// Starts cluster `id` with the given pod and external CIDRs. Ports are picked before the
+    /// services bind them (discovery must advertise them first), so another cluster may take
+    /// one in between: then the whole cluster starts again on fresh ports.
     pub async fn start(id: &str, pod_cidr: &str, external_cidr: &str) -> anyhow::Result<Self> {
+        let mut attempt = 0;
+        loop {
+            match Self::start_once(id, pod_cidr, external_cidr).await {
+                Err(err) if attempt < 5 && format!("{err:#}").contains("cannot listen") => {
+                    attempt += 1;
+                }
+                other => return other,
+            }
+        }
+    }
+
+    async fn start_once(id: &str, pod_cidr: &str, external_cidr: &str) -> anyhow::Result<Self> {
         let services = Services {
             discovery: loopback(),
             broker: loopback(),
@@ -51,6 +65,8 @@ impl InProcessCluster {
             gateway: loopback(),
         };
         let shutdown = Shutdown::new();
+        // Services already started are stopped again if a later one fails to start.
+        let stop_on_failure = shutdown.clone().drop_guard();
         let common = |listen: SocketAddr| {
             args(&[
                 "x",
@@ -155,6 +171,7 @@ impl InProcessCluster {
         .context("broker")?;
         tasks.push(broker.task);
 
+        stop_on_failure.disarm();
         Ok(Self {
             id: id.to_owned(),
             services,

@@ -5,6 +5,7 @@
 pub mod cluster;
 pub mod netns;
 pub mod otlp;
+pub mod processes;
 pub mod standin_broker;
 
 use std::net::SocketAddr;

@@ -4,15 +4,17 @@
 
 use std::time::{Duration, Instant};
 
+use trellis_api::pb::peering::forwarder_client::ForwarderClient;
 use trellis_api::pb::peering::{
-    GetTokenRequest, ListTunnelEndpointsRequest, PeerRequest, UnpeerRequest,
+    GetTokenRequest, ListNetworkConfigsRequest, ListRelaysRequest, ListTunnelEndpointsRequest,
+    PeerRequest, UnpeerRequest,
 };
 use trellis_api::pb::types::PeeringKind;
 use trellis_integration::cluster::InProcessCluster;
 use trellis_integration::join_all;
 
 const LEAVES: usize = 20;
-const LIMIT: Duration = Duration::from_secs(180);
+const LIMIT: Duration = Duration::from_secs(120);
 
 async fn induced_remotes(cluster: &InProcessCluster) -> Vec<String> {
     let Ok(mut broker) = cluster.broker().await else {
@@ -43,13 +45,69 @@ async fn total_induced(leaves: &[InProcessCluster]) -> usize {
     total
 }
 
-async fn wait_until(what: &str, mut done: impl AsyncFnMut() -> bool) {
+/// What each leaf still misses, and what the hub still relays: the report of a timeout.
+async fn diagnose(hub: &InProcessCluster, leaves: &[InProcessCluster]) -> String {
+    let mut report = String::new();
+    for leaf in leaves {
+        let have = induced_remotes(leaf).await;
+        let missing: Vec<String> = leaves
+            .iter()
+            .filter(|other| other.id != leaf.id && !have.contains(&other.id))
+            .map(|other| other.id.clone())
+            .collect();
+        if !missing.is_empty() {
+            report.push_str(&format!("{} misses {missing:?}\n", leaf.id));
+            if let Ok(mut broker) = leaf.broker().await
+                && let Ok(ncs) = broker
+                    .list_network_configs(ListNetworkConfigsRequest {
+                        cluster_id: missing[0].clone(),
+                    })
+                    .await
+            {
+                for nc in ncs.into_inner().network_configs {
+                    report.push_str(&format!(
+                        "  {} generation {} via {:?} status {:?}\n",
+                        nc.name,
+                        nc.generation,
+                        nc.via.map(|v| v.cluster_id),
+                        nc.status
+                            .map(|s| (s.state, s.observed_generation, s.message))
+                    ));
+                }
+            }
+        }
+    }
+    if let Ok(mut forwarder) =
+        ForwarderClient::connect(format!("http://{}", hub.services.forwarder)).await
+        && let Ok(relays) = forwarder.list_relays(ListRelaysRequest::default()).await
+    {
+        for r in relays.into_inner().relays {
+            report.push_str(&format!(
+                "relay {:?} state {} attempts {} last error {:?}\n",
+                r.network_config.map(|n| n.name),
+                r.state,
+                r.attempts,
+                r.last_error
+            ));
+        }
+    }
+    report
+}
+
+async fn wait_until(
+    hub: &InProcessCluster,
+    leaves: &[InProcessCluster],
+    what: &str,
+    mut done: impl AsyncFnMut() -> bool,
+) {
     let deadline = Instant::now() + LIMIT;
     while !done().await {
-        assert!(
-            Instant::now() < deadline,
-            "timed out after {LIMIT:?} waiting for {what}"
-        );
+        if Instant::now() > deadline {
+            panic!(
+                "timed out after {LIMIT:?} waiting for {what}:\n{}",
+                diagnose(hub, leaves).await
+            );
+        }
         tokio::time::sleep(Duration::from_millis(250)).await;
     }
 }
@@ -94,7 +152,7 @@ async fn a_hub_and_twenty_leaves_converge_to_the_full_induced_mesh() {
         peered.expect("a leaf peers with the hub");
     }
     let expected = LEAVES * (LEAVES - 1);
-    wait_until("the full induced mesh", async || {
+    wait_until(&hub, &leaves, "the full induced mesh", async || {
         total_induced(&leaves).await == expected
     })
     .await;
@@ -123,14 +181,19 @@ async fn a_hub_and_twenty_leaves_converge_to_the_full_induced_mesh() {
         })
         .await
         .expect("unpeers");
-    wait_until("leaf-00's induced peerings withdrawn", async || {
-        for leaf in &leaves[1..] {
-            if induced_remotes(leaf).await.iter().any(|r| r == "leaf-00") {
-                return false;
+    wait_until(
+        &hub,
+        &leaves,
+        "leaf-00's induced peerings withdrawn",
+        async || {
+            for leaf in &leaves[1..] {
+                if induced_remotes(leaf).await.iter().any(|r| r == "leaf-00") {
+                    return false;
+                }
             }
-        }
-        induced_remotes(&leaves[0]).await.is_empty()
-    })
+            induced_remotes(&leaves[0]).await.is_empty()
+        },
+    )
     .await;
     assert_eq!(total_induced(&leaves).await, (LEAVES - 1) * (LEAVES - 2));
 

@@ -1,0 +1,329 @@
+//! A whole Trellis cluster as real processes: the `trellis-ipam`, `trellis-gateway` (control
+//! plane only, `--dataplane none`), `trellis-discovery`, `trellis-forwarder` and
+//! `trellis-broker` binaries, each with **its own** etcd process (as in production,
+//! DESIGN.md), on loopback ports. Any service can be SIGKILLed and restarted by name, and each
+//! etcd can be read directly (with `etcdctl`) to check what the service stored.
+//!
+//! Everything (processes and etcds, with their data directories) is killed and removed on drop.
+//! Flags mirror [`crate::cluster::InProcessCluster`].
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::net::SocketAddr;
+use std::process::Command;
+
+use anyhow::{Context as _, bail};
+use tonic::transport::Channel;
+use trellis_api::pb::discovery::discovery_client::DiscoveryClient;
+use trellis_api::pb::ipam::ipam_client::IpamClient;
+use trellis_api::pb::peering::broker_client::BrokerClient;
+use trellis_api::pb::peering::forwarder_client::ForwarderClient;
+use trellis_testkit::Etcd;
+
+use crate::ServiceProcess;
+use crate::cluster::Services;
+
+/// One of the services a [`ProcessCluster`] runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Service {
+    Ipam,
+    Gateway,
+    Discovery,
+    Forwarder,
+    Broker,
+}
+
+impl Service {
+    /// Every service, in start order (callees before their callers).
+    pub const ALL: [Service; 5] = [
+        Service::Ipam,
+        Service::Gateway,
+        Service::Discovery,
+        Service::Forwarder,
+        Service::Broker,
+    ];
+
+    /// Short name: `ipam`, `gateway`, ...
+    pub fn name(self) -> &'static str {
+        match self {
+            Service::Ipam => "ipam",
+            Service::Gateway => "gateway",
+            Service::Discovery => "discovery",
+            Service::Forwarder => "forwarder",
+            Service::Broker => "broker",
+        }
+    }
+
+    /// The binary, `trellis-<name>`.
+    pub fn binary(self) -> String {
+        format!("trellis-{}", self.name())
+    }
+
+    /// The gRPC service whose health says the process is ready.
+    pub fn grpc_service(self) -> &'static str {
+        match self {
+            Service::Ipam => "trellis.ipam.v1.Ipam",
+            Service::Gateway => "trellis.gateway.v1.Gateway",
+            Service::Discovery => "trellis.discovery.v1.Discovery",
+            Service::Forwarder => "trellis.peering.v1.Forwarder",
+            Service::Broker => "trellis.peering.v1.Broker",
+        }
+    }
+
+    fn addr(self, services: &Services) -> SocketAddr {
+        match self {
+            Service::Ipam => services.ipam,
+            Service::Gateway => services.gateway,
+            Service::Discovery => services.discovery,
+            Service::Forwarder => services.forwarder,
+            Service::Broker => services.broker,
+        }
+    }
+}
+
+impl fmt::Display for Service {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+fn strings(list: &[&str]) -> Vec<String> {
+    list.iter().map(|s| (*s).to_owned()).collect()
+}
+
+/// One cluster of real service processes, each on its own etcd.
+#[derive(Debug)]
+pub struct ProcessCluster {
+    pub id: String,
+    pub services: Services,
+    // Processes before etcds: fields drop in declaration order, so services die before the
+    // stores they write to.
+    processes: BTreeMap<Service, ServiceProcess>,
+    etcds: BTreeMap<Service, Etcd>,
+}
+
+impl ProcessCluster {
+    /// Starts five etcds and the five services of cluster `id`. `Ok(None)` when etcd is not
+    /// installed (skipped loudly by [`Etcd::start_or_skip`], which fails in CI instead).
+    ///
+    /// Call from the test's own task (not a spawned one) so that a skip names the test.
+    pub async fn start(
+        id: &str,
+        pod_cidr: &str,
+        external_cidr: &str,
+    ) -> anyhow::Result<Option<Self>> {
+        // The first one decides whether to skip (and names the test's thread when it does).
+        let Some(first) = Etcd::start_or_skip() else {
+            return Ok(None);
+        };
+        let mut etcds = BTreeMap::new();
+        etcds.insert(Service::ALL[0], first);
+        let starting: Vec<_> = Service::ALL[1..]
+            .iter()
+            .map(|&service| {
+                tokio::task::spawn_blocking(move || Etcd::start().map(|etcd| (service, etcd)))
+            })
+            .collect();
+        for started in crate::join_all(starting).await {
+            let (service, etcd) = started.context("starting an etcd")?;
+            etcds.insert(service, etcd);
+        }
+
+        let services = Services {
+            discovery: crate::free_addr(),
+            broker: crate::free_addr(),
+            forwarder: crate::free_addr(),
+            ipam: crate::free_addr(),
+            gateway: crate::free_addr(),
+        };
+        let mut this = Self {
+            id: id.to_owned(),
+            services,
+            processes: BTreeMap::new(),
+            etcds,
+        };
+        for service in Service::ALL {
+            let args = this.args(service, pod_cidr, external_cidr)?;
+            let process = ServiceProcess::start(
+                &service.binary(),
+                args,
+                service.addr(&this.services),
+                service.grpc_service(),
+            )
+            .await
+            .with_context(|| format!("{id}: starting {service}"))?;
+            this.processes.insert(service, process);
+        }
+        Ok(Some(this))
+    }
+
+    /// The store prefix of `service`: `trellis/<cluster id>/<service>`.
+    pub fn store_prefix(&self, service: Service) -> String {
+        format!("trellis/{}/{}", self.id, service.name())
+    }
+
+    fn args(
+        &self,
+        service: Service,
+        pod_cidr: &str,
+        external_cidr: &str,
+    ) -> anyhow::Result<Vec<String>> {
+        let s = &self.services;
+        let mut args = strings(&[
+            "--listen",
+            &service.addr(s).to_string(),
+            "--store",
+            &self.etcd(service)?.url(&self.store_prefix(service)),
+            "--cluster-id",
+            &self.id,
+            "--shutdown-grace",
+            "1",
+        ]);
+        args.extend(match service {
+            Service::Ipam => strings(&["--pod-cidr", pod_cidr, "--external-cidr", external_cidr]),
+            Service::Gateway => {
+                strings(&["--dataplane", "none", "--endpoint-address", "127.0.0.1"])
+            }
+            Service::Discovery => strings(&[
+                "--advertise-discovery",
+                &s.discovery.to_string(),
+                "--advertise-broker",
+                &s.broker.to_string(),
+                "--advertise-forwarder",
+                &s.forwarder.to_string(),
+                "--advertise-ipam",
+                &s.ipam.to_string(),
+                "--advertise-gateway",
+                &s.gateway.to_string(),
+                "--neighborhood-resync",
+                "5",
+                "--neighborhood-retry-max",
+                "2",
+            ]),
+            Service::Forwarder => {
+                strings(&["--discovery", &s.discovery.to_string(), "--retry-max", "1"])
+            }
+            Service::Broker => strings(&[
+                "--discovery",
+                &s.discovery.to_string(),
+                "--ipam",
+                &s.ipam.to_string(),
+                "--gateway",
+                &s.gateway.to_string(),
+                "--resync",
+                "2",
+            ]),
+        });
+        Ok(args)
+    }
+
+    /// The etcd `service` keeps its state in.
+    pub fn etcd(&self, service: Service) -> anyhow::Result<&Etcd> {
+        self.etcds
+            .get(&service)
+            .with_context(|| format!("{}: no etcd for {service}", self.id))
+    }
+
+    /// The process of `service`.
+    pub fn process(&self, service: Service) -> anyhow::Result<&ServiceProcess> {
+        self.processes
+            .get(&service)
+            .with_context(|| format!("{}: {service} not started", self.id))
+    }
+
+    fn process_mut(&mut self, service: Service) -> anyhow::Result<&mut ServiceProcess> {
+        let id = self.id.clone();
+        self.processes
+            .get_mut(&service)
+            .with_context(|| format!("{id}: {service} not started"))
+    }
+
+    /// SIGKILLs `service` (no shutdown hook; whatever is not in its etcd is lost).
+    pub fn kill9(&mut self, service: Service) -> anyhow::Result<()> {
+        self.process_mut(service)?.kill9();
+        Ok(())
+    }
+
+    /// Starts `service` again with the same flags (and etcd) and waits until it serves.
+    pub async fn restart(&mut self, service: Service) -> anyhow::Result<()> {
+        let id = self.id.clone();
+        self.process_mut(service)?
+            .restart()
+            .await
+            .with_context(|| format!("{id}: restarting {service}"))
+    }
+
+    /// The last `lines` lines of every service's log, for failure messages.
+    pub fn logs(&self, lines: usize) -> String {
+        self.processes
+            .iter()
+            .map(|(service, process)| {
+                format!(
+                    "----- {} {service} -----\n{}",
+                    self.id,
+                    process.log_tail(lines)
+                )
+            })
+            .collect::<Vec<_>>()
+            .join("\n")
+    }
+
+    /// Every key in `service`'s etcd (the whole keyspace, not only the service's prefix), read
+    /// with `etcdctl`.
+    pub fn etcd_keys(&self, service: Service) -> anyhow::Result<Vec<String>> {
+        let etcdctl = trellis_testkit::tool_path("etcdctl")
+            .context("etcdctl not found on PATH or in .tools/bin (scripts/setup.sh installs it)")?;
+        let mut command = Command::new(etcdctl);
+        for (name, _) in std::env::vars_os() {
+            if name.to_string_lossy().starts_with("ETCDCTL") {
+                command.env_remove(name);
+            }
+        }
+        let output = command
+            .env("ETCDCTL_API", "3")
+            .arg(format!("--endpoints={}", self.etcd(service)?.endpoint()))
+            .args(["get", "", "--from-key", "--keys-only"])
+            .output()
+            .context("running etcdctl")?;
+        if !output.status.success() {
+            bail!(
+                "etcdctl get failed ({}): {}",
+                output.status,
+                String::from_utf8_lossy(&output.stderr)
+            );
+        }
+        Ok(String::from_utf8_lossy(&output.stdout)
+            .lines()
+            .filter(|line| !line.is_empty())
+            .map(str::to_owned)
+            .collect())
+    }
+
+    async fn channel(&self, service: Service) -> anyhow::Result<Channel> {
+        Ok(
+            Channel::from_shared(format!("http://{}", service.addr(&self.services)))?
+                .connect()
+                .await?,
+        )
+    }
+
+    pub async fn broker(&self) -> anyhow::Result<BrokerClient<Channel>> {
+        Ok(BrokerClient::new(self.channel(Service::Broker).await?))
+    }
+
+    pub async fn forwarder(&self) -> anyhow::Result<ForwarderClient<Channel>> {
+        Ok(ForwarderClient::new(
+            self.channel(Service::Forwarder).await?,
+        ))
+    }
+
+    pub async fn ipam(&self) -> anyhow::Result<IpamClient<Channel>> {
+        Ok(IpamClient::new(self.channel(Service::Ipam).await?))
+    }
+
+    pub async fn discovery(&self) -> anyhow::Result<DiscoveryClient<Channel>> {
+        Ok(DiscoveryClient::new(
+            self.channel(Service::Discovery).await?,
+        ))
+    }
+}
