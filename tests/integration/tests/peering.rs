@@ -431,3 +431,98 @@ async fn leaves_of_a_hub_build_an_induced_peering_with_consistent_nat_views() {
         cluster.stop().await;
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_forwarder_refuses_bad_relays_and_stores_nothing() {
+    let b = InProcessCluster::start("hub-b", "10.0.0.0/16", "10.201.0.0/16")
+        .await
+        .expect("b starts");
+    let a = InProcessCluster::start("leaf-a", "10.1.0.0/16", "10.202.0.0/16")
+        .await
+        .expect("a starts");
+    peer(&a, &b, token(&b).await).await.expect("a peers with b");
+    let mut forwarder = trellis_api::pb::peering::forwarder_client::ForwarderClient::connect(
+        format!("http://{}", b.services.forwarder),
+    )
+    .await
+    .expect("forwarder");
+    let relayed = |origin: &str, destination: &str, via: &str, pod: &str| {
+        let mut nc = network_config(origin, destination, pod);
+        nc.via = Some(types::ClusterIdentity {
+            cluster_id: via.into(),
+            cluster_name: String::new(),
+        });
+        RelayRequest {
+            network_config: Some(nc),
+        }
+    };
+
+    // The destination is not a peer of the hub.
+    let err = forwarder
+        .relay(relayed("leaf-a", "stranger", "hub-b", "10.1.0.0/16"))
+        .await
+        .expect_err("unknown destination");
+    assert_eq!(err.code(), Code::PermissionDenied, "{err:?}");
+    assert!(err.message().contains("stranger"), "{err:?}");
+    // The origin is not a peer of the hub.
+    let err = forwarder
+        .relay(relayed("stranger", "leaf-a", "hub-b", "10.1.0.0/16"))
+        .await
+        .expect_err("unknown origin");
+    assert_eq!(err.code(), Code::PermissionDenied, "{err:?}");
+    // Relayed through another hub.
+    let err = forwarder
+        .relay(relayed("leaf-a", "leaf-c", "other-hub", "10.1.0.0/16"))
+        .await
+        .expect_err("not via us");
+    assert_eq!(err.code(), Code::InvalidArgument);
+    assert!(err.message().contains("network_config.via"), "{err:?}");
+    // Malformed CIDR, and a relay to itself.
+    let err = forwarder
+        .relay(relayed("leaf-a", "leaf-c", "hub-b", "10.1.0.0/33"))
+        .await
+        .expect_err("bad cidr");
+    assert_eq!(err.code(), Code::InvalidArgument);
+    assert!(
+        err.message().contains("network_config.spec.pod_cidr"),
+        "{err:?}"
+    );
+    let err = forwarder
+        .relay(relayed("leaf-a", "leaf-a", "hub-b", "10.1.0.0/16"))
+        .await
+        .expect_err("to itself");
+    assert_eq!(err.code(), Code::InvalidArgument);
+    // A status for a relay that does not exist.
+    let err = forwarder
+        .relay_status(RelayStatusRequest {
+            network_config: Some(types::NetworkConfigRef {
+                name: "leaf-a--hub-b".into(),
+                origin: Some(types::ClusterIdentity {
+                    cluster_id: "leaf-a".into(),
+                    cluster_name: String::new(),
+                }),
+                destination: Some(types::ClusterIdentity {
+                    cluster_id: "hub-b".into(),
+                    cluster_name: String::new(),
+                }),
+                via: Some(types::ClusterIdentity {
+                    cluster_id: "hub-b".into(),
+                    cluster_name: String::new(),
+                }),
+            }),
+            status: None,
+        })
+        .await
+        .expect_err("the hub cannot be an end");
+    assert_eq!(err.code(), Code::InvalidArgument);
+
+    let relays = forwarder
+        .list_relays(ListRelaysRequest::default())
+        .await
+        .expect("lists")
+        .into_inner()
+        .relays;
+    assert!(relays.is_empty(), "{relays:?}");
+    a.stop().await;
+    b.stop().await;
+}
