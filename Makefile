@@ -8,7 +8,7 @@ export PATH := $(ROOT)/.tools/bin:$(HOME)/.cargo/bin:$(PATH)
 export CARGO_TARGET_DIR ?= $(HOME)/.cache/trellis/target
 export CARGO_TERM_COLOR ?= never
 
-.PHONY: setup test fmt-check clippy lint-proto build nextest fmt bench-ipam clean
+.PHONY: setup test fmt-check clippy lint-proto build nextest fmt bench-ipam bench-mesh bench-endpoints clean
 
 setup:
 	bash scripts/setup.sh
@@ -38,6 +38,14 @@ fmt:
 # MapEndpointIp throughput and latency over gRPC, memory and etcd stores (docs/benchmarks.md).
 bench-ipam: setup
 	cargo run --release --locked -p trellis-bench --bin ipam-bench -- --out bench/results/ipam.json
+
+# Induced mesh setup time, 1 hub + 2..50 leaves in process (docs/benchmarks.md).
+bench-mesh: setup
+	cargo run --release --locked -p trellis-bench --bin mesh-bench -- --out bench/results/mesh.json
+
+# Reflected endpoints per second, local and remote-IPAM paths (docs/benchmarks.md).
+bench-endpoints: setup
+	cargo run --release --locked -p trellis-bench --bin endpoints-bench -- --out bench/results/endpoints.json
 
 clean:
 	cargo clean

@@ -22,6 +22,7 @@ mod error;
 mod etcd;
 mod kv;
 mod memory;
+pub mod record;
 pub mod retry;
 mod txn;
 mod url;

@@ -12,7 +12,6 @@
 use serde::{Deserialize, Serialize};
 use trellis_api::model::{NatView, NetworkSpec, TunnelEndpoint};
 use trellis_api::{ClusterId, ClusterIdentity};
-use trellis_error::{Error, Result};
 
 pub const TOKEN_KEY: &str = "token";
 pub const OUT_PREFIX: &str = "nc/out/";
@@ -137,18 +136,4 @@ pub fn nc_name(origin: &ClusterId, destination: &ClusterId) -> String {
     format!("{origin}--{destination}")
 }
 
-pub fn encode<T: Serialize>(value: &T) -> Result<Vec<u8>> {
-    serde_json::to_vec(value).map_err(|e| Error::Internal(format!("encoding a record: {e}")))
-}
-
-pub fn decode<T: for<'de> Deserialize<'de>>(key: &str, bytes: &[u8]) -> Result<T> {
-    serde_json::from_slice(bytes)
-        .map_err(|e| Error::Internal(format!("corrupt store record {key:?}: {e}")))
-}
-
-/// Nanoseconds since the epoch.
-pub fn now_nanos() -> i64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| i64::try_from(d.as_nanos()).unwrap_or(i64::MAX))
-}
+pub use trellis_store::record::{decode, encode, now_nanos};

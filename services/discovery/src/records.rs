@@ -13,11 +13,9 @@
 //! peer should hold from `clusters/` and compares it with `outbox/`.
 
 use std::collections::BTreeSet;
-use std::time::{SystemTime, UNIX_EPOCH};
 
 use serde::{Deserialize, Serialize};
 use trellis_api::{ClusterId, ClusterIdentity};
-use trellis_error::{Error, Result};
 
 pub const IDENTITY_KEY: &str = "identity";
 pub const CLUSTERS_PREFIX: &str = "clusters/";
@@ -49,14 +47,6 @@ pub fn outbox_key(peer: &ClusterId) -> String {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct LocalIdentity {
     pub identity: ClusterIdentity,
-}
-
-/// Current time in nanoseconds since the Unix epoch (what records store).
-pub fn now_nanos() -> i64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| i64::try_from(d.as_nanos()).unwrap_or(i64::MAX))
-        .unwrap_or(0)
 }
 
 /// Full or induced (types.proto `PeeringKind`).
@@ -273,13 +263,4 @@ pub struct Outbox {
     pub floor: i64,
 }
 
-/// Serialises a record; our own types always serialise.
-pub fn encode<T: Serialize>(value: &T) -> Result<Vec<u8>> {
-    serde_json::to_vec(value).map_err(|e| Error::Internal(format!("encoding a record: {e}")))
-}
-
-/// Deserialises a record read from `key`, naming it when the content is corrupt.
-pub fn decode<T: for<'de> Deserialize<'de>>(key: &str, bytes: &[u8]) -> Result<T> {
-    serde_json::from_slice(bytes)
-        .map_err(|e| Error::Internal(format!("corrupt store record {key:?}: {e}")))
-}
+pub use trellis_store::record::{decode, encode, now_nanos};

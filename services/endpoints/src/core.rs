@@ -359,7 +359,12 @@ impl Endpoints {
 
     /// Releases the external-CIDR allocations of `originals` for `target`, except those another
     /// reflection to the same target (other than `own_key`) still uses: the IPAM holds one
-    /// allocation per (address, target), not per slice.
+    /// allocation per (address, target), not per slice. Returns how many addresses went back
+    /// to the pool.
+    ///
+    /// Known race: a concurrent reflection of another slice that starts using one of these
+    /// addresses between our listing and the unmap loses its allocation; its next
+    /// re-reflection maps it again.
     async fn release(
         &self,
         target: &ClusterId,
@@ -390,7 +395,10 @@ impl Endpoints {
                 .map_err(|s| local_error("ipam", s))?
                 .into_inner();
             tracing::info!(endpoint.ip = %ip, target.id = %target, returned_to_pool = answer.released, "released hub-path endpoint mapping");
-            released += 1;
+            // The IPAM keeps the address while another target still uses it.
+            if answer.released {
+                released += 1;
+            }
         }
         Ok(released)
     }
@@ -740,9 +748,10 @@ impl Endpoints {
                 Some(kv) => Some((decode::<ReflectedRecord>(&key, &kv.value)?, kv.mod_revision)),
                 None => None,
             };
+            // A generation names one content of the slice: the one held is an idempotent
+            // re-send, a lower one is stale. Neither touches Kubernetes.
             if let Some((rec, _)) = &held
-                && (rec.generation > generation
-                    || (rec.generation == generation && rec.slice == slice))
+                && rec.generation >= generation
             {
                 let current = rec.generation == generation;
                 if !current {

@@ -31,6 +31,21 @@ pub const SOURCE_SLICE_ANNOTATION: &str = "trellis.io/source-slice";
 /// Longest Kubernetes object name.
 const MAX_NAME: usize = 253;
 
+/// Budget of one apply or delete (a few API calls): a hung API server fails the RPC with
+/// UNAVAILABLE instead of holding it forever.
+const OPERATION_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
+
+async fn bounded<T>(what: &str, work: impl std::future::Future<Output = Result<T>>) -> Result<T> {
+    tokio::time::timeout(OPERATION_TIMEOUT, work)
+        .await
+        .unwrap_or_else(|_| {
+            Err(Error::Unavailable(format!(
+                "{what}: kubernetes API did not answer within {} s",
+                OPERATION_TIMEOUT.as_secs()
+            )))
+        })
+}
+
 /// Writes reflected EndpointSlices with one kube client.
 #[derive(Clone)]
 pub struct KubeWriter {
@@ -235,6 +250,14 @@ impl KubeWriter {
     /// Creates or updates the object for `source`'s `slice`; returns its name. Refuses with
     /// `AlreadyExists` when an object of that name exists and is not ours.
     pub async fn apply(&self, source: &ClusterIdentity, slice: &Slice) -> Result<String> {
+        bounded(
+            "writing an endpointslice",
+            self.apply_unbounded(source, slice),
+        )
+        .await
+    }
+
+    async fn apply_unbounded(&self, source: &ClusterIdentity, slice: &Slice) -> Result<String> {
         let desired = desired_object(source, slice);
         let name = object_name(&source.id, &slice.name);
         let api = self.api(&slice.namespace);
@@ -306,6 +329,19 @@ impl KubeWriter {
     /// Deletes the object for `source`'s slice `namespace/name` if it exists and is ours.
     /// Returns whether an object was deleted.
     pub async fn delete(
+        &self,
+        source: &ClusterIdentity,
+        namespace: &str,
+        name: &str,
+    ) -> Result<bool> {
+        bounded(
+            "deleting an endpointslice",
+            self.delete_unbounded(source, namespace, name),
+        )
+        .await
+    }
+
+    async fn delete_unbounded(
         &self,
         source: &ClusterIdentity,
         namespace: &str,

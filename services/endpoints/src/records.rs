@@ -14,7 +14,6 @@ use std::collections::BTreeSet;
 
 use serde::{Deserialize, Serialize};
 use trellis_api::{ClusterId, ClusterIdentity};
-use trellis_error::{Error, Result};
 
 use crate::model::Slice;
 
@@ -65,13 +64,4 @@ pub struct OutgoingRecord {
     pub hub_external: BTreeSet<String>,
 }
 
-/// Serialises a record; our own types always serialise.
-pub fn encode<T: Serialize>(value: &T) -> Result<Vec<u8>> {
-    serde_json::to_vec(value).map_err(|e| Error::Internal(format!("encoding a record: {e}")))
-}
-
-/// Deserialises a record read from `key`, naming it when the content is corrupt.
-pub fn decode<T: for<'de> Deserialize<'de>>(key: &str, bytes: &[u8]) -> Result<T> {
-    serde_json::from_slice(bytes)
-        .map_err(|e| Error::Internal(format!("corrupt store record {key:?}: {e}")))
-}
+pub use trellis_store::record::{decode, encode};

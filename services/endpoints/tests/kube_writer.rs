@@ -23,7 +23,10 @@ const COLLECTION: &str = "/apis/discovery.k8s.io/v1/namespaces/shop/endpointslic
 
 fn mock() -> (KubeWriter, ApiHandle) {
     let (service, handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
-    (KubeWriter::new(kube::Client::new(service, "default")), handle)
+    (
+        KubeWriter::new(kube::Client::new(service, "default")),
+        handle,
+    )
 }
 
 fn source() -> ClusterIdentity {
@@ -171,7 +174,9 @@ async fn no_more_requests(handle: &mut ApiHandle) {
     assert!(
         matches!(more, Err(_) | Ok(None)),
         "unexpected request {:?}",
-        more.ok().flatten().map(|(r, _)| format!("{} {}", r.method(), r.uri()))
+        more.ok()
+            .flatten()
+            .map(|(r, _)| format!("{} {}", r.method(), r.uri()))
     );
 }
 
@@ -181,7 +186,10 @@ async fn creates_a_managed_slice_linked_to_its_service() {
     let write = tokio::spawn(async move { writer.apply(&source(), &slice(&["10.3.0.7"])).await });
 
     let (method, path, _, body, send) = next(&mut handle).await;
-    assert_eq!((method, path), (Method::GET, format!("{COLLECTION}/{}", name())));
+    assert_eq!(
+        (method, path),
+        (Method::GET, format!("{COLLECTION}/{}", name()))
+    );
     assert_eq!(body, Value::Null);
     respond(send, 404, &api_status(404, "NotFound"));
 
@@ -205,11 +213,17 @@ async fn updates_its_own_slice_with_the_read_resource_version() {
     });
 
     let (method, path, _, _, send) = next(&mut handle).await;
-    assert_eq!((method, path), (Method::GET, format!("{COLLECTION}/{}", name())));
+    assert_eq!(
+        (method, path),
+        (Method::GET, format!("{COLLECTION}/{}", name()))
+    );
     respond(send, 200, &stored(expected(&["10.3.0.7"]), "10"));
 
     let (method, path, _, body, send) = next(&mut handle).await;
-    assert_eq!((method, path), (Method::PUT, format!("{COLLECTION}/{}", name())));
+    assert_eq!(
+        (method, path),
+        (Method::PUT, format!("{COLLECTION}/{}", name()))
+    );
     let mut want = expected(&["10.3.0.7", "10.3.0.8"]);
     want["metadata"]["resourceVersion"] = json!("10");
     assert_eq!(body, want);
@@ -270,10 +284,16 @@ async fn deletes_only_its_own_slice_with_preconditions() {
     let (writer, mut handle) = mock();
     let delete = tokio::spawn(async move { writer.delete(&source(), "shop", "web-1").await });
     let (method, path, _, _, send) = next(&mut handle).await;
-    assert_eq!((method, path), (Method::GET, format!("{COLLECTION}/{}", name())));
+    assert_eq!(
+        (method, path),
+        (Method::GET, format!("{COLLECTION}/{}", name()))
+    );
     respond(send, 200, &stored(expected(&["10.3.0.7"]), "10"));
     let (method, path, _, body, send) = next(&mut handle).await;
-    assert_eq!((method, path), (Method::DELETE, format!("{COLLECTION}/{}", name())));
+    assert_eq!(
+        (method, path),
+        (Method::DELETE, format!("{COLLECTION}/{}", name()))
+    );
     assert_eq!(
         body["preconditions"],
         json!({"resourceVersion": "10", "uid": "uid-1"}),
@@ -363,7 +383,7 @@ async fn apply_and_delete_propagate_to_kubernetes_through_the_service() {
         .apply_reflected_slice(pb::ApplyReflectedSliceRequest {
             source: Some(b_identity.clone()),
             slice: Some(slice_pb(&["10.3.0.7"])),
-            generation: 1,
+            generation: 5,
         })
         .await
         .expect("applied")
@@ -372,25 +392,47 @@ async fn apply_and_delete_propagate_to_kubernetes_through_the_service() {
     assert_eq!(applied.object_name, name());
     let mut handle = api.await.expect("api task");
 
-    // A stale generation: ignored without touching Kubernetes.
+    // A stale generation: ignored without touching Kubernetes; the held one is a re-send.
     let stale = client
         .apply_reflected_slice(pb::ApplyReflectedSliceRequest {
             source: Some(b_identity.clone()),
             slice: Some(slice_pb(&["10.3.0.9"])),
-            generation: 1,
+            generation: 4,
         })
         .await
         .expect("answered")
         .into_inner();
     assert!(!stale.applied);
+    let resent = client
+        .apply_reflected_slice(pb::ApplyReflectedSliceRequest {
+            source: Some(b_identity.clone()),
+            slice: Some(slice_pb(&["10.3.0.7"])),
+            generation: 5,
+        })
+        .await
+        .expect("answered")
+        .into_inner();
+    assert!(resent.applied);
     no_more_requests(&mut handle).await;
+    let held = client
+        .list_reflected_slices(pb::ListReflectedSlicesRequest::default())
+        .await
+        .expect("lists")
+        .into_inner()
+        .reflected_slices;
+    assert_eq!(held.len(), 1);
+    assert_eq!(held[0].generation, 5);
+    assert_eq!(held[0].object_name, name());
 
     // Deleted: the object goes too.
     let api = tokio::spawn(async move {
         let (_, _, _, _, send) = next(&mut handle).await;
         respond(send, 200, &stored(expected(&["10.3.0.7"]), "20"));
         let (method, path, _, _, send) = next(&mut handle).await;
-        assert_eq!((method, path), (Method::DELETE, format!("{COLLECTION}/{}", name())));
+        assert_eq!(
+            (method, path),
+            (Method::DELETE, format!("{COLLECTION}/{}", name()))
+        );
         respond(send, 200, &api_status(200, "Success"));
         handle
     });

@@ -15,7 +15,7 @@ use trellis_api::pb::endpoints::{
 };
 use trellis_api::pb::ipam::ListEndpointMappingsRequest;
 
-fn slice(name: &str, addresses: &[String]) -> EndpointSlice {
+fn slice(name: &str, addresses: Vec<String>) -> EndpointSlice {
     EndpointSlice {
         namespace: "shop".into(),
         name: name.into(),
@@ -82,13 +82,20 @@ async fn every_path_gets_the_address_the_target_can_reach() {
     let in_a = at(fabric.b_view_a.pod, 7);
     let in_b = at(common::POD_CIDR.parse().expect("cidr"), 9);
     let in_c = at(fabric.b_view_c.pod, 5);
-    let response = reflect(&fabric, slice("web-1", &[in_a.clone(), in_b, in_c]), false)
-        .await
-        .expect("reflects");
+    let response = reflect(
+        &fabric,
+        slice("web-1", vec![in_a.clone(), in_b, in_c]),
+        false,
+    )
+    .await
+    .expect("reflects");
 
     // Induced: C's own remap of A, as held in A's IPAM (LocalNat for C), not B's view of A.
     assert_eq!(path(&response, 0), TranslationPath::Induced, "{response:?}");
-    assert_eq!(response.translations[0].translated_address, at(c_view_a.pod, 7));
+    assert_eq!(
+        response.translations[0].translated_address,
+        at(c_view_a.pod, 7)
+    );
     assert_ne!(c_view_a.pod, fabric.b_view_a.pod);
     assert_eq!(
         response.translations[0]
@@ -99,7 +106,10 @@ async fn every_path_gets_the_address_the_target_can_reach() {
     );
     // Local pod: C's view of B's pod CIDR.
     assert_eq!(path(&response, 1), TranslationPath::LocalNat);
-    assert_eq!(response.translations[1].translated_address, at(fabric.c_view_b.pod, 9));
+    assert_eq!(
+        response.translations[1].translated_address,
+        at(fabric.c_view_b.pod, 9)
+    );
     // A pod of C itself: its home IP.
     assert_eq!(path(&response, 2), TranslationPath::TargetHome);
     assert_eq!(response.translations[2].translated_address, "10.0.0.5");
@@ -130,15 +140,22 @@ async fn every_path_gets_the_address_the_target_can_reach() {
         })
         .await
         .expect("free");
-    let response = reflect(&fabric, slice("web-1", &[in_a.clone()]), false)
+    let response = reflect(&fabric, slice("web-1", vec![in_a.clone()]), false)
         .await
         .expect("reflects");
-    assert_eq!(path(&response, 0), TranslationPath::HubExternal, "{response:?}");
+    assert_eq!(
+        path(&response, 0),
+        TranslationPath::HubExternal,
+        "{response:?}"
+    );
     let translated: std::net::IpAddr = response.translations[0]
         .translated_address
         .parse()
         .expect("ip");
-    assert!(fabric.c_view_b.external.contains(&translated), "{translated}");
+    assert!(
+        fabric.c_view_b.external.contains(&translated),
+        "{translated}"
+    );
     assert_eq!(hub_mappings(&fabric).await, vec![in_a.clone()]);
 }
 
@@ -146,7 +163,7 @@ async fn every_path_gets_the_address_the_target_can_reach() {
 async fn without_induced_peering_the_hub_path_is_used() {
     let fabric = Fabric::start(false).await;
     let in_a = at(fabric.b_view_a.pod, 7);
-    let response = reflect(&fabric, slice("web-1", &[in_a]), false)
+    let response = reflect(&fabric, slice("web-1", vec![in_a]), false)
         .await
         .expect("reflects");
     assert_eq!(path(&response, 0), TranslationPath::HubExternal);
@@ -164,13 +181,21 @@ async fn remote_ipam_down_takes_the_hub_path_in_bounded_time() {
     fabric.a.stop_ipam().await;
     let in_a = at(fabric.b_view_a.pod, 7);
     let started = Instant::now();
-    let response = reflect(&fabric, slice("web-1", &[in_a.clone(), at(fabric.b_view_a.pod, 8)]), false)
-        .await
-        .expect("reflects despite A's IPAM being down");
+    let response = reflect(
+        &fabric,
+        slice("web-1", vec![in_a.clone(), at(fabric.b_view_a.pod, 8)]),
+        false,
+    )
+    .await
+    .expect("reflects despite A's IPAM being down");
     let elapsed = started.elapsed();
     assert!(elapsed < Duration::from_secs(10), "took {elapsed:?}");
     for i in 0..2 {
-        assert_eq!(path(&response, i), TranslationPath::HubExternal, "{response:?}");
+        assert_eq!(
+            path(&response, i),
+            TranslationPath::HubExternal,
+            "{response:?}"
+        );
         let detail = &response.translations[i].detail;
         assert!(
             detail.contains("remote IPAM of cluster a") && detail.contains("unreachable"),
@@ -189,17 +214,21 @@ async fn vanished_endpoints_release_their_hub_allocations() {
     let fabric = Fabric::start(false).await;
     let one = at(fabric.b_view_a.pod, 7);
     let two = at(fabric.b_view_a.pod, 8);
-    reflect(&fabric, slice("web-1", &[one.clone(), two.clone()]), false)
-        .await
-        .expect("reflects");
+    reflect(
+        &fabric,
+        slice("web-1", vec![one.clone(), two.clone()]),
+        false,
+    )
+    .await
+    .expect("reflects");
     // Another slice to the same target shares endpoint `two`.
-    reflect(&fabric, slice("web-2", &[two.clone()]), false)
+    reflect(&fabric, slice("web-2", vec![two.clone()]), false)
         .await
         .expect("reflects");
     assert_eq!(hub_mappings(&fabric).await, vec![one.clone(), two.clone()]);
 
     // `one` disappears from web-1: released; `two` stays.
-    reflect(&fabric, slice("web-1", &[two.clone()]), false)
+    reflect(&fabric, slice("web-1", vec![two.clone()]), false)
         .await
         .expect("reflects");
     assert_eq!(hub_mappings(&fabric).await, vec![two.clone()]);
@@ -239,7 +268,7 @@ async fn vanished_endpoints_release_their_hub_allocations() {
 async fn delivered_slices_are_stored_on_the_target_and_deleted_with_it() {
     let fabric = Fabric::start(true).await;
     let in_a = at(fabric.b_view_a.pod, 7);
-    let response = reflect(&fabric, slice("web-1", &[in_a.clone()]), true)
+    let response = reflect(&fabric, slice("web-1", vec![in_a.clone()]), true)
         .await
         .expect("reflects");
     assert!(response.delivered);
@@ -260,9 +289,13 @@ async fn delivered_slices_are_stored_on_the_target_and_deleted_with_it() {
     assert_eq!(held[0].object_name, "", "no Kubernetes access configured");
 
     // A newer generation replaces it.
-    reflect(&fabric, slice("web-1", &[in_a.clone(), at(fabric.b_view_a.pod, 8)]), true)
-        .await
-        .expect("reflects again");
+    reflect(
+        &fabric,
+        slice("web-1", vec![in_a.clone(), at(fabric.b_view_a.pod, 8)]),
+        true,
+    )
+    .await
+    .expect("reflects again");
     let held = c
         .list_reflected_slices(ListReflectedSlicesRequest::default())
         .await
@@ -304,7 +337,7 @@ async fn bad_input_is_refused_naming_the_field_and_nothing_is_stored() {
         (
             ReflectEndpointSliceRequest {
                 target: None,
-                slice: Some(slice("web-1", &[good.clone()])),
+                slice: Some(slice("web-1", vec![good.clone()])),
                 deliver: false,
             },
             "target.cluster_id",
@@ -312,7 +345,7 @@ async fn bad_input_is_refused_naming_the_field_and_nothing_is_stored() {
         (
             ReflectEndpointSliceRequest {
                 target: Some(fabric.c.identity()),
-                slice: Some(slice("web-1", &[good.clone(), "10.0.0.300".into()])),
+                slice: Some(slice("web-1", vec![good.clone(), "10.0.0.300".into()])),
                 deliver: false,
             },
             "slice.endpoints[1].addresses[0]",
@@ -320,7 +353,7 @@ async fn bad_input_is_refused_naming_the_field_and_nothing_is_stored() {
         (
             ReflectEndpointSliceRequest {
                 target: Some(fabric.c.identity()),
-                slice: Some(slice("Web_1", &[good.clone()])),
+                slice: Some(slice("Web_1", vec![good.clone()])),
                 deliver: false,
             },
             "slice.name",
@@ -328,7 +361,7 @@ async fn bad_input_is_refused_naming_the_field_and_nothing_is_stored() {
         (
             ReflectEndpointSliceRequest {
                 target: Some(fabric.b.identity()),
-                slice: Some(slice("web-1", &[good.clone()])),
+                slice: Some(slice("web-1", vec![good.clone()])),
                 deliver: false,
             },
             "target.cluster_id",
@@ -336,7 +369,7 @@ async fn bad_input_is_refused_naming_the_field_and_nothing_is_stored() {
         (
             ReflectEndpointSliceRequest {
                 target: Some(fabric.c.identity()),
-                slice: Some(slice("web-1", &["fd00::7".into()])),
+                slice: Some(slice("web-1", vec!["fd00::7".into()])),
                 deliver: false,
             },
             "slice.endpoints[0].addresses[0]",
@@ -358,13 +391,17 @@ async fn bad_input_is_refused_naming_the_field_and_nothing_is_stored() {
     let status = b
         .reflect_endpoint_slice(ReflectEndpointSliceRequest {
             target: Some(fabric.c.identity()),
-            slice: Some(slice("web-1", &[good.clone(), "192.168.77.1".into()])),
+            slice: Some(slice("web-1", vec![good.clone(), "192.168.77.1".into()])),
             deliver: false,
         })
         .await
         .expect_err("refused");
     assert_eq!(status.code(), Code::FailedPrecondition, "{status:?}");
-    assert!(status.message().contains("slice.endpoints[1].addresses[0]"), "{}", status.message());
+    assert!(
+        status.message().contains("slice.endpoints[1].addresses[0]"),
+        "{}",
+        status.message()
+    );
     // A target that is not a peer.
     let status = b
         .reflect_endpoint_slice(ReflectEndpointSliceRequest {
@@ -372,7 +409,7 @@ async fn bad_input_is_refused_naming_the_field_and_nothing_is_stored() {
                 cluster_id: "stranger".into(),
                 cluster_name: String::new(),
             }),
-            slice: Some(slice("web-1", &[good.clone()])),
+            slice: Some(slice("web-1", vec![good.clone()])),
             deliver: false,
         })
         .await
@@ -397,14 +434,18 @@ async fn bad_input_is_refused_naming_the_field_and_nothing_is_stored() {
     let status = c
         .apply_reflected_slice(trellis_api::pb::endpoints::ApplyReflectedSliceRequest {
             source: Some(fabric.b.identity()),
-            slice: Some(slice("web-1", &[good.clone()])),
+            slice: Some(slice("web-1", vec![good.clone()])),
             generation: 0,
         })
         .await
         .expect_err("refused");
     assert_eq!(status.code(), Code::InvalidArgument);
-    assert!(status.message().starts_with("invalid generation:"), "{}", status.message());
-    let mut bad = slice("web-1", &[good.clone()]);
+    assert!(
+        status.message().starts_with("invalid generation:"),
+        "{}",
+        status.message()
+    );
+    let mut bad = slice("web-1", vec![good.clone()]);
     bad.ports[0].port = Some(0);
     let status = c
         .apply_reflected_slice(trellis_api::pb::endpoints::ApplyReflectedSliceRequest {
@@ -414,12 +455,16 @@ async fn bad_input_is_refused_naming_the_field_and_nothing_is_stored() {
         })
         .await
         .expect_err("refused");
-    assert!(status.message().starts_with("invalid slice.ports[0].port:"), "{}", status.message());
+    assert!(
+        status.message().starts_with("invalid slice.ports[0].port:"),
+        "{}",
+        status.message()
+    );
     // A source that is not our peer.
     let status = c
         .apply_reflected_slice(trellis_api::pb::endpoints::ApplyReflectedSliceRequest {
             source: Some(fabric.a.identity()),
-            slice: Some(slice("web-1", &[good])),
+            slice: Some(slice("web-1", vec![good])),
             generation: 1,
         })
         .await
@@ -432,4 +477,58 @@ async fn bad_input_is_refused_naming_the_field_and_nothing_is_stored() {
         .into_inner()
         .reflected_slices;
     assert!(held.is_empty());
+}
+
+#[tokio::test]
+async fn a_silent_remote_ipam_costs_a_bounded_time_and_takes_the_hub_path() {
+    let fabric = Fabric::start(true).await;
+    // A listener that never answers: TCP connects (the kernel's backlog) but no HTTP/2
+    // response ever comes, so only the timeouts end the call.
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let mut a = common::Cluster::identity(&fabric.a);
+    a.cluster_name = "cluster a".into();
+    trellis_api::pb::discovery::discovery_client::DiscoveryClient::connect(format!(
+        "http://{}",
+        fabric.b.discovery
+    ))
+    .await
+    .expect("connects")
+    .update_peering(trellis_api::pb::discovery::UpdatePeeringRequest {
+        identity: Some(a),
+        peered: true,
+        addresses: Some(trellis_api::pb::types::ServiceAddresses {
+            ipam: silent.local_addr().expect("addr").to_string(),
+            ..Default::default()
+        }),
+        outgoing_peering_enabled: true,
+        incoming_peering_enabled: true,
+        networking_enabled: true,
+        reason: "HandshakeCompleted".into(),
+        message: String::new(),
+        expected_revision: 0,
+    })
+    .await
+    .expect("re-peer");
+    let started = Instant::now();
+    let response = reflect(
+        &fabric,
+        slice("web-1", vec![at(fabric.b_view_a.pod, 7)]),
+        false,
+    )
+    .await
+    .expect("reflects");
+    let elapsed = started.elapsed();
+    // --remote-ipam-timeout 1000 ms, 2 attempts: about 2-4 s, far below the bound.
+    assert!(elapsed < Duration::from_secs(10), "took {elapsed:?}");
+    assert_eq!(
+        path(&response, 0),
+        TranslationPath::HubExternal,
+        "{response:?}"
+    );
+    assert!(
+        response.translations[0].detail.contains("unreachable"),
+        "{}",
+        response.translations[0].detail
+    );
+    drop(silent);
 }

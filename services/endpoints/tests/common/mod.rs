@@ -78,7 +78,12 @@ impl Cluster {
         let shutdown = Shutdown::new();
         let ipam_shutdown = Shutdown::new();
         let mut ipam = common(id, "127.0.0.1:0");
-        ipam.extend(args(&["--pod-cidr", POD_CIDR, "--external-cidr", external_cidr]));
+        ipam.extend(args(&[
+            "--pod-cidr",
+            POD_CIDR,
+            "--external-cidr",
+            external_cidr,
+        ]));
         let ipam = trellis_ipam::start(
             trellis_ipam::Config::try_parse_from(ipam).expect("ipam config"),
             ipam_shutdown.clone(),

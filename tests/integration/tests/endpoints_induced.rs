@@ -1,0 +1,210 @@
+//! Endpoint reflection over a real induced peering: hub B and leaves A and C with the same pod
+//! CIDR, peered through the brokers (token handshake, NetworkConfigs, the hub's forwarder), each
+//! cluster in process with memory stores. B's endpoints service reflects a slice whose endpoint
+//! runs in A to C; the address must be the one C uses to reach A directly (C's remap of A, as
+//! A's IPAM learned it from the induced NetworkConfig status), not one of B's external CIDR.
+
+use std::time::{Duration, Instant};
+
+use clap::Parser as _;
+use ipnet::IpNet;
+use trellis_api::pb::endpoints::endpoint_mapper_client::EndpointMapperClient;
+use trellis_api::pb::endpoints::{
+    AddressType, Endpoint, EndpointSlice, ReflectEndpointSliceRequest, TranslationPath,
+};
+use trellis_api::pb::ipam::ListClusterSubnetsRequest;
+use trellis_api::pb::peering::{GetTokenRequest, ListTunnelEndpointsRequest, PeerRequest};
+use trellis_api::pb::types::{self as types, ClusterIdentity, TunnelEndpoint};
+use trellis_integration::cluster::InProcessCluster;
+use trellis_runtime::Shutdown;
+
+const LIMIT: Duration = Duration::from_secs(30);
+
+async fn eventually<T, F, Fut>(what: &str, mut check: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let deadline = Instant::now() + LIMIT;
+    loop {
+        if let Some(found) = check().await {
+            return found;
+        }
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+async fn tunnel_to(cluster: &InProcessCluster, remote: &str) -> Option<TunnelEndpoint> {
+    cluster
+        .broker()
+        .await
+        .ok()?
+        .list_tunnel_endpoints(ListTunnelEndpointsRequest::default())
+        .await
+        .ok()?
+        .into_inner()
+        .tunnel_endpoints
+        .into_iter()
+        .find(|t| t.remote.as_ref().is_some_and(|r| r.cluster_id == remote))
+}
+
+async fn peer(from: &InProcessCluster, hub: &InProcessCluster) {
+    let token = hub
+        .broker()
+        .await
+        .expect("connects")
+        .get_token(GetTokenRequest {})
+        .await
+        .expect("token")
+        .into_inner()
+        .token;
+    from.broker()
+        .await
+        .expect("connects")
+        .peer(PeerRequest {
+            broker_address: hub.services.broker.to_string(),
+            token,
+            expected_cluster_id: String::new(),
+        })
+        .await
+        .expect("peers");
+}
+
+/// How `viewer`'s IPAM addresses `remote`'s pod CIDR.
+async fn pod_view(viewer: &InProcessCluster, remote: &str) -> IpNet {
+    viewer
+        .ipam()
+        .await
+        .expect("connects")
+        .list_cluster_subnets(ListClusterSubnetsRequest {})
+        .await
+        .expect("lists")
+        .into_inner()
+        .clusters
+        .into_iter()
+        .find(|c| c.cluster_id == remote)
+        .expect("a mapping for the remote")
+        .remote_pod_cidr_nat
+        .parse()
+        .expect("cidr")
+}
+
+fn at(net: IpNet, host: u32) -> String {
+    match net {
+        IpNet::V4(v4) => std::net::Ipv4Addr::from(u32::from(v4.network()) + host).to_string(),
+        IpNet::V6(_) => panic!("IPv4 only"),
+    }
+}
+
+/// Starts B's endpoints service next to its other services.
+async fn endpoints_of(
+    cluster: &InProcessCluster,
+    shutdown: Shutdown,
+) -> EndpointMapperClient<tonic::transport::Channel> {
+    let config = trellis_endpoints::Config::try_parse_from([
+        "x",
+        "--listen",
+        "127.0.0.1:0",
+        "--store",
+        "memory://",
+        "--cluster-id",
+        cluster.id.as_str(),
+        "--ipam",
+        &cluster.services.ipam.to_string(),
+        "--discovery",
+        &cluster.services.discovery.to_string(),
+        "--shutdown-grace",
+        "1",
+    ])
+    .expect("config");
+    let started = trellis_endpoints::start(config, shutdown)
+        .await
+        .expect("endpoints starts");
+    EndpointMapperClient::connect(format!("http://{}", started.addr))
+        .await
+        .expect("connects")
+}
+
+fn slice(address: String) -> EndpointSlice {
+    EndpointSlice {
+        namespace: "shop".into(),
+        name: "web-1".into(),
+        service_name: "web".into(),
+        address_type: AddressType::Ipv4.into(),
+        endpoints: vec![Endpoint {
+            addresses: vec![address],
+            ..Default::default()
+        }],
+        ports: vec![],
+        labels: Default::default(),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_endpoint_in_a_reflected_by_the_hub_to_c_is_reached_directly() {
+    let b = InProcessCluster::start("hub-b", "10.0.0.0/16", "10.201.0.0/16")
+        .await
+        .expect("b starts");
+    let a = InProcessCluster::start("leaf-a", "10.0.0.0/16", "10.201.0.0/16")
+        .await
+        .expect("a starts");
+    let c = InProcessCluster::start("leaf-c", "10.0.0.0/16", "10.201.0.0/16")
+        .await
+        .expect("c starts");
+    let shutdown = Shutdown::new();
+    let mut mapper = endpoints_of(&b, shutdown.clone()).await;
+    peer(&a, &b).await;
+    peer(&c, &b).await;
+    let c_to_a = eventually("C's induced tunnel to A", || tunnel_to(&c, "leaf-a")).await;
+    eventually("A's induced tunnel to C", || tunnel_to(&a, "leaf-c")).await;
+    eventually("B's tunnel to C", || tunnel_to(&b, "leaf-c")).await;
+    assert_eq!(c_to_a.kind, types::PeeringKind::Induced as i32);
+
+    // A pod running in A at home IP 10.0.0.7, as B addresses it.
+    let b_view_a = pod_view(&b, "leaf-a").await;
+    let c_view_a: IpNet = c_to_a.remote_pod_cidr_nat.parse().expect("cidr");
+    assert_eq!(c_view_a, pod_view(&c, "leaf-a").await);
+    let answer = mapper
+        .reflect_endpoint_slice(ReflectEndpointSliceRequest {
+            target: Some(ClusterIdentity {
+                cluster_id: "leaf-c".into(),
+                cluster_name: String::new(),
+            }),
+            slice: Some(slice(at(b_view_a, 7))),
+            deliver: false,
+        })
+        .await
+        .expect("reflects")
+        .into_inner();
+    let t = &answer.translations[0];
+    assert_eq!(t.path, TranslationPath::Induced as i32, "{t:?}");
+    assert_eq!(
+        t.translated_address,
+        at(c_view_a, 7),
+        "C's direct view of A"
+    );
+
+    // A pod of B itself: through C's view of B's pod CIDR, as the tunnel says.
+    let c_to_b = tunnel_to(&c, "hub-b").await.expect("tunnel");
+    let c_view_b: IpNet = c_to_b.remote_pod_cidr_nat.parse().expect("cidr");
+    let answer = mapper
+        .reflect_endpoint_slice(ReflectEndpointSliceRequest {
+            target: Some(ClusterIdentity {
+                cluster_id: "leaf-c".into(),
+                cluster_name: String::new(),
+            }),
+            slice: Some(slice("10.0.0.9".into())),
+            deliver: false,
+        })
+        .await
+        .expect("reflects")
+        .into_inner();
+    assert_eq!(
+        answer.translations[0].path,
+        TranslationPath::LocalNat as i32
+    );
+    assert_eq!(answer.translations[0].translated_address, at(c_view_b, 9));
+
+    shutdown.cancel();
+}
