@@ -39,6 +39,30 @@ impl GrpcServer {
         self.addr
     }
 
+    /// Serves in a task of its own (see [`GrpcServer::serve`]). `background` holds the
+    /// service's other tasks, which watch the same `shutdown`: once serving has stopped they
+    /// get the grace period to finish and are aborted after it; a panic in one of them is
+    /// reported as the service's error.
+    pub fn spawn(
+        self,
+        routes: Routes,
+        services: &'static [&'static str],
+        shutdown: Shutdown,
+        grace: Duration,
+        background: Vec<tokio::task::JoinHandle<()>>,
+    ) -> tokio::task::JoinHandle<anyhow::Result<()>> {
+        tokio::spawn(async move {
+            let served = self.serve(routes, services, shutdown, grace).await;
+            for mut task in background {
+                match tokio::time::timeout(grace, &mut task).await {
+                    Ok(joined) => joined.context("a background task of the service panicked")?,
+                    Err(_) => task.abort(),
+                }
+            }
+            served
+        })
+    }
+
     /// Serves `routes` (whose gRPC service names are `services`, reported healthy) until
     /// `shutdown`, then drains for at most `grace`.
     pub async fn serve(

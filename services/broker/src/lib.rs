@@ -73,24 +73,18 @@ pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started
         BrokerServer::new(BrokerService::new(core.clone()))
             .max_decoding_message_size(MAX_REQUEST_BYTES),
     );
-    let grace = common.shutdown_grace();
     let reconciler = tokio::spawn(reconcile::run(
         core.clone(),
         config.resync(),
         shutdown.clone(),
     ));
-    let task = tokio::spawn(async move {
-        let served = server
-            .serve(
-                routes,
-                &[BrokerServer::<BrokerService>::NAME],
-                shutdown,
-                grace,
-            )
-            .await;
-        reconciler.abort();
-        served
-    });
+    let task = server.spawn(
+        routes,
+        &[BrokerServer::<BrokerService>::NAME],
+        shutdown,
+        common.shutdown_grace(),
+        vec![reconciler],
+    );
     Ok(Started { addr, core, task })
 }
 

@@ -130,22 +130,13 @@ pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started
     }
 
     let routes = routes(core.clone(), config.watch_bookmark());
-    let grace = common.shutdown_grace();
-    let task = tokio::spawn(async move {
-        let served = server
-            .serve(
-                routes,
-                &[DiscoveryServer::<DiscoveryService>::NAME],
-                shutdown,
-                grace,
-            )
-            .await;
-        for task in background {
-            // Background tasks watch the same token; a panic there is a bug worth reporting.
-            task.await.context("discovery background task")?;
-        }
-        served
-    });
+    let task = server.spawn(
+        routes,
+        &[DiscoveryServer::<DiscoveryService>::NAME],
+        shutdown,
+        common.shutdown_grace(),
+        background,
+    );
     Ok(Started { addr, core, task })
 }
 

@@ -107,17 +107,13 @@ pub async fn start_with_writer(
     let server = GrpcServer::bind(config.common.listen_addr(ports::ENDPOINTS)).await?;
     let addr = server.local_addr();
     let routes = routes(core.clone());
-    let grace = config.common.shutdown_grace();
-    let task = tokio::spawn(async move {
-        server
-            .serve(
-                routes,
-                &[EndpointMapperServer::<EndpointsService>::NAME],
-                shutdown,
-                grace,
-            )
-            .await
-    });
+    let task = server.spawn(
+        routes,
+        &[EndpointMapperServer::<EndpointsService>::NAME],
+        shutdown,
+        config.common.shutdown_grace(),
+        Vec::new(),
+    );
     Ok(Started { addr, core, task })
 }
 

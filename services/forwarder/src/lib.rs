@@ -64,20 +64,14 @@ pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started
         ForwarderServer::new(ForwarderService::new(core.clone()))
             .max_decoding_message_size(MAX_REQUEST_BYTES),
     );
-    let grace = common.shutdown_grace();
     let retries = tokio::spawn(core::retry_loop(core.clone(), shutdown.clone()));
-    let task = tokio::spawn(async move {
-        let served = server
-            .serve(
-                routes,
-                &[ForwarderServer::<ForwarderService>::NAME],
-                shutdown,
-                grace,
-            )
-            .await;
-        retries.abort();
-        served
-    });
+    let task = server.spawn(
+        routes,
+        &[ForwarderServer::<ForwarderService>::NAME],
+        shutdown,
+        common.shutdown_grace(),
+        vec![retries],
+    );
     Ok(Started { addr, core, task })
 }
 

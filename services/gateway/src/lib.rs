@@ -131,21 +131,13 @@ pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started
     )));
 
     let routes = routes(core.clone());
-    let grace = common.shutdown_grace();
-    let task = tokio::spawn(async move {
-        let served = server
-            .serve(
-                routes,
-                &[GatewayServer::<GatewayService>::NAME],
-                shutdown,
-                grace,
-            )
-            .await;
-        for task in background {
-            task.await.context("gateway background task")?;
-        }
-        served
-    });
+    let task = server.spawn(
+        routes,
+        &[GatewayServer::<GatewayService>::NAME],
+        shutdown,
+        common.shutdown_grace(),
+        background,
+    );
     Ok(Started { addr, core, task })
 }
 

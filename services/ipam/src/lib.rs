@@ -63,12 +63,13 @@ pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started
     let server = GrpcServer::bind(config.common.listen_addr(ports::IPAM)).await?;
     let addr = server.local_addr();
     let routes = routes(core.clone());
-    let grace = config.common.shutdown_grace();
-    let task = tokio::spawn(async move {
-        server
-            .serve(routes, &[IpamServer::<IpamService>::NAME], shutdown, grace)
-            .await
-    });
+    let task = server.spawn(
+        routes,
+        &[IpamServer::<IpamService>::NAME],
+        shutdown,
+        config.common.shutdown_grace(),
+        Vec::new(),
+    );
     Ok(Started { addr, core, task })
 }
 
