@@ -270,7 +270,7 @@ impl Forwarder {
             if let Some((_, revision)) = self.load(&key).await? {
                 self.save(&key, revision, None).await?;
             }
-            return Ok(State::Withdrawing);
+            return Ok(State::Completed);
         }
         let now = now_nanos();
         let record = RelayRecord {
@@ -317,7 +317,7 @@ impl Forwarder {
         let broker = Self::broker_of(&peers, &destination.id, "destination")?;
         self.send_withdrawal(&broker, origin, destination, reason)
             .await?;
-        Ok(State::Withdrawing)
+        Ok(State::Completed)
     }
 
     async fn send_withdrawal(
@@ -437,6 +437,7 @@ impl Forwarder {
                     Ok(None)
                 }
                 State::Failed => Ok(Some(State::Failed)),
+                State::Completed => Ok(None),
             }
         }
         .await;
@@ -458,7 +459,7 @@ impl Forwarder {
                     if rejected {
                         State::Failed
                     } else {
-                        State::StatusPending
+                        State::Completed
                     },
                     status,
                 ));
@@ -493,7 +494,7 @@ impl Forwarder {
                 Some(record)
             }
         };
-        let state = next.as_ref().map_or(State::StatusPending, |r| r.state);
+        let state = next.as_ref().map_or(State::Completed, |r| r.state);
         let status = next.as_ref().and_then(|r| r.status.clone());
         if let Some(r) = &next {
             let mut stored = r.clone();

@@ -26,6 +26,21 @@ impl ForwarderService {
         Self { core }
     }
 
+    /// The ends of a NetworkConfig reference (status reports, withdrawals) relayed by us.
+    fn pair_of_ref(
+        &self,
+        reference: Option<&types::NetworkConfigRef>,
+    ) -> Result<(ClusterIdentity, ClusterIdentity)> {
+        let reference = reference.ok_or_else(|| Error::invalid("network_config", "is required"))?;
+        self.pair(
+            "network_config",
+            &reference.name,
+            reference.origin.as_ref(),
+            reference.destination.as_ref(),
+            reference.via.as_ref(),
+        )
+    }
+
     /// Origin, destination and `via` of a NetworkConfig (reference) relayed by us.
     fn pair(
         &self,
@@ -86,6 +101,7 @@ fn state_to_pb(state: State) -> RelayState {
         State::StatusPending => RelayState::StatusPending,
         State::Failed => RelayState::Failed,
         State::Withdrawing => RelayState::Withdrawing,
+        State::Completed => RelayState::Completed,
     }
 }
 
@@ -138,10 +154,7 @@ impl ForwarderApi for ForwarderService {
                 generation: nc.generation,
             })
             .await?;
-        let state = match (state, &status) {
-            (State::StatusPending, Some(_)) => RelayState::Completed,
-            (other, _) => state_to_pb(other),
-        };
+        let state = state_to_pb(state);
         Ok(Response::new(pb::RelayResponse {
             state: state.into(),
             status: status.as_ref().map(status_to_pb),
@@ -153,16 +166,7 @@ impl ForwarderApi for ForwarderService {
         request: Request<pb::RelayStatusRequest>,
     ) -> Result<Response<pb::RelayStatusResponse>, Status> {
         let req = request.into_inner();
-        let reference = req
-            .network_config
-            .ok_or_else(|| Error::invalid("network_config", "is required"))?;
-        let (origin, destination) = self.pair(
-            "network_config",
-            &reference.name,
-            reference.origin.as_ref(),
-            reference.destination.as_ref(),
-            reference.via.as_ref(),
-        )?;
+        let (origin, destination) = self.pair_of_ref(req.network_config.as_ref())?;
         let status = req
             .status
             .ok_or_else(|| Error::invalid("status", "is required"))?;
@@ -195,11 +199,7 @@ impl ForwarderApi for ForwarderService {
                 },
             )
             .await?;
-        let state = if state == State::StatusPending {
-            RelayState::StatusPending
-        } else {
-            state_to_pb(state)
-        };
+        let state = state_to_pb(state);
         Ok(Response::new(pb::RelayStatusResponse {
             state: state.into(),
         }))
@@ -210,16 +210,7 @@ impl ForwarderApi for ForwarderService {
         request: Request<pb::RelayWithdrawalRequest>,
     ) -> Result<Response<pb::RelayWithdrawalResponse>, Status> {
         let req = request.into_inner();
-        let reference = req
-            .network_config
-            .ok_or_else(|| Error::invalid("network_config", "is required"))?;
-        let (origin, destination) = self.pair(
-            "network_config",
-            &reference.name,
-            reference.origin.as_ref(),
-            reference.destination.as_ref(),
-            reference.via.as_ref(),
-        )?;
+        let (origin, destination) = self.pair_of_ref(req.network_config.as_ref())?;
         let state = self
             .core
             .relay_withdrawal(&origin, &destination, req.reason)

@@ -30,6 +30,8 @@ pub enum State {
     Failed,
     /// The withdrawal must still reach the destination.
     Withdrawing,
+    /// Acknowledged by the other end; never stored (the record is deleted).
+    Completed,
 }
 
 /// The destination's status, relayed as received (validated on arrival).

@@ -492,7 +492,7 @@ async fn the_forwarder_refuses_bad_relays_and_stores_nothing() {
         .await
         .expect_err("to itself");
     assert_eq!(err.code(), Code::InvalidArgument);
-    // A status for a relay that does not exist.
+    // A status report naming the hub itself as an end.
     let err = forwarder
         .relay_status(RelayStatusRequest {
             network_config: Some(types::NetworkConfigRef {
