@@ -96,6 +96,12 @@ pub struct Config {
           value_parser = clap::value_parser!(u64).range(1..))]
     pub neighborhood_retry_max: u64,
 
+    /// Switch induced peering off for this cluster: as a hub it sends its peers empty
+    /// Neighborhoods (introducing nobody, withdrawing earlier introductions), and Neighborhoods
+    /// it receives introduce nobody. Leaf-to-leaf traffic then takes the hub path.
+    #[arg(long, env = "TRELLIS_NO_INDUCED")]
+    pub no_induced: bool,
+
     /// Seconds a WatchForeignClusters stream may stay silent before it sends a BOOKMARK with
     /// the latest revision it has processed.
     #[arg(long, env = "TRELLIS_WATCH_BOOKMARK", value_name = "SECONDS", default_value_t = 30,

@@ -146,6 +146,9 @@ pub struct Discovery {
     store: SharedStore,
     identity: ClusterIdentity,
     advertised: Addresses,
+    /// Whether this cluster takes part in induced peering (introduces its peers to each other
+    /// and accepts introductions). Not stored: an operator switch, applied at every start.
+    induced: bool,
 }
 
 impl Discovery {
@@ -191,7 +194,23 @@ impl Discovery {
             store,
             identity,
             advertised,
+            induced: true,
         })
+    }
+
+    /// Switches induced peering off (`--no-induced`): the Neighborhoods this cluster sends
+    /// list nobody, and those it receives introduce nobody. Both are still exchanged, so
+    /// switching it off on a running mesh withdraws every induced peering built through or
+    /// onto this cluster, and switching it back on restores them.
+    #[must_use]
+    pub fn without_induced_peering(mut self) -> Self {
+        self.induced = false;
+        self
+    }
+
+    /// Whether induced peering is enabled on this cluster.
+    pub fn induced_peering(&self) -> bool {
+        self.induced
     }
 
     /// This cluster's identity.
@@ -654,9 +673,12 @@ impl Discovery {
             let mut batch = Batch::default();
             batch.guard(cluster_key(sender), *sender_revision);
             batch.guard(inbox.clone(), inbox_revision);
+            // With induced peering off, a Neighborhood introduces nobody (and so withdraws
+            // whatever an earlier one introduced); its generation is still acknowledged.
+            let neighbors: &[Neighbor] = if self.induced { &n.neighbors } else { &[] };
             let listed: BTreeSet<ClusterId> =
-                n.neighbors.iter().map(|x| x.identity.id.clone()).collect();
-            for neighbor in &n.neighbors {
+                neighbors.iter().map(|x| x.identity.id.clone()).collect();
+            for neighbor in neighbors {
                 let found = snapshot.records.get(&neighbor.identity.id);
                 if let Some(after) = self.introduce(n, neighbor, found.map(|(r, _)| r)) {
                     batch.put(
@@ -666,7 +688,9 @@ impl Discovery {
                     )?;
                 }
             }
-            let reason = if n.neighbors.is_empty() {
+            let reason = if !self.induced {
+                "InducedPeeringDisabled"
+            } else if n.neighbors.is_empty() {
                 "NeighborhoodWithdrawn"
             } else {
                 "NeighborDropped"
@@ -687,7 +711,7 @@ impl Discovery {
                 });
             }
             if batch.commit(&self.store).await?.is_some() {
-                tracing::info!(origin = %sender, generation = n.generation, neighbors = n.neighbors.len(), "applied neighborhood");
+                tracing::info!(origin = %sender, generation = n.generation, neighbors = n.neighbors.len(), induced = self.induced, "applied neighborhood");
                 return Ok(Applied {
                     applied: true,
                     current_generation: n.generation,

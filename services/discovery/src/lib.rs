@@ -84,11 +84,14 @@ pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started
     let server = GrpcServer::bind(common.listen_addr(ports::DISCOVERY)).await?;
     let addr = server.local_addr();
     let advertised = config.advertised(addr);
-    let core = Arc::new(
-        Discovery::open(store, identity, advertised.clone())
-            .await
-            .context("opening the discovery service")?,
-    );
+    let mut core = Discovery::open(store, identity, advertised.clone())
+        .await
+        .context("opening the discovery service")?;
+    if config.no_induced {
+        tracing::info!("induced peering disabled: neighborhoods introduce nobody");
+        core = core.without_induced_peering();
+    }
+    let core = Arc::new(core);
 
     let mut background = Vec::new();
     background.push(tokio::spawn(neighborhood::run(

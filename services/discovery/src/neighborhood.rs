@@ -119,7 +119,9 @@ pub async fn run(core: Arc<Discovery>, timing: SenderTiming, shutdown: Shutdown)
 }
 
 /// The Neighborhood each networked full peer should hold: the other networked full peers.
-fn desired(snapshot: &Snapshot) -> BTreeMap<ClusterId, (String, Vec<Neighbor>)> {
+/// With induced peering off every list is empty: peers still get (empty) Neighborhoods, which
+/// withdraws anything an earlier run introduced.
+fn desired(snapshot: &Snapshot, induced: bool) -> BTreeMap<ClusterId, (String, Vec<Neighbor>)> {
     let peers: Vec<_> = snapshot
         .records
         .values()
@@ -131,7 +133,7 @@ fn desired(snapshot: &Snapshot) -> BTreeMap<ClusterId, (String, Vec<Neighbor>)> 
         .map(|p| {
             let others = peers
                 .iter()
-                .filter(|o| o.identity.id != p.identity.id)
+                .filter(|o| induced && o.identity.id != p.identity.id)
                 .map(|o| Neighbor {
                     identity: o.identity.clone(),
                     addresses: o.full.clone().unwrap_or_default().addresses,
@@ -160,7 +162,7 @@ async fn pass(
             snapshot.revision.max(o.generation + 1).max(o.floor)
         })
     };
-    let desired = desired(&snapshot);
+    let desired = desired(&snapshot, core.induced_peering());
     for (peer, (address, neighbors)) in &desired {
         let outbox = outboxes.remove(peer);
         let changed = outbox

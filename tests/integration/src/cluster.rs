@@ -45,9 +45,28 @@ impl InProcessCluster {
     /// services bind them (discovery must advertise them first), so another cluster may take
     /// one in between: then the whole cluster starts again on fresh ports.
     pub async fn start(id: &str, pod_cidr: &str, external_cidr: &str) -> anyhow::Result<Self> {
+        Self::start_with(id, pod_cidr, external_cidr, true).await
+    }
+
+    /// Like [`Self::start`], with discovery's `--no-induced`: the cluster neither introduces its
+    /// peers to each other nor accepts introductions.
+    pub async fn start_without_induced(
+        id: &str,
+        pod_cidr: &str,
+        external_cidr: &str,
+    ) -> anyhow::Result<Self> {
+        Self::start_with(id, pod_cidr, external_cidr, false).await
+    }
+
+    async fn start_with(
+        id: &str,
+        pod_cidr: &str,
+        external_cidr: &str,
+        induced: bool,
+    ) -> anyhow::Result<Self> {
         let mut attempt = 0;
         loop {
-            match Self::start_once(id, pod_cidr, external_cidr).await {
+            match Self::start_once(id, pod_cidr, external_cidr, induced).await {
                 Err(err) if attempt < 5 && format!("{err:#}").contains("cannot listen") => {
                     attempt += 1;
                 }
@@ -56,7 +75,12 @@ impl InProcessCluster {
         }
     }
 
-    async fn start_once(id: &str, pod_cidr: &str, external_cidr: &str) -> anyhow::Result<Self> {
+    async fn start_once(
+        id: &str,
+        pod_cidr: &str,
+        external_cidr: &str,
+        induced: bool,
+    ) -> anyhow::Result<Self> {
         let services = Services {
             discovery: loopback(),
             broker: loopback(),
@@ -129,6 +153,9 @@ impl InProcessCluster {
             "--neighborhood-retry-max",
             "2",
         ]));
+        if !induced {
+            discovery.push("--no-induced".into());
+        }
         let discovery = trellis_discovery::start(
             trellis_discovery::Config::try_parse_from(discovery)?,
             shutdown.clone(),

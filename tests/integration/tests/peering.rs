@@ -432,6 +432,67 @@ async fn leaves_of_a_hub_build_an_induced_peering_with_consistent_nat_views() {
     }
 }
 
+/// Induced ForeignClusters a cluster's discovery holds, withdrawn or not.
+async fn induced_clusters(cluster: &InProcessCluster) -> Vec<String> {
+    use trellis_api::pb::discovery::ListForeignClustersRequest;
+    cluster
+        .discovery()
+        .await
+        .expect("connects")
+        .list_foreign_clusters(ListForeignClustersRequest::default())
+        .await
+        .expect("lists")
+        .into_inner()
+        .foreign_clusters
+        .into_iter()
+        .filter(|fc| fc.kind == types::PeeringKind::Induced as i32)
+        .filter_map(|fc| fc.identity.map(|i| i.cluster_id))
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hub_without_induced_peering_introduces_nobody_and_leaves_stay_apart() {
+    let b = InProcessCluster::start_without_induced("hub-b", "10.0.0.0/16", "10.201.0.0/16")
+        .await
+        .expect("b starts");
+    let a = InProcessCluster::start("leaf-a", "10.0.0.0/16", "10.201.0.0/16")
+        .await
+        .expect("a starts");
+    let c = InProcessCluster::start("leaf-c", "10.0.0.0/16", "10.201.0.0/16")
+        .await
+        .expect("c starts");
+    peer(&a, &b, token(&b).await).await.expect("a peers with b");
+    peer(&c, &b, token(&b).await).await.expect("c peers with b");
+    for (leaf, name) in [(&a, "A"), (&c, "C")] {
+        eventually(&format!("{name}'s full tunnel to the hub"), LIMIT, || {
+            tunnel_to(leaf, "hub-b")
+        })
+        .await;
+    }
+    eventually("B's full tunnels to both leaves", LIMIT, || async {
+        (tunnels(&b).await.len() == 2).then_some(())
+    })
+    .await;
+    // The hub still sends (empty) Neighborhoods at once on every change and on each resync
+    // (5 s here); with induced peering on, leaves learn of each other well within that.
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    for (leaf, name) in [(&a, "A"), (&c, "C")] {
+        assert!(
+            induced_clusters(leaf).await.is_empty(),
+            "{name} must not learn of the other leaf"
+        );
+        let remotes: Vec<_> = tunnels(leaf)
+            .await
+            .into_iter()
+            .filter_map(|t| t.remote.map(|r| r.cluster_id))
+            .collect();
+        assert_eq!(remotes, ["hub-b"], "{name} tunnels only to the hub");
+    }
+    for cluster in [a, b, c] {
+        cluster.stop().await;
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_forwarder_refuses_bad_relays_and_stores_nothing() {
     let b = InProcessCluster::start("hub-b", "10.0.0.0/16", "10.201.0.0/16")
