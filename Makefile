@@ -8,7 +8,7 @@ export PATH := $(ROOT)/.tools/bin:$(HOME)/.cargo/bin:$(PATH)
 export CARGO_TARGET_DIR ?= $(HOME)/.cache/trellis/target
 export CARGO_TERM_COLOR ?= never
 
-.PHONY: setup test fmt-check clippy lint-proto build nextest fmt bench-ipam bench-mesh bench-endpoints clean
+.PHONY: demo setup test fmt-check clippy lint-proto build nextest fmt bench-ipam bench-mesh bench-endpoints clean
 
 setup:
 	bash scripts/setup.sh
@@ -34,6 +34,10 @@ test: setup fmt-check lint-proto clippy nextest
 
 fmt:
 	cargo fmt --all
+
+# The README's main command: a hub and two leaves with the same pod CIDR, until Ctrl-C.
+demo: setup
+	cargo run --locked -p trellis-lab --bin trellis-lab -- up --same-pod-cidr
 
 # MapEndpointIp throughput and latency over gRPC, memory and etcd stores (docs/benchmarks.md).
 bench-ipam: setup

@@ -67,12 +67,20 @@ fn otlp_endpoint() -> Option<String> {
 /// exporter's gRPC client needs one). A second call in the same process (tests) keeps the
 /// first subscriber.
 pub fn init(identity: &ServiceIdentity, format: LogFormat) -> anyhow::Result<Telemetry> {
+    init_with_default(identity, format, "info,h2=warn,hyper=warn,tower=warn")
+}
+
+/// [`init`] with another filter than `info` when `RUST_LOG` is unset (the lab runs hundreds
+/// of services in one process and keeps them quiet unless asked).
+pub fn init_with_default(
+    identity: &ServiceIdentity,
+    format: LogFormat,
+    default_filter: &str,
+) -> anyhow::Result<Telemetry> {
     global::set_text_map_propagator(TraceContextPropagator::new());
 
-    let filter = || {
-        EnvFilter::try_from_default_env()
-            .unwrap_or_else(|_| EnvFilter::new("info,h2=warn,hyper=warn,tower=warn"))
-    };
+    let filter =
+        || EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default_filter));
     let fmt = match format {
         LogFormat::Text => tracing_subscriber::fmt::layer()
             .with_writer(std::io::stderr)

@@ -251,7 +251,13 @@ async fn pass(
             }
             Err(err) => {
                 let next = Backoff::after_failure(backoff.get(&peer).copied(), timing);
-                tracing::warn!(cluster.id = %peer, address = %job.address, error = %err, failures = next.failures, "sending neighborhood failed; will retry");
+                // A first refusal is routine right after a handshake: we record the peer a
+                // moment before it records us. Persisting failures are worth a warning.
+                if next.failures < 3 {
+                    tracing::info!(cluster.id = %peer, address = %job.address, error = %err, failures = next.failures, "sending neighborhood failed; will retry");
+                } else {
+                    tracing::warn!(cluster.id = %peer, address = %job.address, error = %err, failures = next.failures, "sending neighborhood failed; will retry");
+                }
                 backoff.insert(peer, next);
             }
         }

@@ -1,0 +1,164 @@
+//! Command line of `trellis-lab` (DESIGN.md "Lab and observability contract"). Every flag of
+//! `up` is also read from `TRELLIS_LAB_<FLAG>`.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+
+/// Runs a whole Trellis topology on this machine: cluster 0 is the hub, the others are leaves
+/// peered with it; with induced peering (the default) the leaves then build a full mesh among
+/// themselves through the hub. Every cluster runs all six services on loopback ports, each
+/// with its own store, talking real gRPC to each other.
+#[derive(Debug, Clone, Parser)]
+#[command(name = "trellis-lab", version, about, long_about = None)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// What to do.
+#[derive(Debug, Clone, Subcommand)]
+pub enum Command {
+    /// Start the topology, show progress until the mesh is complete, print a summary and
+    /// ready-to-paste grpcurl commands, and keep running until Ctrl-C (or exit at once with
+    /// `--until-converged`). Everything it started is stopped on exit.
+    Up(UpConfig),
+}
+
+/// Flags of `trellis-lab up`.
+#[derive(Debug, Clone, Args)]
+pub struct UpConfig {
+    /// Number of clusters, hub included (at least 2: a hub and one leaf).
+    #[arg(long, env = "TRELLIS_LAB_CLUSTERS", value_name = "N", default_value_t = 3,
+          value_parser = clap::value_parser!(u16).range(2..=255))]
+    pub clusters: u16,
+
+    /// Give every cluster the same pod CIDR (10.0.0.0/16), so each leaf must remap all the
+    /// others. Without it cluster i gets 10.i.0.0/16.
+    #[arg(long, env = "TRELLIS_LAB_SAME_POD_CIDR")]
+    pub same_pod_cidr: bool,
+
+    /// Where the services keep their state: `memory` (embedded, lost on exit) or `etcd` (one
+    /// real etcd process per service, from Debian's etcd-server; `make setup` installs it).
+    #[arg(long, env = "TRELLIS_LAB_STORE", value_enum, default_value_t = StoreKind::Memory)]
+    pub store: StoreKind,
+
+    /// Data plane: `none` (control plane only) or `netns` (each cluster's gateway in its own
+    /// network namespace with a pod namespace behind it, real WireGuard tunnels; needs root).
+    #[arg(long, env = "TRELLIS_LAB_DATAPLANE", value_enum, default_value_t = DataplaneKind::None)]
+    pub dataplane: DataplaneKind,
+
+    /// Switch induced peering off on every cluster: leaves peer only with the hub, and
+    /// leaf-to-leaf traffic would take the hub path.
+    #[arg(long, env = "TRELLIS_LAB_NO_INDUCED")]
+    pub no_induced: bool,
+
+    /// Write the topology (clusters, service addresses, and with `--dataplane netns` the
+    /// namespaces, pod addresses and who reaches whom at which address) to this JSON file as
+    /// soon as the services listen, and again once the mesh is up.
+    #[arg(long, env = "TRELLIS_LAB_TOPOLOGY_FILE", value_name = "PATH")]
+    pub topology_file: Option<PathBuf>,
+
+    /// Exit 0 as soon as the full mesh is up (every leaf has a TunnelEndpoint for the hub and,
+    /// with induced peering, for every other leaf), printing the elapsed time; exit non-zero
+    /// with the reason when `--timeout` passes first.
+    #[arg(long, env = "TRELLIS_LAB_UNTIL_CONVERGED")]
+    pub until_converged: bool,
+
+    /// Seconds to wait for the mesh before giving up.
+    #[arg(long, env = "TRELLIS_LAB_TIMEOUT", value_name = "SECONDS", default_value_t = 300,
+          value_parser = clap::value_parser!(u64).range(1..))]
+    pub timeout: u64,
+
+    /// First port of the lab: cluster i's services listen on BASE+10·i+1 (discovery) to
+    /// BASE+10·i+6 (gateway), so the hub gets the default ports 7101-7106 and the printed
+    /// grpcurl commands stay the same from run to run. 0 picks free ports instead.
+    #[arg(
+        long,
+        env = "TRELLIS_LAB_BASE_PORT",
+        value_name = "PORT",
+        default_value_t = 7100
+    )]
+    pub base_port: u16,
+}
+
+/// Which store the lab's services use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum StoreKind {
+    /// Embedded in-memory stores.
+    Memory,
+    /// One real etcd process per service.
+    Etcd,
+}
+
+/// Which data plane the lab builds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum DataplaneKind {
+    /// No tunnels: the gateways only publish their keys and endpoints.
+    None,
+    /// Network namespaces and userspace WireGuard (root only).
+    Netns,
+}
+
+impl UpConfig {
+    /// The convergence deadline.
+    pub fn timeout(&self) -> Duration {
+        Duration::from_secs(self.timeout)
+    }
+
+    /// Whether the leaves are expected to peer with each other.
+    pub fn induced(&self) -> bool {
+        !self.no_induced
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn up(extra: &[&str]) -> Result<UpConfig, clap::Error> {
+        let mut args = vec!["trellis-lab", "up"];
+        args.extend_from_slice(extra);
+        Cli::try_parse_from(args).map(|cli| match cli.command {
+            Command::Up(up) => up,
+        })
+    }
+
+    #[test]
+    fn defaults_are_a_hub_and_two_leaves_on_the_default_ports() {
+        let c = up(&[]).expect("parses");
+        assert_eq!(c.clusters, 3);
+        assert_eq!(c.base_port, 7100);
+        assert_eq!(c.store, StoreKind::Memory);
+        assert_eq!(c.dataplane, DataplaneKind::None);
+        assert!(c.induced() && !c.same_pod_cidr && !c.until_converged);
+    }
+
+    #[test]
+    fn flags_of_the_lab_contract_parse() {
+        let c = up(&[
+            "--clusters",
+            "10",
+            "--same-pod-cidr",
+            "--store",
+            "etcd",
+            "--no-induced",
+            "--topology-file",
+            "/tmp/t.json",
+            "--until-converged",
+        ])
+        .expect("parses");
+        assert_eq!(c.clusters, 10);
+        assert!(c.same_pod_cidr && !c.induced() && c.until_converged);
+        assert_eq!(c.store, StoreKind::Etcd);
+        assert_eq!(c.topology_file, Some(PathBuf::from("/tmp/t.json")));
+    }
+
+    #[test]
+    fn refuses_too_few_or_too_many_clusters() {
+        assert!(up(&["--clusters", "1"]).is_err());
+        assert!(up(&["--clusters", "256"]).is_err());
+        assert!(up(&["--timeout", "0"]).is_err());
+    }
+}

@@ -1,0 +1,5 @@
+//! `trellis-lab` binary.
+
+fn main() -> std::process::ExitCode {
+    trellis_lab::main()
+}

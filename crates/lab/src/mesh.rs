@@ -1,0 +1,324 @@
+//! Forming the mesh: every leaf peers with the hub through the brokers (token handshake), then
+//! the lab watches the TunnelEndpoints every broker lists until each leaf has one for the hub
+//! and, with induced peering, one for every other leaf.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use anyhow::{Context as _, bail};
+use futures::{StreamExt as _, TryStreamExt as _};
+use tonic::transport::Channel;
+use trellis_api::pb::peering::broker_client::BrokerClient;
+use trellis_api::pb::peering::{GetTokenRequest, ListTunnelEndpointsRequest, PeerRequest};
+use trellis_api::pb::types::{PeeringKind, TunnelEndpoint};
+
+use crate::plan::{ClusterPlan, Role};
+
+/// Peer requests in flight at once (the hub's broker handles each with a few store writes).
+const PEER_CONCURRENCY: usize = 16;
+
+async fn broker(addr: SocketAddr) -> anyhow::Result<BrokerClient<Channel>> {
+    let channel = Channel::from_shared(format!("http://{addr}"))?
+        .connect_timeout(Duration::from_secs(5))
+        .timeout(Duration::from_secs(30))
+        .connect()
+        .await
+        .with_context(|| format!("cannot reach the broker at {addr}"))?;
+    Ok(BrokerClient::new(channel))
+}
+
+/// Peers every leaf with the hub; `progress` is told how many are done.
+pub async fn peer_leaves(
+    clusters: &[ClusterPlan],
+    mut progress: impl FnMut(usize, usize),
+) -> anyhow::Result<()> {
+    let hub = clusters
+        .iter()
+        .find(|c| c.role == Role::Hub)
+        .context("the lab has no hub")?;
+    let token = broker(hub.ports.broker)
+        .await?
+        .get_token(GetTokenRequest {})
+        .await
+        .context("asking the hub's broker for its token")?
+        .into_inner()
+        .token;
+    let leaves: Vec<_> = clusters.iter().filter(|c| c.role == Role::Leaf).collect();
+    let total = leaves.len();
+    let hub_broker = hub.ports.broker.to_string();
+    let mut done = 0;
+    let mut results = futures::stream::iter(leaves.into_iter().map(|leaf| {
+        let request = PeerRequest {
+            broker_address: hub_broker.clone(),
+            token: token.clone(),
+            expected_cluster_id: hub.id.clone(),
+        };
+        async move {
+            broker(leaf.ports.broker)
+                .await?
+                .peer(request)
+                .await
+                .with_context(|| format!("peering {} with the hub", leaf.id))?;
+            anyhow::Ok(())
+        }
+    }))
+    .buffer_unordered(PEER_CONCURRENCY);
+    while let Some(result) = results.next().await {
+        result?;
+        done += 1;
+        progress(done, total);
+    }
+    Ok(())
+}
+
+/// The TunnelEndpoints of every cluster at one moment, by cluster ID.
+#[derive(Debug, Clone, Default)]
+pub struct Snapshot {
+    pub tunnels: BTreeMap<String, Vec<TunnelEndpoint>>,
+}
+
+/// Lists every broker's TunnelEndpoints (concurrently; a cluster whose broker does not answer
+/// counts as having none yet).
+pub async fn snapshot(clusters: &[ClusterPlan]) -> Snapshot {
+    let listed: Vec<(String, Vec<TunnelEndpoint>)> =
+        futures::stream::iter(clusters.iter().map(|c| async move {
+            let tunnels = async {
+                Ok::<_, anyhow::Error>(
+                    broker(c.ports.broker)
+                        .await?
+                        .list_tunnel_endpoints(ListTunnelEndpointsRequest::default())
+                        .await?
+                        .into_inner()
+                        .tunnel_endpoints,
+                )
+            }
+            .await
+            .unwrap_or_default();
+            Ok::<_, anyhow::Error>((c.id.clone(), tunnels))
+        }))
+        .buffer_unordered(PEER_CONCURRENCY)
+        .try_collect()
+        .await
+        .unwrap_or_default();
+    Snapshot {
+        tunnels: listed.into_iter().collect(),
+    }
+}
+
+/// Who must have a TunnelEndpoint for whom once the mesh is up.
+#[derive(Debug, Clone)]
+pub struct Expected {
+    /// (holder, remote, kind).
+    pub wanted: BTreeSet<(String, String, Kind)>,
+}
+
+/// The kind of a tunnel, as the lab counts them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Kind {
+    Full,
+    Induced,
+}
+
+impl Kind {
+    fn of(t: &TunnelEndpoint) -> Option<Self> {
+        match PeeringKind::try_from(t.kind).ok()? {
+            PeeringKind::Full => Some(Self::Full),
+            PeeringKind::Induced => Some(Self::Induced),
+            PeeringKind::Unspecified => None,
+        }
+    }
+}
+
+impl Expected {
+    /// Full tunnels hub↔leaf both ways; with induced peering, induced tunnels leaf↔leaf.
+    pub fn new(clusters: &[ClusterPlan], induced: bool) -> Self {
+        let mut wanted = BTreeSet::new();
+        let leaves: Vec<_> = clusters.iter().filter(|c| c.role == Role::Leaf).collect();
+        for hub in clusters.iter().filter(|c| c.role == Role::Hub) {
+            for leaf in &leaves {
+                wanted.insert((hub.id.clone(), leaf.id.clone(), Kind::Full));
+                wanted.insert((leaf.id.clone(), hub.id.clone(), Kind::Full));
+            }
+        }
+        if induced {
+            for a in &leaves {
+                for c in &leaves {
+                    if a.id != c.id {
+                        wanted.insert((a.id.clone(), c.id.clone(), Kind::Induced));
+                    }
+                }
+            }
+        }
+        Self { wanted }
+    }
+
+    /// How far `snapshot` is: (full present, full wanted, induced present, induced wanted).
+    pub fn progress(&self, snapshot: &Snapshot) -> Progress {
+        let present = present(snapshot);
+        let mut p = Progress::default();
+        for want in &self.wanted {
+            let have = present.contains(want);
+            match want.2 {
+                Kind::Full => {
+                    p.full_wanted += 1;
+                    p.full += usize::from(have);
+                }
+                Kind::Induced => {
+                    p.induced_wanted += 1;
+                    p.induced += usize::from(have);
+                }
+            }
+        }
+        p
+    }
+
+    /// What is still missing, for the timeout message (at most `limit` entries).
+    pub fn missing(&self, snapshot: &Snapshot, limit: usize) -> Vec<String> {
+        let present = present(snapshot);
+        self.wanted
+            .iter()
+            .filter(|w| !present.contains(*w))
+            .take(limit)
+            .map(|(holder, remote, kind)| {
+                format!("{holder} has no {kind:?} tunnel to {remote}").to_lowercase()
+            })
+            .collect()
+    }
+}
+
+fn present(snapshot: &Snapshot) -> BTreeSet<(String, String, Kind)> {
+    snapshot
+        .tunnels
+        .iter()
+        .flat_map(|(holder, tunnels)| {
+            tunnels.iter().filter_map(move |t| {
+                Some((
+                    holder.clone(),
+                    t.remote.as_ref()?.cluster_id.clone(),
+                    Kind::of(t)?,
+                ))
+            })
+        })
+        .collect()
+}
+
+/// Counts of present and wanted tunnels.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Progress {
+    pub full: usize,
+    pub full_wanted: usize,
+    pub induced: usize,
+    pub induced_wanted: usize,
+}
+
+impl Progress {
+    pub fn complete(&self) -> bool {
+        self.full == self.full_wanted && self.induced == self.induced_wanted
+    }
+}
+
+/// Polls until the mesh is complete or `timeout` passes; `progress` sees every change.
+pub async fn converge(
+    clusters: &[ClusterPlan],
+    expected: &Expected,
+    timeout: Duration,
+    mut on_change: impl FnMut(&Progress),
+) -> anyhow::Result<Snapshot> {
+    let deadline = tokio::time::Instant::now() + timeout;
+    // Listing is O(clusters²) TunnelEndpoints; poll big labs less often.
+    let interval = Duration::from_millis(100 + 4 * clusters.len() as u64);
+    let mut last = None;
+    loop {
+        let snap = snapshot(clusters).await;
+        let progress = expected.progress(&snap);
+        if last != Some(progress) {
+            on_change(&progress);
+            last = Some(progress);
+        }
+        if progress.complete() {
+            return Ok(snap);
+        }
+        if tokio::time::Instant::now() >= deadline {
+            let missing = expected.missing(&snap, 5);
+            bail!(
+                "the mesh did not converge within {timeout:?}: {}/{} full and {}/{} induced \
+                 tunnels; for example {}",
+                progress.full,
+                progress.full_wanted,
+                progress.induced,
+                progress.induced_wanted,
+                missing.join(", ")
+            );
+        }
+        tokio::time::sleep(interval).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::plan::plan;
+    use trellis_api::pb::types::ClusterIdentity;
+
+    fn te(remote: &str, kind: PeeringKind) -> TunnelEndpoint {
+        TunnelEndpoint {
+            remote: Some(ClusterIdentity {
+                cluster_id: remote.into(),
+                cluster_name: remote.into(),
+            }),
+            kind: kind as i32,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn a_three_cluster_mesh_wants_four_full_and_two_induced_tunnels() {
+        let clusters = plan(3, true, 0).expect("plan");
+        let expected = Expected::new(&clusters, true);
+        let mut snap = Snapshot::default();
+        snap.tunnels.insert(
+            "hub".into(),
+            vec![
+                te("leaf-1", PeeringKind::Full),
+                te("leaf-2", PeeringKind::Full),
+            ],
+        );
+        snap.tunnels.insert(
+            "leaf-1".into(),
+            vec![
+                te("hub", PeeringKind::Full),
+                te("leaf-2", PeeringKind::Induced),
+            ],
+        );
+        // leaf-2's induced tunnel is missing, and a full tunnel does not count as induced.
+        snap.tunnels.insert(
+            "leaf-2".into(),
+            vec![
+                te("hub", PeeringKind::Full),
+                te("leaf-1", PeeringKind::Full),
+            ],
+        );
+        let p = expected.progress(&snap);
+        assert_eq!(
+            (p.full, p.full_wanted, p.induced, p.induced_wanted),
+            (4, 4, 1, 2)
+        );
+        assert!(!p.complete());
+        assert_eq!(
+            expected.missing(&snap, 5),
+            ["leaf-2 has no induced tunnel to leaf-1"]
+        );
+        let without = Expected::new(&clusters, false);
+        assert!(without.progress(&snap).complete());
+    }
+
+    #[test]
+    fn ten_clusters_want_nine_times_eight_induced_tunnels() {
+        let clusters = plan(10, true, 0).expect("plan");
+        let p = Expected::new(&clusters, true).progress(&Snapshot::default());
+        assert_eq!(p.induced_wanted, 9 * 8);
+        assert_eq!(p.full_wanted, 2 * 9);
+    }
+}

@@ -1,0 +1,242 @@
+//! `trellis-lab`, the README's main command, run as the real binary: the default 3-cluster
+//! lab (what `make demo` starts) answers the README's grpcurl commands exactly as printed and
+//! stops cleanly on Ctrl-C; `--clusters 10 --same-pod-cidr` converges to 9·8 induced tunnels
+//! among the leaves; `--no-induced` keeps the leaves apart; `--store etcd` runs on real etcd.
+
+use std::io::{BufRead as _, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use trellis_integration::bin_path;
+use trellis_testkit::{require_tool, workspace_root};
+
+/// Kills the lab if the test fails before it stopped it.
+struct Lab(std::process::Child);
+
+impl Drop for Lab {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn lab(args: &[&str]) -> Command {
+    let mut cmd = Command::new(bin_path("trellis-lab").expect("trellis-lab is built"));
+    cmd.arg("up").args(args);
+    cmd
+}
+
+/// Runs a lab with `--until-converged` and returns its stdout; panics with the output when
+/// it fails.
+fn until_converged(args: &[&str]) -> String {
+    let out = lab(args)
+        .args(["--until-converged", "--base-port", "0", "--timeout", "240"])
+        .output()
+        .expect("trellis-lab runs");
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "trellis-lab {args:?} failed ({}):\n{stdout}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    stdout
+}
+
+fn topology(path: &Path) -> serde_json::Value {
+    serde_json::from_str(&std::fs::read_to_string(path).expect("topology file")).expect("json")
+}
+
+/// (holder, remote) of every tunnel of `kind` in a topology file.
+fn tunnels(topology: &serde_json::Value, kind: &str) -> Vec<(String, String)> {
+    let mut found = Vec::new();
+    for c in topology["clusters"].as_array().expect("clusters") {
+        for t in c["tunnels"].as_array().expect("tunnels") {
+            if t["kind"] == kind {
+                found.push((
+                    c["id"].as_str().expect("id").to_owned(),
+                    t["remote"].as_str().expect("remote").to_owned(),
+                ));
+            }
+        }
+    }
+    found
+}
+
+fn temp_file(name: &str) -> (tempfile::TempDir, PathBuf) {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join(name);
+    (dir, path)
+}
+
+#[test]
+fn ten_clusters_with_the_same_pod_cidr_converge_to_nine_times_eight_induced_tunnels() {
+    let (_dir, path) = temp_file("topology.json");
+    let stdout = until_converged(&[
+        "--clusters",
+        "10",
+        "--same-pod-cidr",
+        "--topology-file",
+        path.to_str().expect("utf-8 path"),
+    ]);
+    assert!(
+        stdout.contains("tunnels: full 18/18, induced 72/72"),
+        "{stdout}"
+    );
+    assert!(stdout.contains("converged in"), "{stdout}");
+    let t = topology(&path);
+    assert_eq!(t["converged"], true);
+    let induced = tunnels(&t, "induced");
+    assert_eq!(induced.len(), 9 * 8, "{induced:?}");
+    assert!(
+        induced
+            .iter()
+            .all(|(a, c)| a.starts_with("leaf-") && c.starts_with("leaf-") && a != c)
+    );
+    // Every leaf sees every other leaf at a distinct remapped /16 (none keeps 10.0.0.0/16).
+    for c in t["clusters"].as_array().expect("clusters").iter().skip(1) {
+        let views: std::collections::BTreeSet<&str> = c["tunnels"]
+            .as_array()
+            .expect("tunnels")
+            .iter()
+            .map(|t| t["remote_pod_cidr_nat"].as_str().expect("nat"))
+            .collect();
+        assert_eq!(views.len(), 9, "{c}");
+        assert!(!views.contains("10.0.0.0/16"), "{c}");
+    }
+}
+
+#[test]
+fn without_induced_peering_leaves_only_peer_with_the_hub() {
+    let (_dir, path) = temp_file("topology.json");
+    let stdout = until_converged(&[
+        "--clusters",
+        "4",
+        "--no-induced",
+        "--topology-file",
+        path.to_str().expect("utf-8 path"),
+    ]);
+    assert!(stdout.contains("induced peering off"), "{stdout}");
+    let t = topology(&path);
+    assert_eq!(tunnels(&t, "full").len(), 2 * 3);
+    assert!(tunnels(&t, "induced").is_empty());
+}
+
+#[test]
+fn the_lab_runs_on_real_etcd() {
+    if require_tool("etcd").is_none() {
+        return;
+    }
+    let stdout = until_converged(&["--clusters", "3", "--store", "etcd"]);
+    assert!(stdout.contains("with etcd stores"), "{stdout}");
+    assert!(
+        stdout.contains("tunnels: full 4/4, induced 2/2"),
+        "{stdout}"
+    );
+}
+
+/// The grpcurl block of the README's lab section.
+fn readme_commands() -> String {
+    let readme = std::fs::read_to_string(workspace_root().join("README.md")).expect("README.md");
+    let start = readme
+        .find("<!-- lab-grpcurl -->")
+        .expect("README marks the lab's grpcurl block with <!-- lab-grpcurl -->");
+    let block = &readme[start..];
+    let open = block.find("```sh\n").expect("code block") + "```sh\n".len();
+    let close = block[open..].find("```").expect("code block end");
+    block[open..open + close].to_owned()
+}
+
+#[test]
+fn make_demo_lab_answers_the_readme_grpcurl_commands_as_printed_and_stops_on_ctrl_c() {
+    let Some(grpcurl) = require_tool("grpcurl") else {
+        return;
+    };
+    // `make demo` runs `trellis-lab up --same-pod-cidr` on the default ports.
+    let mut child = Lab(lab(&["--same-pod-cidr"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("trellis-lab starts"));
+    let stdout = child.0.stdout.take().expect("stdout");
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    let mut printed = String::new();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        let line = rx
+            .recv_timeout(deadline.saturating_duration_since(Instant::now()))
+            .unwrap_or_else(|_| panic!("the lab did not come up:\n{printed}"));
+        printed.push_str(&line);
+        printed.push('\n');
+        if line.contains("press Ctrl-C") {
+            break;
+        }
+    }
+    let commands = readme_commands();
+    assert!(
+        printed.contains(&commands),
+        "the README's grpcurl block differs from what the lab prints.\nREADME:\n{commands}\nlab:\n{printed}"
+    );
+    let path = format!(
+        "{}:{}",
+        grpcurl.parent().expect("dir").display(),
+        std::env::var("PATH").unwrap_or_default()
+    );
+    let mut outputs = Vec::new();
+    for command in commands.lines().filter(|l| l.starts_with("grpcurl ")) {
+        let out = Command::new("bash")
+            .args(["-c", command])
+            .env("PATH", &path)
+            .output()
+            .expect("bash runs");
+        assert!(
+            out.status.success(),
+            "`{command}` failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        outputs.push((command, String::from_utf8_lossy(&out.stdout).into_owned()));
+    }
+    let output_of = |rpc: &str| {
+        &outputs
+            .iter()
+            .find(|(c, _)| c.contains(rpc))
+            .unwrap_or_else(|| panic!("the README calls {rpc}"))
+            .1
+    };
+    assert!(output_of(" list").contains("trellis.ipam.v1.Ipam"));
+    assert!(output_of("ListForeignClusters").contains("leaf-2"));
+    let tunnels = output_of("ListTunnelEndpoints");
+    assert!(tunnels.contains("PEERING_KIND_INDUCED"), "{tunnels}");
+    let mapped: serde_json::Value =
+        serde_json::from_str(output_of("MapEndpointIp")).expect("json answer");
+    let ip = mapped["ip"].as_str().expect("ip");
+    assert!(
+        ip.ends_with(".0.10") && !ip.starts_with("10.0."),
+        "leaf-2 reaches leaf-1's pod through its remap of leaf-1's identical CIDR: {ip}"
+    );
+
+    // Ctrl-C stops everything and frees the ports.
+    let pid = child.0.id().to_string();
+    let killed = Command::new("kill")
+        .args(["-INT", &pid])
+        .status()
+        .expect("kill runs");
+    assert!(killed.success());
+    let status = child.0.wait().expect("lab exits");
+    assert!(status.success(), "{status}");
+    for port in [7101, 7106, 7121, 7126] {
+        assert!(
+            std::net::TcpListener::bind(("127.0.0.1", port)).is_ok(),
+            "port {port} still taken after the lab stopped"
+        );
+    }
+}
