@@ -48,6 +48,31 @@ pub fn server_span(request: &http::Request<()>) -> tracing::Span {
     span
 }
 
+/// The W3C `traceparent` of `span`, to store with work that continues later (a retry loop,
+/// another reconciler pass): `None` when no trace is being recorded.
+pub fn traceparent_of(span: &tracing::Span) -> Option<String> {
+    let cx = span.context();
+    let mut carrier = std::collections::HashMap::new();
+    global::get_text_map_propagator(|p| p.inject_context(&cx, &mut carrier));
+    carrier.remove("traceparent")
+}
+
+/// A root span named `name` that continues the trace in `traceparent` (as stored by
+/// [`traceparent_of`]); a new trace when there is none or it does not parse. Work that resumes
+/// from the store runs in it, so one peering setup stays one trace across passes and
+/// processes.
+pub fn resumed_span(name: &'static str, traceparent: Option<&str>) -> tracing::Span {
+    let span = tracing::info_span!(parent: None, "resumed", otel.name = name);
+    if let Some(tp) = traceparent {
+        let carrier: std::collections::HashMap<String, String> =
+            [("traceparent".to_owned(), tp.to_owned())].into();
+        let parent = global::get_text_map_propagator(|p| p.extract(&carrier));
+        // A failure only means the span is not exported (no OTLP layer installed).
+        let _ = span.set_parent(parent);
+    }
+    span
+}
+
 /// Adds the current span's context to every outgoing request.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct TraceInterceptor;
@@ -119,6 +144,21 @@ mod tests {
                 .expect("request");
             let span = server_span(&request);
             assert!(span.context().span().span_context().is_valid());
+        });
+    }
+
+    #[test]
+    fn a_stored_traceparent_resumes_the_same_trace() {
+        with_otel(|| {
+            let first = tracing::info_span!("first pass");
+            let stored = traceparent_of(&first).expect("recorded");
+            let trace_id = first.context().span().span_context().trace_id();
+            let later = resumed_span("later pass", Some(&stored));
+            assert_eq!(later.context().span().span_context().trace_id(), trace_id);
+            let fresh = resumed_span("no parent", None);
+            assert_ne!(fresh.context().span().span_context().trace_id(), trace_id);
+            let garbage = resumed_span("bad parent", Some("not a traceparent"));
+            assert_ne!(garbage.context().span().span_context().trace_id(), trace_id);
         });
     }
 

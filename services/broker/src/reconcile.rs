@@ -11,6 +11,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures::StreamExt as _;
+use tracing::Instrument as _;
 use trellis_api::ClusterId;
 use trellis_api::convert::identity_to_pb;
 use trellis_api::model::{NatView, NetworkSpec, TunnelEndpoint};
@@ -21,6 +22,7 @@ use trellis_api::pb::peering::{RelayRequest, RelayWithdrawalRequest, SubmitNetwo
 use trellis_api::pb::types as pb;
 use trellis_error::{Error, Result};
 use trellis_runtime::Shutdown;
+use trellis_runtime::propagation::{resumed_span, traceparent_of};
 use trellis_store::{Compare, Op, Txn};
 
 use crate::core::Broker;
@@ -225,14 +227,45 @@ pub fn decision_from_status(
     }
 }
 
+/// Keeps the exchange with `remote` going. While it is unfinished (no decision on our
+/// NetworkConfig, or no TunnelEndpoint yet) the work runs in the exchange's trace, resumed
+/// from the stored traceparent, so one peering setup is one trace across passes, processes
+/// and clusters; settled exchanges add nothing to it on later resyncs.
 async fn ensure(broker: &Broker, remote: &Remote, pod: &str, external: &str) -> Result<()> {
     let id = &remote.identity.id;
-    let spec = local_spec(broker, id, pod, external).await?;
     let key = out_key(id);
     let existing = match broker.store().get(&key).await? {
         Some(kv) => Some((decode::<OutgoingNc>(&key, &kv.value)?, kv.mod_revision)),
         None => None,
     };
+    let unfinished = match &existing {
+        Some((out, _)) => {
+            out.current_decision().is_none() || broker.store().get(&tunnel_key(id)).await?.is_none()
+        }
+        None => true,
+    };
+    let span = if unfinished {
+        let stored = existing.as_ref().and_then(|(o, _)| o.trace.as_deref());
+        let root = resumed_span("network config exchange", stored);
+        tracing::info_span!(parent: &root, "exchange", remote.id = %id, remote.via = ?remote.via().map(|v| v.id.as_str()))
+    } else {
+        tracing::Span::none()
+    };
+    exchange(broker, remote, pod, external, existing)
+        .instrument(span)
+        .await
+}
+
+async fn exchange(
+    broker: &Broker,
+    remote: &Remote,
+    pod: &str,
+    external: &str,
+    existing: Option<(OutgoingNc, i64)>,
+) -> Result<()> {
+    let id = &remote.identity.id;
+    let key = out_key(id);
+    let spec = local_spec(broker, id, pod, external).await?;
     let forwarder = match &remote.route {
         Route::Direct { .. } => None,
         Route::Relayed { forwarder, .. } => Some(forwarder.clone()),
@@ -242,7 +275,12 @@ async fn ensure(broker: &Broker, remote: &Remote, pod: &str, external: &str) -> 
         Some((out, _)) if out.spec == spec && out.via == via && out.forwarder == forwarder => out,
         previous => {
             let generation = previous.as_ref().map_or(0, |(o, _)| o.generation) + 1;
+            let trace = previous
+                .as_ref()
+                .and_then(|(o, _)| o.trace.clone())
+                .or_else(|| traceparent_of(&tracing::Span::current()));
             let out = OutgoingNc {
+                trace,
                 remote: remote.identity.clone(),
                 via,
                 forwarder,

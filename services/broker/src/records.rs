@@ -99,6 +99,10 @@ pub struct OutgoingNc {
     pub generation: i64,
     /// The remote's decision, once known.
     pub decision: Option<Decision>,
+    /// W3C traceparent of the exchange, so every pass and process that works on it adds to
+    /// one trace (absent when tracing is off).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub trace: Option<String>,
 }
 
 impl OutgoingNc {

@@ -8,6 +8,7 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use tokio::sync::Notify;
+use tracing::Instrument as _;
 use trellis_api::convert::identity_to_pb;
 use trellis_api::model::NetworkSpec;
 use trellis_api::pb::discovery::ListForeignClustersRequest;
@@ -21,6 +22,7 @@ use trellis_api::peers::Peers;
 use trellis_api::{ClusterId, ClusterIdentity};
 use trellis_error::{Error, Result};
 use trellis_runtime::client::{Timeouts, TracedChannel, channel};
+use trellis_runtime::propagation::{resumed_span, traceparent_of};
 use trellis_store::retry::Contention;
 use trellis_store::{Compare, Op, SharedStore, Txn};
 
@@ -91,6 +93,11 @@ impl Forwarder {
 
     pub fn identity(&self) -> &ClusterIdentity {
         &self.identity
+    }
+
+    /// The store the forwarder keeps its relays in.
+    pub fn store(&self) -> &SharedStore {
+        &self.store
     }
 
     async fn peers(&self) -> Result<Peers> {
@@ -204,6 +211,7 @@ impl Forwarder {
                 created_nanos: now,
                 updated_nanos: now,
                 next_attempt_nanos: now,
+                trace: traceparent_of(&tracing::Span::current()),
             };
             let revision = existing.as_ref().map_or(0, |(_, r)| *r);
             if self.save(&key, revision, Some(&record)).await? {
@@ -293,6 +301,7 @@ impl Forwarder {
             created_nanos: now,
             updated_nanos: now,
             next_attempt_nanos: now,
+            trace: traceparent_of(&tracing::Span::current()),
         };
         let mut contention = Contention::new("accepting a withdrawal");
         loop {
@@ -527,7 +536,9 @@ impl Forwarder {
                 }));
                 continue;
             }
-            if let Err(err) = self.attempt(&kv.key, record, kv.mod_revision, false).await {
+            let span = resumed_span("relay retry", record.trace.as_deref());
+            let attempt = self.attempt(&kv.key, record, kv.mod_revision, false);
+            if let Err(err) = attempt.instrument(span).await {
                 tracing::warn!(key = %kv.key, error = %err, "relay attempt failed");
             }
         }

@@ -63,6 +63,9 @@ pub struct RelayRecord {
     pub updated_nanos: i64,
     /// When the next delivery attempt is due (0 = now).
     pub next_attempt_nanos: i64,
+    /// W3C traceparent of the origin's request, so retries stay in the peering's trace.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub trace: Option<String>,
 }
 
 pub use trellis_store::record::{decode, encode, now_nanos};
