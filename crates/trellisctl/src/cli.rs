@@ -1,0 +1,446 @@
+//! The command line of `trellisctl`: global flags (each also a `TRELLIS_*` environment variable)
+//! and the subcommands. Values are validated here, so a typo is a usage error (exit code 2)
+//! before any service is called.
+
+use std::net::IpAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use trellis_runtime::config::ports;
+
+use crate::connect::{Service, Target};
+
+/// Operator CLI of Trellis: peers clusters and shows what the local cluster's services know.
+///
+/// Every command talks to the gRPC services of ONE cluster (the local one), found at the
+/// addresses given by the global flags (defaults: the DESIGN.md ports on 127.0.0.1). Output is a
+/// human-readable table, or one JSON document with `--output json`. Exit codes: 0 success, 1 a
+/// service failed or could not be reached, 2 bad usage.
+#[derive(Debug, Clone, Parser)]
+#[command(name = "trellisctl", version, about, long_about, max_term_width = 100)]
+pub struct Cli {
+    #[command(flatten)]
+    pub globals: Globals,
+
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// Flags accepted before or after any subcommand.
+#[derive(Debug, Clone, Args)]
+pub struct Globals {
+    /// Address of the local discovery service (trellis-discovery).
+    #[arg(long, global = true, env = "TRELLIS_DISCOVERY", value_name = "HOST:PORT",
+          default_value_t = local(ports::DISCOVERY), value_parser = address_arg)]
+    pub discovery: String,
+
+    /// Address of the local peering broker (trellis-broker).
+    #[arg(long, global = true, env = "TRELLIS_BROKER", value_name = "HOST:PORT",
+          default_value_t = local(ports::BROKER), value_parser = address_arg)]
+    pub broker: String,
+
+    /// Address of the local forwarder (trellis-forwarder); `status` checks its health.
+    #[arg(long, global = true, env = "TRELLIS_FORWARDER", value_name = "HOST:PORT",
+          default_value_t = local(ports::FORWARDER), value_parser = address_arg)]
+    pub forwarder: String,
+
+    /// Address of the local IPAM (trellis-ipam).
+    #[arg(long, global = true, env = "TRELLIS_IPAM", value_name = "HOST:PORT",
+          default_value_t = local(ports::IPAM), value_parser = address_arg)]
+    pub ipam: String,
+
+    /// Address of the local endpoints service (trellis-endpoints).
+    #[arg(long, global = true, env = "TRELLIS_ENDPOINTS", value_name = "HOST:PORT",
+          default_value_t = local(ports::ENDPOINTS), value_parser = address_arg)]
+    pub endpoints: String,
+
+    /// Address of the local gateway's gRPC API (trellis-gateway), not its WireGuard port.
+    #[arg(long, global = true, env = "TRELLIS_GATEWAY", value_name = "HOST:PORT",
+          default_value_t = local(ports::GATEWAY), value_parser = address_arg)]
+    pub gateway: String,
+
+    /// Output format: `table` for people, `json` for scripts (one JSON document on stdout).
+    #[arg(long, short = 'o', global = true, env = "TRELLIS_OUTPUT", value_enum,
+          default_value_t = OutputFormat::Table)]
+    pub output: OutputFormat,
+
+    /// Seconds to wait for a service: to connect, and again for each call (fractions allowed,
+    /// e.g. 0.5).
+    #[arg(long, global = true, env = "TRELLIS_TIMEOUT", value_name = "SECONDS",
+          default_value = "10", value_parser = timeout_arg)]
+    pub timeout: Duration,
+}
+
+impl Globals {
+    /// Where `service` listens, as configured.
+    pub fn target(&self, service: Service) -> Target {
+        let address = match service {
+            Service::Discovery => &self.discovery,
+            Service::Broker => &self.broker,
+            Service::Forwarder => &self.forwarder,
+            Service::Ipam => &self.ipam,
+            Service::Endpoints => &self.endpoints,
+            Service::Gateway => &self.gateway,
+        };
+        Target {
+            service,
+            address: address.clone(),
+        }
+    }
+}
+
+/// How results are printed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum OutputFormat {
+    /// Aligned columns.
+    Table,
+    /// One pretty-printed JSON document.
+    Json,
+}
+
+/// The subcommands.
+#[derive(Debug, Clone, Subcommand)]
+pub enum Command {
+    /// Print this cluster's peering token (a secret), read from the broker. The table output is
+    /// the token alone, so `TOKEN=$(trellisctl token)` works; `--output json` adds its creation
+    /// time.
+    Token(TokenArgs),
+
+    /// Peer this cluster with a remote one (Broker.Peer): the local broker performs the token
+    /// handshake with the remote broker, then the NetworkConfig exchange starts.
+    Peer(PeerArgs),
+
+    /// Tear down the full peering with a cluster (Broker.Unpeer). Succeeds, saying so, when
+    /// there was no peering.
+    Unpeer(UnpeerArgs),
+
+    /// Show this cluster: service health, identity, ForeignClusters (full and induced, with
+    /// origin and conditions), the broker's TunnelEndpoints with their NAT views, and the
+    /// gateway's tunnels (state, last handshake, traffic, latency). A service that cannot be
+    /// reached is reported in the output and its section left empty; the command fails (exit
+    /// code 1) only when no service answers at all.
+    Status,
+
+    /// Show the IPAM: local subnets, how every remote cluster is addressed (and addresses us),
+    /// and the external-CIDR endpoint mappings. `ipam map` translates one endpoint IP.
+    Ipam(IpamArgs),
+
+    /// List the EndpointSlices other clusters reflected to this one (ListReflectedSlices);
+    /// `endpoints reflect` translates a local slice for a target cluster.
+    Endpoints(EndpointsArgs),
+}
+
+/// Flags of `token`.
+#[derive(Debug, Clone, Args)]
+pub struct TokenArgs {
+    /// Replace the token with a new random one (Broker.RotateToken) and print the new one.
+    /// Existing peerings are unaffected; only new handshakes need the new token.
+    #[arg(long)]
+    pub rotate: bool,
+
+    /// With --rotate: seconds during which the previous token is still accepted (default 0:
+    /// invalid at once).
+    #[arg(long, value_name = "SECONDS", requires = "rotate", default_value_t = 0)]
+    pub grace: u64,
+}
+
+/// Flags of `peer`.
+#[derive(Debug, Clone, Args)]
+pub struct PeerArgs {
+    /// The remote cluster's broker, as reachable from THIS cluster's broker.
+    #[arg(long, env = "TRELLIS_REMOTE_BROKER", value_name = "HOST:PORT", value_parser = address_arg)]
+    pub remote_broker: String,
+
+    /// The remote cluster's peering token (`trellisctl token` run against it). A secret: prefer
+    /// the environment variable.
+    #[arg(long, env = "TRELLIS_PEER_TOKEN", value_name = "TOKEN", hide_env_values = true,
+          value_parser = token_arg)]
+    pub token: String,
+
+    /// Refuse to peer unless the remote reports this cluster ID.
+    #[arg(long, value_name = "ID", value_parser = cluster_id_arg)]
+    pub expected_cluster_id: Option<String>,
+}
+
+/// Arguments of `unpeer`.
+#[derive(Debug, Clone, Args)]
+pub struct UnpeerArgs {
+    /// ID of the full peer to unpeer.
+    #[arg(value_name = "CLUSTER_ID", value_parser = cluster_id_arg)]
+    pub cluster_id: String,
+}
+
+/// Arguments of `ipam`.
+#[derive(Debug, Clone, Args)]
+pub struct IpamArgs {
+    #[command(subcommand)]
+    pub action: Option<IpamAction>,
+}
+
+/// What `ipam` does besides listing.
+#[derive(Debug, Clone, Subcommand)]
+pub enum IpamAction {
+    /// Translate an endpoint IP for a target cluster (Ipam.MapEndpointIp): the address that
+    /// cluster uses to reach it. May allocate an external-CIDR address (hub path).
+    Map(MapArgs),
+}
+
+/// Flags of `ipam map`.
+#[derive(Debug, Clone, Args)]
+pub struct MapArgs {
+    /// The cluster the endpoint is reflected to.
+    #[arg(long, value_name = "ID", value_parser = cluster_id_arg)]
+    pub cluster_id: String,
+
+    /// The endpoint IP as this cluster addresses it.
+    #[arg(long, value_name = "IP")]
+    pub ip: IpAddr,
+
+    /// Map as the endpoint's home IPAM on behalf of a hub (local pod CIDR path only).
+    #[arg(long)]
+    pub induced: bool,
+}
+
+/// Flags and subcommand of `endpoints`.
+#[derive(Debug, Clone, Args)]
+#[command(args_conflicts_with_subcommands = true)]
+pub struct EndpointsArgs {
+    /// Only slices reflected by this source cluster.
+    #[arg(long, value_name = "ID", value_parser = cluster_id_arg)]
+    pub source: Option<String>,
+
+    /// Only slices in this namespace.
+    #[arg(long, value_name = "NAMESPACE")]
+    pub namespace: Option<String>,
+
+    #[command(subcommand)]
+    pub action: Option<EndpointsAction>,
+}
+
+/// What `endpoints` does besides listing.
+#[derive(Debug, Clone, Subcommand)]
+pub enum EndpointsAction {
+    /// Translate a local EndpointSlice for a target cluster (EndpointMapper.ReflectEndpointSlice)
+    /// and show how each address was translated.
+    Reflect(ReflectArgs),
+}
+
+/// Flags of `endpoints reflect`.
+#[derive(Debug, Clone, Args)]
+pub struct ReflectArgs {
+    /// The target cluster (a full peer).
+    #[arg(long, value_name = "ID", value_parser = cluster_id_arg)]
+    pub target: String,
+
+    /// A `discovery.k8s.io/v1` EndpointSlice in JSON (e.g. from `kubectl get endpointslice NAME
+    /// -o json`); its `kubernetes.io/service-name` label names the Service. `-` reads stdin.
+    #[arg(long, value_name = "PATH")]
+    pub file: PathBuf,
+
+    /// Also push the translated slice to the target's endpoints service.
+    #[arg(long)]
+    pub deliver: bool,
+}
+
+fn local(port: u16) -> String {
+    format!("127.0.0.1:{port}")
+}
+
+fn address_arg(value: &str) -> Result<String, String> {
+    trellis_api::address::required("value", value).map_err(|e| reason(&e))
+}
+
+fn cluster_id_arg(value: &str) -> Result<String, String> {
+    trellis_api::ClusterId::parse("value", value)
+        .map(|id| id.to_string())
+        .map_err(|e| reason(&e))
+}
+
+fn token_arg(value: &str) -> Result<String, String> {
+    if value.trim().is_empty() {
+        return Err("is empty".into());
+    }
+    Ok(value.trim().to_owned())
+}
+
+fn reason(error: &trellis_api::Error) -> String {
+    match error {
+        trellis_api::Error::InvalidArgument { reason, .. } => reason.clone(),
+        other => other.to_string(),
+    }
+}
+
+/// Whole seconds or fractions, more than 0 and at most an hour.
+fn timeout_arg(value: &str) -> Result<Duration, String> {
+    let seconds: f64 = value
+        .parse()
+        .map_err(|_| format!("{value:?} is not a number of seconds"))?;
+    if !(seconds > 0.0 && seconds <= 3600.0) {
+        return Err(format!(
+            "{value} is out of range (more than 0, at most 3600)"
+        ));
+    }
+    Ok(Duration::from_secs_f64(seconds))
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::error::ErrorKind;
+
+    use super::*;
+
+    fn parse(args: &[&str]) -> Result<Cli, clap::Error> {
+        Cli::try_parse_from(std::iter::once("trellisctl").chain(args.iter().copied()))
+    }
+
+    #[test]
+    fn defaults_are_the_design_ports_on_loopback() {
+        let cli = parse(&["status"]).expect("parses");
+        let g = &cli.globals;
+        assert_eq!(g.discovery, "127.0.0.1:7101");
+        assert_eq!(g.broker, "127.0.0.1:7102");
+        assert_eq!(g.forwarder, "127.0.0.1:7103");
+        assert_eq!(g.ipam, "127.0.0.1:7104");
+        assert_eq!(g.endpoints, "127.0.0.1:7105");
+        assert_eq!(g.gateway, "127.0.0.1:7106");
+        assert_eq!(g.output, OutputFormat::Table);
+        assert_eq!(g.timeout, Duration::from_secs(10));
+        assert!(matches!(cli.command, Command::Status));
+    }
+
+    #[test]
+    fn global_flags_go_before_or_after_the_subcommand() {
+        let before = parse(&["--broker", "hub:7102", "-o", "json", "token"]).expect("before");
+        let after = parse(&["token", "--broker", "hub:7102", "--output", "json"]).expect("after");
+        for cli in [before, after] {
+            assert_eq!(cli.globals.broker, "hub:7102");
+            assert_eq!(cli.globals.output, OutputFormat::Json);
+            assert_eq!(cli.globals.target(Service::Broker).address, "hub:7102");
+        }
+    }
+
+    #[test]
+    fn peer_needs_a_remote_broker_and_a_token() {
+        let cli = parse(&[
+            "peer",
+            "--remote-broker",
+            "10.0.0.1:7102",
+            "--token",
+            "s3cret",
+            "--expected-cluster-id",
+            "hub",
+        ])
+        .expect("parses");
+        let Command::Peer(peer) = cli.command else {
+            panic!("not peer: {cli:?}");
+        };
+        assert_eq!(peer.remote_broker, "10.0.0.1:7102");
+        assert_eq!(peer.token, "s3cret");
+        assert_eq!(peer.expected_cluster_id.as_deref(), Some("hub"));
+
+        let missing = parse(&["peer", "--remote-broker", "10.0.0.1:7102"]).expect_err("no token");
+        assert_eq!(missing.kind(), ErrorKind::MissingRequiredArgument);
+        assert!(missing.to_string().contains("--token"), "{missing}");
+    }
+
+    #[test]
+    fn malformed_values_are_usage_errors_naming_the_flag() {
+        for (args, flag) in [
+            (&["status", "--broker", "http://h:1"][..], "--broker"),
+            (&["status", "--gateway", "nohostport"][..], "--gateway"),
+            (&["status", "--timeout", "0"][..], "--timeout"),
+            (&["status", "--timeout", "soon"][..], "--timeout"),
+            (&["status", "--output", "yaml"][..], "--output"),
+            (&["unpeer", "bad/id"][..], "CLUSTER_ID"),
+            (
+                &["ipam", "map", "--cluster-id", "a", "--ip", "10.0.0.300"][..],
+                "--ip",
+            ),
+            (&["token", "--grace", "5"][..], "--rotate"),
+        ] {
+            let err = parse(args).expect_err("refused");
+            assert_eq!(err.exit_code(), 2, "{args:?}");
+            assert!(err.to_string().contains(flag), "{args:?}: {err}");
+        }
+    }
+
+    #[test]
+    fn subcommands_with_their_own_subcommands() {
+        let cli = parse(&[
+            "ipam",
+            "map",
+            "--cluster-id",
+            "leaf-a",
+            "--ip",
+            "10.0.3.7",
+            "--induced",
+        ])
+        .expect("parses");
+        let Command::Ipam(IpamArgs {
+            action: Some(IpamAction::Map(map)),
+        }) = cli.command
+        else {
+            panic!("not ipam map");
+        };
+        assert_eq!(map.cluster_id, "leaf-a");
+        assert_eq!(map.ip.to_string(), "10.0.3.7");
+        assert!(map.induced);
+
+        let cli = parse(&["ipam"]).expect("plain ipam lists");
+        assert!(matches!(
+            cli.command,
+            Command::Ipam(IpamArgs { action: None })
+        ));
+
+        let cli = parse(&["endpoints", "--source", "hub"]).expect("list filter");
+        let Command::Endpoints(e) = cli.command else {
+            panic!("not endpoints");
+        };
+        assert_eq!(e.source.as_deref(), Some("hub"));
+        assert!(e.action.is_none());
+
+        let cli = parse(&["endpoints", "reflect", "--target", "c", "--file", "-"]).expect("ok");
+        let Command::Endpoints(EndpointsArgs {
+            action: Some(EndpointsAction::Reflect(r)),
+            ..
+        }) = cli.command
+        else {
+            panic!("not reflect");
+        };
+        assert_eq!(r.target, "c");
+        assert!(!r.deliver);
+    }
+
+    #[test]
+    fn timeouts_accept_fractions() {
+        let cli = parse(&["status", "--timeout", "0.25"]).expect("parses");
+        assert_eq!(cli.globals.timeout, Duration::from_millis(250));
+    }
+
+    #[test]
+    fn help_mentions_every_flag_and_subcommand() {
+        let help = parse(&["--help"]).expect_err("help is an 'error'");
+        assert_eq!(help.exit_code(), 0);
+        let text = help.to_string();
+        for word in [
+            "--discovery",
+            "--broker",
+            "--forwarder",
+            "--ipam",
+            "--endpoints",
+            "--gateway",
+            "--output",
+            "--timeout",
+            "token",
+            "peer",
+            "unpeer",
+            "status",
+            "ipam",
+            "endpoints",
+            "TRELLIS_BROKER",
+        ] {
+            assert!(text.contains(word), "help lacks {word}:\n{text}");
+        }
+    }
+}

@@ -1,0 +1,239 @@
+//! Connections to the local cluster's services: which service listens where, an eager connect
+//! bounded by `--timeout` (so an unreachable service is reported as such, with the cause, before
+//! any call), and the translation of connection failures into plain words.
+
+use std::error::Error as StdError;
+use std::io;
+use std::time::Duration;
+
+use serde::Serialize;
+use tonic::transport::{Channel, Endpoint};
+
+use crate::error::CtlError;
+
+/// One of the six services of a Trellis cluster.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Service {
+    Discovery,
+    Broker,
+    Forwarder,
+    Ipam,
+    Endpoints,
+    Gateway,
+}
+
+impl Service {
+    /// Every service, in port order.
+    pub const ALL: [Service; 6] = [
+        Service::Discovery,
+        Service::Broker,
+        Service::Forwarder,
+        Service::Ipam,
+        Service::Endpoints,
+        Service::Gateway,
+    ];
+
+    /// Short name, as in the flags and JSON output.
+    pub fn name(self) -> &'static str {
+        match self {
+            Service::Discovery => "discovery",
+            Service::Broker => "broker",
+            Service::Forwarder => "forwarder",
+            Service::Ipam => "ipam",
+            Service::Endpoints => "endpoints",
+            Service::Gateway => "gateway",
+        }
+    }
+
+    /// How error messages refer to it ("the broker").
+    pub fn label(self) -> &'static str {
+        match self {
+            Service::Discovery => "the discovery service",
+            Service::Broker => "the broker",
+            Service::Forwarder => "the forwarder",
+            Service::Ipam => "the IPAM",
+            Service::Endpoints => "the endpoints service",
+            Service::Gateway => "the gateway",
+        }
+    }
+
+    /// The binary that serves it.
+    pub fn binary(self) -> &'static str {
+        match self {
+            Service::Discovery => "trellis-discovery",
+            Service::Broker => "trellis-broker",
+            Service::Forwarder => "trellis-forwarder",
+            Service::Ipam => "trellis-ipam",
+            Service::Endpoints => "trellis-endpoints",
+            Service::Gateway => "trellis-gateway",
+        }
+    }
+
+    /// The global flag that sets its address.
+    pub fn flag(self) -> &'static str {
+        match self {
+            Service::Discovery => "--discovery",
+            Service::Broker => "--broker",
+            Service::Forwarder => "--forwarder",
+            Service::Ipam => "--ipam",
+            Service::Endpoints => "--endpoints",
+            Service::Gateway => "--gateway",
+        }
+    }
+
+    /// Its fully qualified gRPC service name (what `grpc.health.v1.Health/Check` is asked about).
+    pub fn grpc_name(self) -> &'static str {
+        match self {
+            Service::Discovery => "trellis.discovery.v1.Discovery",
+            Service::Broker => "trellis.peering.v1.Broker",
+            Service::Forwarder => "trellis.peering.v1.Forwarder",
+            Service::Ipam => "trellis.ipam.v1.Ipam",
+            Service::Endpoints => "trellis.endpoints.v1.EndpointMapper",
+            Service::Gateway => "trellis.gateway.v1.Gateway",
+        }
+    }
+}
+
+/// A service and the address it is expected at.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Target {
+    pub service: Service,
+    pub address: String,
+}
+
+/// Connects to `target`, waiting at most `timeout`; every call on the channel is bounded by
+/// `timeout` too.
+pub async fn connect(target: &Target, timeout: Duration) -> Result<Channel, CtlError> {
+    let unreachable = |reason: String| CtlError::Unreachable {
+        service: target.service,
+        address: target.address.clone(),
+        reason,
+    };
+    let endpoint = Endpoint::from_shared(format!("http://{}", target.address))
+        .map_err(|e| unreachable(format!("not a usable address: {e}")))?
+        .connect_timeout(timeout)
+        .timeout(timeout)
+        .tcp_nodelay(true);
+    // connect_timeout bounds the TCP connect; the outer timeout also bounds name resolution and
+    // the HTTP/2 handshake.
+    match tokio::time::timeout(timeout, endpoint.connect()).await {
+        Ok(Ok(channel)) => Ok(channel),
+        Ok(Err(err)) => Err(unreachable(describe(&err, timeout))),
+        Err(_) => Err(unreachable(no_answer(timeout))),
+    }
+}
+
+fn no_answer(timeout: Duration) -> String {
+    format!("no answer within {} (see --timeout)", seconds(timeout))
+}
+
+/// "3s", "0.5s".
+pub fn seconds(duration: Duration) -> String {
+    let secs = duration.as_secs_f64();
+    if secs.fract() == 0.0 {
+        format!("{secs:.0}s")
+    } else {
+        format!("{secs}s")
+    }
+}
+
+/// The root cause of a connection failure, in plain words ("connection refused").
+pub fn describe(err: &(dyn StdError + 'static), timeout: Duration) -> String {
+    let mut current: Option<&(dyn StdError + 'static)> = Some(err);
+    let mut last = err.to_string();
+    while let Some(e) = current {
+        if let Some(io) = e.downcast_ref::<io::Error>() {
+            return describe_io(io, timeout);
+        }
+        let text = e.to_string();
+        if text.contains("timed out") || text.contains("elapsed") {
+            return no_answer(timeout);
+        }
+        if !text.is_empty() {
+            last = text;
+        }
+        current = e.source();
+    }
+    last
+}
+
+fn describe_io(err: &io::Error, timeout: Duration) -> String {
+    match err.kind() {
+        io::ErrorKind::ConnectionRefused => "connection refused".into(),
+        io::ErrorKind::ConnectionReset => "connection reset".into(),
+        io::ErrorKind::TimedOut => no_answer(timeout),
+        io::ErrorKind::HostUnreachable => "host unreachable".into(),
+        io::ErrorKind::NetworkUnreachable => "network unreachable".into(),
+        io::ErrorKind::AddrNotAvailable => "address not available".into(),
+        _ => {
+            // e.g. "failed to lookup address information: Name or service not known"
+            let text = err.to_string();
+            match text.find(" (os error") {
+                Some(cut) => text[..cut].to_owned(),
+                None => text,
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(Debug)]
+    struct Wrapper(io::Error);
+    impl std::fmt::Display for Wrapper {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("transport error")
+        }
+    }
+    impl StdError for Wrapper {
+        fn source(&self) -> Option<&(dyn StdError + 'static)> {
+            Some(&self.0)
+        }
+    }
+
+    #[test]
+    fn the_io_cause_is_found_under_wrappers() {
+        let refused = Wrapper(io::Error::from(io::ErrorKind::ConnectionRefused));
+        assert_eq!(
+            describe(&refused, Duration::from_secs(1)),
+            "connection refused"
+        );
+        let timed_out = Wrapper(io::Error::from(io::ErrorKind::TimedOut));
+        assert_eq!(
+            describe(&timed_out, Duration::from_millis(500)),
+            "no answer within 0.5s (see --timeout)"
+        );
+        let other = Wrapper(io::Error::other("failed to lookup address information"));
+        assert_eq!(
+            describe(&other, Duration::from_secs(1)),
+            "failed to lookup address information"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_port_nothing_listens_on_is_refused_with_the_service_named() {
+        // Bind, learn the port, close: nothing listens there any more.
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .expect("binds")
+            .port();
+        let target = Target {
+            service: Service::Broker,
+            address: format!("127.0.0.1:{port}"),
+        };
+        let err = connect(&target, Duration::from_secs(2))
+            .await
+            .expect_err("nothing listens");
+        assert_eq!(
+            err.to_string(),
+            format!(
+                "cannot reach the broker at 127.0.0.1:{port}: connection refused \
+                 (is trellis-broker running? set --broker)"
+            )
+        );
+        assert_eq!(err.exit_code(), 1);
+    }
+}

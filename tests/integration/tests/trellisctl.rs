@@ -1,0 +1,439 @@
+//! The built `trellisctl` binary against a real topology: a hub and two leaves with identical pod
+//! CIDRs, in process with memory stores (the endpoints service only on the hub). Every step goes
+//! through the CLI as an operator would type it: `token`, `peer`, `status --output json` until
+//! the induced mesh shows, `ipam`, `ipam map`, `endpoints` and `endpoints reflect`, `unpeer`, and
+//! the errors (unreachable service, gRPC error, usage). Needs `cargo build --bins` first.
+
+use std::net::SocketAddr;
+use std::process::Output;
+use std::time::{Duration, Instant};
+
+use clap::Parser as _;
+use ipnet::IpNet;
+use serde_json::Value;
+use trellis_integration::cluster::InProcessCluster;
+use trellis_runtime::Shutdown;
+
+const LIMIT: Duration = Duration::from_secs(60);
+
+/// Environment variables trellisctl reads; cleared so the caller's shell cannot leak in.
+const TRELLIS_ENV: &[&str] = &[
+    "TRELLIS_DISCOVERY",
+    "TRELLIS_BROKER",
+    "TRELLIS_FORWARDER",
+    "TRELLIS_IPAM",
+    "TRELLIS_ENDPOINTS",
+    "TRELLIS_GATEWAY",
+    "TRELLIS_OUTPUT",
+    "TRELLIS_TIMEOUT",
+    "TRELLIS_REMOTE_BROKER",
+    "TRELLIS_PEER_TOKEN",
+];
+
+/// Runs the built binary with `args`.
+async fn ctl(args: &[&str]) -> Output {
+    let binary = trellis_integration::bin_path("trellisctl").expect("trellisctl is built");
+    let mut command = tokio::process::Command::new(binary);
+    for var in TRELLIS_ENV {
+        command.env_remove(var);
+    }
+    command.args(args).output().await.expect("trellisctl runs")
+}
+
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}
+
+/// Runs `args` and expects success; returns stdout.
+async fn ok(args: &[&str]) -> String {
+    let out = ctl(args).await;
+    assert!(
+        out.status.success(),
+        "trellisctl {args:?} exited with {:?}\nstdout: {}\nstderr: {}",
+        out.status.code(),
+        text(&out.stdout),
+        text(&out.stderr)
+    );
+    text(&out.stdout)
+}
+
+/// Runs `args` with `--output json` and expects success and one JSON document.
+async fn json(args: &[&str]) -> Value {
+    let mut all = args.to_vec();
+    all.extend(["--output", "json"]);
+    let stdout = ok(&all).await;
+    serde_json::from_str(&stdout).unwrap_or_else(|e| panic!("not JSON ({e}):\n{stdout}"))
+}
+
+/// The global flags pointing trellisctl at `cluster`; its endpoints service at `endpoints`.
+fn flags(cluster: &InProcessCluster, endpoints: SocketAddr) -> Vec<String> {
+    let s = &cluster.services;
+    [
+        ("--discovery", s.discovery),
+        ("--broker", s.broker),
+        ("--forwarder", s.forwarder),
+        ("--ipam", s.ipam),
+        ("--endpoints", endpoints),
+        ("--gateway", s.gateway),
+    ]
+    .iter()
+    .flat_map(|(flag, addr)| [(*flag).to_owned(), addr.to_string()])
+    .chain(["--timeout".to_owned(), "5".to_owned()])
+    .collect()
+}
+
+fn with<'a>(flags: &'a [String], args: &[&'a str]) -> Vec<&'a str> {
+    args.iter()
+        .copied()
+        .chain(flags.iter().map(String::as_str))
+        .collect()
+}
+
+/// Polls `status --output json` until `check` accepts it.
+async fn status_until(flags: &[String], what: &str, check: impl Fn(&Value) -> bool) -> Value {
+    let deadline = Instant::now() + LIMIT;
+    loop {
+        let status = json(&with(flags, &["status"])).await;
+        if check(&status) {
+            return status;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "timed out after {LIMIT:?} waiting for {what}; last status:\n{status:#}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// The item of a JSON array whose `key` (a string, or an identity's `cluster_id`) is `id`.
+fn find<'a>(list: &'a Value, key: &str, id: &str) -> Option<&'a Value> {
+    list.as_array()?
+        .iter()
+        .find(|item| item[key] == id || item[key]["cluster_id"] == id)
+}
+
+fn foreign<'a>(status: &'a Value, id: &str) -> Option<&'a Value> {
+    find(&status["foreign_clusters"], "cluster_id", id)
+}
+
+fn tunnel_endpoint<'a>(status: &'a Value, remote: &str) -> Option<&'a Value> {
+    find(&status["tunnel_endpoints"], "remote", remote)
+}
+
+fn is_full_peer(status: &Value, id: &str) -> bool {
+    foreign(status, id).is_some_and(|fc| fc["kind"] == "full" && fc["peered"] == true)
+}
+
+/// Induced ForeignCluster introduced by `hub` and an induced TunnelEndpoint built through it.
+fn is_induced_with_tunnel(status: &Value, id: &str, hub: &str) -> bool {
+    foreign(status, id)
+        .is_some_and(|fc| fc["kind"] == "induced" && fc["origin"]["cluster_id"] == hub)
+        && tunnel_endpoint(status, id)
+            .is_some_and(|te| te["kind"] == "induced" && te["via"]["cluster_id"] == hub)
+}
+
+/// A port nothing listens on.
+fn dead_addr() -> SocketAddr {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("binds");
+    listener.local_addr().expect("addr")
+}
+
+/// Starts the hub's endpoints service next to its other services.
+async fn endpoints_of(cluster: &InProcessCluster, shutdown: Shutdown) -> SocketAddr {
+    let config = trellis_endpoints::Config::try_parse_from([
+        "x",
+        "--listen",
+        "127.0.0.1:0",
+        "--store",
+        "memory://",
+        "--cluster-id",
+        cluster.id.as_str(),
+        "--ipam",
+        &cluster.services.ipam.to_string(),
+        "--discovery",
+        &cluster.services.discovery.to_string(),
+        "--shutdown-grace",
+        "1",
+    ])
+    .expect("config");
+    trellis_endpoints::start(config, shutdown)
+        .await
+        .expect("endpoints starts")
+        .addr
+}
+
+/// The address with `host`'s host bits in `net`.
+fn at(net: &str, host: &str) -> String {
+    let net: IpNet = net.parse().expect("cidr");
+    let host: std::net::Ipv4Addr = host.parse().expect("ip");
+    match net {
+        IpNet::V4(v4) => {
+            let mask = u32::from(v4.netmask());
+            std::net::Ipv4Addr::from(u32::from(v4.network()) | (u32::from(host) & !mask))
+                .to_string()
+        }
+        IpNet::V6(_) => panic!("IPv4 only"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_operator_builds_and_inspects_an_induced_mesh_with_trellisctl() {
+    let hub = InProcessCluster::start("hub", "10.0.0.0/16", "10.201.0.0/16")
+        .await
+        .expect("hub starts");
+    let a = InProcessCluster::start("leaf-a", "10.0.0.0/16", "10.201.0.0/16")
+        .await
+        .expect("leaf-a starts");
+    let c = InProcessCluster::start("leaf-c", "10.0.0.0/16", "10.201.0.0/16")
+        .await
+        .expect("leaf-c starts");
+    let endpoints_shutdown = Shutdown::new();
+    let hub_endpoints = endpoints_of(&hub, endpoints_shutdown.clone()).await;
+    // The leaves run no endpoints service: status must still work there.
+    let hub_flags = flags(&hub, hub_endpoints);
+    let a_flags = flags(&a, dead_addr());
+    let c_flags = flags(&c, dead_addr());
+
+    // token: the table form is the token alone; JSON carries the same one.
+    let token = ok(&with(&hub_flags, &["token"])).await;
+    let token = token.trim_end_matches('\n');
+    assert!(!token.is_empty() && !token.contains('\n'), "{token:?}");
+    let token_json = json(&with(&hub_flags, &["token"])).await;
+    assert_eq!(token_json["token"], token);
+    assert_eq!(token_json["rotated"], false);
+
+    // A wrong token is the broker's PERMISSION_DENIED, exit code 1.
+    let hub_broker = hub.services.broker.to_string();
+    let refused = ctl(&with(
+        &a_flags,
+        &[
+            "peer",
+            "--remote-broker",
+            &hub_broker,
+            "--token",
+            "not-the-hub-token-at-all",
+        ],
+    ))
+    .await;
+    assert_eq!(refused.status.code(), Some(1));
+    let stderr = text(&refused.stderr);
+    assert!(
+        stderr.starts_with("error: the broker at ")
+            && stderr.contains("failed Peer: PERMISSION_DENIED"),
+        "{stderr}"
+    );
+
+    // peer: both leaves with the hub, once in each output format.
+    let peered = ok(&with(
+        &a_flags,
+        &["peer", "--remote-broker", &hub_broker, "--token", token],
+    ))
+    .await;
+    assert!(peered.starts_with("peered with hub at "), "{peered}");
+    let peered = json(&with(
+        &c_flags,
+        &["peer", "--remote-broker", &hub_broker, "--token", token],
+    ))
+    .await;
+    assert_eq!(peered["identity"]["cluster_id"], "hub");
+    assert_eq!(peered["addresses"]["broker"], hub_broker);
+
+    // status: the hub sees both leaves as full peers...
+    let hub_status = status_until(&hub_flags, "the hub to see both leaves full", |s| {
+        is_full_peer(s, "leaf-a")
+            && is_full_peer(s, "leaf-c")
+            && tunnel_endpoint(s, "leaf-a").is_some_and(|te| te["kind"] == "full")
+            && tunnel_endpoint(s, "leaf-c").is_some_and(|te| te["kind"] == "full")
+    })
+    .await;
+    assert_eq!(hub_status["identity"]["cluster_id"], "hub");
+    assert_eq!(
+        find(&hub_status["services"], "service", "endpoints").map(|s| &s["health"]),
+        Some(&Value::from("serving"))
+    );
+    // ...and each leaf sees the other as induced, introduced by the hub, with a tunnel endpoint.
+    let a_status = status_until(&a_flags, "leaf-a to see leaf-c induced", |s| {
+        is_full_peer(s, "hub") && is_induced_with_tunnel(s, "leaf-c", "hub")
+    })
+    .await;
+    status_until(&c_flags, "leaf-c to see leaf-a induced", |s| {
+        is_induced_with_tunnel(s, "leaf-a", "hub")
+    })
+    .await;
+    // Identical pod CIDRs: leaf-a addresses leaf-c through a remapped range.
+    let te = tunnel_endpoint(&a_status, "leaf-c").expect("tunnel endpoint");
+    assert_eq!(te["remote_pod_cidr"], "10.0.0.0/16");
+    assert_ne!(te["remote_pod_cidr_nat"], "10.0.0.0/16");
+    // The leaf's endpoints service is down: reported, not fatal.
+    let endpoints_health = find(&a_status["services"], "service", "endpoints").expect("listed");
+    assert_eq!(endpoints_health["health"], "unreachable");
+    assert!(
+        endpoints_health["error"]
+            .as_str()
+            .is_some_and(|e| e.starts_with("connection refused")),
+        "{endpoints_health}"
+    );
+    // The in-process gateway runs with --dataplane none and no broker feed: no tunnels, mode none.
+    assert_eq!(a_status["gateway"]["mode"], "none");
+    assert_eq!(a_status["tunnels"], Value::Array(vec![]));
+    assert_eq!(a_status["unavailable"], Value::Array(vec![]));
+
+    // The table form of the same.
+    let table = ok(&with(&a_flags, &["status"])).await;
+    for expected in [
+        "Foreign clusters (discovery)",
+        "leaf-c",
+        "induced",
+        "note: no data plane",
+    ] {
+        assert!(
+            table.contains(expected),
+            "missing {expected:?} in:\n{table}"
+        );
+    }
+
+    // status with the gateway down: still exit 0, the section says why.
+    let mut no_gateway = a_flags.clone();
+    let dead_gateway = dead_addr().to_string();
+    let at_gateway = no_gateway
+        .iter()
+        .position(|f| f == "--gateway")
+        .expect("flag")
+        + 1;
+    no_gateway[at_gateway].clone_from(&dead_gateway);
+    let partial = json(&with(&no_gateway, &["status"])).await;
+    assert!(partial["tunnels"].is_null());
+    assert!(partial["foreign_clusters"].is_array());
+    assert!(
+        partial["unavailable"]
+            .as_array()
+            .is_some_and(|u| u.iter().any(|p| {
+                p["service"] == "gateway"
+                    && p["error"].as_str().is_some_and(|e| {
+                        e.contains(&format!("cannot reach the gateway at {dead_gateway}"))
+                    })
+            })),
+        "{partial:#}"
+    );
+
+    // ipam: local subnets and both remote clusters, remapped.
+    let ipam = json(&with(&a_flags, &["ipam"])).await;
+    assert_eq!(ipam["local"]["pod_cidr"], "10.0.0.0/16");
+    assert_eq!(ipam["local"]["external_cidr"], "10.201.0.0/16");
+    for remote in ["hub", "leaf-c"] {
+        let record = find(&ipam["clusters"], "cluster_id", remote).expect("a mapping");
+        assert_eq!(record["remote_pod_cidr"], "10.0.0.0/16", "{record}");
+        assert_ne!(record["remote_pod_cidr_nat"], "10.0.0.0/16", "{record}");
+        assert!(
+            record["local_pod_cidr_nat"]
+                .as_str()
+                .is_some_and(|s| !s.is_empty())
+        );
+    }
+    // ipam map: a local pod, as the hub addresses leaf-a.
+    let hub_view_of_a =
+        find(&ipam["clusters"], "cluster_id", "hub").expect("hub")["local_pod_cidr_nat"]
+            .as_str()
+            .expect("cidr")
+            .to_owned();
+    let mapped = json(&with(
+        &a_flags,
+        &["ipam", "map", "--cluster-id", "hub", "--ip", "10.0.3.7"],
+    ))
+    .await;
+    assert_eq!(mapped["path"], "local_nat");
+    assert_eq!(mapped["mapped_ip"], at(&hub_view_of_a, "10.0.3.7"));
+
+    // endpoints: nothing reflected to the hub; reflecting a hub pod to leaf-a uses leaf-a's
+    // view of the hub.
+    let listed = json(&with(&hub_flags, &["endpoints"])).await;
+    assert_eq!(listed["reflected_slices"], Value::Array(vec![]));
+    let dir = tempfile::tempdir().expect("tempdir");
+    let file = dir.path().join("slice.json");
+    std::fs::write(
+        &file,
+        serde_json::json!({
+            "apiVersion": "discovery.k8s.io/v1",
+            "kind": "EndpointSlice",
+            "metadata": {"name": "web-1", "namespace": "shop",
+                         "labels": {"kubernetes.io/service-name": "web"}},
+            "addressType": "IPv4",
+            "endpoints": [{"addresses": ["10.0.9.9"], "conditions": {"ready": true}}],
+            "ports": [{"name": "http", "port": 8080, "protocol": "TCP"}]
+        })
+        .to_string(),
+    )
+    .expect("writes");
+    let file = file.to_str().expect("utf-8 path");
+    let reflected = json(&with(
+        &hub_flags,
+        &["endpoints", "reflect", "--target", "leaf-a", "--file", file],
+    ))
+    .await;
+    let hub_ipam = json(&with(&hub_flags, &["ipam"])).await;
+    let a_view_of_hub =
+        find(&hub_ipam["clusters"], "cluster_id", "leaf-a").expect("leaf-a")["local_pod_cidr_nat"]
+            .as_str()
+            .expect("cidr")
+            .to_owned();
+    assert_eq!(reflected["translations"][0]["path"], "local_nat");
+    assert_eq!(
+        reflected["translations"][0]["translated_address"],
+        at(&a_view_of_hub, "10.0.9.9")
+    );
+    assert_eq!(reflected["delivered"], false);
+
+    // unpeer: the hub drops leaf-c; leaf-a loses its induced peer and tunnel endpoint.
+    let unpeered = json(&with(&hub_flags, &["unpeer", "leaf-c"])).await;
+    assert_eq!(unpeered["unpeered"], true);
+    status_until(&a_flags, "leaf-a to drop leaf-c", |s| {
+        tunnel_endpoint(s, "leaf-c").is_none()
+            && foreign(s, "leaf-c").is_none_or(|fc| {
+                fc["conditions"].as_array().is_some_and(|cs| {
+                    cs.iter()
+                        .any(|c| c["type"] == "Withdrawn" && c["status"] == "True")
+                })
+            })
+    })
+    .await;
+    let again = ok(&with(&hub_flags, &["unpeer", "leaf-c"])).await;
+    assert_eq!(again, "leaf-c was not peered; nothing to do\n");
+
+    // An unreachable service: exit code 1 and a message naming it, the cause and the flag.
+    let dead = dead_addr();
+    let out = ctl(&["token", "--broker", &dead.to_string()]).await;
+    assert_eq!(out.status.code(), Some(1));
+    assert!(out.stdout.is_empty());
+    assert_eq!(
+        text(&out.stderr),
+        format!(
+            "error: cannot reach the broker at {dead}: connection refused \
+             (is trellis-broker running? set --broker)\n"
+        )
+    );
+    // Nothing at all answers: status prints what it found, then fails.
+    let dead_flags: Vec<String> = [
+        "--discovery",
+        "--broker",
+        "--forwarder",
+        "--ipam",
+        "--endpoints",
+        "--gateway",
+    ]
+    .iter()
+    .flat_map(|f| [(*f).to_owned(), dead_addr().to_string()])
+    .collect();
+    let out = ctl(&with(&dead_flags, &["status"])).await;
+    assert_eq!(out.status.code(), Some(1));
+    assert!(text(&out.stdout).contains("unreachable"));
+    assert!(text(&out.stderr).contains("error: no service of the cluster answered"));
+    // Usage errors: exit code 2, nothing sent.
+    let out = ctl(&["peer", "--remote-broker", &hub_broker]).await;
+    assert_eq!(out.status.code(), Some(2));
+    assert!(text(&out.stderr).contains("--token"));
+
+    endpoints_shutdown.cancel();
+    hub.stop().await;
+    a.stop().await;
+    c.stop().await;
+}
