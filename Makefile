@@ -8,7 +8,7 @@ export PATH := $(ROOT)/.tools/bin:$(HOME)/.cargo/bin:$(PATH)
 export CARGO_TARGET_DIR ?= $(HOME)/.cache/trellis/target
 export CARGO_TERM_COLOR ?= never
 
-.PHONY: demo setup test fmt-check clippy lint-proto build nextest fmt bench-ipam bench-mesh bench-endpoints clean
+.PHONY: demo setup test fmt-check clippy lint-proto validate-deploy build nextest fmt bench-ipam bench-mesh bench-endpoints clean
 
 setup:
 	bash scripts/setup.sh
@@ -23,6 +23,12 @@ lint-proto:
 	buf lint
 	buf build -o /dev/null
 
+# docker-compose.yml against the compose-spec schema, every kustomize overlay rendered and
+# validated strictly against the Kubernetes schemas (offline). Flag consistency with the
+# binaries is tests/integration/tests/deploy_flags.rs.
+validate-deploy:
+	bash scripts/validate-deploy.sh
+
 # Binaries first: the multi-process tests in tests/integration start them.
 build:
 	cargo build --workspace --bins --locked
@@ -30,7 +36,7 @@ build:
 nextest: build
 	cargo nextest run --workspace --locked --no-fail-fast
 
-test: setup fmt-check lint-proto clippy nextest
+test: setup fmt-check lint-proto validate-deploy clippy nextest
 
 fmt:
 	cargo fmt --all
@@ -50,6 +56,14 @@ bench-mesh: setup
 # Reflected endpoints per second, local and remote-IPAM paths (docs/benchmarks.md).
 bench-endpoints: setup
 	cargo run --release --locked -p trellis-bench --bin endpoints-bench -- --out bench/results/endpoints.json
+
+# Leaf-to-leaf RTT with induced peering vs through the hub under tc netem (180 ms hub links,
+# 20 ms leaf link), and tunnel vs bare veth throughput, in network namespaces: root only
+# (docs/benchmarks.md). The service binaries it starts are built in release mode first.
+bench-dataplane: setup
+	cargo build --release --locked --bins -p trellis-ipam -p trellis-discovery -p trellis-broker \
+		-p trellis-forwarder -p trellis-gateway -p trellis-endpoints
+	cargo run --release --locked -p trellis-bench --bin dataplane-bench -- --out bench/results/dataplane.json
 
 clean:
 	cargo clean

@@ -278,6 +278,7 @@ async fn measure(store: StoreKind, args: &Args) -> anyhow::Result<Vec<Scenario>>
             reason: "HandshakeCompleted".into(),
             message: String::new(),
             expected_revision: 0,
+            ca_certificate: String::new(),
         })
         .await?;
     }

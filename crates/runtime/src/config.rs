@@ -2,6 +2,7 @@
 //! config struct embeds [`CommonConfig`] with `#[command(flatten)]`.
 
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::{Args, ValueEnum};
@@ -45,6 +46,82 @@ pub struct CommonConfig {
         default_value_t = 10
     )]
     pub shutdown_grace: u64,
+}
+
+/// Mutual TLS towards other clusters (ADR 0014), off unless given. A service with these flags
+/// serves its cluster-facing RPCs on `--peer-listen` over mutual TLS (what discovery should
+/// advertise to peers), refuses them on the plaintext `--listen` (keep that one inside the
+/// cluster), and calls other clusters over mutual TLS.
+#[derive(Debug, Clone, Default, Args)]
+pub struct PeerTlsConfig {
+    /// Address of the mutual-TLS listener for other clusters. Requires the three --tls-* files.
+    #[arg(
+        long,
+        env = "TRELLIS_PEER_LISTEN",
+        value_name = "HOST:PORT",
+        requires_all = ["tls_ca_cert", "tls_cert", "tls_key"]
+    )]
+    pub peer_listen: Option<SocketAddr>,
+
+    /// This cluster's CA certificate (PEM): sent to peers at the handshake, and what our own
+    /// certificate must chain to.
+    #[arg(
+        long,
+        env = "TRELLIS_TLS_CA_CERT",
+        value_name = "FILE",
+        requires = "peer_listen"
+    )]
+    pub tls_ca_cert: Option<PathBuf>,
+
+    /// This service's certificate (PEM), issued by the cluster CA, naming
+    /// spiffe://trellis/cluster/<cluster-id>/<service>. Re-read when it changes (renewal).
+    #[arg(
+        long,
+        env = "TRELLIS_TLS_CERT",
+        value_name = "FILE",
+        requires = "peer_listen"
+    )]
+    pub tls_cert: Option<PathBuf>,
+
+    /// This service's private key (PEM). Never logged.
+    #[arg(
+        long,
+        env = "TRELLIS_TLS_KEY",
+        value_name = "FILE",
+        requires = "peer_listen"
+    )]
+    pub tls_key: Option<PathBuf>,
+
+    /// Seconds between two checks of the certificate and key files for a renewed pair.
+    #[arg(
+        long,
+        env = "TRELLIS_TLS_RELOAD",
+        value_name = "SECONDS",
+        default_value_t = 30
+    )]
+    pub tls_reload: u64,
+}
+
+impl PeerTlsConfig {
+    /// The TLS setup, when the flags ask for one.
+    pub fn load(&self, cluster_id: &str) -> anyhow::Result<Option<crate::tls::PeerTls>> {
+        let (Some(ca_cert), Some(cert), Some(key)) =
+            (&self.tls_ca_cert, &self.tls_cert, &self.tls_key)
+        else {
+            return Ok(None);
+        };
+        let files = crate::tls::TlsFiles {
+            ca_cert: ca_cert.clone(),
+            cert: cert.clone(),
+            key: key.clone(),
+        };
+        crate::tls::PeerTls::from_files(cluster_id, &files).map(Some)
+    }
+
+    /// The renewal check period.
+    pub fn reload_period(&self) -> Duration {
+        Duration::from_secs(self.tls_reload.max(1))
+    }
 }
 
 /// How log lines are written.

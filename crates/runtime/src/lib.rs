@@ -8,17 +8,21 @@
 //! - [`server`]: a gRPC server that always serves health and reflection (v1 and v1alpha);
 //! - [`client`]: channels to other services with timeouts and trace propagation;
 //! - [`shutdown`]: SIGTERM/SIGINT to a cancellation token, graceful drain;
-//! - [`launch`]: the `main` of every service binary.
+//! - [`launch`]: the `main` of every service binary;
+//! - [`tls`], [`peer`]: mutual TLS between clusters and the authorization of cluster-facing
+//!   RPCs (ADR 0014).
 //!
 //! The domain error type and its gRPC table are re-exported from `trellis-error`.
 
 pub mod client;
 pub mod config;
 pub mod launch;
+pub mod peer;
 pub mod propagation;
 pub mod server;
 pub mod shutdown;
 pub mod telemetry;
+pub mod tls;
 
 pub use config::CommonConfig;
 pub use launch::launch;

@@ -13,8 +13,10 @@ use tonic::service::Routes;
 use tonic::transport::Server;
 use tonic_health::ServingStatus;
 
+use crate::peer::{GateLayer, PeerMethods};
 use crate::propagation::server_span;
 use crate::shutdown::Shutdown;
+use crate::tls::PeerTls;
 
 /// A bound, not yet serving, gRPC server. Binding first lets callers learn the real port when
 /// they asked for port 0.
@@ -22,6 +24,42 @@ use crate::shutdown::Shutdown;
 pub struct GrpcServer {
     listener: TcpListener,
     addr: SocketAddr,
+    peer: Option<PeerListener>,
+}
+
+/// The mutual-TLS listener for other clusters (ADR 0014): the same routes, behind a gate that
+/// lets through only the cluster-facing methods.
+#[derive(Debug)]
+pub struct PeerListener {
+    listener: TcpListener,
+    addr: SocketAddr,
+    tls: PeerTls,
+    methods: PeerMethods,
+}
+
+impl PeerListener {
+    /// Binds the peer listen address.
+    pub async fn bind(
+        addr: SocketAddr,
+        tls: PeerTls,
+        methods: PeerMethods,
+    ) -> anyhow::Result<Self> {
+        let listener = TcpListener::bind(addr)
+            .await
+            .with_context(|| format!("cannot listen on {addr} (peer listener)"))?;
+        let addr = listener.local_addr()?;
+        Ok(Self {
+            listener,
+            addr,
+            tls,
+            methods,
+        })
+    }
+
+    /// The address actually bound.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.addr
+    }
 }
 
 impl GrpcServer {
@@ -31,12 +69,27 @@ impl GrpcServer {
             .await
             .with_context(|| format!("cannot listen on {addr}"))?;
         let addr = listener.local_addr()?;
-        Ok(Self { listener, addr })
+        Ok(Self {
+            listener,
+            addr,
+            peer: None,
+        })
     }
 
     /// The address actually bound.
     pub fn local_addr(&self) -> SocketAddr {
         self.addr
+    }
+
+    /// Also serves on `peer` (mutual TLS), when given.
+    pub fn with_peer_listener(mut self, peer: Option<PeerListener>) -> Self {
+        self.peer = peer;
+        self
+    }
+
+    /// The peer listener's address, when there is one.
+    pub fn peer_addr(&self) -> Option<SocketAddr> {
+        self.peer.as_ref().map(PeerListener::local_addr)
     }
 
     /// Serves in a task of its own (see [`GrpcServer::serve`]). `background` holds the
@@ -52,7 +105,7 @@ impl GrpcServer {
         background: Vec<tokio::task::JoinHandle<()>>,
     ) -> tokio::task::JoinHandle<anyhow::Result<()>> {
         tokio::spawn(async move {
-            let served = self.serve(routes, services, shutdown, grace).await;
+            let served = Box::pin(self.serve(routes, services, shutdown, grace)).await;
             for mut task in background {
                 match tokio::time::timeout(grace, &mut task).await {
                     Ok(joined) => joined.context("a background task of the service panicked")?,
@@ -100,13 +153,37 @@ impl GrpcServer {
             }
         };
 
+        let peer = match self.peer {
+            Some(peer) => {
+                tracing::info!(addr = %peer.addr, services = ?services, "serving gRPC to other clusters over mutual TLS");
+                let incoming = crate::tls::incoming(peer.listener, &peer.tls)?;
+                let stopped = shutdown.clone();
+                Some(
+                    Server::builder()
+                        .trace_fn(server_span)
+                        .http2_keepalive_interval(Some(Duration::from_secs(30)))
+                        .layer(GateLayer::new(peer.methods))
+                        .add_routes(routes.clone())
+                        .serve_with_incoming_shutdown(incoming, async move {
+                            stopped.cancelled().await;
+                        }),
+                )
+            }
+            None => None,
+        };
         tracing::info!(addr = %self.addr, services = ?services, "serving gRPC");
-        let server = Server::builder()
+        let plain = Server::builder()
             .trace_fn(server_span)
             .tcp_nodelay(true)
             .http2_keepalive_interval(Some(Duration::from_secs(30)))
             .add_routes(routes)
             .serve_with_incoming_shutdown(TcpListenerStream::new(self.listener), stop);
+        let server = async move {
+            match peer {
+                Some(peer) => tokio::try_join!(plain, peer).map(|_| ()),
+                None => plain.await,
+            }
+        };
         tokio::pin!(server);
 
         tokio::select! {

@@ -36,6 +36,7 @@ macro_rules! conformance_tests {
             get_missing_then_put_then_get,
             versions_and_revisions_increase,
             list_by_prefix_is_sorted_and_scoped,
+            size_counts_keys_and_values_under_the_prefix,
             delete_reports_whether_the_key_existed,
             txn_success_branch_is_atomic,
             txn_failure_branch,
@@ -183,6 +184,25 @@ pub async fn list_by_prefix_is_sorted_and_scoped(store: SharedStore) {
     let listing = store.list("zz/").await.expect("list");
     assert!(listing.kvs.is_empty());
     assert_eq!(listing.revision, last);
+}
+
+/// `size` counts the keys under the prefix and the bytes of their keys and values.
+pub async fn size_counts_keys_and_values_under_the_prefix(store: SharedStore) {
+    assert_eq!(
+        store.size("").await.expect("size"),
+        crate::StoreSize::default()
+    );
+    put(&store, "a/1", "xyz").await;
+    put(&store, "a/22", "").await;
+    put(&store, "b", "0123456789").await;
+    let size = store.size("a/").await.expect("size");
+    assert_eq!((size.keys, size.bytes), (2, 3 + 3 + 4));
+    let size = store.size("").await.expect("size");
+    assert_eq!((size.keys, size.bytes), (3, 3 + 3 + 4 + 1 + 10));
+    assert_eq!(
+        store.size("zz/").await.expect("size"),
+        crate::StoreSize::default()
+    );
 }
 
 /// `delete` says whether there was something to delete; deleting nothing changes nothing.

@@ -43,3 +43,24 @@ pub struct Listing {
     /// from it without gaps.
     pub revision: Revision,
 }
+
+/// How much a store holds under a prefix (see [`Store::size`](crate::Store::size)).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StoreSize {
+    /// How many keys.
+    pub keys: usize,
+    /// Bytes of the keys (as the store names them, without an etcd URL's prefix) plus bytes
+    /// of their values. Metadata (revisions, leases) and the backend's own overhead are not
+    /// counted.
+    pub bytes: usize,
+}
+
+impl StoreSize {
+    /// The size of a listing.
+    pub fn of(kvs: &[KeyValue]) -> Self {
+        Self {
+            keys: kvs.len(),
+            bytes: kvs.iter().map(|kv| kv.key.len() + kv.value.len()).sum(),
+        }
+    }
+}

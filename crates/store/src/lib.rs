@@ -36,7 +36,7 @@ use std::time::Duration;
 
 pub use error::StoreError;
 pub use etcd::EtcdStore;
-pub use kv::{KeyValue, LeaseId, Listing, Revision};
+pub use kv::{KeyValue, LeaseId, Listing, Revision, StoreSize};
 pub use memory::MemoryStore;
 pub use txn::{Compare, Op, Txn, TxnOutcome};
 pub use url::StoreUrl;
@@ -58,6 +58,13 @@ pub trait Store: Send + Sync + std::fmt::Debug + 'static {
     /// Every key starting with `prefix` (`""` lists the whole store), sorted by key, as of one
     /// revision.
     async fn list(&self, prefix: &str) -> Result<Listing, StoreError>;
+
+    /// How many keys and bytes (keys plus values) are stored under `prefix` (`""`: the whole
+    /// store), as of one revision. Lists every key under the prefix: meant for benchmarks and
+    /// operators, not for hot paths.
+    async fn size(&self, prefix: &str) -> Result<StoreSize, StoreError> {
+        Ok(StoreSize::of(&self.list(prefix).await?.kvs))
+    }
 
     /// Sets `key` to `value` (detaching any lease) and returns the revision of the change.
     async fn put(&self, key: &str, value: Vec<u8>) -> Result<Revision, StoreError>;

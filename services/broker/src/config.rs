@@ -5,6 +5,7 @@ use std::time::Duration;
 use clap::Parser;
 use trellis_runtime::CommonConfig;
 use trellis_runtime::config::HasCommon;
+use trellis_runtime::config::PeerTlsConfig;
 
 fn address_arg(value: &str) -> Result<String, String> {
     trellis_api::address::required("value", value).map_err(|e| match e {
@@ -16,11 +17,14 @@ fn address_arg(value: &str) -> Result<String, String> {
 /// The peering broker of one Trellis cluster: token handshake with full peers, NetworkConfig
 /// exchange (directly, or relayed by a hub's forwarder for induced peers), TunnelEndpoints for
 /// the gateway, and unpeering.
-#[derive(Debug, Clone, Parser)]
+#[derive(Clone, Parser)]
 #[command(name = "trellis-broker", version, about, long_about = None)]
 pub struct Config {
     #[command(flatten)]
     pub common: CommonConfig,
+
+    #[command(flatten)]
+    pub tls: PeerTlsConfig,
 
     /// Address of this cluster's discovery service ("host:port"): peers are recorded there,
     /// and its ForeignClusters say which NetworkConfigs to exchange.
@@ -55,6 +59,21 @@ pub struct Config {
         default_value_t = 10
     )]
     pub resync: u64,
+}
+
+/// Shows everything but the token (a secret).
+impl std::fmt::Debug for Config {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Config")
+            .field("common", &self.common)
+            .field("tls", &self.tls)
+            .field("discovery", &self.discovery)
+            .field("ipam", &self.ipam)
+            .field("gateway", &self.gateway)
+            .field("token", &self.token.as_ref().map(|_| "<redacted>"))
+            .field("resync", &self.resync)
+            .finish()
+    }
 }
 
 impl HasCommon for Config {

@@ -27,6 +27,7 @@ use crate::records::{
 use crate::remote::Clients;
 use crate::token;
 use trellis_api::peers::Peers;
+use trellis_runtime::tls::PinnedCa;
 
 /// A NetworkConfig received from a remote, validated.
 #[derive(Debug, Clone)]
@@ -125,12 +126,60 @@ impl Broker {
         Ok(Peers::from_foreign_clusters(&listing.foreign_clusters))
     }
 
+    /// Checks a CA certificate a peer sent in the handshake (ADR 0014): with TLS on it is
+    /// required, must name the peer and must not be ours. Returns what to pin.
+    fn peer_ca(&self, field: &str, remote: &ClusterId, pem: &str) -> Result<Option<PinnedCa>> {
+        let Some(tls) = self.clients.tls() else {
+            return Ok(None);
+        };
+        if pem.is_empty() {
+            return Err(Error::invalid(
+                field,
+                format!(
+                    "is required: {} runs with mutual TLS between clusters",
+                    self.identity.id
+                ),
+            ));
+        }
+        let ca = PinnedCa::from_pem(remote.as_str(), pem)
+            .map_err(|e| Error::invalid(field, e.to_string()))?;
+        let ours = PinnedCa::from_pem(self.identity.id.as_str(), tls.ca_pem())?;
+        if ca.fingerprint() == ours.fingerprint() {
+            return Err(Error::invalid(field, "is this cluster's own CA"));
+        }
+        Ok(Some(ca))
+    }
+
+    /// Our CA certificate for the handshake (empty without TLS).
+    fn our_ca(&self) -> String {
+        self.clients
+            .tls()
+            .map(|t| t.ca_pem().to_owned())
+            .unwrap_or_default()
+    }
+
+    /// Pins (or, `None` on unpeering, unpins) a peer's CA in our own trust store at once; the
+    /// trust sync from discovery would do it a moment later.
+    fn pin(&self, remote: &ClusterId, ca: Option<PinnedCa>) {
+        if let Some(tls) = self.clients.tls() {
+            match ca {
+                Some(ca) => {
+                    tls.trust().pin(ca);
+                }
+                None => {
+                    tls.trust().unpin(remote.as_str());
+                }
+            }
+        }
+    }
+
     async fn record_peering(
         &self,
         remote: &ClusterIdentity,
         addresses: Option<&Addresses>,
         peered: bool,
         reason: &str,
+        ca: Option<&PinnedCa>,
     ) -> Result<()> {
         self.clients
             .discovery()
@@ -144,6 +193,7 @@ impl Broker {
                 reason: reason.to_owned(),
                 message: String::new(),
                 expected_revision: 0,
+                ca_certificate: ca.map(|c| c.pem().to_owned()).unwrap_or_default(),
             })
             .await
             .map_err(local(
@@ -160,7 +210,8 @@ impl Broker {
         presented: &str,
         caller: &ClusterIdentity,
         addresses: &Addresses,
-    ) -> Result<(ClusterIdentity, Addresses)> {
+        ca_certificate: &str,
+    ) -> Result<(ClusterIdentity, Addresses, String)> {
         let token = self.token().await?;
         if !token::accepts(&token, presented) {
             tracing::warn!(remote.id = %caller.id, "refused a handshake with a wrong or expired token");
@@ -180,12 +231,20 @@ impl Broker {
                 "is required: we must be able to reach the caller's broker",
             ));
         }
+        let ca = self.peer_ca("ca_certificate", &caller.id, ca_certificate)?;
         let ours = self.advertised().await?;
-        self.record_peering(caller, Some(addresses), true, "HandshakeAccepted")
-            .await?;
+        self.record_peering(
+            caller,
+            Some(addresses),
+            true,
+            "HandshakeAccepted",
+            ca.as_ref(),
+        )
+        .await?;
+        self.pin(&caller.id, ca);
         tracing::info!(remote.id = %caller.id, remote.name = %caller.name, "accepted a peering handshake");
         self.wake();
-        Ok((self.identity.clone(), ours))
+        Ok((self.identity.clone(), ours, self.our_ca()))
     }
 
     /// Peers with the cluster whose broker listens at `address`.
@@ -204,11 +263,12 @@ impl Broker {
         }
         let answer = self
             .clients
-            .broker(address)?
+            .handshake_broker(address)?
             .handshake(HandshakeRequest {
                 token: presented.to_owned(),
                 identity: Some(identity_to_pb(&self.identity)),
                 addresses: Some(addresses_to_pb(&ours)),
+                ca_certificate: self.our_ca(),
             })
             .await
             .map_err(|status| Error::from(status).context(format!("handshake with {address}")))?
@@ -234,8 +294,12 @@ impl Broker {
                 remote.id
             )));
         }
-        self.record_peering(&remote, Some(&addresses), true, "Peered")
+        let ca = self
+            .peer_ca("ca_certificate", &remote.id, &answer.ca_certificate)
+            .map_err(unusable)?;
+        self.record_peering(&remote, Some(&addresses), true, "Peered", ca.as_ref())
             .await?;
+        self.pin(&remote.id, ca);
         tracing::info!(remote.id = %remote.id, remote.name = %remote.name, "peered");
         self.wake();
         Ok((remote, addresses))
@@ -249,13 +313,22 @@ impl Broker {
         let Some((remote, addresses, _)) = peers.full.get(id).cloned() else {
             return Ok(false);
         };
-        self.record_peering(&remote, None, false, "Unpeered")
+        // Kept to reach the remote over mutual TLS once it is unpinned.
+        let ca_certificate = self
+            .clients
+            .tls()
+            .and_then(|t| t.trust().get(id.as_str()))
+            .map(|ca| ca.pem().to_owned())
+            .unwrap_or_default();
+        self.record_peering(&remote, None, false, "Unpeered", None)
             .await?;
+        self.pin(id, None);
         if !addresses.broker.is_empty() {
             let pending = PendingNotify {
                 remote: remote.clone(),
                 broker: addresses.broker.clone(),
                 reason: "Unpeered".into(),
+                ca_certificate,
             };
             self.store.put(&notify_key(id), encode(&pending)?).await?;
             self.deliver_notify(&pending).await;
@@ -267,7 +340,11 @@ impl Broker {
 
     /// Tries to deliver a pending unpeering notice; forgets it once acknowledged.
     pub async fn deliver_notify(&self, pending: &PendingNotify) -> bool {
-        let sent = match self.clients.broker(&pending.broker) {
+        let sent = match self.clients.unpinned_broker(
+            &pending.broker,
+            &pending.remote.id,
+            &pending.ca_certificate,
+        ) {
             Ok(mut client) => client
                 .notify_unpeer(NotifyUnpeerRequest {
                     identity: Some(identity_to_pb(&self.identity)),
@@ -306,8 +383,10 @@ impl Broker {
             } else {
                 reason
             },
+            None,
         )
         .await?;
+        self.pin(&caller.id, None);
         tracing::info!(remote.id = %caller.id, reason, "the remote unpeered us");
         self.wake();
         Ok(true)

@@ -15,6 +15,8 @@ use trellis_api::pb::types;
 use trellis_api::{ClusterId, ClusterIdentity, address};
 use trellis_error::{Error, Result};
 
+use trellis_runtime::peer::{Authz, PeerMethods};
+
 use crate::core::{Broker, Received};
 use crate::records::{Decision, nc_name};
 use crate::{reconcile, token, watch};
@@ -23,11 +25,42 @@ use crate::{reconcile, token, watch};
 #[derive(Debug, Clone)]
 pub struct BrokerService {
     core: Arc<Broker>,
+    authz: Authz,
 }
 
 impl BrokerService {
+    /// Without mutual TLS: the identities requests claim are trusted.
     pub fn new(core: Arc<Broker>) -> Self {
-        Self { core }
+        Self::with_authz(core, Authz::off())
+    }
+
+    /// With `authz` checking cluster-facing calls against the caller's certificate (ADR 0014).
+    pub fn with_authz(core: Arc<Broker>, authz: Authz) -> Self {
+        Self { core, authz }
+    }
+}
+
+/// The methods the peer listener serves (ADR 0014).
+pub const PEER_METHODS: PeerMethods = PeerMethods {
+    authenticated: &[
+        "/trellis.peering.v1.Broker/SubmitNetworkConfig",
+        "/trellis.peering.v1.Broker/ReportNetworkConfigStatus",
+        "/trellis.peering.v1.Broker/WithdrawNetworkConfig",
+        "/trellis.peering.v1.Broker/NotifyUnpeer",
+    ],
+    anonymous: &["/trellis.peering.v1.Broker/Handshake"],
+};
+
+/// Who must be calling about a NetworkConfig (reference): its `via` hub when relayed,
+/// otherwise `direct` (the origin or the destination, depending on the RPC).
+fn sender<'a>(
+    via: Option<&'a ClusterIdentity>,
+    direct: &'a ClusterIdentity,
+    direct_field: &'static str,
+) -> (&'static str, &'a ClusterId) {
+    match via {
+        Some(hub) => ("network_config.via", &hub.id),
+        None => (direct_field, &direct.id),
     }
 }
 
@@ -175,10 +208,14 @@ impl BrokerApi for BrokerService {
         }
         let caller = identity_from_pb("identity", req.identity.as_ref())?;
         let addresses = addresses_from_pb("addresses", req.addresses.as_ref())?;
-        let (identity, ours) = self.core.handshake(&req.token, &caller, &addresses).await?;
+        let (identity, ours, ca_certificate) = self
+            .core
+            .handshake(&req.token, &caller, &addresses, &req.ca_certificate)
+            .await?;
         Ok(Response::new(pb::HandshakeResponse {
             identity: Some(identity_to_pb(&identity)),
             addresses: Some(addresses_to_pb(&ours)),
+            ca_certificate,
         }))
     }
 
@@ -186,6 +223,8 @@ impl BrokerApi for BrokerService {
         &self,
         request: Request<pb::SubmitNetworkConfigRequest>,
     ) -> Result<Response<pb::SubmitNetworkConfigResponse>, Status> {
+        const RPC: &str = "SubmitNetworkConfig";
+        let peer = self.authz.peer(&request, RPC)?;
         let nc = request
             .into_inner()
             .network_config
@@ -201,6 +240,10 @@ impl BrokerApi for BrokerService {
             &destination,
             via.as_ref(),
         )?;
+        // A cluster submits only as itself; a relayed one only as the hub it names in `via`.
+        let (claim, expected) = sender(via.as_ref(), &origin, "network_config.origin");
+        self.authz
+            .require(peer.as_ref(), RPC, claim, expected.as_str())?;
         if nc.generation < 1 {
             return Err(Error::invalid("network_config.generation", "must be at least 1").into());
         }
@@ -224,6 +267,8 @@ impl BrokerApi for BrokerService {
         &self,
         request: Request<pb::ReportNetworkConfigStatusRequest>,
     ) -> Result<Response<pb::ReportNetworkConfigStatusResponse>, Status> {
+        const RPC: &str = "ReportNetworkConfigStatus";
+        let peer = self.authz.peer(&request, RPC)?;
         let req = request.into_inner();
         let reference = req
             .network_config
@@ -236,6 +281,11 @@ impl BrokerApi for BrokerService {
                 Error::invalid("network_config.origin.cluster_id", "is not this cluster").into(),
             );
         }
+        // The decision comes from the destination itself, or from the hub relaying it.
+        let via = via_of("network_config.via", reference.via.as_ref())?;
+        let (claim, expected) = sender(via.as_ref(), &destination, "network_config.destination");
+        self.authz
+            .require(peer.as_ref(), RPC, claim, expected.as_str())?;
         let expected = nc_name(&origin.id, &destination.id);
         if reference.name != expected {
             return Err(Error::invalid(
@@ -265,6 +315,8 @@ impl BrokerApi for BrokerService {
         &self,
         request: Request<pb::WithdrawNetworkConfigRequest>,
     ) -> Result<Response<pb::WithdrawNetworkConfigResponse>, Status> {
+        const RPC: &str = "WithdrawNetworkConfig";
+        let peer = self.authz.peer(&request, RPC)?;
         let req = request.into_inner();
         let reference = req
             .network_config
@@ -281,6 +333,9 @@ impl BrokerApi for BrokerService {
             &destination,
             via.as_ref(),
         )?;
+        let (claim, expected) = sender(via.as_ref(), &origin, "network_config.origin");
+        self.authz
+            .require(peer.as_ref(), RPC, claim, expected.as_str())?;
         let removed = reconcile::withdrawn(&self.core, &origin.id).await?;
         tracing::info!(remote.id = %origin.id, reason = req.reason, removed, "the remote withdrew its network config");
         Ok(Response::new(pb::WithdrawNetworkConfigResponse { removed }))
@@ -290,8 +345,12 @@ impl BrokerApi for BrokerService {
         &self,
         request: Request<pb::NotifyUnpeerRequest>,
     ) -> Result<Response<pb::NotifyUnpeerResponse>, Status> {
+        const RPC: &str = "NotifyUnpeer";
+        let peer = self.authz.peer(&request, RPC)?;
         let req = request.into_inner();
         let caller = identity_from_pb("identity", req.identity.as_ref())?;
+        self.authz
+            .require(peer.as_ref(), RPC, "identity", caller.id.as_str())?;
         let unpeered = self.core.notified_unpeer(&caller, &req.reason).await?;
         Ok(Response::new(pb::NotifyUnpeerResponse { unpeered }))
     }

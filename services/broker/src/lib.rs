@@ -29,7 +29,8 @@ use trellis_api::ClusterIdentity;
 use trellis_api::pb::peering::broker_server::BrokerServer;
 use trellis_runtime::Shutdown;
 use trellis_runtime::config::ports;
-use trellis_runtime::server::GrpcServer;
+use trellis_runtime::peer;
+use trellis_runtime::server::{GrpcServer, PeerListener};
 
 pub use crate::config::Config;
 pub use crate::core::Broker;
@@ -43,6 +44,8 @@ pub const MAX_REQUEST_BYTES: usize = 64 * 1024;
 #[derive(Debug)]
 pub struct Started {
     pub addr: SocketAddr,
+    /// The mutual-TLS listener for other clusters, when TLS is on.
+    pub peer_addr: Option<SocketAddr>,
     pub core: Arc<Broker>,
     pub task: JoinHandle<anyhow::Result<()>>,
 }
@@ -62,30 +65,60 @@ pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started
     let store = trellis_store::open(&common.store)
         .await
         .with_context(|| format!("opening store {}", common.store))?;
-    let clients = Clients::new(&config.discovery, &config.ipam, &config.gateway)?;
+    let tls = config.tls.load(identity.id.as_str())?;
+    let clients = Clients::new(
+        &config.discovery,
+        &config.ipam,
+        &config.gateway,
+        tls.clone(),
+    )?;
     let core = Arc::new(Broker::new(identity, store, clients, config.token.clone()));
     core.token()
         .await
         .context("initialising the peering token")?;
-    let server = GrpcServer::bind(common.listen_addr(ports::BROKER)).await?;
+    let mut background = Vec::new();
+    let (peer, authz) = match (&tls, config.tls.peer_listen) {
+        (Some(tls), Some(listen)) => {
+            background.push(peer::spawn_trust_sync(
+                core.clients().discovery_channel(),
+                tls.trust().clone(),
+                shutdown.clone(),
+            ));
+            background.push(tls.spawn_reloader(config.tls.reload_period(), shutdown.clone()));
+            (
+                Some(PeerListener::bind(listen, tls.clone(), grpc::PEER_METHODS).await?),
+                peer::Authz::on(tls.trust().clone()),
+            )
+        }
+        _ => (None, peer::Authz::off()),
+    };
+    let server = GrpcServer::bind(common.listen_addr(ports::BROKER))
+        .await?
+        .with_peer_listener(peer);
     let addr = server.local_addr();
+    let peer_addr = server.peer_addr();
     let routes = Routes::new(
-        BrokerServer::new(BrokerService::new(core.clone()))
+        BrokerServer::new(BrokerService::with_authz(core.clone(), authz))
             .max_decoding_message_size(MAX_REQUEST_BYTES),
     );
-    let reconciler = tokio::spawn(reconcile::run(
+    background.push(tokio::spawn(reconcile::run(
         core.clone(),
         config.resync(),
         shutdown.clone(),
-    ));
+    )));
     let task = server.spawn(
         routes,
         &[BrokerServer::<BrokerService>::NAME],
         shutdown,
         common.shutdown_grace(),
-        vec![reconciler],
+        background,
     );
-    Ok(Started { addr, core, task })
+    Ok(Started {
+        addr,
+        peer_addr,
+        core,
+        task,
+    })
 }
 
 /// Runs the broker until `shutdown`.

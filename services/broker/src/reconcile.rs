@@ -335,7 +335,7 @@ async fn deliver(broker: &Broker, remote: &Remote, out: &OutgoingNc) -> Result<(
         Route::Direct { broker: address } => {
             broker
                 .clients()
-                .broker(address)?
+                .broker(address, id)?
                 .submit_network_config(SubmitNetworkConfigRequest {
                     network_config: Some(nc),
                 })
@@ -349,7 +349,7 @@ async fn deliver(broker: &Broker, remote: &Remote, out: &OutgoingNc) -> Result<(
         Route::Relayed { forwarder, hub } => {
             broker
                 .clients()
-                .forwarder(forwarder)?
+                .forwarder(forwarder, &hub.id)?
                 .relay(RelayRequest {
                     network_config: Some(nc),
                 })
@@ -460,7 +460,7 @@ pub async fn teardown(broker: &Broker, id: &ClusterId, reason: &str) -> Result<(
             if let Err(err) = async {
                 broker
                     .clients()
-                    .forwarder(forwarder)?
+                    .forwarder(forwarder, &hub.id)?
                     .relay_withdrawal(request)
                     .await
                     .map_err(Error::from)

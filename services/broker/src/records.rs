@@ -130,6 +130,9 @@ pub struct PendingNotify {
     pub remote: ClusterIdentity,
     pub broker: String,
     pub reason: String,
+    /// The remote's CA (PEM), kept to reach it over mutual TLS after it was unpinned.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub ca_certificate: String,
 }
 
 /// A stored TunnelEndpoint.

@@ -6,6 +6,7 @@ use std::collections::HashMap;
 use std::sync::Mutex;
 use std::time::Duration;
 
+use trellis_api::ClusterId;
 use trellis_api::pb::discovery::discovery_client::DiscoveryClient;
 use trellis_api::pb::gateway::gateway_client::GatewayClient;
 use trellis_api::pb::ipam::ipam_client::IpamClient;
@@ -13,6 +14,9 @@ use trellis_api::pb::peering::broker_client::BrokerClient;
 use trellis_api::pb::peering::forwarder_client::ForwarderClient;
 use trellis_error::Result;
 use trellis_runtime::client::{Timeouts, TracedChannel, channel};
+use trellis_runtime::tls::{
+    PeerTls, PinnedCa, handshake_channel, peer_channel, peer_channel_pinned,
+};
 
 /// Local services answer from their stores; remote ones may be far away.
 const LOCAL: Timeouts = Timeouts {
@@ -30,18 +34,32 @@ pub struct Clients {
     discovery: TracedChannel,
     ipam: TracedChannel,
     gateway: TracedChannel,
-    remote: Mutex<HashMap<String, TracedChannel>>,
+    /// Mutual TLS towards other clusters (ADR 0014); plaintext when absent.
+    tls: Option<PeerTls>,
+    /// Remote channels by (address, expected cluster).
+    remote: Mutex<HashMap<(String, String), TracedChannel>>,
 }
 
 impl Clients {
     /// Channels to the local services (validated addresses; nothing connects yet).
-    pub fn new(discovery: &str, ipam: &str, gateway: &str) -> Result<Self> {
+    pub fn new(discovery: &str, ipam: &str, gateway: &str, tls: Option<PeerTls>) -> Result<Self> {
         Ok(Self {
             discovery: channel("discovery", discovery, LOCAL)?,
             ipam: channel("ipam", ipam, LOCAL)?,
             gateway: channel("gateway", gateway, LOCAL)?,
+            tls,
             remote: Mutex::new(HashMap::new()),
         })
+    }
+
+    /// The mutual-TLS setup, when on.
+    pub fn tls(&self) -> Option<&PeerTls> {
+        self.tls.as_ref()
+    }
+
+    /// The local discovery service's channel.
+    pub fn discovery_channel(&self) -> TracedChannel {
+        self.discovery.clone()
     }
 
     pub fn discovery(&self) -> DiscoveryClient<TracedChannel> {
@@ -56,30 +74,85 @@ impl Clients {
         GatewayClient::new(self.gateway.clone())
     }
 
-    fn remote_channel(&self, field: &str, address: &str) -> Result<TracedChannel> {
+    /// A channel to cluster `expected` at `address`: over mutual TLS (the server must chain to
+    /// `expected`'s pinned CA) when TLS is on.
+    fn remote_channel(
+        &self,
+        field: &str,
+        address: &str,
+        expected: &ClusterId,
+    ) -> Result<TracedChannel> {
+        let key = (address.to_owned(), expected.to_string());
         if let Ok(cache) = self.remote.lock()
-            && let Some(found) = cache.get(address)
+            && let Some(found) = cache.get(&key)
         {
             return Ok(found.clone());
         }
-        let created = channel(field, address, REMOTE)?;
+        let created = match &self.tls {
+            Some(tls) => peer_channel(tls, field, address, Some(expected.as_str()), REMOTE)?,
+            None => channel(field, address, REMOTE)?,
+        };
         if let Ok(mut cache) = self.remote.lock() {
-            cache.insert(address.to_owned(), created.clone());
+            cache.insert(key, created.clone());
         }
         Ok(created)
     }
 
-    /// Another cluster's broker.
-    pub fn broker(&self, address: &str) -> Result<BrokerClient<TracedChannel>> {
-        Ok(BrokerClient::new(
-            self.remote_channel("broker_address", address)?,
-        ))
+    /// Cluster `expected`'s broker.
+    pub fn broker(
+        &self,
+        address: &str,
+        expected: &ClusterId,
+    ) -> Result<BrokerClient<TracedChannel>> {
+        Ok(BrokerClient::new(self.remote_channel(
+            "broker_address",
+            address,
+            expected,
+        )?))
     }
 
-    /// A hub's forwarder.
-    pub fn forwarder(&self, address: &str) -> Result<ForwarderClient<TracedChannel>> {
-        Ok(ForwarderClient::new(
-            self.remote_channel("forwarder", address)?,
-        ))
+    /// Cluster `expected`'s broker after we unpeered it: over mutual TLS its server must chain
+    /// to `ca_pem` (no longer pinned). Not cached.
+    pub fn unpinned_broker(
+        &self,
+        address: &str,
+        expected: &ClusterId,
+        ca_pem: &str,
+    ) -> Result<BrokerClient<TracedChannel>> {
+        match &self.tls {
+            Some(tls) if !ca_pem.is_empty() => {
+                let ca = PinnedCa::from_pem(expected.as_str(), ca_pem)?;
+                Ok(BrokerClient::new(peer_channel_pinned(
+                    tls,
+                    "broker_address",
+                    address,
+                    ca,
+                    REMOTE,
+                )?))
+            }
+            _ => self.broker(address, expected),
+        }
+    }
+
+    /// The broker we handshake with: first contact, so no pinned CA yet (TLS without a client
+    /// certificate when TLS is on; ADR 0014). Not cached.
+    pub fn handshake_broker(&self, address: &str) -> Result<BrokerClient<TracedChannel>> {
+        Ok(BrokerClient::new(match &self.tls {
+            Some(tls) => handshake_channel(tls, "broker_address", address, REMOTE)?,
+            None => channel("broker_address", address, REMOTE)?,
+        }))
+    }
+
+    /// Hub `expected`'s forwarder.
+    pub fn forwarder(
+        &self,
+        address: &str,
+        expected: &ClusterId,
+    ) -> Result<ForwarderClient<TracedChannel>> {
+        Ok(ForwarderClient::new(self.remote_channel(
+            "forwarder",
+            address,
+            expected,
+        )?))
     }
 }

@@ -63,6 +63,7 @@ fn full_to_pb(f: &FullPeering) -> pb::FullPeering {
         incoming_peering_enabled: f.incoming,
         networking_enabled: f.networking,
         addresses: Some(addresses_to_pb(&f.addresses)),
+        ca_certificate: f.ca_certificate.clone(),
     }
 }
 

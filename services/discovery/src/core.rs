@@ -33,6 +33,8 @@ pub struct PeeringUpdate {
     pub message: String,
     /// 0 = unconditional.
     pub expected_revision: i64,
+    /// The peer's CA certificate to pin; empty keeps the pinned one (ADR 0014).
+    pub ca_certificate: String,
 }
 
 /// A received Neighborhood (syntactically validated by the caller).
@@ -476,11 +478,21 @@ impl Discovery {
                         "peered directly; no longer induced",
                     );
                 }
+                let ca_certificate = if update.ca_certificate.is_empty() {
+                    after
+                        .full
+                        .as_ref()
+                        .map(|f| f.ca_certificate.clone())
+                        .unwrap_or_default()
+                } else {
+                    update.ca_certificate.clone()
+                };
                 after.full = Some(FullPeering {
                     outgoing: update.outgoing,
                     incoming: update.incoming,
                     networking: update.networking,
                     addresses: update.addresses.clone(),
+                    ca_certificate,
                 });
                 after.set_condition(PEERED, Status::True, reason, &update.message);
                 if after.condition(WITHDRAWN).is_some() {
@@ -491,6 +503,7 @@ impl Discovery {
                     full.outgoing = false;
                     full.incoming = false;
                     full.networking = false;
+                    full.ca_certificate.clear();
                 }
                 after.set_condition(PEERED, Status::False, reason, &update.message);
                 if after.found_by.is_empty() {

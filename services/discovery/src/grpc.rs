@@ -25,6 +25,9 @@ use crate::remote;
 use crate::watch::{self, EventType, WatchError};
 use trellis_api::address;
 
+/// Largest pinned CA certificate accepted (PEM): a P-256 CA is under 1 KiB.
+const MAX_CA_CERTIFICATE_BYTES: usize = 16 * 1024;
+
 /// The gRPC face of one [`Discovery`].
 #[derive(Debug, Clone)]
 pub struct DiscoveryService {
@@ -208,6 +211,13 @@ impl DiscoveryApi for DiscoveryService {
         if req.expected_revision < 0 {
             return Err(Error::invalid("expected_revision", "must not be negative").into());
         }
+        if req.ca_certificate.len() > MAX_CA_CERTIFICATE_BYTES {
+            return Err(Error::invalid(
+                "ca_certificate",
+                format!("is longer than {MAX_CA_CERTIFICATE_BYTES} bytes"),
+            )
+            .into());
+        }
         let update = PeeringUpdate {
             identity: identity_from_pb("identity", req.identity.as_ref())?,
             peered: req.peered,
@@ -222,6 +232,11 @@ impl DiscoveryApi for DiscoveryService {
             reason: req.reason,
             message: req.message,
             expected_revision: req.expected_revision,
+            ca_certificate: if req.peered {
+                req.ca_certificate
+            } else {
+                String::new()
+            },
         };
         let (record, revision) = self.core.update_peering(&update).await?;
         Ok(Response::new(pb::UpdatePeeringResponse {

@@ -167,7 +167,7 @@ async fn pass(
         let outbox = outboxes.remove(peer);
         let changed = outbox
             .as_ref()
-            .is_none_or(|(o, _)| &o.neighbors != neighbors);
+            .is_none_or(|(o, _)| o.digest != Outbox::digest_of(neighbors));
         if !changed && !resync {
             continue;
         }
@@ -279,7 +279,8 @@ async fn settle(core: &Discovery, job: &Job, result: Result<crate::core::Applied
                 let acknowledged = Outbox {
                     peer: job.outgoing.recipient.clone(),
                     generation: job.outgoing.generation,
-                    neighbors: job.outgoing.neighbors.clone(),
+                    digest: Outbox::digest_of(&job.outgoing.neighbors),
+                    count: job.outgoing.neighbors.len(),
                     floor,
                 };
                 let changed = job.outbox.as_ref().is_none_or(|(o, _)| o != &acknowledged);
@@ -297,14 +298,15 @@ async fn settle(core: &Discovery, job: &Job, result: Result<crate::core::Applied
                 || Outbox {
                     peer: job.outgoing.recipient.clone(),
                     generation: 0,
-                    neighbors: Vec::new(),
+                    digest: String::new(),
+                    count: 0,
                     floor: 0,
                 },
                 |(o, _)| o.clone(),
             );
             outbox.floor = applied.current_generation + 1;
             // Force a real send next time: what it holds is not what we think it holds.
-            outbox.neighbors.clear();
+            outbox.digest.clear();
             outbox.generation = applied.current_generation;
             core.acknowledge(&outbox, revision).await?;
             Ok(false)

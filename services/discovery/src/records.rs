@@ -7,7 +7,7 @@
 //! | `clusters/<cluster_id>` | [`ForeignClusterRecord`]: one known remote cluster |
 //! | `tombstones/<cluster_id>` | the last [`ForeignClusterRecord`] of a deleted cluster, written by the deleting transaction (same revision), so a watch can report a deletion with the record's last content |
 //! | `inbox/<sender_id>` | [`Inbox`]: the generation of the last Neighborhood applied from a hub |
-//! | `outbox/<peer_id>` | [`Outbox`]: the Neighborhood a full peer last acknowledged from us |
+//! | `outbox/<peer_id>` | [`Outbox`]: digest and generation of the Neighborhood a full peer last acknowledged from us |
 //!
 //! Everything a restarted process needs is here: the Neighborhood sender recomputes what each
 //! peer should hold from `clusters/` and compares it with `outbox/`.
@@ -95,6 +95,9 @@ pub struct FullPeering {
     pub incoming: bool,
     pub networking: bool,
     pub addresses: Addresses,
+    /// The peer's pinned CA certificate (PEM), empty without TLS (ADR 0014).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub ca_certificate: String,
 }
 
 /// The induced-peering part of a record.
@@ -256,11 +259,32 @@ pub struct Outbox {
     pub peer: ClusterIdentity,
     /// The generation it acknowledged.
     pub generation: i64,
-    /// The neighbours it acknowledged, sorted by ID.
-    pub neighbors: Vec<Neighbor>,
+    /// Digest of the neighbours it acknowledged ([`Outbox::digest_of`]). Only the digest is
+    /// kept: the lists themselves are every other peer with its addresses, n(n-1) entries in
+    /// all, which made the hub's store grow quadratically in bytes.
+    #[serde(default)]
+    pub digest: String,
+    /// How many neighbours it acknowledged (for operators reading the store).
+    #[serde(default)]
+    pub count: usize,
     /// The lowest generation the next send may use (the peer reported holding a higher one).
     #[serde(default)]
     pub floor: i64,
+}
+
+impl Outbox {
+    /// A digest of a neighbour list, to tell whether the list a peer holds is the one it should.
+    /// It only decides whether to send: a digest computed by another build that differs causes
+    /// one idempotent re-send, and the periodic resync sends the full list regardless, so
+    /// neither a change of hash function nor a collision can leave a peer with a wrong list.
+    pub fn digest_of(neighbors: &[Neighbor]) -> String {
+        use std::hash::{Hash as _, Hasher as _};
+        let mut hasher = std::hash::DefaultHasher::new();
+        serde_json::to_string(neighbors)
+            .unwrap_or_default()
+            .hash(&mut hasher);
+        format!("{:016x}:{}", hasher.finish(), neighbors.len())
+    }
 }
 
 pub use trellis_store::record::{decode, encode, now_nanos};

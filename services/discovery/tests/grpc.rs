@@ -96,6 +96,7 @@ async fn peer_with(on: &mut Cluster, id: &str, discovery: &str, peered: bool) {
             reason: String::new(),
             message: String::new(),
             expected_revision: 0,
+            ca_certificate: String::new(),
         })
         .await
         .expect("update peering");

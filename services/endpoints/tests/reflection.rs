@@ -506,6 +506,7 @@ async fn a_silent_remote_ipam_costs_a_bounded_time_and_takes_the_hub_path() {
         reason: "HandshakeCompleted".into(),
         message: String::new(),
         expected_revision: 0,
+        ca_certificate: String::new(),
     })
     .await
     .expect("re-peer");

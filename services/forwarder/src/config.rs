@@ -5,6 +5,7 @@ use std::time::Duration;
 use clap::Parser;
 use trellis_runtime::CommonConfig;
 use trellis_runtime::config::HasCommon;
+use trellis_runtime::config::PeerTlsConfig;
 
 fn address_arg(value: &str) -> Result<String, String> {
     trellis_api::address::required("value", value).map_err(|e| match e {
@@ -21,6 +22,9 @@ fn address_arg(value: &str) -> Result<String, String> {
 pub struct Config {
     #[command(flatten)]
     pub common: CommonConfig,
+
+    #[command(flatten)]
+    pub tls: PeerTlsConfig,
 
     /// Address of this cluster's discovery service ("host:port"): who our full peers are and
     /// where their brokers listen.

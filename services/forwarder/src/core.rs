@@ -23,6 +23,7 @@ use trellis_api::{ClusterId, ClusterIdentity};
 use trellis_error::{Error, Result};
 use trellis_runtime::client::{Timeouts, TracedChannel, channel};
 use trellis_runtime::propagation::{resumed_span, traceparent_of};
+use trellis_runtime::tls::{PeerTls, peer_channel};
 use trellis_store::retry::Contention;
 use trellis_store::{Compare, Op, SharedStore, Txn};
 
@@ -56,7 +57,10 @@ pub struct Forwarder {
     identity: ClusterIdentity,
     store: SharedStore,
     discovery: TracedChannel,
-    brokers: Mutex<HashMap<String, TracedChannel>>,
+    /// Mutual TLS towards other clusters (ADR 0014); plaintext when absent.
+    tls: Option<PeerTls>,
+    /// Broker channels by (address, cluster).
+    brokers: Mutex<HashMap<(String, String), TracedChannel>>,
     retry_max: Duration,
     /// Wakes the retry loop.
     pub(crate) wake: Notify,
@@ -80,11 +84,13 @@ impl Forwarder {
         store: SharedStore,
         discovery: &str,
         retry_max: Duration,
+        tls: Option<PeerTls>,
     ) -> Result<Self> {
         Ok(Self {
             identity,
             store,
             discovery: channel("discovery", discovery, LOCAL)?,
+            tls,
             brokers: Mutex::new(HashMap::new()),
             retry_max,
             wake: Notify::new(),
@@ -124,15 +130,26 @@ impl Forwarder {
         }
     }
 
-    fn broker(&self, address: &str) -> Result<BrokerClient<TracedChannel>> {
+    /// The local discovery service's channel.
+    pub fn discovery_channel(&self) -> TracedChannel {
+        self.discovery.clone()
+    }
+
+    /// Cluster `expected`'s broker at `address` (over mutual TLS when on: the server must
+    /// chain to `expected`'s pinned CA).
+    fn broker(&self, address: &str, expected: &ClusterId) -> Result<BrokerClient<TracedChannel>> {
+        let key = (address.to_owned(), expected.to_string());
         if let Ok(cache) = self.brokers.lock()
-            && let Some(found) = cache.get(address)
+            && let Some(found) = cache.get(&key)
         {
             return Ok(BrokerClient::new(found.clone()));
         }
-        let created = channel("broker", address, DELIVERY)?;
+        let created = match &self.tls {
+            Some(tls) => peer_channel(tls, "broker", address, Some(expected.as_str()), DELIVERY)?,
+            None => channel("broker", address, DELIVERY)?,
+        };
         if let Ok(mut cache) = self.brokers.lock() {
-            cache.insert(address.to_owned(), created.clone());
+            cache.insert(key, created.clone());
         }
         Ok(BrokerClient::new(created))
     }
@@ -336,7 +353,7 @@ impl Forwarder {
         destination: &ClusterIdentity,
         reason: &str,
     ) -> Result<()> {
-        self.broker(broker)?
+        self.broker(broker, &destination.id)?
             .withdraw_network_config(WithdrawNetworkConfigRequest {
                 network_config: Some(pb::NetworkConfigRef {
                     name: nc_name(&origin.id, &destination.id),
@@ -368,7 +385,7 @@ impl Forwarder {
                 State::Pending | State::Delivered => {
                     let broker = Self::broker_of(&peers, &record.destination.id, "destination")?;
                     let answer = self
-                        .broker(&broker)?
+                        .broker(&broker, &record.destination.id)?
                         .submit_network_config(SubmitNetworkConfigRequest {
                             network_config: Some(pb::NetworkConfig {
                                 name: nc_name(&record.origin.id, &record.destination.id),
@@ -413,7 +430,7 @@ impl Forwarder {
                         .status
                         .clone()
                         .ok_or_else(|| Error::Internal("a status relay without a status".into()))?;
-                    self.broker(&broker)?
+                    self.broker(&broker, &record.origin.id)?
                         .report_network_config_status(ReportNetworkConfigStatusRequest {
                             network_config: Some(pb::NetworkConfigRef {
                                 name: nc_name(&record.origin.id, &record.destination.id),

@@ -12,6 +12,8 @@ use trellis_api::pb::types;
 use trellis_api::{ClusterId, ClusterIdentity};
 use trellis_error::{Error, Result};
 
+use trellis_runtime::peer::{Authz, PeerMethods};
+
 use crate::core::{Forwarder, Passthrough};
 use crate::records::{RelayRecord, RelayedStatus, State};
 
@@ -19,11 +21,28 @@ use crate::records::{RelayRecord, RelayedStatus, State};
 #[derive(Debug, Clone)]
 pub struct ForwarderService {
     core: Arc<Forwarder>,
+    authz: Authz,
 }
 
+/// The methods the peer listener serves (ADR 0014).
+pub const PEER_METHODS: PeerMethods = PeerMethods {
+    authenticated: &[
+        "/trellis.peering.v1.Forwarder/Relay",
+        "/trellis.peering.v1.Forwarder/RelayStatus",
+        "/trellis.peering.v1.Forwarder/RelayWithdrawal",
+    ],
+    anonymous: &[],
+};
+
 impl ForwarderService {
+    /// Without mutual TLS: the origin a request claims is trusted.
     pub fn new(core: Arc<Forwarder>) -> Self {
-        Self { core }
+        Self::with_authz(core, Authz::off())
+    }
+
+    /// With `authz` checking the caller's certificate against the relay's ends (ADR 0014).
+    pub fn with_authz(core: Arc<Forwarder>, authz: Authz) -> Self {
+        Self { core, authz }
     }
 
     /// The ends of a NetworkConfig reference (status reports, withdrawals) relayed by us.
@@ -130,6 +149,8 @@ impl ForwarderApi for ForwarderService {
         &self,
         request: Request<pb::RelayRequest>,
     ) -> Result<Response<pb::RelayResponse>, Status> {
+        const RPC: &str = "Relay";
+        let peer = self.authz.peer(&request, RPC)?;
         let nc = request
             .into_inner()
             .network_config
@@ -140,6 +161,13 @@ impl ForwarderApi for ForwarderService {
             nc.origin.as_ref(),
             nc.destination.as_ref(),
             nc.via.as_ref(),
+        )?;
+        // Only the origin relays its own NetworkConfig.
+        self.authz.require(
+            peer.as_ref(),
+            RPC,
+            "network_config.origin",
+            origin.id.as_str(),
         )?;
         if nc.generation < 1 {
             return Err(Error::invalid("network_config.generation", "must be at least 1").into());
@@ -165,8 +193,17 @@ impl ForwarderApi for ForwarderService {
         &self,
         request: Request<pb::RelayStatusRequest>,
     ) -> Result<Response<pb::RelayStatusResponse>, Status> {
+        const RPC: &str = "RelayStatus";
+        let peer = self.authz.peer(&request, RPC)?;
         let req = request.into_inner();
         let (origin, destination) = self.pair_of_ref(req.network_config.as_ref())?;
+        // Only the destination reports its decision.
+        self.authz.require(
+            peer.as_ref(),
+            RPC,
+            "network_config.destination",
+            destination.id.as_str(),
+        )?;
         let status = req
             .status
             .ok_or_else(|| Error::invalid("status", "is required"))?;
@@ -209,8 +246,16 @@ impl ForwarderApi for ForwarderService {
         &self,
         request: Request<pb::RelayWithdrawalRequest>,
     ) -> Result<Response<pb::RelayWithdrawalResponse>, Status> {
+        const RPC: &str = "RelayWithdrawal";
+        let peer = self.authz.peer(&request, RPC)?;
         let req = request.into_inner();
         let (origin, destination) = self.pair_of_ref(req.network_config.as_ref())?;
+        self.authz.require(
+            peer.as_ref(),
+            RPC,
+            "network_config.origin",
+            origin.id.as_str(),
+        )?;
         let state = self
             .core
             .relay_withdrawal(&origin, &destination, req.reason)

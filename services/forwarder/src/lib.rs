@@ -23,7 +23,8 @@ use trellis_api::ClusterIdentity;
 use trellis_api::pb::peering::forwarder_server::ForwarderServer;
 use trellis_runtime::Shutdown;
 use trellis_runtime::config::ports;
-use trellis_runtime::server::GrpcServer;
+use trellis_runtime::peer;
+use trellis_runtime::server::{GrpcServer, PeerListener};
 
 pub use crate::config::Config;
 pub use crate::core::Forwarder;
@@ -36,6 +37,8 @@ pub const MAX_REQUEST_BYTES: usize = 64 * 1024;
 #[derive(Debug)]
 pub struct Started {
     pub addr: SocketAddr,
+    /// The mutual-TLS listener for other clusters, when TLS is on.
+    pub peer_addr: Option<SocketAddr>,
     pub core: Arc<Forwarder>,
     pub task: JoinHandle<anyhow::Result<()>>,
 }
@@ -52,27 +55,56 @@ pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started
     let store = trellis_store::open(&common.store)
         .await
         .with_context(|| format!("opening store {}", common.store))?;
+    let tls = config.tls.load(identity.id.as_str())?;
     let core = Arc::new(Forwarder::new(
         identity,
         store,
         &config.discovery,
         config.retry_max(),
+        tls.clone(),
     )?);
-    let server = GrpcServer::bind(common.listen_addr(ports::FORWARDER)).await?;
+    let mut background = Vec::new();
+    let (peer, authz) = match (&tls, config.tls.peer_listen) {
+        (Some(tls), Some(listen)) => {
+            background.push(peer::spawn_trust_sync(
+                core.discovery_channel(),
+                tls.trust().clone(),
+                shutdown.clone(),
+            ));
+            background.push(tls.spawn_reloader(config.tls.reload_period(), shutdown.clone()));
+            (
+                Some(PeerListener::bind(listen, tls.clone(), grpc::PEER_METHODS).await?),
+                peer::Authz::on(tls.trust().clone()),
+            )
+        }
+        _ => (None, peer::Authz::off()),
+    };
+    let server = GrpcServer::bind(common.listen_addr(ports::FORWARDER))
+        .await?
+        .with_peer_listener(peer);
     let addr = server.local_addr();
+    let peer_addr = server.peer_addr();
     let routes = Routes::new(
-        ForwarderServer::new(ForwarderService::new(core.clone()))
+        ForwarderServer::new(ForwarderService::with_authz(core.clone(), authz))
             .max_decoding_message_size(MAX_REQUEST_BYTES),
     );
-    let retries = tokio::spawn(core::retry_loop(core.clone(), shutdown.clone()));
+    background.push(tokio::spawn(core::retry_loop(
+        core.clone(),
+        shutdown.clone(),
+    )));
     let task = server.spawn(
         routes,
         &[ForwarderServer::<ForwarderService>::NAME],
         shutdown,
         common.shutdown_grace(),
-        vec![retries],
+        background,
     );
-    Ok(Started { addr, core, task })
+    Ok(Started {
+        addr,
+        peer_addr,
+        core,
+        task,
+    })
 }
 
 /// Runs the forwarder until `shutdown`.

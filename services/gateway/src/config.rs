@@ -64,6 +64,22 @@ pub struct Config {
     #[arg(long, env = "TRELLIS_BROKER", value_name = "HOST:PORT")]
     pub broker: Option<String>,
 
+    /// Address of the local IPAM (`host:port`). With it, the gateway follows the IPAM's
+    /// external-CIDR endpoint mappings (`ListEndpointMappings`) and DNATs hub-path traffic from
+    /// those external addresses to the endpoints they stand for (ADR 0008). Without it, hub-path
+    /// addresses handed out by this cluster lead nowhere.
+    #[arg(long, env = "TRELLIS_IPAM", value_name = "HOST:PORT")]
+    pub ipam: Option<String>,
+
+    /// How often the IPAM's endpoint mappings are read, in seconds (with `--ipam`).
+    #[arg(
+        long,
+        env = "TRELLIS_MAPPINGS_INTERVAL",
+        value_name = "SECONDS",
+        default_value_t = 2
+    )]
+    pub mappings_interval: u64,
+
     /// Prefix of the WireGuard interface names (1-7 characters of a-z, 0-9, '-'); the rest is
     /// a hash of the (local, remote) cluster pair, so names are unique on the host.
     #[arg(
@@ -118,6 +134,11 @@ impl Config {
     /// The resync period.
     pub fn resync(&self) -> Duration {
         Duration::from_secs(self.resync_interval.max(1))
+    }
+
+    /// The endpoint-mapping poll period.
+    pub fn mappings_period(&self) -> Duration {
+        Duration::from_secs(self.mappings_interval.max(1))
     }
 }
 

@@ -14,6 +14,7 @@ use crate::dataplane::linux::Linux;
 use crate::dataplane::wireguard::PeerStats;
 use crate::dataplane::{Mode, PeerPlan};
 use crate::keys::KeyPair;
+use crate::mappings::Mappings;
 use crate::names;
 use crate::ports::{self, PortRange};
 
@@ -98,6 +99,11 @@ impl Gateway {
         }
     }
 
+    /// The store the gateway keeps its key and port allocations in.
+    pub fn store(&self) -> &SharedStore {
+        &self.store
+    }
+
     /// The public key.
     pub fn public_key(&self) -> trellis_api::model::WgKey {
         self.keys.public()
@@ -127,10 +133,10 @@ impl Gateway {
         )
     }
 
-    /// Makes ports and data plane match `desired`, then releases the ports of tunnels that
-    /// are gone. Per-peer data plane failures are recorded in the status and counted in the
-    /// result (the caller retries sooner when there are any).
-    pub async fn apply(&self, desired: &Desired) -> Result<usize> {
+    /// Makes ports and data plane match `desired` (with the hub-path DNAT of `hub`), then
+    /// releases the ports of tunnels that are gone. Per-peer data plane failures are recorded
+    /// in the status and counted in the result (the caller retries sooner when there are any).
+    pub async fn apply(&self, desired: &Desired, hub: &Mappings) -> Result<usize> {
         let mut plans = Vec::with_capacity(desired.len());
         for (id, te) in desired {
             if id == &self.settings.identity.id {
@@ -158,7 +164,7 @@ impl Gateway {
             );
         }
         match &self.dataplane {
-            Some(dp) => results.extend(dp.lock().await.apply(&v4).await),
+            Some(dp) => results.extend(dp.lock().await.apply(&v4, hub).await),
             None => results.extend(v4.iter().map(|p| (p.endpoint.remote.id.clone(), Ok(())))),
         }
         let keep: BTreeSet<ClusterId> = desired.keys().cloned().collect();

@@ -6,6 +6,7 @@
 //! - [`names`]: interface names, connection marks and routing tables per peer;
 //! - [`dataplane`]: WireGuard devices, routes, policy rules and nftables NAT (root only);
 //! - [`source`]: the broker's TunnelEndpoints, followed with a resumable watch;
+//! - [`mappings`]: the IPAM's external-CIDR endpoint mappings (hub-path DNAT), polled;
 //! - [`reconcile`]: the loop applying them;
 //! - [`core`]: the operations; [`records`]: what is stored, under which keys;
 //! - [`grpc`]: the thin gRPC layer; [`config`]: the flags.
@@ -15,6 +16,7 @@ pub mod core;
 pub mod dataplane;
 pub mod grpc;
 pub mod keys;
+pub mod mappings;
 pub mod names;
 pub mod ports;
 pub mod reconcile;
@@ -123,9 +125,22 @@ pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started
         tracing::info!("no --broker: serving keys, ports and status only");
         drop(desired_tx);
     }
+    let (mappings_tx, mappings_rx) = tokio::sync::watch::channel(None);
+    if let Some(ipam) = config.ipam.clone() {
+        background.push(tokio::spawn(mappings::run(
+            ipam,
+            config.mappings_period(),
+            mappings_tx,
+            shutdown.clone(),
+        )));
+    } else {
+        tracing::info!("no --ipam: no hub-path DNAT");
+        drop(mappings_tx);
+    }
     background.push(tokio::spawn(reconcile::run(
         core.clone(),
         desired_rx,
+        mappings_rx,
         config.resync(),
         shutdown.clone(),
     )));

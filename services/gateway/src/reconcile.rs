@@ -1,4 +1,5 @@
-//! The reconciliation loop: applies the latest desired set whenever it changes, again every
+//! The reconciliation loop: applies the latest desired set (TunnelEndpoints and hub-path
+//! endpoint mappings) whenever it changes, again every
 //! resync interval (repairing whatever someone changed underneath), sooner after a failure,
 //! and removes every tunnel on a graceful stop.
 
@@ -9,29 +10,37 @@ use tokio::sync::watch;
 use trellis_runtime::Shutdown;
 
 use crate::core::{Desired, Gateway};
+use crate::mappings::Mappings;
 
 /// Wait before retrying a pass that left some tunnel unconfigured.
 const RETRY: Duration = Duration::from_secs(2);
 
 /// Runs until `shutdown`. Nothing is applied before the first desired set arrives: an empty
 /// data plane is not the same as "not known yet".
+///
+/// `mappings` (the IPAM's hub-path endpoint mappings) do not hold the data plane back: until
+/// they are known the tunnels are applied without hub-path DNAT.
 pub async fn run(
     core: Arc<Gateway>,
     mut desired: watch::Receiver<Option<Desired>>,
+    mut mappings: watch::Receiver<Option<Mappings>>,
     resync: Duration,
     shutdown: Shutdown,
 ) {
     let mut wait = resync;
     let mut source_alive = true;
+    let mut mappings_alive = true;
     loop {
         tokio::select! {
             changed = desired.changed(), if source_alive => source_alive = changed.is_ok(),
+            changed = mappings.changed(), if mappings_alive => mappings_alive = changed.is_ok(),
             () = tokio::time::sleep(wait) => {},
             () = shutdown.cancelled() => break,
         }
         let current = desired.borrow_and_update().clone();
+        let hub = mappings.borrow_and_update().clone().unwrap_or_default();
         let Some(current) = current else { continue };
-        wait = match core.apply(&current).await {
+        wait = match core.apply(&current, &hub).await {
             Ok(0) => resync,
             Ok(failed) => {
                 tracing::warn!(failed, "some tunnels are not configured; retrying soon");

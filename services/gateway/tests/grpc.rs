@@ -219,7 +219,7 @@ async fn removing_a_tunnel_releases_its_port_but_not_a_pending_one() {
     // d asked for its endpoint (NetworkConfig exchange under way) but has no tunnel yet.
     assert_eq!(g.info(Some(&id("d"))).await.expect("d").listen_port, 40000);
     let desired: BTreeMap<_, _> = [(id("b"), te("b", 80)), (id("c"), te("c", 83))].into();
-    assert_eq!(g.apply(&desired).await.expect("applied"), 0);
+    assert_eq!(g.apply(&desired, &Vec::new()).await.expect("applied"), 0);
     let tunnels = g.tunnels().await;
     assert_eq!(tunnels.len(), 2);
     assert_eq!(tunnels[0].plan.port, 40001);
@@ -232,7 +232,7 @@ async fn removing_a_tunnel_releases_its_port_but_not_a_pending_one() {
     assert_eq!(tunnels[1].plan.interface, g.interface_name(&id("c")));
 
     let only_c: BTreeMap<_, _> = [(id("c"), te("c", 83))].into();
-    g.apply(&only_c).await.expect("applied");
+    g.apply(&only_c, &Vec::new()).await.expect("applied");
     assert!(g.tunnel(&id("b")).await.is_none());
     // b's port is free again; d's is still held.
     assert_eq!(g.info(Some(&id("e"))).await.expect("e").listen_port, 40001);

@@ -126,6 +126,11 @@ impl Ipam {
     }
 
     /// The local configuration.
+    /// The store the IPAM keeps its state in.
+    pub fn store(&self) -> &SharedStore {
+        &self.store
+    }
+
     pub fn local(&self) -> &LocalSubnets {
         &self.local
     }

@@ -12,6 +12,7 @@ use trellis_api::pb::discovery::discovery_client::DiscoveryClient;
 use trellis_api::pb::ipam::ipam_client::IpamClient;
 use trellis_api::pb::peering::broker_client::BrokerClient;
 use trellis_runtime::Shutdown;
+use trellis_runtime::tls::{ClusterCa, PeerTls, PinnedCa};
 
 /// The addresses of one in-process cluster's services.
 #[derive(Debug, Clone)]
@@ -28,8 +29,71 @@ pub struct Services {
 pub struct InProcessCluster {
     pub id: String,
     pub services: Services,
+    /// Set by [`InProcessCluster::start_tls`].
+    pub tls: Option<ClusterTls>,
     shutdown: Shutdown,
     tasks: Vec<JoinHandle<anyhow::Result<()>>>,
+}
+
+/// The mutual-TLS side of a cluster started with [`InProcessCluster::start_tls`] (ADR 0014):
+/// its CA, and the peer listeners of its broker and forwarder (what its discovery advertises).
+#[derive(Debug)]
+pub struct ClusterTls {
+    pub ca: ClusterCa,
+    pub broker: SocketAddr,
+    pub forwarder: SocketAddr,
+    dir: tempfile::TempDir,
+}
+
+impl ClusterTls {
+    fn new(id: &str) -> anyhow::Result<Self> {
+        Ok(Self {
+            ca: ClusterCa::generate(id)?,
+            broker: loopback(),
+            forwarder: loopback(),
+            dir: tempfile::tempdir()?,
+        })
+    }
+
+    /// The TLS flags of `service` listening for peers on `listen`: a fresh certificate in
+    /// files.
+    fn flags(&self, service: &str, listen: SocketAddr) -> anyhow::Result<Vec<String>> {
+        let cert = self.ca.issue(service)?;
+        let path = |name: String| self.dir.path().join(name);
+        std::fs::write(path("ca.pem".into()), self.ca.cert_pem())?;
+        std::fs::write(path(format!("{service}.pem")), &cert.cert_pem)?;
+        std::fs::write(path(format!("{service}-key.pem")), cert.key_pem())?;
+        let text = |name: String| path(name).display().to_string();
+        Ok(vec![
+            "--peer-listen".into(),
+            listen.to_string(),
+            "--tls-ca-cert".into(),
+            text("ca.pem".into()),
+            "--tls-cert".into(),
+            text(format!("{service}.pem")),
+            "--tls-key".into(),
+            text(format!("{service}-key.pem")),
+        ])
+    }
+
+    /// A client identity of this cluster (a fresh certificate for `service`) that trusts the
+    /// CAs of `peers`: what a test uses to call other clusters as this one.
+    pub fn client(&self, service: &str, peers: &[&InProcessCluster]) -> anyhow::Result<PeerTls> {
+        let cert = self.ca.issue(service)?;
+        let tls = PeerTls::new(
+            self.ca.cluster_id(),
+            self.ca.cert_pem(),
+            &cert.cert_pem,
+            cert.key_pem(),
+        )?;
+        for peer in peers {
+            if let Some(theirs) = &peer.tls {
+                tls.trust()
+                    .pin(PinnedCa::from_pem(&peer.id, theirs.ca.cert_pem())?);
+            }
+        }
+        Ok(tls)
+    }
 }
 
 fn loopback() -> SocketAddr {
@@ -45,7 +109,19 @@ impl InProcessCluster {
     /// services bind them (discovery must advertise them first), so another cluster may take
     /// one in between: then the whole cluster starts again on fresh ports.
     pub async fn start(id: &str, pod_cidr: &str, external_cidr: &str) -> anyhow::Result<Self> {
-        Self::start_with(id, pod_cidr, external_cidr, true).await
+        Self::start_with(id, pod_cidr, external_cidr, true, false).await
+    }
+
+    /// Like [`Self::start`], with mutual TLS between clusters (ADR 0014): a CA of its own, and
+    /// the broker and forwarder serving other clusters on peer listeners (`tls.broker`,
+    /// `tls.forwarder`), which discovery advertises. Peer with `tls.broker`.
+    pub async fn start_tls(id: &str, pod_cidr: &str, external_cidr: &str) -> anyhow::Result<Self> {
+        Self::start_with(id, pod_cidr, external_cidr, true, true).await
+    }
+
+    /// The broker address other clusters use: the peer listener with TLS.
+    pub fn peering_broker(&self) -> SocketAddr {
+        self.tls.as_ref().map_or(self.services.broker, |t| t.broker)
     }
 
     /// Like [`Self::start`], with discovery's `--no-induced`: the cluster neither introduces its
@@ -55,7 +131,7 @@ impl InProcessCluster {
         pod_cidr: &str,
         external_cidr: &str,
     ) -> anyhow::Result<Self> {
-        Self::start_with(id, pod_cidr, external_cidr, false).await
+        Self::start_with(id, pod_cidr, external_cidr, false, false).await
     }
 
     async fn start_with(
@@ -63,10 +139,11 @@ impl InProcessCluster {
         pod_cidr: &str,
         external_cidr: &str,
         induced: bool,
+        tls: bool,
     ) -> anyhow::Result<Self> {
         let mut attempt = 0;
         loop {
-            match Self::start_once(id, pod_cidr, external_cidr, induced).await {
+            match Self::start_once(id, pod_cidr, external_cidr, induced, tls).await {
                 Err(err) if attempt < 5 && format!("{err:#}").contains("cannot listen") => {
                     attempt += 1;
                 }
@@ -80,7 +157,9 @@ impl InProcessCluster {
         pod_cidr: &str,
         external_cidr: &str,
         induced: bool,
+        tls: bool,
     ) -> anyhow::Result<Self> {
+        let tls = tls.then(|| ClusterTls::new(id)).transpose()?;
         let services = Services {
             discovery: loopback(),
             broker: loopback(),
@@ -141,9 +220,13 @@ impl InProcessCluster {
             "--advertise-discovery",
             &services.discovery.to_string(),
             "--advertise-broker",
-            &services.broker.to_string(),
+            &tls.as_ref()
+                .map_or(services.broker, |t| t.broker)
+                .to_string(),
             "--advertise-forwarder",
-            &services.forwarder.to_string(),
+            &tls.as_ref()
+                .map_or(services.forwarder, |t| t.forwarder)
+                .to_string(),
             "--advertise-ipam",
             &services.ipam.to_string(),
             "--advertise-gateway",
@@ -171,6 +254,9 @@ impl InProcessCluster {
             "--retry-max",
             "1",
         ]));
+        if let Some(tls) = &tls {
+            forwarder.extend(tls.flags("forwarder", tls.forwarder)?);
+        }
         let forwarder = trellis_forwarder::start(
             trellis_forwarder::Config::try_parse_from(forwarder)?,
             shutdown.clone(),
@@ -190,6 +276,9 @@ impl InProcessCluster {
             "--resync",
             "2",
         ]));
+        if let Some(tls) = &tls {
+            broker.extend(tls.flags("broker", tls.broker)?);
+        }
         let broker = trellis_broker::start(
             trellis_broker::Config::try_parse_from(broker)?,
             shutdown.clone(),
@@ -202,6 +291,7 @@ impl InProcessCluster {
         Ok(Self {
             id: id.to_owned(),
             services,
+            tls,
             shutdown,
             tasks,
         })

@@ -3,10 +3,12 @@
 //! same flags. Binaries are the ones `make test` builds before running the tests.
 
 pub mod cluster;
-pub mod netns;
 pub mod otlp;
 pub mod processes;
-pub mod standin_broker;
+
+/// Network namespaces for data-plane tests; moved to [`trellis_netlab`], re-exported for
+/// existing users.
+pub use trellis_netlab::netns;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -47,7 +49,13 @@ pub struct ServiceProcess {
     log: PathBuf,
     _log_dir: tempfile::TempDir,
     child: Option<Child>,
+    /// Length of the log when the current child was spawned: what it wrote starts there.
+    log_start: u64,
 }
+
+/// What every Trellis server logs once it holds its listening socket
+/// (`trellis_runtime::server::GrpcServer::serve`).
+const SERVING_LOG_LINE: &str = "serving gRPC";
 
 impl ServiceProcess {
     /// Starts `binary` with `args` (which must include `--listen addr`) and waits until
@@ -79,6 +87,7 @@ impl ServiceProcess {
             log: log_dir.path().join("service.log"),
             _log_dir: log_dir,
             child: None,
+            log_start: 0,
         };
         this.spawn().await?;
         Ok(this)
@@ -89,6 +98,7 @@ impl ServiceProcess {
             .create(true)
             .append(true)
             .open(&self.log)?;
+        self.log_start = log.metadata()?.len();
         let child = Command::new(&self.binary)
             .args(&self.args)
             .env("RUST_LOG", "info")
@@ -115,7 +125,9 @@ impl ServiceProcess {
                     self.log_tail(40)
                 );
             }
-            if self.health().await == Some(ServingStatus::Serving) {
+            // Ports are picked before the child binds them: another process may have taken
+            // ours and answer the health check. The child's own log says it is listening.
+            if self.health().await == Some(ServingStatus::Serving) && self.logged_serving() {
                 return Ok(());
             }
             if Instant::now() > deadline {
@@ -127,6 +139,16 @@ impl ServiceProcess {
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
+    }
+
+    /// Whether the current child has logged that it serves.
+    fn logged_serving(&self) -> bool {
+        let Ok(text) = std::fs::read(&self.log) else {
+            return false;
+        };
+        let start = usize::try_from(self.log_start).unwrap_or(usize::MAX);
+        text.get(start..)
+            .is_some_and(|new| String::from_utf8_lossy(new).contains(SERVING_LOG_LINE))
     }
 
     async fn health(&self) -> Option<ServingStatus> {

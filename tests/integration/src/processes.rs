@@ -1,11 +1,12 @@
 //! A whole Trellis cluster as real processes: the `trellis-ipam`, `trellis-gateway` (control
-//! plane only, `--dataplane none`), `trellis-discovery`, `trellis-forwarder` and
-//! `trellis-broker` binaries, each with **its own** etcd process (as in production,
-//! DESIGN.md), on loopback ports. Any service can be SIGKILLed and restarted by name, and each
-//! etcd can be read directly (with `etcdctl`) to check what the service stored.
+//! plane only, `--dataplane none`), `trellis-discovery`, `trellis-forwarder`, `trellis-broker`
+//! and `trellis-endpoints` (without Kubernetes access) binaries, each with **its own** etcd
+//! process (as in production, DESIGN.md), on loopback ports. Any service can be SIGKILLed and
+//! restarted by name, and each etcd can be read directly (with `etcdctl`) to check what the
+//! service stored.
 //!
 //! Everything (processes and etcds, with their data directories) is killed and removed on drop.
-//! Flags mirror [`crate::cluster::InProcessCluster`].
+//! Flags mirror [`crate::cluster::InProcessCluster`] (which has no endpoints service).
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -15,6 +16,7 @@ use std::process::Command;
 use anyhow::{Context as _, bail};
 use tonic::transport::Channel;
 use trellis_api::pb::discovery::discovery_client::DiscoveryClient;
+use trellis_api::pb::endpoints::endpoint_mapper_client::EndpointMapperClient;
 use trellis_api::pb::ipam::ipam_client::IpamClient;
 use trellis_api::pb::peering::broker_client::BrokerClient;
 use trellis_api::pb::peering::forwarder_client::ForwarderClient;
@@ -31,16 +33,18 @@ pub enum Service {
     Discovery,
     Forwarder,
     Broker,
+    Endpoints,
 }
 
 impl Service {
     /// Every service, in start order (callees before their callers).
-    pub const ALL: [Service; 5] = [
+    pub const ALL: [Service; 6] = [
         Service::Ipam,
         Service::Gateway,
         Service::Discovery,
         Service::Forwarder,
         Service::Broker,
+        Service::Endpoints,
     ];
 
     /// Short name: `ipam`, `gateway`, ...
@@ -51,6 +55,7 @@ impl Service {
             Service::Discovery => "discovery",
             Service::Forwarder => "forwarder",
             Service::Broker => "broker",
+            Service::Endpoints => "endpoints",
         }
     }
 
@@ -67,16 +72,7 @@ impl Service {
             Service::Discovery => "trellis.discovery.v1.Discovery",
             Service::Forwarder => "trellis.peering.v1.Forwarder",
             Service::Broker => "trellis.peering.v1.Broker",
-        }
-    }
-
-    fn addr(self, services: &Services) -> SocketAddr {
-        match self {
-            Service::Ipam => services.ipam,
-            Service::Gateway => services.gateway,
-            Service::Discovery => services.discovery,
-            Service::Forwarder => services.forwarder,
-            Service::Broker => services.broker,
+            Service::Endpoints => "trellis.endpoints.v1.EndpointMapper",
         }
     }
 }
@@ -91,11 +87,43 @@ fn strings(list: &[&str]) -> Vec<String> {
     list.iter().map(|s| (*s).to_owned()).collect()
 }
 
+/// How many times a cluster is started on fresh ports when one of them was taken.
+const START_ATTEMPTS: usize = 5;
+
+/// Whether a start failed because a port picked for a service was taken in the meantime.
+fn port_taken(err: &anyhow::Error) -> bool {
+    let text = format!("{err:#}");
+    text.contains("cannot listen") || text.contains("Address already in use")
+}
+
+/// Settings of a [`ProcessCluster`] beyond its CIDRs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Options {
+    /// Induced peering on (the default); off is discovery's `--no-induced`: as a hub the
+    /// cluster introduces nobody, so its leaves peer only with it.
+    pub induced: bool,
+    /// Where every service exports its spans (`OTEL_EXPORTER_OTLP_ENDPOINT`); none by default.
+    pub otlp_endpoint: Option<String>,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Self {
+            induced: true,
+            otlp_endpoint: None,
+        }
+    }
+}
+
 /// One cluster of real service processes, each on its own etcd.
 #[derive(Debug)]
 pub struct ProcessCluster {
     pub id: String,
     pub services: Services,
+    /// The endpoints service's address ([`Services`], shared with the in-process cluster,
+    /// has none).
+    pub endpoints: SocketAddr,
+    options: Options,
     // Processes before etcds: fields drop in declaration order, so services die before the
     // stores they write to.
     processes: BTreeMap<Service, ServiceProcess>,
@@ -103,7 +131,7 @@ pub struct ProcessCluster {
 }
 
 impl ProcessCluster {
-    /// Starts five etcds and the five services of cluster `id`. `Ok(None)` when etcd is not
+    /// Starts six etcds and the six services of cluster `id`. `Ok(None)` when etcd is not
     /// installed (skipped loudly by [`Etcd::start_or_skip`], which fails in CI instead).
     ///
     /// Call from the test's own task (not a spawned one) so that a skip names the test.
@@ -111,6 +139,57 @@ impl ProcessCluster {
         id: &str,
         pod_cidr: &str,
         external_cidr: &str,
+    ) -> anyhow::Result<Option<Self>> {
+        Self::start_with(id, pod_cidr, external_cidr, Options::default()).await
+    }
+
+    /// Like [`Self::start`], with discovery's `--no-induced`.
+    pub async fn start_without_induced(
+        id: &str,
+        pod_cidr: &str,
+        external_cidr: &str,
+    ) -> anyhow::Result<Option<Self>> {
+        Self::start_with(
+            id,
+            pod_cidr,
+            external_cidr,
+            Options {
+                induced: false,
+                ..Options::default()
+            },
+        )
+        .await
+    }
+
+    /// Like [`Self::start`], with `options`. Ports are picked before the services bind them
+    /// (discovery must advertise them first), so another process may take one in between: then
+    /// the whole cluster (etcds included) starts again on fresh ports.
+    pub async fn start_with(
+        id: &str,
+        pod_cidr: &str,
+        external_cidr: &str,
+        options: Options,
+    ) -> anyhow::Result<Option<Self>> {
+        let mut attempt = 1;
+        loop {
+            match Self::start_once(id, pod_cidr, external_cidr, options.clone()).await {
+                Err(err) if attempt < START_ATTEMPTS && port_taken(&err) => {
+                    eprintln!(
+                        "{id}: a port was taken before its service bound it, starting again \
+                         on fresh ports (attempt {attempt}): {err:#}"
+                    );
+                    attempt += 1;
+                }
+                other => return other,
+            }
+        }
+    }
+
+    async fn start_once(
+        id: &str,
+        pod_cidr: &str,
+        external_cidr: &str,
+        options: Options,
     ) -> anyhow::Result<Option<Self>> {
         // The first one decides whether to skip (and names the test's thread when it does).
         let Some(first) = Etcd::start_or_skip() else {
@@ -139,15 +218,26 @@ impl ProcessCluster {
         let mut this = Self {
             id: id.to_owned(),
             services,
+            endpoints: crate::free_addr(),
+            options,
             processes: BTreeMap::new(),
             etcds,
         };
         for service in Service::ALL {
             let args = this.args(service, pod_cidr, external_cidr)?;
-            let process = ServiceProcess::start(
+            let env = match &this.options.otlp_endpoint {
+                // Short batches, so spans arrive while the test still waits for them.
+                Some(endpoint) => vec![
+                    ("OTEL_EXPORTER_OTLP_ENDPOINT".to_owned(), endpoint.clone()),
+                    ("OTEL_BSP_SCHEDULE_DELAY".to_owned(), "100".to_owned()),
+                ],
+                None => Vec::new(),
+            };
+            let process = ServiceProcess::start_with_env(
                 &service.binary(),
                 args,
-                service.addr(&this.services),
+                env,
+                this.addr(service),
                 service.grpc_service(),
             )
             .await
@@ -155,6 +245,24 @@ impl ProcessCluster {
             this.processes.insert(service, process);
         }
         Ok(Some(this))
+    }
+
+    /// The gRPC address of `service`.
+    pub fn addr(&self, service: Service) -> SocketAddr {
+        let s = &self.services;
+        match service {
+            Service::Ipam => s.ipam,
+            Service::Gateway => s.gateway,
+            Service::Discovery => s.discovery,
+            Service::Forwarder => s.forwarder,
+            Service::Broker => s.broker,
+            Service::Endpoints => self.endpoints,
+        }
+    }
+
+    /// The options the cluster started with.
+    pub fn options(&self) -> &Options {
+        &self.options
     }
 
     /// The store prefix of `service`: `trellis/<cluster id>/<service>`.
@@ -171,7 +279,7 @@ impl ProcessCluster {
         let s = &self.services;
         let mut args = strings(&[
             "--listen",
-            &service.addr(s).to_string(),
+            &self.addr(service).to_string(),
             "--store",
             &self.etcd(service)?.url(&self.store_prefix(service)),
             "--cluster-id",
@@ -184,22 +292,30 @@ impl ProcessCluster {
             Service::Gateway => {
                 strings(&["--dataplane", "none", "--endpoint-address", "127.0.0.1"])
             }
-            Service::Discovery => strings(&[
-                "--advertise-discovery",
-                &s.discovery.to_string(),
-                "--advertise-broker",
-                &s.broker.to_string(),
-                "--advertise-forwarder",
-                &s.forwarder.to_string(),
-                "--advertise-ipam",
-                &s.ipam.to_string(),
-                "--advertise-gateway",
-                &s.gateway.to_string(),
-                "--neighborhood-resync",
-                "5",
-                "--neighborhood-retry-max",
-                "2",
-            ]),
+            Service::Discovery => {
+                let mut args = strings(&[
+                    "--advertise-discovery",
+                    &s.discovery.to_string(),
+                    "--advertise-broker",
+                    &s.broker.to_string(),
+                    "--advertise-forwarder",
+                    &s.forwarder.to_string(),
+                    "--advertise-ipam",
+                    &s.ipam.to_string(),
+                    "--advertise-gateway",
+                    &s.gateway.to_string(),
+                    "--advertise-endpoints",
+                    &self.endpoints.to_string(),
+                    "--neighborhood-resync",
+                    "5",
+                    "--neighborhood-retry-max",
+                    "2",
+                ]);
+                if !self.options.induced {
+                    args.push("--no-induced".to_owned());
+                }
+                args
+            }
             Service::Forwarder => {
                 strings(&["--discovery", &s.discovery.to_string(), "--retry-max", "1"])
             }
@@ -212,6 +328,12 @@ impl ProcessCluster {
                 &s.gateway.to_string(),
                 "--resync",
                 "2",
+            ]),
+            Service::Endpoints => strings(&[
+                "--ipam",
+                &s.ipam.to_string(),
+                "--discovery",
+                &s.discovery.to_string(),
             ]),
         });
         Ok(args)
@@ -301,7 +423,7 @@ impl ProcessCluster {
 
     async fn channel(&self, service: Service) -> anyhow::Result<Channel> {
         Ok(
-            Channel::from_shared(format!("http://{}", service.addr(&self.services)))?
+            Channel::from_shared(format!("http://{}", self.addr(service)))?
                 .connect()
                 .await?,
         )
@@ -324,6 +446,12 @@ impl ProcessCluster {
     pub async fn discovery(&self) -> anyhow::Result<DiscoveryClient<Channel>> {
         Ok(DiscoveryClient::new(
             self.channel(Service::Discovery).await?,
+        ))
+    }
+
+    pub async fn endpoints(&self) -> anyhow::Result<EndpointMapperClient<Channel>> {
+        Ok(EndpointMapperClient::new(
+            self.channel(Service::Endpoints).await?,
         ))
     }
 }

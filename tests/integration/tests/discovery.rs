@@ -77,6 +77,7 @@ async fn peer(on: &ServiceProcess, peer_id: &str, peer_addr: SocketAddr, peered:
             .into(),
             message: String::new(),
             expected_revision: 0,
+            ca_certificate: String::new(),
         })
         .await
         .expect("update peering");

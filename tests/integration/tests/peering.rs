@@ -325,6 +325,7 @@ async fn bad_network_configs_are_refused_with_clear_errors_and_store_nothing() {
             token: String::new(),
             identity: None,
             addresses: None,
+            ca_certificate: String::new(),
         })
         .await
         .expect_err("no token");

@@ -2,8 +2,10 @@
 //! production, DESIGN.md): hub B peers with leaves A and C, all three with the same pod and
 //! external CIDRs; A and C end with induced TunnelEndpoints for each other (relayed by B's
 //! forwarder), B with full ones for both, and the NAT views agree on both ends of every tunnel.
-//! The fault test SIGKILLs B's forwarder and C's broker during the exchange and checks that the
-//! mesh still completes, without duplicated IPAM mappings or NetworkConfigs.
+//! The fault tests SIGKILL, during the induced exchange, B's forwarder and C's broker, then a
+//! leaf's discovery and the IPAMs of a leaf and of the hub, and check that the mesh still
+//! completes with the same result: every TunnelEndpoint, NAT views agreeing on both ends, one
+//! IPAM mapping per remote, no duplicated NetworkConfigs, no relay left on the hub.
 //!
 //! Needs etcd (and etcdctl) and the service binaries (`cargo build --workspace --bins`, which
 //! `make test` does first); skips loudly without etcd (fails in CI).
@@ -431,6 +433,8 @@ async fn assert_each_service_uses_its_own_etcd(mesh: &Mesh) {
                 ("relays/", Service::Forwarder),
                 ("ports/", Service::Gateway),
                 ("clusters/", Service::Discovery),
+                ("reflected/", Service::Endpoints),
+                ("outgoing/", Service::Endpoints),
             ];
             for (p, owner) in foreign {
                 if owner != service {
@@ -464,6 +468,12 @@ async fn assert_each_service_uses_its_own_etcd(mesh: &Mesh) {
                 Service::Forwarder => assert!(
                     !any_under("relays/"),
                     "{}: the forwarder keeps completed relays: {own:?}",
+                    cluster.id
+                ),
+                // Nothing is reflected in these tests.
+                Service::Endpoints => assert!(
+                    !any_under("reflected/") && !any_under("outgoing/"),
+                    "{}: the endpoints service holds reflections: {own:?}",
                     cluster.id
                 ),
             }
@@ -593,6 +603,166 @@ async fn mesh_completes_after_sigkill_of_the_forwarder_and_a_leaf_broker() {
         ),
         (&first.remote_pod_cidr_nat, &first.remote_external_cidr_nat),
         "C keeps the mapping of A it allocated before the crash"
+    );
+    assert_consistent(&all);
+    assert_ipam_mappings_unique(&mesh, &all).await;
+    assert_network_configs_unique(&mesh).await;
+    assert_each_service_uses_its_own_etcd(&mesh).await;
+}
+
+/// Waits until both ends of `x`↔`y` hold a full TunnelEndpoint.
+async fn full_tunnels(mesh: &Mesh, x: &ProcessCluster, y: &ProcessCluster) {
+    for (local, remote) in [(x, y), (y, x)] {
+        let t = mesh
+            .eventually(
+                &format!("{}'s tunnel to {}", local.id, remote.id),
+                || async {
+                    tunnels(local)
+                        .await?
+                        .into_iter()
+                        .find(|t| remote_of(t) == remote.id)
+                        .ok_or_else(|| format!("{}: no tunnel to {}", local.id, remote.id))
+                },
+            )
+            .await;
+        assert_eq!(t.kind, PeeringKind::Full as i32, "{t:?}");
+    }
+}
+
+/// The relay of `origin`'s NetworkConfig to `destination` on the hub, once it is pending after
+/// at least one failed delivery.
+async fn failing_relay(mesh: &Mesh, origin: &str, destination: &str) -> RelayRecord {
+    mesh.eventually(
+        &format!("a failing relay from {origin} to {destination} on the hub"),
+        || async {
+            let relays = relays(&mesh.b).await?;
+            relays
+                .iter()
+                .find(|r| {
+                    r.network_config.as_ref().is_some_and(|nc| {
+                        nc.origin.as_ref().is_some_and(|o| o.cluster_id == origin)
+                            && nc
+                                .destination
+                                .as_ref()
+                                .is_some_and(|d| d.cluster_id == destination)
+                    }) && r.state == RelayState::Pending as i32
+                        && r.attempts >= 1
+                        && !r.last_error.is_empty()
+                })
+                .cloned()
+                .ok_or_else(|| format!("relays {relays:?}"))
+        },
+    )
+    .await
+}
+
+/// Neither leaf holds an induced TunnelEndpoint yet.
+async fn assert_no_induced_tunnels(mesh: &Mesh, when: &str) {
+    for leaf in [&mesh.a, &mesh.c] {
+        let induced: Vec<TunnelEndpoint> = tunnels(leaf)
+            .await
+            .unwrap_or_else(|e| panic!("{}: {e}", leaf.id))
+            .into_iter()
+            .filter(|t| t.kind == PeeringKind::Induced as i32)
+            .collect();
+        assert!(
+            induced.is_empty(),
+            "{}: induced tunnels {when}: {induced:?}",
+            leaf.id
+        );
+    }
+}
+
+/// The windows are held open by the faults themselves, so each kill lands at a known step of
+/// the exchange, not at a lucky moment:
+///
+/// 1. C is peered with B; C's IPAM dies. A peers with B, which introduces A and C to each
+///    other: A stores its passthrough NetworkConfig for C and hands it to B's forwarder, whose
+///    deliveries fail because C's broker cannot decide without its IPAM. No induced tunnel can
+///    exist yet. Here A's discovery and B's IPAM are SIGKILLed.
+/// 2. C's IPAM comes back: C decides on A's NetworkConfig (mapping A in its IPAM) and sends its
+///    own, but A's broker cannot take it (nor finish) without A's discovery, so still no induced
+///    tunnel. Here C's IPAM is SIGKILLed again, after its mapping of A, and restarted.
+/// 3. A's discovery and B's IPAM come back; the mesh must complete as if nothing happened, with
+///    C keeping the mapping of A it made before the crash.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mesh_completes_after_sigkill_of_a_leaf_discovery_and_of_ipams_during_the_exchange() {
+    let Some(mut mesh) = Mesh::start().await else {
+        return;
+    };
+    peer(&mesh.c, &mesh.b).await;
+    full_tunnels(&mesh, &mesh.c, &mesh.b).await;
+    mesh.c.kill9(Service::Ipam).expect("kills C's IPAM");
+
+    // Step 1: the exchange is under way and stuck at C.
+    peer(&mesh.a, &mesh.b).await;
+    full_tunnels(&mesh, &mesh.a, &mesh.b).await;
+    mesh.eventually("A's NetworkConfig for C", || async {
+        let ncs = network_configs(&mesh.a).await?;
+        ncs.iter()
+            .find(|nc| {
+                nc.origin.as_ref().is_some_and(|o| o.cluster_id == LEAF_A)
+                    && nc
+                        .destination
+                        .as_ref()
+                        .is_some_and(|d| d.cluster_id == LEAF_C)
+            })
+            .map(|_| ())
+            .ok_or_else(|| format!("A's NCs {ncs:?}"))
+    })
+    .await;
+    let stuck = failing_relay(&mesh, LEAF_A, LEAF_C).await;
+    assert_no_induced_tunnels(&mesh, "while C's IPAM is down").await;
+    mesh.a
+        .kill9(Service::Discovery)
+        .expect("kills A's discovery");
+    mesh.b.kill9(Service::Ipam).expect("kills B's IPAM");
+
+    // Step 2: C decides on A's NetworkConfig; A cannot finish without its discovery.
+    mesh.c
+        .restart(Service::Ipam)
+        .await
+        .expect("restarts C's IPAM");
+    let first = mesh
+        .eventually("C's IPAM to map A", || async {
+            let records = cluster_subnets(&mesh.c).await?;
+            records
+                .iter()
+                .find(|r| r.cluster_id == LEAF_A && !r.remote_pod_cidr_nat.is_empty())
+                .cloned()
+                .ok_or_else(|| format!("records {records:?}"))
+        })
+        .await;
+    assert_no_induced_tunnels(&mesh, "while A's discovery is down").await;
+    // C's own NetworkConfig for A is on its way and cannot be taken by A.
+    failing_relay(&mesh, LEAF_C, LEAF_A).await;
+    mesh.c.kill9(Service::Ipam).expect("kills C's IPAM again");
+    mesh.c
+        .restart(Service::Ipam)
+        .await
+        .expect("restarts C's IPAM again");
+
+    // Step 3.
+    mesh.a
+        .restart(Service::Discovery)
+        .await
+        .expect("restarts A's discovery");
+    mesh.b
+        .restart(Service::Ipam)
+        .await
+        .expect("restarts B's IPAM");
+
+    let all = converged(&mesh).await;
+    let c_to_a = tunnel(&all, LEAF_C, LEAF_A);
+    assert_eq!(
+        (
+            &c_to_a.remote_pod_cidr_nat,
+            &c_to_a.remote_external_cidr_nat
+        ),
+        (&first.remote_pod_cidr_nat, &first.remote_external_cidr_nat),
+        "C keeps the mapping of A it allocated before its IPAM crashed (the relay first failed \
+         with: {})",
+        stuck.last_error
     );
     assert_consistent(&all);
     assert_ipam_mappings_unique(&mesh, &all).await;

@@ -166,6 +166,7 @@ impl Cluster {
                 reason: "HandshakeCompleted".into(),
                 message: String::new(),
                 expected_revision: 0,
+                ca_certificate: String::new(),
             })
             .await
             .expect("update peering");

@@ -23,6 +23,7 @@ use super::cmd::{self, ip};
 use super::nft;
 use super::wireguard::{Device, DeviceSpec, Flavor, MTU, PeerStats};
 use crate::keys::KeyPair;
+use crate::mappings::HubMapping;
 use crate::names::{MARK_MASK, RULE_PRIORITY};
 
 /// How long a stats read may take before the tunnel is reported DOWN.
@@ -72,7 +73,7 @@ impl Linux {
         for (mark, table) in &rules {
             delete_rule(*mark, *table).await?;
         }
-        cmd::run("nft", &["-f", "-"], Some(&nft::script(&[]))).await?;
+        cmd::run("nft", &["-f", "-"], Some(&nft::script(&[], &[]))).await?;
         let links = ip(&["-o", "link", "show"]).await?;
         let mut removed = 0;
         for name in links.lines().filter_map(link_name) {
@@ -91,7 +92,11 @@ impl Linux {
 
     /// Makes the namespace match `plans`. Returns, per peer, `Ok` or why its tunnel is not
     /// configured (one broken peer does not stop the others).
-    pub async fn apply(&mut self, plans: &[PeerPlan]) -> BTreeMap<ClusterId, Result<(), String>> {
+    pub async fn apply(
+        &mut self,
+        plans: &[PeerPlan],
+        hub: &[HubMapping],
+    ) -> BTreeMap<ClusterId, Result<(), String>> {
         let mut results = BTreeMap::new();
         for plan in plans {
             let id = plan.endpoint.remote.id.clone();
@@ -104,8 +109,13 @@ impl Linux {
         // Rules and NAT for every planned peer (a peer whose device failed just matches no
         // packets until it is fixed), then the devices of peers no longer planned.
         let shared = async {
-            let nats: Vec<nft::PeerNat> = plans.iter().map(PeerPlan::nat).collect();
-            cmd::run("nft", &["-f", "-"], Some(&nft::script(&nats))).await?;
+            let nats: Vec<nft::PeerNat> = plans.iter().map(|p| p.nat(hub)).collect();
+            let snat = if plans.is_empty() {
+                Vec::new()
+            } else {
+                super::hub_snat(hub)
+            };
+            cmd::run("nft", &["-f", "-"], Some(&nft::script(&nats, &snat))).await?;
             self.sync_rules(plans).await
         };
         if let Err(err) = shared.await {
@@ -135,9 +145,11 @@ impl Linux {
 
     async fn apply_peer(&mut self, plan: &PeerPlan) -> anyhow::Result<()> {
         let id = &plan.endpoint.remote.id;
+        let mut created = false;
         let device = match self.devices.get(id) {
             Some(d) if d.name() == plan.interface => d.clone(),
             _ => {
+                created = true;
                 if let Some(old) = self.devices.remove(id) {
                     remove_device(old).await;
                 }
@@ -189,6 +201,9 @@ impl Linux {
         }
         let table = plan.table().to_string();
         ip(&["route", "replace", "default", "dev", name, "table", &table]).await?;
+        if created && let Some(target) = routed.first() {
+            kick_handshake(name, *target).await;
+        }
         Ok(())
     }
 
@@ -234,7 +249,27 @@ impl Linux {
 
     /// Removes every tunnel, rule and the nftables table (graceful stop).
     pub async fn clear(&mut self) {
-        let _ = self.apply(&[]).await;
+        let _ = self.apply(&[], &[]).await;
+    }
+}
+
+/// Makes a new device handshake now. A restarted gateway's devices have no session, while its
+/// peers still hold the old one: they keep encrypting with it and only re-handshake after
+/// sending unanswered for 15 s (KEEPALIVE_TIMEOUT + REKEY_TIMEOUT), or when our persistent
+/// keepalive first fires (boringtun waits a whole interval; the kernel sends one at
+/// configuration). Any packet routed into the device starts a handshake, so we send one empty UDP
+/// datagram to the discard port of the peer's routed range, with TTL 1: whatever the peer's
+/// gateway does with it after decrypting (drop it for a source outside our AllowedIPs, or NAT it),
+/// it is never forwarded. Best effort: a failure only means the slow path.
+async fn kick_handshake(interface: &str, target: IpNet) {
+    let sent = async {
+        let socket = tokio::net::UdpSocket::bind((std::net::Ipv4Addr::UNSPECIFIED, 0)).await?;
+        socket.set_ttl(1)?;
+        socket.send_to(&[], (target.network(), 9)).await
+    };
+    match sent.await {
+        Ok(_) => tracing::debug!(interface, %target, "handshake kicked"),
+        Err(err) => tracing::debug!(interface, %target, error = %err, "could not kick a handshake"),
     }
 }
 

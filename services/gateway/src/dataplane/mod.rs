@@ -11,6 +11,7 @@ pub mod linux;
 pub mod nft;
 pub mod wireguard;
 
+use std::net::IpAddr;
 use std::path::Path;
 
 use ipnet::IpNet;
@@ -18,6 +19,7 @@ use trellis_api::model::TunnelEndpoint;
 use trellis_api::pb::gateway::WireguardMode;
 
 use crate::config::DataplaneFlag;
+use crate::mappings::HubMapping;
 use crate::names;
 
 /// The data plane actually in use.
@@ -103,12 +105,32 @@ impl PeerPlan {
         names::table(self.port)
     }
 
+    /// Hub-path DNAT for traffic from this peer: for every external-CIDR mapping handed to
+    /// the peer, `(the address the peer uses, the destination as we address it)`. The peer
+    /// addresses our external CIDR through its own view of it (`local_nat.external_cidr_nat`),
+    /// so the external address is rebased onto that view (same host bits).
+    pub fn hub_dnat(&self, hub: &[HubMapping]) -> Vec<(IpAddr, IpAddr)> {
+        let te = &self.endpoint;
+        hub.iter()
+            .filter(|m| m.clusters.contains(&te.remote.id))
+            .filter_map(|m| {
+                let seen = rebase(
+                    m.external_ip,
+                    te.local_external_cidr,
+                    te.local_nat.external_cidr_nat,
+                )?;
+                Some((seen, m.destination))
+            })
+            .collect()
+    }
+
     /// The peer's part of the nftables table.
-    pub fn nat(&self) -> nft::PeerNat {
+    pub fn nat(&self, hub: &[HubMapping]) -> nft::PeerNat {
         let te = &self.endpoint;
         nft::PeerNat {
             interface: self.interface.clone(),
             mark: self.mark(),
+            hub_dnat: self.hub_dnat(hub),
             dnat: vec![
                 (te.local_nat.pod_cidr_nat, te.local_pod_cidr),
                 (te.local_nat.external_cidr_nat, te.local_external_cidr),
@@ -118,5 +140,128 @@ impl PeerPlan {
                 (te.remote_external_cidr, te.remote_nat.external_cidr_nat),
             ],
         }
+    }
+}
+
+/// The hub-path source NAT, `(destination, external address)` per mapping: a connection that
+/// was DNAT'ed to a mapping's destination leaves with the mapping's external address as its
+/// source. The destination's gateway only accepts sources in our real pod or external CIDR
+/// from our tunnel (its AllowedIPs) and addresses our external CIDR through its own view, so
+/// its replies come back to us, where conntrack undoes both translations (ADR 0008).
+pub fn hub_snat(hub: &[HubMapping]) -> Vec<(IpAddr, IpAddr)> {
+    hub.iter()
+        .filter(|m| m.external_ip.is_ipv4() && m.destination.is_ipv4())
+        .map(|m| (m.destination, m.external_ip))
+        .collect()
+}
+
+/// `ip` moved from `from` into `to` with the same host bits; `None` when `ip` is not in `from`
+/// or the prefix lengths or families differ.
+pub fn rebase(ip: IpAddr, from: IpNet, to: IpNet) -> Option<IpAddr> {
+    if !from.contains(&ip) || from.prefix_len() != to.prefix_len() {
+        return None;
+    }
+    match (ip, from, to) {
+        (IpAddr::V4(ip), IpNet::V4(from), IpNet::V4(to)) => {
+            let host = u32::from(ip) & !u32::from(from.netmask());
+            Some(IpAddr::V4((u32::from(to.network()) | host).into()))
+        }
+        (IpAddr::V6(ip), IpNet::V6(from), IpNet::V6(to)) => {
+            let host = u128::from(ip) & !u128::from(from.netmask());
+            Some(IpAddr::V6((u128::from(to.network()) | host).into()))
+        }
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::BTreeSet;
+    use trellis_api::model::{NatView, PeeringKind, WgKey};
+    use trellis_api::{ClusterId, ClusterIdentity};
+
+    fn net(s: &str) -> IpNet {
+        s.parse().expect("net")
+    }
+
+    fn ip(s: &str) -> IpAddr {
+        s.parse().expect("ip")
+    }
+
+    fn plan(remote: &str) -> PeerPlan {
+        PeerPlan {
+            endpoint: TunnelEndpoint {
+                remote: ClusterIdentity::parse("id", remote, "name", remote).expect("id"),
+                kind: PeeringKind::Full,
+                via: None,
+                local_pod_cidr: net("10.0.0.0/16"),
+                local_external_cidr: net("10.201.0.0/16"),
+                local_nat: NatView {
+                    pod_cidr_nat: net("10.82.0.0/16"),
+                    external_cidr_nat: net("10.92.0.0/16"),
+                },
+                remote_pod_cidr: net("10.0.0.0/16"),
+                remote_external_cidr: net("10.201.0.0/16"),
+                remote_nat: NatView {
+                    pod_cidr_nat: net("10.81.0.0/16"),
+                    external_cidr_nat: net("10.91.0.0/16"),
+                },
+                remote_endpoint: "192.0.2.1:51840".parse().expect("endpoint"),
+                remote_public_key: WgKey::parse(
+                    "k",
+                    "AQEBAQEBAQEBAQEBAQEBAQEBAQEBAQEBAQEBAQEBAQE=",
+                )
+                .expect("key"),
+                generation: 1,
+            },
+            port: 51841,
+            interface: "tg01234567".into(),
+        }
+    }
+
+    fn mapping(external: &str, destination: &str, clusters: &[&str]) -> HubMapping {
+        HubMapping {
+            external_ip: ip(external),
+            destination: ip(destination),
+            clusters: clusters
+                .iter()
+                .map(|c| ClusterId::parse("id", c).expect("id"))
+                .collect::<BTreeSet<_>>(),
+        }
+    }
+
+    #[test]
+    fn hub_dnat_uses_the_peers_view_and_only_mappings_handed_to_it() {
+        let hub = [
+            mapping("10.201.3.7", "10.83.0.10", &["a"]),
+            mapping("10.201.0.9", "10.83.0.11", &["c"]),
+            // Outside our external CIDR: not ours to translate.
+            mapping("10.99.0.1", "10.83.0.12", &["a"]),
+        ];
+        assert_eq!(
+            plan("a").hub_dnat(&hub),
+            vec![(ip("10.92.3.7"), ip("10.83.0.10"))]
+        );
+        assert_eq!(
+            hub_snat(&hub[..1]),
+            vec![(ip("10.83.0.10"), ip("10.201.3.7"))]
+        );
+    }
+
+    #[test]
+    fn rebase_keeps_host_bits_and_refuses_mismatches() {
+        assert_eq!(
+            rebase(ip("10.1.2.3"), net("10.1.0.0/16"), net("10.9.0.0/16")),
+            Some(ip("10.9.2.3"))
+        );
+        assert_eq!(
+            rebase(ip("10.2.2.3"), net("10.1.0.0/16"), net("10.9.0.0/16")),
+            None
+        );
+        assert_eq!(
+            rebase(ip("10.1.2.3"), net("10.1.0.0/16"), net("10.9.0.0/24")),
+            None
+        );
     }
 }

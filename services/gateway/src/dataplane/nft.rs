@@ -12,6 +12,7 @@
 //! - `post_nat`: SNAT the source from the peer's real ranges to how we address the peer.
 
 use std::fmt::Write as _;
+use std::net::IpAddr;
 
 use ipnet::IpNet;
 
@@ -25,6 +26,9 @@ pub const TABLE: &str = "trellis";
 pub struct PeerNat {
     pub interface: String,
     pub mark: u32,
+    /// Hub path: `(the external address as the peer addresses it, the destination as we
+    /// address it)`, matched before the prefix maps.
+    pub hub_dnat: Vec<(IpAddr, IpAddr)>,
     /// `(how the peer sees us, our real range)`: destination prefix map.
     pub dnat: Vec<(IpNet, IpNet)>,
     /// `(the peer's real range, how we see it)`: source prefix map.
@@ -41,9 +45,20 @@ fn map(entries: &[(IpNet, IpNet)]) -> Option<String> {
     (!entries.is_empty()).then(|| format!("{{ {} }}", entries.join(", ")))
 }
 
+fn addr_map(entries: &[(IpAddr, IpAddr)]) -> Option<String> {
+    let entries: Vec<String> = entries
+        .iter()
+        .filter(|(from, to)| from.is_ipv4() && to.is_ipv4())
+        .map(|(from, to)| format!("{from} : {to}"))
+        .collect();
+    (!entries.is_empty()).then(|| format!("{{ {} }}", entries.join(", ")))
+}
+
 /// The script that replaces our table with one for `peers` (or just removes it when there are
-/// none).
-pub fn script(peers: &[PeerNat]) -> String {
+/// none). `hub_snat` (`(destination, external address)`, from [`super::hub_snat`]) gives
+/// hub-path connections, recognised as DNAT'ed to one of those destinations, the external
+/// address as their source.
+pub fn script(peers: &[PeerNat], hub_snat: &[(IpAddr, IpAddr)]) -> String {
     // Creating the table first makes the delete succeed whether or not it exists.
     let mut s = format!("table ip {TABLE} {{}}\ndelete table ip {TABLE}\n");
     if peers.is_empty() {
@@ -67,6 +82,16 @@ pub fn script(peers: &[PeerNat]) -> String {
     s.push_str("  }\n");
     s.push_str("  chain pre_nat {\n    type nat hook prerouting priority dstnat; policy accept;\n");
     for p in peers {
+        // A lookup that finds nothing ends the rule, so other destinations fall through to
+        // the prefix map below. One NAT per connection and hook: the hub-path rule must come
+        // first, since the peer's view of our external CIDR is also in its prefix map.
+        if let Some(m) = addr_map(&p.hub_dnat) {
+            let _ = writeln!(
+                s,
+                "    iifname \"{}\" dnat ip to ip daddr map {m}",
+                p.interface
+            );
+        }
         if let Some(m) = map(&p.dnat) {
             let _ = writeln!(
                 s,
@@ -79,6 +104,9 @@ pub fn script(peers: &[PeerNat]) -> String {
     s.push_str(
         "  chain post_nat {\n    type nat hook postrouting priority srcnat; policy accept;\n",
     );
+    if let Some(m) = addr_map(hub_snat) {
+        let _ = writeln!(s, "    ct status dnat snat ip to ip daddr map {m}");
+    }
     for p in peers {
         if let Some(m) = map(&p.snat) {
             let _ = writeln!(
@@ -105,13 +133,14 @@ mod tests {
         let peers = [PeerNat {
             interface: "tg01234567".into(),
             mark: 0xca81_0000,
+            hub_dnat: vec![],
             dnat: vec![
                 (net("10.83.0.0/16"), net("10.0.0.0/16")),
                 (net("10.201.0.0/16"), net("10.201.0.0/16")),
             ],
             snat: vec![(net("10.0.0.0/16"), net("10.81.0.0/16"))],
         }];
-        let s = script(&peers);
+        let s = script(&peers, &[]);
         assert!(
             s.starts_with("table ip trellis {}\ndelete table ip trellis\n"),
             "{s}"
@@ -132,9 +161,31 @@ mod tests {
     }
 
     #[test]
+    fn hub_path_rules_come_before_the_prefix_maps() {
+        let ip = |s: &str| s.parse::<IpAddr>().expect("ip");
+        let peers = [PeerNat {
+            interface: "tga".into(),
+            mark: 0x1_0000,
+            hub_dnat: vec![(ip("10.92.3.7"), ip("10.83.0.10"))],
+            dnat: vec![(net("10.92.0.0/16"), net("10.201.0.0/16"))],
+            snat: vec![(net("10.0.0.0/16"), net("10.81.0.0/16"))],
+        }];
+        let s = script(&peers, &[(ip("10.83.0.10"), ip("10.201.3.7"))]);
+        let hub = s
+            .find("iifname \"tga\" dnat ip to ip daddr map { 10.92.3.7 : 10.83.0.10 }")
+            .expect(&s);
+        let prefix = s.find("dnat ip prefix to").expect(&s);
+        assert!(hub < prefix, "{s}");
+        let snat = s
+            .find("ct status dnat snat ip to ip daddr map { 10.83.0.10 : 10.201.3.7 }")
+            .expect(&s);
+        assert!(snat < s.find("snat ip prefix to").expect(&s), "{s}");
+    }
+
+    #[test]
     fn no_peers_only_removes_the_table() {
         assert_eq!(
-            script(&[]),
+            script(&[], &[]),
             "table ip trellis {}\ndelete table ip trellis\n"
         );
     }

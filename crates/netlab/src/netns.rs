@@ -1,5 +1,5 @@
-//! Network namespaces for data-plane tests (root only): a guard that deletes the namespaces it
-//! created, whatever happens to the test; sockets opened *inside* a namespace from this process
+//! Network namespaces (root only): a guard that deletes the namespaces it created, whatever
+//! happens to the test or the program; sockets opened *inside* a namespace from this process
 //! (a short-lived thread enters it with `setns`; a socket keeps the namespace it was created
 //! in), so a test can serve and call gRPC in a namespace without running there; and a TCP
 //! forwarder from a namespace to the host's loopback (for etcd).

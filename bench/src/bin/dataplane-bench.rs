@@ -1,0 +1,459 @@
+//! Data-plane benchmark (issue 6; reproduction of thesis §7.2.1, Fig. 7.3/7.4): leaf↔leaf
+//! round-trip time with induced peering and through the hub, under `tc netem` link delays, and
+//! the throughput of one tunnel against the same veth path without a tunnel. **Root only**
+//! (network namespaces, tc, nftables).
+//!
+//! Topology ([`trellis_netlab::Fabric`]): hub B and leaves A and C, all with pod CIDR
+//! 10.0.0.0/16, each a gateway namespace (the six real service binaries, userspace WireGuard)
+//! plus a pod namespace, the gateways on one bridge. Latency per link is `tc netem` on each
+//! gateway's uplink, selected by the peer gateway's address (see [`trellis_netlab::netem`]):
+//! half of a link's delay in each direction, so a round trip across a link adds the link's
+//! delay: 180 ms per hub link (A–B, C–B) and 20 ms on the leaf link (A–C) by default, as in the
+//! thesis. The induced path A→C→A crosses the leaf link once each way (expected ≈ 20 ms); the
+//! hub path A→B→C→B→A crosses both hub links (expected ≈ 360 ms).
+//!
+//! Scenarios:
+//! - **induced**: induced peering on; B's endpoints service reflects C's pod to A (induced path),
+//!   A's pod pings that address. Before netem is applied: the RTT and iperf3 TCP throughput
+//!   through the A–C tunnel (pod to pod) and over the bare path the tunnel's UDP packets take
+//!   (A's gateway to C's gateway: veth, bridge, veth).
+//! - **hub**: B's discovery with `--no-induced`: A and C only peer with B; B reflects C's pod to
+//!   A through B's external CIDR (hub-path DNAT at B); A's pod pings that address.
+//!
+//! Stores are `memory://` by default (`--store etcd` for one etcd per service): the data plane
+//! does not touch them, and 18 etcds would only add noise on 2 cores. Builds on the release
+//! binaries: `make bench-dataplane` builds them first.
+
+use std::net::Ipv4Addr;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, bail};
+use clap::{Parser, ValueEnum};
+use serde::Serialize;
+use trellis_api::pb::endpoints::TranslationPath;
+use trellis_api::pb::types::PeeringKind;
+use trellis_bench::Machine;
+use trellis_netlab::netem::{self, LinkDelay, set_link_delays};
+use trellis_netlab::netns::exec;
+use trellis_netlab::relay::{RelayedLink, Relays, relay_links};
+use trellis_netlab::topology::ping_rtts;
+use trellis_netlab::{Fabric, FabricOptions, Service, StoreKind};
+
+const A: usize = 0;
+const B: usize = 1;
+const C: usize = 2;
+const LIMIT: Duration = Duration::from_secs(90);
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize)]
+#[serde(rename_all = "lowercase")]
+enum Store {
+    Memory,
+    Etcd,
+}
+
+/// Measures leaf-to-leaf RTT (induced vs hub path, under netem) and tunnel throughput, and
+/// writes a JSON result.
+#[derive(Debug, Parser)]
+struct Args {
+    /// Pings per RTT measurement.
+    #[arg(long, default_value_t = 20)]
+    samples: u32,
+    /// Round-trip delay added by each hub link (A–B, C–B), in milliseconds.
+    #[arg(long, default_value_t = 180)]
+    hub_link_ms: u64,
+    /// Round-trip delay added by the leaf link (A–C), in milliseconds.
+    #[arg(long, default_value_t = 20)]
+    leaf_link_ms: u64,
+    /// Duration of each iperf3 run, in seconds.
+    #[arg(long, default_value_t = 10)]
+    iperf_seconds: u32,
+    /// Where the services keep their state.
+    #[arg(long, value_enum, default_value_t = Store::Memory)]
+    store: Store,
+    /// Where to write the JSON result.
+    #[arg(long, default_value = "bench/results/dataplane.json")]
+    out: PathBuf,
+}
+
+#[derive(Debug, Clone, Serialize)]
+struct Rtt {
+    samples: usize,
+    lost: u32,
+    min_ms: f64,
+    median_ms: f64,
+    p90_ms: f64,
+    max_ms: f64,
+}
+
+impl Rtt {
+    fn of(mut rtts: Vec<f64>, sent: u32) -> anyhow::Result<Self> {
+        if rtts.is_empty() {
+            bail!("no ping was answered");
+        }
+        rtts.sort_by(f64::total_cmp);
+        let at = |q: f64| {
+            let i = ((rtts.len() as f64 - 1.0) * q).round() as usize;
+            rtts[i.min(rtts.len() - 1)]
+        };
+        Ok(Self {
+            samples: rtts.len(),
+            lost: sent.saturating_sub(u32::try_from(rtts.len()).unwrap_or(u32::MAX)),
+            min_ms: rtts[0],
+            median_ms: at(0.5),
+            p90_ms: at(0.9),
+            max_ms: rtts[rtts.len() - 1],
+        })
+    }
+}
+
+#[derive(Debug, Clone, Serialize)]
+struct Throughput {
+    /// iperf3 TCP, one stream, receiver side.
+    tunnel_mbit_s: f64,
+    bare_veth_mbit_s: f64,
+    tunnel_fraction_of_bare: f64,
+    /// Issue 9's target: userspace tunnel throughput at least 30 % of the bare veth path.
+    target_fraction: f64,
+    target_met: bool,
+    seconds: u32,
+}
+
+#[derive(Debug, Serialize)]
+struct Report {
+    benchmark: &'static str,
+    machine: Machine,
+    wireguard: &'static str,
+    build: &'static str,
+    store: Store,
+    /// How the link delays were added.
+    emulation: Emulation,
+    /// With `udp_relay`: the induced path through relays adding 0 ms (the relays' own cost).
+    rtt_through_zero_delay_relay: Option<Rtt>,
+    hub_link_rtt_ms: u64,
+    leaf_link_rtt_ms: u64,
+    /// Without netem: pod to pod through the A–C tunnel, and gateway to gateway on the bridge.
+    rtt_no_netem_tunnel: Rtt,
+    rtt_no_netem_bare: Rtt,
+    throughput: Throughput,
+    /// With the link delays: A's pod to C's pod at the address B reflected to A.
+    rtt_induced: Rtt,
+    rtt_hub_path: Rtt,
+    /// hub path median / induced median.
+    ratio_hub_over_induced: f64,
+    /// Thesis §7.2.1 (same link delays): 24 ms induced, 365 ms through the hub.
+    thesis_induced_ms: f64,
+    thesis_hub_ms: f64,
+    /// How long the control plane took to make each path usable (services started to first
+    /// answered ping), informative.
+    induced_ready_seconds: f64,
+    hub_ready_seconds: f64,
+}
+
+fn options(args: &Args, hub_no_induced: bool) -> FabricOptions {
+    let mut o = FabricOptions::three_clusters();
+    o.hub_no_induced = hub_no_induced;
+    o.store = match args.store {
+        Store::Memory => StoreKind::Memory,
+        Store::Etcd => StoreKind::EtcdPerService,
+    };
+    o.extra_args = vec![(
+        Service::Gateway,
+        vec!["--mappings-interval".into(), "1".into()],
+    )];
+    o
+}
+
+/// How link latency is emulated.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+enum Emulation {
+    /// `tc netem` on the gateways' uplinks, per destination.
+    Netem,
+    /// Userspace UDP delay relays (the kernel has no netem).
+    UdpRelay,
+}
+
+/// Adds the link delays to every link that carries a tunnel; the relays (if any) must live
+/// while measuring.
+async fn emulate(
+    fabric: &Fabric,
+    emulation: Emulation,
+    links: &[LinkDelay],
+) -> anyhow::Result<Option<Relays>> {
+    if emulation == Emulation::Netem {
+        set_link_delays(&fabric.topology, links)?;
+        return Ok(None);
+    }
+    let mut relayed = Vec::new();
+    for l in links {
+        let (Ok(y_endpoint), Ok(x_endpoint)) = (
+            fabric.wireguard_endpoint(l.a, l.b).await,
+            fabric.wireguard_endpoint(l.b, l.a).await,
+        ) else {
+            continue; // no tunnel on this link (hub path: A and C do not peer)
+        };
+        relayed.push(RelayedLink {
+            x: l.a,
+            x_endpoint,
+            y: l.b,
+            y_endpoint,
+            rtt: l.rtt,
+        });
+    }
+    Ok(Some(relay_links(&fabric.topology, &relayed).await?))
+}
+
+fn delays(args: &Args) -> [LinkDelay; 3] {
+    let hub = Duration::from_millis(args.hub_link_ms);
+    let leaf = Duration::from_millis(args.leaf_link_ms);
+    [
+        LinkDelay {
+            a: A,
+            b: B,
+            rtt: hub,
+        },
+        LinkDelay {
+            a: C,
+            b: B,
+            rtt: hub,
+        },
+        LinkDelay {
+            a: A,
+            b: C,
+            rtt: leaf,
+        },
+    ]
+}
+
+fn rtt(ns: &str, target: Ipv4Addr, samples: u32) -> anyhow::Result<Rtt> {
+    // One warm-up ping (ARP, conntrack, a handshake if one is due), then the samples.
+    let _ = ping_rtts(ns, target, 1, 0.2)?;
+    Rtt::of(ping_rtts(ns, target, samples, 0.2)?, samples)
+}
+
+/// iperf3 TCP from `client_ns` to a one-shot server in `server_ns` bound to `server_ip`;
+/// Mbit/s received.
+async fn iperf(
+    client_ns: &str,
+    server_ns: &str,
+    server_ip: Ipv4Addr,
+    connect_to: Ipv4Addr,
+    seconds: u32,
+) -> anyhow::Result<f64> {
+    let mut server = std::process::Command::new("ip")
+        .args(["netns", "exec", server_ns, "iperf3", "-s", "-1", "-B"])
+        .arg(server_ip.to_string())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .context("starting the iperf3 server")?;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let (client_ns, target, secs) = (
+        client_ns.to_owned(),
+        connect_to.to_string(),
+        seconds.to_string(),
+    );
+    let out = tokio::task::spawn_blocking(move || {
+        exec(&client_ns, "iperf3", &["-c", &target, "-t", &secs, "-J"])
+    })
+    .await??;
+    let _ = server.kill();
+    let _ = server.wait();
+    let json: serde_json::Value =
+        serde_json::from_slice(&out.stdout).context("iperf3 -J output")?;
+    if let Some(err) = json["error"].as_str() {
+        bail!("iperf3: {err}");
+    }
+    let bps = json["end"]["sum_received"]["bits_per_second"]
+        .as_f64()
+        .context("no end.sum_received.bits_per_second in iperf3's output")?;
+    Ok(bps / 1e6)
+}
+
+async fn induced(
+    args: &Args,
+    emulation: Emulation,
+) -> anyhow::Result<(Rtt, Rtt, Throughput, Option<Rtt>, Rtt, f64)> {
+    let started = Instant::now();
+    let fabric = Fabric::up(options(args, false)).await?;
+    fabric
+        .wait_tunnel_endpoints(
+            A,
+            &[("b", PeeringKind::Full), ("c", PeeringKind::Induced)],
+            LIMIT,
+        )
+        .await?;
+    let (path, address) = fabric.reflect_pod(B, C, A).await?;
+    if path != TranslationPath::Induced {
+        bail!("B reflected C's pod to A by the {path:?} path, expected INDUCED");
+    }
+    fabric.wait_ping(A, address, LIMIT).await?;
+    let ready = started.elapsed().as_secs_f64();
+    eprintln!("dataplane-bench: induced path up at {address} after {ready:.1} s");
+    let sites = &fabric.topology.sites;
+    let tunnel = rtt(&sites[A].pod_ns, address, args.samples)?;
+    let bare = rtt(&sites[A].gw_ns, sites[C].uplink_ip, args.samples)?;
+    eprintln!(
+        "dataplane-bench: no netem: tunnel median {:.3} ms, bare {:.3} ms",
+        tunnel.median_ms, bare.median_ms
+    );
+    let tunnel_mbit = iperf(
+        &sites[A].pod_ns,
+        &sites[C].pod_ns,
+        sites[C].pod_ip,
+        address,
+        args.iperf_seconds,
+    )
+    .await?;
+    let bare_mbit = iperf(
+        &sites[A].gw_ns,
+        &sites[C].gw_ns,
+        sites[C].uplink_ip,
+        sites[C].uplink_ip,
+        args.iperf_seconds,
+    )
+    .await?;
+    let fraction = tunnel_mbit / bare_mbit;
+    eprintln!(
+        "dataplane-bench: iperf3 tunnel {tunnel_mbit:.0} Mbit/s, bare veth {bare_mbit:.0} Mbit/s ({:.1} %)",
+        fraction * 100.0
+    );
+    let throughput = Throughput {
+        tunnel_mbit_s: tunnel_mbit,
+        bare_veth_mbit_s: bare_mbit,
+        tunnel_fraction_of_bare: fraction,
+        target_fraction: 0.30,
+        target_met: fraction >= 0.30,
+        seconds: args.iperf_seconds,
+    };
+    // The relay's own cost: the same path through a relay that adds no delay.
+    let relay_overhead = if emulation == Emulation::UdpRelay {
+        let zero = delays(args).map(|l| LinkDelay {
+            rtt: Duration::ZERO,
+            ..l
+        });
+        let relays = emulate(&fabric, emulation, &zero).await?;
+        let through_relay = rtt(&sites[A].pod_ns, address, args.samples)?;
+        drop(relays);
+        eprintln!(
+            "dataplane-bench: through a 0 ms relay: median {:.3} ms",
+            through_relay.median_ms
+        );
+        Some(through_relay)
+    } else {
+        None
+    };
+    let relays = emulate(&fabric, emulation, &delays(args)).await?;
+    let delayed = rtt(&sites[A].pod_ns, address, args.samples)?;
+    drop(relays);
+    eprintln!(
+        "dataplane-bench: induced path with link delays: median {:.1} ms, p90 {:.1} ms",
+        delayed.median_ms, delayed.p90_ms
+    );
+    Ok((tunnel, bare, throughput, relay_overhead, delayed, ready))
+}
+
+async fn hub(args: &Args, emulation: Emulation) -> anyhow::Result<(Rtt, f64)> {
+    let started = Instant::now();
+    let fabric = Fabric::up(options(args, true)).await?;
+    fabric
+        .wait_tunnel_endpoints(
+            B,
+            &[("a", PeeringKind::Full), ("c", PeeringKind::Full)],
+            LIMIT,
+        )
+        .await?;
+    fabric
+        .wait_tunnel_endpoints(A, &[("b", PeeringKind::Full)], LIMIT)
+        .await?;
+    let (path, address) = fabric.reflect_pod(B, C, A).await?;
+    if path != TranslationPath::HubExternal {
+        bail!("B reflected C's pod to A by the {path:?} path, expected HUB_EXTERNAL");
+    }
+    fabric.wait_ping(A, address, LIMIT).await?;
+    let ready = started.elapsed().as_secs_f64();
+    eprintln!("dataplane-bench: hub path up at {address} after {ready:.1} s");
+    let relays = emulate(&fabric, emulation, &delays(args)).await?;
+    let delayed = rtt(&fabric.topology.sites[A].pod_ns, address, args.samples)?;
+    drop(relays);
+    eprintln!(
+        "dataplane-bench: hub path with link delays: median {:.1} ms, p90 {:.1} ms",
+        delayed.median_ms, delayed.p90_ms
+    );
+    Ok((delayed, ready))
+}
+
+#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+async fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    let mut tools = vec!["ip", "tc", "nft", "ping", "iperf3"];
+    if args.store == Store::Etcd {
+        tools.push("etcd");
+    }
+    let missing = trellis_netlab::missing_prerequisites(&tools);
+    if !missing.is_empty() {
+        bail!(
+            "dataplane-bench builds network namespaces and needs {}; run it as root \
+             (`sudo make bench-dataplane`) after `make setup`",
+            missing.join(", ")
+        );
+    }
+    let emulation = if netem::available() {
+        Emulation::Netem
+    } else {
+        eprintln!(
+            "dataplane-bench: this kernel has no netem qdisc; link delays by userspace UDP relays"
+        );
+        Emulation::UdpRelay
+    };
+    let (tunnel, bare, throughput, relay_overhead, induced_rtt, induced_ready) =
+        induced(&args, emulation).await?;
+    let (hub_rtt, hub_ready) = hub(&args, emulation).await?;
+    let report = Report {
+        benchmark: "dataplane_leaf_to_leaf",
+        machine: Machine::describe(),
+        wireguard: "userspace (boringtun via defguard_boringtun), MTU 1420",
+        build: if cfg!(debug_assertions) {
+            "debug"
+        } else {
+            "release"
+        },
+        store: args.store,
+        emulation,
+        rtt_through_zero_delay_relay: relay_overhead,
+        hub_link_rtt_ms: args.hub_link_ms,
+        leaf_link_rtt_ms: args.leaf_link_ms,
+        rtt_no_netem_tunnel: tunnel,
+        rtt_no_netem_bare: bare,
+        throughput,
+        ratio_hub_over_induced: hub_rtt.median_ms / induced_rtt.median_ms,
+        rtt_induced: induced_rtt,
+        rtt_hub_path: hub_rtt,
+        thesis_induced_ms: 24.0,
+        thesis_hub_ms: 365.0,
+        induced_ready_seconds: induced_ready,
+        hub_ready_seconds: hub_ready,
+    };
+    if let Some(dir) = args.out.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    std::fs::write(&args.out, serde_json::to_string_pretty(&report)? + "\n")?;
+    eprintln!("| path | median ms | p90 ms | min ms | max ms |");
+    eprintln!("|---|---|---|---|---|");
+    for (name, r) in [
+        ("induced (A-C direct)", &report.rtt_induced),
+        ("hub (A-B-C)", &report.rtt_hub_path),
+    ] {
+        eprintln!(
+            "| {name} | {:.1} | {:.1} | {:.1} | {:.1} |",
+            r.median_ms, r.p90_ms, r.min_ms, r.max_ms
+        );
+    }
+    eprintln!(
+        "ratio hub/induced: {:.1}; wrote {}",
+        report.ratio_hub_over_induced,
+        args.out.display()
+    );
+    Ok(())
+}

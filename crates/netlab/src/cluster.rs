@@ -1,0 +1,426 @@
+//! [`NsCluster`]: the six services of one Trellis cluster as real processes inside the
+//! cluster's gateway namespace, each listening on the site's bridge address at its default port
+//! (discovery 7101 ... gateway 7106) and calling its local peers there too, so cluster-to-cluster
+//! control traffic (peering, NetworkConfigs, Neighborhoods, remote IPAM calls) crosses the
+//! internet bridge like the WireGuard packets do.
+//!
+//! Stores ([`StoreKind`]): one real etcd **per service** (the production shape, DESIGN.md) runs
+//! on the host's loopback, reached from the namespace through a TCP forwarder on
+//! `127.0.0.1:2379+k` inside it ([`crate::netns::forward_into`]); or `memory://` for every
+//! service.
+
+use std::collections::BTreeMap;
+use std::net::{IpAddr, SocketAddr};
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use tokio::task::JoinHandle;
+use tonic::transport::Channel;
+use trellis_api::pb::discovery::discovery_client::DiscoveryClient;
+use trellis_api::pb::endpoints::endpoint_mapper_client::EndpointMapperClient;
+use trellis_api::pb::gateway::gateway_client::GatewayClient;
+use trellis_api::pb::ipam::ipam_client::IpamClient;
+use trellis_api::pb::peering::broker_client::BrokerClient;
+use trellis_testkit::Etcd;
+
+use crate::bins::bin_path;
+use crate::netns::forward_into;
+use crate::process::NsProcess;
+use crate::topology::Site;
+
+/// One of a cluster's services.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Service {
+    Ipam,
+    Gateway,
+    Discovery,
+    Forwarder,
+    Broker,
+    Endpoints,
+}
+
+impl Service {
+    /// Every service, in start order (callees before callers; the gateway retries its broker
+    /// watch until the broker is up).
+    pub const ALL: [Service; 6] = [
+        Service::Ipam,
+        Service::Gateway,
+        Service::Discovery,
+        Service::Forwarder,
+        Service::Broker,
+        Service::Endpoints,
+    ];
+
+    /// Short name: `ipam`, `gateway`, ...
+    pub fn name(self) -> &'static str {
+        match self {
+            Service::Ipam => "ipam",
+            Service::Gateway => "gateway",
+            Service::Discovery => "discovery",
+            Service::Forwarder => "forwarder",
+            Service::Broker => "broker",
+            Service::Endpoints => "endpoints",
+        }
+    }
+
+    /// The binary, `trellis-<name>`.
+    pub fn binary(self) -> String {
+        format!("trellis-{}", self.name())
+    }
+
+    /// The default port (DESIGN.md).
+    pub fn port(self) -> u16 {
+        match self {
+            Service::Discovery => 7101,
+            Service::Broker => 7102,
+            Service::Forwarder => 7103,
+            Service::Ipam => 7104,
+            Service::Endpoints => 7105,
+            Service::Gateway => 7106,
+        }
+    }
+
+    /// The gRPC service whose health says the process is ready.
+    pub fn grpc_service(self) -> &'static str {
+        match self {
+            Service::Ipam => "trellis.ipam.v1.Ipam",
+            Service::Gateway => "trellis.gateway.v1.Gateway",
+            Service::Discovery => "trellis.discovery.v1.Discovery",
+            Service::Forwarder => "trellis.peering.v1.Forwarder",
+            Service::Broker => "trellis.peering.v1.Broker",
+            Service::Endpoints => "trellis.endpoints.v1.EndpointMapper",
+        }
+    }
+
+    fn index(self) -> u16 {
+        match self {
+            Service::Ipam => 0,
+            Service::Gateway => 1,
+            Service::Discovery => 2,
+            Service::Forwarder => 3,
+            Service::Broker => 4,
+            Service::Endpoints => 5,
+        }
+    }
+}
+
+impl std::fmt::Display for Service {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Where the services keep their state.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StoreKind {
+    /// `memory://` everywhere: lost on restart.
+    Memory,
+    /// One etcd per service (the production shape).
+    EtcdPerService,
+}
+
+/// What to start.
+#[derive(Debug, Clone)]
+pub struct ClusterOptions {
+    /// Cluster ID (also its name).
+    pub id: String,
+    /// The cluster's external CIDR (its pod CIDR is the site's).
+    pub external_cidr: String,
+    /// Discovery's `--no-induced`: introduce nobody, accept no introductions.
+    pub no_induced: bool,
+    pub store: StoreKind,
+    /// The gateway's `--dataplane` (`userspace`, `kernel`, `auto` or `none`).
+    pub dataplane: String,
+    /// Extra flags per service, appended to the defaults.
+    pub extra_args: Vec<(Service, Vec<String>)>,
+}
+
+impl ClusterOptions {
+    /// Userspace WireGuard, etcd per service, induced peering on.
+    pub fn new(id: &str, external_cidr: &str) -> Self {
+        Self {
+            id: id.to_owned(),
+            external_cidr: external_cidr.to_owned(),
+            no_induced: false,
+            store: StoreKind::EtcdPerService,
+            dataplane: "userspace".to_owned(),
+            extra_args: Vec::new(),
+        }
+    }
+}
+
+fn strings(list: &[&str]) -> Vec<String> {
+    list.iter().map(|s| (*s).to_owned()).collect()
+}
+
+/// A cluster's services running in its gateway namespace. Processes are killed, forwarders
+/// stopped and etcds removed on drop (in that order).
+#[derive(Debug)]
+pub struct NsCluster {
+    /// The cluster ID.
+    pub id: String,
+    /// The gateway namespace everything runs in.
+    pub ns: String,
+    /// The site's bridge address every service listens on.
+    pub ip: IpAddr,
+    // Drop order: processes, forwarders (aborted in Drop), etcds, logs.
+    processes: BTreeMap<Service, NsProcess>,
+    forwarders: Vec<JoinHandle<()>>,
+    etcds: BTreeMap<Service, Etcd>,
+    logs: tempfile::TempDir,
+}
+
+impl NsCluster {
+    /// Starts the stores and the six services of `options.id` in `site`'s gateway namespace,
+    /// each waited for until its health check says SERVING.
+    pub async fn start(site: &Site, options: ClusterOptions) -> anyhow::Result<Self> {
+        let logs = tempfile::Builder::new()
+            .prefix(&format!("trellis-netlab-{}-", options.id))
+            .tempdir()?;
+        let mut this = Self {
+            id: options.id.clone(),
+            ns: site.gw_ns.clone(),
+            ip: IpAddr::V4(site.uplink_ip),
+            processes: BTreeMap::new(),
+            forwarders: Vec::new(),
+            etcds: BTreeMap::new(),
+            logs,
+        };
+        if options.store == StoreKind::EtcdPerService {
+            let starting: Vec<_> = Service::ALL
+                .iter()
+                .map(|&service| {
+                    tokio::task::spawn_blocking(move || Etcd::start().map(|etcd| (service, etcd)))
+                })
+                .collect();
+            for started in starting {
+                let (service, etcd) = started.await.context("etcd start task")??;
+                let target: SocketAddr = etcd.endpoint().parse()?;
+                this.forwarders
+                    .push(forward_into(&this.ns, Self::etcd_addr(service), target)?);
+                this.etcds.insert(service, etcd);
+            }
+        }
+        for service in Service::ALL {
+            let args = this.args(service, site, &options);
+            let process = NsProcess::start(
+                &this.ns,
+                bin_path(&service.binary())?,
+                args,
+                Vec::new(),
+                this.addr(service),
+                service.grpc_service(),
+                this.logs.path().join(format!("{service}.log")),
+            )
+            .await
+            .with_context(|| format!("{}: starting {service}", this.id))?;
+            this.processes.insert(service, process);
+        }
+        Ok(this)
+    }
+
+    /// The address inside the namespace where `service`'s etcd is forwarded.
+    fn etcd_addr(service: Service) -> SocketAddr {
+        SocketAddr::from(([127, 0, 0, 1], 2379 + service.index()))
+    }
+
+    /// The gRPC address of `service`.
+    pub fn addr(&self, service: Service) -> SocketAddr {
+        SocketAddr::new(self.ip, service.port())
+    }
+
+    fn args(&self, service: Service, site: &Site, options: &ClusterOptions) -> Vec<String> {
+        let at = |s: Service| self.addr(s).to_string();
+        let store = match options.store {
+            StoreKind::Memory => "memory://".to_owned(),
+            StoreKind::EtcdPerService => format!(
+                "etcd://{}/trellis/{}/{service}",
+                Self::etcd_addr(service),
+                self.id
+            ),
+        };
+        let mut args = strings(&[
+            "--listen",
+            &at(service),
+            "--store",
+            &store,
+            "--cluster-id",
+            &self.id,
+            "--shutdown-grace",
+            "1",
+        ]);
+        args.extend(match service {
+            Service::Ipam => strings(&[
+                "--pod-cidr",
+                &site.pod_cidr.to_string(),
+                "--external-cidr",
+                &options.external_cidr,
+            ]),
+            Service::Gateway => strings(&[
+                "--dataplane",
+                &options.dataplane,
+                "--endpoint-address",
+                &self.ip.to_string(),
+                "--broker",
+                &at(Service::Broker),
+                "--ipam",
+                &at(Service::Ipam),
+                "--resync-interval",
+                "5",
+            ]),
+            Service::Discovery => {
+                let mut d = strings(&[
+                    "--advertise-discovery",
+                    &at(Service::Discovery),
+                    "--advertise-broker",
+                    &at(Service::Broker),
+                    "--advertise-forwarder",
+                    &at(Service::Forwarder),
+                    "--advertise-ipam",
+                    &at(Service::Ipam),
+                    "--advertise-endpoints",
+                    &at(Service::Endpoints),
+                    "--advertise-gateway",
+                    &at(Service::Gateway),
+                    "--neighborhood-resync",
+                    "5",
+                    "--neighborhood-retry-max",
+                    "2",
+                ]);
+                if options.no_induced {
+                    d.push("--no-induced".to_owned());
+                }
+                d
+            }
+            Service::Forwarder => {
+                strings(&["--discovery", &at(Service::Discovery), "--retry-max", "1"])
+            }
+            Service::Broker => strings(&[
+                "--discovery",
+                &at(Service::Discovery),
+                "--ipam",
+                &at(Service::Ipam),
+                "--gateway",
+                &at(Service::Gateway),
+                "--resync",
+                "2",
+            ]),
+            Service::Endpoints => strings(&[
+                "--ipam",
+                &at(Service::Ipam),
+                "--discovery",
+                &at(Service::Discovery),
+            ]),
+        });
+        for (s, extra) in &options.extra_args {
+            if *s == service {
+                args.extend(extra.iter().cloned());
+            }
+        }
+        args
+    }
+
+    /// The process of `service`.
+    pub fn process(&self, service: Service) -> anyhow::Result<&NsProcess> {
+        self.processes
+            .get(&service)
+            .with_context(|| format!("{}: {service} not started", self.id))
+    }
+
+    /// The process of `service`, mutably (to stop, kill or restart it).
+    pub fn process_mut(&mut self, service: Service) -> anyhow::Result<&mut NsProcess> {
+        let id = self.id.clone();
+        self.processes
+            .get_mut(&service)
+            .with_context(|| format!("{id}: {service} not started"))
+    }
+
+    /// SIGKILLs `service`.
+    pub fn kill9(&mut self, service: Service) -> anyhow::Result<()> {
+        self.process_mut(service)?.kill9();
+        Ok(())
+    }
+
+    /// Starts `service` again (SIGKILL first if it runs) and waits until it serves.
+    pub async fn restart(&mut self, service: Service) -> anyhow::Result<()> {
+        self.process_mut(service)?.restart().await
+    }
+
+    /// Stops every service with SIGTERM (gateway last, so nothing reconfigures it while the
+    /// others go), then kills every etcd: nothing of this cluster runs afterwards. Returns how
+    /// long the whole stop took.
+    pub async fn stop_all(&mut self) -> anyhow::Result<Duration> {
+        let started = std::time::Instant::now();
+        for service in Service::ALL.iter().rev() {
+            if let Some(p) = self.processes.get_mut(service)
+                && p.is_running()
+            {
+                p.terminate()
+                    .await
+                    .with_context(|| format!("{}: stopping {service}", self.id))?;
+            }
+        }
+        for f in &self.forwarders {
+            f.abort();
+        }
+        for etcd in self.etcds.values_mut() {
+            etcd.kill();
+        }
+        Ok(started.elapsed())
+    }
+
+    /// Whether any process of this cluster runs.
+    pub fn any_running(&mut self) -> bool {
+        self.processes.values_mut().any(NsProcess::is_running)
+            || self.etcds.values().any(Etcd::is_healthy)
+    }
+
+    /// The last `lines` lines of every service's log.
+    pub fn logs(&self, lines: usize) -> String {
+        self.processes
+            .iter()
+            .map(|(service, p)| format!("----- {} {service} -----\n{}", self.id, p.log_tail(lines)))
+            .collect::<Vec<_>>()
+            .join("\n")
+    }
+
+    /// The directory holding the services' logs (removed on drop).
+    pub fn log_dir(&self) -> PathBuf {
+        self.logs.path().to_owned()
+    }
+
+    /// A lazily connecting channel to `service`, from inside the namespace.
+    pub fn channel(&self, service: Service) -> anyhow::Result<Channel> {
+        crate::netns::channel_in(&self.ns, self.addr(service))
+    }
+
+    pub fn broker(&self) -> anyhow::Result<BrokerClient<Channel>> {
+        Ok(BrokerClient::new(self.channel(Service::Broker)?))
+    }
+
+    pub fn ipam(&self) -> anyhow::Result<IpamClient<Channel>> {
+        Ok(IpamClient::new(self.channel(Service::Ipam)?))
+    }
+
+    pub fn gateway(&self) -> anyhow::Result<GatewayClient<Channel>> {
+        Ok(GatewayClient::new(self.channel(Service::Gateway)?))
+    }
+
+    pub fn endpoints(&self) -> anyhow::Result<EndpointMapperClient<Channel>> {
+        Ok(EndpointMapperClient::new(self.channel(Service::Endpoints)?))
+    }
+
+    pub fn discovery(&self) -> anyhow::Result<DiscoveryClient<Channel>> {
+        Ok(DiscoveryClient::new(self.channel(Service::Discovery)?))
+    }
+}
+
+impl Drop for NsCluster {
+    fn drop(&mut self) {
+        self.processes.clear();
+        for f in &self.forwarders {
+            f.abort();
+        }
+    }
+}

@@ -1,0 +1,350 @@
+//! [`Fabric`]: a hub and its leaves, each a [`NsCluster`] in its own site of one [`Topology`],
+//! every leaf peered with the hub through the brokers (the hub's token, `Broker.Peer`), plus
+//! the probes tests and benchmarks share: TunnelEndpoints per cluster, IPAM views, endpoint
+//! reflection through an endpoints service, pings from a pod.
+
+use std::net::Ipv4Addr;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, bail};
+use ipnet::Ipv4Net;
+use trellis_api::pb::endpoints::{
+    AddressType, Endpoint, EndpointSlice, ListReflectedSlicesRequest, ReflectEndpointSliceRequest,
+    TranslationPath,
+};
+use trellis_api::pb::ipam::ListClusterSubnetsRequest;
+use trellis_api::pb::peering::{GetTokenRequest, ListTunnelEndpointsRequest, PeerRequest};
+use trellis_api::pb::types::{ClusterIdentity, PeeringKind};
+
+use crate::cluster::{ClusterOptions, NsCluster, Service, StoreKind};
+use crate::netns::exec;
+use crate::topology::{Topology, host};
+
+/// What to build.
+#[derive(Debug, Clone)]
+pub struct FabricOptions {
+    /// Cluster IDs, also the site names (1-8 characters of a-z, 0-9).
+    pub names: Vec<String>,
+    /// Index of the hub in `names`.
+    pub hub: usize,
+    /// Every cluster's pod CIDR (identical on purpose: the NAT must cope).
+    pub pod_cidr: String,
+    /// Every cluster's external CIDR.
+    pub external_cidr: String,
+    /// Discovery's `--no-induced` on the hub: leaves only reach each other through it.
+    pub hub_no_induced: bool,
+    pub store: StoreKind,
+    /// Extra flags per service, for every cluster.
+    pub extra_args: Vec<(Service, Vec<String>)>,
+}
+
+impl FabricOptions {
+    /// Hub `b` with leaves `a` and `c`, all with pod CIDR 10.0.0.0/16 and external CIDR
+    /// 10.201.0.0/16, etcd per service, induced peering on.
+    pub fn three_clusters() -> Self {
+        Self {
+            names: ["a", "b", "c"].map(str::to_owned).to_vec(),
+            hub: 1,
+            pod_cidr: "10.0.0.0/16".into(),
+            external_cidr: "10.201.0.0/16".into(),
+            hub_no_induced: false,
+            store: StoreKind::EtcdPerService,
+            extra_args: Vec::new(),
+        }
+    }
+}
+
+/// The clusters and their topology. Clusters drop before the topology (field order).
+#[derive(Debug)]
+pub struct Fabric {
+    pub clusters: Vec<NsCluster>,
+    pub topology: Topology,
+    /// Index of the hub.
+    pub hub: usize,
+}
+
+impl Fabric {
+    /// Builds the topology, starts every cluster (concurrently) and peers each leaf with the
+    /// hub. Returns once the `Peer` calls succeeded; tunnels come up asynchronously.
+    pub async fn up(options: FabricOptions) -> anyhow::Result<Self> {
+        let sites: Vec<(&str, &str)> = options
+            .names
+            .iter()
+            .map(|n| (n.as_str(), options.pod_cidr.as_str()))
+            .collect();
+        let topology = Topology::build(&sites)?;
+        let starting = topology.sites.iter().enumerate().map(|(i, site)| {
+            let mut o = ClusterOptions::new(&options.names[i], &options.external_cidr);
+            o.no_induced = i == options.hub && options.hub_no_induced;
+            o.store = options.store;
+            o.extra_args = options.extra_args.clone();
+            NsCluster::start(site, o)
+        });
+        let mut clusters = Vec::with_capacity(options.names.len());
+        for started in futures::future::join_all(starting).await {
+            clusters.push(started?);
+        }
+        let fabric = Self {
+            clusters,
+            topology,
+            hub: options.hub,
+        };
+        for leaf in 0..fabric.clusters.len() {
+            if leaf != fabric.hub {
+                fabric.peer(leaf, fabric.hub).await?;
+            }
+        }
+        Ok(fabric)
+    }
+
+    /// Cluster `from` peers with `to` using `to`'s token.
+    pub async fn peer(&self, from: usize, to: usize) -> anyhow::Result<()> {
+        let token = self.clusters[to]
+            .broker()?
+            .get_token(GetTokenRequest {})
+            .await
+            .context("GetToken")?
+            .into_inner()
+            .token;
+        self.clusters[from]
+            .broker()?
+            .peer(PeerRequest {
+                broker_address: self.clusters[to].addr(Service::Broker).to_string(),
+                token,
+                expected_cluster_id: self.clusters[to].id.clone(),
+            })
+            .await
+            .with_context(|| {
+                format!(
+                    "{} peers with {}",
+                    self.clusters[from].id, self.clusters[to].id
+                )
+            })?;
+        Ok(())
+    }
+
+    /// The last lines of every service's log.
+    pub fn logs(&self) -> String {
+        self.clusters
+            .iter()
+            .map(|c| c.logs(25))
+            .collect::<Vec<_>>()
+            .join("\n")
+    }
+
+    /// `(remote cluster ID, kind)` of every TunnelEndpoint `i`'s broker holds, sorted; empty
+    /// when the broker does not answer.
+    pub async fn tunnel_endpoints(&self, i: usize) -> Vec<(String, PeeringKind)> {
+        let Ok(mut broker) = self.clusters[i].broker() else {
+            return Vec::new();
+        };
+        let Ok(r) = broker
+            .list_tunnel_endpoints(ListTunnelEndpointsRequest::default())
+            .await
+        else {
+            return Vec::new();
+        };
+        let mut out: Vec<(String, PeeringKind)> = r
+            .into_inner()
+            .tunnel_endpoints
+            .into_iter()
+            .filter_map(|t| {
+                let kind = PeeringKind::try_from(t.kind).unwrap_or(PeeringKind::Unspecified);
+                Some((t.remote?.cluster_id, kind))
+            })
+            .collect();
+        out.sort_by(|a, b| a.0.cmp(&b.0));
+        out
+    }
+
+    /// Waits until `i`'s broker holds exactly the TunnelEndpoints `expected` (sorted by ID).
+    pub async fn wait_tunnel_endpoints(
+        &self,
+        i: usize,
+        expected: &[(&str, PeeringKind)],
+        limit: Duration,
+    ) -> anyhow::Result<Duration> {
+        let want: Vec<(String, PeeringKind)> = expected
+            .iter()
+            .map(|(id, kind)| ((*id).to_owned(), *kind))
+            .collect();
+        let started = Instant::now();
+        loop {
+            let seen = self.tunnel_endpoints(i).await;
+            if seen == want {
+                return Ok(started.elapsed());
+            }
+            if started.elapsed() > limit {
+                bail!(
+                    "{}: tunnel endpoints {seen:?}, expected {want:?}\n{}",
+                    self.clusters[i].id,
+                    self.logs()
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+
+    /// The WireGuard endpoint cluster `i` sends to for cluster `j` (from `i`'s TunnelEndpoint
+    /// for `j`): `j`'s bridge address and its port for `i`.
+    pub async fn wireguard_endpoint(
+        &self,
+        i: usize,
+        j: usize,
+    ) -> anyhow::Result<std::net::SocketAddr> {
+        let id = &self.clusters[j].id;
+        let tes = self.clusters[i]
+            .broker()?
+            .list_tunnel_endpoints(ListTunnelEndpointsRequest::default())
+            .await
+            .context("ListTunnelEndpoints")?
+            .into_inner()
+            .tunnel_endpoints;
+        let te = tes
+            .iter()
+            .find(|t| t.remote.as_ref().is_some_and(|r| &r.cluster_id == id))
+            .with_context(|| format!("{} has no tunnel endpoint for {id}", self.clusters[i].id))?;
+        te.remote_endpoint
+            .parse()
+            .with_context(|| format!("endpoint {:?}", te.remote_endpoint))
+    }
+
+    /// How `viewer`'s IPAM addresses `remote`'s pod CIDR (or external CIDR).
+    pub async fn view(
+        &self,
+        viewer: usize,
+        remote: usize,
+        external: bool,
+    ) -> anyhow::Result<Ipv4Net> {
+        let clusters = self.clusters[viewer]
+            .ipam()?
+            .list_cluster_subnets(ListClusterSubnetsRequest {})
+            .await
+            .context("ListClusterSubnets")?
+            .into_inner()
+            .clusters;
+        let id = &self.clusters[remote].id;
+        let c = clusters
+            .iter()
+            .find(|c| &c.cluster_id == id)
+            .with_context(|| format!("{} has no mapping for {id}", self.clusters[viewer].id))?;
+        let text = if external {
+            &c.remote_external_cidr_nat
+        } else {
+            &c.remote_pod_cidr_nat
+        };
+        text.parse().with_context(|| format!("CIDR {text:?}"))
+    }
+
+    /// `via`'s endpoints service reflects the slice `shop/web`, holding `home`'s pod as `via`
+    /// addresses it, to `target`, delivered to `target`'s endpoints service. Returns the path
+    /// and the address `target` holds (what its pods would use).
+    pub async fn reflect_pod(
+        &self,
+        via: usize,
+        home: usize,
+        target: usize,
+    ) -> anyhow::Result<(TranslationPath, Ipv4Addr)> {
+        let original = if via == home {
+            self.topology.sites[home].pod_ip
+        } else {
+            host(
+                self.view(via, home, false).await?,
+                crate::topology::POD_HOST,
+            )
+        };
+        let answer = self.clusters[via]
+            .endpoints()?
+            .reflect_endpoint_slice(ReflectEndpointSliceRequest {
+                target: Some(ClusterIdentity {
+                    cluster_id: self.clusters[target].id.clone(),
+                    cluster_name: String::new(),
+                }),
+                slice: Some(EndpointSlice {
+                    namespace: "shop".into(),
+                    name: "web".into(),
+                    service_name: "web".into(),
+                    address_type: AddressType::Ipv4.into(),
+                    endpoints: vec![Endpoint {
+                        addresses: vec![original.to_string()],
+                        ..Default::default()
+                    }],
+                    ports: vec![],
+                    labels: Default::default(),
+                }),
+                deliver: true,
+            })
+            .await
+            .context("ReflectEndpointSlice")?
+            .into_inner();
+        if !answer.delivered {
+            bail!("the reflection was not delivered: {answer:?}");
+        }
+        let t = answer.translations.first().context("no translation")?;
+        let path = TranslationPath::try_from(t.path).context("path")?;
+        let held = self.clusters[target]
+            .endpoints()?
+            .list_reflected_slices(ListReflectedSlicesRequest {
+                source_cluster_id: self.clusters[via].id.clone(),
+                namespace: "shop".into(),
+            })
+            .await
+            .context("ListReflectedSlices")?
+            .into_inner()
+            .reflected_slices;
+        let address = held
+            .first()
+            .and_then(|r| r.slice.as_ref())
+            .and_then(|s| s.endpoints.first())
+            .and_then(|e| e.addresses.first())
+            .context("the target holds no reflected address")?;
+        if address != &t.translated_address {
+            bail!(
+                "the target holds {address}, the source translated to {}",
+                t.translated_address
+            );
+        }
+        Ok((path, address.parse().context("reflected address")?))
+    }
+
+    /// `ping -n <args> <to>` from site `from`'s pod.
+    pub fn ping(
+        &self,
+        from: usize,
+        to: Ipv4Addr,
+        args: &[&str],
+    ) -> anyhow::Result<std::process::Output> {
+        let target = to.to_string();
+        let mut all: Vec<&str> = vec!["-n"];
+        all.extend_from_slice(args);
+        all.push(&target);
+        exec(&self.topology.sites[from].pod_ns, "ping", &all)
+    }
+
+    /// Pings from `from`'s pod until one answer; how long that took.
+    pub async fn wait_ping(
+        &self,
+        from: usize,
+        to: Ipv4Addr,
+        bound: Duration,
+    ) -> anyhow::Result<Duration> {
+        let started = Instant::now();
+        loop {
+            if self
+                .ping(from, to, &["-c", "1", "-W", "1"])?
+                .status
+                .success()
+            {
+                return Ok(started.elapsed());
+            }
+            if started.elapsed() > bound {
+                bail!(
+                    "{} cannot reach {to} within {bound:?}:\n{}",
+                    self.clusters[from].id,
+                    self.logs()
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+}

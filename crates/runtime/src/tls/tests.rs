@@ -1,0 +1,334 @@
+//! Real TLS handshakes over loopback: the peer listener's accept loop on one side, a rustls
+//! client (or a tonic channel) on the other.
+
+use std::time::{Duration, SystemTime};
+
+use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+use tokio::net::{TcpListener, TcpStream};
+use tokio_stream::StreamExt as _;
+
+use super::*;
+
+struct Cluster {
+    ca: ClusterCa,
+    tls: PeerTls,
+}
+
+fn cluster(id: &str, service: &str) -> Cluster {
+    let ca = ClusterCa::generate(id).expect("CA");
+    let cert = ca.issue(service).expect("cert");
+    let tls = PeerTls::new(id, ca.cert_pem(), &cert.cert_pem, cert.key_pem()).expect("tls");
+    Cluster { ca, tls }
+}
+
+fn pin(on: &Cluster, peer: &Cluster) {
+    on.tls
+        .trust()
+        .pin(PinnedCa::from_pem(peer.tls.cluster_id(), peer.ca.cert_pem()).expect("pinnable"));
+}
+
+/// A peer listener on loopback; yields what it accepted.
+async fn listen(server: &PeerTls) -> (SocketAddr, ReceiverStream<io::Result<PeerStream>>) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("binds");
+    let addr = listener.local_addr().expect("addr");
+    (addr, incoming(listener, server).expect("incoming"))
+}
+
+/// Connects with `config`; the connection counts as established once a byte went through
+/// both ways (TLS 1.3 reports a refused client certificate only on the first read).
+async fn exchange(
+    addr: SocketAddr,
+    config: Arc<rustls::ClientConfig>,
+    accepted: &mut ReceiverStream<io::Result<PeerStream>>,
+) -> std::result::Result<PeerConnectInfo, String> {
+    let tcp = TcpStream::connect(addr).await.expect("tcp");
+    let name = ServerName::try_from("127.0.0.1").expect("name");
+    let connecting = tokio_rustls::TlsConnector::from(config).connect(name, tcp);
+    let mut client = match connecting.await {
+        Ok(c) => c,
+        Err(e) => return Err(format!("client handshake: {e}")),
+    };
+    let server = tokio::time::timeout(Duration::from_secs(2), accepted.next()).await;
+    let Ok(Some(Ok(mut server))) = server else {
+        let mut buf = [0u8; 1];
+        let read = client.read(&mut buf).await;
+        return Err(format!("server refused (client read: {read:?})"));
+    };
+    client.write_all(b"p").await.map_err(|e| e.to_string())?;
+    client.flush().await.map_err(|e| e.to_string())?;
+    let mut buf = [0u8; 1];
+    server
+        .read_exact(&mut buf)
+        .await
+        .map_err(|e| e.to_string())?;
+    server.write_all(b"q").await.map_err(|e| e.to_string())?;
+    server.flush().await.map_err(|e| e.to_string())?;
+    client
+        .read_exact(&mut buf)
+        .await
+        .map_err(|e| e.to_string())?;
+    Ok(server.connect_info())
+}
+
+#[tokio::test]
+async fn a_pinned_peer_is_accepted_and_known_by_its_cluster_id() {
+    let hub = cluster("hub", "broker");
+    let leaf = cluster("leaf-a", "forwarder");
+    pin(&hub, &leaf);
+    pin(&leaf, &hub);
+    let (addr, mut accepted) = listen(&hub.tls).await;
+    let info = exchange(
+        addr,
+        leaf.tls.client_config(Some("hub")).expect("config"),
+        &mut accepted,
+    )
+    .await
+    .expect("accepted");
+    let peer = info.peer.expect("verified");
+    assert_eq!(peer.cluster_id, "leaf-a");
+    assert_eq!(peer.service, "forwarder");
+    assert_eq!(
+        peer.ca_fingerprint,
+        fingerprint(&parse_certs("ca", leaf.ca.cert_pem()).expect("pem")[0])
+    );
+}
+
+#[tokio::test]
+async fn a_certificate_from_an_unpinned_ca_is_refused() {
+    let hub = cluster("hub", "broker");
+    let leaf = cluster("leaf-a", "broker");
+    let stranger = cluster("stranger", "broker");
+    pin(&hub, &leaf);
+    pin(&stranger, &hub);
+    let (addr, mut accepted) = listen(&hub.tls).await;
+    let refused = exchange(
+        addr,
+        stranger.tls.client_config(Some("hub")).expect("config"),
+        &mut accepted,
+    )
+    .await;
+    assert!(refused.is_err(), "{refused:?}");
+}
+
+#[tokio::test]
+async fn an_expired_certificate_is_refused() {
+    let hub = cluster("hub", "broker");
+    let leaf = cluster("leaf-a", "broker");
+    pin(&hub, &leaf);
+    pin(&leaf, &hub);
+    let now = SystemTime::now();
+    let expired = leaf
+        .ca
+        .issue_with(&IssueOptions {
+            service: "broker".into(),
+            cluster_id: "leaf-a".into(),
+            not_before: now - Duration::from_secs(7200),
+            not_after: now - Duration::from_secs(3600),
+        })
+        .expect("issues");
+    // PeerTls refuses to start with it...
+    let err = PeerTls::new(
+        "leaf-a",
+        leaf.ca.cert_pem(),
+        &expired.cert_pem,
+        expired.key_pem(),
+    )
+    .expect_err("expired");
+    assert!(err.to_string().contains("tls cert"), "{err}");
+    // ...and a client presenting it anyway is refused by the server.
+    let chain = parse_certs("cert", &expired.cert_pem).expect("pem");
+    let key = PrivateKeyDer::from_pem_slice(expired.key_pem().as_bytes()).expect("key");
+    let config = rustls::ClientConfig::builder_with_provider(provider())
+        .with_protocol_versions(&[&rustls::version::TLS13])
+        .expect("tls13")
+        .dangerous()
+        .with_custom_certificate_verifier(Arc::new(PeerServerVerifier {
+            trust: None,
+            expected: None,
+            algorithms: algorithms(),
+        }))
+        .with_client_auth_cert(chain, key)
+        .expect("client auth");
+    let (addr, mut accepted) = listen(&hub.tls).await;
+    let refused = exchange(addr, Arc::new(config), &mut accepted).await;
+    assert!(refused.is_err(), "{refused:?}");
+}
+
+#[tokio::test]
+async fn a_peer_ca_cannot_mint_another_clusters_identity() {
+    let hub = cluster("hub", "broker");
+    let leaf_a = cluster("leaf-a", "broker");
+    let leaf_c = cluster("leaf-c", "broker");
+    pin(&hub, &leaf_a);
+    pin(&hub, &leaf_c);
+    // leaf-a's CA issues a certificate naming leaf-c.
+    let now = SystemTime::now();
+    let forged = leaf_a
+        .ca
+        .issue_with(&IssueOptions {
+            service: "broker".into(),
+            cluster_id: "leaf-c".into(),
+            not_before: now - Duration::from_secs(60),
+            not_after: now + Duration::from_secs(3600),
+        })
+        .expect("issues");
+    let chain = parse_certs("cert", &forged.cert_pem).expect("pem");
+    let err = verify_chain(
+        hub.tls.trust(),
+        &chain[0],
+        &[],
+        UnixTime::now(),
+        webpki::KeyUsage::client_auth(),
+        None,
+    )
+    .expect_err("forged");
+    assert!(
+        matches!(
+            err,
+            rustls::Error::InvalidCertificate(CertificateError::NotValidForName)
+        ),
+        "{err:?}"
+    );
+}
+
+#[tokio::test]
+async fn unpinning_refuses_new_connections() {
+    let hub = cluster("hub", "broker");
+    let leaf = cluster("leaf-a", "broker");
+    pin(&hub, &leaf);
+    pin(&leaf, &hub);
+    let (addr, mut accepted) = listen(&hub.tls).await;
+    let config = leaf.tls.client_config(Some("hub")).expect("config");
+    exchange(addr, config.clone(), &mut accepted)
+        .await
+        .expect("accepted while pinned");
+    assert!(hub.tls.trust().unpin("leaf-a"));
+    let refused = exchange(addr, config.clone(), &mut accepted).await;
+    assert!(refused.is_err(), "{refused:?}");
+    pin(&hub, &leaf);
+    exchange(addr, config, &mut accepted)
+        .await
+        .expect("accepted again once pinned");
+}
+
+#[tokio::test]
+async fn the_client_refuses_a_server_of_another_cluster() {
+    let hub = cluster("hub", "broker");
+    let leaf = cluster("leaf-a", "broker");
+    let other = cluster("other", "broker");
+    pin(&hub, &leaf);
+    pin(&leaf, &hub);
+    pin(&leaf, &other);
+    let (addr, mut accepted) = listen(&hub.tls).await;
+    // The server is hub; the client expects "other" (whose CA it pinned too).
+    let refused = exchange(
+        addr,
+        leaf.tls.client_config(Some("other")).expect("config"),
+        &mut accepted,
+    )
+    .await;
+    assert!(refused.is_err(), "{refused:?}");
+    // Unverified first contact (the handshake) works without a client certificate.
+    let info = exchange(
+        addr,
+        leaf.tls.handshake_client_config().expect("config"),
+        &mut accepted,
+    )
+    .await
+    .expect("first contact");
+    assert!(info.peer.is_none());
+}
+
+#[tokio::test]
+async fn renewal_swaps_the_certificate_for_new_connections() {
+    let hub = cluster("hub", "broker");
+    let leaf = cluster("leaf-a", "broker");
+    pin(&hub, &leaf);
+    pin(&leaf, &hub);
+    let (addr, mut accepted) = listen(&hub.tls).await;
+    let before = exchange(
+        addr,
+        leaf.tls.client_config(Some("hub")).expect("config"),
+        &mut accepted,
+    )
+    .await
+    .expect("accepted");
+    let renewed = leaf.ca.issue("other-service").expect("issues");
+    leaf.tls
+        .renew(&renewed.cert_pem, renewed.key_pem())
+        .expect("renews");
+    let after = exchange(
+        addr,
+        leaf.tls.client_config(Some("hub")).expect("config"),
+        &mut accepted,
+    )
+    .await
+    .expect("accepted");
+    assert_eq!(before.peer.expect("peer").service, "broker");
+    assert_eq!(after.peer.expect("peer").service, "other-service");
+    // A certificate of another CA is not taken.
+    let foreign = ClusterCa::generate("leaf-a").expect("ca");
+    let wrong = foreign.issue("broker").expect("issues");
+    leaf.tls
+        .renew(&wrong.cert_pem, wrong.key_pem())
+        .expect_err("not from our CA");
+}
+
+#[test]
+fn a_ca_survives_its_pem_files_and_keeps_issuing() {
+    let ca = ClusterCa::generate("leaf-a").expect("CA");
+    let loaded = ClusterCa::load("leaf-a", ca.cert_pem(), &ca.key_pem()).expect("loads");
+    let cert = loaded.issue("ipam").expect("issues");
+    PeerTls::new("leaf-a", ca.cert_pem(), &cert.cert_pem, cert.key_pem()).expect("valid");
+    // The wrong key for the certificate is caught at load time.
+    let other = ClusterCa::generate("leaf-a").expect("CA");
+    ClusterCa::load("leaf-a", ca.cert_pem(), &other.key_pem()).expect_err("mismatch");
+    // A CA naming another cluster cannot be pinned for this one.
+    PinnedCa::from_pem("leaf-b", ca.cert_pem()).expect_err("names leaf-a");
+    // Debug output carries no key material.
+    let shown = format!("{ca:?} {cert:?}");
+    assert!(!shown.contains("PRIVATE KEY"), "{shown}");
+}
+
+#[tokio::test]
+async fn renewed_files_are_picked_up_without_a_restart() {
+    let hub = cluster("hub", "broker");
+    let ca = ClusterCa::generate("leaf-a").expect("CA");
+    let dir = std::env::temp_dir().join(format!("trellis-tls-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("dir");
+    let files = TlsFiles {
+        ca_cert: dir.join("ca.pem"),
+        cert: dir.join("cert.pem"),
+        key: dir.join("key.pem"),
+    };
+    let write = |service: &str| {
+        let cert = ca.issue(service).expect("issues");
+        std::fs::write(&files.ca_cert, ca.cert_pem()).expect("ca");
+        std::fs::write(&files.cert, &cert.cert_pem).expect("cert");
+        std::fs::write(&files.key, cert.key_pem()).expect("key");
+    };
+    write("broker");
+    let leaf = PeerTls::from_files("leaf-a", &files).expect("loads");
+    assert!(!leaf.reload().expect("unchanged"));
+    leaf.trust()
+        .pin(PinnedCa::from_pem("hub", hub.ca.cert_pem()).expect("pin"));
+    hub.tls
+        .trust()
+        .pin(PinnedCa::from_pem("leaf-a", ca.cert_pem()).expect("pin"));
+    let (addr, mut accepted) = listen(&hub.tls).await;
+    let config = || leaf.client_config(Some("hub")).expect("config");
+    let before = exchange(addr, config(), &mut accepted).await.expect("ok");
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    write("renewed");
+    assert!(leaf.reload().expect("reloads"));
+    let after = exchange(addr, config(), &mut accepted).await.expect("ok");
+    assert_eq!(before.peer.expect("peer").service, "broker");
+    assert_eq!(after.peer.expect("peer").service, "renewed");
+    // A broken pair keeps the current certificate.
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    std::fs::write(&files.key, "not a key").expect("key");
+    leaf.reload().expect_err("broken");
+    let still = exchange(addr, config(), &mut accepted).await.expect("ok");
+    assert_eq!(still.peer.expect("peer").service, "renewed");
+    let _ = std::fs::remove_dir_all(&dir);
+}

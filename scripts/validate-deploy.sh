@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# Validates the deployment files offline (no Docker engine, no Kubernetes cluster needed):
+#   - docker-compose.yml against the compose-spec JSON schema bundled in check-jsonschema;
+#   - every kustomize overlay, rendered with `kubectl kustomize`, strictly against the
+#     Kubernetes OpenAPI schemas bundled in kubernetes-validate (unknown fields are errors, and
+#     so is a kind it has no schema for).
+# Fails on the first invalid file. KUBERNETES_VERSIONS (default "1.30.0 latest") lists the
+# versions the manifests are checked against; "latest" is the newest one kubernetes-validate
+# bundles. That flag/env consistency with the binaries is checked by
+# tests/integration/tests/deploy_flags.rs, not here.
+set -euo pipefail
+
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+export PATH="$root/.tools/bin:$PATH"
+
+log() { printf 'validate-deploy: %s\n' "$*"; }
+fail() { printf 'validate-deploy: FAILED: %s\n' "$*" >&2; exit 1; }
+
+for tool in check-jsonschema kubernetes-validate kubectl; do
+  command -v "$tool" >/dev/null 2>&1 || fail "$tool not found (scripts/setup.sh installs check-jsonschema and kubernetes-validate; kubectl must be on PATH)"
+done
+
+# --- docker-compose.yml -----------------------------------------------------------------------
+out=$(check-jsonschema --builtin-schema vendor.compose-spec docker-compose.yml 2>&1) \
+  || fail "docker-compose.yml does not match the compose-spec schema:"$'\n'"$out"
+services=$(grep -cE '^  [a-z0-9-]+:' <(sed -n '/^services:/,/^[a-z]/p' docker-compose.yml))
+log "docker-compose.yml: valid against the compose-spec schema ($services services)"
+
+# --- kustomize overlays -----------------------------------------------------------------------
+read -r -a versions <<<"${KUBERNETES_VERSIONS:-1.30.0 latest}"
+version_args=()
+for v in "${versions[@]}"; do
+  [ "$v" = latest ] && continue
+  version_args+=(--kubernetes-version "$v")
+done
+# Without -k, kubernetes-validate uses its newest schemas; with some -k it uses only those.
+if [[ " ${versions[*]} " == *" latest "* ]] && ((${#version_args[@]})); then
+  latest=$(kubernetes-validate --help | sed -n 's/.*Defaults to \([0-9.]*\).*/\1/p' | head -n1)
+  [ -n "$latest" ] || fail "cannot tell kubernetes-validate's newest Kubernetes version"
+  version_args+=(--kubernetes-version "$latest")
+fi
+
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+overlays=(deploy/kustomize/overlays/*/)
+[ -d "${overlays[0]}" ] || fail "no overlays under deploy/kustomize/overlays"
+for dir in "${overlays[@]}"; do
+  dir=${dir%/}
+  name=$(basename "$dir")
+  rendered="$tmp/$name.yaml"
+  kubectl kustomize "$dir" >"$rendered" 2>"$tmp/$name.err" \
+    || fail "kubectl kustomize $dir:"$'\n'"$(cat "$tmp/$name.err")"
+  rc=0
+  report=$(kubernetes-validate --strict "${version_args[@]}" "$rendered" 2>&1) || rc=$?
+  # ERROR: invalid resource; WARN: no schema for a kind (a typo'd kind or apiVersion);
+  # FATAL: unsupported Kubernetes version. kubernetes-validate exits 0 on WARN.
+  problems=$(grep -vE '^INFO ' <<<"$report" || true)
+  if ((rc != 0)) || [ -n "$problems" ]; then
+    fail "$dir (kubernetes-validate exit $rc):"$'\n'"${problems:-$report}"
+  fi
+  checked=$(grep -c '^INFO ' <<<"$report" || true)
+  resources=$(grep -cE '^kind: ' "$rendered" || true)
+  [ "$checked" -gt 0 ] && [ "$resources" -gt 0 ] || fail "$dir: kubernetes-validate checked no resource"
+  kinds=$(grep -E '^kind: ' "$rendered" | sort | uniq -c | awk '{printf "%s%s %s", sep, $1, $3; sep=", "}')
+  against=$(sed -n 's/.* against version \([0-9.]*\)$/\1/p' <<<"$report" | sort -uV | paste -sd' ' -)
+  log "$dir: $resources resources valid (--strict; Kubernetes $against): $kinds"
+done
+log "ok"
