@@ -62,6 +62,33 @@ impl PeerListener {
     }
 }
 
+/// The cluster-facing side of a service (ADR 0014). With TLS loaded and `--peer-listen` given:
+/// the mutual-TLS listener for `methods`, authorization on, and two tasks pushed onto
+/// `background` (one keeps the pinned CAs equal to discovery's full peers, one reloads the
+/// certificate files). Otherwise no listener and authorization off.
+pub async fn cluster_facing(
+    tls: Option<&PeerTls>,
+    config: &crate::config::PeerTlsConfig,
+    discovery: crate::client::TracedChannel,
+    methods: PeerMethods,
+    shutdown: &Shutdown,
+    background: &mut Vec<tokio::task::JoinHandle<()>>,
+) -> anyhow::Result<(Option<PeerListener>, crate::peer::Authz)> {
+    let (Some(tls), Some(listen)) = (tls, config.peer_listen) else {
+        return Ok((None, crate::peer::Authz::off()));
+    };
+    background.push(crate::peer::spawn_trust_sync(
+        discovery,
+        tls.trust().clone(),
+        shutdown.clone(),
+    ));
+    background.push(tls.spawn_reloader(config.reload_period(), shutdown.clone()));
+    Ok((
+        Some(PeerListener::bind(listen, tls.clone(), methods).await?),
+        crate::peer::Authz::on(tls.trust().clone()),
+    ))
+}
+
 impl GrpcServer {
     /// Binds the listen address.
     pub async fn bind(addr: SocketAddr) -> anyhow::Result<Self> {

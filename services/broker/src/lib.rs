@@ -29,8 +29,7 @@ use trellis_api::ClusterIdentity;
 use trellis_api::pb::peering::broker_server::BrokerServer;
 use trellis_runtime::Shutdown;
 use trellis_runtime::config::ports;
-use trellis_runtime::peer;
-use trellis_runtime::server::{GrpcServer, PeerListener};
+use trellis_runtime::server::{GrpcServer, cluster_facing};
 
 pub use crate::config::Config;
 pub use crate::core::Broker;
@@ -77,21 +76,15 @@ pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started
         .await
         .context("initialising the peering token")?;
     let mut background = Vec::new();
-    let (peer, authz) = match (&tls, config.tls.peer_listen) {
-        (Some(tls), Some(listen)) => {
-            background.push(peer::spawn_trust_sync(
-                core.clients().discovery_channel(),
-                tls.trust().clone(),
-                shutdown.clone(),
-            ));
-            background.push(tls.spawn_reloader(config.tls.reload_period(), shutdown.clone()));
-            (
-                Some(PeerListener::bind(listen, tls.clone(), grpc::PEER_METHODS).await?),
-                peer::Authz::on(tls.trust().clone()),
-            )
-        }
-        _ => (None, peer::Authz::off()),
-    };
+    let (peer, authz) = cluster_facing(
+        tls.as_ref(),
+        &config.tls,
+        core.clients().discovery_channel(),
+        grpc::PEER_METHODS,
+        &shutdown,
+        &mut background,
+    )
+    .await?;
     let server = GrpcServer::bind(common.listen_addr(ports::BROKER))
         .await?
         .with_peer_listener(peer);

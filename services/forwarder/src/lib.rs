@@ -23,8 +23,7 @@ use trellis_api::ClusterIdentity;
 use trellis_api::pb::peering::forwarder_server::ForwarderServer;
 use trellis_runtime::Shutdown;
 use trellis_runtime::config::ports;
-use trellis_runtime::peer;
-use trellis_runtime::server::{GrpcServer, PeerListener};
+use trellis_runtime::server::{GrpcServer, cluster_facing};
 
 pub use crate::config::Config;
 pub use crate::core::Forwarder;
@@ -64,21 +63,15 @@ pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started
         tls.clone(),
     )?);
     let mut background = Vec::new();
-    let (peer, authz) = match (&tls, config.tls.peer_listen) {
-        (Some(tls), Some(listen)) => {
-            background.push(peer::spawn_trust_sync(
-                core.discovery_channel(),
-                tls.trust().clone(),
-                shutdown.clone(),
-            ));
-            background.push(tls.spawn_reloader(config.tls.reload_period(), shutdown.clone()));
-            (
-                Some(PeerListener::bind(listen, tls.clone(), grpc::PEER_METHODS).await?),
-                peer::Authz::on(tls.trust().clone()),
-            )
-        }
-        _ => (None, peer::Authz::off()),
-    };
+    let (peer, authz) = cluster_facing(
+        tls.as_ref(),
+        &config.tls,
+        core.discovery_channel(),
+        grpc::PEER_METHODS,
+        &shutdown,
+        &mut background,
+    )
+    .await?;
     let server = GrpcServer::bind(common.listen_addr(ports::FORWARDER))
         .await?
         .with_peer_listener(peer);
