@@ -2,12 +2,17 @@
 //! its own gRPC server on its own loopback port and its own store (an embedded memory store,
 //! or a dedicated etcd process). Services talk to each other only through gRPC, exactly as
 //! separate processes would; running them in one process is what lets a laptop hold 255
-//! clusters (ADR 0013).
+//! clusters (ADR 0013). With `--tls` each cluster gets a CA of its own and every cluster-facing
+//! service a certificate and a mutual-TLS peer listener (ADR 0014).
+
+use std::fmt;
+use std::net::SocketAddr;
 
 use anyhow::Context as _;
 use clap::Parser as _;
 use tokio::task::JoinHandle;
 use trellis_runtime::Shutdown;
+use trellis_runtime::tls::ClusterCa;
 use trellis_testkit::Etcd;
 
 use crate::config::StoreKind;
@@ -21,6 +26,53 @@ pub struct Options {
     pub induced: bool,
 }
 
+/// With `--tls`: the cluster's CA (generated at start) and its services' certificates, in a
+/// directory removed with the cluster.
+struct Certificates {
+    ca: ClusterCa,
+    dir: tempfile::TempDir,
+}
+
+impl fmt::Debug for Certificates {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Certificates")
+            .field("ca", &self.ca)
+            .field("dir", &self.dir.path())
+            .finish()
+    }
+}
+
+impl Certificates {
+    fn new(cluster_id: &str) -> anyhow::Result<Self> {
+        let ca = ClusterCa::generate(cluster_id)?;
+        let dir = tempfile::Builder::new()
+            .prefix(&format!("trellis-lab-{cluster_id}-"))
+            .tempdir()?;
+        std::fs::write(dir.path().join("ca.pem"), ca.cert_pem())?;
+        Ok(Self { ca, dir })
+    }
+
+    /// The flags of `service` serving other clusters on `listen`: a certificate of its own,
+    /// written next to the CA.
+    fn flags(&self, service: &str, listen: SocketAddr) -> anyhow::Result<Vec<String>> {
+        let issued = self.ca.issue(service)?;
+        let path = |name: &str| self.dir.path().join(name);
+        std::fs::write(path(&format!("{service}.pem")), &issued.cert_pem)?;
+        std::fs::write(path(&format!("{service}-key.pem")), issued.key_pem())?;
+        let text = |name: &str| path(name).display().to_string();
+        Ok(vec![
+            "--peer-listen".into(),
+            listen.to_string(),
+            "--tls-ca-cert".into(),
+            text("ca.pem"),
+            "--tls-cert".into(),
+            text(&format!("{service}.pem")),
+            "--tls-key".into(),
+            text(&format!("{service}-key.pem")),
+        ])
+    }
+}
+
 /// A running lab cluster. Its services stop when the lab's shutdown token is cancelled; the
 /// etcd processes (if any) are killed when this value is dropped.
 #[derive(Debug)]
@@ -28,6 +80,8 @@ pub struct LabCluster {
     pub plan: ClusterPlan,
     tasks: Vec<JoinHandle<anyhow::Result<()>>>,
     etcds: Vec<Etcd>,
+    /// Kept until the cluster is dropped: the services re-read their certificate files.
+    _certificates: Option<Certificates>,
 }
 
 fn args(list: &[&str]) -> Vec<String> {
@@ -72,6 +126,24 @@ impl LabCluster {
             a
         };
         let mut tasks = Vec::new();
+        let certificates = plan
+            .peer
+            .map(|_| Certificates::new(&plan.id))
+            .transpose()
+            .context("generating the cluster's CA and certificates")?;
+        // Each service's TLS flags (and, for those that need it, where discovery is).
+        let tls = |service: &str| -> anyhow::Result<Vec<String>> {
+            let (Some(certs), Some(peer)) = (&certificates, &plan.peer) else {
+                return Ok(Vec::new());
+            };
+            let listen = peer
+                .named()
+                .into_iter()
+                .find(|(name, _)| *name == service)
+                .map(|(_, addr)| addr)
+                .with_context(|| format!("no peer port for {service}"))?;
+            certs.flags(service, listen)
+        };
 
         let mut ipam = common("trellis-ipam", p.ipam, store("ipam")?);
         ipam.extend(args(&[
@@ -80,6 +152,10 @@ impl LabCluster {
             "--external-cidr",
             &plan.external_cidr.to_string(),
         ]));
+        if plan.peer.is_some() {
+            ipam.extend(args(&["--discovery", &p.discovery.to_string()]));
+            ipam.extend(tls("ipam")?);
+        }
         let ipam = trellis_ipam::start(trellis_ipam::Config::try_parse_from(ipam)?, own.clone())
             .await
             .context("ipam")?;
@@ -101,9 +177,10 @@ impl LabCluster {
         tasks.push(gateway.task);
 
         let mut discovery = common("trellis-discovery", p.discovery, store("discovery")?);
-        for (name, addr) in p.named() {
+        for (name, addr) in plan.advertised() {
             discovery.extend([format!("--advertise-{name}"), addr.to_string()]);
         }
+        discovery.extend(tls("discovery")?);
         discovery.extend(args(&[
             "--neighborhood-resync",
             "10",
@@ -128,6 +205,7 @@ impl LabCluster {
             "--retry-max",
             "1",
         ]));
+        forwarder.extend(tls("forwarder")?);
         let forwarder = trellis_forwarder::start(
             trellis_forwarder::Config::try_parse_from(forwarder)?,
             own.clone(),
@@ -147,6 +225,7 @@ impl LabCluster {
             "--resync",
             "2",
         ]));
+        broker.extend(tls("broker")?);
         let broker =
             trellis_broker::start(trellis_broker::Config::try_parse_from(broker)?, own.clone())
                 .await
@@ -160,6 +239,7 @@ impl LabCluster {
             "--discovery",
             &p.discovery.to_string(),
         ]));
+        endpoints.extend(tls("endpoints")?);
         let endpoints = trellis_endpoints::start(
             trellis_endpoints::Config::try_parse_from(endpoints)?,
             own.clone(),
@@ -169,7 +249,12 @@ impl LabCluster {
         tasks.push(endpoints.task);
 
         stop_on_failure.disarm();
-        Ok(Self { plan, tasks, etcds })
+        Ok(Self {
+            plan,
+            tasks,
+            etcds,
+            _certificates: certificates,
+        })
     }
 
     /// Waits for every service to finish (after the shutdown token was cancelled), then stops

@@ -71,6 +71,13 @@ pub struct UpConfig {
           value_parser = clap::value_parser!(u64).range(1..))]
     pub timeout: u64,
 
+    /// Mutual TLS between clusters (ADR 0014): each cluster gets its own CA, every
+    /// cluster-facing service a certificate and a peer listener on a free port (listed as
+    /// `peer_services` in the topology file); peering pins the CAs, and the mesh forms over
+    /// mutual TLS. The plaintext listeners (and the printed grpcurl commands) stay as they are.
+    #[arg(long, env = "TRELLIS_LAB_TLS")]
+    pub tls: bool,
+
     /// First port of the lab: cluster i's services listen on BASE+10·i+1 (discovery) to
     /// BASE+10·i+6 (gateway), so the hub gets the default ports 7101-7106 and the printed
     /// grpcurl commands stay the same from run to run. 0 picks free ports instead.

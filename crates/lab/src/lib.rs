@@ -32,7 +32,7 @@ use trellis_runtime::telemetry::{self, ServiceIdentity};
 use crate::cluster::{LabCluster, Options};
 use crate::config::{Cli, Command, DataplaneKind, StoreKind, UpConfig};
 use crate::mesh::Expected;
-use crate::plan::{ClusterPlan, Ports};
+use crate::plan::ClusterPlan;
 use crate::report::Topology;
 
 /// Clusters started at once (each start is a handful of binds and store opens, or six etcd
@@ -109,7 +109,12 @@ pub async fn run(config: UpConfig, shutdown: Shutdown, out: &mut dyn Write) -> a
             "--store etcd needs the etcd binary on PATH (Debian etcd-server; `make setup` installs it)"
         );
     }
-    let plans = plan::plan(config.clusters, config.same_pod_cidr, config.base_port)?;
+    let plans = plan::plan(
+        config.clusters,
+        config.same_pod_cidr,
+        config.base_port,
+        config.tls,
+    )?;
     let mut progress = Progress {
         out,
         started: Instant::now(),
@@ -123,10 +128,11 @@ pub async fn run(config: UpConfig, shutdown: Shutdown, out: &mut dyn Write) -> a
             StoreKind::Memory => "memory",
             StoreKind::Etcd => "etcd",
         },
-        if config.induced() {
-            ""
-        } else {
-            ", induced peering off"
+        match (config.induced(), config.tls) {
+            (true, false) => "",
+            (true, true) => ", mutual TLS between clusters",
+            (false, false) => ", induced peering off",
+            (false, true) => ", induced peering off, mutual TLS between clusters",
         },
     ));
     // The lab's own token: cancelled on Ctrl-C, or by us once `--until-converged` is done.
@@ -253,7 +259,7 @@ async fn start_all(
                             && format!("{err:#}").contains("cannot listen") =>
                     {
                         attempt += 1;
-                        plan.ports = Ports::free();
+                        plan = plan.with_free_ports();
                     }
                     other => {
                         return other.with_context(|| {

@@ -46,7 +46,8 @@ pub async fn peer_leaves(
         .token;
     let leaves: Vec<_> = clusters.iter().filter(|c| c.role == Role::Leaf).collect();
     let total = leaves.len();
-    let hub_broker = hub.ports.broker.to_string();
+    // With --tls the leaves handshake with the hub's peer listener.
+    let hub_broker = hub.facing_broker().to_string();
     let mut done = 0;
     let mut results = futures::stream::iter(leaves.into_iter().map(|leaf| {
         let request = PeerRequest {
@@ -275,7 +276,7 @@ mod tests {
 
     #[test]
     fn a_three_cluster_mesh_wants_four_full_and_two_induced_tunnels() {
-        let clusters = plan(3, true, 0).expect("plan");
+        let clusters = plan(3, true, 0, false).expect("plan");
         let expected = Expected::new(&clusters, true);
         let mut snap = Snapshot::default();
         snap.tunnels.insert(
@@ -316,7 +317,7 @@ mod tests {
 
     #[test]
     fn ten_clusters_want_nine_times_eight_induced_tunnels() {
-        let clusters = plan(10, true, 0).expect("plan");
+        let clusters = plan(10, true, 0, false).expect("plan");
         let p = Expected::new(&clusters, true).progress(&Snapshot::default());
         assert_eq!(p.induced_wanted, 9 * 8);
         assert_eq!(p.full_wanted, 2 * 9);

@@ -29,6 +29,43 @@ pub struct Ports {
     pub gateway: SocketAddr,
 }
 
+/// With `--tls`: where a cluster's cluster-facing services take calls from other clusters
+/// (their mutual-TLS peer listeners, ADR 0014). Always free ports: the fixed layout has no
+/// room for five more per cluster.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PeerPorts {
+    pub discovery: SocketAddr,
+    pub broker: SocketAddr,
+    pub forwarder: SocketAddr,
+    pub ipam: SocketAddr,
+    pub endpoints: SocketAddr,
+}
+
+impl PeerPorts {
+    /// Ports the kernel reports free right now (see [`Ports::free`]).
+    pub fn free() -> Self {
+        let port = || loopback(trellis_testkit::free_port());
+        Self {
+            discovery: port(),
+            broker: port(),
+            forwarder: port(),
+            ipam: port(),
+            endpoints: port(),
+        }
+    }
+
+    /// Every address with its service name, in DESIGN.md's order.
+    pub fn named(&self) -> [(&'static str, SocketAddr); 5] {
+        [
+            ("discovery", self.discovery),
+            ("broker", self.broker),
+            ("forwarder", self.forwarder),
+            ("ipam", self.ipam),
+            ("endpoints", self.endpoints),
+        ]
+    }
+}
+
 /// One cluster of the lab.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ClusterPlan {
@@ -38,6 +75,36 @@ pub struct ClusterPlan {
     pub pod_cidr: Ipv4Net,
     pub external_cidr: Ipv4Net,
     pub ports: Ports,
+    /// The peer listeners, with `--tls`.
+    pub peer: Option<PeerPorts>,
+}
+
+impl ClusterPlan {
+    /// What discovery advertises to other clusters: each service's peer listener with `--tls`
+    /// (the gateway has none), else its only listener.
+    pub fn advertised(&self) -> [(&'static str, SocketAddr); 6] {
+        let mut named = self.ports.named();
+        if let Some(peer) = &self.peer {
+            for (name, addr) in &mut named {
+                if let Some((_, facing)) = peer.named().into_iter().find(|(n, _)| n == name) {
+                    *addr = facing;
+                }
+            }
+        }
+        named
+    }
+
+    /// The address other clusters peer with.
+    pub fn facing_broker(&self) -> SocketAddr {
+        self.peer.map_or(self.ports.broker, |p| p.broker)
+    }
+
+    /// New free ports after losing a port race (peer listeners too).
+    pub fn with_free_ports(mut self) -> Self {
+        self.ports = Ports::free();
+        self.peer = self.peer.map(|_| PeerPorts::free());
+        self
+    }
 }
 
 fn loopback(port: u16) -> SocketAddr {
@@ -92,11 +159,12 @@ impl Ports {
     }
 }
 
-/// The clusters of a lab of `clusters` clusters.
+/// The clusters of a lab of `clusters` clusters; with `tls`, each with peer listeners.
 pub fn plan(
     clusters: u16,
     same_pod_cidr: bool,
     base_port: u16,
+    tls: bool,
 ) -> anyhow::Result<Vec<ClusterPlan>> {
     if !(2..=255).contains(&clusters) {
         bail!("a lab has 2 to 255 clusters (a hub and 1 to 254 leaves), not {clusters}");
@@ -120,6 +188,7 @@ pub fn plan(
                 } else {
                     Ports::fixed(base_port, index)?
                 },
+                peer: tls.then(PeerPorts::free),
             })
         })
         .collect()
@@ -131,7 +200,7 @@ mod tests {
 
     #[test]
     fn the_hub_gets_the_default_ports_and_leaves_follow_in_steps_of_ten() {
-        let p = plan(3, false, 7100).expect("plans");
+        let p = plan(3, false, 7100, false).expect("plans");
         assert_eq!(p[0].id, "hub");
         assert_eq!(p[0].role, Role::Hub);
         assert_eq!(p[0].ports.discovery.port(), 7101);
@@ -144,7 +213,7 @@ mod tests {
 
     #[test]
     fn same_pod_cidr_collides_pods_but_never_external_cidrs() {
-        let p = plan(255, true, 0).expect("plans");
+        let p = plan(255, true, 0, false).expect("plans");
         assert!(p.iter().all(|c| c.pod_cidr.to_string() == "10.0.0.0/16"));
         let externals: std::collections::BTreeSet<_> = p.iter().map(|c| c.external_cidr).collect();
         assert_eq!(externals.len(), 255);
@@ -152,9 +221,9 @@ mod tests {
 
     #[test]
     fn refuses_ports_past_the_end_and_bad_sizes() {
-        let err = plan(10, false, 65500).expect_err("no room");
+        let err = plan(10, false, 65500, false).expect_err("no room");
         assert!(err.to_string().contains("--base-port 65500"), "{err}");
-        assert!(plan(1, false, 0).is_err());
-        assert!(plan(256, false, 0).is_err());
+        assert!(plan(1, false, 0, false).is_err());
+        assert!(plan(256, false, 0, false).is_err());
     }
 }

@@ -210,6 +210,9 @@ pub struct TopologyCluster {
     pub pod_cidr: String,
     pub external_cidr: String,
     pub services: std::collections::BTreeMap<&'static str, String>,
+    /// With `--tls`: the mutual-TLS peer listeners of the cluster-facing services.
+    #[serde(skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub peer_services: std::collections::BTreeMap<&'static str, String>,
     /// The TunnelEndpoints its broker lists (after convergence).
     pub tunnels: Vec<TopologyTunnel>,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -252,6 +255,12 @@ impl Topology {
                     .ports
                     .named()
                     .into_iter()
+                    .map(|(name, addr)| (name, addr.to_string()))
+                    .collect(),
+                peer_services: c
+                    .peer
+                    .iter()
+                    .flat_map(|p| p.named())
                     .map(|(name, addr)| (name, addr.to_string()))
                     .collect(),
                 tunnels: snapshot
@@ -326,7 +335,7 @@ mod tests {
 
     #[test]
     fn the_summary_counts_tunnels_by_kind_and_aligns_columns() {
-        let clusters = plan(3, true, 7100).expect("plan");
+        let clusters = plan(3, true, 7100, false).expect("plan");
         let text = summary(&clusters, &snapshot());
         let lines: Vec<&str> = text.lines().collect();
         assert_eq!(lines.len(), 4, "{text}");
@@ -348,7 +357,7 @@ mod tests {
 
     #[test]
     fn nat_views_show_both_directions_and_are_omitted_for_big_labs() {
-        let text = nat_views(&plan(3, true, 0).expect("plan"), &snapshot());
+        let text = nat_views(&plan(3, true, 0, false).expect("plan"), &snapshot());
         assert!(
             text.lines()
                 .any(|l| l.split_whitespace().collect::<Vec<_>>()
@@ -362,12 +371,14 @@ mod tests {
                     ]),
             "{text}"
         );
-        assert!(nat_views(&plan(11, true, 0).expect("plan"), &snapshot()).contains("omitted"));
+        assert!(
+            nat_views(&plan(11, true, 0, false).expect("plan"), &snapshot()).contains("omitted")
+        );
     }
 
     #[test]
     fn grpcurl_commands_use_the_planned_ports() {
-        let text = grpcurl_commands(&plan(3, false, 7100).expect("plan"));
+        let text = grpcurl_commands(&plan(3, false, 7100, false).expect("plan"));
         assert!(
             text.contains("grpcurl -plaintext 127.0.0.1:7104 list"),
             "{text}"
@@ -380,7 +391,7 @@ mod tests {
 
     #[test]
     fn the_topology_file_has_the_contract_fields() {
-        let clusters = plan(3, true, 7100).expect("plan");
+        let clusters = plan(3, true, 7100, false).expect("plan");
         let dir = tempfile_dir();
         let path = dir.join("topology.json");
         Topology::new(&clusters, Some(&snapshot()), true)

@@ -172,6 +172,20 @@ impl Authz {
         }
     }
 
+    /// Like [`Authz::peer`], for a method intra-cluster callers use too (the IPAM's
+    /// `MapEndpointIp`): a call on the plaintext listener is local and passes as `Ok(None)`; on
+    /// the peer listener the caller must be a verified, still pinned peer.
+    pub fn peer_or_local<T>(
+        &self,
+        request: &tonic::Request<T>,
+        rpc: &str,
+    ) -> Result<Option<PeerIdentity>> {
+        if self.trust.is_none() || caller(request) == Caller::Plaintext {
+            return Ok(None);
+        }
+        self.peer(request, rpc)
+    }
+
     /// Checks that the verified caller (from [`Authz::peer`]) is cluster `expected`, which the
     /// request names as `claim` (e.g. "network_config.origin"). Off, or no caller: Ok.
     pub fn require(

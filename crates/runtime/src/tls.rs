@@ -8,13 +8,15 @@
 //!   at every TLS handshake;
 //! - [`incoming`]: the accept loop of the peer listener, whose connections carry the verified
 //!   caller ([`PeerConnectInfo`]) into every request's extensions;
-//! - [`peer_channel`], [`handshake_channel`]: client channels to other clusters.
+//! - [`peer_channel`], [`handshake_channel`] (and [`cluster_channel`], [`first_contact_channel`],
+//!   plaintext without TLS): client channels to other clusters.
 //!
 //! A caller's cluster is the owner of the pinned CA its chain verifies against, and its
 //! certificate must name that same cluster: a peer's CA cannot mint another cluster's identity.
 
 use std::collections::BTreeMap;
 use std::fmt;
+use std::future::Future;
 use std::io;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -727,12 +729,8 @@ impl fmt::Debug for PeerTls {
     }
 }
 
-fn certified_key(
-    cluster_id: &str,
-    own_ca: &PinnedCa,
-    cert_pem: &str,
-    key_pem: &str,
-) -> Result<CertifiedKey> {
+/// A certificate (chain) and its key, checked to match each other only.
+fn load_certified(cert_pem: &str, key_pem: &str) -> Result<CertifiedKey> {
     let chain = parse_certs("tls cert", cert_pem)?;
     let key = PrivateKeyDer::from_pem_slice(key_pem.as_bytes())
         .map_err(|e| Error::invalid("tls key", format!("is no PEM private key: {e}")))?;
@@ -740,6 +738,21 @@ fn certified_key(
         .key_provider
         .load_private_key(key)
         .map_err(|e| Error::invalid("tls key", format!("is not usable: {e}")))?;
+    let certified = CertifiedKey::new(chain, signing);
+    certified
+        .keys_match()
+        .map_err(|e| Error::invalid("tls key", format!("does not match the certificate: {e}")))?;
+    Ok(certified)
+}
+
+fn certified_key(
+    cluster_id: &str,
+    own_ca: &PinnedCa,
+    cert_pem: &str,
+    key_pem: &str,
+) -> Result<CertifiedKey> {
+    let certified = load_certified(cert_pem, key_pem)?;
+    let chain = &certified.cert;
     // Our own certificate must chain to our own CA and name our cluster, or peers would refuse
     // every call: better to fail at start.
     let own = TrustStore::default();
@@ -758,11 +771,100 @@ fn certified_key(
             format!("is not a valid certificate of cluster {cluster_id} from its CA: {e}"),
         )
     })?;
-    let certified = CertifiedKey::new(chain, signing);
-    certified
-        .keys_match()
-        .map_err(|e| Error::invalid("tls key", format!("does not match the certificate: {e}")))?;
     Ok(certified)
+}
+
+fn client_config(
+    verifier: PeerServerVerifier,
+    own: Option<Arc<OwnCert>>,
+) -> Result<Arc<rustls::ClientConfig>> {
+    let builder = rustls::ClientConfig::builder_with_provider(provider())
+        .with_protocol_versions(&[&rustls::version::TLS13])
+        .map_err(|e| Error::Internal(format!("TLS client configuration: {e}")))?
+        .dangerous()
+        .with_custom_certificate_verifier(Arc::new(verifier));
+    let mut config = match own {
+        Some(own) => builder.with_client_cert_resolver(own),
+        None => builder.with_no_client_auth(),
+    };
+    config.resumption = rustls::client::Resumption::disabled();
+    config.alpn_protocols = vec![b"h2".to_vec()];
+    Ok(Arc::new(config))
+}
+
+/// The cluster a Trellis CA certificate names (its SAN URI `spiffe://trellis/cluster/<id>`).
+pub fn ca_cluster_id(ca_pem: &str) -> Result<String> {
+    let field = "ca_certificate";
+    let certs = parse_certs(field, ca_pem)?;
+    let parsed = webpki::EndEntityCert::try_from(&certs[0])
+        .map_err(|e| Error::invalid(field, format!("is not a certificate: {e}")))?;
+    parsed
+        .valid_uri_names()
+        .find_map(|u| {
+            u.strip_prefix(URI_PREFIX)
+                .filter(|id| !id.is_empty() && !id.contains('/'))
+                .map(str::to_owned)
+        })
+        .ok_or_else(|| {
+            Error::invalid(
+                field,
+                format!("names no Trellis cluster ({URI_PREFIX}<id>)"),
+            )
+        })
+}
+
+/// How a tool (trellisctl) calls one cluster's TLS listeners: the server must chain to that
+/// cluster's CA and name that cluster; optionally the tool presents a certificate — whichever
+/// cluster it belongs to: the server decides whether it trusts it. `Debug` shows no key.
+#[derive(Clone)]
+pub struct ToolTls {
+    cluster_id: String,
+    config: Arc<rustls::ClientConfig>,
+}
+
+impl fmt::Debug for ToolTls {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ToolTls")
+            .field("cluster_id", &self.cluster_id)
+            .finish_non_exhaustive()
+    }
+}
+
+impl ToolTls {
+    /// From the server cluster's CA certificate and, to present one, a certificate and its key
+    /// (all PEM).
+    pub fn new(ca_pem: &str, identity: Option<(&str, &str)>) -> Result<Self> {
+        let cluster_id = ca_cluster_id(ca_pem)?;
+        let trust = TrustStore::default();
+        trust.insert_quiet(PinnedCa::from_pem(&cluster_id, ca_pem)?);
+        let own = identity
+            .map(|(cert, key)| load_certified(cert, key))
+            .transpose()?
+            .map(|certified| {
+                Arc::new(OwnCert {
+                    current: RwLock::new(Arc::new(certified)),
+                })
+            });
+        let config = client_config(
+            PeerServerVerifier {
+                trust: Some(trust),
+                expected: Some(cluster_id.clone()),
+                algorithms: algorithms(),
+            },
+            own,
+        )?;
+        Ok(Self { cluster_id, config })
+    }
+
+    /// The cluster whose servers are accepted.
+    pub fn cluster_id(&self) -> &str {
+        &self.cluster_id
+    }
+
+    /// An endpoint for `address` (see [`TlsEndpoint::new`]).
+    pub fn endpoint(&self, field: &str, address: &str, timeouts: Timeouts) -> Result<TlsEndpoint> {
+        TlsEndpoint::new(field, address, timeouts, self.config.clone())
+    }
 }
 
 impl PeerTls {
@@ -904,19 +1006,7 @@ impl PeerTls {
         verifier: PeerServerVerifier,
         present: bool,
     ) -> Result<Arc<rustls::ClientConfig>> {
-        let builder = rustls::ClientConfig::builder_with_provider(provider())
-            .with_protocol_versions(&[&rustls::version::TLS13])
-            .map_err(|e| Error::Internal(format!("TLS client configuration: {e}")))?
-            .dangerous()
-            .with_custom_certificate_verifier(Arc::new(verifier));
-        let mut config = if present {
-            builder.with_client_cert_resolver(self.inner.own.clone())
-        } else {
-            builder.with_no_client_auth()
-        };
-        config.resumption = rustls::client::Resumption::disabled();
-        config.alpn_protocols = vec![b"h2".to_vec()];
-        Ok(Arc::new(config))
+        client_config(verifier, present.then(|| self.inner.own.clone()))
     }
 
     /// A client configuration presenting our certificate and requiring the server to chain to
@@ -1096,41 +1186,115 @@ fn endpoint(field: &str, address: &str, timeouts: Timeouts) -> Result<(Endpoint,
     Ok((endpoint, bare.to_owned()))
 }
 
+/// The connector of a TLS channel: TCP to the target, then TLS with our configuration, both
+/// within the connect timeout.
+#[derive(Clone)]
+struct TlsConnect {
+    connector: tokio_rustls::TlsConnector,
+    name: ServerName<'static>,
+    target: String,
+    timeout: Duration,
+}
+
+type TlsConnecting = Pin<
+    Box<
+        dyn Future<Output = io::Result<TokioIo<tokio_rustls::client::TlsStream<TcpStream>>>> + Send,
+    >,
+>;
+
+impl tower::Service<http::Uri> for TlsConnect {
+    type Response = TokioIo<tokio_rustls::client::TlsStream<TcpStream>>;
+    type Error = io::Error;
+    type Future = TlsConnecting;
+
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, _uri: http::Uri) -> Self::Future {
+        let this = self.clone();
+        Box::pin(async move {
+            let connect = async {
+                let tcp = TcpStream::connect(&this.target).await?;
+                tcp.set_nodelay(true)?;
+                this.connector.connect(this.name.clone(), tcp).await
+            };
+            match tokio::time::timeout(this.timeout, connect).await {
+                Ok(Ok(stream)) => Ok(TokioIo::new(stream)),
+                Ok(Err(err)) => Err(err),
+                Err(_) => Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    format!("TLS connection to {} timed out", this.target),
+                )),
+            }
+        })
+    }
+}
+
+/// A TLS endpoint not connected yet: [`TlsEndpoint::connect`] connects now (tools that report
+/// an unreachable server before any call), [`TlsEndpoint::connect_lazy`] on first use.
+pub struct TlsEndpoint {
+    endpoint: Endpoint,
+    connect: TlsConnect,
+}
+
+impl fmt::Debug for TlsEndpoint {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("TlsEndpoint")
+            .field("target", &self.connect.target)
+            .finish_non_exhaustive()
+    }
+}
+
+impl TlsEndpoint {
+    /// `address` (`host:port`, optionally with a scheme) over TLS with `config`. Fails only on a
+    /// malformed address, named as `field`.
+    pub fn new(
+        field: &str,
+        address: &str,
+        timeouts: Timeouts,
+        config: Arc<rustls::ClientConfig>,
+    ) -> Result<Self> {
+        let (endpoint, target) = endpoint(field, address, timeouts)?;
+        let host = target
+            .rsplit_once(':')
+            .map_or(target.as_str(), |(h, _)| h)
+            .trim_start_matches('[')
+            .trim_end_matches(']')
+            .to_owned();
+        let name = ServerName::try_from(host.clone())
+            .map_err(|e| tls_error(field)(format!("{host:?} is no host name: {e}")))?;
+        Ok(Self {
+            endpoint,
+            connect: TlsConnect {
+                connector: tokio_rustls::TlsConnector::from(config),
+                name,
+                target,
+                timeout: timeouts.connect,
+            },
+        })
+    }
+
+    /// Connects now.
+    pub async fn connect(
+        self,
+    ) -> std::result::Result<tonic::transport::Channel, tonic::transport::Error> {
+        self.endpoint.connect_with_connector(self.connect).await
+    }
+
+    /// Connects on first use.
+    pub fn connect_lazy(self) -> tonic::transport::Channel {
+        self.endpoint.connect_with_connector_lazy(self.connect)
+    }
+}
+
 fn tls_channel(
     field: &str,
     address: &str,
     timeouts: Timeouts,
     config: Arc<rustls::ClientConfig>,
 ) -> Result<TracedChannel> {
-    let (endpoint, target) = endpoint(field, address, timeouts)?;
-    let host = target
-        .rsplit_once(':')
-        .map_or(target.as_str(), |(h, _)| h)
-        .trim_start_matches('[')
-        .trim_end_matches(']')
-        .to_owned();
-    let name = ServerName::try_from(host.clone())
-        .map_err(|e| tls_error(field)(format!("{host:?} is no host name: {e}")))?;
-    let connector = tokio_rustls::TlsConnector::from(config);
-    let connect_timeout = timeouts.connect;
-    let channel = endpoint.connect_with_connector_lazy(tower::service_fn(move |_: http::Uri| {
-        let (connector, name, target) = (connector.clone(), name.clone(), target.clone());
-        async move {
-            let connect = async {
-                let tcp = TcpStream::connect(&target).await?;
-                tcp.set_nodelay(true)?;
-                connector.connect(name, tcp).await
-            };
-            match tokio::time::timeout(connect_timeout, connect).await {
-                Ok(Ok(stream)) => Ok(TokioIo::new(stream)),
-                Ok(Err(err)) => Err(err),
-                Err(_) => Err(io::Error::new(
-                    io::ErrorKind::TimedOut,
-                    format!("TLS connection to {target} timed out"),
-                )),
-            }
-        }
-    }));
+    let channel = TlsEndpoint::new(field, address, timeouts, config)?.connect_lazy();
     Ok(InterceptedService::new(channel, TraceInterceptor))
 }
 
@@ -1144,6 +1308,35 @@ pub fn peer_channel(
     timeouts: Timeouts,
 ) -> Result<TracedChannel> {
     tls_channel(field, address, timeouts, tls.client_config(expected)?)
+}
+
+/// A channel to cluster `expected`'s service at `address`: over mutual TLS when `tls` is
+/// configured (see [`peer_channel`]), plaintext otherwise (no TLS flags, ADR 0014).
+pub fn cluster_channel(
+    tls: Option<&PeerTls>,
+    field: &str,
+    address: &str,
+    expected: &str,
+    timeouts: Timeouts,
+) -> Result<TracedChannel> {
+    match tls {
+        Some(tls) => peer_channel(tls, field, address, Some(expected), timeouts),
+        None => crate::client::channel(field, address, timeouts),
+    }
+}
+
+/// A first-contact channel (no client certificate, server unverified: see
+/// [`handshake_channel`]) when `tls` is configured, plaintext otherwise.
+pub fn first_contact_channel(
+    tls: Option<&PeerTls>,
+    field: &str,
+    address: &str,
+    timeouts: Timeouts,
+) -> Result<TracedChannel> {
+    match tls {
+        Some(tls) => handshake_channel(tls, field, address, timeouts),
+        None => crate::client::channel(field, address, timeouts),
+    }
 }
 
 /// A channel to a cluster whose CA is `ca` but no longer pinned (the unpeering notice): we

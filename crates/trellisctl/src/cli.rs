@@ -9,7 +9,11 @@ use std::time::Duration;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use trellis_runtime::config::ports;
 
+use tonic::transport::Channel;
+use trellis_runtime::tls::ToolTls;
+
 use crate::connect::{Service, Target};
+use crate::error::CtlError;
 
 /// Operator CLI of Trellis: peers clusters and shows what the local cluster's services know.
 ///
@@ -70,9 +74,67 @@ pub struct Globals {
     #[arg(long, global = true, env = "TRELLIS_TIMEOUT", value_name = "SECONDS",
           default_value = "10", value_parser = timeout_arg)]
     pub timeout: Duration,
+
+    /// Talk TLS to the services (their `--peer-listen` addresses, ADR 0014): FILE is the CA
+    /// certificate (PEM) of the cluster they belong to, which their certificates must chain to.
+    /// The environment variables are `TRELLISCTL_TLS_*`, not the services' `TRELLIS_TLS_*`, so
+    /// trellisctl run next to a service does not switch to TLS towards plaintext listeners.
+    #[arg(
+        long,
+        global = true,
+        env = "TRELLISCTL_TLS_CA_CERT",
+        value_name = "FILE"
+    )]
+    pub tls_ca_cert: Option<PathBuf>,
+
+    /// With --tls-ca-cert: present this certificate (PEM), e.g. a peered cluster's, for methods
+    /// that take only verified callers.
+    #[arg(long, global = true, env = "TRELLISCTL_TLS_CERT", value_name = "FILE",
+          requires_all = ["tls_ca_cert", "tls_key"])]
+    pub tls_cert: Option<PathBuf>,
+
+    /// The private key (PEM) of --tls-cert. Never printed.
+    #[arg(
+        long,
+        global = true,
+        env = "TRELLISCTL_TLS_KEY",
+        value_name = "FILE",
+        requires = "tls_cert"
+    )]
+    pub tls_key: Option<PathBuf>,
+}
+
+fn read_file(flag: &str, path: &std::path::Path) -> Result<String, CtlError> {
+    std::fs::read_to_string(path)
+        .map_err(|e| CtlError::Usage(format!("{flag}: cannot read {}: {e}", path.display())))
 }
 
 impl Globals {
+    /// The TLS setup the flags ask for, read from the files (a usage error names the flag).
+    pub fn tls(&self) -> Result<Option<ToolTls>, CtlError> {
+        let Some(ca) = &self.tls_ca_cert else {
+            return Ok(None);
+        };
+        let ca = read_file("--tls-ca-cert", ca)?;
+        let identity = match (&self.tls_cert, &self.tls_key) {
+            (Some(cert), Some(key)) => {
+                Some((read_file("--tls-cert", cert)?, read_file("--tls-key", key)?))
+            }
+            _ => None,
+        };
+        ToolTls::new(
+            &ca,
+            identity.as_ref().map(|(c, k)| (c.as_str(), k.as_str())),
+        )
+        .map(Some)
+        .map_err(|e| CtlError::Usage(format!("TLS flags: {e}")))
+    }
+
+    /// Connects to `target` as the flags say (plaintext, or TLS).
+    pub async fn connect(&self, target: &Target) -> Result<Channel, CtlError> {
+        crate::connect::connect(target, self.tls()?.as_ref(), self.timeout).await
+    }
+
     /// Where `service` listens, as configured.
     pub fn target(&self, service: Service) -> Target {
         let address = match service {

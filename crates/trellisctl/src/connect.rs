@@ -8,6 +8,8 @@ use std::time::Duration;
 
 use serde::Serialize;
 use tonic::transport::{Channel, Endpoint};
+use trellis_runtime::client::Timeouts;
+use trellis_runtime::tls::ToolTls;
 
 use crate::error::CtlError;
 
@@ -95,6 +97,10 @@ impl Service {
     }
 }
 
+type Connecting = std::pin::Pin<
+    Box<dyn std::future::Future<Output = Result<Channel, tonic::transport::Error>> + Send>,
+>;
+
 /// A service and the address it is expected at.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Target {
@@ -102,22 +108,41 @@ pub struct Target {
     pub address: String,
 }
 
-/// Connects to `target`, waiting at most `timeout`; every call on the channel is bounded by
-/// `timeout` too.
-pub async fn connect(target: &Target, timeout: Duration) -> Result<Channel, CtlError> {
+/// Connects to `target` (over TLS with `tls`), waiting at most `timeout`; every call on the
+/// channel is bounded by `timeout` too.
+pub async fn connect(
+    target: &Target,
+    tls: Option<&ToolTls>,
+    timeout: Duration,
+) -> Result<Channel, CtlError> {
     let unreachable = |reason: String| CtlError::Unreachable {
         service: target.service,
         address: target.address.clone(),
         reason,
     };
-    let endpoint = Endpoint::from_shared(format!("http://{}", target.address))
-        .map_err(|e| unreachable(format!("not a usable address: {e}")))?
-        .connect_timeout(timeout)
-        .timeout(timeout)
-        .tcp_nodelay(true);
-    // connect_timeout bounds the TCP connect; the outer timeout also bounds name resolution and
-    // the HTTP/2 handshake.
-    match tokio::time::timeout(timeout, endpoint.connect()).await {
+    let connecting = match tls {
+        Some(tls) => {
+            let timeouts = Timeouts {
+                connect: timeout,
+                request: timeout,
+            };
+            let endpoint = tls
+                .endpoint(target.service.flag(), &target.address, timeouts)
+                .map_err(|e| unreachable(format!("not a usable address: {e}")))?;
+            Box::pin(endpoint.connect()) as Connecting
+        }
+        None => {
+            let endpoint = Endpoint::from_shared(format!("http://{}", target.address))
+                .map_err(|e| unreachable(format!("not a usable address: {e}")))?
+                .connect_timeout(timeout)
+                .timeout(timeout)
+                .tcp_nodelay(true);
+            Box::pin(async move { endpoint.connect().await })
+        }
+    };
+    // connect_timeout bounds the TCP connect (and TLS); the outer timeout also bounds name
+    // resolution and the HTTP/2 handshake.
+    match tokio::time::timeout(timeout, connecting).await {
         Ok(Ok(channel)) => Ok(channel),
         Ok(Err(err)) => Err(unreachable(describe(&err, timeout))),
         Err(_) => Err(unreachable(no_answer(timeout))),
@@ -224,7 +249,7 @@ mod tests {
             service: Service::Broker,
             address: format!("127.0.0.1:{port}"),
         };
-        let err = connect(&target, Duration::from_secs(2))
+        let err = connect(&target, None, Duration::from_secs(2))
             .await
             .expect_err("nothing listens");
         assert_eq!(

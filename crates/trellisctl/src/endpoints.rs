@@ -10,7 +10,7 @@ use trellis_api::pb::endpoints::{
 use trellis_api::pb::types;
 
 use crate::cli::{EndpointsArgs, Globals, ReflectArgs};
-use crate::connect::{Service, connect};
+use crate::connect::Service;
 use crate::error::CtlError;
 use crate::identity::{IdentityView, id_or_empty};
 use crate::names;
@@ -223,7 +223,7 @@ pub async fn list(
     args: &EndpointsArgs,
 ) -> Result<ReflectedSlicesView, CtlError> {
     let target = globals.target(Service::Endpoints);
-    let mut client = EndpointMapperClient::new(connect(&target, globals.timeout).await?);
+    let mut client = EndpointMapperClient::new(globals.connect(&target).await?);
     let reply = client
         .list_reflected_slices(ListReflectedSlicesRequest {
             source_cluster_id: args.source.clone().unwrap_or_default(),
@@ -255,7 +255,7 @@ pub async fn list(
 pub async fn reflect(globals: &Globals, args: &ReflectArgs) -> Result<ReflectView, CtlError> {
     let slice = slice_file::read(&args.file)?;
     let target = globals.target(Service::Endpoints);
-    let mut client = EndpointMapperClient::new(connect(&target, globals.timeout).await?);
+    let mut client = EndpointMapperClient::new(globals.connect(&target).await?);
     let reply = client
         .reflect_endpoint_slice(ReflectEndpointSliceRequest {
             target: Some(types::ClusterIdentity {

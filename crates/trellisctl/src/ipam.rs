@@ -11,7 +11,7 @@ use trellis_api::pb::ipam::{
 };
 
 use crate::cli::{Globals, MapArgs};
-use crate::connect::{Service, connect};
+use crate::connect::Service;
 use crate::error::CtlError;
 use crate::names;
 use crate::output::Report;
@@ -169,7 +169,7 @@ async fn client(
     globals: &Globals,
 ) -> Result<(IpamClient<Channel>, crate::connect::Target), CtlError> {
     let target = globals.target(Service::Ipam);
-    let channel = connect(&target, globals.timeout).await?;
+    let channel = globals.connect(&target).await?;
     Ok((IpamClient::new(channel), target))
 }
 

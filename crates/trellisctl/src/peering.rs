@@ -5,7 +5,7 @@ use trellis_api::pb::peering::broker_client::BrokerClient;
 use trellis_api::pb::peering::{PeerRequest, UnpeerRequest};
 
 use crate::cli::{Globals, PeerArgs, UnpeerArgs};
-use crate::connect::{Service, connect};
+use crate::connect::Service;
 use crate::error::CtlError;
 use crate::identity::{AddressesView, IdentityView};
 use crate::output::Report;
@@ -62,7 +62,7 @@ impl Report for UnpeerView {
 /// Runs `peer`.
 pub async fn peer(globals: &Globals, args: &PeerArgs) -> Result<PeerView, CtlError> {
     let target = globals.target(Service::Broker);
-    let mut broker = BrokerClient::new(connect(&target, globals.timeout).await?);
+    let mut broker = BrokerClient::new(globals.connect(&target).await?);
     let reply = broker
         .peer(PeerRequest {
             broker_address: args.remote_broker.clone(),
@@ -82,7 +82,7 @@ pub async fn peer(globals: &Globals, args: &PeerArgs) -> Result<PeerView, CtlErr
 /// Runs `unpeer`.
 pub async fn unpeer(globals: &Globals, args: &UnpeerArgs) -> Result<UnpeerView, CtlError> {
     let target = globals.target(Service::Broker);
-    let mut broker = BrokerClient::new(connect(&target, globals.timeout).await?);
+    let mut broker = BrokerClient::new(globals.connect(&target).await?);
     let reply = broker
         .unpeer(UnpeerRequest {
             cluster_id: args.cluster_id.clone(),

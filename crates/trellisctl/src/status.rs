@@ -24,7 +24,7 @@ use trellis_api::pb::peering::broker_client::BrokerClient;
 use trellis_api::pb::{gateway, types};
 
 use crate::cli::Globals;
-use crate::connect::{Service, Target, connect};
+use crate::connect::{Service, Target};
 use crate::error::CtlError;
 use crate::identity::{AddressesView, IdentityView, id_or_empty};
 use crate::names;
@@ -264,7 +264,7 @@ async fn probe(target: Target, globals: &Globals) -> (ServiceHealthView, Connect
         health: "unreachable".into(),
         error: None,
     };
-    let channel = match connect(&target, globals.timeout).await {
+    let channel = match globals.connect(&target).await {
         Ok(channel) => channel,
         Err(err) => {
             view.error = Some(match &err {

@@ -6,7 +6,7 @@ use trellis_api::pb::peering::broker_client::BrokerClient;
 use trellis_api::pb::peering::{GetTokenRequest, RotateTokenRequest};
 
 use crate::cli::{Globals, TokenArgs};
-use crate::connect::{Service, connect};
+use crate::connect::Service;
 use crate::error::CtlError;
 use crate::output::Report;
 use crate::units::rfc3339;
@@ -33,7 +33,7 @@ impl Report for TokenView {
 /// Runs `token`.
 pub async fn run(globals: &Globals, args: &TokenArgs) -> Result<TokenView, CtlError> {
     let target = globals.target(Service::Broker);
-    let mut broker = BrokerClient::new(connect(&target, globals.timeout).await?);
+    let mut broker = BrokerClient::new(globals.connect(&target).await?);
     if args.rotate {
         let grace = prost_types::Duration {
             seconds: i64::try_from(args.grace).unwrap_or(i64::MAX),

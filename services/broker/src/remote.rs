@@ -15,7 +15,7 @@ use trellis_api::pb::peering::forwarder_client::ForwarderClient;
 use trellis_error::Result;
 use trellis_runtime::client::{Timeouts, TracedChannel, channel};
 use trellis_runtime::tls::{
-    PeerTls, PinnedCa, handshake_channel, peer_channel, peer_channel_pinned,
+    PeerTls, PinnedCa, cluster_channel, first_contact_channel, peer_channel_pinned,
 };
 
 /// Local services answer from their stores; remote ones may be far away.
@@ -88,10 +88,8 @@ impl Clients {
         {
             return Ok(found.clone());
         }
-        let created = match &self.tls {
-            Some(tls) => peer_channel(tls, field, address, Some(expected.as_str()), REMOTE)?,
-            None => channel(field, address, REMOTE)?,
-        };
+        let created =
+            cluster_channel(self.tls.as_ref(), field, address, expected.as_str(), REMOTE)?;
         if let Ok(mut cache) = self.remote.lock() {
             cache.insert(key, created.clone());
         }
@@ -137,10 +135,12 @@ impl Clients {
     /// The broker we handshake with: first contact, so no pinned CA yet (TLS without a client
     /// certificate when TLS is on; ADR 0014). Not cached.
     pub fn handshake_broker(&self, address: &str) -> Result<BrokerClient<TracedChannel>> {
-        Ok(BrokerClient::new(match &self.tls {
-            Some(tls) => handshake_channel(tls, "broker_address", address, REMOTE)?,
-            None => channel("broker_address", address, REMOTE)?,
-        }))
+        Ok(BrokerClient::new(first_contact_channel(
+            self.tls.as_ref(),
+            "broker_address",
+            address,
+            REMOTE,
+        )?))
     }
 
     /// Hub `expected`'s forwarder.

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use clap::Parser;
 use trellis_runtime::CommonConfig;
-use trellis_runtime::config::HasCommon;
+use trellis_runtime::config::{HasCommon, PeerTlsConfig};
 
 use crate::records::Addresses;
 
@@ -25,8 +25,12 @@ pub struct Config {
     #[command(flatten)]
     pub common: CommonConfig,
 
+    #[command(flatten)]
+    pub tls: PeerTlsConfig,
+
     /// Address of this discovery service as other clusters reach it (returned by GetIdentity).
-    /// Defaults to the listen address when that is not a wildcard.
+    /// Defaults to the peer listener with --peer-listen, else to the listen address, when that
+    /// is not a wildcard.
     #[arg(long, env = "TRELLIS_ADVERTISE_DISCOVERY", value_name = "HOST:PORT", value_parser = address_arg)]
     pub advertise_discovery: Option<String>,
 

@@ -7,6 +7,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use trellis_api::{ClusterId, ClusterIdentity};
 use trellis_error::{Error, Result};
+use trellis_runtime::tls::PeerTls;
 use trellis_store::retry::Contention;
 use trellis_store::{Compare, Op, SharedStore, Txn};
 
@@ -151,6 +152,8 @@ pub struct Discovery {
     /// Whether this cluster takes part in induced peering (introduces its peers to each other
     /// and accepts introductions). Not stored: an operator switch, applied at every start.
     induced: bool,
+    /// Mutual TLS towards other clusters' discovery services (ADR 0014), when configured.
+    tls: Option<PeerTls>,
 }
 
 impl Discovery {
@@ -197,7 +200,21 @@ impl Discovery {
             identity,
             advertised,
             induced: true,
+            tls: None,
         })
+    }
+
+    /// Calls other clusters over mutual TLS with `tls` (ADR 0014): Neighborhoods go to peers'
+    /// peer listeners, verified against their pinned CAs.
+    #[must_use]
+    pub fn with_tls(mut self, tls: Option<PeerTls>) -> Self {
+        self.tls = tls;
+        self
+    }
+
+    /// The mutual-TLS setup towards other clusters, when configured.
+    pub fn tls(&self) -> Option<&PeerTls> {
+        self.tls.as_ref()
     }
 
     /// Switches induced peering off (`--no-induced`): the Neighborhoods this cluster sends

@@ -24,6 +24,7 @@ use crate::records::Mechanism;
 use crate::remote;
 use crate::watch::{self, EventType, WatchError};
 use trellis_api::address;
+use trellis_runtime::peer::{Authz, PeerMethods};
 
 /// Largest pinned CA certificate accepted (PEM): a P-256 CA is under 1 KiB.
 const MAX_CA_CERTIFICATE_BYTES: usize = 16 * 1024;
@@ -33,14 +34,29 @@ const MAX_CA_CERTIFICATE_BYTES: usize = 16 * 1024;
 pub struct DiscoveryService {
     core: Arc<Discovery>,
     bookmark_every: Duration,
+    authz: Authz,
 }
 
+/// The methods the peer listener serves (ADR 0014): GetIdentity to anyone (manual discovery
+/// happens before peering), Neighborhoods to verified peers.
+pub const PEER_METHODS: PeerMethods = PeerMethods {
+    authenticated: &["/trellis.discovery.v1.Discovery/PublishNeighborhood"],
+    anonymous: &["/trellis.discovery.v1.Discovery/GetIdentity"],
+};
+
 impl DiscoveryService {
-    /// `bookmark_every`: how long a watch may stay silent before it reports progress.
+    /// `bookmark_every`: how long a watch may stay silent before it reports progress. Without
+    /// mutual TLS: the sender a Neighborhood claims is trusted.
     pub fn new(core: Arc<Discovery>, bookmark_every: Duration) -> Self {
+        Self::with_authz(core, bookmark_every, Authz::off())
+    }
+
+    /// With `authz` checking the caller's certificate against the Neighborhood's sender.
+    pub fn with_authz(core: Arc<Discovery>, bookmark_every: Duration, authz: Authz) -> Self {
         Self {
             core,
             bookmark_every,
+            authz,
         }
     }
 }
@@ -88,7 +104,8 @@ impl DiscoveryApi for DiscoveryService {
                 &req.expected_cluster_id,
             )?)
         };
-        let (identity, addresses) = remote::get_identity("discovery_address", &addr).await?;
+        let (identity, addresses) =
+            remote::get_identity(self.core.tls(), "discovery_address", &addr).await?;
         if let Some(expected) = expected
             && expected != identity.id
         {
@@ -186,6 +203,8 @@ impl DiscoveryApi for DiscoveryService {
         &self,
         request: Request<pb::PublishNeighborhoodRequest>,
     ) -> Result<Response<pb::PublishNeighborhoodResponse>, Status> {
+        const RPC: &str = "PublishNeighborhood";
+        let peer = self.authz.peer(&request, RPC)?;
         let n = request
             .into_inner()
             .neighborhood
@@ -196,6 +215,13 @@ impl DiscoveryApi for DiscoveryService {
             neighbors: neighbors_from_pb(&n.neighbors)?,
             generation: n.generation,
         };
+        // Only a hub speaks for its own Neighborhood.
+        self.authz.require(
+            peer.as_ref(),
+            RPC,
+            "neighborhood.sender",
+            received.sender.id.as_str(),
+        )?;
         let applied = self.core.receive_neighborhood(&received).await?;
         Ok(Response::new(pb::PublishNeighborhoodResponse {
             applied: applied.applied,

@@ -23,7 +23,7 @@ pub mod records;
 pub mod remote;
 pub mod watch;
 
-use std::net::SocketAddr;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -34,8 +34,10 @@ use tonic::service::Routes;
 use trellis_api::ClusterIdentity;
 use trellis_api::pb::discovery::discovery_server::DiscoveryServer;
 use trellis_runtime::Shutdown;
+use trellis_runtime::client::{Timeouts, channel};
 use trellis_runtime::config::ports;
-use trellis_runtime::server::GrpcServer;
+use trellis_runtime::peer::Authz;
+use trellis_runtime::server::{GrpcServer, cluster_facing};
 
 pub use crate::config::Config;
 pub use crate::core::Discovery;
@@ -50,9 +52,9 @@ pub const MAX_REQUEST_BYTES: usize = 1024 * 1024;
 const RETRY_INITIAL: Duration = Duration::from_millis(200);
 
 /// The gRPC routes of the discovery service.
-pub fn routes(core: Arc<Discovery>, bookmark_every: Duration) -> Routes {
+pub fn routes(core: Arc<Discovery>, bookmark_every: Duration, authz: Authz) -> Routes {
     Routes::new(
-        DiscoveryServer::new(DiscoveryService::new(core, bookmark_every))
+        DiscoveryServer::new(DiscoveryService::with_authz(core, bookmark_every, authz))
             .max_decoding_message_size(MAX_REQUEST_BYTES),
     )
 }
@@ -62,6 +64,8 @@ pub fn routes(core: Arc<Discovery>, bookmark_every: Duration) -> Routes {
 pub struct Started {
     /// The address it listens on.
     pub addr: SocketAddr,
+    /// The mutual-TLS listener for other clusters, when TLS is on.
+    pub peer_addr: Option<SocketAddr>,
     /// The domain core, for in-process callers (the lab, tests).
     pub core: Arc<Discovery>,
     /// Finishes when the server and every background task have stopped.
@@ -81,19 +85,34 @@ pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started
     let store = trellis_store::open(&common.store)
         .await
         .with_context(|| format!("opening store {}", common.store))?;
+    let tls = config.tls.load(identity.id.as_str())?;
     let server = GrpcServer::bind(common.listen_addr(ports::DISCOVERY)).await?;
     let addr = server.local_addr();
-    let advertised = config.advertised(addr);
+    let mut background = Vec::new();
+    // The pinned CAs are this service's own full peers: the trust sync watches them through
+    // our own plaintext listener, like every other service watches its discovery.
+    let (peer, authz) = cluster_facing(
+        tls.as_ref(),
+        &config.tls,
+        channel("listen", &loopback(addr).to_string(), Timeouts::default())?,
+        grpc::PEER_METHODS,
+        &shutdown,
+        &mut background,
+    )
+    .await?;
+    let server = server.with_peer_listener(peer);
+    let peer_addr = server.peer_addr();
+    let advertised = config.advertised(peer_addr.unwrap_or(addr));
     let mut core = Discovery::open(store, identity, advertised.clone())
         .await
-        .context("opening the discovery service")?;
+        .context("opening the discovery service")?
+        .with_tls(tls);
     if config.no_induced {
         tracing::info!("induced peering disabled: neighborhoods introduce nobody");
         core = core.without_induced_peering();
     }
     let core = Arc::new(core);
 
-    let mut background = Vec::new();
     background.push(tokio::spawn(neighborhood::run(
         core.clone(),
         SenderTiming {
@@ -132,7 +151,7 @@ pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started
         )));
     }
 
-    let routes = routes(core.clone(), config.watch_bookmark());
+    let routes = routes(core.clone(), config.watch_bookmark(), authz);
     let task = server.spawn(
         routes,
         &[DiscoveryServer::<DiscoveryService>::NAME],
@@ -140,7 +159,21 @@ pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started
         common.shutdown_grace(),
         background,
     );
-    Ok(Started { addr, core, task })
+    Ok(Started {
+        addr,
+        peer_addr,
+        core,
+        task,
+    })
+}
+
+/// Where this process reaches its own listener: a wildcard address means loopback.
+fn loopback(addr: SocketAddr) -> SocketAddr {
+    match addr.ip() {
+        IpAddr::V4(ip) if ip.is_unspecified() => (Ipv4Addr::LOCALHOST, addr.port()).into(),
+        IpAddr::V6(ip) if ip.is_unspecified() => (Ipv6Addr::LOCALHOST, addr.port()).into(),
+        _ => addr,
+    }
 }
 
 /// Runs the discovery service until `shutdown`.

@@ -212,6 +212,18 @@ async fn pass(
             core.forget_outbox(&peer, revision).await?;
             continue;
         }
+        let pinned = snapshot
+            .records
+            .get(&peer)
+            .and_then(|(r, _)| r.full.as_ref())
+            .is_some_and(|f| !f.ca_certificate.is_empty());
+        if core.tls().is_some() && !pinned {
+            // With mutual TLS an unpeered cluster can no longer be reached (unpeering cleared
+            // its CA, and it dropped ours); its unpeering already withdrew what we introduced.
+            tracing::info!(cluster.id = %peer, "former peer no longer pinned; dropping its neighborhood outbox");
+            core.forget_outbox(&peer, revision).await?;
+            continue;
+        }
         if backoff.get(&peer).is_some_and(|b| b.next > now) {
             continue;
         }
@@ -229,7 +241,7 @@ async fn pass(
         });
     }
     let results = futures::future::join_all(jobs.into_iter().map(|job| async move {
-        let result = remote::publish_neighborhood(&job.address, &job.outgoing).await;
+        let result = remote::publish_neighborhood(core.tls(), &job.address, &job.outgoing).await;
         (job, result)
     }))
     .await;

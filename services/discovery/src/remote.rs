@@ -1,5 +1,8 @@
 //! Calls to other clusters' discovery services: GetIdentity on an address just found, and
-//! PublishNeighborhood to a full peer. Bounded by timeouts so a dead remote costs seconds.
+//! PublishNeighborhood to a full peer. Bounded by timeouts so a dead remote costs seconds. With
+//! mutual TLS configured (ADR 0014) GetIdentity is a first contact (TLS, no client certificate,
+//! nobody pinned yet) and PublishNeighborhood presents our certificate and verifies the peer's
+//! against its pinned CA.
 
 use std::time::Duration;
 
@@ -8,7 +11,8 @@ use trellis_api::pb::discovery::discovery_client::DiscoveryClient;
 use trellis_api::pb::discovery::{GetIdentityRequest, PublishNeighborhoodRequest};
 use trellis_api::pb::types as pb;
 use trellis_error::{Error, Result};
-use trellis_runtime::client::{Timeouts, channel};
+use trellis_runtime::client::Timeouts;
+use trellis_runtime::tls::{PeerTls, cluster_channel, first_contact_channel};
 
 use crate::convert::{
     addresses_from_pb, identity_from_pb, identity_to_pb, neighbor_to_pb, timestamp,
@@ -25,8 +29,12 @@ pub const TIMEOUTS: Timeouts = Timeouts {
 
 /// Asks the discovery service at `address` who it is. A remote that answers nonsense is
 /// FAILED_PRECONDITION (it is not a usable Trellis discovery service), not our caller's fault.
-pub async fn get_identity(field: &str, address: &str) -> Result<(ClusterIdentity, Addresses)> {
-    let mut client = DiscoveryClient::new(channel(field, address, TIMEOUTS)?);
+pub async fn get_identity(
+    tls: Option<&PeerTls>,
+    field: &str,
+    address: &str,
+) -> Result<(ClusterIdentity, Addresses)> {
+    let mut client = DiscoveryClient::new(first_contact_channel(tls, field, address, TIMEOUTS)?);
     let answer = client
         .get_identity(GetIdentityRequest {})
         .await
@@ -51,9 +59,19 @@ pub struct Outgoing {
     pub generation: i64,
 }
 
-/// Sends a Neighborhood to the discovery service at `address`.
-pub async fn publish_neighborhood(address: &str, n: &Outgoing) -> Result<Applied> {
-    let mut client = DiscoveryClient::new(channel("discovery_address", address, TIMEOUTS)?);
+/// Sends a Neighborhood to the recipient's discovery service at `address`.
+pub async fn publish_neighborhood(
+    tls: Option<&PeerTls>,
+    address: &str,
+    n: &Outgoing,
+) -> Result<Applied> {
+    let mut client = DiscoveryClient::new(cluster_channel(
+        tls,
+        "discovery_address",
+        address,
+        n.recipient.id.as_str(),
+        TIMEOUTS,
+    )?);
     let request = PublishNeighborhoodRequest {
         neighborhood: Some(pb::Neighborhood {
             sender: Some(identity_to_pb(&n.sender)),

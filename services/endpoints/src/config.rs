@@ -5,7 +5,7 @@ use std::time::Duration;
 use clap::Parser;
 use trellis_runtime::CommonConfig;
 use trellis_runtime::client::Timeouts;
-use trellis_runtime::config::HasCommon;
+use trellis_runtime::config::{HasCommon, PeerTlsConfig};
 
 fn address_arg(value: &str) -> Result<String, String> {
     trellis_api::address::required("value", value).map_err(|e| match e {
@@ -30,6 +30,11 @@ fn millis_arg(value: &str) -> Result<u64, String> {
 pub struct Config {
     #[command(flatten)]
     pub common: CommonConfig,
+
+    /// Mutual TLS towards other clusters (ADR 0014): peers push reflected slices to
+    /// --peer-listen, and remote IPAMs and endpoints services are called over mutual TLS.
+    #[command(flatten)]
+    pub tls: PeerTlsConfig,
 
     /// Address of this cluster's IPAM service (cluster lookup by IP, endpoint mapping).
     #[arg(long, env = "TRELLIS_IPAM", value_name = "HOST:PORT", value_parser = address_arg)]

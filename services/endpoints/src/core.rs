@@ -278,7 +278,7 @@ impl Endpoints {
         );
         let mut reflected = reflected;
         if deliver {
-            self.deliver_apply(&peer, &reflected).await?;
+            self.deliver_apply(&target.id, &peer, &reflected).await?;
             reflected.delivered = true;
         }
         Ok(reflected)
@@ -335,7 +335,7 @@ impl Endpoints {
                 )));
             }
             self.clients
-                .remote_endpoints(&address)?
+                .remote_endpoints(&target.id, &address)?
                 .delete_reflected_slice(epb::DeleteReflectedSliceRequest {
                     source: Some(convert::identity_to_pb(&self.local)),
                     namespace: namespace.to_owned(),
@@ -403,7 +403,12 @@ impl Endpoints {
         Ok(released)
     }
 
-    async fn deliver_apply(&self, peer: &ForeignCluster, reflected: &Reflected) -> Result<()> {
+    async fn deliver_apply(
+        &self,
+        target_id: &ClusterId,
+        peer: &ForeignCluster,
+        reflected: &Reflected,
+    ) -> Result<()> {
         let target = peer
             .identity
             .as_ref()
@@ -419,7 +424,7 @@ impl Endpoints {
         }
         let answer = self
             .clients
-            .remote_endpoints(&address)?
+            .remote_endpoints(target_id, &address)?
             .apply_reflected_slice(epb::ApplyReflectedSliceRequest {
                 source: Some(convert::identity_to_pb(&self.local)),
                 slice: Some(reflected.slice.to_pb()),

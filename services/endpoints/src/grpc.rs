@@ -9,6 +9,7 @@ use trellis_api::pb::endpoints as pb;
 use trellis_api::pb::endpoints::endpoint_mapper_server::EndpointMapper;
 use trellis_api::{ClusterId, convert};
 use trellis_error::{Error, Result};
+use trellis_runtime::peer::{Authz, PeerMethods};
 
 use crate::core::{Endpoints, Translation};
 use crate::model::{Slice, dns_label, dns_subdomain};
@@ -18,11 +19,28 @@ use crate::records::ReflectedRecord;
 #[derive(Debug, Clone)]
 pub struct EndpointsService {
     core: Arc<Endpoints>,
+    authz: Authz,
 }
 
+/// The methods the peer listener serves (ADR 0014): a full peer pushing the slices it reflects
+/// to us.
+pub const PEER_METHODS: PeerMethods = PeerMethods {
+    authenticated: &[
+        "/trellis.endpoints.v1.EndpointMapper/ApplyReflectedSlice",
+        "/trellis.endpoints.v1.EndpointMapper/DeleteReflectedSlice",
+    ],
+    anonymous: &[],
+};
+
 impl EndpointsService {
+    /// Without mutual TLS: the source a request claims is trusted.
     pub fn new(core: Arc<Endpoints>) -> Self {
-        Self { core }
+        Self::with_authz(core, Authz::off())
+    }
+
+    /// With `authz` checking the caller's certificate against the slice's source.
+    pub fn with_authz(core: Arc<Endpoints>, authz: Authz) -> Self {
+        Self { core, authz }
     }
 }
 
@@ -94,8 +112,13 @@ impl EndpointMapper for EndpointsService {
         &self,
         request: Request<pb::ApplyReflectedSliceRequest>,
     ) -> Result<Response<pb::ApplyReflectedSliceResponse>, Status> {
+        const RPC: &str = "ApplyReflectedSlice";
+        let peer = self.authz.peer(&request, RPC)?;
         let req = request.into_inner();
         let source = convert::identity_from_pb("source", req.source.as_ref())?;
+        // A cluster pushes only the slices it reflects itself.
+        self.authz
+            .require(peer.as_ref(), RPC, "source", source.id.as_str())?;
         let slice = Slice::from_pb("slice", req.slice.as_ref())?;
         if req.generation <= 0 {
             return Err(Error::invalid("generation", "must be positive").into());
@@ -114,8 +137,12 @@ impl EndpointMapper for EndpointsService {
         &self,
         request: Request<pb::DeleteReflectedSliceRequest>,
     ) -> Result<Response<pb::DeleteReflectedSliceResponse>, Status> {
+        const RPC: &str = "DeleteReflectedSlice";
+        let peer = self.authz.peer(&request, RPC)?;
         let req = request.into_inner();
         let source = convert::identity_from_pb("source", req.source.as_ref())?;
+        self.authz
+            .require(peer.as_ref(), RPC, "source", source.id.as_str())?;
         let namespace = dns_label("namespace", &req.namespace)?;
         let name = dns_subdomain("name", &req.name)?;
         let deleted = self.core.delete(&source, &namespace, &name).await?;

@@ -33,7 +33,8 @@ use trellis_api::ClusterIdentity;
 use trellis_api::pb::endpoints::endpoint_mapper_server::EndpointMapperServer;
 use trellis_runtime::Shutdown;
 use trellis_runtime::config::ports;
-use trellis_runtime::server::GrpcServer;
+use trellis_runtime::peer::Authz;
+use trellis_runtime::server::{GrpcServer, cluster_facing};
 
 pub use crate::config::Config;
 pub use crate::core::Endpoints;
@@ -46,9 +47,9 @@ use crate::remote::{ClientSettings, Clients};
 pub const MAX_REQUEST_BYTES: usize = 4 * 1024 * 1024;
 
 /// The gRPC routes of the endpoints service.
-pub fn routes(core: Arc<Endpoints>) -> Routes {
+pub fn routes(core: Arc<Endpoints>, authz: Authz) -> Routes {
     Routes::new(
-        EndpointMapperServer::new(EndpointsService::new(core))
+        EndpointMapperServer::new(EndpointsService::with_authz(core, authz))
             .max_decoding_message_size(MAX_REQUEST_BYTES),
     )
 }
@@ -58,6 +59,8 @@ pub fn routes(core: Arc<Endpoints>) -> Routes {
 pub struct Started {
     /// The address it listens on.
     pub addr: SocketAddr,
+    /// The mutual-TLS listener for other clusters, when TLS is on.
+    pub peer_addr: Option<SocketAddr>,
     /// The domain core, for in-process callers (the lab, tests).
     pub core: Arc<Endpoints>,
     /// Finishes when the server has stopped.
@@ -92,6 +95,7 @@ pub async fn start_with_writer(
         "cluster-name",
         config.common.cluster_name(),
     )?;
+    let tls = config.tls.load(local.id.as_str())?;
     let clients = Clients::new(ClientSettings {
         ipam: config.ipam.clone(),
         discovery: config.discovery.clone(),
@@ -99,22 +103,41 @@ pub async fn start_with_writer(
         remote_ipam: config.remote_ipam_timeouts(),
         remote_ipam_attempts: config.remote_ipam_attempts,
         deliver: config.deliver_timeouts(),
+        tls: tls.clone(),
     })?;
     let store = trellis_store::open(&config.common.store)
         .await
         .with_context(|| format!("opening store {}", config.common.store))?;
+    let mut background = Vec::new();
+    let (peer, authz) = cluster_facing(
+        tls.as_ref(),
+        &config.tls,
+        clients.discovery_channel(),
+        grpc::PEER_METHODS,
+        &shutdown,
+        &mut background,
+    )
+    .await?;
     let core = Arc::new(Endpoints::new(store, local, clients, writer));
-    let server = GrpcServer::bind(config.common.listen_addr(ports::ENDPOINTS)).await?;
+    let server = GrpcServer::bind(config.common.listen_addr(ports::ENDPOINTS))
+        .await?
+        .with_peer_listener(peer);
     let addr = server.local_addr();
-    let routes = routes(core.clone());
+    let peer_addr = server.peer_addr();
+    let routes = routes(core.clone(), authz);
     let task = server.spawn(
         routes,
         &[EndpointMapperServer::<EndpointsService>::NAME],
         shutdown,
         config.common.shutdown_grace(),
-        Vec::new(),
+        background,
     );
-    Ok(Started { addr, core, task })
+    Ok(Started {
+        addr,
+        peer_addr,
+        core,
+        task,
+    })
 }
 
 /// Runs the endpoints service until `shutdown`.

@@ -2,7 +2,9 @@
 //! endpoints services (delivery). Channels connect lazily, carry trace context and are bounded by
 //! timeouts; remote IPAM channels are cached per cluster (replaced when the cluster advertises a
 //! new address), and a call to one is retried a bounded number of times when it is unavailable,
-//! so a dead home cluster costs at most `attempts × timeout`.
+//! so a dead home cluster costs at most `attempts × timeout`. With mutual TLS configured
+//! (ADR 0014) every channel to another cluster presents our certificate and verifies the
+//! server against that cluster's pinned CA.
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -17,6 +19,7 @@ use trellis_api::pb::ipam::ipam_client::IpamClient;
 use trellis_api::pb::types::ForeignCluster;
 use trellis_error::{Error, Result};
 use trellis_runtime::client::{Timeouts, TracedChannel, channel};
+use trellis_runtime::tls::{PeerTls, cluster_channel};
 
 /// Pause between two attempts of a remote IPAM call: long enough for a restarting server to
 /// listen again, short enough to stay well inside the caller's budget.
@@ -31,7 +34,8 @@ pub struct Clients {
     remote_ipam_attempts: u32,
     deliver_timeouts: Timeouts,
     remote_ipams: Mutex<HashMap<ClusterId, (String, TracedChannel)>>,
-    remote_endpoints: Mutex<HashMap<String, TracedChannel>>,
+    remote_endpoints: Mutex<HashMap<(ClusterId, String), TracedChannel>>,
+    tls: Option<PeerTls>,
 }
 
 /// Settings of [`Clients::new`].
@@ -43,6 +47,8 @@ pub struct ClientSettings {
     pub remote_ipam: Timeouts,
     pub remote_ipam_attempts: u32,
     pub deliver: Timeouts,
+    /// Mutual TLS towards other clusters, when configured.
+    pub tls: Option<PeerTls>,
 }
 
 impl Clients {
@@ -56,7 +62,13 @@ impl Clients {
             deliver_timeouts: settings.deliver,
             remote_ipams: Mutex::new(HashMap::new()),
             remote_endpoints: Mutex::new(HashMap::new()),
+            tls: settings.tls,
         })
+    }
+
+    /// The channel to this cluster's discovery (the trust store follows its full peers).
+    pub fn discovery_channel(&self) -> TracedChannel {
+        self.discovery.clone()
     }
 
     /// This cluster's IPAM.
@@ -103,7 +115,13 @@ impl Clients {
         {
             return Ok(IpamClient::new(found.clone()));
         }
-        let created = channel("addresses.ipam", address, self.remote_ipam_timeouts)?;
+        let created = cluster_channel(
+            self.tls.as_ref(),
+            "addresses.ipam",
+            address,
+            id.as_str(),
+            self.remote_ipam_timeouts,
+        )?;
         if let Ok(mut cache) = self.remote_ipams.lock() {
             cache.insert(id.clone(), (address.to_owned(), created.clone()));
         }
@@ -141,16 +159,27 @@ impl Clients {
         }
     }
 
-    /// The endpoints service of another cluster.
-    pub fn remote_endpoints(&self, address: &str) -> Result<EndpointMapperClient<TracedChannel>> {
+    /// The endpoints service of cluster `id`, at `address`.
+    pub fn remote_endpoints(
+        &self,
+        id: &ClusterId,
+        address: &str,
+    ) -> Result<EndpointMapperClient<TracedChannel>> {
+        let key = (id.clone(), address.to_owned());
         if let Ok(cache) = self.remote_endpoints.lock()
-            && let Some(found) = cache.get(address)
+            && let Some(found) = cache.get(&key)
         {
             return Ok(EndpointMapperClient::new(found.clone()));
         }
-        let created = channel("addresses.endpoints", address, self.deliver_timeouts)?;
+        let created = cluster_channel(
+            self.tls.as_ref(),
+            "addresses.endpoints",
+            address,
+            id.as_str(),
+            self.deliver_timeouts,
+        )?;
         if let Ok(mut cache) = self.remote_endpoints.lock() {
-            cache.insert(address.to_owned(), created.clone());
+            cache.insert(key, created.clone());
         }
         Ok(EndpointMapperClient::new(created))
     }

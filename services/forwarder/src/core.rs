@@ -23,7 +23,7 @@ use trellis_api::{ClusterId, ClusterIdentity};
 use trellis_error::{Error, Result};
 use trellis_runtime::client::{Timeouts, TracedChannel, channel};
 use trellis_runtime::propagation::{resumed_span, traceparent_of};
-use trellis_runtime::tls::{PeerTls, peer_channel};
+use trellis_runtime::tls::{PeerTls, cluster_channel};
 use trellis_store::retry::Contention;
 use trellis_store::{Compare, Op, SharedStore, Txn};
 
@@ -144,10 +144,13 @@ impl Forwarder {
         {
             return Ok(BrokerClient::new(found.clone()));
         }
-        let created = match &self.tls {
-            Some(tls) => peer_channel(tls, "broker", address, Some(expected.as_str()), DELIVERY)?,
-            None => channel("broker", address, DELIVERY)?,
-        };
+        let created = cluster_channel(
+            self.tls.as_ref(),
+            "broker",
+            address,
+            expected.as_str(),
+            DELIVERY,
+        )?;
         if let Ok(mut cache) = self.brokers.lock() {
             cache.insert(key, created.clone());
         }

@@ -3,12 +3,19 @@
 use clap::Parser;
 use ipnet::IpNet;
 use trellis_runtime::CommonConfig;
-use trellis_runtime::config::HasCommon;
+use trellis_runtime::config::{HasCommon, PeerTlsConfig};
 
 use crate::subnets::{DEFAULT_POOLS, LocalRanges, LocalSubnets};
 
 fn cidr_arg(value: &str) -> Result<IpNet, String> {
     trellis_api::wire::cidr("value", value).map_err(|e| match e {
+        trellis_error::Error::InvalidArgument { reason, .. } => reason,
+        other => other.to_string(),
+    })
+}
+
+fn address_arg(value: &str) -> Result<String, String> {
+    trellis_api::address::required("value", value).map_err(|e| match e {
         trellis_error::Error::InvalidArgument { reason, .. } => reason,
         other => other.to_string(),
     })
@@ -21,6 +28,16 @@ fn cidr_arg(value: &str) -> Result<IpNet, String> {
 pub struct Config {
     #[command(flatten)]
     pub common: CommonConfig,
+
+    /// Mutual TLS for the queries of other clusters' endpoints services
+    /// (`DoesClusterMappingExist`, `MapEndpointIp` induced; ADR 0014). Needs --discovery.
+    #[command(flatten)]
+    pub tls: PeerTlsConfig,
+
+    /// Address of this cluster's discovery service ("host:port"): with --peer-listen, who the
+    /// full peers allowed to query this IPAM are (their pinned CAs).
+    #[arg(long, env = "TRELLIS_DISCOVERY", value_name = "HOST:PORT", value_parser = address_arg)]
+    pub discovery: Option<String>,
 
     /// This cluster's pod CIDR (e.g. 10.0.0.0/16). Sets the address family every request must
     /// use; cannot change once the store holds mappings.

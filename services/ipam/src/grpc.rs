@@ -9,7 +9,8 @@ use tonic::{Request, Response, Status};
 use trellis_api::pb::ipam::ipam_server::Ipam as IpamApi;
 use trellis_api::pb::ipam::{self as pb, MappingPath as PbPath};
 use trellis_api::{ClusterId, ClusterIdentity, wire};
-use trellis_error::Result;
+use trellis_error::{Error, Result};
+use trellis_runtime::peer::{Authz, PeerMethods};
 
 use crate::core::{Ipam, MappingPath};
 use crate::records::ClusterRecord;
@@ -18,11 +19,28 @@ use crate::records::ClusterRecord;
 #[derive(Debug, Clone)]
 pub struct IpamService {
     core: Arc<Ipam>,
+    authz: Authz,
 }
 
+/// The methods the peer listener serves (ADR 0014): the queries a full peer's endpoints service
+/// makes on the induced path. Everything else stays intra-cluster.
+pub const PEER_METHODS: PeerMethods = PeerMethods {
+    authenticated: &[
+        "/trellis.ipam.v1.Ipam/DoesClusterMappingExist",
+        "/trellis.ipam.v1.Ipam/MapEndpointIp",
+    ],
+    anonymous: &[],
+};
+
 impl IpamService {
+    /// Without mutual TLS: every caller is trusted.
     pub fn new(core: Arc<Ipam>) -> Self {
-        Self { core }
+        Self::with_authz(core, Authz::off())
+    }
+
+    /// With `authz`: on the peer listener only verified full peers, and only induced mappings.
+    pub fn with_authz(core: Arc<Ipam>, authz: Authz) -> Self {
+        Self { core, authz }
     }
 
     fn cidr(&self, field: &str, value: &str) -> Result<IpNet> {
@@ -101,9 +119,23 @@ impl IpamApi for IpamService {
         &self,
         request: Request<pb::MapEndpointIpRequest>,
     ) -> Result<Response<pb::MapEndpointIpResponse>, Status> {
+        const RPC: &str = "MapEndpointIp";
+        let peer = self.authz.peer_or_local(&request, RPC)?;
         let req = request.into_inner();
         let id = cluster_id(&req.cluster_id)?;
         let ip = self.ip(&req.ip)?;
+        if let Some(peer) = &peer
+            && !req.induced
+        {
+            // A non-induced mapping allocates from our external CIDR (the hub path): only our
+            // own endpoints service decides that.
+            tracing::warn!(caller = %peer.cluster_id, rpc = RPC, "refused: another cluster asked for a non-induced mapping");
+            return Err(Error::PermissionDenied(format!(
+                "{RPC}: cluster {} may only ask for induced mappings (induced = true)",
+                peer.cluster_id
+            ))
+            .into());
+        }
         let mapped = self.core.map_endpoint_ip(&id, ip, req.induced).await?;
         let path = match mapped.path {
             MappingPath::LocalNat => PbPath::LocalNat,
@@ -156,6 +188,8 @@ impl IpamApi for IpamService {
         &self,
         request: Request<pb::DoesClusterMappingExistRequest>,
     ) -> Result<Response<pb::DoesClusterMappingExistResponse>, Status> {
+        self.authz
+            .peer_or_local(&request, "DoesClusterMappingExist")?;
         let id = cluster_id(&request.into_inner().cluster_id)?;
         let exists = self.core.mapping_exists(&id).await?;
         Ok(Response::new(pb::DoesClusterMappingExistResponse {

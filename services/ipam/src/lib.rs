@@ -24,8 +24,10 @@ use tonic::server::NamedService;
 use tonic::service::Routes;
 use trellis_api::pb::ipam::ipam_server::IpamServer;
 use trellis_runtime::Shutdown;
+use trellis_runtime::client::{Timeouts, channel};
 use trellis_runtime::config::ports;
-use trellis_runtime::server::GrpcServer;
+use trellis_runtime::peer::Authz;
+use trellis_runtime::server::{GrpcServer, cluster_facing};
 
 pub use crate::config::Config;
 pub use crate::core::Ipam;
@@ -36,9 +38,10 @@ use crate::grpc::IpamService;
 pub const MAX_REQUEST_BYTES: usize = 16 * 1024;
 
 /// The gRPC routes of the IPAM service.
-pub fn routes(core: Arc<Ipam>) -> Routes {
+pub fn routes(core: Arc<Ipam>, authz: Authz) -> Routes {
     Routes::new(
-        IpamServer::new(IpamService::new(core)).max_decoding_message_size(MAX_REQUEST_BYTES),
+        IpamServer::new(IpamService::with_authz(core, authz))
+            .max_decoding_message_size(MAX_REQUEST_BYTES),
     )
 }
 
@@ -47,6 +50,8 @@ pub fn routes(core: Arc<Ipam>) -> Routes {
 pub struct Started {
     /// The address it listens on.
     pub addr: SocketAddr,
+    /// The mutual-TLS listener for other clusters, when TLS is on.
+    pub peer_addr: Option<SocketAddr>,
     /// The domain core, for in-process callers (the lab, tests).
     pub core: Arc<Ipam>,
     /// Finishes when the server has stopped.
@@ -59,18 +64,45 @@ pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started
     let store = trellis_store::open(&config.common.store)
         .await
         .with_context(|| format!("opening store {}", config.common.store))?;
+    let tls = config.tls.load(&config.common.cluster_id)?;
     let core = Arc::new(Ipam::open(store, local).await.context("opening the IPAM")?);
-    let server = GrpcServer::bind(config.common.listen_addr(ports::IPAM)).await?;
+    let mut background = Vec::new();
+    let (peer, authz) = match (&tls, config.discovery.as_deref()) {
+        (None, _) => (None, Authz::off()),
+        (Some(_), None) => {
+            anyhow::bail!("--peer-listen needs --discovery (where the peers' CAs are pinned)")
+        }
+        (Some(_), Some(discovery)) => {
+            cluster_facing(
+                tls.as_ref(),
+                &config.tls,
+                channel("discovery", discovery, Timeouts::default())?,
+                grpc::PEER_METHODS,
+                &shutdown,
+                &mut background,
+            )
+            .await?
+        }
+    };
+    let server = GrpcServer::bind(config.common.listen_addr(ports::IPAM))
+        .await?
+        .with_peer_listener(peer);
     let addr = server.local_addr();
-    let routes = routes(core.clone());
+    let peer_addr = server.peer_addr();
+    let routes = routes(core.clone(), authz);
     let task = server.spawn(
         routes,
         &[IpamServer::<IpamService>::NAME],
         shutdown,
         config.common.shutdown_grace(),
-        Vec::new(),
+        background,
     );
-    Ok(Started { addr, core, task })
+    Ok(Started {
+        addr,
+        peer_addr,
+        core,
+        task,
+    })
 }
 
 /// Runs the IPAM until `shutdown`.

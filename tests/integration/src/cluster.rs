@@ -1,5 +1,6 @@
 //! A whole Trellis cluster in this process: IPAM, discovery, gateway (control plane only),
-//! forwarder and broker, each with its own memory store, on loopback ports. For tests of the peering plane
+//! forwarder and broker (and, on request, endpoints without Kubernetes), each with its own
+//! memory store, on loopback ports. For tests of the peering plane
 //! that need many clusters at once; the multi-process tests cover real etcd and real binaries.
 
 use std::net::SocketAddr;
@@ -9,6 +10,7 @@ use clap::Parser as _;
 use tokio::task::JoinHandle;
 use tonic::transport::Channel;
 use trellis_api::pb::discovery::discovery_client::DiscoveryClient;
+use trellis_api::pb::endpoints::endpoint_mapper_client::EndpointMapperClient;
 use trellis_api::pb::ipam::ipam_client::IpamClient;
 use trellis_api::pb::peering::broker_client::BrokerClient;
 use trellis_runtime::Shutdown;
@@ -22,6 +24,9 @@ pub struct Services {
     pub forwarder: SocketAddr,
     pub ipam: SocketAddr,
     pub gateway: SocketAddr,
+    /// Served only by clusters started with the endpoints service ([`InProcessCluster::start_tls`],
+    /// [`InProcessCluster::start_with_endpoints`]).
+    pub endpoints: SocketAddr,
 }
 
 /// One running in-process cluster; stopped when dropped.
@@ -36,12 +41,16 @@ pub struct InProcessCluster {
 }
 
 /// The mutual-TLS side of a cluster started with [`InProcessCluster::start_tls`] (ADR 0014):
-/// its CA, and the peer listeners of its broker and forwarder (what its discovery advertises).
+/// its CA, and the peer listeners of its cluster-facing services (what its discovery
+/// advertises).
 #[derive(Debug)]
 pub struct ClusterTls {
     pub ca: ClusterCa,
     pub broker: SocketAddr,
     pub forwarder: SocketAddr,
+    pub discovery: SocketAddr,
+    pub ipam: SocketAddr,
+    pub endpoints: SocketAddr,
     dir: tempfile::TempDir,
 }
 
@@ -51,6 +60,9 @@ impl ClusterTls {
             ca: ClusterCa::generate(id)?,
             broker: loopback(),
             forwarder: loopback(),
+            discovery: loopback(),
+            ipam: loopback(),
+            endpoints: loopback(),
             dir: tempfile::tempdir()?,
         })
     }
@@ -109,14 +121,24 @@ impl InProcessCluster {
     /// services bind them (discovery must advertise them first), so another cluster may take
     /// one in between: then the whole cluster starts again on fresh ports.
     pub async fn start(id: &str, pod_cidr: &str, external_cidr: &str) -> anyhow::Result<Self> {
-        Self::start_with(id, pod_cidr, external_cidr, true, false).await
+        Self::start_with(id, pod_cidr, external_cidr, true, false, false).await
+    }
+
+    /// Like [`Self::start`], with the endpoints service too (at `services.endpoints`).
+    pub async fn start_with_endpoints(
+        id: &str,
+        pod_cidr: &str,
+        external_cidr: &str,
+    ) -> anyhow::Result<Self> {
+        Self::start_with(id, pod_cidr, external_cidr, true, false, true).await
     }
 
     /// Like [`Self::start`], with mutual TLS between clusters (ADR 0014): a CA of its own, and
-    /// the broker and forwarder serving other clusters on peer listeners (`tls.broker`,
-    /// `tls.forwarder`), which discovery advertises. Peer with `tls.broker`.
+    /// every cluster-facing service (broker, forwarder, discovery, IPAM, endpoints) serving other
+    /// clusters on a peer listener (`tls.broker`, ...), which discovery advertises. Peer with
+    /// `tls.broker`.
     pub async fn start_tls(id: &str, pod_cidr: &str, external_cidr: &str) -> anyhow::Result<Self> {
-        Self::start_with(id, pod_cidr, external_cidr, true, true).await
+        Self::start_with(id, pod_cidr, external_cidr, true, true, true).await
     }
 
     /// The broker address other clusters use: the peer listener with TLS.
@@ -131,7 +153,7 @@ impl InProcessCluster {
         pod_cidr: &str,
         external_cidr: &str,
     ) -> anyhow::Result<Self> {
-        Self::start_with(id, pod_cidr, external_cidr, false, false).await
+        Self::start_with(id, pod_cidr, external_cidr, false, false, false).await
     }
 
     async fn start_with(
@@ -140,10 +162,11 @@ impl InProcessCluster {
         external_cidr: &str,
         induced: bool,
         tls: bool,
+        endpoints: bool,
     ) -> anyhow::Result<Self> {
         let mut attempt = 0;
         loop {
-            match Self::start_once(id, pod_cidr, external_cidr, induced, tls).await {
+            match Self::start_once(id, pod_cidr, external_cidr, induced, tls, endpoints).await {
                 Err(err) if attempt < 5 && format!("{err:#}").contains("cannot listen") => {
                     attempt += 1;
                 }
@@ -158,6 +181,7 @@ impl InProcessCluster {
         external_cidr: &str,
         induced: bool,
         tls: bool,
+        with_endpoints: bool,
     ) -> anyhow::Result<Self> {
         let tls = tls.then(|| ClusterTls::new(id)).transpose()?;
         let services = Services {
@@ -166,6 +190,7 @@ impl InProcessCluster {
             forwarder: loopback(),
             ipam: loopback(),
             gateway: loopback(),
+            endpoints: loopback(),
         };
         let shutdown = Shutdown::new();
         // Services already started are stopped again if a later one fails to start.
@@ -192,6 +217,10 @@ impl InProcessCluster {
             "--external-cidr",
             external_cidr,
         ]));
+        if let Some(tls) = &tls {
+            ipam.extend(args(&["--discovery", &services.discovery.to_string()]));
+            ipam.extend(tls.flags("ipam", tls.ipam)?);
+        }
         let ipam = trellis_ipam::start(
             trellis_ipam::Config::try_parse_from(ipam)?,
             shutdown.clone(),
@@ -218,7 +247,9 @@ impl InProcessCluster {
         let mut discovery = common(services.discovery);
         discovery.extend(args(&[
             "--advertise-discovery",
-            &services.discovery.to_string(),
+            &tls.as_ref()
+                .map_or(services.discovery, |t| t.discovery)
+                .to_string(),
             "--advertise-broker",
             &tls.as_ref()
                 .map_or(services.broker, |t| t.broker)
@@ -228,7 +259,11 @@ impl InProcessCluster {
                 .map_or(services.forwarder, |t| t.forwarder)
                 .to_string(),
             "--advertise-ipam",
-            &services.ipam.to_string(),
+            &tls.as_ref().map_or(services.ipam, |t| t.ipam).to_string(),
+            "--advertise-endpoints",
+            &tls.as_ref()
+                .map_or(services.endpoints, |t| t.endpoints)
+                .to_string(),
             "--advertise-gateway",
             &services.gateway.to_string(),
             "--neighborhood-resync",
@@ -238,6 +273,9 @@ impl InProcessCluster {
         ]));
         if !induced {
             discovery.push("--no-induced".into());
+        }
+        if let Some(tls) = &tls {
+            discovery.extend(tls.flags("discovery", tls.discovery)?);
         }
         let discovery = trellis_discovery::start(
             trellis_discovery::Config::try_parse_from(discovery)?,
@@ -287,6 +325,26 @@ impl InProcessCluster {
         .context("broker")?;
         tasks.push(broker.task);
 
+        if with_endpoints {
+            let mut endpoints = common(services.endpoints);
+            endpoints.extend(args(&[
+                "--ipam",
+                &services.ipam.to_string(),
+                "--discovery",
+                &services.discovery.to_string(),
+            ]));
+            if let Some(tls) = &tls {
+                endpoints.extend(tls.flags("endpoints", tls.endpoints)?);
+            }
+            let endpoints = trellis_endpoints::start(
+                trellis_endpoints::Config::try_parse_from(endpoints)?,
+                shutdown.clone(),
+            )
+            .await
+            .context("endpoints")?;
+            tasks.push(endpoints.task);
+        }
+
         stop_on_failure.disarm();
         Ok(Self {
             id: id.to_owned(),
@@ -311,6 +369,12 @@ impl InProcessCluster {
 
     pub async fn ipam(&self) -> anyhow::Result<IpamClient<Channel>> {
         Ok(IpamClient::new(Self::channel(self.services.ipam).await?))
+    }
+
+    pub async fn endpoints(&self) -> anyhow::Result<EndpointMapperClient<Channel>> {
+        Ok(EndpointMapperClient::new(
+            Self::channel(self.services.endpoints).await?,
+        ))
     }
 
     pub async fn discovery(&self) -> anyhow::Result<DiscoveryClient<Channel>> {

@@ -120,9 +120,6 @@ impl Default for Options {
 pub struct ProcessCluster {
     pub id: String,
     pub services: Services,
-    /// The endpoints service's address ([`Services`], shared with the in-process cluster,
-    /// has none).
-    pub endpoints: SocketAddr,
     options: Options,
     // Processes before etcds: fields drop in declaration order, so services die before the
     // stores they write to.
@@ -214,11 +211,11 @@ impl ProcessCluster {
             forwarder: crate::free_addr(),
             ipam: crate::free_addr(),
             gateway: crate::free_addr(),
+            endpoints: crate::free_addr(),
         };
         let mut this = Self {
             id: id.to_owned(),
             services,
-            endpoints: crate::free_addr(),
             options,
             processes: BTreeMap::new(),
             etcds,
@@ -256,7 +253,7 @@ impl ProcessCluster {
             Service::Discovery => s.discovery,
             Service::Forwarder => s.forwarder,
             Service::Broker => s.broker,
-            Service::Endpoints => self.endpoints,
+            Service::Endpoints => self.services.endpoints,
         }
     }
 
@@ -305,7 +302,7 @@ impl ProcessCluster {
                     "--advertise-gateway",
                     &s.gateway.to_string(),
                     "--advertise-endpoints",
-                    &self.endpoints.to_string(),
+                    &self.services.endpoints.to_string(),
                     "--neighborhood-resync",
                     "5",
                     "--neighborhood-retry-max",

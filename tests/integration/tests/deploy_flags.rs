@@ -10,7 +10,9 @@
 //! subcommands, `TRELLIS_*` variables).
 //!
 //! Beyond flags, the wiring: an address of a local service (`TRELLIS_IPAM`, `TRELLIS_ADVERTISE_*`,
-//! ...) must name a service of the same cluster running that binary on the port it listens on;
+//! ...) must name a service of the same cluster running that binary on the port it listens on
+//! (for the `TRELLIS_ADVERTISE_*` addresses other clusters use: its `--peer-listen` port, when it
+//! has one);
 //! every service has its own etcd; every cluster runs the six binaries; probes hit the gRPC
 //! port; the gateway's WireGuard port range is exactly what its LoadBalancer publishes.
 //!
@@ -520,6 +522,19 @@ fn etcd_endpoints(url: &str) -> Option<Vec<String>> {
     Some(hosts.split(',').map(str::to_owned).collect())
 }
 
+/// The port an address variable must reach on `launch`: an address given to other clusters
+/// (`TRELLIS_ADVERTISE_*`) is the mutual-TLS `--peer-listen` port when the service has one
+/// (ADR 0014); any other address its `--listen` port.
+fn reached_port(variable: &str, launch: &Launch, clis: &mut Clis) -> Option<u16> {
+    if variable.starts_with("TRELLIS_ADVERTISE_")
+        && let Ok(cli) = clis.get(&launch.binary, &[])
+        && let Some(peer) = launch.value(cli, "--peer-listen")
+    {
+        return host_port(&peer).map(|(_, port)| port);
+    }
+    listen_port(launch, clis)
+}
+
 /// The port a launched service listens on.
 fn listen_port(launch: &Launch, clis: &mut Clis) -> Option<u16> {
     let cli = clis.get(&launch.binary, &[]).ok()?;
@@ -668,7 +683,7 @@ fn check_compose_wiring(
                         cluster_of(other)
                     )),
                     Some(other) => {
-                        let listens = listen_port(other, clis);
+                        let listens = reached_port(variable, other, clis);
                         if listens != Some(port) {
                             problems.push(format!(
                                 "{origin}: {variable}={value}: {host} listens on {listens:?}"
@@ -1161,7 +1176,7 @@ impl Rendered {
                 .and_then(|p| p.get("containerPort").and_then(Value::as_u64)),
             Some(_) => None,
         };
-        let listens = listen_port(other, clis).map(u64::from);
+        let listens = reached_port(variable, other, clis).map(u64::from);
         if target_port != listens {
             problems.push(format!(
                 "{origin}: {variable}={value}: Service {host} port {port} goes to {target_port:?}, {target} listens on {listens:?}"

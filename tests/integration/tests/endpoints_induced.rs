@@ -6,9 +6,7 @@
 
 use std::time::{Duration, Instant};
 
-use clap::Parser as _;
 use ipnet::IpNet;
-use trellis_api::pb::endpoints::endpoint_mapper_client::EndpointMapperClient;
 use trellis_api::pb::endpoints::{
     AddressType, Endpoint, EndpointSlice, ReflectEndpointSliceRequest, TranslationPath,
 };
@@ -16,7 +14,6 @@ use trellis_api::pb::ipam::ListClusterSubnetsRequest;
 use trellis_api::pb::peering::{GetTokenRequest, ListTunnelEndpointsRequest, PeerRequest};
 use trellis_api::pb::types::{self as types, ClusterIdentity, TunnelEndpoint};
 use trellis_integration::cluster::InProcessCluster;
-use trellis_runtime::Shutdown;
 
 const LIMIT: Duration = Duration::from_secs(30);
 
@@ -97,35 +94,6 @@ fn at(net: IpNet, host: u32) -> String {
     }
 }
 
-/// Starts B's endpoints service next to its other services.
-async fn endpoints_of(
-    cluster: &InProcessCluster,
-    shutdown: Shutdown,
-) -> EndpointMapperClient<tonic::transport::Channel> {
-    let config = trellis_endpoints::Config::try_parse_from([
-        "x",
-        "--listen",
-        "127.0.0.1:0",
-        "--store",
-        "memory://",
-        "--cluster-id",
-        cluster.id.as_str(),
-        "--ipam",
-        &cluster.services.ipam.to_string(),
-        "--discovery",
-        &cluster.services.discovery.to_string(),
-        "--shutdown-grace",
-        "1",
-    ])
-    .expect("config");
-    let started = trellis_endpoints::start(config, shutdown)
-        .await
-        .expect("endpoints starts");
-    EndpointMapperClient::connect(format!("http://{}", started.addr))
-        .await
-        .expect("connects")
-}
-
 fn slice(address: String) -> EndpointSlice {
     EndpointSlice {
         namespace: "shop".into(),
@@ -143,7 +111,7 @@ fn slice(address: String) -> EndpointSlice {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_endpoint_in_a_reflected_by_the_hub_to_c_is_reached_directly() {
-    let b = InProcessCluster::start("hub-b", "10.0.0.0/16", "10.201.0.0/16")
+    let b = InProcessCluster::start_with_endpoints("hub-b", "10.0.0.0/16", "10.201.0.0/16")
         .await
         .expect("b starts");
     let a = InProcessCluster::start("leaf-a", "10.0.0.0/16", "10.201.0.0/16")
@@ -152,8 +120,7 @@ async fn an_endpoint_in_a_reflected_by_the_hub_to_c_is_reached_directly() {
     let c = InProcessCluster::start("leaf-c", "10.0.0.0/16", "10.201.0.0/16")
         .await
         .expect("c starts");
-    let shutdown = Shutdown::new();
-    let mut mapper = endpoints_of(&b, shutdown.clone()).await;
+    let mut mapper = b.endpoints().await.expect("connects");
     peer(&a, &b).await;
     peer(&c, &b).await;
     let c_to_a = eventually("C's induced tunnel to A", || tunnel_to(&c, "leaf-a")).await;
@@ -205,6 +172,4 @@ async fn an_endpoint_in_a_reflected_by_the_hub_to_c_is_reached_directly() {
         TranslationPath::LocalNat as i32
     );
     assert_eq!(answer.translations[0].translated_address, at(c_view_b, 9));
-
-    shutdown.cancel();
 }

@@ -1,7 +1,8 @@
 //! `trellis-lab`, the README's main command, run as the real binary: the default 3-cluster
 //! lab (what `make demo` starts) answers the README's grpcurl commands exactly as printed and
 //! stops cleanly on Ctrl-C; `--clusters 10 --same-pod-cidr` converges to 9·8 induced tunnels
-//! among the leaves; `--no-induced` keeps the leaves apart; `--store etcd` runs on real etcd.
+//! among the leaves; `--no-induced` keeps the leaves apart; `--tls` forms the mesh over
+//! mutual TLS; `--store etcd` runs on real etcd.
 
 use std::io::{BufRead as _, BufReader};
 use std::path::{Path, PathBuf};
@@ -122,6 +123,36 @@ fn without_induced_peering_leaves_only_peer_with_the_hub() {
     let t = topology(&path);
     assert_eq!(tunnels(&t, "full").len(), 2 * 3);
     assert!(tunnels(&t, "induced").is_empty());
+}
+
+#[test]
+fn with_tls_the_mesh_forms_over_mutual_tls() {
+    let (_dir, path) = temp_file("topology.json");
+    let stdout = until_converged(&[
+        "--clusters",
+        "3",
+        "--same-pod-cidr",
+        "--tls",
+        "--topology-file",
+        path.to_str().expect("utf-8 path"),
+    ]);
+    assert!(stdout.contains("mutual TLS between clusters"), "{stdout}");
+    assert!(stdout.contains("induced 2/2"), "{stdout}");
+    let t = topology(&path);
+    assert_eq!(t["converged"], true);
+    assert_eq!(tunnels(&t, "induced").len(), 2);
+    // Every cluster-facing service has a peer listener, apart from its plaintext one.
+    for c in t["clusters"].as_array().expect("clusters") {
+        for service in ["discovery", "broker", "forwarder", "ipam", "endpoints"] {
+            let peer = c["peer_services"][service].as_str().expect("peer listener");
+            assert_ne!(
+                peer,
+                c["services"][service].as_str().expect("listener"),
+                "{c}"
+            );
+        }
+        assert!(c["peer_services"].get("gateway").is_none(), "{c}");
+    }
 }
 
 #[test]

@@ -2,12 +2,30 @@
 //! other's CAs, the induced mesh forms through the hub's forwarder over mutual TLS, and a peer
 //! presenting its own valid certificate while claiming another cluster is refused with nothing
 //! stored; so are a cluster nobody peered with, callers without a certificate, and
-//! intra-cluster methods on the peer listener.
+//! intra-cluster methods on the peer listener. The second test covers the other cluster-facing
+//! services: Neighborhoods (discovery), the remote IPAM queries of the induced path, and
+//! reflected slices (endpoints).
 
 use std::time::{Duration, Instant};
 
+use ipnet::IpNet;
 use tonic::Code;
-use trellis_api::pb::discovery::GetForeignClusterRequest;
+use trellis_api::pb::discovery::discovery_client::DiscoveryClient;
+use trellis_api::pb::discovery::{
+    AddForeignClusterRequest, GetForeignClusterRequest, ListForeignClustersRequest,
+    PublishNeighborhoodRequest,
+};
+use trellis_api::pb::endpoints::endpoint_mapper_client::EndpointMapperClient;
+use trellis_api::pb::endpoints::{
+    AddressType, ApplyReflectedSliceRequest, DeleteReflectedSliceRequest, Endpoint, EndpointSlice,
+    ListReflectedSlicesRequest, ReflectEndpointSliceRequest, ReflectedSlice, TranslationPath,
+    UnreflectEndpointSliceRequest,
+};
+use trellis_api::pb::ipam::ipam_client::IpamClient;
+use trellis_api::pb::ipam::{
+    DoesClusterMappingExistRequest, EndpointMapping, ListClusterSubnetsRequest,
+    ListEndpointMappingsRequest, MapEndpointIpRequest,
+};
 use trellis_api::pb::peering::broker_client::BrokerClient;
 use trellis_api::pb::peering::forwarder_client::ForwarderClient;
 use trellis_api::pb::peering::*;
@@ -382,4 +400,377 @@ async fn induced_mesh_over_mutual_tls_and_no_cluster_speaks_for_another() {
     // The new token peers the fourth cluster (over TLS), which is then accepted by the hub.
     peer(&d, &hub).await;
     eventually("D's tunnel to the hub", || tunnel_to(&d, "hub")).await;
+}
+
+fn identity(id: &str) -> Option<types::ClusterIdentity> {
+    Some(types::ClusterIdentity {
+        cluster_id: id.into(),
+        cluster_name: id.into(),
+    })
+}
+
+/// A Neighborhood `sender → recipient` introducing a made-up cluster "leaf-z", with a generation
+/// above anything a real sender used: applied, it would leave an induced record of leaf-z.
+fn forged_neighborhood(sender: &str, recipient: &str) -> PublishNeighborhoodRequest {
+    PublishNeighborhoodRequest {
+        neighborhood: Some(types::Neighborhood {
+            sender: identity(sender),
+            recipient: identity(recipient),
+            neighbors: vec![types::Neighbor {
+                identity: identity("leaf-z"),
+                addresses: Some(types::ServiceAddresses {
+                    discovery: "127.0.0.1:1".into(),
+                    broker: "127.0.0.1:2".into(),
+                    ..Default::default()
+                }),
+            }],
+            generation: 1 << 40,
+            create_time: None,
+        }),
+    }
+}
+
+fn slice(address: String) -> EndpointSlice {
+    EndpointSlice {
+        namespace: "shop".into(),
+        name: "web-1".into(),
+        service_name: "web".into(),
+        address_type: AddressType::Ipv4.into(),
+        endpoints: vec![Endpoint {
+            addresses: vec![address],
+            ..Default::default()
+        }],
+        ports: vec![],
+        labels: Default::default(),
+    }
+}
+
+fn apply(source: &str, address: &str) -> ApplyReflectedSliceRequest {
+    ApplyReflectedSliceRequest {
+        source: identity(source),
+        slice: Some(slice(address.into())),
+        generation: 1 << 40,
+    }
+}
+
+fn delete(source: &str) -> DeleteReflectedSliceRequest {
+    DeleteReflectedSliceRequest {
+        source: identity(source),
+        namespace: "shop".into(),
+        name: "web-1".into(),
+    }
+}
+
+fn induced_map(target: &str, ip: &str) -> MapEndpointIpRequest {
+    MapEndpointIpRequest {
+        cluster_id: target.into(),
+        ip: ip.into(),
+        induced: true,
+    }
+}
+
+/// How `viewer`'s IPAM addresses `remote`'s pod CIDR.
+async fn pod_view(viewer: &InProcessCluster, remote: &str) -> IpNet {
+    viewer
+        .ipam()
+        .await
+        .expect("connects")
+        .list_cluster_subnets(ListClusterSubnetsRequest {})
+        .await
+        .expect("lists")
+        .into_inner()
+        .clusters
+        .into_iter()
+        .find(|c| c.cluster_id == remote)
+        .expect("a mapping for the remote")
+        .remote_pod_cidr_nat
+        .parse()
+        .expect("cidr")
+}
+
+fn at(net: IpNet, host: u32) -> String {
+    match net {
+        IpNet::V4(v4) => std::net::Ipv4Addr::from(u32::from(v4.network()) + host).to_string(),
+        IpNet::V6(_) => panic!("IPv4 only"),
+    }
+}
+
+/// The cluster IDs `cluster`'s discovery knows.
+async fn known(cluster: &InProcessCluster) -> Vec<String> {
+    cluster
+        .discovery()
+        .await
+        .expect("connects")
+        .list_foreign_clusters(ListForeignClustersRequest { kind: 0 })
+        .await
+        .expect("lists")
+        .into_inner()
+        .foreign_clusters
+        .into_iter()
+        .filter_map(|fc| fc.identity.map(|i| i.cluster_id))
+        .collect()
+}
+
+async fn endpoint_mappings(cluster: &InProcessCluster) -> Vec<EndpointMapping> {
+    cluster
+        .ipam()
+        .await
+        .expect("connects")
+        .list_endpoint_mappings(ListEndpointMappingsRequest {})
+        .await
+        .expect("lists")
+        .into_inner()
+        .mappings
+}
+
+async fn reflected(cluster: &InProcessCluster) -> Vec<ReflectedSlice> {
+    cluster
+        .endpoints()
+        .await
+        .expect("connects")
+        .list_reflected_slices(ListReflectedSlicesRequest::default())
+        .await
+        .expect("lists")
+        .into_inner()
+        .reflected_slices
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn neighborhoods_ipam_queries_and_reflected_slices_take_a_peer_speaking_for_itself() {
+    // Same pod CIDR everywhere: every view is a remap, so a wrong path gives a wrong address.
+    let hub = start("hub").await;
+    let a = start("leaf-a").await;
+    let c = start("leaf-c").await;
+    peer(&a, &hub).await;
+    peer(&c, &hub).await;
+    let hub_tls = hub.tls.as_ref().expect("tls");
+    let a_tls = a.tls.as_ref().expect("tls");
+    let c_tls = c.tls.as_ref().expect("tls");
+
+    // The hub's Neighborhoods now travel over mutual TLS, and the induced mesh still forms.
+    let c_to_a = eventually("C's induced tunnel to A", || tunnel_to(&c, "leaf-a")).await;
+    eventually("A's induced tunnel to C", || tunnel_to(&a, "leaf-c")).await;
+    eventually("the hub's tunnel to C", || tunnel_to(&hub, "leaf-c")).await;
+    assert_eq!(c_to_a.kind, types::PeeringKind::Induced as i32);
+
+    // The hub reflects a slice whose endpoint runs in A (home IP 10.0.0.7) to C and delivers
+    // it: its endpoints service asked A's IPAM over mutual TLS (DoesClusterMappingExist,
+    // MapEndpointIp induced) and pushed the slice to C's endpoints service over mutual TLS.
+    let hub_view_a = pod_view(&hub, "leaf-a").await;
+    let c_view_a: IpNet = c_to_a.remote_pod_cidr_nat.parse().expect("cidr");
+    let direct = at(c_view_a, 7);
+    let request = ReflectEndpointSliceRequest {
+        target: identity("leaf-c"),
+        slice: Some(slice(at(hub_view_a, 7))),
+        deliver: true,
+    };
+    let answer = eventually("an induced translation, delivered", || {
+        let request = request.clone();
+        let hub = &hub;
+        async move {
+            let answer = hub
+                .endpoints()
+                .await
+                .ok()?
+                .reflect_endpoint_slice(request)
+                .await
+                .ok()?
+                .into_inner();
+            (answer.translations.first()?.path == TranslationPath::Induced as i32).then_some(answer)
+        }
+    })
+    .await;
+    assert!(answer.delivered);
+    assert_eq!(answer.translations[0].translated_address, direct);
+    let at_c = reflected(&c).await;
+    assert_eq!(at_c.len(), 1, "{at_c:?}");
+    assert_eq!(
+        at_c[0].source.as_ref().map(|s| s.cluster_id.as_str()),
+        Some("hub")
+    );
+    let held = at_c[0].slice.as_ref().expect("slice");
+    assert_eq!(held.endpoints[0].addresses, [direct.as_str()]);
+
+    // ---- a fourth cluster with a valid certificate from its own CA, peered with nobody ----
+    let d = start("leaf-d").await;
+    let as_d = d
+        .tls
+        .as_ref()
+        .expect("tls")
+        .client("endpoints", &[&hub, &a, &c])
+        .expect("client");
+    // Discovery's first contact works over TLS without a client certificate: D finds the hub
+    // at its peer listener (GetIdentity is the one anonymous discovery method).
+    let found = d
+        .discovery()
+        .await
+        .expect("connects")
+        .add_foreign_cluster(AddForeignClusterRequest {
+            discovery_address: hub_tls.discovery.to_string(),
+            expected_cluster_id: "hub".into(),
+        })
+        .await
+        .expect("GetIdentity over TLS")
+        .into_inner()
+        .foreign_cluster
+        .and_then(|fc| fc.identity)
+        .expect("identity");
+    assert_eq!(found.cluster_id, "hub");
+    let (a_known, a_mappings) = (known(&a).await, endpoint_mappings(&a).await);
+    let err = DiscoveryClient::new(channel(&as_d, a_tls.discovery, "leaf-a"))
+        .publish_neighborhood(forged_neighborhood("leaf-d", "leaf-a"))
+        .await
+        .expect_err("not peered");
+    refused_by_tls(&err);
+    let err = DiscoveryClient::new(channel(&as_d, a_tls.discovery, "leaf-a"))
+        .publish_neighborhood(forged_neighborhood("hub", "leaf-a"))
+        .await
+        .expect_err("not peered, claiming the hub");
+    refused_by_tls(&err);
+    let mut d_to_a_ipam = IpamClient::new(channel(&as_d, a_tls.ipam, "leaf-a"));
+    let err = d_to_a_ipam
+        .does_cluster_mapping_exist(DoesClusterMappingExistRequest {
+            cluster_id: "leaf-c".into(),
+        })
+        .await
+        .expect_err("not peered");
+    refused_by_tls(&err);
+    let err = d_to_a_ipam
+        .map_endpoint_ip(induced_map("leaf-c", "10.0.0.7"))
+        .await
+        .expect_err("not peered");
+    refused_by_tls(&err);
+    let mut d_to_c_endpoints = EndpointMapperClient::new(channel(&as_d, c_tls.endpoints, "leaf-c"));
+    let err = d_to_c_endpoints
+        .apply_reflected_slice(apply("leaf-d", "10.0.0.66"))
+        .await
+        .expect_err("not peered");
+    refused_by_tls(&err);
+    let err = d_to_c_endpoints
+        .delete_reflected_slice(delete("hub"))
+        .await
+        .expect_err("not peered");
+    refused_by_tls(&err);
+    // Nothing of it was stored.
+    assert_eq!(known(&a).await, a_known);
+    assert!(!a_known.iter().any(|id| id == "leaf-z" || id == "leaf-d"));
+    assert_eq!(endpoint_mappings(&a).await, a_mappings);
+    assert_eq!(reflected(&c).await, at_c);
+
+    // The same queries from a full peer (the hub, with its certificate) are answered: the
+    // refusals above were about who asked.
+    let as_hub = hub_tls.client("endpoints", &[&a, &c]).expect("client");
+    let mut hub_to_a_ipam = IpamClient::new(channel(&as_hub, a_tls.ipam, "leaf-a"));
+    let exists = hub_to_a_ipam
+        .does_cluster_mapping_exist(DoesClusterMappingExistRequest {
+            cluster_id: "leaf-c".into(),
+        })
+        .await
+        .expect("a full peer may ask")
+        .into_inner()
+        .exists;
+    assert!(exists);
+    let mapped = hub_to_a_ipam
+        .map_endpoint_ip(induced_map("leaf-c", "10.0.0.7"))
+        .await
+        .expect("a full peer may ask")
+        .into_inner();
+    assert_eq!(mapped.ip, direct);
+    // ...but only for induced mappings: a non-induced one would allocate from A's external
+    // CIDR, which only A's own endpoints service decides.
+    let err = hub_to_a_ipam
+        .map_endpoint_ip(MapEndpointIpRequest {
+            induced: false,
+            ..induced_map("leaf-c", "10.0.0.7")
+        })
+        .await
+        .expect_err("non-induced from a peer");
+    assert_eq!(err.code(), Code::PermissionDenied, "{err:?}");
+    assert_eq!(endpoint_mappings(&a).await, a_mappings);
+    // Intra-cluster callers keep the plaintext listener, non-induced mappings included.
+    let c_view_hub: IpNet = tunnel_to(&c, "hub")
+        .await
+        .expect("C's tunnel to the hub")
+        .remote_pod_cidr_nat
+        .parse()
+        .expect("cidr");
+    let local = hub
+        .ipam()
+        .await
+        .expect("connects")
+        .map_endpoint_ip(MapEndpointIpRequest {
+            induced: false,
+            ..induced_map("leaf-c", "10.0.0.9")
+        })
+        .await
+        .expect("a local caller")
+        .into_inner();
+    assert_eq!(local.ip, at(c_view_hub, 9));
+
+    // ---- a full peer (A) presenting its own certificate while claiming another cluster ----
+    let as_a = a_tls.client("endpoints", &[&hub, &c]).expect("client");
+    let hub_known = known(&hub).await;
+    let err = DiscoveryClient::new(channel(&as_a, hub_tls.discovery, "hub"))
+        .publish_neighborhood(forged_neighborhood("leaf-c", "hub"))
+        .await
+        .expect_err("a Neighborhood as another sender");
+    assert_eq!(err.code(), Code::PermissionDenied, "{err:?}");
+    assert!(err.message().contains("leaf-a"), "{err:?}");
+    let mut a_to_hub_endpoints =
+        EndpointMapperClient::new(channel(&as_a, hub_tls.endpoints, "hub"));
+    let err = a_to_hub_endpoints
+        .apply_reflected_slice(apply("leaf-c", "10.0.0.66"))
+        .await
+        .expect_err("a slice as another source");
+    assert_eq!(err.code(), Code::PermissionDenied, "{err:?}");
+    assert!(err.message().contains("leaf-a"), "{err:?}");
+    let err = a_to_hub_endpoints
+        .delete_reflected_slice(delete("leaf-c"))
+        .await
+        .expect_err("a deletion as another source");
+    assert_eq!(err.code(), Code::PermissionDenied, "{err:?}");
+    // Induced peers never call each other directly: C has not pinned A's CA.
+    let err = EndpointMapperClient::new(channel(&as_a, c_tls.endpoints, "leaf-c"))
+        .apply_reflected_slice(apply("leaf-a", "10.0.0.66"))
+        .await
+        .expect_err("A is no full peer of C");
+    refused_by_tls(&err);
+    // With TLS on, the plaintext listeners take no Neighborhood and no slice at all.
+    let err = hub
+        .discovery()
+        .await
+        .expect("connects")
+        .publish_neighborhood(forged_neighborhood("leaf-c", "hub"))
+        .await
+        .expect_err("plaintext");
+    assert_eq!(err.code(), Code::PermissionDenied, "{err:?}");
+    let err = hub
+        .endpoints()
+        .await
+        .expect("connects")
+        .apply_reflected_slice(apply("leaf-c", "10.0.0.66"))
+        .await
+        .expect_err("plaintext");
+    assert_eq!(err.code(), Code::PermissionDenied, "{err:?}");
+    assert_eq!(known(&hub).await, hub_known);
+    assert!(!hub_known.iter().any(|id| id == "leaf-z"));
+    assert!(reflected(&hub).await.is_empty());
+    assert_eq!(reflected(&c).await, at_c);
+
+    // The honest path still works: the hub withdraws the slice from C over mutual TLS.
+    let done = hub
+        .endpoints()
+        .await
+        .expect("connects")
+        .unreflect_endpoint_slice(UnreflectEndpointSliceRequest {
+            target: identity("leaf-c"),
+            namespace: "shop".into(),
+            name: "web-1".into(),
+            deliver: true,
+        })
+        .await
+        .expect("unreflects")
+        .into_inner();
+    assert!(done.delivered);
+    assert!(reflected(&c).await.is_empty());
 }

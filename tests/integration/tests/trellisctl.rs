@@ -2,17 +2,16 @@
 //! CIDRs, in process with memory stores (the endpoints service only on the hub). Every step goes
 //! through the CLI as an operator would type it: `token`, `peer`, `status --output json` until
 //! the induced mesh shows, `ipam`, `ipam map`, `endpoints` and `endpoints reflect`, `unpeer`, and
-//! the errors (unreachable service, gRPC error, usage). Needs `cargo build --bins` first.
+//! the errors (unreachable service, gRPC error, usage); and the TLS flags against a peer
+//! listener. Needs `cargo build --bins` first.
 
 use std::net::SocketAddr;
 use std::process::Output;
 use std::time::{Duration, Instant};
 
-use clap::Parser as _;
 use ipnet::IpNet;
 use serde_json::Value;
 use trellis_integration::cluster::InProcessCluster;
-use trellis_runtime::Shutdown;
 
 const LIMIT: Duration = Duration::from_secs(60);
 
@@ -28,6 +27,9 @@ const TRELLIS_ENV: &[&str] = &[
     "TRELLIS_TIMEOUT",
     "TRELLIS_REMOTE_BROKER",
     "TRELLIS_PEER_TOKEN",
+    "TRELLISCTL_TLS_CA_CERT",
+    "TRELLISCTL_TLS_CERT",
+    "TRELLISCTL_TLS_KEY",
 ];
 
 /// Runs the built binary with `args`.
@@ -138,30 +140,6 @@ fn dead_addr() -> SocketAddr {
     listener.local_addr().expect("addr")
 }
 
-/// Starts the hub's endpoints service next to its other services.
-async fn endpoints_of(cluster: &InProcessCluster, shutdown: Shutdown) -> SocketAddr {
-    let config = trellis_endpoints::Config::try_parse_from([
-        "x",
-        "--listen",
-        "127.0.0.1:0",
-        "--store",
-        "memory://",
-        "--cluster-id",
-        cluster.id.as_str(),
-        "--ipam",
-        &cluster.services.ipam.to_string(),
-        "--discovery",
-        &cluster.services.discovery.to_string(),
-        "--shutdown-grace",
-        "1",
-    ])
-    .expect("config");
-    trellis_endpoints::start(config, shutdown)
-        .await
-        .expect("endpoints starts")
-        .addr
-}
-
 /// The address with `host`'s host bits in `net`.
 fn at(net: &str, host: &str) -> String {
     let net: IpNet = net.parse().expect("cidr");
@@ -178,7 +156,7 @@ fn at(net: &str, host: &str) -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_operator_builds_and_inspects_an_induced_mesh_with_trellisctl() {
-    let hub = InProcessCluster::start("hub", "10.0.0.0/16", "10.201.0.0/16")
+    let hub = InProcessCluster::start_with_endpoints("hub", "10.0.0.0/16", "10.201.0.0/16")
         .await
         .expect("hub starts");
     let a = InProcessCluster::start("leaf-a", "10.0.0.0/16", "10.201.0.0/16")
@@ -187,10 +165,8 @@ async fn an_operator_builds_and_inspects_an_induced_mesh_with_trellisctl() {
     let c = InProcessCluster::start("leaf-c", "10.0.0.0/16", "10.201.0.0/16")
         .await
         .expect("leaf-c starts");
-    let endpoints_shutdown = Shutdown::new();
-    let hub_endpoints = endpoints_of(&hub, endpoints_shutdown.clone()).await;
     // The leaves run no endpoints service: status must still work there.
-    let hub_flags = flags(&hub, hub_endpoints);
+    let hub_flags = flags(&hub, hub.services.endpoints);
     let a_flags = flags(&a, dead_addr());
     let c_flags = flags(&c, dead_addr());
 
@@ -432,8 +408,148 @@ async fn an_operator_builds_and_inspects_an_induced_mesh_with_trellisctl() {
     assert_eq!(out.status.code(), Some(2));
     assert!(text(&out.stderr).contains("--token"));
 
-    endpoints_shutdown.cancel();
     hub.stop().await;
     a.stop().await;
     c.stop().await;
+}
+
+/// Writes `contents` to `name` in `dir`; returns the path as text.
+fn file(dir: &tempfile::TempDir, name: &str, contents: &str) -> String {
+    let path = dir.path().join(name);
+    std::fs::write(&path, contents).expect("writes");
+    path.display().to_string()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn trellisctl_calls_a_peer_listener_over_tls_with_a_peers_certificate() {
+    let hub = InProcessCluster::start_tls("hub", "10.0.0.0/16", "10.201.0.0/16")
+        .await
+        .expect("hub starts");
+    let a = InProcessCluster::start_tls("leaf-a", "10.0.0.0/16", "10.201.0.0/16")
+        .await
+        .expect("a starts");
+    let hub_flags = flags(&hub, hub.services.endpoints);
+    let token = ok(&with(&hub_flags, &["token"])).await;
+    let a_flags = flags(&a, a.services.endpoints);
+    let hub_tls = hub.tls.as_ref().expect("tls");
+    ok(&with(
+        &a_flags,
+        &[
+            "peer",
+            "--remote-broker",
+            &hub_tls.broker.to_string(),
+            "--token",
+            token.trim(),
+        ],
+    ))
+    .await;
+    // How leaf-a addresses the hub's pods, once the peering is up.
+    let status = status_until(&a_flags, "A's tunnel to the hub", |s| {
+        tunnel_endpoint(s, "hub").is_some()
+    })
+    .await;
+    let a_view_hub = tunnel_endpoint(&status, "hub").expect("tunnel")["remote_pod_cidr_nat"]
+        .as_str()
+        .expect("cidr")
+        .to_owned();
+
+    let dir = tempfile::tempdir().expect("tempdir");
+    let hub_ca = file(&dir, "hub-ca.pem", hub_tls.ca.cert_pem());
+    let a_ca = a.tls.as_ref().expect("tls").ca.cert_pem().to_owned();
+    let a_ca = file(&dir, "a-ca.pem", &a_ca);
+    let issued = a
+        .tls
+        .as_ref()
+        .expect("tls")
+        .ca
+        .issue("trellisctl")
+        .expect("cert");
+    let a_cert = file(&dir, "a.pem", &issued.cert_pem);
+    let a_key = file(&dir, "a-key.pem", issued.key_pem());
+    let hub_ipam = hub_tls.ipam.to_string();
+    let map = [
+        "ipam",
+        "map",
+        "--cluster-id",
+        "leaf-a",
+        "--ip",
+        "10.0.0.7",
+        "--induced",
+    ];
+
+    // As leaf-a (a full peer of the hub), over TLS to the hub's peer listener: answered, and
+    // the address is how leaf-a reaches that hub pod.
+    let mut args = vec![
+        "--ipam",
+        &hub_ipam,
+        "--tls-ca-cert",
+        &hub_ca,
+        "--tls-cert",
+        &a_cert,
+        "--tls-key",
+        &a_key,
+    ];
+    args.extend(map);
+    args.extend(["--output", "json"]);
+    // The hub's IPAM pins leaf-a's CA once its trust sync sees the peering in the hub's
+    // discovery (one watch event after the handshake; the IPAM may have started before
+    // discovery listened): until then the TLS handshake is refused.
+    let deadline = Instant::now() + LIMIT;
+    let mapped: Value = loop {
+        let out = ctl(&args).await;
+        if out.status.success() {
+            break serde_json::from_slice(&out.stdout).expect("json");
+        }
+        assert!(
+            Instant::now() < deadline,
+            "trellisctl over TLS kept failing: {}",
+            text(&out.stderr)
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    assert_eq!(mapped["path"], "local_nat", "{mapped}");
+    assert_eq!(mapped["mapped_ip"], at(&a_view_hub, "10.0.0.7"), "{mapped}");
+
+    // Without a client certificate the peer listener refuses the method.
+    let mut args = vec!["--ipam", &hub_ipam, "--tls-ca-cert", &hub_ca];
+    args.extend(map);
+    let out = ctl(&args).await;
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stderr).contains("PERMISSION_DENIED"),
+        "{}",
+        text(&out.stderr)
+    );
+
+    // A server whose certificate does not chain to the given CA is not talked to.
+    let mut args = vec![
+        "--ipam",
+        &hub_ipam,
+        "--tls-ca-cert",
+        &a_ca,
+        "--tls-cert",
+        &a_cert,
+        "--tls-key",
+        &a_key,
+    ];
+    args.extend(map);
+    let out = ctl(&args).await;
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out.stderr));
+    let stderr = text(&out.stderr);
+    assert!(stderr.contains("cannot reach the IPAM"), "{stderr}");
+
+    // Plaintext to a TLS listener fails too, and a certificate needs the CA flag (usage, 2).
+    let mut args = vec!["--ipam", &hub_ipam];
+    args.extend(map);
+    assert_eq!(ctl(&args).await.status.code(), Some(1));
+    let mut args = vec![
+        "--ipam",
+        &hub_ipam,
+        "--tls-cert",
+        &a_cert,
+        "--tls-key",
+        &a_key,
+    ];
+    args.extend(map);
+    assert_eq!(ctl(&args).await.status.code(), Some(2));
 }

@@ -332,3 +332,55 @@ async fn renewed_files_are_picked_up_without_a_restart() {
     assert_eq!(still.peer.expect("peer").service, "renewed");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[tokio::test]
+async fn a_tool_verifies_the_server_against_the_given_ca_and_presents_its_certificate() {
+    let hub = cluster("hub", "ipam");
+    let leaf = cluster("leaf-a", "broker");
+    pin(&hub, &leaf);
+    let (addr, mut accepted) = listen(&hub.tls).await;
+    assert_eq!(ca_cluster_id(hub.ca.cert_pem()).expect("names hub"), "hub");
+
+    // With leaf-a's certificate: the hub knows the caller as leaf-a.
+    let issued = leaf.ca.issue("trellisctl").expect("cert");
+    let tool = ToolTls::new(
+        hub.ca.cert_pem(),
+        Some((&issued.cert_pem, issued.key_pem())),
+    )
+    .expect("tool");
+    assert_eq!(tool.cluster_id(), "hub");
+    assert!(!format!("{tool:?}").contains("PRIVATE KEY"));
+    let info = exchange(addr, tool.config.clone(), &mut accepted)
+        .await
+        .expect("accepted");
+    let peer = info.peer.expect("verified");
+    assert_eq!(
+        (peer.cluster_id.as_str(), peer.service.as_str()),
+        ("leaf-a", "trellisctl")
+    );
+
+    // Without one: anonymous, like the handshake.
+    let anonymous = ToolTls::new(hub.ca.cert_pem(), None).expect("tool");
+    let info = exchange(addr, anonymous.config.clone(), &mut accepted)
+        .await
+        .expect("accepted");
+    assert!(info.peer.is_none());
+
+    // Given another cluster's CA, the tool refuses the hub's server certificate.
+    let wrong = ToolTls::new(leaf.ca.cert_pem(), None).expect("tool");
+    let refused = exchange(addr, wrong.config.clone(), &mut accepted).await;
+    assert!(refused.is_err(), "{refused:?}");
+}
+
+#[test]
+fn a_tool_needs_a_trellis_ca_and_a_matching_key() {
+    let hub = cluster("hub", "ipam");
+    let other = hub.ca.issue("other").expect("cert");
+    // A service certificate names no cluster by itself (its SAN has a service part).
+    let err = ToolTls::new(&other.cert_pem, None).expect_err("not a CA of a cluster");
+    assert!(err.to_string().contains("ca_certificate"), "{err}");
+    let issued = hub.ca.issue("trellisctl").expect("cert");
+    let err = ToolTls::new(hub.ca.cert_pem(), Some((&issued.cert_pem, other.key_pem())))
+        .expect_err("key of another certificate");
+    assert!(err.to_string().contains("tls key"), "{err}");
+}
