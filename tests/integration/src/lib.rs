@@ -4,6 +4,7 @@
 
 pub mod cluster;
 pub mod otlp;
+pub mod peering;
 pub mod processes;
 
 /// Network namespaces for data-plane tests; moved to [`trellis_netlab`], re-exported for

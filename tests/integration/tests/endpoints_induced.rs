@@ -4,69 +4,18 @@
 //! runs in A to C; the address must be the one C uses to reach A directly (C's remap of A, as
 //! A's IPAM learned it from the induced NetworkConfig status), not one of B's external CIDR.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use ipnet::IpNet;
 use trellis_api::pb::endpoints::{
     AddressType, Endpoint, EndpointSlice, ReflectEndpointSliceRequest, TranslationPath,
 };
 use trellis_api::pb::ipam::ListClusterSubnetsRequest;
-use trellis_api::pb::peering::{GetTokenRequest, ListTunnelEndpointsRequest, PeerRequest};
-use trellis_api::pb::types::{self as types, ClusterIdentity, TunnelEndpoint};
+use trellis_api::pb::types::{self as types, ClusterIdentity};
 use trellis_integration::cluster::InProcessCluster;
+use trellis_integration::peering::{eventually, peer, tunnel_to};
 
 const LIMIT: Duration = Duration::from_secs(30);
-
-async fn eventually<T, F, Fut>(what: &str, mut check: F) -> T
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = Option<T>>,
-{
-    let deadline = Instant::now() + LIMIT;
-    loop {
-        if let Some(found) = check().await {
-            return found;
-        }
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
-
-async fn tunnel_to(cluster: &InProcessCluster, remote: &str) -> Option<TunnelEndpoint> {
-    cluster
-        .broker()
-        .await
-        .ok()?
-        .list_tunnel_endpoints(ListTunnelEndpointsRequest::default())
-        .await
-        .ok()?
-        .into_inner()
-        .tunnel_endpoints
-        .into_iter()
-        .find(|t| t.remote.as_ref().is_some_and(|r| r.cluster_id == remote))
-}
-
-async fn peer(from: &InProcessCluster, hub: &InProcessCluster) {
-    let token = hub
-        .broker()
-        .await
-        .expect("connects")
-        .get_token(GetTokenRequest {})
-        .await
-        .expect("token")
-        .into_inner()
-        .token;
-    from.broker()
-        .await
-        .expect("connects")
-        .peer(PeerRequest {
-            broker_address: hub.services.broker.to_string(),
-            token,
-            expected_cluster_id: String::new(),
-        })
-        .await
-        .expect("peers");
-}
 
 /// How `viewer`'s IPAM addresses `remote`'s pod CIDR.
 async fn pod_view(viewer: &InProcessCluster, remote: &str) -> IpNet {
@@ -123,9 +72,9 @@ async fn an_endpoint_in_a_reflected_by_the_hub_to_c_is_reached_directly() {
     let mut mapper = b.endpoints().await.expect("connects");
     peer(&a, &b).await;
     peer(&c, &b).await;
-    let c_to_a = eventually("C's induced tunnel to A", || tunnel_to(&c, "leaf-a")).await;
-    eventually("A's induced tunnel to C", || tunnel_to(&a, "leaf-c")).await;
-    eventually("B's tunnel to C", || tunnel_to(&b, "leaf-c")).await;
+    let c_to_a = eventually("C's induced tunnel to A", LIMIT, || tunnel_to(&c, "leaf-a")).await;
+    eventually("A's induced tunnel to C", LIMIT, || tunnel_to(&a, "leaf-c")).await;
+    eventually("B's tunnel to C", LIMIT, || tunnel_to(&b, "leaf-c")).await;
     assert_eq!(c_to_a.kind, types::PeeringKind::Induced as i32);
 
     // A pod running in A at home IP 10.0.0.7, as B addresses it.

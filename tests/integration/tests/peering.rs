@@ -2,80 +2,14 @@
 //! NetworkConfig exchange with remapping of identical pod CIDRs, TunnelEndpoints on both ends
 //! with consistent NAT views, unpeering, and refused input.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use tonic::Code;
 use trellis_api::pb::ipam::ListClusterSubnetsRequest;
 use trellis_api::pb::peering::*;
-use trellis_api::pb::types::{self as types, TunnelEndpoint};
+use trellis_api::pb::types::{self as types};
 use trellis_integration::cluster::InProcessCluster;
-
-/// Polls `check` until it yields a value or `limit` passes.
-async fn eventually<T, F, Fut>(what: &str, limit: Duration, mut check: F) -> T
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = Option<T>>,
-{
-    let deadline = Instant::now() + limit;
-    loop {
-        if let Some(found) = check().await {
-            return found;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "timed out after {limit:?} waiting for {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
-
-async fn tunnels(cluster: &InProcessCluster) -> Vec<TunnelEndpoint> {
-    cluster
-        .broker()
-        .await
-        .expect("connects")
-        .list_tunnel_endpoints(ListTunnelEndpointsRequest::default())
-        .await
-        .expect("lists")
-        .into_inner()
-        .tunnel_endpoints
-}
-
-async fn tunnel_to(cluster: &InProcessCluster, remote: &str) -> Option<TunnelEndpoint> {
-    tunnels(cluster)
-        .await
-        .into_iter()
-        .find(|t| t.remote.as_ref().is_some_and(|r| r.cluster_id == remote))
-}
-
-async fn token(cluster: &InProcessCluster) -> String {
-    cluster
-        .broker()
-        .await
-        .expect("connects")
-        .get_token(GetTokenRequest {})
-        .await
-        .expect("token")
-        .into_inner()
-        .token
-}
-
-async fn peer(
-    from: &InProcessCluster,
-    to: &InProcessCluster,
-    token: String,
-) -> Result<PeerResponse, tonic::Status> {
-    from.broker()
-        .await
-        .expect("connects")
-        .peer(PeerRequest {
-            broker_address: to.services.broker.to_string(),
-            token,
-            expected_cluster_id: String::new(),
-        })
-        .await
-        .map(tonic::Response::into_inner)
-}
+use trellis_integration::peering::{eventually, peer_with_token, token, tunnel_to, tunnels};
 
 const LIMIT: Duration = Duration::from_secs(30);
 
@@ -88,7 +22,9 @@ async fn full_peering_remaps_identical_pod_cidrs_and_both_ends_agree() {
         .await
         .expect("b starts");
 
-    let answer = peer(&a, &b, token(&b).await).await.expect("peers");
+    let answer = peer_with_token(&a, &b, token(&b).await)
+        .await
+        .expect("peers");
     assert_eq!(
         answer.identity.map(|i| i.cluster_id).as_deref(),
         Some("hub-b")
@@ -134,7 +70,9 @@ async fn full_peering_remaps_identical_pod_cidrs_and_both_ends_agree() {
     assert_eq!(record.local_pod_cidr_nat, a_to_b.local_pod_cidr_nat);
 
     // Peering again is idempotent: same tunnel, same views.
-    peer(&a, &b, token(&b).await).await.expect("peers again");
+    peer_with_token(&a, &b, token(&b).await)
+        .await
+        .expect("peers again");
     tokio::time::sleep(Duration::from_millis(300)).await;
     let again = tunnel_to(&a, "hub-b").await.expect("still there");
     assert_eq!(again.remote_pod_cidr_nat, a_to_b.remote_pod_cidr_nat);
@@ -153,11 +91,11 @@ async fn full_peering_remaps_identical_pod_cidrs_and_both_ends_agree() {
         .into_inner();
     assert!(unpeered.unpeered);
     eventually("A's tunnels gone", LIMIT, || async {
-        tunnels(&a).await.is_empty().then_some(())
+        tunnels(&a).await.expect("lists").is_empty().then_some(())
     })
     .await;
     eventually("B's tunnels gone", LIMIT, || async {
-        tunnels(&b).await.is_empty().then_some(())
+        tunnels(&b).await.expect("lists").is_empty().then_some(())
     })
     .await;
     eventually("B's IPAM mapping of A freed", LIMIT, || async {
@@ -195,7 +133,7 @@ async fn a_wrong_token_is_permission_denied_and_stores_nothing_on_either_side() 
     let b = InProcessCluster::start("hub-b", "10.1.0.0/16", "10.202.0.0/16")
         .await
         .expect("b starts");
-    let err = peer(&a, &b, "not-the-token-of-b-at-all".into())
+    let err = peer_with_token(&a, &b, "not-the-token-of-b-at-all".into())
         .await
         .expect_err("refused");
     assert_eq!(err.code(), Code::PermissionDenied, "{err:?}");
@@ -233,9 +171,11 @@ async fn a_wrong_token_is_permission_denied_and_stores_nothing_on_either_side() 
         .rotate_token(RotateTokenRequest { grace_period: None })
         .await
         .expect("rotates");
-    let err = peer(&a, &b, old).await.expect_err("old token refused");
+    let err = peer_with_token(&a, &b, old)
+        .await
+        .expect_err("old token refused");
     assert_eq!(err.code(), Code::PermissionDenied);
-    peer(&a, &b, token(&b).await)
+    peer_with_token(&a, &b, token(&b).await)
         .await
         .expect("new token accepted");
     a.stop().await;
@@ -361,8 +301,12 @@ async fn leaves_of_a_hub_build_an_induced_peering_with_consistent_nat_views() {
     let c = InProcessCluster::start("leaf-c", "10.0.0.0/16", "10.201.0.0/16")
         .await
         .expect("c starts");
-    peer(&a, &b, token(&b).await).await.expect("a peers with b");
-    peer(&c, &b, token(&b).await).await.expect("c peers with b");
+    peer_with_token(&a, &b, token(&b).await)
+        .await
+        .expect("a peers with b");
+    peer_with_token(&c, &b, token(&b).await)
+        .await
+        .expect("c peers with b");
 
     let a_to_c = eventually("A's induced tunnel to C", LIMIT, || tunnel_to(&a, "leaf-c")).await;
     let c_to_a = eventually("C's induced tunnel to A", LIMIT, || tunnel_to(&c, "leaf-a")).await;
@@ -462,8 +406,12 @@ async fn a_hub_without_induced_peering_introduces_nobody_and_leaves_stay_apart()
     let c = InProcessCluster::start("leaf-c", "10.0.0.0/16", "10.201.0.0/16")
         .await
         .expect("c starts");
-    peer(&a, &b, token(&b).await).await.expect("a peers with b");
-    peer(&c, &b, token(&b).await).await.expect("c peers with b");
+    peer_with_token(&a, &b, token(&b).await)
+        .await
+        .expect("a peers with b");
+    peer_with_token(&c, &b, token(&b).await)
+        .await
+        .expect("c peers with b");
     for (leaf, name) in [(&a, "A"), (&c, "C")] {
         eventually(&format!("{name}'s full tunnel to the hub"), LIMIT, || {
             tunnel_to(leaf, "hub-b")
@@ -471,7 +419,7 @@ async fn a_hub_without_induced_peering_introduces_nobody_and_leaves_stay_apart()
         .await;
     }
     eventually("B's full tunnels to both leaves", LIMIT, || async {
-        (tunnels(&b).await.len() == 2).then_some(())
+        (tunnels(&b).await.expect("lists").len() == 2).then_some(())
     })
     .await;
     // The hub still sends (empty) Neighborhoods at once on every change and on each resync
@@ -484,6 +432,7 @@ async fn a_hub_without_induced_peering_introduces_nobody_and_leaves_stay_apart()
         );
         let remotes: Vec<_> = tunnels(leaf)
             .await
+            .expect("lists")
             .into_iter()
             .filter_map(|t| t.remote.map(|r| r.cluster_id))
             .collect();
@@ -502,7 +451,9 @@ async fn the_forwarder_refuses_bad_relays_and_stores_nothing() {
     let a = InProcessCluster::start("leaf-a", "10.1.0.0/16", "10.202.0.0/16")
         .await
         .expect("a starts");
-    peer(&a, &b, token(&b).await).await.expect("a peers with b");
+    peer_with_token(&a, &b, token(&b).await)
+        .await
+        .expect("a peers with b");
     let mut forwarder = trellis_api::pb::peering::forwarder_client::ForwarderClient::connect(
         format!("http://{}", b.services.forwarder),
     )

@@ -19,6 +19,7 @@ use trellis_api::pb::discovery::ListForeignClustersRequest;
 use trellis_api::pb::ipam::{ClusterSubnets, ListClusterSubnetsRequest};
 use trellis_api::pb::peering::*;
 use trellis_api::pb::types::{self as types, PeeringKind, TunnelEndpoint};
+use trellis_integration::peering::{self, peer};
 use trellis_integration::processes::{ProcessCluster, Service};
 
 const POD_CIDR: &str = "10.0.0.0/16";
@@ -89,47 +90,10 @@ impl Mesh {
     }
 }
 
-async fn token(cluster: &ProcessCluster) -> String {
-    cluster
-        .broker()
-        .await
-        .expect("connects")
-        .get_token(GetTokenRequest {})
-        .await
-        .expect("token")
-        .into_inner()
-        .token
-}
-
-/// `from` peers with `hub` through the hub's token.
-async fn peer(from: &ProcessCluster, hub: &ProcessCluster) {
-    let token = token(hub).await;
-    let answer = from
-        .broker()
-        .await
-        .expect("connects")
-        .peer(PeerRequest {
-            broker_address: hub.services.broker.to_string(),
-            token,
-            expected_cluster_id: String::new(),
-        })
-        .await
-        .unwrap_or_else(|err| panic!("{} peers with {}: {err:?}", from.id, hub.id))
-        .into_inner();
-    assert_eq!(
-        answer.identity.map(|i| i.cluster_id).as_deref(),
-        Some(hub.id.as_str())
-    );
-}
-
 async fn tunnels(cluster: &ProcessCluster) -> Result<Vec<TunnelEndpoint>, String> {
-    let mut broker = cluster.broker().await.map_err(|e| format!("{e:#}"))?;
-    Ok(broker
-        .list_tunnel_endpoints(ListTunnelEndpointsRequest::default())
+    peering::tunnels(cluster)
         .await
-        .map_err(|e| format!("{}: {e}", cluster.id))?
-        .into_inner()
-        .tunnel_endpoints)
+        .map_err(|e| format!("{}: {e:#}", cluster.id))
 }
 
 fn remote_of(t: &TunnelEndpoint) -> &str {

@@ -6,7 +6,7 @@
 //! services: Neighborhoods (discovery), the remote IPAM queries of the induced path, and
 //! reflected slices (endpoints).
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use ipnet::IpNet;
 use tonic::Code;
@@ -29,63 +29,13 @@ use trellis_api::pb::ipam::{
 use trellis_api::pb::peering::broker_client::BrokerClient;
 use trellis_api::pb::peering::forwarder_client::ForwarderClient;
 use trellis_api::pb::peering::*;
-use trellis_api::pb::types::{self as types, TunnelEndpoint};
+use trellis_api::pb::types::{self as types};
 use trellis_integration::cluster::InProcessCluster;
+use trellis_integration::peering::{eventually, peer, tunnel_to};
 use trellis_runtime::client::{Timeouts, TracedChannel};
 use trellis_runtime::tls::{PeerTls, handshake_channel, peer_channel};
 
 const LIMIT: Duration = Duration::from_secs(40);
-
-async fn eventually<T, F, Fut>(what: &str, mut check: F) -> T
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = Option<T>>,
-{
-    let deadline = Instant::now() + LIMIT;
-    loop {
-        if let Some(found) = check().await {
-            return found;
-        }
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
-
-async fn tunnel_to(cluster: &InProcessCluster, remote: &str) -> Option<TunnelEndpoint> {
-    cluster
-        .broker()
-        .await
-        .ok()?
-        .list_tunnel_endpoints(ListTunnelEndpointsRequest::default())
-        .await
-        .ok()?
-        .into_inner()
-        .tunnel_endpoints
-        .into_iter()
-        .find(|t| t.remote.as_ref().is_some_and(|r| r.cluster_id == remote))
-}
-
-async fn peer(from: &InProcessCluster, to: &InProcessCluster) {
-    let token = to
-        .broker()
-        .await
-        .expect("connects")
-        .get_token(GetTokenRequest {})
-        .await
-        .expect("token")
-        .into_inner()
-        .token;
-    from.broker()
-        .await
-        .expect("connects")
-        .peer(PeerRequest {
-            broker_address: to.peering_broker().to_string(),
-            token,
-            expected_cluster_id: to.id.clone(),
-        })
-        .await
-        .expect("peers over TLS");
-}
 
 async fn start(id: &str) -> InProcessCluster {
     InProcessCluster::start_tls(id, "10.0.0.0/16", "10.201.0.0/16")
@@ -188,9 +138,9 @@ async fn induced_mesh_over_mutual_tls_and_no_cluster_speaks_for_another() {
 
     // The full mesh forms over mutual TLS: full tunnels to the hub, induced ones between the
     // leaves (their NetworkConfigs crossed the hub's forwarder).
-    eventually("A's tunnel to the hub", || tunnel_to(&a, "hub")).await;
-    let a_to_c = eventually("A's induced tunnel to C", || tunnel_to(&a, "leaf-c")).await;
-    let c_to_a = eventually("C's induced tunnel to A", || tunnel_to(&c, "leaf-a")).await;
+    eventually("A's tunnel to the hub", LIMIT, || tunnel_to(&a, "hub")).await;
+    let a_to_c = eventually("A's induced tunnel to C", LIMIT, || tunnel_to(&a, "leaf-c")).await;
+    let c_to_a = eventually("C's induced tunnel to A", LIMIT, || tunnel_to(&c, "leaf-a")).await;
     assert_eq!(a_to_c.kind, types::PeeringKind::Induced as i32);
     assert_eq!(a_to_c.local_pod_cidr_nat, c_to_a.remote_pod_cidr_nat);
     assert_eq!(c_to_a.local_pod_cidr_nat, a_to_c.remote_pod_cidr_nat);
@@ -399,7 +349,7 @@ async fn induced_mesh_over_mutual_tls_and_no_cluster_speaks_for_another() {
     }
     // The new token peers the fourth cluster (over TLS), which is then accepted by the hub.
     peer(&d, &hub).await;
-    eventually("D's tunnel to the hub", || tunnel_to(&d, "hub")).await;
+    eventually("D's tunnel to the hub", LIMIT, || tunnel_to(&d, "hub")).await;
 }
 
 fn identity(id: &str) -> Option<types::ClusterIdentity> {
@@ -548,9 +498,9 @@ async fn neighborhoods_ipam_queries_and_reflected_slices_take_a_peer_speaking_fo
     let c_tls = c.tls.as_ref().expect("tls");
 
     // The hub's Neighborhoods now travel over mutual TLS, and the induced mesh still forms.
-    let c_to_a = eventually("C's induced tunnel to A", || tunnel_to(&c, "leaf-a")).await;
-    eventually("A's induced tunnel to C", || tunnel_to(&a, "leaf-c")).await;
-    eventually("the hub's tunnel to C", || tunnel_to(&hub, "leaf-c")).await;
+    let c_to_a = eventually("C's induced tunnel to A", LIMIT, || tunnel_to(&c, "leaf-a")).await;
+    eventually("A's induced tunnel to C", LIMIT, || tunnel_to(&a, "leaf-c")).await;
+    eventually("the hub's tunnel to C", LIMIT, || tunnel_to(&hub, "leaf-c")).await;
     assert_eq!(c_to_a.kind, types::PeeringKind::Induced as i32);
 
     // The hub reflects a slice whose endpoint runs in A (home IP 10.0.0.7) to C and delivers
@@ -564,7 +514,7 @@ async fn neighborhoods_ipam_queries_and_reflected_slices_take_a_peer_speaking_fo
         slice: Some(slice(at(hub_view_a, 7))),
         deliver: true,
     };
-    let answer = eventually("an induced translation, delivered", || {
+    let answer = eventually("an induced translation, delivered", LIMIT, || {
         let request = request.clone();
         let hub = &hub;
         async move {

@@ -8,8 +8,9 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
-use trellis_api::pb::peering::{GetTokenRequest, ListTunnelEndpointsRequest, PeerRequest};
+use trellis_api::pb::peering::ListTunnelEndpointsRequest;
 use trellis_integration::otlp::{OtlpReceiver, ReceivedSpan};
+use trellis_integration::peering::peer;
 use trellis_integration::processes::{Options, ProcessCluster};
 
 const LIMIT: Duration = Duration::from_secs(60);
@@ -28,28 +29,6 @@ async fn has_tunnel(cluster: &ProcessCluster, remote: &str) -> bool {
                 .any(|t| t.remote.as_ref().is_some_and(|r| r.cluster_id == remote))
         })
         .unwrap_or(false)
-}
-
-async fn peer(leaf: &ProcessCluster, hub: &ProcessCluster) {
-    let token = hub
-        .broker()
-        .await
-        .expect("connects")
-        .get_token(GetTokenRequest {})
-        .await
-        .expect("token")
-        .into_inner()
-        .token;
-    leaf.broker()
-        .await
-        .expect("connects")
-        .peer(PeerRequest {
-            broker_address: hub.services.broker.to_string(),
-            token,
-            expected_cluster_id: hub.id.clone(),
-        })
-        .await
-        .expect("peers");
 }
 
 /// (service.name, trellis.cluster.id) of a span's process.
