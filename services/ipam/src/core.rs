@@ -48,6 +48,10 @@ pub struct Mapped {
 pub struct Ipam {
     store: SharedStore,
     local: LocalSubnets,
+    /// Serializes this replica's range allocations. The epoch transaction alone keeps them
+    /// correct, across replicas too, but concurrent allocators in one process would mostly
+    /// lose the epoch race to each other and retry with backoff.
+    allocating: tokio::sync::Mutex<()>,
 }
 
 /// A consistent view of the allocation table.
@@ -120,7 +124,11 @@ impl Ipam {
                 break;
             }
         }
-        let ipam = Self { store, local };
+        let ipam = Self {
+            store,
+            local,
+            allocating: tokio::sync::Mutex::new(()),
+        };
         ipam.finish_interrupted_frees().await?;
         Ok(ipam)
     }
@@ -201,6 +209,17 @@ impl Ipam {
                 format!("{external_cidr} overlaps pod_cidr {pod_cidr}"),
             ));
         }
+        // A cluster we already map (the usual case: every resync asks again) is one point
+        // read; anything else takes the allocation path below, which re-reads and decides.
+        if let Some((rec, _)) = self.record(id).await?
+            && !rec.freeing
+            && let Some(view) = rec.remote
+            && view.pod_cidr == pod_cidr
+            && view.external_cidr == external_cidr
+        {
+            return Ok(view);
+        }
+        let _allocating = self.allocating.lock().await;
         let mut contention = Contention::new("allocating subnets");
         loop {
             let snapshot = self.snapshot().await?;
