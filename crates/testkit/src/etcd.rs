@@ -160,13 +160,13 @@ impl Etcd {
         let peer = format!("http://127.0.0.1:{}", self.peer_port);
         let mut command = Command::new(&self.binary);
         command
-            .arg("--name=trellis-test")
+            .arg(format!("--name={}", self.member_name()))
             .arg(format!("--data-dir={}", self.data_dir().display()))
             .arg(format!("--listen-client-urls={client}"))
             .arg(format!("--advertise-client-urls={client}"))
             .arg(format!("--listen-peer-urls={peer}"))
             .arg(format!("--initial-advertise-peer-urls={peer}"))
-            .arg(format!("--initial-cluster=trellis-test={peer}"))
+            .arg(format!("--initial-cluster={}={peer}", self.member_name()))
             .arg("--initial-cluster-state=new")
             .arg("--logger=zap")
             .arg("--log-outputs=stderr")
@@ -184,6 +184,24 @@ impl Etcd {
         Ok(command)
     }
 
+    /// The member name: unique per instance (its data directory's), stable across restarts.
+    fn member_name(&self) -> String {
+        self.dir.path().file_name().map_or_else(
+            || "trellis-test".to_owned(),
+            |n| n.to_string_lossy().into_owned(),
+        )
+    }
+
+    /// Whether the etcd on our client port is the member we started.
+    fn answers_as_ours(&self) -> bool {
+        http_request(self.client_port, "POST", "/v3/cluster/member/list", "{}").is_some_and(
+            |response| {
+                is_ok(&response)
+                    && response.contains(&format!(r#""name":"{}""#, self.member_name()))
+            },
+        )
+    }
+
     fn wait_ready(&mut self) -> anyhow::Result<()> {
         let deadline = Instant::now() + READY_TIMEOUT;
         loop {
@@ -194,7 +212,16 @@ impl Etcd {
                 bail!("etcd exited with {status}");
             }
             if health_check(self.client_port) {
-                return Ok(());
+                // Another test's etcd may have bound our port first: then ours exits, but a
+                // health check can still reach that one. Only our member name proves it is ours.
+                if self.answers_as_ours() {
+                    return Ok(());
+                }
+                bail!(
+                    "127.0.0.1:{} is served by another etcd (not member {})",
+                    self.client_port,
+                    self.member_name()
+                );
             }
             if Instant::now() >= deadline {
                 bail!("etcd not healthy after {}s", READY_TIMEOUT.as_secs());
@@ -289,6 +316,31 @@ mod tests {
         etcd.restart().expect("restart");
         let got = get(&etcd).expect("range answered");
         assert!(got.contains(VALUE), "data survives a restart: {got}");
+    }
+
+    #[test]
+    fn an_etcd_whose_port_another_etcd_holds_is_not_taken_for_ready() {
+        let Some(first) = Etcd::start_or_skip() else {
+            return;
+        };
+        let mut second = Etcd {
+            binary: first.binary.clone(),
+            dir: tempfile::Builder::new()
+                .prefix("trellis-etcd-")
+                .tempdir()
+                .expect("temporary directory"),
+            client_port: first.client_port,
+            peer_port: free_port(),
+            child: None,
+        };
+        let err = second
+            .launch()
+            .expect_err("the port belongs to the first etcd");
+        assert!(
+            format!("{err:#}").contains("exited") || format!("{err:#}").contains("another etcd"),
+            "{err:#}"
+        );
+        assert!(first.answers_as_ours());
     }
 
     #[test]
