@@ -8,7 +8,7 @@ export PATH := $(ROOT)/.tools/bin:$(HOME)/.cargo/bin:$(PATH)
 export CARGO_TARGET_DIR ?= $(HOME)/.cache/trellis/target
 export CARGO_TERM_COLOR ?= never
 
-.PHONY: demo setup test fmt-check clippy lint-proto validate-deploy build nextest fmt bench-ipam bench-mesh bench-endpoints clean
+.PHONY: demo setup test fmt-check clippy lint-proto validate-deploy build nextest fmt bench bench-quick bench-report bench-ipam bench-mesh bench-endpoints bench-dataplane clean
 
 setup:
 	bash scripts/setup.sh
@@ -45,21 +45,35 @@ fmt:
 demo: setup
 	cargo run --locked -p trellis-lab --bin trellis-lab -- up --same-pod-cidr
 
-# MapEndpointIp throughput and latency over gRPC, memory and etcd stores (docs/benchmarks.md).
+# The benchmark suite (docs/benchmarks.md): every benchmark at full size, results in
+# bench/results/*.json, then the document and the plots in docs/bench/ regenerated from them.
+# The data-plane benchmark needs root and iperf3 and is skipped loudly otherwise. Set
+# TRELLIS_BENCH_NOTE to record the run's conditions (e.g. other work on the machine).
+bench: setup
+	bash scripts/bench.sh full
+
+# The same at small sizes and fewer requests (under 5 minutes on 2 cores with a warm release
+# build); results in bench/results/quick/*.json, never over the full ones. The document shows
+# the newer run of each benchmark and says which.
+bench-quick: setup
+	bash scripts/bench.sh quick
+
+# Regenerates docs/benchmarks.md and docs/bench/*.svg from the existing results; measures nothing.
+bench-report:
+	bash scripts/redraw-plots.sh
+
+# Single benchmarks at full size (each writes its bench/results/*.json; `make bench-report` then
+# updates the document).
 bench-ipam: setup
 	cargo run --release --locked -p trellis-bench --bin ipam-bench -- --out bench/results/ipam.json
 
-# Induced mesh setup time, 1 hub + 2..50 leaves in process (docs/benchmarks.md).
 bench-mesh: setup
 	cargo run --release --locked -p trellis-bench --bin mesh-bench -- --out bench/results/mesh.json
 
-# Reflected endpoints per second, local and remote-IPAM paths (docs/benchmarks.md).
 bench-endpoints: setup
 	cargo run --release --locked -p trellis-bench --bin endpoints-bench -- --out bench/results/endpoints.json
 
-# Leaf-to-leaf RTT with induced peering vs through the hub under tc netem (180 ms hub links,
-# 20 ms leaf link), and tunnel vs bare veth throughput, in network namespaces: root only
-# (docs/benchmarks.md). The service binaries it starts are built in release mode first.
+# Root only; the service binaries it starts are built in release mode first.
 bench-dataplane: setup
 	cargo build --release --locked --bins -p trellis-ipam -p trellis-discovery -p trellis-broker \
 		-p trellis-forwarder -p trellis-gateway -p trellis-endpoints

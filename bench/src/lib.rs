@@ -1,10 +1,18 @@
 //! Shared pieces of the benchmark binaries: a latency recorder, the description of the
-//! machine a run happened on, and the JSON result file every benchmark writes.
+//! machine a run happened on, what identifies a run (date, git commit, quick or full, a
+//! free-form note), the JSON result file every benchmark writes, and the per-process
+//! measurements read from /proc. The report generator (`bench-report`) lives in [`report`].
 
+pub mod proc;
+pub mod report;
+pub mod svg;
+
+use std::path::Path;
 use std::time::Duration;
 
+use anyhow::Context as _;
 use hdrhistogram::Histogram;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 /// Latencies of one scenario.
 #[derive(Debug)]
@@ -56,7 +64,7 @@ impl Recorder {
 }
 
 /// Throughput and latency of one scenario.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct LatencySummary {
     pub operations: u64,
     pub wall_seconds: f64,
@@ -66,8 +74,24 @@ pub struct LatencySummary {
     pub max_ms: f64,
 }
 
+impl LatencySummary {
+    /// The median of each metric over `runs`, metric by metric (so the p99 is the median of the
+    /// runs' p99s); `None` for no runs.
+    pub fn median_of(runs: &[LatencySummary]) -> Option<LatencySummary> {
+        let m = |f: fn(&LatencySummary) -> f64| median(&runs.iter().map(f).collect::<Vec<_>>());
+        Some(LatencySummary {
+            operations: runs.first()?.operations,
+            wall_seconds: m(|r| r.wall_seconds)?,
+            ops_per_second: m(|r| r.ops_per_second)?,
+            p50_ms: m(|r| r.p50_ms)?,
+            p99_ms: m(|r| r.p99_ms)?,
+            max_ms: m(|r| r.max_ms)?,
+        })
+    }
+}
+
 /// The machine a result was measured on.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Machine {
     pub cpu_model: String,
     pub cores: usize,
@@ -118,5 +142,157 @@ impl Machine {
             kernel,
             etcd_version,
         }
+    }
+}
+
+/// Which suite a result belongs to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum RunKind {
+    /// `make bench`: the sizes and repetitions the document is meant to report.
+    Full,
+    /// `make bench-quick`: smaller sizes, fewer requests and repetitions (under 5 minutes).
+    Quick,
+}
+
+/// Flags every benchmark binary shares (flattened into each one's arguments).
+#[derive(Debug, Clone, clap::Args)]
+pub struct RunArgs {
+    /// Which suite this run belongs to; recorded in the JSON and shown in
+    /// docs/benchmarks.md next to the numbers (`make bench-quick` passes `quick`).
+    #[arg(long, value_enum, default_value_t = RunKind::Full)]
+    pub run_kind: RunKind,
+    /// Free-form note on the conditions of this run (e.g. "other builds shared the machine"),
+    /// recorded in the JSON and shown in the document's machine section.
+    #[arg(long, env = "TRELLIS_BENCH_NOTE", default_value = "")]
+    pub note: String,
+}
+
+/// What identifies one run of one benchmark binary.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct RunInfo {
+    pub kind: RunKind,
+    /// When the run started, UTC, RFC 3339.
+    pub timestamp: String,
+    /// `git rev-parse HEAD` of the tree that was measured, with `+dirty` when it had
+    /// uncommitted changes; `unknown` outside a git checkout.
+    pub git_commit: String,
+    /// The 1-minute load average when the run started (other work on the machine).
+    pub load_average_1m: Option<f64>,
+    pub note: String,
+    /// The command line (program name and flags).
+    pub command: Vec<String>,
+}
+
+impl RunInfo {
+    /// Describes the run that is starting now.
+    pub fn start(args: &RunArgs) -> Self {
+        let command = std::env::args()
+            .enumerate()
+            .map(|(i, a)| {
+                if i == 0 {
+                    // The path of the binary depends on the target dir; its name does not.
+                    Path::new(&a)
+                        .file_name()
+                        .map_or(a.clone(), |n| n.to_string_lossy().into_owned())
+                } else {
+                    a
+                }
+            })
+            .collect();
+        Self {
+            kind: args.run_kind,
+            timestamp: utc_now(),
+            git_commit: git_commit(),
+            load_average_1m: std::fs::read_to_string("/proc/loadavg")
+                .ok()
+                .and_then(|l| l.split_whitespace().next()?.parse().ok()),
+            note: args.note.clone(),
+            command,
+        }
+    }
+}
+
+fn git_commit() -> String {
+    let git = |args: &[&str]| {
+        std::process::Command::new("git")
+            .args(args)
+            .output()
+            .ok()
+            .filter(|o| o.status.success())
+            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
+    };
+    match git(&["rev-parse", "HEAD"]) {
+        Some(head) if !head.is_empty() => {
+            let dirty = git(&["status", "--porcelain", "--untracked-files=no"])
+                .is_some_and(|s| !s.is_empty());
+            if dirty { format!("{head}+dirty") } else { head }
+        }
+        _ => "unknown".into(),
+    }
+}
+
+/// The current time, UTC, as `YYYY-MM-DDTHH:MM:SSZ` (no date crate for one line).
+pub fn utc_now() -> String {
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    format_utc(secs)
+}
+
+/// Seconds since the epoch as `YYYY-MM-DDTHH:MM:SSZ` (Howard Hinnant's civil-from-days).
+pub fn format_utc(secs: u64) -> String {
+    let days = i64::try_from(secs / 86_400).unwrap_or(0);
+    let rem = secs % 86_400;
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!(
+        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}Z",
+        rem / 3600,
+        rem / 60 % 60,
+        rem % 60
+    )
+}
+
+/// The median of `values` (the upper one of the two middle values for an even count, so it
+/// is always a measured value); `None` when empty.
+pub fn median(values: &[f64]) -> Option<f64> {
+    let mut sorted = values.to_vec();
+    sorted.sort_by(f64::total_cmp);
+    sorted.get(sorted.len() / 2).copied()
+}
+
+/// Writes `value` as pretty JSON to `path`, creating its directory.
+pub fn write_json(path: &Path, value: &impl Serialize) -> anyhow::Result<()> {
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    }
+    std::fs::write(path, serde_json::to_string_pretty(value)? + "\n")
+        .with_context(|| format!("writing {}", path.display()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn formats_utc_dates() {
+        assert_eq!(format_utc(0), "1970-01-01T00:00:00Z");
+        assert_eq!(format_utc(951_782_400), "2000-02-29T00:00:00Z");
+        assert_eq!(format_utc(1_795_320_000), "2026-11-22T04:00:00Z");
+    }
+
+    #[test]
+    fn median_is_a_measured_value() {
+        assert_eq!(median(&[3.0, 1.0, 2.0]), Some(2.0));
+        assert_eq!(median(&[4.0, 1.0]), Some(4.0));
+        assert_eq!(median(&[]), None);
     }
 }

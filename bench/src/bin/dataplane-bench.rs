@@ -33,7 +33,7 @@ use clap::{Parser, ValueEnum};
 use serde::Serialize;
 use trellis_api::pb::endpoints::TranslationPath;
 use trellis_api::pb::types::PeeringKind;
-use trellis_bench::Machine;
+use trellis_bench::{Machine, RunArgs, RunInfo, write_json};
 use trellis_netlab::netem::{self, LinkDelay, set_link_delays};
 use trellis_netlab::netns::exec;
 use trellis_netlab::relay::{RelayedLink, Relays, relay_links};
@@ -74,6 +74,8 @@ struct Args {
     /// Where to write the JSON result.
     #[arg(long, default_value = "bench/results/dataplane.json")]
     out: PathBuf,
+    #[command(flatten)]
+    run: RunArgs,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -122,7 +124,11 @@ struct Throughput {
 #[derive(Debug, Serialize)]
 struct Report {
     benchmark: &'static str,
+    run: RunInfo,
     machine: Machine,
+    /// Pings per RTT measurement and seconds per iperf3 run.
+    samples: u32,
+    iperf_seconds: u32,
     wireguard: &'static str,
     build: &'static str,
     store: Store,
@@ -387,6 +393,7 @@ async fn hub(args: &Args, emulation: Emulation) -> anyhow::Result<(Rtt, f64)> {
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
+    let run = RunInfo::start(&args.run);
     let mut tools = vec!["ip", "tc", "nft", "ping", "iperf3"];
     if args.store == Store::Etcd {
         tools.push("etcd");
@@ -412,7 +419,10 @@ async fn main() -> anyhow::Result<()> {
     let (hub_rtt, hub_ready) = hub(&args, emulation).await?;
     let report = Report {
         benchmark: "dataplane_leaf_to_leaf",
+        run,
         machine: Machine::describe(),
+        samples: args.samples,
+        iperf_seconds: args.iperf_seconds,
         wireguard: "userspace (boringtun via defguard_boringtun), MTU 1420",
         build: if cfg!(debug_assertions) {
             "debug"
@@ -435,10 +445,7 @@ async fn main() -> anyhow::Result<()> {
         induced_ready_seconds: induced_ready,
         hub_ready_seconds: hub_ready,
     };
-    if let Some(dir) = args.out.parent() {
-        std::fs::create_dir_all(dir)?;
-    }
-    std::fs::write(&args.out, serde_json::to_string_pretty(&report)? + "\n")?;
+    write_json(&args.out, &report)?;
     eprintln!("| path | median ms | p90 ms | min ms | max ms |");
     eprintln!("|---|---|---|---|---|");
     for (name, r) in [

@@ -30,7 +30,7 @@ use trellis_api::pb::endpoints::{
 use trellis_api::pb::ipam::ipam_client::IpamClient;
 use trellis_api::pb::ipam::{GetSubnetsPerClusterRequest, SetLocalNatRequest};
 use trellis_api::pb::types::{ClusterIdentity, ServiceAddresses};
-use trellis_bench::{LatencySummary, Machine, Recorder};
+use trellis_bench::{LatencySummary, Machine, Recorder, RunArgs, RunInfo, median, write_json};
 use trellis_runtime::Shutdown;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize)]
@@ -52,12 +52,25 @@ struct Args {
     /// Concurrent client tasks (each reflecting its own slice, on its own connection).
     #[arg(long, default_value_t = 8)]
     concurrency: usize,
+    /// Runs of each scenario; medians are reported.
+    #[arg(long, default_value_t = 3)]
+    repeats: usize,
     /// Stores to measure.
     #[arg(long, value_enum, value_delimiter = ',', default_values = ["memory", "etcd"])]
     stores: Vec<StoreKind>,
     /// Where to write the JSON result.
     #[arg(long, default_value = "bench/results/endpoints.json")]
     out: PathBuf,
+    #[command(flatten)]
+    run: RunArgs,
+}
+
+#[derive(Debug, Serialize)]
+struct Parameters {
+    reflections: usize,
+    slice_size: usize,
+    concurrency: usize,
+    repeats: usize,
 }
 
 #[derive(Debug, Serialize)]
@@ -66,16 +79,21 @@ struct Scenario {
     path: &'static str,
     concurrency: usize,
     slice_size: usize,
+    /// Median over the runs.
     endpoints_per_second: f64,
-    /// Latency of one whole reflection (a slice of `slice_size` endpoints).
+    /// Latency of one whole reflection (a slice of `slice_size` endpoints), medians over the
+    /// runs metric by metric.
     #[serde(flatten)]
     latency: LatencySummary,
+    runs: Vec<LatencySummary>,
 }
 
 #[derive(Debug, Serialize)]
 struct Report {
     benchmark: &'static str,
+    run: RunInfo,
     machine: Machine,
+    parameters: Parameters,
     scenarios: Vec<Scenario>,
 }
 
@@ -292,15 +310,22 @@ async fn measure(store: StoreKind, args: &Args) -> anyhow::Result<Vec<Scenario>>
         ),
         ("induced_remote_ipam", b_view_a, TranslationPath::Induced),
     ] {
-        let (latency, endpoints_per_second) =
-            run_scenario(endpoints.addr, args, base, want).await?;
+        let mut runs = Vec::new();
+        let mut rates = Vec::new();
+        for _ in 0..args.repeats {
+            let (latency, endpoints_per_second) =
+                run_scenario(endpoints.addr, args, base, want).await?;
+            runs.push(latency);
+            rates.push(endpoints_per_second);
+        }
         out.push(Scenario {
             store,
             path,
             concurrency: args.concurrency,
             slice_size: args.slice_size,
-            endpoints_per_second,
-            latency,
+            endpoints_per_second: median(&rates).context("--repeats must be at least 1")?,
+            latency: LatencySummary::median_of(&runs).context("--repeats must be at least 1")?,
+            runs,
         });
     }
     shutdown.cancel();
@@ -311,6 +336,9 @@ async fn measure(store: StoreKind, args: &Args) -> anyhow::Result<Vec<Scenario>>
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
+    anyhow::ensure!(args.repeats >= 1, "--repeats must be at least 1");
+    anyhow::ensure!(args.concurrency >= 1, "--concurrency must be at least 1");
+    let run = RunInfo::start(&args.run);
     let mut scenarios = Vec::new();
     for store in &args.stores {
         eprintln!(
@@ -321,13 +349,17 @@ async fn main() -> anyhow::Result<()> {
     }
     let report = Report {
         benchmark: "endpoints_reflect_endpoint_slice",
+        run,
         machine: Machine::describe(),
+        parameters: Parameters {
+            reflections: args.reflections,
+            slice_size: args.slice_size,
+            concurrency: args.concurrency,
+            repeats: args.repeats,
+        },
         scenarios,
     };
-    if let Some(dir) = args.out.parent() {
-        std::fs::create_dir_all(dir)?;
-    }
-    std::fs::write(&args.out, serde_json::to_string_pretty(&report)? + "\n")?;
+    write_json(&args.out, &report)?;
     eprintln!(
         "| store | path | clients | endpoints/s | reflections/s | p50 ms | p99 ms | max ms |"
     );

@@ -1,20 +1,29 @@
 //! Full induced mesh setup time versus the number of leaves: one hub and n leaves, all with
-//! the same pod and external CIDRs, every cluster's five services in this process with memory
-//! stores (`trellis_integration::cluster::InProcessCluster`). The clock starts when the leaves
-//! send their Peer requests to the hub and stops when every leaf holds an induced
-//! TunnelEndpoint for every other leaf (n·(n-1) in total). After convergence it records what
-//! the hub holds: TunnelEndpoints, NetworkConfigs, relays still in flight, IPAM records, and
-//! the size of each hub service's store (keys, and bytes of keys plus values).
+//! the same pod and external CIDRs (so every cluster remaps every other). The clock starts
+//! when the leaves send their Peer requests to the hub and stops when every leaf holds an
+//! induced TunnelEndpoint for every other leaf (n·(n-1) in total). Three modes (`--mode`):
 //!
-//! The leaves are `InProcessCluster`s; the hub is started here from the same flags, keeping
-//! each service's core so that its store can be read after convergence.
+//! - **in-process** (default): every cluster's five services in this process with memory
+//!   stores (leaves are `trellis_integration::cluster::InProcessCluster`s; the hub is started
+//!   here from the same flags, keeping each service's core so that its store can be sized after
+//!   convergence: keys, and bytes of keys plus values);
+//! - **hub-processes**: the same, but the hub's five services are the release service binaries
+//!   as child processes (memory stores), so that the hub's CPU time (utime + stime) and peak
+//!   memory (VmHWM) can be read from /proc at convergence;
+//! - **etcd-processes**: hub and leaves as `trellis_integration::processes::ProcessCluster`s,
+//!   every service a process with its own etcd (as in production); small n only. The hub's
+//!   CPU and memory are read as above, and its etcd keys counted.
+//!
+//! A run that does not converge within `--timeout` is recorded (with how many induced
+//! TunnelEndpoints existed) and the larger sizes are skipped, unless `--keep-going`.
 
+use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
-use clap::Parser;
+use clap::{Parser, ValueEnum};
 use serde::Serialize;
 use tonic::transport::Channel;
 use trellis_api::pb::ipam::ListClusterSubnetsRequest;
@@ -25,31 +34,79 @@ use trellis_api::pb::peering::{
     PeerRequest,
 };
 use trellis_api::pb::types::PeeringKind;
-use trellis_bench::Machine;
+use trellis_bench::proc::{ProcUsage, pid_listening_on, raise_nofile_limit, usage};
+use trellis_bench::{Machine, RunArgs, RunInfo, median, write_json};
+use trellis_integration::ServiceProcess;
 use trellis_integration::cluster::InProcessCluster;
+use trellis_integration::processes::{ProcessCluster, Service};
 use trellis_runtime::Shutdown;
 use trellis_store::{SharedStore, StoreSize};
 
-/// Measures induced mesh setup time and writes a JSON result.
-#[derive(Debug, Parser)]
-struct Args {
-    /// Numbers of leaves to measure.
-    #[arg(long, value_delimiter = ',', default_values_t = [2usize, 5, 10, 20, 50])]
-    leaves: Vec<usize>,
-    /// Runs per size; the median is reported.
-    #[arg(long, default_value_t = 3)]
-    repeats: usize,
-    /// Give up on one run after this many seconds.
-    #[arg(long, default_value_t = 300)]
-    timeout: u64,
-    /// Where to write the JSON result.
-    #[arg(long, default_value = "bench/results/mesh.json")]
-    out: PathBuf,
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize)]
+#[serde(rename_all = "snake_case")]
+enum Mode {
+    /// Every service of every cluster in this process, memory stores.
+    InProcess,
+    /// The hub's services as child processes (release binaries, memory stores), leaves in
+    /// this process: the hub's CPU time and peak memory are measured.
+    HubProcesses,
+    /// Hub and leaves as processes, each service with its own etcd (small n).
+    EtcdProcesses,
 }
 
-#[derive(Debug, Serialize)]
+impl Mode {
+    fn default_out(self) -> &'static str {
+        match self {
+            Mode::InProcess => "bench/results/mesh.json",
+            Mode::HubProcesses => "bench/results/mesh-hub-processes.json",
+            Mode::EtcdProcesses => "bench/results/mesh-etcd.json",
+        }
+    }
+}
+
+/// Measures induced mesh setup time (and what the hub holds and spends) and writes a JSON
+/// result (read by `bench-report`).
+#[derive(Debug, Parser)]
+struct Args {
+    /// Where the clusters' services run and what they store in; see the module doc.
+    #[arg(long, value_enum, default_value_t = Mode::InProcess)]
+    mode: Mode,
+    /// Numbers of leaves to measure (at least 2 each), in order.
+    #[arg(long, value_delimiter = ',', default_values_t = [2usize, 5, 10, 20, 50, 100, 254])]
+    leaves: Vec<usize>,
+    /// Runs per size; medians are reported.
+    #[arg(long, default_value_t = 3)]
+    repeats: usize,
+    /// Give up on one run after this many seconds (recorded as not converged).
+    #[arg(long, default_value_t = 300)]
+    timeout: u64,
+    /// After a size does not converge, still try the larger ones (by default they are
+    /// recorded as skipped: they would only time out too).
+    #[arg(long)]
+    keep_going: bool,
+    /// Where to write the JSON result [default: bench/results/mesh.json,
+    /// mesh-hub-processes.json or mesh-etcd.json by mode].
+    #[arg(long)]
+    out: Option<PathBuf>,
+    #[command(flatten)]
+    run: RunArgs,
+}
+
+#[derive(Debug, Clone, Serialize)]
 struct Run {
+    /// Setup time; the timeout when not converged.
     seconds: f64,
+    converged: bool,
+    /// Induced TunnelEndpoints held by the leaves when the run ended.
+    induced_reached: usize,
+    /// CPU seconds the hub's processes spent from the Peer requests to convergence.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    hub_cpu_seconds: Option<f64>,
+    /// File descriptors this process held when the run ended (against `open_files_limit`:
+    /// every in-process cluster's sockets count here).
+    open_files: Option<usize>,
+    /// Peer requests sent again after an UNAVAILABLE answer (at most `PEER_RETRIES` per leaf).
+    peer_retries: usize,
 }
 
 /// One hub service's store after convergence.
@@ -80,168 +137,232 @@ struct HubStores {
     total: StoreUse,
 }
 
+/// One hub process at convergence.
+#[derive(Debug, Clone, Serialize)]
+struct HubProcess {
+    service: &'static str,
+    /// utime + stime since the process started (including its start-up).
+    cpu_seconds: f64,
+    /// utime + stime from the Peer requests to convergence.
+    cpu_seconds_during_setup: f64,
+    /// VmHWM, KiB.
+    peak_rss_kib: u64,
+    /// VmRSS at convergence, KiB.
+    rss_kib: u64,
+}
+
 /// What the hub holds after convergence.
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Default)]
 struct Held {
     tunnels: usize,
     ncs: usize,
     relays: usize,
     ipam: usize,
-    stores: HubStores,
+    stores: Option<HubStores>,
+    processes: Option<Vec<HubProcess>>,
+    etcd_keys: Option<BTreeMap<&'static str, usize>>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+enum Status {
+    Converged,
+    TimedOut,
+    Failed,
+    Skipped,
 }
 
 #[derive(Debug, Serialize)]
 struct Size {
     leaves: usize,
     induced_tunnel_endpoints: usize,
+    status: Status,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    reason: Option<String>,
     runs: Vec<Run>,
-    median_seconds: f64,
-    hub_tunnel_endpoints: usize,
-    hub_network_configs: usize,
-    hub_relays_in_flight: usize,
-    hub_ipam_records: usize,
-    /// From the last run.
-    hub_stores: HubStores,
+    /// Median over the converged runs.
+    median_seconds: Option<f64>,
+    /// The rest from the last converged run.
+    hub_tunnel_endpoints: Option<usize>,
+    hub_network_configs: Option<usize>,
+    hub_relays_in_flight: Option<usize>,
+    hub_ipam_records: Option<usize>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    hub_stores: Option<HubStores>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    hub_processes: Option<Vec<HubProcess>>,
+    /// Medians over the converged runs: the hub's CPU seconds during setup (all its
+    /// processes), and the sum of its processes' peak RSS.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    hub_cpu_seconds_during_setup: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    hub_peak_rss_kib_total: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    hub_etcd_keys: Option<BTreeMap<&'static str, usize>>,
+}
+
+#[derive(Debug, Serialize)]
+struct Parameters {
+    leaves: Vec<usize>,
+    repeats: usize,
+    timeout_seconds: u64,
+    keep_going: bool,
+    open_files_limit: Option<u64>,
 }
 
 #[derive(Debug, Serialize)]
 struct Report {
     benchmark: &'static str,
+    mode: Mode,
+    run: RunInfo,
     machine: Machine,
+    parameters: Parameters,
     sizes: Vec<Size>,
-}
-
-/// The hub: the five services of [`InProcessCluster`], started with the same flags, whose
-/// stores stay reachable.
-struct Hub {
-    broker: SocketAddr,
-    forwarder: SocketAddr,
-    ipam: SocketAddr,
-    stores: [(&'static str, SharedStore); 5],
-    shutdown: Shutdown,
-    tasks: Vec<tokio::task::JoinHandle<anyhow::Result<()>>>,
 }
 
 fn flags(list: &[&str]) -> Vec<String> {
     list.iter().map(|s| (*s).to_owned()).collect()
 }
 
-impl Hub {
-    /// Ports are picked before binding (discovery advertises them first): on a collision the
-    /// whole hub starts again on fresh ports.
-    async fn start(id: &str, pod_cidr: &str, external_cidr: &str) -> anyhow::Result<Self> {
-        let mut attempt = 0;
-        loop {
-            match Self::start_once(id, pod_cidr, external_cidr).await {
-                Err(err) if attempt < 5 && format!("{err:#}").contains("cannot listen") => {
-                    attempt += 1;
-                }
-                other => return other,
-            }
+/// The hub's service addresses (picked before binding: discovery advertises them first).
+#[derive(Debug, Clone, Copy)]
+struct HubAddrs {
+    discovery: SocketAddr,
+    broker: SocketAddr,
+    forwarder: SocketAddr,
+    ipam: SocketAddr,
+    gateway: SocketAddr,
+}
+
+impl HubAddrs {
+    fn pick() -> Self {
+        let free = trellis_integration::free_addr;
+        Self {
+            discovery: free(),
+            broker: free(),
+            forwarder: free(),
+            ipam: free(),
+            gateway: free(),
         }
     }
+}
 
-    async fn start_once(id: &str, pod_cidr: &str, external_cidr: &str) -> anyhow::Result<Self> {
+const HUB_ID: &str = "hub";
+/// How many times one leaf's Peer request is sent again after UNAVAILABLE.
+const PEER_RETRIES: usize = 5;
+const POD_CIDR: &str = "10.0.0.0/16";
+const EXTERNAL_CIDR: &str = "10.201.0.0/16";
+/// Hub services in start order (callees first), with their gRPC service for health checks.
+const HUB_SERVICES: [(&str, &str); 5] = [
+    ("ipam", "trellis.ipam.v1.Ipam"),
+    ("gateway", "trellis.gateway.v1.Gateway"),
+    ("discovery", "trellis.discovery.v1.Discovery"),
+    ("forwarder", "trellis.peering.v1.Forwarder"),
+    ("broker", "trellis.peering.v1.Broker"),
+];
+
+/// The flags of hub service `service` (those of `InProcessCluster`), without the program name.
+fn hub_flags(service: &str, a: &HubAddrs) -> Vec<String> {
+    let listen = listen_of(service, a);
+    let mut args = flags(&[
+        "--listen",
+        &listen.to_string(),
+        "--store",
+        "memory://",
+        "--cluster-id",
+        HUB_ID,
+        "--shutdown-grace",
+        "1",
+    ]);
+    args.extend(match service {
+        "ipam" => flags(&["--pod-cidr", POD_CIDR, "--external-cidr", EXTERNAL_CIDR]),
+        "gateway" => flags(&["--dataplane", "none", "--endpoint-address", "127.0.0.1"]),
+        "discovery" => flags(&[
+            "--advertise-discovery",
+            &a.discovery.to_string(),
+            "--advertise-broker",
+            &a.broker.to_string(),
+            "--advertise-forwarder",
+            &a.forwarder.to_string(),
+            "--advertise-ipam",
+            &a.ipam.to_string(),
+            "--advertise-gateway",
+            &a.gateway.to_string(),
+            "--neighborhood-resync",
+            "5",
+            "--neighborhood-retry-max",
+            "2",
+        ]),
+        "forwarder" => flags(&["--discovery", &a.discovery.to_string(), "--retry-max", "1"]),
+        _ => flags(&[
+            "--discovery",
+            &a.discovery.to_string(),
+            "--ipam",
+            &a.ipam.to_string(),
+            "--gateway",
+            &a.gateway.to_string(),
+            "--resync",
+            "2",
+        ]),
+    });
+    args
+}
+
+fn with_argv0(args: Vec<String>) -> Vec<String> {
+    std::iter::once("x".to_owned()).chain(args).collect()
+}
+
+/// The hub in this process: the five services of [`InProcessCluster`], started with the same
+/// flags, whose stores stay reachable.
+struct InProcessHub {
+    addrs: HubAddrs,
+    stores: [(&'static str, SharedStore); 5],
+    shutdown: Shutdown,
+    tasks: Vec<tokio::task::JoinHandle<anyhow::Result<()>>>,
+}
+
+impl InProcessHub {
+    async fn start_once(a: HubAddrs) -> anyhow::Result<Self> {
         use clap::Parser as _;
-        let free = trellis_integration::free_addr;
-        let (discovery, broker, forwarder, ipam, gateway) =
-            (free(), free(), free(), free(), free());
         let shutdown = Shutdown::new();
         let stop_on_failure = shutdown.clone().drop_guard();
-        let common = |listen: SocketAddr, extra: &[&str]| {
-            let mut args = flags(&[
-                "x",
-                "--listen",
-                &listen.to_string(),
-                "--store",
-                "memory://",
-                "--cluster-id",
-                id,
-                "--shutdown-grace",
-                "1",
-            ]);
-            args.extend(flags(extra));
-            args
-        };
         let mut tasks = Vec::new();
+        let f = |s: &str| with_argv0(hub_flags(s, &a));
 
         let started = trellis_ipam::start(
-            trellis_ipam::Config::try_parse_from(common(
-                ipam,
-                &["--pod-cidr", pod_cidr, "--external-cidr", external_cidr],
-            ))?,
+            trellis_ipam::Config::try_parse_from(f("ipam"))?,
             shutdown.clone(),
         )
         .await
         .context("ipam")?;
         let ipam_store = started.core.store().clone();
         tasks.push(started.task);
-
         let started = trellis_gateway::start(
-            trellis_gateway::Config::try_parse_from(common(
-                gateway,
-                &["--dataplane", "none", "--endpoint-address", "127.0.0.1"],
-            ))?,
+            trellis_gateway::Config::try_parse_from(f("gateway"))?,
             shutdown.clone(),
         )
         .await
         .context("gateway")?;
         let gateway_store = started.core.store().clone();
         tasks.push(started.task);
-
         let started = trellis_discovery::start(
-            trellis_discovery::Config::try_parse_from(common(
-                discovery,
-                &[
-                    "--advertise-discovery",
-                    &discovery.to_string(),
-                    "--advertise-broker",
-                    &broker.to_string(),
-                    "--advertise-forwarder",
-                    &forwarder.to_string(),
-                    "--advertise-ipam",
-                    &ipam.to_string(),
-                    "--advertise-gateway",
-                    &gateway.to_string(),
-                    "--neighborhood-resync",
-                    "5",
-                    "--neighborhood-retry-max",
-                    "2",
-                ],
-            ))?,
+            trellis_discovery::Config::try_parse_from(f("discovery"))?,
             shutdown.clone(),
         )
         .await
         .context("discovery")?;
         let discovery_store = started.core.store().clone();
         tasks.push(started.task);
-
         let started = trellis_forwarder::start(
-            trellis_forwarder::Config::try_parse_from(common(
-                forwarder,
-                &["--discovery", &discovery.to_string(), "--retry-max", "1"],
-            ))?,
+            trellis_forwarder::Config::try_parse_from(f("forwarder"))?,
             shutdown.clone(),
         )
         .await
         .context("forwarder")?;
         let forwarder_store = started.core.store().clone();
         tasks.push(started.task);
-
         let started = trellis_broker::start(
-            trellis_broker::Config::try_parse_from(common(
-                broker,
-                &[
-                    "--discovery",
-                    &discovery.to_string(),
-                    "--ipam",
-                    &ipam.to_string(),
-                    "--gateway",
-                    &gateway.to_string(),
-                    "--resync",
-                    "2",
-                ],
-            ))?,
+            trellis_broker::Config::try_parse_from(f("broker"))?,
             shutdown.clone(),
         )
         .await
@@ -251,9 +372,7 @@ impl Hub {
 
         stop_on_failure.disarm();
         Ok(Self {
-            broker,
-            forwarder,
-            ipam,
+            addrs: a,
             stores: [
                 ("discovery", discovery_store),
                 ("broker", broker_store),
@@ -264,16 +383,6 @@ impl Hub {
             shutdown,
             tasks,
         })
-    }
-
-    async fn channel(addr: SocketAddr) -> anyhow::Result<Channel> {
-        Ok(Channel::from_shared(format!("http://{addr}"))?
-            .connect()
-            .await?)
-    }
-
-    async fn broker(&self) -> anyhow::Result<BrokerClient<Channel>> {
-        Ok(BrokerClient::new(Self::channel(self.broker).await?))
     }
 
     /// Every key of every service's store, counted.
@@ -293,20 +402,198 @@ impl Hub {
         }
         Ok(out)
     }
+}
 
-    async fn stop(mut self) {
-        self.shutdown.cancel();
-        for task in self.tasks.drain(..) {
-            let _ = task.await;
+/// The hub as five child processes of the release service binaries (memory stores).
+struct ProcessHub {
+    addrs: HubAddrs,
+    processes: Vec<(&'static str, ServiceProcess)>,
+}
+
+impl ProcessHub {
+    async fn start_once(a: HubAddrs) -> anyhow::Result<Self> {
+        let mut processes = Vec::new();
+        for (service, grpc) in HUB_SERVICES {
+            // An absolute path: the binaries sit next to this one (target/<profile>/), not
+            // next to a test binary, where `ServiceProcess` looks for bare names.
+            let binary = trellis_netlab::bins::bin_path(&format!("trellis-{service}"))?;
+            let listen = listen_of(service, &a);
+            let process = ServiceProcess::start(
+                &binary.to_string_lossy(),
+                hub_flags(service, &a),
+                listen,
+                grpc,
+            )
+            .await
+            .with_context(|| format!("starting the hub's {service} process"))?;
+            processes.push((service, process));
+        }
+        Ok(Self {
+            addrs: a,
+            processes,
+        })
+    }
+}
+
+fn listen_of(service: &str, a: &HubAddrs) -> SocketAddr {
+    match service {
+        "ipam" => a.ipam,
+        "gateway" => a.gateway,
+        "discovery" => a.discovery,
+        "forwarder" => a.forwarder,
+        _ => a.broker,
+    }
+}
+
+/// The hub of one run, by mode.
+enum Hub {
+    InProcess(InProcessHub),
+    Processes(ProcessHub),
+    Etcd(Box<ProcessCluster>),
+}
+
+impl Hub {
+    /// Ports are picked before binding: on a collision the whole hub starts again.
+    async fn start(mode: Mode) -> anyhow::Result<Option<Self>> {
+        if mode == Mode::EtcdProcesses {
+            return Ok(ProcessCluster::start(HUB_ID, POD_CIDR, EXTERNAL_CIDR)
+                .await?
+                .map(|c| Hub::Etcd(Box::new(c))));
+        }
+        let mut attempt = 0;
+        loop {
+            let a = HubAddrs::pick();
+            let started = match mode {
+                Mode::InProcess => InProcessHub::start_once(a).await.map(Hub::InProcess),
+                _ => ProcessHub::start_once(a).await.map(Hub::Processes),
+            };
+            match started {
+                Err(err) if attempt < 5 && port_taken(&err) => attempt += 1,
+                other => return other.map(Some),
+            }
+        }
+    }
+
+    fn addr(&self, service: &str) -> SocketAddr {
+        match self {
+            Hub::InProcess(h) => listen_of(service, &h.addrs),
+            Hub::Processes(h) => listen_of(service, &h.addrs),
+            Hub::Etcd(c) => listen_of(
+                service,
+                &HubAddrs {
+                    discovery: c.services.discovery,
+                    broker: c.services.broker,
+                    forwarder: c.services.forwarder,
+                    ipam: c.services.ipam,
+                    gateway: c.services.gateway,
+                },
+            ),
+        }
+    }
+
+    /// The hub's processes by service name (none in process).
+    fn pids(&self) -> anyhow::Result<Vec<(&'static str, u32)>> {
+        let services: Vec<&'static str> = match self {
+            Hub::InProcess(_) => return Ok(Vec::new()),
+            Hub::Processes(h) => h.processes.iter().map(|(s, _)| *s).collect(),
+            Hub::Etcd(_) => Service::ALL.iter().map(|s| s.name()).collect(),
+        };
+        services
+            .into_iter()
+            .map(|s| {
+                let addr = match self {
+                    Hub::Etcd(c) => Service::ALL
+                        .into_iter()
+                        .find(|x| x.name() == s)
+                        .map_or_else(|| self.addr(s), |x| c.addr(x)),
+                    _ => self.addr(s),
+                };
+                Ok((s, pid_listening_on(addr)?))
+            })
+            .collect()
+    }
+
+    async fn stop(self) {
+        match self {
+            Hub::InProcess(mut h) => {
+                h.shutdown.cancel();
+                for task in h.tasks.drain(..) {
+                    let _ = task.await;
+                }
+            }
+            // Dropping kills the processes (and etcds).
+            Hub::Processes(h) => drop(h),
+            Hub::Etcd(c) => drop(c),
         }
     }
 }
 
-async fn induced(cluster: &InProcessCluster) -> usize {
-    let Ok(mut broker) = cluster.broker().await else {
+fn port_taken(err: &anyhow::Error) -> bool {
+    let text = format!("{err:#}");
+    text.contains("cannot listen") || text.contains("Address already in use")
+}
+
+/// The leaves of one run, by mode; only their brokers are used after start.
+enum Leaves {
+    InProcess(Vec<InProcessCluster>),
+    Etcd(Vec<ProcessCluster>),
+}
+
+impl Leaves {
+    async fn start(mode: Mode, n: usize) -> anyhow::Result<Option<Self>> {
+        let name = |i: usize| format!("leaf-{i:03}");
+        Ok(Some(match mode {
+            Mode::EtcdProcesses => {
+                let mut out = Vec::new();
+                for i in 0..n {
+                    let Some(c) = ProcessCluster::start(&name(i), POD_CIDR, EXTERNAL_CIDR).await?
+                    else {
+                        return Ok(None);
+                    };
+                    out.push(c);
+                }
+                Leaves::Etcd(out)
+            }
+            _ => {
+                let mut out = Vec::with_capacity(n);
+                for i in 0..n {
+                    out.push(InProcessCluster::start(&name(i), POD_CIDR, EXTERNAL_CIDR).await?);
+                }
+                Leaves::InProcess(out)
+            }
+        }))
+    }
+
+    fn brokers(&self) -> Vec<SocketAddr> {
+        match self {
+            Leaves::InProcess(l) => l.iter().map(|c| c.services.broker).collect(),
+            Leaves::Etcd(l) => l.iter().map(|c| c.services.broker).collect(),
+        }
+    }
+
+    async fn stop(self) {
+        match self {
+            Leaves::InProcess(l) => {
+                for leaf in l {
+                    leaf.stop().await;
+                }
+            }
+            Leaves::Etcd(l) => drop(l),
+        }
+    }
+}
+
+async fn channel(addr: SocketAddr) -> anyhow::Result<Channel> {
+    Ok(Channel::from_shared(format!("http://{addr}"))?
+        .connect()
+        .await?)
+}
+
+async fn induced(broker: SocketAddr) -> usize {
+    let Ok(channel) = channel(broker).await else {
         return 0;
     };
-    broker
+    BrokerClient::new(channel)
         .list_tunnel_endpoints(ListTunnelEndpointsRequest {
             cluster_id: String::new(),
             kind: PeeringKind::Induced as i32,
@@ -315,179 +602,381 @@ async fn induced(cluster: &InProcessCluster) -> usize {
         .map_or(0, |r| r.into_inner().tunnel_endpoints.len())
 }
 
-/// One run: returns the setup time and, from the last run, the hub's holdings.
-async fn run(leaves: usize, timeout: Duration) -> anyhow::Result<(Duration, Held)> {
-    let hub = Hub::start("hub", "10.0.0.0/16", "10.201.0.0/16").await?;
-    let mut clusters = Vec::with_capacity(leaves);
-    for n in 0..leaves {
-        clusters.push(
-            InProcessCluster::start(&format!("leaf-{n:03}"), "10.0.0.0/16", "10.201.0.0/16")
-                .await?,
-        );
-    }
-    let token = hub
-        .broker()
-        .await?
+fn read_usage(pids: &[(&'static str, u32)]) -> anyhow::Result<Vec<(&'static str, ProcUsage)>> {
+    pids.iter()
+        .map(|(s, pid)| Ok((*s, usage(*pid).with_context(|| format!("hub {s}"))?)))
+        .collect()
+}
+
+/// The outcome of one run.
+struct Outcome {
+    run: Run,
+    held: Option<Held>,
+}
+
+/// One run: the setup time and, when it converged, the hub's holdings.
+async fn run(mode: Mode, leaves: usize, timeout: Duration) -> anyhow::Result<Option<Outcome>> {
+    let Some(hub) = Hub::start(mode).await? else {
+        return Ok(None);
+    };
+    let Some(clusters) = Leaves::start(mode, leaves).await? else {
+        return Ok(None);
+    };
+    let result = measure(&hub, &clusters, leaves, timeout).await;
+    hub.stop().await;
+    clusters.stop().await;
+    result.map(Some)
+}
+
+async fn measure(
+    hub: &Hub,
+    clusters: &Leaves,
+    leaves: usize,
+    timeout: Duration,
+) -> anyhow::Result<Outcome> {
+    let token = BrokerClient::new(channel(hub.addr("broker")).await?)
         .get_token(GetTokenRequest {})
         .await?
         .into_inner()
         .token;
+    let brokers = clusters.brokers();
     let expected = leaves * (leaves - 1);
+    let pids = hub.pids()?;
+    let before = read_usage(&pids)?;
 
     let started = Instant::now();
     let mut peerings = Vec::new();
-    for leaf in &clusters {
-        let mut broker = leaf.broker().await?;
+    for broker in &brokers {
+        let mut broker = BrokerClient::new(channel(*broker).await?);
         let request = PeerRequest {
-            broker_address: hub.broker.to_string(),
+            broker_address: hub.addr("broker").to_string(),
             token: token.clone(),
-            expected_cluster_id: "hub".into(),
+            expected_cluster_id: HUB_ID.into(),
         };
-        peerings.push(tokio::spawn(async move { broker.peer(request).await }));
+        // With hundreds of clusters on two cores a leaf's own services can be too slow to
+        // answer its broker in time (UNAVAILABLE); an operator would run the command again,
+        // and so does the benchmark, counting it.
+        peerings.push(tokio::spawn(async move {
+            let mut retries = 0;
+            loop {
+                match broker.peer(request.clone()).await {
+                    Err(status)
+                        if status.code() == tonic::Code::Unavailable && retries < PEER_RETRIES =>
+                    {
+                        retries += 1;
+                        tokio::time::sleep(Duration::from_secs(1)).await;
+                    }
+                    other => return other.map(|_| retries),
+                }
+            }
+        }));
     }
+    let mut peer_retries = 0;
     for peering in peerings {
-        peering.await?.context("a leaf peers with the hub")?;
+        peer_retries += peering.await?.context("a leaf peers with the hub")?;
     }
-    loop {
-        let mut total = 0;
-        for leaf in &clusters {
-            total += induced(leaf).await;
+    // Leaves that hold all their induced TunnelEndpoints are not asked again: polling every
+    // leaf every few milliseconds would take CPU from the mesh being measured.
+    let mut done: BTreeMap<usize, usize> = BTreeMap::new();
+    let mut pending: BTreeSet<usize> = (0..brokers.len()).collect();
+    let converged = loop {
+        let mut finished = Vec::new();
+        for &i in &pending {
+            let count = induced(brokers[i]).await;
+            done.insert(i, count);
+            if count == leaves - 1 {
+                finished.push(i);
+            }
         }
-        if total == expected {
-            break;
+        for i in finished {
+            pending.remove(&i);
         }
-        anyhow::ensure!(
-            started.elapsed() < timeout,
-            "only {total} of {expected} induced tunnel endpoints after {timeout:?}"
-        );
+        if pending.is_empty() {
+            break true;
+        }
+        if started.elapsed() >= timeout {
+            break false;
+        }
         tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    };
     let elapsed = started.elapsed();
+    let reached = done.values().sum();
+    let after = read_usage(&pids)?;
+    let cpu_during: Vec<f64> = after
+        .iter()
+        .zip(&before)
+        .map(|((_, a), (_, b))| a.cpu_seconds - b.cpu_seconds)
+        .collect();
+    let hub_cpu_seconds = (!pids.is_empty()).then(|| cpu_during.iter().sum());
+    let run = Run {
+        seconds: if converged {
+            elapsed.as_secs_f64()
+        } else {
+            timeout.as_secs_f64()
+        },
+        converged,
+        induced_reached: reached,
+        hub_cpu_seconds,
+        open_files: std::fs::read_dir("/proc/self/fd").ok().map(Iterator::count),
+        peer_retries,
+    };
+    if !converged {
+        return Ok(Outcome { run, held: None });
+    }
+    debug_assert_eq!(reached, expected);
 
-    let tunnels = hub
-        .broker()
+    let broker = || async { anyhow::Ok(BrokerClient::new(channel(hub.addr("broker")).await?)) };
+    let tunnels = broker()
         .await?
         .list_tunnel_endpoints(ListTunnelEndpointsRequest::default())
         .await?
         .into_inner()
         .tunnel_endpoints
         .len();
-    let ncs = hub
-        .broker()
+    let ncs = broker()
         .await?
         .list_network_configs(ListNetworkConfigsRequest::default())
         .await?
         .into_inner()
         .network_configs
         .len();
-    let relays = ForwarderClient::connect(format!("http://{}", hub.forwarder))
-        .await?
+    let relays = ForwarderClient::new(channel(hub.addr("forwarder")).await?)
         .list_relays(ListRelaysRequest::default())
         .await?
         .into_inner()
         .relays
         .len();
-    let ipam = trellis_api::pb::ipam::ipam_client::IpamClient::new(Hub::channel(hub.ipam).await?)
-        .list_cluster_subnets(ListClusterSubnetsRequest {})
-        .await?
-        .into_inner()
-        .clusters
-        .len();
-    let stores = hub.stores().await?;
-    hub.stop().await;
-    for leaf in clusters {
-        leaf.stop().await;
-    }
-    Ok((
-        elapsed,
-        Held {
+    let ipam =
+        trellis_api::pb::ipam::ipam_client::IpamClient::new(channel(hub.addr("ipam")).await?)
+            .list_cluster_subnets(ListClusterSubnetsRequest {})
+            .await?
+            .into_inner()
+            .clusters
+            .len();
+    let stores = match hub {
+        Hub::InProcess(h) => Some(h.stores().await?),
+        _ => None,
+    };
+    let processes = (!pids.is_empty()).then(|| {
+        after
+            .iter()
+            .zip(&cpu_during)
+            .map(|((service, u), during)| HubProcess {
+                service,
+                cpu_seconds: u.cpu_seconds,
+                cpu_seconds_during_setup: *during,
+                peak_rss_kib: u.peak_rss_kib,
+                rss_kib: u.rss_kib,
+            })
+            .collect()
+    });
+    let etcd_keys = match hub {
+        Hub::Etcd(c) => {
+            let mut keys = BTreeMap::new();
+            for service in Service::ALL {
+                keys.insert(service.name(), c.etcd_keys(service)?.len());
+            }
+            Some(keys)
+        }
+        _ => None,
+    };
+    Ok(Outcome {
+        run,
+        held: Some(Held {
             tunnels,
             ncs,
             relays,
             ipam,
             stores,
-        },
-    ))
+            processes,
+            etcd_keys,
+        }),
+    })
+}
+
+/// `ProcessCluster` finds the service binaries next to a *test* binary
+/// (`target/<profile>/deps/…`, one level below them). Cargo keeps this binary there too, as a
+/// hard link of the same file: re-executing that link makes the lookup work without copying
+/// the cluster launcher.
+fn reexec_from_deps() -> anyhow::Result<()> {
+    use std::os::unix::fs::MetadataExt as _;
+    use std::os::unix::process::CommandExt as _;
+    if trellis_integration::bin_path("trellis-ipam").is_ok() {
+        return Ok(());
+    }
+    let exe = std::env::current_exe()?;
+    let inode = std::fs::metadata(&exe)?.ino();
+    let deps = exe
+        .parent()
+        .context("the executable has no directory")?
+        .join("deps");
+    let twin = std::fs::read_dir(&deps)
+        .with_context(|| format!("listing {}", deps.display()))?
+        .filter_map(Result::ok)
+        .map(|e| e.path())
+        .find(|p| std::fs::metadata(p).is_ok_and(|m| m.ino() == inode && m.is_file()))
+        .with_context(|| {
+            format!(
+                "--mode etcd-processes needs the service binaries next to {} (build them with \
+                 `cargo build --release --bins`) and this binary's hard link in it",
+                deps.display()
+            )
+        })?;
+    let err = std::process::Command::new(twin)
+        .args(std::env::args_os().skip(1))
+        .exec();
+    Err(err).context("re-executing from target/<profile>/deps")
 }
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
-    let mut sizes = Vec::new();
-    for &leaves in &args.leaves {
-        anyhow::ensure!(leaves >= 2, "--leaves: a mesh needs at least 2 leaves");
-        let mut runs = Vec::new();
-        let mut held = Held::default();
-        for repeat in 0..args.repeats {
-            let (elapsed, hub) = run(leaves, Duration::from_secs(args.timeout)).await?;
-            eprintln!(
-                "mesh-bench: 1 hub + {leaves} leaves, run {}: {:.3} s",
-                repeat + 1,
-                elapsed.as_secs_f64()
-            );
-            runs.push(Run {
-                seconds: elapsed.as_secs_f64(),
-            });
-            held = hub;
+    anyhow::ensure!(args.repeats >= 1, "--repeats must be at least 1");
+    if let Some(bad) = args.leaves.iter().find(|n| **n < 2) {
+        anyhow::bail!("--leaves: a mesh needs at least 2 leaves, got {bad}");
+    }
+    if args.mode == Mode::EtcdProcesses {
+        reexec_from_deps()?;
+    }
+    let run_info = RunInfo::start(&args.run);
+    let open_files_limit = match raise_nofile_limit() {
+        Ok(limit) => Some(limit),
+        Err(err) => {
+            eprintln!("mesh-bench: could not raise the open-file limit: {err:#}");
+            None
         }
-        let mut sorted: Vec<f64> = runs.iter().map(|r| r.seconds).collect();
-        sorted.sort_by(f64::total_cmp);
-        sizes.push(Size {
+    };
+    let out = args
+        .out
+        .clone()
+        .unwrap_or_else(|| PathBuf::from(args.mode.default_out()));
+    let timeout = Duration::from_secs(args.timeout);
+    let mut sizes = Vec::new();
+    let mut gave_up: Option<String> = None;
+    for &leaves in &args.leaves {
+        let expected = leaves * (leaves - 1);
+        let mut size = Size {
             leaves,
-            induced_tunnel_endpoints: leaves * (leaves - 1),
-            median_seconds: sorted[sorted.len() / 2],
-            runs,
-            hub_tunnel_endpoints: held.tunnels,
-            hub_network_configs: held.ncs,
-            hub_relays_in_flight: held.relays,
-            hub_ipam_records: held.ipam,
-            hub_stores: held.stores,
-        });
+            induced_tunnel_endpoints: expected,
+            status: Status::Converged,
+            reason: None,
+            runs: Vec::new(),
+            median_seconds: None,
+            hub_tunnel_endpoints: None,
+            hub_network_configs: None,
+            hub_relays_in_flight: None,
+            hub_ipam_records: None,
+            hub_stores: None,
+            hub_processes: None,
+            hub_cpu_seconds_during_setup: None,
+            hub_peak_rss_kib_total: None,
+            hub_etcd_keys: None,
+        };
+        if let Some(reason) = &gave_up {
+            size.status = Status::Skipped;
+            size.reason = Some(reason.clone());
+            eprintln!("mesh-bench: 1 hub + {leaves} leaves skipped: {reason}");
+            sizes.push(size);
+            continue;
+        }
+        let mut peaks = Vec::new();
+        for repeat in 0..args.repeats {
+            match run(args.mode, leaves, timeout).await {
+                Ok(None) => {
+                    size.status = Status::Skipped;
+                    size.reason = Some("etcd is not installed (`make setup`)".into());
+                    break;
+                }
+                Ok(Some(outcome)) => {
+                    eprintln!(
+                        "mesh-bench: {:?}, 1 hub + {leaves} leaves, run {}: {} after {:.3} s ({} of {expected} induced TunnelEndpoints)",
+                        args.mode,
+                        repeat + 1,
+                        if outcome.run.converged {
+                            "converged"
+                        } else {
+                            "NOT converged"
+                        },
+                        outcome.run.seconds,
+                        outcome.run.induced_reached
+                    );
+                    let converged = outcome.run.converged;
+                    size.runs.push(outcome.run);
+                    if let Some(held) = outcome.held {
+                        if let Some(p) = &held.processes {
+                            peaks.push(p.iter().map(|p| p.peak_rss_kib).sum::<u64>() as f64);
+                        }
+                        size.hub_tunnel_endpoints = Some(held.tunnels);
+                        size.hub_network_configs = Some(held.ncs);
+                        size.hub_relays_in_flight = Some(held.relays);
+                        size.hub_ipam_records = Some(held.ipam);
+                        size.hub_stores = held.stores;
+                        size.hub_processes = held.processes;
+                        size.hub_etcd_keys = held.etcd_keys;
+                    }
+                    if !converged {
+                        size.status = Status::TimedOut;
+                        size.reason = Some(format!(
+                            "not converged within {} s; later repeats not run",
+                            args.timeout
+                        ));
+                        break;
+                    }
+                }
+                Err(err) => {
+                    eprintln!("mesh-bench: 1 hub + {leaves} leaves failed: {err:#}");
+                    size.status = Status::Failed;
+                    size.reason = Some(format!("{err:#}"));
+                    break;
+                }
+            }
+        }
+        let converged: Vec<&Run> = size.runs.iter().filter(|r| r.converged).collect();
+        size.median_seconds = median(&converged.iter().map(|r| r.seconds).collect::<Vec<_>>());
+        size.hub_cpu_seconds_during_setup = median(
+            &converged
+                .iter()
+                .filter_map(|r| r.hub_cpu_seconds)
+                .collect::<Vec<_>>(),
+        );
+        size.hub_peak_rss_kib_total = median(&peaks).map(|p| p as u64);
+        if matches!(size.status, Status::TimedOut | Status::Failed) && !args.keep_going {
+            gave_up = Some(format!(
+                "1 hub + {leaves} leaves did not converge ({})",
+                size.reason.as_deref().unwrap_or("")
+            ));
+        }
+        sizes.push(size);
     }
     let report = Report {
         benchmark: "induced_mesh_setup",
+        mode: args.mode,
+        run: run_info,
         machine: Machine::describe(),
+        parameters: Parameters {
+            leaves: args.leaves.clone(),
+            repeats: args.repeats,
+            timeout_seconds: args.timeout,
+            keep_going: args.keep_going,
+            open_files_limit,
+        },
         sizes,
     };
-    if let Some(dir) = args.out.parent() {
-        std::fs::create_dir_all(dir)?;
-    }
-    std::fs::write(&args.out, serde_json::to_string_pretty(&report)? + "\n")?;
-    eprintln!(
-        "| leaves | induced TEs | median s | hub TEs | hub NCs | hub relays | hub IPAM records |"
-    );
-    eprintln!("|---|---|---|---|---|---|---|");
+    write_json(&out, &report)?;
+    eprintln!("| leaves | status | induced TEs | median s | hub CPU s | hub peak RSS MiB |");
+    eprintln!("|---|---|---|---|---|---|");
     for s in &report.sizes {
+        let opt = |v: Option<f64>, d: usize| v.map_or("-".into(), |v| format!("{v:.d$}"));
         eprintln!(
-            "| {} | {} | {:.3} | {} | {} | {} | {} |",
+            "| {} | {:?} | {} | {} | {} | {} |",
             s.leaves,
+            s.status,
             s.induced_tunnel_endpoints,
-            s.median_seconds,
-            s.hub_tunnel_endpoints,
-            s.hub_network_configs,
-            s.hub_relays_in_flight,
-            s.hub_ipam_records
+            opt(s.median_seconds, 3),
+            opt(s.hub_cpu_seconds_during_setup, 2),
+            opt(s.hub_peak_rss_kib_total.map(|k| k as f64 / 1024.0), 1)
         );
     }
-    eprintln!(
-        "| leaves | discovery keys/bytes | broker | forwarder | ipam | gateway | total keys | total bytes |"
-    );
-    eprintln!("|---|---|---|---|---|---|---|---|");
-    for s in &report.sizes {
-        let h = &s.hub_stores;
-        let kb = |u: &StoreUse| format!("{} / {}", u.keys, u.bytes);
-        eprintln!(
-            "| {} | {} | {} | {} | {} | {} | {} | {} |",
-            s.leaves,
-            kb(&h.discovery),
-            kb(&h.broker),
-            kb(&h.forwarder),
-            kb(&h.ipam),
-            kb(&h.gateway),
-            h.total.keys,
-            h.total.bytes
-        );
-    }
-    eprintln!("mesh-bench: wrote {}", args.out.display());
+    eprintln!("mesh-bench: wrote {}", out.display());
     Ok(())
 }

@@ -1,0 +1,336 @@
+//! Unit tests of the report generator: sample results in, tables, target verdicts (met and not
+//! met) and well-formed plots out.
+
+use serde_json::json;
+
+use super::*;
+
+fn found(name: &str, value: Value) -> (String, Loaded) {
+    (
+        name.to_owned(),
+        Loaded::Found {
+            path: format!("bench/results/{name}.json"),
+            value,
+        },
+    )
+}
+
+fn run(kind: &str, ts: &str) -> Value {
+    json!({"kind": kind, "timestamp": ts, "git_commit": "0123456789abcdef+dirty",
+           "load_average_1m": 1.5, "note": "shared machine", "command": ["x"]})
+}
+
+fn machine() -> Value {
+    json!({"cpu_model": "Test CPU", "cores": 2, "memory_gib": 8.0, "kernel": "6.1", "etcd_version": "3.4"})
+}
+
+fn mesh(sizes: &[(usize, Option<f64>)]) -> Value {
+    let sizes: Vec<Value> = sizes
+        .iter()
+        .map(|(n, s)| match s {
+            Some(s) => json!({"leaves": n, "induced_tunnel_endpoints": n * (n - 1),
+                              "status": "converged", "runs": [{"seconds": s, "converged": true}],
+                              "median_seconds": s, "hub_tunnel_endpoints": n}),
+            None => json!({"leaves": n, "induced_tunnel_endpoints": n * (n - 1),
+                           "status": "timed_out", "reason": "not converged within 60 s",
+                           "runs": [{"seconds": 60.0, "converged": false}], "median_seconds": null}),
+        })
+        .collect();
+    json!({"benchmark": "induced_mesh_setup", "mode": "in_process", "run": run("full", "2026-11-22T01:00:00Z"),
+           "machine": machine(), "sizes": sizes})
+}
+
+fn ipam(memory_p99: f64, etcd_p99: f64) -> Value {
+    let s = |store: &str, replicas: usize, rpc: &str, path: &str, p99: f64| {
+        json!({"store": store, "replicas": replicas, "rpc": rpc, "path": path, "concurrency": 16,
+               "operations": 1000, "ops_per_second": 12345.6, "p50_ms": 0.25, "p99_ms": p99, "max_ms": 40.0,
+               "runs": [{}, {}, {}]})
+    };
+    json!({"benchmark": "ipam", "run": run("quick", "2026-11-22T02:00:00Z"), "machine": machine(),
+           "scenarios": [
+               s("memory", 1, "MapEndpointIp", "local_nat", memory_p99),
+               s("memory", 1, "GetSubnetsPerCluster", "known_cluster", 0.5),
+               s("etcd", 1, "MapEndpointIp", "external_alloc", etcd_p99),
+               s("etcd", 3, "GetSubnetsPerCluster", "new_cluster_remap", 4.0),
+           ],
+           "consistency": [{"store": "etcd", "replicas": 3, "clients": 16, "endpoints_checked": 300,
+                            "clusters_checked": 30, "endpoint_disagreements": 0, "shared_addresses": 0,
+                            "cluster_disagreements": 0, "overlapping_ranges": 0, "errors": 0,
+                            "examples": [], "consistent": true}]})
+}
+
+fn dataplane(induced_ms: f64, tunnel: f64) -> Value {
+    let rtt = |m: f64| json!({"samples": 20, "lost": 0, "min_ms": m - 1.0, "median_ms": m, "p90_ms": m + 1.0, "max_ms": m + 2.0});
+    json!({"benchmark": "dataplane_leaf_to_leaf", "machine": machine(), "wireguard": "userspace",
+           "build": "release", "store": "memory", "emulation": "netem", "hub_link_rtt_ms": 180,
+           "leaf_link_rtt_ms": 20, "rtt_no_netem_tunnel": rtt(0.5), "rtt_no_netem_bare": rtt(0.1),
+           "throughput": {"tunnel_mbit_s": tunnel, "bare_veth_mbit_s": 1000.0,
+                          "tunnel_fraction_of_bare": tunnel / 1000.0, "seconds": 10},
+           "rtt_induced": rtt(induced_ms), "rtt_hub_path": rtt(365.0), "ratio_hub_over_induced": 365.0 / induced_ms,
+           "thesis_induced_ms": 24.0, "thesis_hub_ms": 365.0})
+}
+
+fn inputs(results: Vec<(String, Loaded)>) -> Inputs {
+    let mut notes = BTreeMap::new();
+    notes.insert(
+        "intro".to_owned(),
+        "Intro with {{mesh:/sizes/0/median_seconds|2}} and {{mesh:/nope}}.".to_owned(),
+    );
+    Inputs {
+        results: results.into_iter().collect(),
+        notes,
+    }
+}
+
+fn verdicts(inputs: &Inputs) -> Vec<Verdict> {
+    targets(inputs).into_iter().map(|t| t.verdict).collect()
+}
+
+#[test]
+fn every_target_met() {
+    let i = inputs(vec![
+        found(
+            "mesh",
+            mesh(&[
+                (2, Some(0.5)),
+                (10, Some(1.0)),
+                (50, Some(5.0)),
+                (100, Some(9.0)),
+                (254, Some(40.0)),
+            ]),
+        ),
+        found("ipam", ipam(1.5, 9.0)),
+        found("dataplane", dataplane(21.5, 400.0)),
+    ]);
+    assert_eq!(verdicts(&i), vec![Verdict::Met; 7]);
+}
+
+#[test]
+fn every_target_not_met() {
+    // Superlinear growth: time ∝ tunnels^1.5 at the largest sizes, and 100 over 10 s.
+    let big = |n: usize| 1e-3 * ((n * (n - 1)) as f64).powf(1.5);
+    let i = inputs(vec![
+        found(
+            "mesh",
+            mesh(&[
+                (10, Some(big(10))),
+                (20, Some(big(20))),
+                (50, Some(big(50))),
+                (100, Some(big(100))),
+                (254, None),
+            ]),
+        ),
+        found("ipam", ipam(2.0, 23.0)),
+        found("dataplane", dataplane(23.4, 33.0)),
+    ]);
+    assert_eq!(verdicts(&i), vec![Verdict::NotMet; 7]);
+    let t = targets(&i);
+    assert!(t[2].measured.contains("timed out"), "{}", t[2].measured);
+    assert!(
+        t[3].measured
+            .contains("memory, 1 replica, MapEndpointIp local_nat"),
+        "{}",
+        t[3].measured
+    );
+}
+
+#[test]
+fn missing_results_are_not_measured_and_say_why() {
+    let i = inputs(vec![
+        found("mesh", mesh(&[(2, Some(0.5)), (5, Some(0.9))])),
+        (
+            "dataplane".into(),
+            Loaded::Unreadable {
+                path: "bench/results/dataplane.json".into(),
+                error: "EOF".into(),
+            },
+        ),
+    ]);
+    let t = targets(&i);
+    assert!(t.iter().all(|t| t.verdict == Verdict::NotMeasured));
+    assert!(t[0].measured.contains("not in"), "{}", t[0].measured);
+    assert!(t[1].measured.contains("at least 3"), "{}", t[1].measured);
+    assert!(
+        t[3].measured.contains("does not exist"),
+        "{}",
+        t[3].measured
+    );
+    assert!(t[5].measured.contains("unreadable"), "{}", t[5].measured);
+    let doc = &render(&i).files[0].1;
+    assert!(doc.contains("Not measured: `bench/results/dataplane.json` is unreadable"));
+}
+
+#[test]
+fn tables_and_notes_carry_the_numbers() {
+    let i = inputs(vec![
+        found(
+            "mesh",
+            mesh(&[
+                (2, Some(0.5)),
+                (10, Some(1.25)),
+                (50, Some(5.0)),
+                (100, None),
+            ]),
+        ),
+        found("ipam", ipam(0.433, 5.8)),
+        found("dataplane", dataplane(21.0, 300.0)),
+    ]);
+    let out = render(&i);
+    let doc = &out.files[0].1;
+    assert_eq!(out.files[0].0, PathBuf::from(DOC));
+    assert!(doc.contains("Intro with 0.50 and (not measured: no `mesh:/nope`)."));
+    assert!(doc.contains("| memory | 1 | MapEndpointIp | local_nat | 16 | 3 | 1000 | 12 346 | 0.250 | 0.433 | 40.0 |"), "{doc}");
+    assert!(
+        doc.contains("| 10 | converged | 90 | 1.250 | 1.250 | 13.89 |"),
+        "{doc}"
+    );
+    assert!(
+        doc.contains("| 100 | **timed out**: not converged within 60 s | 9900 | — | > 60 |"),
+        "{doc}"
+    );
+    assert!(doc.contains("run: full, started 2026-11-22T01:00:00Z, commit `0123456789+dirty`"));
+    assert!(doc.contains("| CPU | Test CPU, 2 cores |"));
+    assert!(doc.contains("| induced (A→C direct) | 20 | 21.000 |"));
+    assert!(doc.contains("| etcd | 3 | 16 | 300 | 30 | 0 | 0 | 0 | 0 | 0 | yes |"));
+}
+
+#[test]
+fn plots_are_well_formed_with_the_expected_series() {
+    let i = inputs(vec![
+        found(
+            "mesh",
+            mesh(&[(2, Some(0.5)), (10, Some(1.0)), (50, Some(5.0))]),
+        ),
+        found(
+            "mesh-hub-processes",
+            mesh(&[(2, Some(0.6)), (5, Some(1.0))]),
+        ),
+        found("ipam", ipam(0.4, 5.0)),
+        found("dataplane", dataplane(21.0, 300.0)),
+    ]);
+    let out = render(&i);
+    let svg = |name: &str| {
+        out.files
+            .iter()
+            .find(|(p, _)| p.ends_with(name))
+            .map(|(_, c)| c.clone())
+            .unwrap_or_else(|| panic!("{name} not generated"))
+    };
+    for name in [
+        "mesh-setup-vs-leaves.svg",
+        "mesh-setup-vs-tunnels.svg",
+        "ipam-latency.svg",
+        "dataplane-rtt.svg",
+    ] {
+        let s = svg(name);
+        assert!(
+            s.starts_with("<svg xmlns=\"http://www.w3.org/2000/svg\""),
+            "{name}"
+        );
+        assert!(s.trim_end().ends_with("</svg>"), "{name}");
+        assert_eq!(s.matches("<svg").count(), 1, "{name}");
+        assert!(!s.contains("NaN") && !s.contains("inf"), "{name}");
+    }
+    let leaves = svg("mesh-setup-vs-leaves.svg");
+    assert!(leaves.contains("data-name=\"in process (memory)\""));
+    assert!(leaves.contains("data-name=\"hub processes (memory)\""));
+    assert_eq!(leaves.matches("<circle").count(), 5);
+    assert!(svg("mesh-setup-vs-tunnels.svg").contains("data-name=\"fit: k = "));
+    let ipam = svg("ipam-latency.svg");
+    assert_eq!(ipam.matches("data-series=\"p99\"").count(), 4);
+    let rtt = svg("dataplane-rtt.svg");
+    assert_eq!(rtt.matches("class=\"bar\"").count(), 6);
+}
+
+#[test]
+fn old_results_stay_readable() {
+    // The shape written before runs were labelled (no run, status, replicas or rpc).
+    let old_mesh = json!({"benchmark": "induced_mesh_setup", "machine": machine(), "sizes": [
+        {"leaves": 2, "induced_tunnel_endpoints": 2, "runs": [{"seconds": 0.5}], "median_seconds": 0.5,
+         "hub_tunnel_endpoints": 2, "hub_network_configs": 4, "hub_relays_in_flight": 0, "hub_ipam_records": 2}]});
+    let old_ipam = json!({"benchmark": "ipam_map_endpoint_ip", "machine": machine(), "scenarios": [
+        {"store": "memory", "path": "local_nat", "concurrency": 16, "operations": 20000, "wall_seconds": 0.4,
+         "ops_per_second": 49787.9, "p50_ms": 0.282, "p99_ms": 0.433, "max_ms": 48.863}]});
+    let i = inputs(vec![found("mesh", old_mesh), found("ipam", old_ipam)]);
+    let doc = &render(&i).files[0].1;
+    assert!(
+        doc.contains("| 2 | converged | 2 | 0.500 | 0.500 |"),
+        "{doc}"
+    );
+    assert!(
+        doc.contains("| memory | 1 | MapEndpointIp | local_nat |"),
+        "{doc}"
+    );
+    assert!(doc.contains("date not recorded"));
+}
+
+#[test]
+fn newest_run_wins() {
+    let f = |ts: Option<&str>| Loaded::Found {
+        path: "f".into(),
+        value: ts.map_or(json!({}), |t| json!({"run": {"timestamp": t}})),
+    };
+    let path = |l: Loaded| match l {
+        Loaded::Found { value, .. } => value.pointer("/run/timestamp").cloned(),
+        _ => None,
+    };
+    assert_eq!(
+        path(newest(
+            f(Some("2026-01-01T00:00:00Z")),
+            f(Some("2026-02-01T00:00:00Z"))
+        )),
+        Some(json!("2026-02-01T00:00:00Z"))
+    );
+    assert_eq!(
+        path(newest(
+            f(Some("2026-03-01T00:00:00Z")),
+            f(Some("2026-02-01T00:00:00Z"))
+        )),
+        Some(json!("2026-03-01T00:00:00Z"))
+    );
+    assert_eq!(
+        path(newest(f(None), f(Some("2026-02-01T00:00:00Z")))),
+        Some(json!("2026-02-01T00:00:00Z"))
+    );
+    assert!(matches!(
+        newest(Loaded::Missing, Loaded::Missing),
+        Loaded::Missing
+    ));
+}
+
+#[test]
+fn numbers_are_grouped_and_fits_recover_exponents() {
+    assert_eq!(num(49787.96, 0), "49 788");
+    assert_eq!(num(1234.5, 1), "1234.5");
+    assert_eq!(num(0.4333, 3), "0.433");
+    assert_eq!(num(f64::NAN, 1), "n/a");
+    let pts: Vec<(f64, f64)> = [2.0, 20.0, 200.0]
+        .iter()
+        .map(|x| (*x, 3.0 * x * x))
+        .collect();
+    let (k, c) = power_fit(&pts).expect("fit");
+    assert!((k - 2.0).abs() < 1e-9 && (c - 3.0).abs() < 1e-6);
+}
+
+#[test]
+fn runs_show_timeouts_and_peer_retries() {
+    let size = MeshSize {
+        leaves: 254,
+        runs: vec![
+            MeshRun {
+                seconds: 61.5,
+                converged: Some(true),
+                open_files: None,
+                peer_retries: Some(3),
+            },
+            MeshRun {
+                seconds: 120.0,
+                converged: Some(false),
+                open_files: None,
+                peer_retries: None,
+            },
+        ],
+        ..MeshSize::default()
+    };
+    assert_eq!(runs_text(&size), "61.500 (3 Peer retries), > 120");
+}

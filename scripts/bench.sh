@@ -1,0 +1,89 @@
+#!/usr/bin/env bash
+# Runs the benchmark suite and regenerates docs/benchmarks.md and docs/bench/*.svg from the
+# results: `scripts/bench.sh full` (make bench: bench/results/*.json) or `scripts/bench.sh quick`
+# (make bench-quick: smaller sizes, fewer requests; bench/results/quick/*.json, so a quick run
+# never overwrites the full results; the document shows the newer run of each benchmark and says
+# which). A benchmark that fails does not stop the others; the document is regenerated from
+# whatever results exist and the script then exits non-zero.
+#
+# Environment: TRELLIS_BENCH_NOTE (a note on the run's conditions, recorded in every result),
+# CARGO_TARGET_DIR (where the release build lives; the Makefile sets it).
+set -euo pipefail
+
+kind=${1:-full}
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+case "$kind" in
+  full) out=bench/results ;;
+  quick) out=bench/results/quick ;;
+  *) echo "usage: $0 full|quick" >&2; exit 2 ;;
+esac
+mkdir -p "$out"
+
+log() { printf 'bench: %s\n' "$*" >&2; }
+
+# The service binaries are started as processes by mesh-bench (hub-processes and etcd modes) and
+# dataplane-bench: build them together with the benchmarks, in release mode.
+log "building the benchmarks and the service binaries (release)"
+cargo build --release --locked -p trellis-bench --bins \
+  -p trellis-ipam -p trellis-discovery -p trellis-broker -p trellis-forwarder \
+  -p trellis-gateway -p trellis-endpoints
+bin="$(cargo metadata --format-version 1 --no-deps | python3 -c 'import json,sys; print(json.load(sys.stdin)["target_directory"])')/release"
+
+failed=()
+run() {
+  local name=$1; shift
+  log "$name: $*"
+  local started=$SECONDS
+  if "$bin/$name" --run-kind "$kind" "$@"; then
+    log "$name: done in $((SECONDS - started)) s"
+  else
+    log "$name: FAILED (exit $?); its previous result, if any, is kept"
+    failed+=("$name")
+  fi
+}
+
+if [ "$kind" = quick ]; then
+  run ipam-bench --requests 2000 --new-clusters 100 --repeats 3 --consistency-endpoints 200 \
+    --out "$out/ipam.json"
+  run mesh-bench --mode in-process --leaves 2,5,10,20 --repeats 3 --timeout 60 \
+    --out "$out/mesh.json"
+  run mesh-bench --mode hub-processes --leaves 2,5,10 --repeats 3 --timeout 60 \
+    --out "$out/mesh-hub-processes.json"
+  run mesh-bench --mode etcd-processes --leaves 2 --repeats 2 --timeout 60 \
+    --out "$out/mesh-etcd.json"
+  run endpoints-bench --reflections 80 --repeats 3 --out "$out/endpoints.json"
+  dataplane=(--samples 10 --iperf-seconds 3 --out "$out/dataplane.json")
+else
+  run ipam-bench --out "$out/ipam.json"
+  run mesh-bench --mode in-process --leaves 2,5,10,20,50,100,254 --repeats 3 --timeout 300 \
+    --out "$out/mesh.json"
+  run mesh-bench --mode hub-processes --leaves 2,5,10,20,50,100 --repeats 3 --timeout 300 \
+    --out "$out/mesh-hub-processes.json"
+  run mesh-bench --mode etcd-processes --leaves 2,5 --repeats 3 --timeout 300 \
+    --out "$out/mesh-etcd.json"
+  run endpoints-bench --out "$out/endpoints.json"
+  dataplane=(--out "$out/dataplane.json")
+fi
+
+# The data plane needs root (network namespaces, nftables, tc) and iperf3.
+missing=()
+[ "$(id -u)" -eq 0 ] || missing+=("root")
+for tool in ip tc nft ping iperf3; do
+  command -v "$tool" >/dev/null 2>&1 || missing+=("$tool")
+done
+if ((${#missing[@]})); then
+  log "dataplane-bench SKIPPED: it needs ${missing[*]}. docs/benchmarks.md keeps showing the"
+  log "previous data-plane result and says which run it is from. Run \`sudo make bench\` for it."
+else
+  run dataplane-bench "${dataplane[@]}"
+fi
+
+log "regenerating docs/benchmarks.md and docs/bench/*.svg"
+"$bin/bench-report" --root "$root"
+
+if ((${#failed[@]})); then
+  log "FAILED: ${failed[*]} (see above); the document shows their previous results"
+  exit 1
+fi
+log "done"
