@@ -167,16 +167,11 @@ impl Forwarder {
 
     /// Both ends must be full peers of this hub with networking: exactly the clusters this
     /// hub advertises to each other in its Neighborhoods.
-    async fn authorize(
-        &self,
-        origin: &ClusterId,
-        destination: &ClusterId,
-    ) -> Result<(String, String)> {
+    async fn authorize(&self, origin: &ClusterId, destination: &ClusterId) -> Result<Peers> {
         let peers = self.peers(&[origin, destination]).await?;
-        Ok((
-            Self::broker_of(&peers, origin, "origin")?,
-            Self::broker_of(&peers, destination, "destination")?,
-        ))
+        Self::broker_of(&peers, origin, "origin")?;
+        Self::broker_of(&peers, destination, "destination")?;
+        Ok(peers)
     }
 
     async fn load(&self, key: &str) -> Result<Option<(RelayRecord, i64)>> {
@@ -215,7 +210,7 @@ impl Forwarder {
     /// Accepts a passthrough NetworkConfig and tries to deliver it at once.
     #[tracing::instrument(skip_all, fields(origin = %nc.origin.id, destination = %nc.destination.id, generation = nc.generation))]
     pub async fn relay(&self, nc: Passthrough) -> Result<(State, Option<RelayedStatus>, bool)> {
-        self.authorize(&nc.origin.id, &nc.destination.id).await?;
+        let peers = self.authorize(&nc.origin.id, &nc.destination.id).await?;
         if let Err(err) = self.expedite(&nc.destination.id, &nc.origin.id).await {
             tracing::debug!(error = %err, "could not expedite the relay the other way");
         }
@@ -254,7 +249,9 @@ impl Forwarder {
             contention.lost().await?;
         };
         tracing::info!(origin = %nc.origin.id, destination = %nc.destination.id, "accepted a relay");
-        let outcome = self.attempt(&key, record, revision, true).await?;
+        let outcome = self
+            .attempt(&key, record, revision, true, Some(peers))
+            .await?;
         Ok((outcome.0, outcome.1, true))
     }
 
@@ -285,7 +282,7 @@ impl Forwarder {
         destination: &ClusterIdentity,
         status: RelayedStatus,
     ) -> Result<State> {
-        self.authorize(&origin.id, &destination.id).await?;
+        let peers = self.authorize(&origin.id, &destination.id).await?;
         let key = relay_key(&origin.id, &destination.id);
         let mut contention = Contention::new("accepting a relayed status");
         loop {
@@ -307,7 +304,10 @@ impl Forwarder {
             record.next_attempt_nanos = now_nanos();
             if self.save(&key, revision, Some(&record)).await? {
                 let revision = self.store.get(&key).await?.map_or(0, |kv| kv.mod_revision);
-                return Ok(self.attempt(&key, record, revision, false).await?.0);
+                return Ok(self
+                    .attempt(&key, record, revision, false, Some(peers))
+                    .await?
+                    .0);
             }
             contention.lost().await?;
         }
@@ -359,7 +359,7 @@ impl Forwarder {
             let revision = self.load(&key).await?.map_or(0, |(_, r)| r);
             if self.save(&key, revision, Some(&record)).await? {
                 let revision = self.store.get(&key).await?.map_or(0, |kv| kv.mod_revision);
-                return Ok(self.attempt(&key, record, revision, false).await?.0);
+                return Ok(self.attempt(&key, record, revision, false, None).await?.0);
             }
             contention.lost().await?;
         }
@@ -412,10 +412,16 @@ impl Forwarder {
         mut record: RelayRecord,
         revision: i64,
         answering_origin: bool,
+        known: Option<Peers>,
     ) -> Result<(State, Option<RelayedStatus>)> {
-        let peers = self
-            .peers(&[&record.origin.id, &record.destination.id])
-            .await?;
+        // Both ends, as just checked by the caller when it did.
+        let peers = match known {
+            Some(peers) => peers,
+            None => {
+                self.peers(&[&record.origin.id, &record.destination.id])
+                    .await?
+            }
+        };
         let result: Result<Option<State>> = async {
             match record.state {
                 State::Pending | State::Delivered => {
@@ -590,7 +596,7 @@ impl Forwarder {
                 continue;
             }
             let span = resumed_span("relay retry", record.trace.as_deref());
-            let attempt = self.attempt(&kv.key, record, kv.mod_revision, false);
+            let attempt = self.attempt(&kv.key, record, kv.mod_revision, false, None);
             if let Err(err) = attempt.instrument(span).await {
                 tracing::warn!(key = %kv.key, error = %err, "relay attempt failed");
             }
