@@ -3,13 +3,14 @@
 //! the reconciler's job ([`crate::reconcile`]); operations here store what they learn and wake
 //! it.
 
-use std::sync::Arc;
+use std::collections::BTreeSet;
+use std::sync::{Arc, Mutex, PoisonError};
 
 use tokio::sync::Notify;
 use trellis_api::convert::{addresses_to_pb, identity_to_pb};
 use trellis_api::model::{Addresses, NatView, NetworkSpec};
 use trellis_api::pb::discovery::{
-    GetIdentityRequest, ListForeignClustersRequest, UpdatePeeringRequest,
+    GetForeignClusterRequest, GetIdentityRequest, ListForeignClustersRequest, UpdatePeeringRequest,
 };
 use trellis_api::pb::ipam::{
     FreeSubnetsPerClusterRequest, GetSubnetsPerClusterRequest, SetLocalNatRequest,
@@ -56,6 +57,16 @@ pub struct Broker {
     initial_token: Option<String>,
     /// Wakes the reconciler.
     pub(crate) wake: Arc<Notify>,
+    /// What the next pass must look at (in memory only: a restart runs a full pass anyway).
+    dirty: Mutex<Dirty>,
+}
+
+/// The remotes a reconciliation pass looks at: all of them, or only those something happened
+/// to since the last pass.
+#[derive(Debug, Default)]
+pub struct Dirty {
+    pub all: bool,
+    pub ids: BTreeSet<ClusterId>,
 }
 
 fn local(context: &str) -> impl Fn(tonic::Status) -> Error + '_ {
@@ -75,6 +86,10 @@ impl Broker {
             clients,
             initial_token,
             wake: Arc::new(Notify::new()),
+            dirty: Mutex::new(Dirty {
+                all: true,
+                ids: BTreeSet::new(),
+            }),
         }
     }
 
@@ -90,9 +105,28 @@ impl Broker {
         &self.clients
     }
 
-    /// Asks the reconciler for a pass.
+    /// Asks the reconciler for a pass over every remote.
     pub fn wake(&self) {
+        self.dirty
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .all = true;
         self.wake.notify_one();
+    }
+
+    /// Asks the reconciler for a pass over `remote` (what changed concerns only it).
+    pub fn wake_for(&self, remote: &ClusterId) {
+        self.dirty
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .ids
+            .insert(remote.clone());
+        self.wake.notify_one();
+    }
+
+    /// What the next pass must look at; resets it.
+    pub fn take_dirty(&self) -> Dirty {
+        std::mem::take(&mut *self.dirty.lock().unwrap_or_else(PoisonError::into_inner))
     }
 
     /// The token, created on first use.
@@ -124,6 +158,24 @@ impl Broker {
             .map_err(local("listing foreign clusters"))?
             .into_inner();
         Ok(Peers::from_foreign_clusters(&listing.foreign_clusters))
+    }
+
+    /// The peering view of the clusters `ids` only (unknown ones are absent): one record
+    /// lookup each instead of a listing, for the checks on every received NetworkConfig.
+    pub async fn peers_of(&self, ids: &[&ClusterId]) -> Result<Peers> {
+        let mut discovery = self.clients.discovery();
+        let mut found = Vec::with_capacity(ids.len());
+        for id in ids {
+            let request = GetForeignClusterRequest {
+                cluster_id: id.to_string(),
+            };
+            match discovery.get_foreign_cluster(request).await {
+                Ok(answer) => found.extend(answer.into_inner().foreign_cluster),
+                Err(status) if status.code() == tonic::Code::NotFound => {}
+                Err(status) => return Err(local("reading foreign clusters")(status)),
+            }
+        }
+        Ok(Peers::from_foreign_clusters(&found))
     }
 
     /// Checks a CA certificate a peer sent in the handshake (ADR 0014): with TLS on it is
@@ -395,7 +447,10 @@ impl Broker {
     /// Receives a NetworkConfig destined to us, decides how we address its origin, stores both.
     #[tracing::instrument(skip_all, fields(remote.id = %nc.origin.id, generation = nc.generation))]
     pub async fn receive(&self, nc: Received) -> Result<Answer> {
-        let peers = self.peers().await?;
+        let peers = match &nc.via {
+            None => self.peers_of(&[&nc.origin.id]).await?,
+            Some(hub) => self.peers_of(&[&hub.id, &nc.origin.id]).await?,
+        };
         match &nc.via {
             None => {
                 if !peers.is_full_peer(&nc.origin.id) {
@@ -474,7 +529,7 @@ impl Broker {
             )));
         }
         tracing::info!(remote.id = %nc.origin.id, via = ?nc.via.as_ref().map(|v| v.id.to_string()), "received a network config");
-        self.wake();
+        self.wake_for(&nc.origin.id);
         Ok(Answer {
             accepted: true,
             generation: nc.generation,
@@ -586,10 +641,19 @@ impl Broker {
                 .await?;
             if committed.succeeded {
                 tracing::info!(remote.id = %remote, generation = out.generation, "the remote decided on our network config");
-                self.wake();
+                self.wake_for(remote);
                 return Ok(true);
             }
             contention.lost().await?;
+        }
+    }
+
+    /// Our NetworkConfig towards `remote`, if any.
+    pub async fn outgoing(&self, remote: &ClusterId) -> Result<Option<OutgoingNc>> {
+        let key = out_key(remote);
+        match self.store.get(&key).await? {
+            Some(kv) => Ok(Some(decode(&key, &kv.value)?)),
+            None => Ok(None),
         }
     }
 

@@ -294,13 +294,9 @@ impl BrokerApi for BrokerService {
             )
             .into());
         }
-        let (outs, _) = self.core.network_configs().await?;
-        let out = outs
-            .into_iter()
-            .find(|o| o.remote.id == destination.id)
-            .ok_or_else(|| {
-                Error::NotFound(format!("no network config towards {}", destination.id))
-            })?;
+        let out = self.core.outgoing(&destination.id).await?.ok_or_else(|| {
+            Error::NotFound(format!("no network config towards {}", destination.id))
+        })?;
         let Some(decision) = reconcile::decision_from_status(&out.spec, req.status.as_ref())?
         else {
             return Err(Error::invalid("status.state", "must be PROCESSED or REJECTED").into());

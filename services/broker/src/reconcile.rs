@@ -6,16 +6,18 @@
 //! a remote that is no longer wanted is torn down. Runs on every wake-up (handlers, discovery
 //! changes) and periodically; every step is idempotent, so a restart simply runs it again.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
 use std::time::Duration;
+
+use tokio::time::Instant;
 
 use futures::StreamExt as _;
 use tracing::Instrument as _;
 use trellis_api::ClusterId;
 use trellis_api::convert::identity_to_pb;
 use trellis_api::model::{NatView, NetworkSpec, TunnelEndpoint};
-use trellis_api::pb::discovery::WatchForeignClustersRequest;
+use trellis_api::pb::discovery::{WatchForeignClustersRequest, WatchForeignClustersResponse};
 use trellis_api::pb::gateway::GetGatewayInfoRequest;
 use trellis_api::pb::ipam::{FreeSubnetsPerClusterRequest, GetLocalSubnetsRequest};
 use trellis_api::pb::peering::{RelayRequest, RelayWithdrawalRequest, SubmitNetworkConfigRequest};
@@ -31,38 +33,74 @@ use crate::records::{
     TUNNELS_PREFIX, TunnelRecord, decode, encode, in_key, nc_name, out_key, tombstone_key,
     tunnel_key,
 };
-use trellis_api::peers::{Remote, Route};
+use trellis_api::peers::{Peers, Remote, Route};
 
 /// Shortest and longest wait before retrying after a failed delivery.
 const RETRY_MIN: Duration = Duration::from_millis(200);
 const RETRY_MAX: Duration = Duration::from_secs(10);
 
-/// Runs until `shutdown`.
+/// Remotes worked on at the same time within one pass: deliveries wait on other clusters,
+/// so one slow remote must not hold up the others.
+const CONCURRENCY: usize = 16;
+
+/// Runs until `shutdown`. A pass looks at every remote on the periodic resync (and after a
+/// failure it could not pin on one remote), otherwise only at the remotes something happened
+/// to ([`Broker::wake_for`]), so the work per event does not grow with the number of peers.
 pub async fn run(broker: Arc<Broker>, resync: Duration, shutdown: Shutdown) {
     tokio::spawn(follow_discovery(broker.clone(), shutdown.clone()));
     let mut retry = RETRY_MIN;
+    let mut next_resync = Instant::now();
+    // Remotes (or, with `retry_all`, everything) to look at again once `retry_at` passes.
+    let mut unsettled: BTreeSet<ClusterId> = BTreeSet::new();
+    let mut retry_all = false;
+    let mut retry_at: Option<Instant> = None;
     loop {
-        let wait = match pass(&broker).await {
-            Ok(true) => {
+        let now = Instant::now();
+        let mut dirty = broker.take_dirty();
+        if now >= next_resync {
+            dirty.all = true;
+        }
+        if retry_at.is_some_and(|at| now >= at) {
+            retry_at = None;
+            dirty.all |= std::mem::take(&mut retry_all);
+            dirty.ids.append(&mut unsettled);
+        }
+        if dirty.all || !dirty.ids.is_empty() {
+            let outcome = if dirty.all {
+                next_resync = now + resync;
+                pass(&broker).await
+            } else {
+                pass_for(&broker, &dirty.ids).await
+            };
+            match outcome {
+                Ok(failed) => {
+                    if dirty.all {
+                        // A full pass looked at everything: only its own failures remain.
+                        unsettled.clear();
+                        retry_all = false;
+                    }
+                    unsettled.extend(failed.ids);
+                    retry_all |= failed.all;
+                }
+                Err(err) => {
+                    tracing::warn!(error = %err, "reconciliation failed; retrying");
+                    retry_all = true;
+                    unsettled.extend(dirty.ids);
+                }
+            }
+            if unsettled.is_empty() && !retry_all {
                 retry = RETRY_MIN;
-                resync
-            }
-            Ok(false) => {
-                let wait = retry;
+                retry_at = None;
+            } else if retry_at.is_none() {
+                retry_at = Some(Instant::now() + retry);
                 retry = (retry * 2).min(RETRY_MAX);
-                wait
             }
-            Err(err) => {
-                tracing::warn!(error = %err, "reconciliation failed; retrying");
-                let wait = retry;
-                retry = (retry * 2).min(RETRY_MAX);
-                wait
-            }
-        };
+        }
+        let wake_at = retry_at.map_or(next_resync, |at| at.min(next_resync));
         tokio::select! {
             () = shutdown.cancelled() => return,
             () = broker.wake.notified() => {}
-            () = tokio::time::sleep(wait) => {}
+            () = tokio::time::sleep_until(wake_at) => {}
         }
     }
 }
@@ -84,11 +122,12 @@ async fn follow_discovery(broker: Arc<Broker>, shutdown: Shutdown) {
             Ok(stream) => {
                 backoff = RETRY_MIN;
                 let mut stream = stream.into_inner();
+                let mut seen = HashMap::new();
                 loop {
                     tokio::select! {
                         () = shutdown.cancelled() => return,
                         event = stream.next() => match event {
-                            Some(Ok(_)) => broker.wake(),
+                            Some(Ok(event)) => wake_for_event(&broker, &event, &mut seen),
                             Some(Err(status)) => {
                                 tracing::debug!(error = %status, "foreign cluster watch ended");
                                 break;
@@ -108,6 +147,79 @@ async fn follow_discovery(broker: Arc<Broker>, shutdown: Shutdown) {
     }
 }
 
+/// A change of an induced record concerns that remote only; anything else (a full peer: a
+/// hub whose change moves the routes of the remotes it introduced; a deletion, which may carry
+/// only the ID) is looked at in a pass over every remote. The snapshot at the start of a watch
+/// is all ADDED events, so a restarted watch also ends in such a pass.
+///
+/// A record rewritten with nothing the reconciler reads changed (a hub's new Neighborhood
+/// generation refreshes every record it lists) wakes nothing: `seen` holds what the reconciler
+/// reads of each record since this watch started.
+fn wake_for_event(
+    broker: &Broker,
+    event: &WatchForeignClustersResponse,
+    seen: &mut HashMap<String, pb::ForeignCluster>,
+) {
+    if let Some(fc) = event.foreign_cluster.as_ref()
+        && let Some(identity) = fc.identity.as_ref()
+        && event.r#type != pb::WatchEventType::Deleted as i32
+    {
+        let relevant = relevant_part(fc);
+        if seen.get(&identity.cluster_id) == Some(&relevant) {
+            return;
+        }
+        seen.insert(identity.cluster_id.clone(), relevant);
+    } else if let Some(identity) = event
+        .foreign_cluster
+        .as_ref()
+        .and_then(|fc| fc.identity.as_ref())
+    {
+        seen.remove(&identity.cluster_id);
+    }
+    let induced = event
+        .foreign_cluster
+        .as_ref()
+        .filter(|fc| fc.kind == pb::PeeringKind::Induced as i32)
+        .and_then(|fc| fc.identity.as_ref())
+        .and_then(|identity| ClusterId::parse("cluster_id", &identity.cluster_id).ok());
+    match (pb::WatchEventType::try_from(event.r#type), induced) {
+        (Ok(pb::WatchEventType::Bookmark), _) => {}
+        (Ok(pb::WatchEventType::Added | pb::WatchEventType::Modified), Some(id)) => {
+            broker.wake_for(&id);
+        }
+        _ => broker.wake(),
+    }
+}
+
+/// What [`Peers::from_foreign_clusters`] reads of a record: without timestamps, revision,
+/// Neighborhood generation and the reasons and messages of conditions.
+fn relevant_part(fc: &pb::ForeignCluster) -> pb::ForeignCluster {
+    let mut out = fc.clone();
+    out.create_time = None;
+    out.update_time = None;
+    out.revision = 0;
+    if let Some(induced) = out.induced.as_mut() {
+        induced.neighborhood_generation = 0;
+    }
+    out.conditions = fc
+        .conditions
+        .iter()
+        .map(|c| pb::Condition {
+            r#type: c.r#type.clone(),
+            status: c.status,
+            ..Default::default()
+        })
+        .collect();
+    out
+}
+
+/// What a pass left unfinished: remotes to retry, or (`all`) something not tied to one remote.
+#[derive(Debug, Default)]
+pub struct Unsettled {
+    pub all: bool,
+    pub ids: BTreeSet<ClusterId>,
+}
+
 /// The remotes we hold any state for (NetworkConfigs or a TunnelEndpoint).
 async fn held(broker: &Broker) -> Result<BTreeSet<ClusterId>> {
     let mut held = BTreeSet::new();
@@ -125,35 +237,109 @@ async fn held(broker: &Broker) -> Result<BTreeSet<ClusterId>> {
     Ok(held)
 }
 
-/// One reconciliation. `Ok(false)` when something must be retried soon.
-pub async fn pass(broker: &Broker) -> Result<bool> {
+/// Whether we hold any state for `id`.
+async fn holds(broker: &Broker, id: &ClusterId) -> Result<bool> {
+    for key in [out_key(id), in_key(id), tunnel_key(id)] {
+        if broker.store().get(&key).await?.is_some() {
+            return Ok(true);
+        }
+    }
+    Ok(false)
+}
+
+/// The gateway's key and address, the same for every remote: a settled exchange whose
+/// NetworkConfig still carries them needs no per-remote question on a periodic pass.
+struct GatewayBasics {
+    public_key: String,
+    endpoint_ip: Option<std::net::IpAddr>,
+}
+
+async fn gateway_basics(broker: &Broker) -> Result<GatewayBasics> {
+    let info = broker
+        .clients()
+        .gateway()
+        .get_gateway_info(GetGatewayInfoRequest {
+            cluster_id: String::new(),
+        })
+        .await
+        .map_err(|s| Error::from(s).context("asking the gateway for its endpoint"))?
+        .into_inner();
+    Ok(GatewayBasics {
+        public_key: info.public_key,
+        endpoint_ip: info
+            .endpoint
+            .parse::<std::net::SocketAddr>()
+            .ok()
+            .map(|a| a.ip()),
+    })
+}
+
+/// Runs [`ensure`] for `remotes`, [`CONCURRENCY`] at a time; returns those that failed.
+async fn ensure_all(
+    broker: &Broker,
+    remotes: Vec<&Remote>,
+    basics: Option<&GatewayBasics>,
+) -> Result<BTreeSet<ClusterId>> {
+    let mut failed = BTreeSet::new();
+    if remotes.is_empty() {
+        return Ok(failed);
+    }
+    let subnets = broker
+        .clients()
+        .ipam()
+        .get_local_subnets(GetLocalSubnetsRequest {})
+        .await
+        .map_err(|s| Error::from(s).context("reading the local subnets"))?
+        .into_inner();
+    let (pod, external) = (&subnets.pod_cidr, &subnets.external_cidr);
+    let work: Vec<_> = remotes
+        .into_iter()
+        .map(|remote| ensure_one(broker, remote, pod, external, basics))
+        .collect();
+    let mut results = futures::stream::iter(work).buffer_unordered(CONCURRENCY);
+    while let Some(result) = results.next().await {
+        if let Err(id) = result {
+            failed.insert(id);
+        }
+    }
+    Ok(failed)
+}
+
+/// [`ensure`], its failure logged and reduced to the remote's ID.
+async fn ensure_one(
+    broker: &Broker,
+    remote: &Remote,
+    pod: &str,
+    external: &str,
+    basics: Option<&GatewayBasics>,
+) -> std::result::Result<(), ClusterId> {
+    ensure(broker, remote, pod, external, basics)
+        .await
+        .map_err(|err| {
+            tracing::warn!(remote.id = %remote.identity.id, error = %err, "network config exchange incomplete");
+            remote.identity.id.clone()
+        })
+}
+
+/// One reconciliation over every remote: the periodic resync, and whatever cannot be pinned
+/// on one remote (peering changes, a restart).
+pub async fn pass(broker: &Broker) -> Result<Unsettled> {
     // What we hold is read before who we peer with: a NetworkConfig received meanwhile was
     // checked against a newer discovery listing than ours and must not look unwanted.
     let held = held(broker).await?;
     let peers = broker.peers().await?;
-    let mut settled = true;
+    let mut unsettled = Unsettled::default();
 
     for kv in broker.store().list(NOTIFY_PREFIX).await?.kvs {
         let pending: PendingNotify = decode(&kv.key, &kv.value)?;
-        settled &= broker.deliver_notify(&pending).await;
+        if !broker.deliver_notify(&pending).await {
+            unsettled.all = true;
+        }
     }
 
     if !peers.desired.is_empty() {
-        let subnets = broker
-            .clients()
-            .ipam()
-            .get_local_subnets(GetLocalSubnetsRequest {})
-            .await
-            .map_err(|s| Error::from(s).context("reading the local subnets"))?
-            .into_inner();
-        for remote in peers.desired.values() {
-            if let Err(err) =
-                ensure(broker, remote, &subnets.pod_cidr, &subnets.external_cidr).await
-            {
-                tracing::warn!(remote.id = %remote.identity.id, error = %err, "network config exchange incomplete");
-                settled = false;
-            }
-        }
+        let basics = gateway_basics(broker).await?;
+        unsettled.ids = ensure_all(broker, peers.desired.values().collect(), Some(&basics)).await?;
     }
 
     let unwanted: Vec<&ClusterId> = held
@@ -170,11 +356,57 @@ pub async fn pass(broker: &Broker) -> Result<bool> {
         {
             if let Err(err) = teardown(broker, id, "PeeringGone").await {
                 tracing::warn!(remote.id = %id, error = %err, "teardown incomplete");
-                settled = false;
+                unsettled.ids.insert(id.clone());
             }
         }
     }
-    Ok(settled)
+    Ok(unsettled)
+}
+
+/// The peering view of `ids` and of the hubs that introduced them: enough to route each of
+/// them, from a few record lookups rather than a listing of every cluster.
+async fn peers_for(broker: &Broker, ids: &BTreeSet<ClusterId>) -> Result<Peers> {
+    let first = broker.peers_of(&ids.iter().collect::<Vec<_>>()).await?;
+    let hubs: BTreeSet<&ClusterId> = first
+        .induced
+        .values()
+        .flatten()
+        .filter(|hub| !ids.contains(*hub))
+        .collect();
+    if hubs.is_empty() {
+        return Ok(first);
+    }
+    let all: Vec<&ClusterId> = ids.iter().chain(hubs).collect();
+    broker.peers_of(&all).await
+}
+
+/// One reconciliation of the remotes `ids` only.
+pub async fn pass_for(broker: &Broker, ids: &BTreeSet<ClusterId>) -> Result<Unsettled> {
+    // Held before the peering view, as in [`pass`].
+    let mut held = BTreeSet::new();
+    for id in ids {
+        if holds(broker, id).await? {
+            held.insert(id.clone());
+        }
+    }
+    let peers = peers_for(broker, ids).await?;
+    let mut unsettled = Unsettled {
+        all: false,
+        ids: ensure_all(
+            broker,
+            ids.iter().filter_map(|id| peers.desired.get(id)).collect(),
+            None,
+        )
+        .await?,
+    };
+    // The view above is fresh (read from discovery just now), so it confirms the teardown.
+    for id in held.iter().filter(|id| !peers.desired.contains_key(*id)) {
+        if let Err(err) = teardown(broker, id, "PeeringGone").await {
+            tracing::warn!(remote.id = %id, error = %err, "teardown incomplete");
+            unsettled.ids.insert(id.clone());
+        }
+    }
+    Ok(unsettled)
 }
 
 /// Our spec for `remote`: the local CIDRs and the gateway's endpoint and key for that peer.
@@ -231,7 +463,17 @@ pub fn decision_from_status(
 /// NetworkConfig, or no TunnelEndpoint yet) the work runs in the exchange's trace, resumed
 /// from the stored traceparent, so one peering setup is one trace across passes, processes
 /// and clusters; settled exchanges add nothing to it on later resyncs.
-async fn ensure(broker: &Broker, remote: &Remote, pod: &str, external: &str) -> Result<()> {
+///
+/// With `basics` (a periodic pass), a settled exchange whose NetworkConfig still carries the
+/// gateway's key and address is left alone: anything that changes it for one remote (its new
+/// NetworkConfig, its decision, discovery) wakes a pass for that remote.
+async fn ensure(
+    broker: &Broker,
+    remote: &Remote,
+    pod: &str,
+    external: &str,
+    basics: Option<&GatewayBasics>,
+) -> Result<()> {
     let id = &remote.identity.id;
     let key = out_key(id);
     let existing = match broker.store().get(&key).await? {
@@ -244,6 +486,21 @@ async fn ensure(broker: &Broker, remote: &Remote, pod: &str, external: &str) -> 
         }
         None => true,
     };
+    if let (false, Some((out, _)), Some(basics)) = (unfinished, &existing, basics) {
+        let same_gateway = out.spec.public_key.to_string() == basics.public_key
+            && basics.endpoint_ip == Some(out.spec.endpoint.ip());
+        let forwarder = match &remote.route {
+            Route::Direct { .. } => None,
+            Route::Relayed { forwarder, .. } => Some(forwarder.as_str()),
+        };
+        let same_route = out.via.as_ref() == remote.via()
+            && out.forwarder.as_deref() == forwarder
+            && out.spec.pod_cidr.to_string() == pod
+            && out.spec.external_cidr.to_string() == external;
+        if same_gateway && same_route {
+            return Ok(());
+        }
+    }
     let span = if unfinished {
         let stored = existing.as_ref().and_then(|(o, _)| o.trace.as_deref());
         let root = resumed_span("network config exchange", stored);
@@ -533,6 +790,97 @@ pub async fn withdrawn(broker: &Broker, id: &ClusterId) -> Result<bool> {
             failure: vec![],
         })
         .await?;
-    broker.wake();
+    broker.wake_for(id);
     Ok(existed)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use trellis_api::ClusterIdentity;
+    use trellis_store::MemoryStore;
+
+    use crate::remote::Clients;
+
+    fn broker() -> Broker {
+        let clients = Clients::new("127.0.0.1:9", "127.0.0.1:9", "127.0.0.1:9", None)
+            .expect("valid addresses");
+        let identity = ClusterIdentity::parse("id", "leaf-a", "name", "").expect("identity");
+        Broker::new(identity, Arc::new(MemoryStore::new()), clients, None)
+    }
+
+    fn condition(kind: &str, status: pb::ConditionStatus, message: &str) -> pb::Condition {
+        pb::Condition {
+            r#type: kind.into(),
+            status: status as i32,
+            message: message.into(),
+            ..Default::default()
+        }
+    }
+
+    fn induced(id: &str, hub: &str, generation: i64) -> WatchForeignClustersResponse {
+        WatchForeignClustersResponse {
+            r#type: pb::WatchEventType::Modified as i32,
+            foreign_cluster: Some(pb::ForeignCluster {
+                identity: Some(pb::ClusterIdentity {
+                    cluster_id: id.into(),
+                    cluster_name: String::new(),
+                }),
+                kind: pb::PeeringKind::Induced as i32,
+                induced: Some(pb::InducedPeering {
+                    origin: Some(pb::ClusterIdentity {
+                        cluster_id: hub.into(),
+                        cluster_name: String::new(),
+                    }),
+                    neighborhood_generation: generation,
+                    ..Default::default()
+                }),
+                conditions: vec![condition(
+                    "InducedPeering",
+                    pb::ConditionStatus::True,
+                    &format!("generation {generation}"),
+                )],
+                revision: generation,
+                ..Default::default()
+            }),
+            revision: generation,
+        }
+    }
+
+    /// A hub's every new Neighborhood rewrites each induced record it lists; with n leaves
+    /// that is n events per leaf per Neighborhood. Only the first (and real changes) may make
+    /// work, and only for that remote.
+    #[tokio::test]
+    async fn induced_record_events_wake_only_their_remote_and_only_on_real_changes() {
+        let broker = broker();
+        let _ = broker.take_dirty();
+        let mut seen = HashMap::new();
+
+        wake_for_event(&broker, &induced("leaf-b", "hub", 10), &mut seen);
+        let dirty = broker.take_dirty();
+        assert!(!dirty.all);
+        assert_eq!(
+            dirty.ids.iter().map(ClusterId::as_str).collect::<Vec<_>>(),
+            ["leaf-b"]
+        );
+
+        for generation in 11..20 {
+            wake_for_event(&broker, &induced("leaf-b", "hub", generation), &mut seen);
+        }
+        let dirty = broker.take_dirty();
+        assert!(!dirty.all && dirty.ids.is_empty(), "{dirty:?}");
+
+        // Another origin changes the route: the remote is looked at again.
+        wake_for_event(&broker, &induced("leaf-b", "hub-2", 21), &mut seen);
+        assert_eq!(broker.take_dirty().ids.len(), 1);
+
+        // A full record (a hub) may move every route it carries: everything is looked at.
+        let mut hub = induced("hub", "x", 1);
+        if let Some(fc) = hub.foreign_cluster.as_mut() {
+            fc.kind = pb::PeeringKind::Full as i32;
+            fc.induced = None;
+        }
+        wake_for_event(&broker, &hub, &mut seen);
+        assert!(broker.take_dirty().all);
+    }
 }

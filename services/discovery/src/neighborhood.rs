@@ -13,7 +13,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use futures::StreamExt as _;
+use futures::{FutureExt as _, StreamExt as _};
 use rand::Rng as _;
 use tokio::time::Instant;
 use trellis_api::ClusterId;
@@ -101,20 +101,61 @@ pub async fn run(core: Arc<Discovery>, timing: SenderTiming, shutdown: Shutdown)
             .values()
             .map(|b| b.next)
             .fold(next_resync, Instant::min);
-        tokio::select! {
-            () = shutdown.cancelled() => return,
-            () = tokio::time::sleep_until(wake) => {}
-            event = async {
-                match changes.as_mut() {
-                    Some(stream) => stream.next().await,
-                    None => std::future::pending().await,
-                }
-            } => {
-                if !matches!(event, Some(Ok(_))) {
-                    changes = None;
+        loop {
+            tokio::select! {
+                () = shutdown.cancelled() => return,
+                () = tokio::time::sleep_until(wake) => break,
+                event = async {
+                    match changes.as_mut() {
+                        Some(stream) => stream.next().await,
+                        None => std::future::pending().await,
+                    }
+                } => {
+                    match event {
+                        Some(Ok(event)) if !concerns_sender(&event) => continue,
+                        Some(Ok(_)) => {}
+                        _ => changes = None,
+                    }
+                    // A burst of changes (many peers handshaking at once) is one pass: wait
+                    // for the rest of it, then take every event queued, not each with a pass.
+                    tokio::select! {
+                        () = shutdown.cancelled() => return,
+                        () = tokio::time::sleep(COALESCE) => {}
+                    }
+                    while let Some(stream) = changes.as_mut() {
+                        match stream.next().now_or_never() {
+                            Some(Some(Ok(_))) => {}
+                            Some(_) => changes = None,
+                            None => break,
+                        }
+                    }
+                    break;
                 }
             }
         }
+    }
+}
+
+/// How long the sender lets a burst of changes accumulate before a pass (ADR 0006).
+pub const COALESCE: Duration = Duration::from_millis(100);
+
+/// Whether a change under `clusters/` can change what the sender sends: the Neighborhoods are
+/// made of full records only, so an induced record (every record a hub's Neighborhood creates
+/// or refreshes) that was not full before needs no pass.
+fn concerns_sender(event: &trellis_store::WatchEvent) -> bool {
+    match event {
+        trellis_store::WatchEvent::Put(kv) => {
+            match trellis_store::record::decode::<crate::records::ForeignClusterRecord>(
+                &kv.key, &kv.value,
+            ) {
+                Ok(record) => {
+                    record.kind == crate::records::Kind::Full
+                        || record.previous_kind == Some(crate::records::Kind::Full)
+                }
+                Err(_) => true,
+            }
+        }
+        trellis_store::WatchEvent::Delete { .. } => true,
     }
 }
 
@@ -331,5 +372,49 @@ async fn settle(core: &Discovery, job: &Job, result: Result<crate::core::Applied
             Ok(true)
         }
         Err(err) => Err(err),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use trellis_api::ClusterIdentity;
+    use trellis_store::{KeyValue, WatchEvent};
+
+    use super::*;
+    use crate::records::{ForeignClusterRecord, Kind, Source, cluster_key, encode};
+
+    fn put(record: &ForeignClusterRecord) -> WatchEvent {
+        let key = cluster_key(&record.identity.id);
+        WatchEvent::Put(KeyValue {
+            value: encode(record).expect("encodes"),
+            key,
+            create_revision: 2,
+            mod_revision: 3,
+            version: 2,
+            lease: None,
+        })
+    }
+
+    /// A leaf receiving a hub's Neighborhood writes one induced record per neighbour; none of
+    /// them can change what the leaf itself sends, so none may cost a pass (with n leaves that
+    /// would be n passes over n records per Neighborhood).
+    #[test]
+    fn only_full_records_concern_the_sender() {
+        let identity = |id: &str| ClusterIdentity::parse("id", id, "name", "").expect("identity");
+        let induced =
+            ForeignClusterRecord::new(identity("leaf-b"), Kind::Induced, Source::Neighborhood);
+        assert!(!concerns_sender(&put(&induced)));
+
+        let full = ForeignClusterRecord::new(identity("hub"), Kind::Full, Source::Peering);
+        assert!(concerns_sender(&put(&full)));
+
+        let mut demoted = induced.clone();
+        demoted.previous_kind = Some(Kind::Full);
+        assert!(concerns_sender(&put(&demoted)));
+
+        assert!(concerns_sender(&WatchEvent::Delete {
+            key: cluster_key(&induced.identity.id),
+            mod_revision: 4,
+        }));
     }
 }

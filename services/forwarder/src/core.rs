@@ -11,7 +11,7 @@ use tokio::sync::Notify;
 use tracing::Instrument as _;
 use trellis_api::convert::identity_to_pb;
 use trellis_api::model::NetworkSpec;
-use trellis_api::pb::discovery::ListForeignClustersRequest;
+use trellis_api::pb::discovery::GetForeignClusterRequest;
 use trellis_api::pb::discovery::discovery_client::DiscoveryClient;
 use trellis_api::pb::peering::broker_client::BrokerClient;
 use trellis_api::pb::peering::{
@@ -106,13 +106,24 @@ impl Forwarder {
         &self.store
     }
 
-    async fn peers(&self) -> Result<Peers> {
-        let listing = DiscoveryClient::new(self.discovery.clone())
-            .list_foreign_clusters(ListForeignClustersRequest { kind: 0 })
-            .await
-            .map_err(|s| Error::from(s).context("listing foreign clusters"))?
-            .into_inner();
-        Ok(Peers::from_foreign_clusters(&listing.foreign_clusters))
+    /// The peering view of the clusters `ids` (unknown ones are simply absent): one record
+    /// lookup each, not a listing, so a relay costs the same with 2 peers or 250.
+    async fn peers(&self, ids: &[&ClusterId]) -> Result<Peers> {
+        let mut client = DiscoveryClient::new(self.discovery.clone());
+        let mut found = Vec::with_capacity(ids.len());
+        for id in ids {
+            let request = GetForeignClusterRequest {
+                cluster_id: id.to_string(),
+            };
+            match client.get_foreign_cluster(request).await {
+                Ok(answer) => found.extend(answer.into_inner().foreign_cluster),
+                Err(status) if status.code() == tonic::Code::NotFound => {}
+                Err(status) => {
+                    return Err(Error::from(status).context("reading foreign clusters"));
+                }
+            }
+        }
+        Ok(Peers::from_foreign_clusters(&found))
     }
 
     /// The broker address of a full peer with networking, or why it cannot be relayed to.
@@ -159,16 +170,11 @@ impl Forwarder {
 
     /// Both ends must be full peers of this hub with networking: exactly the clusters this
     /// hub advertises to each other in its Neighborhoods.
-    async fn authorize(
-        &self,
-        origin: &ClusterId,
-        destination: &ClusterId,
-    ) -> Result<(String, String)> {
-        let peers = self.peers().await?;
-        Ok((
-            Self::broker_of(&peers, origin, "origin")?,
-            Self::broker_of(&peers, destination, "destination")?,
-        ))
+    async fn authorize(&self, origin: &ClusterId, destination: &ClusterId) -> Result<Peers> {
+        let peers = self.peers(&[origin, destination]).await?;
+        Self::broker_of(&peers, origin, "origin")?;
+        Self::broker_of(&peers, destination, "destination")?;
+        Ok(peers)
     }
 
     async fn load(&self, key: &str) -> Result<Option<(RelayRecord, i64)>> {
@@ -207,7 +213,10 @@ impl Forwarder {
     /// Accepts a passthrough NetworkConfig and tries to deliver it at once.
     #[tracing::instrument(skip_all, fields(origin = %nc.origin.id, destination = %nc.destination.id, generation = nc.generation))]
     pub async fn relay(&self, nc: Passthrough) -> Result<(State, Option<RelayedStatus>, bool)> {
-        self.authorize(&nc.origin.id, &nc.destination.id).await?;
+        let peers = self.authorize(&nc.origin.id, &nc.destination.id).await?;
+        if let Err(err) = self.expedite(&nc.destination.id, &nc.origin.id).await {
+            tracing::debug!(error = %err, "could not expedite the relay the other way");
+        }
         let key = relay_key(&nc.origin.id, &nc.destination.id);
         let mut contention = Contention::new("accepting a relay");
         let (record, revision) = loop {
@@ -243,8 +252,30 @@ impl Forwarder {
             contention.lost().await?;
         };
         tracing::info!(origin = %nc.origin.id, destination = %nc.destination.id, "accepted a relay");
-        let outcome = self.attempt(&key, record, revision, true).await?;
+        let outcome = self
+            .attempt(&key, record, revision, true, Some(peers))
+            .await?;
         Ok((outcome.0, outcome.1, true))
+    }
+
+    /// The relay from `origin` to `destination` is due at once if it waits for a retry: it was
+    /// called when `destination` just relayed towards `origin`, so `destination` knows `origin`
+    /// now, and the usual reason for the earlier failure (the NetworkConfig overtook the
+    /// Neighborhood) is gone. Saves waiting for the backoff.
+    async fn expedite(&self, origin: &ClusterId, destination: &ClusterId) -> Result<()> {
+        let key = relay_key(origin, destination);
+        let now = now_nanos();
+        if let Some((mut record, revision)) = self.load(&key).await?
+            && record.state == State::Pending
+            && record.attempts > 0
+            && record.next_attempt_nanos > now
+        {
+            record.next_attempt_nanos = now;
+            if self.save(&key, revision, Some(&record)).await? {
+                self.wake.notify_one();
+            }
+        }
+        Ok(())
     }
 
     /// The destination's status for a NetworkConfig it received through us.
@@ -254,7 +285,7 @@ impl Forwarder {
         destination: &ClusterIdentity,
         status: RelayedStatus,
     ) -> Result<State> {
-        self.authorize(&origin.id, &destination.id).await?;
+        let peers = self.authorize(&origin.id, &destination.id).await?;
         let key = relay_key(&origin.id, &destination.id);
         let mut contention = Contention::new("accepting a relayed status");
         loop {
@@ -276,7 +307,10 @@ impl Forwarder {
             record.next_attempt_nanos = now_nanos();
             if self.save(&key, revision, Some(&record)).await? {
                 let revision = self.store.get(&key).await?.map_or(0, |kv| kv.mod_revision);
-                return Ok(self.attempt(&key, record, revision, false).await?.0);
+                return Ok(self
+                    .attempt(&key, record, revision, false, Some(peers))
+                    .await?
+                    .0);
             }
             contention.lost().await?;
         }
@@ -291,7 +325,7 @@ impl Forwarder {
     ) -> Result<State> {
         // The destination may already be gone from our peers (that is often why the origin
         // withdraws): then there is nobody left to tell.
-        let peers = self.peers().await?;
+        let peers = self.peers(&[&origin.id, &destination.id]).await?;
         Self::broker_of(&peers, &origin.id, "origin")?;
         let key = relay_key(&origin.id, &destination.id);
         if Self::broker_of(&peers, &destination.id, "destination").is_err() {
@@ -328,7 +362,7 @@ impl Forwarder {
             let revision = self.load(&key).await?.map_or(0, |(_, r)| r);
             if self.save(&key, revision, Some(&record)).await? {
                 let revision = self.store.get(&key).await?.map_or(0, |kv| kv.mod_revision);
-                return Ok(self.attempt(&key, record, revision, false).await?.0);
+                return Ok(self.attempt(&key, record, revision, false, None).await?.0);
             }
             contention.lost().await?;
         }
@@ -342,7 +376,7 @@ impl Forwarder {
         destination: &ClusterIdentity,
         reason: &str,
     ) -> Result<State> {
-        let peers = self.peers().await?;
+        let peers = self.peers(&[&destination.id]).await?;
         let broker = Self::broker_of(&peers, &destination.id, "destination")?;
         self.send_withdrawal(&broker, origin, destination, reason)
             .await?;
@@ -381,8 +415,16 @@ impl Forwarder {
         mut record: RelayRecord,
         revision: i64,
         answering_origin: bool,
+        known: Option<Peers>,
     ) -> Result<(State, Option<RelayedStatus>)> {
-        let peers = self.peers().await?;
+        // Both ends, as just checked by the caller when it did.
+        let peers = match known {
+            Some(peers) => peers,
+            None => {
+                self.peers(&[&record.origin.id, &record.destination.id])
+                    .await?
+            }
+        };
         let result: Result<Option<State>> = async {
             match record.state {
                 State::Pending | State::Delivered => {
@@ -557,7 +599,7 @@ impl Forwarder {
                 continue;
             }
             let span = resumed_span("relay retry", record.trace.as_deref());
-            let attempt = self.attempt(&kv.key, record, kv.mod_revision, false);
+            let attempt = self.attempt(&kv.key, record, kv.mod_revision, false, None);
             if let Err(err) = attempt.instrument(span).await {
                 tracing::warn!(key = %kv.key, error = %err, "relay attempt failed");
             }
