@@ -589,17 +589,28 @@ async fn channel(addr: SocketAddr) -> anyhow::Result<Channel> {
         .await?)
 }
 
-async fn induced(broker: SocketAddr) -> usize {
-    let Ok(channel) = channel(broker).await else {
+/// How many induced TunnelEndpoints the leaf behind `client` holds; 0 while it cannot be asked.
+/// The client (one HTTP/2 connection per leaf) is kept across polls and dropped on an error.
+async fn induced(broker: SocketAddr, client: &mut Option<BrokerClient<Channel>>) -> usize {
+    if client.is_none() {
+        *client = channel(broker).await.ok().map(BrokerClient::new);
+    }
+    let Some(connected) = client.as_mut() else {
         return 0;
     };
-    BrokerClient::new(channel)
+    match connected
         .list_tunnel_endpoints(ListTunnelEndpointsRequest {
             cluster_id: String::new(),
             kind: PeeringKind::Induced as i32,
         })
         .await
-        .map_or(0, |r| r.into_inner().tunnel_endpoints.len())
+    {
+        Ok(response) => response.into_inner().tunnel_endpoints.len(),
+        Err(_) => {
+            *client = None;
+            0
+        }
+    }
 }
 
 fn read_usage(pids: &[(&'static str, u32)]) -> anyhow::Result<Vec<(&'static str, ProcUsage)>> {
@@ -679,10 +690,11 @@ async fn measure(
     // leaf every few milliseconds would take CPU from the mesh being measured.
     let mut done: BTreeMap<usize, usize> = BTreeMap::new();
     let mut pending: BTreeSet<usize> = (0..brokers.len()).collect();
+    let mut clients: Vec<Option<BrokerClient<Channel>>> = vec![None; brokers.len()];
     let converged = loop {
         let mut finished = Vec::new();
         for &i in &pending {
-            let count = induced(brokers[i]).await;
+            let count = induced(brokers[i], &mut clients[i]).await;
             done.insert(i, count);
             if count == leaves - 1 {
                 finished.push(i);
