@@ -56,7 +56,7 @@ if [ "$kind" = quick ]; then
   dataplane=(--samples 10 --iperf-seconds 3 --out "$out/dataplane.json")
 else
   run ipam-bench --out "$out/ipam.json"
-  run mesh-bench --mode in-process --leaves 2,5,10,20,50,100,254 --repeats 3 --timeout 300 \
+  run mesh-bench --mode in-process --leaves 2,5,10,20,50,100,254 --repeats 3 --timeout 180 \
     --out "$out/mesh.json"
   run mesh-bench --mode hub-processes --leaves 2,5,10,20,50,100 --repeats 3 --timeout 300 \
     --out "$out/mesh-hub-processes.json"
