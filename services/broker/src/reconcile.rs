@@ -6,7 +6,7 @@
 //! a remote that is no longer wanted is torn down. Runs on every wake-up (handlers, discovery
 //! changes) and periodically; every step is idempotent, so a restart simply runs it again.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -48,23 +48,16 @@ const CONCURRENCY: usize = 16;
 /// to ([`Broker::wake_for`]), so the work per event does not grow with the number of peers.
 pub async fn run(broker: Arc<Broker>, resync: Duration, shutdown: Shutdown) {
     tokio::spawn(follow_discovery(broker.clone(), shutdown.clone()));
-    let mut retry = RETRY_MIN;
     let mut next_resync = Instant::now();
-    // Remotes (or, with `retry_all`, everything) to look at again once `retry_at` passes.
-    let mut unsettled: BTreeSet<ClusterId> = BTreeSet::new();
-    let mut retry_all = false;
-    let mut retry_at: Option<Instant> = None;
+    let mut retries = Retries::default();
     loop {
         let now = Instant::now();
         let mut dirty = broker.take_dirty();
         if now >= next_resync {
             dirty.all = true;
         }
-        if retry_at.is_some_and(|at| now >= at) {
-            retry_at = None;
-            dirty.all |= std::mem::take(&mut retry_all);
-            dirty.ids.append(&mut unsettled);
-        }
+        dirty.all |= retries.all_due(now);
+        dirty.ids.extend(retries.due(now));
         if dirty.all || !dirty.ids.is_empty() {
             let outcome = if dirty.all {
                 next_resync = now + resync;
@@ -72,36 +65,96 @@ pub async fn run(broker: Arc<Broker>, resync: Duration, shutdown: Shutdown) {
             } else {
                 pass_for(&broker, &dirty.ids).await
             };
+            let now = Instant::now();
             match outcome {
                 Ok(failed) => {
                     if dirty.all {
                         // A full pass looked at everything: only its own failures remain.
-                        unsettled.clear();
-                        retry_all = false;
+                        retries.settle_all_but(&failed);
+                    } else {
+                        retries.settle(dirty.ids.iter().filter(|id| !failed.ids.contains(*id)));
                     }
-                    unsettled.extend(failed.ids);
-                    retry_all |= failed.all;
+                    for id in failed.ids {
+                        retries.failed(id, now);
+                    }
+                    if failed.all {
+                        retries.failed_all(now);
+                    }
                 }
                 Err(err) => {
                     tracing::warn!(error = %err, "reconciliation failed; retrying");
-                    retry_all = true;
-                    unsettled.extend(dirty.ids);
+                    retries.failed_all(now);
+                    for id in dirty.ids {
+                        retries.failed(id, now);
+                    }
                 }
             }
-            if unsettled.is_empty() && !retry_all {
-                retry = RETRY_MIN;
-                retry_at = None;
-            } else if retry_at.is_none() {
-                retry_at = Some(Instant::now() + retry);
-                retry = (retry * 2).min(RETRY_MAX);
-            }
         }
-        let wake_at = retry_at.map_or(next_resync, |at| at.min(next_resync));
+        let wake_at = retries
+            .next_due()
+            .map_or(next_resync, |at| at.min(next_resync));
         tokio::select! {
             () = shutdown.cancelled() => return,
             () = broker.wake.notified() => {}
             () = tokio::time::sleep_until(wake_at) => {}
         }
+    }
+}
+
+/// When to look again at what a pass left unfinished. Each remote backs off on its own: while
+/// leaves are still peering with the hub, many remotes fail for a while, and one shared backoff
+/// grown on their failures would also hold back every remote that failed once, later.
+#[derive(Debug, Default)]
+struct Retries {
+    /// Per remote: the delay after its next failure, and when it is due.
+    remotes: BTreeMap<ClusterId, (Duration, Instant)>,
+    /// The same for a failure not tied to one remote (a full pass).
+    all: Option<(Duration, Instant)>,
+}
+
+impl Retries {
+    fn failed(&mut self, id: ClusterId, now: Instant) {
+        let delay = self.remotes.get(&id).map_or(RETRY_MIN, |(delay, _)| *delay);
+        self.remotes
+            .insert(id, ((delay * 2).min(RETRY_MAX), now + delay));
+    }
+
+    fn failed_all(&mut self, now: Instant) {
+        let delay = self.all.map_or(RETRY_MIN, |(delay, _)| delay);
+        self.all = Some(((delay * 2).min(RETRY_MAX), now + delay));
+    }
+
+    fn settle<'a>(&mut self, ids: impl Iterator<Item = &'a ClusterId>) {
+        for id in ids {
+            self.remotes.remove(id);
+        }
+    }
+
+    fn settle_all_but(&mut self, failed: &Unsettled) {
+        self.remotes.retain(|id, _| failed.ids.contains(id));
+        if !failed.all {
+            self.all = None;
+        }
+    }
+
+    fn all_due(&self, now: Instant) -> bool {
+        self.all.is_some_and(|(_, at)| now >= at)
+    }
+
+    fn due(&self, now: Instant) -> Vec<ClusterId> {
+        self.remotes
+            .iter()
+            .filter(|(_, (_, at))| now >= *at)
+            .map(|(id, _)| id.clone())
+            .collect()
+    }
+
+    fn next_due(&self) -> Option<Instant> {
+        self.remotes
+            .values()
+            .map(|(_, at)| *at)
+            .chain(self.all.map(|(_, at)| at))
+            .min()
     }
 }
 
@@ -882,5 +935,43 @@ mod tests {
         }
         wake_for_event(&broker, &hub, &mut seen);
         assert!(broker.take_dirty().all);
+    }
+
+    fn id(name: &str) -> ClusterId {
+        ClusterId::parse("id", name).expect("valid cluster ID")
+    }
+
+    #[test]
+    fn a_remote_that_keeps_failing_does_not_delay_another() {
+        let now = Instant::now();
+        let mut retries = Retries::default();
+        for _ in 0..6 {
+            retries.failed(id("leaf-a"), now);
+        }
+        retries.failed(id("leaf-c"), now);
+        assert_eq!(retries.next_due(), Some(now + RETRY_MIN));
+        assert_eq!(retries.due(now + RETRY_MIN), vec![id("leaf-c")]);
+        assert!(retries.due(now + RETRY_MAX).contains(&id("leaf-a")));
+    }
+
+    #[test]
+    fn a_success_resets_a_remote_and_a_full_pass_keeps_only_its_failures() {
+        let now = Instant::now();
+        let mut retries = Retries::default();
+        retries.failed(id("leaf-a"), now);
+        retries.failed(id("leaf-a"), now);
+        retries.settle([id("leaf-a")].iter());
+        retries.failed(id("leaf-a"), now);
+        assert_eq!(retries.next_due(), Some(now + RETRY_MIN));
+
+        retries.failed(id("leaf-c"), now);
+        retries.failed_all(now);
+        let failed = Unsettled {
+            all: false,
+            ids: BTreeSet::from([id("leaf-c")]),
+        };
+        retries.settle_all_but(&failed);
+        assert!(!retries.all_due(now + RETRY_MAX));
+        assert_eq!(retries.due(now + RETRY_MAX), vec![id("leaf-c")]);
     }
 }
