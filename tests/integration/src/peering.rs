@@ -1,12 +1,15 @@
 //! What every peering test does with a cluster, in-process or as processes: wait for a
-//! condition, read a broker's TunnelEndpoints, fetch a token, peer with another cluster.
+//! condition, read a broker's TunnelEndpoints, fetch a token, peer with another cluster, read
+//! how one cluster addresses another.
 //! One copy here instead of one per test file.
 
 use std::future::Future;
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
+use ipnet::IpNet;
 use tonic::transport::Channel;
+use trellis_api::pb::ipam::ListClusterSubnetsRequest;
 use trellis_api::pb::peering::broker_client::BrokerClient;
 use trellis_api::pb::peering::{
     GetTokenRequest, ListTunnelEndpointsRequest, PeerRequest, PeerResponse,
@@ -141,4 +144,31 @@ pub async fn peer(from: &impl Peerable, to: &impl Peerable) {
         answer.identity.map(|i| i.cluster_id).as_deref(),
         Some(to.cluster_id())
     );
+}
+
+/// How `viewer`'s IPAM addresses `remote`'s pod CIDR (after any remap); panics without one.
+pub async fn pod_view(viewer: &InProcessCluster, remote: &str) -> IpNet {
+    viewer
+        .ipam()
+        .await
+        .expect("connects to the IPAM")
+        .list_cluster_subnets(ListClusterSubnetsRequest {})
+        .await
+        .expect("lists cluster subnets")
+        .into_inner()
+        .clusters
+        .into_iter()
+        .find(|c| c.cluster_id == remote)
+        .unwrap_or_else(|| panic!("no mapping for {remote}"))
+        .remote_pod_cidr_nat
+        .parse()
+        .expect("a CIDR")
+}
+
+/// Host number `host` of the IPv4 network `net`, as a string.
+pub fn host_at(net: IpNet, host: u32) -> String {
+    match net {
+        IpNet::V4(v4) => std::net::Ipv4Addr::from(u32::from(v4.network()) + host).to_string(),
+        IpNet::V6(_) => panic!("IPv4 only"),
+    }
 }

@@ -10,38 +10,11 @@ use ipnet::IpNet;
 use trellis_api::pb::endpoints::{
     AddressType, Endpoint, EndpointSlice, ReflectEndpointSliceRequest, TranslationPath,
 };
-use trellis_api::pb::ipam::ListClusterSubnetsRequest;
 use trellis_api::pb::types::{self as types, ClusterIdentity};
 use trellis_integration::cluster::InProcessCluster;
-use trellis_integration::peering::{eventually, peer, tunnel_to};
+use trellis_integration::peering::{eventually, host_at, peer, pod_view, tunnel_to};
 
 const LIMIT: Duration = Duration::from_secs(30);
-
-/// How `viewer`'s IPAM addresses `remote`'s pod CIDR.
-async fn pod_view(viewer: &InProcessCluster, remote: &str) -> IpNet {
-    viewer
-        .ipam()
-        .await
-        .expect("connects")
-        .list_cluster_subnets(ListClusterSubnetsRequest {})
-        .await
-        .expect("lists")
-        .into_inner()
-        .clusters
-        .into_iter()
-        .find(|c| c.cluster_id == remote)
-        .expect("a mapping for the remote")
-        .remote_pod_cidr_nat
-        .parse()
-        .expect("cidr")
-}
-
-fn at(net: IpNet, host: u32) -> String {
-    match net {
-        IpNet::V4(v4) => std::net::Ipv4Addr::from(u32::from(v4.network()) + host).to_string(),
-        IpNet::V6(_) => panic!("IPv4 only"),
-    }
-}
 
 fn slice(address: String) -> EndpointSlice {
     EndpointSlice {
@@ -87,7 +60,7 @@ async fn an_endpoint_in_a_reflected_by_the_hub_to_c_is_reached_directly() {
                 cluster_id: "leaf-c".into(),
                 cluster_name: String::new(),
             }),
-            slice: Some(slice(at(b_view_a, 7))),
+            slice: Some(slice(host_at(b_view_a, 7))),
             deliver: false,
         })
         .await
@@ -97,7 +70,7 @@ async fn an_endpoint_in_a_reflected_by_the_hub_to_c_is_reached_directly() {
     assert_eq!(t.path, TranslationPath::Induced as i32, "{t:?}");
     assert_eq!(
         t.translated_address,
-        at(c_view_a, 7),
+        host_at(c_view_a, 7),
         "C's direct view of A"
     );
 
@@ -120,5 +93,8 @@ async fn an_endpoint_in_a_reflected_by_the_hub_to_c_is_reached_directly() {
         answer.translations[0].path,
         TranslationPath::LocalNat as i32
     );
-    assert_eq!(answer.translations[0].translated_address, at(c_view_b, 9));
+    assert_eq!(
+        answer.translations[0].translated_address,
+        host_at(c_view_b, 9)
+    );
 }

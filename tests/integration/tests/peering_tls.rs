@@ -23,15 +23,15 @@ use trellis_api::pb::endpoints::{
 };
 use trellis_api::pb::ipam::ipam_client::IpamClient;
 use trellis_api::pb::ipam::{
-    DoesClusterMappingExistRequest, EndpointMapping, ListClusterSubnetsRequest,
-    ListEndpointMappingsRequest, MapEndpointIpRequest,
+    DoesClusterMappingExistRequest, EndpointMapping, ListEndpointMappingsRequest,
+    MapEndpointIpRequest,
 };
 use trellis_api::pb::peering::broker_client::BrokerClient;
 use trellis_api::pb::peering::forwarder_client::ForwarderClient;
 use trellis_api::pb::peering::*;
 use trellis_api::pb::types::{self as types};
 use trellis_integration::cluster::InProcessCluster;
-use trellis_integration::peering::{eventually, peer, tunnel_to};
+use trellis_integration::peering::{eventually, host_at, peer, pod_view, tunnel_to};
 use trellis_runtime::client::{Timeouts, TracedChannel};
 use trellis_runtime::tls::{PeerTls, handshake_channel, peer_channel};
 
@@ -419,32 +419,6 @@ fn induced_map(target: &str, ip: &str) -> MapEndpointIpRequest {
     }
 }
 
-/// How `viewer`'s IPAM addresses `remote`'s pod CIDR.
-async fn pod_view(viewer: &InProcessCluster, remote: &str) -> IpNet {
-    viewer
-        .ipam()
-        .await
-        .expect("connects")
-        .list_cluster_subnets(ListClusterSubnetsRequest {})
-        .await
-        .expect("lists")
-        .into_inner()
-        .clusters
-        .into_iter()
-        .find(|c| c.cluster_id == remote)
-        .expect("a mapping for the remote")
-        .remote_pod_cidr_nat
-        .parse()
-        .expect("cidr")
-}
-
-fn at(net: IpNet, host: u32) -> String {
-    match net {
-        IpNet::V4(v4) => std::net::Ipv4Addr::from(u32::from(v4.network()) + host).to_string(),
-        IpNet::V6(_) => panic!("IPv4 only"),
-    }
-}
-
 /// The cluster IDs `cluster`'s discovery knows.
 async fn known(cluster: &InProcessCluster) -> Vec<String> {
     cluster
@@ -508,10 +482,10 @@ async fn neighborhoods_ipam_queries_and_reflected_slices_take_a_peer_speaking_fo
     // MapEndpointIp induced) and pushed the slice to C's endpoints service over mutual TLS.
     let hub_view_a = pod_view(&hub, "leaf-a").await;
     let c_view_a: IpNet = c_to_a.remote_pod_cidr_nat.parse().expect("cidr");
-    let direct = at(c_view_a, 7);
+    let direct = host_at(c_view_a, 7);
     let request = ReflectEndpointSliceRequest {
         target: identity("leaf-c"),
-        slice: Some(slice(at(hub_view_a, 7))),
+        slice: Some(slice(host_at(hub_view_a, 7))),
         deliver: true,
     };
     let answer = eventually("an induced translation, delivered", LIMIT, || {
@@ -655,7 +629,7 @@ async fn neighborhoods_ipam_queries_and_reflected_slices_take_a_peer_speaking_fo
         .await
         .expect("a local caller")
         .into_inner();
-    assert_eq!(local.ip, at(c_view_hub, 9));
+    assert_eq!(local.ip, host_at(c_view_hub, 9));
 
     // ---- a full peer (A) presenting its own certificate while claiming another cluster ----
     let as_a = a_tls.client("endpoints", &[&hub, &c]).expect("client");
