@@ -1,6 +1,6 @@
 //! What every peering test does with a cluster, in-process or as processes: wait for a
 //! condition, read a broker's TunnelEndpoints, fetch a token, peer with another cluster, read
-//! how one cluster addresses another.
+//! how one cluster addresses another, build the slice the reflection tests push.
 //! One copy here instead of one per test file.
 
 use std::future::Future;
@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 
 use ipnet::IpNet;
 use tonic::transport::Channel;
+use trellis_api::pb::endpoints::{AddressType, Endpoint, EndpointSlice};
 use trellis_api::pb::ipam::ListClusterSubnetsRequest;
 use trellis_api::pb::peering::broker_client::BrokerClient;
 use trellis_api::pb::peering::{
@@ -170,5 +171,22 @@ pub fn host_at(net: IpNet, host: u32) -> String {
     match net {
         IpNet::V4(v4) => std::net::Ipv4Addr::from(u32::from(v4.network()) + host).to_string(),
         IpNet::V6(_) => panic!("IPv4 only"),
+    }
+}
+
+/// The EndpointSlice the reflection tests push: `shop/web-1` of Service `web`, one IPv4
+/// endpoint at `address`.
+pub fn web_slice(address: String) -> EndpointSlice {
+    EndpointSlice {
+        namespace: "shop".into(),
+        name: "web-1".into(),
+        service_name: "web".into(),
+        address_type: AddressType::Ipv4.into(),
+        endpoints: vec![Endpoint {
+            addresses: vec![address],
+            ..Default::default()
+        }],
+        ports: vec![],
+        labels: Default::default(),
     }
 }

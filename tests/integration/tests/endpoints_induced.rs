@@ -7,29 +7,12 @@
 use std::time::Duration;
 
 use ipnet::IpNet;
-use trellis_api::pb::endpoints::{
-    AddressType, Endpoint, EndpointSlice, ReflectEndpointSliceRequest, TranslationPath,
-};
+use trellis_api::pb::endpoints::{ReflectEndpointSliceRequest, TranslationPath};
 use trellis_api::pb::types::{self as types, ClusterIdentity};
 use trellis_integration::cluster::InProcessCluster;
-use trellis_integration::peering::{eventually, host_at, peer, pod_view, tunnel_to};
+use trellis_integration::peering::{eventually, host_at, peer, pod_view, tunnel_to, web_slice};
 
 const LIMIT: Duration = Duration::from_secs(30);
-
-fn slice(address: String) -> EndpointSlice {
-    EndpointSlice {
-        namespace: "shop".into(),
-        name: "web-1".into(),
-        service_name: "web".into(),
-        address_type: AddressType::Ipv4.into(),
-        endpoints: vec![Endpoint {
-            addresses: vec![address],
-            ..Default::default()
-        }],
-        ports: vec![],
-        labels: Default::default(),
-    }
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_endpoint_in_a_reflected_by_the_hub_to_c_is_reached_directly() {
@@ -60,7 +43,7 @@ async fn an_endpoint_in_a_reflected_by_the_hub_to_c_is_reached_directly() {
                 cluster_id: "leaf-c".into(),
                 cluster_name: String::new(),
             }),
-            slice: Some(slice(host_at(b_view_a, 7))),
+            slice: Some(web_slice(host_at(b_view_a, 7))),
             deliver: false,
         })
         .await
@@ -83,7 +66,7 @@ async fn an_endpoint_in_a_reflected_by_the_hub_to_c_is_reached_directly() {
                 cluster_id: "leaf-c".into(),
                 cluster_name: String::new(),
             }),
-            slice: Some(slice("10.0.0.9".into())),
+            slice: Some(web_slice("10.0.0.9".into())),
             deliver: false,
         })
         .await

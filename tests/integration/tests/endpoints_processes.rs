@@ -18,9 +18,8 @@ use std::time::{Duration, Instant};
 
 use ipnet::{IpNet, Ipv4Net};
 use trellis_api::pb::endpoints::{
-    AddressTranslation, AddressType, Endpoint, EndpointSlice, ListReflectedSlicesRequest,
-    ReflectEndpointSliceRequest, ReflectEndpointSliceResponse, ReflectedSlice, TranslationPath,
-    UnreflectEndpointSliceRequest,
+    AddressTranslation, ListReflectedSlicesRequest, ReflectEndpointSliceRequest,
+    ReflectEndpointSliceResponse, ReflectedSlice, TranslationPath, UnreflectEndpointSliceRequest,
 };
 use trellis_api::pb::ipam::{
     ClusterSubnets, DoesClusterMappingExistRequest, ListClusterSubnetsRequest,
@@ -28,6 +27,7 @@ use trellis_api::pb::ipam::{
 };
 use trellis_api::pb::peering::{GetTokenRequest, ListTunnelEndpointsRequest, PeerRequest};
 use trellis_api::pb::types::{ClusterIdentity, PeeringKind, TunnelEndpoint};
+use trellis_integration::peering::web_slice;
 use trellis_integration::processes::{Options, ProcessCluster};
 
 const POD_CIDR: &str = "10.0.0.0/16";
@@ -182,21 +182,6 @@ fn host_bits(net: Ipv4Net, ip: &str) -> u32 {
     u32::from(ip) - u32::from(net.network())
 }
 
-fn slice(address: String) -> EndpointSlice {
-    EndpointSlice {
-        namespace: "shop".into(),
-        name: "web-1".into(),
-        service_name: "web".into(),
-        address_type: AddressType::Ipv4.into(),
-        endpoints: vec![Endpoint {
-            addresses: vec![address],
-            ..Default::default()
-        }],
-        ports: vec![],
-        labels: Default::default(),
-    }
-}
-
 fn identity(id: &str) -> Option<ClusterIdentity> {
     Some(ClusterIdentity {
         cluster_id: id.into(),
@@ -220,7 +205,7 @@ async fn reflect_a_pod_to_c(mesh: &Mesh) -> (ReflectEndpointSliceResponse, Strin
     let answer = mapper
         .reflect_endpoint_slice(ReflectEndpointSliceRequest {
             target: identity(LEAF_C),
-            slice: Some(slice(original.clone())),
+            slice: Some(web_slice(original.clone())),
             deliver: true,
         })
         .await

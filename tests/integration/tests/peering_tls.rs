@@ -17,9 +17,8 @@ use trellis_api::pb::discovery::{
 };
 use trellis_api::pb::endpoints::endpoint_mapper_client::EndpointMapperClient;
 use trellis_api::pb::endpoints::{
-    AddressType, ApplyReflectedSliceRequest, DeleteReflectedSliceRequest, Endpoint, EndpointSlice,
-    ListReflectedSlicesRequest, ReflectEndpointSliceRequest, ReflectedSlice, TranslationPath,
-    UnreflectEndpointSliceRequest,
+    ApplyReflectedSliceRequest, DeleteReflectedSliceRequest, ListReflectedSlicesRequest,
+    ReflectEndpointSliceRequest, ReflectedSlice, TranslationPath, UnreflectEndpointSliceRequest,
 };
 use trellis_api::pb::ipam::ipam_client::IpamClient;
 use trellis_api::pb::ipam::{
@@ -31,7 +30,7 @@ use trellis_api::pb::peering::forwarder_client::ForwarderClient;
 use trellis_api::pb::peering::*;
 use trellis_api::pb::types::{self as types};
 use trellis_integration::cluster::InProcessCluster;
-use trellis_integration::peering::{eventually, host_at, peer, pod_view, tunnel_to};
+use trellis_integration::peering::{eventually, host_at, peer, pod_view, tunnel_to, web_slice};
 use trellis_runtime::client::{Timeouts, TracedChannel};
 use trellis_runtime::tls::{PeerTls, handshake_channel, peer_channel};
 
@@ -380,25 +379,10 @@ fn forged_neighborhood(sender: &str, recipient: &str) -> PublishNeighborhoodRequ
     }
 }
 
-fn slice(address: String) -> EndpointSlice {
-    EndpointSlice {
-        namespace: "shop".into(),
-        name: "web-1".into(),
-        service_name: "web".into(),
-        address_type: AddressType::Ipv4.into(),
-        endpoints: vec![Endpoint {
-            addresses: vec![address],
-            ..Default::default()
-        }],
-        ports: vec![],
-        labels: Default::default(),
-    }
-}
-
 fn apply(source: &str, address: &str) -> ApplyReflectedSliceRequest {
     ApplyReflectedSliceRequest {
         source: identity(source),
-        slice: Some(slice(address.into())),
+        slice: Some(web_slice(address.into())),
         generation: 1 << 40,
     }
 }
@@ -485,7 +469,7 @@ async fn neighborhoods_ipam_queries_and_reflected_slices_take_a_peer_speaking_fo
     let direct = host_at(c_view_a, 7);
     let request = ReflectEndpointSliceRequest {
         target: identity("leaf-c"),
-        slice: Some(slice(host_at(hub_view_a, 7))),
+        slice: Some(web_slice(host_at(hub_view_a, 7))),
         deliver: true,
     };
     let answer = eventually("an induced translation, delivered", LIMIT, || {
