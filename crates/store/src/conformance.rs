@@ -44,6 +44,8 @@ macro_rules! conformance_tests {
             txn_mod_revision_compare,
             txn_create_if_absent_has_one_winner,
             txn_cas_counter_loses_no_increment,
+            txn_larger_than_etcd_allows_is_refused,
+            txn_chunks_each_fit,
             watch_from_now_sees_puts_and_deletes_in_order,
             watch_resumes_without_gaps_or_duplicates,
             watch_from_listing_revision_misses_nothing,
@@ -245,6 +247,64 @@ pub async fn txn_success_branch_is_atomic(store: SharedStore) {
     assert_eq!(get(&store, "gone").await, None);
     assert_eq!(get(&store, "failed").await, None);
     assert_eq!(revision(&store).await, outcome.revision);
+}
+
+/// etcd refuses a transaction with more than `--max-txn-ops` (128 by default) compares or ops
+/// in a branch and writes nothing; the memory store must refuse the same, or code that only
+/// ever ran against memory would fail in production.
+pub async fn txn_larger_than_etcd_allows_is_refused(store: SharedStore) {
+    let puts = |n: usize| {
+        (0..n)
+            .map(|i| Op::put(format!("k/{i:03}"), "v"))
+            .collect::<Vec<_>>()
+    };
+    let largest = Txn {
+        success: puts(crate::MAX_TXN_OPS),
+        ..Txn::default()
+    };
+    assert!(store.txn(largest).await.expect("128 ops fit").succeeded);
+    store
+        .txn(Txn::new().then(Op::delete("k/000")))
+        .await
+        .expect("delete");
+    for too_large in [
+        Txn {
+            success: [puts(crate::MAX_TXN_OPS), vec![Op::put("extra", "v")]].concat(),
+            ..Txn::default()
+        },
+        Txn {
+            compares: (0..=crate::MAX_TXN_OPS)
+                .map(|i| Compare::absent(format!("c/{i:03}")))
+                .collect(),
+            success: vec![Op::put("extra", "v")],
+            ..Txn::default()
+        },
+    ] {
+        let before = revision(&store).await;
+        let err = store.txn(too_large).await.expect_err("refused");
+        assert!(matches!(err, StoreError::Internal(_)), "{err:?}");
+        assert!(err.to_string().contains("too many operations"), "{err}");
+        assert_eq!(revision(&store).await, before, "nothing written");
+        assert_eq!(get(&store, "extra").await, None);
+    }
+}
+
+/// [`Txn::chunks`] splits 300 guarded writes into transactions the store accepts, each
+/// carrying the shared guard.
+pub async fn txn_chunks_each_fit(store: SharedStore) {
+    let guard = put(&store, "guard", "g").await;
+    let groups = (0..300)
+        .map(|i| {
+            let key = format!("r/{i:03}");
+            (vec![Compare::absent(key.clone())], vec![Op::put(key, "v")])
+        })
+        .collect();
+    let chunks = Txn::chunks(&[Compare::mod_revision("guard", guard)], groups).expect("chunks");
+    assert!(chunks.len() >= 3, "{} chunks", chunks.len());
+    for chunk in chunks {
+        assert!(store.txn(chunk).await.expect("a chunk fits").succeeded);
+    }
+    assert_eq!(store.list("r/").await.expect("list").kvs.len(), 300);
 }
 
 /// When a compare fails, only the failure ops apply.

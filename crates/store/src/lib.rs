@@ -38,7 +38,7 @@ pub use error::StoreError;
 pub use etcd::EtcdStore;
 pub use kv::{KeyValue, LeaseId, Listing, Revision, StoreSize};
 pub use memory::MemoryStore;
-pub use txn::{Compare, Op, Txn, TxnOutcome};
+pub use txn::{Compare, MAX_TXN_OPS, Op, Txn, TxnOutcome};
 pub use url::StoreUrl;
 pub use watch::{WatchEvent, WatchStream};
 

@@ -156,6 +156,72 @@ impl Txn {
     }
 }
 
+/// The most compares, or writes per branch, one transaction may hold: etcd's default
+/// `--max-txn-ops`. etcd refuses a larger transaction ("too many operations in txn request"),
+/// so the memory store does too, and code that writes many records splits them into
+/// transactions of at most this size ([`Txn::chunks`]).
+pub const MAX_TXN_OPS: usize = 128;
+
+impl Txn {
+    /// What is wrong with the transaction's size, if anything (see [`MAX_TXN_OPS`]).
+    pub fn oversize(&self) -> Option<String> {
+        let sizes = [
+            ("compares", self.compares.len()),
+            ("success ops", self.success.len()),
+            ("failure ops", self.failure.len()),
+        ];
+        sizes
+            .iter()
+            .find(|(_, n)| *n > MAX_TXN_OPS)
+            .map(|(what, n)| {
+                format!("too many operations in txn request: {n} {what}, at most {MAX_TXN_OPS}")
+            })
+    }
+
+    /// Splits guarded writes into transactions that each fit [`MAX_TXN_OPS`]: every item is a
+    /// group of compares and success ops that must commit together (e.g. a record's revision
+    /// guard and its put), `shared` compares are repeated in every chunk. A group larger than a
+    /// chunk on its own is an error (the caller's bug).
+    pub fn chunks(
+        shared: &[Compare],
+        groups: Vec<(Vec<Compare>, Vec<Op>)>,
+    ) -> Result<Vec<Txn>, String> {
+        let mut out = Vec::new();
+        let mut current = Txn {
+            compares: shared.to_vec(),
+            ..Txn::default()
+        };
+        let mut pending = false;
+        for (compares, ops) in groups {
+            if shared.len() + compares.len() > MAX_TXN_OPS || ops.len() > MAX_TXN_OPS {
+                return Err(format!(
+                    "one group of {} compares and {} ops does not fit a transaction of {MAX_TXN_OPS}",
+                    shared.len() + compares.len(),
+                    ops.len()
+                ));
+            }
+            if current.compares.len() + compares.len() > MAX_TXN_OPS
+                || current.success.len() + ops.len() > MAX_TXN_OPS
+            {
+                out.push(std::mem::replace(
+                    &mut current,
+                    Txn {
+                        compares: shared.to_vec(),
+                        ..Txn::default()
+                    },
+                ));
+            }
+            current.compares.extend(compares);
+            current.success.extend(ops);
+            pending = true;
+        }
+        if pending {
+            out.push(current);
+        }
+        Ok(out)
+    }
+}
+
 /// What a transaction did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct TxnOutcome {

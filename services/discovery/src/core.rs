@@ -61,11 +61,22 @@ pub struct Snapshot {
     pub revision: i64,
 }
 
-/// Writes to several records that commit together, each guarded by the revision it was read at.
+/// One record's write: the guard on the revision it was read at, and its ops.
+type Group = (Vec<Compare>, Vec<Op>);
+
+/// Writes to several records, each guarded by the revision it was read at, plus `guards` that
+/// every write depends on (the sender's record, the inbox).
+///
+/// A batch that fits one transaction commits atomically. A larger one (a Neighborhood with
+/// more neighbours than etcd's `--max-txn-ops` allows in one transaction) commits in chunks in
+/// order, each chunk under the shared guards, and the `last` writes (the inbox, the peer's own
+/// record) in the final chunk: every chunk is idempotent (a re-read skips records already
+/// written), and the final one is the commit point that says the whole change is applied.
 #[derive(Default)]
 struct Batch {
-    compares: Vec<Compare>,
-    ops: Vec<Op>,
+    guards: Vec<Compare>,
+    groups: Vec<Group>,
+    last: Vec<Group>,
     written: Vec<ClusterId>,
 }
 
@@ -76,58 +87,119 @@ impl Batch {
         &mut self,
         before: Option<&ForeignClusterRecord>,
         revision: i64,
-        mut after: ForeignClusterRecord,
+        after: ForeignClusterRecord,
     ) -> Result<()> {
+        if let Some(group) = self.put_group(before, revision, after)? {
+            self.groups.push(group);
+        }
+        Ok(())
+    }
+
+    /// Like [`Batch::put`], committed in the final chunk.
+    fn put_last(
+        &mut self,
+        before: Option<&ForeignClusterRecord>,
+        revision: i64,
+        after: ForeignClusterRecord,
+    ) -> Result<()> {
+        if let Some(group) = self.put_group(before, revision, after)? {
+            self.last.push(group);
+        }
+        Ok(())
+    }
+
+    fn put_group(
+        &mut self,
+        before: Option<&ForeignClusterRecord>,
+        revision: i64,
+        mut after: ForeignClusterRecord,
+    ) -> Result<Option<Group>> {
         if let Some(old) = before
             && same_content(old, &after)
         {
-            return Ok(());
+            return Ok(None);
         }
         after.previous_kind = before.map(|b| b.kind);
         after.update_time = now_nanos();
         let key = cluster_key(&after.identity.id);
-        self.compares
-            .push(Compare::mod_revision(key.clone(), revision));
-        self.ops.push(Op::put(key, encode(&after)?));
         self.written.push(after.identity.id.clone());
-        Ok(())
+        Ok(Some((
+            vec![Compare::mod_revision(key.clone(), revision)],
+            vec![Op::put(key, encode(&after)?)],
+        )))
     }
 
     /// Deletes a record, leaving its last content as a tombstone at the same revision.
     fn delete(&mut self, before: &ForeignClusterRecord, revision: i64) -> Result<()> {
         let key = cluster_key(&before.identity.id);
-        self.compares
-            .push(Compare::mod_revision(key.clone(), revision));
-        self.ops.push(Op::delete(key));
-        self.ops.push(Op::put(
-            tombstone_key(before.identity.id.as_str()),
-            encode(before)?,
+        self.groups.push((
+            vec![Compare::mod_revision(key.clone(), revision)],
+            vec![
+                Op::delete(key),
+                Op::put(tombstone_key(before.identity.id.as_str()), encode(before)?),
+            ],
         ));
         Ok(())
     }
 
     fn guard(&mut self, key: String, revision: i64) {
-        self.compares.push(Compare::mod_revision(key, revision));
+        self.guards.push(Compare::mod_revision(key, revision));
     }
 
+    /// A write committed in the final chunk (the inbox).
     fn op(&mut self, op: Op) {
-        self.ops.push(op);
+        self.last.push((Vec::new(), vec![op]));
     }
 
     fn is_empty(&self) -> bool {
-        self.ops.is_empty()
+        self.groups.is_empty() && self.last.is_empty()
     }
 
-    /// Commits; `None` when a guard failed (re-read and decide again).
+    /// Commits; `None` when a guard failed (re-read and decide again: chunks already committed
+    /// are then found written and skipped).
     async fn commit(self, store: &SharedStore) -> Result<Option<i64>> {
-        let outcome = store
-            .txn(Txn {
-                compares: self.compares,
-                success: self.ops,
-                failure: vec![],
-            })
-            .await?;
-        Ok(outcome.succeeded.then_some(outcome.revision))
+        let last = |groups: Vec<Group>| {
+            groups.into_iter().fold(
+                Txn {
+                    compares: self.guards.clone(),
+                    ..Txn::default()
+                },
+                |mut txn, (compares, ops)| {
+                    txn.compares.extend(compares);
+                    txn.success.extend(ops);
+                    txn
+                },
+            )
+        };
+        let whole = last(self.groups.iter().chain(&self.last).cloned().collect());
+        let txns = if whole.oversize().is_none() {
+            vec![whole]
+        } else {
+            let mut txns = Txn::chunks(&self.guards, self.groups).map_err(Error::Internal)?;
+            let tail = last(self.last);
+            if let Some(why) = tail.oversize() {
+                return Err(Error::Internal(format!("final chunk: {why}")));
+            }
+            txns.push(tail);
+            txns
+        };
+        let chunks = txns.len();
+        let mut revision = None;
+        for (i, txn) in txns.into_iter().enumerate() {
+            let outcome = store.txn(txn).await?;
+            if !outcome.succeeded {
+                if i > 0 {
+                    tracing::debug!(
+                        committed = i,
+                        chunks,
+                        "a chunked write lost a guard midway; re-reading"
+                    );
+                }
+                return Ok(None);
+            }
+            revision = Some(outcome.revision);
+        }
+        Ok(revision)
     }
 }
 
@@ -154,6 +226,12 @@ pub struct Discovery {
     induced: bool,
     /// Mutual TLS towards other clusters' discovery services (ADR 0014), when configured.
     tls: Option<PeerTls>,
+    /// Serialises, within this process, the writes that touch many induced records at once
+    /// (applying a Neighborhood, ending a peering). A large one commits in several chunks
+    /// ([`Batch::commit`]); two of them interleaving chunk by chunk could each re-decide over
+    /// the other's half. Replicas on one etcd stay correct through the record guards; the lock
+    /// only keeps one process from racing itself.
+    bulk: tokio::sync::Mutex<()>,
 }
 
 impl Discovery {
@@ -201,6 +279,7 @@ impl Discovery {
             advertised,
             induced: true,
             tls: None,
+            bulk: tokio::sync::Mutex::new(()),
         })
     }
 
@@ -450,6 +529,7 @@ impl Discovery {
                 "is this cluster's own ID; a cluster does not peer with itself",
             ));
         }
+        let _bulk = self.bulk.lock().await;
         let mut contention = Contention::new("updating a peering");
         loop {
             let snapshot = self.snapshot().await?;
@@ -533,7 +613,9 @@ impl Discovery {
                 }
             }
             let became_hub_source = after.is_networked_full_peer();
-            batch.put(before, revision, after.clone())?;
+            // The peer's own record commits last: if a chunked withdrawal below is cut short,
+            // the peering still reads as it was and the caller's retry finishes the work.
+            batch.put_last(before, revision, after.clone())?;
             if !became_hub_source {
                 // Whatever this cluster introduced as a hub is gone with the peering.
                 self.withdraw_introduced(
@@ -667,6 +749,7 @@ impl Discovery {
     pub async fn receive_neighborhood(&self, n: &ReceivedNeighborhood) -> Result<Applied> {
         self.check_neighborhood(n)?;
         let sender = &n.sender.id;
+        let _bulk = self.bulk.lock().await;
         let mut contention = Contention::new("applying a Neighborhood");
         loop {
             let snapshot = self.snapshot().await?;
@@ -796,9 +879,11 @@ impl Discovery {
                 return Some(after);
             }
             Some(current) if after.kind == Kind::Induced && current.origin.id == n.sender.id => {
+                // The generation is not refreshed here: a new generation that changes nothing
+                // about this neighbour must not rewrite its record (n records per generation
+                // on every leaf); it is set below only when the record changes.
                 current.origin = n.sender.clone();
                 current.addresses = neighbor.addresses.clone();
-                current.generation = n.generation;
             }
             _ => {
                 // New, withdrawn, or a full record we only discovered (never peered): the hub's
@@ -819,6 +904,14 @@ impl Discovery {
         );
         if after.condition(WITHDRAWN).is_some() {
             after.set_condition(WITHDRAWN, Status::False, "NeighborhoodUpdated", &message);
+        }
+        if found.is_some_and(|old| same_content(old, &after)) {
+            return None;
+        }
+        if let Some(current) = after.induced.as_mut()
+            && current.origin.id == n.sender.id
+        {
+            current.generation = n.generation;
         }
         Some(after)
     }

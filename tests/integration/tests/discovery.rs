@@ -353,3 +353,96 @@ async fn grpcurl_lists_calls_and_streams_the_discovery_service() {
         .collect();
     assert!(revisions[0] < revisions[1], "{revisions:?}");
 }
+
+/// Publishes `neighbors` as hub `b`'s Neighborhood for `leaf` at `generation`.
+async fn publish(leaf: &ServiceProcess, neighbors: &[String], generation: i64) {
+    let answer = client(leaf)
+        .await
+        .publish_neighborhood(PublishNeighborhoodRequest {
+            neighborhood: Some(trellis_api::pb::types::Neighborhood {
+                sender: Some(ClusterIdentity {
+                    cluster_id: "b".into(),
+                    cluster_name: "cluster b".into(),
+                }),
+                recipient: Some(ClusterIdentity {
+                    cluster_id: "leaf".into(),
+                    cluster_name: "cluster leaf".into(),
+                }),
+                neighbors: neighbors
+                    .iter()
+                    .map(|id| trellis_api::pb::types::Neighbor {
+                        identity: Some(ClusterIdentity {
+                            cluster_id: id.clone(),
+                            cluster_name: String::new(),
+                        }),
+                        addresses: Some(ServiceAddresses::default()),
+                    })
+                    .collect(),
+                generation,
+                create_time: None,
+            }),
+        })
+        .await
+        .unwrap_or_else(|status| panic!("generation {generation} refused: {status}"))
+        .into_inner();
+    assert!(answer.applied, "generation {generation}: {answer:?}");
+    assert_eq!(answer.current_generation, generation);
+}
+
+/// The `neighborhood_generation` of every active induced record of `p`.
+async fn induced_generations(p: &ServiceProcess) -> Vec<i64> {
+    client(p)
+        .await
+        .list_foreign_clusters(ListForeignClustersRequest {
+            kind: PeeringKind::Induced as i32,
+        })
+        .await
+        .expect("lists")
+        .into_inner()
+        .foreign_clusters
+        .iter()
+        .filter(|fc| condition(fc, "Withdrawn") != Some(ConditionStatus::True))
+        .filter_map(|fc| fc.induced.as_ref().map(|i| i.neighborhood_generation))
+        .collect()
+}
+
+/// etcd refuses a transaction of more than 128 operations (its default `--max-txn-ops`), which
+/// used to cap a hub at about 126 leaves and keep a leaf from unpeering a bigger hub. A
+/// 300-neighbour Neighborhood applies on a real etcd, a new generation that changes nothing
+/// rewrites no record, a smaller one withdraws the dropped half, and unpeering the hub withdraws
+/// all 300.
+#[tokio::test]
+async fn neighborhoods_larger_than_an_etcd_transaction_apply_and_unpeering_withdraws_them() {
+    let Some(etcd) = Etcd::start_or_skip() else {
+        return;
+    };
+    let leaf = start_discovery(&etcd, "leaf").await;
+    peer(&leaf, "b", free_addr(), true).await;
+    let all: Vec<String> = (0..300).map(|i| format!("n{i:03}")).collect();
+
+    publish(&leaf, &all, 1).await;
+    let (active, withdrawn) = induced(&leaf).await;
+    assert_eq!(active.len(), 300, "{}", leaf.log_tail(20));
+    assert!(withdrawn.is_empty(), "{withdrawn:?}");
+
+    // Same neighbours, new generation: nothing about them changed, so no record is rewritten.
+    publish(&leaf, &all, 2).await;
+    let generations = induced_generations(&leaf).await;
+    assert_eq!(generations.len(), 300);
+    assert!(
+        generations.iter().all(|g| *g == 1),
+        "records rewritten: {generations:?}"
+    );
+
+    publish(&leaf, &all[..150], 3).await;
+    let (active, withdrawn) = induced(&leaf).await;
+    assert_eq!((active.len(), withdrawn.len()), (150, 150));
+
+    publish(&leaf, &all, 4).await;
+    assert_eq!(induced(&leaf).await.0.len(), 300);
+
+    peer(&leaf, "b", free_addr(), false).await;
+    let (active, withdrawn) = induced(&leaf).await;
+    assert!(active.is_empty(), "{} still active", active.len());
+    assert_eq!(withdrawn.len(), 300);
+}

@@ -129,6 +129,9 @@ impl State {
 
     pub(super) fn txn(&mut self, txn: &Txn) -> Result<TxnOutcome, StoreError> {
         // etcd rejects a malformed branch even when the other one is taken.
+        if let Some(why) = txn.oversize() {
+            return Err(StoreError::Internal(why));
+        }
         for branch in [&txn.success, &txn.failure] {
             if let Some(key) = txn::duplicate_key(branch) {
                 return Err(duplicate(key));
