@@ -5,6 +5,7 @@ use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::path::PathBuf;
 use std::time::Duration;
 
+use anyhow::Context as _;
 use clap::{Args, ValueEnum};
 
 /// Flags common to all Trellis services.
@@ -17,10 +18,14 @@ pub struct CommonConfig {
     pub listen: Option<SocketAddr>,
 
     /// Where this service keeps its state: `etcd://HOST:PORT[,HOST:PORT...]/PREFIX` (its own
-    /// etcd in production; PREFIX isolates services sharing one) or `memory://` (lost on exit;
-    /// for the lab and tests).
+    /// etcd in production; PREFIX isolates services sharing one), the same with `etcds://` for
+    /// etcd over TLS (see --store-ca-cert), or `memory://` (lost on exit; for the lab and
+    /// tests).
     #[arg(long, env = "TRELLIS_STORE", value_name = "URL")]
     pub store: String,
+
+    #[command(flatten)]
+    pub store_auth: StoreAuthConfig,
 
     /// ID of the local cluster (letters, digits, '.', '_' and '-'; at most 128). Tags every
     /// log line and span.
@@ -46,6 +51,106 @@ pub struct CommonConfig {
         default_value_t = 10
     )]
     pub shutdown_grace: u64,
+}
+
+/// Credentials for the service's etcd: TLS (production etcds require client certificates) and
+/// etcd's user/password authentication. None of them is needed for `memory://` or a plaintext
+/// `etcd://` without authentication.
+#[derive(Debug, Clone, Default, Args)]
+pub struct StoreAuthConfig {
+    /// The CA certificate (PEM) that signed etcd's server certificate. Required with
+    /// `etcds://`, refused without it.
+    #[arg(long, env = "TRELLIS_STORE_CA_CERT", value_name = "FILE")]
+    pub store_ca_cert: Option<PathBuf>,
+
+    /// Client certificate (PEM) to present to etcd (for etcd's `--client-cert-auth`).
+    #[arg(
+        long,
+        env = "TRELLIS_STORE_CERT",
+        value_name = "FILE",
+        requires_all = ["store_key", "store_ca_cert"]
+    )]
+    pub store_cert: Option<PathBuf>,
+
+    /// Private key (PEM) of --store-cert. Never logged.
+    #[arg(
+        long,
+        env = "TRELLIS_STORE_KEY",
+        value_name = "FILE",
+        requires = "store_cert"
+    )]
+    pub store_key: Option<PathBuf>,
+
+    /// etcd user name, when etcd's authentication is enabled (with --store-password).
+    #[arg(
+        long,
+        env = "TRELLIS_STORE_USER",
+        value_name = "NAME",
+        requires = "store_password"
+    )]
+    pub store_user: Option<String>,
+
+    /// Password of --store-user. Prefer the environment variable (TRELLIS_STORE_PASSWORD, e.g.
+    /// from a Secret) to the flag, which other users of the host can read. Never logged.
+    #[arg(
+        long,
+        env = "TRELLIS_STORE_PASSWORD",
+        value_name = "PASSWORD",
+        hide_env_values = true,
+        requires = "store_user"
+    )]
+    pub store_password: Option<Secret>,
+}
+
+/// A value that never appears in `Debug` output or logs.
+#[derive(Clone)]
+pub struct Secret(String);
+
+impl Secret {
+    /// The secret itself.
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl std::str::FromStr for Secret {
+    type Err = std::convert::Infallible;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Ok(Self(s.to_owned()))
+    }
+}
+
+impl std::fmt::Debug for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Secret(..)")
+    }
+}
+
+impl StoreAuthConfig {
+    /// Reads the files the flags name; an unreadable file is an error naming its flag.
+    pub fn load(&self) -> anyhow::Result<trellis_store::EtcdAuth> {
+        let read = |flag: &str, path: &PathBuf| {
+            std::fs::read(path).with_context(|| format!("{flag}: cannot read {}", path.display()))
+        };
+        let tls = match &self.store_ca_cert {
+            None => None,
+            Some(ca) => Some(trellis_store::EtcdTls {
+                ca_pem: read("--store-ca-cert", ca)?,
+                identity: match (&self.store_cert, &self.store_key) {
+                    (Some(cert), Some(key)) => {
+                        Some((read("--store-cert", cert)?, read("--store-key", key)?))
+                    }
+                    _ => None,
+                },
+            }),
+        };
+        let user = match (&self.store_user, &self.store_password) {
+            (Some(user), Some(password)) => Some((user.clone(), password.expose().to_owned())),
+            _ => None,
+        };
+        Ok(trellis_store::EtcdAuth { tls, user })
+    }
 }
 
 /// Mutual TLS towards other clusters (ADR 0014), off unless given. A service with these flags
@@ -145,6 +250,15 @@ impl CommonConfig {
     /// The cluster name, falling back to the ID.
     pub fn cluster_name(&self) -> &str {
         self.cluster_name.as_deref().unwrap_or(&self.cluster_id)
+    }
+
+    /// Opens the store `--store` names, with the credentials of the `--store-*` flags. Every
+    /// service opens its store through this.
+    pub async fn open_store(&self) -> anyhow::Result<trellis_store::SharedStore> {
+        let auth = self.store_auth.load()?;
+        trellis_store::open_with(&self.store, &auth)
+            .await
+            .with_context(|| format!("opening store {}", self.store))
     }
 
     /// The drain deadline after a shutdown signal.

@@ -35,7 +35,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 pub use error::StoreError;
-pub use etcd::EtcdStore;
+pub use etcd::{EtcdAuth, EtcdStore, EtcdTls};
 pub use kv::{KeyValue, LeaseId, Listing, Revision, StoreSize};
 pub use memory::MemoryStore;
 pub use txn::{Compare, MAX_TXN_OPS, Op, Txn, TxnOutcome};
@@ -117,16 +117,30 @@ pub trait Store: Send + Sync + std::fmt::Debug + 'static {
 ///
 /// - `memory://` is a fresh, empty in-memory store.
 /// - `etcd://h1:2379,h2:2379/prefix` connects to etcd (endpoints comma-separated; the port
-///   defaults to 2379). Every key is stored under `/prefix/` so several services can share one
+///   defaults to 2379); `etcds://` does the same over TLS (see [`open_with`]). Every key is stored under `/prefix/` so several services can share one
 ///   etcd; an empty path means no prefix. Fails with [`StoreError::Unavailable`] within about
 ///   five seconds when etcd cannot be reached.
 ///
 /// A malformed URL is [`StoreError::InvalidUrl`], naming what is wrong with it.
 pub async fn open(url: &str) -> Result<SharedStore, StoreError> {
+    open_with(url, &EtcdAuth::default()).await
+}
+
+/// [`open`] with credentials for etcd: `etcds://` URLs connect over TLS with `auth.tls`
+/// (required for them, refused for the others), and `auth.user` logs in to etcd's
+/// authentication. A memory store takes no credentials.
+pub async fn open_with(url: &str, auth: &EtcdAuth) -> Result<SharedStore, StoreError> {
     match StoreUrl::parse(url)? {
-        StoreUrl::Memory => Ok(Arc::new(MemoryStore::new())),
-        StoreUrl::Etcd { endpoints, prefix } => {
-            Ok(Arc::new(EtcdStore::connect(&endpoints, &prefix).await?))
-        }
+        StoreUrl::Memory if auth.is_empty() => Ok(Arc::new(MemoryStore::new())),
+        StoreUrl::Memory => Err(StoreError::InvalidUrl(
+            "memory:// takes no TLS settings or etcd credentials".into(),
+        )),
+        StoreUrl::Etcd {
+            endpoints,
+            prefix,
+            tls,
+        } => Ok(Arc::new(
+            EtcdStore::connect_with(&endpoints, &prefix, tls, auth).await?,
+        )),
     }
 }

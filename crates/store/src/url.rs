@@ -1,4 +1,5 @@
-//! Store URLs: `memory://` and `etcd://host:port[,host:port...][/prefix]`.
+//! Store URLs: `memory://`, `etcd://host:port[,host:port...][/prefix]` and the same with
+//! `etcds://` for etcd over TLS.
 
 use std::fmt;
 use std::str::FromStr;
@@ -15,12 +16,14 @@ const DEFAULT_ETCD_PORT: u16 = 2379;
 pub enum StoreUrl {
     /// `memory://`: a fresh in-memory store.
     Memory,
-    /// `etcd://h1:2379,h2:2379/prefix`.
+    /// `etcd://h1:2379,h2:2379/prefix`, or `etcds://…` over TLS.
     Etcd {
         /// `host:port` per endpoint (IPv6 hosts in brackets), in the order given.
         endpoints: Vec<String>,
         /// The key prefix without surrounding slashes (`"ipam"`, `"a/b"`), or `""` for none.
         prefix: String,
+        /// `etcds://`: connect over TLS (see [`crate::EtcdAuth`]).
+        tls: bool,
     },
 }
 
@@ -30,7 +33,8 @@ impl StoreUrl {
         let invalid = |reason: String| StoreError::InvalidUrl(format!("{url:?}: {reason}"));
         let Some((scheme, rest)) = url.split_once("://") else {
             return Err(invalid(
-                "missing scheme; expected memory:// or etcd://host:port[,host:port...][/prefix]"
+                "missing scheme; expected memory://, etcd://host:port[,host:port...][/prefix] or \
+                 etcds://… (TLS)"
                     .into(),
             ));
         };
@@ -43,9 +47,10 @@ impl StoreUrl {
                 )))
             };
         }
-        if !scheme.eq_ignore_ascii_case("etcd") {
+        let tls = scheme.eq_ignore_ascii_case("etcds");
+        if !tls && !scheme.eq_ignore_ascii_case("etcd") {
             return Err(invalid(format!(
-                "unknown scheme {scheme:?}; expected \"memory\" or \"etcd\""
+                "unknown scheme {scheme:?}; expected \"memory\", \"etcd\" or \"etcds\""
             )));
         }
         if rest.contains(['?', '#']) {
@@ -77,6 +82,7 @@ impl StoreUrl {
         Ok(Self::Etcd {
             endpoints,
             prefix: prefix.to_owned(),
+            tls,
         })
     }
 }
@@ -143,8 +149,13 @@ impl fmt::Display for StoreUrl {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Self::Memory => f.write_str("memory://"),
-            Self::Etcd { endpoints, prefix } => {
-                write!(f, "etcd://{}", endpoints.join(","))?;
+            Self::Etcd {
+                endpoints,
+                prefix,
+                tls,
+            } => {
+                let scheme = if *tls { "etcds" } else { "etcd" };
+                write!(f, "{scheme}://{}", endpoints.join(","))?;
                 if !prefix.is_empty() {
                     write!(f, "/{prefix}")?;
                 }
@@ -162,6 +173,7 @@ mod tests {
         StoreUrl::Etcd {
             endpoints: endpoints.iter().map(|e| (*e).to_owned()).collect(),
             prefix: prefix.to_owned(),
+            tls: false,
         }
     }
 
@@ -188,6 +200,20 @@ mod tests {
             StoreUrl::parse("etcd://10.0.0.1:1/a/b/"),
             Ok(etcd(&["10.0.0.1:1"], "a/b"))
         );
+    }
+
+    #[test]
+    fn etcds_is_etcd_over_tls() {
+        let url = StoreUrl::parse("etcds://h1:2379/ipam").expect("parses");
+        assert_eq!(
+            url,
+            StoreUrl::Etcd {
+                endpoints: vec!["h1:2379".into()],
+                prefix: "ipam".into(),
+                tls: true,
+            }
+        );
+        assert_eq!(url.to_string(), "etcds://h1:2379/ipam");
     }
 
     #[test]

@@ -11,6 +11,7 @@ use std::{env, thread};
 use anyhow::{Context, bail};
 use tempfile::TempDir;
 
+use crate::etcd_tls::EtcdTlsFiles;
 use crate::ports::free_port;
 use crate::tools::{require_tool, tool_path};
 
@@ -40,11 +41,43 @@ pub struct Etcd {
     client_port: u16,
     peer_port: u16,
     child: Option<Child>,
+    /// With [`Etcd::start_tls`]: the certificates, and the plain-HTTP port etcd answers
+    /// `/health` on (its client port then speaks only TLS).
+    tls: Option<(EtcdTlsFiles, u16)>,
 }
 
 impl Etcd {
     /// Starts etcd and waits until it serves requests; the error includes etcd's log tail.
     pub fn start() -> anyhow::Result<Self> {
+        Self::start_with(false)
+    }
+
+    /// Starts an etcd that, like a production one, serves clients only over TLS and requires a
+    /// client certificate its CA signed (`--client-cert-auth`). [`Etcd::tls_files`] has the
+    /// files a service needs; [`Etcd::url`] is `etcds://…`.
+    pub fn start_tls() -> anyhow::Result<Self> {
+        Self::start_with(true)
+    }
+
+    /// [`Etcd::start_tls`], or `None` when etcd is not installed (skips loudly, fails in CI).
+    ///
+    /// # Panics
+    ///
+    /// If etcd is installed but does not start.
+    pub fn start_tls_or_skip() -> Option<Self> {
+        require_tool("etcd")?;
+        match Self::start_tls() {
+            Ok(etcd) => Some(etcd),
+            Err(err) => panic!("{err:#}"),
+        }
+    }
+
+    /// The certificates of an etcd started with [`Etcd::start_tls`].
+    pub fn tls_files(&self) -> Option<&EtcdTlsFiles> {
+        self.tls.as_ref().map(|(files, _)| files)
+    }
+
+    fn start_with(tls: bool) -> anyhow::Result<Self> {
         let binary = tool_path("etcd")
             .context("etcd not found on PATH or in .tools/bin (scripts/setup.sh installs it)")?;
         let mut failures = Vec::new();
@@ -58,7 +91,12 @@ impl Etcd {
                 client_port: free_port(),
                 peer_port: free_port(),
                 child: None,
+                tls: None,
             };
+            if tls {
+                let files = crate::etcd_tls::write(etcd.dir.path())?;
+                etcd.tls = Some((files, free_port()));
+            }
             match etcd.launch() {
                 Ok(()) => return Ok(etcd),
                 Err(err) => failures.push(format!("{err:#}")),
@@ -89,10 +127,12 @@ impl Etcd {
         format!("127.0.0.1:{}", self.client_port)
     }
 
-    /// A store URL for this etcd with the given key prefix: `etcd://127.0.0.1:PORT/prefix`.
+    /// A store URL for this etcd with the given key prefix: `etcd://127.0.0.1:PORT/prefix`
+    /// (`etcds://` for a TLS etcd).
     pub fn url(&self, prefix: &str) -> String {
         format!(
-            "etcd://{}/{}",
+            "{}://{}/{}",
+            if self.tls.is_some() { "etcds" } else { "etcd" },
             self.endpoint(),
             prefix.trim_start_matches('/')
         )
@@ -105,7 +145,15 @@ impl Etcd {
 
     /// Whether etcd is up and reports itself healthy right now.
     pub fn is_healthy(&self) -> bool {
-        health_check(self.client_port)
+        health_check(self.health_port())
+    }
+
+    /// Where plain HTTP `/health` is answered: the client port, or for a TLS etcd its metrics
+    /// port.
+    fn health_port(&self) -> u16 {
+        self.tls
+            .as_ref()
+            .map_or(self.client_port, |(_, port)| *port)
     }
 
     /// Kills etcd with SIGKILL (a crash, for fault tests) and reaps it. Idempotent.
@@ -156,7 +204,8 @@ impl Etcd {
     }
 
     fn command(&self, log: &File) -> anyhow::Result<Command> {
-        let client = format!("http://127.0.0.1:{}", self.client_port);
+        let scheme = if self.tls.is_some() { "https" } else { "http" };
+        let client = format!("{scheme}://127.0.0.1:{}", self.client_port);
         let peer = format!("http://127.0.0.1:{}", self.peer_port);
         let mut command = Command::new(&self.binary);
         command
@@ -170,7 +219,18 @@ impl Etcd {
             .arg("--initial-cluster-state=new")
             .arg("--logger=zap")
             .arg("--log-outputs=stderr")
-            .arg("--log-level=error")
+            .arg("--log-level=error");
+        if let Some((files, health_port)) = &self.tls {
+            command
+                .arg("--client-cert-auth")
+                .arg(format!("--trusted-ca-file={}", files.ca.display()))
+                .arg(format!("--cert-file={}", files.server_cert.display()))
+                .arg(format!("--key-file={}", files.server_key.display()))
+                .arg(format!(
+                    "--listen-metrics-urls=http://127.0.0.1:{health_port}"
+                ));
+        }
+        command
             .stdin(Stdio::null())
             .stdout(log.try_clone().context("duplicating etcd's log file")?)
             .stderr(log.try_clone().context("duplicating etcd's log file")?);
@@ -211,10 +271,11 @@ impl Etcd {
                 self.child = None;
                 bail!("etcd exited with {status}");
             }
-            if health_check(self.client_port) {
+            if health_check(self.health_port()) {
                 // Another test's etcd may have bound our port first: then ours exits, but a
-                // health check can still reach that one. Only our member name proves it is ours.
-                if self.answers_as_ours() {
+                // health check can still reach that one. Only our member name proves it is ours
+                // (a TLS etcd's client port needs a certificate: its fresh CA is proof enough).
+                if self.tls.is_some() || self.answers_as_ours() {
                     return Ok(());
                 }
                 bail!(
@@ -332,6 +393,7 @@ mod tests {
             client_port: first.client_port,
             peer_port: free_port(),
             child: None,
+            tls: None,
         };
         let err = second
             .launch()

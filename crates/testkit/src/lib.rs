@@ -8,9 +8,11 @@
 //! This is a dev-dependency: its helpers panic with a clear message where a test should fail.
 
 mod etcd;
+mod etcd_tls;
 mod ports;
 mod tools;
 
 pub use etcd::Etcd;
+pub use etcd_tls::EtcdTlsFiles;
 pub use ports::free_port;
 pub use tools::{in_ci, require_tool, tool_path, workspace_root};

@@ -61,9 +61,7 @@ pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started
     if let Some(initial) = &config.token {
         token::check_format("--token", initial)?;
     }
-    let store = trellis_store::open(&common.store)
-        .await
-        .with_context(|| format!("opening store {}", common.store))?;
+    let store = common.open_store().await?;
     let tls = config.tls.load(identity.id.as_str())?;
     let clients = Clients::new(
         &config.discovery,

@@ -82,9 +82,7 @@ pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started
         "cluster-name",
         common.cluster_name(),
     )?;
-    let store = trellis_store::open(&common.store)
-        .await
-        .with_context(|| format!("opening store {}", common.store))?;
+    let store = common.open_store().await?;
     let tls = config.tls.load(identity.id.as_str())?;
     let server = GrpcServer::bind(common.listen_addr(ports::DISCOVERY)).await?;
     let addr = server.local_addr();

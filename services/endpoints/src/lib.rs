@@ -105,9 +105,7 @@ pub async fn start_with_writer(
         deliver: config.deliver_timeouts(),
         tls: tls.clone(),
     })?;
-    let store = trellis_store::open(&config.common.store)
-        .await
-        .with_context(|| format!("opening store {}", config.common.store))?;
+    let store = config.common.open_store().await?;
     let mut background = Vec::new();
     let (peer, authz) = cluster_facing(
         tls.as_ref(),

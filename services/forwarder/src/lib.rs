@@ -51,9 +51,7 @@ pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started
         "--cluster-name",
         common.cluster_name(),
     )?;
-    let store = trellis_store::open(&common.store)
-        .await
-        .with_context(|| format!("opening store {}", common.store))?;
+    let store = common.open_store().await?;
     let tls = config.tls.load(identity.id.as_str())?;
     let core = Arc::new(Forwarder::new(
         identity,

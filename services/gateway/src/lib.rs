@@ -77,9 +77,7 @@ pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started
         common.cluster_name(),
     )?;
     let endpoint_ip = config.endpoint_ip()?;
-    let store = trellis_store::open(&common.store)
-        .await
-        .with_context(|| format!("opening store {}", common.store))?;
+    let store = common.open_store().await?;
     let keys = KeyPair::load_or_create(&store)
         .await
         .context("loading the gateway key")?;

@@ -61,9 +61,7 @@ pub struct Started {
 /// Opens the store, checks the configuration against it, binds and starts serving.
 pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started> {
     let local = config.local_subnets()?;
-    let store = trellis_store::open(&config.common.store)
-        .await
-        .with_context(|| format!("opening store {}", config.common.store))?;
+    let store = config.common.open_store().await?;
     let tls = config.tls.load(&config.common.cluster_id)?;
     let core = Arc::new(Ipam::open(store, local).await.context("opening the IPAM")?);
     let mut background = Vec::new();

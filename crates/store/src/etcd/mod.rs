@@ -1,5 +1,6 @@
 //! [`EtcdStore`]: the production [`Store`] on etcd's v3 API.
 
+mod auth;
 mod errors;
 mod keys;
 mod watcher;
@@ -17,6 +18,8 @@ use crate::txn::{Compare, Op, Txn, TxnOutcome};
 use crate::watch::WatchStream;
 use errors::{from_etcd, header_revision, is_compacted, request, request_raw};
 use keys::Keys;
+
+pub use auth::{EtcdAuth, EtcdTls};
 
 /// How long [`EtcdStore::connect`] waits for etcd to answer before giving up.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
@@ -44,19 +47,62 @@ impl EtcdStore {
     /// empty), so several services can share one etcd without seeing each other's keys.
     /// Fails with [`StoreError::Unavailable`] if etcd does not answer within five seconds.
     pub async fn connect(endpoints: &[String], prefix: &str) -> Result<Self, StoreError> {
+        Self::connect_with(endpoints, prefix, false, &EtcdAuth::default()).await
+    }
+
+    /// [`EtcdStore::connect`] over TLS when `tls` (with `auth.tls`, required then) and with
+    /// `auth.user`'s credentials when given.
+    pub async fn connect_with(
+        endpoints: &[String],
+        prefix: &str,
+        tls: bool,
+        auth: &EtcdAuth,
+    ) -> Result<Self, StoreError> {
         if endpoints.is_empty() {
             return Err(StoreError::InvalidUrl("no etcd endpoints given".to_owned()));
         }
         let listing = endpoints.join(",");
+        let hint = auth.hint(tls);
         let unreachable = |reason: String| {
-            StoreError::Unavailable(format!("cannot reach etcd at {listing}: {reason}"))
+            StoreError::Unavailable(format!("cannot reach etcd at {listing}: {reason}{hint}"))
         };
-        let options = ConnectOptions::new()
+        let mut options = ConnectOptions::new()
             .with_connect_timeout(CONNECT_TIMEOUT)
             // Detects a dead connection under a quiet watch; etcd refuses pings more often
             // than every 5 s.
             .with_keep_alive(Duration::from_secs(10), Duration::from_secs(5));
-        let client = Client::connect(endpoints, Some(options))
+        match (tls, &auth.tls) {
+            (true, Some(settings)) => options = options.with_tls(settings.client_config()),
+            (true, None) => {
+                return Err(StoreError::InvalidUrl(
+                    "etcds:// needs the CA that signed etcd's server certificate \
+                     (--store-ca-cert)"
+                        .into(),
+                ));
+            }
+            (false, Some(_)) => {
+                return Err(StoreError::InvalidUrl(
+                    "TLS settings (--store-ca-cert, --store-cert, --store-key) need an \
+                     etcds:// URL"
+                        .into(),
+                ));
+            }
+            (false, None) => {}
+        }
+        if let Some((user, password)) = &auth.user {
+            options = options.with_user(user.clone(), password.clone());
+        }
+        let endpoints: Vec<String> = endpoints
+            .iter()
+            .map(|e| {
+                if tls {
+                    format!("https://{e}")
+                } else {
+                    e.clone()
+                }
+            })
+            .collect();
+        let client = Client::connect(&endpoints, Some(options))
             .await
             .map_err(|err| match err {
                 etcd_client::Error::InvalidUri(err) => {
@@ -67,7 +113,7 @@ impl EtcdStore {
         let store = Self {
             client,
             keys: Keys::new(prefix),
-            endpoints: endpoints.into(),
+            endpoints: endpoints.clone().into(),
         };
         // The client connects lazily: one linearizable read proves etcd is up and has a
         // leader before the service starts relying on it.
