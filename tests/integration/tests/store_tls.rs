@@ -152,3 +152,68 @@ async fn wrong_or_missing_etcd_credentials_fail_clearly_naming_the_flag() {
         "{unreadable}"
     );
 }
+
+/// Runs `etcdctl` against `etcd` with `args`.
+fn etcdctl(etcd: &Etcd, args: &[&str]) {
+    let tool = trellis_testkit::tool_path("etcdctl").expect("etcdctl is installed with etcd");
+    let output = Command::new(tool)
+        .env("ETCDCTL_API", "3")
+        .arg(format!("--endpoints={}", etcd.endpoint()))
+        .args(args)
+        .output()
+        .expect("runs etcdctl");
+    assert!(
+        output.status.success(),
+        "etcdctl {args:?}: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+}
+
+/// With etcd's authentication on, a service logs in with `--store-user` and the password from
+/// `TRELLIS_STORE_PASSWORD`; a wrong password stops it naming the flags.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_service_logs_in_to_an_etcd_with_authentication() {
+    let Some(etcd) = Etcd::start_or_skip() else {
+        return;
+    };
+    etcdctl(&etcd, &["user", "add", "root:s3cret-pw"]);
+    etcdctl(&etcd, &["auth", "enable"]);
+    let url = etcd.url("ipam");
+
+    let wrong = {
+        let binary = bin_path("trellis-ipam").expect("trellis-ipam is built");
+        let output = Command::new(binary)
+            .args(ipam_args(
+                &free_addr().to_string(),
+                &url,
+                &["--store-user", "root"],
+            ))
+            .env("TRELLIS_STORE_PASSWORD", "wrong")
+            .output()
+            .expect("runs");
+        assert!(!output.status.success(), "started with a wrong password");
+        String::from_utf8_lossy(&output.stderr).into_owned()
+    };
+    assert!(wrong.contains("--store-user/--store-password"), "{wrong}");
+    assert!(
+        !wrong.contains("wrong\""),
+        "the password is not echoed: {wrong}"
+    );
+
+    let without = fails_with(&url, &[]);
+    assert!(without.contains("--store-user"), "{without}");
+
+    let addr = free_addr();
+    let args = ipam_args(&addr.to_string(), &url, &["--store-user", "root"]);
+    let ipam = ServiceProcess::start_with_env(
+        "trellis-ipam",
+        args,
+        vec![("TRELLIS_STORE_PASSWORD".into(), "s3cret-pw".into())],
+        addr,
+        IPAM,
+    )
+    .await
+    .expect("the IPAM logs in and starts");
+    let mapped = remap(&ipam).await;
+    assert_ne!(mapped.pod_cidr_nat, "10.0.0.0/16");
+}

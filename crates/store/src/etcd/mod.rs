@@ -64,7 +64,14 @@ impl EtcdStore {
         let listing = endpoints.join(",");
         let hint = auth.hint(tls);
         let unreachable = |reason: String| {
-            StoreError::Unavailable(format!("cannot reach etcd at {listing}: {reason}{hint}"))
+            let login = if auth.user.is_none() && reason.contains("user name is empty") {
+                "; etcd requires authentication: set --store-user and TRELLIS_STORE_PASSWORD"
+            } else {
+                ""
+            };
+            StoreError::Unavailable(format!(
+                "cannot reach etcd at {listing}: {reason}{hint}{login}"
+            ))
         };
         let mut options = ConnectOptions::new()
             .with_connect_timeout(CONNECT_TIMEOUT)
