@@ -1,4 +1,5 @@
-//! Cluster identities: the ID every record is keyed by and the human-readable name beside it.
+//! Cluster identities: the ID every record is keyed by and the human-readable name beside it;
+//! and the DNS-1123 names (labels, subdomains) Kubernetes objects and nodes are named by.
 
 use std::fmt;
 
@@ -84,6 +85,59 @@ pub fn parse_cluster_name(field: &str, value: &str) -> Result<String> {
         return Err(Error::invalid(field, "contains control characters"));
     }
     Ok(value.to_owned())
+}
+
+/// Whether `value` is dot-separated (when `allow_dots`) DNS-1123 labels of lowercase letters,
+/// digits and '-', at most `max` bytes in all.
+pub fn is_label_like(value: &str, max: usize, allow_dots: bool) -> bool {
+    !value.is_empty()
+        && value.len() <= max
+        && value
+            .split('.')
+            .all(|part| !part.is_empty() && !part.starts_with('-') && !part.ends_with('-'))
+        && value.chars().all(|c| {
+            c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-' || (allow_dots && c == '.')
+        })
+}
+
+/// A DNS-1123 label (namespaces, Service names, hostnames): lowercase letters, digits and '-',
+/// at most 63.
+pub fn dns_label(field: &str, value: &str) -> Result<String> {
+    if is_label_like(value, 63, false) {
+        Ok(value.to_owned())
+    } else if value.is_empty() {
+        Err(Error::invalid(field, "is required"))
+    } else {
+        Err(Error::invalid(
+            field,
+            format!(
+                "{:?} is not a DNS label (lowercase letters, digits and '-', at most 63)",
+                clip(value)
+            ),
+        ))
+    }
+}
+
+/// A DNS-1123 subdomain (object names): dot-separated labels, at most 253.
+pub fn dns_subdomain(field: &str, value: &str) -> Result<String> {
+    if is_label_like(value, 253, true) {
+        Ok(value.to_owned())
+    } else if value.is_empty() {
+        Err(Error::invalid(field, "is required"))
+    } else {
+        Err(Error::invalid(
+            field,
+            format!(
+                "{:?} is not a DNS subdomain (lowercase letters, digits, '-' and '.', at most 253)",
+                clip(value)
+            ),
+        ))
+    }
+}
+
+/// Keeps error messages short when the input is huge.
+pub fn clip(value: &str) -> String {
+    value.chars().take(64).collect()
 }
 
 /// A cluster's identity: its ID and its (possibly empty) name.

@@ -19,4 +19,5 @@ pub use generated::trellis::endpoints::v1 as endpoints;
 pub use generated::trellis::gateway::v1 as gateway;
 pub use generated::trellis::ipam::v1 as ipam;
 pub use generated::trellis::peering::v1 as peering;
+pub use generated::trellis::route::v1 as route;
 pub use generated::trellis::types::v1 as types;

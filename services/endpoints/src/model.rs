@@ -7,8 +7,11 @@ use std::collections::BTreeMap;
 use std::net::IpAddr;
 
 use serde::{Deserialize, Serialize};
+use trellis_api::ident::{clip, is_label_like};
 use trellis_api::pb::endpoints as pb;
 use trellis_error::{Error, Result};
+
+pub use trellis_api::ident::{dns_label, dns_subdomain};
 
 /// At most this many endpoints per slice, as in Kubernetes.
 pub const MAX_ENDPOINTS: usize = 1000;
@@ -105,57 +108,6 @@ pub struct Slice {
     pub endpoints: Vec<Endpoint>,
     pub ports: Vec<Port>,
     pub labels: BTreeMap<String, String>,
-}
-
-fn is_label_like(value: &str, max: usize, allow_dots: bool) -> bool {
-    !value.is_empty()
-        && value.len() <= max
-        && value
-            .split('.')
-            .all(|part| !part.is_empty() && !part.starts_with('-') && !part.ends_with('-'))
-        && value.chars().all(|c| {
-            c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-' || (allow_dots && c == '.')
-        })
-}
-
-/// A DNS-1123 label (namespaces, Service names, hostnames): lowercase letters, digits and '-',
-/// at most 63.
-pub fn dns_label(field: &str, value: &str) -> Result<String> {
-    if is_label_like(value, 63, false) {
-        Ok(value.to_owned())
-    } else if value.is_empty() {
-        Err(Error::invalid(field, "is required"))
-    } else {
-        Err(Error::invalid(
-            field,
-            format!(
-                "{:?} is not a DNS label (lowercase letters, digits and '-', at most 63)",
-                clip(value)
-            ),
-        ))
-    }
-}
-
-/// A DNS-1123 subdomain (object names): dot-separated labels, at most 253.
-pub fn dns_subdomain(field: &str, value: &str) -> Result<String> {
-    if is_label_like(value, 253, true) {
-        Ok(value.to_owned())
-    } else if value.is_empty() {
-        Err(Error::invalid(field, "is required"))
-    } else {
-        Err(Error::invalid(
-            field,
-            format!(
-                "{:?} is not a DNS subdomain (lowercase letters, digits, '-' and '.', at most 253)",
-                clip(value)
-            ),
-        ))
-    }
-}
-
-/// Keeps error messages short when the input is huge.
-fn clip(value: &str) -> String {
-    value.chars().take(64).collect()
 }
 
 fn optional_text(field: &str, value: &str, max: usize) -> Result<Option<String>> {

@@ -27,6 +27,10 @@ fn port_range_arg(value: &str) -> Result<PortRange, String> {
     PortRange::parse(value)
 }
 
+fn node_name_arg(value: &str) -> Result<String, String> {
+    trellis_api::ident::dns_label("--node-name", value).map_err(|e| e.to_string())
+}
+
 fn prefix_arg(value: &str) -> Result<String, String> {
     crate::names::validate_prefix(value).map(|()| value.to_owned())
 }
@@ -101,6 +105,19 @@ pub struct Config {
     )]
     pub persistent_keepalive: u16,
 
+    /// Name of the node this gateway runs on (in Kubernetes, the downward API's
+    /// `spec.nodeName`), announced to the route agents (`WatchRoutes`) so every node knows
+    /// where the gateway is. Defaults to the host name.
+    #[arg(long, env = "TRELLIS_NODE_NAME", value_name = "NAME", value_parser = node_name_arg)]
+    pub node_name: Option<String>,
+
+    /// This node's address on the cluster's node network (in Kubernetes, `status.hostIP`): where
+    /// the route agents of the other nodes send their overlay (VXLAN) traffic. Without it, no
+    /// route agent can reach this gateway, and only pods wired to the gateway's own network
+    /// namespace reach remote clusters.
+    #[arg(long, env = "TRELLIS_NODE_IP", value_name = "IP")]
+    pub node_ip: Option<IpAddr>,
+
     /// How often the data plane is re-checked against the desired state even without changes
     /// (repairs interfaces or rules someone removed), in seconds.
     #[arg(
@@ -110,6 +127,23 @@ pub struct Config {
         default_value_t = 30
     )]
     pub resync_interval: u64,
+}
+
+impl Config {
+    /// `--node-name`, or the host name.
+    pub fn node_name(&self) -> anyhow::Result<String> {
+        if let Some(name) = &self.node_name {
+            return Ok(name.clone());
+        }
+        let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+            .map(|h| h.trim().to_ascii_lowercase())
+            .unwrap_or_default();
+        trellis_api::ident::dns_label("--node-name", &host).map_err(|_| {
+            anyhow::anyhow!(
+                "the host name {host:?} is not a DNS label; set --node-name (TRELLIS_NODE_NAME)"
+            )
+        })
+    }
 }
 
 impl HasCommon for Config {

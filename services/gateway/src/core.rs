@@ -5,6 +5,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::net::{IpAddr, SocketAddr};
 use std::time::{Duration, SystemTime};
 
+use ipnet::IpNet;
 use trellis_api::model::TunnelEndpoint;
 use trellis_api::{ClusterId, ClusterIdentity};
 use trellis_error::Result;
@@ -66,6 +67,20 @@ pub struct Settings {
     pub endpoint_ip: IpAddr,
     pub ports: PortRange,
     pub interface_prefix: String,
+    /// The node the gateway runs on, and its address on the node network (`None`: no route
+    /// agent can reach it).
+    pub node_name: String,
+    pub node_ip: Option<IpAddr>,
+}
+
+/// What every node must route to the gateway node (`WatchRoutes`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RouteSet {
+    /// Every peer's ranges as we address them, sorted, without duplicates.
+    pub prefixes: Vec<IpNet>,
+    pub gateway_node_name: String,
+    pub gateway_node_ip: Option<IpAddr>,
+    pub tunnel_mtu: u32,
 }
 
 /// The gateway of one cluster.
@@ -77,6 +92,8 @@ pub struct Gateway {
     mode: Mode,
     dataplane: Option<tokio::sync::Mutex<Linux>>,
     applied: std::sync::Mutex<BTreeMap<ClusterId, Applied>>,
+    /// The node path's view of the last apply, for the route agents' streams.
+    routes: tokio::sync::watch::Sender<RouteSet>,
 }
 
 impl Gateway {
@@ -89,6 +106,12 @@ impl Gateway {
         keys: KeyPair,
         dataplane: Option<Linux>,
     ) -> Self {
+        let routes = RouteSet {
+            prefixes: Vec::new(),
+            gateway_node_name: settings.node_name.clone(),
+            gateway_node_ip: settings.node_ip,
+            tunnel_mtu: crate::dataplane::wireguard::MTU,
+        };
         Self {
             store,
             settings,
@@ -96,7 +119,14 @@ impl Gateway {
             mode,
             dataplane: dataplane.map(tokio::sync::Mutex::new),
             applied: std::sync::Mutex::new(BTreeMap::new()),
+            routes: tokio::sync::watch::Sender::new(routes),
         }
+    }
+
+    /// The routes every node needs now, then again after each change (a new subscriber sees
+    /// the current set first).
+    pub fn watch_routes(&self) -> tokio::sync::watch::Receiver<RouteSet> {
+        self.routes.subscribe()
     }
 
     /// The store the gateway keeps its key and port allocations in.
@@ -169,6 +199,13 @@ impl Gateway {
         }
         let keep: BTreeSet<ClusterId> = desired.keys().cloned().collect();
         ports::release_tunnels_except(&self.store, &keep).await?;
+        let prefixes: BTreeSet<IpNet> = v4.iter().flat_map(PeerPlan::routed).collect();
+        self.routes.send_if_modified(|routes| {
+            let prefixes: Vec<IpNet> = prefixes.into_iter().collect();
+            let changed = routes.prefixes != prefixes;
+            routes.prefixes = prefixes;
+            changed
+        });
         let failed = results.values().filter(|r| r.is_err()).count();
         let applied = plans
             .into_iter()

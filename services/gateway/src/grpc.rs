@@ -1,9 +1,13 @@
 //! The `trellis.gateway.v1.Gateway` gRPC handlers: validate the request into domain values
 //! (errors name the field), call [`Gateway`], map the answer back. Nothing else happens here.
 
+use std::pin::Pin;
 use std::sync::Arc;
 use std::time::SystemTime;
 
+use futures::Stream;
+use tokio_stream::StreamExt as _;
+use tokio_stream::wrappers::WatchStream;
 use tonic::{Request, Response, Status};
 use trellis_api::ClusterId;
 use trellis_api::pb::gateway::gateway_server::Gateway as GatewayApi;
@@ -11,7 +15,7 @@ use trellis_api::pb::gateway::{self as pb, TunnelState};
 use trellis_api::pb::types as types_pb;
 use trellis_error::Error;
 
-use crate::core::{Gateway, State, TunnelStatus};
+use crate::core::{Gateway, RouteSet, State, TunnelStatus};
 
 /// The gRPC face of one [`Gateway`].
 #[derive(Debug, Clone)]
@@ -108,5 +112,33 @@ impl GatewayApi for GatewayService {
         Ok(Response::new(pb::GetTunnelStatusResponse {
             tunnel: Some(tunnel_status(tunnel)),
         }))
+    }
+
+    type WatchRoutesStream = RoutesStream;
+
+    async fn watch_routes(
+        &self,
+        request: Request<pb::WatchRoutesRequest>,
+    ) -> Result<Response<Self::WatchRoutesStream>, Status> {
+        let node = trellis_api::ident::dns_label("node_name", &request.into_inner().node_name)?;
+        tracing::info!(node = %node, "route agent subscribed");
+        let stream = WatchStream::new(self.core.watch_routes()).map(|routes| Ok(route_set(&routes)));
+        Ok(Response::new(Box::pin(stream)))
+    }
+}
+
+/// The stream of WatchRoutes.
+pub type RoutesStream =
+    Pin<Box<dyn Stream<Item = Result<pb::WatchRoutesResponse, Status>> + Send>>;
+
+fn route_set(routes: &RouteSet) -> pb::WatchRoutesResponse {
+    pb::WatchRoutesResponse {
+        remote_prefixes: routes.prefixes.iter().map(ToString::to_string).collect(),
+        gateway_node_name: routes.gateway_node_name.clone(),
+        gateway_node_ip: routes
+            .gateway_node_ip
+            .map(|ip| ip.to_string())
+            .unwrap_or_default(),
+        tunnel_mtu: routes.tunnel_mtu,
     }
 }

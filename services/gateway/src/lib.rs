@@ -106,6 +106,8 @@ pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started
         endpoint_ip,
         ports: config.wireguard_ports,
         interface_prefix: config.interface_prefix.clone(),
+        node_name: config.node_name()?,
+        node_ip: config.node_ip,
     };
     let core = Arc::new(Gateway::new(store, settings, mode, keys, dataplane));
     let server = GrpcServer::bind(common.listen_addr(default_ports::GATEWAY)).await?;

@@ -159,6 +159,8 @@ fn gateway(store: SharedStore, keys: KeyPair, range: PortRange) -> Gateway {
             endpoint_ip: "192.0.2.1".parse().expect("ip"),
             ports: range,
             interface_prefix: "tg".into(),
+            node_name: "node-0".into(),
+            node_ip: None,
         },
         Mode::None,
         keys,
@@ -237,4 +239,58 @@ async fn removing_a_tunnel_releases_its_port_but_not_a_pending_one() {
     // b's port is free again; d's is still held.
     assert_eq!(g.info(Some(&id("e"))).await.expect("e").listen_port, 40001);
     assert_eq!(g.info(Some(&id("d"))).await.expect("d").listen_port, 40000);
+}
+
+/// The node path: WatchRoutes sends the full set at once and again after every change (a
+/// removed peer's prefixes disappear), with the gateway's node; bad input is refused.
+#[tokio::test]
+async fn watch_routes_streams_every_peers_prefixes_and_the_gateway_node() {
+    let mut server = serve(&["--node-name", "gw-node", "--node-ip", "100.64.0.1"]).await;
+    let err = server
+        .client
+        .watch_routes(WatchRoutesRequest {
+            node_name: "Not_A_Label".into(),
+        })
+        .await
+        .expect_err("a bad node name is refused");
+    assert_eq!(err.code(), Code::InvalidArgument);
+    assert!(err.message().contains("node_name"), "{}", err.message());
+
+    let mut stream = server
+        .client
+        .watch_routes(WatchRoutesRequest {
+            node_name: "node-1".into(),
+        })
+        .await
+        .expect("subscribes")
+        .into_inner();
+    let first = next(&mut stream).await;
+    assert!(first.remote_prefixes.is_empty(), "{first:?}");
+    assert_eq!(
+        (first.gateway_node_name.as_str(), first.gateway_node_ip.as_str()),
+        ("gw-node", "100.64.0.1")
+    );
+    assert!(first.tunnel_mtu > 0);
+
+    let id = |s: &str| trellis_api::ClusterId::parse("cluster_id", s).expect("id");
+    let both: BTreeMap<_, _> = [(id("b"), te("b", 80)), (id("c"), te("c", 83))].into();
+    server.core.apply(&both, &Vec::new()).await.expect("applied");
+    assert_eq!(
+        next(&mut stream).await.remote_prefixes,
+        ["10.80.0.0/16", "10.81.0.0/16", "10.83.0.0/16", "10.84.0.0/16"]
+    );
+    let only_c: BTreeMap<_, _> = [(id("c"), te("c", 83))].into();
+    server.core.apply(&only_c, &Vec::new()).await.expect("applied");
+    assert_eq!(
+        next(&mut stream).await.remote_prefixes,
+        ["10.83.0.0/16", "10.84.0.0/16"]
+    );
+}
+
+async fn next(stream: &mut tonic::Streaming<WatchRoutesResponse>) -> WatchRoutesResponse {
+    tokio::time::timeout(std::time::Duration::from_secs(10), stream.message())
+        .await
+        .expect("a message in time")
+        .expect("stream ok")
+        .expect("stream open")
 }
