@@ -8,24 +8,15 @@ use std::time::Duration;
 use anyhow::Context as _;
 use clap::{Args, ValueEnum};
 
-/// Flags common to all Trellis services.
+/// Flags of every Trellis process with a gRPC server, stateful or not (the route agent keeps
+/// no store).
 #[derive(Debug, Clone, Args)]
-pub struct CommonConfig {
+pub struct BaseConfig {
     /// Address the gRPC server listens on. Defaults to 0.0.0.0 and the service's own port
-    /// (discovery 7101, broker 7102, forwarder 7103, ipam 7104, endpoints 7105, gateway 7106);
-    /// port 0 picks a free one, logged at start.
+    /// (discovery 7101, broker 7102, forwarder 7103, ipam 7104, endpoints 7105, gateway 7106,
+    /// route 7107); port 0 picks a free one, logged at start.
     #[arg(long, env = "TRELLIS_LISTEN", value_name = "HOST:PORT")]
     pub listen: Option<SocketAddr>,
-
-    /// Where this service keeps its state: `etcd://HOST:PORT[,HOST:PORT...]/PREFIX` (its own
-    /// etcd in production; PREFIX isolates services sharing one), the same with `etcds://` for
-    /// etcd over TLS (see --store-ca-cert), or `memory://` (lost on exit; for the lab and
-    /// tests).
-    #[arg(long, env = "TRELLIS_STORE", value_name = "URL")]
-    pub store: String,
-
-    #[command(flatten)]
-    pub store_auth: StoreAuthConfig,
 
     /// ID of the local cluster (letters, digits, '.', '_' and '-'; at most 128). Tags every
     /// log line and span.
@@ -51,6 +42,32 @@ pub struct CommonConfig {
         default_value_t = 10
     )]
     pub shutdown_grace: u64,
+}
+
+/// Flags common to all Trellis services that keep state: [`BaseConfig`] (reachable through
+/// `Deref`, so `common.listen` works) plus the store.
+#[derive(Debug, Clone, Args)]
+pub struct CommonConfig {
+    #[command(flatten)]
+    pub base: BaseConfig,
+
+    /// Where this service keeps its state: `etcd://HOST:PORT[,HOST:PORT...]/PREFIX` (its own
+    /// etcd in production; PREFIX isolates services sharing one), the same with `etcds://` for
+    /// etcd over TLS (see --store-ca-cert), or `memory://` (lost on exit; for the lab and
+    /// tests).
+    #[arg(long, env = "TRELLIS_STORE", value_name = "URL")]
+    pub store: String,
+
+    #[command(flatten)]
+    pub store_auth: StoreAuthConfig,
+}
+
+impl std::ops::Deref for CommonConfig {
+    type Target = BaseConfig;
+
+    fn deref(&self) -> &BaseConfig {
+        &self.base
+    }
 }
 
 /// Credentials for the service's etcd: TLS (production etcds require client certificates) and
@@ -238,7 +255,7 @@ pub enum LogFormat {
     Json,
 }
 
-impl CommonConfig {
+impl BaseConfig {
     /// The listen address, or `0.0.0.0:default_port`.
     pub fn listen_addr(&self, default_port: u16) -> SocketAddr {
         self.listen.unwrap_or(SocketAddr::new(
@@ -252,6 +269,13 @@ impl CommonConfig {
         self.cluster_name.as_deref().unwrap_or(&self.cluster_id)
     }
 
+    /// The drain deadline after a shutdown signal.
+    pub fn shutdown_grace(&self) -> Duration {
+        Duration::from_secs(self.shutdown_grace)
+    }
+}
+
+impl CommonConfig {
     /// Opens the store `--store` names, with the credentials of the `--store-*` flags. Every
     /// service opens its store through this.
     pub async fn open_store(&self) -> anyhow::Result<trellis_store::SharedStore> {
@@ -260,17 +284,26 @@ impl CommonConfig {
             .await
             .with_context(|| format!("opening store {}", self.store))
     }
-
-    /// The drain deadline after a shutdown signal.
-    pub fn shutdown_grace(&self) -> Duration {
-        Duration::from_secs(self.shutdown_grace)
-    }
 }
 
-/// Access to the common part of a service's config, for [`crate::launch`].
+/// Access to the common part of a service's config.
 pub trait HasCommon {
     /// The embedded common flags.
     fn common(&self) -> &CommonConfig;
+}
+
+/// Access to the flags [`crate::launch`] needs (identity, logs, shutdown): every service has
+/// them through [`HasCommon`]; a process without a store (the route agent) implements this
+/// directly.
+pub trait HasBase {
+    /// The embedded base flags.
+    fn base(&self) -> &BaseConfig;
+}
+
+impl<T: HasCommon> HasBase for T {
+    fn base(&self) -> &BaseConfig {
+        &self.common().base
+    }
 }
 
 /// Default ports of DESIGN.md.
@@ -281,6 +314,7 @@ pub mod ports {
     pub const IPAM: u16 = 7104;
     pub const ENDPOINTS: u16 = 7105;
     pub const GATEWAY: u16 = 7106;
+    pub const ROUTE: u16 = 7107;
     /// WireGuard UDP.
     pub const WIREGUARD: u16 = 51840;
 }

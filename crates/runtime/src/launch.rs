@@ -7,14 +7,14 @@ use std::process::ExitCode;
 
 use clap::Parser;
 
-use crate::config::HasCommon;
+use crate::config::HasBase;
 use crate::shutdown::{self, Shutdown};
 use crate::telemetry::{self, ServiceIdentity};
 
 /// Runs service `service` (e.g. `trellis-ipam`) with `run(config, shutdown)`.
 pub fn launch<C, F, Fut>(service: &'static str, run: F) -> ExitCode
 where
-    C: Parser + HasCommon,
+    C: Parser + HasBase,
     F: FnOnce(C, Shutdown) -> Fut,
     Fut: Future<Output = anyhow::Result<()>>,
 {
@@ -30,7 +30,7 @@ where
         }
     };
     let result = runtime.block_on(async move {
-        let common = config.common();
+        let common = config.base();
         let identity = ServiceIdentity {
             service,
             cluster_id: common.cluster_id.clone(),

@@ -7,6 +7,9 @@
 //! - [`propagation`]: W3C trace context carried across gRPC, server and client side;
 //! - [`server`]: a gRPC server that always serves health and reflection (v1 and v1alpha);
 //! - [`client`]: channels to other services with timeouts and trace propagation;
+//! - [`backoff`]: the one exponential backoff for retry loops;
+//! - [`cmd`]: running `ip` and `nft` for the processes that program the kernel (gateway,
+//!   route agent);
 //! - [`shutdown`]: SIGTERM/SIGINT to a cancellation token, graceful drain;
 //! - [`launch`]: the `main` of every service binary;
 //! - [`tls`], [`peer`]: mutual TLS between clusters and the authorization of cluster-facing
@@ -14,7 +17,9 @@
 //!
 //! The domain error type and its gRPC table are re-exported from `trellis-error`.
 
+pub mod backoff;
 pub mod client;
+pub mod cmd;
 pub mod config;
 pub mod launch;
 pub mod peer;

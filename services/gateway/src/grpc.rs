@@ -122,14 +122,14 @@ impl GatewayApi for GatewayService {
     ) -> Result<Response<Self::WatchRoutesStream>, Status> {
         let node = trellis_api::ident::dns_label("node_name", &request.into_inner().node_name)?;
         tracing::info!(node = %node, "route agent subscribed");
-        let stream = WatchStream::new(self.core.watch_routes()).map(|routes| Ok(route_set(&routes)));
+        let stream =
+            WatchStream::new(self.core.watch_routes()).map(|routes| Ok(route_set(&routes)));
         Ok(Response::new(Box::pin(stream)))
     }
 }
 
 /// The stream of WatchRoutes.
-pub type RoutesStream =
-    Pin<Box<dyn Stream<Item = Result<pb::WatchRoutesResponse, Status>> + Send>>;
+pub type RoutesStream = Pin<Box<dyn Stream<Item = Result<pb::WatchRoutesResponse, Status>> + Send>>;
 
 fn route_set(routes: &RouteSet) -> pb::WatchRoutesResponse {
     pb::WatchRoutesResponse {

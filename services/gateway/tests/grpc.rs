@@ -267,20 +267,36 @@ async fn watch_routes_streams_every_peers_prefixes_and_the_gateway_node() {
     let first = next(&mut stream).await;
     assert!(first.remote_prefixes.is_empty(), "{first:?}");
     assert_eq!(
-        (first.gateway_node_name.as_str(), first.gateway_node_ip.as_str()),
+        (
+            first.gateway_node_name.as_str(),
+            first.gateway_node_ip.as_str()
+        ),
         ("gw-node", "100.64.0.1")
     );
     assert!(first.tunnel_mtu > 0);
 
     let id = |s: &str| trellis_api::ClusterId::parse("cluster_id", s).expect("id");
     let both: BTreeMap<_, _> = [(id("b"), te("b", 80)), (id("c"), te("c", 83))].into();
-    server.core.apply(&both, &Vec::new()).await.expect("applied");
+    server
+        .core
+        .apply(&both, &Vec::new())
+        .await
+        .expect("applied");
     assert_eq!(
         next(&mut stream).await.remote_prefixes,
-        ["10.80.0.0/16", "10.81.0.0/16", "10.83.0.0/16", "10.84.0.0/16"]
+        [
+            "10.80.0.0/16",
+            "10.81.0.0/16",
+            "10.83.0.0/16",
+            "10.84.0.0/16"
+        ]
     );
     let only_c: BTreeMap<_, _> = [(id("c"), te("c", 83))].into();
-    server.core.apply(&only_c, &Vec::new()).await.expect("applied");
+    server
+        .core
+        .apply(&only_c, &Vec::new())
+        .await
+        .expect("applied");
     assert_eq!(
         next(&mut stream).await.remote_prefixes,
         ["10.83.0.0/16", "10.84.0.0/16"]

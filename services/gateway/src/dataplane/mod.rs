@@ -3,10 +3,10 @@
 //!
 //! - [`wireguard`]: one WireGuard device per peer (userspace boringtun or kernel);
 //! - [`nft`]: the `ip trellis` nftables table (double NAT, connection marks);
-//! - [`cmd`]: `ip`/`nft` invocations and sysctls;
+//! - `cmd` (from `trellis_runtime`): `ip`/`nft` invocations and sysctls;
 //! - [`linux`]: the reconciler tying them together, with routes and policy-routing rules.
 
-pub mod cmd;
+pub(crate) use trellis_runtime::cmd;
 pub mod linux;
 pub mod nft;
 pub mod wireguard;

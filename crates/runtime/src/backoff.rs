@@ -1,0 +1,56 @@
+//! The one exponential backoff for loops that retry a failing dependency (a watch that broke, a
+//! peer that does not answer): doubles from `initial` up to `max`, with up to 25 % random
+//! jitter so many clients of one restarted server do not retry in lockstep; a success resets
+//! it.
+
+use std::time::Duration;
+
+use rand::Rng as _;
+
+/// Exponential backoff with jitter.
+#[derive(Debug, Clone)]
+pub struct Backoff {
+    initial: Duration,
+    max: Duration,
+    next: Duration,
+}
+
+impl Backoff {
+    /// Starts at `initial`, never waits longer than `max` (plus jitter).
+    pub fn new(initial: Duration, max: Duration) -> Self {
+        Self {
+            initial,
+            max,
+            next: initial,
+        }
+    }
+
+    /// How long to wait before the next attempt; doubles the one after.
+    pub fn next_delay(&mut self) -> Duration {
+        let base = self.next;
+        self.next = (self.next * 2).min(self.max);
+        let jitter_ms = u64::try_from(base.as_millis() / 4).unwrap_or(u64::MAX);
+        base + Duration::from_millis(rand::rng().random_range(0..=jitter_ms))
+    }
+
+    /// After a success: the next failure waits `initial` again.
+    pub fn reset(&mut self) {
+        self.next = self.initial;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn doubles_up_to_the_cap_with_bounded_jitter_and_resets() {
+        let mut b = Backoff::new(Duration::from_millis(100), Duration::from_millis(400));
+        let waits: Vec<u128> = (0..5).map(|_| b.next_delay().as_millis()).collect();
+        for (wait, base) in waits.iter().zip([100, 200, 400, 400, 400]) {
+            assert!((base..=base + base / 4).contains(wait), "{waits:?}");
+        }
+        b.reset();
+        assert!(b.next_delay() <= Duration::from_millis(125));
+    }
+}

@@ -1,0 +1,82 @@
+//! `trellis-route`: the node agent of one Trellis cluster (one per node; a DaemonSet in
+//! Kubernetes). It follows the local gateway's `WatchRoutes` stream and programs its node so
+//! that pod traffic for remote clusters reaches the gateway node over a VXLAN overlay, and the
+//! replies of traffic the gateway DNATs to this node's pods find their way back (docs/adr/0016).
+//!
+//! - [`plan`]: the wanted state of a node from one message (pure);
+//! - [`node`]: reading and programming the node (VXLAN, routes, rp_filter, MSS clamp);
+//! - [`agent`]: the follow-and-reconcile loop;
+//! - [`grpc`]: the status RPC; [`config`]: the flags.
+
+pub mod agent;
+pub mod config;
+pub mod grpc;
+pub mod node;
+pub mod plan;
+
+use std::net::{IpAddr, SocketAddr};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use anyhow::Context as _;
+use tokio::task::JoinHandle;
+use tonic::server::NamedService;
+use tonic::service::Routes;
+use trellis_api::pb::route::route_server::RouteServer;
+use trellis_runtime::Shutdown;
+use trellis_runtime::config::ports;
+use trellis_runtime::server::GrpcServer;
+
+use crate::agent::Agent;
+pub use crate::config::Config;
+use crate::grpc::RouteService;
+use crate::plan::NodeSettings;
+
+/// A running agent.
+#[derive(Debug)]
+pub struct Started {
+    pub addr: SocketAddr,
+    pub agent: Arc<Agent>,
+    pub task: JoinHandle<anyhow::Result<()>>,
+}
+
+/// Checks the node, binds, serves status and starts following the gateway.
+pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started> {
+    let IpAddr::V4(node_ip) = config.node_ip else {
+        anyhow::bail!("--node-ip {}: the overlay is IPv4 only", config.node_ip);
+    };
+    let (underlay, detected_mtu) = node::underlay(node_ip).await?;
+    let node = NodeSettings {
+        name: config.node_name.clone(),
+        ip: node_ip,
+        interface: config.interface.clone(),
+        vxlan_id: config.vxlan_id,
+        vxlan_port: config.vxlan_port,
+        underlay_mtu: config.underlay_mtu.unwrap_or(detected_mtu),
+    };
+    tracing::info!(node = %node.name, node_ip = %node.ip, underlay = %underlay, underlay_mtu = node.underlay_mtu, gateway = %config.gateway, "route agent ready");
+    let agent = Arc::new(Agent {
+        node,
+        underlay,
+        gateway: config.gateway.clone(),
+        resync: Duration::from_secs(config.resync_interval.max(1)),
+        status: Mutex::new(agent::Status::default()),
+    });
+    let server = GrpcServer::bind(config.base.listen_addr(ports::ROUTE)).await?;
+    let addr = server.local_addr();
+    let background = vec![tokio::spawn(agent::run(agent.clone(), shutdown.clone()))];
+    let task = server.spawn(
+        Routes::new(RouteServer::new(RouteService::new(agent.clone()))),
+        &[RouteServer::<RouteService>::NAME],
+        shutdown,
+        config.base.shutdown_grace(),
+        background,
+    );
+    Ok(Started { addr, agent, task })
+}
+
+/// Runs the agent until `shutdown`.
+pub async fn run(config: Config, shutdown: Shutdown) -> anyhow::Result<()> {
+    let started = start(config, shutdown).await?;
+    started.task.await.context("route agent task")?
+}

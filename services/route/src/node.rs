@@ -1,0 +1,265 @@
+//! Reading and programming the node's network namespace: the VXLAN device, its overlay address,
+//! the routes into it (tagged with our own route protocol number, so they are found again after
+//! a restart and never confused with anyone else's), `rp_filter` and forwarding, and the TCP MSS
+//! clamp in the nftables table `ip trellis-route` (recreated atomically, like the gateway's).
+//!
+//! Every step compares what is there with what is wanted first, so a pass over a node that is
+//! already right changes nothing, and a killed agent's successor finds its own objects instead
+//! of adding second copies.
+
+use std::collections::BTreeSet;
+use std::fmt::Write as _;
+use std::net::Ipv4Addr;
+
+use anyhow::Context as _;
+use ipnet::Ipv4Net;
+use serde_json::Value;
+use trellis_runtime::cmd;
+
+use crate::plan::{NodeSettings, Wanted};
+
+/// The route protocol number our routes carry (`ip route ... proto 214`): not one iproute2
+/// names, so no routing daemon claims it.
+pub const ROUTE_PROTO: &str = "214";
+
+/// Our nftables table (family `ip`).
+pub const NFT_TABLE: &str = "trellis-route";
+
+/// The VXLAN device as found on the node.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FoundVxlan {
+    pub id: u32,
+    pub port: u16,
+    pub local: Option<Ipv4Addr>,
+    pub remote: Option<Ipv4Addr>,
+    pub mtu: u32,
+    pub up: bool,
+}
+
+/// What the node holds of ours.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Observed {
+    /// `None`: no device of that name; `Some(None)`: a device that is not a VXLAN.
+    pub vxlan: Option<Option<FoundVxlan>>,
+    pub addresses: Vec<Ipv4Net>,
+    pub routes: BTreeSet<Ipv4Net>,
+}
+
+/// The interface holding `ip`, and its MTU.
+pub async fn underlay(ip: Ipv4Addr) -> anyhow::Result<(String, u32)> {
+    let json: Value = serde_json::from_str(&cmd::ip(&["-j", "addr", "show"]).await?)
+        .context("parsing `ip -j addr show`")?;
+    for link in json.as_array().into_iter().flatten() {
+        let holds = link["addr_info"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .any(|a| a["local"].as_str() == Some(&ip.to_string()));
+        if holds {
+            let name = link["ifname"].as_str().unwrap_or_default().to_owned();
+            let mtu = link["mtu"].as_u64().and_then(|m| u32::try_from(m).ok());
+            return Ok((name, mtu.unwrap_or(1500)));
+        }
+    }
+    anyhow::bail!("--node-ip {ip} is not an address of any interface of this node")
+}
+
+fn ipv4(v: &Value) -> Option<Ipv4Addr> {
+    v.as_str().and_then(|s| s.parse().ok())
+}
+
+/// Reads what the node holds of ours.
+pub async fn observe(interface: &str) -> anyhow::Result<Observed> {
+    let mut observed = Observed::default();
+    if let Ok(text) = cmd::ip(&["-d", "-j", "link", "show", "dev", interface]).await {
+        let json: Value = serde_json::from_str(&text).context("parsing `ip -d -j link show`")?;
+        let link = &json[0];
+        let info = &link["linkinfo"];
+        observed.vxlan = Some((info["info_kind"].as_str() == Some("vxlan")).then(|| {
+            let data = &info["info_data"];
+            FoundVxlan {
+                id: data["id"]
+                    .as_u64()
+                    .and_then(|v| u32::try_from(v).ok())
+                    .unwrap_or(0),
+                port: data["port"]
+                    .as_u64()
+                    .and_then(|v| u16::try_from(v).ok())
+                    .unwrap_or(0),
+                local: ipv4(&data["local"]),
+                remote: ipv4(&data["remote"]),
+                mtu: link["mtu"]
+                    .as_u64()
+                    .and_then(|v| u32::try_from(v).ok())
+                    .unwrap_or(0),
+                up: link["flags"]
+                    .as_array()
+                    .is_some_and(|f| f.iter().any(|x| x.as_str() == Some("UP"))),
+            }
+        }));
+        let text = cmd::ip(&["-j", "addr", "show", "dev", interface]).await?;
+        let json: Value = serde_json::from_str(&text).context("parsing `ip -j addr show`")?;
+        observed.addresses = json[0]["addr_info"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter(|a| a["family"].as_str() == Some("inet"))
+            .filter_map(|a| {
+                let addr = ipv4(&a["local"])?;
+                let len = u8::try_from(a["prefixlen"].as_u64()?).ok()?;
+                Ipv4Net::new(addr, len).ok()
+            })
+            .collect();
+    }
+    let text = cmd::ip(&["-j", "route", "show", "proto", ROUTE_PROTO]).await?;
+    let json: Value = serde_json::from_str(&text).context("parsing `ip -j route show`")?;
+    observed.routes = json
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|r| r["dst"].as_str())
+        .filter_map(|dst| {
+            // A host route is listed without its /32.
+            dst.parse::<Ipv4Net>()
+                .ok()
+                .or_else(|| dst.parse::<Ipv4Addr>().ok().map(Ipv4Net::from))
+        })
+        .collect();
+    Ok(observed)
+}
+
+/// The nftables script that replaces our table: the remote prefixes as a set, and a clamp of
+/// the MSS of forwarded SYNs towards them to the route's MTU.
+pub fn nft_script(clamp: &BTreeSet<Ipv4Net>) -> String {
+    let mut s = format!("table ip {NFT_TABLE} {{}}\ndelete table ip {NFT_TABLE}\n");
+    if clamp.is_empty() {
+        return s;
+    }
+    let elements: Vec<String> = clamp.iter().map(ToString::to_string).collect();
+    let _ = write!(
+        s,
+        "table ip {NFT_TABLE} {{\n  set remote {{\n    type ipv4_addr; flags interval;\n    \
+         elements = {{ {} }}\n  }}\n  chain forward {{\n    type filter hook forward priority \
+         mangle; policy accept;\n    ip daddr @remote tcp flags syn tcp option maxseg size set \
+         rt mtu\n  }}\n}}\n",
+        elements.join(", ")
+    );
+    s
+}
+
+/// Makes the node match `wanted`; returns how many changes it made (0 on a node that was
+/// already right).
+pub async fn apply(
+    node: &NodeSettings,
+    underlay: &str,
+    wanted: &Wanted,
+    observed: &Observed,
+) -> anyhow::Result<usize> {
+    let iface = node.interface.as_str();
+    let mut changes = 0;
+    let v = &wanted.vxlan;
+    let found = observed.vxlan.clone();
+    let same_device = matches!(&found, Some(Some(f)) if f.id == v.id && f.port == v.port
+        && f.local == Some(v.local) && f.remote == v.remote);
+    if !same_device {
+        if found.is_some() {
+            // A changed remote (the gateway moved) or a foreign device of our name: VXLAN
+            // parameters cannot all be changed in place, so the device is recreated.
+            cmd::ip(&["link", "del", iface]).await?;
+        }
+        let (id, port, local) = (v.id.to_string(), v.port.to_string(), v.local.to_string());
+        let remote = v.remote.map(|r| r.to_string());
+        let mut args = vec![
+            "link", "add", iface, "type", "vxlan", "id", &id, "dstport", &port, "local", &local,
+        ];
+        if let Some(remote) = &remote {
+            args.extend(["remote", remote.as_str()]);
+        }
+        cmd::ip(&args).await?;
+        tracing::info!(interface = iface, remote = ?v.remote, "created the overlay device");
+        changes += 1;
+    }
+    let settled = same_device && matches!(&found, Some(Some(f)) if f.mtu == v.mtu && f.up);
+    if !settled {
+        cmd::ip(&["link", "set", iface, "mtu", &v.mtu.to_string(), "up"]).await?;
+        changes += 1;
+    }
+    let addresses = if same_device {
+        observed.addresses.clone()
+    } else {
+        Vec::new()
+    };
+    if addresses != [v.address] {
+        cmd::ip(&["addr", "flush", "dev", iface]).await?;
+        cmd::ip(&["addr", "add", &v.address.to_string(), "dev", iface]).await?;
+        changes += 1;
+    }
+    // Routes die with a recreated device; otherwise only differences are written. Every wanted
+    // route is re-replaced on a change so a new MTU or next hop reaches all of them.
+    let existing = if same_device {
+        observed.routes.clone()
+    } else {
+        BTreeSet::new()
+    };
+    let mut batch = String::new();
+    if existing != wanted.routes || !settled {
+        if let Some(via) = wanted.via {
+            for net in &wanted.routes {
+                let _ = writeln!(
+                    batch,
+                    "route replace {net} via {via} dev {iface} onlink mtu {} proto {ROUTE_PROTO}",
+                    wanted.route_mtu
+                );
+            }
+        }
+        for net in existing.difference(&wanted.routes) {
+            let _ = writeln!(batch, "route del {net} proto {ROUTE_PROTO}");
+        }
+    }
+    for net in observed.routes.difference(&existing) {
+        // Ours, but on a device we just replaced (or left over): gone with it, or stale.
+        if !wanted.routes.contains(net) {
+            let _ = writeln!(batch, "route del {net} proto {ROUTE_PROTO}");
+        }
+    }
+    if !batch.is_empty() {
+        cmd::run("ip", &["-force", "-batch", "-"], Some(&batch)).await?;
+        changes += 1;
+    }
+    // Replies of connections the gateway DNATs to this node's pods arrive over the node
+    // network but route back through the overlay: strict reverse-path filtering would drop them.
+    cmd::sysctl("ip_forward", "1").await?;
+    cmd::sysctl(&format!("conf/{iface}/rp_filter"), "2").await?;
+    cmd::sysctl(&format!("conf/{underlay}/rp_filter"), "2").await?;
+    cmd::run("nft", &["-f", "-"], Some(&nft_script(&wanted.clamp))).await?;
+    Ok(changes)
+}
+
+/// Removes everything of ours from the node (for tests and operators decommissioning a node).
+pub async fn remove(interface: &str) -> anyhow::Result<()> {
+    let _ = cmd::ip(&["link", "del", interface]).await;
+    let observed = observe(interface).await?;
+    let mut batch = String::new();
+    for net in &observed.routes {
+        let _ = writeln!(batch, "route del {net} proto {ROUTE_PROTO}");
+    }
+    if !batch.is_empty() {
+        cmd::run("ip", &["-force", "-batch", "-"], Some(&batch)).await?;
+    }
+    cmd::run("nft", &["-f", "-"], Some(&nft_script(&BTreeSet::new()))).await?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_nft_script_clamps_syns_towards_remote_prefixes_or_only_deletes() {
+        let none = nft_script(&BTreeSet::new());
+        assert!(none.contains("delete table ip trellis-route") && !none.contains("chain"));
+        let some = nft_script(&["10.83.0.0/16".parse().expect("net")].into());
+        assert!(some.contains("elements = { 10.83.0.0/16 }"), "{some}");
+        assert!(some.contains("tcp option maxseg size set rt mtu"), "{some}");
+    }
+}

@@ -1,0 +1,209 @@
+//! What a node should look like, from one `WatchRoutes` message: pure, so every rule of the node
+//! path is unit-tested without root.
+//!
+//! - Every node has the VXLAN device, with the overlay address 240.b.c.d/8 derived from its node
+//!   IP a.b.c.d (unique per node on one node network, outside every range the IPAM hands out).
+//! - A node that is not the gateway node points the VXLAN at the gateway node and routes every
+//!   remote prefix via the gateway node's overlay address, with the route MTU of the tunnel:
+//!   nested encapsulation (VXLAN, then WireGuard) must never need fragmentation.
+//! - The gateway node's VXLAN has no fixed remote (it answers whichever node sent), and it routes
+//!   nothing into it: its tunnels already carry the remote prefixes.
+
+use std::collections::BTreeSet;
+use std::net::{IpAddr, Ipv4Addr};
+
+use ipnet::Ipv4Net;
+use trellis_api::pb::gateway::WatchRoutesResponse;
+use trellis_error::{Error, Result};
+
+/// VXLAN's overhead over IPv4: outer IP 20 + UDP 8 + VXLAN 8 + inner Ethernet 14.
+pub const VXLAN_OVERHEAD: u32 = 50;
+
+/// The node's own, fixed settings.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NodeSettings {
+    pub name: String,
+    pub ip: Ipv4Addr,
+    pub interface: String,
+    pub vxlan_id: u32,
+    pub vxlan_port: u16,
+    pub underlay_mtu: u32,
+}
+
+/// The VXLAN device as it must be.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Vxlan {
+    pub id: u32,
+    pub port: u16,
+    pub local: Ipv4Addr,
+    /// The gateway node, on every other node; `None` on the gateway node.
+    pub remote: Option<Ipv4Addr>,
+    pub mtu: u32,
+    pub address: Ipv4Net,
+}
+
+/// The whole wanted state of a node.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Wanted {
+    pub gateway_node: String,
+    pub is_gateway_node: bool,
+    pub vxlan: Vxlan,
+    /// Remote prefixes routed into the overlay (empty on the gateway node).
+    pub routes: BTreeSet<Ipv4Net>,
+    /// Next hop of those routes: the gateway node's overlay address.
+    pub via: Option<Ipv4Addr>,
+    /// MTU of those routes (and the TCP MSS clamp's basis).
+    pub route_mtu: u32,
+    /// Every remote prefix, for the MSS clamp (also on the gateway node).
+    pub clamp: BTreeSet<Ipv4Net>,
+}
+
+/// The overlay address of the node with node IP `ip`: 240.b.c.d.
+pub fn overlay_ip(ip: Ipv4Addr) -> Ipv4Addr {
+    let [_, b, c, d] = ip.octets();
+    Ipv4Addr::new(240, b, c, d)
+}
+
+/// The wanted state for `node` after `message`; an error names the message field that is
+/// unusable (the gateway sent something this agent cannot apply: nothing is changed).
+pub fn plan(node: &NodeSettings, message: &WatchRoutesResponse) -> Result<Wanted> {
+    if message.gateway_node_name.is_empty() {
+        return Err(Error::invalid(
+            "gateway_node_name",
+            "is empty: the gateway runs without --node-name",
+        ));
+    }
+    let is_gateway_node = message.gateway_node_name == node.name;
+    let gateway_ip = match message.gateway_node_ip.parse::<IpAddr>() {
+        Ok(IpAddr::V4(ip)) => ip,
+        Ok(IpAddr::V6(_)) => {
+            return Err(Error::invalid(
+                "gateway_node_ip",
+                "is IPv6; the overlay is IPv4 only",
+            ));
+        }
+        Err(_) if is_gateway_node => node.ip,
+        Err(_) => {
+            return Err(Error::invalid(
+                "gateway_node_ip",
+                format!(
+                    "{:?} is not an IP address: the gateway runs without --node-ip, so no node \
+                     can reach it",
+                    message.gateway_node_ip
+                ),
+            ));
+        }
+    };
+    let mut prefixes = BTreeSet::new();
+    for (i, text) in message.remote_prefixes.iter().enumerate() {
+        let net: Ipv4Net = text.parse().map_err(|_| {
+            Error::invalid(
+                format!("remote_prefixes[{i}]"),
+                format!("{text:?} is not an IPv4 CIDR"),
+            )
+        })?;
+        prefixes.insert(net.trunc());
+    }
+    let overlay_mtu = node.underlay_mtu.saturating_sub(VXLAN_OVERHEAD);
+    let route_mtu = match message.tunnel_mtu {
+        0 => overlay_mtu,
+        tunnel => tunnel.min(overlay_mtu),
+    };
+    let address = Ipv4Net::new(overlay_ip(node.ip), 8)
+        .map_err(|e| Error::Internal(format!("overlay address: {e}")))?;
+    Ok(Wanted {
+        gateway_node: message.gateway_node_name.clone(),
+        is_gateway_node,
+        vxlan: Vxlan {
+            id: node.vxlan_id,
+            port: node.vxlan_port,
+            local: node.ip,
+            remote: (!is_gateway_node).then_some(gateway_ip),
+            mtu: overlay_mtu,
+            address,
+        },
+        routes: if is_gateway_node {
+            BTreeSet::new()
+        } else {
+            prefixes.clone()
+        },
+        via: (!is_gateway_node).then(|| overlay_ip(gateway_ip)),
+        route_mtu,
+        clamp: prefixes,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn node(name: &str, ip: [u8; 4]) -> NodeSettings {
+        NodeSettings {
+            name: name.into(),
+            ip: Ipv4Addr::from(ip),
+            interface: "trellis-vx".into(),
+            vxlan_id: 7107,
+            vxlan_port: 4800,
+            underlay_mtu: 1500,
+        }
+    }
+
+    fn message(prefixes: &[&str]) -> WatchRoutesResponse {
+        WatchRoutesResponse {
+            remote_prefixes: prefixes.iter().map(|p| (*p).to_owned()).collect(),
+            gateway_node_name: "n0".into(),
+            gateway_node_ip: "100.64.1.1".into(),
+            tunnel_mtu: 1420,
+        }
+    }
+
+    #[test]
+    fn a_node_routes_every_remote_prefix_to_the_gateway_nodes_overlay_address() {
+        let wanted = plan(
+            &node("n1", [100, 64, 1, 2]),
+            &message(&["10.83.0.0/16", "10.81.0.0/16"]),
+        )
+        .expect("plans");
+        assert!(!wanted.is_gateway_node);
+        assert_eq!(wanted.vxlan.remote, Some(Ipv4Addr::new(100, 64, 1, 1)));
+        assert_eq!(wanted.vxlan.address.to_string(), "240.64.1.2/8");
+        assert_eq!(wanted.via, Some(Ipv4Addr::new(240, 64, 1, 1)));
+        assert_eq!(wanted.vxlan.mtu, 1450);
+        assert_eq!(wanted.route_mtu, 1420, "the tunnel is the narrower hop");
+        let routes: Vec<String> = wanted.routes.iter().map(ToString::to_string).collect();
+        assert_eq!(routes, ["10.81.0.0/16", "10.83.0.0/16"]);
+    }
+
+    #[test]
+    fn the_gateway_node_receives_but_routes_nothing_into_the_overlay() {
+        let wanted =
+            plan(&node("n0", [100, 64, 1, 1]), &message(&["10.83.0.0/16"])).expect("plans");
+        assert!(wanted.is_gateway_node);
+        assert_eq!(wanted.vxlan.remote, None);
+        assert!(wanted.routes.is_empty());
+        assert_eq!(wanted.clamp.len(), 1, "its own pods' SYNs are clamped too");
+    }
+
+    #[test]
+    fn a_small_underlay_shrinks_the_route_mtu() {
+        let mut n = node("n1", [100, 64, 1, 2]);
+        n.underlay_mtu = 1400;
+        let wanted = plan(&n, &message(&[])).expect("plans");
+        assert_eq!((wanted.vxlan.mtu, wanted.route_mtu), (1350, 1350));
+    }
+
+    #[test]
+    fn unusable_messages_name_the_field_and_plan_nothing() {
+        let n = node("n1", [100, 64, 1, 2]);
+        let mut m = message(&["10.83.0.0/16", "nonsense"]);
+        let err = plan(&n, &m).expect_err("bad prefix");
+        assert!(err.to_string().contains("remote_prefixes[1]"), "{err}");
+        m = message(&[]);
+        m.gateway_node_ip = String::new();
+        let err = plan(&n, &m).expect_err("no gateway ip");
+        assert!(err.to_string().contains("gateway_node_ip"), "{err}");
+        m.gateway_node_name = String::new();
+        let err = plan(&n, &m).expect_err("no gateway node");
+        assert!(err.to_string().contains("gateway_node_name"), "{err}");
+    }
+}
