@@ -154,6 +154,9 @@ fn strings(list: &[&str]) -> Vec<String> {
     list.iter().map(|s| (*s).to_owned()).collect()
 }
 
+/// The route agents' gRPC port (DESIGN.md).
+const ROUTE_PORT: u16 = 7107;
+
 /// A cluster's services running in its gateway namespace. Processes are killed, forwarders
 /// stopped and etcds removed on drop (in that order).
 #[derive(Debug)]
@@ -166,6 +169,8 @@ pub struct NsCluster {
     pub ip: IpAddr,
     // Drop order: processes, forwarders (aborted in Drop), etcds, logs.
     processes: BTreeMap<Service, NsProcess>,
+    /// With nodes: the route agent of every node, by node index.
+    agents: Vec<NsProcess>,
     forwarders: Vec<JoinHandle<()>>,
     etcds: BTreeMap<Service, Etcd>,
     logs: tempfile::TempDir,
@@ -183,6 +188,7 @@ impl NsCluster {
             ns: site.gw_ns.clone(),
             ip: IpAddr::V4(site.uplink_ip),
             processes: BTreeMap::new(),
+            agents: Vec::new(),
             forwarders: Vec::new(),
             etcds: BTreeMap::new(),
             logs,
@@ -217,7 +223,45 @@ impl NsCluster {
             .with_context(|| format!("{}: starting {service}", this.id))?;
             this.processes.insert(service, process);
         }
+        for node in &site.nodes {
+            let addr = SocketAddr::new(IpAddr::V4(node.node_ip), ROUTE_PORT);
+            let agent = NsProcess::start(
+                &node.netns,
+                bin_path("trellis-route")?,
+                strings(&[
+                    "--listen",
+                    &addr.to_string(),
+                    "--cluster-id",
+                    &this.id,
+                    "--gateway",
+                    &this.addr(Service::Gateway).to_string(),
+                    "--node-name",
+                    &node.name,
+                    "--node-ip",
+                    &node.node_ip.to_string(),
+                    "--resync-interval",
+                    "5",
+                    "--shutdown-grace",
+                    "1",
+                ]),
+                Vec::new(),
+                addr,
+                "trellis.route.v1.Route",
+                this.logs.path().join(format!("route-{}.log", node.name)),
+            )
+            .await
+            .with_context(|| format!("{}: starting the route agent of {}", this.id, node.name))?;
+            this.agents.push(agent);
+        }
         Ok(this)
+    }
+
+    /// The route agent of node `index` (with nodes).
+    pub fn agent_mut(&mut self, index: usize) -> anyhow::Result<&mut NsProcess> {
+        let id = self.id.clone();
+        self.agents
+            .get_mut(index)
+            .with_context(|| format!("{id}: no route agent on node {index}"))
     }
 
     /// The address inside the namespace where `service`'s etcd is forwarded.
@@ -257,18 +301,30 @@ impl NsCluster {
                 "--external-cidr",
                 &options.external_cidr,
             ]),
-            Service::Gateway => strings(&[
-                "--dataplane",
-                &options.dataplane,
-                "--endpoint-address",
-                &self.ip.to_string(),
-                "--broker",
-                &at(Service::Broker),
-                "--ipam",
-                &at(Service::Ipam),
-                "--resync-interval",
-                "5",
-            ]),
+            Service::Gateway => {
+                let mut g = Vec::new();
+                if let Some(node) = site.nodes.first() {
+                    g = strings(&[
+                        "--node-name",
+                        &node.name,
+                        "--node-ip",
+                        &node.node_ip.to_string(),
+                    ]);
+                }
+                g.extend(strings(&[
+                    "--dataplane",
+                    &options.dataplane,
+                    "--endpoint-address",
+                    &self.ip.to_string(),
+                    "--broker",
+                    &at(Service::Broker),
+                    "--ipam",
+                    &at(Service::Ipam),
+                    "--resync-interval",
+                    "5",
+                ]));
+                g
+            }
             Service::Discovery => {
                 let mut d = strings(&[
                     "--advertise-discovery",

@@ -36,6 +36,9 @@ pub struct FabricOptions {
     pub store: StoreKind,
     /// Extra flags per service, for every cluster.
     pub extra_args: Vec<(Service, Vec<String>)>,
+    /// Nodes per cluster: 1 is the one-namespace topology; more build a node network with a
+    /// route agent on every node ([`Topology::build_with_nodes`]).
+    pub nodes: usize,
 }
 
 impl FabricOptions {
@@ -50,6 +53,7 @@ impl FabricOptions {
             hub_no_induced: false,
             store: StoreKind::EtcdPerService,
             extra_args: Vec::new(),
+            nodes: 1,
         }
     }
 }
@@ -72,7 +76,11 @@ impl Fabric {
             .iter()
             .map(|n| (n.as_str(), options.pod_cidr.as_str()))
             .collect();
-        let topology = Topology::build(&sites)?;
+        let topology = if options.nodes > 1 {
+            Topology::build_with_nodes(&sites, options.nodes)?
+        } else {
+            Topology::build(&sites)?
+        };
         let starting = topology.sites.iter().enumerate().map(|(i, site)| {
             let mut o = ClusterOptions::new(&options.names[i], &options.external_cidr);
             o.no_induced = i == options.hub && options.hub_no_induced;

@@ -52,7 +52,33 @@ pub struct Site {
     pub pod_ip: Ipv4Addr,
     /// The gateway's address in the pod CIDR (the pod's default route).
     pub gateway_pod_ip: Ipv4Addr,
+    /// With [`Topology::build_with_nodes`]: the cluster's nodes, node 0 being the gateway
+    /// namespace; empty in the one-namespace topology.
+    pub nodes: Vec<Node>,
 }
+
+/// One node of a cluster built with [`Topology::build_with_nodes`]: a namespace on the
+/// cluster's node network (a bridge in the site's own namespace), owning the `index`-th /24 of
+/// the pod CIDR, with one pod namespace behind it.
+#[derive(Debug, Clone)]
+pub struct Node {
+    /// `n0`, `n1`, ... (the node name the services and agents are given).
+    pub name: String,
+    pub index: usize,
+    pub netns: String,
+    /// The node's address on the node network, 100.64.<site + 1>.<index + 1>.
+    pub node_ip: Ipv4Addr,
+    /// The node's slice of the pod CIDR.
+    pub pod_slice: Ipv4Net,
+    /// The node's pod.
+    pub pod_ns: String,
+    pub pod_ip: Ipv4Addr,
+}
+
+/// Name of every node's interface on its cluster's node network.
+pub const NODE_LINK: &str = "node";
+/// Name of the node-network bridge in each site's own namespace.
+pub const NODE_BRIDGE: &str = "nodes";
 
 /// Byte and packet counters of an interface.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -117,6 +143,7 @@ impl Topology {
                 pod_cidr,
                 pod_ip: host(pod_cidr, POD_HOST),
                 gateway_pod_ip: host(pod_cidr, GATEWAY_POD_HOST),
+                nodes: Vec::new(),
             };
             namespaces.add(&site.gw_ns)?;
             namespaces.add(&site.pod_ns)?;
@@ -129,6 +156,29 @@ impl Topology {
             sites: built,
             namespaces,
         })
+    }
+
+    /// Like [`Topology::build`], with `nodes` nodes per site (1 to 16; pod CIDRs of at least
+    /// /20 so every node owns a /24): node 0 is the gateway namespace (with the uplink), every
+    /// node has a pod, and the nodes route each other's pod slices over the node network (a
+    /// plain host-routed pod network). Nothing routes remote clusters' ranges from a node other
+    /// than node 0: that is the route agent's job.
+    pub fn build_with_nodes(sites: &[(&str, &str)], nodes: usize) -> anyhow::Result<Self> {
+        if !(1..=16).contains(&nodes) {
+            bail!("1 to 16 nodes per site, not {nodes}");
+        }
+        let mut topology = Self::build(sites)?;
+        for site in &mut topology.sites {
+            if site.pod_cidr.prefix_len() > 20 {
+                bail!(
+                    "{}: pod CIDR {} is smaller than a /20",
+                    site.name,
+                    site.pod_cidr
+                );
+            }
+            add_nodes(&mut topology.namespaces, &topology.run, site, nodes)?;
+        }
+        Ok(topology)
     }
 
     /// The site called `name`.
@@ -188,6 +238,135 @@ fn wire(inet_ns: &str, site: &Site) -> anyhow::Result<()> {
         vec!["-n", pod, "route", "add", "default", "via", &gw_pod_ip],
     ] {
         ip(&args).with_context(|| format!("wiring site {}", site.name))?;
+    }
+    Ok(())
+}
+
+/// Turns `site` into `count` nodes: node 0 is its gateway namespace, whose pod link shrinks to
+/// the first /24 of the pod CIDR; every other node gets a namespace and a pod of its own.
+fn add_nodes(
+    namespaces: &mut Namespaces,
+    run: &str,
+    site: &mut Site,
+    count: usize,
+) -> anyhow::Result<()> {
+    let net_ns = format!("tl{run}-{}-net", site.name);
+    namespaces.add(&net_ns)?;
+    ip(&["-n", &net_ns, "link", "add", NODE_BRIDGE, "type", "bridge"])?;
+    ip(&["-n", &net_ns, "link", "set", NODE_BRIDGE, "up"])?;
+    let site_octet = u8::try_from(site.index + 1).context("too many sites")?;
+    let mut nodes = Vec::with_capacity(count);
+    for index in 0..count {
+        let k = u8::try_from(index).context("too many nodes")?;
+        let slice = Ipv4Net::new(
+            Ipv4Addr::from(u32::from(site.pod_cidr.network()) + (u32::from(k) << 8)),
+            24,
+        )?;
+        let (netns, pod_ns) = if index == 0 {
+            (site.gw_ns.clone(), site.pod_ns.clone())
+        } else {
+            let netns = format!("tl{run}-{}-n{index}", site.name);
+            let pod_ns = format!("tl{run}-{}-p{index}", site.name);
+            namespaces.add(&netns)?;
+            namespaces.add(&pod_ns)?;
+            (netns, pod_ns)
+        };
+        let node = Node {
+            name: format!("n{index}"),
+            index,
+            netns,
+            node_ip: Ipv4Addr::new(100, 64, site_octet, k + 1),
+            pod_slice: slice,
+            pod_ns,
+            pod_ip: host(slice, POD_HOST),
+        };
+        wire_node(&net_ns, site, &node)?;
+        nodes.push(node);
+    }
+    // The host-routed pod network: every node reaches every other node's slice through that
+    // node's address, and the gateway's service addresses (the uplink) through node 0.
+    for node in &nodes {
+        for other in nodes.iter().filter(|o| o.index != node.index) {
+            ip(&[
+                "-n",
+                &node.netns,
+                "route",
+                "add",
+                &other.pod_slice.to_string(),
+                "via",
+                &other.node_ip.to_string(),
+            ])?;
+        }
+        if node.index != 0 {
+            ip(&[
+                "-n",
+                &node.netns,
+                "route",
+                "add",
+                &format!("{}/32", site.uplink_ip),
+                "via",
+                &nodes[0].node_ip.to_string(),
+            ])?;
+        }
+        crate::netns::exec(&node.netns, "sysctl", &["-qw", "net.ipv4.ip_forward=1"])?;
+    }
+    site.nodes = nodes;
+    Ok(())
+}
+
+fn wire_node(net_ns: &str, site: &Site, node: &Node) -> anyhow::Result<()> {
+    let ns = node.netns.as_str();
+    let port = format!("n{}", node.index);
+    let node_addr = format!("{}/24", node.node_ip);
+    let gw = host(node.pod_slice, GATEWAY_POD_HOST);
+    let gw_addr = format!("{gw}/24");
+    let pod_addr = format!("{}/24", node.pod_ip);
+    let gw_ip = gw.to_string();
+    let mut steps: Vec<Vec<&str>> = vec![
+        vec![
+            "-n", ns, "link", "add", NODE_LINK, "type", "veth", "peer", "name", &port, "netns",
+            net_ns,
+        ],
+        vec![
+            "-n",
+            net_ns,
+            "link",
+            "set",
+            &port,
+            "master",
+            NODE_BRIDGE,
+            "up",
+        ],
+        vec!["-n", ns, "addr", "add", &node_addr, "dev", NODE_LINK],
+        vec!["-n", ns, "link", "set", NODE_LINK, "up"],
+    ];
+    let (pod, pod_ns) = (POD_LINK, node.pod_ns.as_str());
+    let site_prefix = format!("{}/{}", site.gateway_pod_ip, site.pod_cidr.prefix_len());
+    if node.index == 0 {
+        // The one-namespace wiring gave the gateway the whole pod CIDR; node 0 owns one /24.
+        steps.extend([
+            vec!["-n", ns, "addr", "del", &site_prefix, "dev", pod],
+            vec!["-n", ns, "addr", "add", &gw_addr, "dev", pod],
+            vec!["-n", pod_ns, "route", "del", "default"],
+            vec!["-n", pod_ns, "addr", "flush", "dev", "eth0"],
+            vec!["-n", pod_ns, "addr", "add", &pod_addr, "dev", "eth0"],
+            vec!["-n", pod_ns, "route", "add", "default", "via", &gw_ip],
+        ]);
+    } else {
+        steps.extend([
+            vec![
+                "-n", ns, "link", "add", pod, "type", "veth", "peer", "name", "eth0", "netns",
+                pod_ns,
+            ],
+            vec!["-n", ns, "addr", "add", &gw_addr, "dev", pod],
+            vec!["-n", ns, "link", "set", pod, "up"],
+            vec!["-n", pod_ns, "addr", "add", &pod_addr, "dev", "eth0"],
+            vec!["-n", pod_ns, "link", "set", "eth0", "up"],
+            vec!["-n", pod_ns, "route", "add", "default", "via", &gw_ip],
+        ]);
+    }
+    for args in steps {
+        ip(&args).with_context(|| format!("wiring node {} of {}", node.name, site.name))?;
     }
     Ok(())
 }
