@@ -663,6 +663,7 @@ async fn measure(
             broker_address: hub.addr("broker").to_string(),
             token: token.clone(),
             expected_cluster_id: HUB_ID.into(),
+            ca_cert_hash: String::new(),
         };
         // With hundreds of clusters on two cores a leaf's own services can be too slow to
         // answer its broker in time (UNAVAILABLE); an operator would run the command again,

@@ -37,13 +37,14 @@ pub async fn peer_leaves(
         .iter()
         .find(|c| c.role == Role::Hub)
         .context("the lab has no hub")?;
-    let token = broker(hub.ports.broker)
+    let answer = broker(hub.ports.broker)
         .await?
         .get_token(GetTokenRequest {})
         .await
         .context("asking the hub's broker for its token")?
-        .into_inner()
-        .token;
+        .into_inner();
+    // With --tls the leaves pin the hub's CA before first contact, as a join command does.
+    let (token, ca_cert_hash) = (answer.token, answer.ca_cert_hash);
     let leaves: Vec<_> = clusters.iter().filter(|c| c.role == Role::Leaf).collect();
     let total = leaves.len();
     // With --tls the leaves handshake with the hub's peer listener.
@@ -54,6 +55,7 @@ pub async fn peer_leaves(
             broker_address: hub_broker.clone(),
             token: token.clone(),
             expected_cluster_id: hub.id.clone(),
+            ca_cert_hash: ca_cert_hash.clone(),
         };
         async move {
             broker(leaf.ports.broker)

@@ -120,6 +120,7 @@ impl Fabric {
                 broker_address: self.clusters[to].addr(Service::Broker).to_string(),
                 token,
                 expected_cluster_id: self.clusters[to].id.clone(),
+                ca_cert_hash: String::new(),
             })
             .await
             .with_context(|| {

@@ -283,6 +283,19 @@ impl ClusterCa {
     }
 }
 
+/// The PEM text of a DER certificate.
+fn pem_of(der: &CertificateDer<'_>) -> String {
+    use base64::Engine as _;
+    let text = base64::engine::general_purpose::STANDARD.encode(der.as_ref());
+    let mut pem = String::from("-----BEGIN CERTIFICATE-----\n");
+    for line in text.as_bytes().chunks(64) {
+        pem.push_str(&String::from_utf8_lossy(line));
+        pem.push('\n');
+    }
+    pem.push_str("-----END CERTIFICATE-----\n");
+    pem
+}
+
 fn parse_certs(field: &str, pem: &str) -> Result<Vec<CertificateDer<'static>>> {
     let certs = CertificateDer::pem_slice_iter(pem.as_bytes())
         .collect::<std::result::Result<Vec<_>, _>>()
@@ -322,6 +335,21 @@ impl PinnedCa {
             return Err(Error::invalid(field, "must hold exactly one certificate"));
         }
         let der = certs.remove(0);
+        Self::from_der_with_pem(cluster_id, der, pem.to_owned())
+    }
+
+    /// A CA met as DER in a server's chain (first contact with a pinned hash).
+    fn from_der(cluster_id: &str, der: CertificateDer<'static>) -> Result<Self> {
+        let pem = pem_of(&der);
+        Self::from_der_with_pem(cluster_id, der, pem)
+    }
+
+    fn from_der_with_pem(
+        cluster_id: &str,
+        der: CertificateDer<'static>,
+        pem: String,
+    ) -> Result<Self> {
+        let field = "ca_certificate";
         let anchor = webpki::anchor_from_trusted_cert(&der)
             .map_err(|e| Error::invalid(field, format!("is not a usable CA certificate: {e}")))?
             .to_owned();
@@ -336,7 +364,7 @@ impl PinnedCa {
         }
         Ok(Self {
             cluster_id: cluster_id.to_owned(),
-            pem: pem.to_owned(),
+            pem,
             fingerprint: fingerprint(&der),
             der,
             anchor,
@@ -601,6 +629,8 @@ impl ClientCertVerifier for PeerClientVerifier {
 struct PeerServerVerifier {
     trust: Option<TrustStore>,
     expected: Option<String>,
+    /// First contact with a pinned CA (`--ca-cert-hash`): the chain must anchor at it.
+    pin: Option<CaCertHash>,
     algorithms: WebPkiSupportedAlgorithms,
 }
 
@@ -622,6 +652,9 @@ impl ServerCertVerifier for PeerServerVerifier {
                 webpki::KeyUsage::server_auth(),
                 self.expected.as_deref(),
             )?;
+        }
+        if let Some(pin) = &self.pin {
+            pin.verify(end_entity, intermediates, now)?;
         }
         Ok(ServerCertVerified::assertion())
     }
@@ -771,7 +804,13 @@ fn certified_key(
             format!("is not a valid certificate of cluster {cluster_id} from its CA: {e}"),
         )
     })?;
-    Ok(certified)
+    // Served with our CA, so that a peer pinning it by hash at first contact finds it.
+    if chain.iter().any(|c| c.as_ref() == own_ca.der.as_ref()) {
+        return Ok(certified);
+    }
+    let mut served = chain.clone();
+    served.push(own_ca.der.clone());
+    Ok(CertifiedKey::new(served, certified.key.clone()))
 }
 
 fn client_config(
@@ -794,9 +833,15 @@ fn client_config(
 
 /// The cluster a Trellis CA certificate names (its SAN URI `spiffe://trellis/cluster/<id>`).
 pub fn ca_cluster_id(ca_pem: &str) -> Result<String> {
+    let certs = parse_certs("ca_certificate", ca_pem)?;
+    ca_cluster_id_der(certs[0].as_ref())
+}
+
+/// [`ca_cluster_id`] of a DER certificate.
+fn ca_cluster_id_der(der: &[u8]) -> Result<String> {
     let field = "ca_certificate";
-    let certs = parse_certs(field, ca_pem)?;
-    let parsed = webpki::EndEntityCert::try_from(&certs[0])
+    let der = CertificateDer::from(der);
+    let parsed = webpki::EndEntityCert::try_from(&der)
         .map_err(|e| Error::invalid(field, format!("is not a certificate: {e}")))?;
     parsed
         .valid_uri_names()
@@ -849,6 +894,7 @@ impl ToolTls {
             PeerServerVerifier {
                 trust: Some(trust),
                 expected: Some(cluster_id.clone()),
+                pin: None,
                 algorithms: algorithms(),
             },
             own,
@@ -1016,6 +1062,7 @@ impl PeerTls {
             PeerServerVerifier {
                 trust: Some(self.inner.trust.clone()),
                 expected: expected.map(str::to_owned),
+                pin: None,
                 algorithms: algorithms(),
             },
             true,
@@ -1029,10 +1076,33 @@ impl PeerTls {
             PeerServerVerifier {
                 trust: None,
                 expected: None,
+                pin: None,
                 algorithms: algorithms(),
             },
             false,
         )
+    }
+
+    /// [`PeerTls::handshake_client_config`] that accepts only a server whose chain anchors at
+    /// the CA `pin` names.
+    pub fn pinned_handshake_client_config(
+        &self,
+        pin: CaCertHash,
+    ) -> Result<Arc<rustls::ClientConfig>> {
+        self.client_config_with(
+            PeerServerVerifier {
+                trust: None,
+                expected: None,
+                pin: Some(pin),
+                algorithms: algorithms(),
+            },
+            false,
+        )
+    }
+
+    /// The hash of this cluster's CA, what a join command pins.
+    pub fn own_ca_hash(&self) -> Result<CaCertHash> {
+        CaCertHash::of_der(self.inner.own_ca.der.as_ref())
     }
 }
 
@@ -1355,11 +1425,29 @@ pub fn peer_channel_pinned(
         PeerServerVerifier {
             trust: Some(only),
             expected: Some(expected),
+            pin: None,
             algorithms: algorithms(),
         },
         true,
     )?;
     tls_channel(field, address, timeouts, config)
+}
+
+/// A channel for the peering handshake that only reaches a server whose chain anchors at the
+/// CA `pin` names (`--ca-cert-hash`): a man in the middle never sees the token.
+pub fn pinned_handshake_channel(
+    tls: &PeerTls,
+    field: &str,
+    address: &str,
+    pin: CaCertHash,
+    timeouts: Timeouts,
+) -> Result<TracedChannel> {
+    tls_channel(
+        field,
+        address,
+        timeouts,
+        tls.pinned_handshake_client_config(pin)?,
+    )
 }
 
 /// A channel for the peering handshake: TLS without a client certificate, server unverified
@@ -1399,6 +1487,10 @@ pub fn caller_of(extensions: &http::Extensions) -> Caller {
         }) => Caller::Peer(peer.clone()),
     }
 }
+
+mod pin;
+
+pub use pin::CaCertHash;
 
 #[cfg(test)]
 mod tests;

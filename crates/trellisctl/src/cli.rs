@@ -205,6 +205,12 @@ pub struct TokenArgs {
     /// invalid at once).
     #[arg(long, value_name = "SECONDS", requires = "rotate", default_value_t = 0)]
     pub grace: u64,
+
+    /// Print the whole command a new cluster runs to join this one: `trellisctl peer
+    /// --remote-broker ADDR --token TOKEN --ca-cert-hash sha256:HEX`, with the broker address
+    /// this cluster advertises and, with mutual TLS, the hash that pins its CA at first contact.
+    #[arg(long, conflicts_with = "rotate")]
+    pub join: bool,
 }
 
 /// Flags of `peer`.
@@ -223,6 +229,13 @@ pub struct PeerArgs {
     /// Refuse to peer unless the remote reports this cluster ID.
     #[arg(long, value_name = "ID", value_parser = cluster_id_arg)]
     pub expected_cluster_id: Option<String>,
+
+    /// `sha256:HEX` of the remote's CA (what `trellisctl token --join` prints): the local
+    /// broker then refuses, before sending the token, a remote whose certificate does not chain
+    /// to that CA. Needs mutual TLS between the clusters. Without it, first contact trusts
+    /// whoever answers at --remote-broker.
+    #[arg(long, env = "TRELLIS_CA_CERT_HASH", value_name = "sha256:HEX", value_parser = ca_cert_hash_arg)]
+    pub ca_cert_hash: Option<String>,
 }
 
 /// Arguments of `unpeer`.
@@ -316,6 +329,12 @@ fn address_arg(value: &str) -> Result<String, String> {
 fn cluster_id_arg(value: &str) -> Result<String, String> {
     trellis_api::ClusterId::parse("value", value)
         .map(|id| id.to_string())
+        .map_err(|e| reason(&e))
+}
+
+fn ca_cert_hash_arg(value: &str) -> Result<String, String> {
+    trellis_runtime::tls::CaCertHash::parse("value", value)
+        .map(|h| h.to_string())
         .map_err(|e| reason(&e))
 }
 

@@ -68,6 +68,7 @@ pub async fn peer(globals: &Globals, args: &PeerArgs) -> Result<PeerView, CtlErr
             broker_address: args.remote_broker.clone(),
             token: args.token.clone(),
             expected_cluster_id: args.expected_cluster_id.clone().unwrap_or_default(),
+            ca_cert_hash: args.ca_cert_hash.clone().unwrap_or_default(),
         })
         .await
         .map_err(|s| CtlError::rpc(&target, "Peer", &s))?

@@ -28,7 +28,7 @@ use crate::records::{
 use crate::remote::Clients;
 use crate::token;
 use trellis_api::peers::Peers;
-use trellis_runtime::tls::PinnedCa;
+use trellis_runtime::tls::{CaCertHash, PinnedCa};
 
 /// A NetworkConfig received from a remote, validated.
 #[derive(Debug, Clone)]
@@ -203,6 +203,14 @@ impl Broker {
     }
 
     /// Our CA certificate for the handshake (empty without TLS).
+    /// The hash peers pin our CA by (`None` without TLS).
+    pub fn ca_cert_hash(&self) -> Option<String> {
+        self.clients
+            .tls()
+            .and_then(|t| t.own_ca_hash().ok())
+            .map(|h| h.to_string())
+    }
+
     fn our_ca(&self) -> String {
         self.clients
             .tls()
@@ -306,6 +314,7 @@ impl Broker {
         address: &str,
         presented: &str,
         expected: Option<&ClusterId>,
+        pin: Option<CaCertHash>,
     ) -> Result<(ClusterIdentity, Addresses)> {
         let ours = self.advertised().await?;
         if ours.broker.is_empty() {
@@ -313,9 +322,16 @@ impl Broker {
                 "the local discovery service advertises no broker address; peers could not reach us".into(),
             ));
         }
-        let answer = self
-            .clients
-            .handshake_broker(address)?
+        let mut client = match pin {
+            Some(pin) => self.clients.pinned_handshake_broker(address, pin)?,
+            None => {
+                if self.clients.tls().is_some() {
+                    tracing::warn!(remote = %address, "first contact is unpinned: the token goes to whoever answers at this address (pass ca_cert_hash, as `trellisctl token --join` prints it)");
+                }
+                self.clients.handshake_broker(address)?
+            }
+        };
+        let answer = client
             .handshake(HandshakeRequest {
                 token: presented.to_owned(),
                 identity: Some(identity_to_pb(&self.identity)),
@@ -323,7 +339,16 @@ impl Broker {
                 ca_certificate: self.our_ca(),
             })
             .await
-            .map_err(|status| Error::from(status).context(format!("handshake with {address}")))?
+            .map_err(|status| {
+                if pin.is_some() && status.message().contains("pinned CA") {
+                    return Error::PermissionDenied(format!(
+                        "the broker at {address} does not present a certificate of the CA \
+                         pinned by ca_cert_hash; nothing was sent ({})",
+                        status.message()
+                    ));
+                }
+                Error::from(status).context(format!("handshake with {address}"))
+            })?
             .into_inner();
         let unusable = |e: Error| {
             Error::FailedPrecondition(format!(
@@ -344,6 +369,13 @@ impl Broker {
             return Err(Error::FailedPrecondition(format!(
                 "the broker at {address} belongs to cluster {}, not {expected}",
                 remote.id
+            )));
+        }
+        if let Some(pin) = pin
+            && CaCertHash::of_pem(&answer.ca_certificate).ok() != Some(pin)
+        {
+            return Err(Error::PermissionDenied(format!(
+                "the broker at {address} answered with a CA other than the one ca_cert_hash pins"
             )));
         }
         let ca = self

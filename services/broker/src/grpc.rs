@@ -16,6 +16,7 @@ use trellis_api::{ClusterId, ClusterIdentity, address};
 use trellis_error::{Error, Result};
 
 use trellis_runtime::peer::{Authz, PeerMethods};
+use trellis_runtime::tls::CaCertHash;
 
 use crate::core::{Broker, Received};
 use crate::records::{Decision, nc_name};
@@ -135,9 +136,17 @@ impl BrokerApi for BrokerService {
         _request: Request<pb::GetTokenRequest>,
     ) -> Result<Response<pb::GetTokenResponse>, Status> {
         let token = self.core.token().await?;
+        let advertised_broker = self
+            .core
+            .advertised()
+            .await
+            .map(|a| a.broker)
+            .unwrap_or_default();
         Ok(Response::new(pb::GetTokenResponse {
             token: token.current,
             create_time: Some(timestamp(token.created_nanos)),
+            ca_cert_hash: self.core.ca_cert_hash().unwrap_or_default(),
+            advertised_broker,
         }))
     }
 
@@ -177,9 +186,12 @@ impl BrokerApi for BrokerService {
         let expected = (!req.expected_cluster_id.is_empty())
             .then(|| ClusterId::parse("expected_cluster_id", &req.expected_cluster_id))
             .transpose()?;
+        let pin = (!req.ca_cert_hash.is_empty())
+            .then(|| CaCertHash::parse("ca_cert_hash", &req.ca_cert_hash))
+            .transpose()?;
         let (identity, addresses) = self
             .core
-            .peer(&address, &req.token, expected.as_ref())
+            .peer(&address, &req.token, expected.as_ref(), pin)
             .await?;
         Ok(Response::new(pb::PeerResponse {
             identity: Some(identity_to_pb(&identity)),

@@ -15,7 +15,8 @@ use trellis_api::pb::peering::forwarder_client::ForwarderClient;
 use trellis_error::Result;
 use trellis_runtime::client::{Timeouts, TracedChannel, channel};
 use trellis_runtime::tls::{
-    PeerTls, PinnedCa, cluster_channel, first_contact_channel, peer_channel_pinned,
+    CaCertHash, PeerTls, PinnedCa, cluster_channel, first_contact_channel, peer_channel_pinned,
+    pinned_handshake_channel,
 };
 
 /// Local services answer from their stores; remote ones may be far away.
@@ -139,6 +140,29 @@ impl Clients {
             self.tls.as_ref(),
             "broker_address",
             address,
+            REMOTE,
+        )?))
+    }
+
+    /// The broker we handshake with, reachable only if its certificate chains to the CA `pin`
+    /// names (`ca_cert_hash`). Needs TLS.
+    pub fn pinned_handshake_broker(
+        &self,
+        address: &str,
+        pin: CaCertHash,
+    ) -> Result<BrokerClient<TracedChannel>> {
+        let tls = self.tls.as_ref().ok_or_else(|| {
+            trellis_error::Error::FailedPrecondition(
+                "ca_cert_hash pins the remote's CA over mutual TLS, and this broker runs \
+                 without it (--peer-listen and the --tls-* files)"
+                    .into(),
+            )
+        })?;
+        Ok(BrokerClient::new(pinned_handshake_channel(
+            tls,
+            "broker_address",
+            address,
+            pin,
             REMOTE,
         )?))
     }

@@ -124,6 +124,7 @@ pub async fn peer_with_token(
             broker_address: to.peering_broker().to_string(),
             token,
             expected_cluster_id: to.cluster_id().to_string(),
+            ca_cert_hash: String::new(),
         })
         .await
         .map(tonic::Response::into_inner)

@@ -112,6 +112,7 @@ impl Mesh {
                     broker_address: self.b.services.broker.to_string(),
                     token,
                     expected_cluster_id: HUB.into(),
+                    ca_cert_hash: String::new(),
                 })
                 .await
                 .unwrap_or_else(|err| panic!("{} peers with {HUB}: {err:?}", leaf.id));

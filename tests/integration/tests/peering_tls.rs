@@ -311,6 +311,7 @@ async fn induced_mesh_over_mutual_tls_and_no_cluster_speaks_for_another() {
             broker_address: hub.peering_broker().to_string(),
             token: old_token,
             expected_cluster_id: String::new(),
+            ca_cert_hash: String::new(),
         })
         .await
         .expect_err("old token");
@@ -681,4 +682,66 @@ async fn neighborhoods_ipam_queries_and_reflected_slices_take_a_peer_speaking_fo
         .into_inner();
     assert!(done.delivered);
     assert!(reflected(&c).await.is_empty());
+}
+
+/// First contact pinned by the hub's CA hash (the join command's `--ca-cert-hash`): a wrong hash
+/// (here, the hash of a CA a man in the middle would hold) is refused during the TLS handshake,
+/// so the token never leaves and neither side stores anything; the hash `GetToken` reports,
+/// which `trellisctl token --join` prints, peers; a malformed one is INVALID_ARGUMENT.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pinned_first_contact_refuses_a_wrong_ca_and_the_join_hash_peers() {
+    let hub = start("hub").await;
+    let leaf = start("leaf").await;
+    let impostor = start("hub2").await;
+    let token = hub
+        .broker()
+        .await
+        .expect("connects")
+        .get_token(GetTokenRequest {})
+        .await
+        .expect("token")
+        .into_inner();
+    assert!(token.ca_cert_hash.starts_with("sha256:"), "{token:?}");
+    assert_eq!(token.advertised_broker, hub.peering_broker().to_string());
+    let wrong = impostor
+        .broker()
+        .await
+        .expect("connects")
+        .get_token(GetTokenRequest {})
+        .await
+        .expect("token")
+        .into_inner()
+        .ca_cert_hash;
+    let request = |hash: &str| PeerRequest {
+        broker_address: hub.peering_broker().to_string(),
+        token: token.token.clone(),
+        expected_cluster_id: "hub".into(),
+        ca_cert_hash: hash.into(),
+    };
+    let mut broker = leaf.broker().await.expect("connects");
+
+    let err = broker.peer(request(&wrong)).await.expect_err("wrong CA");
+    assert_eq!(err.code(), Code::PermissionDenied, "{err:?}");
+    assert!(err.message().contains("pinned"), "{}", err.message());
+    assert!(known(&leaf).await.is_empty(), "nothing stored on the leaf");
+    assert!(known(&hub).await.is_empty(), "nothing stored on the hub");
+
+    let err = broker
+        .peer(request("sha256:xyz"))
+        .await
+        .expect_err("malformed");
+    assert_eq!(err.code(), Code::InvalidArgument, "{err:?}");
+    assert!(err.message().contains("ca_cert_hash"), "{}", err.message());
+
+    let answer = broker
+        .peer(request(&token.ca_cert_hash))
+        .await
+        .expect("the join hash peers")
+        .into_inner();
+    assert_eq!(
+        answer.identity.map(|i| i.cluster_id).as_deref(),
+        Some("hub")
+    );
+    assert_eq!(known(&leaf).await, ["hub"]);
+    assert_eq!(known(&hub).await, ["leaf"]);
 }

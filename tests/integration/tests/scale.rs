@@ -143,6 +143,7 @@ async fn a_hub_and_twenty_leaves_converge_to_the_full_induced_mesh() {
             broker_address: hub.services.broker.to_string(),
             token: token.clone(),
             expected_cluster_id: "hub".into(),
+            ca_cert_hash: String::new(),
         };
         peerings.push(tokio::spawn(async move {
             broker.peer(request).await.map(|_| ())

@@ -145,6 +145,7 @@ async fn an_expired_certificate_is_refused() {
         .with_custom_certificate_verifier(Arc::new(PeerServerVerifier {
             trust: None,
             expected: None,
+            pin: None,
             algorithms: algorithms(),
         }))
         .with_client_auth_cert(chain, key)
@@ -383,4 +384,59 @@ fn a_tool_needs_a_trellis_ca_and_a_matching_key() {
     let err = ToolTls::new(hub.ca.cert_pem(), Some((&issued.cert_pem, other.key_pem())))
         .expect_err("key of another certificate");
     assert!(err.to_string().contains("tls key"), "{err}");
+}
+
+#[test]
+fn a_ca_cert_hash_is_the_sha256_of_the_spki_and_parses_back() {
+    let ca = ClusterCa::generate("hub").expect("CA");
+    let hash = CaCertHash::of_pem(ca.cert_pem()).expect("hash");
+    let spki = rcgen::PublicKeyData::subject_public_key_info(&ca.key);
+    let expected = ring::digest::digest(&ring::digest::SHA256, &spki);
+    let hex: String = expected
+        .as_ref()
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    assert_eq!(hash.to_string(), format!("sha256:{hex}"));
+    assert_eq!(
+        CaCertHash::parse("ca_cert_hash", &hash.to_string()).expect("parses"),
+        hash
+    );
+    for bad in [
+        "",
+        "sha256:",
+        "md5:00",
+        "sha256:zz",
+        &format!("sha1:{hex}"),
+        &hex,
+    ] {
+        let err = CaCertHash::parse("ca_cert_hash", bad).expect_err(bad);
+        assert!(err.to_string().contains("ca_cert_hash"), "{err}");
+    }
+}
+
+#[tokio::test]
+async fn first_contact_with_a_pinned_hash_reaches_only_the_pinned_cas_servers() {
+    let hub = cluster("hub", "broker");
+    let other = cluster("hub", "broker");
+    let leaf = cluster("leaf", "broker");
+    let (addr, mut accepted) = listen(&hub.tls).await;
+    let right = hub.tls.own_ca_hash().expect("hash");
+    let config = leaf
+        .tls
+        .pinned_handshake_client_config(right)
+        .expect("config");
+    exchange(addr, config, &mut accepted)
+        .await
+        .expect("the pinned CA's server is reached");
+    // Same cluster ID, another CA (a man in the middle with a certificate naming the hub).
+    let (addr, mut accepted) = listen(&other.tls).await;
+    let config = leaf
+        .tls
+        .pinned_handshake_client_config(right)
+        .expect("config");
+    let err = exchange(addr, config, &mut accepted)
+        .await
+        .expect_err("another CA is refused");
+    assert!(err.contains("pinned CA"), "{err}");
 }
