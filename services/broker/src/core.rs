@@ -202,6 +202,42 @@ impl Broker {
         Ok(Some(ca))
     }
 
+    /// The CA-change rule (ADR 0014): a handshake for an identity we are already peered with
+    /// must present the CA we pinned for it. The handshake itself is unauthenticated (the
+    /// caller has no certificate we trust yet), so accepting another CA would let any holder of
+    /// our token take over the identity. Re-admitting a cluster whose CA really changed is an
+    /// operator's decision: `Unpeer` it here, then it peers again like a new cluster.
+    async fn refuse_changed_ca(&self, remote: &ClusterId, ca: &PinnedCa) -> Result<()> {
+        let request = GetForeignClusterRequest {
+            cluster_id: remote.to_string(),
+        };
+        let record = match self.clients.discovery().get_foreign_cluster(request).await {
+            Ok(answer) => answer.into_inner().foreign_cluster,
+            Err(status) if status.code() == tonic::Code::NotFound => None,
+            Err(status) => return Err(local("reading the foreign cluster")(status)),
+        };
+        let Some(record) = record else {
+            return Ok(());
+        };
+        let peers = Peers::from_foreign_clusters(std::slice::from_ref(&record));
+        let pinned = record
+            .full
+            .map(|f| f.ca_certificate)
+            .filter(|pem| !pem.is_empty());
+        let (true, Some(pinned)) = (peers.is_full_peer(remote), pinned) else {
+            return Ok(());
+        };
+        let pinned = PinnedCa::from_pem(remote.as_str(), &pinned)?;
+        if pinned.fingerprint() == ca.fingerprint() {
+            return Ok(());
+        }
+        tracing::warn!(remote.id = %remote, pinned = pinned.fingerprint(), presented = ca.fingerprint(), "refused a handshake presenting another ca for a peered cluster");
+        Err(Error::PermissionDenied(format!(
+            "cluster {remote} is peered with another CA; an operator must unpeer it before it \
+             can peer again with a new one"
+        )))
+    }
+
     /// Our CA certificate for the handshake (empty without TLS).
     fn our_ca(&self) -> String {
         self.clients
@@ -284,6 +320,9 @@ impl Broker {
             ));
         }
         let ca = self.peer_ca("ca_certificate", &caller.id, ca_certificate)?;
+        if let Some(ca) = &ca {
+            self.refuse_changed_ca(&caller.id, ca).await?;
+        }
         let ours = self.advertised().await?;
         self.record_peering(
             caller,
@@ -657,6 +696,15 @@ impl Broker {
         }
     }
 
+    /// The NetworkConfig `remote` sent us, if any.
+    pub async fn incoming(&self, remote: &ClusterId) -> Result<Option<IncomingNc>> {
+        let key = in_key(remote);
+        match self.store.get(&key).await? {
+            Some(kv) => Ok(Some(decode(&key, &kv.value)?)),
+            None => Ok(None),
+        }
+    }
+
     /// The NetworkConfigs held, both directions.
     pub async fn network_configs(&self) -> Result<(Vec<OutgoingNc>, Vec<IncomingNc>)> {
         let outs = self.store.list(OUT_PREFIX).await?.kvs;
@@ -680,5 +728,33 @@ impl Broker {
             .map(|kv| Ok((decode(&kv.key, &kv.value)?, kv.mod_revision)))
             .collect::<Result<_>>()?;
         Ok((tunnels, listing.revision))
+    }
+}
+
+/// The `via` rule (ADR 0012): a call about a stored NetworkConfig may name a `via` only if it
+/// is the hub the stored record was exchanged through; a direct NetworkConfig takes none. The
+/// stored hub was checked to have introduced the counterpart when the record was written
+/// (`receive` for ours, the route of the pass for theirs), so a peer naming itself as `via`
+/// speaks for no exchange it does not relay.
+pub fn check_via(
+    remote: &ClusterId,
+    stored: Option<&ClusterIdentity>,
+    claimed: Option<&ClusterIdentity>,
+) -> Result<()> {
+    match (stored, claimed) {
+        (None, None) => Ok(()),
+        (Some(hub), Some(via)) if hub.id == via.id => Ok(()),
+        (None, Some(via)) => Err(Error::PermissionDenied(format!(
+            "the network config with {remote} is direct; {} does not relay it",
+            via.id
+        ))),
+        (Some(hub), Some(via)) => Err(Error::PermissionDenied(format!(
+            "the network config with {remote} is relayed by {}, not by {}",
+            hub.id, via.id
+        ))),
+        (Some(hub), None) => Err(Error::PermissionDenied(format!(
+            "the network config with {remote} is relayed by {}; only it may speak for it",
+            hub.id
+        ))),
     }
 }
