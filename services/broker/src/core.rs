@@ -568,12 +568,55 @@ impl Broker {
             )));
         }
         tracing::info!(remote.id = %nc.origin.id, via = ?nc.via.as_ref().map(|v| v.id.to_string()), "received a network config");
+        // A new incarnation of the remote's NC (generations are wall-clock seeded, ADR 0012)
+        // may come from a remote that lost our NC (a teardown, a withdrawal, a rebuilt store):
+        // forget the decision on ours so the next pass sends it again. Re-sending a
+        // generation the remote still holds costs one idempotent call.
+        if held.as_ref().is_none_or(|(h, _)| h.generation < nc.generation) {
+            self.resend(&nc.origin.id).await?;
+        }
         self.wake_for(&nc.origin.id);
         Ok(Answer {
             accepted: true,
             generation: nc.generation,
             decision,
         })
+    }
+
+    /// Clears the decision on our NC towards `remote`, so that the pass delivers it again.
+    async fn resend(&self, remote: &ClusterId) -> Result<()> {
+        let key = out_key(remote);
+        let mut contention = Contention::new("re-sending our network config");
+        loop {
+            let Some(kv) = self.store.get(&key).await? else {
+                return Ok(());
+            };
+            let mut out: OutgoingNc = decode(&key, &kv.value)?;
+            if out.decision.is_none() {
+                return Ok(());
+            }
+            out.decision = None;
+            let committed = self
+                .store
+                .txn(Txn {
+                    compares: vec![Compare::ModRevision {
+                        key: key.clone(),
+                        revision: kv.mod_revision,
+                    }],
+                    success: vec![Op::Put {
+                        key: key.clone(),
+                        value: encode(&out)?,
+                        lease: None,
+                    }],
+                    failure: vec![],
+                })
+                .await?;
+            if committed.succeeded {
+                tracing::info!(remote.id = %remote, "the remote sent a new incarnation: re-sending ours");
+                return Ok(());
+            }
+            contention.lost().await?;
+        }
     }
 
     /// Our NAT decision for a received spec, from the IPAM. A changed spec (a higher
