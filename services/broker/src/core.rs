@@ -572,7 +572,10 @@ impl Broker {
         // may come from a remote that lost our NC (a teardown, a withdrawal, a rebuilt store):
         // forget the decision on ours so the next pass sends it again. Re-sending a
         // generation the remote still holds costs one idempotent call.
-        if held.as_ref().is_none_or(|(h, _)| h.generation < nc.generation) {
+        if held
+            .as_ref()
+            .is_none_or(|(h, _)| h.generation < nc.generation)
+        {
             self.resend(&nc.origin.id).await?;
         }
         self.wake_for(&nc.origin.id);

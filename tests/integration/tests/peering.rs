@@ -557,8 +557,14 @@ async fn one_withdrawn_network_config_heals_on_both_sides() {
         .expect("starts");
     trellis_integration::peering::peer(&one, &hub).await;
     trellis_integration::peering::peer(&two, &hub).await;
-    eventually("leaf-1's tunnel to leaf-2", LIMIT, || tunnel_to(&one, "leaf-2")).await;
-    eventually("leaf-2's tunnel to leaf-1", LIMIT, || tunnel_to(&two, "leaf-1")).await;
+    eventually("leaf-1's tunnel to leaf-2", LIMIT, || {
+        tunnel_to(&one, "leaf-2")
+    })
+    .await;
+    eventually("leaf-2's tunnel to leaf-1", LIMIT, || {
+        tunnel_to(&two, "leaf-1")
+    })
+    .await;
 
     let id = |c: &str| types::ClusterIdentity {
         cluster_id: c.into(),

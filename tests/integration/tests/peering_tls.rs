@@ -752,8 +752,14 @@ async fn a_third_peer_cannot_withdraw_or_decide_for_a_network_config_it_does_not
 
     // Nothing changed: A keeps both tunnels (give a pass the time to act on a withdrawal).
     tokio::time::sleep(Duration::from_secs(3)).await;
-    assert!(tunnel_to(&a, "leaf-c").await.is_some(), "A lost its tunnel to C");
-    assert!(tunnel_to(&a, "hub").await.is_some(), "A lost its tunnel to the hub");
+    assert!(
+        tunnel_to(&a, "leaf-c").await.is_some(),
+        "A lost its tunnel to C"
+    );
+    assert!(
+        tunnel_to(&a, "hub").await.is_some(),
+        "A lost its tunnel to the hub"
+    );
 }
 
 /// Issue 15 item 9: a holder of the hub's token cannot re-handshake as an already peered
@@ -821,7 +827,10 @@ async fn a_changed_ca_for_a_peered_identity_is_refused_until_the_operator_unpeer
         .foreign_cluster
         .expect("record");
     let a_tls = a.tls.as_ref().expect("tls");
-    assert_eq!(record.full.expect("full").ca_certificate, a_tls.ca.cert_pem());
+    assert_eq!(
+        record.full.expect("full").ca_certificate,
+        a_tls.ca.cert_pem()
+    );
     let own = network_configs(&a)
         .await
         .into_iter()
