@@ -202,6 +202,42 @@ impl Broker {
         Ok(Some(ca))
     }
 
+    /// The CA-change rule (ADR 0014): a handshake for an identity we are already peered with
+    /// must present the CA we pinned for it. The handshake itself is unauthenticated (the
+    /// caller has no certificate we trust yet), so accepting another CA would let any holder of
+    /// our token take over the identity. Re-admitting a cluster whose CA really changed is an
+    /// operator's decision: `Unpeer` it here, then it peers again like a new cluster.
+    async fn refuse_changed_ca(&self, remote: &ClusterId, ca: &PinnedCa) -> Result<()> {
+        let request = GetForeignClusterRequest {
+            cluster_id: remote.to_string(),
+        };
+        let record = match self.clients.discovery().get_foreign_cluster(request).await {
+            Ok(answer) => answer.into_inner().foreign_cluster,
+            Err(status) if status.code() == tonic::Code::NotFound => None,
+            Err(status) => return Err(local("reading the foreign cluster")(status)),
+        };
+        let Some(record) = record else {
+            return Ok(());
+        };
+        let peers = Peers::from_foreign_clusters(std::slice::from_ref(&record));
+        let pinned = record
+            .full
+            .map(|f| f.ca_certificate)
+            .filter(|pem| !pem.is_empty());
+        let (true, Some(pinned)) = (peers.is_full_peer(remote), pinned) else {
+            return Ok(());
+        };
+        let pinned = PinnedCa::from_pem(remote.as_str(), &pinned)?;
+        if pinned.fingerprint() == ca.fingerprint() {
+            return Ok(());
+        }
+        tracing::warn!(remote.id = %remote, pinned = pinned.fingerprint(), presented = ca.fingerprint(), "refused a handshake presenting another ca for a peered cluster");
+        Err(Error::PermissionDenied(format!(
+            "cluster {remote} is peered with another CA; an operator must unpeer it before it \
+             can peer again with a new one"
+        )))
+    }
+
     /// Our CA certificate for the handshake (empty without TLS).
     /// The hash peers pin our CA by (`None` without TLS).
     pub fn ca_cert_hash(&self) -> Option<String> {
@@ -292,6 +328,9 @@ impl Broker {
             ));
         }
         let ca = self.peer_ca("ca_certificate", &caller.id, ca_certificate)?;
+        if let Some(ca) = &ca {
+            self.refuse_changed_ca(&caller.id, ca).await?;
+        }
         let ours = self.advertised().await?;
         self.record_peering(
             caller,
@@ -561,12 +600,58 @@ impl Broker {
             )));
         }
         tracing::info!(remote.id = %nc.origin.id, via = ?nc.via.as_ref().map(|v| v.id.to_string()), "received a network config");
+        // A new incarnation of the remote's NC (generations are wall-clock seeded, ADR 0012)
+        // may come from a remote that lost our NC (a teardown, a withdrawal, a rebuilt store):
+        // forget the decision on ours so the next pass sends it again. Re-sending a
+        // generation the remote still holds costs one idempotent call.
+        if held
+            .as_ref()
+            .is_none_or(|(h, _)| h.generation < nc.generation)
+        {
+            self.resend(&nc.origin.id).await?;
+        }
         self.wake_for(&nc.origin.id);
         Ok(Answer {
             accepted: true,
             generation: nc.generation,
             decision,
         })
+    }
+
+    /// Clears the decision on our NC towards `remote`, so that the pass delivers it again.
+    async fn resend(&self, remote: &ClusterId) -> Result<()> {
+        let key = out_key(remote);
+        let mut contention = Contention::new("re-sending our network config");
+        loop {
+            let Some(kv) = self.store.get(&key).await? else {
+                return Ok(());
+            };
+            let mut out: OutgoingNc = decode(&key, &kv.value)?;
+            if out.decision.is_none() {
+                return Ok(());
+            }
+            out.decision = None;
+            let committed = self
+                .store
+                .txn(Txn {
+                    compares: vec![Compare::ModRevision {
+                        key: key.clone(),
+                        revision: kv.mod_revision,
+                    }],
+                    success: vec![Op::Put {
+                        key: key.clone(),
+                        value: encode(&out)?,
+                        lease: None,
+                    }],
+                    failure: vec![],
+                })
+                .await?;
+            if committed.succeeded {
+                tracing::info!(remote.id = %remote, "the remote sent a new incarnation: re-sending ours");
+                return Ok(());
+            }
+            contention.lost().await?;
+        }
     }
 
     /// Our NAT decision for a received spec, from the IPAM. A changed spec (a higher
@@ -689,6 +774,15 @@ impl Broker {
         }
     }
 
+    /// The NetworkConfig `remote` sent us, if any.
+    pub async fn incoming(&self, remote: &ClusterId) -> Result<Option<IncomingNc>> {
+        let key = in_key(remote);
+        match self.store.get(&key).await? {
+            Some(kv) => Ok(Some(decode(&key, &kv.value)?)),
+            None => Ok(None),
+        }
+    }
+
     /// The NetworkConfigs held, both directions.
     pub async fn network_configs(&self) -> Result<(Vec<OutgoingNc>, Vec<IncomingNc>)> {
         let outs = self.store.list(OUT_PREFIX).await?.kvs;
@@ -712,5 +806,33 @@ impl Broker {
             .map(|kv| Ok((decode(&kv.key, &kv.value)?, kv.mod_revision)))
             .collect::<Result<_>>()?;
         Ok((tunnels, listing.revision))
+    }
+}
+
+/// The `via` rule (ADR 0012): a call about a stored NetworkConfig may name a `via` only if it
+/// is the hub the stored record was exchanged through; a direct NetworkConfig takes none. The
+/// stored hub was checked to have introduced the counterpart when the record was written
+/// (`receive` for ours, the route of the pass for theirs), so a peer naming itself as `via`
+/// speaks for no exchange it does not relay.
+pub fn check_via(
+    remote: &ClusterId,
+    stored: Option<&ClusterIdentity>,
+    claimed: Option<&ClusterIdentity>,
+) -> Result<()> {
+    match (stored, claimed) {
+        (None, None) => Ok(()),
+        (Some(hub), Some(via)) if hub.id == via.id => Ok(()),
+        (None, Some(via)) => Err(Error::PermissionDenied(format!(
+            "the network config with {remote} is direct; {} does not relay it",
+            via.id
+        ))),
+        (Some(hub), Some(via)) => Err(Error::PermissionDenied(format!(
+            "the network config with {remote} is relayed by {}, not by {}",
+            hub.id, via.id
+        ))),
+        (Some(hub), None) => Err(Error::PermissionDenied(format!(
+            "the network config with {remote} is relayed by {}; only it may speak for it",
+            hub.id
+        ))),
     }
 }

@@ -309,6 +309,7 @@ impl BrokerApi for BrokerService {
         let out = self.core.outgoing(&destination.id).await?.ok_or_else(|| {
             Error::NotFound(format!("no network config towards {}", destination.id))
         })?;
+        crate::core::check_via(&destination.id, out.via.as_ref(), via.as_ref())?;
         let Some(decision) = reconcile::decision_from_status(&out.spec, req.status.as_ref())?
         else {
             return Err(Error::invalid("status.state", "must be PROCESSED or REJECTED").into());
@@ -344,6 +345,13 @@ impl BrokerApi for BrokerService {
         let (claim, expected) = sender(via.as_ref(), &origin, "network_config.origin");
         self.authz
             .require(peer.as_ref(), RPC, claim, expected.as_str())?;
+        // Nothing held: nothing to withdraw, and no stored hub to check a `via` against.
+        let Some(held) = self.core.incoming(&origin.id).await? else {
+            return Ok(Response::new(pb::WithdrawNetworkConfigResponse {
+                removed: false,
+            }));
+        };
+        crate::core::check_via(&origin.id, held.via.as_ref(), via.as_ref())?;
         let removed = reconcile::withdrawn(&self.core, &origin.id).await?;
         tracing::info!(remote.id = %origin.id, reason = req.reason, removed, "the remote withdrew its network config");
         Ok(Response::new(pb::WithdrawNetworkConfigResponse { removed }))

@@ -584,7 +584,7 @@ async fn exchange(
     let out = match existing {
         Some((out, _)) if out.spec == spec && out.via == via && out.forwarder == forwarder => out,
         previous => {
-            let generation = previous.as_ref().map_or(0, |(o, _)| o.generation) + 1;
+            let generation = next_generation(previous.as_ref().map(|(o, _)| o.generation));
             let trace = previous
                 .as_ref()
                 .and_then(|(o, _)| o.trace.clone())
@@ -627,6 +627,18 @@ async fn exchange(
         deliver(broker, remote, &out).await?;
     }
     write_tunnel(broker, id).await
+}
+
+/// The generation of a new version of our NC: above the previous one and at least the wall
+/// clock in milliseconds. A new incarnation (after a teardown, a withdrawal or a rebuilt store,
+/// where the previous generation is gone) is thus above every generation a receiver or a hub's
+/// forwarder still holds from an earlier one, as long as the clock does not step back by more
+/// than the time between the two incarnations (ADR 0012).
+pub fn next_generation(previous: Option<i64>) -> i64 {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX / 2));
+    previous.map_or(1, |p| p.saturating_add(1)).max(now)
 }
 
 async fn deliver(broker: &Broker, remote: &Remote, out: &OutgoingNc) -> Result<()> {
@@ -825,7 +837,13 @@ pub async fn remove_state(broker: &Broker, id: &ClusterId) -> Result<()> {
 pub async fn withdrawn(broker: &Broker, id: &ClusterId) -> Result<bool> {
     let store = broker.store();
     let existed = store.get(&in_key(id)).await?.is_some();
-    let mut ops = vec![Op::Delete { key: in_key(id) }];
+    // Our own NC goes too: the next pass sends a new incarnation, which makes the remote send
+    // its NC again (see `Broker::receive`), so a withdrawal heals instead of leaving one side
+    // without a tunnel.
+    let mut ops = vec![
+        Op::Delete { key: in_key(id) },
+        Op::Delete { key: out_key(id) },
+    ];
     if let Some(kv) = store.get(&tunnel_key(id)).await? {
         ops.push(Op::Delete {
             key: tunnel_key(id),

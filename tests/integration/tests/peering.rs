@@ -539,3 +539,69 @@ async fn the_forwarder_refuses_bad_relays_and_stores_nothing() {
     a.stop().await;
     b.stop().await;
 }
+
+/// Issue 15 item 1, the lab repro: one `WithdrawNetworkConfig` to leaf-2 for `leaf-1--leaf-2`
+/// via the hub (plaintext, so the claim is taken) removes leaf-2's tunnel to leaf-1. The
+/// exchange must heal by itself: both leaves end with tunnels to each other again, with
+/// matching NAT views, within a few resyncs (2 s here).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_withdrawn_network_config_heals_on_both_sides() {
+    let hub = InProcessCluster::start("hub", "10.0.0.0/16", "10.201.0.0/16")
+        .await
+        .expect("starts");
+    let one = InProcessCluster::start("leaf-1", "10.0.0.0/16", "10.201.0.0/16")
+        .await
+        .expect("starts");
+    let two = InProcessCluster::start("leaf-2", "10.0.0.0/16", "10.201.0.0/16")
+        .await
+        .expect("starts");
+    trellis_integration::peering::peer(&one, &hub).await;
+    trellis_integration::peering::peer(&two, &hub).await;
+    eventually("leaf-1's tunnel to leaf-2", LIMIT, || {
+        tunnel_to(&one, "leaf-2")
+    })
+    .await;
+    eventually("leaf-2's tunnel to leaf-1", LIMIT, || {
+        tunnel_to(&two, "leaf-1")
+    })
+    .await;
+
+    let id = |c: &str| types::ClusterIdentity {
+        cluster_id: c.into(),
+        cluster_name: c.into(),
+    };
+    let removed = two
+        .broker()
+        .await
+        .expect("connects")
+        .withdraw_network_config(WithdrawNetworkConfigRequest {
+            network_config: Some(types::NetworkConfigRef {
+                name: "leaf-1--leaf-2".into(),
+                origin: Some(id("leaf-1")),
+                destination: Some(id("leaf-2")),
+                via: Some(id("hub")),
+            }),
+            reason: "Repro".into(),
+        })
+        .await
+        .expect("plaintext takes the claim")
+        .into_inner()
+        .removed;
+    assert!(removed);
+
+    let healed = Duration::from_secs(40);
+    eventually("leaf-2's tunnel to leaf-1 back", healed, || {
+        tunnel_to(&two, "leaf-1")
+    })
+    .await;
+    // Views consistent: what each side calls itself is what the other calls it. Wait for the
+    // re-sent exchange to settle on both ends.
+    eventually("matching views", healed, || async {
+        let a = tunnel_to(&one, "leaf-2").await?;
+        let b = tunnel_to(&two, "leaf-1").await?;
+        (a.local_pod_cidr_nat == b.remote_pod_cidr_nat
+            && b.local_pod_cidr_nat == a.remote_pod_cidr_nat)
+            .then_some(())
+    })
+    .await;
+}

@@ -745,3 +745,191 @@ async fn a_pinned_first_contact_refuses_a_wrong_ca_and_the_join_hash_peers() {
     assert_eq!(known(&leaf).await, ["hub"]);
     assert_eq!(known(&hub).await, ["leaf"]);
 }
+
+/// Issue 15 item 8: a full peer speaks for a NetworkConfig only as the hub that relays it. A
+/// third full peer of A (M) naming itself as `via` can neither withdraw A's induced NC from C
+/// nor A's direct NC from the hub, nor report a decision on A's NC towards C; A's tunnels stay.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_third_peer_cannot_withdraw_or_decide_for_a_network_config_it_does_not_relay() {
+    let hub = start("hub").await;
+    let a = start("leaf-a").await;
+    let c = start("leaf-c").await;
+    let m = start("leaf-m").await;
+    peer(&a, &hub).await;
+    peer(&c, &hub).await;
+    peer(&m, &a).await;
+    eventually("A's induced tunnel to C", LIMIT, || tunnel_to(&a, "leaf-c")).await;
+    eventually("A's tunnel to the hub", LIMIT, || tunnel_to(&a, "hub")).await;
+    eventually("A's tunnel to M", LIMIT, || tunnel_to(&a, "leaf-m")).await;
+
+    let a_tls = a.tls.as_ref().expect("tls");
+    let as_m = m
+        .tls
+        .as_ref()
+        .expect("tls")
+        .client("broker", &[&a])
+        .expect("client");
+    let mut broker = BrokerClient::new(channel(&as_m, a_tls.broker, "leaf-a"));
+    let reference = |origin: &str, destination: &str, via: Option<&str>| {
+        let nc = nc(origin, destination, via, 1);
+        types::NetworkConfigRef {
+            name: nc.name,
+            origin: nc.origin,
+            destination: nc.destination,
+            via: nc.via,
+        }
+    };
+    // C's induced NC to A is relayed by the hub, not by M.
+    let err = broker
+        .withdraw_network_config(WithdrawNetworkConfigRequest {
+            network_config: Some(reference("leaf-c", "leaf-a", Some("leaf-m"))),
+            reason: "Forged".into(),
+        })
+        .await
+        .expect_err("M is not the hub of C's NC");
+    assert_eq!(err.code(), Code::PermissionDenied, "{err:?}");
+    // The hub's NC to A is direct: it takes no `via` at all.
+    let err = broker
+        .withdraw_network_config(WithdrawNetworkConfigRequest {
+            network_config: Some(reference("hub", "leaf-a", Some("leaf-m"))),
+            reason: "Forged".into(),
+        })
+        .await
+        .expect_err("a direct NC takes no via");
+    assert_eq!(err.code(), Code::PermissionDenied, "{err:?}");
+    // Nor may M decide on A's NC towards C.
+    let err = broker
+        .report_network_config_status(ReportNetworkConfigStatusRequest {
+            network_config: Some(reference("leaf-a", "leaf-c", Some("leaf-m"))),
+            status: Some(types::NetworkConfigStatus {
+                pod_cidr_nat: "10.50.0.0/16".into(),
+                external_cidr_nat: "10.51.0.0/16".into(),
+                state: types::NetworkConfigState::Processed.into(),
+                observed_generation: 1,
+                ..Default::default()
+            }),
+        })
+        .await
+        .expect_err("M is not the hub of A's NC");
+    assert_eq!(err.code(), Code::PermissionDenied, "{err:?}");
+
+    // Nothing changed: A keeps both tunnels (give a pass the time to act on a withdrawal).
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert!(
+        tunnel_to(&a, "leaf-c").await.is_some(),
+        "A lost its tunnel to C"
+    );
+    assert!(
+        tunnel_to(&a, "hub").await.is_some(),
+        "A lost its tunnel to the hub"
+    );
+}
+
+/// Issue 15 item 9: a holder of the hub's token cannot re-handshake as an already peered
+/// cluster with another CA (identity takeover); A's pinned CA and its calls stay. After the
+/// operator unpeers A, the hub admits the new CA again (the explicit re-admission).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_changed_ca_for_a_peered_identity_is_refused_until_the_operator_unpeers_it() {
+    let hub = start("hub").await;
+    let a = start("leaf-a").await;
+    let c = start("leaf-c").await;
+    peer(&a, &hub).await;
+    peer(&c, &hub).await;
+    eventually("A's tunnel to the hub", LIMIT, || tunnel_to(&a, "hub")).await;
+
+    let token = hub
+        .broker()
+        .await
+        .expect("connects")
+        .get_token(GetTokenRequest {})
+        .await
+        .expect("token")
+        .into_inner()
+        .token;
+    let hub_tls = hub.tls.as_ref().expect("tls");
+    let c_tls = c.tls.as_ref().expect("tls");
+    let as_c = c_tls.client("broker", &[&hub]).expect("client");
+    let anonymous = handshake_channel(
+        &as_c,
+        "test",
+        &hub_tls.broker.to_string(),
+        Timeouts::default(),
+    )
+    .expect("channel");
+    let forged = trellis_runtime::tls::ClusterCa::generate("leaf-a").expect("a fresh CA");
+    let takeover = HandshakeRequest {
+        token: token.clone(),
+        identity: identity("leaf-a"),
+        addresses: Some(types::ServiceAddresses {
+            discovery: "127.0.0.1:9".into(),
+            broker: "127.0.0.1:9".into(),
+            forwarder: "127.0.0.1:9".into(),
+            ipam: "127.0.0.1:9".into(),
+            endpoints: "127.0.0.1:9".into(),
+            ..Default::default()
+        }),
+        ca_certificate: forged.cert_pem().to_owned(),
+    };
+    let err = BrokerClient::new(anonymous.clone())
+        .handshake(takeover.clone())
+        .await
+        .expect_err("a new CA for a peered identity");
+    assert_eq!(err.code(), Code::PermissionDenied, "{err:?}");
+
+    // The hub still pins A's real CA and takes A's calls.
+    let record = hub
+        .discovery()
+        .await
+        .expect("connects")
+        .get_foreign_cluster(GetForeignClusterRequest {
+            cluster_id: "leaf-a".into(),
+        })
+        .await
+        .expect("A known")
+        .into_inner()
+        .foreign_cluster
+        .expect("record");
+    let a_tls = a.tls.as_ref().expect("tls");
+    assert_eq!(
+        record.full.expect("full").ca_certificate,
+        a_tls.ca.cert_pem()
+    );
+    let own = network_configs(&a)
+        .await
+        .into_iter()
+        .find(|n| {
+            n.destination
+                .as_ref()
+                .is_some_and(|d| d.cluster_id == "hub")
+        })
+        .expect("A's NC to the hub");
+    let as_a = a_tls.client("broker", &[&hub]).expect("client");
+    let answer = BrokerClient::new(channel(&as_a, hub_tls.broker, "hub"))
+        .submit_network_config(SubmitNetworkConfigRequest {
+            network_config: Some(types::NetworkConfig {
+                status: None,
+                ..own
+            }),
+        })
+        .await
+        .expect("A is still A")
+        .into_inner();
+    assert!(answer.accepted);
+
+    // The operator's explicit re-admission: unpeer A, then the new CA is accepted.
+    let unpeered = hub
+        .broker()
+        .await
+        .expect("connects")
+        .unpeer(UnpeerRequest {
+            cluster_id: "leaf-a".into(),
+        })
+        .await
+        .expect("unpeers")
+        .into_inner();
+    assert!(unpeered.unpeered);
+    BrokerClient::new(anonymous)
+        .handshake(takeover)
+        .await
+        .expect("re-admitted with the new CA after an unpeer");
+}
