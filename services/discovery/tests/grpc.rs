@@ -767,6 +767,11 @@ async fn a_peer_answering_stale_forever_is_backed_off_and_cannot_overflow_the_se
         let mut honest = cluster("honest").await;
         peer(&mut hub, &honest).await;
         peer_with(&mut honest, "hub", &hub.started.addr.to_string(), true).await;
-        wait_induced(&honest, &[("liar", "hub")], "the sender still serves other peers").await;
+        wait_induced(
+            &honest,
+            &[("liar", "hub")],
+            "the sender still serves other peers",
+        )
+        .await;
     }
 }
