@@ -659,9 +659,9 @@ mod stale_peer {
     use trellis_api::pb::discovery::discovery_server::{Discovery, DiscoveryServer};
     use trellis_api::pb::discovery::*;
 
-    pub struct Fake {
-        pub calls: Arc<AtomicUsize>,
-        pub current_generation: i64,
+    pub(crate) struct Fake {
+        pub(crate) calls: Arc<AtomicUsize>,
+        pub(crate) current_generation: i64,
     }
 
     type Watch = Pin<Box<dyn Stream<Item = Result<WatchForeignClustersResponse, Status>> + Send>>;
@@ -724,7 +724,7 @@ mod stale_peer {
     }
 
     /// Serves the fake on a free loopback port; returns its address and call counter.
-    pub async fn serve(current_generation: i64) -> (String, Arc<AtomicUsize>) {
+    pub(crate) async fn serve(current_generation: i64) -> (String, Arc<AtomicUsize>) {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
             .await
             .expect("binds");
