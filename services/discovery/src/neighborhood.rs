@@ -39,8 +39,20 @@ pub struct SenderTiming {
 #[derive(Debug, Clone, Copy)]
 struct Backoff {
     failures: u32,
+    /// "Stale" answers in a row: after [`STALE_BEFORE_BACKOFF`] they back off like failures.
+    stale: u32,
     next: Instant,
 }
+
+/// A peer may answer "stale" once legitimately (our store was restored from an old backup:
+/// we renumber above its generation and send again at once); more in a row means it is buggy
+/// or hostile, and re-sending at once would make the hub spin writing its store.
+const STALE_BEFORE_BACKOFF: u32 = 2;
+
+/// Largest `current_generation` a peer may claim. Generations come from store revisions, so
+/// an honest peer is nowhere near it; the margin keeps every `+ 1` we do above it far from
+/// `i64::MAX`.
+const MAX_PEER_GENERATION: i64 = i64::MAX / 4;
 
 impl Backoff {
     fn after_failure(previous: Option<Backoff>, timing: &SenderTiming) -> Self {
@@ -53,6 +65,7 @@ impl Backoff {
         let jitter = base.mul_f64(rand::rng().random_range(0.0..0.25));
         Self {
             failures,
+            stale: 0,
             next: Instant::now() + base + jitter,
         }
     }
@@ -200,7 +213,10 @@ async fn pass(
     let mut jobs = Vec::new();
     let next_generation = |ob: Option<&(Outbox, i64)>| {
         ob.map_or(snapshot.revision, |(o, _)| {
-            snapshot.revision.max(o.generation + 1).max(o.floor)
+            snapshot
+                .revision
+                .max(o.generation.saturating_add(1))
+                .max(o.floor)
         })
     };
     let desired = desired(&snapshot, core.induced_peering());
@@ -293,14 +309,24 @@ async fn pass(
                 backoff.remove(&peer);
             }
             Ok(false) => {
-                // The peer holds a newer generation; the floor is recorded, go again at once.
-                backoff.insert(
-                    peer,
+                // The peer holds a newer generation; the floor is recorded: go again at once,
+                // unless it keeps saying so.
+                let previous = backoff.get(&peer).copied();
+                let stale = previous.map_or(0, |b| b.stale).saturating_add(1);
+                let next = if stale >= STALE_BEFORE_BACKOFF {
+                    tracing::warn!(cluster.id = %peer, stale, "peer keeps answering stale; backing off");
+                    Backoff {
+                        stale,
+                        ..Backoff::after_failure(previous, timing)
+                    }
+                } else {
                     Backoff {
                         failures: 0,
+                        stale,
                         next: Instant::now(),
-                    },
-                );
+                    }
+                };
+                backoff.insert(peer, next);
             }
             Err(err) => {
                 let next = Backoff::after_failure(backoff.get(&peer).copied(), timing);
@@ -344,6 +370,17 @@ async fn settle(core: &Discovery, job: &Job, result: Result<crate::core::Applied
             }
             Ok(true)
         }
+        Ok(applied)
+            if applied.current_generation < job.outgoing.generation
+                || applied.current_generation > MAX_PEER_GENERATION =>
+        {
+            // "Stale" means the peer holds a generation at least as high as ours; anything
+            // else is a buggy or hostile answer: nothing to renumber from, retry with backoff.
+            Err(Error::FailedPrecondition(format!(
+                "peer {} answered stale with an implausible current_generation {} (we sent {})",
+                job.outgoing.recipient.id, applied.current_generation, job.outgoing.generation
+            )))
+        }
         Ok(applied) => {
             // Stale: the peer holds a higher generation (e.g. our store was restored from an
             // old backup). Continue numbering above it.
@@ -357,7 +394,7 @@ async fn settle(core: &Discovery, job: &Job, result: Result<crate::core::Applied
                 },
                 |(o, _)| o.clone(),
             );
-            outbox.floor = applied.current_generation + 1;
+            outbox.floor = applied.current_generation.saturating_add(1);
             // Force a real send next time: what it holds is not what we think it holds.
             outbox.digest.clear();
             outbox.generation = applied.current_generation;

@@ -646,3 +646,132 @@ async fn manual_discovery_learns_the_remote_identity_and_never_peers() {
     }
     assert_eq!(list(&a).await.len(), 1);
 }
+
+/// A FAKE `Discovery` server (a real one never answers this way): every `PublishNeighborhood`
+/// is answered "stale" with the configured `current_generation`, and counted.
+mod stale_peer {
+    use std::pin::Pin;
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use tokio_stream::Stream;
+    use tonic::{Request, Response, Status};
+    use trellis_api::pb::discovery::discovery_server::{Discovery, DiscoveryServer};
+    use trellis_api::pb::discovery::*;
+
+    pub(crate) struct Fake {
+        pub(crate) calls: Arc<AtomicUsize>,
+        pub(crate) current_generation: i64,
+    }
+
+    type Watch = Pin<Box<dyn Stream<Item = Result<WatchForeignClustersResponse, Status>> + Send>>;
+
+    #[tonic::async_trait]
+    impl Discovery for Fake {
+        async fn get_identity(
+            &self,
+            _: Request<GetIdentityRequest>,
+        ) -> Result<Response<GetIdentityResponse>, Status> {
+            Err(Status::unimplemented("fake"))
+        }
+        async fn add_foreign_cluster(
+            &self,
+            _: Request<AddForeignClusterRequest>,
+        ) -> Result<Response<AddForeignClusterResponse>, Status> {
+            Err(Status::unimplemented("fake"))
+        }
+        async fn remove_foreign_cluster(
+            &self,
+            _: Request<RemoveForeignClusterRequest>,
+        ) -> Result<Response<RemoveForeignClusterResponse>, Status> {
+            Err(Status::unimplemented("fake"))
+        }
+        async fn get_foreign_cluster(
+            &self,
+            _: Request<GetForeignClusterRequest>,
+        ) -> Result<Response<GetForeignClusterResponse>, Status> {
+            Err(Status::unimplemented("fake"))
+        }
+        async fn list_foreign_clusters(
+            &self,
+            _: Request<ListForeignClustersRequest>,
+        ) -> Result<Response<ListForeignClustersResponse>, Status> {
+            Err(Status::unimplemented("fake"))
+        }
+        type WatchForeignClustersStream = Watch;
+        async fn watch_foreign_clusters(
+            &self,
+            _: Request<WatchForeignClustersRequest>,
+        ) -> Result<Response<Watch>, Status> {
+            Err(Status::unimplemented("fake"))
+        }
+        async fn publish_neighborhood(
+            &self,
+            _: Request<PublishNeighborhoodRequest>,
+        ) -> Result<Response<PublishNeighborhoodResponse>, Status> {
+            self.calls.fetch_add(1, Ordering::SeqCst);
+            Ok(Response::new(PublishNeighborhoodResponse {
+                applied: false,
+                current_generation: self.current_generation,
+            }))
+        }
+        async fn update_peering(
+            &self,
+            _: Request<UpdatePeeringRequest>,
+        ) -> Result<Response<UpdatePeeringResponse>, Status> {
+            Err(Status::unimplemented("fake"))
+        }
+    }
+
+    /// Serves the fake on a free loopback port; returns its address and call counter.
+    pub(crate) async fn serve(current_generation: i64) -> (String, Arc<AtomicUsize>) {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("binds");
+        let addr = listener.local_addr().expect("address").to_string();
+        let calls = Arc::new(AtomicUsize::new(0));
+        let fake = Fake {
+            calls: calls.clone(),
+            current_generation,
+        };
+        tokio::spawn(
+            tonic::transport::Server::builder()
+                .add_service(DiscoveryServer::new(fake))
+                .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
+        );
+        (addr, calls)
+    }
+}
+
+/// A peer that always answers "stale" (with an absurd or a plausible generation) must neither
+/// crash the hub's sender (`i64::MAX + 1`) nor make it spin: after repeated stale answers it
+/// backs off like after a failure. The bound is loose (the backoff here is at most 1 s, so a
+/// few calls a second); a spinning sender makes thousands.
+#[tokio::test]
+async fn a_peer_answering_stale_forever_is_backed_off_and_cannot_overflow_the_sender() {
+    for current_generation in [i64::MAX, 5] {
+        let mut hub = cluster("hub").await;
+        let (addr, calls) = stale_peer::serve(current_generation).await;
+        peer_with(&mut hub, "liar", &addr, true).await;
+        // Another, honest peer joins later: the sender must still be alive to tell it.
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        let seen = calls.load(std::sync::atomic::Ordering::SeqCst);
+        assert!(
+            seen <= 40,
+            "current_generation {current_generation}: {seen} PublishNeighborhood calls in 3 s; the sender spins"
+        );
+        assert!(
+            seen >= 2,
+            "current_generation {current_generation}: only {seen} call(s) in 3 s; the sender stopped retrying (crashed?)"
+        );
+        let mut honest = cluster("honest").await;
+        peer(&mut hub, &honest).await;
+        peer_with(&mut honest, "hub", &hub.started.addr.to_string(), true).await;
+        wait_induced(
+            &honest,
+            &[("liar", "hub")],
+            "the sender still serves other peers",
+        )
+        .await;
+    }
+}
