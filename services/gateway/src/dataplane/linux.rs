@@ -20,8 +20,8 @@ use trellis_api::ClusterId;
 
 use super::PeerPlan;
 use super::cmd::{self, ip};
-use super::nft;
 use super::wireguard::{Device, DeviceSpec, Flavor, MTU, PeerStats};
+use super::{guard, nft};
 use crate::keys::KeyPair;
 use crate::mappings::HubMapping;
 use crate::names::{MARK_MASK, RULE_PRIORITY};
@@ -74,6 +74,7 @@ impl Linux {
             delete_rule(*mark, *table).await?;
         }
         cmd::run("nft", &["-f", "-"], Some(&nft::script(&[], &[]))).await?;
+        apply_guard(&[], &[]).await?;
         let links = ip(&["-o", "link", "show"]).await?;
         let mut removed = 0;
         for name in links.lines().filter_map(link_name) {
@@ -116,6 +117,7 @@ impl Linux {
                 super::hub_snat(hub)
             };
             cmd::run("nft", &["-f", "-"], Some(&nft::script(&nats, &snat))).await?;
+            apply_guard(plans, hub).await?;
             self.sync_rules(plans).await
         };
         if let Err(err) = shared.await {
@@ -251,6 +253,14 @@ impl Linux {
     pub async fn clear(&mut self) {
         let _ = self.apply(&[], &[]).await;
     }
+}
+
+/// Replaces the tunnel guard table ([`guard`]) for `plans`.
+async fn apply_guard(plans: &[PeerPlan], hub: &[HubMapping]) -> anyhow::Result<()> {
+    let guards: Vec<guard::TunnelGuard> = plans.iter().map(|p| p.guard(hub)).collect();
+    cmd::run("nft", &["-f", "-"], Some(&guard::script(&guards)))
+        .await
+        .map(drop)
 }
 
 /// Makes a new device handshake now. A restarted gateway's devices have no session, while its

@@ -3,10 +3,12 @@
 //!
 //! - [`wireguard`]: one WireGuard device per peer (userspace boringtun or kernel);
 //! - [`nft`]: the `ip trellis` nftables table (double NAT, connection marks);
+//! - [`guard`]: the `ip trellis-guard` table (what a peer may reach through its tunnel);
 //! - `cmd` (from `trellis_runtime`): `ip`/`nft` invocations and sysctls;
 //! - [`linux`]: the reconciler tying them together, with routes and policy-routing rules.
 
 pub(crate) use trellis_runtime::cmd;
+pub mod guard;
 pub mod linux;
 pub mod nft;
 pub mod wireguard;
@@ -139,6 +141,22 @@ impl PeerPlan {
                 (te.remote_pod_cidr, te.remote_nat.pod_cidr_nat),
                 (te.remote_external_cidr, te.remote_nat.external_cidr_nat),
             ],
+        }
+    }
+}
+
+impl PeerPlan {
+    /// What new connections from this peer's tunnel may reach: where its DNAT maps lead (our
+    /// real pod and external CIDRs, and the hub-path targets mapped for it).
+    pub fn guard(&self, hub: &[HubMapping]) -> guard::TunnelGuard {
+        let te = &self.endpoint;
+        let mut allowed = vec![te.local_pod_cidr, te.local_external_cidr];
+        allowed.extend(guard::hosts(
+            self.hub_dnat(hub).into_iter().map(|(_, target)| target),
+        ));
+        guard::TunnelGuard {
+            interface: self.interface.clone(),
+            allowed: dedup(allowed),
         }
     }
 }

@@ -1,0 +1,120 @@
+//! The tunnel guard, its own nftables table `ip trellis-guard` (kept apart from the NAT table
+//! in [`super::nft`] so each is replaced whole and independently): what a peer may reach
+//! through its tunnel once the gateway runs on a node, with the node's and the cluster's
+//! addresses one routing decision away.
+//!
+//! Per tunnel interface, after the NAT table's DNAT (the forward and input hooks see the
+//! translated destination):
+//! - forward: replies and related packets (ICMP errors) of known connections pass; a new
+//!   connection passes only to a destination the peer's DNAT maps lead to — our real pod CIDR,
+//!   our real external CIDR, and the hub-path targets mapped for that peer; everything else
+//!   (node addresses, the service CIDR, the control plane, other peers' ranges) is dropped;
+//! - input: the gateway node itself answers nothing that arrives through a tunnel except
+//!   replies to what it sent (the handshake kick, probes).
+//!
+//! A drop in any table is final, so this table needs no coordination with the NAT table.
+
+use std::fmt::Write as _;
+use std::net::IpAddr;
+
+use ipnet::IpNet;
+
+/// Name of the guard table (family `ip`).
+pub const TABLE: &str = "trellis-guard";
+
+/// What one tunnel may reach.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TunnelGuard {
+    pub interface: String,
+    /// Destination ranges new connections from the tunnel may reach.
+    pub allowed: Vec<IpNet>,
+}
+
+/// The script replacing the guard table with one for `tunnels` (just removing it when there
+/// are none).
+pub fn script(tunnels: &[TunnelGuard]) -> String {
+    let mut s = format!("table ip {TABLE} {{}}\ndelete table ip {TABLE}\n");
+    if tunnels.is_empty() {
+        return s;
+    }
+    let _ = writeln!(s, "table ip {TABLE} {{");
+    s.push_str("  chain forward {\n    type filter hook forward priority filter; policy accept;\n");
+    for t in tunnels {
+        let allowed: Vec<String> = t
+            .allowed
+            .iter()
+            .filter(|n| n.addr().is_ipv4())
+            .map(ToString::to_string)
+            .collect();
+        let _ = writeln!(
+            s,
+            "    iifname \"{}\" ct state established,related accept",
+            t.interface
+        );
+        if !allowed.is_empty() {
+            let _ = writeln!(
+                s,
+                "    iifname \"{}\" ip daddr {{ {} }} accept",
+                t.interface,
+                allowed.join(", ")
+            );
+        }
+        let _ = writeln!(s, "    iifname \"{}\" drop", t.interface);
+    }
+    s.push_str("  }\n");
+    s.push_str("  chain input {\n    type filter hook input priority filter; policy accept;\n");
+    for t in tunnels {
+        let _ = writeln!(
+            s,
+            "    iifname \"{}\" ct state established,related accept",
+            t.interface
+        );
+        let _ = writeln!(s, "    iifname \"{}\" drop", t.interface);
+    }
+    s.push_str("  }\n}\n");
+    s
+}
+
+/// The destinations of hub-path DNAT entries as single-address ranges.
+pub fn hosts(targets: impl IntoIterator<Item = IpAddr>) -> Vec<IpNet> {
+    let mut out: Vec<IpNet> = targets.into_iter().map(IpNet::from).collect();
+    out.sort();
+    out.dedup();
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_tunnel_reaches_only_its_allowed_destinations_and_established_traffic() {
+        let s = script(&[TunnelGuard {
+            interface: "tga".into(),
+            allowed: vec![
+                "10.0.0.0/16".parse().expect("net"),
+                "10.201.0.0/16".parse().expect("net"),
+                "10.83.0.10/32".parse().expect("net"),
+            ],
+        }]);
+        assert!(s.starts_with("table ip trellis-guard {}\ndelete table ip trellis-guard\n"));
+        let est = s
+            .find("iifname \"tga\" ct state established,related accept")
+            .expect(&s);
+        let allow = s
+            .find("iifname \"tga\" ip daddr { 10.0.0.0/16, 10.201.0.0/16, 10.83.0.10/32 } accept")
+            .expect(&s);
+        let drop = s.find("iifname \"tga\" drop").expect(&s);
+        assert!(est < allow && allow < drop, "{s}");
+        assert!(s.contains("hook input"), "{s}");
+        assert_eq!(s.matches("iifname \"tga\" drop").count(), 2, "{s}");
+    }
+
+    #[test]
+    fn no_tunnels_only_removes_the_table() {
+        assert_eq!(
+            script(&[]),
+            "table ip trellis-guard {}\ndelete table ip trellis-guard\n"
+        );
+    }
+}
