@@ -247,6 +247,19 @@ impl Broker {
             .map(|h| h.to_string())
     }
 
+    /// Writes `out` over `nc/out/<remote>` if it is still at `revision`; whether it was.
+    async fn replace_outgoing(&self, key: &str, revision: i64, out: &OutgoingNc) -> Result<bool> {
+        let committed = self
+            .store
+            .txn(
+                Txn::new()
+                    .when(Compare::mod_revision(key, revision))
+                    .then(Op::put(key, encode(out)?)),
+            )
+            .await?;
+        Ok(committed.succeeded)
+    }
+
     fn our_ca(&self) -> String {
         self.clients
             .tls()
@@ -631,22 +644,8 @@ impl Broker {
                 return Ok(());
             }
             out.decision = None;
-            let committed = self
-                .store
-                .txn(Txn {
-                    compares: vec![Compare::ModRevision {
-                        key: key.clone(),
-                        revision: kv.mod_revision,
-                    }],
-                    success: vec![Op::Put {
-                        key: key.clone(),
-                        value: encode(&out)?,
-                        lease: None,
-                    }],
-                    failure: vec![],
-                })
-                .await?;
-            if committed.succeeded {
+            let committed = self.replace_outgoing(&key, kv.mod_revision, &out).await?;
+            if committed {
                 tracing::info!(remote.id = %remote, "the remote sent a new incarnation: re-sending ours");
                 return Ok(());
             }
@@ -741,22 +740,8 @@ impl Broker {
                     .map_err(local("recording how the remote addresses us"))?;
             }
             out.decision = Some(decision.clone());
-            let committed = self
-                .store
-                .txn(Txn {
-                    compares: vec![Compare::ModRevision {
-                        key: key.clone(),
-                        revision: kv.mod_revision,
-                    }],
-                    success: vec![Op::Put {
-                        key: key.clone(),
-                        value: encode(&out)?,
-                        lease: None,
-                    }],
-                    failure: vec![],
-                })
-                .await?;
-            if committed.succeeded {
+            let committed = self.replace_outgoing(&key, kv.mod_revision, &out).await?;
+            if committed {
                 tracing::info!(remote.id = %remote, generation = out.generation, "the remote decided on our network config");
                 self.wake_for(remote);
                 return Ok(true);

@@ -235,21 +235,6 @@ pub async fn apply(
     Ok(changes)
 }
 
-/// Removes everything of ours from the node (for tests and operators decommissioning a node).
-pub async fn remove(interface: &str) -> anyhow::Result<()> {
-    let _ = cmd::ip(&["link", "del", interface]).await;
-    let observed = observe(interface).await?;
-    let mut batch = String::new();
-    for net in &observed.routes {
-        let _ = writeln!(batch, "route del {net} proto {ROUTE_PROTO}");
-    }
-    if !batch.is_empty() {
-        cmd::run("ip", &["-force", "-batch", "-"], Some(&batch)).await?;
-    }
-    cmd::run("nft", &["-f", "-"], Some(&nft_script(&BTreeSet::new()))).await?;
-    Ok(())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
