@@ -18,7 +18,7 @@ use trellis_api::pb::types::{ClusterIdentity, PeeringKind};
 
 use crate::cluster::{ClusterOptions, NsCluster, Service, StoreKind};
 use crate::netns::exec;
-use crate::topology::{Topology, host};
+use crate::topology::{Pod, Topology, host};
 
 /// What to build.
 #[derive(Debug, Clone)]
@@ -29,6 +29,9 @@ pub struct FabricOptions {
     pub hub: usize,
     /// Every cluster's pod CIDR (identical on purpose: the NAT must cope).
     pub pod_cidr: String,
+    /// Per-cluster pod CIDRs instead of `pod_cidr`, in `names` order (empty: `pod_cidr` for
+    /// all).
+    pub pod_cidrs: Vec<String>,
     /// Every cluster's external CIDR.
     pub external_cidr: String,
     /// Discovery's `--no-induced` on the hub: leaves only reach each other through it.
@@ -49,6 +52,7 @@ impl FabricOptions {
             names: ["a", "b", "c"].map(str::to_owned).to_vec(),
             hub: 1,
             pod_cidr: "10.0.0.0/16".into(),
+            pod_cidrs: Vec::new(),
             external_cidr: "10.201.0.0/16".into(),
             hub_no_induced: false,
             store: StoreKind::EtcdPerService,
@@ -56,6 +60,16 @@ impl FabricOptions {
             nodes: 1,
         }
     }
+}
+
+/// A pod of cluster `from` reaching a pod of cluster `to` at `address`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Reach {
+    pub from: usize,
+    pub from_pod: Pod,
+    pub to: usize,
+    pub to_pod: Pod,
+    pub address: Ipv4Addr,
 }
 
 /// The clusters and their topology. Clusters drop before the topology (field order).
@@ -71,10 +85,21 @@ impl Fabric {
     /// Builds the topology, starts every cluster (concurrently) and peers each leaf with the
     /// hub. Returns once the `Peer` calls succeeded; tunnels come up asynchronously.
     pub async fn up(options: FabricOptions) -> anyhow::Result<Self> {
+        if !options.pod_cidrs.is_empty() && options.pod_cidrs.len() != options.names.len() {
+            bail!(
+                "{} pod CIDRs for {} clusters",
+                options.pod_cidrs.len(),
+                options.names.len()
+            );
+        }
         let sites: Vec<(&str, &str)> = options
             .names
             .iter()
-            .map(|n| (n.as_str(), options.pod_cidr.as_str()))
+            .enumerate()
+            .map(|(i, n)| {
+                let cidr = options.pod_cidrs.get(i).unwrap_or(&options.pod_cidr);
+                (n.as_str(), cidr.as_str())
+            })
             .collect();
         let topology = if options.nodes > 1 {
             Topology::build_with_nodes(&sites, options.nodes)?
@@ -314,6 +339,34 @@ impl Fabric {
             );
         }
         Ok((path, address.parse().context("reflected address")?))
+    }
+
+    /// Every ordered pair of pods in different clusters, with the address the first uses for
+    /// the second: the second pod's host bits in the first cluster's view of the second's pod
+    /// CIDR (what `Ipam.MapEndpointIp` answers).
+    pub async fn reach(&self) -> anyhow::Result<Vec<Reach>> {
+        let mut out = Vec::new();
+        for (from, from_site) in self.topology.sites.iter().enumerate() {
+            for (to, to_site) in self.topology.sites.iter().enumerate() {
+                if from == to {
+                    continue;
+                }
+                let view = self.view(from, to, false).await?;
+                for from_pod in from_site.pods() {
+                    for to_pod in to_site.pods() {
+                        let offset = u32::from(to_pod.ip) - u32::from(to_site.pod_cidr.network());
+                        out.push(Reach {
+                            from,
+                            from_pod: from_pod.clone(),
+                            to,
+                            to_pod: to_pod.clone(),
+                            address: Ipv4Addr::from(u32::from(view.network()) + offset),
+                        });
+                    }
+                }
+            }
+        }
+        Ok(out)
     }
 
     /// `ping -n <args> <to>` from site `from`'s pod.
