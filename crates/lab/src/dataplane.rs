@@ -56,8 +56,7 @@ fn preflight(config: &UpConfig) -> anyhow::Result<()> {
     let missing = trellis_netlab::missing_prerequisites(&["ip", "nft", "ping", "sysctl"]);
     if !missing.is_empty() {
         bail!(
-            "--dataplane netns needs {}; run trellis-lab as root (it creates network namespaces) \
-             or use --dataplane none",
+            "--dataplane netns needs {}; run it as root, or use --dataplane none",
             missing.join(", ")
         );
     }

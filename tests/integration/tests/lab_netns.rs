@@ -246,3 +246,33 @@ fn the_namespace_lab_with_nodes_reaches_every_pod_checks_the_matrix_and_leaves_n
         .collect();
     assert!(left.is_empty(), "left behind: {left:?}");
 }
+
+#[test]
+fn without_root_the_namespace_lab_refuses_clearly_and_creates_nothing() {
+    let test = "without_root_the_namespace_lab_refuses_clearly_and_creates_nothing";
+    if !can_run(test) || require_tool("setpriv").is_none() {
+        return;
+    }
+    // A copy nobody may execute (the target dir lives under root's home).
+    let dir = tempfile::tempdir().expect("tempdir");
+    let lab = dir.path().join("trellis-lab");
+    std::fs::copy(bin_path("trellis-lab").expect("trellis-lab is built"), &lab).expect("copy");
+    for (path, mode) in [(dir.path(), 0o755), (lab.as_path(), 0o755)] {
+        std::fs::set_permissions(path, std::os::unix::fs::PermissionsExt::from_mode(mode))
+            .expect("chmod");
+    }
+    let before = netns_list();
+    let out = Command::new("setpriv")
+        .args(["--reuid=65534", "--regid=65534", "--clear-groups"])
+        .arg(&lab)
+        .args(["up", "--dataplane", "netns", "--until-converged"])
+        .output()
+        .expect("setpriv runs");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("--dataplane netns needs root"),
+        "unclear refusal: {stderr}"
+    );
+    assert_eq!(netns_list(), before);
+}
