@@ -243,6 +243,37 @@ impl Topology {
         .map(drop)
     }
 
+    /// Gives node `node` of site `site` an uplink `wan` of its own on the internet bridge, at
+    /// 192.0.2.(128 + site index): a second public address of the cluster, where a gateway
+    /// moved to that node is reached. Sites 0 to 119 only (the bridge is one /24).
+    pub fn add_node_uplink(&self, site: usize, node: usize) -> anyhow::Result<Ipv4Addr> {
+        let s = self.sites.get(site).context("no such site")?;
+        let n = s.nodes.get(node).context("no such node")?;
+        if node == 0 {
+            bail!("node 0 holds the site's uplink already");
+        }
+        let octet = u8::try_from(128 + site)
+            .ok()
+            .filter(|o| *o < 248)
+            .context("second uplinks exist for sites 0 to 119 only")?;
+        let address = Ipv4Addr::new(192, 0, 2, octet);
+        let port = format!("u{site}");
+        let cidr = format!("{address}/24");
+        let (ns, inet) = (n.netns.as_str(), self.inet_ns.as_str());
+        for args in [
+            vec![
+                "-n", ns, "link", "add", UPLINK, "type", "veth", "peer", "name", &port, "netns",
+                inet,
+            ],
+            vec!["-n", inet, "link", "set", &port, "master", BRIDGE, "up"],
+            vec!["-n", ns, "addr", "add", &cidr, "dev", UPLINK],
+            vec!["-n", ns, "link", "set", UPLINK, "up"],
+        ] {
+            ip(&args).with_context(|| format!("an uplink for {} of {}", n.name, s.name))?;
+        }
+        Ok(address)
+    }
+
     /// Every namespace of the topology (for callers that must know what to clean up).
     pub fn namespaces(&self) -> &Namespaces {
         &self.namespaces
