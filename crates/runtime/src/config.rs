@@ -8,6 +8,15 @@ use std::time::Duration;
 use anyhow::Context as _;
 use clap::{Args, ValueEnum};
 
+/// A clap value parser for `host:port` flags (another service's address): refuses what no
+/// client could dial, with the reason.
+pub fn address_arg(value: &str) -> Result<String, String> {
+    trellis_api::address::required("value", value).map_err(|e| match e {
+        trellis_error::Error::InvalidArgument { reason, .. } => reason,
+        other => other.to_string(),
+    })
+}
+
 /// Flags of every Trellis process with a gRPC server, stateful or not (the route agent keeps
 /// no store).
 #[derive(Debug, Clone, Args)]

@@ -6,13 +6,7 @@ use clap::Parser;
 use trellis_runtime::CommonConfig;
 use trellis_runtime::config::HasCommon;
 use trellis_runtime::config::PeerTlsConfig;
-
-fn address_arg(value: &str) -> Result<String, String> {
-    trellis_api::address::required("value", value).map_err(|e| match e {
-        trellis_error::Error::InvalidArgument { reason, .. } => reason,
-        other => other.to_string(),
-    })
-}
+use trellis_runtime::config::address_arg;
 
 /// The peering broker of one Trellis cluster: token handshake with full peers, NetworkConfig
 /// exchange (directly, or relayed by a hub's forwarder for induced peers), TunnelEndpoints for

@@ -246,15 +246,17 @@ async fn removing_a_tunnel_releases_its_port_but_not_a_pending_one() {
 #[tokio::test]
 async fn watch_routes_streams_every_peers_prefixes_and_the_gateway_node() {
     let mut server = serve(&["--node-name", "gw-node", "--node-ip", "100.64.0.1"]).await;
-    let err = server
-        .client
-        .watch_routes(WatchRoutesRequest {
-            node_name: "Not_A_Label".into(),
-        })
-        .await
-        .expect_err("a bad node name is refused");
-    assert_eq!(err.code(), Code::InvalidArgument);
-    assert!(err.message().contains("node_name"), "{}", err.message());
+    for bad in ["Not_A_Label", "", "a.b", &"n".repeat(64)] {
+        let err = server
+            .client
+            .watch_routes(WatchRoutesRequest {
+                node_name: bad.to_owned(),
+            })
+            .await
+            .expect_err("a bad node name is refused");
+        assert_eq!(err.code(), Code::InvalidArgument, "{bad:?}");
+        assert!(err.message().contains("node_name"), "{}", err.message());
+    }
 
     let mut stream = server
         .client

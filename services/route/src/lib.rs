@@ -14,7 +14,7 @@ pub mod grpc;
 pub mod node;
 pub mod plan;
 
-use std::net::{IpAddr, SocketAddr};
+use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -42,9 +42,7 @@ pub struct Started {
 
 /// Checks the node, binds, serves status and starts following the gateway.
 pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started> {
-    let IpAddr::V4(node_ip) = config.node_ip else {
-        anyhow::bail!("--node-ip {}: the overlay is IPv4 only", config.node_ip);
-    };
+    let node_ip = config.node_ip;
     let (underlay, detected_mtu) = node::underlay(node_ip).await?;
     let node = NodeSettings {
         name: config.node_name.clone(),
@@ -59,7 +57,7 @@ pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started
         node,
         underlay,
         gateway: config.gateway.clone(),
-        resync: Duration::from_secs(config.resync_interval.max(1)),
+        resync: Duration::from_secs(config.resync_interval),
         status: Mutex::new(agent::Status::default()),
     });
     let server = GrpcServer::bind(config.base.listen_addr(ports::ROUTE)).await?;
