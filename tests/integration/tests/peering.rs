@@ -605,3 +605,49 @@ async fn one_withdrawn_network_config_heals_on_both_sides() {
     })
     .await;
 }
+
+/// Two hubs introduce the same pair of leaves (issue 15, item 4). The introductions come in at
+/// different times, but both ends relay through the hub with the smallest ID, so they agree:
+/// first introduced by `hub-2` alone, the pair moves to `hub-1` once that hub introduces it
+/// too, and ends with one induced tunnel via `hub-1` on both sides and consistent views.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_hubs_introducing_a_pair_agree_on_one_relay_and_the_tunnel_follows() {
+    let start = |id: &'static str| InProcessCluster::start(id, "10.0.0.0/16", "10.201.0.0/16");
+    let (h1, h2, a, c) = (
+        start("hub-1").await.expect("starts"),
+        start("hub-2").await.expect("starts"),
+        start("leaf-a").await.expect("starts"),
+        start("leaf-c").await.expect("starts"),
+    );
+    let via = |t: &types::TunnelEndpoint| t.via.as_ref().map(|v| v.cluster_id.clone());
+    trellis_integration::peering::peer(&a, &h2).await;
+    trellis_integration::peering::peer(&c, &h2).await;
+    for (leaf, other) in [(&a, "leaf-c"), (&c, "leaf-a")] {
+        eventually("an induced tunnel via hub-2", LIMIT, || async {
+            let t = tunnel_to(leaf, other).await?;
+            (via(&t).as_deref() == Some("hub-2")).then_some(())
+        })
+        .await;
+    }
+    trellis_integration::peering::peer(&c, &h1).await;
+    trellis_integration::peering::peer(&a, &h1).await;
+    let healed = Duration::from_secs(60);
+    eventually(
+        "both ends relay via hub-1 with matching views",
+        healed,
+        || async {
+            let ac = tunnel_to(&a, "leaf-c").await?;
+            let ca = tunnel_to(&c, "leaf-a").await?;
+            (via(&ac).as_deref() == Some("hub-1")
+                && via(&ca).as_deref() == Some("hub-1")
+                && ac.kind == types::PeeringKind::Induced as i32
+                && ac.local_pod_cidr_nat == ca.remote_pod_cidr_nat
+                && ca.local_pod_cidr_nat == ac.remote_pod_cidr_nat)
+                .then_some(())
+        },
+    )
+    .await;
+    for cluster in [h1, h2, a, c] {
+        cluster.stop().await;
+    }
+}
