@@ -385,7 +385,7 @@ pub async fn pass(broker: &Broker) -> Result<Unsettled> {
 
     for kv in broker.store().list(NOTIFY_PREFIX).await?.kvs {
         let pending: PendingNotify = decode(&kv.key, &kv.value)?;
-        if !broker.deliver_notify(&pending).await {
+        if !broker.act_on_notice(&pending.remote.id).await? {
             unsettled.all = true;
         }
     }
