@@ -1,9 +1,10 @@
 //! Command-line flags of `trellis-route` (each also `TRELLIS_<FLAG>`).
 
 use std::net::IpAddr;
+use std::path::PathBuf;
 
 use clap::Parser;
-use trellis_runtime::config::{BaseConfig, HasBase};
+use trellis_runtime::config::{BaseConfig, HasBase, underlay_mtu_arg};
 
 fn node_name_arg(value: &str) -> Result<String, String> {
     trellis_api::ident::dns_label("--node-name", value).map_err(|e| e.to_string())
@@ -88,10 +89,28 @@ pub struct Config {
     )]
     pub vxlan_port: u16,
 
-    /// MTU of the node's network (the interface holding --node-ip); detected when not given.
-    /// The overlay's MTU is this minus the 50 bytes of VXLAN.
-    #[arg(long, env = "TRELLIS_UNDERLAY_MTU", value_name = "BYTES")]
+    /// MTU of the node's network (the interface holding --node-ip), 1280-9000; detected when
+    /// not given. The overlay's MTU is this minus the 50 bytes of VXLAN; routes to remote
+    /// prefixes get the smaller of that and the gateway's tunnel MTU (from `WatchRoutes`).
+    #[arg(
+        long,
+        env = "TRELLIS_UNDERLAY_MTU",
+        value_name = "BYTES",
+        value_parser = underlay_mtu_arg
+    )]
     pub underlay_mtu: Option<u32>,
+
+    /// Where the node's `net` sysctls are (ip_forward, rp_filter). In an unprivileged
+    /// container `/proc/sys` is read-only: mount the host's `/proc/sys/net` elsewhere (e.g.
+    /// `/host/proc/sys/net`, with host networking) and name it here. Values that already
+    /// match are not written.
+    #[arg(
+        long,
+        env = "TRELLIS_PROC_SYS_NET",
+        value_name = "DIR",
+        default_value = "/proc/sys/net"
+    )]
+    pub proc_sys_net: PathBuf,
 
     /// Resync period, in seconds: the node is re-checked against the last message even
     /// without a change (repairs routes or devices someone removed).
@@ -107,5 +126,53 @@ pub struct Config {
 impl HasBase for Config {
     fn base(&self) -> &BaseConfig {
         &self.base
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(extra: &[&str]) -> Result<Config, clap::Error> {
+        let mut args = vec![
+            "trellis-route",
+            "--cluster-id",
+            "a",
+            "--gateway",
+            "127.0.0.1:7106",
+            "--node-name",
+            "n1",
+            "--node-ip",
+            "100.64.1.2",
+        ];
+        args.extend_from_slice(extra);
+        Config::try_parse_from(args)
+    }
+
+    #[test]
+    fn defaults() {
+        let c = parse(&[]).expect("parses");
+        assert_eq!(c.underlay_mtu, None);
+        assert_eq!(c.proc_sys_net, PathBuf::from("/proc/sys/net"));
+        assert_eq!((c.vxlan_id, c.vxlan_port), (7107, 4800));
+    }
+
+    #[test]
+    fn bad_values_name_the_flag() {
+        for (flag, bad) in [
+            ("--underlay-mtu", "1279"),
+            ("--underlay-mtu", "9001"),
+            ("--underlay-mtu", "mtu"),
+            ("--vxlan-id", "0"),
+            ("--vxlan-id", "16777216"),
+            ("--interface", "much-too-long-name"),
+            ("--node-name", "Node_1"),
+            ("--node-ip", "node-1"),
+        ] {
+            let err = parse(&[flag, bad]).expect_err(bad).to_string();
+            assert!(err.contains(flag), "{flag} {bad}: {err}");
+        }
+        let c = parse(&["--underlay-mtu", "9000"]).expect("jumbo");
+        assert_eq!(c.underlay_mtu, Some(9000));
     }
 }

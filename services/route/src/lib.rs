@@ -53,6 +53,7 @@ pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started
         vxlan_id: config.vxlan_id,
         vxlan_port: config.vxlan_port,
         underlay_mtu: config.underlay_mtu.unwrap_or(detected_mtu),
+        proc_sys_net: config.proc_sys_net.clone(),
     };
     tracing::info!(node = %node.name, node_ip = %node.ip, underlay = %underlay, underlay_mtu = node.underlay_mtu, gateway = %config.gateway, "route agent ready");
     let agent = Arc::new(Agent {
