@@ -151,9 +151,8 @@ impl Gateway {
             None => self.settings.ports.first(),
         };
         Ok(GatewayInfo {
-            endpoint: Endpoint::new(self.settings.endpoint_host.clone(), port).ok_or_else(
-                || trellis_error::Error::Internal("allocated port 0".into()),
-            )?,
+            endpoint: Endpoint::new(self.settings.endpoint_host.clone(), port)
+                .ok_or_else(|| trellis_error::Error::Internal("allocated port 0".into()))?,
             public_key: self.keys.public(),
             mode: self.mode,
             listen_port: port,

@@ -266,14 +266,20 @@ mod tests {
         std::fs::write(dir.join("ipv4/ip_forward"), "1\n").expect("write");
         std::fs::write(conf.join("rp_filter"), "1\n").expect("write");
         // Already right: not written (a write would have left "1" without the newline).
-        ensure_sysctl(&dir, "ip_forward", "1").await.expect("unchanged");
+        ensure_sysctl(&dir, "ip_forward", "1")
+            .await
+            .expect("unchanged");
         assert_eq!(
             std::fs::read_to_string(dir.join("ipv4/ip_forward")).expect("read"),
             "1\n"
         );
-        ensure_sysctl(&dir, "conf/vx0/rp_filter", "2").await.expect("written");
+        ensure_sysctl(&dir, "conf/vx0/rp_filter", "2")
+            .await
+            .expect("written");
         assert_eq!(
-            std::fs::read_to_string(conf.join("rp_filter")).expect("read").trim(),
+            std::fs::read_to_string(conf.join("rp_filter"))
+                .expect("read")
+                .trim(),
             "2"
         );
         // A missing file is an error naming the path and the flag.
@@ -281,7 +287,10 @@ mod tests {
             .await
             .expect_err("no such sysctl");
         let text = format!("{err:#}");
-        assert!(text.contains("conf/gone/rp_filter") && text.contains("--proc-sys-net"), "{text}");
+        assert!(
+            text.contains("conf/gone/rp_filter") && text.contains("--proc-sys-net"),
+            "{text}"
+        );
         let _ = std::fs::remove_dir_all(&dir);
     }
 

@@ -38,7 +38,10 @@ impl EndpointHost {
             }
             return Ok(Self::Ip(ip));
         }
-        let name = value.strip_suffix('.').unwrap_or(value).to_ascii_lowercase();
+        let name = value
+            .strip_suffix('.')
+            .unwrap_or(value)
+            .to_ascii_lowercase();
         if !is_dns_name(&name) {
             return Err(Error::invalid(
                 field,
@@ -280,7 +283,14 @@ mod tests {
             EndpointHost::parse("--endpoint-address", "gw.example.").expect("name"),
             EndpointHost::Name("gw.example".into())
         );
-        for bad in ["", "0.0.0.0", "gw example", "gw.example:51840", "a/b", "10.0.0.256"] {
+        for bad in [
+            "",
+            "0.0.0.0",
+            "gw example",
+            "gw.example:51840",
+            "a/b",
+            "10.0.0.256",
+        ] {
             let err = EndpointHost::parse("--endpoint-address", bad).expect_err(bad);
             assert!(err.to_string().contains("--endpoint-address"), "{err}");
         }

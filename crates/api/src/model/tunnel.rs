@@ -1,7 +1,6 @@
 //! TunnelEndpoints: everything a gateway needs for the tunnel to one remote cluster, merged by
 //! the broker from the two NetworkConfigs of a pair (DESIGN.md "Model").
 
-
 use ipnet::IpNet;
 use trellis_error::{Error, Result};
 
@@ -199,7 +198,8 @@ impl TunnelEndpoint {
                 remote_external_cidr,
             )?,
         };
-        let remote_endpoint = Endpoint::parse(&path(prefix, "remote_endpoint"), &te.remote_endpoint)?;
+        let remote_endpoint =
+            Endpoint::parse(&path(prefix, "remote_endpoint"), &te.remote_endpoint)?;
         let remote_public_key =
             WgKey::parse(&path(prefix, "remote_public_key"), &te.remote_public_key)?;
         Ok(Self {

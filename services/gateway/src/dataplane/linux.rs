@@ -198,7 +198,16 @@ impl Linux {
             return Err(err).context("configuring the wireguard device");
         }
         let name = plan.interface.as_str();
-        ip(&["link", "set", "dev", name, "mtu", &self.mtu.to_string(), "up"]).await?;
+        ip(&[
+            "link",
+            "set",
+            "dev",
+            name,
+            "mtu",
+            &self.mtu.to_string(),
+            "up",
+        ])
+        .await?;
         cmd::sysctl(&format!("conf/{name}/rp_filter"), "0").await?;
         let routed = plan.routed();
         for net in &routed {
