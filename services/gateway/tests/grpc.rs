@@ -296,7 +296,10 @@ async fn watch_routes_streams_every_peers_prefixes_and_the_gateway_node() {
         ),
         ("gw-node", "100.64.0.1")
     );
-    assert!(first.tunnel_mtu > 0);
+    assert_eq!(
+        first.tunnel_mtu, 1420,
+        "the default 1500-byte underlay minus 80"
+    );
 
     let id = |s: &str| trellis_api::ClusterId::parse("cluster_id", s).expect("id");
     let both: BTreeMap<_, _> = [(id("b"), te("b", 80)), (id("c"), te("c", 83))].into();
@@ -324,6 +327,23 @@ async fn watch_routes_streams_every_peers_prefixes_and_the_gateway_node() {
         next(&mut stream).await.remote_prefixes,
         ["10.83.0.0/16", "10.84.0.0/16"]
     );
+}
+
+/// The tunnel MTU the route agents learn is `--underlay-mtu` minus WireGuard's 80 bytes.
+#[tokio::test]
+async fn watch_routes_announces_the_tunnel_mtu_of_the_underlay() {
+    for (underlay, tunnel) in [("1400", 1320), ("9000", 8920)] {
+        let mut server = serve(&["--node-name", "gw-node", "--underlay-mtu", underlay]).await;
+        let mut stream = server
+            .client
+            .watch_routes(WatchRoutesRequest {
+                node_name: "node-1".into(),
+            })
+            .await
+            .expect("subscribes")
+            .into_inner();
+        assert_eq!(next(&mut stream).await.tunnel_mtu, tunnel, "{underlay}");
+    }
 }
 
 async fn next(stream: &mut tonic::Streaming<WatchRoutesResponse>) -> WatchRoutesResponse {

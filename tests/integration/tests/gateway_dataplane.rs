@@ -587,3 +587,67 @@ async fn gateway_endpoints_given_as_dns_names_are_resolved_by_the_remote_gateway
         to_c.remote_endpoint
     );
 }
+
+/// `--underlay-mtu 1400` on every gateway: each tunnel device gets 1320 (1400 − 80), and a pod's
+/// packets that do not fit are refused with "fragmentation needed" at the gateway instead of
+/// being black-holed after encapsulation: 1320 bytes with DF cross, 1321 do not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tunnel_devices_take_their_mtu_from_the_underlay() {
+    if !can_run("tunnel_devices_take_their_mtu_from_the_underlay") {
+        return;
+    }
+    let mut options = FabricOptions::three_clusters();
+    options.store = trellis_netlab::StoreKind::Memory;
+    options.extra_args = vec![(
+        Service::Gateway,
+        vec!["--underlay-mtu".into(), "1400".into()],
+    )];
+    let fabric = Lab {
+        fabric: Fabric::up(options).await.expect("fabric up"),
+    };
+    fabric
+        .wait_tunnel_endpoints(A, &[("b", PeeringKind::Full), ("c", PeeringKind::Induced)])
+        .await;
+    let (_, address) = fabric.reflect_c_pod_to_a().await;
+    fabric.wait_ping(A, address, LIMIT).await;
+
+    let links = ip(&["-n", fabric.gw_ns(A), "-j", "link", "show"]).expect("ip link");
+    let links: serde_json::Value = serde_json::from_str(&links).expect("json");
+    let tunnels: Vec<(String, u64)> = links
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|l| Some((l["ifname"].as_str()?.to_owned(), l["mtu"].as_u64()?)))
+        .filter(|(name, _)| name.starts_with("tg"))
+        .collect();
+    assert_eq!(tunnels.len(), 2, "A's tunnel devices: {tunnels:?}");
+    for (name, mtu) in &tunnels {
+        assert_eq!(*mtu, 1320, "{name}");
+    }
+
+    // ICMP payload + 28 bytes of headers: 1292 → 1320 bytes, 1293 → 1321.
+    let fits = fabric.ping(
+        A,
+        address,
+        &["-c", "3", "-W", "2", "-M", "do", "-s", "1292"],
+    );
+    assert!(
+        fits.status.success(),
+        "1320-byte packets: {}",
+        String::from_utf8_lossy(&fits.stdout)
+    );
+    let too_big = fabric.ping(
+        A,
+        address,
+        &["-c", "3", "-W", "2", "-M", "do", "-s", "1293"],
+    );
+    let said = String::from_utf8_lossy(&too_big.stdout);
+    assert!(
+        !too_big.status.success(),
+        "1321-byte packets crossed: {said}"
+    );
+    assert!(
+        said.contains("mtu = 1320"),
+        "no fragmentation-needed answer: {said}"
+    );
+}
