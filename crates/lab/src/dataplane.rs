@@ -107,6 +107,7 @@ pub(crate) async fn run(
             vec![(Service::Discovery, vec!["--no-induced".to_owned()])]
         },
         nodes,
+        endpoint_names: false,
     };
     let clock = Instant::now();
     let fabric = tokio::select! {

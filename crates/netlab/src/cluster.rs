@@ -134,6 +134,9 @@ pub struct ClusterOptions {
     pub dataplane: String,
     /// Extra flags per service, appended to the defaults.
     pub extra_args: Vec<(Service, Vec<String>)>,
+    /// The gateway's `--endpoint-address` (an IP or a DNS name); `None`: the site's bridge
+    /// address.
+    pub endpoint_address: Option<String>,
 }
 
 impl ClusterOptions {
@@ -146,6 +149,7 @@ impl ClusterOptions {
             store: StoreKind::EtcdPerService,
             dataplane: "userspace".to_owned(),
             extra_args: Vec::new(),
+            endpoint_address: None,
         }
     }
 }
@@ -395,7 +399,10 @@ impl NsCluster {
                     "--dataplane",
                     &options.dataplane,
                     "--endpoint-address",
-                    &self.ip.to_string(),
+                    &options
+                        .endpoint_address
+                        .clone()
+                        .unwrap_or_else(|| self.ip.to_string()),
                     "--broker",
                     &at(Service::Broker),
                     "--ipam",

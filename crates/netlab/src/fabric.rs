@@ -42,6 +42,53 @@ pub struct FabricOptions {
     /// Nodes per cluster: 1 is the one-namespace topology; more build a node network with a
     /// route agent on every node ([`Topology::build_with_nodes`]).
     pub nodes: usize,
+    /// Gateways advertise a DNS name ([`endpoint_name`]) instead of their bridge address; the
+    /// names resolve inside every gateway namespace through `/etc/netns/<ns>/hosts` (which
+    /// `ip netns exec` mounts over `/etc/hosts`), so each remote gateway resolves them itself.
+    pub endpoint_names: bool,
+}
+
+/// The DNS name cluster `id`'s gateway advertises with [`FabricOptions::endpoint_names`]
+/// (`.test`: reserved, never in real DNS, RFC 6761).
+pub fn endpoint_name(id: &str) -> String {
+    format!("gw-{id}.trellis.test")
+}
+
+/// `/etc/netns/<ns>/hosts` files, removed (with their directories) on drop.
+#[derive(Debug)]
+struct HostsFiles {
+    dirs: Vec<std::path::PathBuf>,
+}
+
+impl HostsFiles {
+    /// Writes, for every namespace of `namespaces`, a hosts file naming every `(name, ip)`.
+    fn write(namespaces: &[&str], names: &[(String, Ipv4Addr)]) -> anyhow::Result<Self> {
+        let mut text = String::from("127.0.0.1 localhost\n::1 localhost\n");
+        for (name, ip) in names {
+            text.push_str(&format!("{ip} {name}\n"));
+        }
+        let mut this = Self { dirs: Vec::new() };
+        for ns in namespaces {
+            let dir = std::path::Path::new("/etc/netns").join(ns);
+            // Ours: the namespace of that name was just created by this topology (a
+            // leftover file of a killed run is replaced).
+            std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+            this.dirs.push(dir.clone());
+            std::fs::write(dir.join("hosts"), &text)
+                .with_context(|| format!("writing {}/hosts", dir.display()))?;
+        }
+        Ok(this)
+    }
+}
+
+impl Drop for HostsFiles {
+    fn drop(&mut self) {
+        for dir in &self.dirs {
+            let _ = std::fs::remove_dir_all(dir);
+        }
+        // /etc/netns itself when nothing else is in it (remove_dir refuses otherwise).
+        let _ = std::fs::remove_dir("/etc/netns");
+    }
 }
 
 impl FabricOptions {
@@ -58,6 +105,7 @@ impl FabricOptions {
             store: StoreKind::EtcdPerService,
             extra_args: Vec::new(),
             nodes: 1,
+            endpoint_names: false,
         }
     }
 }
@@ -76,6 +124,8 @@ pub struct Reach {
 #[derive(Debug)]
 pub struct Fabric {
     pub clusters: Vec<NsCluster>,
+    /// With [`FabricOptions::endpoint_names`]: the gateway namespaces' hosts files.
+    _hosts: Option<HostsFiles>,
     pub topology: Topology,
     /// Index of the hub.
     pub hub: usize,
@@ -106,8 +156,23 @@ impl Fabric {
         } else {
             Topology::build(&sites)?
         };
+        let hosts = if options.endpoint_names {
+            let namespaces: Vec<&str> = topology.sites.iter().map(|s| s.gw_ns.as_str()).collect();
+            let names: Vec<(String, Ipv4Addr)> = topology
+                .sites
+                .iter()
+                .enumerate()
+                .map(|(i, s)| (endpoint_name(&options.names[i]), s.uplink_ip))
+                .collect();
+            Some(HostsFiles::write(&namespaces, &names)?)
+        } else {
+            None
+        };
         let starting = topology.sites.iter().enumerate().map(|(i, site)| {
             let mut o = ClusterOptions::new(&options.names[i], &options.external_cidr);
+            if options.endpoint_names {
+                o.endpoint_address = Some(endpoint_name(&options.names[i]));
+            }
             o.no_induced = i == options.hub && options.hub_no_induced;
             o.store = options.store;
             o.extra_args = options.extra_args.clone();
@@ -119,6 +184,7 @@ impl Fabric {
         }
         let fabric = Self {
             clusters,
+            _hosts: hosts,
             topology,
             hub: options.hub,
         };
@@ -226,6 +292,13 @@ impl Fabric {
         i: usize,
         j: usize,
     ) -> anyhow::Result<std::net::SocketAddr> {
+        let text = self.published_endpoint(i, j).await?;
+        text.parse().with_context(|| format!("endpoint {text:?}"))
+    }
+
+    /// The WireGuard endpoint of `j` as `i`'s TunnelEndpoint carries it ("ip:port", or
+    /// "name:port" with [`FabricOptions::endpoint_names`]).
+    pub async fn published_endpoint(&self, i: usize, j: usize) -> anyhow::Result<String> {
         let id = &self.clusters[j].id;
         let tes = self.clusters[i]
             .broker()?
@@ -238,9 +311,7 @@ impl Fabric {
             .iter()
             .find(|t| t.remote.as_ref().is_some_and(|r| &r.cluster_id == id))
             .with_context(|| format!("{} has no tunnel endpoint for {id}", self.clusters[i].id))?;
-        te.remote_endpoint
-            .parse()
-            .with_context(|| format!("endpoint {:?}", te.remote_endpoint))
+        Ok(te.remote_endpoint.clone())
     }
 
     /// How `viewer`'s IPAM addresses `remote`'s pod CIDR (or external CIDR).

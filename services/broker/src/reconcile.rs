@@ -304,7 +304,8 @@ async fn holds(broker: &Broker, id: &ClusterId) -> Result<bool> {
 /// NetworkConfig still carries them needs no per-remote question on a periodic pass.
 struct GatewayBasics {
     public_key: String,
-    endpoint_ip: Option<std::net::IpAddr>,
+    /// The host of the gateway's endpoint (an IP or a DNS name; the port is per remote).
+    endpoint_host: Option<trellis_api::model::EndpointHost>,
 }
 
 async fn gateway_basics(broker: &Broker) -> Result<GatewayBasics> {
@@ -319,11 +320,9 @@ async fn gateway_basics(broker: &Broker) -> Result<GatewayBasics> {
         .into_inner();
     Ok(GatewayBasics {
         public_key: info.public_key,
-        endpoint_ip: info
-            .endpoint
-            .parse::<std::net::SocketAddr>()
+        endpoint_host: trellis_api::model::Endpoint::parse("endpoint", &info.endpoint)
             .ok()
-            .map(|a| a.ip()),
+            .map(|e| e.host().clone()),
     })
 }
 
@@ -541,7 +540,7 @@ async fn ensure(
     };
     if let (false, Some((out, _)), Some(basics)) = (unfinished, &existing, basics) {
         let same_gateway = out.spec.public_key.to_string() == basics.public_key
-            && basics.endpoint_ip == Some(out.spec.endpoint.ip());
+            && basics.endpoint_host.as_ref() == Some(out.spec.endpoint.host());
         let forwarder = match &remote.route {
             Route::Direct { .. } => None,
             Route::Relayed { forwarder, .. } => Some(forwarder.as_str()),

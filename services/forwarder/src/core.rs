@@ -230,7 +230,7 @@ impl Forwarder {
             let record = RelayRecord {
                 origin: nc.origin.clone(),
                 destination: nc.destination.clone(),
-                spec: nc.spec,
+                spec: nc.spec.clone(),
                 generation: nc.generation,
                 state: State::Pending,
                 status: None,

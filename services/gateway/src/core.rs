@@ -2,11 +2,11 @@
 //! TunnelEndpoints (ports in the store, then the data plane), and tunnel status.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::net::{IpAddr, SocketAddr};
+use std::net::IpAddr;
 use std::time::{Duration, SystemTime};
 
 use ipnet::IpNet;
-use trellis_api::model::TunnelEndpoint;
+use trellis_api::model::{Endpoint, EndpointHost, TunnelEndpoint};
 use trellis_api::{ClusterId, ClusterIdentity};
 use trellis_error::Result;
 use trellis_store::SharedStore;
@@ -29,7 +29,7 @@ pub type Desired = BTreeMap<ClusterId, TunnelEndpoint>;
 /// What GetGatewayInfo answers.
 #[derive(Debug, Clone)]
 pub struct GatewayInfo {
-    pub endpoint: SocketAddr,
+    pub endpoint: Endpoint,
     pub public_key: trellis_api::model::WgKey,
     pub mode: Mode,
     pub listen_port: u16,
@@ -64,13 +64,17 @@ struct Applied {
 #[derive(Debug, Clone)]
 pub struct Settings {
     pub identity: ClusterIdentity,
-    pub endpoint_ip: IpAddr,
+    /// Where remote gateways reach us: an IP, or a DNS name they resolve.
+    pub endpoint_host: EndpointHost,
     pub ports: PortRange,
     pub interface_prefix: String,
     /// The node the gateway runs on, and its address on the node network (`None`: no route
     /// agent can reach it).
     pub node_name: String,
     pub node_ip: Option<IpAddr>,
+    /// MTU of every tunnel device (the underlay's minus WireGuard's overhead), announced to the
+    /// route agents.
+    pub tunnel_mtu: u32,
 }
 
 /// What every node must route to the gateway node (`WatchRoutes`).
@@ -110,7 +114,7 @@ impl Gateway {
             prefixes: Vec::new(),
             gateway_node_name: settings.node_name.clone(),
             gateway_node_ip: settings.node_ip,
-            tunnel_mtu: crate::dataplane::wireguard::MTU,
+            tunnel_mtu: settings.tunnel_mtu,
         };
         Self {
             store,
@@ -147,7 +151,8 @@ impl Gateway {
             None => self.settings.ports.first(),
         };
         Ok(GatewayInfo {
-            endpoint: SocketAddr::new(self.settings.endpoint_ip, port),
+            endpoint: Endpoint::new(self.settings.endpoint_host.clone(), port)
+                .ok_or_else(|| trellis_error::Error::Internal("allocated port 0".into()))?,
             public_key: self.keys.public(),
             mode: self.mode,
             listen_port: port,

@@ -122,6 +122,28 @@ async fn each_peer_gets_its_own_stable_port_and_the_shared_key() {
 }
 
 #[tokio::test]
+async fn a_dns_name_endpoint_is_published_with_each_peers_port() {
+    let mut s = serve(&[
+        "--wireguard-ports",
+        "40000-40009",
+        "--endpoint-address",
+        "GW.Hub.Example.",
+    ])
+    .await;
+    let b = info(&mut s.client, "b").await.expect("b");
+    assert_eq!(b.endpoint, "gw.hub.example:40000");
+    // What the broker puts in its NetworkConfig spec accepts it.
+    let spec = trellis_api::pb::types::NetworkConfigSpec {
+        pod_cidr: "10.0.0.0/16".into(),
+        external_cidr: "10.201.0.0/16".into(),
+        endpoint: b.endpoint.clone(),
+        public_key: b.public_key,
+    };
+    let parsed = trellis_api::model::NetworkSpec::from_proto("spec", Some(&spec)).expect("valid");
+    assert_eq!(parsed.endpoint.to_string(), b.endpoint);
+}
+
+#[tokio::test]
 async fn bad_cluster_ids_are_refused_naming_the_field() {
     let mut s = serve(&[]).await;
     let err = info(&mut s.client, "no spaces").await.expect_err("invalid");
@@ -156,11 +178,12 @@ fn gateway(store: SharedStore, keys: KeyPair, range: PortRange) -> Gateway {
         store,
         Settings {
             identity: identity("a"),
-            endpoint_ip: "192.0.2.1".parse().expect("ip"),
+            endpoint_host: trellis_api::model::EndpointHost::Ip("192.0.2.1".parse().expect("ip")),
             ports: range,
             interface_prefix: "tg".into(),
             node_name: "node-0".into(),
             node_ip: None,
+            tunnel_mtu: 1420,
         },
         Mode::None,
         keys,
@@ -275,7 +298,10 @@ async fn watch_routes_streams_every_peers_prefixes_and_the_gateway_node() {
         ),
         ("gw-node", "100.64.0.1")
     );
-    assert!(first.tunnel_mtu > 0);
+    assert_eq!(
+        first.tunnel_mtu, 1420,
+        "the default 1500-byte underlay minus 80"
+    );
 
     let id = |s: &str| trellis_api::ClusterId::parse("cluster_id", s).expect("id");
     let both: BTreeMap<_, _> = [(id("b"), te("b", 80)), (id("c"), te("c", 83))].into();
@@ -303,6 +329,23 @@ async fn watch_routes_streams_every_peers_prefixes_and_the_gateway_node() {
         next(&mut stream).await.remote_prefixes,
         ["10.83.0.0/16", "10.84.0.0/16"]
     );
+}
+
+/// The tunnel MTU the route agents learn is `--underlay-mtu` minus WireGuard's 80 bytes.
+#[tokio::test]
+async fn watch_routes_announces_the_tunnel_mtu_of_the_underlay() {
+    for (underlay, tunnel) in [("1400", 1320), ("9000", 8920)] {
+        let mut server = serve(&["--node-name", "gw-node", "--underlay-mtu", underlay]).await;
+        let mut stream = server
+            .client
+            .watch_routes(WatchRoutesRequest {
+                node_name: "node-1".into(),
+            })
+            .await
+            .expect("subscribes")
+            .into_inner();
+        assert_eq!(next(&mut stream).await.tunnel_mtu, tunnel, "{underlay}");
+    }
 }
 
 async fn next(stream: &mut tonic::Streaming<WatchRoutesResponse>) -> WatchRoutesResponse {

@@ -1,9 +1,10 @@
 //! Command-line flags of `trellis-route` (each also `TRELLIS_<FLAG>`).
 
 use std::net::Ipv4Addr;
+use std::path::PathBuf;
 
 use clap::Parser;
-use trellis_runtime::config::{BaseConfig, HasBase, address_arg};
+use trellis_runtime::config::{BaseConfig, HasBase, address_arg, underlay_mtu_arg};
 
 fn node_name_arg(value: &str) -> Result<String, String> {
     trellis_api::ident::dns_label("--node-name", value).map_err(|e| e.to_string())
@@ -99,11 +100,28 @@ pub struct Config {
     )]
     pub vxlan_port: u16,
 
-    /// MTU of the node's network (the interface holding --node-ip); detected when not given.
-    /// The overlay's MTU is this minus the 50 bytes of VXLAN.
-    #[arg(long, env = "TRELLIS_UNDERLAY_MTU", value_name = "BYTES",
-          value_parser = clap::value_parser!(u32).range(1280..=65535))]
+    /// MTU of the node's network (the interface holding --node-ip), 1280-9000; detected when
+    /// not given. The overlay's MTU is this minus the 50 bytes of VXLAN; routes to remote
+    /// prefixes get the smaller of that and the gateway's tunnel MTU (from `WatchRoutes`).
+    #[arg(
+        long,
+        env = "TRELLIS_UNDERLAY_MTU",
+        value_name = "BYTES",
+        value_parser = underlay_mtu_arg
+    )]
     pub underlay_mtu: Option<u32>,
+
+    /// Where the node's `net` sysctls are (ip_forward, rp_filter). In an unprivileged
+    /// container `/proc/sys` is read-only: mount the host's `/proc/sys/net` elsewhere (e.g.
+    /// `/host/proc/sys/net`, with host networking) and name it here. Values that already
+    /// match are not written.
+    #[arg(
+        long,
+        env = "TRELLIS_PROC_SYS_NET",
+        value_name = "DIR",
+        default_value = "/proc/sys/net"
+    )]
+    pub proc_sys_net: PathBuf,
 
     /// Resync period, in seconds: the node is re-checked against the last message even
     /// without a change (repairs routes or devices someone removed).
@@ -158,6 +176,9 @@ mod tests {
             ("trellis-vx", 7107, 4800, 30)
         );
         assert_eq!(c.underlay_mtu, None);
+        assert_eq!(c.proc_sys_net, PathBuf::from("/proc/sys/net"));
+        let jumbo = parse(&["--underlay-mtu", "9000"]).expect("jumbo frames");
+        assert_eq!(jumbo.underlay_mtu, Some(9000));
     }
 
     #[test]
@@ -173,6 +194,7 @@ mod tests {
             ("--vxlan-id", "16777216", "VXLAN id"),
             ("--vxlan-port", "0", "--vxlan-port"),
             ("--underlay-mtu", "576", "--underlay-mtu"),
+            ("--underlay-mtu", "9001", "--underlay-mtu"),
             ("--resync-interval", "0", "--resync-interval"),
         ] {
             let mut args: Vec<&str> = GOOD.to_vec();

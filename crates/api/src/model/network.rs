@@ -1,25 +1,23 @@
 //! What a NetworkConfig says: the sender's network parameters (its spec) and the receiver's
 //! decision on how to address them (its status).
 
-use std::net::SocketAddr;
-
 use ipnet::IpNet;
 use trellis_error::{Error, Result};
 
-use super::{WgKey, path};
+use super::{Endpoint, WgKey, path};
 use crate::net::{Family, overlaps};
 use crate::pb::types as pb;
 use crate::wire;
 
 /// A cluster's network parameters as sent to a peer (NetworkConfig spec).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct NetworkSpec {
     /// The sender's real pod CIDR.
     pub pod_cidr: IpNet,
     /// The sender's external CIDR.
     pub external_cidr: IpNet,
-    /// The sender's WireGuard endpoint, as the receiver reaches it.
-    pub endpoint: SocketAddr,
+    /// The sender's WireGuard endpoint, as the receiver reaches it (an IP or a DNS name).
+    pub endpoint: Endpoint,
     /// The sender's WireGuard public key.
     pub public_key: WgKey,
 }
@@ -45,25 +43,7 @@ impl NetworkSpec {
                 format!("{external_cidr} overlaps the pod CIDR {pod_cidr}"),
             ));
         }
-        let endpoint_field = path(prefix, "endpoint");
-        if spec.endpoint.is_empty() {
-            return Err(Error::invalid(endpoint_field, "is required"));
-        }
-        let endpoint: SocketAddr = spec.endpoint.parse().map_err(|_| {
-            Error::invalid(
-                &endpoint_field,
-                format!(
-                    "{:?} is not \"ip:port\" (e.g. \"192.0.2.10:51840\")",
-                    spec.endpoint
-                ),
-            )
-        })?;
-        if endpoint.port() == 0 || endpoint.ip().is_unspecified() {
-            return Err(Error::invalid(
-                endpoint_field,
-                format!("{endpoint} cannot be reached: unspecified address or port 0"),
-            ));
-        }
+        let endpoint = Endpoint::parse(&path(prefix, "endpoint"), &spec.endpoint)?;
         let public_key = WgKey::parse(&path(prefix, "public_key"), &spec.public_key)?;
         Ok(Self {
             pod_cidr,
