@@ -607,6 +607,12 @@ impl Forwarder {
         Ok(next)
     }
 
+    /// Moves relays stored in the old key layout to the current one ([`crate::migrate`]);
+    /// returns how many moved. Run on start, before serving.
+    pub async fn migrate_relay_keys(&self) -> Result<usize> {
+        crate::migrate::relay_keys(&self.store).await
+    }
+
     /// Relays still held, optionally for one cluster.
     pub async fn list(&self, cluster: Option<&ClusterId>) -> Result<Vec<RelayRecord>> {
         let listing = self.store.list(RELAYS_PREFIX).await?;
