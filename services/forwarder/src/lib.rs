@@ -59,7 +59,7 @@ pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started
         identity,
         store,
         &config.discovery,
-        config.retry_max(),
+        config.delivery(),
         tls.clone(),
     )?);
     // Before serving and retrying, so both only ever see the current layout.

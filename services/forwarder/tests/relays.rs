@@ -10,7 +10,6 @@
 //! covers end to end; here they only have to answer, refuse or stay silent on demand.
 
 use std::collections::BTreeMap;
-use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -24,7 +23,7 @@ use trellis_api::pb::types as pb;
 use trellis_api::{ClusterId, ClusterIdentity};
 use trellis_discovery::Discovery;
 use trellis_discovery::core::PeeringUpdate;
-use trellis_forwarder::core::{Forwarder, Passthrough};
+use trellis_forwarder::core::{Delivery, Forwarder, Passthrough};
 use trellis_forwarder::records::{RELAYS_PREFIX, RelayRecord, State, encode, now_nanos, relay_key};
 use trellis_runtime::Shutdown;
 use trellis_runtime::peer::Authz;
@@ -62,6 +61,8 @@ macro_rules! cases {
 cases!(
     ids_containing_the_old_separator_keep_separate_relays,
     old_layout_relays_are_migrated_and_served,
+    a_dead_destination_does_not_hold_up_the_others,
+    failed_relays_are_collected_after_the_retention,
 );
 
 /// The forwarder's store on a fresh etcd, through a prefixed URL as the services use it.
@@ -282,6 +283,10 @@ impl Drop for Hub {
 
 impl Hub {
     async fn start(store: SharedStore) -> Self {
+        Self::start_with(store, DELIVERY).await
+    }
+
+    async fn start_with(store: SharedStore, delivery: Delivery) -> Self {
         let shutdown = Shutdown::new();
         let discovery = Arc::new(
             Discovery::open(
@@ -306,7 +311,16 @@ impl Hub {
                 )
                 .await
         });
-        let forwarder = Arc::new(new_forwarder(store, discovery_addr));
+        let forwarder = Arc::new(
+            Forwarder::new(
+                identity("hub"),
+                store,
+                &discovery_addr.to_string(),
+                delivery,
+                None,
+            )
+            .expect("forwarder"),
+        );
         Self {
             forwarder,
             discovery,
@@ -369,15 +383,33 @@ impl Hub {
     }
 }
 
-fn new_forwarder(store: SharedStore, discovery: SocketAddr) -> Forwarder {
-    Forwarder::new(
-        identity("hub"),
-        store,
-        &discovery.to_string(),
-        Duration::from_secs(1),
-        None,
-    )
-    .expect("forwarder")
+/// The tests' delivery settings: short backoff, retention long enough to never matter.
+const DELIVERY: Delivery = Delivery {
+    retry_max: Duration::from_secs(1),
+    concurrency: 16,
+    retention: Duration::from_secs(3600),
+};
+
+/// A loopback address that accepts TCP connections and then never says a word: every call
+/// to it hangs until the caller's timeout, like a peer whose packets are blackholed after
+/// the handshake. Stops with `shutdown`.
+async fn blackhole(shutdown: &Shutdown) -> String {
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("binds");
+    let addr = listener.local_addr().expect("address");
+    let shutdown = shutdown.clone();
+    tokio::spawn(async move {
+        let mut held = Vec::new();
+        loop {
+            tokio::select! {
+                () = shutdown.cancelled() => return,
+                accepted = listener.accept() => match accepted {
+                    Ok((socket, _)) => held.push(socket),
+                    Err(_) => return,
+                },
+            }
+        }
+    });
+    addr.to_string()
 }
 
 /// Polls `check` until it returns `Some`, failing with `what` after [`LIMIT`].
@@ -532,5 +564,130 @@ async fn old_layout_relays_are_migrated_and_served(store: SharedStore) {
             (delivered && answered && gone).then_some(())
         },
     )
+    .await;
+}
+
+/// Relays to a destination that never answers must not hold up relays to healthy ones. The
+/// store holds (as left by an earlier run, or accepted while those destinations were down)
+/// many pending relays to a blackholed destination, listed first, and one to each of four
+/// healthy destinations. Each attempt at the dead one lasts until the delivery timeout, so a
+/// forwarder retrying one relay at a time reaches the healthy ones only after all of those.
+async fn a_dead_destination_does_not_hold_up_the_others(store: SharedStore) {
+    const DEAD_ORIGINS: usize = 40;
+    let shutdown = Shutdown::new();
+    let _stop = shutdown.clone().drop_guard();
+    let dead = blackhole(&shutdown).await;
+    let origin = FakeBroker::default();
+    let origin_addr = origin.start(&shutdown).await;
+    let healthy: Vec<(String, FakeBroker)> = (1..=4)
+        .map(|n| (format!("h{n}"), FakeBroker::default()))
+        .collect();
+
+    let put = |record: RelayRecord| {
+        let store = store.clone();
+        async move {
+            let key = relay_key(&record.origin.id, &record.destination.id);
+            store
+                .put(&key, encode(&record).expect("encodes"))
+                .await
+                .expect("put");
+        }
+    };
+    for n in 0..DEAD_ORIGINS {
+        put(held(&format!("d{n:02}"), "dead", 1, State::Pending)).await;
+    }
+    for (name, _) in &healthy {
+        put(held("z", name, 2, State::Pending)).await;
+    }
+
+    let hub = Hub::start(store).await;
+    hub.peer("dead", &dead).await;
+    for n in 0..DEAD_ORIGINS {
+        hub.peer(&format!("d{n:02}"), &refusing()).await;
+    }
+    hub.peer("z", &origin_addr).await;
+    for (name, broker) in &healthy {
+        hub.peer(name, &broker.start(&shutdown).await).await;
+    }
+    hub.run_retries();
+
+    eventually(
+        "every relay to a healthy destination to complete",
+        || async {
+            let reported = origin.received().statuses;
+            let all = healthy.iter().all(|(name, broker)| {
+                broker
+                    .received()
+                    .submitted
+                    .contains(&("z".into(), name.clone(), 1))
+                    && reported.contains(&("z".into(), name.clone()))
+            });
+            let relays = hub.relays().await;
+            let gone = healthy
+                .iter()
+                .all(|(name, _)| !relays.contains_key(&("z".into(), name.clone())));
+            (all && gone).then_some(())
+        },
+    )
+    .await;
+    // The dead destination's relays are all still held, waiting for it.
+    let relays = hub.relays().await;
+    let waiting = relays
+        .iter()
+        .filter(|((_, d), r)| d == "dead" && r.state == State::Pending)
+        .count();
+    assert_eq!(waiting, DEAD_ORIGINS, "{relays:#?}");
+}
+
+/// A relay the destination refused for good is kept (state Failed) for operators, then
+/// deleted once the retention has passed.
+async fn failed_relays_are_collected_after_the_retention(store: SharedStore) {
+    const RETENTION: Duration = Duration::from_secs(3);
+    let shutdown = Shutdown::new();
+    let _stop = shutdown.clone().drop_guard();
+    let refuser = FakeBroker {
+        refuse: true,
+        ..FakeBroker::default()
+    };
+    let hub = Hub::start_with(
+        store,
+        Delivery {
+            retention: RETENTION,
+            ..DELIVERY
+        },
+    )
+    .await;
+    hub.peer("o", &refusing()).await;
+    hub.peer("r", &refuser.start(&shutdown).await).await;
+    assert_eq!(hub.relay("o", "r", 1).await, State::Failed);
+    let pair = ("o".to_owned(), "r".to_owned());
+    let failed = hub
+        .relays()
+        .await
+        .remove(&pair)
+        .expect("the failed relay is kept");
+    assert_eq!(failed.state, State::Failed);
+    assert!(
+        failed.last_error.contains("refuses"),
+        "{}",
+        failed.last_error
+    );
+
+    hub.run_retries();
+    eventually("the failed relay to be collected", || async {
+        let relays = hub.relays().await;
+        if let Some(held) = relays.get(&pair) {
+            assert_eq!(held.state, State::Failed);
+            return None;
+        }
+        // Not before the retention: it was last updated at `updated_nanos`.
+        let kept =
+            Duration::from_nanos(u64::try_from(now_nanos() - failed.updated_nanos).unwrap_or(0));
+        assert!(
+            kept >= RETENTION,
+            "collected after {kept:?}, before the retention"
+        );
+        Some(())
+    })
     .await;
 }
