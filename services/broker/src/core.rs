@@ -9,6 +9,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use tokio::sync::Notify;
 use trellis_api::convert::{addresses_to_pb, identity_to_pb};
 use trellis_api::model::{Addresses, NatView, NetworkSpec};
+use trellis_api::net::AllowedRanges;
 use trellis_api::pb::discovery::{
     GetForeignClusterRequest, GetIdentityRequest, ListForeignClustersRequest, UpdatePeeringRequest,
 };
@@ -63,6 +64,8 @@ pub struct Broker {
     /// unpeering notice is acted on, so a notice is never sent about (or rolled forward over)
     /// a peering that was started again in between.
     peering_locks: Mutex<HashMap<ClusterId, Arc<tokio::sync::Mutex<()>>>>,
+    /// Where a peer's ranges, and its views of ours, may lie (`--allowed-remote-cidrs`).
+    allowed: AllowedRanges,
 }
 
 /// The remotes a reconciliation pass looks at: all of them, or only those something happened
@@ -95,7 +98,36 @@ impl Broker {
                 ids: BTreeSet::new(),
             }),
             peering_locks: Mutex::new(HashMap::new()),
+            allowed: AllowedRanges::default(),
         }
+    }
+
+    /// Replaces the default ranges peers may use.
+    #[must_use]
+    pub fn with_allowed_remote_ranges(mut self, allowed: AllowedRanges) -> Self {
+        self.allowed = allowed;
+        self
+    }
+
+    /// Refuses a peer's spec whose ranges lie outside the allowed space.
+    pub fn check_remote_spec(&self, prefix: &str, spec: &NetworkSpec) -> Result<()> {
+        self.allowed
+            .check(&format!("{prefix}.pod_cidr"), spec.pod_cidr)?;
+        self.allowed
+            .check(&format!("{prefix}.external_cidr"), spec.external_cidr)
+    }
+
+    /// Refuses a peer's decision about us whose views lie outside the allowed space.
+    pub fn check_remote_decision(&self, prefix: &str, decision: &Decision) -> Result<()> {
+        if let Some(view) = decision.view() {
+            self.allowed
+                .check(&format!("{prefix}.pod_cidr_nat"), view.pod_cidr_nat)?;
+            self.allowed.check(
+                &format!("{prefix}.external_cidr_nat"),
+                view.external_cidr_nat,
+            )?;
+        }
+        Ok(())
     }
 
     /// Serialises starting, ending and notifying the peering with `remote` (in this process;
@@ -595,6 +627,7 @@ impl Broker {
     /// Receives a NetworkConfig destined to us, decides how we address its origin, stores both.
     #[tracing::instrument(skip_all, fields(remote.id = %nc.origin.id, generation = nc.generation))]
     pub async fn receive(&self, nc: Received) -> Result<Answer> {
+        self.check_remote_spec("network_config.spec", &nc.spec)?;
         let peers = match &nc.via {
             None => self.peers_of(&[&nc.origin.id]).await?,
             Some(hub) => self.peers_of(&[&hub.id, &nc.origin.id]).await?,
@@ -776,6 +809,7 @@ impl Broker {
     /// Stores a remote's decision on our NetworkConfig and tells the IPAM how it addresses us.
     /// Returns false for a stale decision.
     pub async fn decided(&self, remote: &ClusterId, decision: Decision) -> Result<bool> {
+        self.check_remote_decision("status", &decision)?;
         let key = out_key(remote);
         let mut contention = Contention::new("recording a network config status");
         loop {

@@ -651,3 +651,59 @@ async fn two_hubs_introducing_a_pair_agree_on_one_relay_and_the_tunnel_follows()
         cluster.stop().await;
     }
 }
+
+/// A peer's ranges are routed into its tunnel, so they must lie in the ranges peers may use
+/// (`--allowed-remote-cidrs`, by default private and shared address space): a full peer that
+/// advertises a public range, loopback or half the address space is refused, naming the field,
+/// and what it had before stays (issue 15, item 10).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_advertising_ranges_outside_the_allowed_space_is_refused_and_changes_nothing() {
+    let b = InProcessCluster::start("hub-b", "10.1.0.0/16", "10.202.0.0/16")
+        .await
+        .expect("b starts");
+    let a = InProcessCluster::start("leaf-a", "10.0.0.0/16", "10.201.0.0/16")
+        .await
+        .expect("a starts");
+    trellis_integration::peering::peer(&a, &b).await;
+    let before = eventually("b's tunnel to a", LIMIT, || tunnel_to(&b, "leaf-a")).await;
+    let mut broker = b.broker().await.expect("broker");
+    for (pod, external, field) in [
+        (
+            "8.8.8.0/24",
+            "10.209.0.0/16",
+            "network_config.spec.pod_cidr",
+        ),
+        (
+            "127.0.0.0/8",
+            "10.209.0.0/16",
+            "network_config.spec.pod_cidr",
+        ),
+        ("0.0.0.0/1", "192.168.0.0/16", "network_config.spec.pod_cidr"),
+        (
+            "10.0.0.0/16",
+            "1.1.1.0/24",
+            "network_config.spec.external_cidr",
+        ),
+    ] {
+        let mut nc = network_config("leaf-a", "hub-b", pod);
+        nc.generation = i64::MAX / 2;
+        if let Some(spec) = nc.spec.as_mut() {
+            spec.external_cidr = external.into();
+        }
+        let err = broker
+            .submit_network_config(SubmitNetworkConfigRequest {
+                network_config: Some(nc),
+            })
+            .await
+            .expect_err(pod);
+        assert_eq!(err.code(), Code::InvalidArgument, "{pod}: {err:?}");
+        assert!(err.message().contains(field), "{pod}: {err:?}");
+    }
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let after = tunnel_to(&b, "leaf-a").await.expect("the tunnel stays");
+    assert_eq!(after.remote_pod_cidr, before.remote_pod_cidr);
+    assert_eq!(after.remote_pod_cidr_nat, before.remote_pod_cidr_nat);
+    for cluster in [a, b] {
+        cluster.stop().await;
+    }
+}

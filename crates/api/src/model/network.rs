@@ -86,7 +86,7 @@ impl NatView {
     }
 
     /// Validates a decision about `spec`: each view must be a network of the same size (and
-    /// family) as the range it stands for.
+    /// family) as the range it stands for, and the two views must not overlap.
     pub fn for_spec(
         prefix: &str,
         spec: &NetworkSpec,
@@ -107,13 +107,21 @@ impl NatView {
             }
             Ok(view)
         };
+        let pod_cidr_nat = check("pod_cidr_nat", &status.pod_cidr_nat, spec.pod_cidr)?;
+        let external_cidr_nat = check(
+            "external_cidr_nat",
+            &status.external_cidr_nat,
+            spec.external_cidr,
+        )?;
+        if overlaps(pod_cidr_nat, external_cidr_nat) {
+            return Err(Error::invalid(
+                path(prefix, "external_cidr_nat"),
+                format!("{external_cidr_nat} overlaps the pod CIDR's view {pod_cidr_nat}"),
+            ));
+        }
         Ok(Self {
-            pod_cidr_nat: check("pod_cidr_nat", &status.pod_cidr_nat, spec.pod_cidr)?,
-            external_cidr_nat: check(
-                "external_cidr_nat",
-                &status.external_cidr_nat,
-                spec.external_cidr,
-            )?,
+            pod_cidr_nat,
+            external_cidr_nat,
         })
     }
 }
@@ -190,5 +198,19 @@ mod tests {
         status.pod_cidr_nat = "10.81.0.0/24".into();
         let err = NatView::for_spec("status", &spec, &status).expect_err("size changed");
         assert_eq!(field_of(err), "status.pod_cidr_nat");
+    }
+
+    /// One view overlapping the other would give one address two meanings in the gateway's
+    /// NAT maps (and made the one `nft -f` for every peer fail: issue 15, item 10).
+    #[test]
+    fn the_two_views_must_not_overlap() {
+        let spec = NetworkSpec::from_proto("spec", Some(&spec_proto())).expect("valid");
+        let status = pb::NetworkConfigStatus {
+            pod_cidr_nat: "10.81.0.0/16".into(),
+            external_cidr_nat: "10.81.0.0/16".into(),
+            ..Default::default()
+        };
+        let err = NatView::for_spec("status", &spec, &status).expect_err("overlap");
+        assert_eq!(field_of(err), "status.external_cidr_nat");
     }
 }
