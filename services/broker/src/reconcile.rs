@@ -688,6 +688,15 @@ async fn deliver(broker: &Broker, remote: &Remote, out: &OutgoingNc) -> Result<(
     };
     if let Some(decision) = decision_from_status(&out.spec, status.as_ref())? {
         broker.decided(id, decision).await?;
+    } else if let Some(waiting) = status.as_ref().filter(|s| {
+        s.state == pb::NetworkConfigState::Pending as i32 && !s.message.is_empty()
+    }) {
+        // The remote cannot decide yet (no free range): an unfinished exchange, retried with
+        // this remote's backoff until it decides.
+        return Err(Error::Unavailable(format!(
+            "{id} has not decided on our network config yet: {}",
+            waiting.message
+        )));
     }
     Ok(())
 }
