@@ -43,7 +43,9 @@ async fn incoming(cluster: &InProcessCluster, origin: &str) -> Option<NetworkCon
 }
 
 /// The remote cluster IDs `cluster`'s IPAM holds a mapping for.
-async fn mapped(ipam: &mut trellis_api::pb::ipam::ipam_client::IpamClient<tonic::transport::Channel>) -> Option<Vec<String>> {
+async fn mapped(
+    ipam: &mut trellis_api::pb::ipam::ipam_client::IpamClient<tonic::transport::Channel>,
+) -> Option<Vec<String>> {
     Some(
         ipam.list_cluster_subnets(ListClusterSubnetsRequest {})
             .await
@@ -67,7 +69,11 @@ async fn unpeer(cluster: &impl peering::Peerable, remote: &str) {
         .await
         .expect("unpeers")
         .into_inner();
-    assert!(answer.unpeered, "{} was peered with {remote}", cluster.cluster_id());
+    assert!(
+        answer.unpeered,
+        "{} was peered with {remote}",
+        cluster.cluster_id()
+    );
 }
 
 /// Both ends hold a TunnelEndpoint for each other, each one's view of the other being what the
@@ -115,14 +121,18 @@ async fn a_peering_refused_for_want_of_a_free_range_converges_once_one_is_freed(
     assert_eq!(hub_to_a.remote_pod_cidr_nat, "10.99.0.0/16");
 
     peer(&c, &hub).await;
-    let pending = eventually("C's network config held undecided by the hub", LIMIT, || async {
-        incoming(&hub, "leaf-c").await.filter(|nc| {
-            nc.status.as_ref().is_some_and(|s| {
-                s.state != types::NetworkConfigState::Processed as i32
-                    && s.message.contains("no free")
+    let pending = eventually(
+        "C's network config held undecided by the hub",
+        LIMIT,
+        || async {
+            incoming(&hub, "leaf-c").await.filter(|nc| {
+                nc.status.as_ref().is_some_and(|s| {
+                    s.state != types::NetworkConfigState::Processed as i32
+                        && s.message.contains("no free")
+                })
             })
-        })
-    })
+        },
+    )
     .await;
     let status = pending.status.expect("a status");
     assert_eq!(
@@ -183,7 +193,9 @@ async fn ports_handed_out_for_clusters_without_a_tunnel_are_released_after_the_g
     for i in 0..8 {
         info(format!("bogus-{i}")).await.expect("a port is free");
     }
-    let err = info("bogus-8".into()).await.expect_err("8 ports, 9 clusters");
+    let err = info("bogus-8".into())
+        .await
+        .expect_err("8 ports, 9 clusters");
     assert_eq!(err.code(), Code::ResourceExhausted, "{err:?}");
 
     peer(&a, &hub).await;
@@ -284,7 +296,7 @@ async fn an_unpeering_while_the_ipam_is_down_frees_the_mapping_once_it_is_back()
     tokio::time::sleep(Duration::from_secs(5)).await;
     hub.restart(Service::Ipam).await.expect("the IPAM restarts");
 
-    let mut ipam = hub.ipam().await.expect("connects to the IPAM");
+    let ipam = hub.ipam().await.expect("connects to the IPAM");
     eventually("the hub's mapping of A freed", LIMIT, || {
         let mut ipam = ipam.clone();
         async move { mapped(&mut ipam).await?.is_empty().then_some(()) }
