@@ -589,6 +589,19 @@ impl Broker {
         }
 
         let decision = self.decide(&nc).await?;
+        if let Some((held, _)) = &held
+            && held.generation == nc.generation
+            && held.spec == nc.spec
+            && held.via == nc.via
+            && held.decision == decision
+        {
+            // Still pending for the same reason: nothing to write on each re-submission.
+            return Ok(Answer {
+                accepted: true,
+                generation: held.generation,
+                decision,
+            });
+        }
         let record = IncomingNc {
             remote: nc.origin.clone(),
             via: nc.via.clone(),
