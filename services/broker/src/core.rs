@@ -670,7 +670,13 @@ impl Broker {
                     decision: held.decision.clone(),
                 });
             }
-            if held.generation == nc.generation && held.spec == nc.spec && held.via == nc.via {
+            // A pending decision (no free range when we last tried) is made again: the
+            // sender re-submits exactly so that we look once more.
+            if held.generation == nc.generation
+                && held.spec == nc.spec
+                && held.via == nc.via
+                && !matches!(held.decision, Decision::Pending { .. })
+            {
                 return Ok(Answer {
                     accepted: true,
                     generation: held.generation,
@@ -680,6 +686,19 @@ impl Broker {
         }
 
         let decision = self.decide(&nc).await?;
+        if let Some((held, _)) = &held
+            && held.generation == nc.generation
+            && held.spec == nc.spec
+            && held.via == nc.via
+            && held.decision == decision
+        {
+            // Still pending for the same reason: nothing to write on each re-submission.
+            return Ok(Answer {
+                accepted: true,
+                generation: held.generation,
+                decision,
+            });
+        }
         let record = IncomingNc {
             remote: nc.origin.clone(),
             via: nc.via.clone(),
@@ -788,12 +807,17 @@ impl Broker {
                     observed_generation: nc.generation,
                 })
             }
-            Err(status)
-                if matches!(
-                    status.code(),
-                    tonic::Code::ResourceExhausted | tonic::Code::InvalidArgument
-                ) =>
-            {
+            // No free range to remap into passes when another peering frees one: the decision
+            // waits, and the sender's re-submissions make it again (ADR 0010).
+            Err(status) if status.code() == tonic::Code::ResourceExhausted => {
+                tracing::warn!(remote.id = %nc.origin.id, reason = status.message(), "cannot decide on a network config yet");
+                Ok(Decision::Pending {
+                    message: status.message().to_owned(),
+                    observed_generation: nc.generation,
+                })
+            }
+            // The spec itself is unusable: only a new spec is worth deciding again.
+            Err(status) if status.code() == tonic::Code::InvalidArgument => {
                 tracing::warn!(remote.id = %nc.origin.id, reason = status.message(), "rejected a network config");
                 Ok(Decision::Rejected {
                     message: status.message().to_owned(),

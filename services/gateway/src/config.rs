@@ -73,6 +73,18 @@ pub struct Config {
     )]
     pub wireguard_ports: PortRange,
 
+    /// How long a port handed out by GetGatewayInfo for a peer that has no applied tunnel is
+    /// kept after the last request for it, in seconds. The broker asks again at least once per
+    /// resync while it still works on the exchange; after that the port goes back to
+    /// `--wireguard-ports` (a rejected or abandoned peering, a made-up cluster ID).
+    #[arg(
+        long,
+        env = "TRELLIS_UNUSED_PORT_GRACE",
+        value_name = "SECONDS",
+        default_value_t = 600
+    )]
+    pub unused_port_grace: u64,
+
     /// Which WireGuard implementation to drive, or `none` for no data plane at all.
     #[arg(long, env = "TRELLIS_DATAPLANE", value_enum, default_value_t = DataplaneFlag::Auto)]
     pub dataplane: DataplaneFlag,
@@ -201,6 +213,11 @@ impl Config {
     /// The resync period.
     pub fn resync(&self) -> Duration {
         Duration::from_secs(self.resync_interval.max(1))
+    }
+
+    /// The grace period of ports without a tunnel (at least one second).
+    pub fn unused_port_grace(&self) -> Duration {
+        Duration::from_secs(self.unused_port_grace.max(1))
     }
 
     /// The endpoint-mapping poll period.

@@ -67,6 +67,9 @@ pub struct Settings {
     /// Where remote gateways reach us: an IP, or a DNS name they resolve.
     pub endpoint_host: EndpointHost,
     pub ports: PortRange,
+    /// How long a port handed out for a peer without an applied tunnel is kept after the last
+    /// GetGatewayInfo for it.
+    pub unused_port_grace: Duration,
     pub interface_prefix: String,
     /// The node the gateway runs on, and its address on the node network (`None`: no route
     /// agent can reach it).
@@ -147,7 +150,15 @@ impl Gateway {
     /// `None`: the base endpoint, for display.
     pub async fn info(&self, peer: Option<&ClusterId>) -> Result<GatewayInfo> {
         let port = match peer {
-            Some(id) => ports::allocate(&self.store, self.settings.ports, id).await?,
+            Some(id) => {
+                ports::allocate(
+                    &self.store,
+                    self.settings.ports,
+                    self.settings.unused_port_grace,
+                    id,
+                )
+                .await?
+            }
             None => self.settings.ports.first(),
         };
         Ok(GatewayInfo {
@@ -169,7 +180,7 @@ impl Gateway {
     }
 
     /// Makes ports and data plane match `desired` (with the hub-path DNAT of `hub`), then
-    /// releases the ports of tunnels that are gone. Per-peer data plane failures are recorded
+    /// releases the ports of tunnels that are gone and of peers that never got one. Per-peer data plane failures are recorded
     /// in the status and counted in the result (the caller retries sooner when there are any).
     pub async fn apply(&self, desired: &Desired, hub: &Mappings) -> Result<usize> {
         let mut plans = Vec::with_capacity(desired.len());
@@ -178,7 +189,13 @@ impl Gateway {
                 tracing::warn!(peer = %id, "ignoring a tunnel endpoint for our own cluster");
                 continue;
             }
-            let port = ports::bind_tunnel(&self.store, self.settings.ports, id).await?;
+            let port = ports::bind_tunnel(
+                &self.store,
+                self.settings.ports,
+                self.settings.unused_port_grace,
+                id,
+            )
+            .await?;
             plans.push(PeerPlan {
                 endpoint: te.clone(),
                 port,
@@ -204,6 +221,7 @@ impl Gateway {
         }
         let keep: BTreeSet<ClusterId> = desired.keys().cloned().collect();
         ports::release_tunnels_except(&self.store, &keep).await?;
+        ports::release_unused(&self.store, self.settings.unused_port_grace).await?;
         let prefixes: BTreeSet<IpNet> = v4.iter().flat_map(PeerPlan::routed).collect();
         self.routes.send_if_modified(|routes| {
             let prefixes: Vec<IpNet> = prefixes.into_iter().collect();

@@ -106,6 +106,7 @@ pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started
         identity,
         endpoint_host,
         ports: config.wireguard_ports,
+        unused_port_grace: config.unused_port_grace(),
         interface_prefix: config.interface_prefix.clone(),
         node_name: config.node_name()?,
         node_ip: config.node_ip,

@@ -174,12 +174,22 @@ async fn a_full_range_is_resource_exhausted_and_stores_nothing() {
 }
 
 fn gateway(store: SharedStore, keys: KeyPair, range: PortRange) -> Gateway {
+    gateway_with_grace(store, keys, range, std::time::Duration::from_secs(600))
+}
+
+fn gateway_with_grace(
+    store: SharedStore,
+    keys: KeyPair,
+    range: PortRange,
+    unused_port_grace: std::time::Duration,
+) -> Gateway {
     Gateway::new(
         store,
         Settings {
             identity: identity("a"),
             endpoint_host: trellis_api::model::EndpointHost::Ip("192.0.2.1".parse().expect("ip")),
             ports: range,
+            unused_port_grace,
             interface_prefix: "tg".into(),
             node_name: "node-0".into(),
             node_ip: None,
@@ -262,6 +272,42 @@ async fn removing_a_tunnel_releases_its_port_but_not_a_pending_one() {
     // b's port is free again; d's is still held.
     assert_eq!(g.info(Some(&id("e"))).await.expect("e").listen_port, 40001);
     assert_eq!(g.info(Some(&id("d"))).await.expect("d").listen_port, 40000);
+}
+
+/// Issue 15 item 5: ports handed out for peers that never get a tunnel go back to the range
+/// once nobody asked for them during the grace period, at the latest when the range is full;
+/// a port asked for again, or bound to a tunnel, stays.
+#[tokio::test]
+async fn ports_without_a_tunnel_return_after_the_grace_period_and_bound_ones_stay() {
+    let store: SharedStore = Arc::new(trellis_store::MemoryStore::new());
+    let keys = KeyPair::load_or_create(&store).await.expect("key");
+    let range = PortRange::new(40000, 40002).expect("range");
+    let grace = std::time::Duration::from_secs(1);
+    let g = gateway_with_grace(store, keys, range, grace);
+    let id = |s: &str| trellis_api::ClusterId::parse("cluster_id", s).expect("id");
+    for peer in ["b", "bogus-1", "bogus-2"] {
+        g.info(Some(&id(peer))).await.expect("a free port");
+    }
+    let err = g.info(Some(&id("c"))).await.expect_err("full");
+    assert!(
+        matches!(err, trellis_error::Error::ResourceExhausted(_)),
+        "{err}"
+    );
+    let desired: BTreeMap<_, _> = [(id("b"), te("b", 80))].into();
+    g.apply(&desired, &Vec::new()).await.expect("applied");
+
+    tokio::time::sleep(grace * 2).await;
+    // The range is full: the made-up peers' ports are released for c; b's tunnel keeps its own.
+    let c = g.info(Some(&id("c"))).await.expect("a released port");
+    assert_ne!(c.listen_port, 40000);
+    assert_eq!(g.info(Some(&id("b"))).await.expect("b").listen_port, 40000);
+    let d = g
+        .info(Some(&id("d")))
+        .await
+        .expect("the other released port");
+    assert_ne!(d.listen_port, c.listen_port);
+    // c and d are fresh: the range is full again.
+    assert!(g.info(Some(&id("e"))).await.is_err());
 }
 
 /// The node path: WatchRoutes sends the full set at once and again after every change (a
