@@ -678,7 +678,11 @@ async fn a_peer_advertising_ranges_outside_the_allowed_space_is_refused_and_chan
             "10.209.0.0/16",
             "network_config.spec.pod_cidr",
         ),
-        ("0.0.0.0/1", "192.168.0.0/16", "network_config.spec.pod_cidr"),
+        (
+            "0.0.0.0/1",
+            "192.168.0.0/16",
+            "network_config.spec.pod_cidr",
+        ),
         (
             "10.0.0.0/16",
             "1.1.1.0/24",
