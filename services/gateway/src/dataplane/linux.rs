@@ -119,6 +119,7 @@ impl Linux {
         }
         // Rules and NAT for every planned peer (a peer whose device failed just matches no
         // packets until it is fixed), then the devices of peers no longer planned.
+        let mut refused = Vec::new();
         let shared = async {
             let nats: Vec<nft::PeerNat> = plans.iter().map(|p| p.nat(hub)).collect();
             let snat = if plans.is_empty() {
@@ -126,11 +127,36 @@ impl Linux {
             } else {
                 super::hub_snat(hub)
             };
-            cmd::run("nft", &["-f", "-"], Some(&nft::script(&nats, &snat))).await?;
+            if let Err(err) = cmd::run("nft", &["-f", "-"], Some(&nft::script(&nats, &snat))).await
+            {
+                // One peer's rules must not keep every other peer's out: apply those nft takes.
+                tracing::warn!(
+                    error = format!("{err:#}"),
+                    "nftables refused the rules of every peer together; checking each peer alone"
+                );
+                let (accepted, bad) = nft::isolate(&nats, &snat, |script| async move {
+                    cmd::run("nft", &["-c", "-f", "-"], Some(&script))
+                        .await
+                        .map(drop)
+                })
+                .await;
+                cmd::run("nft", &["-f", "-"], Some(&nft::script(&accepted, &snat))).await?;
+                refused = bad;
+            }
             apply_guard(plans, hub).await?;
             self.sync_rules(plans).await
         };
-        if let Err(err) = shared.await {
+        let shared = shared.await;
+        for (interface, reason) in refused {
+            if let Some(plan) = plans.iter().find(|p| p.interface == interface) {
+                tracing::warn!(peer = %plan.endpoint.remote.id, interface = %interface, error = %reason, "nftables refused this peer's NAT rules; the other peers keep theirs");
+                results.insert(
+                    plan.endpoint.remote.id.clone(),
+                    Err(format!("nftables refused this peer's NAT rules: {reason}")),
+                );
+            }
+        }
+        if let Err(err) = shared {
             let err = format!("{err:#}");
             tracing::warn!(error = %err, "nftables or policy rules not applied");
             for result in results.values_mut() {

@@ -120,6 +120,31 @@ pub fn script(peers: &[PeerNat], hub_snat: &[(IpAddr, IpAddr)]) -> String {
     s
 }
 
+/// Which peers' rules nft takes, when the script for all of them was refused: each peer's
+/// rules are checked on their own with `check` (in production `nft -c -f -`, which changes
+/// nothing), so one peer whose NAT entries nft refuses (overlapping views, say) leaves every
+/// other peer's rules applied instead of none. Returns the accepted peers and, per refused
+/// interface, nft's reason.
+pub async fn isolate<F, Fut>(
+    peers: &[PeerNat],
+    hub_snat: &[(IpAddr, IpAddr)],
+    check: F,
+) -> (Vec<PeerNat>, Vec<(String, String)>)
+where
+    F: Fn(String) -> Fut,
+    Fut: std::future::Future<Output = anyhow::Result<()>>,
+{
+    let mut accepted = Vec::new();
+    let mut refused = Vec::new();
+    for peer in peers {
+        match check(script(std::slice::from_ref(peer), hub_snat)).await {
+            Ok(()) => accepted.push(peer.clone()),
+            Err(err) => refused.push((peer.interface.clone(), format!("{err:#}"))),
+        }
+    }
+    (accepted, refused)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
