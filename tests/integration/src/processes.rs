@@ -378,6 +378,13 @@ impl ProcessCluster {
         Ok(args)
     }
 
+    /// `service`'s own store, opened from the test (to read it, or to play a crash or a lost
+    /// store while the service is down).
+    pub async fn store(&self, service: Service) -> anyhow::Result<trellis_store::SharedStore> {
+        let url = self.etcd(service)?.url(&self.store_prefix(service));
+        Ok(trellis_store::open(&url).await?)
+    }
+
     /// The etcd `service` keeps its state in.
     pub fn etcd(&self, service: Service) -> anyhow::Result<&Etcd> {
         self.etcds

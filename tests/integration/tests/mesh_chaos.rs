@@ -191,14 +191,7 @@ async fn quiet(mesh: &Mesh, seed: u64, round: usize, log: &[String]) {
 
 /// Empties `service`'s store of `cluster` while it is down.
 async fn wipe(cluster: &ProcessCluster, service: Service) {
-    let store = trellis_store::open(
-        &cluster
-            .etcd(service)
-            .expect("etcd")
-            .url(&cluster.store_prefix(service)),
-    )
-    .await
-    .expect("opens the store");
+    let store = cluster.store(service).await.expect("opens the store");
     for kv in store.list("").await.expect("lists").kvs {
         store.delete(&kv.key).await.expect("deletes");
     }

@@ -90,13 +90,7 @@ async fn a_broker_restarted_on_an_empty_store_gets_every_tunnel_back() {
 
     // A's broker loses its whole store (a rebuilt etcd) and comes back.
     a.kill9(Service::Broker).expect("kill");
-    let store = trellis_store::open(
-        &a.etcd(Service::Broker)
-            .expect("etcd")
-            .url(&a.store_prefix(Service::Broker)),
-    )
-    .await
-    .expect("opens A's broker store");
+    let store = a.store(Service::Broker).await.expect("opens the store");
     let keys: Vec<String> = store
         .list("")
         .await

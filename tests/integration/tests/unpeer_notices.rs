@@ -106,13 +106,7 @@ async fn an_unpeering_persisted_before_a_crash_is_completed_on_both_sides_after_
     // a's broker dies right after Unpeer persisted its intent, the notice, and before it
     // changed anything else: that is what its store holds when it comes back.
     a.kill9(Service::Broker).expect("kill");
-    let store = trellis_store::open(
-        &a.etcd(Service::Broker)
-            .expect("etcd")
-            .url(&a.store_prefix(Service::Broker)),
-    )
-    .await
-    .expect("opens a's broker store");
+    let store = a.store(Service::Broker).await.expect("opens the store");
     let remote = trellis_api::ClusterIdentity::parse("id", &b.id, "name", &b.id).expect("id");
     let pending = trellis_broker::records::PendingNotify {
         remote: remote.clone(),
