@@ -264,6 +264,14 @@ impl NsCluster {
             .with_context(|| format!("{id}: no route agent on node {index}"))
     }
 
+    /// `service`'s store as reachable from the host (its etcd on the host's loopback, with the
+    /// service's key prefix), for tests that read what a service persisted; `None` with a
+    /// memory store.
+    pub fn store_url(&self, service: Service) -> Option<String> {
+        let etcd = self.etcds.get(&service)?;
+        Some(etcd.url(&format!("trellis/{}/{service}", self.id)))
+    }
+
     /// The address inside the namespace where `service`'s etcd is forwarded.
     fn etcd_addr(service: Service) -> SocketAddr {
         SocketAddr::from(([127, 0, 0, 1], 2379 + service.index()))
