@@ -8,9 +8,11 @@
 //! gateway is killed with SIGKILL and, in its namespace, an **impersonator** takes its place:
 //! `wireguard-go` (an independent userspace WireGuard) holding C's private key (read from C's
 //! gateway store), C's listen port for A and A's public key and endpoint, with AllowedIPs
-//! 0.0.0.0/0. A's gateway sees its peer C come back; C now sends whatever it likes through the
-//! real tunnel, from C's real pod range (what C's pods use) and from the range A addresses C
-//! by (which A does not translate, so A's own replies route back into the tunnel).
+//! 0.0.0.0/0. A's gateway sees its peer C come back (once the impersonator's handshake
+//! timestamps pass the killed gateway's last one: `wireguard-go` and boringtun count TAI64N
+//! from bases 27 s apart); C now sends whatever it likes through the real tunnel, from C's real
+//! pod range (what C's pods use) and from the range A addresses C by (which A does not
+//! translate, so even the gateway node's own replies route back into the tunnel).
 //!
 //! From it, towards A:
 //! - (a) node addresses: a non-gateway node's and the gateway node's node-network addresses and
@@ -22,10 +24,18 @@
 //!   probe never gets an answer either way, since B's AllowedIPs refuse A's translated source);
 //! - (d) A's pod on a non-gateway node at the address C's pods use.
 //!
-//! (a)-(c) must stay unanswered (and (c) must not leave through A's tunnel to B) while (d)
-//! answers. Then the same probes run with A's guard table deleted over and over (a control):
-//! (a)-(c) must then get through, which shows the probes can see what the guard stops. With
-//! `TRELLIS_TEST_NO_GUARD=1` the guard is deleted in the first phase too, and the test fails.
+//! Three phases, each probing every target from both sources:
+//! 1. the guards as the gateway (`ip trellis-guard`) and the route agents (the node guard in
+//!    `ip trellis-route`) apply them: (a)-(c) stay unanswered, no listener on a node address
+//!    accepts anything and (c) does not leave through A's tunnel to B, while (d) answers;
+//! 2. the node guards deleted over and over (their agents put them back on each resync): the
+//!    gateway's guard alone stops everything but the non-gateway node's pod-side address, which
+//!    lies inside the pod CIDR it must let through;
+//! 3. every guard deleted (the control): every (a) and (b) target answers and (c) leaves
+//!    through A's tunnel to B (B's AllowedIPs then drop A's translated source, so (c) never
+//!    answers either way), which shows the probes see what the guards stop.
+//!
+//! With `TRELLIS_TEST_NO_GUARD=1` phase 1 runs without the guards too, and the test fails.
 //!
 //! Skipped (with a `SKIPPED:` line) when not root or without `ip`/`nft`/`ping`/`python3`/
 //! `wireguard-go`/`wg` (`scripts/setup.sh` installs them); CI runs as root and fails instead.
@@ -42,7 +52,7 @@ use trellis_api::pb::types::{PeeringKind, TunnelEndpoint};
 use trellis_gateway::keys::KeyPair;
 use trellis_netlab::netns::{exec, ip, listen_in};
 use trellis_netlab::topology::link_counters;
-use trellis_netlab::{Fabric, FabricOptions, Service, StoreKind};
+use trellis_netlab::{Fabric, FabricOptions, Service, Site, StoreKind};
 use trellis_testkit::{in_ci, require_tool};
 
 const A: usize = 0;
@@ -216,11 +226,8 @@ impl Impersonator {
             String::from_utf8_lossy(&out.stderr)
         );
 
-        let real = rebase(
-            Ipv4Addr::new(10, 0, 200, 7),
-            net("10.0.0.0/16"),
-            net(&c_to_a.local_pod_cidr),
-        );
+        // Host 200.7 of C's real pod CIDR: outside every node's slice, so no pod of C has it.
+        let real = Ipv4Addr::from(u32::from(net(&c_to_a.local_pod_cidr).network()) + 0xc807);
         let seen = rebase(
             real,
             net(&c_to_a.local_pod_cidr),
@@ -343,20 +350,22 @@ struct Target {
     port: Option<u16>,
 }
 
-/// Deletes A's guard table every 100 ms while it lives (the gateway puts it back on each
-/// resync): the control.
-struct GuardOff {
+/// Keeps guards deleted while it lives, every 100 ms (the gateway and the agents put them back
+/// on each resync): `(namespace, nft arguments)` per guard.
+struct GuardsOff {
     stop: Arc<AtomicBool>,
     thread: Option<std::thread::JoinHandle<()>>,
 }
 
-impl GuardOff {
-    fn start(ns: &str) -> Self {
+impl GuardsOff {
+    fn start(deletes: Vec<(String, Vec<&'static str>)>) -> Self {
         let stop = Arc::new(AtomicBool::new(false));
-        let (flag, ns) = (stop.clone(), ns.to_owned());
+        let flag = stop.clone();
         let thread = std::thread::spawn(move || {
             while !flag.load(Ordering::SeqCst) {
-                let _ = exec(&ns, "nft", &["delete", "table", "ip", "trellis-guard"]);
+                for (ns, args) in &deletes {
+                    let _ = exec(ns, "nft", args);
+                }
                 std::thread::sleep(Duration::from_millis(100));
             }
         });
@@ -367,7 +376,7 @@ impl GuardOff {
     }
 }
 
-impl Drop for GuardOff {
+impl Drop for GuardsOff {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::SeqCst);
         if let Some(t) = self.thread.take() {
@@ -376,11 +385,97 @@ impl Drop for GuardOff {
     }
 }
 
+/// The gateway's tunnel guard of `site`.
+fn gateway_guard(site: &Site) -> Vec<(String, Vec<&'static str>)> {
+    vec![(
+        site.gw_ns.clone(),
+        vec!["delete", "table", "ip", "trellis-guard"],
+    )]
+}
+
+/// The route agents' node guards of `site`.
+fn node_guards(site: &Site) -> Vec<(String, Vec<&'static str>)> {
+    site.nodes
+        .iter()
+        .map(|n| {
+            (
+                n.netns.clone(),
+                vec!["delete", "chain", "ip", "trellis-route", "input"],
+            )
+        })
+        .collect()
+}
+
 /// The interface A routes `to` through.
 fn route_dev(ns: &str, to: Ipv4Addr) -> String {
     let json = ip(&["-n", ns, "-j", "route", "get", &to.to_string()]).expect("route get");
     let v: serde_json::Value = serde_json::from_str(&json).expect("json");
     v[0]["dev"].as_str().expect("dev").to_owned()
+}
+
+/// One phase's probes, every target at once. A target `through` says must answer is tried
+/// until it does (the deleted guards come back for a moment on every resync); the others are
+/// tried once and must not answer. Returns what went otherwise.
+fn probe(
+    phase: &str,
+    evil: &Impersonator,
+    targets: &[Target],
+    through: impl Fn(&Target) -> bool + Sync,
+) -> Vec<String> {
+    let one = |target: &Target| -> Option<String> {
+        let started = Instant::now();
+        let expected = through(target);
+        let label = format!("{} {}", target.what, target.addr);
+        loop {
+            let got = evil.reaches(target);
+            match (expected, got.is_empty()) {
+                (true, false) => {
+                    eprintln!("{phase}: {label} answered: {got:?}");
+                    return None;
+                }
+                (false, true) => return None,
+                (false, false) => return Some(format!("{label} answered: {got:?}")),
+                (true, true) if started.elapsed() > Duration::from_secs(20) => {
+                    return Some(format!("{label} never answered"));
+                }
+                (true, true) => {}
+            }
+        }
+    };
+    std::thread::scope(|scope| {
+        let running: Vec<_> = targets
+            .iter()
+            .map(|t| scope.spawn(move || one(t)))
+            .collect();
+        running
+            .into_iter()
+            .filter_map(|r| r.join().expect("probe thread"))
+            .collect()
+    })
+}
+
+/// Packets that left through `dev` in `ns` while `LEAK_PINGS` pings went from `src` to `to`.
+fn leaked(evil: &Impersonator, ns: &str, dev: &str, to: Ipv4Addr) -> u64 {
+    let before = link_counters(ns, dev).expect("counters");
+    exec(
+        &evil.ns,
+        "ping",
+        &[
+            "-n",
+            "-q",
+            "-c",
+            &LEAK_PINGS.to_string(),
+            "-i",
+            "0.05",
+            "-W",
+            "1",
+            "-I",
+            &evil.real.to_string(),
+            &to.to_string(),
+        ],
+    )
+    .expect("ping runs");
+    link_counters(ns, dev).expect("counters").tx_packets - before.tx_packets
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -411,6 +506,7 @@ async fn a_peer_sending_anything_through_its_tunnel_reaches_only_our_pods() {
     let evil = Impersonator::start(&fabric, &run).await;
 
     let first_host = |slice: Ipv4Net| Ipv4Addr::from(u32::from(slice.network()) + 1);
+    let n1_pod_side = as_c_sees(first_host(n1.pod_slice));
     let targets = [
         Target {
             what: "(a) the non-gateway node's node address".into(),
@@ -424,7 +520,7 @@ async fn a_peer_sending_anything_through_its_tunnel_reaches_only_our_pods() {
         },
         Target {
             what: "(a) the non-gateway node's pod-side address, as C addresses it".into(),
-            addr: as_c_sees(first_host(n1.pod_slice)),
+            addr: n1_pod_side,
             port: Some(NODE_PORT),
         },
         Target {
@@ -465,9 +561,13 @@ async fn a_peer_sending_anything_through_its_tunnel_reaches_only_our_pods() {
         started.elapsed().as_millis()
     );
 
-    // Phase 1: the guard as the gateway applies it (unless told to delete it, to see this
-    // test fail).
-    let off = std::env::var_os("TRELLIS_TEST_NO_GUARD").map(|_| GuardOff::start(&site_a.gw_ns));
+    // Phase 1: the guards as the gateway and the agents apply them (unless told to delete
+    // them, to see this test fail).
+    let off = std::env::var_os("TRELLIS_TEST_NO_GUARD").map(|_| {
+        let mut all = gateway_guard(&site_a);
+        all.extend(node_guards(&site_a));
+        GuardsOff::start(all)
+    });
     if off.is_none() {
         let listed = exec(
             &site_a.gw_ns,
@@ -478,41 +578,17 @@ async fn a_peer_sending_anything_through_its_tunnel_reaches_only_our_pods() {
         assert!(listed.status.success(), "A has no guard table");
     }
     let accepted_before = at_n0.load(Ordering::SeqCst) + at_n1.load(Ordering::SeqCst);
-    let b_before = link_counters(&site_a.gw_ns, &to_b).expect("counters");
-    let mut reached = Vec::new();
-    for target in &targets {
-        for how in evil.reaches(target) {
-            reached.push(format!("{} {}: {how}", target.what, target.addr));
-        }
-    }
-    exec(
-        &evil.ns,
-        "ping",
-        &[
-            "-n",
-            "-q",
-            "-c",
-            &LEAK_PINGS.to_string(),
-            "-i",
-            "0.05",
-            "-W",
-            "1",
-            "-I",
-            &evil.real.to_string(),
-            &b_pod_seen.to_string(),
-        ],
-    )
-    .expect("ping runs");
-    let b_after = link_counters(&site_a.gw_ns, &to_b).expect("counters");
-    let leaked = b_after.tx_packets - b_before.tx_packets;
+    let wrong = probe("guarded", &evil, &targets, |_| false);
+    let leaks = leaked(&evil, &site_a.gw_ns, &to_b, b_pod_seen);
     let accepted = at_n0.load(Ordering::SeqCst) + at_n1.load(Ordering::SeqCst) - accepted_before;
     let pod_pings = evil.pings(evil.real, pod_seen);
     let pod_connects = evil.connects(evil.real, pod);
     drop(off);
+    eprintln!("guarded: {leaks} of {LEAK_PINGS} pings to B's range left through {to_b}");
     assert!(
-        reached.is_empty() && accepted == 0 && leaked < LEAK_PINGS / 2,
-        "through the guard: {reached:#?}; {accepted} connections accepted on node addresses; \
-         {leaked} packets left through A's tunnel to B ({to_b})"
+        wrong.is_empty() && accepted == 0 && leaks < LEAK_PINGS / 2,
+        "through the guards: {wrong:#?}; {accepted} connections accepted on node addresses; \
+         {leaks} of {LEAK_PINGS} pings left through A's tunnel to B ({to_b})"
     );
     assert!(
         pod_pings && pod_connects,
@@ -523,55 +599,33 @@ async fn a_peer_sending_anything_through_its_tunnel_reaches_only_our_pods() {
         "the pod's listener saw nothing"
     );
 
-    // Phase 2, the control: with A's guard deleted over and over, the same probes get through.
-    let off = GuardOff::start(&site_a.gw_ns);
-    let mut missed = Vec::new();
-    for target in targets.iter().filter(|t| !t.what.starts_with("(c)")) {
-        let started = Instant::now();
-        loop {
-            let got = evil.reaches(target);
-            if !got.is_empty() {
-                eprintln!("control: {} {} reached: {got:?}", target.what, target.addr);
-                break;
-            }
-            if started.elapsed() > Duration::from_secs(20) {
-                missed.push(format!("{} {}", target.what, target.addr));
-                break;
-            }
-        }
-    }
-    let b_before = link_counters(&site_a.gw_ns, &to_b).expect("counters");
-    exec(
-        &evil.ns,
-        "ping",
-        &[
-            "-n",
-            "-q",
-            "-c",
-            &LEAK_PINGS.to_string(),
-            "-i",
-            "0.05",
-            "-W",
-            "1",
-            "-I",
-            &evil.real.to_string(),
-            &b_pod_seen.to_string(),
-        ],
-    )
-    .expect("ping runs");
-    let leaked = link_counters(&site_a.gw_ns, &to_b)
-        .expect("counters")
-        .tx_packets
-        - b_before.tx_packets;
+    // Phase 2: the gateway's guard alone (the agents' node guards deleted). It stops
+    // everything but the one node address inside the pod CIDR, which it cannot tell from a pod.
+    let off = GuardsOff::start(node_guards(&site_a));
+    let wrong = probe("gateway guard only", &evil, &targets, |t| {
+        t.addr == n1_pod_side
+    });
+    let leaks = leaked(&evil, &site_a.gw_ns, &to_b, b_pod_seen);
     drop(off);
-    eprintln!("control: {leaked} of {LEAK_PINGS} pings to B's range left through {to_b}");
     assert!(
-        missed.is_empty(),
-        "without the guard these still did not answer (the probes prove nothing): {missed:#?}"
+        wrong.is_empty() && leaks < LEAK_PINGS / 2,
+        "with the gateway's guard alone: {wrong:#?}; {leaks} of {LEAK_PINGS} pings left \
+         through A's tunnel to B"
     );
+
+    // Phase 3, the control: with every guard deleted, (a)-(c) get through ((c) leaves through
+    // A's tunnel to B, where B's AllowedIPs drop it).
+    let mut all = gateway_guard(&site_a);
+    all.extend(node_guards(&site_a));
+    let off = GuardsOff::start(all);
+    let wrong = probe("unguarded", &evil, &targets, |t| !t.what.starts_with("(c)"));
+    let leaks = leaked(&evil, &site_a.gw_ns, &to_b, b_pod_seen);
+    drop(off);
+    eprintln!("unguarded: {leaks} of {LEAK_PINGS} pings to B's range left through {to_b}");
     assert!(
-        leaked >= LEAK_PINGS / 2,
-        "without the guard only {leaked} of {LEAK_PINGS} pings left towards B"
+        wrong.is_empty() && leaks >= LEAK_PINGS / 2,
+        "without the guards (the probes prove nothing): {wrong:#?}; {leaks} of {LEAK_PINGS} \
+         pings left through A's tunnel to B"
     );
     drop(evil);
 }
