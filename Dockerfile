@@ -19,7 +19,7 @@ RUN --mount=type=cache,target=/usr/local/cargo/registry \
     cargo build --release --locked --workspace --bins; \
     mkdir -p /out; \
     for bin in trellis-discovery trellis-broker trellis-forwarder trellis-ipam \
-               trellis-endpoints trellis-gateway; do \
+               trellis-endpoints trellis-gateway trellis-route; do \
       cp "target/release/$bin" /out/; \
     done; \
     for bin in trellisctl trellis-lab; do \
@@ -39,4 +39,4 @@ COPY --from=builder /out/ /usr/local/bin/
 # Non-root by default; only the gateway runs as root (with NET_ADMIN), see docker-compose.yml.
 USER 65532:65532
 # gRPC ports (discovery, broker, forwarder, ipam, endpoints, gateway) and WireGuard UDP.
-EXPOSE 7101 7102 7103 7104 7105 7106 51840-51847/udp
+EXPOSE 7101 7102 7103 7104 7105 7106 7107 51840-51847/udp 4800/udp

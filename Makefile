@@ -76,8 +76,10 @@ bench-endpoints: setup
 # Root only; the service binaries it starts are built in release mode first.
 bench-dataplane: setup
 	cargo build --release --locked --bins -p trellis-ipam -p trellis-discovery -p trellis-broker \
-		-p trellis-forwarder -p trellis-gateway -p trellis-endpoints
+		-p trellis-forwarder -p trellis-gateway -p trellis-endpoints -p trellis-route
 	cargo run --release --locked -p trellis-bench --bin dataplane-bench -- --out bench/results/dataplane.json
+	cargo run --release --locked -p trellis-bench --bin dataplane-bench -- --scenario node-path \
+		--out bench/results/dataplane-nodes.json
 
 clean:
 	cargo clean

@@ -27,7 +27,7 @@ log() { printf 'bench: %s\n' "$*" >&2; }
 log "building the benchmarks and the service binaries (release)"
 cargo build --release --locked -p trellis-bench --bins \
   -p trellis-ipam -p trellis-discovery -p trellis-broker -p trellis-forwarder \
-  -p trellis-gateway -p trellis-endpoints
+  -p trellis-gateway -p trellis-endpoints -p trellis-route
 bin="$(cargo metadata --format-version 1 --no-deps | python3 -c 'import json,sys; print(json.load(sys.stdin)["target_directory"])')/release"
 
 failed=()
@@ -54,6 +54,7 @@ if [ "$kind" = quick ]; then
     --out "$out/mesh-etcd.json"
   run endpoints-bench --reflections 80 --repeats 3 --out "$out/endpoints.json"
   dataplane=(--samples 10 --iperf-seconds 3 --out "$out/dataplane.json")
+  nodes=(--scenario node-path --samples 10 --iperf-seconds 3 --out "$out/dataplane-nodes.json")
 else
   run ipam-bench --out "$out/ipam.json"
   run mesh-bench --mode in-process --leaves 2,5,10,20,50,100,254 --repeats 3 --timeout 180 \
@@ -64,6 +65,7 @@ else
     --out "$out/mesh-etcd.json"
   run endpoints-bench --out "$out/endpoints.json"
   dataplane=(--out "$out/dataplane.json")
+  nodes=(--scenario node-path --out "$out/dataplane-nodes.json")
 fi
 
 # The data plane needs root (network namespaces, nftables, tc) and iperf3.
@@ -77,6 +79,7 @@ if ((${#missing[@]})); then
   log "previous data-plane result and says which run it is from. Run \`sudo make bench\` for it."
 else
   run dataplane-bench "${dataplane[@]}"
+  run dataplane-bench "${nodes[@]}"
 fi
 
 log "regenerating docs/benchmarks.md and docs/bench/*.svg"

@@ -20,13 +20,14 @@ use serde_json::Value;
 use crate::svg::{self, BarChart, LineChart, Scale, Series};
 
 /// The benchmarks, by result file name (`<name>.json`).
-pub const BENCHMARKS: [&str; 6] = [
+pub const BENCHMARKS: [&str; 7] = [
     "ipam",
     "mesh",
     "mesh-hub-processes",
     "mesh-etcd",
     "endpoints",
     "dataplane",
+    "dataplane-nodes",
 ];
 
 /// Earlier measurements kept for the notes' "what changed" sections (full results only).
@@ -365,6 +366,23 @@ struct DataplaneDoc {
     induced_ready_seconds: Option<f64>,
     hub_ready_seconds: Option<f64>,
     samples: Option<u32>,
+}
+
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(default)]
+struct NodePathDoc {
+    wireguard: String,
+    build: String,
+    store: String,
+    samples: Option<u32>,
+    iperf_seconds: Option<u32>,
+    nodes_per_cluster: Option<u32>,
+    rtt_gateway_nodes: Option<Rtt>,
+    rtt_non_gateway_nodes: Option<Rtt>,
+    mbit_s_gateway_nodes: Vec<f64>,
+    mbit_s_non_gateway_nodes: Vec<f64>,
+    rtt_ratio: Option<f64>,
+    throughput_ratio: Option<f64>,
 }
 
 /// A parsed result with where it came from.
@@ -941,6 +959,7 @@ pub fn render(inputs: &Inputs) -> Output {
     mesh_section(&mut md, inputs, &mut files);
     endpoints_section(&mut md, inputs);
     dataplane_section(&mut md, inputs, &mut files);
+    node_path_section(&mut md, inputs);
     md.push_str(&note(inputs, "outro"));
     while md.ends_with("\n\n") {
         md.pop();
@@ -1398,6 +1417,64 @@ fn endpoints_section(md: &mut String, inputs: &Inputs) {
     }
 }
 
+fn node_path_section(md: &mut String, inputs: &Inputs) {
+    md.push_str("## Data plane: pod to pod across non-gateway nodes (the node path)\n\n");
+    let p = match parse::<NodePathDoc>(inputs, "dataplane-nodes") {
+        Err(why) => {
+            let _ = writeln!(md, "Not measured: {why}.\n");
+            return;
+        }
+        Ok(p) => p,
+    };
+    let d = &p.doc;
+    let _ = writeln!(md, "{}\n", run_line(&p.path, &p.common));
+    md.push_str(&note(inputs, "dataplane-nodes"));
+    let _ = writeln!(
+        md,
+        "WireGuard: {}; build: {}; store: {}; {} nodes per cluster; {} pings per RTT, {} s per iperf3 run.\n",
+        d.wireguard,
+        d.build,
+        d.store,
+        d.nodes_per_cluster.map_or("?".into(), |n| n.to_string()),
+        d.samples.map_or("?".into(), |n| n.to_string()),
+        d.iperf_seconds.map_or("?".into(), |n| n.to_string()),
+    );
+    md.push_str("| path (A's pod → C's pod, induced tunnel) | median RTT ms | p90 ms | lost | iperf3 TCP Mbit/s (each run) |\n|---|---|---|---|---|\n");
+    let runs = |v: &[f64]| v.iter().map(|m| num(*m, 0)).collect::<Vec<_>>().join(", ");
+    for (name, rtt, mbit) in [
+        (
+            "pods on the gateway nodes (tunnel only)",
+            d.rtt_gateway_nodes.as_ref(),
+            &d.mbit_s_gateway_nodes,
+        ),
+        (
+            "pods on non-gateway nodes (node network, VXLAN to the gateway node, tunnel)",
+            d.rtt_non_gateway_nodes.as_ref(),
+            &d.mbit_s_non_gateway_nodes,
+        ),
+    ] {
+        let Some(r) = rtt else { continue };
+        let _ = writeln!(
+            md,
+            "| {name} | {} | {} | {}/{} | {} |",
+            num(r.median_ms, 3),
+            num(r.p90_ms, 3),
+            r.lost,
+            r.samples as u32 + r.lost,
+            runs(mbit)
+        );
+    }
+    md.push('\n');
+    if let (Some(rtt), Some(tput)) = (d.rtt_ratio, d.throughput_ratio) {
+        let _ = writeln!(
+            md,
+            "Non-gateway nodes against gateway nodes, same clusters and run: RTT ×**{}**, throughput ×**{}**.\n",
+            num(rtt, 2),
+            num(tput, 2)
+        );
+    }
+}
+
 fn dataplane_section(md: &mut String, inputs: &Inputs, files: &mut Vec<(PathBuf, String)>) {
     md.push_str(
         "## Data plane: leaf↔leaf RTT, induced vs through the hub, and tunnel throughput\n\n",
@@ -1410,7 +1487,7 @@ fn dataplane_section(md: &mut String, inputs: &Inputs, files: &mut Vec<(PathBuf,
         series: vec![
             ("emulated link RTT".into(), vec![None, None]),
             ("measured median".into(), vec![None, None]),
-            ("thesis".into(), vec![None, None]),
+            ("reference".into(), vec![None, None]),
         ],
     };
     match parse::<DataplaneDoc>(inputs, "dataplane") {
@@ -1482,7 +1559,7 @@ fn dataplane_section(md: &mut String, inputs: &Inputs, files: &mut Vec<(PathBuf,
                 if let (Some(ti), Some(th)) = (d.thesis_induced_ms, d.thesis_hub_ms) {
                     let _ = write!(
                         md,
-                        " (thesis §7.2.1 with the same link delays: {} ms induced, {} ms through the hub, ratio {})",
+                        " (the published reference measurement of induced peering with the same link delays: {} ms induced, {} ms through the hub, ratio {})",
                         num(ti, 0),
                         num(th, 0),
                         num(th / ti, 1)

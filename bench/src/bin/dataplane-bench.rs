@@ -1,7 +1,8 @@
-//! Data-plane benchmark (issue 6; reproduction of thesis §7.2.1, Fig. 7.3/7.4): leaf↔leaf
-//! round-trip time with induced peering and through the hub, under `tc netem` link delays, and
-//! the throughput of one tunnel against the same veth path without a tunnel. **Root only**
-//! (network namespaces, tc, nftables).
+//! Data-plane benchmark (issue 6): leaf↔leaf round-trip time with induced peering and through
+//! the hub, under link delays, and the throughput of one tunnel against the same veth path
+//! without a tunnel; with `--scenario node-path` (issue 14), pod to pod between non-gateway
+//! nodes against pod to pod on the gateway nodes. **Root only** (network namespaces, tc,
+//! nftables).
 //!
 //! Topology ([`trellis_netlab::Fabric`]): hub B and leaves A and C, all with pod CIDR
 //! 10.0.0.0/16, each a gateway namespace (the six real service binaries, userspace WireGuard)
@@ -52,10 +53,23 @@ enum Store {
     Etcd,
 }
 
-/// Measures leaf-to-leaf RTT (induced vs hub path, under netem) and tunnel throughput, and
-/// writes a JSON result.
+/// What to measure.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Scenario {
+    /// Leaf-to-leaf RTT, induced vs through the hub, and one tunnel's throughput.
+    LeafToLeaf,
+    /// The node path: pod to pod between non-gateway nodes (VXLAN to the gateway node, then the
+    /// tunnel) against pod to pod on the gateway nodes, in the same clusters and run.
+    NodePath,
+}
+
+/// Measures leaf-to-leaf RTT (induced vs hub path, under netem) and tunnel throughput, or the
+/// node path's cost, and writes a JSON result.
 #[derive(Debug, Parser)]
 struct Args {
+    /// What to measure (`node-path` writes its own result file; set `--out`).
+    #[arg(long, value_enum, default_value_t = Scenario::LeafToLeaf)]
+    scenario: Scenario,
     /// Pings per RTT measurement.
     #[arg(long, default_value_t = 20)]
     samples: u32,
@@ -147,7 +161,8 @@ struct Report {
     rtt_hub_path: Rtt,
     /// hub path median / induced median.
     ratio_hub_over_induced: f64,
-    /// Thesis §7.2.1 (same link delays): 24 ms induced, 365 ms through the hub.
+    /// The published reference measurement of induced peering with the same link delays:
+    /// 24 ms induced, 365 ms through the hub.
     thesis_induced_ms: f64,
     thesis_hub_ms: f64,
     /// How long the control plane took to make each path usable (services started to first
@@ -390,10 +405,141 @@ async fn hub(args: &Args, emulation: Emulation) -> anyhow::Result<(Rtt, f64)> {
     Ok((delayed, ready))
 }
 
+/// The node path's result: pods on non-gateway nodes against pods on the gateway nodes.
+#[derive(Debug, Serialize)]
+struct NodePathReport {
+    benchmark: &'static str,
+    run: RunInfo,
+    machine: Machine,
+    samples: u32,
+    iperf_seconds: u32,
+    wireguard: &'static str,
+    build: &'static str,
+    store: Store,
+    nodes_per_cluster: usize,
+    /// A's pod on its gateway node to C's pod on its gateway node (the tunnel only).
+    rtt_gateway_nodes: Rtt,
+    /// A's pod on node 1 to C's pod on node 2 (VXLAN, tunnel, node network).
+    rtt_non_gateway_nodes: Rtt,
+    /// iperf3 TCP, one stream, Mbit/s; runs alternate between the two paths.
+    mbit_s_gateway_nodes: Vec<f64>,
+    mbit_s_non_gateway_nodes: Vec<f64>,
+    /// Non-gateway over gateway: median RTT, and mean throughput.
+    rtt_ratio: f64,
+    throughput_ratio: f64,
+}
+
+fn build() -> &'static str {
+    if cfg!(debug_assertions) {
+        "debug"
+    } else {
+        "release"
+    }
+}
+
+const WIREGUARD: &str = "userspace (boringtun via defguard_boringtun), MTU 1420";
+
+async fn node_path(args: &Args, run: RunInfo) -> anyhow::Result<NodePathReport> {
+    const NODES: usize = 3;
+    let mut o = options(args, false);
+    o.nodes = NODES;
+    let fabric = Fabric::up(o).await?;
+    for (i, remotes) in [
+        (A, [("b", PeeringKind::Full), ("c", PeeringKind::Induced)]),
+        (C, [("a", PeeringKind::Induced), ("b", PeeringKind::Full)]),
+    ] {
+        fabric.wait_tunnel_endpoints(i, &remotes, LIMIT).await?;
+    }
+    let (a, c) = (&fabric.topology.sites[A], &fabric.topology.sites[C]);
+    let view = fabric.view(A, C, false).await?;
+    let at = |pod: Ipv4Addr| {
+        Ipv4Addr::from(u32::from(view.network()) + u32::from(pod) - u32::from(c.pod_cidr.network()))
+    };
+    let (gw_from, gw_to) = (&a.nodes[0], &c.nodes[0]);
+    let (far_from, far_to) = (&a.nodes[1], &c.nodes[2]);
+    for (from, to) in [(gw_from, gw_to), (far_from, far_to)] {
+        let deadline = Instant::now() + LIMIT;
+        while ping_rtts(&from.pod_ns, at(to.pod_ip), 1, 0.2)?.is_empty() {
+            if Instant::now() > deadline {
+                bail!(
+                    "{} never reached {}:\n{}",
+                    from.name,
+                    to.name,
+                    fabric.logs()
+                );
+            }
+        }
+    }
+    let rtt_gateway_nodes = rtt(&gw_from.pod_ns, at(gw_to.pod_ip), args.samples)?;
+    let rtt_non_gateway_nodes = rtt(&far_from.pod_ns, at(far_to.pod_ip), args.samples)?;
+    eprintln!(
+        "dataplane-bench: node path RTT median {:.3} ms (gateway nodes) vs {:.3} ms (non-gateway nodes)",
+        rtt_gateway_nodes.median_ms, rtt_non_gateway_nodes.median_ms
+    );
+    let (mut gw_mbit, mut far_mbit) = (Vec::new(), Vec::new());
+    for _ in 0..2 {
+        for (from, to, into) in [
+            (gw_from, gw_to, &mut gw_mbit),
+            (far_from, far_to, &mut far_mbit),
+        ] {
+            let mbit = iperf(
+                &from.pod_ns,
+                &to.pod_ns,
+                to.pod_ip,
+                at(to.pod_ip),
+                args.iperf_seconds,
+            )
+            .await?;
+            eprintln!(
+                "dataplane-bench: iperf3 {} -> {}: {mbit:.0} Mbit/s",
+                from.pod_ns, to.pod_ns
+            );
+            into.push(mbit);
+        }
+    }
+    let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len() as f64;
+    Ok(NodePathReport {
+        benchmark: "dataplane_node_path",
+        run,
+        machine: Machine::describe(),
+        samples: args.samples,
+        iperf_seconds: args.iperf_seconds,
+        wireguard: WIREGUARD,
+        build: build(),
+        store: args.store,
+        nodes_per_cluster: NODES,
+        rtt_ratio: rtt_non_gateway_nodes.median_ms / rtt_gateway_nodes.median_ms,
+        throughput_ratio: mean(&far_mbit) / mean(&gw_mbit),
+        rtt_gateway_nodes,
+        rtt_non_gateway_nodes,
+        mbit_s_gateway_nodes: gw_mbit,
+        mbit_s_non_gateway_nodes: far_mbit,
+    })
+}
+
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     let run = RunInfo::start(&args.run);
+    if args.scenario == Scenario::NodePath {
+        let missing = trellis_netlab::missing_prerequisites(&["ip", "nft", "ping", "iperf3"]);
+        if !missing.is_empty() {
+            bail!(
+                "dataplane-bench --scenario node-path builds network namespaces and needs {}; \
+                 run it as root after `make setup`",
+                missing.join(", ")
+            );
+        }
+        let report = node_path(&args, run).await?;
+        write_json(&args.out, &report)?;
+        eprintln!(
+            "node path: RTT x{:.2}, throughput x{:.2} against the gateway nodes; wrote {}",
+            report.rtt_ratio,
+            report.throughput_ratio,
+            args.out.display()
+        );
+        return Ok(());
+    }
     let mut tools = vec!["ip", "tc", "nft", "ping", "iperf3"];
     if args.store == Store::Etcd {
         tools.push("etcd");
@@ -423,12 +569,8 @@ async fn main() -> anyhow::Result<()> {
         machine: Machine::describe(),
         samples: args.samples,
         iperf_seconds: args.iperf_seconds,
-        wireguard: "userspace (boringtun via defguard_boringtun), MTU 1420",
-        build: if cfg!(debug_assertions) {
-            "debug"
-        } else {
-            "release"
-        },
+        wireguard: WIREGUARD,
+        build: build(),
         store: args.store,
         emulation,
         rtt_through_zero_delay_relay: relay_overhead,

@@ -1,15 +1,17 @@
 //! The peering model of DESIGN.md as validated domain types: what a NetworkConfig carries
-//! ([`NetworkSpec`], [`NatView`]), the WireGuard key it advertises ([`WgKey`]), and the
+//! ([`NetworkSpec`], [`NatView`]), the gateway [`Endpoint`] and WireGuard key it advertises ([`WgKey`]), and the
 //! [`TunnelEndpoint`] a broker derives from two NetworkConfigs and a gateway consumes.
 //! Conversions from the protos validate and name the offending field with its path
 //! (`network_config.spec.pod_cidr`).
 
 mod addresses;
+mod endpoint;
 mod key;
 mod network;
 mod tunnel;
 
 pub use addresses::Addresses;
+pub use endpoint::{Endpoint, EndpointHost};
 pub use key::WgKey;
 pub use network::{NatView, NetworkSpec};
 pub use tunnel::{PeeringKind, TunnelEndpoint};

@@ -6,6 +6,68 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 use ipnet::{IpNet, Ipv4Net, Ipv6Net};
 
+/// The ranges a peer's networks (its pod and external CIDRs, and how it addresses ours) must
+/// lie in: they are routed into that peer's tunnel, so a peer advertising a public range,
+/// loopback or half the address space would capture our traffic to it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AllowedRanges(Vec<IpNet>);
+
+impl AllowedRanges {
+    /// Private (RFC 1918, RFC 4193) and shared (RFC 6598) address space.
+    pub const DEFAULT: &'static str =
+        "10.0.0.0/8,172.16.0.0/12,192.168.0.0/16,100.64.0.0/10,fc00::/7";
+
+    /// A comma-separated list of CIDRs (host bits must be zero).
+    pub fn parse(text: &str) -> std::result::Result<Self, String> {
+        let mut nets = Vec::new();
+        for part in text.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+            let net: IpNet = part
+                .parse()
+                .map_err(|_| format!("{part:?} is not a CIDR (like 10.0.0.0/8)"))?;
+            if net.trunc() != net {
+                return Err(format!(
+                    "{part:?} has host bits set; did you mean {}?",
+                    net.trunc()
+                ));
+            }
+            nets.push(net);
+        }
+        if nets.is_empty() {
+            return Err("at least one CIDR is needed".into());
+        }
+        Ok(Self(nets))
+    }
+
+    /// Whether `net` lies entirely within one of the ranges.
+    pub fn contains(&self, net: IpNet) -> bool {
+        self.0.iter().any(|r| r.contains(&net))
+    }
+
+    /// `InvalidArgument` on `field` unless `net` lies within the ranges.
+    pub fn check(&self, field: &str, net: IpNet) -> trellis_error::Result<()> {
+        if self.contains(net) {
+            return Ok(());
+        }
+        Err(trellis_error::Error::invalid(
+            field,
+            format!("{net} is outside the ranges peers may use ({self}; --allowed-remote-cidrs)"),
+        ))
+    }
+}
+
+impl Default for AllowedRanges {
+    fn default() -> Self {
+        Self::parse(Self::DEFAULT).unwrap_or_else(|_| Self(Vec::new()))
+    }
+}
+
+impl fmt::Display for AllowedRanges {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let list: Vec<String> = self.0.iter().map(ToString::to_string).collect();
+        f.write_str(&list.join(","))
+    }
+}
+
 /// An address family.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Family {
@@ -156,5 +218,54 @@ mod tests {
         assert_eq!(hi - lo + 1, 1024);
         assert_eq!(net_from_u128(Family::V4, lo, 22), Some(n));
         assert_eq!(u128_to_ip(Family::V4, u128::from(u32::MAX) + 1), None);
+    }
+}
+
+#[cfg(test)]
+mod allowed_tests {
+    use super::*;
+
+    #[test]
+    fn the_default_holds_private_and_shared_space_only() {
+        let allowed = AllowedRanges::default();
+        for ok in [
+            "10.0.0.0/16",
+            "172.20.0.0/16",
+            "192.168.1.0/24",
+            "100.64.3.0/24",
+            "fd00::/64",
+        ] {
+            assert!(allowed.contains(ok.parse().expect("net")), "{ok}");
+        }
+        for bad in [
+            "8.8.8.0/24",
+            "127.0.0.0/8",
+            "0.0.0.0/1",
+            "10.0.0.0/7",
+            "2001:db8::/32",
+        ] {
+            assert!(!allowed.contains(bad.parse().expect("net")), "{bad}");
+        }
+        let err = allowed
+            .check("spec.pod_cidr", "8.8.8.0/24".parse().expect("net"))
+            .expect_err("public");
+        assert!(err.to_string().contains("spec.pod_cidr"), "{err}");
+    }
+
+    #[test]
+    fn a_list_parses_or_says_why_not() {
+        assert_eq!(
+            AllowedRanges::parse("10.0.0.0/8, 198.18.0.0/15")
+                .expect("list")
+                .to_string(),
+            "10.0.0.0/8,198.18.0.0/15"
+        );
+        assert!(
+            AllowedRanges::parse("10.0.0.1/8")
+                .expect_err("host bits")
+                .contains("10.0.0.0/8")
+        );
+        assert!(AllowedRanges::parse("ten").is_err());
+        assert!(AllowedRanges::parse("").is_err());
     }
 }

@@ -2,7 +2,8 @@
 //! which remotes to exchange NetworkConfigs with, read from the local discovery
 //! service's ForeignClusters: full peers with an established peering and networking enabled,
 //! and induced clusters (not withdrawn) introduced by such a full peer that advertises a
-//! forwarder.
+//! forwarder. An induced cluster introduced by several hubs is relayed through the one with the
+//! smallest cluster ID, so both ends pick the same hub whatever order the introductions came in.
 
 use std::collections::BTreeMap;
 
@@ -106,11 +107,17 @@ impl Peers {
                 identity.id.clone(),
                 hubs.iter().map(|h| h.id.clone()).collect(),
             );
-            let usable = hubs.into_iter().find_map(|hub| {
-                let (hub_identity, addresses, networking) = peers.full.get(&hub.id)?;
-                (*networking && !addresses.forwarder.is_empty())
-                    .then(|| (hub_identity.clone(), addresses.forwarder.clone()))
-            });
+            // Both ends must relay through the same hub, or neither writes a tunnel; the order
+            // in which the hubs' Neighborhoods arrived differs between the two ends, the set of
+            // hubs that introduced them (once both know it) does not: take the smallest ID.
+            let usable = hubs
+                .into_iter()
+                .filter_map(|hub| {
+                    let (hub_identity, addresses, networking) = peers.full.get(&hub.id)?;
+                    (*networking && !addresses.forwarder.is_empty())
+                        .then(|| (hub_identity.clone(), addresses.forwarder.clone()))
+                })
+                .min_by(|a, b| a.0.id.cmp(&b.0.id));
             if let Some((hub, forwarder)) = usable {
                 peers.desired.entry(identity.id.clone()).or_insert(Remote {
                     identity,
@@ -129,5 +136,92 @@ impl Peers {
     /// Whether `hub` introduced `id` (and `id` is not withdrawn).
     pub fn introduced_by(&self, id: &ClusterId, hub: &ClusterId) -> bool {
         self.induced.get(id).is_some_and(|hubs| hubs.contains(hub))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn identity(id: &str) -> pb::ClusterIdentity {
+        pb::ClusterIdentity {
+            cluster_id: id.into(),
+            cluster_name: id.into(),
+        }
+    }
+
+    fn hub(id: &str) -> pb::ForeignCluster {
+        pb::ForeignCluster {
+            identity: Some(identity(id)),
+            kind: pb::PeeringKind::Full as i32,
+            full: Some(pb::FullPeering {
+                networking_enabled: true,
+                addresses: Some(pb::ServiceAddresses {
+                    broker: format!("{id}:7102"),
+                    forwarder: format!("{id}:7103"),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }),
+            conditions: vec![pb::Condition {
+                r#type: "Peered".into(),
+                status: pb::ConditionStatus::True as i32,
+                ..Default::default()
+            }],
+            ..Default::default()
+        }
+    }
+
+    fn induced(id: &str, origin: &str, alternatives: &[&str]) -> pb::ForeignCluster {
+        pb::ForeignCluster {
+            identity: Some(identity(id)),
+            kind: pb::PeeringKind::Induced as i32,
+            induced: Some(pb::InducedPeering {
+                origin: Some(identity(origin)),
+                alternative_origins: alternatives.iter().map(|a| identity(a)).collect(),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }
+    }
+
+    fn relay_hub(peers: &Peers, id: &str) -> Option<String> {
+        let id = ClusterId::parse("id", id).expect("id");
+        peers.desired.get(&id)?.via().map(|h| h.id.to_string())
+    }
+
+    /// Leaf A heard of C from hub-2 first, C heard of A from hub-1 first: both must still relay
+    /// through the same hub, or neither ever writes the tunnel (issue 15, item 4).
+    #[test]
+    fn both_ends_relay_through_the_same_hub_whatever_order_the_introductions_came_in() {
+        let at_a = Peers::from_foreign_clusters(&[
+            hub("hub-2"),
+            hub("hub-1"),
+            induced("leaf-c", "hub-2", &["hub-1"]),
+        ]);
+        let at_c = Peers::from_foreign_clusters(&[
+            hub("hub-1"),
+            hub("hub-2"),
+            induced("leaf-a", "hub-1", &["hub-2"]),
+        ]);
+        assert_eq!(relay_hub(&at_a, "leaf-c").as_deref(), Some("hub-1"));
+        assert_eq!(relay_hub(&at_c, "leaf-a").as_deref(), Some("hub-1"));
+    }
+
+    /// A hub that cannot relay (no forwarder, or networking off) is passed over.
+    #[test]
+    fn a_hub_that_cannot_relay_is_not_chosen() {
+        let mut mute = hub("hub-1");
+        if let Some(full) = mute.full.as_mut() {
+            full.networking_enabled = false;
+        }
+        let peers = Peers::from_foreign_clusters(&[
+            mute,
+            hub("hub-2"),
+            induced("leaf-c", "hub-1", &["hub-2"]),
+        ]);
+        assert_eq!(relay_hub(&peers, "leaf-c").as_deref(), Some("hub-2"));
+        let alone = Peers::from_foreign_clusters(&[induced("leaf-c", "hub-1", &[])]);
+        assert_eq!(relay_hub(&alone, "leaf-c"), None);
     }
 }

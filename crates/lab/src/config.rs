@@ -24,6 +24,26 @@ pub enum Command {
     /// ready-to-paste grpcurl commands, and keep running until Ctrl-C (or exit at once with
     /// `--until-converged`). Everything it started is stopped on exit.
     Up(UpConfig),
+    /// Ping every pair of pods in different clusters of a running `--dataplane netns` lab (the
+    /// `reach` list of its topology file), print a cluster × cluster matrix and every failing
+    /// pair, and exit 0 only when every pair answered. Needs root (it enters the pods'
+    /// namespaces).
+    Check(CheckConfig),
+}
+
+/// Flags of `trellis-lab check`.
+#[derive(Debug, Clone, Args)]
+pub struct CheckConfig {
+    /// The topology file a running `trellis-lab up --dataplane netns --topology-file PATH`
+    /// wrote.
+    #[arg(long, env = "TRELLIS_LAB_TOPOLOGY_FILE", value_name = "PATH")]
+    pub topology_file: PathBuf,
+
+    /// Seconds a pair may take to answer (its pings are retried until then) before it counts
+    /// as failed.
+    #[arg(long, env = "TRELLIS_LAB_CHECK_TIMEOUT", value_name = "SECONDS", default_value_t = 5,
+          value_parser = clap::value_parser!(u64).range(1..=600))]
+    pub timeout: u64,
 }
 
 /// Flags of `trellis-lab up`.
@@ -44,10 +64,19 @@ pub struct UpConfig {
     #[arg(long, env = "TRELLIS_LAB_STORE", value_enum, default_value_t = StoreKind::Memory)]
     pub store: StoreKind,
 
-    /// Data plane: `none` (control plane only) or `netns` (each cluster's gateway in its own
-    /// network namespace with a pod namespace behind it, real WireGuard tunnels; needs root).
+    /// Data plane: `none` (control plane only) or `netns` (every cluster a set of node network
+    /// namespaces with a pod each, the services and the gateway on node 0, a route agent on
+    /// every node, gateways joined by a bridge playing the internet, real WireGuard tunnels; the
+    /// lab waits until every pod reaches every remote pod and prints the matrix; needs root and
+    /// the service binaries built next to `trellis-lab`).
     #[arg(long, env = "TRELLIS_LAB_DATAPLANE", value_enum, default_value_t = DataplaneKind::None)]
     pub dataplane: DataplaneKind,
+
+    /// Nodes per cluster with `--dataplane netns` (1 to 16): node 0 hosts the gateway, each
+    /// node owns a /24 of the pod CIDR and runs one pod and a route agent.
+    #[arg(long, env = "TRELLIS_LAB_NODES", value_name = "N", default_value_t = 1,
+          value_parser = clap::value_parser!(u8).range(1..=16))]
+    pub nodes: u8,
 
     /// Switch induced peering off on every cluster: leaves peer only with the hub, and
     /// leaf-to-leaf traffic would take the hub path.
@@ -118,6 +147,28 @@ impl UpConfig {
     pub fn induced(&self) -> bool {
         !self.no_induced
     }
+
+    /// Flag combinations clap cannot refuse by itself.
+    pub fn validate(&self) -> anyhow::Result<()> {
+        if self.dataplane == DataplaneKind::None && self.nodes > 1 {
+            anyhow::bail!(
+                "--nodes needs --dataplane netns (without a data plane there are no nodes)"
+            );
+        }
+        if self.dataplane == DataplaneKind::Netns && self.tls {
+            anyhow::bail!(
+                "--tls is not available with --dataplane netns yet; use one or the other"
+            );
+        }
+        Ok(())
+    }
+}
+
+impl CheckConfig {
+    /// How long a pair may take to answer.
+    pub fn timeout(&self) -> Duration {
+        Duration::from_secs(self.timeout)
+    }
 }
 
 #[cfg(test)]
@@ -129,6 +180,7 @@ mod tests {
         args.extend_from_slice(extra);
         Cli::try_parse_from(args).map(|cli| match cli.command {
             Command::Up(up) => up,
+            Command::Check(_) => panic!("not up"),
         })
     }
 
@@ -167,5 +219,33 @@ mod tests {
         assert!(up(&["--clusters", "1"]).is_err());
         assert!(up(&["--clusters", "256"]).is_err());
         assert!(up(&["--timeout", "0"]).is_err());
+    }
+
+    #[test]
+    fn nodes_need_the_namespace_data_plane() {
+        let c = up(&["--dataplane", "netns", "--nodes", "3"]).expect("parses");
+        assert_eq!((c.dataplane, c.nodes), (DataplaneKind::Netns, 3));
+        c.validate().expect("valid");
+        let err = up(&["--nodes", "3"])
+            .expect("parses")
+            .validate()
+            .expect_err("no data plane");
+        assert!(
+            err.to_string().contains("--nodes needs --dataplane netns"),
+            "{err}"
+        );
+        assert!(up(&["--dataplane", "netns", "--nodes", "0"]).is_err());
+        assert!(up(&["--dataplane", "netns", "--nodes", "17"]).is_err());
+    }
+
+    #[test]
+    fn check_needs_a_topology_file() {
+        assert!(Cli::try_parse_from(["trellis-lab", "check"]).is_err());
+        let cli = Cli::try_parse_from(["trellis-lab", "check", "--topology-file", "/tmp/t.json"])
+            .expect("parses");
+        let Command::Check(c) = cli.command else {
+            panic!("not check");
+        };
+        assert_eq!(c.timeout(), Duration::from_secs(5));
     }
 }

@@ -10,10 +10,16 @@
 //! - [`plan`]: identities, CIDRs and ports, decided before anything starts;
 //! - [`cluster`]: one cluster's six services, in this process, each with its own store;
 //! - [`mesh`]: peering the leaves with the hub and waiting for the mesh;
-//! - [`report`]: the summary, NAT views, grpcurl commands and the topology file.
+//! - [`report`]: the summary, NAT views, grpcurl commands and the topology file;
+//! - [`dataplane`]: `--dataplane netns`, the lab as namespaces with nodes, pods and real
+//!   packets;
+//! - [`check`]: pinging every pair of pods and the cluster × cluster matrix (`trellis-lab
+//!   check`).
 
+pub mod check;
 pub mod cluster;
 pub mod config;
+pub mod dataplane;
 pub mod mesh;
 pub mod plan;
 pub mod report;
@@ -65,6 +71,7 @@ pub fn main() -> ExitCode {
         let shutdown = trellis_runtime::shutdown::on_signals()?;
         let result = match cli.command {
             Command::Up(up) => run(up, shutdown, &mut std::io::stdout()).await,
+            Command::Check(check) => check::run(&check, &mut std::io::stdout()).await,
         };
         telemetry.shutdown().await;
         result
@@ -79,13 +86,13 @@ pub fn main() -> ExitCode {
 }
 
 /// Progress lines, stamped with the time since the lab started.
-struct Progress<'a> {
-    out: &'a mut dyn Write,
+pub(crate) struct Progress<'a> {
+    pub(crate) out: &'a mut dyn Write,
     started: Instant,
 }
 
 impl Progress<'_> {
-    fn say(&mut self, message: std::fmt::Arguments<'_>) {
+    pub(crate) fn say(&mut self, message: std::fmt::Arguments<'_>) {
         let _ = writeln!(
             self.out,
             "[{:>7.2}s] {message}",
@@ -98,16 +105,21 @@ impl Progress<'_> {
 /// `trellis-lab up`: starts the topology, forms the mesh, reports, and (unless
 /// `--until-converged`) waits for `shutdown`. Output goes to `out`.
 pub async fn run(config: UpConfig, shutdown: Shutdown, out: &mut dyn Write) -> anyhow::Result<()> {
-    if config.dataplane == DataplaneKind::Netns {
-        bail!(
-            "--dataplane netns is not available in this build yet; use --dataplane none (the \
-             namespace data plane is exercised by tests/integration/tests/gateway_dataplane.rs)"
-        );
-    }
+    config.validate()?;
     if config.store == StoreKind::Etcd && trellis_testkit::tool_path("etcd").is_none() {
         bail!(
             "--store etcd needs the etcd binary on PATH (Debian etcd-server; `make setup` installs it)"
         );
+    }
+    let mut progress = Progress {
+        out,
+        started: Instant::now(),
+    };
+    if config.dataplane == DataplaneKind::Netns {
+        let lab = shutdown.child_token();
+        let result = dataplane::run(&config, &lab, &mut progress).await;
+        lab.cancel();
+        return result;
     }
     let plans = plan::plan(
         config.clusters,
@@ -115,10 +127,6 @@ pub async fn run(config: UpConfig, shutdown: Shutdown, out: &mut dyn Write) -> a
         config.base_port,
         config.tls,
     )?;
-    let mut progress = Progress {
-        out,
-        started: Instant::now(),
-    };
     progress.say(format_args!(
         "starting {} clusters (a hub and {} leaves), {} services with {} stores{}",
         plans.len(),
@@ -205,7 +213,8 @@ async fn form_mesh(
         result = peered => result?,
         () = lab.cancelled() => bail!("interrupted while peering"),
     }
-    let converged = mesh::converge(plans, &expected, config.timeout(), |p| {
+    let brokers = mesh::Brokers::on_loopback(plans)?;
+    let converged = mesh::converge(&brokers, &expected, config.timeout(), |p| {
         progress.say(format_args!(
             "tunnels: full {}/{}, induced {}/{}",
             p.full, p.full_wanted, p.induced, p.induced_wanted

@@ -7,7 +7,7 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use anyhow::{Context as _, bail};
-use futures::{StreamExt as _, TryStreamExt as _};
+use futures::StreamExt as _;
 use tonic::transport::Channel;
 use trellis_api::pb::peering::broker_client::BrokerClient;
 use trellis_api::pb::peering::{GetTokenRequest, ListTunnelEndpointsRequest, PeerRequest};
@@ -81,29 +81,60 @@ pub struct Snapshot {
     pub tunnels: BTreeMap<String, Vec<TunnelEndpoint>>,
 }
 
+/// Every cluster's broker, by cluster ID, on channels that connect on first use and are kept
+/// for every later poll.
+#[derive(Debug, Clone)]
+pub struct Brokers {
+    brokers: Vec<(String, BrokerClient<Channel>)>,
+}
+
+impl Brokers {
+    /// Brokers listening on this machine's loopback (`--dataplane none`).
+    pub fn on_loopback(clusters: &[ClusterPlan]) -> anyhow::Result<Self> {
+        let brokers = clusters
+            .iter()
+            .map(|c| {
+                let channel = Channel::from_shared(format!("http://{}", c.ports.broker))?
+                    .connect_timeout(Duration::from_secs(5))
+                    .timeout(Duration::from_secs(30))
+                    .connect_lazy();
+                Ok((c.id.clone(), BrokerClient::new(channel)))
+            })
+            .collect::<anyhow::Result<_>>()?;
+        Ok(Self { brokers })
+    }
+
+    /// Brokers reached through channels of the caller's making (inside namespaces).
+    pub fn new(brokers: Vec<(String, Channel)>) -> Self {
+        Self {
+            brokers: brokers
+                .into_iter()
+                .map(|(id, channel)| (id, BrokerClient::new(channel)))
+                .collect(),
+        }
+    }
+
+    fn len(&self) -> usize {
+        self.brokers.len()
+    }
+}
+
 /// Lists every broker's TunnelEndpoints (concurrently; a cluster whose broker does not answer
 /// counts as having none yet).
-pub async fn snapshot(clusters: &[ClusterPlan]) -> Snapshot {
+pub async fn snapshot(brokers: &Brokers) -> Snapshot {
     let listed: Vec<(String, Vec<TunnelEndpoint>)> =
-        futures::stream::iter(clusters.iter().map(|c| async move {
-            let tunnels = async {
-                Ok::<_, anyhow::Error>(
-                    broker(c.ports.broker)
-                        .await?
-                        .list_tunnel_endpoints(ListTunnelEndpointsRequest::default())
-                        .await?
-                        .into_inner()
-                        .tunnel_endpoints,
-                )
-            }
-            .await
-            .unwrap_or_default();
-            Ok::<_, anyhow::Error>((c.id.clone(), tunnels))
+        futures::stream::iter(brokers.brokers.iter().map(|(id, client)| async move {
+            let tunnels = client
+                .clone()
+                .list_tunnel_endpoints(ListTunnelEndpointsRequest::default())
+                .await
+                .map(|r| r.into_inner().tunnel_endpoints)
+                .unwrap_or_default();
+            (id.clone(), tunnels)
         }))
         .buffer_unordered(PEER_CONCURRENCY)
-        .try_collect()
-        .await
-        .unwrap_or_default();
+        .collect()
+        .await;
     Snapshot {
         tunnels: listed.into_iter().collect(),
     }
@@ -224,17 +255,17 @@ impl Progress {
 
 /// Polls until the mesh is complete or `timeout` passes; `progress` sees every change.
 pub async fn converge(
-    clusters: &[ClusterPlan],
+    brokers: &Brokers,
     expected: &Expected,
     timeout: Duration,
     mut on_change: impl FnMut(&Progress),
 ) -> anyhow::Result<Snapshot> {
     let deadline = tokio::time::Instant::now() + timeout;
     // Listing is O(clusters²) TunnelEndpoints; poll big labs less often.
-    let interval = Duration::from_millis(100 + 4 * clusters.len() as u64);
+    let interval = Duration::from_millis(100 + 4 * brokers.len() as u64);
     let mut last = None;
     loop {
-        let snap = snapshot(clusters).await;
+        let snap = snapshot(brokers).await;
         let progress = expected.progress(&snap);
         if last != Some(progress) {
             on_change(&progress);

@@ -14,7 +14,7 @@ use crate::plan::{ClusterPlan, Role};
 const NAT_TABLE_MAX_CLUSTERS: usize = 10;
 
 /// Lays out rows under a header, columns padded to their widest cell.
-fn table(header: &[&str], rows: &[Vec<String>]) -> String {
+pub(crate) fn table(header: &[&str], rows: &[Vec<String>]) -> String {
     let mut widths: Vec<usize> = header.iter().map(|h| h.len()).collect();
     for row in rows {
         for (w, cell) in widths.iter_mut().zip(row) {
@@ -221,6 +221,33 @@ pub struct TopologyCluster {
     pub pod_netns: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub pod_ip: Option<String>,
+    /// With `--dataplane netns`: the cluster's node namespaces (the gateway on one of them).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub nodes: Vec<TopologyNode>,
+    /// With `--dataplane netns`: one pod per node.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub pods: Vec<TopologyPod>,
+}
+
+/// A node of a `--dataplane netns` cluster.
+#[derive(Debug, Serialize)]
+pub struct TopologyNode {
+    pub name: String,
+    pub netns: String,
+    /// Its address on the cluster's node network.
+    pub ip: String,
+    /// Whether the gateway (and the services) run on it.
+    pub gateway: bool,
+}
+
+/// A pod of a `--dataplane netns` cluster.
+#[derive(Debug, Serialize)]
+pub struct TopologyPod {
+    pub name: String,
+    /// The node it runs on.
+    pub node: String,
+    pub netns: String,
+    pub ip: String,
 }
 
 /// One tunnel in the topology file.
@@ -232,11 +259,14 @@ pub struct TopologyTunnel {
     pub local_pod_cidr_nat: String,
 }
 
-/// A pod in `from` reaches the pod in `to` at `address` (data plane only).
-#[derive(Debug, Serialize)]
+/// The pod in namespace `from_pod` of cluster `from` reaches the pod `to_pod` of cluster `to`
+/// at `address` (data plane only; every ordered pair of pods in different clusters).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, serde::Deserialize)]
 pub struct Reach {
     pub from: String,
+    pub from_pod: String,
     pub to: String,
+    pub to_pod: String,
     pub address: String,
 }
 
@@ -288,6 +318,8 @@ impl Topology {
                 gateway_netns: None,
                 pod_netns: None,
                 pod_ip: None,
+                nodes: Vec::new(),
+                pods: Vec::new(),
             })
             .collect();
         Self {
@@ -406,6 +438,7 @@ mod tests {
         assert_eq!(leaf["tunnels"][0]["kind"], "induced");
         assert!(v["reach"].as_array().is_some_and(Vec::is_empty));
         assert!(leaf.get("pod_netns").is_none());
+        assert!(leaf.get("nodes").is_none() && leaf.get("pods").is_none());
         let _ = std::fs::remove_dir_all(dir);
     }
 

@@ -134,6 +134,9 @@ pub struct ClusterOptions {
     pub dataplane: String,
     /// Extra flags per service, appended to the defaults.
     pub extra_args: Vec<(Service, Vec<String>)>,
+    /// The gateway's `--endpoint-address` (an IP or a DNS name); `None`: the site's bridge
+    /// address.
+    pub endpoint_address: Option<String>,
 }
 
 impl ClusterOptions {
@@ -146,6 +149,7 @@ impl ClusterOptions {
             store: StoreKind::EtcdPerService,
             dataplane: "userspace".to_owned(),
             extra_args: Vec::new(),
+            endpoint_address: None,
         }
     }
 }
@@ -174,6 +178,8 @@ pub struct NsCluster {
     forwarders: Vec<JoinHandle<()>>,
     etcds: BTreeMap<Service, Etcd>,
     logs: tempfile::TempDir,
+    /// What the cluster was started with (a moved gateway keeps its flags).
+    options: ClusterOptions,
 }
 
 impl NsCluster {
@@ -192,6 +198,7 @@ impl NsCluster {
             forwarders: Vec::new(),
             etcds: BTreeMap::new(),
             logs,
+            options: options.clone(),
         };
         if options.store == StoreKind::EtcdPerService {
             let starting: Vec<_> = Service::ALL
@@ -272,6 +279,83 @@ impl NsCluster {
         Some(etcd.url(&format!("trellis/{}/{service}", self.id)))
     }
 
+    /// Moves the gateway to node `node` of `site`, as relabelling a node does in Kubernetes:
+    /// SIGTERM where it runs (it removes its data plane), then the same binary with the same
+    /// store on that node, with the node's name and address and `endpoint` (that node's own
+    /// uplink, [`crate::Topology::add_node_uplink`]) as its public address. The gateway's
+    /// service address ([`NsCluster::addr`], which the broker, the route agents and the tests
+    /// dial) is DNAT'ed to its new place on every node, as kube-proxy does for a Service.
+    pub async fn move_gateway(
+        &mut self,
+        site: &Site,
+        node: usize,
+        endpoint: std::net::Ipv4Addr,
+    ) -> anyhow::Result<()> {
+        let target = site.nodes.get(node).context("no such node")?.clone();
+        let old = self.process_mut(Service::Gateway)?;
+        if old.is_running() {
+            old.terminate().await.context("stopping the gateway")?;
+        }
+        if let Some(etcd) = self.etcds.get(&Service::Gateway) {
+            let outside: SocketAddr = etcd.endpoint().parse()?;
+            self.forwarders.push(forward_into(
+                &target.netns,
+                Self::etcd_addr(Service::Gateway),
+                outside,
+            )?);
+        }
+        let listen = SocketAddr::new(IpAddr::V4(target.node_ip), Service::Gateway.port());
+        let service_ip = self.ip.to_string();
+        let script = format!(
+            "table ip netlab-svc {{}}\ndelete table ip netlab-svc\n\
+             table ip netlab-svc {{\n  chain output {{\n    type nat hook output priority -100;\n    \
+             ip daddr {service_ip} tcp dport {port} dnat to {listen}\n  }}\n}}\n",
+            port = Service::Gateway.port(),
+        );
+        let path = self.logs.path().join("gateway-service.nft");
+        std::fs::write(&path, script)?;
+        let path = path.to_str().context("utf-8 path")?.to_owned();
+        for n in &site.nodes {
+            let out = crate::netns::exec(&n.netns, "nft", &["-f", &path])?;
+            if !out.status.success() {
+                anyhow::bail!(
+                    "pointing the gateway's address at {} on {}: {}",
+                    target.name,
+                    n.name,
+                    String::from_utf8_lossy(&out.stderr)
+                );
+            }
+        }
+        let mut args = self.args(Service::Gateway, site, &self.options.clone());
+        for (flag, value) in [
+            ("--listen", listen.to_string()),
+            ("--node-name", target.name.clone()),
+            ("--node-ip", target.node_ip.to_string()),
+            ("--endpoint-address", endpoint.to_string()),
+        ] {
+            let at = args
+                .iter()
+                .position(|a| a == flag)
+                .with_context(|| format!("the gateway has no {flag}"))?;
+            args[at + 1] = value;
+        }
+        let process = NsProcess::start(
+            &target.netns,
+            bin_path(&Service::Gateway.binary())?,
+            args,
+            Vec::new(),
+            listen,
+            Service::Gateway.grpc_service(),
+            self.logs
+                .path()
+                .join(format!("gateway-{}.log", target.name)),
+        )
+        .await
+        .with_context(|| format!("{}: starting the gateway on {}", self.id, target.name))?;
+        self.processes.insert(Service::Gateway, process);
+        Ok(())
+    }
+
     /// The address inside the namespace where `service`'s etcd is forwarded.
     fn etcd_addr(service: Service) -> SocketAddr {
         SocketAddr::from(([127, 0, 0, 1], 2379 + service.index()))
@@ -323,7 +407,10 @@ impl NsCluster {
                     "--dataplane",
                     &options.dataplane,
                     "--endpoint-address",
-                    &self.ip.to_string(),
+                    &options
+                        .endpoint_address
+                        .clone()
+                        .unwrap_or_else(|| self.ip.to_string()),
                     "--broker",
                     &at(Service::Broker),
                     "--ipam",

@@ -18,7 +18,7 @@ use trellis_api::pb::types::{ClusterIdentity, PeeringKind};
 
 use crate::cluster::{ClusterOptions, NsCluster, Service, StoreKind};
 use crate::netns::exec;
-use crate::topology::{Topology, host};
+use crate::topology::{Pod, Topology, host};
 
 /// What to build.
 #[derive(Debug, Clone)]
@@ -29,6 +29,9 @@ pub struct FabricOptions {
     pub hub: usize,
     /// Every cluster's pod CIDR (identical on purpose: the NAT must cope).
     pub pod_cidr: String,
+    /// Per-cluster pod CIDRs instead of `pod_cidr`, in `names` order (empty: `pod_cidr` for
+    /// all).
+    pub pod_cidrs: Vec<String>,
     /// Every cluster's external CIDR.
     pub external_cidr: String,
     /// Discovery's `--no-induced` on the hub: leaves only reach each other through it.
@@ -39,6 +42,53 @@ pub struct FabricOptions {
     /// Nodes per cluster: 1 is the one-namespace topology; more build a node network with a
     /// route agent on every node ([`Topology::build_with_nodes`]).
     pub nodes: usize,
+    /// Gateways advertise a DNS name ([`endpoint_name`]) instead of their bridge address; the
+    /// names resolve inside every gateway namespace through `/etc/netns/<ns>/hosts` (which
+    /// `ip netns exec` mounts over `/etc/hosts`), so each remote gateway resolves them itself.
+    pub endpoint_names: bool,
+}
+
+/// The DNS name cluster `id`'s gateway advertises with [`FabricOptions::endpoint_names`]
+/// (`.test`: reserved, never in real DNS, RFC 6761).
+pub fn endpoint_name(id: &str) -> String {
+    format!("gw-{id}.trellis.test")
+}
+
+/// `/etc/netns/<ns>/hosts` files, removed (with their directories) on drop.
+#[derive(Debug)]
+struct HostsFiles {
+    dirs: Vec<std::path::PathBuf>,
+}
+
+impl HostsFiles {
+    /// Writes, for every namespace of `namespaces`, a hosts file naming every `(name, ip)`.
+    fn write(namespaces: &[&str], names: &[(String, Ipv4Addr)]) -> anyhow::Result<Self> {
+        let mut text = String::from("127.0.0.1 localhost\n::1 localhost\n");
+        for (name, ip) in names {
+            text.push_str(&format!("{ip} {name}\n"));
+        }
+        let mut this = Self { dirs: Vec::new() };
+        for ns in namespaces {
+            let dir = std::path::Path::new("/etc/netns").join(ns);
+            // Ours: the namespace of that name was just created by this topology (a
+            // leftover file of a killed run is replaced).
+            std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+            this.dirs.push(dir.clone());
+            std::fs::write(dir.join("hosts"), &text)
+                .with_context(|| format!("writing {}/hosts", dir.display()))?;
+        }
+        Ok(this)
+    }
+}
+
+impl Drop for HostsFiles {
+    fn drop(&mut self) {
+        for dir in &self.dirs {
+            let _ = std::fs::remove_dir_all(dir);
+        }
+        // /etc/netns itself when nothing else is in it (remove_dir refuses otherwise).
+        let _ = std::fs::remove_dir("/etc/netns");
+    }
 }
 
 impl FabricOptions {
@@ -49,19 +99,33 @@ impl FabricOptions {
             names: ["a", "b", "c"].map(str::to_owned).to_vec(),
             hub: 1,
             pod_cidr: "10.0.0.0/16".into(),
+            pod_cidrs: Vec::new(),
             external_cidr: "10.201.0.0/16".into(),
             hub_no_induced: false,
             store: StoreKind::EtcdPerService,
             extra_args: Vec::new(),
             nodes: 1,
+            endpoint_names: false,
         }
     }
+}
+
+/// A pod of cluster `from` reaching a pod of cluster `to` at `address`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Reach {
+    pub from: usize,
+    pub from_pod: Pod,
+    pub to: usize,
+    pub to_pod: Pod,
+    pub address: Ipv4Addr,
 }
 
 /// The clusters and their topology. Clusters drop before the topology (field order).
 #[derive(Debug)]
 pub struct Fabric {
     pub clusters: Vec<NsCluster>,
+    /// With [`FabricOptions::endpoint_names`]: the gateway namespaces' hosts files.
+    _hosts: Option<HostsFiles>,
     pub topology: Topology,
     /// Index of the hub.
     pub hub: usize,
@@ -71,18 +135,44 @@ impl Fabric {
     /// Builds the topology, starts every cluster (concurrently) and peers each leaf with the
     /// hub. Returns once the `Peer` calls succeeded; tunnels come up asynchronously.
     pub async fn up(options: FabricOptions) -> anyhow::Result<Self> {
+        if !options.pod_cidrs.is_empty() && options.pod_cidrs.len() != options.names.len() {
+            bail!(
+                "{} pod CIDRs for {} clusters",
+                options.pod_cidrs.len(),
+                options.names.len()
+            );
+        }
         let sites: Vec<(&str, &str)> = options
             .names
             .iter()
-            .map(|n| (n.as_str(), options.pod_cidr.as_str()))
+            .enumerate()
+            .map(|(i, n)| {
+                let cidr = options.pod_cidrs.get(i).unwrap_or(&options.pod_cidr);
+                (n.as_str(), cidr.as_str())
+            })
             .collect();
         let topology = if options.nodes > 1 {
             Topology::build_with_nodes(&sites, options.nodes)?
         } else {
             Topology::build(&sites)?
         };
+        let hosts = if options.endpoint_names {
+            let namespaces: Vec<&str> = topology.sites.iter().map(|s| s.gw_ns.as_str()).collect();
+            let names: Vec<(String, Ipv4Addr)> = topology
+                .sites
+                .iter()
+                .enumerate()
+                .map(|(i, s)| (endpoint_name(&options.names[i]), s.uplink_ip))
+                .collect();
+            Some(HostsFiles::write(&namespaces, &names)?)
+        } else {
+            None
+        };
         let starting = topology.sites.iter().enumerate().map(|(i, site)| {
             let mut o = ClusterOptions::new(&options.names[i], &options.external_cidr);
+            if options.endpoint_names {
+                o.endpoint_address = Some(endpoint_name(&options.names[i]));
+            }
             o.no_induced = i == options.hub && options.hub_no_induced;
             o.store = options.store;
             o.extra_args = options.extra_args.clone();
@@ -94,6 +184,7 @@ impl Fabric {
         }
         let fabric = Self {
             clusters,
+            _hosts: hosts,
             topology,
             hub: options.hub,
         };
@@ -201,6 +292,13 @@ impl Fabric {
         i: usize,
         j: usize,
     ) -> anyhow::Result<std::net::SocketAddr> {
+        let text = self.published_endpoint(i, j).await?;
+        text.parse().with_context(|| format!("endpoint {text:?}"))
+    }
+
+    /// The WireGuard endpoint of `j` as `i`'s TunnelEndpoint carries it ("ip:port", or
+    /// "name:port" with [`FabricOptions::endpoint_names`]).
+    pub async fn published_endpoint(&self, i: usize, j: usize) -> anyhow::Result<String> {
         let id = &self.clusters[j].id;
         let tes = self.clusters[i]
             .broker()?
@@ -213,9 +311,7 @@ impl Fabric {
             .iter()
             .find(|t| t.remote.as_ref().is_some_and(|r| &r.cluster_id == id))
             .with_context(|| format!("{} has no tunnel endpoint for {id}", self.clusters[i].id))?;
-        te.remote_endpoint
-            .parse()
-            .with_context(|| format!("endpoint {:?}", te.remote_endpoint))
+        Ok(te.remote_endpoint.clone())
     }
 
     /// How `viewer`'s IPAM addresses `remote`'s pod CIDR (or external CIDR).
@@ -314,6 +410,34 @@ impl Fabric {
             );
         }
         Ok((path, address.parse().context("reflected address")?))
+    }
+
+    /// Every ordered pair of pods in different clusters, with the address the first uses for
+    /// the second: the second pod's host bits in the first cluster's view of the second's pod
+    /// CIDR (what `Ipam.MapEndpointIp` answers).
+    pub async fn reach(&self) -> anyhow::Result<Vec<Reach>> {
+        let mut out = Vec::new();
+        for (from, from_site) in self.topology.sites.iter().enumerate() {
+            for (to, to_site) in self.topology.sites.iter().enumerate() {
+                if from == to {
+                    continue;
+                }
+                let view = self.view(from, to, false).await?;
+                for from_pod in from_site.pods() {
+                    for to_pod in to_site.pods() {
+                        let offset = u32::from(to_pod.ip) - u32::from(to_site.pod_cidr.network());
+                        out.push(Reach {
+                            from,
+                            from_pod: from_pod.clone(),
+                            to,
+                            to_pod: to_pod.clone(),
+                            address: Ipv4Addr::from(u32::from(view.network()) + offset),
+                        });
+                    }
+                }
+            }
+        }
+        Ok(out)
     }
 
     /// `ping -n <args> <to>` from site `from`'s pod.

@@ -29,8 +29,8 @@ pub mod relay;
 pub mod topology;
 
 pub use cluster::{ClusterOptions, NsCluster, Service, StoreKind};
-pub use fabric::{Fabric, FabricOptions};
-pub use topology::{Site, Topology};
+pub use fabric::{Fabric, FabricOptions, Reach};
+pub use topology::{Pod, Site, Topology};
 
 /// Whether this process may build topologies (root), and which tools it misses. Empty when
 /// everything needed is there.

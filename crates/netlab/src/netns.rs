@@ -52,6 +52,21 @@ pub struct Namespaces {
 }
 
 impl Namespaces {
+    /// The namespaces, in creation order.
+    pub fn names(&self) -> &[String] {
+        &self.names
+    }
+
+    /// How many there are.
+    pub fn len(&self) -> usize {
+        self.names.len()
+    }
+
+    /// Whether there are none.
+    pub fn is_empty(&self) -> bool {
+        self.names.is_empty()
+    }
+
     /// Creates namespace `name` (loopback up).
     pub fn add(&mut self, name: &str) -> anyhow::Result<()> {
         ip(&["netns", "add", name])?;

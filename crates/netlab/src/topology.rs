@@ -75,6 +75,40 @@ pub struct Node {
     pub pod_ip: Ipv4Addr,
 }
 
+/// A pod namespace: the site's one pod, or a node's.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Pod {
+    /// `pod-<node index>` (`pod-0` for the one-namespace topology).
+    pub name: String,
+    /// The node it runs on (`n0` is the gateway namespace).
+    pub node: String,
+    pub netns: String,
+    pub ip: Ipv4Addr,
+}
+
+impl Site {
+    /// The site's pods: one per node, or the one pod behind the gateway.
+    pub fn pods(&self) -> Vec<Pod> {
+        if self.nodes.is_empty() {
+            return vec![Pod {
+                name: "pod-0".to_owned(),
+                node: "n0".to_owned(),
+                netns: self.pod_ns.clone(),
+                ip: self.pod_ip,
+            }];
+        }
+        self.nodes
+            .iter()
+            .map(|n| Pod {
+                name: format!("pod-{}", n.index),
+                node: n.name.clone(),
+                netns: n.pod_ns.clone(),
+                ip: n.pod_ip,
+            })
+            .collect()
+    }
+}
+
 /// Name of every node's interface on its cluster's node network.
 pub const NODE_LINK: &str = "node";
 /// Name of the node-network bridge in each site's own namespace.
@@ -108,7 +142,7 @@ pub fn host(net: Ipv4Net, n: u32) -> Ipv4Addr {
 
 impl Topology {
     /// Builds the internet namespace and one site per `(name, pod CIDR)`. Names are short
-    /// (at most 8 characters of `[a-z0-9]`); at most 250 sites.
+    /// (at most 8 characters of `[a-z0-9-]`); at most 250 sites.
     pub fn build(sites: &[(&str, &str)]) -> anyhow::Result<Self> {
         if sites.len() > 250 {
             bail!("at most 250 sites on one /24 bridge");
@@ -125,9 +159,9 @@ impl Topology {
                 || name.len() > 8
                 || !name
                     .bytes()
-                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit())
+                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
             {
-                bail!("site name {name:?}: 1-8 characters of a-z and 0-9");
+                bail!("site name {name:?}: 1-8 characters of a-z, 0-9 and -");
             }
             let pod_cidr: Ipv4Net = pod_cidr
                 .parse()
@@ -207,6 +241,37 @@ impl Topology {
             if up { "up" } else { "down" },
         ])
         .map(drop)
+    }
+
+    /// Gives node `node` of site `site` an uplink `wan` of its own on the internet bridge, at
+    /// 192.0.2.(128 + site index): a second public address of the cluster, where a gateway
+    /// moved to that node is reached. Sites 0 to 119 only (the bridge is one /24).
+    pub fn add_node_uplink(&self, site: usize, node: usize) -> anyhow::Result<Ipv4Addr> {
+        let s = self.sites.get(site).context("no such site")?;
+        let n = s.nodes.get(node).context("no such node")?;
+        if node == 0 {
+            bail!("node 0 holds the site's uplink already");
+        }
+        let octet = u8::try_from(128 + site)
+            .ok()
+            .filter(|o| *o < 248)
+            .context("second uplinks exist for sites 0 to 119 only")?;
+        let address = Ipv4Addr::new(192, 0, 2, octet);
+        let port = format!("u{site}");
+        let cidr = format!("{address}/24");
+        let (ns, inet) = (n.netns.as_str(), self.inet_ns.as_str());
+        for args in [
+            vec![
+                "-n", ns, "link", "add", UPLINK, "type", "veth", "peer", "name", &port, "netns",
+                inet,
+            ],
+            vec!["-n", inet, "link", "set", &port, "master", BRIDGE, "up"],
+            vec!["-n", ns, "addr", "add", &cidr, "dev", UPLINK],
+            vec!["-n", ns, "link", "set", UPLINK, "up"],
+        ] {
+            ip(&args).with_context(|| format!("an uplink for {} of {}", n.name, s.name))?;
+        }
+        Ok(address)
     }
 
     /// Every namespace of the topology (for callers that must know what to clean up).

@@ -29,14 +29,27 @@ impl Backoff {
     pub fn next_delay(&mut self) -> Duration {
         let base = self.next;
         self.next = (self.next * 2).min(self.max);
-        let jitter_ms = u64::try_from(base.as_millis() / 4).unwrap_or(u64::MAX);
-        base + Duration::from_millis(rand::rng().random_range(0..=jitter_ms))
+        jittered(base)
+    }
+
+    /// The wait after `failures` consecutive failures (1 = the first), as [`Self::next_delay`]
+    /// would give it: for callers that persist a failure count with each retried item (a
+    /// relay record) instead of keeping one `Backoff` alive per item.
+    pub fn after_failures(&self, failures: u32) -> Duration {
+        let doublings = failures.saturating_sub(1).min(31);
+        jittered(self.initial.saturating_mul(1 << doublings).min(self.max))
     }
 
     /// After a success: the next failure waits `initial` again.
     pub fn reset(&mut self) {
         self.next = self.initial;
     }
+}
+
+/// `base` plus up to 25 % random jitter.
+fn jittered(base: Duration) -> Duration {
+    let jitter_ms = u64::try_from(base.as_millis() / 4).unwrap_or(u64::MAX);
+    base + Duration::from_millis(rand::rng().random_range(0..=jitter_ms))
 }
 
 #[cfg(test)]
@@ -52,5 +65,24 @@ mod tests {
         }
         b.reset();
         assert!(b.next_delay() <= Duration::from_millis(125));
+    }
+
+    #[test]
+    fn after_failures_matches_the_sequence_and_never_overflows() {
+        let b = Backoff::new(Duration::from_millis(100), Duration::from_millis(400));
+        for (failures, base) in [
+            (0, 100),
+            (1, 100),
+            (2, 200),
+            (3, 400),
+            (4, 400),
+            (u32::MAX, 400),
+        ] {
+            let wait = b.after_failures(failures).as_millis();
+            assert!(
+                (base..=base + base / 4).contains(&wait),
+                "{failures}: {wait}"
+            );
+        }
     }
 }

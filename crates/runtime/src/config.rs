@@ -8,6 +8,15 @@ use std::time::Duration;
 use anyhow::Context as _;
 use clap::{Args, ValueEnum};
 
+/// A clap value parser for `host:port` flags (another service's address): refuses what no
+/// client could dial, with the reason.
+pub fn address_arg(value: &str) -> Result<String, String> {
+    trellis_api::address::required("value", value).map_err(|e| match e {
+        trellis_error::Error::InvalidArgument { reason, .. } => reason,
+        other => other.to_string(),
+    })
+}
+
 /// Flags of every Trellis process with a gRPC server, stateful or not (the route agent keeps
 /// no store).
 #[derive(Debug, Clone, Args)]
@@ -319,10 +328,38 @@ pub mod ports {
     pub const WIREGUARD: u16 = 51840;
 }
 
+/// The range `--underlay-mtu` accepts (gateway and route agent): IPv6's minimum link MTU up to
+/// a common jumbo frame. Below 1280 the tunnel (underlay − 80) could not carry a minimum IPv6
+/// packet, and no node network has more than 9000.
+pub const UNDERLAY_MTU: std::ops::RangeInclusive<u32> = 1280..=9000;
+
+/// Parses an `--underlay-mtu` value (clap names the flag in its error).
+pub fn underlay_mtu_arg(value: &str) -> Result<u32, String> {
+    match value.parse::<u32>() {
+        Ok(mtu) if UNDERLAY_MTU.contains(&mtu) => Ok(mtu),
+        _ => Err(format!(
+            "{value:?} is not an MTU in bytes between {} and {}",
+            UNDERLAY_MTU.start(),
+            UNDERLAY_MTU.end()
+        )),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use clap::Parser;
+
+    #[test]
+    fn underlay_mtus_are_range_checked() {
+        assert_eq!(underlay_mtu_arg("1500"), Ok(1500));
+        assert_eq!(underlay_mtu_arg("1280"), Ok(1280));
+        assert_eq!(underlay_mtu_arg("9000"), Ok(9000));
+        for bad in ["1279", "9001", "0", "-1", "1500b", ""] {
+            let err = underlay_mtu_arg(bad).expect_err(bad);
+            assert!(err.contains("between 1280 and 9000"), "{err}");
+        }
+    }
 
     #[derive(Debug, Parser)]
     struct Cli {

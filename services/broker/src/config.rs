@@ -3,16 +3,11 @@
 use std::time::Duration;
 
 use clap::Parser;
+use trellis_api::net::AllowedRanges;
 use trellis_runtime::CommonConfig;
 use trellis_runtime::config::HasCommon;
 use trellis_runtime::config::PeerTlsConfig;
-
-fn address_arg(value: &str) -> Result<String, String> {
-    trellis_api::address::required("value", value).map_err(|e| match e {
-        trellis_error::Error::InvalidArgument { reason, .. } => reason,
-        other => other.to_string(),
-    })
-}
+use trellis_runtime::config::address_arg;
 
 /// The peering broker of one Trellis cluster: token handshake with full peers, NetworkConfig
 /// exchange (directly, or relayed by a hub's forwarder for induced peers), TunnelEndpoints for
@@ -59,6 +54,19 @@ pub struct Config {
         default_value_t = 10
     )]
     pub resync: u64,
+
+    /// Comma-separated CIDRs a peer's pod and external CIDRs, and the ranges it addresses ours
+    /// with, must lie in; anything else is refused (InvalidArgument naming the field), because
+    /// those ranges are routed into its tunnel. The default is private and shared address
+    /// space; add a range here only if a peer really uses it.
+    #[arg(
+        long,
+        env = "TRELLIS_ALLOWED_REMOTE_CIDRS",
+        value_name = "CIDRS",
+        value_parser = AllowedRanges::parse,
+        default_value = AllowedRanges::DEFAULT
+    )]
+    pub allowed_remote_cidrs: AllowedRanges,
 }
 
 /// Shows everything but the token (a secret).
@@ -72,6 +80,7 @@ impl std::fmt::Debug for Config {
             .field("gateway", &self.gateway)
             .field("token", &self.token.as_ref().map(|_| "<redacted>"))
             .field("resync", &self.resync)
+            .field("allowed_remote_cidrs", &self.allowed_remote_cidrs)
             .finish()
     }
 }

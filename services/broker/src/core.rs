@@ -3,12 +3,13 @@
 //! the reconciler's job ([`crate::reconcile`]); operations here store what they learn and wake
 //! it.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashMap};
 use std::sync::{Arc, Mutex, PoisonError};
 
 use tokio::sync::Notify;
 use trellis_api::convert::{addresses_to_pb, identity_to_pb};
 use trellis_api::model::{Addresses, NatView, NetworkSpec};
+use trellis_api::net::AllowedRanges;
 use trellis_api::pb::discovery::{
     GetForeignClusterRequest, GetIdentityRequest, ListForeignClustersRequest, UpdatePeeringRequest,
 };
@@ -59,6 +60,12 @@ pub struct Broker {
     pub(crate) wake: Arc<Notify>,
     /// What the next pass must look at (in memory only: a restart runs a full pass anyway).
     dirty: Mutex<Dirty>,
+    /// One lock per remote, held while a peering with it starts or ends and while its
+    /// unpeering notice is acted on, so a notice is never sent about (or rolled forward over)
+    /// a peering that was started again in between.
+    peering_locks: Mutex<HashMap<ClusterId, Arc<tokio::sync::Mutex<()>>>>,
+    /// Where a peer's ranges, and its views of ours, may lie (`--allowed-remote-cidrs`).
+    allowed: AllowedRanges,
 }
 
 /// The remotes a reconciliation pass looks at: all of them, or only those something happened
@@ -90,7 +97,59 @@ impl Broker {
                 all: true,
                 ids: BTreeSet::new(),
             }),
+            peering_locks: Mutex::new(HashMap::new()),
+            allowed: AllowedRanges::default(),
         }
+    }
+
+    /// Replaces the default ranges peers may use.
+    #[must_use]
+    pub fn with_allowed_remote_ranges(mut self, allowed: AllowedRanges) -> Self {
+        self.allowed = allowed;
+        self
+    }
+
+    /// Refuses a peer's spec whose ranges lie outside the allowed space.
+    pub fn check_remote_spec(&self, prefix: &str, spec: &NetworkSpec) -> Result<()> {
+        self.allowed
+            .check(&format!("{prefix}.pod_cidr"), spec.pod_cidr)?;
+        self.allowed
+            .check(&format!("{prefix}.external_cidr"), spec.external_cidr)
+    }
+
+    /// Refuses a peer's decision about us whose views lie outside the allowed space.
+    pub fn check_remote_decision(&self, prefix: &str, decision: &Decision) -> Result<()> {
+        if let Some(view) = decision.view() {
+            self.allowed
+                .check(&format!("{prefix}.pod_cidr_nat"), view.pod_cidr_nat)?;
+            self.allowed.check(
+                &format!("{prefix}.external_cidr_nat"),
+                view.external_cidr_nat,
+            )?;
+        }
+        Ok(())
+    }
+
+    /// Serialises starting, ending and notifying the peering with `remote` (in this process;
+    /// the broker runs as one replica per cluster).
+    async fn lock_peering(&self, remote: &ClusterId) -> tokio::sync::OwnedMutexGuard<()> {
+        let lock = self
+            .peering_locks
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .entry(remote.clone())
+            .or_default()
+            .clone();
+        lock.lock_owned().await
+    }
+
+    /// A new peering with `remote` supersedes an unpeering of it that was never acknowledged:
+    /// the old notice must not end the new peering when it finally gets through.
+    async fn cancel_notice(&self, remote: &ClusterId) -> Result<()> {
+        if self.store.delete(&notify_key(remote)).await? {
+            tracing::info!(remote.id = %remote, "a new peering cancels an undelivered unpeering notice");
+        }
+        Ok(())
     }
 
     pub fn identity(&self) -> &ClusterIdentity {
@@ -345,6 +404,8 @@ impl Broker {
             self.refuse_changed_ca(&caller.id, ca).await?;
         }
         let ours = self.advertised().await?;
+        let _peering = self.lock_peering(&caller.id).await;
+        self.cancel_notice(&caller.id).await?;
         self.record_peering(
             caller,
             Some(addresses),
@@ -433,6 +494,8 @@ impl Broker {
         let ca = self
             .peer_ca("ca_certificate", &remote.id, &answer.ca_certificate)
             .map_err(unusable)?;
+        let _peering = self.lock_peering(&remote.id).await;
+        self.cancel_notice(&remote.id).await?;
         self.record_peering(&remote, Some(&addresses), true, "Peered", ca.as_ref())
             .await?;
         self.pin(&remote.id, ca);
@@ -445,6 +508,7 @@ impl Broker {
     /// built on it) and tells the remote, retrying later if it is unreachable.
     #[tracing::instrument(skip(self))]
     pub async fn unpeer(&self, id: &ClusterId) -> Result<bool> {
+        let _peering = self.lock_peering(id).await;
         let peers = self.peers().await?;
         let Some((remote, addresses, _)) = peers.full.get(id).cloned() else {
             return Ok(false);
@@ -456,22 +520,53 @@ impl Broker {
             .and_then(|t| t.trust().get(id.as_str()))
             .map(|ca| ca.pem().to_owned())
             .unwrap_or_default();
-        self.record_peering(&remote, None, false, "Unpeered", None)
-            .await?;
-        self.pin(id, None);
-        if !addresses.broker.is_empty() {
-            let pending = PendingNotify {
-                remote: remote.clone(),
-                broker: addresses.broker.clone(),
-                reason: "Unpeered".into(),
-                ca_certificate,
-            };
-            self.store.put(&notify_key(id), encode(&pending)?).await?;
-            self.deliver_notify(&pending).await;
+        // The notice is the unpeering's intent and is written first: a crash after it is rolled
+        // forward by the reconciler ([`Broker::act_on_notice`]); a crash before it leaves the
+        // peering as it was.
+        let pending = (!addresses.broker.is_empty()).then(|| PendingNotify {
+            remote: remote.clone(),
+            broker: addresses.broker.clone(),
+            reason: "Unpeered".into(),
+            ca_certificate,
+        });
+        if let Some(pending) = &pending {
+            self.store.put(&notify_key(id), encode(pending)?).await?;
+        }
+        self.end_peering(&remote).await?;
+        if let Some(pending) = &pending {
+            self.deliver_notify(pending).await;
         }
         tracing::info!(remote.id = %id, "unpeered");
         self.wake();
         Ok(true)
+    }
+
+    /// Our side of ending the peering with `remote`: discovery marks it unpeered (the
+    /// reconciler tears down what was built on it) and its CA is no longer trusted.
+    async fn end_peering(&self, remote: &ClusterIdentity) -> Result<()> {
+        self.record_peering(remote, None, false, "Unpeered", None)
+            .await?;
+        self.pin(&remote.id, None);
+        Ok(())
+    }
+
+    /// Acts on the stored unpeering notice for `remote` (the reconciler, for every notice):
+    /// completes our side if it is still peered (the broker died between writing the notice
+    /// and changing discovery), then delivers the notice. A notice a new peering cancelled in
+    /// the meantime is gone and nothing happens. Returns whether nothing is left to do.
+    pub async fn act_on_notice(&self, remote: &ClusterId) -> Result<bool> {
+        let _peering = self.lock_peering(remote).await;
+        let key = notify_key(remote);
+        let Some(kv) = self.store.get(&key).await? else {
+            return Ok(true);
+        };
+        let pending: PendingNotify = crate::records::decode(&key, &kv.value)?;
+        if self.peers_of(&[remote]).await?.is_full_peer(remote) {
+            tracing::info!(remote.id = %remote, "completing an unpeering interrupted before discovery heard of it");
+            self.end_peering(&pending.remote).await?;
+            self.wake();
+        }
+        Ok(self.deliver_notify(&pending).await)
     }
 
     /// Tries to deliver a pending unpeering notice; forgets it once acknowledged.
@@ -506,6 +601,7 @@ impl Broker {
 
     /// The remote `caller` unpeered us.
     pub async fn notified_unpeer(&self, caller: &ClusterIdentity, reason: &str) -> Result<bool> {
+        let _peering = self.lock_peering(&caller.id).await;
         let peers = self.peers().await?;
         if !peers.is_full_peer(&caller.id) {
             return Ok(false);
@@ -531,6 +627,7 @@ impl Broker {
     /// Receives a NetworkConfig destined to us, decides how we address its origin, stores both.
     #[tracing::instrument(skip_all, fields(remote.id = %nc.origin.id, generation = nc.generation))]
     pub async fn receive(&self, nc: Received) -> Result<Answer> {
+        self.check_remote_spec("network_config.spec", &nc.spec)?;
         let peers = match &nc.via {
             None => self.peers_of(&[&nc.origin.id]).await?,
             Some(hub) => self.peers_of(&[&hub.id, &nc.origin.id]).await?,
@@ -573,7 +670,13 @@ impl Broker {
                     decision: held.decision.clone(),
                 });
             }
-            if held.generation == nc.generation && held.spec == nc.spec && held.via == nc.via {
+            // A pending decision (no free range when we last tried) is made again: the
+            // sender re-submits exactly so that we look once more.
+            if held.generation == nc.generation
+                && held.spec == nc.spec
+                && held.via == nc.via
+                && !matches!(held.decision, Decision::Pending { .. })
+            {
                 return Ok(Answer {
                     accepted: true,
                     generation: held.generation,
@@ -583,6 +686,19 @@ impl Broker {
         }
 
         let decision = self.decide(&nc).await?;
+        if let Some((held, _)) = &held
+            && held.generation == nc.generation
+            && held.spec == nc.spec
+            && held.via == nc.via
+            && held.decision == decision
+        {
+            // Still pending for the same reason: nothing to write on each re-submission.
+            return Ok(Answer {
+                accepted: true,
+                generation: held.generation,
+                decision,
+            });
+        }
         let record = IncomingNc {
             remote: nc.origin.clone(),
             via: nc.via.clone(),
@@ -691,12 +807,17 @@ impl Broker {
                     observed_generation: nc.generation,
                 })
             }
-            Err(status)
-                if matches!(
-                    status.code(),
-                    tonic::Code::ResourceExhausted | tonic::Code::InvalidArgument
-                ) =>
-            {
+            // No free range to remap into passes when another peering frees one: the decision
+            // waits, and the sender's re-submissions make it again (ADR 0010).
+            Err(status) if status.code() == tonic::Code::ResourceExhausted => {
+                tracing::warn!(remote.id = %nc.origin.id, reason = status.message(), "cannot decide on a network config yet");
+                Ok(Decision::Pending {
+                    message: status.message().to_owned(),
+                    observed_generation: nc.generation,
+                })
+            }
+            // The spec itself is unusable: only a new spec is worth deciding again.
+            Err(status) if status.code() == tonic::Code::InvalidArgument => {
                 tracing::warn!(remote.id = %nc.origin.id, reason = status.message(), "rejected a network config");
                 Ok(Decision::Rejected {
                     message: status.message().to_owned(),
@@ -712,6 +833,7 @@ impl Broker {
     /// Stores a remote's decision on our NetworkConfig and tells the IPAM how it addresses us.
     /// Returns false for a stale decision.
     pub async fn decided(&self, remote: &ClusterId, decision: Decision) -> Result<bool> {
+        self.check_remote_decision("status", &decision)?;
         let key = out_key(remote);
         let mut contention = Contention::new("recording a network config status");
         loop {

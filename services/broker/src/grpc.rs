@@ -80,6 +80,15 @@ fn status_of(decision: &Decision) -> types::NetworkConfigStatus {
             message: message.clone(),
             ..Default::default()
         },
+        Decision::Pending {
+            message,
+            observed_generation,
+        } => types::NetworkConfigStatus {
+            state: types::NetworkConfigState::Pending.into(),
+            observed_generation: *observed_generation,
+            message: message.clone(),
+            ..Default::default()
+        },
     }
 }
 

@@ -69,7 +69,10 @@ pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started
         &config.gateway,
         tls.clone(),
     )?;
-    let core = Arc::new(Broker::new(identity, store, clients, config.token.clone()));
+    let core = Arc::new(
+        Broker::new(identity, store, clients, config.token.clone())
+            .with_allowed_remote_ranges(config.allowed_remote_cidrs.clone()),
+    );
     core.token()
         .await
         .context("initialising the peering token")?;

@@ -19,7 +19,9 @@ use trellis_api::convert::identity_to_pb;
 use trellis_api::model::{NatView, NetworkSpec, TunnelEndpoint};
 use trellis_api::pb::discovery::{WatchForeignClustersRequest, WatchForeignClustersResponse};
 use trellis_api::pb::gateway::GetGatewayInfoRequest;
-use trellis_api::pb::ipam::{FreeSubnetsPerClusterRequest, GetLocalSubnetsRequest};
+use trellis_api::pb::ipam::{
+    FreeSubnetsPerClusterRequest, GetLocalSubnetsRequest, ListClusterSubnetsRequest,
+};
 use trellis_api::pb::peering::{RelayRequest, RelayWithdrawalRequest, SubmitNetworkConfigRequest};
 use trellis_api::pb::types as pb;
 use trellis_error::{Error, Result};
@@ -304,7 +306,8 @@ async fn holds(broker: &Broker, id: &ClusterId) -> Result<bool> {
 /// NetworkConfig still carries them needs no per-remote question on a periodic pass.
 struct GatewayBasics {
     public_key: String,
-    endpoint_ip: Option<std::net::IpAddr>,
+    /// The host of the gateway's endpoint (an IP or a DNS name; the port is per remote).
+    endpoint_host: Option<trellis_api::model::EndpointHost>,
 }
 
 async fn gateway_basics(broker: &Broker) -> Result<GatewayBasics> {
@@ -319,11 +322,9 @@ async fn gateway_basics(broker: &Broker) -> Result<GatewayBasics> {
         .into_inner();
     Ok(GatewayBasics {
         public_key: info.public_key,
-        endpoint_ip: info
-            .endpoint
-            .parse::<std::net::SocketAddr>()
+        endpoint_host: trellis_api::model::Endpoint::parse("endpoint", &info.endpoint)
             .ok()
-            .map(|a| a.ip()),
+            .map(|e| e.host().clone()),
     })
 }
 
@@ -378,14 +379,19 @@ async fn ensure_one(
 /// on one remote (peering changes, a restart).
 pub async fn pass(broker: &Broker) -> Result<Unsettled> {
     // What we hold is read before who we peer with: a NetworkConfig received meanwhile was
-    // checked against a newer discovery listing than ours and must not look unwanted.
+    // checked against a newer discovery listing than ours and must not look unwanted. The
+    // IPAM's mappings are read first of all, for the same reason.
+    // An IPAM that does not answer holds up only this reconciliation, not the rest of the pass.
+    let mapped = mapped(broker)
+        .await
+        .inspect_err(|err| tracing::warn!(error = %err, "cannot reconcile the ipam's mappings"));
     let held = held(broker).await?;
     let peers = broker.peers().await?;
     let mut unsettled = Unsettled::default();
 
     for kv in broker.store().list(NOTIFY_PREFIX).await?.kvs {
         let pending: PendingNotify = decode(&kv.key, &kv.value)?;
-        if !broker.deliver_notify(&pending).await {
+        if !broker.act_on_notice(&pending.remote.id).await? {
             unsettled.all = true;
         }
     }
@@ -412,6 +418,17 @@ pub async fn pass(broker: &Broker) -> Result<Unsettled> {
                 unsettled.ids.insert(id.clone());
             }
         }
+    }
+    match mapped {
+        Ok(mapped) => {
+            if !free_orphaned_mappings(broker, mapped, &held, &peers)
+                .await?
+                .is_empty()
+            {
+                unsettled.all = true;
+            }
+        }
+        Err(_) => unsettled.all = true,
     }
     Ok(unsettled)
 }
@@ -541,7 +558,7 @@ async fn ensure(
     };
     if let (false, Some((out, _)), Some(basics)) = (unfinished, &existing, basics) {
         let same_gateway = out.spec.public_key.to_string() == basics.public_key
-            && basics.endpoint_ip == Some(out.spec.endpoint.ip());
+            && basics.endpoint_host.as_ref() == Some(out.spec.endpoint.host());
         let forwarder = match &remote.route {
             Route::Direct { .. } => None,
             Route::Relayed { forwarder, .. } => Some(forwarder.as_str()),
@@ -688,6 +705,16 @@ async fn deliver(broker: &Broker, remote: &Remote, out: &OutgoingNc) -> Result<(
     };
     if let Some(decision) = decision_from_status(&out.spec, status.as_ref())? {
         broker.decided(id, decision).await?;
+    } else if let Some(waiting) = status
+        .as_ref()
+        .filter(|s| s.state == pb::NetworkConfigState::Pending as i32 && !s.message.is_empty())
+    {
+        // The remote cannot decide yet (no free range): an unfinished exchange, retried with
+        // this remote's backoff until it decides.
+        return Err(Error::Unavailable(format!(
+            "{id} has not decided on our network config yet: {}",
+            waiting.message
+        )));
     }
     Ok(())
 }
@@ -762,11 +789,15 @@ async fn write_tunnel(broker: &Broker, id: &ClusterId) -> Result<()> {
     Ok(())
 }
 
-/// Removes everything held for `id`: withdraws our induced NetworkConfig through its hub (best
-/// effort: the hub may be the reason it is gone), deletes both NetworkConfigs and the
-/// TunnelEndpoint (leaving a tombstone for watchers), and frees the IPAM mapping.
+/// Removes everything held for `id`, in an order that survives a failure at any step: the
+/// TunnelEndpoint first (leaving a tombstone for watchers), so the data plane drops the peer at
+/// once; then our induced NetworkConfig is withdrawn through its hub (best effort: the hub may
+/// be the reason it is gone); then the IPAM mapping is freed; the NetworkConfigs go last. Until
+/// they are gone the remote counts as held, so a failed step (the IPAM restarting) is retried
+/// by the next pass instead of leaking the mapping.
 pub async fn teardown(broker: &Broker, id: &ClusterId, reason: &str) -> Result<()> {
     let store = broker.store();
+    remove_tunnel(broker, id).await?;
     if let Some(kv) = store.get(&out_key(id)).await? {
         let out: OutgoingNc = decode(&out_key(id), &kv.value)?;
         if let (Some(hub), Some(forwarder)) = (&out.via, &out.forwarder) {
@@ -793,8 +824,14 @@ pub async fn teardown(broker: &Broker, id: &ClusterId, reason: &str) -> Result<(
             }
         }
     }
+    free_mapping(broker, id).await?;
     remove_state(broker, id).await?;
-    broker
+    tracing::info!(remote.id = %id, reason, "tore down the network configs and tunnel");
+    Ok(())
+}
+
+async fn free_mapping(broker: &Broker, id: &ClusterId) -> Result<bool> {
+    let answer = broker
         .clients()
         .ipam()
         .free_subnets_per_cluster(FreeSubnetsPerClusterRequest {
@@ -802,8 +839,83 @@ pub async fn teardown(broker: &Broker, id: &ClusterId, reason: &str) -> Result<(
         })
         .await
         .map_err(|s| Error::from(s).context("freeing the remote's IPAM mapping"))?;
-    tracing::info!(remote.id = %id, reason, "tore down the network configs and tunnel");
+    Ok(answer.into_inner().existed)
+}
+
+/// Deletes the TunnelEndpoint of `id`, leaving a tombstone for watchers.
+async fn remove_tunnel(broker: &Broker, id: &ClusterId) -> Result<()> {
+    let store = broker.store();
+    let Some(kv) = store.get(&tunnel_key(id)).await? else {
+        return Ok(());
+    };
+    store
+        .txn(
+            Txn::new()
+                .when(Compare::mod_revision(tunnel_key(id), kv.mod_revision))
+                .then(Op::delete(tunnel_key(id)))
+                .then(Op::put(tombstone_key(id), kv.value)),
+        )
+        .await?;
     Ok(())
+}
+
+/// The IPAM reconciliation against the peer set: frees the mappings of clusters we neither
+/// exchange with nor hold anything for. They are left by a teardown that predates the ordered
+/// one above, by an allocation that raced a teardown, or by a caller of the IPAM. `mapped` was
+/// listed before `held` and before the peering view, so a mapping made for a NetworkConfig
+/// received meanwhile (whose sender discovery listed as a peer first) is not among them; the
+/// candidates are confirmed against a fresh view before anything is freed.
+async fn free_orphaned_mappings(
+    broker: &Broker,
+    mapped: BTreeSet<ClusterId>,
+    held: &BTreeSet<ClusterId>,
+    peers: &Peers,
+) -> Result<BTreeSet<ClusterId>> {
+    let candidates: Vec<ClusterId> = mapped
+        .into_iter()
+        .filter(|id| !held.contains(id) && !peers.desired.contains_key(id))
+        .collect();
+    let mut failed = BTreeSet::new();
+    if candidates.is_empty() {
+        return Ok(failed);
+    }
+    let fresh = broker.peers().await?;
+    for id in candidates
+        .into_iter()
+        .filter(|id| !fresh.desired.contains_key(id))
+    {
+        if holds(broker, &id).await? {
+            continue;
+        }
+        match free_mapping(broker, &id).await {
+            Ok(existed) => {
+                if existed {
+                    tracing::info!(remote.id = %id, "freed the ipam mapping of a cluster that is no peer");
+                }
+            }
+            Err(err) => {
+                tracing::warn!(remote.id = %id, error = %err, "could not free an orphaned ipam mapping");
+                failed.insert(id);
+            }
+        }
+    }
+    Ok(failed)
+}
+
+/// The remote clusters the IPAM holds a mapping for.
+async fn mapped(broker: &Broker) -> Result<BTreeSet<ClusterId>> {
+    let listing = broker
+        .clients()
+        .ipam()
+        .list_cluster_subnets(ListClusterSubnetsRequest {})
+        .await
+        .map_err(|s| Error::from(s).context("listing the IPAM's mappings"))?
+        .into_inner();
+    Ok(listing
+        .clusters
+        .iter()
+        .filter_map(|c| ClusterId::parse("cluster_id", &c.cluster_id).ok())
+        .collect())
 }
 
 /// Deletes both NetworkConfigs and the TunnelEndpoint of `id` in one transaction.

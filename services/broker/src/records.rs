@@ -55,8 +55,15 @@ pub enum Decision {
         view: NatView,
         observed_generation: i64,
     },
-    /// The receiver refused the spec at `observed_generation`.
+    /// The receiver refused the spec at `observed_generation` for good (the spec itself is
+    /// unusable); only a new spec (a higher generation) is decided again.
     Rejected {
+        message: String,
+        observed_generation: i64,
+    },
+    /// The receiver could not decide yet for a reason that may pass (no free range to remap
+    /// into, ADR 0010): the sender re-submits with backoff and the receiver decides again.
+    Pending {
         message: String,
         observed_generation: i64,
     },
@@ -73,6 +80,10 @@ impl Decision {
             | Self::Rejected {
                 observed_generation,
                 ..
+            }
+            | Self::Pending {
+                observed_generation,
+                ..
             } => *observed_generation,
         }
     }
@@ -81,7 +92,7 @@ impl Decision {
     pub fn view(&self) -> Option<NatView> {
         match self {
             Self::Processed { view, .. } => Some(*view),
-            Self::Rejected { .. } => None,
+            Self::Rejected { .. } | Self::Pending { .. } => None,
         }
     }
 }

@@ -5,16 +5,10 @@ use std::time::Duration;
 
 use clap::Parser;
 use trellis_runtime::CommonConfig;
+use trellis_runtime::config::address_arg;
 use trellis_runtime::config::{HasCommon, PeerTlsConfig};
 
 use crate::records::Addresses;
-
-fn address_arg(value: &str) -> Result<String, String> {
-    trellis_api::address::required("value", value).map_err(|e| match e {
-        trellis_error::Error::InvalidArgument { reason, .. } => reason,
-        other => other.to_string(),
-    })
-}
 
 /// The discovery service of one Trellis cluster: keeps the cluster's identity and the
 /// ForeignClusters it knows (found manually, by DNS-SRV or mDNS, peered, or induced by a hub's

@@ -5,14 +5,8 @@ use std::time::Duration;
 use clap::Parser;
 use trellis_runtime::CommonConfig;
 use trellis_runtime::client::Timeouts;
+use trellis_runtime::config::address_arg;
 use trellis_runtime::config::{HasCommon, PeerTlsConfig};
-
-fn address_arg(value: &str) -> Result<String, String> {
-    trellis_api::address::required("value", value).map_err(|e| match e {
-        trellis_error::Error::InvalidArgument { reason, .. } => reason,
-        other => other.to_string(),
-    })
-}
 
 fn millis_arg(value: &str) -> Result<u64, String> {
     match value.parse::<u64>() {

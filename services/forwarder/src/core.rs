@@ -1,10 +1,17 @@
 //! The forwarder's operations. Every relay is persisted before it is acknowledged, then
-//! delivered at once when the other end answers, otherwise by the retry loop ([`Forwarder::
-//! deliver_due`]) with backoff. Both ends are idempotent per generation, so re-delivery after a
-//! crash is harmless; completed relays are deleted.
+//! delivered at once when the other end answers, otherwise by the retry loop ([`retry_loop`])
+//! with backoff. Both ends are idempotent per generation, so re-delivery after a crash is
+//! harmless; completed relays are deleted, relays refused for good after `--failed-retention`.
+//!
+//! The retry loop works from an in-memory due queue (`Schedule`): read from the store once
+//! at start, then kept up to date by every write of a relay (`Forwarder::save`), so a wake
+//! costs one store read per due relay, not a listing of all of them. Attempts run
+//! concurrently (at most `--delivery-concurrency`), but never two at once towards the same
+//! cluster: a destination that hangs until the delivery timeout ties up one slot, and the
+//! relays to everyone else go on.
 
-use std::collections::HashMap;
-use std::sync::Mutex;
+use std::collections::{BTreeSet, HashMap, HashSet};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tokio::sync::Notify;
@@ -21,6 +28,8 @@ use trellis_api::pb::types as pb;
 use trellis_api::peers::Peers;
 use trellis_api::{ClusterId, ClusterIdentity};
 use trellis_error::{Error, Result};
+use trellis_runtime::Shutdown;
+use trellis_runtime::backoff::Backoff;
 use trellis_runtime::client::{Timeouts, TracedChannel, channel};
 use trellis_runtime::propagation::{resumed_span, traceparent_of};
 use trellis_runtime::tls::{PeerTls, cluster_channel};
@@ -41,6 +50,103 @@ const LOCAL: Timeouts = Timeouts {
     request: Duration::from_secs(10),
 };
 const RETRY_MIN: Duration = Duration::from_millis(200);
+/// An attempt made while the caller waits (Relay, RelayStatus, RelayWithdrawal) owns its
+/// relay this long: the retry loop leaves it alone meanwhile rather than send it twice. The
+/// attempt rewrites the record before then, so only a crash lets this pass.
+const INLINE_GRACE: Duration =
+    Duration::from_secs(DELIVERY.connect.as_secs() + DELIVERY.request.as_secs() + 1);
+/// How long the loop waits before retrying a relay whose processing failed on our side (the
+/// store or the local discovery service did not answer).
+const LOCAL_RETRY: Duration = Duration::from_secs(1);
+/// The longest the retry loop sleeps with nothing due (a safety net; every write wakes it).
+const IDLE: Duration = Duration::from_secs(60);
+
+fn nanos(d: Duration) -> i64 {
+    i64::try_from(d.as_nanos()).unwrap_or(i64::MAX)
+}
+
+/// How relays are retried and kept.
+#[derive(Debug, Clone, Copy)]
+pub struct Delivery {
+    /// Longest wait between two attempts of one relay.
+    pub retry_max: Duration,
+    /// Attempts in flight at once, over all destinations (each cluster gets one at a time).
+    pub concurrency: usize,
+    /// How long a relay refused for good (state Failed), or delivered but never answered
+    /// (state Delivered), is kept for operators before it is deleted.
+    pub retention: Duration,
+}
+
+/// The retry loop's in-memory due queue: which relay needs work when, and which cluster that
+/// work calls. Mirrors the store (every successful write of a relay updates it), so it only
+/// has to be read from the store once per process.
+#[derive(Debug, Default)]
+struct Schedule {
+    /// (due, key), earliest first.
+    queue: BTreeSet<(i64, String)>,
+    /// What is queued per key: its due time and the cluster it calls (none to delete it).
+    entries: HashMap<String, (i64, Option<ClusterId>)>,
+}
+
+impl Schedule {
+    fn set(&mut self, key: &str, work: Option<(i64, Option<ClusterId>)>) {
+        if let Some((due, _)) = self.entries.remove(key) {
+            self.queue.remove(&(due, key.to_owned()));
+        }
+        if let Some((due, target)) = work {
+            self.queue.insert((due, key.to_owned()));
+            self.entries.insert(key.to_owned(), (due, target));
+        }
+    }
+
+    /// Takes up to `free` relays due at `now` whose cluster has no attempt in flight (marking
+    /// it busy); returns them and when the next one not yet due will be.
+    fn take_due(
+        &mut self,
+        now: i64,
+        busy: &mut HashSet<ClusterId>,
+        free: usize,
+    ) -> (Vec<(String, Option<ClusterId>)>, Option<i64>) {
+        let mut taken = Vec::new();
+        let mut next = None;
+        for (due, key) in &self.queue {
+            if *due > now {
+                next = Some(*due);
+                break;
+            }
+            if taken.len() >= free {
+                break;
+            }
+            let target = self.entries.get(key).and_then(|(_, t)| t.clone());
+            if let Some(cluster) = &target
+                && !busy.insert(cluster.clone())
+            {
+                continue;
+            }
+            taken.push((key.clone(), target));
+        }
+        for (key, _) in &taken {
+            self.set(key, None);
+        }
+        (taken, next)
+    }
+}
+
+/// What the loop must do with `record` and when: deliver it (calling the returned cluster)
+/// or, for a relay kept only for operators, delete it once the retention has passed.
+fn work_of(record: &RelayRecord, retention: Duration) -> Option<(i64, Option<ClusterId>)> {
+    match record.state {
+        State::Pending | State::Withdrawing => Some((
+            record.next_attempt_nanos,
+            Some(record.destination.id.clone()),
+        )),
+        State::StatusPending => Some((record.next_attempt_nanos, Some(record.origin.id.clone()))),
+        State::Failed | State::Delivered => {
+            Some((record.updated_nanos.saturating_add(nanos(retention)), None))
+        }
+        State::Completed => None,
+    }
+}
 
 /// What a relay request asks for.
 #[derive(Debug, Clone)]
@@ -61,9 +167,11 @@ pub struct Forwarder {
     tls: Option<PeerTls>,
     /// Broker channels by (address, cluster).
     brokers: Mutex<HashMap<(String, String), TracedChannel>>,
-    retry_max: Duration,
-    /// Wakes the retry loop.
-    pub(crate) wake: Notify,
+    delivery: Delivery,
+    /// The retry loop's due queue.
+    schedule: Mutex<Schedule>,
+    /// Wakes the retry loop (something was scheduled).
+    wake: Notify,
 }
 
 /// Gives up on a delivery for good: the other end refused the content itself.
@@ -83,7 +191,7 @@ impl Forwarder {
         identity: ClusterIdentity,
         store: SharedStore,
         discovery: &str,
-        retry_max: Duration,
+        delivery: Delivery,
         tls: Option<PeerTls>,
     ) -> Result<Self> {
         Ok(Self {
@@ -92,9 +200,40 @@ impl Forwarder {
             discovery: channel("discovery", discovery, LOCAL)?,
             tls,
             brokers: Mutex::new(HashMap::new()),
-            retry_max,
+            delivery: Delivery {
+                concurrency: delivery.concurrency.max(1),
+                ..delivery
+            },
+            schedule: Mutex::new(Schedule::default()),
             wake: Notify::new(),
         })
+    }
+
+    /// Queues `work` for `key` (none: nothing to do) and wakes the retry loop.
+    fn schedule(&self, key: &str, work: Option<(i64, Option<ClusterId>)>) {
+        if let Ok(mut schedule) = self.schedule.lock() {
+            schedule.set(key, work);
+        }
+        self.wake.notify_one();
+    }
+
+    /// Fills the due queue from the store: once per process, before the retry loop starts.
+    /// Returns how many relays are held.
+    async fn load_schedule(&self) -> Result<usize> {
+        let listing = self.store.list(RELAYS_PREFIX).await?;
+        let mut held = 0;
+        for kv in &listing.kvs {
+            match decode::<RelayRecord>(&kv.key, &kv.value) {
+                Ok(record) => {
+                    self.schedule(&kv.key, work_of(&record, self.delivery.retention));
+                    held += 1;
+                }
+                Err(err) => {
+                    tracing::warn!(key = %kv.key, error = %err, "skipping an undecodable relay");
+                }
+            }
+        }
+        Ok(held)
     }
 
     pub fn identity(&self) -> &ClusterIdentity {
@@ -184,7 +323,8 @@ impl Forwarder {
         })
     }
 
-    /// Replaces the record at `key` if it is still at `revision`; `None` deletes it.
+    /// Replaces the record at `key` if it is still at `revision`; `None` deletes it. Every
+    /// write of a relay goes through here, which keeps the due queue in step with the store.
     async fn save(&self, key: &str, revision: i64, record: Option<&RelayRecord>) -> Result<bool> {
         let op = match record {
             Some(r) => Op::Put {
@@ -207,6 +347,12 @@ impl Forwarder {
                 failure: vec![],
             })
             .await?;
+        if done.succeeded {
+            self.schedule(
+                key,
+                record.and_then(|r| work_of(r, self.delivery.retention)),
+            );
+        }
         Ok(done.succeeded)
     }
 
@@ -230,7 +376,7 @@ impl Forwarder {
             let record = RelayRecord {
                 origin: nc.origin.clone(),
                 destination: nc.destination.clone(),
-                spec: nc.spec,
+                spec: nc.spec.clone(),
                 generation: nc.generation,
                 state: State::Pending,
                 status: None,
@@ -239,7 +385,7 @@ impl Forwarder {
                 last_error: String::new(),
                 created_nanos: now,
                 updated_nanos: now,
-                next_attempt_nanos: now,
+                next_attempt_nanos: now + nanos(INLINE_GRACE),
                 trace: traceparent_of(&tracing::Span::current()),
             };
             let revision = existing.as_ref().map_or(0, |(_, r)| *r);
@@ -271,9 +417,8 @@ impl Forwarder {
             && record.next_attempt_nanos > now
         {
             record.next_attempt_nanos = now;
-            if self.save(&key, revision, Some(&record)).await? {
-                self.wake.notify_one();
-            }
+            // Saving queues it for now (and wakes the retry loop).
+            self.save(&key, revision, Some(&record)).await?;
         }
         Ok(())
     }
@@ -304,7 +449,7 @@ impl Forwarder {
             record.state = State::StatusPending;
             record.status = Some(status.clone());
             record.attempts = 0;
-            record.next_attempt_nanos = now_nanos();
+            record.next_attempt_nanos = now_nanos() + nanos(INLINE_GRACE);
             if self.save(&key, revision, Some(&record)).await? {
                 let revision = self.store.get(&key).await?.map_or(0, |kv| kv.mod_revision);
                 return Ok(self
@@ -354,7 +499,7 @@ impl Forwarder {
             last_error: String::new(),
             created_nanos: now,
             updated_nanos: now,
-            next_attempt_nanos: now,
+            next_attempt_nanos: now + nanos(INLINE_GRACE),
             trace: traceparent_of(&tracing::Span::current()),
         };
         let mut contention = Contention::new("accepting a withdrawal");
@@ -556,11 +701,9 @@ impl Forwarder {
             Err(err) => {
                 record.attempts += 1;
                 record.last_error = err.to_string();
-                let backoff = RETRY_MIN
-                    .saturating_mul(1u32 << record.attempts.min(10))
-                    .min(self.retry_max);
-                record.next_attempt_nanos =
-                    now + i64::try_from(backoff.as_nanos()).unwrap_or(i64::MAX);
+                let backoff = Backoff::new(RETRY_MIN, self.delivery.retry_max)
+                    .after_failures(record.attempts);
+                record.next_attempt_nanos = now.saturating_add(nanos(backoff));
                 tracing::debug!(origin = %record.origin.id, destination = %record.destination.id, attempts = record.attempts, error = %err, "relay delivery will be retried");
                 Some(record)
             }
@@ -575,36 +718,54 @@ impl Forwarder {
             self.save(key, revision, None).await?;
             tracing::info!(origin = %origin_id, destination = %destination_id, "relay completed");
         }
-        self.wake.notify_one();
         Ok((state, status))
     }
 
-    /// Retries every relay whose next attempt is due; returns when the next one will be.
-    pub async fn deliver_due(&self) -> Result<Option<i64>> {
-        let listing = self.store.list(RELAYS_PREFIX).await?;
-        let now = now_nanos();
-        let mut next: Option<i64> = None;
-        for kv in listing.kvs {
-            let record: RelayRecord = decode(&kv.key, &kv.value)?;
-            if record.state == State::Failed
-                || record.state == State::Delivered
-                || record.next_attempt_nanos == 0
-            {
-                continue;
+    /// Does the work queued for `key` if it is due: one delivery attempt, or deleting a relay
+    /// kept past its retention. Reads the record afresh (it may have changed since it was
+    /// queued) and queues it again if it is not due after all.
+    async fn process(&self, key: &str) -> Result<()> {
+        let Some((record, revision)) = self.load(key).await? else {
+            return Ok(());
+        };
+        let work = work_of(&record, self.delivery.retention);
+        match work {
+            Some((due, _)) if due > now_nanos() => self.schedule(key, work),
+            None => {}
+            Some((_, None)) => {
+                let deleted = self.save(key, revision, None).await?;
+                if deleted {
+                    tracing::info!(origin = %record.origin.id, destination = %record.destination.id, state = ?record.state, last_error = %record.last_error, "deleted a relay kept past its retention");
+                }
             }
-            if record.next_attempt_nanos > now {
-                next = Some(next.map_or(record.next_attempt_nanos, |n| {
-                    n.min(record.next_attempt_nanos)
-                }));
-                continue;
-            }
-            let span = resumed_span("relay retry", record.trace.as_deref());
-            let attempt = self.attempt(&kv.key, record, kv.mod_revision, false, None);
-            if let Err(err) = attempt.instrument(span).await {
-                tracing::warn!(key = %kv.key, error = %err, "relay attempt failed");
+            Some((_, Some(_))) => {
+                let span = resumed_span("relay retry", record.trace.as_deref());
+                self.attempt(key, record, revision, false, None)
+                    .instrument(span)
+                    .await?;
             }
         }
-        Ok(next)
+        Ok(())
+    }
+
+    /// [`Self::process`], and on a failure of our own (store, local discovery) the relay is
+    /// queued again shortly rather than dropped from the queue.
+    async fn process_or_requeue(&self, key: &str, target: Option<ClusterId>) {
+        if let Err(err) = self.process(key).await {
+            tracing::warn!(key = %key, error = %err, "relay attempt failed");
+            let due = now_nanos().saturating_add(nanos(LOCAL_RETRY));
+            if let Ok(mut schedule) = self.schedule.lock()
+                && !schedule.entries.contains_key(key)
+            {
+                schedule.set(key, Some((due, target)));
+            }
+        }
+    }
+
+    /// Moves relays stored in the old key layout to the current one ([`crate::migrate`]);
+    /// returns how many moved. Run on start, before serving.
+    pub async fn migrate_relay_keys(&self) -> Result<usize> {
+        crate::migrate::relay_keys(&self.store).await
     }
 
     /// Relays still held, optionally for one cluster.
@@ -621,24 +782,105 @@ impl Forwarder {
     }
 }
 
-/// Runs the retry loop until `shutdown`.
-pub async fn retry_loop(forwarder: std::sync::Arc<Forwarder>, shutdown: trellis_runtime::Shutdown) {
+/// Runs the retry loop until `shutdown`: fills the due queue from the store, then runs each
+/// relay's work when it is due, at most `--delivery-concurrency` at once and one at a time
+/// per cluster called. Attempts still running at shutdown are dropped (the records stay and
+/// the next start retries them).
+pub async fn retry_loop(forwarder: Arc<Forwarder>, shutdown: Shutdown) {
+    let mut backoff = Backoff::new(RETRY_MIN, forwarder.delivery.retry_max);
     loop {
-        let wait = match forwarder.deliver_due().await {
-            Ok(Some(due)) => {
-                Duration::from_nanos(u64::try_from((due - now_nanos()).max(0)).unwrap_or(0))
-                    .max(Duration::from_millis(20))
+        match forwarder.load_schedule().await {
+            Ok(held) => {
+                tracing::info!(relays = held, "relay retries started");
+                break;
             }
-            Ok(None) => Duration::from_secs(5),
             Err(err) => {
-                tracing::warn!(error = %err, "cannot scan relays");
-                Duration::from_secs(1)
+                tracing::warn!(error = %err, "cannot read the relays; retrying");
+                tokio::select! {
+                    () = shutdown.cancelled() => return,
+                    () = tokio::time::sleep(backoff.next_delay()) => {}
+                }
             }
+        }
+    }
+    let mut running = tokio::task::JoinSet::new();
+    // The cluster each running task calls, by task.
+    let mut calling: HashMap<tokio::task::Id, ClusterId> = HashMap::new();
+    let mut busy: HashSet<ClusterId> = HashSet::new();
+    loop {
+        let free = forwarder.delivery.concurrency.saturating_sub(running.len());
+        let (ready, next) = match forwarder.schedule.lock() {
+            Ok(mut schedule) => schedule.take_due(now_nanos(), &mut busy, free),
+            Err(_) => return,
         };
+        for (key, target) in ready {
+            let worker = forwarder.clone();
+            let cluster = target.clone();
+            let task = running.spawn(async move { worker.process_or_requeue(&key, target).await });
+            if let Some(cluster) = cluster {
+                calling.insert(task.id(), cluster);
+            }
+        }
+        let wait = next.map_or(IDLE, |due| {
+            Duration::from_nanos(u64::try_from(due - now_nanos()).unwrap_or(0)).min(IDLE)
+        });
         tokio::select! {
             () = shutdown.cancelled() => return,
             () = forwarder.wake.notified() => {}
+            Some(done) = running.join_next_with_id() => {
+                let id = match done {
+                    Ok((id, ())) => id,
+                    Err(err) => {
+                        tracing::warn!(error = %err, "a relay attempt ended abnormally");
+                        err.id()
+                    }
+                };
+                if let Some(cluster) = calling.remove(&id) {
+                    busy.remove(&cluster);
+                }
+            }
             () = tokio::time::sleep(wait) => {}
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn id(s: &str) -> ClusterId {
+        ClusterId::parse("id", s).expect("valid id")
+    }
+
+    #[test]
+    fn the_queue_hands_out_one_relay_per_cluster_and_due_ones_only() {
+        let mut schedule = Schedule::default();
+        schedule.set("relays/a/dead", Some((1, Some(id("dead")))));
+        schedule.set("relays/b/dead", Some((2, Some(id("dead")))));
+        schedule.set("relays/a/up", Some((3, Some(id("up")))));
+        schedule.set("relays/x/gone", Some((4, None)));
+        schedule.set("relays/a/later", Some((50, Some(id("later")))));
+        // Rescheduling replaces: not handed out twice.
+        schedule.set("relays/a/up", Some((5, Some(id("up")))));
+
+        let mut busy = HashSet::new();
+        let (taken, next) = schedule.take_due(10, &mut busy, 10);
+        let keys: Vec<&str> = taken.iter().map(|(k, _)| k.as_str()).collect();
+        assert_eq!(keys, ["relays/a/dead", "relays/x/gone", "relays/a/up"]);
+        assert_eq!(next, Some(50));
+        assert!(busy.contains(&id("dead")) && busy.contains(&id("up")));
+
+        // The other relay to the busy cluster waits for it; once free it is handed out.
+        let (taken, _) = schedule.take_due(10, &mut busy, 10);
+        assert!(taken.is_empty(), "{taken:?}");
+        busy.remove(&id("dead"));
+        let (taken, _) = schedule.take_due(10, &mut busy, 10);
+        assert_eq!(taken, [("relays/b/dead".to_owned(), Some(id("dead")))]);
+
+        // No more than `free` at once.
+        schedule.set("relays/p/q1", Some((1, Some(id("q1")))));
+        schedule.set("relays/p/q2", Some((1, Some(id("q2")))));
+        let (taken, _) = schedule.take_due(10, &mut HashSet::new(), 1);
+        assert_eq!(taken.len(), 1);
     }
 }

@@ -4,12 +4,14 @@
 //! Liqo's reflector between namespaces with this service).
 //!
 //! - [`core`]: accepting, persisting, delivering and retrying relays;
-//! - [`records`]: what is stored (only relays in flight);
+//! - [`records`]: what is stored (only relays in flight); [`migrate`]: moving records of an
+//!   earlier key layout on start;
 //! - [`grpc`]: the thin gRPC layer; [`config`]: the flags.
 
 pub mod config;
 pub mod core;
 pub mod grpc;
+pub mod migrate;
 pub mod records;
 
 use std::net::SocketAddr;
@@ -57,9 +59,13 @@ pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started
         identity,
         store,
         &config.discovery,
-        config.retry_max(),
+        config.delivery(),
         tls.clone(),
     )?);
+    // Before serving and retrying, so both only ever see the current layout.
+    core.migrate_relay_keys()
+        .await
+        .context("moving relays of the old key layout")?;
     let mut background = Vec::new();
     let (peer, authz) = cluster_facing(
         tls.as_ref(),

@@ -4,7 +4,12 @@
 //!
 //! | key | value |
 //! |---|---|
-//! | `relays/<origin>--<destination>` | [`RelayRecord`] |
+//! | `relays/<origin>/<destination>` | [`RelayRecord`] |
+//!
+//! Cluster IDs are `[A-Za-z0-9._-]` ([`ClusterId`]), so `/` cannot occur in one and the key
+//! names exactly one pair. Earlier versions used `relays/<origin>--<destination>`, which IDs
+//! containing `--` made ambiguous (`("a--b", "c")` and `("a", "b--c")` shared a record); such
+//! keys are moved on start ([`crate::migrate`]).
 
 use serde::{Deserialize, Serialize};
 use trellis_api::model::NetworkSpec;
@@ -14,7 +19,14 @@ pub const RELAYS_PREFIX: &str = "relays/";
 
 /// Store key of the relay of (origin → destination).
 pub fn relay_key(origin: &ClusterId, destination: &ClusterId) -> String {
-    format!("{RELAYS_PREFIX}{origin}--{destination}")
+    format!("{RELAYS_PREFIX}{origin}/{destination}")
+}
+
+/// Whether `key` (under [`RELAYS_PREFIX`]) is in the old `relays/<origin>--<destination>`
+/// layout: one segment, where the current layout has two.
+pub fn is_old_layout(key: &str) -> bool {
+    key.strip_prefix(RELAYS_PREFIX)
+        .is_some_and(|rest| !rest.contains('/'))
 }
 
 /// Where a relay stands.

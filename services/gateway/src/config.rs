@@ -4,8 +4,9 @@ use std::net::{IpAddr, Ipv4Addr};
 use std::time::Duration;
 
 use clap::{Parser, ValueEnum};
+use trellis_api::model::EndpointHost;
 use trellis_runtime::CommonConfig;
-use trellis_runtime::config::HasCommon;
+use trellis_runtime::config::{HasCommon, underlay_mtu_arg};
 
 use crate::ports::PortRange;
 
@@ -31,6 +32,10 @@ fn node_name_arg(value: &str) -> Result<String, String> {
     trellis_api::ident::dns_label("--node-name", value).map_err(|e| e.to_string())
 }
 
+fn endpoint_address_arg(value: &str) -> Result<EndpointHost, String> {
+    EndpointHost::parse("--endpoint-address", value).map_err(|e| e.to_string())
+}
+
 fn prefix_arg(value: &str) -> Result<String, String> {
     crate::names::validate_prefix(value).map(|()| value.to_owned())
 }
@@ -43,10 +48,19 @@ pub struct Config {
     #[command(flatten)]
     pub common: CommonConfig,
 
-    /// The IP address remote gateways reach this gateway at (published in NetworkConfigs with
-    /// each peer's port). Required unless `--dataplane none`, where it defaults to 127.0.0.1.
-    #[arg(long, env = "TRELLIS_ENDPOINT_ADDRESS", value_name = "IP")]
-    pub endpoint_address: Option<IpAddr>,
+    /// The address remote gateways reach this gateway at (published in NetworkConfigs with
+    /// each peer's port): an IP address, or a DNS name that the remote gateways resolve each
+    /// time they configure the tunnel (so a gateway node whose public IP changes can be
+    /// followed by updating the name). In Kubernetes, the public IP or name of the node
+    /// labelled for the gateway. Required unless `--dataplane none`, where it defaults to
+    /// 127.0.0.1.
+    #[arg(
+        long,
+        env = "TRELLIS_ENDPOINT_ADDRESS",
+        value_name = "IP|NAME",
+        value_parser = endpoint_address_arg
+    )]
+    pub endpoint_address: Option<EndpointHost>,
 
     /// UDP ports handed out to remote peers, one per peer (`FIRST-LAST`, inclusive). Each
     /// peer's port is persisted in the store and stays the same across restarts.
@@ -58,6 +72,18 @@ pub struct Config {
         default_value_t = PortRange::default_range()
     )]
     pub wireguard_ports: PortRange,
+
+    /// How long a port handed out by GetGatewayInfo for a peer that has no applied tunnel is
+    /// kept after the last request for it, in seconds. The broker asks again at least once per
+    /// resync while it still works on the exchange; after that the port goes back to
+    /// `--wireguard-ports` (a rejected or abandoned peering, a made-up cluster ID).
+    #[arg(
+        long,
+        env = "TRELLIS_UNUSED_PORT_GRACE",
+        value_name = "SECONDS",
+        default_value_t = 600
+    )]
+    pub unused_port_grace: u64,
 
     /// Which WireGuard implementation to drive, or `none` for no data plane at all.
     #[arg(long, env = "TRELLIS_DATAPLANE", value_enum, default_value_t = DataplaneFlag::Auto)]
@@ -118,6 +144,20 @@ pub struct Config {
     #[arg(long, env = "TRELLIS_NODE_IP", value_name = "IP")]
     pub node_ip: Option<IpAddr>,
 
+    /// MTU of the network the WireGuard packets leave by (the interface towards the remote
+    /// gateways), in bytes, 1280-9000. Every tunnel device gets this minus 80 (WireGuard's
+    /// worst case, over IPv6): 1420 on a 1500-byte network. The route agents learn the tunnel
+    /// MTU from `WatchRoutes` and route remote prefixes with the smaller of it and their
+    /// overlay's MTU.
+    #[arg(
+        long,
+        env = "TRELLIS_UNDERLAY_MTU",
+        value_name = "BYTES",
+        value_parser = underlay_mtu_arg,
+        default_value_t = 1500
+    )]
+    pub underlay_mtu: u32,
+
     /// How often the data plane is re-checked against the desired state even without changes
     /// (repairs interfaces or rules someone removed), in seconds.
     #[arg(
@@ -154,10 +194,10 @@ impl HasCommon for Config {
 
 impl Config {
     /// The endpoint address, checked against the data plane choice.
-    pub fn endpoint_ip(&self) -> anyhow::Result<IpAddr> {
-        match (self.endpoint_address, self.dataplane) {
-            (Some(ip), _) => Ok(ip),
-            (None, DataplaneFlag::None) => Ok(IpAddr::V4(Ipv4Addr::LOCALHOST)),
+    pub fn endpoint_host(&self) -> anyhow::Result<EndpointHost> {
+        match (&self.endpoint_address, self.dataplane) {
+            (Some(host), _) => Ok(host.clone()),
+            (None, DataplaneFlag::None) => Ok(EndpointHost::Ip(IpAddr::V4(Ipv4Addr::LOCALHOST))),
             (None, _) => anyhow::bail!(
                 "--endpoint-address is required with a data plane (the address remote gateways \
                  send WireGuard packets to)"
@@ -165,9 +205,19 @@ impl Config {
         }
     }
 
+    /// The MTU of every tunnel device: the underlay's minus WireGuard's overhead.
+    pub fn tunnel_mtu(&self) -> u32 {
+        crate::dataplane::wireguard::tunnel_mtu(self.underlay_mtu)
+    }
+
     /// The resync period.
     pub fn resync(&self) -> Duration {
         Duration::from_secs(self.resync_interval.max(1))
+    }
+
+    /// The grace period of ports without a tunnel (at least one second).
+    pub fn unused_port_grace(&self) -> Duration {
+        Duration::from_secs(self.unused_port_grace.max(1))
     }
 
     /// The endpoint-mapping poll period.
@@ -200,15 +250,57 @@ mod tests {
         assert_eq!(c.wireguard_ports.first(), ports::WIREGUARD);
         assert_eq!(c.interface_prefix, "tg");
         assert_eq!(
-            c.endpoint_ip().expect("defaulted"),
-            IpAddr::V4(Ipv4Addr::LOCALHOST)
+            c.endpoint_host().expect("defaulted"),
+            EndpointHost::Ip(IpAddr::V4(Ipv4Addr::LOCALHOST))
         );
+        assert_eq!((c.underlay_mtu, c.tunnel_mtu()), (1500, 1420));
+    }
+
+    #[test]
+    fn the_tunnel_mtu_follows_the_underlay() {
+        let c = parse(&["--underlay-mtu", "9000"]).expect("parses");
+        assert_eq!(c.tunnel_mtu(), 8920);
+        let c = parse(&["--underlay-mtu", "1280"]).expect("parses");
+        assert_eq!(c.tunnel_mtu(), 1200);
+        for bad in ["1279", "9001", "0", "big", ""] {
+            let err = parse(&["--underlay-mtu", bad]).expect_err(bad).to_string();
+            assert!(err.contains("--underlay-mtu"), "{err}");
+            assert!(err.contains("between 1280 and 9000"), "{err}");
+        }
+    }
+
+    #[test]
+    fn the_endpoint_address_is_an_ip_or_a_dns_name() {
+        let c = parse(&["--endpoint-address", "192.0.2.1"]).expect("ip");
+        assert_eq!(
+            c.endpoint_host().expect("set"),
+            EndpointHost::Ip("192.0.2.1".parse().expect("ip"))
+        );
+        let c = parse(&["--endpoint-address", "GW.Hub.Example."]).expect("name");
+        assert_eq!(
+            c.endpoint_host().expect("set"),
+            EndpointHost::Name("gw.hub.example".into())
+        );
+        for bad in [
+            "",
+            "0.0.0.0",
+            "192.0.2.1:51840",
+            "gw_hub.example",
+            "gw..example",
+            "-gw.example",
+            "10.0.0.256",
+            "http://gw.example",
+        ] {
+            let arg = format!("--endpoint-address={bad}");
+            let err = parse(&[&arg]).expect_err(bad).to_string();
+            assert!(err.contains("--endpoint-address"), "{bad:?}: {err}");
+        }
     }
 
     #[test]
     fn endpoint_address_is_required_with_a_data_plane() {
         let c = parse(&["--dataplane", "userspace"]).expect("parses");
-        let err = c.endpoint_ip().expect_err("required");
+        let err = c.endpoint_host().expect_err("required");
         assert!(err.to_string().contains("--endpoint-address"), "{err}");
     }
 

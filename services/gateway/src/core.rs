@@ -2,11 +2,11 @@
 //! TunnelEndpoints (ports in the store, then the data plane), and tunnel status.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::net::{IpAddr, SocketAddr};
+use std::net::IpAddr;
 use std::time::{Duration, SystemTime};
 
 use ipnet::IpNet;
-use trellis_api::model::TunnelEndpoint;
+use trellis_api::model::{Endpoint, EndpointHost, TunnelEndpoint};
 use trellis_api::{ClusterId, ClusterIdentity};
 use trellis_error::Result;
 use trellis_store::SharedStore;
@@ -29,7 +29,7 @@ pub type Desired = BTreeMap<ClusterId, TunnelEndpoint>;
 /// What GetGatewayInfo answers.
 #[derive(Debug, Clone)]
 pub struct GatewayInfo {
-    pub endpoint: SocketAddr,
+    pub endpoint: Endpoint,
     pub public_key: trellis_api::model::WgKey,
     pub mode: Mode,
     pub listen_port: u16,
@@ -64,13 +64,20 @@ struct Applied {
 #[derive(Debug, Clone)]
 pub struct Settings {
     pub identity: ClusterIdentity,
-    pub endpoint_ip: IpAddr,
+    /// Where remote gateways reach us: an IP, or a DNS name they resolve.
+    pub endpoint_host: EndpointHost,
     pub ports: PortRange,
+    /// How long a port handed out for a peer without an applied tunnel is kept after the last
+    /// GetGatewayInfo for it.
+    pub unused_port_grace: Duration,
     pub interface_prefix: String,
     /// The node the gateway runs on, and its address on the node network (`None`: no route
     /// agent can reach it).
     pub node_name: String,
     pub node_ip: Option<IpAddr>,
+    /// MTU of every tunnel device (the underlay's minus WireGuard's overhead), announced to the
+    /// route agents.
+    pub tunnel_mtu: u32,
 }
 
 /// What every node must route to the gateway node (`WatchRoutes`).
@@ -110,7 +117,7 @@ impl Gateway {
             prefixes: Vec::new(),
             gateway_node_name: settings.node_name.clone(),
             gateway_node_ip: settings.node_ip,
-            tunnel_mtu: crate::dataplane::wireguard::MTU,
+            tunnel_mtu: settings.tunnel_mtu,
         };
         Self {
             store,
@@ -143,11 +150,20 @@ impl Gateway {
     /// `None`: the base endpoint, for display.
     pub async fn info(&self, peer: Option<&ClusterId>) -> Result<GatewayInfo> {
         let port = match peer {
-            Some(id) => ports::allocate(&self.store, self.settings.ports, id).await?,
+            Some(id) => {
+                ports::allocate(
+                    &self.store,
+                    self.settings.ports,
+                    self.settings.unused_port_grace,
+                    id,
+                )
+                .await?
+            }
             None => self.settings.ports.first(),
         };
         Ok(GatewayInfo {
-            endpoint: SocketAddr::new(self.settings.endpoint_ip, port),
+            endpoint: Endpoint::new(self.settings.endpoint_host.clone(), port)
+                .ok_or_else(|| trellis_error::Error::Internal("allocated port 0".into()))?,
             public_key: self.keys.public(),
             mode: self.mode,
             listen_port: port,
@@ -164,7 +180,7 @@ impl Gateway {
     }
 
     /// Makes ports and data plane match `desired` (with the hub-path DNAT of `hub`), then
-    /// releases the ports of tunnels that are gone. Per-peer data plane failures are recorded
+    /// releases the ports of tunnels that are gone and of peers that never got one. Per-peer data plane failures are recorded
     /// in the status and counted in the result (the caller retries sooner when there are any).
     pub async fn apply(&self, desired: &Desired, hub: &Mappings) -> Result<usize> {
         let mut plans = Vec::with_capacity(desired.len());
@@ -173,7 +189,13 @@ impl Gateway {
                 tracing::warn!(peer = %id, "ignoring a tunnel endpoint for our own cluster");
                 continue;
             }
-            let port = ports::bind_tunnel(&self.store, self.settings.ports, id).await?;
+            let port = ports::bind_tunnel(
+                &self.store,
+                self.settings.ports,
+                self.settings.unused_port_grace,
+                id,
+            )
+            .await?;
             plans.push(PeerPlan {
                 endpoint: te.clone(),
                 port,
@@ -199,6 +221,7 @@ impl Gateway {
         }
         let keep: BTreeSet<ClusterId> = desired.keys().cloned().collect();
         ports::release_tunnels_except(&self.store, &keep).await?;
+        ports::release_unused(&self.store, self.settings.unused_port_grace).await?;
         let prefixes: BTreeSet<IpNet> = v4.iter().flat_map(PeerPlan::routed).collect();
         self.routes.send_if_modified(|routes| {
             let prefixes: Vec<IpNet> = prefixes.into_iter().collect();

@@ -52,7 +52,9 @@ fn tunnel_status(t: TunnelStatus) -> pb::TunnelStatus {
         }),
         kind: te.kind.to_proto().into(),
         interface_name: t.plan.interface.clone(),
-        remote_endpoint: stats.endpoint.unwrap_or(te.remote_endpoint).to_string(),
+        remote_endpoint: stats
+            .endpoint
+            .map_or_else(|| te.remote_endpoint.to_string(), |a| a.to_string()),
         remote_public_key: te.remote_public_key.to_string(),
         routed_cidrs: t.plan.routed().iter().map(ToString::to_string).collect(),
         last_handshake_time: stats.last_handshake.map(timestamp),

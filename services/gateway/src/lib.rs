@@ -76,7 +76,7 @@ pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started
         "cluster-name",
         common.cluster_name(),
     )?;
-    let endpoint_ip = config.endpoint_ip()?;
+    let endpoint_host = config.endpoint_host()?;
     let store = common.open_store().await?;
     let keys = KeyPair::load_or_create(&store)
         .await
@@ -94,20 +94,23 @@ pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started
                 keys.clone(),
                 config.persistent_keepalive,
                 config.interface_prefix.clone(),
+                config.tunnel_mtu(),
             )
             .await
             .context("preparing the data plane (needs root in the gateway's namespace)")?,
         ),
         None => None,
     };
-    tracing::info!(mode = ?mode, public_key = %keys.public(), endpoint = %endpoint_ip, ports = %config.wireguard_ports, "gateway ready");
+    tracing::info!(mode = ?mode, public_key = %keys.public(), endpoint = %endpoint_host, ports = %config.wireguard_ports, tunnel_mtu = config.tunnel_mtu(), "gateway ready");
     let settings = Settings {
         identity,
-        endpoint_ip,
+        endpoint_host,
         ports: config.wireguard_ports,
+        unused_port_grace: config.unused_port_grace(),
         interface_prefix: config.interface_prefix.clone(),
         node_name: config.node_name()?,
         node_ip: config.node_ip,
+        tunnel_mtu: config.tunnel_mtu(),
     };
     let core = Arc::new(Gateway::new(store, settings, mode, keys, dataplane));
     let server = GrpcServer::bind(common.listen_addr(default_ports::GATEWAY)).await?;

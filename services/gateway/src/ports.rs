@@ -2,10 +2,13 @@
 //! interfaces on one port silently break each other (spike note, pitfall 4), so each peer gets
 //! a port of its own from a configured range: allocated on first request, persisted (stable
 //! across restarts, so the endpoint published in NetworkConfigs stays valid), unique by a
-//! compare-and-swap on the store, and released when the peer's tunnel is removed.
+//! compare-and-swap on the store, and released when the peer's tunnel is removed. A port handed
+//! out for a peer that never gets a tunnel (a rejected or abandoned exchange, a made-up cluster
+//! ID) goes back to the range once nobody asked for it during a grace period (ADR 0007).
 
 use std::collections::BTreeSet;
 use std::fmt;
+use std::time::Duration;
 
 use trellis_api::ClusterId;
 use trellis_error::{Error, Result};
@@ -13,7 +16,9 @@ use trellis_runtime::config::ports::WIREGUARD;
 use trellis_store::retry::Contention;
 use trellis_store::{Compare, Op, SharedStore, Txn};
 
-use crate::records::{PEERS_PREFIX, PortRecord, USED_PREFIX, decode, encode, peer_key, used_key};
+use crate::records::{
+    PEERS_PREFIX, PortRecord, USED_PREFIX, decode, encode, now_nanos, peer_key, used_key,
+};
 
 /// Ports in the default range (51840-52095).
 const DEFAULT_SIZE: u16 = 256;
@@ -85,13 +90,46 @@ impl fmt::Display for PortRange {
     }
 }
 
-/// The peer's port, allocating one when it has none.
-pub async fn allocate(store: &SharedStore, range: PortRange, peer: &ClusterId) -> Result<u16> {
+fn nanos(d: Duration) -> i64 {
+    i64::try_from(d.as_nanos()).unwrap_or(i64::MAX)
+}
+
+/// The peer's port, allocating one when it has none. Asking again keeps a port without a
+/// tunnel from being released (see [`release_unused`]); when the range is full, ports nobody
+/// asked for during `grace` are released first.
+pub async fn allocate(
+    store: &SharedStore,
+    range: PortRange,
+    grace: Duration,
+    peer: &ClusterId,
+) -> Result<u16> {
     let key = peer_key(peer);
     let mut contention = Contention::new("allocating a WireGuard port");
+    let mut reclaimed = false;
     loop {
+        let now = now_nanos();
         if let Some(kv) = store.get(&key).await? {
-            return Ok(decode::<PortRecord>(&key, &kv.value)?.port);
+            let record: PortRecord = decode(&key, &kv.value)?;
+            if record.tunnel || now.saturating_sub(record.requested_nanos) <= nanos(grace) / 4 {
+                return Ok(record.port);
+            }
+            let refreshed = PortRecord {
+                requested_nanos: now,
+                ..record
+            };
+            let outcome = store
+                .txn(
+                    Txn::new()
+                        .when(Compare::mod_revision(key.as_str(), kv.mod_revision))
+                        .then(Op::put(key.as_str(), encode(&refreshed)?)),
+                )
+                .await?;
+            if outcome.succeeded {
+                return Ok(record.port);
+            }
+            // Bound, refreshed or released meanwhile: look again.
+            contention.lost().await?;
+            continue;
         }
         let used: BTreeSet<u16> = store
             .list(USED_PREFIX)
@@ -101,15 +139,24 @@ pub async fn allocate(store: &SharedStore, range: PortRange, peer: &ClusterId) -
             .filter_map(|kv| kv.key.strip_prefix(USED_PREFIX)?.parse().ok())
             .collect();
         let Some(port) = range.iter().find(|p| !used.contains(p)) else {
+            if !reclaimed {
+                reclaimed = true;
+                if !release_unused(store, grace).await?.is_empty() {
+                    continue;
+                }
+            }
             return Err(Error::ResourceExhausted(format!(
-                "no free WireGuard port left in {range} ({} peers hold one); widen \
+                "no free WireGuard port left in {range} ({} peers hold one; a port handed out \
+                 for a peer without a tunnel returns after --unused-port-grace, {} s); widen \
                  --wireguard-ports",
-                used.len()
+                used.len(),
+                grace.as_secs()
             )));
         };
         let record = PortRecord {
             port,
             tunnel: false,
+            requested_nanos: now,
         };
         let outcome = store
             .txn(
@@ -128,14 +175,69 @@ pub async fn allocate(store: &SharedStore, range: PortRange, peer: &ClusterId) -
     }
 }
 
+/// Releases the ports of peers without an applied tunnel that nobody asked for during `grace`:
+/// exchanges that were rejected or abandoned, induced peers withdrawn before their tunnel,
+/// made-up cluster IDs. The broker asks for the port of every exchange it is still working
+/// on at least once per resync, far more often than any sensible grace period. Returns the
+/// released peers.
+pub async fn release_unused(store: &SharedStore, grace: Duration) -> Result<Vec<(ClusterId, u16)>> {
+    let listing = store.list(PEERS_PREFIX).await?;
+    let now = now_nanos();
+    let mut released = Vec::new();
+    for kv in listing.kvs {
+        let Some(id) = kv
+            .key
+            .strip_prefix(PEERS_PREFIX)
+            .and_then(|id| ClusterId::parse("cluster_id", id).ok())
+        else {
+            continue;
+        };
+        let record: PortRecord = decode(&kv.key, &kv.value)?;
+        if record.tunnel {
+            continue;
+        }
+        // Only if unchanged since the listing: a port asked for or bound meanwhile stays.
+        let txn = Txn::new().when(Compare::mod_revision(kv.key.as_str(), kv.mod_revision));
+        if record.requested_nanos == 0 {
+            let stamped = PortRecord {
+                requested_nanos: now,
+                ..record
+            };
+            store
+                .txn(txn.then(Op::put(kv.key.as_str(), encode(&stamped)?)))
+                .await?;
+            continue;
+        }
+        if now.saturating_sub(record.requested_nanos) <= nanos(grace) {
+            continue;
+        }
+        let outcome = store
+            .txn(
+                txn.then(Op::delete(kv.key.as_str()))
+                    .then(Op::delete(used_key(record.port))),
+            )
+            .await?;
+        if outcome.succeeded {
+            tracing::info!(peer = %id, port = record.port, "released a wireguard port no tunnel used");
+            released.push((id, record.port));
+        }
+    }
+    Ok(released)
+}
+
 /// Records that a TunnelEndpoint for `peer` is applied (allocating its port if needed), so the
 /// port is released with the tunnel. Returns the port.
-pub async fn bind_tunnel(store: &SharedStore, range: PortRange, peer: &ClusterId) -> Result<u16> {
+pub async fn bind_tunnel(
+    store: &SharedStore,
+    range: PortRange,
+    grace: Duration,
+    peer: &ClusterId,
+) -> Result<u16> {
     let key = peer_key(peer);
     let mut contention = Contention::new("marking a WireGuard port in use");
     loop {
         let Some(kv) = store.get(&key).await? else {
-            allocate(store, range, peer).await?;
+            allocate(store, range, grace, peer).await?;
             continue;
         };
         let record: PortRecord = decode(&key, &kv.value)?;
@@ -161,7 +263,8 @@ pub async fn bind_tunnel(store: &SharedStore, range: PortRange, peer: &ClusterId
 }
 
 /// Releases the ports of peers whose tunnel was applied once and is not in `keep`. Ports only
-/// handed out by GetGatewayInfo (no tunnel yet) stay. Returns the released peers.
+/// handed out by GetGatewayInfo (no tunnel yet) are [`release_unused`]'s. Returns the released
+/// peers.
 pub async fn release_tunnels_except(
     store: &SharedStore,
     keep: &BTreeSet<ClusterId>,

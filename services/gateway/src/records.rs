@@ -46,9 +46,15 @@ pub struct PortRecord {
     pub port: u16,
     /// Set once a TunnelEndpoint for the peer was applied: the port is then released when that
     /// TunnelEndpoint goes away. A port handed out by GetGatewayInfo before any tunnel exists
-    /// (the broker is still exchanging NetworkConfigs) stays reserved.
+    /// (the broker is still exchanging NetworkConfigs) stays reserved while it is asked for.
     #[serde(default)]
     pub tunnel: bool,
+    /// When GetGatewayInfo last asked for this port (refreshed at most every quarter of the
+    /// grace period). A port without a tunnel that nobody asked for during the grace period
+    /// (`--unused-port-grace`) goes back to the range; 0 (a record from before this field) means
+    /// the grace period starts at the next check.
+    #[serde(default)]
+    pub requested_nanos: i64,
 }
 
-pub use trellis_store::record::{decode, encode};
+pub use trellis_store::record::{decode, encode, now_nanos};

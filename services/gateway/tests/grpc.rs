@@ -122,6 +122,28 @@ async fn each_peer_gets_its_own_stable_port_and_the_shared_key() {
 }
 
 #[tokio::test]
+async fn a_dns_name_endpoint_is_published_with_each_peers_port() {
+    let mut s = serve(&[
+        "--wireguard-ports",
+        "40000-40009",
+        "--endpoint-address",
+        "GW.Hub.Example.",
+    ])
+    .await;
+    let b = info(&mut s.client, "b").await.expect("b");
+    assert_eq!(b.endpoint, "gw.hub.example:40000");
+    // What the broker puts in its NetworkConfig spec accepts it.
+    let spec = trellis_api::pb::types::NetworkConfigSpec {
+        pod_cidr: "10.0.0.0/16".into(),
+        external_cidr: "10.201.0.0/16".into(),
+        endpoint: b.endpoint.clone(),
+        public_key: b.public_key,
+    };
+    let parsed = trellis_api::model::NetworkSpec::from_proto("spec", Some(&spec)).expect("valid");
+    assert_eq!(parsed.endpoint.to_string(), b.endpoint);
+}
+
+#[tokio::test]
 async fn bad_cluster_ids_are_refused_naming_the_field() {
     let mut s = serve(&[]).await;
     let err = info(&mut s.client, "no spaces").await.expect_err("invalid");
@@ -152,15 +174,26 @@ async fn a_full_range_is_resource_exhausted_and_stores_nothing() {
 }
 
 fn gateway(store: SharedStore, keys: KeyPair, range: PortRange) -> Gateway {
+    gateway_with_grace(store, keys, range, std::time::Duration::from_secs(600))
+}
+
+fn gateway_with_grace(
+    store: SharedStore,
+    keys: KeyPair,
+    range: PortRange,
+    unused_port_grace: std::time::Duration,
+) -> Gateway {
     Gateway::new(
         store,
         Settings {
             identity: identity("a"),
-            endpoint_ip: "192.0.2.1".parse().expect("ip"),
+            endpoint_host: trellis_api::model::EndpointHost::Ip("192.0.2.1".parse().expect("ip")),
             ports: range,
+            unused_port_grace,
             interface_prefix: "tg".into(),
             node_name: "node-0".into(),
             node_ip: None,
+            tunnel_mtu: 1420,
         },
         Mode::None,
         keys,
@@ -241,20 +274,58 @@ async fn removing_a_tunnel_releases_its_port_but_not_a_pending_one() {
     assert_eq!(g.info(Some(&id("d"))).await.expect("d").listen_port, 40000);
 }
 
+/// Issue 15 item 5: ports handed out for peers that never get a tunnel go back to the range
+/// once nobody asked for them during the grace period, at the latest when the range is full;
+/// a port asked for again, or bound to a tunnel, stays.
+#[tokio::test]
+async fn ports_without_a_tunnel_return_after_the_grace_period_and_bound_ones_stay() {
+    let store: SharedStore = Arc::new(trellis_store::MemoryStore::new());
+    let keys = KeyPair::load_or_create(&store).await.expect("key");
+    let range = PortRange::new(40000, 40002).expect("range");
+    let grace = std::time::Duration::from_secs(1);
+    let g = gateway_with_grace(store, keys, range, grace);
+    let id = |s: &str| trellis_api::ClusterId::parse("cluster_id", s).expect("id");
+    for peer in ["b", "bogus-1", "bogus-2"] {
+        g.info(Some(&id(peer))).await.expect("a free port");
+    }
+    let err = g.info(Some(&id("c"))).await.expect_err("full");
+    assert!(
+        matches!(err, trellis_error::Error::ResourceExhausted(_)),
+        "{err}"
+    );
+    let desired: BTreeMap<_, _> = [(id("b"), te("b", 80))].into();
+    g.apply(&desired, &Vec::new()).await.expect("applied");
+
+    tokio::time::sleep(grace * 2).await;
+    // The range is full: the made-up peers' ports are released for c; b's tunnel keeps its own.
+    let c = g.info(Some(&id("c"))).await.expect("a released port");
+    assert_ne!(c.listen_port, 40000);
+    assert_eq!(g.info(Some(&id("b"))).await.expect("b").listen_port, 40000);
+    let d = g
+        .info(Some(&id("d")))
+        .await
+        .expect("the other released port");
+    assert_ne!(d.listen_port, c.listen_port);
+    // c and d are fresh: the range is full again.
+    assert!(g.info(Some(&id("e"))).await.is_err());
+}
+
 /// The node path: WatchRoutes sends the full set at once and again after every change (a
 /// removed peer's prefixes disappear), with the gateway's node; bad input is refused.
 #[tokio::test]
 async fn watch_routes_streams_every_peers_prefixes_and_the_gateway_node() {
     let mut server = serve(&["--node-name", "gw-node", "--node-ip", "100.64.0.1"]).await;
-    let err = server
-        .client
-        .watch_routes(WatchRoutesRequest {
-            node_name: "Not_A_Label".into(),
-        })
-        .await
-        .expect_err("a bad node name is refused");
-    assert_eq!(err.code(), Code::InvalidArgument);
-    assert!(err.message().contains("node_name"), "{}", err.message());
+    for bad in ["Not_A_Label", "", "a.b", &"n".repeat(64)] {
+        let err = server
+            .client
+            .watch_routes(WatchRoutesRequest {
+                node_name: bad.to_owned(),
+            })
+            .await
+            .expect_err("a bad node name is refused");
+        assert_eq!(err.code(), Code::InvalidArgument, "{bad:?}");
+        assert!(err.message().contains("node_name"), "{}", err.message());
+    }
 
     let mut stream = server
         .client
@@ -273,7 +344,10 @@ async fn watch_routes_streams_every_peers_prefixes_and_the_gateway_node() {
         ),
         ("gw-node", "100.64.0.1")
     );
-    assert!(first.tunnel_mtu > 0);
+    assert_eq!(
+        first.tunnel_mtu, 1420,
+        "the default 1500-byte underlay minus 80"
+    );
 
     let id = |s: &str| trellis_api::ClusterId::parse("cluster_id", s).expect("id");
     let both: BTreeMap<_, _> = [(id("b"), te("b", 80)), (id("c"), te("c", 83))].into();
@@ -301,6 +375,23 @@ async fn watch_routes_streams_every_peers_prefixes_and_the_gateway_node() {
         next(&mut stream).await.remote_prefixes,
         ["10.83.0.0/16", "10.84.0.0/16"]
     );
+}
+
+/// The tunnel MTU the route agents learn is `--underlay-mtu` minus WireGuard's 80 bytes.
+#[tokio::test]
+async fn watch_routes_announces_the_tunnel_mtu_of_the_underlay() {
+    for (underlay, tunnel) in [("1400", 1320), ("9000", 8920)] {
+        let mut server = serve(&["--node-name", "gw-node", "--underlay-mtu", underlay]).await;
+        let mut stream = server
+            .client
+            .watch_routes(WatchRoutesRequest {
+                node_name: "node-1".into(),
+            })
+            .await
+            .expect("subscribes")
+            .into_inner();
+        assert_eq!(next(&mut stream).await.tunnel_mtu, tunnel, "{underlay}");
+    }
 }
 
 async fn next(stream: &mut tonic::Streaming<WatchRoutesResponse>) -> WatchRoutesResponse {

@@ -3,19 +3,13 @@
 use clap::Parser;
 use ipnet::IpNet;
 use trellis_runtime::CommonConfig;
+use trellis_runtime::config::address_arg;
 use trellis_runtime::config::{HasCommon, PeerTlsConfig};
 
 use crate::subnets::{DEFAULT_POOLS, LocalRanges, LocalSubnets};
 
 fn cidr_arg(value: &str) -> Result<IpNet, String> {
     trellis_api::wire::cidr("value", value).map_err(|e| match e {
-        trellis_error::Error::InvalidArgument { reason, .. } => reason,
-        other => other.to_string(),
-    })
-}
-
-fn address_arg(value: &str) -> Result<String, String> {
-    trellis_api::address::required("value", value).map_err(|e| match e {
         trellis_error::Error::InvalidArgument { reason, .. } => reason,
         other => other.to_string(),
     })

@@ -16,8 +16,8 @@ use trellis_store::{Compare, KeyValue, Op, SharedStore, Txn};
 use crate::alloc::{conflicts, first_free};
 use crate::records::{
     CLUSTERS_PREFIX, ClusterRecord, ENDPOINTS_PREFIX, EPOCH_KEY, EXTERNAL_PREFIX, EndpointRecord,
-    LOCAL_KEY, LocalNat, RemoteView, SUBNETS_PREFIX, cluster_key, decode, encode, endpoint_key,
-    external_key,
+    FreedRecord, LOCAL_KEY, LocalNat, RemoteView, SUBNETS_PREFIX, cluster_key, decode, encode,
+    endpoint_key, external_key, freed_key, now_nanos,
 };
 use crate::subnets::{LocalRanges, LocalSubnets};
 
@@ -292,9 +292,12 @@ impl Ipam {
                         unchanged(EPOCH_KEY, snapshot.epoch_revision),
                         unchanged(cluster_key(id), revision),
                     ],
+                    // A new mapping starts a new peering: the tombstone of an earlier free
+                    // goes, so this peering's SetLocalNat is accepted.
                     success: vec![
                         put(cluster_key(id), encode(&rec)?),
                         put(EPOCH_KEY, Vec::new()),
+                        Op::delete(freed_key(id)),
                     ],
                     failure: vec![],
                 })
@@ -354,7 +357,18 @@ impl Ipam {
                     )));
                 }
                 Some(found) => found,
-                None => (ClusterRecord::new(id.clone(), cluster.name.clone()), 0),
+                None => {
+                    // Without a record, this is either the first half of a new exchange (their
+                    // decision arrived before their NetworkConfig) or a late decision of a
+                    // peering already torn down: the tombstone tells them apart.
+                    if self.store.get(&freed_key(id)).await?.is_some() {
+                        return Err(Error::FailedPrecondition(format!(
+                            "cluster {id} was freed (FreeSubnetsPerCluster); a new peering maps \
+                             its subnets (GetSubnetsPerCluster) before SetLocalNat"
+                        )));
+                    }
+                    (ClusterRecord::new(id.clone(), cluster.name.clone()), 0)
+                }
             };
             let renamed = !cluster.name.is_empty() && rec.name != cluster.name;
             if rec.local_nat == Some(nat) && !renamed {
@@ -364,10 +378,15 @@ impl Ipam {
                 rec.name.clone_from(&cluster.name);
             }
             rec.local_nat = Some(nat);
+            let mut compares = vec![unchanged(cluster_key(id), revision)];
+            if revision == 0 {
+                // Creating the record: only while no free has happened since the check above.
+                compares.push(Compare::absent(freed_key(id)));
+            }
             let committed = self
                 .store
                 .txn(Txn {
-                    compares: vec![unchanged(cluster_key(id), revision)],
+                    compares,
                     success: vec![put(cluster_key(id), encode(&rec)?)],
                     failure: vec![],
                 })
@@ -381,14 +400,31 @@ impl Ipam {
     }
 
     /// Forgets `id`: marks the record, releases every endpoint mapping made for it or pointing
-    /// into its pod CIDR, then deletes the record. A crash midway leaves the mark, and the next
-    /// call (or the next start) finishes. Returns whether a record existed.
+    /// into its pod CIDR, then replaces the record by a tombstone ([`FreedRecord`]). A crash
+    /// midway leaves the mark, and the next call (or the next start) finishes. Returns whether
+    /// a record existed; the tombstone is left either way, since a decision of the peering
+    /// being torn down may still be on its way.
     #[tracing::instrument(skip(self), fields(cluster.id = %id))]
     pub async fn free(&self, id: &ClusterId) -> Result<bool> {
+        let tombstone = encode(&FreedRecord {
+            freed_nanos: now_nanos(),
+        })?;
         let mut contention = Contention::new("freeing a cluster");
         let (rec, revision) = loop {
             let Some((mut rec, revision)) = self.record(id).await? else {
-                return Ok(false);
+                let left = self
+                    .store
+                    .txn(
+                        Txn::new()
+                            .when(Compare::absent(cluster_key(id)))
+                            .then(Op::put(freed_key(id), tombstone.clone())),
+                    )
+                    .await?;
+                if left.succeeded {
+                    return Ok(false);
+                }
+                contention.lost().await?;
+                continue;
             };
             if rec.freeing {
                 break (rec, revision);
@@ -414,9 +450,12 @@ impl Ipam {
         self.store
             .txn(Txn {
                 compares: vec![unchanged(cluster_key(id), revision)],
-                success: vec![Op::Delete {
-                    key: cluster_key(id),
-                }],
+                success: vec![
+                    Op::Delete {
+                        key: cluster_key(id),
+                    },
+                    put(freed_key(id), tombstone),
+                ],
                 failure: vec![],
             })
             .await?;

@@ -7,6 +7,7 @@
 //! | `subnets/clusters/<cluster_id>` | [`ClusterRecord`] |
 //! | `endpoints/<ip>` | [`EndpointRecord`]: a third-cluster endpoint behind our external CIDR |
 //! | `external/<ip>` | the original IP an external address was allocated for (uniqueness) |
+//! | `freed/<cluster_id>` | [`FreedRecord`]: the cluster was freed; only a new mapping revives it |
 //!
 //! The epoch and the cluster records share the `subnets/` prefix so a single listing is a
 //! consistent snapshot of both; an allocation commits only if the epoch it saw is unchanged,
@@ -25,6 +26,7 @@ pub const EPOCH_KEY: &str = "subnets/epoch";
 pub const CLUSTERS_PREFIX: &str = "subnets/clusters/";
 pub const ENDPOINTS_PREFIX: &str = "endpoints/";
 pub const EXTERNAL_PREFIX: &str = "external/";
+pub const FREED_PREFIX: &str = "freed/";
 
 /// Store key of a cluster's record.
 pub fn cluster_key(id: &ClusterId) -> String {
@@ -39,6 +41,20 @@ pub fn endpoint_key(ip: IpAddr) -> String {
 /// Store key of an external address reservation.
 pub fn external_key(ip: IpAddr) -> String {
     format!("{EXTERNAL_PREFIX}{ip}")
+}
+
+/// Store key of a freed cluster's tombstone.
+pub fn freed_key(id: &ClusterId) -> String {
+    format!("{FREED_PREFIX}{id}")
+}
+
+/// Left by `FreeSubnetsPerCluster`: a `SetLocalNat` arriving later (a decision of the
+/// peering just torn down, racing the teardown) is refused instead of creating a record for
+/// a cluster we no longer peer with. `GetSubnetsPerCluster` (a new peering mapping the cluster
+/// again) removes it. One small key per cluster ever freed.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FreedRecord {
+    pub freed_nanos: i64,
 }
 
 /// How we address a remote cluster: its real ranges and our (possibly remapped) view.
@@ -98,4 +114,4 @@ pub struct EndpointRecord {
     pub clusters: BTreeSet<ClusterId>,
 }
 
-pub use trellis_store::record::{decode, encode};
+pub use trellis_store::record::{decode, encode, now_nanos};

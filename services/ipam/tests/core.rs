@@ -574,3 +574,45 @@ async fn a_full_external_cidr_is_resource_exhausted_until_an_address_is_released
         .expect("reuses the freed address");
     assert_eq!(third.ip, first.ip);
 }
+
+/// Issue 15 item 5: a `SetLocalNat` that arrives after the cluster was freed (a decision
+/// racing the teardown) must not bring a record back, or `DoesClusterMappingExist` answers
+/// true for a cluster we no longer peer with.
+#[tokio::test]
+async fn set_local_nat_after_a_free_is_refused_and_leaves_no_record() {
+    let ipam = ipam().await;
+    ipam.subnets_for(&cluster("a"), net("10.0.0.0/16"), net("192.168.1.0/24"))
+        .await
+        .expect("maps a");
+    ipam.set_local_nat(&cluster("a"), net("10.80.0.0/16"), net("10.70.0.0/16"))
+        .await
+        .expect("nat");
+    assert!(ipam.free(&id("a")).await.expect("frees"));
+
+    let err = ipam
+        .set_local_nat(&cluster("a"), net("10.80.0.0/16"), net("10.70.0.0/16"))
+        .await
+        .expect_err("a late SetLocalNat is refused");
+    assert!(
+        matches!(&err, Error::FailedPrecondition(m) if m.contains("cluster a") && m.contains("freed")),
+        "{err:?}"
+    );
+    assert!(ipam.list_clusters().await.expect("lists").is_empty());
+    assert!(!ipam.mapping_exists(&id("a")).await.expect("answers"));
+
+    // A new peering with the same cluster maps it again first; then its decision is recorded.
+    ipam.subnets_for(&cluster("a"), net("10.0.0.0/16"), net("192.168.1.0/24"))
+        .await
+        .expect("maps a again");
+    ipam.set_local_nat(&cluster("a"), net("10.80.0.0/16"), net("10.70.0.0/16"))
+        .await
+        .expect("nat of the new peering");
+    assert!(ipam.mapping_exists(&id("a")).await.expect("answers"));
+
+    // A cluster never freed may still tell us its decision before we map it (the two
+    // directions of an exchange complete in any order).
+    ipam.set_local_nat(&cluster("b"), net("10.81.0.0/16"), net("10.71.0.0/16"))
+        .await
+        .expect("first contact");
+    assert!(ipam.mapping_exists(&id("b")).await.expect("answers"));
+}

@@ -351,3 +351,43 @@ async fn reflection_lists_the_ipam_and_health_services() {
     }
     s.shutdown.cancel();
 }
+
+/// Issue 15 item 5: over the wire, a SetLocalNat after FreeSubnetsPerCluster is
+/// FAILED_PRECONDITION naming the cluster, and leaves no record behind.
+#[tokio::test]
+async fn a_set_local_nat_after_a_free_is_failed_precondition_and_stores_nothing() {
+    let mut s = serve().await;
+    let c = &mut s.client;
+    c.get_subnets_per_cluster(subnets("gone", "10.0.0.0/16", "192.168.7.0/24"))
+        .await
+        .expect("maps");
+    let freed = c
+        .free_subnets_per_cluster(FreeSubnetsPerClusterRequest {
+            cluster_id: "gone".into(),
+        })
+        .await
+        .expect("frees")
+        .into_inner();
+    assert!(freed.existed);
+    expect_code(
+        c.set_local_nat(SetLocalNatRequest {
+            cluster_id: "gone".into(),
+            cluster_name: String::new(),
+            pod_cidr: "10.80.0.0/16".into(),
+            external_cidr: "10.81.0.0/16".into(),
+        })
+        .await,
+        Code::FailedPrecondition,
+        "cluster gone was freed",
+    );
+    let exists = c
+        .does_cluster_mapping_exist(DoesClusterMappingExistRequest {
+            cluster_id: "gone".into(),
+        })
+        .await
+        .expect("answers")
+        .into_inner();
+    assert!(!exists.exists);
+    assert!(state(c).await.0.clusters.is_empty());
+    s.shutdown.cancel();
+}

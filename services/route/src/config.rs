@@ -1,9 +1,10 @@
 //! Command-line flags of `trellis-route` (each also `TRELLIS_<FLAG>`).
 
-use std::net::IpAddr;
+use std::net::Ipv4Addr;
+use std::path::PathBuf;
 
 use clap::Parser;
-use trellis_runtime::config::{BaseConfig, HasBase};
+use trellis_runtime::config::{BaseConfig, HasBase, address_arg, underlay_mtu_arg};
 
 fn node_name_arg(value: &str) -> Result<String, String> {
     trellis_api::ident::dns_label("--node-name", value).map_err(|e| e.to_string())
@@ -21,6 +22,16 @@ fn interface_arg(value: &str) -> Result<String, String> {
         ));
     }
     Ok(value.to_owned())
+}
+
+fn ipv4_arg(value: &str) -> Result<Ipv4Addr, String> {
+    match value.parse::<std::net::IpAddr>() {
+        Ok(std::net::IpAddr::V4(ip)) if !ip.is_unspecified() => Ok(ip),
+        Ok(_) => Err(format!(
+            "{value:?}: the overlay runs over IPv4; give the node's IPv4 address"
+        )),
+        Err(_) => Err(format!("{value:?} is not an IP address")),
+    }
 }
 
 fn vni_arg(value: &str) -> Result<u32, String> {
@@ -43,7 +54,7 @@ pub struct Config {
     /// Address of the local gateway's gRPC server (`host:port`), whose WatchRoutes stream the
     /// agent follows. Retried with backoff while unreachable; a gateway that restarts elsewhere
     /// is followed when the stream comes back.
-    #[arg(long, env = "TRELLIS_GATEWAY", value_name = "HOST:PORT")]
+    #[arg(long, env = "TRELLIS_GATEWAY", value_name = "HOST:PORT", value_parser = address_arg)]
     pub gateway: String,
 
     /// This node's name (in Kubernetes, the downward API's `spec.nodeName`). The node whose
@@ -55,8 +66,8 @@ pub struct Config {
     /// This node's address on the node network (in Kubernetes, `status.hostIP`): the VXLAN's
     /// local end, and the source of the overlay address (240.x.y.z from this IPv4's last three
     /// bytes).
-    #[arg(long, env = "TRELLIS_NODE_IP", value_name = "IP")]
-    pub node_ip: IpAddr,
+    #[arg(long, env = "TRELLIS_NODE_IP", value_name = "IPV4", value_parser = ipv4_arg)]
+    pub node_ip: Ipv4Addr,
 
     /// Name of the VXLAN device the agent owns on the node.
     #[arg(
@@ -84,14 +95,33 @@ pub struct Config {
         long,
         env = "TRELLIS_VXLAN_PORT",
         value_name = "PORT",
-        default_value_t = 4800
+        default_value_t = 4800,
+        value_parser = clap::value_parser!(u16).range(1..)
     )]
     pub vxlan_port: u16,
 
-    /// MTU of the node's network (the interface holding --node-ip); detected when not given.
-    /// The overlay's MTU is this minus the 50 bytes of VXLAN.
-    #[arg(long, env = "TRELLIS_UNDERLAY_MTU", value_name = "BYTES")]
+    /// MTU of the node's network (the interface holding --node-ip), 1280-9000; detected when
+    /// not given. The overlay's MTU is this minus the 50 bytes of VXLAN; routes to remote
+    /// prefixes get the smaller of that and the gateway's tunnel MTU (from `WatchRoutes`).
+    #[arg(
+        long,
+        env = "TRELLIS_UNDERLAY_MTU",
+        value_name = "BYTES",
+        value_parser = underlay_mtu_arg
+    )]
     pub underlay_mtu: Option<u32>,
+
+    /// Where the node's `net` sysctls are (ip_forward, rp_filter). In an unprivileged
+    /// container `/proc/sys` is read-only: mount the host's `/proc/sys/net` elsewhere (e.g.
+    /// `/host/proc/sys/net`, with host networking) and name it here. Values that already
+    /// match are not written.
+    #[arg(
+        long,
+        env = "TRELLIS_PROC_SYS_NET",
+        value_name = "DIR",
+        default_value = "/proc/sys/net"
+    )]
+    pub proc_sys_net: PathBuf,
 
     /// Resync period, in seconds: the node is re-checked against the last message even
     /// without a change (repairs routes or devices someone removed).
@@ -99,7 +129,8 @@ pub struct Config {
         long,
         env = "TRELLIS_RESYNC_INTERVAL",
         value_name = "SECONDS",
-        default_value_t = 30
+        default_value_t = 30,
+        value_parser = clap::value_parser!(u64).range(1..=86400)
     )]
     pub resync_interval: u64,
 }
@@ -107,5 +138,76 @@ pub struct Config {
 impl HasBase for Config {
     fn base(&self) -> &BaseConfig {
         &self.base
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const GOOD: [&str; 9] = [
+        "trellis-route",
+        "--cluster-id",
+        "a",
+        "--gateway",
+        "trellis-gateway:7106",
+        "--node-name",
+        "node-1",
+        "--node-ip",
+        "100.64.1.2",
+    ];
+
+    fn parse(extra: &[&str]) -> Result<Config, String> {
+        let mut args = GOOD.to_vec();
+        args.extend_from_slice(extra);
+        Config::try_parse_from(args).map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn the_defaults_are_the_documented_overlay() {
+        let c = parse(&[]).expect("parses");
+        assert_eq!(
+            (
+                c.interface.as_str(),
+                c.vxlan_id,
+                c.vxlan_port,
+                c.resync_interval
+            ),
+            ("trellis-vx", 7107, 4800, 30)
+        );
+        assert_eq!(c.underlay_mtu, None);
+        assert_eq!(c.proc_sys_net, PathBuf::from("/proc/sys/net"));
+        let jumbo = parse(&["--underlay-mtu", "9000"]).expect("jumbo frames");
+        assert_eq!(jumbo.underlay_mtu, Some(9000));
+    }
+
+    #[test]
+    fn bad_flags_are_refused_naming_the_flag_and_the_reason() {
+        for (flag, value, reason) in [
+            ("--gateway", "no port here", "--gateway"),
+            ("--node-name", "Node_1", "--node-name"),
+            ("--node-ip", "fd00::1", "IPv4"),
+            ("--node-ip", "0.0.0.0", "IPv4"),
+            ("--node-ip", "node-1", "not an IP address"),
+            ("--interface", "a-name-longer-than-15", "interface name"),
+            ("--vxlan-id", "0", "VXLAN id"),
+            ("--vxlan-id", "16777216", "VXLAN id"),
+            ("--vxlan-port", "0", "--vxlan-port"),
+            ("--underlay-mtu", "576", "--underlay-mtu"),
+            ("--underlay-mtu", "9001", "--underlay-mtu"),
+            ("--resync-interval", "0", "--resync-interval"),
+        ] {
+            let mut args: Vec<&str> = GOOD.to_vec();
+            match args.iter().position(|a| *a == flag) {
+                Some(at) => args[at + 1] = value,
+                None => args.extend([flag, value]),
+            }
+            let err = Config::try_parse_from(&args)
+                .map(|_| ())
+                .expect_err(&format!("{flag} {value} is refused"));
+            let text = err.to_string();
+            assert!(text.contains(flag), "{flag} {value}: {text}");
+            assert!(text.contains(reason), "{flag} {value}: {text}");
+        }
     }
 }

@@ -14,7 +14,7 @@ pub mod grpc;
 pub mod node;
 pub mod plan;
 
-use std::net::{IpAddr, SocketAddr};
+use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -42,9 +42,16 @@ pub struct Started {
 
 /// Checks the node, binds, serves status and starts following the gateway.
 pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started> {
-    let IpAddr::V4(node_ip) = config.node_ip else {
-        anyhow::bail!("--node-ip {}: the overlay is IPv4 only", config.node_ip);
-    };
+    let node_ip = config.node_ip;
+    // A wrong --proc-sys-net would only show at the first reconcile; say so at start.
+    let forwarding = config.proc_sys_net.join("ipv4/ip_forward");
+    if !tokio::fs::try_exists(&forwarding).await.unwrap_or(false) {
+        anyhow::bail!(
+            "--proc-sys-net {}: no ipv4/ip_forward there; name the node's /proc/sys/net (or a \
+             mount of it)",
+            config.proc_sys_net.display()
+        );
+    }
     let (underlay, detected_mtu) = node::underlay(node_ip).await?;
     let node = NodeSettings {
         name: config.node_name.clone(),
@@ -53,13 +60,14 @@ pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started
         vxlan_id: config.vxlan_id,
         vxlan_port: config.vxlan_port,
         underlay_mtu: config.underlay_mtu.unwrap_or(detected_mtu),
+        proc_sys_net: config.proc_sys_net.clone(),
     };
     tracing::info!(node = %node.name, node_ip = %node.ip, underlay = %underlay, underlay_mtu = node.underlay_mtu, gateway = %config.gateway, "route agent ready");
     let agent = Arc::new(Agent {
         node,
         underlay,
         gateway: config.gateway.clone(),
-        resync: Duration::from_secs(config.resync_interval.max(1)),
+        resync: Duration::from_secs(config.resync_interval),
         status: Mutex::new(agent::Status::default()),
     });
     let server = GrpcServer::bind(config.base.listen_addr(ports::ROUTE)).await?;
@@ -79,4 +87,35 @@ pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started
 pub async fn run(config: Config, shutdown: Shutdown) -> anyhow::Result<()> {
     let started = start(config, shutdown).await?;
     started.task.await.context("route agent task")?
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser as _;
+
+    use super::*;
+
+    #[tokio::test]
+    async fn a_proc_sys_net_without_net_sysctls_is_refused_at_start_naming_the_flag() {
+        let config = Config::try_parse_from([
+            "trellis-route",
+            "--cluster-id",
+            "a",
+            "--gateway",
+            "127.0.0.1:7106",
+            "--node-name",
+            "n1",
+            "--node-ip",
+            "127.0.0.1",
+            "--proc-sys-net",
+            "/nonexistent/proc/sys/net",
+        ])
+        .expect("parses");
+        let err = start(config, Shutdown::new()).await.expect_err("refused");
+        let text = format!("{err:#}");
+        assert!(
+            text.contains("--proc-sys-net /nonexistent/proc/sys/net"),
+            "{text}"
+        );
+    }
 }

@@ -11,6 +11,7 @@
 use std::collections::BTreeSet;
 use std::fmt::Write as _;
 use std::net::Ipv4Addr;
+use std::path::Path;
 
 use anyhow::Context as _;
 use ipnet::Ipv4Net;
@@ -238,16 +239,70 @@ pub async fn apply(
     }
     // Replies of connections the gateway DNATs to this node's pods arrive over the node
     // network but route back through the overlay: strict reverse-path filtering would drop them.
-    cmd::sysctl("ip_forward", "1").await?;
-    cmd::sysctl(&format!("conf/{iface}/rp_filter"), "2").await?;
-    cmd::sysctl(&format!("conf/{underlay}/rp_filter"), "2").await?;
+    let root = node.proc_sys_net.as_path();
+    ensure_sysctl(root, "ip_forward", "1").await?;
+    ensure_sysctl(root, &format!("conf/{iface}/rp_filter"), "2").await?;
+    ensure_sysctl(root, &format!("conf/{underlay}/rp_filter"), "2").await?;
     cmd::run("nft", &["-f", "-"], Some(&nft_script(&wanted.clamp))).await?;
     Ok(changes)
+}
+
+/// Sets `ipv4/<path>` under `root` (`--proc-sys-net`) to `value` unless it already is, so a
+/// node whose values are right needs no write (and a read-only `/proc/sys` is then fine).
+async fn ensure_sysctl(root: &Path, path: &str, value: &str) -> anyhow::Result<()> {
+    let file = root.join("ipv4").join(path);
+    let current = tokio::fs::read_to_string(&file).await;
+    if current.as_deref().map(str::trim).ok() == Some(value) {
+        return Ok(());
+    }
+    tokio::fs::write(&file, value).await.with_context(|| {
+        format!(
+            "writing {value} to {} (read-only? mount the host's /proc/sys/net and set \
+             --proc-sys-net)",
+            file.display()
+        )
+    })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn sysctls_are_written_under_the_given_root_only_when_they_differ() {
+        let dir = std::env::temp_dir().join(format!("trellis-route-sysctl-{}", std::process::id()));
+        let conf = dir.join("ipv4/conf/vx0");
+        std::fs::create_dir_all(&conf).expect("dirs");
+        std::fs::write(dir.join("ipv4/ip_forward"), "1\n").expect("write");
+        std::fs::write(conf.join("rp_filter"), "1\n").expect("write");
+        // Already right: not written (a write would have left "1" without the newline).
+        ensure_sysctl(&dir, "ip_forward", "1")
+            .await
+            .expect("unchanged");
+        assert_eq!(
+            std::fs::read_to_string(dir.join("ipv4/ip_forward")).expect("read"),
+            "1\n"
+        );
+        ensure_sysctl(&dir, "conf/vx0/rp_filter", "2")
+            .await
+            .expect("written");
+        assert_eq!(
+            std::fs::read_to_string(conf.join("rp_filter"))
+                .expect("read")
+                .trim(),
+            "2"
+        );
+        // A missing file is an error naming the path and the flag.
+        let err = ensure_sysctl(&dir, "conf/gone/rp_filter", "2")
+            .await
+            .expect_err("no such sysctl");
+        let text = format!("{err:#}");
+        assert!(
+            text.contains("conf/gone/rp_filter") && text.contains("--proc-sys-net"),
+            "{text}"
+        );
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 
     #[test]
     fn the_nft_script_clamps_syns_towards_remote_prefixes_or_only_deletes() {

@@ -28,6 +28,8 @@ pub struct NodeSettings {
     pub vxlan_id: u32,
     pub vxlan_port: u16,
     pub underlay_mtu: u32,
+    /// Where the node's `net` sysctls are (`--proc-sys-net`).
+    pub proc_sys_net: std::path::PathBuf,
 }
 
 /// The VXLAN device as it must be.
@@ -145,6 +147,7 @@ mod tests {
             vxlan_id: 7107,
             vxlan_port: 4800,
             underlay_mtu: 1500,
+            proc_sys_net: "/proc/sys/net".into(),
         }
     }
 

@@ -11,6 +11,7 @@ use tokio::task::JoinHandle;
 use tonic::transport::Channel;
 use trellis_api::pb::discovery::discovery_client::DiscoveryClient;
 use trellis_api::pb::endpoints::endpoint_mapper_client::EndpointMapperClient;
+use trellis_api::pb::gateway::gateway_client::GatewayClient;
 use trellis_api::pb::ipam::ipam_client::IpamClient;
 use trellis_api::pb::peering::broker_client::BrokerClient;
 use trellis_runtime::Shutdown;
@@ -116,12 +117,41 @@ fn args(list: &[&str]) -> Vec<String> {
     list.iter().map(|s| (*s).to_owned()).collect()
 }
 
+/// How an [`InProcessCluster`] starts beyond its CIDRs: the switches of the named constructors,
+/// and extra flags per service for tests that need a non-default setting (a tiny IPAM pool, a
+/// short WireGuard port range).
+#[derive(Debug, Clone)]
+pub struct Options {
+    /// Induced peering on (the default); off is discovery's `--no-induced`.
+    pub induced: bool,
+    /// Mutual TLS between clusters ([`InProcessCluster::start_tls`]).
+    pub tls: bool,
+    /// The endpoints service too.
+    pub endpoints: bool,
+    /// Appended to the IPAM's flags.
+    pub ipam_flags: Vec<String>,
+    /// Appended to the gateway's flags.
+    pub gateway_flags: Vec<String>,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Self {
+            induced: true,
+            tls: false,
+            endpoints: false,
+            ipam_flags: Vec::new(),
+            gateway_flags: Vec::new(),
+        }
+    }
+}
+
 impl InProcessCluster {
     /// Starts cluster `id` with the given pod and external CIDRs. Ports are picked before the
     /// services bind them (discovery must advertise them first), so another cluster may take
     /// one in between: then the whole cluster starts again on fresh ports.
     pub async fn start(id: &str, pod_cidr: &str, external_cidr: &str) -> anyhow::Result<Self> {
-        Self::start_with(id, pod_cidr, external_cidr, true, false, false).await
+        Self::start_with(id, pod_cidr, external_cidr, Options::default()).await
     }
 
     /// Like [`Self::start`], with the endpoints service too (at `services.endpoints`).
@@ -130,7 +160,11 @@ impl InProcessCluster {
         pod_cidr: &str,
         external_cidr: &str,
     ) -> anyhow::Result<Self> {
-        Self::start_with(id, pod_cidr, external_cidr, true, false, true).await
+        let options = Options {
+            endpoints: true,
+            ..Options::default()
+        };
+        Self::start_with(id, pod_cidr, external_cidr, options).await
     }
 
     /// Like [`Self::start`], with mutual TLS between clusters (ADR 0014): a CA of its own, and
@@ -138,7 +172,12 @@ impl InProcessCluster {
     /// clusters on a peer listener (`tls.broker`, ...), which discovery advertises. Peer with
     /// `tls.broker`.
     pub async fn start_tls(id: &str, pod_cidr: &str, external_cidr: &str) -> anyhow::Result<Self> {
-        Self::start_with(id, pod_cidr, external_cidr, true, true, true).await
+        let options = Options {
+            tls: true,
+            endpoints: true,
+            ..Options::default()
+        };
+        Self::start_with(id, pod_cidr, external_cidr, options).await
     }
 
     /// The broker address other clusters use: the peer listener with TLS.
@@ -153,20 +192,23 @@ impl InProcessCluster {
         pod_cidr: &str,
         external_cidr: &str,
     ) -> anyhow::Result<Self> {
-        Self::start_with(id, pod_cidr, external_cidr, false, false, false).await
+        let options = Options {
+            induced: false,
+            ..Options::default()
+        };
+        Self::start_with(id, pod_cidr, external_cidr, options).await
     }
 
-    async fn start_with(
+    /// Like [`Self::start`], with `options`.
+    pub async fn start_with(
         id: &str,
         pod_cidr: &str,
         external_cidr: &str,
-        induced: bool,
-        tls: bool,
-        endpoints: bool,
+        options: Options,
     ) -> anyhow::Result<Self> {
         let mut attempt = 0;
         loop {
-            match Self::start_once(id, pod_cidr, external_cidr, induced, tls, endpoints).await {
+            match Self::start_once(id, pod_cidr, external_cidr, &options).await {
                 Err(err) if attempt < 5 && format!("{err:#}").contains("cannot listen") => {
                     attempt += 1;
                 }
@@ -179,11 +221,10 @@ impl InProcessCluster {
         id: &str,
         pod_cidr: &str,
         external_cidr: &str,
-        induced: bool,
-        tls: bool,
-        with_endpoints: bool,
+        options: &Options,
     ) -> anyhow::Result<Self> {
-        let tls = tls.then(|| ClusterTls::new(id)).transpose()?;
+        let (induced, with_endpoints) = (options.induced, options.endpoints);
+        let tls = options.tls.then(|| ClusterTls::new(id)).transpose()?;
         let services = Services {
             discovery: loopback(),
             broker: loopback(),
@@ -221,6 +262,7 @@ impl InProcessCluster {
             ipam.extend(args(&["--discovery", &services.discovery.to_string()]));
             ipam.extend(tls.flags("ipam", tls.ipam)?);
         }
+        ipam.extend(options.ipam_flags.iter().cloned());
         let ipam = trellis_ipam::start(
             trellis_ipam::Config::try_parse_from(ipam)?,
             shutdown.clone(),
@@ -236,6 +278,7 @@ impl InProcessCluster {
             "--endpoint-address",
             "127.0.0.1",
         ]));
+        gateway.extend(options.gateway_flags.iter().cloned());
         let gateway = trellis_gateway::start(
             trellis_gateway::Config::try_parse_from(gateway)?,
             shutdown.clone(),
@@ -369,6 +412,12 @@ impl InProcessCluster {
 
     pub async fn ipam(&self) -> anyhow::Result<IpamClient<Channel>> {
         Ok(IpamClient::new(Self::channel(self.services.ipam).await?))
+    }
+
+    pub async fn gateway(&self) -> anyhow::Result<GatewayClient<Channel>> {
+        Ok(GatewayClient::new(
+            Self::channel(self.services.gateway).await?,
+        ))
     }
 
     pub async fn endpoints(&self) -> anyhow::Result<EndpointMapperClient<Channel>> {

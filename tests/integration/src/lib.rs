@@ -3,6 +3,7 @@
 //! same flags. Binaries are the ones `make test` builds before running the tests.
 
 pub mod cluster;
+pub mod gate;
 pub mod otlp;
 pub mod peering;
 pub mod processes;

@@ -24,6 +24,7 @@ use trellis_testkit::Etcd;
 
 use crate::ServiceProcess;
 use crate::cluster::Services;
+use crate::gate::Gate;
 
 /// One of the services a [`ProcessCluster`] runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -104,6 +105,9 @@ pub struct Options {
     pub induced: bool,
     /// Where every service exports its spans (`OTEL_EXPORTER_OTLP_ENDPOINT`); none by default.
     pub otlp_endpoint: Option<String>,
+    /// Other clusters reach this one's services only through [`Gate`]s (its discovery
+    /// advertises the gates), so [`ProcessCluster::partition`] can cut it off from them.
+    pub gated: bool,
 }
 
 impl Default for Options {
@@ -111,6 +115,7 @@ impl Default for Options {
         Self {
             induced: true,
             otlp_endpoint: None,
+            gated: false,
         }
     }
 }
@@ -125,6 +130,8 @@ pub struct ProcessCluster {
     // stores they write to.
     processes: BTreeMap<Service, ServiceProcess>,
     etcds: BTreeMap<Service, Etcd>,
+    /// With [`Options::gated`]: the addresses other clusters are given, by service.
+    gates: BTreeMap<Service, Gate>,
 }
 
 impl ProcessCluster {
@@ -213,12 +220,25 @@ impl ProcessCluster {
             gateway: crate::free_addr(),
             endpoints: crate::free_addr(),
         };
+        let mut gates = BTreeMap::new();
+        if options.gated {
+            for (service, target) in [
+                (Service::Discovery, services.discovery),
+                (Service::Broker, services.broker),
+                (Service::Forwarder, services.forwarder),
+                (Service::Ipam, services.ipam),
+                (Service::Endpoints, services.endpoints),
+            ] {
+                gates.insert(service, Gate::start(target).await?);
+            }
+        }
         let mut this = Self {
             id: id.to_owned(),
             services,
             options,
             processes: BTreeMap::new(),
             etcds,
+            gates,
         };
         for service in Service::ALL {
             let args = this.args(service, pod_cidr, external_cidr)?;
@@ -257,6 +277,27 @@ impl ProcessCluster {
         }
     }
 
+    /// Where other clusters reach `service`: its gate with [`Options::gated`], else the
+    /// service itself.
+    pub fn advertised(&self, service: Service) -> SocketAddr {
+        self.gates
+            .get(&service)
+            .map_or_else(|| self.addr(service), |g| g.addr)
+    }
+
+    /// With [`Options::gated`]: cuts the cluster off from every other cluster (`true`), or
+    /// heals the partition (`false`). The test still reaches every service directly.
+    pub fn partition(&self, cut: bool) {
+        assert!(!self.gates.is_empty(), "{}: started without gates", self.id);
+        for gate in self.gates.values() {
+            if cut {
+                gate.close();
+            } else {
+                gate.open();
+            }
+        }
+    }
+
     /// The options the cluster started with.
     pub fn options(&self) -> &Options {
         &self.options
@@ -290,19 +331,20 @@ impl ProcessCluster {
                 strings(&["--dataplane", "none", "--endpoint-address", "127.0.0.1"])
             }
             Service::Discovery => {
+                let at = |service| self.advertised(service).to_string();
                 let mut args = strings(&[
                     "--advertise-discovery",
-                    &s.discovery.to_string(),
+                    &at(Service::Discovery),
                     "--advertise-broker",
-                    &s.broker.to_string(),
+                    &at(Service::Broker),
                     "--advertise-forwarder",
-                    &s.forwarder.to_string(),
+                    &at(Service::Forwarder),
                     "--advertise-ipam",
-                    &s.ipam.to_string(),
+                    &at(Service::Ipam),
                     "--advertise-gateway",
                     &s.gateway.to_string(),
                     "--advertise-endpoints",
-                    &self.services.endpoints.to_string(),
+                    &at(Service::Endpoints),
                     "--neighborhood-resync",
                     "5",
                     "--neighborhood-retry-max",

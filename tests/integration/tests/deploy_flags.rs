@@ -14,7 +14,11 @@
 //! (for the `TRELLIS_ADVERTISE_*` addresses other clusters use: its `--peer-listen` port, when it
 //! has one);
 //! every service has its own etcd; every cluster runs the six binaries; probes hit the gRPC
-//! port; the gateway's WireGuard port range is exactly what its LoadBalancer publishes.
+//! port. The node path (ADR 0016): every overlay runs `trellis-route` as a DaemonSet on the host
+//! network with NET_ADMIN and without `privileged`, its node name and IP from the downward API;
+//! a gateway on the host network is pinned to a labelled node by a nodeSelector and learns its
+//! node the same way (a gateway in its own pod network needs a LoadBalancer publishing exactly
+//! its WireGuard port range).
 //!
 //! Needs the binaries (`cargo build --workspace --bins`, which `make test` runs first), a Python
 //! with PyYAML (scripts/setup.sh's `.tools/venv`, to read YAML) and `kubectl` (for the overlays).
@@ -42,6 +46,10 @@ const SERVICES: [(&str, u16, &str); 6] = [
     ("trellis-gateway", 7106, "trellis.gateway.v1.Gateway"),
 ];
 
+/// The node agents (a DaemonSet each, one per node, not one per cluster): binary, default port,
+/// gRPC service.
+const AGENTS: [(&str, u16, &str); 1] = [("trellis-route", 7107, "trellis.route.v1.Route")];
+
 /// The operator CLI the peering scripts run.
 const CTL: &str = "trellisctl";
 
@@ -53,6 +61,7 @@ fn is_runtime_variable(name: &str) -> bool {
 fn default_port(binary: &str) -> Option<u16> {
     SERVICES
         .iter()
+        .chain(&AGENTS)
         .find(|(b, _, _)| *b == binary)
         .map(|(_, port, _)| *port)
 }
@@ -60,6 +69,7 @@ fn default_port(binary: &str) -> Option<u16> {
 fn grpc_service(binary: &str) -> Option<&'static str> {
     SERVICES
         .iter()
+        .chain(&AGENTS)
         .find(|(b, _, _)| *b == binary)
         .map(|(_, _, service)| *service)
 }
@@ -744,6 +754,8 @@ fn check_six_per_cluster(
     let mut any = false;
     for (cluster, mut binaries) in clusters {
         any = true;
+        // The node agents run per node, beside the six.
+        binaries.retain(|b| !AGENTS.iter().any(|(agent, _, _)| agent == b));
         binaries.sort();
         let mut want: Vec<String> = SERVICES.iter().map(|(b, _, _)| (*b).to_owned()).collect();
         want.sort();
@@ -1043,8 +1055,21 @@ impl Rendered {
                 }
             }
             if launch.binary == "trellis-gateway" {
-                self.check_wireguard_service(launch, pod, clis, problems);
+                if host_network(pod.spec) {
+                    check_gateway_on_node(origin, pod.spec, container, problems);
+                } else {
+                    self.check_wireguard_service(launch, pod, clis, problems);
+                }
             }
+            if launch.binary == "trellis-route" {
+                let kind = pod.origin.split('/').next().unwrap_or_default();
+                check_route_agent(origin, kind, pod.spec, container, problems);
+            }
+        }
+        if !services.iter().any(|(l, _, _)| l.binary == "trellis-route") {
+            problems.push(format!(
+                "overlays/{overlay}: no trellis-route: pods on nodes other than the gateway's cannot reach remote clusters"
+            ));
         }
         if clusters.len() > 1 {
             problems.push(format!(
@@ -1283,6 +1308,151 @@ impl Rendered {
     }
 }
 
+// --- the node path (ADR 0016) -------------------------------------------------------------------
+
+fn host_network(spec: &Value) -> bool {
+    spec.get("hostNetwork").and_then(Value::as_bool) == Some(true)
+}
+
+/// The downward-API field a container's variable comes from (`spec.nodeName`, ...).
+fn field_ref<'a>(container: &'a Value, variable: &str) -> Option<&'a str> {
+    container
+        .get("env")
+        .and_then(Value::as_array)?
+        .iter()
+        .find(|v| v.get("name").and_then(Value::as_str) == Some(variable))?
+        .pointer("/valueFrom/fieldRef/fieldPath")
+        .and_then(Value::as_str)
+}
+
+/// Node name and IP from the downward API, and cluster DNS from the host network.
+fn check_node_identity(origin: &str, spec: &Value, container: &Value, problems: &mut Vec<String>) {
+    for (variable, field) in [
+        ("TRELLIS_NODE_NAME", "spec.nodeName"),
+        ("TRELLIS_NODE_IP", "status.hostIP"),
+    ] {
+        if field_ref(container, variable) != Some(field) {
+            problems.push(format!(
+                "{origin}: {variable} must come from the downward API's {field}"
+            ));
+        }
+    }
+    if spec.get("dnsPolicy").and_then(Value::as_str) != Some("ClusterFirstWithHostNet") {
+        problems.push(format!(
+            "{origin}: on the host network, dnsPolicy must be ClusterFirstWithHostNet to resolve Service names"
+        ));
+    }
+}
+
+/// A gateway on the host network runs on the labelled node (a nodeSelector), knows that node,
+/// and resolves Service names.
+fn check_gateway_on_node(
+    origin: &str,
+    spec: &Value,
+    container: &Value,
+    problems: &mut Vec<String>,
+) {
+    let selector = spec.get("nodeSelector").and_then(Value::as_object);
+    if selector.is_none_or(serde_json::Map::is_empty) {
+        problems.push(format!(
+            "{origin}: a gateway on the host network needs a nodeSelector naming the gateway node's label"
+        ));
+    }
+    check_node_identity(origin, spec, container, problems);
+}
+
+/// The route agent: a DaemonSet on the host network, NET_ADMIN but not privileged, no host PID,
+/// its node from the downward API, and its sysctl directory mounted from the host.
+fn check_route_agent(
+    origin: &str,
+    kind: &str,
+    spec: &Value,
+    container: &Value,
+    problems: &mut Vec<String>,
+) {
+    if kind != "DaemonSet" {
+        problems.push(format!(
+            "{origin}: trellis-route must run on every node (a DaemonSet), not as a {kind}"
+        ));
+    }
+    if !host_network(spec) {
+        problems.push(format!(
+            "{origin}: trellis-route programs the node: it needs hostNetwork"
+        ));
+    }
+    if spec.get("hostPID").and_then(Value::as_bool) == Some(true) {
+        problems.push(format!("{origin}: trellis-route needs no hostPID"));
+    }
+    let security = container.get("securityContext");
+    let flag = |name: &str| security.and_then(|s| s.get(name)).and_then(Value::as_bool);
+    if flag("privileged") == Some(true) {
+        problems.push(format!("{origin}: trellis-route must not be privileged"));
+    }
+    if flag("allowPrivilegeEscalation") != Some(false) {
+        problems.push(format!(
+            "{origin}: trellis-route must set allowPrivilegeEscalation: false"
+        ));
+    }
+    let caps = |list: &str| -> Vec<&str> {
+        security
+            .and_then(|s| s.pointer(&format!("/capabilities/{list}")))
+            .and_then(Value::as_array)
+            .into_iter()
+            .flatten()
+            .filter_map(Value::as_str)
+            .collect()
+    };
+    let added = caps("add");
+    if !added.contains(&"NET_ADMIN") {
+        problems.push(format!("{origin}: trellis-route needs NET_ADMIN"));
+    }
+    if let Some(extra) = added.iter().find(|c| !["NET_ADMIN", "NET_RAW"].contains(c)) {
+        problems.push(format!(
+            "{origin}: trellis-route adds {extra}; it needs NET_ADMIN only"
+        ));
+    }
+    if !caps("drop").contains(&"ALL") {
+        problems.push(format!(
+            "{origin}: trellis-route should drop ALL capabilities before adding NET_ADMIN"
+        ));
+    }
+    check_node_identity(origin, spec, container, problems);
+    // Its sysctls: /proc/sys is read-only without `privileged`, so the directory it names must be
+    // a mount of the host's /proc/sys/net.
+    let dir = container
+        .get("env")
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+        .find(|v| v.get("name").and_then(Value::as_str) == Some("TRELLIS_PROC_SYS_NET"))
+        .and_then(|v| v.get("value"))
+        .and_then(Value::as_str);
+    let mounted_from_host = dir.is_some_and(|dir| {
+        container
+            .get("volumeMounts")
+            .and_then(Value::as_array)
+            .into_iter()
+            .flatten()
+            .filter(|m| m.get("mountPath").and_then(Value::as_str) == Some(dir))
+            .filter_map(|m| m.get("name").and_then(Value::as_str))
+            .any(|volume| {
+                spec.get("volumes")
+                    .and_then(Value::as_array)
+                    .into_iter()
+                    .flatten()
+                    .filter(|v| v.get("name").and_then(Value::as_str) == Some(volume))
+                    .any(|v| {
+                        v.pointer("/hostPath/path").and_then(Value::as_str) == Some("/proc/sys/net")
+                    })
+            })
+    });
+    if !mounted_from_host {
+        problems.push(format!(
+            "{origin}: TRELLIS_PROC_SYS_NET must name a mount of the host's /proc/sys/net (found {dir:?})"
+        ));
+    }
+}
+
 // --- the checker itself ------------------------------------------------------------------------
 
 /// The checks do fail: a misspelt variable, an unknown flag, a bad value and a missing required
@@ -1339,6 +1509,65 @@ fn the_checker_reports_typos_unknown_flags_and_bad_values() {
         );
     }
 
+    // The node path's flags go through the binaries' own parsers too.
+    for (binary, variable, value, ok) in [
+        ("trellis-gateway", "TRELLIS_UNDERLAY_MTU", "1500", true),
+        ("trellis-gateway", "TRELLIS_UNDERLAY_MTU", "100", false),
+        (
+            "trellis-gateway",
+            "TRELLIS_ENDPOINT_ADDRESS",
+            "gw.hub.example",
+            true,
+        ),
+        (
+            "trellis-gateway",
+            "TRELLIS_ENDPOINT_ADDRESS",
+            "gw_hub.example",
+            false,
+        ),
+        ("trellis-route", "TRELLIS_UNDERLAY_MTU", "9000", true),
+        ("trellis-route", "TRELLIS_UNDERLAY_MTU", "99999", false),
+        ("trellis-route", "TRELLIS_VXLAN_ID", "0", false),
+    ] {
+        // Each binary gets what it requires, and only variables it reads.
+        let mut pairs = if binary == "trellis-route" {
+            vec![
+                ("TRELLIS_CLUSTER_ID", "a"),
+                ("TRELLIS_GATEWAY", "trellis-gateway:7106"),
+                ("TRELLIS_NODE_NAME", "node-1"),
+                ("TRELLIS_NODE_IP", "100.64.1.2"),
+            ]
+        } else {
+            vec![("TRELLIS_STORE", "memory://"), ("TRELLIS_CLUSTER_ID", "a")]
+        };
+        pairs.push((variable, value));
+        let launch = Launch {
+            origin: format!("{binary} {variable}={value}"),
+            binary: binary.into(),
+            args: Vec::new(),
+            env: env(&pairs),
+        };
+        let mut problems = Vec::new();
+        check_launch(&launch, &mut clis, &mut problems);
+        let refused = problems
+            .iter()
+            .any(|p| p.contains("refuses its configuration"));
+        assert_eq!(refused, !ok, "{binary} {variable}={value}: {problems:?}");
+        if !ok {
+            let flag = format!(
+                "--{}",
+                variable
+                    .trim_start_matches("TRELLIS_")
+                    .to_ascii_lowercase()
+                    .replace('_', "-")
+            );
+            assert!(
+                problems.join("\n").contains(&flag),
+                "{flag} not named: {problems:?}"
+            );
+        }
+    }
+
     let mut problems = Vec::new();
     let calls = check_script(
         "script",
@@ -1356,4 +1585,100 @@ fn the_checker_reports_typos_unknown_flags_and_bad_values() {
     assert!(all.contains("names no trellisctl subcommand"), "{all}");
     assert!(all.contains("TRELLIS_PEER_TOKN is set but no"), "{all}");
     assert_eq!(problems.len(), 3, "{all}");
+}
+
+/// The node-path checks fail on a privileged route agent without the host network, a
+/// Deployment, missing downward-API fields and a gateway on the host network with no node
+/// selector; and pass on the base's own objects.
+#[test]
+fn the_node_path_checks_report_privilege_and_placement_mistakes() -> anyhow::Result<()> {
+    let Some(python) = yaml_python() else {
+        return Ok(());
+    };
+    let base = workspace_root().join("deploy/kustomize/base");
+    let read = |file: &str| -> anyhow::Result<Value> {
+        let docs = yaml_documents(&python, &std::fs::read(base.join(file))?)?;
+        docs.into_iter()
+            .find(|d| {
+                matches!(
+                    d.get("kind").and_then(Value::as_str),
+                    Some("DaemonSet" | "Deployment")
+                )
+            })
+            .context("no workload")
+    };
+    let route = read("route.yaml")?;
+    let gateway = read("gateway.yaml")?;
+    let spec = |w: &Value| {
+        w.pointer("/spec/template/spec")
+            .cloned()
+            .unwrap_or_default()
+    };
+    let container = |s: &Value| s.pointer("/containers/0").cloned().unwrap_or_default();
+
+    let (route_spec, gateway_spec) = (spec(&route), spec(&gateway));
+    let mut problems = Vec::new();
+    check_route_agent(
+        "route",
+        "DaemonSet",
+        &route_spec,
+        &container(&route_spec),
+        &mut problems,
+    );
+    assert!(
+        host_network(&gateway_spec),
+        "the base gateway is on the host network"
+    );
+    check_gateway_on_node(
+        "gateway",
+        &gateway_spec,
+        &container(&gateway_spec),
+        &mut problems,
+    );
+    assert_eq!(problems, Vec::<String>::new(), "the base passes");
+
+    let mut bad = route_spec.clone();
+    bad["hostNetwork"] = Value::Bool(false);
+    bad["hostPID"] = Value::Bool(true);
+    bad["dnsPolicy"] = Value::String("ClusterFirst".into());
+    let mut c = container(&bad);
+    c["securityContext"] = serde_json::json!({
+        "privileged": true,
+        "capabilities": {"add": ["SYS_ADMIN"]}
+    });
+    c["env"] = serde_json::json!([
+        {"name": "TRELLIS_NODE_NAME", "value": "node-1"},
+        {"name": "TRELLIS_PROC_SYS_NET", "value": "/proc/sys/net"}
+    ]);
+    let mut problems = Vec::new();
+    check_route_agent("route", "Deployment", &bad, &c, &mut problems);
+    let all = problems.join("\n");
+    for expected in [
+        "a DaemonSet",
+        "needs hostNetwork",
+        "needs no hostPID",
+        "must not be privileged",
+        "allowPrivilegeEscalation: false",
+        "needs NET_ADMIN",
+        "adds SYS_ADMIN",
+        "drop ALL",
+        "TRELLIS_NODE_NAME must come from the downward API's spec.nodeName",
+        "TRELLIS_NODE_IP must come from the downward API's status.hostIP",
+        "ClusterFirstWithHostNet",
+        "mount of the host's /proc/sys/net",
+    ] {
+        assert!(
+            all.contains(expected),
+            "{expected:?} not reported in:\n{all}"
+        );
+    }
+
+    let mut bad = gateway_spec.clone();
+    bad.as_object_mut().map(|o| o.remove("nodeSelector"));
+    let mut problems = Vec::new();
+    check_gateway_on_node("gateway", &bad, &serde_json::json!({}), &mut problems);
+    let all = problems.join("\n");
+    assert!(all.contains("needs a nodeSelector"), "{all}");
+    assert!(all.contains("TRELLIS_NODE_IP must come from"), "{all}");
+    Ok(())
 }

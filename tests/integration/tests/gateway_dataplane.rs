@@ -16,7 +16,7 @@
 //! TCP connection to the address A received.
 //!
 //! Skipped (with a `SKIPPED:` line) when not root or without `ip`/`nft`/`ping`/`nc`/`etcd`;
-//! CI runs as root and fails instead. The two tests are heavy (36 processes each): nextest runs
+//! CI runs as root and fails instead. The tests are heavy (up to 36 processes each): nextest runs
 //! them one at a time (`.config/nextest.toml`, test group `netns`).
 
 use std::net::Ipv4Addr;
@@ -519,4 +519,135 @@ async fn without_induced_peering_leaf_traffic_takes_the_hub_path_dnated_at_the_h
     );
     eprintln!("measured: whole test {} ms", started.elapsed().as_millis());
     drop(fabric);
+}
+
+/// Gateways that advertise DNS names instead of IPs (`--endpoint-address gw-<id>.trellis.test`,
+/// resolvable only through each gateway namespace's own hosts file): the name travels unresolved
+/// in the NetworkConfigs and TunnelEndpoints, each remote gateway resolves it when it configures
+/// the tunnel, and pods reach each other exactly as with IP endpoints.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gateway_endpoints_given_as_dns_names_are_resolved_by_the_remote_gateways() {
+    if !can_run("gateway_endpoints_given_as_dns_names_are_resolved_by_the_remote_gateways") {
+        return;
+    }
+    let mut options = FabricOptions::three_clusters();
+    options.store = trellis_netlab::StoreKind::Memory;
+    options.endpoint_names = true;
+    let fabric = Lab {
+        fabric: Fabric::up(options).await.expect("fabric up"),
+    };
+    fabric
+        .wait_tunnel_endpoints(A, &[("b", PeeringKind::Full), ("c", PeeringKind::Induced)])
+        .await;
+    fabric
+        .wait_tunnel_endpoints(C, &[("a", PeeringKind::Induced), ("b", PeeringKind::Full)])
+        .await;
+    // The names, not addresses, are what the brokers agreed on.
+    for (i, j) in [(A, B), (A, C), (C, A), (B, A)] {
+        let published = fabric.published_endpoint(i, j).await.expect("endpoint");
+        let name = trellis_netlab::fabric::endpoint_name(&fabric.clusters[j].id);
+        assert!(
+            published.starts_with(&format!("{name}:")),
+            "{} sees {}'s endpoint as {published}",
+            fabric.clusters[i].id,
+            fabric.clusters[j].id
+        );
+    }
+
+    // Real packets over the induced tunnel A<->C, whose endpoints were names on both ends.
+    let (path, address) = fabric.reflect_c_pod_to_a().await;
+    assert_eq!(path, TranslationPath::Induced);
+    let first = fabric.wait_ping(A, address, LIMIT).await;
+    eprintln!(
+        "measured: A's pod reached C's pod at {address} through name-addressed gateways {} ms after the reflection",
+        first.as_millis()
+    );
+    let c_view_a = fabric.view(C, A, false).await;
+    let seen = fabric.tcp(A, C, address).await;
+    assert_eq!(seen, host(c_view_a, 10).to_string(), "C's pod saw {seen}");
+
+    // A's gateway sends to C's bridge address: the name resolved to it.
+    let tunnels = fabric.clusters[A]
+        .gateway()
+        .expect("client")
+        .list_tunnels(ListTunnelsRequest {})
+        .await
+        .expect("list")
+        .into_inner()
+        .tunnels;
+    let to_c = tunnels
+        .iter()
+        .find(|t| t.remote.as_ref().is_some_and(|r| r.cluster_id == "c"))
+        .expect("tunnel to c");
+    assert_eq!(to_c.state, TunnelState::Up as i32, "{to_c:?}");
+    let c_ip = fabric.topology.sites[C].uplink_ip.to_string();
+    assert!(
+        to_c.remote_endpoint.starts_with(&format!("{c_ip}:")),
+        "A sends to {} for C (bridge address {c_ip})",
+        to_c.remote_endpoint
+    );
+}
+
+/// `--underlay-mtu 1400` on every gateway: each tunnel device gets 1320 (1400 − 80), and a pod's
+/// packets that do not fit are refused with "fragmentation needed" at the gateway instead of
+/// being black-holed after encapsulation: 1320 bytes with DF cross, 1321 do not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tunnel_devices_take_their_mtu_from_the_underlay() {
+    if !can_run("tunnel_devices_take_their_mtu_from_the_underlay") {
+        return;
+    }
+    let mut options = FabricOptions::three_clusters();
+    options.store = trellis_netlab::StoreKind::Memory;
+    options.extra_args = vec![(
+        Service::Gateway,
+        vec!["--underlay-mtu".into(), "1400".into()],
+    )];
+    let fabric = Lab {
+        fabric: Fabric::up(options).await.expect("fabric up"),
+    };
+    fabric
+        .wait_tunnel_endpoints(A, &[("b", PeeringKind::Full), ("c", PeeringKind::Induced)])
+        .await;
+    let (_, address) = fabric.reflect_c_pod_to_a().await;
+    fabric.wait_ping(A, address, LIMIT).await;
+
+    let links = ip(&["-n", fabric.gw_ns(A), "-j", "link", "show"]).expect("ip link");
+    let links: serde_json::Value = serde_json::from_str(&links).expect("json");
+    let tunnels: Vec<(String, u64)> = links
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|l| Some((l["ifname"].as_str()?.to_owned(), l["mtu"].as_u64()?)))
+        .filter(|(name, _)| name.starts_with("tg"))
+        .collect();
+    assert_eq!(tunnels.len(), 2, "A's tunnel devices: {tunnels:?}");
+    for (name, mtu) in &tunnels {
+        assert_eq!(*mtu, 1320, "{name}");
+    }
+
+    // ICMP payload + 28 bytes of headers: 1292 → 1320 bytes, 1293 → 1321.
+    let fits = fabric.ping(
+        A,
+        address,
+        &["-c", "3", "-W", "2", "-M", "do", "-s", "1292"],
+    );
+    assert!(
+        fits.status.success(),
+        "1320-byte packets: {}",
+        String::from_utf8_lossy(&fits.stdout)
+    );
+    let too_big = fabric.ping(
+        A,
+        address,
+        &["-c", "3", "-W", "2", "-M", "do", "-s", "1293"],
+    );
+    let said = String::from_utf8_lossy(&too_big.stdout);
+    assert!(
+        !too_big.status.success(),
+        "1321-byte packets crossed: {said}"
+    );
+    assert!(
+        said.contains("mtu = 1320"),
+        "no fragmentation-needed answer: {said}"
+    );
 }

@@ -39,8 +39,12 @@ fn can_run(test: &str) -> bool {
 }
 
 async fn up() -> Fabric {
+    up_with(StoreKind::Memory).await
+}
+
+async fn up_with(store: StoreKind) -> Fabric {
     let mut options = FabricOptions::three_clusters();
-    options.store = StoreKind::Memory;
+    options.store = store;
     options.nodes = NODES;
     let started = Instant::now();
     let fabric = Fabric::up(options).await.expect("fabric up");
@@ -359,5 +363,114 @@ async fn killed_agents_and_gateways_recover_without_duplicates_and_unpeering_cle
             fabric.logs()
         );
         tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}
+
+/// The nftables tables of a namespace.
+fn nft_tables(ns: &str) -> Vec<String> {
+    let out = exec(ns, "nft", &["list", "tables"]).expect("nft runs");
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(str::to_owned)
+        .collect()
+}
+
+/// Every pair of pods with one end in cluster `i`, each pinged until it answers or `bound`
+/// passes; the pairs that never answered.
+async fn pairs_touching(fabric: &Fabric, i: usize, bound: Duration) -> Vec<String> {
+    let mut failed = Vec::new();
+    for from in [A, B, C] {
+        for to in [A, B, C] {
+            if from == to || (from != i && to != i) {
+                continue;
+            }
+            for src in &fabric.topology.sites[from].nodes {
+                for dst in &fabric.topology.sites[to].nodes {
+                    let target = address(fabric, from, to, dst.pod_ip).await;
+                    if !reaches(&src.pod_ns, target, bound).await {
+                        failed.push(format!(
+                            "{}/{} -> {}/{} at {target}",
+                            fabric.clusters[from].id, src.name, fabric.clusters[to].id, dst.name
+                        ));
+                    }
+                }
+            }
+        }
+    }
+    failed
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_gateway_moving_to_another_node_is_followed_by_every_node_and_by_the_peers() {
+    if !can_run("a_gateway_moving_to_another_node_is_followed_by_every_node_and_by_the_peers") {
+        return;
+    }
+    // The gateway keeps its state in etcd, as deployed: its keys and ports survive the move.
+    let mut fabric = up_with(StoreKind::EtcdPerService).await;
+    let failed = pairs_touching(&fabric, A, LIMIT).await;
+    assert!(
+        failed.is_empty(),
+        "before the move: {failed:#?}\n{}",
+        fabric.logs()
+    );
+    let wanted = remote_prefixes(&fabric, A).await;
+
+    // A's gateway moves from n0 to n1 (which gets a public address of its own).
+    let uplink = fabric
+        .topology
+        .add_node_uplink(A, 1)
+        .expect("a second uplink");
+    let site = fabric.topology.sites[A].clone();
+    let started = Instant::now();
+    fabric.clusters[A]
+        .move_gateway(&site, 1, uplink)
+        .await
+        .unwrap_or_else(|e| panic!("{e:#}\n{}", fabric.logs()));
+    let failed = pairs_touching(&fabric, A, LIMIT).await;
+    assert!(
+        failed.is_empty(),
+        "after the move: {failed:#?}\n{}",
+        fabric.logs()
+    );
+    eprintln!(
+        "measured: all 36 pod pairs to and from A answer again {} ms after its gateway moved \
+         from n0 to n1",
+        started.elapsed().as_millis()
+    );
+
+    // Every node of A followed: n0 and n2 route A's remote prefixes into the overlay towards
+    // n1, n1 (the gateway node now) routes none itself; one overlay device at most anywhere.
+    let nodes = &fabric.topology.sites[A].nodes;
+    for node in [&nodes[0], &nodes[2]] {
+        assert_eq!(agent_routes(&node.netns), wanted, "{}", node.name);
+        assert_eq!(vxlan_devices(&node.netns), 1, "{}", node.name);
+    }
+    assert!(agent_routes(&nodes[1].netns).is_empty());
+    assert!(vxlan_devices(&nodes[1].netns) <= 1);
+    // The old gateway took its NAT and guard tables with it; the new one has both.
+    let left = nft_tables(&nodes[0].netns);
+    assert!(
+        !left
+            .iter()
+            .any(|t| t == "table ip trellis" || t == "table ip trellis-guard"),
+        "{left:?}"
+    );
+    let moved = nft_tables(&nodes[1].netns);
+    assert!(moved.iter().any(|t| t == "table ip trellis"), "{moved:?}");
+    // The peers send to the new address.
+    for peer in [B, C] {
+        let deadline = Instant::now() + LIMIT;
+        loop {
+            match fabric.wireguard_endpoint(peer, A).await {
+                Ok(endpoint) if endpoint.ip() == std::net::IpAddr::V4(uplink) => break,
+                seen => assert!(
+                    Instant::now() < deadline,
+                    "{} still sends to {seen:?}\n{}",
+                    fabric.clusters[peer].id,
+                    fabric.logs()
+                ),
+            }
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
     }
 }

@@ -605,3 +605,109 @@ async fn one_withdrawn_network_config_heals_on_both_sides() {
     })
     .await;
 }
+
+/// Two hubs introduce the same pair of leaves (issue 15, item 4). The introductions come in at
+/// different times, but both ends relay through the hub with the smallest ID, so they agree:
+/// first introduced by `hub-2` alone, the pair moves to `hub-1` once that hub introduces it
+/// too, and ends with one induced tunnel via `hub-1` on both sides and consistent views.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_hubs_introducing_a_pair_agree_on_one_relay_and_the_tunnel_follows() {
+    let start = |id: &'static str| InProcessCluster::start(id, "10.0.0.0/16", "10.201.0.0/16");
+    let (h1, h2, a, c) = (
+        start("hub-1").await.expect("starts"),
+        start("hub-2").await.expect("starts"),
+        start("leaf-a").await.expect("starts"),
+        start("leaf-c").await.expect("starts"),
+    );
+    let via = |t: &types::TunnelEndpoint| t.via.as_ref().map(|v| v.cluster_id.clone());
+    trellis_integration::peering::peer(&a, &h2).await;
+    trellis_integration::peering::peer(&c, &h2).await;
+    for (leaf, other) in [(&a, "leaf-c"), (&c, "leaf-a")] {
+        eventually("an induced tunnel via hub-2", LIMIT, || async {
+            let t = tunnel_to(leaf, other).await?;
+            (via(&t).as_deref() == Some("hub-2")).then_some(())
+        })
+        .await;
+    }
+    trellis_integration::peering::peer(&c, &h1).await;
+    trellis_integration::peering::peer(&a, &h1).await;
+    let healed = Duration::from_secs(60);
+    eventually(
+        "both ends relay via hub-1 with matching views",
+        healed,
+        || async {
+            let ac = tunnel_to(&a, "leaf-c").await?;
+            let ca = tunnel_to(&c, "leaf-a").await?;
+            (via(&ac).as_deref() == Some("hub-1")
+                && via(&ca).as_deref() == Some("hub-1")
+                && ac.kind == types::PeeringKind::Induced as i32
+                && ac.local_pod_cidr_nat == ca.remote_pod_cidr_nat
+                && ca.local_pod_cidr_nat == ac.remote_pod_cidr_nat)
+                .then_some(())
+        },
+    )
+    .await;
+    for cluster in [h1, h2, a, c] {
+        cluster.stop().await;
+    }
+}
+
+/// A peer's ranges are routed into its tunnel, so they must lie in the ranges peers may use
+/// (`--allowed-remote-cidrs`, by default private and shared address space): a full peer that
+/// advertises a public range, loopback or half the address space is refused, naming the field,
+/// and what it had before stays (issue 15, item 10).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_advertising_ranges_outside_the_allowed_space_is_refused_and_changes_nothing() {
+    let b = InProcessCluster::start("hub-b", "10.1.0.0/16", "10.202.0.0/16")
+        .await
+        .expect("b starts");
+    let a = InProcessCluster::start("leaf-a", "10.0.0.0/16", "10.201.0.0/16")
+        .await
+        .expect("a starts");
+    trellis_integration::peering::peer(&a, &b).await;
+    let before = eventually("b's tunnel to a", LIMIT, || tunnel_to(&b, "leaf-a")).await;
+    let mut broker = b.broker().await.expect("broker");
+    for (pod, external, field) in [
+        (
+            "8.8.8.0/24",
+            "10.209.0.0/16",
+            "network_config.spec.pod_cidr",
+        ),
+        (
+            "127.0.0.0/8",
+            "10.209.0.0/16",
+            "network_config.spec.pod_cidr",
+        ),
+        (
+            "0.0.0.0/1",
+            "192.168.0.0/16",
+            "network_config.spec.pod_cidr",
+        ),
+        (
+            "10.0.0.0/16",
+            "1.1.1.0/24",
+            "network_config.spec.external_cidr",
+        ),
+    ] {
+        let mut nc = network_config("leaf-a", "hub-b", pod);
+        nc.generation = i64::MAX / 2;
+        if let Some(spec) = nc.spec.as_mut() {
+            spec.external_cidr = external.into();
+        }
+        let err = broker
+            .submit_network_config(SubmitNetworkConfigRequest {
+                network_config: Some(nc),
+            })
+            .await
+            .expect_err(pod);
+        assert_eq!(err.code(), Code::InvalidArgument, "{pod}: {err:?}");
+        assert!(err.message().contains(field), "{pod}: {err:?}");
+    }
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let after = tunnel_to(&b, "leaf-a").await.expect("the tunnel stays");
+    assert_eq!(after.remote_pod_cidr, before.remote_pod_cidr);
+    assert_eq!(after.remote_pod_cidr_nat, before.remote_pod_cidr_nat);
+    for cluster in [a, b] {
+        cluster.stop().await;
+    }
+}

@@ -1,25 +1,23 @@
 //! What a NetworkConfig says: the sender's network parameters (its spec) and the receiver's
 //! decision on how to address them (its status).
 
-use std::net::SocketAddr;
-
 use ipnet::IpNet;
 use trellis_error::{Error, Result};
 
-use super::{WgKey, path};
+use super::{Endpoint, WgKey, path};
 use crate::net::{Family, overlaps};
 use crate::pb::types as pb;
 use crate::wire;
 
 /// A cluster's network parameters as sent to a peer (NetworkConfig spec).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct NetworkSpec {
     /// The sender's real pod CIDR.
     pub pod_cidr: IpNet,
     /// The sender's external CIDR.
     pub external_cidr: IpNet,
-    /// The sender's WireGuard endpoint, as the receiver reaches it.
-    pub endpoint: SocketAddr,
+    /// The sender's WireGuard endpoint, as the receiver reaches it (an IP or a DNS name).
+    pub endpoint: Endpoint,
     /// The sender's WireGuard public key.
     pub public_key: WgKey,
 }
@@ -45,25 +43,7 @@ impl NetworkSpec {
                 format!("{external_cidr} overlaps the pod CIDR {pod_cidr}"),
             ));
         }
-        let endpoint_field = path(prefix, "endpoint");
-        if spec.endpoint.is_empty() {
-            return Err(Error::invalid(endpoint_field, "is required"));
-        }
-        let endpoint: SocketAddr = spec.endpoint.parse().map_err(|_| {
-            Error::invalid(
-                &endpoint_field,
-                format!(
-                    "{:?} is not \"ip:port\" (e.g. \"192.0.2.10:51840\")",
-                    spec.endpoint
-                ),
-            )
-        })?;
-        if endpoint.port() == 0 || endpoint.ip().is_unspecified() {
-            return Err(Error::invalid(
-                endpoint_field,
-                format!("{endpoint} cannot be reached: unspecified address or port 0"),
-            ));
-        }
+        let endpoint = Endpoint::parse(&path(prefix, "endpoint"), &spec.endpoint)?;
         let public_key = WgKey::parse(&path(prefix, "public_key"), &spec.public_key)?;
         Ok(Self {
             pod_cidr,
@@ -106,7 +86,7 @@ impl NatView {
     }
 
     /// Validates a decision about `spec`: each view must be a network of the same size (and
-    /// family) as the range it stands for.
+    /// family) as the range it stands for, and the two views must not overlap.
     pub fn for_spec(
         prefix: &str,
         spec: &NetworkSpec,
@@ -127,13 +107,21 @@ impl NatView {
             }
             Ok(view)
         };
+        let pod_cidr_nat = check("pod_cidr_nat", &status.pod_cidr_nat, spec.pod_cidr)?;
+        let external_cidr_nat = check(
+            "external_cidr_nat",
+            &status.external_cidr_nat,
+            spec.external_cidr,
+        )?;
+        if overlaps(pod_cidr_nat, external_cidr_nat) {
+            return Err(Error::invalid(
+                path(prefix, "external_cidr_nat"),
+                format!("{external_cidr_nat} overlaps the pod CIDR's view {pod_cidr_nat}"),
+            ));
+        }
         Ok(Self {
-            pod_cidr_nat: check("pod_cidr_nat", &status.pod_cidr_nat, spec.pod_cidr)?,
-            external_cidr_nat: check(
-                "external_cidr_nat",
-                &status.external_cidr_nat,
-                spec.external_cidr,
-            )?,
+            pod_cidr_nat,
+            external_cidr_nat,
         })
     }
 }
@@ -210,5 +198,19 @@ mod tests {
         status.pod_cidr_nat = "10.81.0.0/24".into();
         let err = NatView::for_spec("status", &spec, &status).expect_err("size changed");
         assert_eq!(field_of(err), "status.pod_cidr_nat");
+    }
+
+    /// One view overlapping the other would give one address two meanings in the gateway's
+    /// NAT maps (and made the one `nft -f` for every peer fail: issue 15, item 10).
+    #[test]
+    fn the_two_views_must_not_overlap() {
+        let spec = NetworkSpec::from_proto("spec", Some(&spec_proto())).expect("valid");
+        let status = pb::NetworkConfigStatus {
+            pod_cidr_nat: "10.81.0.0/16".into(),
+            external_cidr_nat: "10.81.0.0/16".into(),
+            ..Default::default()
+        };
+        let err = NatView::for_spec("status", &spec, &status).expect_err("overlap");
+        assert_eq!(field_of(err), "status.external_cidr_nat");
     }
 }

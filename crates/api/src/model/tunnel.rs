@@ -1,12 +1,10 @@
 //! TunnelEndpoints: everything a gateway needs for the tunnel to one remote cluster, merged by
 //! the broker from the two NetworkConfigs of a pair (DESIGN.md "Model").
 
-use std::net::SocketAddr;
-
 use ipnet::IpNet;
 use trellis_error::{Error, Result};
 
-use super::{NatView, NetworkSpec, WgKey, path};
+use super::{Endpoint, NatView, NetworkSpec, WgKey, path};
 use crate::convert::identity_to_pb;
 use crate::ident::ClusterIdentity;
 use crate::net::Family;
@@ -52,7 +50,8 @@ pub struct TunnelEndpoint {
     pub remote_external_cidr: IpNet,
     /// How we address the remote (our decision on its NetworkConfig).
     pub remote_nat: NatView,
-    pub remote_endpoint: SocketAddr,
+    /// The remote gateway's WireGuard endpoint: an IP, or a DNS name the gateway resolves.
+    pub remote_endpoint: Endpoint,
     pub remote_public_key: WgKey,
     /// Bumped by the broker on every change.
     pub generation: i64,
@@ -83,7 +82,7 @@ impl TunnelEndpoint {
             remote_pod_cidr: theirs.0.pod_cidr,
             remote_external_cidr: theirs.0.external_cidr,
             remote_nat: theirs.1,
-            remote_endpoint: theirs.0.endpoint,
+            remote_endpoint: theirs.0.endpoint.clone(),
             remote_public_key: theirs.0.public_key,
             generation,
         }
@@ -199,12 +198,8 @@ impl TunnelEndpoint {
                 remote_external_cidr,
             )?,
         };
-        let remote_endpoint = te.remote_endpoint.parse().map_err(|_| {
-            Error::invalid(
-                path(prefix, "remote_endpoint"),
-                format!("{:?} is not \"ip:port\"", te.remote_endpoint),
-            )
-        })?;
+        let remote_endpoint =
+            Endpoint::parse(&path(prefix, "remote_endpoint"), &te.remote_endpoint)?;
         let remote_public_key =
             WgKey::parse(&path(prefix, "remote_public_key"), &te.remote_public_key)?;
         Ok(Self {

@@ -1,6 +1,6 @@
 //! The Linux reconciler: makes the current network namespace match a set of [`PeerPlan`]s.
 //!
-//! Per peer: a WireGuard device (MTU 1420, up, rp_filter off), main-table routes for the peer's
+//! Per peer: a WireGuard device (MTU: the underlay's minus 80, up, rp_filter off), main-table routes for the peer's
 //! NAT'ed CIDRs, a table holding `default dev <interface>`, and an `ip rule fwmark <mark> lookup
 //! <table>`; for all peers together, the `ip trellis` nftables table. Everything is derived
 //! from the plans, so applying the same plans twice changes nothing, and a start first removes
@@ -11,16 +11,18 @@
 //! to.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context as _;
 use ipnet::IpNet;
 use trellis_api::ClusterId;
+use trellis_api::model::Endpoint;
 
 use super::PeerPlan;
 use super::cmd::{self, ip};
-use super::wireguard::{Device, DeviceSpec, Flavor, MTU, PeerStats};
+use super::wireguard::{Device, DeviceSpec, Flavor, PeerStats};
 use super::{guard, nft};
 use crate::keys::KeyPair;
 use crate::mappings::HubMapping;
@@ -32,6 +34,10 @@ const STATS_TIMEOUT: Duration = Duration::from_secs(3);
 /// How long to wait for a removed interface to disappear before creating one of the same name.
 const LINK_GONE_TIMEOUT: Duration = Duration::from_secs(3);
 
+/// How long resolving a peer's endpoint name may take before this pass gives up on that peer
+/// (the reconciler's next pass retries).
+const RESOLVE_TIMEOUT: Duration = Duration::from_secs(5);
+
 /// The data plane of this namespace.
 #[derive(Debug)]
 pub struct Linux {
@@ -39,17 +45,20 @@ pub struct Linux {
     key: KeyPair,
     keepalive: u16,
     prefix: String,
+    /// MTU of every tunnel device.
+    mtu: u32,
     devices: BTreeMap<ClusterId, Arc<Device>>,
 }
 
 impl Linux {
     /// Prepares the namespace (forwarding on, reverse-path filtering off) and removes what a
-    /// previous run left.
+    /// previous run left. Every tunnel device gets MTU `mtu`.
     pub async fn start(
         flavor: Flavor,
         key: KeyPair,
         keepalive: u16,
         prefix: String,
+        mtu: u32,
     ) -> anyhow::Result<Self> {
         cmd::sysctl("ip_forward", "1").await?;
         // Replies leave through a tunnel chosen by fwmark, and packets arrive from a tunnel
@@ -62,6 +71,7 @@ impl Linux {
             key,
             keepalive,
             prefix,
+            mtu,
             devices: BTreeMap::new(),
         };
         this.remove_stale().await?;
@@ -165,13 +175,15 @@ impl Linux {
                 device
             }
         };
+        let peer_endpoint = resolve(&plan.endpoint.remote_endpoint).await?;
         let spec = DeviceSpec {
             name: plan.interface.clone(),
             listen_port: plan.port,
             peer_key: plan.endpoint.remote_public_key,
-            peer_endpoint: plan.endpoint.remote_endpoint,
+            peer_endpoint,
             allowed_ips: plan.allowed_ips(),
             keepalive: self.keepalive,
+            mtu: self.mtu,
         };
         let (key, configured) = (self.key.clone(), device.clone());
         let result = tokio::task::spawn_blocking(move || configured.configure(&key, &spec))
@@ -186,7 +198,16 @@ impl Linux {
             return Err(err).context("configuring the wireguard device");
         }
         let name = plan.interface.as_str();
-        ip(&["link", "set", "dev", name, "mtu", &MTU.to_string(), "up"]).await?;
+        ip(&[
+            "link",
+            "set",
+            "dev",
+            name,
+            "mtu",
+            &self.mtu.to_string(),
+            "up",
+        ])
+        .await?;
         cmd::sysctl(&format!("conf/{name}/rp_filter"), "0").await?;
         let routed = plan.routed();
         for net in &routed {
@@ -256,6 +277,35 @@ impl Linux {
 }
 
 /// Replaces the tunnel guard table ([`guard`]) for `plans`.
+/// The socket address WireGuard sends to: the endpoint's IP, or its DNS name resolved now (on
+/// every pass, so a name that moves to another address is followed). Of several addresses the
+/// lowest IPv4 one is taken (else the lowest IPv6), so an unchanged answer in another order does
+/// not reconfigure the device.
+async fn resolve(endpoint: &Endpoint) -> anyhow::Result<SocketAddr> {
+    if let Some(addr) = endpoint.socket_addr() {
+        return Ok(addr);
+    }
+    let target = endpoint.to_string();
+    let found = tokio::time::timeout(RESOLVE_TIMEOUT, tokio::net::lookup_host(target.clone()))
+        .await
+        .map_err(|_| {
+            anyhow::anyhow!(
+                "resolving the remote endpoint {target}: no answer in {RESOLVE_TIMEOUT:?}"
+            )
+        })?
+        .with_context(|| format!("resolving the remote endpoint {target}"))?;
+    let chosen = pick(found).with_context(|| {
+        format!("resolving the remote endpoint {target}: the name has no address")
+    })?;
+    tracing::debug!(endpoint = %target, address = %chosen, "resolved the remote endpoint");
+    Ok(chosen)
+}
+
+/// The lowest IPv4 address of `found`, else the lowest IPv6 one.
+fn pick(found: impl IntoIterator<Item = SocketAddr>) -> Option<SocketAddr> {
+    found.into_iter().min_by_key(|a| (a.is_ipv6(), *a))
+}
+
 async fn apply_guard(plans: &[PeerPlan], hub: &[HubMapping]) -> anyhow::Result<()> {
     let guards: Vec<guard::TunnelGuard> = plans.iter().map(|p| p.guard(hub)).collect();
     cmd::run("nft", &["-f", "-"], Some(&guard::script(&guards)))
@@ -366,5 +416,37 @@ mod tests {
         assert!(is_ours("tg", "tg0a1b2c3d"));
         assert!(!is_ours("tg", "tg0a1b2c3"));
         assert!(!is_ours("tg", "eth0"));
+    }
+
+    #[tokio::test]
+    async fn endpoints_resolve_to_what_wireguard_sends_to() {
+        let ip = Endpoint::parse("e", "192.0.2.1:51840").expect("ip");
+        assert_eq!(
+            resolve(&ip).await.expect("no lookup"),
+            "192.0.2.1:51840".parse::<SocketAddr>().expect("addr")
+        );
+        // `localhost` resolves from /etc/hosts, without a DNS server.
+        let name = Endpoint::parse("e", "localhost:51841").expect("name");
+        let addr = resolve(&name).await.expect("resolves");
+        assert!(addr.ip().is_loopback(), "{addr}");
+        assert_eq!(addr.port(), 51841);
+        // RFC 6761: `.invalid` never resolves; the error names the endpoint.
+        let nowhere = Endpoint::parse("e", "nowhere.invalid:51840").expect("name");
+        let err = resolve(&nowhere).await.expect_err("does not resolve");
+        assert!(
+            format!("{err:#}").contains("resolving the remote endpoint nowhere.invalid:51840"),
+            "{err:#}"
+        );
+    }
+
+    #[test]
+    fn of_several_addresses_the_lowest_ipv4_one_is_used() {
+        let addrs: Vec<SocketAddr> = ["[2001:db8::1]:1", "192.0.2.9:1", "192.0.2.3:1"]
+            .iter()
+            .map(|a| a.parse().expect("addr"))
+            .collect();
+        assert_eq!(pick(addrs.clone()), Some(addrs[2]));
+        assert_eq!(pick(addrs[..1].to_vec()), Some(addrs[0]));
+        assert_eq!(pick(Vec::new()), None);
     }
 }

@@ -37,9 +37,16 @@ use crate::keys::{KeyPair, hex};
 /// threads died never answers (pitfall 2), and must not hang the caller.
 const UAPI_TIMEOUT: Duration = Duration::from_secs(2);
 
-/// MTU of every tunnel interface: 1500 minus WireGuard's worst-case overhead over IPv6 (80
-/// bytes). The tun default is 1500 (pitfall 6); the spike measured 434 vs 368 Mbit/s.
-pub const MTU: u32 = 1420;
+/// WireGuard's worst-case overhead: outer IPv6 40 + UDP 8 + WireGuard header 16 + auth tag 16.
+/// A tunnel's MTU is the underlay's minus this, so a full tunnel packet never fragments on the
+/// underlay whichever family carries it (1420 on a 1500-byte underlay). The tun default is
+/// 1500 (pitfall 6); the spike measured 434 vs 368 Mbit/s with 1420.
+pub const OVERHEAD: u32 = 80;
+
+/// The tunnel MTU over an underlay of `underlay_mtu` bytes.
+pub fn tunnel_mtu(underlay_mtu: u32) -> u32 {
+    underlay_mtu.saturating_sub(OVERHEAD)
+}
 
 /// Which implementation drives a device.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -57,6 +64,7 @@ pub struct DeviceSpec {
     pub peer_endpoint: SocketAddr,
     pub allowed_ips: Vec<IpNet>,
     pub keepalive: u16,
+    pub mtu: u32,
 }
 
 impl fmt::Debug for DeviceSpec {
@@ -66,6 +74,7 @@ impl fmt::Debug for DeviceSpec {
             .field("listen_port", &self.listen_port)
             .field("peer_endpoint", &self.peer_endpoint)
             .field("allowed_ips", &self.allowed_ips)
+            .field("mtu", &self.mtu)
             .finish_non_exhaustive()
     }
 }
@@ -195,7 +204,7 @@ impl Device {
                     addresses: Vec::new(),
                     port: spec.listen_port,
                     peers: vec![peer],
-                    mtu: Some(MTU),
+                    mtu: Some(spec.mtu),
                     fwmark: None,
                 })
                 .map_err(|e| io_err(format!("configuring kernel device {}: {e}", self.name)))?;

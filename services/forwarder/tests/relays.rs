@@ -1,0 +1,693 @@
+//! The forwarder's relays against both store backends, in the style of the store conformance
+//! suite: each case is a function taking a fresh, empty store, and [`cases!`] runs it once on
+//! the memory store and once on a real etcd process (trellis-testkit; skipped loudly without
+//! etcd, failed in CI).
+//!
+//! The hub's discovery service is the real one (its core and gRPC routes, on loopback), with
+//! its full peerings recorded through `Discovery::update_peering`, as the broker does after a
+//! handshake. The peers' brokers are [`FakeBroker`]s: a real broker needs a whole cluster
+//! behind it (IPAM, gateway, an induced record of the origin), which `tests/integration`
+//! covers end to end; here they only have to answer, refuse or stay silent on demand.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::net::TcpListener;
+use tokio_stream::wrappers::TcpListenerStream;
+use tonic::{Request, Response, Status};
+use trellis_api::model::{Addresses, NetworkSpec};
+use trellis_api::pb::peering as ppb;
+use trellis_api::pb::peering::broker_server::{Broker as BrokerApi, BrokerServer};
+use trellis_api::pb::types as pb;
+use trellis_api::{ClusterId, ClusterIdentity};
+use trellis_discovery::Discovery;
+use trellis_discovery::core::PeeringUpdate;
+use trellis_forwarder::core::{Delivery, Forwarder, Passthrough};
+use trellis_forwarder::records::{RELAYS_PREFIX, RelayRecord, State, encode, now_nanos, relay_key};
+use trellis_runtime::Shutdown;
+use trellis_runtime::peer::Authz;
+use trellis_store::{MemoryStore, SharedStore};
+use trellis_testkit::Etcd;
+
+/// Runs each case on both backends, as `trellis_store::conformance_tests!` does.
+macro_rules! cases {
+    ($($case:ident),* $(,)?) => {
+        mod memory {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+                async fn $case() {
+                    let store: trellis_store::SharedStore =
+                        std::sync::Arc::new(trellis_store::MemoryStore::new());
+                    super::$case(store).await;
+                }
+            )*
+        }
+        mod etcd {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+                async fn $case() {
+                    let Some(etcd) = trellis_testkit::Etcd::start_or_skip() else {
+                        return;
+                    };
+                    let store = super::etcd_store(&etcd).await;
+                    super::$case(store).await;
+                }
+            )*
+        }
+    };
+}
+
+cases!(
+    ids_containing_the_old_separator_keep_separate_relays,
+    old_layout_relays_are_migrated_and_served,
+    a_dead_destination_does_not_hold_up_the_others,
+    failed_relays_are_collected_after_the_retention,
+);
+
+/// The forwarder's store on a fresh etcd, through a prefixed URL as the services use it.
+async fn etcd_store(etcd: &Etcd) -> SharedStore {
+    trellis_store::open(&etcd.url("forwarder"))
+        .await
+        .unwrap_or_else(|err| panic!("{err}; etcd log:\n{}", etcd.log_tail(20)))
+}
+
+/// Long enough for anything that must happen on a loaded CI machine.
+const LIMIT: Duration = Duration::from_secs(60);
+
+fn identity(id: &str) -> ClusterIdentity {
+    ClusterIdentity::parse("cluster_id", id, "cluster_name", &format!("name-{id}"))
+        .expect("valid identity")
+}
+
+fn id(s: &str) -> ClusterId {
+    ClusterId::parse("cluster_id", s).expect("valid id")
+}
+
+/// A distinct spec per `n`, so records can be told apart by content.
+fn spec(n: u8) -> NetworkSpec {
+    NetworkSpec::from_proto(
+        "spec",
+        Some(&pb::NetworkConfigSpec {
+            pod_cidr: format!("10.{n}.0.0/16"),
+            external_cidr: format!("10.{}.0.0/16", 100 + n),
+            endpoint: format!("192.0.2.{n}:51840"),
+            public_key: "AQIDBAUGBwgJCgsMDQ4PEBESExQVFhcYGRobHB0eHyA=".into(),
+        }),
+    )
+    .expect("valid spec")
+}
+
+/// A loopback address nothing listens on: connections are refused at once.
+fn refusing() -> String {
+    format!("127.0.0.1:{}", trellis_testkit::free_port())
+}
+
+/// What one [`FakeBroker`] received.
+#[derive(Debug, Default, Clone)]
+struct Received {
+    /// Submitted NetworkConfigs: (origin, destination, generation).
+    submitted: Vec<(String, String, i64)>,
+    /// Relayed statuses: (origin, destination).
+    statuses: Vec<(String, String)>,
+}
+
+/// A stand-in for a peer's broker (see the module doc): accepts every NetworkConfig with a
+/// `PROCESSED` decision, or refuses it with `PERMISSION_DENIED` when built refusing, and
+/// records what it got.
+#[derive(Debug, Clone, Default)]
+struct FakeBroker {
+    received: Arc<Mutex<Received>>,
+    refuse: bool,
+}
+
+impl FakeBroker {
+    fn received(&self) -> Received {
+        self.received.lock().expect("not poisoned").clone()
+    }
+
+    /// Serves on `listener` until `shutdown`.
+    fn serve(&self, listener: TcpListener, shutdown: &Shutdown) {
+        let service = BrokerServer::new(self.clone());
+        let shutdown = shutdown.clone();
+        tokio::spawn(async move {
+            tonic::transport::Server::builder()
+                .add_service(service)
+                .serve_with_incoming_shutdown(
+                    TcpListenerStream::new(listener),
+                    shutdown.cancelled_owned(),
+                )
+                .await
+        });
+    }
+
+    /// Serves on a fresh loopback port; returns the address.
+    async fn start(&self, shutdown: &Shutdown) -> String {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("binds");
+        let addr = listener.local_addr().expect("address");
+        self.serve(listener, shutdown);
+        addr.to_string()
+    }
+}
+
+fn pair_of(reference: Option<&pb::NetworkConfigRef>) -> (String, String) {
+    let id = |i: Option<&pb::ClusterIdentity>| i.map(|i| i.cluster_id.clone()).unwrap_or_default();
+    reference.map_or_else(Default::default, |r| {
+        (id(r.origin.as_ref()), id(r.destination.as_ref()))
+    })
+}
+
+#[tonic::async_trait]
+impl BrokerApi for FakeBroker {
+    async fn get_token(
+        &self,
+        _: Request<ppb::GetTokenRequest>,
+    ) -> Result<Response<ppb::GetTokenResponse>, Status> {
+        Err(Status::unimplemented("fake broker"))
+    }
+    async fn rotate_token(
+        &self,
+        _: Request<ppb::RotateTokenRequest>,
+    ) -> Result<Response<ppb::RotateTokenResponse>, Status> {
+        Err(Status::unimplemented("fake broker"))
+    }
+    async fn peer(
+        &self,
+        _: Request<ppb::PeerRequest>,
+    ) -> Result<Response<ppb::PeerResponse>, Status> {
+        Err(Status::unimplemented("fake broker"))
+    }
+    async fn unpeer(
+        &self,
+        _: Request<ppb::UnpeerRequest>,
+    ) -> Result<Response<ppb::UnpeerResponse>, Status> {
+        Err(Status::unimplemented("fake broker"))
+    }
+    async fn handshake(
+        &self,
+        _: Request<ppb::HandshakeRequest>,
+    ) -> Result<Response<ppb::HandshakeResponse>, Status> {
+        Err(Status::unimplemented("fake broker"))
+    }
+    async fn submit_network_config(
+        &self,
+        request: Request<ppb::SubmitNetworkConfigRequest>,
+    ) -> Result<Response<ppb::SubmitNetworkConfigResponse>, Status> {
+        if self.refuse {
+            return Err(Status::permission_denied("this fake broker refuses"));
+        }
+        let nc = request.into_inner().network_config.unwrap_or_default();
+        let id = |i: &Option<pb::ClusterIdentity>| {
+            i.as_ref().map(|i| i.cluster_id.clone()).unwrap_or_default()
+        };
+        self.received.lock().expect("not poisoned").submitted.push((
+            id(&nc.origin),
+            id(&nc.destination),
+            nc.generation,
+        ));
+        Ok(Response::new(ppb::SubmitNetworkConfigResponse {
+            accepted: true,
+            status: Some(pb::NetworkConfigStatus {
+                pod_cidr_nat: "10.250.0.0/16".into(),
+                external_cidr_nat: "10.251.0.0/16".into(),
+                state: pb::NetworkConfigState::Processed as i32,
+                observed_generation: nc.generation,
+                message: String::new(),
+                update_time: None,
+            }),
+        }))
+    }
+    async fn report_network_config_status(
+        &self,
+        request: Request<ppb::ReportNetworkConfigStatusRequest>,
+    ) -> Result<Response<ppb::ReportNetworkConfigStatusResponse>, Status> {
+        let pair = pair_of(request.into_inner().network_config.as_ref());
+        self.received
+            .lock()
+            .expect("not poisoned")
+            .statuses
+            .push(pair);
+        Ok(Response::new(ppb::ReportNetworkConfigStatusResponse {
+            applied: true,
+        }))
+    }
+    async fn withdraw_network_config(
+        &self,
+        _: Request<ppb::WithdrawNetworkConfigRequest>,
+    ) -> Result<Response<ppb::WithdrawNetworkConfigResponse>, Status> {
+        Ok(Response::new(ppb::WithdrawNetworkConfigResponse {
+            removed: true,
+        }))
+    }
+    async fn notify_unpeer(
+        &self,
+        _: Request<ppb::NotifyUnpeerRequest>,
+    ) -> Result<Response<ppb::NotifyUnpeerResponse>, Status> {
+        Err(Status::unimplemented("fake broker"))
+    }
+    async fn list_network_configs(
+        &self,
+        _: Request<ppb::ListNetworkConfigsRequest>,
+    ) -> Result<Response<ppb::ListNetworkConfigsResponse>, Status> {
+        Err(Status::unimplemented("fake broker"))
+    }
+    async fn list_tunnel_endpoints(
+        &self,
+        _: Request<ppb::ListTunnelEndpointsRequest>,
+    ) -> Result<Response<ppb::ListTunnelEndpointsResponse>, Status> {
+        Err(Status::unimplemented("fake broker"))
+    }
+    type WatchTunnelEndpointsStream =
+        tokio_stream::Pending<Result<ppb::WatchTunnelEndpointsResponse, Status>>;
+    async fn watch_tunnel_endpoints(
+        &self,
+        _: Request<ppb::WatchTunnelEndpointsRequest>,
+    ) -> Result<Response<Self::WatchTunnelEndpointsStream>, Status> {
+        Err(Status::unimplemented("fake broker"))
+    }
+}
+
+/// A hub: its real discovery service (on its own memory store) and a forwarder on the store
+/// under test. Everything stops when dropped.
+struct Hub {
+    forwarder: Arc<Forwarder>,
+    discovery: Arc<Discovery>,
+    shutdown: Shutdown,
+}
+
+impl Drop for Hub {
+    fn drop(&mut self) {
+        self.shutdown.cancel();
+    }
+}
+
+impl Hub {
+    async fn start(store: SharedStore) -> Self {
+        Self::start_with(store, DELIVERY).await
+    }
+
+    async fn start_with(store: SharedStore, delivery: Delivery) -> Self {
+        let shutdown = Shutdown::new();
+        let discovery = Arc::new(
+            Discovery::open(
+                Arc::new(MemoryStore::new()),
+                identity("hub"),
+                Addresses::default(),
+            )
+            .await
+            .expect("discovery opens"),
+        );
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("binds");
+        let discovery_addr = listener.local_addr().expect("address");
+        let routes =
+            trellis_discovery::routes(discovery.clone(), Duration::from_secs(10), Authz::off());
+        let stop = shutdown.clone();
+        tokio::spawn(async move {
+            tonic::transport::Server::builder()
+                .add_routes(routes)
+                .serve_with_incoming_shutdown(
+                    TcpListenerStream::new(listener),
+                    stop.cancelled_owned(),
+                )
+                .await
+        });
+        let forwarder = Arc::new(
+            Forwarder::new(
+                identity("hub"),
+                store,
+                &discovery_addr.to_string(),
+                delivery,
+                None,
+            )
+            .expect("forwarder"),
+        );
+        Self {
+            forwarder,
+            discovery,
+            shutdown,
+        }
+    }
+
+    /// Records `cluster` as a full peer of the hub with networking, its broker at `broker`.
+    async fn peer(&self, cluster: &str, broker: &str) {
+        self.discovery
+            .update_peering(&PeeringUpdate {
+                identity: identity(cluster),
+                peered: true,
+                addresses: Addresses {
+                    broker: broker.to_owned(),
+                    ..Addresses::default()
+                },
+                outgoing: true,
+                incoming: true,
+                networking: true,
+                reason: String::new(),
+                message: String::new(),
+                expected_revision: 0,
+                ca_certificate: String::new(),
+            })
+            .await
+            .expect("peering recorded");
+    }
+
+    /// Starts the forwarder's retry loop (stopped with the hub).
+    fn run_retries(&self) {
+        tokio::spawn(trellis_forwarder::core::retry_loop(
+            self.forwarder.clone(),
+            self.shutdown.clone(),
+        ));
+    }
+
+    async fn relay(&self, origin: &str, destination: &str, spec_n: u8) -> State {
+        self.forwarder
+            .relay(Passthrough {
+                origin: identity(origin),
+                destination: identity(destination),
+                spec: spec(spec_n),
+                generation: 1,
+            })
+            .await
+            .expect("relay accepted")
+            .0
+    }
+
+    /// The relays held, by (origin, destination).
+    async fn relays(&self) -> BTreeMap<(String, String), RelayRecord> {
+        self.forwarder
+            .list(None)
+            .await
+            .expect("lists")
+            .into_iter()
+            .map(|r| ((r.origin.id.to_string(), r.destination.id.to_string()), r))
+            .collect()
+    }
+}
+
+/// The tests' delivery settings: short backoff, retention long enough to never matter.
+const DELIVERY: Delivery = Delivery {
+    retry_max: Duration::from_secs(1),
+    concurrency: 16,
+    retention: Duration::from_secs(3600),
+};
+
+/// A loopback address that accepts TCP connections and then never says a word: every call
+/// to it hangs until the caller's timeout, like a peer whose packets are blackholed after
+/// the handshake. Stops with `shutdown`.
+async fn blackhole(shutdown: &Shutdown) -> String {
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("binds");
+    let addr = listener.local_addr().expect("address");
+    let shutdown = shutdown.clone();
+    tokio::spawn(async move {
+        let mut held = Vec::new();
+        loop {
+            tokio::select! {
+                () = shutdown.cancelled() => return,
+                accepted = listener.accept() => match accepted {
+                    Ok((socket, _)) => held.push(socket),
+                    Err(_) => return,
+                },
+            }
+        }
+    });
+    addr.to_string()
+}
+
+/// Polls `check` until it returns `Some`, failing with `what` after [`LIMIT`].
+async fn eventually<T, F, Fut>(what: &str, mut check: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let deadline = tokio::time::Instant::now() + LIMIT;
+    loop {
+        if let Some(found) = check().await {
+            return found;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "timed out after {LIMIT:?} waiting for {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// A relay record as an older forwarder stored it.
+fn held(origin: &str, destination: &str, spec_n: u8, state: State) -> RelayRecord {
+    let now = now_nanos();
+    RelayRecord {
+        origin: identity(origin),
+        destination: identity(destination),
+        spec: spec(spec_n),
+        generation: 1,
+        state,
+        status: None,
+        reason: String::new(),
+        attempts: 0,
+        last_error: String::new(),
+        created_nanos: now,
+        updated_nanos: now,
+        next_attempt_nanos: if state == State::Failed { 0 } else { now },
+        trace: None,
+    }
+}
+
+/// ("a--b" → "c") and ("a" → "b--c") are two relays; under `relays/<origin>--<destination>`
+/// they were one key, and the second overwrote the first.
+async fn ids_containing_the_old_separator_keep_separate_relays(store: SharedStore) {
+    let hub = Hub::start(store).await;
+    for cluster in ["a--b", "c", "a", "b--c"] {
+        // Nobody answers: both relays stay in flight.
+        hub.peer(cluster, &refusing()).await;
+    }
+    assert_eq!(hub.relay("a--b", "c", 1).await, State::Pending);
+    assert_eq!(hub.relay("a", "b--c", 2).await, State::Pending);
+
+    let relays = hub.relays().await;
+    let keys: Vec<_> = relays.keys().cloned().collect();
+    assert_eq!(
+        keys,
+        [
+            ("a".to_owned(), "b--c".to_owned()),
+            ("a--b".to_owned(), "c".to_owned())
+        ],
+        "{relays:#?}"
+    );
+    assert_eq!(relays[&("a--b".into(), "c".into())].spec, spec(1));
+    assert_eq!(relays[&("a".into(), "b--c".into())].spec, spec(2));
+    assert_ne!(
+        relay_key(&id("a--b"), &id("c")),
+        relay_key(&id("a"), &id("b--c"))
+    );
+}
+
+/// Relays stored under the old `relays/<origin>--<destination>` keys are moved to the new
+/// layout on start, old keys gone; a second run changes nothing; a store caught half-way
+/// (some keys moved, one pair under both layouts) converges; the moved relays are delivered.
+async fn old_layout_relays_are_migrated_and_served(store: SharedStore) {
+    let shutdown = Shutdown::new();
+    let _stop = shutdown.clone().drop_guard();
+    let (origin, destination) = (FakeBroker::default(), FakeBroker::default());
+    let origin_addr = origin.start(&shutdown).await;
+    let destination_addr = destination.start(&shutdown).await;
+
+    let old = |o: &str, d: &str| format!("{RELAYS_PREFIX}{o}--{d}");
+    // The layout is a contract with stores written by earlier versions: spelled out here.
+    let new = |o: &str, d: &str| format!("{RELAYS_PREFIX}{o}/{d}");
+    assert_eq!(relay_key(&id("a--b"), &id("c")), new("a--b", "c"));
+    let put = |key: String, record: RelayRecord| {
+        let store = store.clone();
+        async move {
+            store
+                .put(&key, encode(&record).expect("encodes"))
+                .await
+                .expect("put");
+        }
+    };
+    // Old layout: a pending relay the loop must deliver, a failed one kept for operators.
+    put(old("x", "y"), held("x", "y", 1, State::Pending)).await;
+    put(old("a--b", "c"), held("a--b", "c", 2, State::Failed)).await;
+    // Already moved by an earlier, interrupted start.
+    put(new("m", "n"), held("m", "n", 3, State::Failed)).await;
+    // Both layouts for one pair: the new one was written later and wins.
+    put(old("p", "q"), held("p", "q", 4, State::Failed)).await;
+    put(new("p", "q"), held("p", "q", 5, State::Failed)).await;
+
+    let hub = Hub::start(store.clone()).await;
+    hub.forwarder.migrate_relay_keys().await.expect("migrates");
+
+    let listing = store.list(RELAYS_PREFIX).await.expect("lists");
+    let keys: Vec<String> = listing.kvs.iter().map(|kv| kv.key.clone()).collect();
+    let mut want = vec![
+        new("x", "y"),
+        new("a--b", "c"),
+        new("m", "n"),
+        new("p", "q"),
+    ];
+    want.sort();
+    assert_eq!(keys, want, "old keys must be gone");
+    let relays = hub.relays().await;
+    assert_eq!(relays[&("x".into(), "y".into())].spec, spec(1));
+    assert_eq!(relays[&("a--b".into(), "c".into())].spec, spec(2));
+    assert_eq!(relays[&("m".into(), "n".into())].spec, spec(3));
+    assert_eq!(relays[&("p".into(), "q".into())].spec, spec(5));
+
+    // Twice changes nothing: same keys at the same revisions.
+    hub.forwarder
+        .migrate_relay_keys()
+        .await
+        .expect("migrates again");
+    let again = store.list(RELAYS_PREFIX).await.expect("lists");
+    let revisions = |l: &trellis_store::Listing| {
+        l.kvs
+            .iter()
+            .map(|kv| (kv.key.clone(), kv.mod_revision))
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(revisions(&again), revisions(&listing));
+
+    // Served afterwards: the moved pending relay reaches y, and y's decision reaches x.
+    hub.peer("x", &origin_addr).await;
+    hub.peer("y", &destination_addr).await;
+    hub.run_retries();
+    eventually(
+        "the migrated relay to be delivered and completed",
+        || async {
+            let delivered = destination
+                .received()
+                .submitted
+                .contains(&("x".into(), "y".into(), 1));
+            let answered = origin
+                .received()
+                .statuses
+                .contains(&("x".into(), "y".into()));
+            let gone = !hub.relays().await.contains_key(&("x".into(), "y".into()));
+            (delivered && answered && gone).then_some(())
+        },
+    )
+    .await;
+}
+
+/// Relays to a destination that never answers must not hold up relays to healthy ones. The
+/// store holds (as left by an earlier run, or accepted while those destinations were down)
+/// many pending relays to a blackholed destination, listed first, and one to each of four
+/// healthy destinations. Each attempt at the dead one lasts until the delivery timeout, so a
+/// forwarder retrying one relay at a time reaches the healthy ones only after all of those.
+async fn a_dead_destination_does_not_hold_up_the_others(store: SharedStore) {
+    const DEAD_ORIGINS: usize = 40;
+    let shutdown = Shutdown::new();
+    let _stop = shutdown.clone().drop_guard();
+    let dead = blackhole(&shutdown).await;
+    let origin = FakeBroker::default();
+    let origin_addr = origin.start(&shutdown).await;
+    let healthy: Vec<(String, FakeBroker)> = (1..=4)
+        .map(|n| (format!("h{n}"), FakeBroker::default()))
+        .collect();
+
+    let put = |record: RelayRecord| {
+        let store = store.clone();
+        async move {
+            let key = relay_key(&record.origin.id, &record.destination.id);
+            store
+                .put(&key, encode(&record).expect("encodes"))
+                .await
+                .expect("put");
+        }
+    };
+    for n in 0..DEAD_ORIGINS {
+        put(held(&format!("d{n:02}"), "dead", 1, State::Pending)).await;
+    }
+    for (name, _) in &healthy {
+        put(held("z", name, 2, State::Pending)).await;
+    }
+
+    let hub = Hub::start(store).await;
+    hub.peer("dead", &dead).await;
+    for n in 0..DEAD_ORIGINS {
+        hub.peer(&format!("d{n:02}"), &refusing()).await;
+    }
+    hub.peer("z", &origin_addr).await;
+    for (name, broker) in &healthy {
+        hub.peer(name, &broker.start(&shutdown).await).await;
+    }
+    hub.run_retries();
+
+    eventually(
+        "every relay to a healthy destination to complete",
+        || async {
+            let reported = origin.received().statuses;
+            let all = healthy.iter().all(|(name, broker)| {
+                broker
+                    .received()
+                    .submitted
+                    .contains(&("z".into(), name.clone(), 1))
+                    && reported.contains(&("z".into(), name.clone()))
+            });
+            let relays = hub.relays().await;
+            let gone = healthy
+                .iter()
+                .all(|(name, _)| !relays.contains_key(&("z".into(), name.clone())));
+            (all && gone).then_some(())
+        },
+    )
+    .await;
+    // The dead destination's relays are all still held, waiting for it.
+    let relays = hub.relays().await;
+    let waiting = relays
+        .iter()
+        .filter(|((_, d), r)| d == "dead" && r.state == State::Pending)
+        .count();
+    assert_eq!(waiting, DEAD_ORIGINS, "{relays:#?}");
+}
+
+/// A relay the destination refused for good is kept (state Failed) for operators, then
+/// deleted once the retention has passed.
+async fn failed_relays_are_collected_after_the_retention(store: SharedStore) {
+    const RETENTION: Duration = Duration::from_secs(3);
+    let shutdown = Shutdown::new();
+    let _stop = shutdown.clone().drop_guard();
+    let refuser = FakeBroker {
+        refuse: true,
+        ..FakeBroker::default()
+    };
+    let hub = Hub::start_with(
+        store,
+        Delivery {
+            retention: RETENTION,
+            ..DELIVERY
+        },
+    )
+    .await;
+    hub.peer("o", &refusing()).await;
+    hub.peer("r", &refuser.start(&shutdown).await).await;
+    assert_eq!(hub.relay("o", "r", 1).await, State::Failed);
+    let pair = ("o".to_owned(), "r".to_owned());
+    let failed = hub
+        .relays()
+        .await
+        .remove(&pair)
+        .expect("the failed relay is kept");
+    assert_eq!(failed.state, State::Failed);
+    assert!(
+        failed.last_error.contains("refuses"),
+        "{}",
+        failed.last_error
+    );
+
+    hub.run_retries();
+    eventually("the failed relay to be collected", || async {
+        let relays = hub.relays().await;
+        if let Some(held) = relays.get(&pair) {
+            assert_eq!(held.state, State::Failed);
+            return None;
+        }
+        // Not before the retention: it was last updated at `updated_nanos`.
+        let kept =
+            Duration::from_nanos(u64::try_from(now_nanos() - failed.updated_nanos).unwrap_or(0));
+        assert!(
+            kept >= RETENTION,
+            "collected after {kept:?}, before the retention"
+        );
+        Some(())
+    })
+    .await;
+}

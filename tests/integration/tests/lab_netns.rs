@@ -1,0 +1,278 @@
+//! `trellis-lab up --dataplane netns --nodes N`, run as the real binary as a user would: three
+//! clusters on one pod CIDR, two nodes each, real packets. The lab waits until every pod answers
+//! every pod of the other clusters and prints the matrix; its topology file lists nodes, pods
+//! and every pair; `trellis-lab check` against the running lab passes, and fails naming the pod
+//! once that pod is cut off; Ctrl-C removes every namespace the lab made.
+//!
+//! Skipped (with a `SKIPPED:` line) when not root; CI runs as root and fails instead. Heavy
+//! (24 processes): one at a time in the `netns` test group.
+
+use std::collections::BTreeSet;
+use std::io::{BufRead as _, BufReader};
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use trellis_integration::bin_path;
+use trellis_testkit::{in_ci, require_tool};
+
+/// Kills the lab if the test fails before it stopped it.
+struct Lab(std::process::Child);
+
+impl Drop for Lab {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn can_run(test: &str) -> bool {
+    if !trellis_netlab::netns::is_root() {
+        assert!(!in_ci(), "{test} needs root, and CI runs as root");
+        eprintln!("SKIPPED: {test}: needs root (network namespaces)");
+        return false;
+    }
+    ["ip", "nft", "ping"]
+        .iter()
+        .all(|tool| require_tool(tool).is_some())
+}
+
+fn netns_list() -> BTreeSet<String> {
+    let out = Command::new("ip")
+        .args(["netns", "list"])
+        .output()
+        .expect("ip netns list");
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| l.split_whitespace().next())
+        .map(str::to_owned)
+        .collect()
+}
+
+fn check(path: &Path) -> (bool, String) {
+    let out = Command::new(bin_path("trellis-lab").expect("trellis-lab is built"))
+        .args(["check", "--timeout", "3", "--topology-file"])
+        .arg(path)
+        .output()
+        .expect("trellis-lab check runs");
+    (
+        out.status.success(),
+        format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        ),
+    )
+}
+
+fn str_of<'a>(v: &'a serde_json::Value, key: &str) -> &'a str {
+    v[key].as_str().unwrap_or_else(|| panic!("{key} in {v}"))
+}
+
+#[test]
+fn the_namespace_lab_with_nodes_reaches_every_pod_checks_the_matrix_and_leaves_nothing_behind() {
+    let test = "the_namespace_lab_with_nodes_reaches_every_pod_checks_the_matrix_and_leaves_nothing_behind";
+    if !can_run(test) {
+        return;
+    }
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("topology.json");
+    let before = netns_list();
+    let started = Instant::now();
+    let mut lab = Lab(
+        Command::new(bin_path("trellis-lab").expect("trellis-lab is built"))
+            .args([
+                "up",
+                "--dataplane",
+                "netns",
+                "--clusters",
+                "3",
+                "--nodes",
+                "2",
+                "--same-pod-cidr",
+                "--timeout",
+                "180",
+                "--topology-file",
+            ])
+            .arg(&path)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("trellis-lab starts"),
+    );
+    let stdout = lab.0.stdout.take().expect("stdout");
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    let mut printed = String::new();
+    let deadline = Instant::now() + Duration::from_secs(240);
+    loop {
+        let Ok(line) = rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) else {
+            let _ = lab.0.kill();
+            let mut err = String::new();
+            if let Some(mut e) = lab.0.stderr.take() {
+                let _ = std::io::Read::read_to_string(&mut e, &mut err);
+            }
+            panic!("the lab did not come up:\n{printed}\n{err}");
+        };
+        printed.push_str(&line);
+        printed.push('\n');
+        if line.contains("press Ctrl-C") {
+            break;
+        }
+    }
+    eprintln!(
+        "measured: 3 clusters x 2 nodes up, every pod pair answering, in {} ms",
+        started.elapsed().as_millis()
+    );
+    // 3 clusters x 2 pods: each pod reaches the 4 pods of the other two clusters.
+    assert!(printed.contains("all 24 pod pairs answered"), "{printed}");
+    let matrix_row = printed
+        .lines()
+        .find(|l| l.starts_with("leaf-1 ") && l.contains("4/4"))
+        .unwrap_or_else(|| panic!("no matrix row for leaf-1:\n{printed}"));
+    assert_eq!(
+        matrix_row.split_whitespace().collect::<Vec<_>>(),
+        ["leaf-1", "4/4", "-", "4/4"],
+        "{printed}"
+    );
+
+    let topology: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).expect("topology file"))
+            .expect("json");
+    let clusters = topology["clusters"].as_array().expect("clusters");
+    assert_eq!(clusters.len(), 3);
+    let mut made = BTreeSet::new();
+    let mut pods_of = std::collections::BTreeMap::new();
+    for c in clusters {
+        let nodes = c["nodes"].as_array().expect("nodes");
+        let pods = c["pods"].as_array().expect("pods");
+        assert_eq!((nodes.len(), pods.len()), (2, 2), "{c}");
+        assert_eq!(
+            nodes.iter().filter(|n| n["gateway"] == true).count(),
+            1,
+            "{c}"
+        );
+        assert_eq!(str_of(&nodes[0], "netns"), str_of(c, "gateway_netns"));
+        assert_eq!(str_of(&pods[0], "netns"), str_of(c, "pod_netns"));
+        assert_eq!(str_of(&pods[0], "ip"), str_of(c, "pod_ip"));
+        for n in nodes.iter().chain(pods) {
+            made.insert(str_of(n, "netns").to_owned());
+        }
+        pods_of.insert(
+            str_of(c, "id").to_owned(),
+            pods.iter()
+                .map(|p| {
+                    (
+                        str_of(p, "name").to_owned(),
+                        str_of(p, "netns").to_owned(),
+                        str_of(p, "ip").to_owned(),
+                    )
+                })
+                .collect::<Vec<_>>(),
+        );
+    }
+    assert!(made.iter().all(|ns| before.iter().all(|b| b != ns)));
+    let reach = topology["reach"].as_array().expect("reach");
+    assert_eq!(reach.len(), 24, "{reach:?}");
+    for r in reach {
+        let (from, to) = (str_of(r, "from"), str_of(r, "to"));
+        assert_ne!(from, to);
+        assert!(
+            pods_of[from]
+                .iter()
+                .any(|(_, ns, _)| ns == str_of(r, "from_pod")),
+            "{r}"
+        );
+        let (_, _, real) = pods_of[to]
+            .iter()
+            .find(|(name, _, _)| name == str_of(r, "to_pod"))
+            .unwrap_or_else(|| panic!("{r}"));
+        // Every cluster has 10.0.0.0/16: a remote pod is never reached at its own address.
+        assert_ne!(str_of(r, "address"), real, "{r}");
+    }
+
+    // `check` against the running lab: all pass; then one pod loses its link and the check
+    // fails, naming it.
+    let (ok, text) = check(&path);
+    assert!(ok, "{text}");
+    assert!(text.contains("all 24 pod pairs answered"), "{text}");
+    let (_, cut_ns, _) = pods_of["leaf-2"][1].clone();
+    let down = Command::new("ip")
+        .args(["-n", &cut_ns, "link", "set", "eth0", "down"])
+        .status()
+        .expect("ip runs");
+    assert!(down.success());
+    let (ok, text) = check(&path);
+    assert!(!ok, "the check passed with a pod cut off:\n{text}");
+    // 4 pods of the other clusters cannot reach it, and it reaches none of their 4.
+    assert!(text.contains("8 of 24 pod pairs did not answer"), "{text}");
+    assert!(
+        text.contains(&format!("FAIL leaf-2 pod in {cut_ns} ->")),
+        "{text}"
+    );
+    assert!(text.contains("-> leaf-2 pod-1 at"), "{text}");
+    assert!(
+        text.lines()
+            .any(|l| l.split_whitespace().collect::<Vec<_>>()
+                == ["leaf-1", "4/4", "-", "2/4", "FAIL"]),
+        "{text}"
+    );
+
+    // Ctrl-C: the lab stops and every namespace it made is gone.
+    let pid = lab.0.id().to_string();
+    let killed = Command::new("kill")
+        .args(["-INT", &pid])
+        .status()
+        .expect("kill runs");
+    assert!(killed.success());
+    let status = lab.0.wait().expect("lab exits");
+    assert!(status.success(), "{status}");
+    let after = netns_list();
+    let run_prefix = str_of(&clusters[0], "gateway_netns")
+        .split('-')
+        .next()
+        .expect("prefix")
+        .to_owned();
+    let left: Vec<&String> = after
+        .iter()
+        .filter(|ns| made.contains(*ns) || ns.starts_with(&format!("{run_prefix}-")))
+        .collect();
+    assert!(left.is_empty(), "left behind: {left:?}");
+}
+
+#[test]
+fn without_root_the_namespace_lab_refuses_clearly_and_creates_nothing() {
+    let test = "without_root_the_namespace_lab_refuses_clearly_and_creates_nothing";
+    if !can_run(test) || require_tool("setpriv").is_none() {
+        return;
+    }
+    // A copy nobody may execute (the target dir lives under root's home).
+    let dir = tempfile::tempdir().expect("tempdir");
+    let lab = dir.path().join("trellis-lab");
+    std::fs::copy(bin_path("trellis-lab").expect("trellis-lab is built"), &lab).expect("copy");
+    for (path, mode) in [(dir.path(), 0o755), (lab.as_path(), 0o755)] {
+        std::fs::set_permissions(path, std::os::unix::fs::PermissionsExt::from_mode(mode))
+            .expect("chmod");
+    }
+    let before = netns_list();
+    let out = Command::new("setpriv")
+        .args(["--reuid=65534", "--regid=65534", "--clear-groups"])
+        .arg(&lab)
+        .args(["up", "--dataplane", "netns", "--until-converged"])
+        .output()
+        .expect("setpriv runs");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("--dataplane netns needs root"),
+        "unclear refusal: {stderr}"
+    );
+    assert_eq!(netns_list(), before);
+}

@@ -1,0 +1,348 @@
+//! Property-style test of the peering plane (issue 15): one hub and four leaves, every service a
+//! real process on its own etcd, driven through a random sequence of unpeerings, re-peerings,
+//! withdrawn NetworkConfigs, service kills (state kept) and broker restarts on an emptied store,
+//! and partitions of whole clusters. After each sequence every partition heals, every leaf is
+//! peered again, and once the mesh is quiet the invariants must hold:
+//!
+//! - exactly the expected TunnelEndpoints: hub↔leaf full, leaf↔leaf induced, nothing else;
+//! - the NAT views of both ends agree (what one calls the other is what the other calls itself);
+//! - no IPAM mapping for a cluster that is not a peer;
+//! - no relay left at the hub.
+//!
+//! The seed is printed; `TRELLIS_CHAOS_SEED=<n>` replays a run. Skipped (loudly) without etcd.
+
+use std::collections::BTreeSet;
+use std::time::{Duration, Instant};
+
+use trellis_api::pb::ipam::ListClusterSubnetsRequest;
+use trellis_api::pb::peering::{
+    ListRelaysRequest, ListTunnelEndpointsRequest, UnpeerRequest, WithdrawNetworkConfigRequest,
+};
+use trellis_api::pb::types::{self as types, PeeringKind, TunnelEndpoint};
+use trellis_integration::peering::peer;
+use trellis_integration::processes::{Options, ProcessCluster, Service};
+
+const LEAVES: [&str; 4] = ["leaf-1", "leaf-2", "leaf-3", "leaf-4"];
+const HUB: &str = "hub";
+/// Random steps per round, and rounds.
+const STEPS: usize = 6;
+const ROUNDS: usize = 2;
+const QUIET: Duration = Duration::from_secs(120);
+
+/// A small deterministic generator (xorshift64*): the sequence is a function of the seed.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n as u64) as usize
+    }
+}
+
+struct Mesh {
+    hub: ProcessCluster,
+    leaves: Vec<ProcessCluster>,
+}
+
+impl Mesh {
+    fn all(&self) -> impl Iterator<Item = &ProcessCluster> {
+        std::iter::once(&self.hub).chain(self.leaves.iter())
+    }
+
+    fn logs(&self) -> String {
+        self.all()
+            .map(|c| c.logs(15))
+            .collect::<Vec<_>>()
+            .join("\n")
+    }
+}
+
+async fn tunnels(cluster: &ProcessCluster) -> Vec<TunnelEndpoint> {
+    match cluster.broker().await {
+        Ok(mut b) => b
+            .list_tunnel_endpoints(ListTunnelEndpointsRequest::default())
+            .await
+            .map(|r| r.into_inner().tunnel_endpoints)
+            .unwrap_or_default(),
+        Err(_) => Vec::new(),
+    }
+}
+
+fn remote(t: &TunnelEndpoint) -> String {
+    t.remote
+        .as_ref()
+        .map(|r| r.cluster_id.clone())
+        .unwrap_or_default()
+}
+
+/// What is wrong with the mesh right now (empty when every invariant holds).
+async fn violations(mesh: &Mesh) -> Vec<String> {
+    let mut wrong = Vec::new();
+    let mut all = Vec::new();
+    for cluster in mesh.all() {
+        all.push((cluster.id.clone(), tunnels(cluster).await));
+    }
+    let find = |holder: &str, other: &str| {
+        all.iter()
+            .find(|(id, _)| id == holder)
+            .and_then(|(_, ts)| ts.iter().find(|t| remote(t) == other))
+    };
+    for (holder, ts) in &all {
+        let expected: BTreeSet<(String, i32)> = if holder == HUB {
+            LEAVES
+                .iter()
+                .map(|l| ((*l).to_owned(), PeeringKind::Full as i32))
+                .collect()
+        } else {
+            std::iter::once((HUB.to_owned(), PeeringKind::Full as i32))
+                .chain(
+                    LEAVES
+                        .iter()
+                        .filter(|l| **l != holder)
+                        .map(|l| ((*l).to_owned(), PeeringKind::Induced as i32)),
+                )
+                .collect()
+        };
+        let seen: BTreeSet<(String, i32)> = ts.iter().map(|t| (remote(t), t.kind)).collect();
+        if seen != expected {
+            wrong.push(format!("{holder} holds {seen:?}, expected {expected:?}"));
+        }
+        for t in ts {
+            let other = remote(t);
+            match find(&other, holder) {
+                None => wrong.push(format!("{holder} has a tunnel to {other}, not back")),
+                Some(back) => {
+                    if t.local_pod_cidr_nat != back.remote_pod_cidr_nat
+                        || t.remote_pod_cidr_nat != back.local_pod_cidr_nat
+                        || t.local_external_cidr_nat != back.remote_external_cidr_nat
+                    {
+                        wrong.push(format!("{holder}<->{other}: views disagree"));
+                    }
+                }
+            }
+        }
+    }
+    // Every IPAM mapping belongs to a peer (all clusters peer with each other in the end).
+    let ids: BTreeSet<String> = mesh.all().map(|c| c.id.clone()).collect();
+    for cluster in mesh.all() {
+        let Ok(mut ipam) = cluster.ipam().await else {
+            wrong.push(format!("{}: IPAM unreachable", cluster.id));
+            continue;
+        };
+        let mapped = ipam
+            .list_cluster_subnets(ListClusterSubnetsRequest {})
+            .await
+            .map(|r| r.into_inner().clusters)
+            .unwrap_or_default();
+        for m in mapped {
+            if !ids.contains(&m.cluster_id) || m.cluster_id == cluster.id {
+                wrong.push(format!("{}: IPAM maps {}", cluster.id, m.cluster_id));
+            }
+        }
+    }
+    match mesh.hub.forwarder().await {
+        Ok(mut f) => {
+            let relays = f
+                .list_relays(ListRelaysRequest::default())
+                .await
+                .map(|r| r.into_inner().relays)
+                .unwrap_or_default();
+            if !relays.is_empty() {
+                wrong.push(format!("the hub still holds {} relays", relays.len()));
+            }
+        }
+        Err(e) => wrong.push(format!("the hub's forwarder: {e}")),
+    }
+    wrong
+}
+
+async fn quiet(mesh: &Mesh, seed: u64, round: usize, log: &[String]) {
+    let started = Instant::now();
+    loop {
+        let mut wrong = violations(mesh).await;
+        if wrong.is_empty() {
+            // Quiet means it stays so: again after more than a resync period of every service.
+            tokio::time::sleep(Duration::from_secs(3)).await;
+            wrong = violations(mesh).await;
+        }
+        if wrong.is_empty() {
+            eprintln!(
+                "measured: round {round} quiet and consistent {} ms after its last step",
+                started.elapsed().as_millis()
+            );
+            return;
+        }
+        assert!(
+            started.elapsed() < QUIET,
+            "seed {seed}, round {round}: still wrong after {QUIET:?}:\n{}\nsteps:\n{}\n{}",
+            wrong.join("\n"),
+            log.join("\n"),
+            mesh.logs()
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}
+
+/// Empties `service`'s store of `cluster` while it is down.
+async fn wipe(cluster: &ProcessCluster, service: Service) {
+    let store = trellis_store::open(
+        &cluster
+            .etcd(service)
+            .expect("etcd")
+            .url(&cluster.store_prefix(service)),
+    )
+    .await
+    .expect("opens the store");
+    for kv in store.list("").await.expect("lists").kvs {
+        store.delete(&kv.key).await.expect("deletes");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn random_failures_unpeerings_and_partitions_always_converge_to_a_consistent_mesh() {
+    let seed = std::env::var("TRELLIS_CHAOS_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(1, |d| d.as_nanos() as u64)
+                | 1
+        });
+    eprintln!("chaos seed {seed} (TRELLIS_CHAOS_SEED={seed} replays it)");
+    let gated = || Options {
+        gated: true,
+        ..Options::default()
+    };
+    let Some(hub) = ProcessCluster::start_with(HUB, "10.0.0.0/16", "10.201.0.0/16", gated())
+        .await
+        .expect("the hub starts")
+    else {
+        return;
+    };
+    let mut leaves = Vec::new();
+    for id in LEAVES {
+        leaves.push(
+            ProcessCluster::start_with(id, "10.0.0.0/16", "10.201.0.0/16", gated())
+                .await
+                .expect("a leaf starts")
+                .expect("etcd"),
+        );
+    }
+    let mut mesh = Mesh { hub, leaves };
+    for leaf in &mesh.leaves {
+        peer(leaf, &mesh.hub).await;
+    }
+    quiet(&mesh, seed, 0, &[]).await;
+
+    let mut rng = Rng(seed);
+    for round in 1..=ROUNDS {
+        let mut log = Vec::new();
+        let mut unpeered = BTreeSet::new();
+        let mut cut = BTreeSet::new();
+        for _ in 0..STEPS {
+            let l = rng.below(LEAVES.len());
+            let leaf_id = mesh.leaves[l].id.clone();
+            match rng.below(6) {
+                0 => {
+                    // The hub or the leaf ends the peering.
+                    let by_hub = rng.below(2) == 0;
+                    let (by, other) = if by_hub {
+                        (&mesh.hub, leaf_id.clone())
+                    } else {
+                        (&mesh.leaves[l], HUB.to_owned())
+                    };
+                    let _ = by
+                        .broker()
+                        .await
+                        .expect("connects")
+                        .unpeer(UnpeerRequest { cluster_id: other })
+                        .await;
+                    unpeered.insert(l);
+                    log.push(format!(
+                        "unpeer {leaf_id} by {}",
+                        if by_hub { "the hub" } else { "itself" }
+                    ));
+                }
+                1 => {
+                    let other = mesh.leaves[(l + 1 + rng.below(3)) % 4].id.clone();
+                    let id = |c: &str| types::ClusterIdentity {
+                        cluster_id: c.into(),
+                        cluster_name: c.into(),
+                    };
+                    let _ = mesh.leaves[l]
+                        .broker()
+                        .await
+                        .expect("connects")
+                        .withdraw_network_config(WithdrawNetworkConfigRequest {
+                            network_config: Some(types::NetworkConfigRef {
+                                name: format!("{other}--{leaf_id}"),
+                                origin: Some(id(&other)),
+                                destination: Some(id(&leaf_id)),
+                                via: Some(id(HUB)),
+                            }),
+                            reason: "Chaos".into(),
+                        })
+                        .await;
+                    log.push(format!("withdraw {other}--{leaf_id} at {leaf_id}"));
+                }
+                2 => {
+                    let service = [
+                        Service::Broker,
+                        Service::Discovery,
+                        Service::Forwarder,
+                        Service::Ipam,
+                        Service::Gateway,
+                    ][rng.below(5)];
+                    let on_hub = rng.below(3) == 0;
+                    let cluster = if on_hub {
+                        &mut mesh.hub
+                    } else {
+                        &mut mesh.leaves[l]
+                    };
+                    let id = cluster.id.clone();
+                    cluster.restart(service).await.expect("restarts");
+                    log.push(format!("kill -9 and restart {id}'s {service:?}"));
+                }
+                3 => {
+                    let cluster = &mut mesh.leaves[l];
+                    cluster.kill9(Service::Broker).expect("kill");
+                    wipe(cluster, Service::Broker).await;
+                    cluster.restart(Service::Broker).await.expect("restarts");
+                    log.push(format!("{leaf_id}'s broker restarted on an empty store"));
+                }
+                4 => {
+                    mesh.leaves[l].partition(true);
+                    cut.insert(l);
+                    log.push(format!("partition {leaf_id}"));
+                }
+                _ => {
+                    if let Some(&healed) = cut.iter().next() {
+                        mesh.leaves[healed].partition(false);
+                        cut.remove(&healed);
+                        log.push(format!("heal {}", mesh.leaves[healed].id));
+                    } else {
+                        log.push("nothing to heal".into());
+                    }
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(200 + rng.below(1500) as u64)).await;
+        }
+        for l in cut {
+            mesh.leaves[l].partition(false);
+            log.push(format!("heal {}", mesh.leaves[l].id));
+        }
+        for l in unpeered {
+            peer(&mesh.leaves[l], &mesh.hub).await;
+            log.push(format!("re-peer {}", mesh.leaves[l].id));
+        }
+        eprintln!("round {round}: {}", log.join("; "));
+        quiet(&mesh, seed, round, &log).await;
+    }
+}
