@@ -100,6 +100,15 @@ pub struct Config {
     #[arg(long, env = "TRELLIS_NO_INDUCED")]
     pub no_induced: bool,
 
+    /// Most clusters one hub's Neighborhood may introduce; a larger one is refused whole
+    /// (INVALID_ARGUMENT) and changes nothing, so a misbehaving hub cannot flood this cluster
+    /// with records, NetworkConfig exchanges and tunnels.
+    #[arg(long, env = "TRELLIS_MAX_INDUCED_PER_HUB", value_name = "N",
+          default_value_t = crate::core::MAX_INDUCED_PER_HUB,
+          value_parser = clap::builder::TypedValueParser::map(
+              clap::value_parser!(u32).range(1..), |n| n as usize))]
+    pub max_induced_per_hub: usize,
+
     /// Seconds a WatchForeignClusters stream may stay silent before it sends a BOOKMARK with
     /// the latest revision it has processed.
     #[arg(long, env = "TRELLIS_WATCH_BOOKMARK", value_name = "SECONDS", default_value_t = 30,

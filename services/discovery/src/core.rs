@@ -232,7 +232,14 @@ pub struct Discovery {
     /// the other's half. Replicas on one etcd stay correct through the record guards; the lock
     /// only keeps one process from racing itself.
     bulk: tokio::sync::Mutex<()>,
+    /// At most this many clusters one hub may introduce (`--max-induced-per-hub`): each
+    /// becomes a record here, a NetworkConfig exchange and a tunnel.
+    max_induced_per_hub: usize,
 }
+
+/// The default of `--max-induced-per-hub`: far above the largest mesh measured (255
+/// clusters), far below what would exhaust a store or a gateway's ports.
+pub const MAX_INDUCED_PER_HUB: usize = 4096;
 
 impl Discovery {
     /// Opens the service on `store`. The first start records the identity; later ones must
@@ -280,6 +287,7 @@ impl Discovery {
             induced: true,
             tls: None,
             bulk: tokio::sync::Mutex::new(()),
+            max_induced_per_hub: MAX_INDUCED_PER_HUB,
         })
     }
 
@@ -303,6 +311,13 @@ impl Discovery {
     #[must_use]
     pub fn without_induced_peering(mut self) -> Self {
         self.induced = false;
+        self
+    }
+
+    /// Caps how many clusters one hub's Neighborhood may introduce.
+    #[must_use]
+    pub fn with_max_induced_per_hub(mut self, max: usize) -> Self {
+        self.max_induced_per_hub = max;
         self
     }
 
@@ -714,6 +729,17 @@ impl Discovery {
             return Err(Error::invalid(
                 "neighborhood.sender.cluster_id",
                 "is this cluster's own ID",
+            ));
+        }
+        if n.neighbors.len() > self.max_induced_per_hub {
+            return Err(Error::invalid(
+                "neighborhood.neighbors",
+                format!(
+                    "lists {} clusters; a hub may introduce at most {} \
+                     (--max-induced-per-hub of the recipient)",
+                    n.neighbors.len(),
+                    self.max_induced_per_hub
+                ),
             ));
         }
         let mut seen = BTreeSet::new();

@@ -104,7 +104,8 @@ pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started
     let mut core = Discovery::open(store, identity, advertised.clone())
         .await
         .context("opening the discovery service")?
-        .with_tls(tls);
+        .with_tls(tls)
+        .with_max_induced_per_hub(config.max_induced_per_hub);
     if config.no_induced {
         tracing::info!("induced peering disabled: neighborhoods introduce nobody");
         core = core.without_induced_peering();

@@ -38,9 +38,13 @@ async fn cluster(id: &str) -> Cluster {
 }
 
 async fn cluster_at(id: &str, listen: &str) -> Cluster {
+    cluster_with(id, listen, &[]).await
+}
+
+async fn cluster_with(id: &str, listen: &str, extra: &[&str]) -> Cluster {
     // Logs go to the test's captured output, shown when it fails.
     let _ = tracing_subscriber::fmt().with_test_writer().try_init();
-    let config = Config::try_parse_from([
+    let mut args = vec![
         "trellis-discovery",
         "--store",
         "memory://",
@@ -54,8 +58,9 @@ async fn cluster_at(id: &str, listen: &str) -> Cluster {
         "1",
         "--watch-bookmark",
         "1",
-    ])
-    .expect("config parses");
+    ];
+    args.extend_from_slice(extra);
+    let config = Config::try_parse_from(args).expect("config parses");
     let shutdown = Shutdown::new();
     let started = start(config, shutdown.clone()).await.expect("starts");
     let client = DiscoveryClient::connect(format!("http://{}", started.addr))
@@ -774,4 +779,28 @@ async fn a_peer_answering_stale_forever_is_backed_off_and_cannot_overflow_the_se
         )
         .await;
     }
+}
+
+/// A hub may introduce at most `--max-induced-per-hub` clusters (issue 15, item 10): a larger
+/// Neighborhood is refused whole, naming the field, and changes nothing; one within the cap
+/// is applied.
+#[tokio::test]
+async fn a_neighborhood_introducing_more_than_the_cap_is_refused_whole() {
+    let mut a = cluster_with("a", "127.0.0.1:0", &["--max-induced-per-hub", "2"]).await;
+    peer_with(&mut a, "hub", "127.0.0.1:1", true).await;
+    let err = a
+        .client
+        .publish_neighborhood(neighborhood("hub", "a", &["c", "d", "e"], 5))
+        .await
+        .expect_err("over the cap");
+    assert_eq!(err.code(), Code::InvalidArgument);
+    assert!(err.message().contains("neighborhood.neighbors"), "{err:?}");
+    assert!(err.message().contains("at most 2"), "{err:?}");
+    assert!(induced(&a).await.is_empty());
+    a.client
+        .publish_neighborhood(neighborhood("hub", "a", &["c", "d"], 6))
+        .await
+        .expect("within the cap");
+    wait_induced(&a, &[("c", "hub"), ("d", "hub")], "two introductions").await;
+    assert!(Config::try_parse_from(["trellis-discovery", "--max-induced-per-hub", "0"]).is_err());
 }
