@@ -20,6 +20,9 @@ declare -A want=(
   [iperf3]=iperf3
   [ping]=iputils-ping
   [nc]=netcat-openbsd
+  # The tunnel-guard test impersonates a peer with an independent userspace WireGuard.
+  [wireguard-go]=wireguard-go
+  [wg]=wireguard-tools
 )
 missing=()
 for bin in "${!want[@]}"; do

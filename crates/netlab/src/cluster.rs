@@ -271,6 +271,14 @@ impl NsCluster {
             .with_context(|| format!("{id}: no route agent on node {index}"))
     }
 
+    /// `service`'s store as reachable from the host (its etcd on the host's loopback, with the
+    /// service's key prefix), for tests that read what a service persisted; `None` with a
+    /// memory store.
+    pub fn store_url(&self, service: Service) -> Option<String> {
+        let etcd = self.etcds.get(&service)?;
+        Some(etcd.url(&format!("trellis/{}/{service}", self.id)))
+    }
+
     /// Moves the gateway to node `node` of `site`, as relabelling a node does in Kubernetes:
     /// SIGTERM where it runs (it removes its data plane), then the same binary with the same
     /// store on that node, with the node's name and address and `endpoint` (that node's own

@@ -1,7 +1,8 @@
 //! Reading and programming the node's network namespace: the VXLAN device, its overlay address,
 //! the routes into it (tagged with our own route protocol number, so they are found again after
-//! a restart and never confused with anyone else's), `rp_filter` and forwarding, and the TCP MSS
-//! clamp in the nftables table `ip trellis-route` (recreated atomically, like the gateway's).
+//! a restart and never confused with anyone else's), `rp_filter` and forwarding, and, in the
+//! nftables table `ip trellis-route` (recreated atomically, like the gateway's), the TCP MSS
+//! clamp and the node guard: no new connection from a remote prefix to the node itself.
 //!
 //! Every step compares what is there with what is wanted first, so a pass over a node that is
 //! already right changes nothing, and a killed agent's successor finds its own objects instead
@@ -129,8 +130,16 @@ pub async fn observe(interface: &str) -> anyhow::Result<Observed> {
     Ok(observed)
 }
 
-/// The nftables script that replaces our table: the remote prefixes as a set, and a clamp of
-/// the MSS of forwarded SYNs towards them to the route's MTU.
+/// The nftables script that replaces our table: the remote prefixes as a set, a clamp of the
+/// MSS of forwarded SYNs towards them to the route's MTU, and the node guard.
+///
+/// The node guard: the gateway's tunnel guard lets new connections from a peer through to our
+/// whole pod CIDR, and a node holds addresses inside it (the first host of its pod slice here,
+/// a CNI bridge's or tunnel device's address in a real cluster) that the gateway cannot tell
+/// from pods. Everything a peer sends reaches the node with a source in a remote prefix (the
+/// gateway translates peers' real sources into them, and its WireGuard AllowedIPs refuse the
+/// rest), so dropping new connections from those sources to the node itself closes that door
+/// without touching traffic forwarded to pods, or replies to what the node started.
 pub fn nft_script(clamp: &BTreeSet<Ipv4Net>) -> String {
     let mut s = format!("table ip {NFT_TABLE} {{}}\ndelete table ip {NFT_TABLE}\n");
     if clamp.is_empty() {
@@ -142,7 +151,8 @@ pub fn nft_script(clamp: &BTreeSet<Ipv4Net>) -> String {
         "table ip {NFT_TABLE} {{\n  set remote {{\n    type ipv4_addr; flags interval;\n    \
          elements = {{ {} }}\n  }}\n  chain forward {{\n    type filter hook forward priority \
          mangle; policy accept;\n    ip daddr @remote tcp flags syn tcp option maxseg size set \
-         rt mtu\n  }}\n}}\n",
+         rt mtu\n  }}\n  chain input {{\n    type filter hook input priority filter; policy \
+         accept;\n    ip saddr @remote ct state new drop\n  }}\n}}\n",
         elements.join(", ")
     );
     s
@@ -301,5 +311,11 @@ mod tests {
         let some = nft_script(&["10.83.0.0/16".parse().expect("net")].into());
         assert!(some.contains("elements = { 10.83.0.0/16 }"), "{some}");
         assert!(some.contains("tcp option maxseg size set rt mtu"), "{some}");
+        assert!(
+            some.contains(
+                "hook input priority filter; policy accept;\n    ip saddr @remote ct state new drop"
+            ),
+            "{some}"
+        );
     }
 }

@@ -56,7 +56,7 @@ pub struct Wanted {
     pub via: Option<Ipv4Addr>,
     /// MTU of those routes (and the TCP MSS clamp's basis).
     pub route_mtu: u32,
-    /// Every remote prefix, for the MSS clamp (also on the gateway node).
+    /// Every remote prefix, for the MSS clamp and the node guard (also on the gateway node).
     pub clamp: BTreeSet<Ipv4Net>,
 }
 
