@@ -188,9 +188,52 @@ pub enum Command {
     /// and the external-CIDR endpoint mappings. `ipam map` translates one endpoint IP.
     Ipam(IpamArgs),
 
-    /// List the EndpointSlices other clusters reflected to this one (ListReflectedSlices);
-    /// `endpoints reflect` translates a local slice for a target cluster.
+    /// List the Services this cluster exports (ListExports) and the EndpointSlices other
+    /// clusters reflected to this one (ListReflectedSlices); `endpoints reflect` translates a
+    /// local slice for a target cluster.
     Endpoints(EndpointsArgs),
+
+    /// Export a Service of this cluster to every peer (EndpointMapper.ExportService): its
+    /// endpoints are reflected, translated for each peer, within seconds. Running it again with
+    /// other endpoints or ports replaces the export.
+    Export(ExportArgs),
+
+    /// Stop exporting a Service (EndpointMapper.UnexportService): every peer loses it. Succeeds,
+    /// saying so, when it was not exported.
+    Unexport(UnexportArgs),
+}
+
+/// Arguments of `export`.
+#[derive(Debug, Clone, Args)]
+pub struct ExportArgs {
+    /// Name of the Service (a DNS label).
+    #[arg(value_name = "NAME")]
+    pub name: String,
+
+    /// Namespace of the Service (a DNS label).
+    #[arg(long, short = 'n', value_name = "NS")]
+    pub namespace: String,
+
+    /// A TCP port the Service exposes (1-65535); repeat for several.
+    #[arg(long = "port", value_name = "PORT", required = true,
+          value_parser = clap::value_parser!(u16).range(1..))]
+    pub ports: Vec<u16>,
+
+    /// An endpoint's IP, a pod of this cluster as it addresses it; repeat for several.
+    #[arg(long = "endpoint", value_name = "IP")]
+    pub endpoints: Vec<IpAddr>,
+}
+
+/// Arguments of `unexport`.
+#[derive(Debug, Clone, Args)]
+pub struct UnexportArgs {
+    /// Name of the Service.
+    #[arg(value_name = "NAME")]
+    pub name: String,
+
+    /// Namespace of the Service.
+    #[arg(long, short = 'n', value_name = "NS")]
+    pub namespace: String,
 }
 
 /// Flags of `token`.

@@ -97,11 +97,13 @@ enum Route {
 /// The endpoints service of one cluster.
 #[derive(Debug)]
 pub struct Endpoints {
-    store: SharedStore,
+    pub(crate) store: SharedStore,
     local: ClusterIdentity,
-    clients: Clients,
+    pub(crate) clients: Clients,
     writer: Option<KubeWriter>,
     pod_cidr: OnceCell<IpNet>,
+    /// Wakes the export reconciler ([`crate::exports`]) when an export changes.
+    pub(crate) exports_changed: tokio::sync::Notify,
 }
 
 fn unchanged(key: impl Into<String>, revision: i64) -> Compare {
@@ -119,7 +121,7 @@ fn now_nanos() -> i64 {
 }
 
 /// A full peer with networking enabled and the peering established.
-fn is_networked_full_peer(fc: &ForeignCluster) -> bool {
+pub(crate) fn is_networked_full_peer(fc: &ForeignCluster) -> bool {
     fc.kind == i32::from(PeeringKind::Full)
         && fc.full.as_ref().is_some_and(|f| f.networking_enabled)
         && fc
@@ -154,6 +156,7 @@ impl Endpoints {
             clients,
             writer,
             pod_cidr: OnceCell::new(),
+            exports_changed: tokio::sync::Notify::new(),
         }
     }
 
@@ -163,7 +166,7 @@ impl Endpoints {
     }
 
     /// The local pod CIDR, asked once from the local IPAM (it cannot change under a store).
-    async fn pod_cidr(&self) -> Result<IpNet> {
+    pub(crate) async fn pod_cidr(&self) -> Result<IpNet> {
         self.pod_cidr
             .get_or_try_init(|| async {
                 let subnets = self
@@ -210,6 +213,17 @@ impl Endpoints {
         slice: Slice,
         deliver: bool,
     ) -> Result<Reflected> {
+        self.reflect_as(target, slice, deliver, false).await
+    }
+
+    /// [`Self::reflect`], recording whether the export reconciler owns the reflection.
+    pub(crate) async fn reflect_as(
+        &self,
+        target: &ClusterIdentity,
+        slice: Slice,
+        deliver: bool,
+        export: bool,
+    ) -> Result<Reflected> {
         if target.id == self.local.id {
             return Err(Error::invalid(
                 "target.cluster_id",
@@ -247,6 +261,7 @@ impl Endpoints {
                 target: target.clone(),
                 generation,
                 hub_external,
+                export,
             };
             let committed = self
                 .store
