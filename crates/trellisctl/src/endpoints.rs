@@ -487,6 +487,7 @@ mod tests {
     #[test]
     fn listing_table_and_json() {
         let view = ReflectedSlicesView {
+            exports: vec![],
             reflected_slices: vec![ReflectedSliceView {
                 source: Some(IdentityView {
                     cluster_id: "hub".into(),
@@ -500,7 +501,8 @@ mod tests {
         };
         assert_eq!(
             view.table(),
-            "SOURCE  NAMESPACE  NAME   SERVICE  ADDRESSES  PORTS          GEN  OBJECT\n\
+            "no exports\n\n\
+             SOURCE  NAMESPACE  NAME   SERVICE  ADDRESSES  PORTS          GEN  OBJECT\n\
              hub     shop       web-1  web      10.80.3.7  http:8080/tcp  2    -\n"
         );
         let json = serde_json::to_value(&view).expect("json");
@@ -511,9 +513,10 @@ mod tests {
         );
         assert!(json["reflected_slices"][0]["slice"]["endpoints"][0]["serving"].is_null());
         let empty = ReflectedSlicesView {
+            exports: vec![],
             reflected_slices: vec![],
         };
-        assert_eq!(empty.table(), "no reflected EndpointSlices\n");
+        assert_eq!(empty.table(), "no exports\n\nno reflected EndpointSlices\n");
     }
 
     #[test]

@@ -108,7 +108,10 @@ fn export_from_pb(req: &pb::ExportServiceRequest) -> Result<ExportRecord> {
     if req.endpoints.len() > MAX_ENDPOINTS {
         return Err(Error::invalid(
             "endpoints",
-            format!("has {} endpoints; at most {MAX_ENDPOINTS}", req.endpoints.len()),
+            format!(
+                "has {} endpoints; at most {MAX_ENDPOINTS}",
+                req.endpoints.len()
+            ),
         ));
     }
     let mut family = None;

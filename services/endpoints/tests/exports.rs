@@ -86,7 +86,10 @@ where
         if got == want {
             return;
         }
-        assert!(Instant::now() < deadline, "{what}: still {got:?}, want {want:?}");
+        assert!(
+            Instant::now() < deadline,
+            "{what}: still {got:?}, want {want:?}"
+        );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
@@ -104,29 +107,39 @@ async fn an_export_reaches_every_full_peer_follows_changes_and_unexport_withdraw
         .expect("export");
     until(
         "A's import",
-        Some(vec![(at(a_view_b.pod, 7), true), (at(a_view_b.pod, 8), true)]),
+        Some(vec![
+            (at(a_view_b.pod, 7), true),
+            (at(a_view_b.pod, 8), true),
+        ]),
         || imported(&fabric.a, "b"),
     )
     .await;
     until(
         "C's import",
-        Some(vec![(at(c_view_b.pod, 7), true), (at(c_view_b.pod, 8), true)]),
+        Some(vec![
+            (at(c_view_b.pod, 7), true),
+            (at(c_view_b.pod, 8), true),
+        ]),
         || imported(&fabric.c, "b"),
     )
     .await;
-    until("B's exports", vec!["a".to_owned(), "c".to_owned()], || async {
-        let exports = fabric
-            .b
-            .endpoints()
-            .await
-            .list_exports(ListExportsRequest {})
-            .await
-            .expect("list exports")
-            .into_inner()
-            .exports;
-        assert_eq!(exports.len(), 1);
-        exports[0].reflected_to.clone()
-    })
+    until(
+        "B's exports",
+        vec!["a".to_owned(), "c".to_owned()],
+        || async {
+            let exports = fabric
+                .b
+                .endpoints()
+                .await
+                .list_exports(ListExportsRequest {})
+                .await
+                .expect("list exports")
+                .into_inner()
+                .exports;
+            assert_eq!(exports.len(), 1);
+            exports[0].reflected_to.clone()
+        },
+    )
     .await;
 
     // Scale up, one new endpoint not ready yet; then down.

@@ -363,8 +363,18 @@ async fn an_operator_builds_and_inspects_an_induced_mesh_with_trellisctl() {
     // export is stored and listed, and its delivery is retried in the background).
     let exported = json(&with(
         &hub_flags,
-        &["export", "web", "--namespace", "shop", "--port", "8080", "--endpoint", "10.0.9.9",
-          "--endpoint", "10.0.9.10"],
+        &[
+            "export",
+            "web",
+            "--namespace",
+            "shop",
+            "--port",
+            "8080",
+            "--endpoint",
+            "10.0.9.9",
+            "--endpoint",
+            "10.0.9.10",
+        ],
     ))
     .await;
     assert_eq!(exported["namespace"], "shop");
@@ -372,14 +382,31 @@ async fn an_operator_builds_and_inspects_an_induced_mesh_with_trellisctl() {
     assert_eq!(exported["ports"][0]["port"], 8080);
     assert_eq!(exported["endpoints"][1]["address"], "10.0.9.10");
     let listed = json(&with(&hub_flags, &["endpoints"])).await;
-    assert_eq!(listed["exports"].as_array().map(Vec::len), Some(1), "{listed:#}");
+    assert_eq!(
+        listed["exports"].as_array().map(Vec::len),
+        Some(1),
+        "{listed:#}"
+    );
     assert_eq!(listed["exports"][0]["name"], "web");
     assert_eq!(listed["exports"][0]["endpoints"][0]["address"], "10.0.9.9");
-    assert!(ok(&with(&hub_flags, &["endpoints"])).await.contains("10.0.9.10"));
+    assert!(
+        ok(&with(&hub_flags, &["endpoints"]))
+            .await
+            .contains("10.0.9.10")
+    );
     // Not a pod of the hub: INVALID_ARGUMENT naming the field, exit code 1, nothing stored.
     let refused = ctl(&with(
         &hub_flags,
-        &["export", "api", "-n", "shop", "--port", "80", "--endpoint", "192.168.7.7"],
+        &[
+            "export",
+            "api",
+            "-n",
+            "shop",
+            "--port",
+            "80",
+            "--endpoint",
+            "192.168.7.7",
+        ],
     ))
     .await;
     assert_eq!(refused.status.code(), Some(1));
@@ -395,10 +422,22 @@ async fn an_operator_builds_and_inspects_an_induced_mesh_with_trellisctl() {
     .await;
     assert_eq!(out.status.code(), Some(2));
     let listed = json(&with(&hub_flags, &["endpoints"])).await;
-    assert_eq!(listed["exports"].as_array().map(Vec::len), Some(1), "{listed:#}");
-    let unexported = json(&with(&hub_flags, &["unexport", "web", "--namespace", "shop"])).await;
+    assert_eq!(
+        listed["exports"].as_array().map(Vec::len),
+        Some(1),
+        "{listed:#}"
+    );
+    let unexported = json(&with(
+        &hub_flags,
+        &["unexport", "web", "--namespace", "shop"],
+    ))
+    .await;
     assert_eq!(unexported["unexported"], true);
-    let again = ok(&with(&hub_flags, &["unexport", "web", "--namespace", "shop"])).await;
+    let again = ok(&with(
+        &hub_flags,
+        &["unexport", "web", "--namespace", "shop"],
+    ))
+    .await;
     assert_eq!(again, "shop/web was not exported\n");
     let listed = json(&with(&hub_flags, &["endpoints"])).await;
     assert_eq!(listed["exports"], Value::Array(vec![]));
