@@ -214,14 +214,21 @@ pub struct ExportArgs {
     #[arg(long, short = 'n', value_name = "NS")]
     pub namespace: String,
 
-    /// A TCP port the Service exposes (1-65535); repeat for several.
-    #[arg(long = "port", value_name = "PORT", required = true,
-          value_parser = clap::value_parser!(u16).range(1..))]
-    pub ports: Vec<u16>,
+    /// A TCP port the Service exposes (1-65535); repeat for several. Checked by the endpoints
+    /// service, which names the offending `ports[i].port`.
+    #[arg(
+        long = "port",
+        value_name = "PORT",
+        required = true,
+        allow_negative_numbers = true
+    )]
+    pub ports: Vec<i64>,
 
-    /// An endpoint's IP, a pod of this cluster as it addresses it; repeat for several.
-    #[arg(long = "endpoint", value_name = "IP")]
-    pub endpoints: Vec<IpAddr>,
+    /// An endpoint's IP, a pod of this cluster as it addresses it; repeat for several. Checked
+    /// by the endpoints service, which names the offending `endpoints[i].address`.
+    // `id`: the global `--endpoints` (the endpoints service's address) owns the id "endpoints".
+    #[arg(long = "endpoint", id = "endpoint", value_name = "IP")]
+    pub addresses: Vec<String>,
 }
 
 /// Arguments of `unexport`.
@@ -265,8 +272,9 @@ pub struct PeerArgs {
 
     /// The remote cluster's peering token (`trellisctl token` run against it). A secret: prefer
     /// the environment variable.
+    // Tokens are base64url and may start with '-'.
     #[arg(long, env = "TRELLIS_PEER_TOKEN", value_name = "TOKEN", hide_env_values = true,
-          value_parser = token_arg)]
+          allow_hyphen_values = true, value_parser = token_arg)]
     pub token: String,
 
     /// Refuse to peer unless the remote reports this cluster ID.

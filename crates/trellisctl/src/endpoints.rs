@@ -135,16 +135,17 @@ pub async fn export(globals: &Globals, args: &ExportArgs) -> Result<ExportView, 
                 .ports
                 .iter()
                 .map(|p| pb::EndpointPort {
-                    port: Some(i32::from(*p)),
+                    // Beyond i32: sent as i32::MAX, which the service refuses as out of range.
+                    port: Some(i32::try_from(*p).unwrap_or(i32::MAX)),
                     protocol: pb::Protocol::Tcp.into(),
                     ..Default::default()
                 })
                 .collect(),
             endpoints: args
-                .endpoints
+                .addresses
                 .iter()
                 .map(|ip| pb::ExportedEndpoint {
-                    address: ip.to_string(),
+                    address: ip.clone(),
                     ready: Some(true),
                 })
                 .collect(),
