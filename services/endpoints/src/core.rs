@@ -812,6 +812,8 @@ impl Endpoints {
                     endpoints = record.slice.endpoints.len(),
                     "applied reflected slice"
                 );
+                // An export we pass on to our other peers may have changed.
+                self.exports_changed.notify_one();
                 return Ok((true, object_name));
             }
             contention.lost().await?;
@@ -827,6 +829,17 @@ impl Endpoints {
         name: &str,
     ) -> Result<bool> {
         self.full_peer(&source.id, Error::PermissionDenied).await?;
+        self.forget(source, namespace, name).await
+    }
+
+    /// Drops a slice `source` reflected to us and its Kubernetes object, whether or not
+    /// `source` is still a peer (the export reconciler drops what a former peer brought).
+    pub(crate) async fn forget(
+        &self,
+        source: &ClusterIdentity,
+        namespace: &str,
+        name: &str,
+    ) -> Result<bool> {
         let key = reflected_key(&source.id, namespace, name);
         // Also when nothing is stored: a crash between the Kubernetes write and the store
         // commit may have left our object behind. The writer only deletes what it manages.
@@ -847,7 +860,9 @@ impl Endpoints {
                 })
                 .await?;
             if committed.succeeded {
-                tracing::info!(namespace, name, "deleted reflected slice");
+                tracing::info!(source.id = %source.id, namespace, name, "deleted reflected slice");
+                // An export in transit through us may have gone with it.
+                self.exports_changed.notify_one();
                 return Ok(true);
             }
             contention.lost().await?;

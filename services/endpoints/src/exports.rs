@@ -1,14 +1,19 @@
-//! Exported Services (DESIGN.md "Services across clusters"): what this cluster exports, and the
-//! one reconciler that reflects every export to every networked full peer.
+//! Exported Services (DESIGN.md "Services across clusters", ADR 0017): what this cluster
+//! exports, and the one reconciler that reflects exports to every networked full peer.
 //!
 //! An export is stored under `export/<namespace>/<name>` (it survives a restart). The
-//! reconciler compares the desired reflections (every export × every networked full peer) with
-//! the outgoing reflections it owns (`OutgoingRecord::export`) and converges: it reflects what
-//! is missing or changed through the existing translation ([`Endpoints::reflect_as`], delivered
-//! to the peer), and withdraws what no longer has an export or a peer. It runs after every
-//! export change and on a fixed resync, so a new peer gets every existing export and an
-//! unpeered one is forgotten within one resync; each pass is idempotent (a slice already
-//! delivered unchanged is not sent again).
+//! reconciler computes the desired reflections: every own export to every networked full peer
+//! (labelled with [`ORIGIN_LABEL`] = us), and every export a peer sent us directly to every
+//! other networked full peer (transit: a hub passes a leaf's export to its other leaves, and
+//! the existing translation gives each the address it uses for the leaf directly when they are
+//! induced peers, the hub's external CIDR otherwise). It compares them with the outgoing
+//! reflections it owns (`OutgoingRecord::export`) and converges: it reflects what is missing or
+//! changed through [`Endpoints::reflect_as`] (delivered to the peer) and withdraws what is no
+//! longer wanted. It also drops every slice a cluster that is no longer a networked full peer
+//! reflected to us. It runs after every export or import change and on a fixed resync, so a new
+//! peer gets every existing export and an unpeered one is forgotten within one resync; each pass
+//! is idempotent (a slice already delivered unchanged is not sent again, except every
+//! [`RESEND_EVERY`] passes).
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::net::IpAddr;
@@ -28,6 +33,14 @@ use crate::records::{
     EXPORT_PREFIX, ExportRecord, OUTGOING_PREFIX, OutgoingRecord, decode, encode, export_key,
 };
 use crate::remote::local_error;
+
+/// Label naming the cluster an exported slice comes from (the MCS API's label on imported
+/// slices). Set by the exporter; a slice in transit keeps it.
+pub const ORIGIN_LABEL: &str = "multicluster.kubernetes.io/source-cluster";
+
+/// Passes after which the reconciler forgets what it delivered and sends everything again, so
+/// a peer that dropped what we sent (a flap of its view of us) gets it back.
+pub const RESEND_EVERY: u32 = 30;
 
 /// How often the reconciler re-reads the peers even when no export changed: the bound on how
 /// long a new or removed peer waits for its exports.
@@ -225,28 +238,76 @@ impl Endpoints {
             .collect())
     }
 
-    /// One reconciler pass: reflect every export to every networked full peer, withdraw owned
-    /// reflections whose export or peer is gone. A failure for one (peer, export) is logged and
-    /// retried on the next pass; it does not stop the others. Returns how many reflections
-    /// failed.
+    /// Every reflection this cluster should hold, by (target, namespace, slice name): each own
+    /// export to every peer, and each export a peer sent us directly to every other peer
+    /// (transit, so a leaf's export reaches the hub's other leaves; their translation takes
+    /// the induced path where there is one).
+    async fn desired(
+        &self,
+        targets: &BTreeMap<ClusterId, ClusterIdentity>,
+    ) -> Result<BTreeMap<(ClusterId, String, String), Slice>> {
+        let mut desired = BTreeMap::new();
+        for export in self.stored_exports().await? {
+            let mut slice = slice_of(&export);
+            slice
+                .labels
+                .insert(ORIGIN_LABEL.to_owned(), self.local().id.to_string());
+            for target in targets.keys() {
+                desired.insert(
+                    (target.clone(), slice.namespace.clone(), slice.name.clone()),
+                    slice.clone(),
+                );
+            }
+        }
+        for import in self.list(None, None).await? {
+            let Some(slice) = transit_of(&import.source.id, &import.slice) else {
+                continue;
+            };
+            if !targets.contains_key(&import.source.id) {
+                continue;
+            }
+            for target in targets.keys().filter(|t| **t != import.source.id) {
+                desired.insert(
+                    (target.clone(), slice.namespace.clone(), slice.name.clone()),
+                    slice.clone(),
+                );
+            }
+        }
+        Ok(desired)
+    }
+
+    /// One reconciler pass: drop what a peer that is gone brought us, reflect every export
+    /// (ours, and those in transit) to every networked full peer, withdraw owned reflections
+    /// whose export or peer is gone. A failure for one (peer, slice) is logged and retried on
+    /// the next pass; it does not stop the others. Returns how many steps failed.
     pub async fn reconcile_exports(&self, delivered: &mut Delivered) -> Result<usize> {
-        let exports = self.stored_exports().await?;
         let targets = self.export_targets().await?;
         let mut failed = 0;
-        let wanted: BTreeSet<(String, String)> = exports
-            .iter()
-            .map(|e| (e.namespace.clone(), e.name.clone()))
-            .collect();
+        // Imports first, so an export in transit from a peer that is gone is withdrawn below.
+        for import in self.list(None, None).await? {
+            if targets.contains_key(&import.source.id) {
+                continue;
+            }
+            if let Err(err) = self
+                .forget(&import.source, &import.slice.namespace, &import.slice.name)
+                .await
+            {
+                failed += 1;
+                tracing::warn!(source.id = %import.source.id, namespace = %import.slice.namespace, name = %import.slice.name, error = %err, "dropping what a former peer reflected failed; retrying on the next pass");
+            }
+        }
+        let desired = self.desired(&targets).await?;
         for (target, namespace, name) in self.owned_reflections().await? {
-            let peer = targets.contains_key(&target.id);
-            if peer && wanted.contains(&(namespace.clone(), name.clone())) {
+            let key = (target.id.clone(), namespace.clone(), name.clone());
+            if desired.contains_key(&key) {
                 continue;
             }
             // A peer that went away cannot be told; its own endpoints service drops what we
             // brought when it forgets us. We still release our hub-path allocations.
+            let peer = targets.contains_key(&target.id);
             match self.unreflect(&target, &namespace, &name, peer).await {
                 Ok(_) => {
-                    delivered.remove(&(target.id.clone(), namespace, name));
+                    delivered.remove(&key);
                 }
                 Err(err) => {
                     failed += 1;
@@ -255,26 +316,21 @@ impl Endpoints {
             }
         }
         delivered.retain(|(target, _, _), _| targets.contains_key(target));
-        for export in &exports {
-            let slice = slice_of(export);
-            for target in targets.values() {
-                let key = (
-                    target.id.clone(),
-                    export.namespace.clone(),
-                    export.name.clone(),
-                );
-                if delivered.get(&key) == Some(&slice) {
-                    continue;
+        for (key, slice) in desired {
+            if delivered.get(&key) == Some(&slice) {
+                continue;
+            }
+            let Some(target) = targets.get(&key.0) else {
+                continue;
+            };
+            match self.reflect_as(target, slice.clone(), true, true).await {
+                Ok(_) => {
+                    delivered.insert(key, slice);
                 }
-                match self.reflect_as(target, slice.clone(), true, true).await {
-                    Ok(_) => {
-                        delivered.insert(key, slice.clone());
-                    }
-                    Err(err) => {
-                        failed += 1;
-                        delivered.remove(&key);
-                        tracing::warn!(target.id = %target.id, namespace = %export.namespace, name = %export.name, error = %err, "reflecting an export failed; retrying on the next pass");
-                    }
+                Err(err) => {
+                    failed += 1;
+                    tracing::warn!(target.id = %target.id, namespace = %key.1, name = %key.2, error = %err, "reflecting an export failed; retrying on the next pass");
+                    delivered.remove(&key);
                 }
             }
         }
@@ -282,11 +338,28 @@ impl Endpoints {
     }
 }
 
+/// The slice `source` sent us, as we pass it on to our other peers: only an export its origin
+/// sent directly (origin label = source), so nothing travels more than two hops or back to its
+/// origin; named `<slice>.<origin>` (a dot never occurs in an export's own name, a DNS label).
+fn transit_of(source: &ClusterId, slice: &Slice) -> Option<Slice> {
+    if slice.labels.get(ORIGIN_LABEL).map(String::as_str) != Some(source.as_str()) {
+        return None;
+    }
+    let mut transit = slice.clone();
+    transit.name = format!("{}.{}", slice.name, source);
+    Some(transit)
+}
+
 /// Runs the export reconciler until `shutdown`: a pass after every export change and every
 /// `resync`.
 pub async fn run_reconciler(core: Arc<Endpoints>, resync: Duration, shutdown: Shutdown) {
     let mut delivered = Delivered::new();
+    let mut passes = 0u32;
     loop {
+        passes = passes.wrapping_add(1);
+        if passes % RESEND_EVERY == 0 {
+            delivered.clear();
+        }
         if let Err(err) = core.reconcile_exports(&mut delivered).await {
             tracing::warn!(error = %err, "export reconciler pass failed");
         }
