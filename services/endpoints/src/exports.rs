@@ -357,7 +357,7 @@ pub async fn run_reconciler(core: Arc<Endpoints>, resync: Duration, shutdown: Sh
     let mut passes = 0u32;
     loop {
         passes = passes.wrapping_add(1);
-        if passes % RESEND_EVERY == 0 {
+        if passes.is_multiple_of(RESEND_EVERY) {
             delivered.clear();
         }
         if let Err(err) = core.reconcile_exports(&mut delivered).await {

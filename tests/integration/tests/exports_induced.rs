@@ -20,6 +20,9 @@ use trellis_integration::peering::{eventually, host_at, peer, pod_view, tunnel_t
 
 const LIMIT: Duration = Duration::from_secs(60);
 
+/// A held slice: (slice name, service name, [(address, ready)]).
+type Held = (String, String, Vec<(String, bool)>);
+
 fn export(namespace: &str, name: &str, endpoints: &[(String, bool)]) -> ExportServiceRequest {
     ExportServiceRequest {
         namespace: namespace.into(),
@@ -40,10 +43,7 @@ fn export(namespace: &str, name: &str, endpoints: &[(String, bool)]) -> ExportSe
 }
 
 /// What `cluster` holds from `source`: (slice name, service name, [(address, ready)]), sorted.
-async fn held(
-    cluster: &InProcessCluster,
-    source: &str,
-) -> Vec<(String, String, Vec<(String, bool)>)> {
+async fn held(cluster: &InProcessCluster, source: &str) -> Vec<Held> {
     let mut out: Vec<_> = cluster
         .endpoints()
         .await
@@ -79,12 +79,7 @@ async fn held(
 }
 
 /// Waits until `cluster` holds exactly `want` from `source`.
-async fn until_held(
-    what: &str,
-    cluster: &InProcessCluster,
-    source: &str,
-    want: Vec<(String, String, Vec<(String, bool)>)>,
-) {
+async fn until_held(what: &str, cluster: &InProcessCluster, source: &str, want: Vec<Held>) {
     let deadline = std::time::Instant::now() + LIMIT;
     loop {
         let got = held(cluster, source).await;
@@ -99,12 +94,7 @@ async fn until_held(
     }
 }
 
-fn slice(
-    name: &str,
-    service: &str,
-    net: IpNet,
-    hosts: &[(u32, bool)],
-) -> (String, String, Vec<(String, bool)>) {
+fn slice(name: &str, service: &str, net: IpNet, hosts: &[(u32, bool)]) -> Held {
     (
         name.into(),
         service.into(),
