@@ -281,10 +281,13 @@ impl Endpoints {
     /// whose export or peer is gone. A failure for one (peer, slice) is logged and retried on
     /// the next pass; it does not stop the others. Returns how many steps failed.
     pub async fn reconcile_exports(&self, delivered: &mut Delivered) -> Result<usize> {
+        // Imports listed before the peers are read: an import is stored only while its source
+        // is a peer, so one stored after a stale read of the peers cannot be dropped here.
+        let imports = self.list(None, None).await?;
         let targets = self.export_targets().await?;
         let mut failed = 0;
         // Imports first, so an export in transit from a peer that is gone is withdrawn below.
-        for import in self.list(None, None).await? {
+        for import in imports {
             if targets.contains_key(&import.source.id) {
                 continue;
             }
