@@ -472,13 +472,6 @@ async fn trellisctl_exports_a_service_that_the_peer_lists_as_an_import_and_unexp
     assert_eq!(exported["ports"][0]["port"], 8080);
     assert_eq!(exported["endpoints"][1]["address"], "10.0.9.10");
 
-    // leaf-a imports it at the addresses it uses for the hub's pods.
-    let hub_ipam = json(&with(&hub_flags, &["ipam"])).await;
-    let a_view_of_hub =
-        find(&hub_ipam["clusters"], "cluster_id", "leaf-a").expect("leaf-a")["local_pod_cidr_nat"]
-            .as_str()
-            .expect("cidr")
-            .to_owned();
     let deadline = Instant::now() + LIMIT;
     let import = loop {
         let slices = imports(&a_flags).await;
@@ -488,6 +481,14 @@ async fn trellisctl_exports_a_service_that_the_peer_lists_as_an_import_and_unexp
         assert!(Instant::now() < deadline, "leaf-a never imported shop/web");
         tokio::time::sleep(Duration::from_millis(200)).await;
     };
+    // leaf-a imported it at the addresses it uses for the hub's pods (known to the hub once it
+    // translated for leaf-a).
+    let hub_ipam = json(&with(&hub_flags, &["ipam"])).await;
+    let a_view_of_hub =
+        find(&hub_ipam["clusters"], "cluster_id", "leaf-a").expect("leaf-a")["local_pod_cidr_nat"]
+            .as_str()
+            .expect("cidr")
+            .to_owned();
     assert_eq!(import["slice"]["namespace"], "shop");
     assert_eq!(import["slice"]["service_name"], "web");
     assert_eq!(import["slice"]["ports"][0]["port"], 8080);
