@@ -213,17 +213,20 @@ impl Endpoints {
         slice: Slice,
         deliver: bool,
     ) -> Result<Reflected> {
-        self.reflect_as(target, slice, deliver, false).await
+        self.reflect_as(target, slice, deliver, None).await
     }
 
-    /// [`Self::reflect`], recording whether the export reconciler owns the reflection.
+    /// [`Self::reflect`] for the export reconciler, which owns the reflection: with `home`, every
+    /// address must run in that cluster (an export carries only its exporter's endpoints; a
+    /// peer cannot have us pass on addresses of another cluster, ours included).
     pub(crate) async fn reflect_as(
         &self,
         target: &ClusterIdentity,
         slice: Slice,
         deliver: bool,
-        export: bool,
+        home: Option<&ClusterId>,
     ) -> Result<Reflected> {
+        let export = home.is_some();
         if target.id == self.local.id {
             return Err(Error::invalid(
                 "target.cluster_id",
@@ -241,6 +244,16 @@ impl Endpoints {
                 None => None,
             };
             let (translated, translations) = self.translate(target, &slice).await?;
+            if let Some(home) = home
+                && let Some(t) = translations
+                    .iter()
+                    .find(|t| t.home.as_ref().is_none_or(|h| h.id != *home))
+            {
+                return Err(Error::PermissionDenied(format!(
+                    "{} does not run in cluster {home}, whose export this is",
+                    t.original
+                )));
+            }
             let hub_external: BTreeSet<String> = translations
                 .iter()
                 .filter(|t| t.path == Path::HubExternal)

@@ -326,7 +326,17 @@ impl Endpoints {
             let Some(target) = targets.get(&key.0) else {
                 continue;
             };
-            match self.reflect_as(target, slice.clone(), true, true).await {
+            let Some(home) = slice
+                .labels
+                .get(ORIGIN_LABEL)
+                .and_then(|origin| ClusterId::parse("origin", origin).ok())
+            else {
+                continue;
+            };
+            match self
+                .reflect_as(target, slice.clone(), true, Some(&home))
+                .await
+            {
                 Ok(_) => {
                     delivered.insert(key, slice);
                 }

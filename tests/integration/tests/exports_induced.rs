@@ -4,19 +4,20 @@
 //! `ExportService`; B imports it from A and passes it on to C, translated for C: the address C
 //! uses to reach A directly over their induced peering (asked from A's IPAM), not one of B's
 //! external CIDR. Changes and unexport follow. Unpeering A from B removes everything A brought
-//! to B (and through B to C) and everything B brought to A.
+//! to B (and through B to C) and everything B brought to A. B never passes on, as A's export,
+//! an address that does not run in A.
 
 use std::time::Duration;
 
 use ipnet::IpNet;
 use trellis_api::pb::endpoints::{
     EndpointPort, ExportServiceRequest, ExportedEndpoint, ListReflectedSlicesRequest,
-    UnexportServiceRequest,
+    ReflectEndpointSliceRequest, UnexportServiceRequest,
 };
 use trellis_api::pb::peering::UnpeerRequest;
 use trellis_api::pb::types;
 use trellis_integration::cluster::InProcessCluster;
-use trellis_integration::peering::{eventually, host_at, peer, pod_view, tunnel_to};
+use trellis_integration::peering::{eventually, host_at, peer, pod_view, tunnel_to, web_slice};
 
 const LIMIT: Duration = Duration::from_secs(60);
 
@@ -201,7 +202,32 @@ async fn a_leafs_export_reaches_the_other_leaf_directly_and_unpeering_removes_wh
     until_held("B forgets A's export", &b, "leaf-a", vec![]).await;
     until_held("C forgets A's export", &c, "hub-b", vec![]).await;
 
-    // Exported again by A, and B exports one of its own pods.
+    // A cannot have B pass on what is not A's: a slice A reflects by hand, labelled as A's
+    // export but holding one of B's pods, stays at B.
+    let mut evil = web_slice(host_at(a_view_b, 5));
+    evil.name = "evil".into();
+    evil.ports = vec![EndpointPort {
+        port: Some(8080),
+        ..Default::default()
+    }];
+    evil.labels.insert(
+        "multicluster.kubernetes.io/source-cluster".into(),
+        "leaf-a".into(),
+    );
+    a_mapper
+        .reflect_endpoint_slice(ReflectEndpointSliceRequest {
+            target: Some(types::ClusterIdentity {
+                cluster_id: "hub-b".into(),
+                cluster_name: String::new(),
+            }),
+            slice: Some(evil),
+            deliver: true,
+        })
+        .await
+        .expect("reflects");
+
+    // Exported again by A, and B exports one of its own pods. C gets exactly those: B tried the
+    // slice "evil.leaf-a" in the same pass as "web.leaf-a", before it.
     a_mapper
         .export_service(export("shop", "web", &[("10.0.0.7".into(), true)]))
         .await
