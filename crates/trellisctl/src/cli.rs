@@ -188,9 +188,59 @@ pub enum Command {
     /// and the external-CIDR endpoint mappings. `ipam map` translates one endpoint IP.
     Ipam(IpamArgs),
 
-    /// List the EndpointSlices other clusters reflected to this one (ListReflectedSlices);
-    /// `endpoints reflect` translates a local slice for a target cluster.
+    /// List the Services this cluster exports (ListExports) and the EndpointSlices other
+    /// clusters reflected to this one (ListReflectedSlices); `endpoints reflect` translates a
+    /// local slice for a target cluster.
     Endpoints(EndpointsArgs),
+
+    /// Export a Service of this cluster to every peer (EndpointMapper.ExportService): its
+    /// endpoints are reflected, translated for each peer, within seconds. Running it again with
+    /// other endpoints or ports replaces the export.
+    Export(ExportArgs),
+
+    /// Stop exporting a Service (EndpointMapper.UnexportService): every peer loses it. Succeeds,
+    /// saying so, when it was not exported.
+    Unexport(UnexportArgs),
+}
+
+/// Arguments of `export`.
+#[derive(Debug, Clone, Args)]
+pub struct ExportArgs {
+    /// Name of the Service (a DNS label).
+    #[arg(value_name = "NAME")]
+    pub name: String,
+
+    /// Namespace of the Service (a DNS label).
+    #[arg(long, short = 'n', value_name = "NS")]
+    pub namespace: String,
+
+    /// A TCP port the Service exposes (1-65535); repeat for several. Checked by the endpoints
+    /// service, which names the offending `ports[i].port`.
+    #[arg(
+        long = "port",
+        value_name = "PORT",
+        required = true,
+        allow_negative_numbers = true
+    )]
+    pub ports: Vec<i64>,
+
+    /// An endpoint's IP, a pod of this cluster as it addresses it; repeat for several. Checked
+    /// by the endpoints service, which names the offending `endpoints[i].address`.
+    // `id`: the global `--endpoints` (the endpoints service's address) owns the id "endpoints".
+    #[arg(long = "endpoint", id = "endpoint", value_name = "IP")]
+    pub addresses: Vec<String>,
+}
+
+/// Arguments of `unexport`.
+#[derive(Debug, Clone, Args)]
+pub struct UnexportArgs {
+    /// Name of the Service.
+    #[arg(value_name = "NAME")]
+    pub name: String,
+
+    /// Namespace of the Service.
+    #[arg(long, short = 'n', value_name = "NS")]
+    pub namespace: String,
 }
 
 /// Flags of `token`.
@@ -222,8 +272,9 @@ pub struct PeerArgs {
 
     /// The remote cluster's peering token (`trellisctl token` run against it). A secret: prefer
     /// the environment variable.
+    // Tokens are base64url and may start with '-'.
     #[arg(long, env = "TRELLIS_PEER_TOKEN", value_name = "TOKEN", hide_env_values = true,
-          value_parser = token_arg)]
+          allow_hyphen_values = true, value_parser = token_arg)]
     pub token: String,
 
     /// Refuse to peer unless the remote reports this cluster ID.

@@ -5,11 +5,12 @@
 use serde::Serialize;
 use trellis_api::pb::endpoints::endpoint_mapper_client::EndpointMapperClient;
 use trellis_api::pb::endpoints::{
-    self as pb, ListReflectedSlicesRequest, ReflectEndpointSliceRequest,
+    self as pb, ExportServiceRequest, ListExportsRequest, ListReflectedSlicesRequest,
+    ReflectEndpointSliceRequest, UnexportServiceRequest,
 };
 use trellis_api::pb::types;
 
-use crate::cli::{EndpointsArgs, Globals, ReflectArgs};
+use crate::cli::{EndpointsArgs, ExportArgs, Globals, ReflectArgs, UnexportArgs};
 use crate::connect::Service;
 use crate::error::CtlError;
 use crate::identity::{IdentityView, id_or_empty};
@@ -22,8 +23,156 @@ use crate::units::rfc3339;
 /// The answer of `endpoints`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct ReflectedSlicesView {
+    /// What this cluster exports, ordered by (namespace, name).
+    pub exports: Vec<ExportView>,
     /// Ordered by (source cluster ID, namespace, name).
     pub reflected_slices: Vec<ReflectedSliceView>,
+}
+
+/// A Service this cluster exports.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct ExportView {
+    pub namespace: String,
+    pub name: String,
+    pub ports: Vec<PortView>,
+    pub endpoints: Vec<ExportedEndpointView>,
+    /// Cluster IDs of the peers it is reflected to now.
+    pub reflected_to: Vec<String>,
+    pub update_time: Option<String>,
+}
+
+/// One endpoint of an export.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct ExportedEndpointView {
+    pub address: String,
+    pub ready: bool,
+}
+
+impl ExportView {
+    fn from_pb(e: &pb::Export) -> Self {
+        Self {
+            namespace: e.namespace.clone(),
+            name: e.name.clone(),
+            ports: SliceView::from_pb(&pb::EndpointSlice {
+                ports: e.ports.clone(),
+                ..Default::default()
+            })
+            .ports,
+            endpoints: e
+                .endpoints
+                .iter()
+                .map(|x| ExportedEndpointView {
+                    address: x.address.clone(),
+                    ready: x.ready.unwrap_or(true),
+                })
+                .collect(),
+            reflected_to: e.reflected_to.clone(),
+            update_time: rfc3339(e.update_time.as_ref()),
+        }
+    }
+
+    fn table_row(&self) -> [String; 5] {
+        [
+            self.namespace.clone(),
+            self.name.clone(),
+            self.endpoints
+                .iter()
+                .map(|e| {
+                    if e.ready {
+                        e.address.clone()
+                    } else {
+                        format!("{} (not ready)", e.address)
+                    }
+                })
+                .collect::<Vec<_>>()
+                .join(","),
+            self.ports
+                .iter()
+                .map(|p| p.port.map_or_else(String::new, |n| n.to_string()))
+                .collect::<Vec<_>>()
+                .join(","),
+            self.reflected_to.join(","),
+        ]
+    }
+}
+
+impl Report for ExportView {
+    fn table(&self) -> String {
+        let mut t = Table::new(&["NAMESPACE", "NAME", "ENDPOINTS", "PORTS", "REFLECTED TO"]);
+        t.row(self.table_row());
+        format!("exported\n{}", t.render())
+    }
+}
+
+/// The answer of `unexport`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct UnexportView {
+    pub namespace: String,
+    pub name: String,
+    /// False when it was not exported.
+    pub unexported: bool,
+}
+
+impl Report for UnexportView {
+    fn table(&self) -> String {
+        if self.unexported {
+            format!("unexported {}/{}\n", self.namespace, self.name)
+        } else {
+            format!("{}/{} was not exported\n", self.namespace, self.name)
+        }
+    }
+}
+
+/// Runs `export`.
+pub async fn export(globals: &Globals, args: &ExportArgs) -> Result<ExportView, CtlError> {
+    let target = globals.target(Service::Endpoints);
+    let mut client = EndpointMapperClient::new(globals.connect(&target).await?);
+    let reply = client
+        .export_service(ExportServiceRequest {
+            namespace: args.namespace.clone(),
+            name: args.name.clone(),
+            ports: args
+                .ports
+                .iter()
+                .map(|p| pb::EndpointPort {
+                    // Beyond i32: sent as i32::MAX, which the service refuses as out of range.
+                    port: Some(i32::try_from(*p).unwrap_or(i32::MAX)),
+                    protocol: pb::Protocol::Tcp.into(),
+                    ..Default::default()
+                })
+                .collect(),
+            endpoints: args
+                .addresses
+                .iter()
+                .map(|ip| pb::ExportedEndpoint {
+                    address: ip.clone(),
+                    ready: Some(true),
+                })
+                .collect(),
+        })
+        .await
+        .map_err(|s| CtlError::rpc(&target, "ExportService", &s))?
+        .into_inner();
+    Ok(ExportView::from_pb(&reply.export.unwrap_or_default()))
+}
+
+/// Runs `unexport`.
+pub async fn unexport(globals: &Globals, args: &UnexportArgs) -> Result<UnexportView, CtlError> {
+    let target = globals.target(Service::Endpoints);
+    let mut client = EndpointMapperClient::new(globals.connect(&target).await?);
+    let reply = client
+        .unexport_service(UnexportServiceRequest {
+            namespace: args.namespace.clone(),
+            name: args.name.clone(),
+        })
+        .await
+        .map_err(|s| CtlError::rpc(&target, "UnexportService", &s))?
+        .into_inner();
+    Ok(UnexportView {
+        namespace: args.namespace.clone(),
+        name: args.name.clone(),
+        unexported: reply.unexported,
+    })
 }
 
 /// One received slice.
@@ -138,6 +287,21 @@ impl SliceView {
 
 impl Report for ReflectedSlicesView {
     fn table(&self) -> String {
+        let exports = if self.exports.is_empty() {
+            "no exports\n".to_owned()
+        } else {
+            let mut t = Table::new(&["NAMESPACE", "NAME", "ENDPOINTS", "PORTS", "REFLECTED TO"]);
+            for e in &self.exports {
+                t.row(e.table_row());
+            }
+            format!("exports\n{}", t.render())
+        };
+        format!("{exports}\n{}", self.reflected_table())
+    }
+}
+
+impl ReflectedSlicesView {
+    fn reflected_table(&self) -> String {
         if self.reflected_slices.is_empty() {
             return "no reflected EndpointSlices\n".into();
         }
@@ -232,7 +396,14 @@ pub async fn list(
         .await
         .map_err(|s| CtlError::rpc(&target, "ListReflectedSlices", &s))?
         .into_inner();
+    let exports = client
+        .list_exports(ListExportsRequest {})
+        .await
+        .map_err(|s| CtlError::rpc(&target, "ListExports", &s))?
+        .into_inner()
+        .exports;
     Ok(ReflectedSlicesView {
+        exports: exports.iter().map(ExportView::from_pb).collect(),
         reflected_slices: reply
             .reflected_slices
             .iter()
@@ -317,6 +488,7 @@ mod tests {
     #[test]
     fn listing_table_and_json() {
         let view = ReflectedSlicesView {
+            exports: vec![],
             reflected_slices: vec![ReflectedSliceView {
                 source: Some(IdentityView {
                     cluster_id: "hub".into(),
@@ -330,7 +502,8 @@ mod tests {
         };
         assert_eq!(
             view.table(),
-            "SOURCE  NAMESPACE  NAME   SERVICE  ADDRESSES  PORTS          GEN  OBJECT\n\
+            "no exports\n\n\
+             SOURCE  NAMESPACE  NAME   SERVICE  ADDRESSES  PORTS          GEN  OBJECT\n\
              hub     shop       web-1  web      10.80.3.7  http:8080/tcp  2    -\n"
         );
         let json = serde_json::to_value(&view).expect("json");
@@ -341,9 +514,10 @@ mod tests {
         );
         assert!(json["reflected_slices"][0]["slice"]["endpoints"][0]["serving"].is_null());
         let empty = ReflectedSlicesView {
+            exports: vec![],
             reflected_slices: vec![],
         };
-        assert_eq!(empty.table(), "no reflected EndpointSlices\n");
+        assert_eq!(empty.table(), "no exports\n\nno reflected EndpointSlices\n");
     }
 
     #[test]

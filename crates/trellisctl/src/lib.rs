@@ -100,5 +100,7 @@ pub async fn execute(cli: &Cli) -> Result<(), CtlError> {
                 emit(&endpoints::reflect(globals, reflect).await?, format)
             }
         },
+        Command::Export(args) => emit(&endpoints::export(globals, args).await?, format),
+        Command::Unexport(args) => emit(&endpoints::unexport(globals, args).await?, format),
     }
 }

@@ -97,11 +97,13 @@ enum Route {
 /// The endpoints service of one cluster.
 #[derive(Debug)]
 pub struct Endpoints {
-    store: SharedStore,
+    pub(crate) store: SharedStore,
     local: ClusterIdentity,
-    clients: Clients,
+    pub(crate) clients: Clients,
     writer: Option<KubeWriter>,
     pod_cidr: OnceCell<IpNet>,
+    /// Wakes the export reconciler ([`crate::exports`]) when an export changes.
+    pub(crate) exports_changed: tokio::sync::Notify,
 }
 
 fn unchanged(key: impl Into<String>, revision: i64) -> Compare {
@@ -119,7 +121,7 @@ fn now_nanos() -> i64 {
 }
 
 /// A full peer with networking enabled and the peering established.
-fn is_networked_full_peer(fc: &ForeignCluster) -> bool {
+pub(crate) fn is_networked_full_peer(fc: &ForeignCluster) -> bool {
     fc.kind == i32::from(PeeringKind::Full)
         && fc.full.as_ref().is_some_and(|f| f.networking_enabled)
         && fc
@@ -154,6 +156,7 @@ impl Endpoints {
             clients,
             writer,
             pod_cidr: OnceCell::new(),
+            exports_changed: tokio::sync::Notify::new(),
         }
     }
 
@@ -163,7 +166,7 @@ impl Endpoints {
     }
 
     /// The local pod CIDR, asked once from the local IPAM (it cannot change under a store).
-    async fn pod_cidr(&self) -> Result<IpNet> {
+    pub(crate) async fn pod_cidr(&self) -> Result<IpNet> {
         self.pod_cidr
             .get_or_try_init(|| async {
                 let subnets = self
@@ -210,6 +213,20 @@ impl Endpoints {
         slice: Slice,
         deliver: bool,
     ) -> Result<Reflected> {
+        self.reflect_as(target, slice, deliver, None).await
+    }
+
+    /// [`Self::reflect`] for the export reconciler, which owns the reflection: with `home`, every
+    /// address must run in that cluster (an export carries only its exporter's endpoints; a
+    /// peer cannot have us pass on addresses of another cluster, ours included).
+    pub(crate) async fn reflect_as(
+        &self,
+        target: &ClusterIdentity,
+        slice: Slice,
+        deliver: bool,
+        home: Option<&ClusterId>,
+    ) -> Result<Reflected> {
+        let export = home.is_some();
         if target.id == self.local.id {
             return Err(Error::invalid(
                 "target.cluster_id",
@@ -227,6 +244,16 @@ impl Endpoints {
                 None => None,
             };
             let (translated, translations) = self.translate(target, &slice).await?;
+            if let Some(home) = home
+                && let Some(t) = translations
+                    .iter()
+                    .find(|t| t.home.as_ref().is_none_or(|h| h.id != *home))
+            {
+                return Err(Error::PermissionDenied(format!(
+                    "{} does not run in cluster {home}, whose export this is",
+                    t.original
+                )));
+            }
             let hub_external: BTreeSet<String> = translations
                 .iter()
                 .filter(|t| t.path == Path::HubExternal)
@@ -247,6 +274,7 @@ impl Endpoints {
                 target: target.clone(),
                 generation,
                 hub_external,
+                export,
             };
             let committed = self
                 .store
@@ -797,6 +825,8 @@ impl Endpoints {
                     endpoints = record.slice.endpoints.len(),
                     "applied reflected slice"
                 );
+                // An export we pass on to our other peers may have changed.
+                self.exports_changed.notify_one();
                 return Ok((true, object_name));
             }
             contention.lost().await?;
@@ -812,6 +842,17 @@ impl Endpoints {
         name: &str,
     ) -> Result<bool> {
         self.full_peer(&source.id, Error::PermissionDenied).await?;
+        self.forget(source, namespace, name).await
+    }
+
+    /// Drops a slice `source` reflected to us and its Kubernetes object, whether or not
+    /// `source` is still a peer (the export reconciler drops what a former peer brought).
+    pub(crate) async fn forget(
+        &self,
+        source: &ClusterIdentity,
+        namespace: &str,
+        name: &str,
+    ) -> Result<bool> {
         let key = reflected_key(&source.id, namespace, name);
         // Also when nothing is stored: a crash between the Kubernetes write and the store
         // commit may have left our object behind. The writer only deletes what it manages.
@@ -832,7 +873,9 @@ impl Endpoints {
                 })
                 .await?;
             if committed.succeeded {
-                tracing::info!(namespace, name, "deleted reflected slice");
+                tracing::info!(source.id = %source.id, namespace, name, "deleted reflected slice");
+                // An export in transit through us may have gone with it.
+                self.exports_changed.notify_one();
                 return Ok(true);
             }
             contention.lost().await?;

@@ -12,8 +12,9 @@ use trellis_error::{Error, Result};
 use trellis_runtime::peer::{Authz, PeerMethods};
 
 use crate::core::{Endpoints, Translation};
-use crate::model::{Slice, dns_label, dns_subdomain};
-use crate::records::ReflectedRecord;
+use crate::exports::{ExportView, slice_of};
+use crate::model::{MAX_ENDPOINTS, Slice, dns_label, dns_subdomain, port};
+use crate::records::{ExportRecord, ExportedEndpoint, ReflectedRecord};
 
 /// The gRPC face of one [`Endpoints`].
 #[derive(Debug, Clone)]
@@ -62,6 +63,80 @@ fn reflected(rec: ReflectedRecord) -> pb::ReflectedSlice {
         object_name: rec.object_name.unwrap_or_default(),
         update_time: Some(convert::timestamp(rec.update_time_nanos)),
     }
+}
+
+fn export_to_pb(view: ExportView) -> pb::Export {
+    let slice = slice_of(&view.export).to_pb();
+    pb::Export {
+        namespace: view.export.namespace,
+        name: view.export.name,
+        ports: slice.ports,
+        endpoints: view
+            .export
+            .endpoints
+            .into_iter()
+            .map(|e| pb::ExportedEndpoint {
+                address: e.address,
+                ready: Some(e.ready),
+            })
+            .collect(),
+        reflected_to: view.reflected_to.iter().map(ToString::to_string).collect(),
+        update_time: Some(convert::timestamp(view.export.update_time_nanos)),
+    }
+}
+
+/// Validates an ExportService request into a record (the pod-CIDR check of the addresses is
+/// the core's: it needs the local IPAM).
+fn export_from_pb(req: &pb::ExportServiceRequest) -> Result<ExportRecord> {
+    let namespace = dns_label("namespace", &req.namespace)?;
+    let name = dns_label("name", &req.name)?;
+    if req.ports.is_empty() {
+        return Err(Error::invalid("ports", "at least one port is required"));
+    }
+    let ports = req
+        .ports
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            let field = format!("ports[{i}]");
+            if p.port.is_none() {
+                return Err(Error::invalid(format!("{field}.port"), "is required"));
+            }
+            port(&field, p)
+        })
+        .collect::<Result<Vec<_>>>()?;
+    if req.endpoints.len() > MAX_ENDPOINTS {
+        return Err(Error::invalid(
+            "endpoints",
+            format!(
+                "has {} endpoints; at most {MAX_ENDPOINTS}",
+                req.endpoints.len()
+            ),
+        ));
+    }
+    let mut family = None;
+    let mut endpoints = Vec::with_capacity(req.endpoints.len());
+    for (i, e) in req.endpoints.iter().enumerate() {
+        let field = format!("endpoints[{i}].address");
+        let ip = trellis_api::wire::ip(&field, &e.address)?;
+        if *family.get_or_insert(ip.is_ipv4()) != ip.is_ipv4() {
+            return Err(Error::invalid(
+                field,
+                "mixes address families; one export has one family",
+            ));
+        }
+        endpoints.push(ExportedEndpoint {
+            address: ip.to_string(),
+            ready: e.ready.unwrap_or(true),
+        });
+    }
+    Ok(ExportRecord {
+        namespace,
+        name,
+        ports,
+        endpoints,
+        update_time_nanos: 0,
+    })
 }
 
 fn optional_id(field: &str, value: &str) -> Result<Option<ClusterId>> {
@@ -166,6 +241,41 @@ impl EndpointMapper for EndpointsService {
             .await?;
         Ok(Response::new(pb::ListReflectedSlicesResponse {
             reflected_slices: slices.into_iter().map(reflected).collect(),
+        }))
+    }
+
+    async fn export_service(
+        &self,
+        request: Request<pb::ExportServiceRequest>,
+    ) -> Result<Response<pb::ExportServiceResponse>, Status> {
+        let export = export_from_pb(request.get_ref())?;
+        let stored = self.core.export(export).await?;
+        Ok(Response::new(pb::ExportServiceResponse {
+            export: Some(export_to_pb(ExportView {
+                export: stored,
+                reflected_to: Vec::new(),
+            })),
+        }))
+    }
+
+    async fn unexport_service(
+        &self,
+        request: Request<pb::UnexportServiceRequest>,
+    ) -> Result<Response<pb::UnexportServiceResponse>, Status> {
+        let req = request.into_inner();
+        let namespace = dns_label("namespace", &req.namespace)?;
+        let name = dns_label("name", &req.name)?;
+        let unexported = self.core.unexport(&namespace, &name).await?;
+        Ok(Response::new(pb::UnexportServiceResponse { unexported }))
+    }
+
+    async fn list_exports(
+        &self,
+        _request: Request<pb::ListExportsRequest>,
+    ) -> Result<Response<pb::ListExportsResponse>, Status> {
+        let exports = self.core.list_exports().await?;
+        Ok(Response::new(pb::ListExportsResponse {
+            exports: exports.into_iter().map(export_to_pb).collect(),
         }))
     }
 }

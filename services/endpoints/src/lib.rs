@@ -6,16 +6,19 @@
 //!   endpoints services, with timeouts and bounded retries;
 //! - [`core`]: translation per target (local NAT, target home, induced through the home
 //!   cluster's IPAM, hub path), reflected-slice storage, release of hub-path allocations;
+//! - [`exports`]: exported Services and the reconciler reflecting them to every peer;
 //! - [`kube`]: the Kubernetes EndpointSlice writer;
 //! - [`records`]: what is stored, under which keys;
 //! - [`grpc`]: the thin gRPC layer;
 //! - [`config`]: the flags.
 //!
-//! Not implemented yet: the kube watcher that picks up local EndpointSlices selected for
-//! reflection (issue 5, third bullet); callers drive reflection through the RPCs.
+//! Not implemented yet: the Kubernetes export source (a watcher of `ServiceExport` objects and
+//! their EndpointSlices) and the import side's ServiceImport and derived Service; exports come
+//! from the `ExportService` RPC.
 
 pub mod config;
 pub mod core;
+pub mod exports;
 pub mod grpc;
 pub mod kube;
 pub mod model;
@@ -122,6 +125,11 @@ pub async fn start_with_writer(
         .with_peer_listener(peer);
     let addr = server.local_addr();
     let peer_addr = server.peer_addr();
+    background.push(tokio::spawn(exports::run_reconciler(
+        core.clone(),
+        exports::RESYNC,
+        shutdown.clone(),
+    )));
     let routes = routes(core.clone(), authz);
     let task = server.spawn(
         routes,

@@ -264,7 +264,7 @@ fn endpoint(field: &str, kind: AddressType, value: &pb::Endpoint) -> Result<Endp
     })
 }
 
-fn port(field: &str, value: &pb::EndpointPort) -> Result<Port> {
+pub(crate) fn port(field: &str, value: &pb::EndpointPort) -> Result<Port> {
     let name = if value.name.is_empty() {
         None
     } else {

@@ -5,6 +5,7 @@
 //! |---|---|
 //! | `reflected/<source_cluster_id>/<namespace>/<name>` | [`ReflectedRecord`]: a slice a peer reflected to us (target side) |
 //! | `outgoing/<target_cluster_id>/<namespace>/<name>` | [`OutgoingRecord`]: a slice we reflected to a peer (source side) |
+//! | `export/<namespace>/<name>` | [`ExportRecord`]: a Service this cluster exports |
 //!
 //! Cluster IDs, namespaces (DNS labels) and names (DNS subdomains) never contain '/', so the
 //! keys are unambiguous and a prefix listing selects one source or target. Both records are
@@ -19,6 +20,12 @@ use crate::model::Slice;
 
 pub const REFLECTED_PREFIX: &str = "reflected/";
 pub const OUTGOING_PREFIX: &str = "outgoing/";
+pub const EXPORT_PREFIX: &str = "export/";
+
+/// Store key of an exported Service.
+pub fn export_key(namespace: &str, name: &str) -> String {
+    format!("{EXPORT_PREFIX}{namespace}/{name}")
+}
 
 /// Store key of a slice reflected to us.
 pub fn reflected_key(source: &ClusterId, namespace: &str, name: &str) -> String {
@@ -62,6 +69,29 @@ pub struct OutgoingRecord {
     /// Original addresses (as we address them) translated through our external CIDR for the
     /// target: each holds an allocation in our IPAM until released.
     pub hub_external: BTreeSet<String>,
+    /// Set when the export reconciler made this reflection (the slice of an [`ExportRecord`]):
+    /// only those are withdrawn by it when the export or the peer goes away.
+    #[serde(default)]
+    pub export: bool,
+}
+
+/// One endpoint of an exported Service.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ExportedEndpoint {
+    /// As this cluster addresses it (inside our pod CIDR).
+    pub address: String,
+    pub ready: bool,
+}
+
+/// A Service this cluster exports to every peer.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ExportRecord {
+    pub namespace: String,
+    pub name: String,
+    pub ports: Vec<crate::model::Port>,
+    pub endpoints: Vec<ExportedEndpoint>,
+    /// Nanoseconds since the epoch of the last export.
+    pub update_time_nanos: i64,
 }
 
 pub use trellis_store::record::{decode, encode};

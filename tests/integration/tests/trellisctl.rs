@@ -1,7 +1,9 @@
 //! The built `trellisctl` binary against a real topology: a hub and two leaves with identical pod
-//! CIDRs, in process with memory stores (the endpoints service only on the hub). Every step goes
+//! CIDRs, in process with memory stores (the endpoints service only on the hub, except in the
+//! export test: hub and leaf-a). Every step goes
 //! through the CLI as an operator would type it: `token`, `peer`, `status --output json` until
-//! the induced mesh shows, `ipam`, `ipam map`, `endpoints` and `endpoints reflect`, `unpeer`, and
+//! the induced mesh shows, `ipam`, `ipam map`, `endpoints` and `endpoints reflect`, `export` / `unexport` with the
+//! peer's import listed by `endpoints` and bad input refused naming the field, `unpeer`, and
 //! the errors (unreachable service, gRPC error, usage); and the TLS flags against a peer
 //! listener. Needs `cargo build --bins` first.
 
@@ -411,6 +413,249 @@ async fn an_operator_builds_and_inspects_an_induced_mesh_with_trellisctl() {
     hub.stop().await;
     a.stop().await;
     c.stop().await;
+}
+
+/// Runs `args` expecting the endpoints service's INVALID_ARGUMENT naming `field`: exit code 1.
+async fn refused(args: &[&str], field: &str) {
+    let out = ctl(args).await;
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{args:?}: {stderr}");
+    assert!(
+        stderr.contains("INVALID_ARGUMENT") && stderr.contains(field),
+        "{args:?} must be refused naming {field}: {stderr}"
+    );
+}
+
+/// The slices `flags`' cluster imported, as `trellisctl endpoints -o json` lists them.
+async fn imports(flags: &[String]) -> Vec<Value> {
+    let listed = json(&with(flags, &["endpoints"])).await;
+    listed["reflected_slices"]
+        .as_array()
+        .expect("reflected_slices")
+        .clone()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn trellisctl_exports_a_service_that_the_peer_lists_as_an_import_and_unexports_it() {
+    let hub = InProcessCluster::start_with_endpoints("hub", "10.0.0.0/16", "10.201.0.0/16")
+        .await
+        .expect("hub starts");
+    let a = InProcessCluster::start_with_endpoints("leaf-a", "10.0.0.0/16", "10.201.0.0/16")
+        .await
+        .expect("leaf-a starts");
+    let hub_flags = flags(&hub, hub.services.endpoints);
+    let a_flags = flags(&a, a.services.endpoints);
+    trellis_integration::peering::peer(&a, &hub).await;
+    status_until(&a_flags, "leaf-a peered with the hub", |s| {
+        is_full_peer(s, "hub")
+    })
+    .await;
+
+    let exported = json(&with(
+        &hub_flags,
+        &[
+            "export",
+            "web",
+            "--namespace",
+            "shop",
+            "--port",
+            "8080",
+            "--endpoint",
+            "10.0.9.9",
+            "--endpoint",
+            "10.0.9.10",
+        ],
+    ))
+    .await;
+    assert_eq!(exported["namespace"], "shop");
+    assert_eq!(exported["name"], "web");
+    assert_eq!(exported["ports"][0]["port"], 8080);
+    assert_eq!(exported["endpoints"][1]["address"], "10.0.9.10");
+
+    let deadline = Instant::now() + LIMIT;
+    let import = loop {
+        let slices = imports(&a_flags).await;
+        if let Some(slice) = slices.iter().find(|s| s["source"]["cluster_id"] == "hub") {
+            break slice.clone();
+        }
+        assert!(Instant::now() < deadline, "leaf-a never imported shop/web");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    // leaf-a imported it at the addresses it uses for the hub's pods (known to the hub once it
+    // translated for leaf-a).
+    let hub_ipam = json(&with(&hub_flags, &["ipam"])).await;
+    let a_view_of_hub =
+        find(&hub_ipam["clusters"], "cluster_id", "leaf-a").expect("leaf-a")["local_pod_cidr_nat"]
+            .as_str()
+            .expect("cidr")
+            .to_owned();
+    assert_eq!(import["slice"]["namespace"], "shop");
+    assert_eq!(import["slice"]["service_name"], "web");
+    assert_eq!(import["slice"]["ports"][0]["port"], 8080);
+    let addresses: Vec<&str> = import["slice"]["endpoints"]
+        .as_array()
+        .expect("endpoints")
+        .iter()
+        .filter_map(|e| e["addresses"][0].as_str())
+        .collect();
+    assert_eq!(
+        addresses,
+        vec![
+            at(&a_view_of_hub, "10.0.9.9").as_str(),
+            at(&a_view_of_hub, "10.0.9.10").as_str()
+        ]
+    );
+    // The exporter lists its export and where it went; both render as a table too.
+    let listed = json(&with(&hub_flags, &["endpoints"])).await;
+    assert_eq!(
+        listed["exports"].as_array().map(Vec::len),
+        Some(1),
+        "{listed:#}"
+    );
+    assert_eq!(listed["exports"][0]["name"], "web");
+    assert_eq!(listed["exports"][0]["reflected_to"][0], "leaf-a");
+    assert!(
+        ok(&with(&hub_flags, &["endpoints"]))
+            .await
+            .contains("10.0.9.10")
+    );
+    assert!(
+        ok(&with(&a_flags, &["endpoints"]))
+            .await
+            .contains(&at(&a_view_of_hub, "10.0.9.10"))
+    );
+
+    // Bad input: INVALID_ARGUMENT naming the field, exit code 1, nothing stored.
+    let bad: &[(&[&str], &str)] = &[
+        (
+            &[
+                "export",
+                "api",
+                "-n",
+                "shop",
+                "--port",
+                "80",
+                "--endpoint",
+                "192.168.7.7",
+            ],
+            "endpoints[0].address",
+        ),
+        (
+            &[
+                "export",
+                "api",
+                "-n",
+                "shop",
+                "--port",
+                "80",
+                "--endpoint",
+                "10.0.9.300",
+            ],
+            "endpoints[0].address",
+        ),
+        (
+            &[
+                "export",
+                "api",
+                "-n",
+                "shop",
+                "--port",
+                "80",
+                "--endpoint",
+                "not-an-ip",
+            ],
+            "endpoints[0].address",
+        ),
+        (
+            &[
+                "export",
+                "api",
+                "-n",
+                "shop",
+                "--port",
+                "70000",
+                "--endpoint",
+                "10.0.9.9",
+            ],
+            "ports[0].port",
+        ),
+        (
+            &[
+                "export",
+                "api",
+                "-n",
+                "shop",
+                "--port",
+                "0",
+                "--endpoint",
+                "10.0.9.9",
+            ],
+            "ports[0].port",
+        ),
+        (
+            &[
+                "export",
+                "api",
+                "-n",
+                "Shop_1",
+                "--port",
+                "80",
+                "--endpoint",
+                "10.0.9.9",
+            ],
+            "namespace",
+        ),
+        (
+            &[
+                "export",
+                "api.v1",
+                "-n",
+                "shop",
+                "--port",
+                "80",
+                "--endpoint",
+                "10.0.9.9",
+            ],
+            "name",
+        ),
+        (&["unexport", "web", "--namespace=Shop.x"], "namespace"),
+    ];
+    for (args, field) in bad {
+        refused(&with(&hub_flags, args), field).await;
+    }
+    let listed = json(&with(&hub_flags, &["endpoints"])).await;
+    assert_eq!(
+        listed["exports"].as_array().map(Vec::len),
+        Some(1),
+        "{listed:#}"
+    );
+    assert_eq!(listed["exports"][0]["name"], "web");
+    // A usage error (no --port) is clap's: exit code 2.
+    let out = ctl(&with(&hub_flags, &["export", "api", "-n", "shop"])).await;
+    assert_eq!(out.status.code(), Some(2));
+
+    let unexported = json(&with(
+        &hub_flags,
+        &["unexport", "web", "--namespace", "shop"],
+    ))
+    .await;
+    assert_eq!(unexported["unexported"], true);
+    let again = ok(&with(
+        &hub_flags,
+        &["unexport", "web", "--namespace", "shop"],
+    ))
+    .await;
+    assert_eq!(again, "shop/web was not exported\n");
+    let listed = json(&with(&hub_flags, &["endpoints"])).await;
+    assert_eq!(listed["exports"], Value::Array(vec![]));
+    let deadline = Instant::now() + LIMIT;
+    while !imports(&a_flags).await.is_empty() {
+        assert!(Instant::now() < deadline, "leaf-a still imports shop/web");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+
+    hub.stop().await;
+    a.stop().await;
 }
 
 /// Writes `contents` to `name` in `dir`; returns the path as text.

@@ -1,0 +1,385 @@
+//! Exported Services (DESIGN.md "Services across clusters", ADR 0017): what this cluster
+//! exports, and the one reconciler that reflects exports to every networked full peer.
+//!
+//! An export is stored under `export/<namespace>/<name>` (it survives a restart). The
+//! reconciler computes the desired reflections: every own export to every networked full peer
+//! (labelled with [`ORIGIN_LABEL`] = us), and every export a peer sent us directly to every
+//! other networked full peer (transit: a hub passes a leaf's export to its other leaves, and
+//! the existing translation gives each the address it uses for the leaf directly when they are
+//! induced peers, the hub's external CIDR otherwise). It compares them with the outgoing
+//! reflections it owns (`OutgoingRecord::export`) and converges: it reflects what is missing or
+//! changed through [`Endpoints::reflect_as`] (delivered to the peer) and withdraws what is no
+//! longer wanted. It also drops every slice a cluster that is no longer a networked full peer
+//! reflected to us. It runs after every export or import change and on a fixed resync, so a new
+//! peer gets every existing export and an unpeered one is forgotten within one resync; each pass
+//! is idempotent (a slice already delivered unchanged is not sent again, except every
+//! [`RESEND_EVERY`] passes).
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::net::IpAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use trellis_api::pb::discovery::ListForeignClustersRequest;
+use trellis_api::{ClusterId, ClusterIdentity, convert};
+use trellis_error::{Error, Result};
+use trellis_runtime::Shutdown;
+use trellis_store::retry::Contention;
+use trellis_store::{Compare, Op, Txn};
+
+use crate::core::{Endpoints, is_networked_full_peer};
+use crate::model::{AddressType, Conditions, Endpoint, Slice};
+use crate::records::{
+    EXPORT_PREFIX, ExportRecord, OUTGOING_PREFIX, OutgoingRecord, decode, encode, export_key,
+};
+use crate::remote::local_error;
+
+/// Label naming the cluster an exported slice comes from (the MCS API's label on imported
+/// slices). Set by the exporter; a slice in transit keeps it.
+pub const ORIGIN_LABEL: &str = "multicluster.kubernetes.io/source-cluster";
+
+/// Passes after which the reconciler forgets what it delivered and sends everything again, so
+/// a peer that dropped what we sent (a flap of its view of us) gets it back.
+pub const RESEND_EVERY: u32 = 30;
+
+/// How often the reconciler re-reads the peers even when no export changed: the bound on how
+/// long a new or removed peer waits for its exports.
+pub const RESYNC: Duration = Duration::from_secs(2);
+
+/// An export and the peers it is currently reflected to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ExportView {
+    pub export: ExportRecord,
+    pub reflected_to: Vec<ClusterId>,
+}
+
+/// What the reconciler last delivered, per (target, namespace, name): a pass skips slices the
+/// target already holds unchanged. Lost on restart, which only costs one re-send.
+pub type Delivered = HashMap<(ClusterId, String, String), Slice>;
+
+fn now_nanos() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| i64::try_from(d.as_nanos()).unwrap_or(i64::MAX))
+        .unwrap_or(0)
+}
+
+/// The EndpointSlice an export is reflected as: named after the Service, one endpoint per
+/// address, the export's readiness as the endpoint's.
+pub fn slice_of(export: &ExportRecord) -> Slice {
+    let address_type = match export
+        .endpoints
+        .first()
+        .and_then(|e| e.address.parse::<IpAddr>().ok())
+    {
+        Some(IpAddr::V6(_)) => AddressType::IPv6,
+        _ => AddressType::IPv4,
+    };
+    Slice {
+        namespace: export.namespace.clone(),
+        name: export.name.clone(),
+        service_name: export.name.clone(),
+        address_type,
+        endpoints: export
+            .endpoints
+            .iter()
+            .map(|e| Endpoint {
+                addresses: vec![e.address.clone()],
+                conditions: Conditions {
+                    ready: Some(e.ready),
+                    serving: Some(e.ready),
+                    terminating: None,
+                },
+                hostname: None,
+                node_name: None,
+                zone: None,
+            })
+            .collect(),
+        ports: export.ports.clone(),
+        labels: BTreeMap::new(),
+    }
+}
+
+/// `outgoing/<target>/<namespace>/<name>` → (namespace, name).
+fn outgoing_names(key: &str) -> Option<(String, String)> {
+    let mut parts = key.strip_prefix(OUTGOING_PREFIX)?.splitn(3, '/');
+    let _target = parts.next()?;
+    Some((parts.next()?.to_owned(), parts.next()?.to_owned()))
+}
+
+impl Endpoints {
+    /// Stores (or replaces) an export after checking that every address is one of our pods.
+    /// The record's shape (names, ports, address syntax) is validated by the caller.
+    #[tracing::instrument(skip(self, export), fields(namespace = %export.namespace, name = %export.name))]
+    pub async fn export(&self, mut export: ExportRecord) -> Result<ExportRecord> {
+        let pod_cidr = self.pod_cidr().await?;
+        for (i, endpoint) in export.endpoints.iter().enumerate() {
+            let field = format!("endpoints[{i}].address");
+            let ip: IpAddr = endpoint
+                .address
+                .parse()
+                .map_err(|_| Error::invalid(&field, "is not an IP address"))?;
+            if !pod_cidr.contains(&ip) {
+                return Err(Error::invalid(
+                    field,
+                    format!("{ip} is not in this cluster's pod CIDR {pod_cidr}"),
+                ));
+            }
+        }
+        export.update_time_nanos = now_nanos();
+        let key = export_key(&export.namespace, &export.name);
+        self.store.put(&key, encode(&export)?).await?;
+        tracing::info!(
+            endpoints = export.endpoints.len(),
+            ports = export.ports.len(),
+            "exported service"
+        );
+        self.exports_changed.notify_one();
+        Ok(export)
+    }
+
+    /// Removes an export; the reconciler withdraws its reflections.
+    #[tracing::instrument(skip(self))]
+    pub async fn unexport(&self, namespace: &str, name: &str) -> Result<bool> {
+        let key = export_key(namespace, name);
+        let mut contention = Contention::new("removing an export");
+        let removed = loop {
+            let Some(kv) = self.store.get(&key).await? else {
+                break false;
+            };
+            let committed = self
+                .store
+                .txn(Txn {
+                    compares: vec![Compare::ModRevision {
+                        key: key.clone(),
+                        revision: kv.mod_revision,
+                    }],
+                    success: vec![Op::delete(&key)],
+                    failure: vec![],
+                })
+                .await?;
+            if committed.succeeded {
+                break true;
+            }
+            contention.lost().await?;
+        };
+        tracing::info!(removed, "unexported service");
+        self.exports_changed.notify_one();
+        Ok(removed)
+    }
+
+    async fn stored_exports(&self) -> Result<Vec<ExportRecord>> {
+        self.store
+            .list(EXPORT_PREFIX)
+            .await?
+            .kvs
+            .iter()
+            .map(|kv| decode(&kv.key, &kv.value))
+            .collect()
+    }
+
+    /// The outgoing reflections the reconciler owns: (target, namespace, name).
+    async fn owned_reflections(&self) -> Result<Vec<(ClusterIdentity, String, String)>> {
+        let mut out = Vec::new();
+        for kv in self.store.list(OUTGOING_PREFIX).await?.kvs {
+            let rec: OutgoingRecord = decode(&kv.key, &kv.value)?;
+            if let (true, Some((namespace, name))) = (rec.export, outgoing_names(&kv.key)) {
+                out.push((rec.target, namespace, name));
+            }
+        }
+        Ok(out)
+    }
+
+    /// Every export, ordered by (namespace, name), with the peers it is reflected to.
+    pub async fn list_exports(&self) -> Result<Vec<ExportView>> {
+        let mut reflected: BTreeMap<(String, String), BTreeSet<ClusterId>> = BTreeMap::new();
+        for (target, namespace, name) in self.owned_reflections().await? {
+            reflected
+                .entry((namespace, name))
+                .or_default()
+                .insert(target.id);
+        }
+        let mut out: Vec<ExportView> = self
+            .stored_exports()
+            .await?
+            .into_iter()
+            .map(|export| {
+                let to = reflected
+                    .remove(&(export.namespace.clone(), export.name.clone()))
+                    .unwrap_or_default();
+                ExportView {
+                    export,
+                    reflected_to: to.into_iter().collect(),
+                }
+            })
+            .collect();
+        out.sort_by(|a, b| {
+            (&a.export.namespace, &a.export.name).cmp(&(&b.export.namespace, &b.export.name))
+        });
+        Ok(out)
+    }
+
+    /// The networked full peers, from discovery.
+    async fn export_targets(&self) -> Result<BTreeMap<ClusterId, ClusterIdentity>> {
+        let list = self
+            .clients
+            .discovery()
+            .list_foreign_clusters(ListForeignClustersRequest::default())
+            .await
+            .map_err(|s| local_error("discovery", s))?
+            .into_inner()
+            .foreign_clusters;
+        Ok(list
+            .iter()
+            .filter(|fc| is_networked_full_peer(fc))
+            .filter_map(|fc| convert::identity_from_pb("identity", fc.identity.as_ref()).ok())
+            .filter(|identity| identity.id != self.local().id)
+            .map(|identity| (identity.id.clone(), identity))
+            .collect())
+    }
+
+    /// Every reflection this cluster should hold, by (target, namespace, slice name): each own
+    /// export to every peer, and each export a peer sent us directly to every other peer
+    /// (transit, so a leaf's export reaches the hub's other leaves; their translation takes
+    /// the induced path where there is one).
+    async fn desired(
+        &self,
+        targets: &BTreeMap<ClusterId, ClusterIdentity>,
+    ) -> Result<BTreeMap<(ClusterId, String, String), Slice>> {
+        let mut desired = BTreeMap::new();
+        for export in self.stored_exports().await? {
+            let mut slice = slice_of(&export);
+            slice
+                .labels
+                .insert(ORIGIN_LABEL.to_owned(), self.local().id.to_string());
+            for target in targets.keys() {
+                desired.insert(
+                    (target.clone(), slice.namespace.clone(), slice.name.clone()),
+                    slice.clone(),
+                );
+            }
+        }
+        for import in self.list(None, None).await? {
+            let Some(slice) = transit_of(&import.source.id, &import.slice) else {
+                continue;
+            };
+            if !targets.contains_key(&import.source.id) {
+                continue;
+            }
+            for target in targets.keys().filter(|t| **t != import.source.id) {
+                desired.insert(
+                    (target.clone(), slice.namespace.clone(), slice.name.clone()),
+                    slice.clone(),
+                );
+            }
+        }
+        Ok(desired)
+    }
+
+    /// One reconciler pass: drop what a peer that is gone brought us, reflect every export
+    /// (ours, and those in transit) to every networked full peer, withdraw owned reflections
+    /// whose export or peer is gone. A failure for one (peer, slice) is logged and retried on
+    /// the next pass; it does not stop the others. Returns how many steps failed.
+    pub async fn reconcile_exports(&self, delivered: &mut Delivered) -> Result<usize> {
+        // Imports listed before the peers are read: an import is stored only while its source
+        // is a peer, so one stored after a stale read of the peers cannot be dropped here.
+        let imports = self.list(None, None).await?;
+        let targets = self.export_targets().await?;
+        let mut failed = 0;
+        // Imports first, so an export in transit from a peer that is gone is withdrawn below.
+        for import in imports {
+            if targets.contains_key(&import.source.id) {
+                continue;
+            }
+            if let Err(err) = self
+                .forget(&import.source, &import.slice.namespace, &import.slice.name)
+                .await
+            {
+                failed += 1;
+                tracing::warn!(source.id = %import.source.id, namespace = %import.slice.namespace, name = %import.slice.name, error = %err, "dropping what a former peer reflected failed; retrying on the next pass");
+            }
+        }
+        let desired = self.desired(&targets).await?;
+        for (target, namespace, name) in self.owned_reflections().await? {
+            let key = (target.id.clone(), namespace.clone(), name.clone());
+            if desired.contains_key(&key) {
+                continue;
+            }
+            // A peer that went away cannot be told; its own endpoints service drops what we
+            // brought when it forgets us. We still release our hub-path allocations.
+            let peer = targets.contains_key(&target.id);
+            match self.unreflect(&target, &namespace, &name, peer).await {
+                Ok(_) => {
+                    delivered.remove(&key);
+                }
+                Err(err) => {
+                    failed += 1;
+                    tracing::warn!(target.id = %target.id, namespace, name, error = %err, "withdrawing an export failed; retrying on the next pass");
+                }
+            }
+        }
+        delivered.retain(|(target, _, _), _| targets.contains_key(target));
+        for (key, slice) in desired {
+            if delivered.get(&key) == Some(&slice) {
+                continue;
+            }
+            let Some(target) = targets.get(&key.0) else {
+                continue;
+            };
+            let Some(home) = slice
+                .labels
+                .get(ORIGIN_LABEL)
+                .and_then(|origin| ClusterId::parse("origin", origin).ok())
+            else {
+                continue;
+            };
+            match self
+                .reflect_as(target, slice.clone(), true, Some(&home))
+                .await
+            {
+                Ok(_) => {
+                    delivered.insert(key, slice);
+                }
+                Err(err) => {
+                    failed += 1;
+                    tracing::warn!(target.id = %target.id, namespace = %key.1, name = %key.2, error = %err, "reflecting an export failed; retrying on the next pass");
+                    delivered.remove(&key);
+                }
+            }
+        }
+        Ok(failed)
+    }
+}
+
+/// The slice `source` sent us, as we pass it on to our other peers: only an export its origin
+/// sent directly (origin label = source), so nothing travels more than two hops or back to its
+/// origin; named `<slice>.<origin>` (a dot never occurs in an export's own name, a DNS label).
+fn transit_of(source: &ClusterId, slice: &Slice) -> Option<Slice> {
+    if slice.labels.get(ORIGIN_LABEL).map(String::as_str) != Some(source.as_str()) {
+        return None;
+    }
+    let mut transit = slice.clone();
+    transit.name = format!("{}.{}", slice.name, source);
+    Some(transit)
+}
+
+/// Runs the export reconciler until `shutdown`: a pass after every export change and every
+/// `resync`.
+pub async fn run_reconciler(core: Arc<Endpoints>, resync: Duration, shutdown: Shutdown) {
+    let mut delivered = Delivered::new();
+    let mut passes = 0u32;
+    loop {
+        passes = passes.wrapping_add(1);
+        if passes.is_multiple_of(RESEND_EVERY) {
+            delivered.clear();
+        }
+        if let Err(err) = core.reconcile_exports(&mut delivered).await {
+            tracing::warn!(error = %err, "export reconciler pass failed");
+        }
+        tokio::select! {
+            () = shutdown.cancelled() => return,
+            () = core.exports_changed.notified() => {}
+            () = tokio::time::sleep(resync) => {}
+        }
+    }
+}
