@@ -61,6 +61,8 @@ pub struct Started {
     pub addr: SocketAddr,
     /// The mutual-TLS listener for other clusters, when TLS is on.
     pub peer_addr: Option<SocketAddr>,
+    /// The `/metrics` listener, unless `--metrics-listen off`.
+    pub metrics_addr: Option<SocketAddr>,
     /// The domain core, for in-process callers (the lab, tests).
     pub core: Arc<Endpoints>,
     /// Finishes when the server has stopped.
@@ -117,10 +119,12 @@ pub async fn start_with_writer(
     )
     .await?;
     let core = Arc::new(Endpoints::new(store, local, clients, writer));
-    let server = GrpcServer::bind(config.common.listen_addr(ports::ENDPOINTS))
-        .await?
-        .with_peer_listener(peer);
+    let server =
+        GrpcServer::for_service(&config.common, ports::ENDPOINTS, ports::ENDPOINTS_METRICS)
+            .await?
+            .with_peer_listener(peer);
     let addr = server.local_addr();
+    let metrics_addr = server.metrics_addr();
     let peer_addr = server.peer_addr();
     let routes = routes(core.clone(), authz);
     let task = server.spawn(
@@ -133,6 +137,7 @@ pub async fn start_with_writer(
     Ok(Started {
         addr,
         peer_addr,
+        metrics_addr,
         core,
         task,
     })

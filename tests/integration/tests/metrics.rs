@@ -1,0 +1,233 @@
+//! Prometheus metrics (issue 19): every service of the default 3-cluster lab (the real
+//! `trellis-lab` binary) serves `/metrics`; each scrape is parsed by the Python
+//! `prometheus_client` parser (scripts/parse-metrics.py), the gRPC server metrics carry
+//! service, method and code labels, and the broker's `trellis_tunnel_endpoints` equals what
+//! its ListTunnelEndpoints returns.
+
+use std::collections::BTreeMap;
+use std::io::{BufRead as _, BufReader, Read as _, Write as _};
+use std::net::TcpStream;
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use trellis_api::pb::peering::ListTunnelEndpointsRequest;
+use trellis_api::pb::peering::broker_client::BrokerClient;
+use trellis_api::pb::types::PeeringKind;
+use trellis_integration::bin_path;
+use trellis_testkit::{in_ci, workspace_root};
+
+/// Kills the lab if the test fails before it stopped it.
+struct Lab(std::process::Child);
+
+impl Drop for Lab {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// One parsed sample.
+#[derive(Debug, serde::Deserialize)]
+struct Sample {
+    family: String,
+    name: String,
+    labels: BTreeMap<String, String>,
+    value: f64,
+}
+
+/// The venv's Python with `prometheus_client`, or `None` (a loud skip outside CI).
+fn parser_python() -> Option<PathBuf> {
+    let python = workspace_root().join(".tools/venv/bin/python");
+    let ok = Command::new(&python)
+        .args(["-c", "import prometheus_client.parser"])
+        .status()
+        .is_ok_and(|s| s.success());
+    if ok {
+        return Some(python);
+    }
+    assert!(
+        !in_ci(),
+        "python prometheus_client is missing; scripts/setup.sh installs it"
+    );
+    let _ = writeln!(
+        std::io::stderr(),
+        "SKIPPED: python prometheus_client is missing; run scripts/setup.sh"
+    );
+    None
+}
+
+/// `GET /metrics` over HTTP/1.1, the body.
+fn scrape(addr: &str) -> String {
+    let mut stream = TcpStream::connect(addr).unwrap_or_else(|e| panic!("connect {addr}: {e}"));
+    stream
+        .set_read_timeout(Some(Duration::from_secs(30)))
+        .expect("timeout");
+    write!(
+        stream,
+        "GET /metrics HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+    )
+    .expect("request");
+    let mut response = String::new();
+    stream.read_to_string(&mut response).expect("response");
+    let (head, body) = response.split_once("\r\n\r\n").expect("http response");
+    assert!(head.starts_with("HTTP/1.1 200"), "{addr}: {head}");
+    assert!(
+        head.to_ascii_lowercase()
+            .contains("content-type: text/plain"),
+        "{addr}: {head}"
+    );
+    body.to_owned()
+}
+
+fn parse(python: &PathBuf, text: &str) -> Vec<Sample> {
+    let mut child = Command::new(python)
+        .arg(workspace_root().join("scripts/parse-metrics.py"))
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("parser runs");
+    child
+        .stdin
+        .take()
+        .expect("stdin")
+        .write_all(text.as_bytes())
+        .expect("write");
+    let out = child.wait_with_output().expect("parser output");
+    assert!(
+        out.status.success(),
+        "the Prometheus parser rejected the scrape: {}\n{text}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("sample json"))
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_lab_service_serves_prometheus_metrics_and_tunnel_gauges_match_the_broker() {
+    let Some(python) = parser_python() else {
+        return;
+    };
+    let dir = tempfile::tempdir().expect("tempdir");
+    let topology_path = dir.path().join("topology.json");
+    let mut child = Lab(
+        Command::new(bin_path("trellis-lab").expect("trellis-lab is built"))
+            .args(["up", "--base-port", "0", "--topology-file"])
+            .arg(&topology_path)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("trellis-lab starts"),
+    );
+    let stdout = child.0.stdout.take().expect("stdout");
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    let mut printed = String::new();
+    let deadline = Instant::now() + Duration::from_secs(240);
+    loop {
+        let line = rx
+            .recv_timeout(deadline.saturating_duration_since(Instant::now()))
+            .unwrap_or_else(|_| panic!("the lab did not come up:\n{printed}"));
+        printed.push_str(&line);
+        printed.push('\n');
+        if line.contains("press Ctrl-C") {
+            break;
+        }
+    }
+    let topology: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&topology_path).expect("topology file"))
+            .expect("json");
+    let clusters = topology["clusters"].as_array().expect("clusters");
+    assert_eq!(clusters.len(), 3);
+    for cluster in clusters {
+        let id = cluster["id"].as_str().expect("id");
+        let metrics = cluster["metrics"].as_object().expect("metrics addresses");
+        let names: Vec<&str> = metrics.keys().map(String::as_str).collect();
+        assert_eq!(
+            names,
+            [
+                "broker",
+                "discovery",
+                "endpoints",
+                "forwarder",
+                "gateway",
+                "ipam"
+            ],
+            "{id}"
+        );
+        for (service, addr) in metrics {
+            let samples = parse(&python, &scrape(addr.as_str().expect("addr")));
+            assert!(
+                samples.iter().any(|s| s.family == "grpc_server_handled"
+                    || s.family == "grpc_server_handling_seconds"
+                    || s.family == "grpc_server_started"),
+                "{id}/{service}: no gRPC server metrics"
+            );
+        }
+
+        // The broker answered the lab's ListTunnelEndpoints: counted with method and code.
+        let broker_addr = metrics["broker"].as_str().expect("addr");
+        let samples = parse(&python, &scrape(broker_addr));
+        let handled = samples
+            .iter()
+            .find(|s| {
+                s.name == "grpc_server_handled_total"
+                    && s.labels.get("grpc_service").map(String::as_str)
+                        == Some("trellis.peering.v1.Broker")
+                    && s.labels.get("grpc_method").map(String::as_str)
+                        == Some("ListTunnelEndpoints")
+                    && s.labels.get("grpc_code").map(String::as_str) == Some("OK")
+            })
+            .unwrap_or_else(|| panic!("{id}: no handled ListTunnelEndpoints: {samples:?}"));
+        assert!(handled.value >= 1.0, "{handled:?}");
+        assert!(
+            samples
+                .iter()
+                .any(|s| s.name == "grpc_server_handling_seconds_count"
+                    && s.labels.get("grpc_method").map(String::as_str)
+                        == Some("ListTunnelEndpoints")),
+            "{id}: no latency histogram"
+        );
+
+        // trellis_tunnel_endpoints{kind} equals what ListTunnelEndpoints returns now.
+        let grpc = cluster["services"]["broker"].as_str().expect("broker");
+        let mut broker = BrokerClient::connect(format!("http://{grpc}"))
+            .await
+            .expect("broker connects");
+        let listed = broker
+            .list_tunnel_endpoints(ListTunnelEndpointsRequest::default())
+            .await
+            .expect("lists")
+            .into_inner()
+            .tunnel_endpoints;
+        let samples = parse(&python, &scrape(broker_addr));
+        for (kind, name) in [
+            (PeeringKind::Full, "full"),
+            (PeeringKind::Induced, "induced"),
+        ] {
+            let want = listed.iter().filter(|t| t.kind == kind as i32).count();
+            let got = samples
+                .iter()
+                .find(|s| {
+                    s.name == "trellis_tunnel_endpoints"
+                        && s.labels.get("kind").map(String::as_str) == Some(name)
+                })
+                .unwrap_or_else(|| panic!("{id}: no trellis_tunnel_endpoints{{kind={name}}}"));
+            assert_eq!(got.value, want as f64, "{id}: {name} tunnels");
+        }
+        assert!(
+            !listed.is_empty(),
+            "{id}: the lab converged without tunnels"
+        );
+    }
+}
