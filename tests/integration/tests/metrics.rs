@@ -4,10 +4,7 @@
 //! service, method and code labels, and the broker's `trellis_tunnel_endpoints` equals what
 //! its ListTunnelEndpoints returns.
 
-use std::collections::BTreeMap;
-use std::io::{BufRead as _, BufReader, Read as _, Write as _};
-use std::net::TcpStream;
-use std::path::{Path, PathBuf};
+use std::io::{BufRead as _, BufReader};
 use std::process::{Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
@@ -16,7 +13,7 @@ use trellis_api::pb::peering::ListTunnelEndpointsRequest;
 use trellis_api::pb::peering::broker_client::BrokerClient;
 use trellis_api::pb::types::PeeringKind;
 use trellis_integration::bin_path;
-use trellis_testkit::{in_ci, workspace_root};
+use trellis_integration::prom::{parse, parser_python, scrape};
 
 /// Kills the lab if the test fails before it stopped it.
 struct Lab(std::process::Child);
@@ -26,85 +23,6 @@ impl Drop for Lab {
         let _ = self.0.kill();
         let _ = self.0.wait();
     }
-}
-
-/// One parsed sample.
-#[derive(Debug, serde::Deserialize)]
-struct Sample {
-    family: String,
-    name: String,
-    labels: BTreeMap<String, String>,
-    value: f64,
-}
-
-/// The venv's Python with `prometheus_client`, or `None` (a loud skip outside CI).
-fn parser_python() -> Option<PathBuf> {
-    let python = workspace_root().join(".tools/venv/bin/python");
-    let ok = Command::new(&python)
-        .args(["-c", "import prometheus_client.parser"])
-        .status()
-        .is_ok_and(|s| s.success());
-    if ok {
-        return Some(python);
-    }
-    assert!(
-        !in_ci(),
-        "python prometheus_client is missing; scripts/setup.sh installs it"
-    );
-    let _ = writeln!(
-        std::io::stderr(),
-        "SKIPPED: python prometheus_client is missing; run scripts/setup.sh"
-    );
-    None
-}
-
-/// `GET /metrics` over HTTP/1.1, the body.
-fn scrape(addr: &str) -> String {
-    let mut stream = TcpStream::connect(addr).unwrap_or_else(|e| panic!("connect {addr}: {e}"));
-    stream
-        .set_read_timeout(Some(Duration::from_secs(30)))
-        .expect("timeout");
-    write!(
-        stream,
-        "GET /metrics HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
-    )
-    .expect("request");
-    let mut response = String::new();
-    stream.read_to_string(&mut response).expect("response");
-    let (head, body) = response.split_once("\r\n\r\n").expect("http response");
-    assert!(head.starts_with("HTTP/1.1 200"), "{addr}: {head}");
-    assert!(
-        head.to_ascii_lowercase()
-            .contains("content-type: text/plain"),
-        "{addr}: {head}"
-    );
-    body.to_owned()
-}
-
-fn parse(python: &PathBuf, text: &str) -> Vec<Sample> {
-    let mut child = Command::new(python)
-        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/parse-metrics.py"))
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("parser runs");
-    child
-        .stdin
-        .take()
-        .expect("stdin")
-        .write_all(text.as_bytes())
-        .expect("write");
-    let out = child.wait_with_output().expect("parser output");
-    assert!(
-        out.status.success(),
-        "the Prometheus parser rejected the scrape: {}\n{text}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .map(|l| serde_json::from_str(l).expect("sample json"))
-        .collect()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
