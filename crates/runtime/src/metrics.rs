@@ -102,6 +102,15 @@ impl Metrics {
             .register(name, help, metric);
     }
 
+    /// Registers a collector: metrics whose label sets come and go with what they describe
+    /// (e.g. one series per tunnel), encoded from the collector's own state at every scrape.
+    pub fn register_collector(&self, collector: impl prometheus_client::collector::Collector) {
+        self.registry
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .register_collector(Box::new(collector));
+    }
+
     /// Runs `hook` before every scrape (to refresh gauges that mirror the store).
     pub fn on_scrape<F, Fut>(&self, hook: F)
     where

@@ -9,6 +9,7 @@
 //! - [`mappings`]: the IPAM's external-CIDR endpoint mappings (hub-path DNAT), polled;
 //! - [`reconcile`]: the loop applying them;
 //! - [`core`]: the operations; [`records`]: what is stored, under which keys;
+//! - [`metrics`]: per-tunnel Prometheus metrics (bytes, packets, handshake age, state);
 //! - [`grpc`]: the thin gRPC layer; [`config`]: the flags.
 
 pub mod config;
@@ -17,6 +18,7 @@ pub mod dataplane;
 pub mod grpc;
 pub mod keys;
 pub mod mappings;
+pub mod metrics;
 pub mod names;
 pub mod ports;
 pub mod reconcile;
@@ -123,6 +125,7 @@ pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started
     .await?;
     let addr = server.local_addr();
     let metrics_addr = server.metrics_addr();
+    metrics::register(server.metrics(), &core);
 
     let mut background = Vec::new();
     let (desired_tx, desired_rx) = tokio::sync::watch::channel(None);
