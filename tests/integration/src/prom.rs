@@ -4,7 +4,7 @@
 
 use std::collections::BTreeMap;
 use std::io::{Read as _, Write as _};
-use std::net::TcpStream;
+use std::net::{SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::Duration;
@@ -50,7 +50,18 @@ pub fn parser_python() -> Option<PathBuf> {
 
 /// `GET /metrics` over HTTP/1.1: the body, after checking the status and content type.
 pub fn scrape(addr: &str) -> String {
-    let mut stream = TcpStream::connect(addr).unwrap_or_else(|e| panic!("connect {addr}: {e}"));
+    let stream = TcpStream::connect(addr).unwrap_or_else(|e| panic!("connect {addr}: {e}"));
+    scrape_over(stream, addr)
+}
+
+/// [`scrape`] from inside network namespace `ns`.
+pub fn scrape_in(ns: &str, addr: SocketAddr) -> String {
+    let stream = trellis_netlab::netns::in_netns(ns, move || TcpStream::connect(addr))
+        .unwrap_or_else(|e| panic!("connect {addr} in {ns}: {e}"));
+    scrape_over(stream, &addr.to_string())
+}
+
+fn scrape_over(mut stream: TcpStream, addr: &str) -> String {
     stream
         .set_read_timeout(Some(Duration::from_secs(30)))
         .expect("timeout");
