@@ -91,7 +91,7 @@ pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started
         &mut background,
     )
     .await?;
-    let server = GrpcServer::for_service(&common, ports::BROKER, ports::BROKER_METRICS)
+    let server = GrpcServer::for_service(common, ports::BROKER, ports::BROKER_METRICS)
         .await?
         .with_peer_listener(peer);
     let addr = server.local_addr();

@@ -87,7 +87,7 @@ pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started
     let store = common.open_store().await?;
     let tls = config.tls.load(identity.id.as_str())?;
     let server =
-        GrpcServer::for_service(&common, ports::DISCOVERY, ports::DISCOVERY_METRICS).await?;
+        GrpcServer::for_service(common, ports::DISCOVERY, ports::DISCOVERY_METRICS).await?;
     let addr = server.local_addr();
     let metrics_addr = server.metrics_addr();
     let mut background = Vec::new();

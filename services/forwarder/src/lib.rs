@@ -78,7 +78,7 @@ pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started
         &mut background,
     )
     .await?;
-    let server = GrpcServer::for_service(&common, ports::FORWARDER, ports::FORWARDER_METRICS)
+    let server = GrpcServer::for_service(common, ports::FORWARDER, ports::FORWARDER_METRICS)
         .await?
         .with_peer_listener(peer);
     let addr = server.local_addr();

@@ -118,7 +118,7 @@ pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started
     };
     let core = Arc::new(Gateway::new(store, settings, mode, keys, dataplane));
     let server = GrpcServer::for_service(
-        &common,
+        common,
         default_ports::GATEWAY,
         default_ports::GATEWAY_METRICS,
     )
