@@ -406,3 +406,152 @@ impl Drop for MeteredBody {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    use tonic_health::pb::HealthCheckRequest;
+    use tonic_health::pb::health_client::HealthClient;
+
+    use super::*;
+    use crate::server::GrpcServer;
+
+    fn local() -> SocketAddr {
+        SocketAddr::from(([127, 0, 0, 1], 0))
+    }
+
+    async fn scrape(addr: SocketAddr) -> String {
+        let mut stream = tokio::net::TcpStream::connect(addr).await.expect("connect");
+        stream
+            .write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            .await
+            .expect("request");
+        let mut response = String::new();
+        stream
+            .read_to_string(&mut response)
+            .await
+            .expect("response");
+        let (head, body) = response.split_once("\r\n\r\n").expect("http");
+        assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+        body.to_owned()
+    }
+
+    /// The value of the sample line starting with `series`, if any.
+    fn value(text: &str, series: &str) -> Option<f64> {
+        text.lines()
+            .find_map(|l| l.strip_prefix(series)?.trim().parse().ok())
+    }
+
+    #[tokio::test]
+    async fn served_rpcs_are_counted_by_service_method_and_code() {
+        let server = GrpcServer::bind(local())
+            .await
+            .expect("bind")
+            .with_metrics_listener(MetricsListen::At(local()))
+            .await
+            .expect("metrics bind");
+        let grpc = server.local_addr();
+        let metrics = server.metrics_addr().expect("metrics listener");
+        let shutdown = Shutdown::new();
+        let task = server.spawn(
+            tonic::service::Routes::default(),
+            &[],
+            shutdown.clone(),
+            Duration::from_secs(1),
+            Vec::new(),
+        );
+        let channel = tonic::transport::Endpoint::from_shared(format!("http://{grpc}"))
+            .expect("uri")
+            .connect()
+            .await
+            .expect("connects");
+        let mut health = HealthClient::new(channel);
+        for _ in 0..2 {
+            health
+                .check(HealthCheckRequest::default())
+                .await
+                .expect("serving");
+        }
+        let err = health
+            .check(HealthCheckRequest {
+                service: "no.such.Service".into(),
+            })
+            .await
+            .expect_err("unknown service");
+        assert_eq!(err.code(), tonic::Code::NotFound);
+        // A stream the client drops before its end.
+        let watch = health
+            .watch(HealthCheckRequest::default())
+            .await
+            .expect("watch");
+        drop(watch);
+
+        let labels = |method: &str, code: &str| {
+            format!(
+                "grpc_server_handled_total{{grpc_service=\"grpc.health.v1.Health\",grpc_method=\"{method}\",grpc_code=\"{code}\"}}"
+            )
+        };
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+        let text = loop {
+            let text = scrape(metrics).await;
+            if value(&text, &labels("Watch", "Cancelled")).is_some()
+                || tokio::time::Instant::now() > deadline
+            {
+                break text;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        };
+        assert_eq!(value(&text, &labels("Check", "OK")), Some(2.0), "{text}");
+        assert_eq!(
+            value(&text, &labels("Check", "NotFound")),
+            Some(1.0),
+            "{text}"
+        );
+        assert_eq!(
+            value(&text, &labels("Watch", "Cancelled")),
+            Some(1.0),
+            "{text}"
+        );
+        assert_eq!(
+            value(
+                &text,
+                "grpc_server_handling_seconds_count{grpc_service=\"grpc.health.v1.Health\",grpc_method=\"Check\"}"
+            ),
+            Some(3.0),
+            "{text}"
+        );
+        assert!(text.ends_with("# EOF\n"), "{text}");
+        shutdown.cancel();
+        task.await.expect("joins").expect("stops cleanly");
+    }
+
+    #[tokio::test]
+    async fn a_taken_default_port_costs_the_metrics_an_explicit_one_fails() {
+        let taken = TcpListener::bind(local()).await.expect("bind");
+        let addr = taken.local_addr().expect("addr");
+        let server = GrpcServer::bind(local())
+            .await
+            .expect("bind")
+            .with_metrics_listener(MetricsListen::Default(addr))
+            .await
+            .expect("a default port taken is not an error");
+        assert_eq!(server.metrics_addr(), None);
+        let err = GrpcServer::bind(local())
+            .await
+            .expect("bind")
+            .with_metrics_listener(MetricsListen::At(addr))
+            .await
+            .expect_err("an explicit address taken is an error");
+        assert!(format!("{err:#}").contains(&addr.to_string()), "{err:#}");
+        let off = GrpcServer::bind(local())
+            .await
+            .expect("bind")
+            .with_metrics_listener("off".parse().expect("off parses"))
+            .await
+            .expect("off");
+        assert_eq!(off.metrics_addr(), None);
+        assert!("nonsense".parse::<MetricsListen>().is_err());
+    }
+}
