@@ -9,6 +9,7 @@
 //! - [`dns`] and [`mdns`]: the automatic discovery mechanisms;
 //! - [`remote`]: calls to other clusters' discovery services;
 //! - [`convert`]: proto mapping of discovery records (shared conversions live in `trellis_api`);
+//! - [`metrics`]: ForeignClusters by kind and condition, for Prometheus;
 //! - [`grpc`]: the thin gRPC layer;
 //! - [`config`]: the flags.
 
@@ -18,6 +19,7 @@ pub mod core;
 pub mod dns;
 pub mod grpc;
 pub mod mdns;
+pub mod metrics;
 pub mod neighborhood;
 pub mod records;
 pub mod remote;
@@ -115,6 +117,7 @@ pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started
         core = core.without_induced_peering();
     }
     let core = Arc::new(core);
+    metrics::register(server.metrics(), &core);
 
     background.push(tokio::spawn(neighborhood::run(
         core.clone(),

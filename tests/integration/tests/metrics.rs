@@ -1,17 +1,21 @@
 //! Prometheus metrics (issue 19): every service of the default 3-cluster lab (the real
 //! `trellis-lab` binary) serves `/metrics`; each scrape is parsed by the Python
 //! `prometheus_client` parser (scripts/parse-metrics.py), the gRPC server metrics carry
-//! service, method and code labels, and the broker's `trellis_tunnel_endpoints` equals what
-//! its ListTunnelEndpoints returns.
+//! service, method and code labels, the broker's `trellis_tunnel_endpoints` equals what its
+//! ListTunnelEndpoints returns, and discovery's ForeignCluster gauges (by kind, by condition)
+//! equal what its ListForeignClusters returns.
 
+use std::collections::BTreeMap;
 use std::io::{BufRead as _, BufReader};
 use std::process::{Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
+use trellis_api::pb::discovery::ListForeignClustersRequest;
+use trellis_api::pb::discovery::discovery_client::DiscoveryClient;
 use trellis_api::pb::peering::ListTunnelEndpointsRequest;
 use trellis_api::pb::peering::broker_client::BrokerClient;
-use trellis_api::pb::types::PeeringKind;
+use trellis_api::pb::types::{ConditionStatus, PeeringKind};
 use trellis_integration::bin_path;
 use trellis_integration::prom::{parse, parser_python, scrape};
 
@@ -148,5 +152,75 @@ async fn every_lab_service_serves_prometheus_metrics_and_tunnel_gauges_match_the
             !listed.is_empty(),
             "{id}: the lab converged without tunnels"
         );
+
+        // Discovery: trellis_foreign_clusters{kind} and the per-condition counts equal what
+        // ListForeignClusters returns now.
+        let grpc = cluster["services"]["discovery"]
+            .as_str()
+            .expect("discovery");
+        let mut discovery = DiscoveryClient::connect(format!("http://{grpc}"))
+            .await
+            .expect("discovery connects");
+        let records = discovery
+            .list_foreign_clusters(ListForeignClustersRequest::default())
+            .await
+            .expect("lists")
+            .into_inner()
+            .foreign_clusters;
+        let samples = parse(
+            &python,
+            &scrape(metrics["discovery"].as_str().expect("addr")),
+        );
+        let kind_name = |kind: i32| {
+            if kind == PeeringKind::Full as i32 {
+                "full"
+            } else {
+                "induced"
+            }
+        };
+        let mut want: BTreeMap<(String, String, String), f64> = BTreeMap::new();
+        for (kind, name) in [
+            (PeeringKind::Full, "full"),
+            (PeeringKind::Induced, "induced"),
+        ] {
+            let n = records.iter().filter(|r| r.kind == kind as i32).count();
+            let got = samples
+                .iter()
+                .find(|s| s.name == "trellis_foreign_clusters" && s.has("kind", name))
+                .unwrap_or_else(|| panic!("{id}: no trellis_foreign_clusters{{kind={name}}}"));
+            assert_eq!(got.value, n as f64, "{id}: {name} ForeignClusters");
+        }
+        for r in &records {
+            for c in &r.conditions {
+                let status = match ConditionStatus::try_from(c.status) {
+                    Ok(ConditionStatus::True) => "True",
+                    Ok(ConditionStatus::False) => "False",
+                    _ => "Unknown",
+                };
+                *want
+                    .entry((
+                        kind_name(r.kind).to_owned(),
+                        c.r#type.clone(),
+                        status.to_owned(),
+                    ))
+                    .or_default() += 1.0;
+            }
+        }
+        let got: BTreeMap<(String, String, String), f64> = samples
+            .iter()
+            .filter(|s| s.name == "trellis_foreign_cluster_conditions")
+            .map(|s| {
+                (
+                    (
+                        s.labels["kind"].clone(),
+                        s.labels["condition"].clone(),
+                        s.labels["status"].clone(),
+                    ),
+                    s.value,
+                )
+            })
+            .collect();
+        assert!(!want.is_empty(), "{id}: ForeignClusters without conditions");
+        assert_eq!(got, want, "{id}: ForeignCluster conditions");
     }
 }
