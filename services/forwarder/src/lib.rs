@@ -6,11 +6,13 @@
 //! - [`core`]: accepting, persisting, delivering and retrying relays;
 //! - [`records`]: what is stored (only relays in flight); [`migrate`]: moving records of an
 //!   earlier key layout on start;
+//! - [`metrics`]: relays by state, for Prometheus;
 //! - [`grpc`]: the thin gRPC layer; [`config`]: the flags.
 
 pub mod config;
 pub mod core;
 pub mod grpc;
+pub mod metrics;
 pub mod migrate;
 pub mod records;
 
@@ -83,6 +85,7 @@ pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started
         .with_peer_listener(peer);
     let addr = server.local_addr();
     let metrics_addr = server.metrics_addr();
+    metrics::register(server.metrics(), &core);
     let peer_addr = server.peer_addr();
     let routes = Routes::new(
         ForwarderServer::new(ForwarderService::with_authz(core.clone(), authz))

@@ -3,7 +3,8 @@
 //! `prometheus_client` parser (scripts/parse-metrics.py), the gRPC server metrics carry
 //! service, method and code labels, the broker's `trellis_tunnel_endpoints` equals what its
 //! ListTunnelEndpoints returns, and discovery's ForeignCluster gauges (by kind, by condition)
-//! equal what its ListForeignClusters returns.
+//! equal what its ListForeignClusters returns, and the forwarder's relays by state what its
+//! ListRelays returns.
 
 use std::collections::BTreeMap;
 use std::io::{BufRead as _, BufReader};
@@ -13,8 +14,9 @@ use std::time::{Duration, Instant};
 
 use trellis_api::pb::discovery::ListForeignClustersRequest;
 use trellis_api::pb::discovery::discovery_client::DiscoveryClient;
-use trellis_api::pb::peering::ListTunnelEndpointsRequest;
 use trellis_api::pb::peering::broker_client::BrokerClient;
+use trellis_api::pb::peering::forwarder_client::ForwarderClient;
+use trellis_api::pb::peering::{ListRelaysRequest, ListTunnelEndpointsRequest, RelayState};
 use trellis_api::pb::types::{ConditionStatus, PeeringKind};
 use trellis_integration::bin_path;
 use trellis_integration::prom::{parse, parser_python, scrape};
@@ -30,7 +32,7 @@ impl Drop for Lab {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn every_lab_service_serves_prometheus_metrics_and_tunnel_gauges_match_the_broker() {
+async fn every_lab_service_serves_prometheus_metrics_and_domain_gauges_match_the_list_rpcs() {
     let Some(python) = parser_python() else {
         return;
     };
@@ -222,5 +224,36 @@ async fn every_lab_service_serves_prometheus_metrics_and_tunnel_gauges_match_the
             .collect();
         assert!(!want.is_empty(), "{id}: ForeignClusters without conditions");
         assert_eq!(got, want, "{id}: ForeignCluster conditions");
+
+        // Forwarder: trellis_forwarder_relays{state} equals what ListRelays returns now.
+        let grpc = cluster["services"]["forwarder"]
+            .as_str()
+            .expect("forwarder");
+        let relays = ForwarderClient::connect(format!("http://{grpc}"))
+            .await
+            .expect("forwarder connects")
+            .list_relays(ListRelaysRequest::default())
+            .await
+            .expect("lists")
+            .into_inner()
+            .relays;
+        let samples = parse(
+            &python,
+            &scrape(metrics["forwarder"].as_str().expect("addr")),
+        );
+        for (state, name) in [
+            (RelayState::Pending, "pending"),
+            (RelayState::Delivered, "delivered"),
+            (RelayState::StatusPending, "status_pending"),
+            (RelayState::Failed, "failed"),
+            (RelayState::Withdrawing, "withdrawing"),
+        ] {
+            let n = relays.iter().filter(|r| r.state == state as i32).count();
+            let got = samples
+                .iter()
+                .find(|s| s.name == "trellis_forwarder_relays" && s.has("state", name))
+                .unwrap_or_else(|| panic!("{id}: no trellis_forwarder_relays{{state={name}}}"));
+            assert_eq!(got.value, n as f64, "{id}: {name} relays");
+        }
     }
 }
