@@ -5,6 +5,7 @@
 //! - [`alloc`]: the pure remapping arithmetic;
 //! - [`records`]: what is stored, under which keys;
 //! - [`core`]: the operations, as optimistic transactions on the store;
+//! - [`metrics`]: pools and external addresses in use and free, for Prometheus;
 //! - [`grpc`]: the thin gRPC layer;
 //! - [`config`]: the flags.
 
@@ -12,6 +13,7 @@ pub mod alloc;
 pub mod config;
 pub mod core;
 pub mod grpc;
+pub mod metrics;
 pub mod records;
 pub mod subnets;
 
@@ -89,6 +91,7 @@ pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started
         .with_peer_listener(peer);
     let addr = server.local_addr();
     let metrics_addr = server.metrics_addr();
+    metrics::register(server.metrics(), &core);
     let peer_addr = server.peer_addr();
     let routes = routes(core.clone(), authz);
     let task = server.spawn(

@@ -4,7 +4,8 @@
 //! service, method and code labels, the broker's `trellis_tunnel_endpoints` equals what its
 //! ListTunnelEndpoints returns, and discovery's ForeignCluster gauges (by kind, by condition)
 //! equal what its ListForeignClusters returns, and the forwarder's relays by state what its
-//! ListRelays returns.
+//! ListRelays returns, and the IPAM's pool and external-address gauges what its
+//! GetLocalSubnets, ListClusterSubnets and ListEndpointMappings return.
 
 use std::collections::BTreeMap;
 use std::io::{BufRead as _, BufReader};
@@ -14,6 +15,10 @@ use std::time::{Duration, Instant};
 
 use trellis_api::pb::discovery::ListForeignClustersRequest;
 use trellis_api::pb::discovery::discovery_client::DiscoveryClient;
+use trellis_api::pb::ipam::ipam_client::IpamClient;
+use trellis_api::pb::ipam::{
+    GetLocalSubnetsRequest, ListClusterSubnetsRequest, ListEndpointMappingsRequest,
+};
 use trellis_api::pb::peering::broker_client::BrokerClient;
 use trellis_api::pb::peering::forwarder_client::ForwarderClient;
 use trellis_api::pb::peering::{ListRelaysRequest, ListTunnelEndpointsRequest, RelayState};
@@ -255,5 +260,81 @@ async fn every_lab_service_serves_prometheus_metrics_and_domain_gauges_match_the
                 .unwrap_or_else(|| panic!("{id}: no trellis_forwarder_relays{{state={name}}}"));
             assert_eq!(got.value, n as f64, "{id}: {name} relays");
         }
+
+        // IPAM: per pool, the addresses of the NAT'ed ranges inside it are used, the rest free;
+        // external addresses used are the endpoint mappings.
+        let grpc = cluster["services"]["ipam"].as_str().expect("ipam");
+        let mut ipam = IpamClient::connect(format!("http://{grpc}"))
+            .await
+            .expect("ipam connects");
+        let local = ipam
+            .get_local_subnets(GetLocalSubnetsRequest::default())
+            .await
+            .expect("local subnets")
+            .into_inner();
+        let ranges: Vec<ipnet::IpNet> = ipam
+            .list_cluster_subnets(ListClusterSubnetsRequest::default())
+            .await
+            .expect("cluster subnets")
+            .into_inner()
+            .clusters
+            .iter()
+            .flat_map(|c| [&c.remote_pod_cidr_nat, &c.remote_external_cidr_nat])
+            .filter(|r| !r.is_empty())
+            .map(|r| r.parse().expect("cidr"))
+            .collect();
+        let mappings = ipam
+            .list_endpoint_mappings(ListEndpointMappingsRequest::default())
+            .await
+            .expect("mappings")
+            .into_inner()
+            .mappings;
+        let samples = parse(&python, &scrape(metrics["ipam"].as_str().expect("addr")));
+        let gauge = |name: &str, labels: &[(&str, &str)]| {
+            samples
+                .iter()
+                .find(|s| s.name == name && labels.iter().all(|(k, v)| s.has(k, v)))
+                .unwrap_or_else(|| panic!("{id}: no {name}{labels:?}"))
+                .value
+        };
+        let addresses =
+            |net: &ipnet::IpNet| 2f64.powi(i32::from(net.max_prefix_len() - net.prefix_len()));
+        assert!(!local.pools.is_empty(), "{id}: no pools");
+        let mut remapped = 0;
+        for pool in &local.pools {
+            let net: ipnet::IpNet = pool.parse().expect("pool");
+            let inside: Vec<&ipnet::IpNet> = ranges.iter().filter(|r| net.contains(*r)).collect();
+            let used = inside.iter().fold(0.0, |n, r| n + addresses(r));
+            remapped += inside.len();
+            let p = pool.as_str();
+            assert_eq!(
+                gauge(
+                    "trellis_ipam_pool_addresses",
+                    &[("pool", p), ("state", "used")]
+                ),
+                used,
+                "{id} {pool}"
+            );
+            assert_eq!(
+                gauge(
+                    "trellis_ipam_pool_addresses",
+                    &[("pool", p), ("state", "free")]
+                ),
+                addresses(&net) - used,
+                "{id} {pool}"
+            );
+            assert_eq!(
+                gauge("trellis_ipam_pool_ranges", &[("pool", p)]),
+                inside.len() as f64,
+                "{id} {pool}"
+            );
+        }
+        // The lab's clusters share pod CIDRs: every one remaps some peer into its pools.
+        assert!(remapped > 0, "{id}: no range in any pool");
+        assert_eq!(
+            gauge("trellis_ipam_external_addresses", &[("state", "used")]),
+            mappings.len() as f64,
+            "{id}: external addresses used"
+        );
     }
 }
