@@ -8,6 +8,7 @@
 //!   cluster's IPAM, hub path), reflected-slice storage, release of hub-path allocations;
 //! - [`kube`]: the Kubernetes EndpointSlice writer;
 //! - [`records`]: what is stored, under which keys;
+//! - [`metrics`]: slices imported and exported, for Prometheus;
 //! - [`grpc`]: the thin gRPC layer;
 //! - [`config`]: the flags.
 //!
@@ -18,6 +19,7 @@ pub mod config;
 pub mod core;
 pub mod grpc;
 pub mod kube;
+pub mod metrics;
 pub mod model;
 pub mod records;
 pub mod remote;
@@ -125,6 +127,7 @@ pub async fn start_with_writer(
             .with_peer_listener(peer);
     let addr = server.local_addr();
     let metrics_addr = server.metrics_addr();
+    metrics::register(server.metrics(), &core);
     let peer_addr = server.peer_addr();
     let routes = routes(core.clone(), authz);
     let task = server.spawn(

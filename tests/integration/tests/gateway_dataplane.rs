@@ -26,11 +26,13 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use ipnet::Ipv4Net;
-use trellis_api::pb::endpoints::{TranslationPath, UnreflectEndpointSliceRequest};
+use trellis_api::pb::endpoints::{
+    ListReflectedSlicesRequest, TranslationPath, UnreflectEndpointSliceRequest,
+};
 use trellis_api::pb::gateway::{ListTunnelsRequest, TunnelState};
 use trellis_api::pb::ipam::ListEndpointMappingsRequest;
 use trellis_api::pb::types::{ClusterIdentity, PeeringKind};
-use trellis_integration::prom::{parse, parser_python, scrape_in};
+use trellis_integration::prom::{Sample, parse, parser_python, scrape_in};
 use trellis_netlab::netns::{exec, ip};
 use trellis_netlab::topology::host;
 use trellis_netlab::{Fabric, FabricOptions, Service};
@@ -43,6 +45,8 @@ const C: usize = 2;
 const LIMIT: Duration = Duration::from_secs(60);
 /// The gateways' `--metrics-listen` port (each in its own namespace).
 const GATEWAY_METRICS: u16 = 9106;
+/// The endpoints services' default metrics port (free in each cluster's namespace).
+const ENDPOINTS_METRICS: u16 = 9105;
 
 /// Whether the test can run here; prints `SKIPPED:` otherwise (and fails in CI).
 fn can_run(test: &str) -> bool {
@@ -239,6 +243,15 @@ impl Lab {
     }
 }
 
+/// The samples of `name` scraped from the service listening on `port` in namespace `ns`.
+fn metric_in(python: &Path, ns: &str, port: u16, name: &str) -> Vec<Sample> {
+    let text = scrape_in(ns, SocketAddr::from(([127, 0, 0, 1], port)));
+    parse(python, &text)
+        .into_iter()
+        .filter(|s| s.name == name)
+        .collect()
+}
+
 /// The metrics of the tunnel to `peer` of the gateway in `gw_ns`, parsed by the Prometheus parser: sample name
 /// (the state series as `trellis_gateway_tunnel_state{state=...}`) to value.
 fn tunnel_counters(python: &Path, gw_ns: &str, peer: &str) -> BTreeMap<String, f64> {
@@ -296,6 +309,35 @@ async fn leaf_to_leaf_is_direct_with_the_real_control_plane_and_survives_the_hub
     // B reflects C's pod to A: the induced path, in A's own view of C's pod CIDR.
     let (path, address) = fabric.reflect_c_pod_to_a().await;
     assert_eq!(path, TranslationPath::Induced);
+    // A's endpoints service counts what it lists as imported, by source; B counts the export.
+    if let Some(python) = parser_python() {
+        let listed = fabric.fabric.clusters[A]
+            .endpoints()
+            .expect("client")
+            .list_reflected_slices(ListReflectedSlicesRequest::default())
+            .await
+            .expect("list")
+            .into_inner()
+            .reflected_slices;
+        assert_eq!(listed.len(), 1, "{listed:?}");
+        let imported = metric_in(
+            &python,
+            fabric.gw_ns(A),
+            ENDPOINTS_METRICS,
+            "trellis_endpoints_imported_slices",
+        );
+        assert_eq!(imported.len(), 1, "{imported:?}");
+        assert_eq!(imported[0].value, 1.0, "{imported:?}");
+        let exported = metric_in(
+            &python,
+            fabric.gw_ns(B),
+            ENDPOINTS_METRICS,
+            "trellis_endpoints_exported_slices",
+        );
+        assert_eq!(exported.len(), 1, "{exported:?}");
+        assert!(exported[0].has("target", "a"), "{exported:?}");
+        assert_eq!(exported[0].value, 1.0, "{exported:?}");
+    }
     let a_view_c = fabric.view(A, C, false).await;
     assert_eq!(address, host(a_view_c, 10));
     let first = fabric.wait_ping(A, address, LIMIT).await;
