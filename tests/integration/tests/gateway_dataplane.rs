@@ -327,6 +327,11 @@ async fn leaf_to_leaf_is_direct_with_the_real_control_plane_and_survives_the_hub
             "trellis_endpoints_imported_slices",
         );
         assert_eq!(imported.len(), 1, "{imported:?}");
+        let source = listed[0].source.as_ref().expect("source");
+        assert!(
+            imported[0].has("source", &source.cluster_id),
+            "{imported:?} {listed:?}"
+        );
         assert_eq!(imported[0].value, 1.0, "{imported:?}");
         let exported = metric_in(
             &python,
