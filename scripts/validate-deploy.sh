@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # Validates the deployment files offline (no Docker engine, no Kubernetes cluster needed):
+#   - deploy/grafana/*.json: well-formed JSON with panels, querying only metrics the code registers;
 #   - docker-compose.yml against the compose-spec JSON schema bundled in check-jsonschema;
 #   - every kustomize overlay, rendered with `kubectl kustomize`, strictly against the
 #     Kubernetes OpenAPI schemas bundled in kubernetes-validate (unknown fields are errors, and
@@ -26,6 +27,18 @@ out=$(check-jsonschema --builtin-schema vendor.compose-spec docker-compose.yml 2
   || fail "docker-compose.yml does not match the compose-spec schema:"$'\n'"$out"
 services=$(grep -cE '^  [a-z0-9-]+:' <(sed -n '/^services:/,/^[a-z]/p' docker-compose.yml))
 log "docker-compose.yml: valid against the compose-spec schema ($services services)"
+
+# --- Grafana dashboards ---------------------------------------------------------------------
+for f in deploy/grafana/*.json; do
+  out=$(python3 -c 'import json, sys; d = json.load(open(sys.argv[1])); assert d["panels"], "no panels"; print(len(d["panels"]))' "$f" 2>&1) \
+    || fail "$f is not a valid dashboard JSON:"$'\n'"$out"
+  log "$f: valid JSON ($out panels)"
+  # Every metric a panel queries is one the code registers (a renamed metric would leave an
+  # empty panel): names without the encoder's suffixes, quoted in crates/ or services/.
+  for metric in $(grep -oE '\b(grpc_server|trellis)_[a-z_]+' "$f" | sed -E 's/_(total|bucket|count|sum)$//' | sort -u); do
+    grep -rqF "\"$metric\"" crates services || fail "$f queries $metric, which no service registers"
+  done
+done
 
 # --- kustomize overlays -----------------------------------------------------------------------
 read -r -a versions <<<"${KUBERNETES_VERSIONS:-1.30.0 latest}"

@@ -112,11 +112,20 @@ impl LabCluster {
             }
         };
         let p = plan.ports;
+        let metrics = plan.metrics;
         let common = |service: &str, listen: std::net::SocketAddr, store: String| {
+            let short = service.trim_start_matches("trellis-");
+            let metrics_listen = metrics
+                .named()
+                .into_iter()
+                .find(|(name, _)| *name == short)
+                .map_or_else(|| "off".to_owned(), |(_, addr)| addr.to_string());
             let mut a = args(&[
                 service,
                 "--listen",
                 &listen.to_string(),
+                "--metrics-listen",
+                &metrics_listen,
                 "--cluster-id",
                 &plan.id,
                 "--shutdown-grace",

@@ -77,6 +77,9 @@ pub struct ClusterPlan {
     pub ports: Ports,
     /// The peer listeners, with `--tls`.
     pub peer: Option<PeerPorts>,
+    /// The services' `/metrics` listeners (`--metrics-listen`): always free ports, the fixed
+    /// layout has no room for six more per cluster.
+    pub metrics: Ports,
 }
 
 impl ClusterPlan {
@@ -189,6 +192,7 @@ pub fn plan(
                     Ports::fixed(base_port, index)?
                 },
                 peer: tls.then(PeerPorts::free),
+                metrics: Ports::free(),
             })
         })
         .collect()

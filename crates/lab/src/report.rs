@@ -213,6 +213,8 @@ pub struct TopologyCluster {
     /// With `--tls`: the mutual-TLS peer listeners of the cluster-facing services.
     #[serde(skip_serializing_if = "std::collections::BTreeMap::is_empty")]
     pub peer_services: std::collections::BTreeMap<&'static str, String>,
+    /// Each service's Prometheus `/metrics` listener.
+    pub metrics: std::collections::BTreeMap<&'static str, String>,
     /// The TunnelEndpoints its broker lists (after convergence).
     pub tunnels: Vec<TopologyTunnel>,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -291,6 +293,12 @@ impl Topology {
                     .peer
                     .iter()
                     .flat_map(|p| p.named())
+                    .map(|(name, addr)| (name, addr.to_string()))
+                    .collect(),
+                metrics: c
+                    .metrics
+                    .named()
+                    .into_iter()
                     .map(|(name, addr)| (name, addr.to_string()))
                     .collect(),
                 tunnels: snapshot

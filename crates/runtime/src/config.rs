@@ -36,6 +36,13 @@ pub struct BaseConfig {
     #[arg(long, env = "TRELLIS_CLUSTER_NAME", value_name = "NAME")]
     pub cluster_name: Option<String>,
 
+    /// Address of the Prometheus `/metrics` HTTP listener, or `off`. Defaults to 0.0.0.0 and
+    /// the service's own metrics port (discovery 9101, broker 9102, forwarder 9103, ipam 9104,
+    /// endpoints 9105, gateway 9106, route agent 9107; a default port already taken only
+    /// costs a warning); port 0 picks a free one, logged at start.
+    #[arg(long, env = "TRELLIS_METRICS_LISTEN", value_name = "HOST:PORT|off")]
+    pub metrics_listen: Option<crate::metrics::MetricsListen>,
+
     /// Log line format on stderr. Verbosity follows `RUST_LOG` (default `info`). Spans are
     /// exported over OTLP when `OTEL_EXPORTER_OTLP_ENDPOINT` is set (e.g.
     /// `http://127.0.0.1:4317`).
@@ -273,6 +280,15 @@ impl BaseConfig {
         ))
     }
 
+    /// Where `/metrics` is served: the flag, or `0.0.0.0:default_port`.
+    pub fn metrics_listen(&self, default_port: u16) -> crate::metrics::MetricsListen {
+        self.metrics_listen
+            .unwrap_or(crate::metrics::MetricsListen::Default(SocketAddr::new(
+                IpAddr::V4(Ipv4Addr::UNSPECIFIED),
+                default_port,
+            )))
+    }
+
     /// The cluster name, falling back to the ID.
     pub fn cluster_name(&self) -> &str {
         self.cluster_name.as_deref().unwrap_or(&self.cluster_id)
@@ -324,6 +340,14 @@ pub mod ports {
     pub const ENDPOINTS: u16 = 7105;
     pub const GATEWAY: u16 = 7106;
     pub const ROUTE: u16 = 7107;
+    /// Prometheus `/metrics` listeners (`--metrics-listen`), one per service.
+    pub const DISCOVERY_METRICS: u16 = 9101;
+    pub const BROKER_METRICS: u16 = 9102;
+    pub const FORWARDER_METRICS: u16 = 9103;
+    pub const IPAM_METRICS: u16 = 9104;
+    pub const ENDPOINTS_METRICS: u16 = 9105;
+    pub const GATEWAY_METRICS: u16 = 9106;
+    pub const ROUTE_METRICS: u16 = 9107;
     /// WireGuard UDP.
     pub const WIREGUARD: u16 = 51840;
 }

@@ -11,6 +11,7 @@
 //! - [`cmd`]: running `ip` and `nft` for the processes that program the kernel (gateway,
 //!   route agent);
 //! - [`shutdown`]: SIGTERM/SIGINT to a cancellation token, graceful drain;
+//! - [`metrics`]: Prometheus metrics on `--metrics-listen`, gRPC server metrics for free;
 //! - [`launch`]: the `main` of every service binary;
 //! - [`tls`], [`peer`]: mutual TLS between clusters and the authorization of cluster-facing
 //!   RPCs (ADR 0014).
@@ -22,6 +23,7 @@ pub mod client;
 pub mod cmd;
 pub mod config;
 pub mod launch;
+pub mod metrics;
 pub mod peer;
 pub mod propagation;
 pub mod server;

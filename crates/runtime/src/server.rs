@@ -13,6 +13,7 @@ use tonic::service::Routes;
 use tonic::transport::Server;
 use tonic_health::ServingStatus;
 
+use crate::metrics::{Metrics, MetricsListen, MetricsListener};
 use crate::peer::{GateLayer, PeerMethods};
 use crate::propagation::server_span;
 use crate::shutdown::Shutdown;
@@ -25,6 +26,8 @@ pub struct GrpcServer {
     listener: TcpListener,
     addr: SocketAddr,
     peer: Option<PeerListener>,
+    metrics: Metrics,
+    metrics_listener: Option<MetricsListener>,
 }
 
 /// The mutual-TLS listener for other clusters (ADR 0014): the same routes, behind a gate that
@@ -100,7 +103,56 @@ impl GrpcServer {
             listener,
             addr,
             peer: None,
+            metrics: Metrics::new(),
+            metrics_listener: None,
         })
+    }
+
+    /// Binds a service's gRPC and `/metrics` listeners from its base flags (`--listen`,
+    /// `--metrics-listen`), falling back to the service's default ports: how every service
+    /// binds, so each gets the gRPC server metrics and a `/metrics` endpoint without code of
+    /// its own.
+    pub async fn for_service(
+        base: &crate::config::BaseConfig,
+        default_port: u16,
+        default_metrics_port: u16,
+    ) -> anyhow::Result<Self> {
+        Self::bind(base.listen_addr(default_port))
+            .await?
+            .with_metrics_listener(base.metrics_listen(default_metrics_port))
+            .await
+    }
+
+    /// Also serves this service's `/metrics` where `listen` says (see
+    /// [`crate::config::BaseConfig::metrics_listen`]).
+    pub async fn with_metrics_listener(mut self, listen: MetricsListen) -> anyhow::Result<Self> {
+        self.metrics_listener = match listen {
+            MetricsListen::At(addr) => Some(MetricsListener::bind(addr).await?),
+            MetricsListen::Default(addr) => match MetricsListener::bind(addr).await {
+                Ok(listener) => Some(listener),
+                Err(err) => {
+                    tracing::warn!(
+                        error = format!("{err:#}"),
+                        "no metrics listener: the default port is taken; set --metrics-listen"
+                    );
+                    None
+                }
+            },
+            MetricsListen::Off => None,
+        };
+        Ok(self)
+    }
+
+    /// This service's metrics: register domain metrics here.
+    pub fn metrics(&self) -> &Metrics {
+        &self.metrics
+    }
+
+    /// The metrics listener's address, when there is one.
+    pub fn metrics_addr(&self) -> Option<SocketAddr> {
+        self.metrics_listener
+            .as_ref()
+            .map(MetricsListener::local_addr)
     }
 
     /// The address actually bound.
@@ -189,6 +241,7 @@ impl GrpcServer {
                     Server::builder()
                         .trace_fn(server_span)
                         .http2_keepalive_interval(Some(Duration::from_secs(30)))
+                        .layer(self.metrics.grpc_layer())
                         .layer(GateLayer::new(peer.methods))
                         .add_routes(routes.clone())
                         .serve_with_incoming_shutdown(incoming, async move {
@@ -203,8 +256,18 @@ impl GrpcServer {
             .trace_fn(server_span)
             .tcp_nodelay(true)
             .http2_keepalive_interval(Some(Duration::from_secs(30)))
+            .layer(self.metrics.grpc_layer())
             .add_routes(routes)
             .serve_with_incoming_shutdown(TcpListenerStream::new(self.listener), stop);
+        let metrics = self.metrics_listener.map(|listener| {
+            let metrics = self.metrics.clone();
+            let stopped = shutdown.clone();
+            tokio::spawn(async move {
+                if let Err(err) = listener.serve(metrics, stopped).await {
+                    tracing::error!(error = format!("{err:#}"), "metrics listener stopped");
+                }
+            })
+        });
         let server = async move {
             match peer {
                 Some(peer) => tokio::try_join!(plain, peer).map(|_| ()),
@@ -218,6 +281,9 @@ impl GrpcServer {
             () = async { shutdown.cancelled().await; tokio::time::sleep(grace).await } => {
                 tracing::warn!(grace_secs = grace.as_secs(), "grace period over, closing remaining connections");
             }
+        }
+        if let Some(metrics) = metrics {
+            metrics.abort();
         }
         tracing::info!(addr = %self.addr, "gRPC server stopped");
         Ok(())

@@ -26,9 +26,12 @@ use tokio::task::JoinHandle;
 use tonic::server::NamedService;
 use tonic::service::Routes;
 use trellis_api::ClusterIdentity;
+use trellis_api::model::PeeringKind;
 use trellis_api::pb::peering::broker_server::BrokerServer;
 use trellis_runtime::Shutdown;
 use trellis_runtime::config::ports;
+use trellis_runtime::metrics::prometheus_client::metrics::{family::Family, gauge::Gauge};
+use trellis_runtime::metrics::{Labels, Metrics};
 use trellis_runtime::server::{GrpcServer, cluster_facing};
 
 pub use crate::config::Config;
@@ -45,6 +48,8 @@ pub struct Started {
     pub addr: SocketAddr,
     /// The mutual-TLS listener for other clusters, when TLS is on.
     pub peer_addr: Option<SocketAddr>,
+    /// The `/metrics` listener, unless `--metrics-listen off`.
+    pub metrics_addr: Option<SocketAddr>,
     pub core: Arc<Broker>,
     pub task: JoinHandle<anyhow::Result<()>>,
 }
@@ -86,11 +91,13 @@ pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started
         &mut background,
     )
     .await?;
-    let server = GrpcServer::bind(common.listen_addr(ports::BROKER))
+    let server = GrpcServer::for_service(common, ports::BROKER, ports::BROKER_METRICS)
         .await?
         .with_peer_listener(peer);
     let addr = server.local_addr();
+    let metrics_addr = server.metrics_addr();
     let peer_addr = server.peer_addr();
+    register_metrics(server.metrics(), &core);
     let routes = Routes::new(
         BrokerServer::new(BrokerService::with_authz(core.clone(), authz))
             .max_decoding_message_size(MAX_REQUEST_BYTES),
@@ -110,9 +117,39 @@ pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started
     Ok(Started {
         addr,
         peer_addr,
+        metrics_addr,
         core,
         task,
     })
+}
+
+/// `trellis_tunnel_endpoints{kind}`: the TunnelEndpoints the broker holds (what
+/// ListTunnelEndpoints returns), counted from the store at every scrape.
+fn register_metrics(metrics: &Metrics, core: &Arc<Broker>) {
+    let tunnels: Family<Labels, Gauge> = Family::default();
+    metrics.register(
+        "trellis_tunnel_endpoints",
+        "TunnelEndpoints held by the broker, by peering kind",
+        tunnels.clone(),
+    );
+    let core = core.clone();
+    metrics.on_scrape(move || {
+        let (core, tunnels) = (core.clone(), tunnels.clone());
+        async move {
+            let Ok((list, _)) = core.tunnels().await else {
+                return;
+            };
+            for (kind, name) in [
+                (PeeringKind::Full, "full"),
+                (PeeringKind::Induced, "induced"),
+            ] {
+                let n = list.iter().filter(|(t, _)| t.kind == kind).count();
+                tunnels
+                    .get_or_create(&vec![("kind", name.to_owned())])
+                    .set(i64::try_from(n).unwrap_or(i64::MAX));
+            }
+        }
+    });
 }
 
 /// Runs the broker until `shutdown`.

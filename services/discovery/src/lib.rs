@@ -9,6 +9,7 @@
 //! - [`dns`] and [`mdns`]: the automatic discovery mechanisms;
 //! - [`remote`]: calls to other clusters' discovery services;
 //! - [`convert`]: proto mapping of discovery records (shared conversions live in `trellis_api`);
+//! - [`metrics`]: ForeignClusters by kind and condition, for Prometheus;
 //! - [`grpc`]: the thin gRPC layer;
 //! - [`config`]: the flags.
 
@@ -18,6 +19,7 @@ pub mod core;
 pub mod dns;
 pub mod grpc;
 pub mod mdns;
+pub mod metrics;
 pub mod neighborhood;
 pub mod records;
 pub mod remote;
@@ -66,6 +68,8 @@ pub struct Started {
     pub addr: SocketAddr,
     /// The mutual-TLS listener for other clusters, when TLS is on.
     pub peer_addr: Option<SocketAddr>,
+    /// The `/metrics` listener, unless `--metrics-listen off`.
+    pub metrics_addr: Option<SocketAddr>,
     /// The domain core, for in-process callers (the lab, tests).
     pub core: Arc<Discovery>,
     /// Finishes when the server and every background task have stopped.
@@ -84,8 +88,10 @@ pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started
     )?;
     let store = common.open_store().await?;
     let tls = config.tls.load(identity.id.as_str())?;
-    let server = GrpcServer::bind(common.listen_addr(ports::DISCOVERY)).await?;
+    let server =
+        GrpcServer::for_service(common, ports::DISCOVERY, ports::DISCOVERY_METRICS).await?;
     let addr = server.local_addr();
+    let metrics_addr = server.metrics_addr();
     let mut background = Vec::new();
     // The pinned CAs are this service's own full peers: the trust sync watches them through
     // our own plaintext listener, like every other service watches its discovery.
@@ -111,6 +117,7 @@ pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started
         core = core.without_induced_peering();
     }
     let core = Arc::new(core);
+    metrics::register(server.metrics(), &core);
 
     background.push(tokio::spawn(neighborhood::run(
         core.clone(),
@@ -161,6 +168,7 @@ pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started
     Ok(Started {
         addr,
         peer_addr,
+        metrics_addr,
         core,
         task,
     })

@@ -9,6 +9,7 @@
 //! - [`exports`]: exported Services and the reconciler reflecting them to every peer;
 //! - [`kube`]: the Kubernetes EndpointSlice writer;
 //! - [`records`]: what is stored, under which keys;
+//! - [`metrics`]: slices imported and exported, for Prometheus;
 //! - [`grpc`]: the thin gRPC layer;
 //! - [`config`]: the flags.
 //!
@@ -21,6 +22,7 @@ pub mod core;
 pub mod exports;
 pub mod grpc;
 pub mod kube;
+pub mod metrics;
 pub mod model;
 pub mod records;
 pub mod remote;
@@ -64,6 +66,8 @@ pub struct Started {
     pub addr: SocketAddr,
     /// The mutual-TLS listener for other clusters, when TLS is on.
     pub peer_addr: Option<SocketAddr>,
+    /// The `/metrics` listener, unless `--metrics-listen off`.
+    pub metrics_addr: Option<SocketAddr>,
     /// The domain core, for in-process callers (the lab, tests).
     pub core: Arc<Endpoints>,
     /// Finishes when the server has stopped.
@@ -120,10 +124,13 @@ pub async fn start_with_writer(
     )
     .await?;
     let core = Arc::new(Endpoints::new(store, local, clients, writer));
-    let server = GrpcServer::bind(config.common.listen_addr(ports::ENDPOINTS))
-        .await?
-        .with_peer_listener(peer);
+    let server =
+        GrpcServer::for_service(&config.common, ports::ENDPOINTS, ports::ENDPOINTS_METRICS)
+            .await?
+            .with_peer_listener(peer);
     let addr = server.local_addr();
+    let metrics_addr = server.metrics_addr();
+    metrics::register(server.metrics(), &core);
     let peer_addr = server.peer_addr();
     background.push(tokio::spawn(exports::run_reconciler(
         core.clone(),
@@ -141,6 +148,7 @@ pub async fn start_with_writer(
     Ok(Started {
         addr,
         peer_addr,
+        metrics_addr,
         core,
         task,
     })

@@ -6,11 +6,13 @@
 //! - [`core`]: accepting, persisting, delivering and retrying relays;
 //! - [`records`]: what is stored (only relays in flight); [`migrate`]: moving records of an
 //!   earlier key layout on start;
+//! - [`metrics`]: relays by state, for Prometheus;
 //! - [`grpc`]: the thin gRPC layer; [`config`]: the flags.
 
 pub mod config;
 pub mod core;
 pub mod grpc;
+pub mod metrics;
 pub mod migrate;
 pub mod records;
 
@@ -40,6 +42,8 @@ pub struct Started {
     pub addr: SocketAddr,
     /// The mutual-TLS listener for other clusters, when TLS is on.
     pub peer_addr: Option<SocketAddr>,
+    /// The `/metrics` listener, unless `--metrics-listen off`.
+    pub metrics_addr: Option<SocketAddr>,
     pub core: Arc<Forwarder>,
     pub task: JoinHandle<anyhow::Result<()>>,
 }
@@ -76,10 +80,12 @@ pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started
         &mut background,
     )
     .await?;
-    let server = GrpcServer::bind(common.listen_addr(ports::FORWARDER))
+    let server = GrpcServer::for_service(common, ports::FORWARDER, ports::FORWARDER_METRICS)
         .await?
         .with_peer_listener(peer);
     let addr = server.local_addr();
+    let metrics_addr = server.metrics_addr();
+    metrics::register(server.metrics(), &core);
     let peer_addr = server.peer_addr();
     let routes = Routes::new(
         ForwarderServer::new(ForwarderService::with_authz(core.clone(), authz))
@@ -99,6 +105,7 @@ pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started
     Ok(Started {
         addr,
         peer_addr,
+        metrics_addr,
         core,
         task,
     })

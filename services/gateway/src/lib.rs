@@ -9,6 +9,7 @@
 //! - [`mappings`]: the IPAM's external-CIDR endpoint mappings (hub-path DNAT), polled;
 //! - [`reconcile`]: the loop applying them;
 //! - [`core`]: the operations; [`records`]: what is stored, under which keys;
+//! - [`metrics`]: per-tunnel Prometheus metrics (bytes, packets, handshake age, state);
 //! - [`grpc`]: the thin gRPC layer; [`config`]: the flags.
 
 pub mod config;
@@ -17,6 +18,7 @@ pub mod dataplane;
 pub mod grpc;
 pub mod keys;
 pub mod mappings;
+pub mod metrics;
 pub mod names;
 pub mod ports;
 pub mod reconcile;
@@ -60,6 +62,8 @@ pub fn routes(core: Arc<Gateway>) -> Routes {
 pub struct Started {
     /// The address it listens on.
     pub addr: SocketAddr,
+    /// The `/metrics` listener, unless `--metrics-listen off`.
+    pub metrics_addr: Option<SocketAddr>,
     /// The domain core, for in-process callers (the lab, tests).
     pub core: Arc<Gateway>,
     /// Finishes when the server and the reconciler have stopped (the data plane removed).
@@ -113,8 +117,15 @@ pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started
         tunnel_mtu: config.tunnel_mtu(),
     };
     let core = Arc::new(Gateway::new(store, settings, mode, keys, dataplane));
-    let server = GrpcServer::bind(common.listen_addr(default_ports::GATEWAY)).await?;
+    let server = GrpcServer::for_service(
+        common,
+        default_ports::GATEWAY,
+        default_ports::GATEWAY_METRICS,
+    )
+    .await?;
     let addr = server.local_addr();
+    let metrics_addr = server.metrics_addr();
+    metrics::register(server.metrics(), &core);
 
     let mut background = Vec::new();
     let (desired_tx, desired_rx) = tokio::sync::watch::channel(None);
@@ -156,7 +167,12 @@ pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started
         common.shutdown_grace(),
         background,
     );
-    Ok(Started { addr, core, task })
+    Ok(Started {
+        addr,
+        metrics_addr,
+        core,
+        task,
+    })
 }
 
 /// Runs the gateway until `shutdown`.

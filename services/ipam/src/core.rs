@@ -813,7 +813,7 @@ fn spread(value: u128) -> u128 {
 
 /// The addresses of `net` that may be handed out: for IPv4 networks larger than /31, all but
 /// the network and broadcast addresses; for IPv6, all but the subnet-router anycast address.
-fn usable_hosts(net: IpNet) -> (u128, u128) {
+pub(crate) fn usable_hosts(net: IpNet) -> (u128, u128) {
     let (lo, hi) = net_bounds(net);
     match net {
         IpNet::V4(v4) if v4.prefix_len() <= 30 => (lo + 1, hi - 1),

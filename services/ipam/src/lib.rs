@@ -5,6 +5,7 @@
 //! - [`alloc`]: the pure remapping arithmetic;
 //! - [`records`]: what is stored, under which keys;
 //! - [`core`]: the operations, as optimistic transactions on the store;
+//! - [`metrics`]: pools and external addresses in use and free, for Prometheus;
 //! - [`grpc`]: the thin gRPC layer;
 //! - [`config`]: the flags.
 
@@ -12,6 +13,7 @@ pub mod alloc;
 pub mod config;
 pub mod core;
 pub mod grpc;
+pub mod metrics;
 pub mod records;
 pub mod subnets;
 
@@ -52,6 +54,8 @@ pub struct Started {
     pub addr: SocketAddr,
     /// The mutual-TLS listener for other clusters, when TLS is on.
     pub peer_addr: Option<SocketAddr>,
+    /// The `/metrics` listener, unless `--metrics-listen off`.
+    pub metrics_addr: Option<SocketAddr>,
     /// The domain core, for in-process callers (the lab, tests).
     pub core: Arc<Ipam>,
     /// Finishes when the server has stopped.
@@ -82,10 +86,12 @@ pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started
             .await?
         }
     };
-    let server = GrpcServer::bind(config.common.listen_addr(ports::IPAM))
+    let server = GrpcServer::for_service(&config.common, ports::IPAM, ports::IPAM_METRICS)
         .await?
         .with_peer_listener(peer);
     let addr = server.local_addr();
+    let metrics_addr = server.metrics_addr();
+    metrics::register(server.metrics(), &core);
     let peer_addr = server.peer_addr();
     let routes = routes(core.clone(), authz);
     let task = server.spawn(
@@ -98,6 +104,7 @@ pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started
     Ok(Started {
         addr,
         peer_addr,
+        metrics_addr,
         core,
         task,
     })

@@ -36,6 +36,8 @@ use crate::plan::NodeSettings;
 #[derive(Debug)]
 pub struct Started {
     pub addr: SocketAddr,
+    /// The `/metrics` listener, unless `--metrics-listen off`.
+    pub metrics_addr: Option<SocketAddr>,
     pub agent: Arc<Agent>,
     pub task: JoinHandle<anyhow::Result<()>>,
 }
@@ -70,8 +72,9 @@ pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started
         resync: Duration::from_secs(config.resync_interval),
         status: Mutex::new(agent::Status::default()),
     });
-    let server = GrpcServer::bind(config.base.listen_addr(ports::ROUTE)).await?;
+    let server = GrpcServer::for_service(&config.base, ports::ROUTE, ports::ROUTE_METRICS).await?;
     let addr = server.local_addr();
+    let metrics_addr = server.metrics_addr();
     let background = vec![tokio::spawn(agent::run(agent.clone(), shutdown.clone()))];
     let task = server.spawn(
         Routes::new(RouteServer::new(RouteService::new(agent.clone()))),
@@ -80,7 +83,12 @@ pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started
         config.base.shutdown_grace(),
         background,
     );
-    Ok(Started { addr, agent, task })
+    Ok(Started {
+        addr,
+        metrics_addr,
+        agent,
+        task,
+    })
 }
 
 /// Runs the agent until `shutdown`.

@@ -7,6 +7,7 @@ pub mod gate;
 pub mod otlp;
 pub mod peering;
 pub mod processes;
+pub mod prom;
 
 /// Network namespaces for data-plane tests; moved to [`trellis_netlab`], re-exported for
 /// existing users.

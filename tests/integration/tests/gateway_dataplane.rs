@@ -19,15 +19,20 @@
 //! CI runs as root and fails instead. The tests are heavy (up to 36 processes each): nextest runs
 //! them one at a time (`.config/nextest.toml`, test group `netns`).
 
-use std::net::Ipv4Addr;
+use std::collections::BTreeMap;
+use std::net::{Ipv4Addr, SocketAddr};
+use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use ipnet::Ipv4Net;
-use trellis_api::pb::endpoints::{TranslationPath, UnreflectEndpointSliceRequest};
+use trellis_api::pb::endpoints::{
+    ListReflectedSlicesRequest, TranslationPath, UnreflectEndpointSliceRequest,
+};
 use trellis_api::pb::gateway::{ListTunnelsRequest, TunnelState};
 use trellis_api::pb::ipam::ListEndpointMappingsRequest;
 use trellis_api::pb::types::{ClusterIdentity, PeeringKind};
+use trellis_integration::prom::{Sample, parse, parser_python, scrape_in};
 use trellis_netlab::netns::{exec, ip};
 use trellis_netlab::topology::host;
 use trellis_netlab::{Fabric, FabricOptions, Service};
@@ -38,6 +43,10 @@ const A: usize = 0;
 const B: usize = 1;
 const C: usize = 2;
 const LIMIT: Duration = Duration::from_secs(60);
+/// The gateways' `--metrics-listen` port (each in its own namespace).
+const GATEWAY_METRICS: u16 = 9106;
+/// The endpoints services' default metrics port (free in each cluster's namespace).
+const ENDPOINTS_METRICS: u16 = 9105;
 
 /// Whether the test can run here; prints `SKIPPED:` otherwise (and fails in CI).
 fn can_run(test: &str) -> bool {
@@ -71,9 +80,15 @@ impl Lab {
         let mut options = FabricOptions::three_clusters();
         options.hub_no_induced = hub_no_induced;
         // Hub-path mappings show up in the gateway within a second.
+        // Metrics on every address of the gateway's namespace (the test scrapes 127.0.0.1 there).
         options.extra_args = vec![(
             Service::Gateway,
-            vec!["--mappings-interval".into(), "1".into()],
+            vec![
+                "--mappings-interval".into(),
+                "1".into(),
+                "--metrics-listen".into(),
+                format!("0.0.0.0:{GATEWAY_METRICS}"),
+            ],
         )];
         let started = Instant::now();
         let fabric = Fabric::up(options).await.expect("fabric up");
@@ -228,6 +243,47 @@ impl Lab {
     }
 }
 
+/// The samples of `name` scraped from the service listening on `port` in namespace `ns`.
+fn metric_in(python: &Path, ns: &str, port: u16, name: &str) -> Vec<Sample> {
+    let text = scrape_in(ns, SocketAddr::from(([127, 0, 0, 1], port)));
+    parse(python, &text)
+        .into_iter()
+        .filter(|s| s.name == name)
+        .collect()
+}
+
+/// The metrics of the tunnel to `peer` of the gateway in `gw_ns`, parsed by the Prometheus parser: sample name
+/// (the state series as `trellis_gateway_tunnel_state{state=...}`) to value.
+fn tunnel_counters(python: &Path, gw_ns: &str, peer: &str) -> BTreeMap<String, f64> {
+    let addr = SocketAddr::from(([127, 0, 0, 1], GATEWAY_METRICS));
+    let samples = parse(python, &scrape_in(gw_ns, addr));
+    let mut out = BTreeMap::new();
+    for s in samples
+        .iter()
+        .filter(|s| s.name.starts_with("trellis_gateway_tunnel_") && s.has("peer", peer))
+    {
+        let key = match s.labels.get("state") {
+            Some(state) => format!("{}{{state={state}}}", s.name),
+            None => s.name.clone(),
+        };
+        out.insert(key, s.value);
+    }
+    for name in [
+        "trellis_gateway_tunnel_tx_bytes_total",
+        "trellis_gateway_tunnel_rx_bytes_total",
+        "trellis_gateway_tunnel_tx_packets_total",
+        "trellis_gateway_tunnel_rx_packets_total",
+        "trellis_gateway_tunnel_handshake_age_seconds",
+        "trellis_gateway_tunnel_state{state=up}",
+    ] {
+        assert!(
+            out.contains_key(name),
+            "no {name} for peer {peer}: {samples:?}"
+        );
+    }
+    out
+}
+
 fn loss_free(out: &std::process::Output) -> bool {
     out.status.success() && String::from_utf8_lossy(&out.stdout).contains(" 0% packet loss")
 }
@@ -253,6 +309,40 @@ async fn leaf_to_leaf_is_direct_with_the_real_control_plane_and_survives_the_hub
     // B reflects C's pod to A: the induced path, in A's own view of C's pod CIDR.
     let (path, address) = fabric.reflect_c_pod_to_a().await;
     assert_eq!(path, TranslationPath::Induced);
+    // A's endpoints service counts what it lists as imported, by source; B counts the export.
+    if let Some(python) = parser_python() {
+        let listed = fabric.fabric.clusters[A]
+            .endpoints()
+            .expect("client")
+            .list_reflected_slices(ListReflectedSlicesRequest::default())
+            .await
+            .expect("list")
+            .into_inner()
+            .reflected_slices;
+        assert_eq!(listed.len(), 1, "{listed:?}");
+        let imported = metric_in(
+            &python,
+            fabric.gw_ns(A),
+            ENDPOINTS_METRICS,
+            "trellis_endpoints_imported_slices",
+        );
+        assert_eq!(imported.len(), 1, "{imported:?}");
+        let source = listed[0].source.as_ref().expect("source");
+        assert!(
+            imported[0].has("source", &source.cluster_id),
+            "{imported:?} {listed:?}"
+        );
+        assert_eq!(imported[0].value, 1.0, "{imported:?}");
+        let exported = metric_in(
+            &python,
+            fabric.gw_ns(B),
+            ENDPOINTS_METRICS,
+            "trellis_endpoints_exported_slices",
+        );
+        assert_eq!(exported.len(), 1, "{exported:?}");
+        assert!(exported[0].has("target", "a"), "{exported:?}");
+        assert_eq!(exported[0].value, 1.0, "{exported:?}");
+    }
     let a_view_c = fabric.view(A, C, false).await;
     assert_eq!(address, host(a_view_c, 10));
     let first = fabric.wait_ping(A, address, LIMIT).await;
@@ -268,6 +358,10 @@ async fn leaf_to_leaf_is_direct_with_the_real_control_plane_and_survives_the_hub
     assert_eq!(seen, host(c_view_a, 10).to_string(), "C's pod saw {seen}");
 
     // A<->C does not cross B: B's uplink receives next to nothing while 100 KB flow.
+    let python = parser_python();
+    let a_gw_ns = fabric.gw_ns(A).to_owned();
+    let tunnel_metrics = |python: &Path| tunnel_counters(python, &a_gw_ns, "c");
+    let metrics_before = python.as_deref().map(tunnel_metrics);
     let before = fabric.topology.uplink_counters(B).expect("counters");
     let out = fabric.ping(
         A,
@@ -282,6 +376,27 @@ async fn leaf_to_leaf_is_direct_with_the_real_control_plane_and_survives_the_hub
     );
     // Control-plane chatter (resyncs, keepalives) stays far below the 100 KB of the pings.
     assert!(through_b < 20_000, "{through_b} bytes reached B");
+
+    // A's gateway metrics for its tunnel to C grew by at least the 50 pings and their replies
+    // (WireGuard counts the encrypted size, larger than the 1028-byte ICMP packets).
+    if let (Some(python), Some(before)) = (python.as_deref(), metrics_before) {
+        let after = tunnel_metrics(python);
+        eprintln!("measured: A's tunnel to C, metrics before {before:?}, after {after:?}");
+        for (name, at_least) in [
+            ("trellis_gateway_tunnel_tx_bytes_total", 50.0 * 1028.0),
+            ("trellis_gateway_tunnel_rx_bytes_total", 50.0 * 1028.0),
+            ("trellis_gateway_tunnel_tx_packets_total", 50.0),
+            ("trellis_gateway_tunnel_rx_packets_total", 50.0),
+        ] {
+            let grew = after[name] - before[name];
+            assert!(
+                grew >= at_least,
+                "{name} grew by {grew}, want >= {at_least}"
+            );
+        }
+        assert_eq!(after["trellis_gateway_tunnel_state{state=up}"], 1.0);
+        assert!(after["trellis_gateway_tunnel_handshake_age_seconds"] < 180.0);
+    }
 
     // Status: A's tunnel to C is up with the traffic counted.
     let tunnels = fabric.fabric.clusters[A]

@@ -10,12 +10,13 @@
 //! Skipped (with a `SKIPPED:` line) when not root or without `ip`/`nft`/`ping`/`python3`; CI runs
 //! as root and fails instead. Heavy (27 processes): one at a time in the `netns` test group.
 
-use std::net::Ipv4Addr;
+use std::net::{Ipv4Addr, SocketAddr};
 use std::time::{Duration, Instant};
 
 use ipnet::Ipv4Net;
 use trellis_api::pb::peering::UnpeerRequest;
 use trellis_api::pb::types::PeeringKind;
+use trellis_integration::prom::{parse, parser_python, scrape_in};
 use trellis_netlab::netns::{exec, ip};
 use trellis_netlab::topology::link_counters;
 use trellis_netlab::{Fabric, FabricOptions, Service, StoreKind};
@@ -175,6 +176,26 @@ async fn pods_on_every_node_reach_every_remote_pod_and_leaf_traffic_skips_the_hu
         "unreachable: {failed:#?}\n{}",
         fabric.logs()
     );
+
+    // Every node's route agent serves /metrics on its default port (9107) with the gRPC
+    // server metrics of the health checks it answered.
+    if let Some(python) = parser_python() {
+        for site in &fabric.topology.sites {
+            for node in &site.nodes {
+                let text = scrape_in(&node.netns, SocketAddr::from(([127, 0, 0, 1], 9107)));
+                let checks = parse(&python, &text)
+                    .into_iter()
+                    .find(|s| {
+                        s.name == "grpc_server_handled_total"
+                            && s.has("grpc_service", "grpc.health.v1.Health")
+                            && s.has("grpc_method", "Check")
+                            && s.has("grpc_code", "OK")
+                    })
+                    .unwrap_or_else(|| panic!("{}: no health checks counted:\n{text}", node.netns));
+                assert!(checks.value >= 1.0, "{checks:?}");
+            }
+        }
+    }
 
     // Leaf to leaf between non-gateway nodes goes A's n1 -> A's gateway -> C's gateway -> C's
     // n2, never through the hub: 300 KB of pings add next to nothing at B's uplink.

@@ -85,6 +85,11 @@ pub struct PeerStats {
     pub last_handshake: Option<SystemTime>,
     pub rx_bytes: u64,
     pub tx_bytes: u64,
+    /// Packets the device delivered (decrypted, from the peer) and took to send (towards the
+    /// peer), from the interface's counters: WireGuard's own interface counts bytes only.
+    /// `None` when the interface's counters cannot be read.
+    pub rx_packets: Option<u64>,
+    pub tx_packets: Option<u64>,
     pub endpoint: Option<SocketAddr>,
 }
 
@@ -234,10 +239,22 @@ impl Device {
                 last_handshake: p.last_handshake,
                 rx_bytes: p.rx_bytes,
                 tx_bytes: p.tx_bytes,
+                rx_packets: interface_counter(&self.name, "rx_packets"),
+                tx_packets: interface_counter(&self.name, "tx_packets"),
                 endpoint: p.endpoint,
             })
             .unwrap_or_default())
     }
+}
+
+/// One of the interface's counters (`/sys/class/net/NAME/statistics/COUNTER`; sysfs shows the
+/// reader's own network namespace, where the gateway keeps its devices).
+fn interface_counter(name: &str, counter: &str) -> Option<u64> {
+    std::fs::read_to_string(format!("/sys/class/net/{name}/statistics/{counter}"))
+        .ok()?
+        .trim()
+        .parse()
+        .ok()
 }
 
 impl Drop for Device {

@@ -1,0 +1,557 @@
+//! Prometheus metrics of one service (issue 19): a registry per service (not per process, so
+//! the lab's in-process services each expose their own), the gRPC server metrics every
+//! [`crate::server::GrpcServer`] records through [`GrpcMetricsLayer`], and the `/metrics`
+//! listener (`--metrics-listen`), served in the Prometheus text format by `prometheus-client`
+//! through axum on a tonic server that also accepts HTTP/1.1 — no second HTTP stack.
+//!
+//! Gauges that mirror store state are refreshed at scrape time by the hooks a service
+//! registers with [`Metrics::on_scrape`], so a scrape shows what the store holds at that
+//! moment; counters and histograms are updated where the event happens.
+
+use std::fmt;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::{Arc, RwLock};
+use std::task::{Context, Poll, ready};
+use std::time::Instant;
+
+use anyhow::Context as _;
+use prometheus_client::encoding::text::encode;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::{Family, MetricConstructor};
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::{Metric, Registry};
+use tokio::net::TcpListener;
+use tokio_stream::wrappers::TcpListenerStream;
+
+use crate::shutdown::Shutdown;
+
+/// The metric types, for services registering their own.
+pub use prometheus_client;
+
+/// Labels as ordered name/value pairs.
+pub type Labels = Vec<(&'static str, String)>;
+
+type Hook = Arc<dyn Fn() -> Pin<Box<dyn Future<Output = ()> + Send>> + Send + Sync>;
+
+/// A histogram constructor with the latency buckets used everywhere: 100 µs to ~13 s.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct LatencyBuckets;
+
+impl MetricConstructor<Histogram> for LatencyBuckets {
+    fn new_metric(&self) -> Histogram {
+        Histogram::new(exponential_buckets(0.0001, 2.0, 18))
+    }
+}
+
+/// A family of latency histograms.
+pub type LatencyFamily = Family<Labels, Histogram, LatencyBuckets>;
+
+/// The metrics of one service. Cheap to clone; clones share the registry.
+#[derive(Clone)]
+pub struct Metrics {
+    registry: Arc<RwLock<Registry>>,
+    hooks: Arc<RwLock<Vec<Hook>>>,
+    grpc: GrpcServerMetrics,
+}
+
+impl fmt::Debug for Metrics {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Metrics").finish_non_exhaustive()
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Metrics {
+    /// An empty registry with the gRPC server metrics registered.
+    pub fn new() -> Self {
+        let metrics = Self {
+            registry: Arc::new(RwLock::new(Registry::default())),
+            hooks: Arc::default(),
+            grpc: GrpcServerMetrics::default(),
+        };
+        metrics.register(
+            "grpc_server_started",
+            "RPCs started on the server",
+            metrics.grpc.started.clone(),
+        );
+        metrics.register(
+            "grpc_server_handled",
+            "RPCs completed on the server, by gRPC status code",
+            metrics.grpc.handled.clone(),
+        );
+        metrics.register(
+            "grpc_server_handling_seconds",
+            "Time from request to the end of the response (trailers), seconds",
+            metrics.grpc.seconds.clone(),
+        );
+        metrics
+    }
+
+    /// Registers `metric` as `name` (counters get `_total` appended by the encoder).
+    pub fn register(&self, name: &str, help: &str, metric: impl Metric) {
+        self.registry
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .register(name, help, metric);
+    }
+
+    /// Registers a collector: metrics whose label sets come and go with what they describe
+    /// (e.g. one series per tunnel), encoded from the collector's own state at every scrape.
+    pub fn register_collector(&self, collector: impl prometheus_client::collector::Collector) {
+        self.registry
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .register_collector(Box::new(collector));
+    }
+
+    /// Runs `hook` before every scrape (to refresh gauges that mirror the store).
+    pub fn on_scrape<F, Fut>(&self, hook: F)
+    where
+        F: Fn() -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = ()> + Send + 'static,
+    {
+        self.hooks
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(Arc::new(move || Box::pin(hook())));
+    }
+
+    /// The layer recording the gRPC server metrics into this registry.
+    pub fn grpc_layer(&self) -> GrpcMetricsLayer {
+        GrpcMetricsLayer {
+            metrics: self.grpc.clone(),
+        }
+    }
+
+    /// Refreshes and renders the registry in the Prometheus text format.
+    pub async fn render(&self) -> String {
+        let hooks: Vec<Hook> = self.hooks.read().unwrap_or_else(|e| e.into_inner()).clone();
+        futures::future::join_all(hooks.iter().map(|h| h())).await;
+        let mut out = String::new();
+        let registry = self.registry.read().unwrap_or_else(|e| e.into_inner());
+        // Writing into a String cannot fail.
+        let _ = encode(&mut out, &registry);
+        out
+    }
+}
+
+/// Where `/metrics` is served: an address, or nowhere.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MetricsListen {
+    /// Serve on this address (port 0 picks a free one); failing to bind is an error.
+    At(SocketAddr),
+    /// The service's default port, not asked for: when it is taken (several clusters on one
+    /// host, as in tests and benchmarks) the service warns and runs without metrics rather
+    /// than failing. In Kubernetes every pod has the port to itself.
+    Default(SocketAddr),
+    /// No metrics listener.
+    Off,
+}
+
+impl std::str::FromStr for MetricsListen {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        if s.eq_ignore_ascii_case("off") {
+            return Ok(Self::Off);
+        }
+        s.parse()
+            .map(Self::At)
+            .map_err(|e| format!("{s:?} is neither HOST:PORT nor \"off\": {e}"))
+    }
+}
+
+/// A bound `/metrics` listener.
+#[derive(Debug)]
+pub struct MetricsListener {
+    listener: TcpListener,
+    addr: SocketAddr,
+}
+
+impl MetricsListener {
+    /// Binds `addr`.
+    pub async fn bind(addr: SocketAddr) -> anyhow::Result<Self> {
+        let listener = TcpListener::bind(addr)
+            .await
+            .with_context(|| format!("cannot listen on {addr} (metrics)"))?;
+        let addr = listener.local_addr()?;
+        Ok(Self { listener, addr })
+    }
+
+    /// The address actually bound.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Serves `GET /metrics` until `shutdown`.
+    pub async fn serve(self, metrics: Metrics, shutdown: Shutdown) -> anyhow::Result<()> {
+        tracing::info!(addr = %self.addr, "serving metrics on /metrics");
+        let router = axum::Router::new().route(
+            "/metrics",
+            axum::routing::get(move || {
+                let metrics = metrics.clone();
+                async move {
+                    (
+                        [(
+                            http::header::CONTENT_TYPE,
+                            "text/plain; version=0.0.4; charset=utf-8",
+                        )],
+                        metrics.render().await,
+                    )
+                }
+            }),
+        );
+        tonic::transport::Server::builder()
+            .accept_http1(true)
+            .add_routes(tonic::service::Routes::from(router))
+            .serve_with_incoming_shutdown(TcpListenerStream::new(self.listener), async move {
+                shutdown.cancelled().await;
+            })
+            .await
+            .context("metrics server failed")
+    }
+}
+
+/// The gRPC server metrics, with the conventional names and labels.
+#[derive(Debug, Clone)]
+struct GrpcServerMetrics {
+    started: Family<Labels, Counter>,
+    handled: Family<Labels, Counter>,
+    seconds: LatencyFamily,
+}
+
+impl Default for GrpcServerMetrics {
+    fn default() -> Self {
+        Self {
+            started: Family::default(),
+            handled: Family::default(),
+            seconds: Family::new_with_constructor(LatencyBuckets),
+        }
+    }
+}
+
+/// A tower layer recording `grpc_server_started_total`, `grpc_server_handled_total` and
+/// `grpc_server_handling_seconds` for every request.
+#[derive(Debug, Clone)]
+pub struct GrpcMetricsLayer {
+    metrics: GrpcServerMetrics,
+}
+
+impl<S> tower::Layer<S> for GrpcMetricsLayer {
+    type Service = GrpcMetricsService<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        GrpcMetricsService {
+            inner,
+            metrics: self.metrics.clone(),
+        }
+    }
+}
+
+/// See [`GrpcMetricsLayer`].
+#[derive(Debug, Clone)]
+pub struct GrpcMetricsService<S> {
+    inner: S,
+    metrics: GrpcServerMetrics,
+}
+
+/// `/pkg.Service/Method` split into service and method.
+fn split_path(path: &str) -> (String, String) {
+    let trimmed = path.trim_start_matches('/');
+    match trimmed.split_once('/') {
+        Some((service, method)) => (service.to_owned(), method.to_owned()),
+        None => (trimmed.to_owned(), String::new()),
+    }
+}
+
+/// The name gRPC gives a status code in metrics (`OK`, `NotFound`, ...).
+fn code_name(code: &str) -> String {
+    let code = code.trim().parse::<i32>().unwrap_or(2);
+    match tonic::Code::from_i32(code) {
+        tonic::Code::Ok => "OK".to_owned(),
+        other => format!("{other:?}"),
+    }
+}
+
+/// What is recorded when the response ends.
+#[derive(Debug)]
+struct Finish {
+    metrics: GrpcServerMetrics,
+    service: String,
+    method: String,
+    start: Instant,
+}
+
+impl Finish {
+    fn record(self, code: String) {
+        let labels: Labels = vec![("grpc_service", self.service), ("grpc_method", self.method)];
+        self.metrics
+            .seconds
+            .get_or_create(&labels)
+            .observe(self.start.elapsed().as_secs_f64());
+        let mut handled = labels;
+        handled.push(("grpc_code", code));
+        self.metrics.handled.get_or_create(&handled).inc();
+    }
+}
+
+impl<S, B> tower::Service<http::Request<B>> for GrpcMetricsService<S>
+where
+    S: tower::Service<http::Request<B>, Response = http::Response<tonic::body::Body>>,
+    S::Future: Send + 'static,
+    S::Error: 'static,
+{
+    type Response = http::Response<tonic::body::Body>;
+    type Error = S::Error;
+    type Future = Pin<Box<dyn Future<Output = Result<Self::Response, Self::Error>> + Send>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: http::Request<B>) -> Self::Future {
+        let (service, method) = split_path(req.uri().path());
+        let labels: Labels = vec![
+            ("grpc_service", service.clone()),
+            ("grpc_method", method.clone()),
+        ];
+        self.metrics.started.get_or_create(&labels).inc();
+        let finish = Finish {
+            metrics: self.metrics.clone(),
+            service,
+            method,
+            start: Instant::now(),
+        };
+        let fut = self.inner.call(req);
+        Box::pin(async move {
+            let response = fut.await?;
+            // A trailers-only response (an error before any message) carries the status in
+            // its headers; otherwise the status comes in the trailers at the end of the body.
+            if let Some(code) = response.headers().get("grpc-status") {
+                finish.record(code_name(code.to_str().unwrap_or("2")));
+                return Ok(response);
+            }
+            Ok(response.map(|body| {
+                tonic::body::Body::new(MeteredBody {
+                    inner: body,
+                    finish: Some(finish),
+                })
+            }))
+        })
+    }
+}
+
+/// A response body that records the status from its trailers (or `Cancelled` when dropped
+/// before them, e.g. a watch the client closed).
+struct MeteredBody {
+    inner: tonic::body::Body,
+    finish: Option<Finish>,
+}
+
+impl http_body::Body for MeteredBody {
+    type Data = bytes::Bytes;
+    type Error = tonic::Status;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<http_body::Frame<Self::Data>, Self::Error>>> {
+        let polled = ready!(Pin::new(&mut self.inner).poll_frame(cx));
+        match &polled {
+            Some(Ok(frame)) => {
+                if let Some(trailers) = frame.trailers_ref() {
+                    let code = trailers
+                        .get("grpc-status")
+                        .and_then(|v| v.to_str().ok())
+                        .map_or_else(|| "Unknown".to_owned(), code_name);
+                    if let Some(finish) = self.finish.take() {
+                        finish.record(code);
+                    }
+                }
+            }
+            Some(Err(_)) => {
+                if let Some(finish) = self.finish.take() {
+                    finish.record("Unknown".to_owned());
+                }
+            }
+            None => {
+                if let Some(finish) = self.finish.take() {
+                    finish.record("Unknown".to_owned());
+                }
+            }
+        }
+        Poll::Ready(polled)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+impl Drop for MeteredBody {
+    fn drop(&mut self) {
+        if let Some(finish) = self.finish.take() {
+            finish.record("Cancelled".to_owned());
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    use tonic_health::pb::HealthCheckRequest;
+    use tonic_health::pb::health_client::HealthClient;
+
+    use super::*;
+    use crate::server::GrpcServer;
+
+    fn local() -> SocketAddr {
+        SocketAddr::from(([127, 0, 0, 1], 0))
+    }
+
+    async fn scrape(addr: SocketAddr) -> String {
+        let mut stream = tokio::net::TcpStream::connect(addr).await.expect("connect");
+        stream
+            .write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            .await
+            .expect("request");
+        let mut response = String::new();
+        stream
+            .read_to_string(&mut response)
+            .await
+            .expect("response");
+        let (head, body) = response.split_once("\r\n\r\n").expect("http");
+        assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+        body.to_owned()
+    }
+
+    /// The value of the sample line starting with `series`, if any.
+    fn value(text: &str, series: &str) -> Option<f64> {
+        text.lines()
+            .find_map(|l| l.strip_prefix(series)?.trim().parse().ok())
+    }
+
+    #[tokio::test]
+    async fn served_rpcs_are_counted_by_service_method_and_code() {
+        let server = GrpcServer::bind(local())
+            .await
+            .expect("bind")
+            .with_metrics_listener(MetricsListen::At(local()))
+            .await
+            .expect("metrics bind");
+        let grpc = server.local_addr();
+        let metrics = server.metrics_addr().expect("metrics listener");
+        let shutdown = Shutdown::new();
+        let task = server.spawn(
+            tonic::service::Routes::default(),
+            &[],
+            shutdown.clone(),
+            Duration::from_secs(1),
+            Vec::new(),
+        );
+        let channel = tonic::transport::Endpoint::from_shared(format!("http://{grpc}"))
+            .expect("uri")
+            .connect()
+            .await
+            .expect("connects");
+        let mut health = HealthClient::new(channel);
+        for _ in 0..2 {
+            health
+                .check(HealthCheckRequest::default())
+                .await
+                .expect("serving");
+        }
+        let err = health
+            .check(HealthCheckRequest {
+                service: "no.such.Service".into(),
+            })
+            .await
+            .expect_err("unknown service");
+        assert_eq!(err.code(), tonic::Code::NotFound);
+        // A stream the client drops before its end.
+        let watch = health
+            .watch(HealthCheckRequest::default())
+            .await
+            .expect("watch");
+        drop(watch);
+
+        let labels = |method: &str, code: &str| {
+            format!(
+                "grpc_server_handled_total{{grpc_service=\"grpc.health.v1.Health\",grpc_method=\"{method}\",grpc_code=\"{code}\"}}"
+            )
+        };
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+        let text = loop {
+            let text = scrape(metrics).await;
+            if value(&text, &labels("Watch", "Cancelled")).is_some()
+                || tokio::time::Instant::now() > deadline
+            {
+                break text;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        };
+        assert_eq!(value(&text, &labels("Check", "OK")), Some(2.0), "{text}");
+        assert_eq!(
+            value(&text, &labels("Check", "NotFound")),
+            Some(1.0),
+            "{text}"
+        );
+        assert_eq!(
+            value(&text, &labels("Watch", "Cancelled")),
+            Some(1.0),
+            "{text}"
+        );
+        assert_eq!(
+            value(
+                &text,
+                "grpc_server_handling_seconds_count{grpc_service=\"grpc.health.v1.Health\",grpc_method=\"Check\"}"
+            ),
+            Some(3.0),
+            "{text}"
+        );
+        assert!(text.ends_with("# EOF\n"), "{text}");
+        shutdown.cancel();
+        task.await.expect("joins").expect("stops cleanly");
+    }
+
+    #[tokio::test]
+    async fn a_taken_default_port_costs_the_metrics_an_explicit_one_fails() {
+        let taken = TcpListener::bind(local()).await.expect("bind");
+        let addr = taken.local_addr().expect("addr");
+        let server = GrpcServer::bind(local())
+            .await
+            .expect("bind")
+            .with_metrics_listener(MetricsListen::Default(addr))
+            .await
+            .expect("a default port taken is not an error");
+        assert_eq!(server.metrics_addr(), None);
+        let err = GrpcServer::bind(local())
+            .await
+            .expect("bind")
+            .with_metrics_listener(MetricsListen::At(addr))
+            .await
+            .expect_err("an explicit address taken is an error");
+        assert!(format!("{err:#}").contains(&addr.to_string()), "{err:#}");
+        let off = GrpcServer::bind(local())
+            .await
+            .expect("bind")
+            .with_metrics_listener("off".parse().expect("off parses"))
+            .await
+            .expect("off");
+        assert_eq!(off.metrics_addr(), None);
+        assert!("nonsense".parse::<MetricsListen>().is_err());
+    }
+}

@@ -1,0 +1,171 @@
+//! The gateway's Prometheus metrics (issue 19): one series per tunnel, labelled with the peer
+//! cluster and the peering kind: bytes and packets in and out, the age of the last handshake
+//! and the state (the same view `ListTunnels` gives). Read from the devices at every scrape,
+//! so a removed tunnel's series disappear with it; the counters are the devices' own (they
+//! restart from zero when a device is recreated, which Prometheus' `rate()` handles as a
+//! counter reset).
+
+use std::sync::{Arc, Mutex};
+use std::time::SystemTime;
+
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric as _};
+use prometheus_client::metrics::counter::ConstCounter;
+use prometheus_client::metrics::gauge::ConstGauge;
+use trellis_api::model::PeeringKind;
+use trellis_runtime::metrics::{Labels, Metrics, prometheus_client};
+
+use crate::core::{Gateway, State, TunnelStatus};
+
+/// One tunnel as last read.
+#[derive(Debug, Clone)]
+struct Sample {
+    labels: Labels,
+    state: State,
+    handshake_age: Option<f64>,
+    rx_bytes: u64,
+    tx_bytes: u64,
+    rx_packets: Option<u64>,
+    tx_packets: Option<u64>,
+}
+
+impl Sample {
+    fn of(t: &TunnelStatus, now: SystemTime) -> Self {
+        let te = &t.plan.endpoint;
+        let kind = match te.kind {
+            PeeringKind::Full => "full",
+            PeeringKind::Induced => "induced",
+        };
+        let stats = t.stats.unwrap_or_default();
+        Self {
+            labels: vec![
+                ("peer", te.remote.id.to_string()),
+                ("kind", kind.to_owned()),
+            ],
+            state: t.state,
+            handshake_age: stats
+                .last_handshake
+                .map(|at| now.duration_since(at).unwrap_or_default().as_secs_f64()),
+            rx_bytes: stats.rx_bytes,
+            tx_bytes: stats.tx_bytes,
+            rx_packets: stats.rx_packets,
+            tx_packets: stats.tx_packets,
+        }
+    }
+}
+
+/// Encodes the last snapshot (refreshed by the scrape hook just before).
+#[derive(Debug, Clone, Default)]
+struct TunnelCollector {
+    snapshot: Arc<Mutex<Vec<Sample>>>,
+}
+
+const STATES: [(State, &str); 4] = [
+    (State::Connecting, "connecting"),
+    (State::Up, "up"),
+    (State::Down, "down"),
+    (State::Error, "error"),
+];
+
+fn counters(
+    encoder: &mut DescriptorEncoder<'_>,
+    name: &str,
+    help: &str,
+    samples: &[Sample],
+    value: impl Fn(&Sample) -> Option<u64>,
+) -> Result<(), std::fmt::Error> {
+    let mut family =
+        encoder.encode_descriptor(name, help, None, ConstCounter::new(0u64).metric_type())?;
+    for s in samples {
+        if let Some(v) = value(s) {
+            ConstCounter::new(v).encode(family.encode_family(&s.labels)?)?;
+        }
+    }
+    Ok(())
+}
+
+impl Collector for TunnelCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder<'_>) -> Result<(), std::fmt::Error> {
+        let samples = self
+            .snapshot
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        // Counter names without `_total`: the encoder appends it.
+        counters(
+            &mut encoder,
+            "trellis_gateway_tunnel_rx_bytes",
+            "Bytes received from the peer through the tunnel (WireGuard's count)",
+            &samples,
+            |s| Some(s.rx_bytes),
+        )?;
+        counters(
+            &mut encoder,
+            "trellis_gateway_tunnel_tx_bytes",
+            "Bytes sent to the peer through the tunnel (WireGuard's count)",
+            &samples,
+            |s| Some(s.tx_bytes),
+        )?;
+        counters(
+            &mut encoder,
+            "trellis_gateway_tunnel_rx_packets",
+            "Packets the tunnel device delivered from the peer (the interface's count)",
+            &samples,
+            |s| s.rx_packets,
+        )?;
+        counters(
+            &mut encoder,
+            "trellis_gateway_tunnel_tx_packets",
+            "Packets the tunnel device took to send to the peer (the interface's count)",
+            &samples,
+            |s| s.tx_packets,
+        )?;
+        let mut age = encoder.encode_descriptor(
+            "trellis_gateway_tunnel_handshake_age_seconds",
+            "Seconds since the tunnel's last WireGuard handshake (absent before the first)",
+            None,
+            ConstGauge::new(0.0f64).metric_type(),
+        )?;
+        for s in &samples {
+            if let Some(v) = s.handshake_age {
+                ConstGauge::new(v).encode(age.encode_family(&s.labels)?)?;
+            }
+        }
+        let mut state = encoder.encode_descriptor(
+            "trellis_gateway_tunnel_state",
+            "1 for the tunnel's current state (connecting, up, down, error), 0 for the others",
+            None,
+            ConstGauge::new(0i64).metric_type(),
+        )?;
+        for s in &samples {
+            for (candidate, name) in STATES {
+                let mut labels = s.labels.clone();
+                labels.push(("state", name.to_owned()));
+                ConstGauge::new(i64::from(s.state == candidate))
+                    .encode(state.encode_family(&labels)?)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Registers the tunnel metrics of `core` on `metrics`.
+pub fn register(metrics: &Metrics, core: &Arc<Gateway>) {
+    let collector = TunnelCollector::default();
+    let snapshot = collector.snapshot.clone();
+    metrics.register_collector(collector);
+    let core = core.clone();
+    metrics.on_scrape(move || {
+        let (core, snapshot) = (core.clone(), snapshot.clone());
+        async move {
+            let now = SystemTime::now();
+            let samples: Vec<Sample> = core
+                .tunnels()
+                .await
+                .iter()
+                .map(|t| Sample::of(t, now))
+                .collect();
+            *snapshot.lock().unwrap_or_else(|e| e.into_inner()) = samples;
+        }
+    });
+}
