@@ -263,12 +263,16 @@ async fn start_all(
             loop {
                 match LabCluster::start(plan.clone(), options, lab).await {
                     Err(err)
-                        if free_ports
-                            && attempt < START_ATTEMPTS
-                            && format!("{err:#}").contains("cannot listen") =>
+                        if attempt < START_ATTEMPTS
+                            && format!("{err:#}").contains("cannot listen")
+                            && (free_ports || format!("{err:#}").contains("(metrics)")) =>
                     {
                         attempt += 1;
-                        plan = plan.with_free_ports();
+                        plan = if free_ports {
+                            plan.with_free_ports()
+                        } else {
+                            plan.with_free_metrics_ports()
+                        };
                     }
                     other => {
                         return other.with_context(|| {

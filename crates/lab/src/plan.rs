@@ -106,6 +106,13 @@ impl ClusterPlan {
     pub fn with_free_ports(mut self) -> Self {
         self.ports = Ports::free();
         self.peer = self.peer.map(|_| PeerPorts::free());
+        self.with_free_metrics_ports()
+    }
+
+    /// The same plan with other free ports for the metrics listeners only (they are free ports
+    /// even with a fixed `--base-port`, so another program may take one before it is bound).
+    pub fn with_free_metrics_ports(mut self) -> Self {
+        self.metrics = Ports::free();
         self
     }
 }
