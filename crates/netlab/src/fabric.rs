@@ -285,6 +285,26 @@ impl Fabric {
         }
     }
 
+    /// Waits until every cluster holds exactly the tunnels of a mesh around the hub: full
+    /// between the hub and each leaf, induced between every two leaves.
+    pub async fn wait_mesh(&self, limit: Duration) -> anyhow::Result<()> {
+        for i in 0..self.clusters.len() {
+            let expected: Vec<(&str, PeeringKind)> = (0..self.clusters.len())
+                .filter(|&o| o != i)
+                .map(|o| {
+                    let kind = if i == self.hub || o == self.hub {
+                        PeeringKind::Full
+                    } else {
+                        PeeringKind::Induced
+                    };
+                    (self.clusters[o].id.as_str(), kind)
+                })
+                .collect();
+            self.wait_tunnel_endpoints(i, &expected, limit).await?;
+        }
+        Ok(())
+    }
+
     /// The WireGuard endpoint cluster `i` sends to for cluster `j` (from `i`'s TunnelEndpoint
     /// for `j`): `j`'s bridge address and its port for `i`.
     pub async fn wireguard_endpoint(

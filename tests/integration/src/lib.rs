@@ -4,6 +4,7 @@
 
 pub mod cluster;
 pub mod gate;
+pub mod lab;
 pub mod otlp;
 pub mod peering;
 pub mod processes;

@@ -4,24 +4,13 @@
 //! among the leaves; `--no-induced` keeps the leaves apart; `--tls` forms the mesh over
 //! mutual TLS; `--store etcd` runs on real etcd.
 
-use std::io::{BufRead as _, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
-use std::sync::mpsc;
-use std::time::{Duration, Instant};
+use std::process::Command;
+use std::time::Duration;
 
 use trellis_integration::bin_path;
+use trellis_integration::lab::RunningLab;
 use trellis_testkit::{require_tool, workspace_root};
-
-/// Kills the lab if the test fails before it stopped it.
-struct Lab(std::process::Child);
-
-impl Drop for Lab {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
 
 fn lab(args: &[&str]) -> Command {
     let mut cmd = Command::new(bin_path("trellis-lab").expect("trellis-lab is built"));
@@ -186,32 +175,7 @@ fn make_demo_lab_answers_the_readme_grpcurl_commands_as_printed_and_stops_on_ctr
         return;
     };
     // `make demo` runs `trellis-lab up --same-pod-cidr` on the default ports.
-    let mut child = Lab(lab(&["--same-pod-cidr"])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("trellis-lab starts"));
-    let stdout = child.0.stdout.take().expect("stdout");
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-            if tx.send(line).is_err() {
-                break;
-            }
-        }
-    });
-    let mut printed = String::new();
-    let deadline = Instant::now() + Duration::from_secs(120);
-    loop {
-        let line = rx
-            .recv_timeout(deadline.saturating_duration_since(Instant::now()))
-            .unwrap_or_else(|_| panic!("the lab did not come up:\n{printed}"));
-        printed.push_str(&line);
-        printed.push('\n');
-        if line.contains("press Ctrl-C") {
-            break;
-        }
-    }
+    let (lab, printed) = RunningLab::start(&["--same-pod-cidr"], Duration::from_secs(120));
     let commands = readme_commands();
     assert!(
         printed.contains(&commands),
@@ -256,13 +220,7 @@ fn make_demo_lab_answers_the_readme_grpcurl_commands_as_printed_and_stops_on_ctr
     );
 
     // Ctrl-C stops everything and frees the ports.
-    let pid = child.0.id().to_string();
-    let killed = Command::new("kill")
-        .args(["-INT", &pid])
-        .status()
-        .expect("kill runs");
-    assert!(killed.success());
-    let status = child.0.wait().expect("lab exits");
+    let status = lab.interrupt();
     assert!(status.success(), "{status}");
     for port in [7101, 7106, 7121, 7126] {
         assert!(

@@ -8,24 +8,13 @@
 //! (24 processes): one at a time in the `netns` test group.
 
 use std::collections::BTreeSet;
-use std::io::{BufRead as _, BufReader};
 use std::path::Path;
-use std::process::{Command, Stdio};
-use std::sync::mpsc;
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use trellis_integration::bin_path;
+use trellis_integration::lab::RunningLab;
 use trellis_testkit::{in_ci, require_tool};
-
-/// Kills the lab if the test fails before it stopped it.
-struct Lab(std::process::Child);
-
-impl Drop for Lab {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
 
 fn can_run(test: &str) -> bool {
     if !trellis_netlab::netns::is_root() {
@@ -80,53 +69,22 @@ fn the_namespace_lab_with_nodes_reaches_every_pod_checks_the_matrix_and_leaves_n
     let path = dir.path().join("topology.json");
     let before = netns_list();
     let started = Instant::now();
-    let mut lab = Lab(
-        Command::new(bin_path("trellis-lab").expect("trellis-lab is built"))
-            .args([
-                "up",
-                "--dataplane",
-                "netns",
-                "--clusters",
-                "3",
-                "--nodes",
-                "2",
-                "--same-pod-cidr",
-                "--timeout",
-                "180",
-                "--topology-file",
-            ])
-            .arg(&path)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("trellis-lab starts"),
+    let (lab, printed) = RunningLab::start(
+        &[
+            "--dataplane".as_ref(),
+            "netns".as_ref(),
+            "--clusters".as_ref(),
+            "3".as_ref(),
+            "--nodes".as_ref(),
+            "2".as_ref(),
+            "--same-pod-cidr".as_ref(),
+            "--timeout".as_ref(),
+            "180".as_ref(),
+            "--topology-file".as_ref(),
+            path.as_os_str(),
+        ],
+        Duration::from_secs(240),
     );
-    let stdout = lab.0.stdout.take().expect("stdout");
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-            if tx.send(line).is_err() {
-                break;
-            }
-        }
-    });
-    let mut printed = String::new();
-    let deadline = Instant::now() + Duration::from_secs(240);
-    loop {
-        let Ok(line) = rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) else {
-            let _ = lab.0.kill();
-            let mut err = String::new();
-            if let Some(mut e) = lab.0.stderr.take() {
-                let _ = std::io::Read::read_to_string(&mut e, &mut err);
-            }
-            panic!("the lab did not come up:\n{printed}\n{err}");
-        };
-        printed.push_str(&line);
-        printed.push('\n');
-        if line.contains("press Ctrl-C") {
-            break;
-        }
-    }
     eprintln!(
         "measured: 3 clusters x 2 nodes up, every pod pair answering, in {} ms",
         started.elapsed().as_millis()
@@ -226,13 +184,7 @@ fn the_namespace_lab_with_nodes_reaches_every_pod_checks_the_matrix_and_leaves_n
     );
 
     // Ctrl-C: the lab stops and every namespace it made is gone.
-    let pid = lab.0.id().to_string();
-    let killed = Command::new("kill")
-        .args(["-INT", &pid])
-        .status()
-        .expect("kill runs");
-    assert!(killed.success());
-    let status = lab.0.wait().expect("lab exits");
+    let status = lab.interrupt();
     assert!(status.success(), "{status}");
     let after = netns_list();
     let run_prefix = str_of(&clusters[0], "gateway_netns")

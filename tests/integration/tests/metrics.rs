@@ -8,10 +8,7 @@
 //! GetLocalSubnets, ListClusterSubnets and ListEndpointMappings return.
 
 use std::collections::BTreeMap;
-use std::io::{BufRead as _, BufReader};
-use std::process::{Command, Stdio};
-use std::sync::mpsc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use trellis_api::pb::discovery::ListForeignClustersRequest;
 use trellis_api::pb::discovery::discovery_client::DiscoveryClient;
@@ -23,18 +20,8 @@ use trellis_api::pb::peering::broker_client::BrokerClient;
 use trellis_api::pb::peering::forwarder_client::ForwarderClient;
 use trellis_api::pb::peering::{ListRelaysRequest, ListTunnelEndpointsRequest, RelayState};
 use trellis_api::pb::types::{ConditionStatus, PeeringKind};
-use trellis_integration::bin_path;
+use trellis_integration::lab::RunningLab;
 use trellis_integration::prom::{parse, parser_python, scrape};
-
-/// Kills the lab if the test fails before it stopped it.
-struct Lab(std::process::Child);
-
-impl Drop for Lab {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_lab_service_serves_prometheus_metrics_and_domain_gauges_match_the_list_rpcs() {
@@ -43,36 +30,15 @@ async fn every_lab_service_serves_prometheus_metrics_and_domain_gauges_match_the
     };
     let dir = tempfile::tempdir().expect("tempdir");
     let topology_path = dir.path().join("topology.json");
-    let mut child = Lab(
-        Command::new(bin_path("trellis-lab").expect("trellis-lab is built"))
-            .args(["up", "--base-port", "0", "--topology-file"])
-            .arg(&topology_path)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("trellis-lab starts"),
+    let (_lab, _) = RunningLab::start(
+        &[
+            "--base-port".as_ref(),
+            "0".as_ref(),
+            "--topology-file".as_ref(),
+            topology_path.as_os_str(),
+        ],
+        Duration::from_secs(240),
     );
-    let stdout = child.0.stdout.take().expect("stdout");
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-            if tx.send(line).is_err() {
-                break;
-            }
-        }
-    });
-    let mut printed = String::new();
-    let deadline = Instant::now() + Duration::from_secs(240);
-    loop {
-        let line = rx
-            .recv_timeout(deadline.saturating_duration_since(Instant::now()))
-            .unwrap_or_else(|_| panic!("the lab did not come up:\n{printed}"));
-        printed.push_str(&line);
-        printed.push('\n');
-        if line.contains("press Ctrl-C") {
-            break;
-        }
-    }
     let topology: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&topology_path).expect("topology file"))
             .expect("json");

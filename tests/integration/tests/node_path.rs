@@ -15,7 +15,6 @@ use std::time::{Duration, Instant};
 
 use ipnet::Ipv4Net;
 use trellis_api::pb::peering::UnpeerRequest;
-use trellis_api::pb::types::PeeringKind;
 use trellis_integration::prom::{parse, parser_python, scrape_in};
 use trellis_netlab::netns::{exec, ip};
 use trellis_netlab::topology::link_counters;
@@ -49,23 +48,10 @@ async fn up_with(store: StoreKind) -> Fabric {
     options.nodes = NODES;
     let started = Instant::now();
     let fabric = Fabric::up(options).await.expect("fabric up");
-    for (i, others) in [(A, [B, C]), (B, [A, C]), (C, [A, B])] {
-        let expected: Vec<(&str, PeeringKind)> = others
-            .iter()
-            .map(|&o| {
-                let kind = if i == B || o == B {
-                    PeeringKind::Full
-                } else {
-                    PeeringKind::Induced
-                };
-                (fabric.clusters[o].id.as_str(), kind)
-            })
-            .collect();
-        fabric
-            .wait_tunnel_endpoints(i, &expected, LIMIT)
-            .await
-            .unwrap_or_else(|e| panic!("{e:#}\n{}", fabric.logs()));
-    }
+    fabric
+        .wait_mesh(LIMIT)
+        .await
+        .unwrap_or_else(|e| panic!("{e:#}\n{}", fabric.logs()));
     eprintln!(
         "measured: 3 clusters x {NODES} nodes up and peered, tunnels endpoints complete, in {} ms",
         started.elapsed().as_millis()

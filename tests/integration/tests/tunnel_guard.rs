@@ -52,7 +52,7 @@ use std::time::{Duration, Instant};
 
 use ipnet::Ipv4Net;
 use trellis_api::pb::peering::ListTunnelEndpointsRequest;
-use trellis_api::pb::types::{PeeringKind, TunnelEndpoint};
+use trellis_api::pb::types::TunnelEndpoint;
 use trellis_gateway::keys::KeyPair;
 use trellis_netlab::netns::{exec, ip, listen_in};
 use trellis_netlab::topology::{host, link_counters};
@@ -91,23 +91,10 @@ async fn up() -> Fabric {
     options.store = StoreKind::EtcdPerService;
     options.nodes = 3;
     let fabric = Fabric::up(options).await.expect("fabric up");
-    for (i, others) in [(A, [B, C]), (B, [A, C]), (C, [A, B])] {
-        let expected: Vec<(&str, PeeringKind)> = others
-            .iter()
-            .map(|&o| {
-                let kind = if i == B || o == B {
-                    PeeringKind::Full
-                } else {
-                    PeeringKind::Induced
-                };
-                (fabric.clusters[o].id.as_str(), kind)
-            })
-            .collect();
-        fabric
-            .wait_tunnel_endpoints(i, &expected, LIMIT)
-            .await
-            .unwrap_or_else(|e| panic!("{e:#}\n{}", fabric.logs()));
-    }
+    fabric
+        .wait_mesh(LIMIT)
+        .await
+        .unwrap_or_else(|e| panic!("{e:#}\n{}", fabric.logs()));
     fabric
 }
 

@@ -1,0 +1,68 @@
+//! `trellis-lab up` as a child process that keeps running: started, followed until it says it
+//! runs, interrupted like Ctrl-C, and killed if a test fails before stopping it.
+
+use std::ffi::OsStr;
+use std::io::{BufRead as _, BufReader};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+/// A running `trellis-lab up`; killed on drop.
+#[derive(Debug)]
+pub struct RunningLab {
+    pub child: Child,
+}
+
+impl RunningLab {
+    /// Starts `trellis-lab up <args>` and waits up to `limit` for its "press Ctrl-C" line;
+    /// returns the lab and everything it printed until then. Panics with that output when the
+    /// lab exits or stays silent.
+    pub fn start<S: AsRef<OsStr>>(args: &[S], limit: Duration) -> (Self, String) {
+        let child = Command::new(crate::bin_path("trellis-lab").expect("trellis-lab is built"))
+            .arg("up")
+            .args(args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("trellis-lab starts");
+        let mut lab = Self { child };
+        let stdout = lab.child.stdout.take().expect("stdout");
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        let mut printed = String::new();
+        let deadline = Instant::now() + limit;
+        loop {
+            let line = rx
+                .recv_timeout(deadline.saturating_duration_since(Instant::now()))
+                .unwrap_or_else(|_| panic!("the lab did not come up:\n{printed}"));
+            printed.push_str(&line);
+            printed.push('\n');
+            if line.contains("press Ctrl-C") {
+                return (lab, printed);
+            }
+        }
+    }
+
+    /// SIGINT, as Ctrl-C sends, then waits for the exit.
+    pub fn interrupt(mut self) -> ExitStatus {
+        let sent = Command::new("kill")
+            .args(["-INT", &self.child.id().to_string()])
+            .status()
+            .expect("kill runs");
+        assert!(sent.success(), "kill -INT failed");
+        self.child.wait().expect("the lab exits")
+    }
+}
+
+impl Drop for RunningLab {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
