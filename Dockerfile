@@ -29,9 +29,10 @@ RUN --mount=type=cache,target=/usr/local/cargo/registry \
 
 # --- runtime -------------------------------------------------------------------------------------
 FROM debian:bookworm-slim
-# nftables and iproute2: the gateway drives `nft` and `ip`; ca-certificates for TLS clients.
+# nftables and iproute2: the gateway drives `nft` and `ip`; conntrack: it flushes a removed
+# peer's connections; ca-certificates for TLS clients.
 RUN apt-get update \
- && apt-get install -y --no-install-recommends nftables iproute2 ca-certificates \
+ && apt-get install -y --no-install-recommends nftables iproute2 conntrack ca-certificates \
  && rm -rf /var/lib/apt/lists/* \
  && groupadd --system --gid 65532 trellis \
  && useradd --system --uid 65532 --gid 65532 --no-create-home --shell /usr/sbin/nologin trellis

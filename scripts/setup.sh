@@ -23,6 +23,8 @@ declare -A want=(
   # The tunnel-guard test impersonates a peer with an independent userspace WireGuard.
   [wireguard-go]=wireguard-go
   [wg]=wireguard-tools
+  # The gateway flushes a removed peer's connections (conntrack -D --mark).
+  [conntrack]=conntrack
 )
 missing=()
 for bin in "${!want[@]}"; do

@@ -85,6 +85,19 @@ pub struct Config {
     )]
     pub unused_port_grace: u64,
 
+    /// How long a port freed with its peer's tunnel stays out of use at least, in seconds. A
+    /// port is also its peer's connection mark and routing table: before it is handed out
+    /// again, the connections the kernel tracks under its mark are flushed (`conntrack -D`),
+    /// and a port nobody held is always preferred. The quarantine covers the connections the
+    /// flush cannot see (the `conntrack` tool missing, packets still in flight).
+    #[arg(
+        long,
+        env = "TRELLIS_PORT_QUARANTINE",
+        value_name = "SECONDS",
+        default_value_t = 120
+    )]
+    pub port_quarantine: u64,
+
     /// Which WireGuard implementation to drive, or `none` for no data plane at all.
     #[arg(long, env = "TRELLIS_DATAPLANE", value_enum, default_value_t = DataplaneFlag::Auto)]
     pub dataplane: DataplaneFlag,
@@ -218,6 +231,11 @@ impl Config {
     /// The grace period of ports without a tunnel (at least one second).
     pub fn unused_port_grace(&self) -> Duration {
         Duration::from_secs(self.unused_port_grace.max(1))
+    }
+
+    /// The quarantine of a port freed with its tunnel.
+    pub fn port_quarantine(&self) -> Duration {
+        Duration::from_secs(self.port_quarantine)
     }
 
     /// The endpoint-mapping poll period.

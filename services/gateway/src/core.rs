@@ -17,7 +17,7 @@ use crate::dataplane::{Mode, PeerPlan};
 use crate::keys::KeyPair;
 use crate::mappings::Mappings;
 use crate::names;
-use crate::ports::{self, PortRange};
+use crate::ports::{self, PortPolicy};
 
 /// A handshake older than this means the tunnel is down: WireGuard re-handshakes every 120 s
 /// while traffic flows, and gives up on a session after 180 s (REJECT_AFTER_TIME).
@@ -66,10 +66,8 @@ pub struct Settings {
     pub identity: ClusterIdentity,
     /// Where remote gateways reach us: an IP, or a DNS name they resolve.
     pub endpoint_host: EndpointHost,
-    pub ports: PortRange,
-    /// How long a port handed out for a peer without an applied tunnel is kept after the last
-    /// GetGatewayInfo for it.
-    pub unused_port_grace: Duration,
+    /// The port range, and when ports go back to it.
+    pub ports: PortPolicy,
     pub interface_prefix: String,
     /// The node the gateway runs on, and its address on the node network (`None`: no route
     /// agent can reach it).
@@ -150,16 +148,8 @@ impl Gateway {
     /// `None`: the base endpoint, for display.
     pub async fn info(&self, peer: Option<&ClusterId>) -> Result<GatewayInfo> {
         let port = match peer {
-            Some(id) => {
-                ports::allocate(
-                    &self.store,
-                    self.settings.ports,
-                    self.settings.unused_port_grace,
-                    id,
-                )
-                .await?
-            }
-            None => self.settings.ports.first(),
+            Some(id) => ports::allocate(&self.store, &self.settings.ports, id).await?,
+            None => self.settings.ports.range.first(),
         };
         Ok(GatewayInfo {
             endpoint: Endpoint::new(self.settings.endpoint_host.clone(), port)
@@ -189,13 +179,7 @@ impl Gateway {
                 tracing::warn!(peer = %id, "ignoring a tunnel endpoint for our own cluster");
                 continue;
             }
-            let port = ports::bind_tunnel(
-                &self.store,
-                self.settings.ports,
-                self.settings.unused_port_grace,
-                id,
-            )
-            .await?;
+            let port = ports::bind_tunnel(&self.store, &self.settings.ports, id).await?;
             plans.push(PeerPlan {
                 endpoint: te.clone(),
                 port,
@@ -221,7 +205,8 @@ impl Gateway {
         }
         let keep: BTreeSet<ClusterId> = desired.keys().cloned().collect();
         ports::release_tunnels_except(&self.store, &keep).await?;
-        ports::release_unused(&self.store, self.settings.unused_port_grace).await?;
+        ports::release_unused(&self.store, self.settings.ports.unused_grace).await?;
+        self.flush_freed().await?;
         let prefixes: BTreeSet<IpNet> = v4.iter().flat_map(PeerPlan::routed).collect();
         self.routes.send_if_modified(|routes| {
             let prefixes: Vec<IpNet> = prefixes.into_iter().collect();
@@ -242,6 +227,29 @@ impl Gateway {
             *guard = applied;
         }
         Ok(failed)
+    }
+
+    /// Deletes from conntrack the connections of peers whose ports were freed, so that the
+    /// next holder of a port (and with it of the connection mark and routing table) never
+    /// gets replies of the old peer's connections. A port whose flush failed stays out of use
+    /// and is tried again on the next reconciliation.
+    async fn flush_freed(&self) -> Result<()> {
+        for (port, revision) in ports::unflushed(&self.store).await? {
+            if let Some(dp) = &self.dataplane {
+                let mark = names::mark(port);
+                if let Err(err) = dp.lock().await.flush_connections(mark).await {
+                    tracing::warn!(
+                        port,
+                        mark = format!("{mark:#x}"),
+                        error = format!("{err:#}"),
+                        "could not flush the connections of a freed port; it stays out of use"
+                    );
+                    continue;
+                }
+            }
+            ports::mark_flushed(&self.store, port, revision).await?;
+        }
+        Ok(())
     }
 
     /// Removes every tunnel from the data plane (graceful stop); ports stay allocated.

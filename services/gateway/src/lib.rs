@@ -46,6 +46,7 @@ use crate::dataplane::linux::Linux;
 use crate::dataplane::wireguard::Flavor;
 use crate::grpc::GatewayService;
 use crate::keys::KeyPair;
+use crate::ports::PortPolicy;
 
 /// Largest request accepted, in bytes: gateway requests carry at most a cluster ID.
 pub const MAX_REQUEST_BYTES: usize = 16 * 1024;
@@ -109,8 +110,11 @@ pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started
     let settings = Settings {
         identity,
         endpoint_host,
-        ports: config.wireguard_ports,
-        unused_port_grace: config.unused_port_grace(),
+        ports: PortPolicy {
+            range: config.wireguard_ports,
+            unused_grace: config.unused_port_grace(),
+            quarantine: config.port_quarantine(),
+        },
         interface_prefix: config.interface_prefix.clone(),
         node_name: config.node_name()?,
         node_ip: config.node_ip,

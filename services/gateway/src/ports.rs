@@ -5,8 +5,13 @@
 //! compare-and-swap on the store, and released when the peer's tunnel is removed. A port handed
 //! out for a peer that never gets a tunnel (a rejected or abandoned exchange, a made-up cluster
 //! ID) goes back to the range once nobody asked for it during a grace period (ADR 0007).
+//!
+//! A port is also the peer's connection mark and routing table, so a port freed with its
+//! tunnel is quarantined: it is handed out again only after the connections marked with it
+//! were flushed from conntrack and `--port-quarantine` has passed, and never while a port that
+//! nobody held is free (issue 15, item 11).
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::time::Duration;
 
@@ -17,7 +22,8 @@ use trellis_store::retry::Contention;
 use trellis_store::{Compare, Op, SharedStore, Txn};
 
 use crate::records::{
-    PEERS_PREFIX, PortRecord, USED_PREFIX, decode, encode, now_nanos, peer_key, used_key,
+    FREED_PREFIX, FreedRecord, PEERS_PREFIX, PortRecord, USED_PREFIX, decode, encode, freed_key,
+    now_nanos, peer_key, used_key,
 };
 
 /// Ports in the default range (51840-52095).
@@ -94,15 +100,88 @@ fn nanos(d: Duration) -> i64 {
     i64::try_from(d.as_nanos()).unwrap_or(i64::MAX)
 }
 
+/// How ports are handed out and taken back.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PortPolicy {
+    pub range: PortRange,
+    /// How long a port handed out for a peer without a tunnel is kept after the last request
+    /// (`--unused-port-grace`).
+    pub unused_grace: Duration,
+    /// How long a port freed with its tunnel stays out of use at least (`--port-quarantine`).
+    pub quarantine: Duration,
+}
+
+/// A port `allocate` may take, and the compare that keeps the choice valid.
+struct Candidate {
+    port: u16,
+    /// The freed marker's revision when the port is a quarantined one whose time is up.
+    freed_revision: Option<i64>,
+}
+
+/// The port to take: the first one nobody held, else the longest-freed one whose connections
+/// were flushed and whose quarantine has passed. Also returns how many free ports are still
+/// in quarantine (for the error when there is none).
+fn choose(
+    range: PortRange,
+    quarantine: Duration,
+    used: &BTreeSet<u16>,
+    freed: &BTreeMap<u16, (FreedRecord, i64)>,
+    now: i64,
+) -> (Option<Candidate>, usize) {
+    let free = || range.iter().filter(|p| !used.contains(p));
+    if let Some(port) = free().find(|p| !freed.contains_key(p)) {
+        return (
+            Some(Candidate {
+                port,
+                freed_revision: None,
+            }),
+            0,
+        );
+    }
+    let mut waiting = 0;
+    let mut best: Option<(i64, Candidate)> = None;
+    for port in free() {
+        let Some((record, revision)) = freed.get(&port) else {
+            continue;
+        };
+        if !record.flushed || now.saturating_sub(record.freed_nanos) < nanos(quarantine) {
+            waiting += 1;
+            continue;
+        }
+        if best.as_ref().is_none_or(|(at, _)| record.freed_nanos < *at) {
+            best = Some((
+                record.freed_nanos,
+                Candidate {
+                    port,
+                    freed_revision: Some(*revision),
+                },
+            ));
+        }
+    }
+    (best.map(|(_, c)| c), waiting)
+}
+
+/// Every freed marker in the store, by port.
+async fn freed_markers(store: &SharedStore) -> Result<BTreeMap<u16, (FreedRecord, i64)>> {
+    let mut out = BTreeMap::new();
+    for kv in store.list(FREED_PREFIX).await?.kvs {
+        let Some(port) = kv
+            .key
+            .strip_prefix(FREED_PREFIX)
+            .and_then(|p| p.parse().ok())
+        else {
+            continue;
+        };
+        out.insert(port, (decode(&kv.key, &kv.value)?, kv.mod_revision));
+    }
+    Ok(out)
+}
+
 /// The peer's port, allocating one when it has none. Asking again keeps a port without a
 /// tunnel from being released (see [`release_unused`]); when the range is full, ports nobody
-/// asked for during `grace` are released first.
-pub async fn allocate(
-    store: &SharedStore,
-    range: PortRange,
-    grace: Duration,
-    peer: &ClusterId,
-) -> Result<u16> {
+/// asked for during the grace period are released first.
+pub async fn allocate(store: &SharedStore, policy: &PortPolicy, peer: &ClusterId) -> Result<u16> {
+    let (range, grace) = (policy.range, policy.unused_grace);
     let key = peer_key(peer);
     let mut contention = Contention::new("allocating a WireGuard port");
     let mut reclaimed = false;
@@ -138,7 +217,13 @@ pub async fn allocate(
             .iter()
             .filter_map(|kv| kv.key.strip_prefix(USED_PREFIX)?.parse().ok())
             .collect();
-        let Some(port) = range.iter().find(|p| !used.contains(p)) else {
+        let freed = freed_markers(store).await?;
+        let (chosen, waiting) = choose(range, policy.quarantine, &used, &freed, now);
+        let Some(Candidate {
+            port,
+            freed_revision,
+        }) = chosen
+        else {
             if !reclaimed {
                 reclaimed = true;
                 if !release_unused(store, grace).await?.is_empty() {
@@ -146,10 +231,12 @@ pub async fn allocate(
                 }
             }
             return Err(Error::ResourceExhausted(format!(
-                "no free WireGuard port left in {range} ({} peers hold one; a port handed out \
-                 for a peer without a tunnel returns after --unused-port-grace, {} s); widen \
-                 --wireguard-ports",
+                "no free WireGuard port left in {range} ({} peers hold one, {waiting} are \
+                 quarantined after their peers left, until their connections are flushed and \
+                 --port-quarantine ({} s) passed; a port handed out for a peer without a tunnel \
+                 returns after --unused-port-grace, {} s); widen --wireguard-ports",
                 used.len(),
+                policy.quarantine.as_secs(),
                 grace.as_secs()
             )));
         };
@@ -158,15 +245,19 @@ pub async fn allocate(
             tunnel: false,
             requested_nanos: now,
         };
-        let outcome = store
-            .txn(
-                Txn::new()
-                    .when(Compare::absent(key.as_str()))
-                    .when(Compare::absent(used_key(port)))
-                    .then(Op::put(key.as_str(), encode(&record)?))
-                    .then(Op::put(used_key(port), peer.as_str().as_bytes().to_vec())),
-            )
-            .await?;
+        let mut txn = Txn::new()
+            .when(Compare::absent(key.as_str()))
+            .when(Compare::absent(used_key(port)))
+            .then(Op::put(key.as_str(), encode(&record)?))
+            .then(Op::put(used_key(port), peer.as_str().as_bytes().to_vec()));
+        // The marker as it was chosen (or its absence) is part of the decision.
+        txn = match freed_revision {
+            Some(revision) => txn
+                .when(Compare::mod_revision(freed_key(port), revision))
+                .then(Op::delete(freed_key(port))),
+            None => txn.when(Compare::absent(freed_key(port))),
+        };
+        let outcome = store.txn(txn).await?;
         if outcome.succeeded {
             tracing::info!(peer = %peer, port, "allocated a wireguard port");
             return Ok(port);
@@ -229,15 +320,14 @@ pub async fn release_unused(store: &SharedStore, grace: Duration) -> Result<Vec<
 /// port is released with the tunnel. Returns the port.
 pub async fn bind_tunnel(
     store: &SharedStore,
-    range: PortRange,
-    grace: Duration,
+    policy: &PortPolicy,
     peer: &ClusterId,
 ) -> Result<u16> {
     let key = peer_key(peer);
     let mut contention = Contention::new("marking a WireGuard port in use");
     loop {
         let Some(kv) = store.get(&key).await? else {
-            allocate(store, range, grace, peer).await?;
+            allocate(store, policy, peer).await?;
             continue;
         };
         let record: PortRecord = decode(&key, &kv.value)?;
@@ -262,9 +352,10 @@ pub async fn bind_tunnel(
     }
 }
 
-/// Releases the ports of peers whose tunnel was applied once and is not in `keep`. Ports only
-/// handed out by GetGatewayInfo (no tunnel yet) are [`release_unused`]'s. Returns the released
-/// peers.
+/// Releases the ports of peers whose tunnel was applied once and is not in `keep`, leaving a
+/// freed marker that quarantines each (see [`unflushed`]). Ports only handed out by
+/// GetGatewayInfo (no tunnel yet, so no connection carries their mark) are
+/// [`release_unused`]'s. Returns the released peers.
 pub async fn release_tunnels_except(
     store: &SharedStore,
     keep: &BTreeSet<ClusterId>,
@@ -282,6 +373,11 @@ pub async fn release_tunnels_except(
         if !record.tunnel || keep.contains(&id) {
             continue;
         }
+        let freed = FreedRecord {
+            peer: id.to_string(),
+            freed_nanos: now_nanos(),
+            flushed: false,
+        };
         // Only if unchanged since the listing: a concurrent re-allocation wins, and the next
         // reconciliation looks again.
         let outcome = store
@@ -289,7 +385,8 @@ pub async fn release_tunnels_except(
                 Txn::new()
                     .when(Compare::mod_revision(kv.key.as_str(), kv.mod_revision))
                     .then(Op::delete(kv.key.as_str()))
-                    .then(Op::delete(used_key(record.port))),
+                    .then(Op::delete(used_key(record.port)))
+                    .then(Op::put(freed_key(record.port), encode(&freed)?)),
             )
             .await?;
         if outcome.succeeded {
@@ -298,6 +395,41 @@ pub async fn release_tunnels_except(
         }
     }
     Ok(released)
+}
+
+/// Freed ports whose connections are not flushed yet, with their marker's revision for
+/// [`mark_flushed`].
+pub async fn unflushed(store: &SharedStore) -> Result<Vec<(u16, i64)>> {
+    Ok(freed_markers(store)
+        .await?
+        .into_iter()
+        .filter(|(_, (record, _))| !record.flushed)
+        .map(|(port, (_, revision))| (port, revision))
+        .collect())
+}
+
+/// Records that the connections of freed `port` were flushed; a marker changed meanwhile
+/// (freed again, or taken) is left alone.
+pub async fn mark_flushed(store: &SharedStore, port: u16, revision: i64) -> Result<()> {
+    let key = freed_key(port);
+    let Some(kv) = store.get(&key).await? else {
+        return Ok(());
+    };
+    if kv.mod_revision != revision {
+        return Ok(());
+    }
+    let record = FreedRecord {
+        flushed: true,
+        ..decode(&key, &kv.value)?
+    };
+    store
+        .txn(
+            Txn::new()
+                .when(Compare::mod_revision(key.as_str(), revision))
+                .then(Op::put(key.as_str(), encode(&record)?)),
+        )
+        .await?;
+    Ok(())
 }
 
 /// The peer's port, if it has one.
@@ -320,5 +452,99 @@ mod tests {
         assert!(r.contains(51842) && !r.contains(51843));
         assert!(PortRange::parse("5-4").is_err());
         assert_eq!(PortRange::default_range().len(), 256);
+    }
+
+    fn id(s: &str) -> ClusterId {
+        ClusterId::parse("cluster_id", s).expect("valid")
+    }
+
+    fn policy(first: u16, last: u16, quarantine: Duration) -> PortPolicy {
+        PortPolicy {
+            range: PortRange::new(first, last).expect("range"),
+            unused_grace: Duration::from_secs(600),
+            quarantine,
+        }
+    }
+
+    /// Frees `peer`'s port with its tunnel, as the gateway does when its TunnelEndpoint goes.
+    async fn bind_and_free(store: &SharedStore, policy: &PortPolicy, peer: &str) -> u16 {
+        let port = bind_tunnel(store, policy, &id(peer)).await.expect("bind");
+        let released = release_tunnels_except(store, &BTreeSet::new())
+            .await
+            .expect("release");
+        assert_eq!(released, vec![(id(peer), port)]);
+        port
+    }
+
+    #[tokio::test]
+    async fn a_port_freed_with_its_tunnel_waits_for_the_flush_and_the_quarantine() {
+        let store: SharedStore = std::sync::Arc::new(trellis_store::MemoryStore::new());
+        let one = policy(40000, 40000, Duration::ZERO);
+        let port = bind_and_free(&store, &one, "old").await;
+        // Not flushed: the new peer would inherit the old peer's tracked connections.
+        let err = allocate(&store, &one, &id("new"))
+            .await
+            .expect_err("quarantined");
+        assert!(
+            matches!(err, Error::ResourceExhausted(ref m) if m.contains("1 are quarantined")),
+            "{err}"
+        );
+        let pending = unflushed(&store).await.expect("unflushed");
+        assert_eq!(pending.iter().map(|p| p.0).collect::<Vec<_>>(), vec![port]);
+        // Flushed, but a quarantine still running keeps it out too.
+        mark_flushed(&store, port, pending[0].1)
+            .await
+            .expect("flushed");
+        let long = policy(40000, 40000, Duration::from_secs(3600));
+        assert!(allocate(&store, &long, &id("new")).await.is_err());
+        assert!(unflushed(&store).await.expect("unflushed").is_empty());
+        // Flushed and out of quarantine: taken, and the marker goes with it.
+        assert_eq!(
+            allocate(&store, &one, &id("new")).await.expect("port"),
+            port
+        );
+        assert!(store.list(FREED_PREFIX).await.expect("list").kvs.is_empty());
+    }
+
+    #[tokio::test]
+    async fn a_port_nobody_held_is_preferred_to_a_freed_one() {
+        let store: SharedStore = std::sync::Arc::new(trellis_store::MemoryStore::new());
+        let two = policy(40000, 40001, Duration::ZERO);
+        let first = bind_and_free(&store, &two, "old").await;
+        let (_, revision) = unflushed(&store).await.expect("unflushed")[0];
+        mark_flushed(&store, first, revision)
+            .await
+            .expect("flushed");
+        let port = allocate(&store, &two, &id("new")).await.expect("port");
+        assert_ne!(
+            port, first,
+            "the freed port was reused while another was free"
+        );
+        // A stale revision changes nothing.
+        mark_flushed(&store, port, 1).await.expect("no-op");
+    }
+
+    #[test]
+    fn the_longest_freed_port_is_reused_first() {
+        let range = PortRange::new(40000, 40002).expect("range");
+        let used = BTreeSet::from([40001]);
+        let freed = |at: i64, flushed: bool| {
+            (
+                FreedRecord {
+                    peer: "p".into(),
+                    freed_nanos: at,
+                    flushed,
+                },
+                at,
+            )
+        };
+        let markers = BTreeMap::from([(40000, freed(20, true)), (40002, freed(10, true))]);
+        let (chosen, waiting) = choose(range, Duration::ZERO, &used, &markers, 100);
+        assert_eq!((chosen.map(|c| c.port), waiting), (Some(40002), 0));
+        let markers = BTreeMap::from([(40000, freed(20, true)), (40002, freed(10, false))]);
+        let (chosen, waiting) = choose(range, Duration::ZERO, &used, &markers, 100);
+        assert_eq!((chosen.map(|c| c.port), waiting), (Some(40000), 1));
+        let (chosen, waiting) = choose(range, Duration::from_nanos(90), &used, &markers, 100);
+        assert_eq!((chosen.map(|c| c.port), waiting), (None, 2));
     }
 }

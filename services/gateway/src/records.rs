@@ -5,6 +5,7 @@
 //! | `key` | [`KeyRecord`]: the WireGuard private key, written once (secret) |
 //! | `ports/peers/<cluster_id>` | [`PortRecord`]: the UDP port of that peer's interface |
 //! | `ports/used/<port>` | the cluster ID holding the port (uniqueness) |
+//! | `ports/freed/<port>` | [`FreedRecord`]: a port whose tunnel went away, until it is taken again |
 //!
 //! A port is taken by one transaction that writes both port keys only if both are absent, so
 //! two replicas (or two concurrent GetGatewayInfo calls) can never hand out one port twice.
@@ -15,6 +16,7 @@ use trellis_api::ClusterId;
 pub const KEY_KEY: &str = "key";
 pub const PEERS_PREFIX: &str = "ports/peers/";
 pub const USED_PREFIX: &str = "ports/used/";
+pub const FREED_PREFIX: &str = "ports/freed/";
 
 /// Store key of a peer's port record.
 pub fn peer_key(id: &ClusterId) -> String {
@@ -24,6 +26,24 @@ pub fn peer_key(id: &ClusterId) -> String {
 /// Store key of a port's reservation.
 pub fn used_key(port: u16) -> String {
     format!("{USED_PREFIX}{port}")
+}
+
+/// Store key of a freed port's marker.
+pub fn freed_key(port: u16) -> String {
+    format!("{FREED_PREFIX}{port}")
+}
+
+/// A port released with its peer's tunnel. Its number is the peer's connection mark and
+/// routing table, so connections the kernel still tracks under that mark would follow the
+/// next holder's tunnel: the port is handed out again only once they are flushed and the
+/// quarantine (`--port-quarantine`) has passed.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FreedRecord {
+    /// The peer that held it (for operators).
+    pub peer: String,
+    pub freed_nanos: i64,
+    /// The connections marked with the port's mark were deleted from conntrack.
+    pub flushed: bool,
 }
 
 /// The gateway's key pair, as stored: only the private half (the public one is derived).

@@ -16,7 +16,7 @@ use trellis_gateway::Config;
 use trellis_gateway::core::{Gateway, Settings};
 use trellis_gateway::dataplane::Mode;
 use trellis_gateway::keys::KeyPair;
-use trellis_gateway::ports::PortRange;
+use trellis_gateway::ports::{PortPolicy, PortRange};
 use trellis_runtime::Shutdown;
 use trellis_store::SharedStore;
 
@@ -188,8 +188,11 @@ fn gateway_with_grace(
         Settings {
             identity: identity("a"),
             endpoint_host: trellis_api::model::EndpointHost::Ip("192.0.2.1".parse().expect("ip")),
-            ports: range,
-            unused_port_grace,
+            ports: PortPolicy {
+                range,
+                unused_grace: unused_port_grace,
+                quarantine: std::time::Duration::ZERO,
+            },
             interface_prefix: "tg".into(),
             node_name: "node-0".into(),
             node_ip: None,
@@ -269,8 +272,9 @@ async fn removing_a_tunnel_releases_its_port_but_not_a_pending_one() {
     let only_c: BTreeMap<_, _> = [(id("c"), te("c", 83))].into();
     g.apply(&only_c, &Vec::new()).await.expect("applied");
     assert!(g.tunnel(&id("b")).await.is_none());
-    // b's port is free again; d's is still held.
-    assert_eq!(g.info(Some(&id("e"))).await.expect("e").listen_port, 40001);
+    // b's port is free again, but quarantined (its mark may still be on connections): a port
+    // nobody held goes first. d's is still held.
+    assert_eq!(g.info(Some(&id("e"))).await.expect("e").listen_port, 40003);
     assert_eq!(g.info(Some(&id("d"))).await.expect("d").listen_port, 40000);
 }
 

@@ -181,6 +181,23 @@ impl Linux {
         results
     }
 
+    /// Deletes every connection conntrack tracks under `mark` (a freed peer's), so none of
+    /// its replies follows the tunnel of the next peer with that mark. Without the `conntrack`
+    /// tool this only warns: the port's quarantine is then all that protects the next holder.
+    pub async fn flush_connections(&self, mark: u32) -> anyhow::Result<()> {
+        let selector = format!("{mark:#x}/{MARK_MASK:#x}");
+        match cmd::run("conntrack", &["-D", "--mark", &selector], None).await {
+            Ok(_) => Ok(()),
+            // conntrack exits 1 when nothing matched.
+            Err(err) if format!("{err:#}").contains("0 flow entries") => Ok(()),
+            Err(err) if format!("{err:#}").starts_with("cannot run conntrack") => {
+                tracing::warn!(mark = %selector, error = format!("{err:#}"), "conntrack is not installed: the connections of a removed peer are not flushed, only its port's quarantine keeps them from the next peer");
+                Ok(())
+            }
+            Err(err) => Err(err),
+        }
+    }
+
     async fn apply_peer(&mut self, plan: &PeerPlan) -> anyhow::Result<()> {
         let id = &plan.endpoint.remote.id;
         let mut created = false;
