@@ -22,9 +22,10 @@ use trellis_error::{Error, Result};
 use trellis_store::retry::Contention;
 use trellis_store::{Compare, Op, SharedStore, Txn};
 
+use crate::peering_id::PeeringId;
 use crate::records::{
     Decision, IN_PREFIX, IncomingNc, OUT_PREFIX, OutgoingNc, PendingNotify, TUNNELS_PREFIX,
-    TokenRecord, TunnelRecord, decode, encode, in_key, notify_key, out_key,
+    TokenRecord, TunnelRecord, decode, encode, in_key, notify_key, out_key, peering_key,
 };
 use crate::remote::Clients;
 use crate::token;
@@ -379,6 +380,7 @@ impl Broker {
         caller: &ClusterIdentity,
         addresses: &Addresses,
         ca_certificate: &str,
+        peering_id: Option<&PeeringId>,
     ) -> Result<(ClusterIdentity, Addresses, String)> {
         let token = self.token().await?;
         if !token::accepts(&token, presented) {
@@ -406,6 +408,7 @@ impl Broker {
         let ours = self.advertised().await?;
         let _peering = self.lock_peering(&caller.id).await;
         self.cancel_notice(&caller.id).await?;
+        self.keep_peering_id(&caller.id, peering_id).await?;
         self.record_peering(
             caller,
             Some(addresses),
@@ -444,12 +447,14 @@ impl Broker {
                 self.clients.handshake_broker(address)?
             }
         };
+        let peering_id = PeeringId::random();
         let answer = client
             .handshake(HandshakeRequest {
                 token: presented.to_owned(),
                 identity: Some(identity_to_pb(&self.identity)),
                 addresses: Some(addresses_to_pb(&ours)),
                 ca_certificate: self.our_ca(),
+                peering_id: peering_id.to_string(),
             })
             .await
             .map_err(|status| {
@@ -496,6 +501,7 @@ impl Broker {
             .map_err(unusable)?;
         let _peering = self.lock_peering(&remote.id).await;
         self.cancel_notice(&remote.id).await?;
+        self.keep_peering_id(&remote.id, Some(&peering_id)).await?;
         self.record_peering(&remote, Some(&addresses), true, "Peered", ca.as_ref())
             .await?;
         self.pin(&remote.id, ca);
@@ -523,11 +529,13 @@ impl Broker {
         // The notice is the unpeering's intent and is written first: a crash after it is rolled
         // forward by the reconciler ([`Broker::act_on_notice`]); a crash before it leaves the
         // peering as it was.
+        let peering_id = self.peering_id(id).await?;
         let pending = (!addresses.broker.is_empty()).then(|| PendingNotify {
             remote: remote.clone(),
             broker: addresses.broker.clone(),
             reason: "Unpeered".into(),
             ca_certificate,
+            peering_id,
         });
         if let Some(pending) = &pending {
             self.store.put(&notify_key(id), encode(pending)?).await?;
@@ -541,11 +549,32 @@ impl Broker {
         Ok(true)
     }
 
+    /// The ID of the current peering with `remote`, if it has one.
+    async fn peering_id(&self, remote: &ClusterId) -> Result<Option<PeeringId>> {
+        let key = peering_key(remote);
+        match self.store.get(&key).await? {
+            Some(kv) => Ok(Some(crate::records::decode(&key, &kv.value)?)),
+            None => Ok(None),
+        }
+    }
+
+    /// Keeps the ID of the peering with `remote` being recorded (forgets any older one when
+    /// the caller sent none, so that its notices end whatever peering there is).
+    async fn keep_peering_id(&self, remote: &ClusterId, id: Option<&PeeringId>) -> Result<()> {
+        let key = peering_key(remote);
+        match id {
+            Some(id) => self.store.put(&key, encode(id)?).await.map(drop)?,
+            None => self.store.delete(&key).await.map(drop)?,
+        }
+        Ok(())
+    }
+
     /// Our side of ending the peering with `remote`: discovery marks it unpeered (the
     /// reconciler tears down what was built on it) and its CA is no longer trusted.
     async fn end_peering(&self, remote: &ClusterIdentity) -> Result<()> {
         self.record_peering(remote, None, false, "Unpeered", None)
             .await?;
+        self.keep_peering_id(&remote.id, None).await?;
         self.pin(&remote.id, None);
         Ok(())
     }
@@ -580,6 +609,11 @@ impl Broker {
                 .notify_unpeer(NotifyUnpeerRequest {
                     identity: Some(identity_to_pb(&self.identity)),
                     reason: pending.reason.clone(),
+                    peering_id: pending
+                        .peering_id
+                        .as_ref()
+                        .map(ToString::to_string)
+                        .unwrap_or_default(),
                 })
                 .await
                 .map_err(Error::from),
@@ -599,11 +633,23 @@ impl Broker {
         }
     }
 
-    /// The remote `caller` unpeered us.
-    pub async fn notified_unpeer(&self, caller: &ClusterIdentity, reason: &str) -> Result<bool> {
+    /// The remote `caller` unpeered us, ending the peering `ends` (`None`: whatever peering
+    /// there is). A notice for an earlier peering than ours changes nothing.
+    pub async fn notified_unpeer(
+        &self,
+        caller: &ClusterIdentity,
+        reason: &str,
+        ends: Option<&PeeringId>,
+    ) -> Result<bool> {
         let _peering = self.lock_peering(&caller.id).await;
         let peers = self.peers().await?;
         if !peers.is_full_peer(&caller.id) {
+            return Ok(false);
+        }
+        if let (Some(ends), Some(current)) = (ends, self.peering_id(&caller.id).await?)
+            && *ends != current
+        {
+            tracing::warn!(remote.id = %caller.id, notice.peering_id = %ends, peering_id = %current, "ignoring an unpeering notice for an earlier peering");
             return Ok(false);
         }
         self.record_peering(
@@ -618,6 +664,7 @@ impl Broker {
             None,
         )
         .await?;
+        self.keep_peering_id(&caller.id, None).await?;
         self.pin(&caller.id, None);
         tracing::info!(remote.id = %caller.id, reason, "the remote unpeered us");
         self.wake();

@@ -19,6 +19,7 @@ use trellis_runtime::peer::{Authz, PeerMethods};
 use trellis_runtime::tls::CaCertHash;
 
 use crate::core::{Broker, Received};
+use crate::peering_id::PeeringId;
 use crate::records::{Decision, nc_name};
 use crate::{reconcile, token, watch};
 
@@ -229,9 +230,16 @@ impl BrokerApi for BrokerService {
         }
         let caller = identity_from_pb("identity", req.identity.as_ref())?;
         let addresses = addresses_from_pb("addresses", req.addresses.as_ref())?;
+        let peering_id = PeeringId::parse_optional("peering_id", &req.peering_id)?;
         let (identity, ours, ca_certificate) = self
             .core
-            .handshake(&req.token, &caller, &addresses, &req.ca_certificate)
+            .handshake(
+                &req.token,
+                &caller,
+                &addresses,
+                &req.ca_certificate,
+                peering_id.as_ref(),
+            )
             .await?;
         Ok(Response::new(pb::HandshakeResponse {
             identity: Some(identity_to_pb(&identity)),
@@ -376,7 +384,11 @@ impl BrokerApi for BrokerService {
         let caller = identity_from_pb("identity", req.identity.as_ref())?;
         self.authz
             .require(peer.as_ref(), RPC, "identity", caller.id.as_str())?;
-        let unpeered = self.core.notified_unpeer(&caller, &req.reason).await?;
+        let ends = PeeringId::parse_optional("peering_id", &req.peering_id)?;
+        let unpeered = self
+            .core
+            .notified_unpeer(&caller, &req.reason, ends.as_ref())
+            .await?;
         Ok(Response::new(pb::NotifyUnpeerResponse { unpeered }))
     }
 

@@ -12,6 +12,7 @@
 pub mod config;
 pub mod core;
 pub mod grpc;
+pub mod peering_id;
 pub mod reconcile;
 pub mod records;
 pub mod remote;

@@ -8,10 +8,13 @@
 //! | `tunnels/<remote>` | [`TunnelEndpoint`]: the merge of both, the gateway's input |
 //! | `tunnel-tombstones/<remote>` | the last content of a deleted TunnelEndpoint (for watches) |
 //! | `notify/<remote>` | [`PendingNotify`]: an unpeering not yet acknowledged by the remote |
+//! | `peering/<remote>` | the [`PeeringId`] of the current full peering with the remote |
 
 use serde::{Deserialize, Serialize};
 use trellis_api::model::{NatView, NetworkSpec, TunnelEndpoint};
 use trellis_api::{ClusterId, ClusterIdentity};
+
+use crate::peering_id::PeeringId;
 
 pub const TOKEN_KEY: &str = "token";
 pub const OUT_PREFIX: &str = "nc/out/";
@@ -19,6 +22,12 @@ pub const IN_PREFIX: &str = "nc/in/";
 pub const TUNNELS_PREFIX: &str = "tunnels/";
 pub const TOMBSTONES_PREFIX: &str = "tunnel-tombstones/";
 pub const NOTIFY_PREFIX: &str = "notify/";
+pub const PEERING_PREFIX: &str = "peering/";
+
+/// Store key of the ID of the current full peering with `remote`.
+pub fn peering_key(remote: &ClusterId) -> String {
+    format!("{PEERING_PREFIX}{remote}")
+}
 
 pub fn out_key(remote: &ClusterId) -> String {
     format!("{OUT_PREFIX}{remote}")
@@ -144,6 +153,9 @@ pub struct PendingNotify {
     /// The remote's CA (PEM), kept to reach it over mutual TLS after it was unpinned.
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub ca_certificate: String,
+    /// The peering this notice ends; `None` for peerings made before peering IDs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub peering_id: Option<PeeringId>,
 }
 
 /// A stored TunnelEndpoint.

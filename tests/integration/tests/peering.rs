@@ -266,10 +266,40 @@ async fn bad_network_configs_are_refused_with_clear_errors_and_store_nothing() {
             identity: None,
             addresses: None,
             ca_certificate: String::new(),
+            peering_id: String::new(),
         })
         .await
         .expect_err("no token");
     assert_eq!(err.code(), Code::PermissionDenied);
+    let stranger = Some(types::ClusterIdentity {
+        cluster_id: "stranger".into(),
+        cluster_name: "stranger".into(),
+    });
+    let err = broker
+        .handshake(HandshakeRequest {
+            token: "a-token".into(),
+            identity: stranger.clone(),
+            addresses: Some(types::ServiceAddresses {
+                broker: "127.0.0.1:9".into(),
+                ..Default::default()
+            }),
+            ca_certificate: String::new(),
+            peering_id: "Not-Hex".into(),
+        })
+        .await
+        .expect_err("bad peering ID");
+    assert_eq!(err.code(), Code::InvalidArgument, "{err:?}");
+    assert!(err.message().contains("peering_id"), "{err:?}");
+    let err = broker
+        .notify_unpeer(NotifyUnpeerRequest {
+            identity: stranger,
+            reason: "Unpeered".into(),
+            peering_id: "z".repeat(80),
+        })
+        .await
+        .expect_err("bad peering ID");
+    assert_eq!(err.code(), Code::InvalidArgument, "{err:?}");
+    assert!(err.message().contains("peering_id"), "{err:?}");
 
     let ncs = broker
         .list_network_configs(ListNetworkConfigsRequest::default())

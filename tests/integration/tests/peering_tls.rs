@@ -200,6 +200,7 @@ async fn induced_mesh_over_mutual_tls_and_no_cluster_speaks_for_another() {
         .notify_unpeer(NotifyUnpeerRequest {
             identity: nc("leaf-c", "hub", None, 1).origin,
             reason: "Forged".into(),
+            peering_id: String::new(),
         })
         .await
         .expect_err("unpeer as another");
@@ -869,6 +870,7 @@ async fn a_changed_ca_for_a_peered_identity_is_refused_until_the_operator_unpeer
             ..Default::default()
         }),
         ca_certificate: forged.cert_pem().to_owned(),
+        peering_id: String::new(),
     };
     let err = BrokerClient::new(anonymous.clone())
         .handshake(takeover.clone())

@@ -1,12 +1,14 @@
 //! Unpeering notices (issue 15, item 3), with real service processes on real etcds: an old
-//! notice must not undo a later re-peering, and an unpeering whose notice was persisted when
-//! the broker crashed is completed on restart, on both sides.
+//! notice must not undo a later re-peering (neither one held back by a partition nor one
+//! already on the wire when the new peering began), and an unpeering whose notice was
+//! persisted when the broker crashed is completed on restart, on both sides.
 
 use std::time::Duration;
 
 use trellis_api::pb::discovery::ListForeignClustersRequest;
-use trellis_api::pb::peering::UnpeerRequest;
+use trellis_api::pb::peering::{NotifyUnpeerRequest, UnpeerRequest};
 use trellis_api::pb::types::{self as types, ConditionStatus};
+use trellis_broker::peering_id::PeeringId;
 use trellis_integration::peering::{eventually, peer, tunnel_to};
 use trellis_integration::processes::{Options, ProcessCluster, Service};
 
@@ -31,6 +33,22 @@ async fn peered_with(cluster: &ProcessCluster, remote: &str) -> bool {
                 .iter()
                 .any(|c| c.r#type == "Peered" && c.status == ConditionStatus::True as i32)
     })
+}
+
+/// The ID `cluster`'s broker keeps for its current peering with `remote`.
+async fn peering_id(cluster: &ProcessCluster, remote: &str) -> PeeringId {
+    let store = cluster
+        .store(Service::Broker)
+        .await
+        .expect("opens the store");
+    let remote = trellis_api::ClusterId::parse("id", remote).expect("id");
+    let key = trellis_broker::records::peering_key(&remote);
+    let kv = store
+        .get(&key)
+        .await
+        .expect("reads")
+        .unwrap_or_else(|| panic!("{} keeps no peering ID for {remote}", cluster.id));
+    trellis_store::record::decode(&key, &kv.value).expect("decodes")
 }
 
 async fn both_tunnels(a: &ProcessCluster, b: &ProcessCluster) {
@@ -113,6 +131,7 @@ async fn an_unpeering_persisted_before_a_crash_is_completed_on_both_sides_after_
         broker: b.addr(Service::Broker).to_string(),
         reason: "Unpeered".into(),
         ca_certificate: String::new(),
+        peering_id: Some(peering_id(&a, &b.id).await),
     };
     store
         .put(
@@ -133,6 +152,111 @@ async fn an_unpeering_persisted_before_a_crash_is_completed_on_both_sides_after_
     .await;
     eventually("both tunnels gone", LIMIT, || async {
         (tunnel_to(&a, &b.id).await.is_none() && tunnel_to(&b, &a.id).await.is_none()).then_some(())
+    })
+    .await;
+}
+
+/// A notice already on the wire when the new peering began reaches the receiver after it:
+/// the sender can no longer cancel it, so the receiver must see that it ends an earlier
+/// peering. The test captures the notice `a` would send (what its store holds while `b` is cut
+/// off), lets the re-peering cancel it on `a`, then delivers it to `b` exactly as `a`'s broker
+/// would have.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unpeer_notice_on_the_wire_when_a_new_peering_began_does_not_end_it() {
+    let Some(a) = ProcessCluster::start("leaf-a", "10.0.0.0/16", "10.201.0.0/16")
+        .await
+        .expect("a starts")
+    else {
+        return;
+    };
+    let gated = Options {
+        gated: true,
+        ..Options::default()
+    };
+    let b = ProcessCluster::start_with("hub-b", "10.0.0.0/16", "10.201.0.0/16", gated)
+        .await
+        .expect("b starts")
+        .expect("etcd is there");
+    peer(&a, &b).await;
+    both_tunnels(&a, &b).await;
+    let first = peering_id(&a, &b.id).await;
+    assert_eq!(peering_id(&b, &a.id).await, first, "both sides keep one ID");
+
+    // The notice a sends when it unpeers b, as its store holds it while b is cut off.
+    b.partition(true);
+    a.broker()
+        .await
+        .expect("connects")
+        .unpeer(UnpeerRequest {
+            cluster_id: b.id.clone(),
+        })
+        .await
+        .expect("unpeers");
+    let store = a.store(Service::Broker).await.expect("opens the store");
+    let b_id = trellis_api::ClusterId::parse("id", &b.id).expect("id");
+    let key = trellis_broker::records::notify_key(&b_id);
+    let kv = store
+        .get(&key)
+        .await
+        .expect("reads")
+        .expect("a keeps the undelivered notice");
+    let notice: trellis_broker::records::PendingNotify =
+        trellis_store::record::decode(&key, &kv.value).expect("decodes");
+    assert_eq!(notice.peering_id.as_ref(), Some(&first));
+
+    // The operator peers them again; the partition heals.
+    peer(&a, &b).await;
+    b.partition(false);
+    both_tunnels(&a, &b).await;
+    let second = peering_id(&b, &a.id).await;
+    assert_ne!(second, first, "a new peering has a new ID");
+
+    // The old notice arrives now, from a, as a's broker sends it.
+    let wire = |id: &PeeringId| NotifyUnpeerRequest {
+        identity: Some(trellis_api::pb::types::ClusterIdentity {
+            // a's identity, as its broker sends it (processes are named after their ID).
+            cluster_id: a.id.clone(),
+            cluster_name: a.id.clone(),
+        }),
+        reason: notice.reason.clone(),
+        peering_id: id.to_string(),
+    };
+    let answer = b
+        .broker()
+        .await
+        .expect("connects")
+        .notify_unpeer(wire(&first))
+        .await
+        .expect("b answers")
+        .into_inner();
+    assert!(
+        !answer.unpeered,
+        "b ended the new peering for an old notice"
+    );
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    assert!(
+        peered_with(&b, &a.id).await,
+        "b dropped the new peering:\n{}",
+        b.logs(30)
+    );
+    assert!(tunnel_to(&b, &a.id).await.is_some(), "b lost its tunnel");
+    assert!(tunnel_to(&a, &b.id).await.is_some(), "a lost its tunnel");
+
+    // The control: a notice for the current peering still ends it.
+    let answer = b
+        .broker()
+        .await
+        .expect("connects")
+        .notify_unpeer(wire(&second))
+        .await
+        .expect("b answers")
+        .into_inner();
+    assert!(
+        answer.unpeered,
+        "a notice for the current peering was ignored"
+    );
+    eventually("b no longer peered with a", LIMIT, || async {
+        (!peered_with(&b, &a.id).await).then_some(())
     })
     .await;
 }
