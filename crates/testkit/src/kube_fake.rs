@@ -33,7 +33,7 @@ use axum::body::Body;
 use axum::extract::Request;
 use axum::response::Response;
 use futures::StreamExt as _;
-use http::{Method, StatusCode};
+use http::StatusCode;
 use serde_json::{Value, json};
 use tokio::sync::broadcast;
 use tokio_stream::wrappers::TcpListenerStream;
@@ -302,15 +302,15 @@ impl Shared {
         };
         state.requests += 1;
         let method = request.method().clone();
-        match (&method, &target.name) {
-            (&Method::GET, Some(name)) => {
+        match (method.as_str(), &target.name) {
+            ("GET", Some(name)) => {
                 let key = key(&target, name);
                 match state.objects.get(&key) {
                     Some(object) => json_response(StatusCode::OK, object),
                     None => not_found(&target, name),
                 }
             }
-            (&Method::GET, None) => {
+            ("GET", None) => {
                 let selector = match parse_selector(
                     params.get("labelSelector").map_or("", String::as_str),
                 ) {
@@ -337,7 +337,7 @@ impl Shared {
                     }),
                 )
             }
-            (&Method::POST, None) => {
+            ("POST", None) => {
                 let Some(mut object) = body else {
                     return status(StatusCode::BAD_REQUEST, "BadRequest", "no JSON body");
                 };
@@ -379,7 +379,7 @@ impl Shared {
                 self.record(&mut state, "ADDED", key, object.clone());
                 json_response(StatusCode::CREATED, &object)
             }
-            (&Method::PUT, Some(name)) => {
+            ("PUT", Some(name)) => {
                 let Some(mut object) = body else {
                     return status(StatusCode::BAD_REQUEST, "BadRequest", "no JSON body");
                 };
@@ -433,7 +433,7 @@ impl Shared {
                 self.record(&mut state, "MODIFIED", key, updated.clone());
                 json_response(StatusCode::OK, &updated)
             }
-            (&Method::DELETE, Some(name)) => {
+            ("DELETE", Some(name)) => {
                 let key = key(&target, name);
                 let Some(stored) = state.objects.get(&key).cloned() else {
                     return not_found(&target, name);
@@ -530,22 +530,20 @@ impl Shared {
         };
         let expired = backlog.first().is_some_and(|e| e["type"] == "ERROR");
         let scope = (target.gv.clone(), target.resource.clone(), target.namespace.clone());
-        let live = tokio_stream::wrappers::BroadcastStream::new(live).filter_map(move |event| {
-            let keep = match &event {
-                Ok(e) => {
+        // A watcher that fell too far behind loses its stream (and resumes from its last
+        // resourceVersion, which the history serves) instead of silently missing events.
+        let live = tokio_stream::wrappers::BroadcastStream::new(live)
+            .take_while(|event| futures::future::ready(event.is_ok()))
+            .filter_map(move |event| {
+                let line = event.ok().filter(|e| {
                     e.key.0 == scope.0
                         && e.key.1 == scope.1
                         && scope.2.as_ref().is_none_or(|ns| *ns == e.key.2)
                         && matches(&selector, &e.object)
-                }
-                Err(_) => false,
-            };
-            let line = event
-                .ok()
-                .filter(|_| keep)
-                .map(|e| json!({"type": e.kind, "object": e.object}));
-            async move { line }
-        });
+                });
+                let line = line.map(|e| json!({"type": e.kind, "object": e.object}));
+                async move { line }
+            });
         let lines = futures::stream::iter(backlog).chain(if expired {
             futures::stream::empty().boxed()
         } else {

@@ -400,9 +400,7 @@ impl ImportWriter {
         if held.status != status {
             let mut update = held.clone();
             update.status = status;
-            let body = serde_json::to_vec(&update)
-                .map_err(|e| Error::Internal(format!("{what}: encoding: {e}")))?;
-            api.replace_status(&import.name, &PostParams::default(), body)
+            api.replace_status(&import.name, &PostParams::default(), &update)
                 .await
                 .map_err(|e| kube_error(&what, e))?;
             tracing::info!(namespace = %import.namespace, name = %import.name, clusters = ?import.clusters, conflicting = ?import.conflicting, "wrote serviceimport");

@@ -26,6 +26,7 @@ use k8s_openapi::api::discovery::v1::EndpointSlice;
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use kube::api::Api;
 use kube::runtime::reflector::{self, Store};
+use kube::runtime::reflector::reflector as reflect;
 use kube::runtime::{WatchStreamExt as _, watcher};
 use trellis_error::Result;
 use trellis_runtime::Shutdown;
@@ -158,17 +159,17 @@ impl Caches {
                 continue;
             }
             let Some(service) = self.services.state().into_iter().find(|s| {
-                s.metadata.namespace.as_deref() == Some(&namespace)
-                    && s.metadata.name.as_deref() == Some(&name)
+                s.metadata.namespace.as_deref() == Some(namespace.as_str())
+                    && s.metadata.name.as_deref() == Some(name.as_str())
             }) else {
                 continue;
             };
             let own: Vec<&EndpointSlice> = slices
                 .iter()
-                .map(AsRef::as_ref)
+                .map(|s| &**s)
                 .filter(|s| {
-                    s.metadata.namespace.as_deref() == Some(&namespace)
-                        && label(s, SERVICE_NAME_LABEL) == Some(&name)
+                    s.metadata.namespace.as_deref() == Some(namespace.as_str())
+                        && label(s, SERVICE_NAME_LABEL) == Some(name.as_str())
                         && label(s, MANAGED_BY_LABEL) != Some(MANAGED_BY)
                 })
                 .collect();
@@ -221,15 +222,15 @@ pub async fn run_export_source(
     let (services, w2) = reflector::store::<Service>();
     let (slices, w3) = reflector::store::<EndpointSlice>();
     let events = stream::select_all([
-        reflector(w1, watcher(Api::all(client.clone()), config()))
+        reflect(w1, watcher(Api::all(client.clone()), config()))
             .default_backoff()
             .map(|e| e.err().map(|e| e.to_string()))
             .boxed(),
-        reflector(w2, watcher(Api::all(client.clone()), config()))
+        reflect(w2, watcher(Api::all(client.clone()), config()))
             .default_backoff()
             .map(|e| e.err().map(|e| e.to_string()))
             .boxed(),
-        reflector(w3, watcher(Api::all(client), config()))
+        reflect(w3, watcher(Api::all(client), config()))
             .default_backoff()
             .map(|e| e.err().map(|e| e.to_string()))
             .boxed(),

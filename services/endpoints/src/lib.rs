@@ -106,7 +106,7 @@ pub async fn start_with_writer(
 async fn start_inner(
     config: Config,
     writer: Option<KubeWriter>,
-    client: Option<kube::Client>,
+    client: Option<::kube::Client>,
     shutdown: Shutdown,
 ) -> anyhow::Result<Started> {
     let writer = writer.or_else(|| client.clone().map(KubeWriter::new));

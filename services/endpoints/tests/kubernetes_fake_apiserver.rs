@@ -1,0 +1,163 @@
+//! The import side against a **fake** Kubernetes API server (`trellis_testkit::FakeApiServer`,
+//! ADR 0019), with real in-process IPAMs and discoveries (hub B, leaves A and C, A-C network
+//! parameters exchanged): an endpoint whose home cluster C has no networked peering with is
+//! written not ready, and ready again once C has one; an exported Service named like a local
+//! non-Trellis Service (`trellis-ipam`) never touches it: the import gets a derived Service.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::{Cluster, Fabric, at};
+use serde_json::{Value, json};
+use trellis_api::pb::endpoints::{EndpointPort, ExportServiceRequest, ExportedEndpoint};
+use trellis_endpoints::kube::derived_service_name;
+use trellis_testkit::FakeApiServer;
+
+fn request(name: &str, address: String) -> ExportServiceRequest {
+    ExportServiceRequest {
+        namespace: "shop".into(),
+        name: name.into(),
+        ports: vec![EndpointPort {
+            name: "http".into(),
+            port: Some(8080),
+            ..Default::default()
+        }],
+        endpoints: vec![ExportedEndpoint {
+            address,
+            ready: Some(true),
+        }],
+    }
+}
+
+/// (address, ready) of every endpoint of the imported slices attached to `service`'s derived
+/// Service in `api`.
+fn imported(api: &FakeApiServer, service: &str) -> Vec<(String, bool)> {
+    let derived = derived_service_name("shop", service);
+    let mut out: Vec<(String, bool)> = api
+        .objects("discovery.k8s.io/v1", "endpointslices", "shop")
+        .into_iter()
+        .filter(|o| o["metadata"]["labels"]["kubernetes.io/service-name"] == derived.as_str())
+        .flat_map(|o| o["endpoints"].as_array().cloned().unwrap_or_default())
+        .map(|e| {
+            (
+                e["addresses"][0].as_str().unwrap_or("").to_owned(),
+                e["conditions"]["ready"].as_bool().unwrap_or(true),
+            )
+        })
+        .collect();
+    out.sort();
+    out
+}
+
+async fn until<T: PartialEq + std::fmt::Debug>(what: &str, want: T, mut probe: impl FnMut() -> T) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let got = probe();
+        if got == want {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{what}: still {got:?}, want {want:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+#[tokio::test]
+async fn an_endpoint_whose_home_is_unreachable_is_written_not_ready_fake_api_server() {
+    let api = FakeApiServer::start().await.expect("fake api server");
+    let a = Cluster::start("a", "10.101.0.0/16", None).await;
+    let b = Cluster::start("b", "10.102.0.0/16", None).await;
+    let c = Cluster::start_kube("c", "10.103.0.0/16", &api.kubeconfig()).await;
+    // A and C exchanged network parameters (A's IPAM maps for C, so B's translation takes the
+    // induced path), but C's discovery has no peering with A.
+    let fabric = Fabric::connect(a, b, c, true).await;
+    let c_view_a = fabric.c_view_a.expect("induced");
+    let pods = common::POD_CIDR.parse().expect("cidr");
+    fabric
+        .a
+        .endpoints()
+        .await
+        .export_service(request("web", at(pods, 7)))
+        .await
+        .expect("exports");
+    // C holds A's address as it reaches A directly, but cannot reach A: not ready.
+    until("not ready without a peering with A", vec![(at(c_view_a.pod, 7), false)], || {
+        imported(&api, "web")
+    })
+    .await;
+    // C now has a networked peering with A: ready, as A exported it.
+    fabric.c.peer_with(&fabric.a).await;
+    until("ready with a peering with A", vec![(at(c_view_a.pod, 7), true)], || {
+        imported(&api, "web")
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn an_import_never_writes_into_a_local_service_of_the_same_name_fake_api_server() {
+    let api = FakeApiServer::start().await.expect("fake api server");
+    let client = kube::Client::try_from(kube::Config::new(api.url().parse().expect("url")))
+        .expect("client");
+    let services: kube::Api<k8s_openapi::api::core::v1::Service> =
+        kube::Api::namespaced(client, "shop");
+    let local: k8s_openapi::api::core::v1::Service = serde_json::from_value(json!({
+        "metadata": {"name": "trellis-ipam", "namespace": "shop"},
+        "spec": {"selector": {"app": "trellis-ipam"}, "ports": [{"port": 7104}]}
+    }))
+    .expect("service");
+    let local = services
+        .create(&Default::default(), &local)
+        .await
+        .expect("creates");
+    let a = Cluster::start("a", "10.101.0.0/16", None).await;
+    let b = Cluster::start_kube("b", "10.102.0.0/16", &api.kubeconfig()).await;
+    let (_, b_view_a) = common::network(&a, &b).await;
+    a.peer_with(&b).await;
+    b.peer_with(&a).await;
+    let pods = common::POD_CIDR.parse().expect("cidr");
+    a.endpoints()
+        .await
+        .export_service(request("trellis-ipam", at(pods, 9)))
+        .await
+        .expect("exports");
+    until("B imports A's trellis-ipam", vec![(at(b_view_a.pod, 9), true)], || {
+        imported(&api, "trellis-ipam")
+    })
+    .await;
+    let derived = derived_service_name("shop", "trellis-ipam");
+    until("the derived service exists", true, || {
+        api.objects("v1", "services", "shop")
+            .iter()
+            .any(|s| s["metadata"]["name"] == derived.as_str())
+    })
+    .await;
+    // The local Service is exactly as created, and no imported slice attaches to it.
+    let held: Vec<Value> = api
+        .objects("v1", "services", "shop")
+        .into_iter()
+        .filter(|s| s["metadata"]["name"] == "trellis-ipam")
+        .collect();
+    assert_eq!(held.len(), 1);
+    assert_eq!(
+        held[0]["metadata"]["resourceVersion"].as_str(),
+        local.metadata.resource_version.as_deref()
+    );
+    assert!(
+        api.objects("discovery.k8s.io/v1", "endpointslices", "shop")
+            .iter()
+            .all(|s| s["metadata"]["labels"]["kubernetes.io/service-name"] != "trellis-ipam")
+    );
+    let import = api
+        .objects("multicluster.x-k8s.io/v1alpha1", "serviceimports", "shop")
+        .into_iter()
+        .find(|o| o["metadata"]["name"] == "trellis-ipam")
+        .expect("a serviceimport");
+    assert_eq!(
+        import["metadata"]["annotations"]["multicluster.kubernetes.io/derived-service"],
+        derived.as_str()
+    );
+    assert_eq!(import["spec"]["type"], "ClusterSetIP");
+}
