@@ -1,8 +1,10 @@
 //! The import side against a **fake** Kubernetes API server (`trellis_testkit::FakeApiServer`,
 //! ADR 0019), with real in-process IPAMs and discoveries (hub B, leaves A and C, A-C network
-//! parameters exchanged): an endpoint whose home cluster C has no networked peering with is
-//! written not ready, and ready again once C has one; an exported Service named like a local
-//! non-Trellis Service (`trellis-ipam`) never touches it: the import gets a derived Service.
+//! parameters exchanged, B's discovery introducing A and C to each other): an endpoint C reaches
+//! over its induced peering with A is written ready, and not ready once C's IPAM no longer
+//! addresses A (the induced peering is gone) instead of keeping a wrong address usable; an
+//! exported Service named like a local non-Trellis Service (`trellis-ipam`) never touches it:
+//! the import gets a derived Service.
 
 mod common;
 
@@ -11,6 +13,7 @@ use std::time::{Duration, Instant};
 use common::{Cluster, Fabric, at};
 use serde_json::{Value, json};
 use trellis_api::pb::endpoints::{EndpointPort, ExportServiceRequest, ExportedEndpoint};
+use trellis_api::pb::ipam::FreeSubnetsPerClusterRequest;
 use trellis_endpoints::kube::derived_service_name;
 use trellis_testkit::FakeApiServer;
 
@@ -66,7 +69,7 @@ async fn until<T: PartialEq + std::fmt::Debug>(what: &str, want: T, mut probe: i
 }
 
 #[tokio::test]
-async fn an_endpoint_whose_home_is_unreachable_is_written_not_ready_fake_api_server() {
+async fn an_endpoint_whose_home_becomes_unreachable_is_written_not_ready_fake_api_server() {
     let api = FakeApiServer::start().await.expect("fake api server");
     let a = Cluster::start("a", "10.101.0.0/16", None).await;
     let b = Cluster::start("b", "10.102.0.0/16", None).await;
@@ -83,14 +86,25 @@ async fn an_endpoint_whose_home_is_unreachable_is_written_not_ready_fake_api_ser
         .export_service(request("web", at(pods, 7)))
         .await
         .expect("exports");
-    // C holds A's address as it reaches A directly, but cannot reach A: not ready.
-    until("not ready without a peering with A", vec![(at(c_view_a.pod, 7), false)], || {
+    // C reaches A directly (B introduced them): ready, as A exported it.
+    until("ready over the induced peering", vec![(at(c_view_a.pod, 7), true)], || {
         imported(&api, "web")
     })
     .await;
-    // C now has a networked peering with A: ready, as A exported it.
-    fabric.c.peer_with(&fabric.a).await;
-    until("ready with a peering with A", vec![(at(c_view_a.pod, 7), true)], || {
+    // C's IPAM forgets A (the induced peering is torn down): the address C holds no longer
+    // leads to A, and the endpoint is written not ready.
+    let freed = fabric
+        .c
+        .ipam()
+        .await
+        .free_subnets_per_cluster(FreeSubnetsPerClusterRequest {
+            cluster_id: "a".into(),
+        })
+        .await
+        .expect("frees")
+        .into_inner();
+    assert!(freed.existed);
+    until("not ready once A is unreachable", vec![(at(c_view_a.pod, 7), false)], || {
         imported(&api, "web")
     })
     .await;
