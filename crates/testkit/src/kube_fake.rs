@@ -311,12 +311,11 @@ impl Shared {
                 }
             }
             ("GET", None) => {
-                let selector = match parse_selector(
-                    params.get("labelSelector").map_or("", String::as_str),
-                ) {
-                    Ok(s) => s,
-                    Err(e) => return status(StatusCode::BAD_REQUEST, "BadRequest", e),
-                };
+                let selector =
+                    match parse_selector(params.get("labelSelector").map_or("", String::as_str)) {
+                        Ok(s) => s,
+                        Err(e) => return status(StatusCode::BAD_REQUEST, "BadRequest", e),
+                    };
                 if matches!(params.get("watch").map(String::as_str), Some("true" | "1")) {
                     drop(state);
                     return self.watch(&target, selector, &params);
@@ -522,14 +521,20 @@ impl Shared {
                 Some(n) => state
                     .history
                     .iter()
-                    .filter(|e| e.rv > n && in_scope(target, &e.key) && matches(&selector, &e.object))
+                    .filter(|e| {
+                        e.rv > n && in_scope(target, &e.key) && matches(&selector, &e.object)
+                    })
                     .map(|e| json!({"type": e.kind, "object": e.object}))
                     .collect(),
             };
             (backlog, live)
         };
         let expired = backlog.first().is_some_and(|e| e["type"] == "ERROR");
-        let scope = (target.gv.clone(), target.resource.clone(), target.namespace.clone());
+        let scope = (
+            target.gv.clone(),
+            target.resource.clone(),
+            target.namespace.clone(),
+        );
         // A watcher that fell too far behind loses its stream (and resumes from its last
         // resourceVersion, which the history serves) instead of silently missing events.
         let live = tokio_stream::wrappers::BroadcastStream::new(live)
@@ -550,8 +555,9 @@ impl Shared {
             live.boxed()
         });
         // timeoutSeconds bounds the whole watch, as on a real API server.
-        let lines = lines.take_until(tokio::time::sleep(Duration::from_secs(timeout.max(1))))
-        .map(|line| Ok::<_, std::io::Error>(format!("{line}\n")));
+        let lines = lines
+            .take_until(tokio::time::sleep(Duration::from_secs(timeout.max(1))))
+            .map(|line| Ok::<_, std::io::Error>(format!("{line}\n")));
         Response::builder()
             .status(StatusCode::OK)
             .header(http::header::CONTENT_TYPE, "application/json")

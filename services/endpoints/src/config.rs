@@ -68,7 +68,12 @@ pub struct Config {
 
     /// With --kubernetes: the kubeconfig file to use instead of the in-cluster service account
     /// or `KUBECONFIG` (its current context).
-    #[arg(long, env = "TRELLIS_KUBECONFIG", value_name = "FILE", requires = "kubernetes")]
+    #[arg(
+        long,
+        env = "TRELLIS_KUBECONFIG",
+        value_name = "FILE",
+        requires = "kubernetes"
+    )]
     pub kubeconfig: Option<std::path::PathBuf>,
 }
 
@@ -87,9 +92,12 @@ impl Config {
             Some(path) => {
                 let file = kube::config::Kubeconfig::read_from(path)
                     .with_context(|| format!("reading --kubeconfig {}", path.display()))?;
-                kube::Config::from_custom_kubeconfig(file, &kube::config::KubeConfigOptions::default())
-                    .await
-                    .with_context(|| format!("using --kubeconfig {}", path.display()))?
+                kube::Config::from_custom_kubeconfig(
+                    file,
+                    &kube::config::KubeConfigOptions::default(),
+                )
+                .await
+                .with_context(|| format!("using --kubeconfig {}", path.display()))?
             }
             None => kube::Config::infer()
                 .await

@@ -30,7 +30,8 @@ use trellis_store::{Compare, Op, Txn};
 use crate::core::{Endpoints, is_networked_full_peer};
 use crate::model::{AddressType, Conditions, Endpoint, Slice};
 use crate::records::{
-    EXPORT_PREFIX, ExportRecord, ExportSource, OUTGOING_PREFIX, OutgoingRecord, decode, encode, export_key,
+    EXPORT_PREFIX, ExportRecord, ExportSource, OUTGOING_PREFIX, OutgoingRecord, decode, encode,
+    export_key,
 };
 use crate::remote::local_error;
 
@@ -187,7 +188,12 @@ impl Endpoints {
 
     /// Removes an export made by `source`; the reconciler withdraws its reflections.
     #[tracing::instrument(skip(self))]
-    pub async fn unexport(&self, namespace: &str, name: &str, source: ExportSource) -> Result<bool> {
+    pub async fn unexport(
+        &self,
+        namespace: &str,
+        name: &str,
+        source: ExportSource,
+    ) -> Result<bool> {
         let key = export_key(namespace, name);
         let mut contention = Contention::new("removing an export");
         let removed = loop {

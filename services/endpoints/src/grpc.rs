@@ -266,7 +266,10 @@ impl EndpointMapper for EndpointsService {
         let req = request.into_inner();
         let namespace = dns_label("namespace", &req.namespace)?;
         let name = dns_label("name", &req.name)?;
-        let unexported = self.core.unexport(&namespace, &name, ExportSource::Grpc).await?;
+        let unexported = self
+            .core
+            .unexport(&namespace, &name, ExportSource::Grpc)
+            .await?;
         Ok(Response::new(pb::UnexportServiceResponse { unexported }))
     }
 

@@ -416,8 +416,8 @@ impl ImportWriter {
         slices: &BTreeSet<(String, String)>,
     ) -> Result<usize> {
         let mut deleted = 0;
-        let managed = ListParams::default()
-            .labels(&format!("{}={MANAGED_BY}", crate::mcs::MANAGED_BY_LABEL));
+        let managed =
+            ListParams::default().labels(&format!("{}={MANAGED_BY}", crate::mcs::MANAGED_BY_LABEL));
         let all: Api<ServiceImport> = Api::all(self.client.clone());
         for held in all
             .list(&managed)
@@ -462,10 +462,8 @@ impl ImportWriter {
             }
         }
         let all: Api<discovery_v1::EndpointSlice> = Api::all(self.client.clone());
-        let ours = ListParams::default().labels(&format!(
-            "{}={MANAGED_BY}",
-            crate::model::MANAGED_BY_LABEL
-        ));
+        let ours = ListParams::default()
+            .labels(&format!("{}={MANAGED_BY}", crate::model::MANAGED_BY_LABEL));
         for held in all
             .list(&ours)
             .await
@@ -665,7 +663,10 @@ mod tests {
             reachable: BTreeSet::new(),
         };
         let r = record("b", "a", 80);
-        assert_eq!(reach.mark(&r.slice).endpoints[0].conditions.ready, Some(false));
+        assert_eq!(
+            reach.mark(&r.slice).endpoints[0].conditions.ready,
+            Some(false)
+        );
         let reach = Reachability {
             reachable: BTreeSet::from([a]),
             ..reach

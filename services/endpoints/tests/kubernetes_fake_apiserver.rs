@@ -87,9 +87,11 @@ async fn an_endpoint_whose_home_becomes_unreachable_is_written_not_ready_fake_ap
         .await
         .expect("exports");
     // C reaches A directly (B introduced them): ready, as A exported it.
-    until("ready over the induced peering", vec![(at(c_view_a.pod, 7), true)], || {
-        imported(&api, "web")
-    })
+    until(
+        "ready over the induced peering",
+        vec![(at(c_view_a.pod, 7), true)],
+        || imported(&api, "web"),
+    )
     .await;
     // C's IPAM forgets A (the induced peering is torn down): the address C holds no longer
     // leads to A, and the endpoint is written not ready.
@@ -104,17 +106,19 @@ async fn an_endpoint_whose_home_becomes_unreachable_is_written_not_ready_fake_ap
         .expect("frees")
         .into_inner();
     assert!(freed.existed);
-    until("not ready once A is unreachable", vec![(at(c_view_a.pod, 7), false)], || {
-        imported(&api, "web")
-    })
+    until(
+        "not ready once A is unreachable",
+        vec![(at(c_view_a.pod, 7), false)],
+        || imported(&api, "web"),
+    )
     .await;
 }
 
 #[tokio::test]
 async fn an_import_never_writes_into_a_local_service_of_the_same_name_fake_api_server() {
     let api = FakeApiServer::start().await.expect("fake api server");
-    let client = kube::Client::try_from(kube::Config::new(api.url().parse().expect("url")))
-        .expect("client");
+    let client =
+        kube::Client::try_from(kube::Config::new(api.url().parse().expect("url"))).expect("client");
     let services: kube::Api<k8s_openapi::api::core::v1::Service> =
         kube::Api::namespaced(client, "shop");
     let local: k8s_openapi::api::core::v1::Service = serde_json::from_value(json!({
@@ -137,9 +141,11 @@ async fn an_import_never_writes_into_a_local_service_of_the_same_name_fake_api_s
         .export_service(request("trellis-ipam", at(pods, 9)))
         .await
         .expect("exports");
-    until("B imports A's trellis-ipam", vec![(at(b_view_a.pod, 9), true)], || {
-        imported(&api, "trellis-ipam")
-    })
+    until(
+        "B imports A's trellis-ipam",
+        vec![(at(b_view_a.pod, 9), true)],
+        || imported(&api, "trellis-ipam"),
+    )
     .await;
     let derived = derived_service_name("shop", "trellis-ipam");
     until("the derived service exists", true, || {

@@ -218,10 +218,7 @@ fn present(clusters: &[&str], port: i64, slices: Vec<(&str, Vec<(String, bool)>)
         import_ports: Some(vec![port]),
         conflict: Some("False".into()),
         service_ports: Some(vec![port]),
-        slices: slices
-            .into_iter()
-            .map(|(c, e)| (c.to_owned(), e))
-            .collect(),
+        slices: slices.into_iter().map(|(c, e)| (c.to_owned(), e)).collect(),
     }
 }
 
@@ -271,7 +268,10 @@ fn trellis_objects(site: &Site) -> BTreeMap<String, String> {
                 || labels["endpointslice.kubernetes.io/managed-by"] == "trellis.io"
             {
                 out.insert(
-                    format!("{resource}/{}", o["metadata"]["name"].as_str().unwrap_or("")),
+                    format!(
+                        "{resource}/{}",
+                        o["metadata"]["name"].as_str().unwrap_or("")
+                    ),
                     o["metadata"]["uid"].as_str().unwrap_or("").to_owned(),
                 );
             }
@@ -283,9 +283,11 @@ fn trellis_objects(site: &Site) -> BTreeMap<String, String> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn service_export_through_fake_api_servers_reaches_hub_and_induced_leaf_merges_and_survives_restarts()
  {
-    let (Some(mut b), Some(mut a), Some(c)) =
-        (site("hub-b").await, site("leaf-a").await, site("leaf-c").await)
-    else {
+    let (Some(mut b), Some(mut a), Some(c)) = (
+        site("hub-b").await,
+        site("leaf-a").await,
+        site("leaf-c").await,
+    ) else {
         return;
     };
     peer(&a.cluster, &b.cluster).await;
@@ -294,7 +296,10 @@ async fn service_export_through_fake_api_servers_reaches_hub_and_induced_leaf_me
         tunnel_to(&c.cluster, "leaf-a")
     })
     .await;
-    eventually("A's induced tunnel to C", LIMIT, || tunnel_to(&a.cluster, "leaf-c")).await;
+    eventually("A's induced tunnel to C", LIMIT, || {
+        tunnel_to(&a.cluster, "leaf-c")
+    })
+    .await;
     let c_view_a: IpNet = c_to_a.remote_pod_cidr_nat.parse().expect("cidr");
     let b_view_a = pod_view(&b.cluster, "leaf-a").await;
     let b_view_c = pod_view(&b.cluster, "leaf-c").await;
@@ -379,13 +384,21 @@ async fn service_export_through_fake_api_servers_reaches_hub_and_induced_leaf_me
 
     // Restarts lose nothing and duplicate nothing: the same objects (same uids) afterwards.
     let before = trellis_objects(&b);
-    assert_eq!(before.len(), 4, "import, derived service, two slices: {before:?}");
+    assert_eq!(
+        before.len(),
+        4,
+        "import, derived service, two slices: {before:?}"
+    );
     b.cluster.restart_endpoints().await.expect("b restarts");
     a.cluster.restart_endpoints().await.expect("a restarts");
     // Long enough for several passes of every reconciler after the restarts.
     tokio::time::sleep(Duration::from_secs(8)).await;
     until("B after the restarts", &b, &merged).await;
-    assert_eq!(trellis_objects(&b), before, "same objects after the restarts");
+    assert_eq!(
+        trellis_objects(&b),
+        before,
+        "same objects after the restarts"
+    );
     until(
         "C after the restarts",
         &c,
