@@ -19,7 +19,10 @@ use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use kube::api::{Api, DeleteParams, PostParams};
 use serde_json::{Value, json};
-use trellis_api::pb::endpoints::ListExportsRequest;
+use trellis_api::pb::endpoints::{
+    EndpointPort, ExportServiceRequest, ExportedEndpoint, ListExportsRequest,
+    UnexportServiceRequest,
+};
 use trellis_api::pb::peering::UnpeerRequest;
 use trellis_endpoints::kube::derived_service_name;
 use trellis_endpoints::mcs::ServiceExport;
@@ -337,6 +340,41 @@ async fn service_export_through_fake_api_servers_reaches_hub_and_induced_leaf_me
         .into_inner()
         .exports;
     assert_eq!(exports.len(), 1, "{exports:?}");
+    // Kubernetes wins: ExportService and UnexportService cannot change what a ServiceExport
+    // exports (ADR 0017).
+    let mut mapper = a.cluster.endpoints().await.expect("connects");
+    let refused = mapper
+        .export_service(ExportServiceRequest {
+            namespace: "shop".into(),
+            name: "web".into(),
+            ports: vec![EndpointPort {
+                port: Some(8080),
+                ..Default::default()
+            }],
+            endpoints: vec![ExportedEndpoint {
+                address: "10.0.0.99".into(),
+                ready: Some(true),
+            }],
+        })
+        .await
+        .expect_err("a ServiceExport owns shop/web");
+    assert_eq!(
+        refused.code(),
+        tonic::Code::FailedPrecondition,
+        "{refused:?}"
+    );
+    let refused = mapper
+        .unexport_service(UnexportServiceRequest {
+            namespace: "shop".into(),
+            name: "web".into(),
+        })
+        .await
+        .expect_err("a ServiceExport owns shop/web");
+    assert_eq!(
+        refused.code(),
+        tonic::Code::FailedPrecondition,
+        "{refused:?}"
+    );
 
     // Scale up (a third pod, the second one ready now), then down.
     export(
