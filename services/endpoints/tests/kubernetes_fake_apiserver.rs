@@ -4,7 +4,8 @@
 //! over its induced peering with A is written ready, and not ready once C's IPAM no longer
 //! addresses A (the induced peering is gone) instead of keeping a wrong address usable; an
 //! exported Service named like a local non-Trellis Service (`trellis-ipam`) never touches it:
-//! the import gets a derived Service.
+//! the import gets a derived Service. A last test pins the fake's own semantics (409s,
+//! preconditions, label selectors, watch replay and 410) through the unmodified kube client.
 
 mod common;
 
@@ -180,4 +181,111 @@ async fn an_import_never_writes_into_a_local_service_of_the_same_name_fake_api_s
         derived.as_str()
     );
     assert_eq!(import["spec"]["type"], "ClusterSetIP");
+}
+
+/// The fake's own semantics, through the unmodified kube client: what the tests above rely on.
+#[tokio::test]
+async fn the_fake_api_server_refuses_conflicts_checks_preconditions_and_expires_old_watches() {
+    use futures::StreamExt as _;
+    use k8s_openapi::api::core::v1::ConfigMap;
+    use kube::api::{DeleteParams, PostParams, Preconditions, WatchEvent, WatchParams};
+
+    let api = FakeApiServer::start().await.expect("fake api server");
+    let client =
+        kube::Client::try_from(kube::Config::new(api.url().parse().expect("url"))).expect("client");
+    let maps: kube::Api<ConfigMap> = kube::Api::namespaced(client, "shop");
+    let code = |err: kube::Error| match err {
+        kube::Error::Api(status) => (status.code, status.reason.clone()),
+        other => panic!("expected an API status, got {other:?}"),
+    };
+    let map: ConfigMap = serde_json::from_value(json!({
+        "metadata": {"name": "m", "labels": {"app": "x"}}, "data": {"k": "1"}
+    }))
+    .expect("map");
+    let first = maps
+        .create(&PostParams::default(), &map)
+        .await
+        .expect("creates");
+    assert!(first.metadata.uid.is_some());
+    let err = maps
+        .create(&PostParams::default(), &map)
+        .await
+        .expect_err("exists");
+    assert_eq!(code(err), (409, "AlreadyExists".to_owned()));
+    let mut update = first.clone();
+    update.data = Some([("k".to_owned(), "2".to_owned())].into());
+    let second = maps
+        .replace("m", &PostParams::default(), &update)
+        .await
+        .expect("replaces");
+    let version = |m: &ConfigMap| -> u64 {
+        m.metadata
+            .resource_version
+            .as_deref()
+            .and_then(|v| v.parse().ok())
+            .expect("numeric resourceVersion")
+    };
+    assert!(version(&second) > version(&first));
+    // A replace with the first resourceVersion is stale.
+    let err = maps
+        .replace("m", &PostParams::default(), &update)
+        .await
+        .expect_err("stale");
+    assert_eq!(code(err), (409, "Conflict".to_owned()));
+    // Label selectors select.
+    let listed = maps
+        .list(&kube::api::ListParams::default().labels("app=x"))
+        .await
+        .expect("lists");
+    assert_eq!(listed.items.len(), 1);
+    let listed = maps
+        .list(&kube::api::ListParams::default().labels("app!=x"))
+        .await
+        .expect("lists");
+    assert!(listed.items.is_empty());
+    // A watch from the first version replays the change; after compaction it is expired.
+    let mut events = maps
+        .watch(
+            &WatchParams::default().timeout(5),
+            first.metadata.resource_version.as_deref().expect("rv"),
+        )
+        .await
+        .expect("watches")
+        .boxed();
+    match events.next().await {
+        Some(Ok(WatchEvent::Modified(m))) => assert_eq!(m.data, update.data),
+        other => panic!("expected MODIFIED, got {other:?}"),
+    }
+    api.compact();
+    let mut events = maps
+        .watch(
+            &WatchParams::default().timeout(5),
+            first.metadata.resource_version.as_deref().expect("rv"),
+        )
+        .await
+        .expect("watches")
+        .boxed();
+    match events.next().await {
+        Some(Ok(WatchEvent::Error(status))) => assert_eq!(status.code, 410),
+        other => panic!("expected a 410 ERROR event, got {other:?}"),
+    }
+    // Delete with a wrong uid precondition is refused; with the right one it deletes.
+    let wrong = DeleteParams {
+        preconditions: Some(Preconditions {
+            uid: Some("not-the-uid".into()),
+            resource_version: None,
+        }),
+        ..DeleteParams::default()
+    };
+    let err = maps.delete("m", &wrong).await.expect_err("precondition");
+    assert_eq!(code(err), (409, "Conflict".to_owned()));
+    let right = DeleteParams {
+        preconditions: Some(Preconditions {
+            uid: second.metadata.uid.clone(),
+            resource_version: second.metadata.resource_version.clone(),
+        }),
+        ..DeleteParams::default()
+    };
+    maps.delete("m", &right).await.expect("deletes");
+    assert!(maps.get_opt("m").await.expect("gets").is_none());
 }
