@@ -3,16 +3,20 @@
 //! - [`tool_path`] / [`require_tool`]: find external tools (etcd, grpcurl, ...) on `PATH` or in
 //!   the workspace's `.tools/bin`, and skip a test loudly without them (or fail it in CI);
 //! - [`free_port`]: a loopback port nobody listens on;
-//! - [`Etcd`]: a real single-node etcd process in a temporary directory.
+//! - [`Etcd`]: a real single-node etcd process in a temporary directory;
+//! - [`FakeApiServer`]: a fake Kubernetes API server speaking the real HTTP/JSON protocol
+//!   (ADR 0019 says what it does not model).
 //!
 //! This is a dev-dependency: its helpers panic with a clear message where a test should fail.
 
 mod etcd;
 mod etcd_tls;
+mod kube_fake;
 mod ports;
 mod tools;
 
 pub use etcd::Etcd;
 pub use etcd_tls::EtcdTlsFiles;
+pub use kube_fake::FakeApiServer;
 pub use ports::free_port;
 pub use tools::{in_ci, require_tool, tool_path, workspace_root};

@@ -58,11 +58,23 @@ pub struct Config {
     #[arg(long, env = "TRELLIS_DELIVER_TIMEOUT", value_name = "MS", default_value_t = 10_000, value_parser = millis_arg)]
     pub deliver_timeout: u64,
 
-    /// Write the slices peers reflect to us into Kubernetes as `discovery.k8s.io/v1`
-    /// EndpointSlices, using the in-cluster service account or `KUBECONFIG`. Without it they are
-    /// only stored.
+    /// Connect this service to Kubernetes (the in-cluster service account, `KUBECONFIG`, or
+    /// --kubeconfig): export every Service named by a `ServiceExport`
+    /// (multicluster.x-k8s.io/v1alpha1) with its EndpointSlices, and write what peers export
+    /// to us as a `ServiceImport`, a derived Service and EndpointSlices. Without it exports come
+    /// only from `ExportService` and imports are only stored.
     #[arg(long, env = "TRELLIS_KUBERNETES")]
     pub kubernetes: bool,
+
+    /// With --kubernetes: the kubeconfig file to use instead of the in-cluster service account
+    /// or `KUBECONFIG` (its current context).
+    #[arg(
+        long,
+        env = "TRELLIS_KUBECONFIG",
+        value_name = "FILE",
+        requires = "kubernetes"
+    )]
+    pub kubeconfig: Option<std::path::PathBuf>,
 }
 
 impl HasCommon for Config {
@@ -72,6 +84,28 @@ impl HasCommon for Config {
 }
 
 impl Config {
+    /// The Kubernetes client --kubernetes asks for: from --kubeconfig, else inferred
+    /// (in-cluster service account or `KUBECONFIG`).
+    pub async fn kube_client(&self) -> anyhow::Result<kube::Client> {
+        use anyhow::Context as _;
+        let config = match &self.kubeconfig {
+            Some(path) => {
+                let file = kube::config::Kubeconfig::read_from(path)
+                    .with_context(|| format!("reading --kubeconfig {}", path.display()))?;
+                kube::Config::from_custom_kubeconfig(
+                    file,
+                    &kube::config::KubeConfigOptions::default(),
+                )
+                .await
+                .with_context(|| format!("using --kubeconfig {}", path.display()))?
+            }
+            None => kube::Config::infer()
+                .await
+                .context("no in-cluster service account and no usable KUBECONFIG")?,
+        };
+        Ok(kube::Client::try_from(config)?)
+    }
+
     /// Timeouts of the local IPAM and discovery channels.
     pub fn local_timeouts(&self) -> Timeouts {
         Timeouts {

@@ -104,6 +104,11 @@ pub struct Endpoints {
     pod_cidr: OnceCell<IpNet>,
     /// Wakes the export reconciler ([`crate::exports`]) when an export changes.
     pub(crate) exports_changed: tokio::sync::Notify,
+    /// Wakes the import side ([`crate::imports`]) when an import changes.
+    pub(crate) imports_changed: tokio::sync::Notify,
+    /// Whether imports are written with unreachable endpoints marked not ready (set when the
+    /// whole Kubernetes import side runs, [`crate::imports`]).
+    mark_readiness: bool,
 }
 
 fn unchanged(key: impl Into<String>, revision: i64) -> Compare {
@@ -157,7 +162,21 @@ impl Endpoints {
             writer,
             pod_cidr: OnceCell::new(),
             exports_changed: tokio::sync::Notify::new(),
+            imports_changed: tokio::sync::Notify::new(),
+            mark_readiness: false,
         }
+    }
+
+    /// With the Kubernetes import side: imports are written with the endpoints this cluster
+    /// cannot reach marked not ready ([`crate::imports::Reachability`]).
+    pub fn with_readiness_marking(mut self) -> Self {
+        self.mark_readiness = true;
+        self
+    }
+
+    /// The EndpointSlice writer, with Kubernetes access.
+    pub(crate) fn writer(&self) -> Option<&KubeWriter> {
+        self.writer.as_ref()
     }
 
     /// This cluster's identity.
@@ -799,6 +818,10 @@ impl Endpoints {
             // Kubernetes first: if the object cannot be written (e.g. an unmanaged slice of
             // that name exists), nothing is stored.
             let object_name = match &self.writer {
+                Some(writer) if self.mark_readiness => {
+                    let reach = self.reachability().await?;
+                    Some(writer.apply(source, &reach.mark(&slice)).await?)
+                }
                 Some(writer) => Some(writer.apply(source, &slice).await?),
                 None => None,
             };
@@ -827,6 +850,7 @@ impl Endpoints {
                 );
                 // An export we pass on to our other peers may have changed.
                 self.exports_changed.notify_one();
+                self.imports_changed.notify_one();
                 return Ok((true, object_name));
             }
             contention.lost().await?;
@@ -876,6 +900,7 @@ impl Endpoints {
                 tracing::info!(source.id = %source.id, namespace, name, "deleted reflected slice");
                 // An export in transit through us may have gone with it.
                 self.exports_changed.notify_one();
+                self.imports_changed.notify_one();
                 return Ok(true);
             }
             contention.lost().await?;

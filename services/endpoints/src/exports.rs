@@ -30,7 +30,8 @@ use trellis_store::{Compare, Op, Txn};
 use crate::core::{Endpoints, is_networked_full_peer};
 use crate::model::{AddressType, Conditions, Endpoint, Slice};
 use crate::records::{
-    EXPORT_PREFIX, ExportRecord, OUTGOING_PREFIX, OutgoingRecord, decode, encode, export_key,
+    EXPORT_PREFIX, ExportRecord, ExportSource, OUTGOING_PREFIX, OutgoingRecord, decode, encode,
+    export_key,
 };
 use crate::remote::local_error;
 
@@ -100,6 +101,23 @@ pub fn slice_of(export: &ExportRecord) -> Slice {
     }
 }
 
+/// Kubernetes wins (ADR 0017): a `ServiceExport` takes over a gRPC export of the same name,
+/// while `ExportService`/`UnexportService` cannot change what a `ServiceExport` exports.
+fn refuse_takeover(held: &ExportRecord, by: ExportSource) -> Result<()> {
+    if held.source == ExportSource::Kubernetes && by == ExportSource::Grpc {
+        return Err(Error::FailedPrecondition(format!(
+            "{}/{} is exported by a Kubernetes ServiceExport, which wins over ExportService; change or delete the ServiceExport instead",
+            held.namespace, held.name
+        )));
+    }
+    Ok(())
+}
+
+/// Same content (everything but the update time).
+fn same_export(a: &ExportRecord, b: &ExportRecord) -> bool {
+    a.ports == b.ports && a.endpoints == b.endpoints && a.source == b.source
+}
+
 /// `outgoing/<target>/<namespace>/<name>` → (namespace, name).
 fn outgoing_names(key: &str) -> Option<(String, String)> {
     let mut parts = key.strip_prefix(OUTGOING_PREFIX)?.splitn(3, '/');
@@ -128,7 +146,37 @@ impl Endpoints {
         }
         export.update_time_nanos = now_nanos();
         let key = export_key(&export.namespace, &export.name);
-        self.store.put(&key, encode(&export)?).await?;
+        let mut contention = Contention::new("storing an export");
+        loop {
+            let held = self.store.get(&key).await?;
+            let revision = match &held {
+                Some(kv) => {
+                    let held: ExportRecord = decode(&key, &kv.value)?;
+                    refuse_takeover(&held, export.source)?;
+                    if same_export(&held, &export) {
+                        // Nothing changed (a resync of the Kubernetes source): no write, no pass.
+                        return Ok(held);
+                    }
+                    kv.mod_revision
+                }
+                None => 0,
+            };
+            let committed = self
+                .store
+                .txn(Txn {
+                    compares: vec![Compare::ModRevision {
+                        key: key.clone(),
+                        revision,
+                    }],
+                    success: vec![Op::put(&key, encode(&export)?)],
+                    failure: vec![],
+                })
+                .await?;
+            if committed.succeeded {
+                break;
+            }
+            contention.lost().await?;
+        }
         tracing::info!(
             endpoints = export.endpoints.len(),
             ports = export.ports.len(),
@@ -138,15 +186,28 @@ impl Endpoints {
         Ok(export)
     }
 
-    /// Removes an export; the reconciler withdraws its reflections.
+    /// Removes an export made by `source`; the reconciler withdraws its reflections.
     #[tracing::instrument(skip(self))]
-    pub async fn unexport(&self, namespace: &str, name: &str) -> Result<bool> {
+    pub async fn unexport(
+        &self,
+        namespace: &str,
+        name: &str,
+        source: ExportSource,
+    ) -> Result<bool> {
         let key = export_key(namespace, name);
         let mut contention = Contention::new("removing an export");
         let removed = loop {
             let Some(kv) = self.store.get(&key).await? else {
                 break false;
             };
+            let held: ExportRecord = decode(&key, &kv.value)?;
+            if held.source != source {
+                if source == ExportSource::Kubernetes {
+                    // A gRPC export of the same name is not the Kubernetes source's to remove.
+                    break false;
+                }
+                refuse_takeover(&held, source)?;
+            }
             let committed = self
                 .store
                 .txn(Txn {
@@ -168,7 +229,8 @@ impl Endpoints {
         Ok(removed)
     }
 
-    async fn stored_exports(&self) -> Result<Vec<ExportRecord>> {
+    /// Every stored export (both sources).
+    pub(crate) async fn stored_exports(&self) -> Result<Vec<ExportRecord>> {
         self.store
             .list(EXPORT_PREFIX)
             .await?

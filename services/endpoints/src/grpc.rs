@@ -14,7 +14,7 @@ use trellis_runtime::peer::{Authz, PeerMethods};
 use crate::core::{Endpoints, Translation};
 use crate::exports::{ExportView, slice_of};
 use crate::model::{MAX_ENDPOINTS, Slice, dns_label, dns_subdomain, port};
-use crate::records::{ExportRecord, ExportedEndpoint, ReflectedRecord};
+use crate::records::{ExportRecord, ExportSource, ExportedEndpoint, ReflectedRecord};
 
 /// The gRPC face of one [`Endpoints`].
 #[derive(Debug, Clone)]
@@ -136,6 +136,7 @@ fn export_from_pb(req: &pb::ExportServiceRequest) -> Result<ExportRecord> {
         ports,
         endpoints,
         update_time_nanos: 0,
+        source: ExportSource::Grpc,
     })
 }
 
@@ -265,7 +266,10 @@ impl EndpointMapper for EndpointsService {
         let req = request.into_inner();
         let namespace = dns_label("namespace", &req.namespace)?;
         let name = dns_label("name", &req.name)?;
-        let unexported = self.core.unexport(&namespace, &name).await?;
+        let unexported = self
+            .core
+            .unexport(&namespace, &name, ExportSource::Grpc)
+            .await?;
         Ok(Response::new(pb::UnexportServiceResponse { unexported }))
     }
 

@@ -70,6 +70,20 @@ fn fnv1a(parts: &[&str]) -> u32 {
     hash
 }
 
+/// The selector-less Service Trellis derives for the import of `namespace/service` (ADR 0019):
+/// `derived-<10 hex of FNV-1a 64 of "namespace/service">`, the convention of MCS
+/// implementations that derive a Service per ServiceImport. It is never the exported
+/// Service's own name (nor any name a user is likely to give, such as `trellis-ipam`), and the
+/// writer only ever touches a Service of that name that carries Trellis' ownership annotation.
+pub fn derived_service_name(namespace: &str, service: &str) -> String {
+    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+    for byte in namespace.bytes().chain([b'/']).chain(service.bytes()) {
+        hash ^= u64::from(byte);
+        hash = hash.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    format!("derived-{:010x}", hash >> 24)
+}
+
 /// The name of the object written for `source`'s slice `name`:
 /// `trellis-<source id, sanitised>-<name>-<hash>`, at most 253 characters, a valid DNS
 /// subdomain. The hash covers the unsanitised source ID and name, so two sources never share
@@ -98,7 +112,16 @@ pub fn object_name(source: &ClusterId, name: &str) -> String {
 pub fn desired_object(source: &ClusterIdentity, slice: &Slice) -> k8s::EndpointSlice {
     let mut labels: BTreeMap<String, String> = slice.labels.clone();
     labels.insert(MANAGED_BY_LABEL.to_owned(), MANAGED_BY.to_owned());
-    labels.insert(SERVICE_NAME_LABEL.to_owned(), slice.service_name.clone());
+    // Attached to the Service Trellis derived for the import, never to a local Service of the
+    // exported name: a peer can only add endpoints to what Trellis created for it.
+    labels.insert(
+        SERVICE_NAME_LABEL.to_owned(),
+        derived_service_name(&slice.namespace, &slice.service_name),
+    );
+    labels.insert(
+        crate::mcs::IMPORTED_SERVICE_LABEL.to_owned(),
+        slice.service_name.clone(),
+    );
     if is_label_value(source.id.as_str()) {
         labels.insert(SOURCE_CLUSTER_LABEL.to_owned(), source.id.to_string());
     }

@@ -7,21 +7,23 @@
 //! - [`core`]: translation per target (local NAT, target home, induced through the home
 //!   cluster's IPAM, hub path), reflected-slice storage, release of hub-path allocations;
 //! - [`exports`]: exported Services and the reconciler reflecting them to every peer;
+//! - [`kube_source`]: the Kubernetes export source (`ServiceExport` watchers);
+//! - [`imports`]: the Kubernetes import side (ServiceImport, derived Service, slices);
+//! - [`mcs`]: the Multi-Cluster Services API objects;
 //! - [`kube`]: the Kubernetes EndpointSlice writer;
 //! - [`records`]: what is stored, under which keys;
 //! - [`metrics`]: slices imported and exported, for Prometheus;
 //! - [`grpc`]: the thin gRPC layer;
 //! - [`config`]: the flags.
-//!
-//! Not implemented yet: the Kubernetes export source (a watcher of `ServiceExport` objects and
-//! their EndpointSlices) and the import side's ServiceImport and derived Service; exports come
-//! from the `ExportService` RPC.
 
 pub mod config;
 pub mod core;
 pub mod exports;
 pub mod grpc;
+pub mod imports;
 pub mod kube;
+pub mod kube_source;
+pub mod mcs;
 pub mod metrics;
 pub mod model;
 pub mod records;
@@ -74,28 +76,40 @@ pub struct Started {
     pub task: JoinHandle<anyhow::Result<()>>,
 }
 
-/// Opens the store, builds the clients (and, with `--kubernetes`, the kube client), binds and
-/// starts serving.
+/// Opens the store, builds the clients (and, with `--kubernetes`, the kube client: the
+/// Kubernetes export source and import side run), binds and starts serving.
 pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started> {
-    let writer = if config.kubernetes {
+    let client = if config.kubernetes {
         Some(
-            KubeWriter::infer()
+            config
+                .kube_client()
                 .await
                 .context("connecting to Kubernetes (--kubernetes)")?,
         )
     } else {
         None
     };
-    start_with_writer(config, writer, shutdown).await
+    start_inner(config, None, client, shutdown).await
 }
 
-/// [`start`] with a given Kubernetes writer (tests pass one backed by a mock API server);
+/// [`start`] with only a given EndpointSlice writer (the tower-test mock tests): reflected
+/// slices are written as they arrive, nothing is watched, no ServiceImport is written;
 /// `--kubernetes` is ignored.
 pub async fn start_with_writer(
     config: Config,
     writer: Option<KubeWriter>,
     shutdown: Shutdown,
 ) -> anyhow::Result<Started> {
+    start_inner(config, writer, None, shutdown).await
+}
+
+async fn start_inner(
+    config: Config,
+    writer: Option<KubeWriter>,
+    client: Option<::kube::Client>,
+    shutdown: Shutdown,
+) -> anyhow::Result<Started> {
+    let writer = writer.or_else(|| client.clone().map(KubeWriter::new));
     let local = ClusterIdentity::parse(
         "cluster-id",
         &config.common.cluster_id,
@@ -123,7 +137,11 @@ pub async fn start_with_writer(
         &mut background,
     )
     .await?;
-    let core = Arc::new(Endpoints::new(store, local, clients, writer));
+    let mut core = Endpoints::new(store, local, clients, writer);
+    if client.is_some() {
+        core = core.with_readiness_marking();
+    }
+    let core = Arc::new(core);
     let server =
         GrpcServer::for_service(&config.common, ports::ENDPOINTS, ports::ENDPOINTS_METRICS)
             .await?
@@ -137,6 +155,20 @@ pub async fn start_with_writer(
         exports::RESYNC,
         shutdown.clone(),
     )));
+    if let Some(client) = client {
+        background.push(tokio::spawn(kube_source::run_export_source(
+            core.clone(),
+            client.clone(),
+            exports::RESYNC,
+            shutdown.clone(),
+        )));
+        background.push(tokio::spawn(imports::run_import_sync(
+            core.clone(),
+            imports::ImportWriter::new(client),
+            exports::RESYNC,
+            shutdown.clone(),
+        )));
+    }
     let routes = routes(core.clone(), authz);
     let task = server.spawn(
         routes,

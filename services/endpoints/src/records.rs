@@ -83,6 +83,16 @@ pub struct ExportedEndpoint {
     pub ready: bool,
 }
 
+/// Where an export comes from (ADR 0017: Kubernetes wins over gRPC for the same name).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ExportSource {
+    /// `ExportService` (trellisctl export).
+    #[default]
+    Grpc,
+    /// A `ServiceExport` object and the Service's EndpointSlices ([`crate::kube_source`]).
+    Kubernetes,
+}
+
 /// A Service this cluster exports to every peer.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ExportRecord {
@@ -92,6 +102,9 @@ pub struct ExportRecord {
     pub endpoints: Vec<ExportedEndpoint>,
     /// Nanoseconds since the epoch of the last export.
     pub update_time_nanos: i64,
+    /// Who wrote it; records stored before the Kubernetes source existed are gRPC ones.
+    #[serde(default)]
+    pub source: ExportSource,
 }
 
 pub use trellis_store::record::{decode, encode};

@@ -14,7 +14,7 @@ use tower_test::mock::{Handle, SendResponse};
 use trellis_api::ClusterIdentity;
 use trellis_api::pb::endpoints as pb;
 use trellis_endpoints::KubeWriter;
-use trellis_endpoints::kube::object_name;
+use trellis_endpoints::kube::{derived_service_name, object_name};
 use trellis_endpoints::model::Slice;
 
 type ApiHandle = Handle<Request<Body>, Response<Body>>;
@@ -81,7 +81,9 @@ fn expected(addresses: &[&str]) -> Value {
             "labels": {
                 "app": "web",
                 "endpointslice.kubernetes.io/managed-by": "trellis.io",
-                "kubernetes.io/service-name": "web",
+                // The Service Trellis derived for the import, never the local "web".
+                "kubernetes.io/service-name": derived_service_name("shop", "web"),
+                "multicluster.kubernetes.io/service-name": "web",
                 "trellis.io/source-cluster-id": "b"
             },
             "annotations": {

@@ -39,6 +39,8 @@ pub struct InProcessCluster {
     pub tls: Option<ClusterTls>,
     shutdown: Shutdown,
     tasks: Vec<JoinHandle<anyhow::Result<()>>>,
+    /// The endpoints service alone, so it can be restarted: its flags, stop signal and task.
+    endpoints: Option<(Vec<String>, Shutdown, JoinHandle<anyhow::Result<()>>)>,
 }
 
 /// The mutual-TLS side of a cluster started with [`InProcessCluster::start_tls`] (ADR 0014):
@@ -132,6 +134,11 @@ pub struct Options {
     pub ipam_flags: Vec<String>,
     /// Appended to the gateway's flags.
     pub gateway_flags: Vec<String>,
+    /// The endpoints service's store (e.g. a real etcd, to survive
+    /// [`InProcessCluster::restart_endpoints`]); memory by default.
+    pub endpoints_store: Option<String>,
+    /// The endpoints service runs with `--kubernetes --kubeconfig FILE` (a fake API server's).
+    pub kubeconfig: Option<std::path::PathBuf>,
 }
 
 impl Default for Options {
@@ -142,6 +149,8 @@ impl Default for Options {
             endpoints: false,
             ipam_flags: Vec::new(),
             gateway_flags: Vec::new(),
+            endpoints_store: None,
+            kubeconfig: None,
         }
     }
 }
@@ -368,6 +377,7 @@ impl InProcessCluster {
         .context("broker")?;
         tasks.push(broker.task);
 
+        let mut endpoints_service = None;
         if with_endpoints {
             let mut endpoints = common(services.endpoints);
             endpoints.extend(args(&[
@@ -376,16 +386,29 @@ impl InProcessCluster {
                 "--discovery",
                 &services.discovery.to_string(),
             ]));
+            if let Some(store) = &options.endpoints_store
+                && let Some(at) = endpoints.iter().position(|a| a == "--store")
+            {
+                endpoints[at + 1] = store.clone();
+            }
+            if let Some(kubeconfig) = &options.kubeconfig {
+                endpoints.extend(args(&[
+                    "--kubernetes",
+                    "--kubeconfig",
+                    &kubeconfig.display().to_string(),
+                ]));
+            }
             if let Some(tls) = &tls {
                 endpoints.extend(tls.flags("endpoints", tls.endpoints)?);
             }
-            let endpoints = trellis_endpoints::start(
-                trellis_endpoints::Config::try_parse_from(endpoints)?,
-                shutdown.clone(),
+            let stop = shutdown.child_token();
+            let started = trellis_endpoints::start(
+                trellis_endpoints::Config::try_parse_from(&endpoints)?,
+                stop.clone(),
             )
             .await
             .context("endpoints")?;
-            tasks.push(endpoints.task);
+            endpoints_service = Some((endpoints, stop, started.task));
         }
 
         stop_on_failure.disarm();
@@ -395,7 +418,40 @@ impl InProcessCluster {
             tls,
             shutdown,
             tasks,
+            endpoints: endpoints_service,
         })
+    }
+
+    /// Stops the endpoints service (as a crash would: its in-memory state is gone) and starts
+    /// it again with the same flags and store, on the same address.
+    pub async fn restart_endpoints(&mut self) -> anyhow::Result<()> {
+        let (flags, stop, task) = self
+            .endpoints
+            .take()
+            .context("this cluster runs no endpoints service")?;
+        stop.cancel();
+        let _ = task.await;
+        let mut attempt = 0;
+        loop {
+            let stop = self.shutdown.child_token();
+            match trellis_endpoints::start(
+                trellis_endpoints::Config::try_parse_from(&flags)?,
+                stop.clone(),
+            )
+            .await
+            {
+                Ok(started) => {
+                    self.endpoints = Some((flags, stop, started.task));
+                    return Ok(());
+                }
+                // The old listener's port may linger for a moment.
+                Err(err) if attempt < 50 && format!("{err:#}").contains("cannot listen") => {
+                    attempt += 1;
+                    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+                }
+                Err(err) => return Err(err.context("restarting endpoints")),
+            }
+        }
     }
 
     async fn channel(addr: SocketAddr) -> anyhow::Result<Channel> {
@@ -436,6 +492,9 @@ impl InProcessCluster {
     pub async fn stop(mut self) {
         self.shutdown.cancel();
         for task in self.tasks.drain(..) {
+            let _ = task.await;
+        }
+        if let Some((_, _, task)) = self.endpoints.take() {
             let _ = task.await;
         }
     }

@@ -75,6 +75,25 @@ impl Cluster {
         external_cidr: &'static str,
         writer: Option<trellis_endpoints::KubeWriter>,
     ) -> Self {
+        Self::start_inner(id, external_cidr, writer, None).await
+    }
+
+    /// Like [`Self::start`], the endpoints service with `--kubernetes --kubeconfig FILE` (a
+    /// fake API server's): export source and import side run.
+    pub async fn start_kube(
+        id: &'static str,
+        external_cidr: &'static str,
+        kubeconfig: &std::path::Path,
+    ) -> Self {
+        Self::start_inner(id, external_cidr, None, Some(kubeconfig)).await
+    }
+
+    async fn start_inner(
+        id: &'static str,
+        external_cidr: &'static str,
+        writer: Option<trellis_endpoints::KubeWriter>,
+        kubeconfig: Option<&std::path::Path>,
+    ) -> Self {
         let shutdown = Shutdown::new();
         let ipam_shutdown = Shutdown::new();
         let mut ipam = common(id, "127.0.0.1:0");
@@ -106,12 +125,28 @@ impl Cluster {
             "--remote-ipam-timeout",
             "1000",
         ]));
-        let endpoints = trellis_endpoints::start_with_writer(
-            trellis_endpoints::Config::try_parse_from(endpoints).expect("endpoints config"),
-            writer,
-            shutdown.clone(),
-        )
-        .await
+        let endpoints = match kubeconfig {
+            Some(file) => {
+                endpoints.extend(args(&[
+                    "--kubernetes",
+                    "--kubeconfig",
+                    &file.display().to_string(),
+                ]));
+                trellis_endpoints::start(
+                    trellis_endpoints::Config::try_parse_from(endpoints).expect("endpoints config"),
+                    shutdown.clone(),
+                )
+                .await
+            }
+            None => {
+                trellis_endpoints::start_with_writer(
+                    trellis_endpoints::Config::try_parse_from(endpoints).expect("endpoints config"),
+                    writer,
+                    shutdown.clone(),
+                )
+                .await
+            }
+        }
         .expect("endpoints starts");
         Self {
             id,
