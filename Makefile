@@ -8,7 +8,7 @@ export PATH := $(ROOT)/.tools/bin:$(HOME)/.cargo/bin:$(PATH)
 export CARGO_TARGET_DIR ?= $(HOME)/.cache/trellis/target
 export CARGO_TERM_COLOR ?= never
 
-.PHONY: demo setup test fmt-check clippy lint-proto validate-deploy build nextest fmt bench bench-quick bench-report bench-ipam bench-mesh bench-endpoints bench-dataplane clean
+.PHONY: demo setup test fmt-check clippy lint-proto validate-deploy build nextest fmt bench bench-quick bench-report bench-ipam bench-mesh bench-endpoints bench-exports bench-dataplane clean
 
 setup:
 	bash scripts/setup.sh
@@ -72,6 +72,9 @@ bench-mesh: setup
 
 bench-endpoints: setup
 	cargo run --release --locked -p trellis-bench --bin endpoints-bench -- --out bench/results/endpoints.json
+
+bench-exports: setup
+	cargo run --release --locked -p trellis-bench --bin exports-bench -- --out bench/results/exports.json
 
 # Root only; the service binaries it starts are built in release mode first.
 bench-dataplane: setup

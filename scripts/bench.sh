@@ -53,6 +53,8 @@ if [ "$kind" = quick ]; then
   run mesh-bench --mode etcd-processes --leaves 2 --repeats 2 --timeout 60 \
     --out "$out/mesh-etcd.json"
   run endpoints-bench --reflections 80 --repeats 3 --out "$out/endpoints.json"
+  run exports-bench --leaves 5 --samples 20 --bulk-endpoints 200 --repeats 2 \
+    --out "$out/exports.json"
   dataplane=(--samples 10 --iperf-seconds 3 --out "$out/dataplane.json")
   nodes=(--scenario node-path --samples 10 --iperf-seconds 3 --out "$out/dataplane-nodes.json")
 else
@@ -64,6 +66,7 @@ else
   run mesh-bench --mode etcd-processes --leaves 2,5 --repeats 3 --timeout 300 \
     --out "$out/mesh-etcd.json"
   run endpoints-bench --out "$out/endpoints.json"
+  run exports-bench --out "$out/exports.json"
   dataplane=(--out "$out/dataplane.json")
   nodes=(--scenario node-path --out "$out/dataplane-nodes.json")
 fi

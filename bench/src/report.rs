@@ -20,12 +20,13 @@ use serde_json::Value;
 use crate::svg::{self, BarChart, LineChart, Scale, Series};
 
 /// The benchmarks, by result file name (`<name>.json`).
-pub const BENCHMARKS: [&str; 7] = [
+pub const BENCHMARKS: [&str; 8] = [
     "ipam",
     "mesh",
     "mesh-hub-processes",
     "mesh-etcd",
     "endpoints",
+    "exports",
     "dataplane",
     "dataplane-nodes",
 ];
@@ -309,6 +310,25 @@ impl MeshSize {
 struct EndpointsDoc {
     scenarios: Vec<EndpointsScenario>,
     parameters: Option<Value>,
+}
+
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(default)]
+struct ExportsDoc {
+    parameters: Option<Value>,
+    mesh_seconds: f64,
+    change_latency: Option<ExportsLatency>,
+    bulk_seconds: Vec<f64>,
+    reflected_endpoints_per_second: f64,
+}
+
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(default)]
+struct ExportsLatency {
+    operations: u64,
+    p50_ms: f64,
+    p99_ms: f64,
+    max_ms: f64,
 }
 
 #[derive(Debug, Clone, Default, Deserialize)]
@@ -958,6 +978,7 @@ pub fn render(inputs: &Inputs) -> Output {
     ipam_section(&mut md, inputs, &mut files);
     mesh_section(&mut md, inputs, &mut files);
     endpoints_section(&mut md, inputs);
+    exports_section(&mut md, inputs);
     dataplane_section(&mut md, inputs, &mut files);
     node_path_section(&mut md, inputs);
     md.push_str(&note(inputs, "outro"));
@@ -1415,6 +1436,50 @@ fn endpoints_section(md: &mut String, inputs: &Inputs) {
             md.push('\n');
         }
     }
+}
+
+fn exports_section(md: &mut String, inputs: &Inputs) {
+    md.push_str("## Service exports across an induced mesh (`ExportService`)\n\n");
+    let p = match parse::<ExportsDoc>(inputs, "exports") {
+        Err(why) => {
+            let _ = writeln!(md, "Not measured: {why}.\n");
+            return;
+        }
+        Ok(p) => p,
+    };
+    let d = &p.doc;
+    let _ = writeln!(md, "{}\n", run_line(&p.path, &p.common));
+    md.push_str(&note(inputs, "exports"));
+    if let Some(params) = &d.parameters {
+        let _ = writeln!(md, "Parameters: `{}`.\n", compact(params));
+    }
+    let _ = writeln!(
+        md,
+        "Induced mesh complete {} s after the first Peer call.\n",
+        num(d.mesh_seconds, 1)
+    );
+    md.push_str("| measurement | result |\n|---|---|\n");
+    if let Some(l) = &d.change_latency {
+        let _ = writeln!(
+            md,
+            "| export change → changed slice at an induced consumer ({} changes) | p50 {} ms, p99 {} ms, max {} ms |",
+            l.operations,
+            num(l.p50_ms, 1),
+            num(l.p99_ms, 1),
+            num(l.max_ms, 1)
+        );
+    }
+    let runs = d
+        .bulk_seconds
+        .iter()
+        .map(|s| num(*s, 2))
+        .collect::<Vec<_>>()
+        .join(", ");
+    let _ = writeln!(
+        md,
+        "| bulk export at every consumer: seconds per run | {runs} |\n| reflected endpoints per second (consumers × endpoints / median) | {} |\n",
+        num(d.reflected_endpoints_per_second, 0)
+    );
 }
 
 fn node_path_section(md: &mut String, inputs: &Inputs) {
