@@ -172,6 +172,10 @@ pub struct Forwarder {
     schedule: Mutex<Schedule>,
     /// Wakes the retry loop (something was scheduled).
     wake: Notify,
+    /// Relays whose other direction arrived while an attempt of theirs was in flight: if that
+    /// attempt fails for a reason that may be gone now, it is retried at once, not after its
+    /// backoff ([`Forwarder::expedite`]).
+    expedited: Mutex<HashSet<String>>,
 }
 
 /// Gives up on a delivery for good: the other end refused the content itself.
@@ -206,6 +210,7 @@ impl Forwarder {
             },
             schedule: Mutex::new(Schedule::default()),
             wake: Notify::new(),
+            expedited: Mutex::new(HashSet::new()),
         })
     }
 
@@ -407,20 +412,32 @@ impl Forwarder {
     /// The relay from `origin` to `destination` is due at once if it waits for a retry: it was
     /// called when `destination` just relayed towards `origin`, so `destination` knows `origin`
     /// now, and the usual reason for the earlier failure (the NetworkConfig overtook the
-    /// Neighborhood) is gone. Saves waiting for the backoff.
+    /// Neighborhood) is gone. Saves waiting for the backoff. A relay with an attempt in flight
+    /// (which may be failing for that very reason right now) is marked, so that a failure of
+    /// that attempt is retried at once too: the event it waits for has happened.
     async fn expedite(&self, origin: &ClusterId, destination: &ClusterId) -> Result<()> {
         let key = relay_key(origin, destination);
         let now = now_nanos();
         if let Some((mut record, revision)) = self.load(&key).await?
             && record.state == State::Pending
-            && record.attempts > 0
-            && record.next_attempt_nanos > now
         {
-            record.next_attempt_nanos = now;
-            // Saving queues it for now (and wakes the retry loop).
-            self.save(&key, revision, Some(&record)).await?;
+            if record.attempts > 0 && record.next_attempt_nanos > now {
+                record.next_attempt_nanos = now;
+                // Saving queues it for now (and wakes the retry loop).
+                self.save(&key, revision, Some(&record)).await?;
+            } else if let Ok(mut expedited) = self.expedited.lock() {
+                expedited.insert(key);
+            }
         }
         Ok(())
+    }
+
+    /// Whether a failed attempt of `key` is to be retried at once (see [`Self::expedite`]).
+    fn take_expedited(&self, key: &str) -> bool {
+        self.expedited
+            .lock()
+            .map(|mut expedited| expedited.remove(key))
+            .unwrap_or(false)
     }
 
     /// The destination's status for a NetworkConfig it received through us.
@@ -659,6 +676,8 @@ impl Forwarder {
         .await;
 
         let now = now_nanos();
+        // Taken on every outcome, so a marker never outlives the attempt it was meant for.
+        let expedited = self.take_expedited(key);
         let (origin_id, destination_id) = (record.origin.id.clone(), record.destination.id.clone());
         let next = match result {
             // Done: nothing left to keep.
@@ -701,9 +720,15 @@ impl Forwarder {
             Err(err) => {
                 record.attempts += 1;
                 record.last_error = err.to_string();
-                let backoff = Backoff::new(RETRY_MIN, self.delivery.retry_max)
-                    .after_failures(record.attempts);
-                record.next_attempt_nanos = now.saturating_add(nanos(backoff));
+                record.next_attempt_nanos = if expedited {
+                    // The other direction arrived meanwhile: what this attempt was refused
+                    // for is likely gone.
+                    now
+                } else {
+                    let backoff = Backoff::new(RETRY_MIN, self.delivery.retry_max)
+                        .after_failures(record.attempts);
+                    now.saturating_add(nanos(backoff))
+                };
                 tracing::debug!(origin = %record.origin.id, destination = %record.destination.id, attempts = record.attempts, error = %err, "relay delivery will be retried");
                 Some(record)
             }
