@@ -228,7 +228,10 @@ impl Broker {
     /// Asks both lanes of the reconciler for a pass over every remote.
     pub fn wake(&self) {
         for lane in &self.lanes {
-            lane.dirty.lock().unwrap_or_else(PoisonError::into_inner).all = true;
+            lane.dirty
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .all = true;
             lane.wake.notify_one();
         }
     }

@@ -449,18 +449,14 @@ pub async fn pass(broker: &Broker, lane: Lane) -> Result<Unsettled> {
             }
         }
     }
-    match mapped {
-        Some(Ok(mapped)) => {
-            if !free_orphaned_mappings(broker, mapped, &held, &peers)
-                .await?
-                .is_empty()
-            {
-                unsettled.all = true;
-            }
-        }
-        Some(Err(_)) => unsettled.all = true,
-        None => {}
-    }
+    let orphans_left = match mapped {
+        Some(Ok(mapped)) => !free_orphaned_mappings(broker, mapped, &held, &peers)
+            .await?
+            .is_empty(),
+        Some(Err(_)) => true,
+        None => false,
+    };
+    unsettled.all |= orphans_left;
     Ok(unsettled)
 }
 

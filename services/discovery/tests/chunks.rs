@@ -13,11 +13,11 @@ use std::sync::atomic::{AtomicI64, Ordering};
 use std::time::Duration;
 
 use trellis_api::ClusterIdentity;
+use trellis_discovery::Discovery;
 use trellis_discovery::core::{PeeringUpdate, ReceivedNeighborhood};
 use trellis_discovery::records::{
     Addresses, INDUCED_PEERING, Inbox, Kind, Neighbor, PEERED, WITHDRAWN, decode, inbox_key,
 };
-use trellis_discovery::Discovery;
 use trellis_store::{
     KeyValue, LeaseId, Listing, MemoryStore, Revision, SharedStore, Store, StoreError, Txn,
     TxnOutcome, WatchStream,
@@ -123,7 +123,12 @@ fn peering(peered: bool) -> PeeringUpdate {
         outgoing: true,
         incoming: true,
         networking: true,
-        reason: if peered { "HandshakeCompleted" } else { "Unpeered" }.into(),
+        reason: if peered {
+            "HandshakeCompleted"
+        } else {
+            "Unpeered"
+        }
+        .into(),
         message: String::new(),
         expected_revision: 0,
         ca_certificate: String::new(),

@@ -122,7 +122,12 @@ async fn a_send_that_failed_is_retried_when_the_peer_speaks_not_after_its_backof
 
     // The hub peers with leaf-a (never reached) and the leaf, first known at an address that
     // refuses to talk: the hub's first send fails and backs off for an hour.
-    record_peer(&hub, "leaf-a", &format!("127.0.0.1:{}", trellis_testkit::free_port())).await;
+    record_peer(
+        &hub,
+        "leaf-a",
+        &format!("127.0.0.1:{}", trellis_testkit::free_port()),
+    )
+    .await;
     let (refusing, attempts) = slamming().await;
     record_peer(&hub, "leaf", &refusing.to_string()).await;
     let deadline = Instant::now() + LIMIT;
@@ -166,10 +171,11 @@ async fn a_send_that_failed_is_retried_when_the_peer_speaks_not_after_its_backof
             .expect("lists")
             .into_inner()
             .foreign_clusters;
-        if induced
-            .iter()
-            .any(|fc| fc.identity.as_ref().is_some_and(|i| i.cluster_id == "leaf-a"))
-        {
+        if induced.iter().any(|fc| {
+            fc.identity
+                .as_ref()
+                .is_some_and(|i| i.cluster_id == "leaf-a")
+        }) {
             break;
         }
         assert!(

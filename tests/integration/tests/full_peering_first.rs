@@ -50,7 +50,10 @@ async fn a_leaf_joining_a_hub_busy_with_induced_relays_gets_its_full_tunnel_firs
 
     peer(&a, &hub).await;
     eventually("leaf-a's tunnel to the hub", LIMIT, || tunnel_to(&a, "hub")).await;
-    eventually("the hub's tunnel to leaf-a", LIMIT, || tunnel_to(&hub, "leaf-a")).await;
+    eventually("the hub's tunnel to leaf-a", LIMIT, || {
+        tunnel_to(&hub, "leaf-a")
+    })
+    .await;
     assert_eq!(relays.requests(), 0, "one leaf: nothing to relay yet");
 
     peer(&l, &hub).await;
@@ -63,7 +66,10 @@ async fn a_leaf_joining_a_hub_busy_with_induced_relays_gets_its_full_tunnel_firs
     to_l.release(l.services.broker);
 
     eventually("leaf-l's tunnel to the hub", LIMIT, || tunnel_to(&l, "hub")).await;
-    eventually("the hub's tunnel to leaf-l", LIMIT, || tunnel_to(&hub, "leaf-l")).await;
+    eventually("the hub's tunnel to leaf-l", LIMIT, || {
+        tunnel_to(&hub, "leaf-l")
+    })
+    .await;
     assert_eq!(
         relays.cancelled(),
         0,
@@ -79,10 +85,19 @@ async fn a_leaf_joining_a_hub_busy_with_induced_relays_gets_its_full_tunnel_firs
         .await
         .expect("lists relays")
         .into_inner();
-    assert!(held.relays.is_empty(), "nothing reached the forwarder: {held:?}");
+    assert!(
+        held.relays.is_empty(),
+        "nothing reached the forwarder: {held:?}"
+    );
 
     // Let the relays through: the induced pair converges.
     relays.release(hub.services.forwarder);
-    eventually("leaf-l's tunnel to leaf-a", LIMIT, || tunnel_to(&l, "leaf-a")).await;
-    eventually("leaf-a's tunnel to leaf-l", LIMIT, || tunnel_to(&a, "leaf-l")).await;
+    eventually("leaf-l's tunnel to leaf-a", LIMIT, || {
+        tunnel_to(&l, "leaf-a")
+    })
+    .await;
+    eventually("leaf-a's tunnel to leaf-l", LIMIT, || {
+        tunnel_to(&a, "leaf-l")
+    })
+    .await;
 }
