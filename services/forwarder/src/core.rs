@@ -331,6 +331,17 @@ impl Forwarder {
     /// Replaces the record at `key` if it is still at `revision`; `None` deletes it. Every
     /// write of a relay goes through here, which keeps the due queue in step with the store.
     async fn save(&self, key: &str, revision: i64, record: Option<&RelayRecord>) -> Result<bool> {
+        Ok(self.save_at(key, revision, record).await?.is_some())
+    }
+
+    /// [`Self::save`], returning the record's new revision when it committed: the revision of
+    /// the transaction, which is the key's mod revision, so the caller need not read it back.
+    async fn save_at(
+        &self,
+        key: &str,
+        revision: i64,
+        record: Option<&RelayRecord>,
+    ) -> Result<Option<i64>> {
         let op = match record {
             Some(r) => Op::Put {
                 key: key.to_owned(),
@@ -358,7 +369,7 @@ impl Forwarder {
                 record.and_then(|r| work_of(r, self.delivery.retention)),
             );
         }
-        Ok(done.succeeded)
+        Ok(done.succeeded.then_some(done.revision))
     }
 
     /// Accepts a passthrough NetworkConfig and tries to deliver it at once.
@@ -394,11 +405,8 @@ impl Forwarder {
                 trace: traceparent_of(&tracing::Span::current()),
             };
             let revision = existing.as_ref().map_or(0, |(_, r)| *r);
-            if self.save(&key, revision, Some(&record)).await? {
-                break (
-                    record,
-                    self.store.get(&key).await?.map_or(0, |kv| kv.mod_revision),
-                );
+            if let Some(revision) = self.save_at(&key, revision, Some(&record)).await? {
+                break (record, revision);
             }
             contention.lost().await?;
         };
@@ -467,8 +475,7 @@ impl Forwarder {
             record.status = Some(status.clone());
             record.attempts = 0;
             record.next_attempt_nanos = now_nanos() + nanos(INLINE_GRACE);
-            if self.save(&key, revision, Some(&record)).await? {
-                let revision = self.store.get(&key).await?.map_or(0, |kv| kv.mod_revision);
+            if let Some(revision) = self.save_at(&key, revision, Some(&record)).await? {
                 return Ok(self
                     .attempt(&key, record, revision, false, Some(peers))
                     .await?
@@ -522,8 +529,7 @@ impl Forwarder {
         let mut contention = Contention::new("accepting a withdrawal");
         loop {
             let revision = self.load(&key).await?.map_or(0, |(_, r)| r);
-            if self.save(&key, revision, Some(&record)).await? {
-                let revision = self.store.get(&key).await?.map_or(0, |kv| kv.mod_revision);
+            if let Some(revision) = self.save_at(&key, revision, Some(&record)).await? {
                 return Ok(self.attempt(&key, record, revision, false, None).await?.0);
             }
             contention.lost().await?;
