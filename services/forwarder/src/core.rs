@@ -369,6 +369,10 @@ impl Forwarder {
                 record.and_then(|r| work_of(r, self.delivery.retention)),
             );
         }
+        if done.succeeded && record.is_none() {
+            // A relay that is gone has no attempt left to expedite.
+            self.take_expedited(key);
+        }
         Ok(done.succeeded.then_some(done.revision))
     }
 
