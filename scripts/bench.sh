@@ -43,13 +43,57 @@ run() {
   fi
 }
 
+# The reference the mesh benchmarks are compared with in the same run (docs/benchmarks.md,
+# "against main"): TRELLIS_BENCH_REFERENCE (default main; "none" skips it), checked out in a
+# scratch worktree with this run's bench/ harness over it, so both builds record the same
+# fields, and built in release into its own target directory.
+reference=${TRELLIS_BENCH_REFERENCE:-main}
+refbin=""
+if [ "$reference" != none ]; then
+  target="$(dirname "$bin")"
+  refsrc="$target/bench-reference/src"
+  log "building the reference ($reference) with this run's benchmark harness (release)"
+  if { git worktree remove --force "$refsrc" >/dev/null 2>&1 || rm -rf "$refsrc"; } &&
+    git worktree prune &&
+    git worktree add --force --detach "$refsrc" "$reference" >/dev/null &&
+    rm -rf "$refsrc/bench" && cp -r bench "$refsrc/bench" &&
+    (cd "$refsrc" && CARGO_TARGET_DIR="$target/bench-reference/target" \
+      cargo build --release -p trellis-bench --bin mesh-bench \
+      -p trellis-ipam -p trellis-discovery -p trellis-broker -p trellis-forwarder \
+      -p trellis-gateway); then
+    refbin="$target/bench-reference/target/release"
+  else
+    log "reference build FAILED: the mesh benchmarks are not compared with $reference"
+    failed+=("reference-build")
+  fi
+fi
+# Runs the reference's mesh-bench with the same arguments (the last two: --out FILE, given as
+# <name>-main.json next to it).
+run_reference() {
+  [ -n "$refbin" ] || return 0
+  local args=("$@") n=${#args[@]}
+  local out_file=${args[$((n - 1))]}
+  args[$((n - 1))]="$root/${out_file%.json}-main.json"
+  log "mesh-bench (reference $reference): ${args[*]}"
+  # From the reference's tree, so the result records its commit.
+  if ! (cd "$refsrc" && "$refbin/mesh-bench" --run-kind "$kind" \
+    --note "reference $reference, run right after this build's; ${TRELLIS_BENCH_NOTE:-}" \
+    "${args[@]}"); then
+    log "mesh-bench (reference): FAILED; its previous result, if any, is kept"
+    failed+=("mesh-bench-reference")
+  fi
+}
+
 if [ "$kind" = quick ]; then
   run ipam-bench --requests 2000 --new-clusters 100 --repeats 3 --consistency-endpoints 200 \
     --out "$out/ipam.json"
-  run mesh-bench --mode in-process --leaves 2,5,10,20 --repeats 3 --timeout 60 \
-    --out "$out/mesh.json"
-  run mesh-bench --mode hub-processes --leaves 2,5,10 --repeats 3 --timeout 60 \
-    --out "$out/mesh-hub-processes.json"
+  mesh=(--mode in-process --leaves 2,5,10,20 --repeats 3 --timeout 60 --out "$out/mesh.json")
+  run mesh-bench "${mesh[@]}"
+  run_reference "${mesh[@]}"
+  hubp=(--mode hub-processes --leaves 2,5,10 --repeats 3 --timeout 60
+    --out "$out/mesh-hub-processes.json")
+  run mesh-bench "${hubp[@]}"
+  run_reference "${hubp[@]}"
   run mesh-bench --mode etcd-processes --leaves 2 --repeats 2 --timeout 60 \
     --out "$out/mesh-etcd.json"
   run endpoints-bench --reflections 80 --repeats 3 --out "$out/endpoints.json"
@@ -59,10 +103,14 @@ if [ "$kind" = quick ]; then
   nodes=(--scenario node-path --samples 10 --iperf-seconds 3 --out "$out/dataplane-nodes.json")
 else
   run ipam-bench --out "$out/ipam.json"
-  run mesh-bench --mode in-process --leaves 2,5,10,20,50,100,254 --repeats 3 --timeout 180 \
-    --out "$out/mesh.json"
-  run mesh-bench --mode hub-processes --leaves 2,5,10,20,50,100 --repeats 3 --timeout 300 \
-    --out "$out/mesh-hub-processes.json"
+  mesh=(--mode in-process --leaves 2,5,10,20,50,100,254 --repeats 3 --timeout 180
+    --out "$out/mesh.json")
+  run mesh-bench "${mesh[@]}"
+  run_reference "${mesh[@]}"
+  hubp=(--mode hub-processes --leaves 2,5,10,20,50,100 --repeats 3 --timeout 300
+    --out "$out/mesh-hub-processes.json")
+  run mesh-bench "${hubp[@]}"
+  run_reference "${hubp[@]}"
   run mesh-bench --mode etcd-processes --leaves 2,5 --repeats 3 --timeout 300 \
     --out "$out/mesh-etcd.json"
   run endpoints-bench --out "$out/endpoints.json"

@@ -34,6 +34,18 @@ pub const BENCHMARKS: [&str; 8] = [
 /// Earlier measurements kept for the notes' "what changed" sections (full results only).
 pub const HISTORY: &str = "history";
 
+/// Mesh benchmarks also run, in the same `make bench` run, against the reference build (the
+/// `main` branch, with this run's benchmark harness; see `scripts/bench.sh`): (result, the
+/// reference's result, label). The document shows them side by side as ratios.
+pub const REFERENCES: [(&str, &str, &str); 2] = [
+    ("mesh", "mesh-main", "in process (memory)"),
+    (
+        "mesh-hub-processes",
+        "mesh-hub-processes-main",
+        "hub processes (memory)",
+    ),
+];
+
 /// One result file as read.
 #[derive(Debug, Clone)]
 pub enum Loaded {
@@ -126,6 +138,11 @@ impl Inputs {
             HISTORY.to_owned(),
             read_json(root, &format!("bench/results/{HISTORY}.json")),
         );
+        for (_, name, _) in REFERENCES {
+            let full = read_json(root, &format!("bench/results/{name}.json"));
+            let quick = read_json(root, &format!("bench/results/quick/{name}.json"));
+            results.insert(name.to_owned(), newest(full, quick));
+        }
         let mut notes = BTreeMap::new();
         let dir = root.join("bench/notes");
         for entry in
@@ -291,6 +308,9 @@ struct MeshSize {
     hub_cpu_seconds_during_setup: Option<f64>,
     hub_peak_rss_kib_total: Option<u64>,
     hub_etcd_keys: Option<BTreeMap<String, usize>>,
+    median_full_tunnels_seconds: Option<f64>,
+    median_tail_share: Option<f64>,
+    median_hub_cpu_ms_per_induced_tunnel: Option<f64>,
 }
 
 impl MeshSize {
@@ -977,6 +997,7 @@ pub fn render(inputs: &Inputs) -> Output {
     let mut files = Vec::new();
     ipam_section(&mut md, inputs, &mut files);
     mesh_section(&mut md, inputs, &mut files);
+    mesh_reference_section(&mut md, inputs);
     endpoints_section(&mut md, inputs);
     exports_section(&mut md, inputs);
     dataplane_section(&mut md, inputs, &mut files);
@@ -1366,6 +1387,93 @@ fn mesh_section(md: &mut String, inputs: &Inputs, files: &mut Vec<(PathBuf, Stri
                 md.push('\n');
             }
         }
+    }
+}
+
+/// The mesh results next to the reference build's from the same run (ratio = this build /
+/// the reference: below 1 is faster or cheaper).
+fn mesh_reference_section(md: &mut String, inputs: &Inputs) {
+    md.push_str(
+        "## Induced mesh against main, in the same run
+
+",
+    );
+    md.push_str(&note(inputs, "mesh-reference"));
+    let ratio = |a: Option<f64>, b: Option<f64>| match (a, b) {
+        (Some(a), Some(b)) if b > 0.0 => format!("{:.2}", a / b),
+        _ => "-".into(),
+    };
+    let pair = |a: Option<f64>, b: Option<f64>, d: usize| {
+        format!("{} / {} ({})", opt(a, d), opt(b, d), ratio(a, b))
+    };
+    for (name, reference, label) in REFERENCES {
+        let _ = writeln!(
+            md,
+            "### {label}
+"
+        );
+        let (ours, theirs) = match (
+            parse::<MeshDoc>(inputs, name),
+            parse::<MeshDoc>(inputs, reference),
+        ) {
+            (Ok(ours), Ok(theirs)) => (ours, theirs),
+            (Err(why), _) | (_, Err(why)) => {
+                let _ = writeln!(
+                    md,
+                    "Not compared: {why}.
+"
+                );
+                continue;
+            }
+        };
+        let _ = writeln!(
+            md,
+            "{}
+",
+            run_line(&ours.path, &ours.common)
+        );
+        let _ = writeln!(
+            md,
+            "{}
+",
+            run_line(&theirs.path, &theirs.common)
+        );
+        md.push_str(
+            "Each cell: this build / main (ratio).
+
+",
+        );
+        md.push_str("| leaves | setup s | all full tunnels s | 90→100 % share of the setup | hub CPU ms per induced tunnel | hub peak RSS MiB |
+");
+        md.push_str(
+            "|---|---|---|---|---|---|
+",
+        );
+        for s in &ours.doc.sizes {
+            let Some(r) = theirs.doc.sizes.iter().find(|r| r.leaves == s.leaves) else {
+                continue;
+            };
+            let rss = |x: &MeshSize| x.hub_peak_rss_kib_total.map(|k| k as f64 / 1024.0);
+            let _ = writeln!(
+                md,
+                "| {} | {} | {} | {} | {} | {} |",
+                s.leaves,
+                pair(s.converged_median(), r.converged_median(), 2),
+                pair(
+                    s.median_full_tunnels_seconds,
+                    r.median_full_tunnels_seconds,
+                    2
+                ),
+                pair(s.median_tail_share, r.median_tail_share, 2),
+                pair(
+                    s.median_hub_cpu_ms_per_induced_tunnel,
+                    r.median_hub_cpu_ms_per_induced_tunnel,
+                    3
+                ),
+                pair(rss(s), rss(r), 1),
+            );
+        }
+        md.push('\n');
     }
 }
 

@@ -102,6 +102,18 @@ struct Run {
     /// CPU seconds the hub's processes spent from the Peer requests to convergence.
     #[serde(skip_serializing_if = "Option::is_none")]
     hub_cpu_seconds: Option<f64>,
+    /// The same per induced TunnelEndpoint (n·(n-1)), in milliseconds: what one more induced
+    /// tunnel costs the hub every leaf shares (issue 17).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    hub_cpu_ms_per_induced_tunnel: Option<f64>,
+    /// Seconds from the Peer requests until every full tunnel was up: each leaf's to the hub
+    /// and the hub's to each leaf (none when that did not happen before the run ended).
+    full_tunnels_seconds: Option<f64>,
+    /// Seconds until 90 % of the induced TunnelEndpoints existed.
+    induced_90_seconds: Option<f64>,
+    /// The last 10 % of induced TunnelEndpoints' share of the setup time:
+    /// (seconds − induced_90_seconds) / seconds. A retry tail shows here.
+    tail_share: Option<f64>,
     /// File descriptors this process held when the run ended (against `open_files_limit`:
     /// every in-process cluster's sockets count here).
     open_files: Option<usize>,
@@ -199,6 +211,11 @@ struct Size {
     hub_peak_rss_kib_total: Option<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     hub_etcd_keys: Option<BTreeMap<&'static str, usize>>,
+    /// Medians over the converged runs of the per-run fields of the same names.
+    median_full_tunnels_seconds: Option<f64>,
+    median_tail_share: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    median_hub_cpu_ms_per_induced_tunnel: Option<f64>,
 }
 
 #[derive(Debug, Serialize)]
@@ -592,6 +609,15 @@ async fn channel(addr: SocketAddr) -> anyhow::Result<Channel> {
 /// How many induced TunnelEndpoints the leaf behind `client` holds; 0 while it cannot be asked.
 /// The client (one HTTP/2 connection per leaf) is kept across polls and dropped on an error.
 async fn induced(broker: SocketAddr, client: &mut Option<BrokerClient<Channel>>) -> usize {
+    tunnels_of_kind(broker, client, PeeringKind::Induced).await
+}
+
+/// How many TunnelEndpoints of `kind` the broker behind `client` holds (see [`induced`]).
+async fn tunnels_of_kind(
+    broker: SocketAddr,
+    client: &mut Option<BrokerClient<Channel>>,
+    kind: PeeringKind,
+) -> usize {
     if client.is_none() {
         *client = channel(broker).await.ok().map(BrokerClient::new);
     }
@@ -601,7 +627,7 @@ async fn induced(broker: SocketAddr, client: &mut Option<BrokerClient<Channel>>)
     match connected
         .list_tunnel_endpoints(ListTunnelEndpointsRequest {
             cluster_id: String::new(),
-            kind: PeeringKind::Induced as i32,
+            kind: kind as i32,
         })
         .await
     {
@@ -692,6 +718,12 @@ async fn measure(
     let mut done: BTreeMap<usize, usize> = BTreeMap::new();
     let mut pending: BTreeSet<usize> = (0..brokers.len()).collect();
     let mut clients: Vec<Option<BrokerClient<Channel>>> = vec![None; brokers.len()];
+    // Full tunnels: each leaf's to the hub (asked until it has it), and the hub's to all.
+    let mut without_full: BTreeSet<usize> = (0..brokers.len()).collect();
+    let mut hub_client = None;
+    let mut full_tunnels_at = None;
+    let mut induced_90_at = None;
+    let mut induced_at = None;
     let converged = loop {
         let mut finished = Vec::new();
         for &i in &pending {
@@ -704,7 +736,30 @@ async fn measure(
         for i in finished {
             pending.remove(&i);
         }
-        if pending.is_empty() {
+        if induced_90_at.is_none() && done.values().sum::<usize>() * 10 >= expected * 9 {
+            induced_90_at = Some(started.elapsed());
+        }
+        if induced_at.is_none() && pending.is_empty() {
+            induced_at = Some(started.elapsed());
+        }
+        if full_tunnels_at.is_none() {
+            let mut up = Vec::new();
+            for &i in &without_full {
+                if tunnels_of_kind(brokers[i], &mut clients[i], PeeringKind::Full).await > 0 {
+                    up.push(i);
+                }
+            }
+            for i in up {
+                without_full.remove(&i);
+            }
+            if without_full.is_empty()
+                && tunnels_of_kind(hub.addr("broker"), &mut hub_client, PeeringKind::Full).await
+                    >= leaves
+            {
+                full_tunnels_at = Some(started.elapsed());
+            }
+        }
+        if pending.is_empty() && full_tunnels_at.is_some() {
             break true;
         }
         if started.elapsed() >= timeout {
@@ -720,16 +775,27 @@ async fn measure(
         .zip(&before)
         .map(|((_, a), (_, b))| a.cpu_seconds - b.cpu_seconds)
         .collect();
-    let hub_cpu_seconds = (!pids.is_empty()).then(|| cpu_during.iter().sum());
+    let hub_cpu_seconds: Option<f64> = (!pids.is_empty()).then(|| cpu_during.iter().sum());
+    // The setup ends with the last induced tunnel (full tunnels are normally up long before).
+    let seconds = if converged {
+        induced_at.unwrap_or(elapsed).as_secs_f64()
+    } else {
+        timeout.as_secs_f64()
+    };
+    let induced_90_seconds = induced_90_at.map(|d| d.as_secs_f64());
     let run = Run {
-        seconds: if converged {
-            elapsed.as_secs_f64()
-        } else {
-            timeout.as_secs_f64()
-        },
+        seconds,
         converged,
         induced_reached: reached,
         hub_cpu_seconds,
+        hub_cpu_ms_per_induced_tunnel: hub_cpu_seconds
+            .filter(|_| converged)
+            .map(|cpu| cpu * 1000.0 / expected as f64),
+        full_tunnels_seconds: full_tunnels_at.map(|d| d.as_secs_f64()),
+        induced_90_seconds,
+        tail_share: induced_90_seconds
+            .filter(|_| converged && seconds > 0.0)
+            .map(|t90| (seconds - t90) / seconds),
         open_files: std::fs::read_dir("/proc/self/fd").ok().map(Iterator::count),
         peer_retries,
     };
@@ -884,6 +950,9 @@ async fn main() -> anyhow::Result<()> {
             hub_cpu_seconds_during_setup: None,
             hub_peak_rss_kib_total: None,
             hub_etcd_keys: None,
+            median_full_tunnels_seconds: None,
+            median_tail_share: None,
+            median_hub_cpu_ms_per_induced_tunnel: None,
         };
         if let Some(reason) = &gave_up {
             size.status = Status::Skipped;
@@ -953,6 +1022,17 @@ async fn main() -> anyhow::Result<()> {
                 .collect::<Vec<_>>(),
         );
         size.hub_peak_rss_kib_total = median(&peaks).map(|p| p as u64);
+        let of = |field: fn(&Run) -> Option<f64>| {
+            median(
+                &converged
+                    .iter()
+                    .filter_map(|r| field(r))
+                    .collect::<Vec<_>>(),
+            )
+        };
+        size.median_full_tunnels_seconds = of(|r| r.full_tunnels_seconds);
+        size.median_tail_share = of(|r| r.tail_share);
+        size.median_hub_cpu_ms_per_induced_tunnel = of(|r| r.hub_cpu_ms_per_induced_tunnel);
         if matches!(size.status, Status::TimedOut | Status::Failed) && !args.keep_going {
             gave_up = Some(format!(
                 "1 hub + {leaves} leaves did not converge ({})",
@@ -976,17 +1056,22 @@ async fn main() -> anyhow::Result<()> {
         sizes,
     };
     write_json(&out, &report)?;
-    eprintln!("| leaves | status | induced TEs | median s | hub CPU s | hub peak RSS MiB |");
-    eprintln!("|---|---|---|---|---|---|");
+    eprintln!(
+        "| leaves | status | induced TEs | median s | full tunnels s | 90→100 % share | hub CPU s | hub CPU ms / induced TE | hub peak RSS MiB |"
+    );
+    eprintln!("|---|---|---|---|---|---|---|---|---|");
     for s in &report.sizes {
         let opt = |v: Option<f64>, d: usize| v.map_or("-".into(), |v| format!("{v:.d$}"));
         eprintln!(
-            "| {} | {:?} | {} | {} | {} | {} |",
+            "| {} | {:?} | {} | {} | {} | {} | {} | {} | {} |",
             s.leaves,
             s.status,
             s.induced_tunnel_endpoints,
             opt(s.median_seconds, 3),
+            opt(s.median_full_tunnels_seconds, 3),
+            opt(s.median_tail_share, 3),
             opt(s.hub_cpu_seconds_during_setup, 2),
+            opt(s.median_hub_cpu_ms_per_induced_tunnel, 3),
             opt(s.hub_peak_rss_kib_total.map(|k| k as f64 / 1024.0), 1)
         );
     }

@@ -334,3 +334,36 @@ fn runs_show_timeouts_and_peer_retries() {
     };
     assert_eq!(runs_text(&size), "61.500 (3 Peer retries), > 120");
 }
+
+#[test]
+fn the_mesh_is_compared_with_the_reference_of_the_same_run() {
+    let with = |seconds: f64, full: f64, tail: f64, cpu_ms: f64| {
+        let mut doc = mesh(&[(100, Some(seconds))]);
+        let size = &mut doc["sizes"][0];
+        size["median_full_tunnels_seconds"] = json!(full);
+        size["median_tail_share"] = json!(tail);
+        size["median_hub_cpu_ms_per_induced_tunnel"] = json!(cpu_ms);
+        size["hub_peak_rss_kib_total"] = json!(1024 * 300);
+        doc
+    };
+    let md = render(&inputs(vec![
+        found("mesh", with(4.0, 1.0, 0.1, 0.05)),
+        found("mesh-main", with(8.0, 4.0, 0.4, 0.2)),
+    ]))
+    .files[0]
+        .1
+        .clone();
+    let section = md
+        .split("## Induced mesh against main, in the same run")
+        .nth(1)
+        .expect("section");
+    assert!(
+        section.contains("| 100 | 4.00 / 8.00 (0.50) | 1.00 / 4.00 (0.25) | 0.10 / 0.40 (0.25) | 0.050 / 0.200 (0.25) | 300.0 / 300.0 (1.00) |"),
+        "{section}"
+    );
+    // Without both results, it says so instead of showing one side.
+    assert!(
+        section.contains("Not compared: no result (`bench/results/mesh-hub-processes.json`"),
+        "{section}"
+    );
+}

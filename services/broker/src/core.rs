@@ -57,10 +57,9 @@ pub struct Broker {
     store: SharedStore,
     clients: Clients,
     initial_token: Option<String>,
-    /// Wakes the reconciler.
-    pub(crate) wake: Arc<Notify>,
-    /// What the next pass must look at (in memory only: a restart runs a full pass anyway).
-    dirty: Mutex<Dirty>,
+    /// The reconciler's two lanes (full peers, induced peers): what each must look at next
+    /// and how to wake it (in memory only: a restart runs a full pass anyway).
+    lanes: [LaneState; 2],
     /// One lock per remote, held while a peering with it starts or ends and while its
     /// unpeering notice is acted on, so a notice is never sent about (or rolled forward over)
     /// a peering that was started again in between.
@@ -75,6 +74,72 @@ pub struct Broker {
 pub struct Dirty {
     pub all: bool,
     pub ids: BTreeSet<ClusterId>,
+}
+
+/// Which of the reconciler's two lanes works on a remote. Full peers (direct NetworkConfig
+/// exchange, the hub of induced peerings) and induced peers (relayed through a hub) are
+/// reconciled by separate loops, so the handshake-to-tunnel path of a full peering never
+/// waits behind a pass over hundreds of induced exchanges, each waiting on a relay through
+/// the hub (ADR 0015).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Lane {
+    Full,
+    Induced,
+}
+
+impl Lane {
+    pub const ALL: [Lane; 2] = [Lane::Full, Lane::Induced];
+
+    /// The lane of an exchange relayed through `via` (none: a direct one).
+    pub fn of_via<T>(via: Option<&T>) -> Self {
+        if via.is_some() {
+            Lane::Induced
+        } else {
+            Lane::Full
+        }
+    }
+
+    /// The lane of a remote routed as `route`.
+    pub fn of_route(route: &trellis_api::peers::Route) -> Self {
+        match route {
+            trellis_api::peers::Route::Direct { .. } => Lane::Full,
+            trellis_api::peers::Route::Relayed { .. } => Lane::Induced,
+        }
+    }
+
+    /// The other lane.
+    pub fn other(self) -> Self {
+        match self {
+            Lane::Full => Lane::Induced,
+            Lane::Induced => Lane::Full,
+        }
+    }
+
+    fn index(self) -> usize {
+        match self {
+            Lane::Full => 0,
+            Lane::Induced => 1,
+        }
+    }
+}
+
+/// One lane's pending work and its wake-up.
+#[derive(Debug)]
+struct LaneState {
+    dirty: Mutex<Dirty>,
+    wake: Arc<Notify>,
+}
+
+impl LaneState {
+    fn new() -> Self {
+        Self {
+            dirty: Mutex::new(Dirty {
+                all: true,
+                ids: BTreeSet::new(),
+            }),
+            wake: Arc::new(Notify::new()),
+        }
+    }
 }
 
 fn local(context: &str) -> impl Fn(tonic::Status) -> Error + '_ {
@@ -93,11 +158,7 @@ impl Broker {
             store,
             clients,
             initial_token,
-            wake: Arc::new(Notify::new()),
-            dirty: Mutex::new(Dirty {
-                all: true,
-                ids: BTreeSet::new(),
-            }),
+            lanes: [LaneState::new(), LaneState::new()],
             peering_locks: Mutex::new(HashMap::new()),
             allowed: AllowedRanges::default(),
         }
@@ -165,28 +226,43 @@ impl Broker {
         &self.clients
     }
 
-    /// Asks the reconciler for a pass over every remote.
+    /// Asks both lanes of the reconciler for a pass over every remote.
     pub fn wake(&self) {
-        self.dirty
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .all = true;
-        self.wake.notify_one();
+        for lane in &self.lanes {
+            lane.dirty
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .all = true;
+            lane.wake.notify_one();
+        }
     }
 
-    /// Asks the reconciler for a pass over `remote` (what changed concerns only it).
-    pub fn wake_for(&self, remote: &ClusterId) {
-        self.dirty
+    /// Asks `lane` for a pass over `remote` (what changed concerns only it). A remote woken
+    /// in the wrong lane (its route changed meanwhile) is handed to the other one by the pass.
+    pub fn wake_for(&self, remote: &ClusterId, lane: Lane) {
+        let state = &self.lanes[lane.index()];
+        state
+            .dirty
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .ids
             .insert(remote.clone());
-        self.wake.notify_one();
+        state.wake.notify_one();
     }
 
-    /// What the next pass must look at; resets it.
-    pub fn take_dirty(&self) -> Dirty {
-        std::mem::take(&mut *self.dirty.lock().unwrap_or_else(PoisonError::into_inner))
+    /// What `lane`'s next pass must look at; resets it.
+    pub fn take_dirty(&self, lane: Lane) -> Dirty {
+        std::mem::take(
+            &mut *self.lanes[lane.index()]
+                .dirty
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner),
+        )
+    }
+
+    /// Notified whenever `lane` has new work.
+    pub(crate) fn lane_wake(&self, lane: Lane) -> Arc<Notify> {
+        self.lanes[lane.index()].wake.clone()
     }
 
     /// The token, created on first use.
@@ -786,7 +862,7 @@ impl Broker {
         {
             self.resend(&nc.origin.id).await?;
         }
-        self.wake_for(&nc.origin.id);
+        self.wake_for(&nc.origin.id, Lane::of_via(nc.via.as_ref()));
         Ok(Answer {
             accepted: true,
             generation: nc.generation,
@@ -912,7 +988,7 @@ impl Broker {
             let committed = self.replace_outgoing(&key, kv.mod_revision, &out).await?;
             if committed {
                 tracing::info!(remote.id = %remote, generation = out.generation, "the remote decided on our network config");
-                self.wake_for(remote);
+                self.wake_for(remote, Lane::of_via(out.via.as_ref()));
                 return Ok(true);
             }
             contention.lost().await?;

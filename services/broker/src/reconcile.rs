@@ -29,7 +29,7 @@ use trellis_runtime::Shutdown;
 use trellis_runtime::propagation::{resumed_span, traceparent_of};
 use trellis_store::{Compare, Op, Txn};
 
-use crate::core::Broker;
+use crate::core::{Broker, Lane};
 use crate::records::{
     Decision, IN_PREFIX, IncomingNc, NOTIFY_PREFIX, OUT_PREFIX, OutgoingNc, PendingNotify,
     TUNNELS_PREFIX, TunnelRecord, decode, encode, in_key, nc_name, out_key, tombstone_key,
@@ -45,16 +45,33 @@ const RETRY_MAX: Duration = Duration::from_secs(10);
 /// so one slow remote must not hold up the others.
 const CONCURRENCY: usize = 16;
 
-/// Runs until `shutdown`. A pass looks at every remote on the periodic resync (and after a
-/// failure it could not pin on one remote), otherwise only at the remotes something happened
-/// to ([`Broker::wake_for`]), so the work per event does not grow with the number of peers.
+/// Runs until `shutdown`, in two lanes: full peers and induced peers are reconciled by
+/// separate loops ([`Lane`]), each with its own pending work and retries, so work for a full
+/// peering (its NetworkConfig exchange and tunnel) never waits behind a pass over induced
+/// exchanges, which each wait on a relay through a hub. Within a lane, a pass looks at every
+/// remote of the lane on the periodic resync (and after a failure it could not pin on one
+/// remote), otherwise only at the remotes something happened to ([`Broker::wake_for`]), so the
+/// work per event does not grow with the number of peers.
 pub async fn run(broker: Arc<Broker>, resync: Duration, shutdown: Shutdown) {
     tokio::spawn(follow_discovery(broker.clone(), shutdown.clone()));
+    let induced = tokio::spawn(run_lane(
+        broker.clone(),
+        Lane::Induced,
+        resync,
+        shutdown.clone(),
+    ));
+    run_lane(broker, Lane::Full, resync, shutdown).await;
+    let _ = induced.await;
+}
+
+/// One lane's loop.
+async fn run_lane(broker: Arc<Broker>, lane: Lane, resync: Duration, shutdown: Shutdown) {
+    let wake = broker.lane_wake(lane);
     let mut next_resync = Instant::now();
     let mut retries = Retries::default();
     loop {
         let now = Instant::now();
-        let mut dirty = broker.take_dirty();
+        let mut dirty = broker.take_dirty(lane);
         if now >= next_resync {
             dirty.all = true;
         }
@@ -63,9 +80,9 @@ pub async fn run(broker: Arc<Broker>, resync: Duration, shutdown: Shutdown) {
         if dirty.all || !dirty.ids.is_empty() {
             let outcome = if dirty.all {
                 next_resync = now + resync;
-                pass(&broker).await
+                pass(&broker, lane).await
             } else {
-                pass_for(&broker, &dirty.ids).await
+                pass_for(&broker, lane, &dirty.ids).await
             };
             let now = Instant::now();
             match outcome {
@@ -84,7 +101,7 @@ pub async fn run(broker: Arc<Broker>, resync: Duration, shutdown: Shutdown) {
                     }
                 }
                 Err(err) => {
-                    tracing::warn!(error = %err, "reconciliation failed; retrying");
+                    tracing::warn!(error = %err, ?lane, "reconciliation failed; retrying");
                     retries.failed_all(now);
                     for id in dirty.ids {
                         retries.failed(id, now);
@@ -97,7 +114,7 @@ pub async fn run(broker: Arc<Broker>, resync: Duration, shutdown: Shutdown) {
             .map_or(next_resync, |at| at.min(next_resync));
         tokio::select! {
             () = shutdown.cancelled() => return,
-            () = broker.wake.notified() => {}
+            () = wake.notified() => {}
             () = tokio::time::sleep_until(wake_at) => {}
         }
     }
@@ -240,7 +257,7 @@ fn wake_for_event(
     match (pb::WatchEventType::try_from(event.r#type), induced) {
         (Ok(pb::WatchEventType::Bookmark), _) => {}
         (Ok(pb::WatchEventType::Added | pb::WatchEventType::Modified), Some(id)) => {
-            broker.wake_for(&id);
+            broker.wake_for(&id, Lane::Induced);
         }
         _ => broker.wake(),
     }
@@ -375,36 +392,49 @@ async fn ensure_one(
         })
 }
 
-/// One reconciliation over every remote: the periodic resync, and whatever cannot be pinned
-/// on one remote (peering changes, a restart).
-pub async fn pass(broker: &Broker) -> Result<Unsettled> {
+/// One reconciliation over every remote of `lane`: the periodic resync, and whatever cannot
+/// be pinned on one remote (peering changes, a restart). The full lane also delivers pending
+/// unpeering notices and frees orphaned IPAM mappings.
+pub async fn pass(broker: &Broker, lane: Lane) -> Result<Unsettled> {
     // What we hold is read before who we peer with: a NetworkConfig received meanwhile was
     // checked against a newer discovery listing than ours and must not look unwanted. The
     // IPAM's mappings are read first of all, for the same reason.
     // An IPAM that does not answer holds up only this reconciliation, not the rest of the pass.
-    let mapped = mapped(broker)
-        .await
-        .inspect_err(|err| tracing::warn!(error = %err, "cannot reconcile the ipam's mappings"));
+    let mapped = match lane {
+        Lane::Full => Some(mapped(broker).await.inspect_err(
+            |err| tracing::warn!(error = %err, "cannot reconcile the ipam's mappings"),
+        )),
+        Lane::Induced => None,
+    };
     let held = held(broker).await?;
     let peers = broker.peers().await?;
     let mut unsettled = Unsettled::default();
 
-    for kv in broker.store().list(NOTIFY_PREFIX).await?.kvs {
-        let pending: PendingNotify = decode(&kv.key, &kv.value)?;
-        if !broker.act_on_notice(&pending.remote.id).await? {
-            unsettled.all = true;
+    if lane == Lane::Full {
+        for kv in broker.store().list(NOTIFY_PREFIX).await?.kvs {
+            let pending: PendingNotify = decode(&kv.key, &kv.value)?;
+            if !broker.act_on_notice(&pending.remote.id).await? {
+                unsettled.all = true;
+            }
         }
     }
 
-    if !peers.desired.is_empty() {
+    let mine: Vec<&Remote> = peers
+        .desired
+        .values()
+        .filter(|remote| Lane::of_route(&remote.route) == lane)
+        .collect();
+    if !mine.is_empty() {
         let basics = gateway_basics(broker).await?;
-        unsettled.ids = ensure_all(broker, peers.desired.values().collect(), Some(&basics)).await?;
+        unsettled.ids = ensure_all(broker, mine, Some(&basics)).await?;
     }
 
-    let unwanted: Vec<&ClusterId> = held
-        .iter()
-        .filter(|id| !peers.desired.contains_key(*id))
-        .collect();
+    let mut unwanted = Vec::new();
+    for id in held.iter().filter(|id| !peers.desired.contains_key(*id)) {
+        if held_lane(broker, id).await? == lane {
+            unwanted.push(id);
+        }
+    }
     if !unwanted.is_empty() {
         // Tearing down is not undone by a later pass (the remote does not re-send what we
         // already decided on), so confirm with a fresh listing first.
@@ -419,18 +449,35 @@ pub async fn pass(broker: &Broker) -> Result<Unsettled> {
             }
         }
     }
-    match mapped {
-        Ok(mapped) => {
-            if !free_orphaned_mappings(broker, mapped, &held, &peers)
-                .await?
-                .is_empty()
-            {
-                unsettled.all = true;
-            }
-        }
-        Err(_) => unsettled.all = true,
-    }
+    let orphans_left = match mapped {
+        Some(Ok(mapped)) => !free_orphaned_mappings(broker, mapped, &held, &peers)
+            .await?
+            .is_empty(),
+        Some(Err(_)) => true,
+        None => false,
+    };
+    unsettled.all |= orphans_left;
     Ok(unsettled)
+}
+
+/// The lane of a remote we hold state for, from that state: relayed through a hub (our
+/// NetworkConfig, theirs or the tunnel names one) or direct. Decides which lane tears it down
+/// once it is no longer wanted, so the two never both do.
+async fn held_lane(broker: &Broker, id: &ClusterId) -> Result<Lane> {
+    let store = broker.store();
+    if let Some(kv) = store.get(&out_key(id)).await? {
+        let out: OutgoingNc = decode(&out_key(id), &kv.value)?;
+        return Ok(Lane::of_via(out.via.as_ref()));
+    }
+    if let Some(kv) = store.get(&in_key(id)).await? {
+        let incoming: IncomingNc = decode(&in_key(id), &kv.value)?;
+        return Ok(Lane::of_via(incoming.via.as_ref()));
+    }
+    if let Some(kv) = store.get(&tunnel_key(id)).await? {
+        let tunnel: TunnelRecord = decode(&tunnel_key(id), &kv.value)?;
+        return Ok(Lane::of_via(tunnel.via.as_ref()));
+    }
+    Ok(Lane::Full)
 }
 
 /// The peering view of `ids` and of the hubs that introduced them: enough to route each of
@@ -450,8 +497,9 @@ async fn peers_for(broker: &Broker, ids: &BTreeSet<ClusterId>) -> Result<Peers> 
     broker.peers_of(&all).await
 }
 
-/// One reconciliation of the remotes `ids` only.
-pub async fn pass_for(broker: &Broker, ids: &BTreeSet<ClusterId>) -> Result<Unsettled> {
+/// One reconciliation of the remotes `ids` only, those of `lane`; a remote that belongs to
+/// the other lane (its route changed since it was woken) is handed over to it.
+pub async fn pass_for(broker: &Broker, lane: Lane, ids: &BTreeSet<ClusterId>) -> Result<Unsettled> {
     // Held before the peering view, as in [`pass`].
     let mut held = BTreeSet::new();
     for id in ids {
@@ -460,17 +508,26 @@ pub async fn pass_for(broker: &Broker, ids: &BTreeSet<ClusterId>) -> Result<Unse
         }
     }
     let peers = peers_for(broker, ids).await?;
+    let mut mine = Vec::new();
+    for id in ids {
+        if let Some(remote) = peers.desired.get(id) {
+            if Lane::of_route(&remote.route) == lane {
+                mine.push(remote);
+            } else {
+                broker.wake_for(id, lane.other());
+            }
+        }
+    }
     let mut unsettled = Unsettled {
         all: false,
-        ids: ensure_all(
-            broker,
-            ids.iter().filter_map(|id| peers.desired.get(id)).collect(),
-            None,
-        )
-        .await?,
+        ids: ensure_all(broker, mine, None).await?,
     };
     // The view above is fresh (read from discovery just now), so it confirms the teardown.
     for id in held.iter().filter(|id| !peers.desired.contains_key(*id)) {
+        if held_lane(broker, id).await? != lane {
+            broker.wake_for(id, lane.other());
+            continue;
+        }
         if let Err(err) = teardown(broker, id, "PeeringGone").await {
             tracing::warn!(remote.id = %id, error = %err, "teardown incomplete");
             unsettled.ids.insert(id.clone());
@@ -948,7 +1005,11 @@ pub async fn remove_state(broker: &Broker, id: &ClusterId) -> Result<()> {
 /// The remote withdrew its NetworkConfig towards us: forget it and the tunnel built on it.
 pub async fn withdrawn(broker: &Broker, id: &ClusterId) -> Result<bool> {
     let store = broker.store();
-    let existed = store.get(&in_key(id)).await?.is_some();
+    let held = match store.get(&in_key(id)).await? {
+        Some(kv) => Some(decode::<IncomingNc>(&in_key(id), &kv.value)?),
+        None => None,
+    };
+    let existed = held.is_some();
     // Our own NC goes too: the next pass sends a new incarnation, which makes the remote send
     // its NC again (see `Broker::receive`), so a withdrawal heals instead of leaving one side
     // without a tunnel.
@@ -973,7 +1034,7 @@ pub async fn withdrawn(broker: &Broker, id: &ClusterId) -> Result<bool> {
             failure: vec![],
         })
         .await?;
-    broker.wake_for(id);
+    broker.wake_for(id, Lane::of_via(held.and_then(|h| h.via).as_ref()));
     Ok(existed)
 }
 
@@ -1036,11 +1097,12 @@ mod tests {
     #[tokio::test]
     async fn induced_record_events_wake_only_their_remote_and_only_on_real_changes() {
         let broker = broker();
-        let _ = broker.take_dirty();
+        let _ = broker.take_dirty(Lane::Induced);
+        let _ = broker.take_dirty(Lane::Full);
         let mut seen = HashMap::new();
 
         wake_for_event(&broker, &induced("leaf-b", "hub", 10), &mut seen);
-        let dirty = broker.take_dirty();
+        let dirty = broker.take_dirty(Lane::Induced);
         assert!(!dirty.all);
         assert_eq!(
             dirty.ids.iter().map(ClusterId::as_str).collect::<Vec<_>>(),
@@ -1050,12 +1112,15 @@ mod tests {
         for generation in 11..20 {
             wake_for_event(&broker, &induced("leaf-b", "hub", generation), &mut seen);
         }
-        let dirty = broker.take_dirty();
+        let dirty = broker.take_dirty(Lane::Induced);
         assert!(!dirty.all && dirty.ids.is_empty(), "{dirty:?}");
 
         // Another origin changes the route: the remote is looked at again.
         wake_for_event(&broker, &induced("leaf-b", "hub-2", 21), &mut seen);
-        assert_eq!(broker.take_dirty().ids.len(), 1);
+        assert_eq!(broker.take_dirty(Lane::Induced).ids.len(), 1);
+        // Induced events are work for the induced lane only.
+        let full = broker.take_dirty(Lane::Full);
+        assert!(!full.all && full.ids.is_empty(), "{full:?}");
 
         // A full record (a hub) may move every route it carries: everything is looked at.
         let mut hub = induced("hub", "x", 1);
@@ -1064,7 +1129,8 @@ mod tests {
             fc.induced = None;
         }
         wake_for_event(&broker, &hub, &mut seen);
-        assert!(broker.take_dirty().all);
+        assert!(broker.take_dirty(Lane::Full).all);
+        assert!(broker.take_dirty(Lane::Induced).all);
     }
 
     fn id(name: &str) -> ClusterId {

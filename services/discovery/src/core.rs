@@ -235,6 +235,9 @@ pub struct Discovery {
     /// At most this many clusters one hub may introduce (`--max-induced-per-hub`): each
     /// becomes a record here, a NetworkConfig exchange and a tunnel.
     max_induced_per_hub: usize,
+    /// Full peers that just sent us a Neighborhood, for the sender ([`Discovery::heard`]).
+    heard: std::sync::Mutex<BTreeSet<ClusterId>>,
+    heard_wake: tokio::sync::Notify,
 }
 
 /// The default of `--max-induced-per-hub`: far above the largest mesh measured (255
@@ -288,6 +291,8 @@ impl Discovery {
             tls: None,
             bulk: tokio::sync::Mutex::new(()),
             max_induced_per_hub: MAX_INDUCED_PER_HUB,
+            heard: std::sync::Mutex::new(BTreeSet::new()),
+            heard_wake: tokio::sync::Notify::new(),
         })
     }
 
@@ -772,6 +777,36 @@ impl Discovery {
 
     /// Applies a hub's Neighborhood (PublishNeighborhood): creates, refreshes and withdraws the
     /// induced records it introduced, in one transaction.
+    /// Wakes the Neighborhood sender for `peer`, which just sent us a Neighborhood as a full
+    /// peer: it has recorded the peering, so what we failed to send it because it had not yet
+    /// (our send right after the handshake usually overtakes its own record of us) is
+    /// accepted now. Without this the send waited for its backoff, up to
+    /// `--neighborhood-retry-max`.
+    fn heard_from(&self, peer: &ClusterId) {
+        self.heard
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .insert(peer.clone());
+        self.heard_wake.notify_one();
+    }
+
+    /// Waits until a full peer sent us a Neighborhood, then returns every such peer since the
+    /// last call.
+    pub async fn heard(&self) -> BTreeSet<ClusterId> {
+        loop {
+            let heard = std::mem::take(
+                &mut *self
+                    .heard
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner),
+            );
+            if !heard.is_empty() {
+                return heard;
+            }
+            self.heard_wake.notified().await;
+        }
+    }
+
     pub async fn receive_neighborhood(&self, n: &ReceivedNeighborhood) -> Result<Applied> {
         self.check_neighborhood(n)?;
         let sender = &n.sender.id;
@@ -793,6 +828,7 @@ impl Discovery {
                     sender.as_str()
                 )));
             }
+            self.heard_from(sender);
             let inbox = inbox_key(sender);
             let held = self.store.get(&inbox).await?;
             let (held_generation, inbox_revision) = match &held {

@@ -118,6 +118,17 @@ pub async fn run(core: Arc<Discovery>, timing: SenderTiming, shutdown: Shutdown)
             tokio::select! {
                 () = shutdown.cancelled() => return,
                 () = tokio::time::sleep_until(wake) => break,
+                heard = core.heard() => {
+                    // A peer we are backing off from just spoke to us as a peer: whatever it
+                    // refused for not knowing us yet, it accepts now. Not a backoff matter.
+                    let mut retry = false;
+                    for peer in heard {
+                        retry |= backoff.remove(&peer).is_some();
+                    }
+                    if retry {
+                        break;
+                    }
+                }
                 event = async {
                     match changes.as_mut() {
                         Some(stream) => stream.next().await,

@@ -172,6 +172,10 @@ pub struct Forwarder {
     schedule: Mutex<Schedule>,
     /// Wakes the retry loop (something was scheduled).
     wake: Notify,
+    /// Relays whose other direction arrived while an attempt of theirs was in flight: if that
+    /// attempt fails for a reason that may be gone now, it is retried at once, not after its
+    /// backoff ([`Forwarder::expedite`]).
+    expedited: Mutex<HashSet<String>>,
 }
 
 /// Gives up on a delivery for good: the other end refused the content itself.
@@ -206,6 +210,7 @@ impl Forwarder {
             },
             schedule: Mutex::new(Schedule::default()),
             wake: Notify::new(),
+            expedited: Mutex::new(HashSet::new()),
         })
     }
 
@@ -326,6 +331,17 @@ impl Forwarder {
     /// Replaces the record at `key` if it is still at `revision`; `None` deletes it. Every
     /// write of a relay goes through here, which keeps the due queue in step with the store.
     async fn save(&self, key: &str, revision: i64, record: Option<&RelayRecord>) -> Result<bool> {
+        Ok(self.save_at(key, revision, record).await?.is_some())
+    }
+
+    /// [`Self::save`], returning the record's new revision when it committed: the revision of
+    /// the transaction, which is the key's mod revision, so the caller need not read it back.
+    async fn save_at(
+        &self,
+        key: &str,
+        revision: i64,
+        record: Option<&RelayRecord>,
+    ) -> Result<Option<i64>> {
         let op = match record {
             Some(r) => Op::Put {
                 key: key.to_owned(),
@@ -353,7 +369,11 @@ impl Forwarder {
                 record.and_then(|r| work_of(r, self.delivery.retention)),
             );
         }
-        Ok(done.succeeded)
+        if done.succeeded && record.is_none() {
+            // A relay that is gone has no attempt left to expedite.
+            self.take_expedited(key);
+        }
+        Ok(done.succeeded.then_some(done.revision))
     }
 
     /// Accepts a passthrough NetworkConfig and tries to deliver it at once.
@@ -389,11 +409,8 @@ impl Forwarder {
                 trace: traceparent_of(&tracing::Span::current()),
             };
             let revision = existing.as_ref().map_or(0, |(_, r)| *r);
-            if self.save(&key, revision, Some(&record)).await? {
-                break (
-                    record,
-                    self.store.get(&key).await?.map_or(0, |kv| kv.mod_revision),
-                );
+            if let Some(revision) = self.save_at(&key, revision, Some(&record)).await? {
+                break (record, revision);
             }
             contention.lost().await?;
         };
@@ -407,20 +424,32 @@ impl Forwarder {
     /// The relay from `origin` to `destination` is due at once if it waits for a retry: it was
     /// called when `destination` just relayed towards `origin`, so `destination` knows `origin`
     /// now, and the usual reason for the earlier failure (the NetworkConfig overtook the
-    /// Neighborhood) is gone. Saves waiting for the backoff.
+    /// Neighborhood) is gone. Saves waiting for the backoff. A relay with an attempt in flight
+    /// (which may be failing for that very reason right now) is marked, so that a failure of
+    /// that attempt is retried at once too: the event it waits for has happened.
     async fn expedite(&self, origin: &ClusterId, destination: &ClusterId) -> Result<()> {
         let key = relay_key(origin, destination);
         let now = now_nanos();
         if let Some((mut record, revision)) = self.load(&key).await?
             && record.state == State::Pending
-            && record.attempts > 0
-            && record.next_attempt_nanos > now
         {
-            record.next_attempt_nanos = now;
-            // Saving queues it for now (and wakes the retry loop).
-            self.save(&key, revision, Some(&record)).await?;
+            if record.attempts > 0 && record.next_attempt_nanos > now {
+                record.next_attempt_nanos = now;
+                // Saving queues it for now (and wakes the retry loop).
+                self.save(&key, revision, Some(&record)).await?;
+            } else if let Ok(mut expedited) = self.expedited.lock() {
+                expedited.insert(key);
+            }
         }
         Ok(())
+    }
+
+    /// Whether a failed attempt of `key` is to be retried at once (see [`Self::expedite`]).
+    fn take_expedited(&self, key: &str) -> bool {
+        self.expedited
+            .lock()
+            .map(|mut expedited| expedited.remove(key))
+            .unwrap_or(false)
     }
 
     /// The destination's status for a NetworkConfig it received through us.
@@ -450,8 +479,7 @@ impl Forwarder {
             record.status = Some(status.clone());
             record.attempts = 0;
             record.next_attempt_nanos = now_nanos() + nanos(INLINE_GRACE);
-            if self.save(&key, revision, Some(&record)).await? {
-                let revision = self.store.get(&key).await?.map_or(0, |kv| kv.mod_revision);
+            if let Some(revision) = self.save_at(&key, revision, Some(&record)).await? {
                 return Ok(self
                     .attempt(&key, record, revision, false, Some(peers))
                     .await?
@@ -505,8 +533,7 @@ impl Forwarder {
         let mut contention = Contention::new("accepting a withdrawal");
         loop {
             let revision = self.load(&key).await?.map_or(0, |(_, r)| r);
-            if self.save(&key, revision, Some(&record)).await? {
-                let revision = self.store.get(&key).await?.map_or(0, |kv| kv.mod_revision);
+            if let Some(revision) = self.save_at(&key, revision, Some(&record)).await? {
                 return Ok(self.attempt(&key, record, revision, false, None).await?.0);
             }
             contention.lost().await?;
@@ -659,6 +686,8 @@ impl Forwarder {
         .await;
 
         let now = now_nanos();
+        // Taken on every outcome, so a marker never outlives the attempt it was meant for.
+        let expedited = self.take_expedited(key);
         let (origin_id, destination_id) = (record.origin.id.clone(), record.destination.id.clone());
         let next = match result {
             // Done: nothing left to keep.
@@ -701,9 +730,15 @@ impl Forwarder {
             Err(err) => {
                 record.attempts += 1;
                 record.last_error = err.to_string();
-                let backoff = Backoff::new(RETRY_MIN, self.delivery.retry_max)
-                    .after_failures(record.attempts);
-                record.next_attempt_nanos = now.saturating_add(nanos(backoff));
+                record.next_attempt_nanos = if expedited {
+                    // The other direction arrived meanwhile: what this attempt was refused
+                    // for is likely gone.
+                    now
+                } else {
+                    let backoff = Backoff::new(RETRY_MIN, self.delivery.retry_max)
+                        .after_failures(record.attempts);
+                    now.saturating_add(nanos(backoff))
+                };
                 tracing::debug!(origin = %record.origin.id, destination = %record.destination.id, attempts = record.attempts, error = %err, "relay delivery will be retried");
                 Some(record)
             }

@@ -63,6 +63,7 @@ cases!(
     old_layout_relays_are_migrated_and_served,
     a_dead_destination_does_not_hold_up_the_others,
     failed_relays_are_collected_after_the_retention,
+    a_relay_refused_while_the_other_way_arrives_is_retried_at_once,
 );
 
 /// The forwarder's store on a fresh etcd, through a prefixed URL as the services use it.
@@ -119,6 +120,18 @@ struct Received {
 struct FakeBroker {
     received: Arc<Mutex<Received>>,
     refuse: bool,
+    /// When set, the first NetworkConfig is held until released, then refused as not yet
+    /// introduced (the real broker's FAILED_PRECONDITION); later ones are accepted.
+    introduction: Option<Arc<Introduction>>,
+}
+
+/// Controls a [`FakeBroker`]'s first NetworkConfig.
+#[derive(Debug, Default)]
+struct Introduction {
+    calls: std::sync::atomic::AtomicUsize,
+    /// The first NetworkConfig arrived and is held.
+    entered: std::sync::atomic::AtomicBool,
+    release: tokio::sync::Notify,
 }
 
 impl FakeBroker {
@@ -195,6 +208,20 @@ impl BrokerApi for FakeBroker {
     ) -> Result<Response<ppb::SubmitNetworkConfigResponse>, Status> {
         if self.refuse {
             return Err(Status::permission_denied("this fake broker refuses"));
+        }
+        if let Some(intro) = &self.introduction
+            && intro
+                .calls
+                .fetch_add(1, std::sync::atomic::Ordering::SeqCst)
+                == 0
+        {
+            intro
+                .entered
+                .store(true, std::sync::atomic::Ordering::SeqCst);
+            intro.release.notified().await;
+            return Err(Status::failed_precondition(
+                "the origin has not (yet) been introduced to us; retry later",
+            ));
         }
         let nc = request.into_inner().network_config.unwrap_or_default();
         let id = |i: &Option<pb::ClusterIdentity>| {
@@ -688,6 +715,62 @@ async fn failed_relays_are_collected_after_the_retention(store: SharedStore) {
             "collected after {kept:?}, before the retention"
         );
         Some(())
+    })
+    .await;
+}
+
+/// No retry tails (issue 17): a relay refused because the destination had not yet been
+/// introduced to the origin waits for the destination, not for its backoff. A→C has failed
+/// often (its next failure would back off for an hour); while an attempt of it is in flight
+/// at C, C relays the other way (so C knows A now), then the attempt is refused as not yet
+/// introduced: it is retried at once and delivered.
+async fn a_relay_refused_while_the_other_way_arrives_is_retried_at_once(store: SharedStore) {
+    let shutdown = Shutdown::new();
+    let _stop = shutdown.clone().drop_guard();
+    let introduction = Arc::new(Introduction::default());
+    let c = FakeBroker {
+        introduction: Some(introduction.clone()),
+        ..FakeBroker::default()
+    };
+    let c_addr = c.start(&shutdown).await;
+    let a = FakeBroker::default();
+    let a_addr = a.start(&shutdown).await;
+
+    let mut record = held("a", "c", 1, State::Pending);
+    record.attempts = 40;
+    store
+        .put(
+            &relay_key(&id("a"), &id("c")),
+            encode(&record).expect("encodes"),
+        )
+        .await
+        .expect("put");
+    let hub = Hub::start_with(
+        store,
+        Delivery {
+            retry_max: Duration::from_secs(3600),
+            ..DELIVERY
+        },
+    )
+    .await;
+    hub.peer("a", &a_addr).await;
+    hub.peer("c", &c_addr).await;
+    hub.run_retries();
+
+    eventually("the retry of A→C to be in flight at C", || async {
+        introduction
+            .entered
+            .load(std::sync::atomic::Ordering::SeqCst)
+            .then_some(())
+    })
+    .await;
+    assert_eq!(hub.relay("c", "a", 2).await, State::Completed);
+    introduction.release.notify_one();
+    eventually("A→C to be delivered", || async {
+        c.received()
+            .submitted
+            .contains(&("a".into(), "c".into(), 1))
+            .then_some(())
     })
     .await;
 }

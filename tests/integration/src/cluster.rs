@@ -139,6 +139,11 @@ pub struct Options {
     pub endpoints_store: Option<String>,
     /// The endpoints service runs with `--kubernetes --kubeconfig FILE` (a fake API server's).
     pub kubeconfig: Option<std::path::PathBuf>,
+    /// The broker address discovery advertises to other clusters instead of the broker's own
+    /// (a [`crate::gate::Hold`] in front of it, say).
+    pub advertise_broker: Option<SocketAddr>,
+    /// The same for the forwarder.
+    pub advertise_forwarder: Option<SocketAddr>,
 }
 
 impl Default for Options {
@@ -151,6 +156,8 @@ impl Default for Options {
             gateway_flags: Vec::new(),
             endpoints_store: None,
             kubeconfig: None,
+            advertise_broker: None,
+            advertise_forwarder: None,
         }
     }
 }
@@ -303,12 +310,14 @@ impl InProcessCluster {
                 .map_or(services.discovery, |t| t.discovery)
                 .to_string(),
             "--advertise-broker",
-            &tls.as_ref()
-                .map_or(services.broker, |t| t.broker)
+            &options
+                .advertise_broker
+                .unwrap_or(tls.as_ref().map_or(services.broker, |t| t.broker))
                 .to_string(),
             "--advertise-forwarder",
-            &tls.as_ref()
-                .map_or(services.forwarder, |t| t.forwarder)
+            &options
+                .advertise_forwarder
+                .unwrap_or(tls.as_ref().map_or(services.forwarder, |t| t.forwarder))
                 .to_string(),
             "--advertise-ipam",
             &tls.as_ref().map_or(services.ipam, |t| t.ipam).to_string(),
