@@ -132,6 +132,8 @@ pub struct Options {
     pub ipam_flags: Vec<String>,
     /// Appended to the gateway's flags.
     pub gateway_flags: Vec<String>,
+    /// Appended to the broker's flags.
+    pub broker_flags: Vec<String>,
 }
 
 impl Default for Options {
@@ -142,6 +144,7 @@ impl Default for Options {
             endpoints: false,
             ipam_flags: Vec::new(),
             gateway_flags: Vec::new(),
+            broker_flags: Vec::new(),
         }
     }
 }
@@ -360,6 +363,7 @@ impl InProcessCluster {
         if let Some(tls) = &tls {
             broker.extend(tls.flags("broker", tls.broker)?);
         }
+        broker.extend(options.broker_flags.iter().cloned());
         let broker = trellis_broker::start(
             trellis_broker::Config::try_parse_from(broker)?,
             shutdown.clone(),
