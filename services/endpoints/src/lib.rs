@@ -111,6 +111,7 @@ pub async fn start_with_writer(
         remote_ipam_attempts: config.remote_ipam_attempts,
         deliver: config.deliver_timeouts(),
         tls: tls.clone(),
+        local_token: config.common.local_token()?,
     })?;
     let store = config.common.open_store().await?;
     let mut background = Vec::new();
@@ -127,7 +128,8 @@ pub async fn start_with_writer(
     let server =
         GrpcServer::for_service(&config.common, ports::ENDPOINTS, ports::ENDPOINTS_METRICS)
             .await?
-            .with_peer_listener(peer);
+            .with_peer_listener(peer)
+            .with_cluster_facing(grpc::PEER_METHODS);
     let addr = server.local_addr();
     let metrics_addr = server.metrics_addr();
     metrics::register(server.metrics(), &core);

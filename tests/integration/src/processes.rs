@@ -108,6 +108,9 @@ pub struct Options {
     /// Other clusters reach this one's services only through [`Gate`]s (its discovery
     /// advertises the gates), so [`ProcessCluster::partition`] can cut it off from them.
     pub gated: bool,
+    /// Every service authenticates its local callers with the token in this file, and sends
+    /// it to the local services it calls (`TRELLIS_LOCAL_TOKEN_FILE`, ADR 0019).
+    pub local_token_file: Option<std::path::PathBuf>,
 }
 
 impl Default for Options {
@@ -116,6 +119,7 @@ impl Default for Options {
             induced: true,
             otlp_endpoint: None,
             gated: false,
+            local_token_file: None,
         }
     }
 }
@@ -242,7 +246,7 @@ impl ProcessCluster {
         };
         for service in Service::ALL {
             let args = this.args(service, pod_cidr, external_cidr)?;
-            let env = match &this.options.otlp_endpoint {
+            let mut env = match &this.options.otlp_endpoint {
                 // Short batches, so spans arrive while the test still waits for them.
                 Some(endpoint) => vec![
                     ("OTEL_EXPORTER_OTLP_ENDPOINT".to_owned(), endpoint.clone()),
@@ -250,6 +254,12 @@ impl ProcessCluster {
                 ],
                 None => Vec::new(),
             };
+            if let Some(file) = &this.options.local_token_file {
+                env.push((
+                    "TRELLIS_LOCAL_TOKEN_FILE".to_owned(),
+                    file.display().to_string(),
+                ));
+            }
             let process = ServiceProcess::start_with_env(
                 &service.binary(),
                 args,

@@ -792,8 +792,14 @@ async fn a_man_in_the_middle_at_first_contact_never_receives_the_token_from_a_pi
         .await
         .expect_err("the impostor's CA is not the pinned one");
     assert_eq!(err.code(), Code::PermissionDenied, "{err:?}");
-    assert!(known(&impostor).await.is_empty(), "the impostor got no handshake");
-    assert!(known(&pinned).await.is_empty(), "nothing stored on the leaf");
+    assert!(
+        known(&impostor).await.is_empty(),
+        "the impostor got no handshake"
+    );
+    assert!(
+        known(&pinned).await.is_empty(),
+        "nothing stored on the leaf"
+    );
 
     unpinned
         .broker()
@@ -802,9 +808,16 @@ async fn a_man_in_the_middle_at_first_contact_never_receives_the_token_from_a_pi
         .peer(request(""))
         .await
         .expect("an unpinned first contact trusts whoever answers");
-    assert_eq!(known(&impostor).await, ["leaf-c"], "the impostor used the token");
+    assert_eq!(
+        known(&impostor).await,
+        ["leaf-c"],
+        "the impostor used the token"
+    );
     assert!(known(&pinned).await.is_empty());
-    assert!(known(&hub).await.is_empty(), "the real hub was never involved");
+    assert!(
+        known(&hub).await.is_empty(),
+        "the real hub was never involved"
+    );
 }
 
 /// Issue 15 item 8: a full peer speaks for a NetworkConfig only as the hub that relays it. A
