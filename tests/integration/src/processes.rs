@@ -416,6 +416,33 @@ impl ProcessCluster {
             .with_context(|| format!("{id}: {service} not started"))
     }
 
+    /// SIGKILLs the etcd behind `service` (its data directory stays).
+    pub fn kill9_etcd(&mut self, service: Service) -> anyhow::Result<()> {
+        let id = self.id.clone();
+        self.etcds
+            .get_mut(&service)
+            .with_context(|| format!("{id}: no etcd for {service}"))?
+            .kill();
+        Ok(())
+    }
+
+    /// Starts the etcd behind `service` again, on its data directory and ports.
+    pub fn restart_etcd(&mut self, service: Service) -> anyhow::Result<()> {
+        let id = self.id.clone();
+        self.etcds
+            .get_mut(&service)
+            .with_context(|| format!("{id}: no etcd for {service}"))?
+            .restart()
+            .with_context(|| format!("{id}: restarting the etcd of {service}"))
+    }
+
+    /// Whether the process of `service` has exited (it does not restart by itself).
+    pub fn exited(&mut self, service: Service) -> bool {
+        self.processes
+            .get_mut(&service)
+            .is_some_and(ServiceProcess::exited)
+    }
+
     /// SIGKILLs `service` (no shutdown hook; whatever is not in its etcd is lost).
     pub fn kill9(&mut self, service: Service) -> anyhow::Result<()> {
         self.process_mut(service)?.kill9();
