@@ -13,10 +13,10 @@ use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
 use trellis_api::pb::ipam::ListClusterSubnetsRequest;
-use trellis_api::pb::peering::{ListRelaysRequest, ListTunnelEndpointsRequest};
-use trellis_api::pb::types::{PeeringKind, TunnelEndpoint};
 use trellis_api::pb::peering::PeerRequest;
 use trellis_api::pb::peering::broker_client::BrokerClient;
+use trellis_api::pb::peering::{ListRelaysRequest, ListTunnelEndpointsRequest};
+use trellis_api::pb::types::{PeeringKind, TunnelEndpoint};
 use trellis_integration::peering::token;
 use trellis_integration::processes::{ProcessCluster, Service};
 
@@ -136,7 +136,10 @@ async fn violations(all: &[ProcessCluster]) -> Vec<String> {
             .collect();
         let unique: BTreeSet<&String> = mapped.iter().collect();
         if unique.len() != mapped.len() {
-            wrong.push(format!("{}: duplicate IPAM mappings {mapped:?}", cluster.id));
+            wrong.push(format!(
+                "{}: duplicate IPAM mappings {mapped:?}",
+                cluster.id
+            ));
         }
         for m in &mapped {
             if !ids.contains(m) || *m == cluster.id {
@@ -213,9 +216,49 @@ async fn converge(all: &mut [ProcessCluster], faults: &mut Faults, what: &str) -
             started.elapsed() < CONVERGE,
             "{what}: still wrong after {CONVERGE:?}:\n{}\n{}",
             wrong.join("\n"),
-            all.iter().map(|c| c.logs(15)).collect::<Vec<_>>().join("\n")
+            all.iter()
+                .map(|c| c.logs(15))
+                .collect::<Vec<_>>()
+                .join("\n")
         );
         tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}
+
+/// What a leaf's operator does: `Peer` with the hub until it succeeds (it is idempotent);
+/// returns how many calls it took.
+async fn peer_until_done(
+    id: String,
+    broker: std::net::SocketAddr,
+    hub_broker: std::net::SocketAddr,
+    token: String,
+) -> usize {
+    let deadline = Instant::now() + CONVERGE;
+    let mut tries = 0;
+    loop {
+        tries += 1;
+        let answer = async {
+            let channel = tonic::transport::Channel::from_shared(format!("http://{broker}"))
+                .map_err(|e| tonic::Status::internal(e.to_string()))?
+                .connect()
+                .await
+                .map_err(|e| tonic::Status::unavailable(e.to_string()))?;
+            BrokerClient::new(channel)
+                .peer(PeerRequest {
+                    broker_address: hub_broker.to_string(),
+                    token: token.clone(),
+                    expected_cluster_id: HUB.to_owned(),
+                    ca_cert_hash: String::new(),
+                })
+                .await
+        };
+        match answer.await {
+            Ok(_) => return tries,
+            Err(err) => {
+                assert!(Instant::now() < deadline, "{id} never peered: {err:?}");
+                tokio::time::sleep(Duration::from_millis(300)).await;
+            }
+        }
     }
 }
 
@@ -243,69 +286,33 @@ async fn killed_etcds_during_a_peering_storm_and_after_it_lose_nothing() {
     // Round 1: the storm. Each leaf's operator re-runs `peer` until it succeeds (Peer is
     // idempotent), while the hub's broker and forwarder etcds and leaf-1's IPAM etcd die.
     let started = Instant::now();
-    let storm = {
-        let leaves: Vec<(String, std::net::SocketAddr)> = all[1..]
-            .iter()
-            .map(|c| (c.id.clone(), c.addr(Service::Broker)))
-            .collect();
-        let hub_broker = all[0].addr(Service::Broker);
-        tokio::spawn(async move {
-            let mut attempts = 0usize;
-            let tasks: Vec<_> = leaves
-                .into_iter()
-                .map(|(id, broker)| {
-                    let token = hub_token.clone();
-                    tokio::spawn(async move {
-                        let deadline = Instant::now() + CONVERGE;
-                        let mut tries = 0usize;
-                        loop {
-                            tries += 1;
-                            let answer = async {
-                                let channel = tonic::transport::Channel::from_shared(format!(
-                                    "http://{broker}"
-                                ))
-                                .map_err(|e| tonic::Status::internal(e.to_string()))?
-                                .connect()
-                                .await
-                                .map_err(|e| tonic::Status::unavailable(e.to_string()))?;
-                                BrokerClient::new(channel)
-                                    .peer(PeerRequest {
-                                        broker_address: hub_broker.to_string(),
-                                        token: token.clone(),
-                                        expected_cluster_id: HUB.to_owned(),
-                                        ca_cert_hash: String::new(),
-                                    })
-                                    .await
-                            };
-                            match answer.await
-                            {
-                                Ok(_) => return tries,
-                                Err(err) => {
-                                    assert!(
-                                        Instant::now() < deadline,
-                                        "{id} never peered: {err:?}"
-                                    );
-                                    tokio::time::sleep(Duration::from_millis(300)).await;
-                                }
-                            }
-                        }
-                    })
-                })
-                .collect();
-            for task in tasks {
-                attempts += task.await.expect("a peering task");
-            }
-            attempts
+    let hub_broker = all[0].addr(Service::Broker);
+    let storm: Vec<_> = all[1..]
+        .iter()
+        .map(|leaf| {
+            let (id, broker, token) = (
+                leaf.id.clone(),
+                leaf.addr(Service::Broker),
+                hub_token.clone(),
+            );
+            tokio::spawn(peer_until_done(id, broker, hub_broker, token))
         })
-    };
+        .collect();
     // At once: the handshakes and the NetworkConfig exchanges are in flight.
     kill_etcds(
         &mut all,
-        &[(0, Service::Broker), (0, Service::Forwarder), (1, Service::Ipam)],
+        &[
+            (0, Service::Broker),
+            (0, Service::Forwarder),
+            (1, Service::Ipam),
+        ],
         &mut faults,
     )
     .await;
-    let attempts = storm.await.expect("the storm");
+    let mut attempts = 0;
+    for leaf in storm {
+        attempts += leaf.await.expect("a leaf's peering");
+    }
     let first = converge(&mut all, &mut faults, "after the storm").await;
     let storm_total = started.elapsed();
     eprintln!(
