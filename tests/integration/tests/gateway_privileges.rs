@@ -17,7 +17,10 @@ const LIMIT: Duration = Duration::from_secs(30);
 
 fn can_run() -> bool {
     if !trellis_netlab::netns::is_root() {
-        assert!(!in_ci(), "gateway_privileges needs root, and CI runs as root");
+        assert!(
+            !in_ci(),
+            "gateway_privileges needs root, and CI runs as root"
+        );
         eprintln!("SKIPPED: gateway_privileges: needs root (network and mount namespaces)");
         return false;
     }
