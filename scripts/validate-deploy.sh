@@ -4,7 +4,8 @@
 #   - docker-compose.yml against the compose-spec JSON schema bundled in check-jsonschema;
 #   - every kustomize overlay, rendered with `kubectl kustomize`, strictly against the
 #     Kubernetes OpenAPI schemas bundled in kubernetes-validate (unknown fields are errors, and
-#     so is a kind it has no schema for).
+#     so is a kind it has no schema for), and by scripts/check-manifests.py: no privileged
+#     container, a NetworkPolicy for every workload, and only ports that exist in the policies.
 # Fails on the first invalid file. KUBERNETES_VERSIONS (default "1.30.0 latest") lists the
 # versions the manifests are checked against; "latest" is the newest one kubernetes-validate
 # bundles. That flag/env consistency with the binaries is checked by
@@ -54,6 +55,8 @@ if [[ " ${versions[*]} " == *" latest "* ]] && ((${#version_args[@]})); then
   version_args+=(--kubernetes-version "$latest")
 fi
 
+python3 scripts/check-manifests.py --self-test || fail "scripts/check-manifests.py accepts a bad overlay"
+
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 overlays=(deploy/kustomize/overlays/*/)
@@ -72,6 +75,8 @@ for dir in "${overlays[@]}"; do
   if ((rc != 0)) || [ -n "$problems" ]; then
     fail "$dir (kubernetes-validate exit $rc):"$'\n'"${problems:-$report}"
   fi
+  out=$(python3 scripts/check-manifests.py "$rendered" 2>&1) \
+    || fail "$dir (no privileged containers, a NetworkPolicy for every workload):"$'\n'"$out"
   checked=$(grep -c '^INFO ' <<<"$report" || true)
   resources=$(grep -cE '^kind: ' "$rendered" || true)
   [ "$checked" -gt 0 ] && [ "$resources" -gt 0 ] || fail "$dir: kubernetes-validate checked no resource"

@@ -31,8 +31,34 @@ impl Default for Timeouts {
 }
 
 /// A lazily connecting channel to `address` (`host:port` or `http://host:port`). Fails only on a
-/// malformed address, named as `field`.
+/// malformed address, named as `field`. Sends no local token: for other clusters' services,
+/// and for local ones when local authentication is off (see [`local_channel`]).
 pub fn channel(field: &str, address: &str, timeouts: Timeouts) -> Result<TracedChannel> {
+    endpoint_channel(field, address, timeouts, TraceInterceptor::default())
+}
+
+/// Like [`channel`], to a service of this cluster: every call carries the local token
+/// (`--local-token-file`), when there is one. Never use it towards another cluster.
+pub fn local_channel(
+    field: &str,
+    address: &str,
+    timeouts: Timeouts,
+    token: &crate::local_auth::LocalToken,
+) -> Result<TracedChannel> {
+    endpoint_channel(
+        field,
+        address,
+        timeouts,
+        TraceInterceptor::with_local_token(token.clone()),
+    )
+}
+
+fn endpoint_channel(
+    field: &str,
+    address: &str,
+    timeouts: Timeouts,
+    interceptor: TraceInterceptor,
+) -> Result<TracedChannel> {
     let uri = if address.contains("://") {
         address.to_owned()
     } else {
@@ -45,6 +71,6 @@ pub fn channel(field: &str, address: &str, timeouts: Timeouts) -> Result<TracedC
         .tcp_nodelay(true);
     Ok(InterceptedService::new(
         endpoint.connect_lazy(),
-        TraceInterceptor,
+        interceptor,
     ))
 }

@@ -21,11 +21,27 @@ pub fn address_arg(value: &str) -> Result<String, String> {
 /// no store).
 #[derive(Debug, Clone, Args)]
 pub struct BaseConfig {
-    /// Address the gRPC server listens on. Defaults to 0.0.0.0 and the service's own port
-    /// (discovery 7101, broker 7102, forwarder 7103, ipam 7104, endpoints 7105, gateway 7106,
-    /// route 7107); port 0 picks a free one, logged at start.
+    /// Address the plaintext gRPC server (this cluster's own callers) listens on. Defaults to
+    /// --pod-ip, or 127.0.0.1 without it, and the service's own port (discovery 7101, broker
+    /// 7102, forwarder 7103, ipam 7104, endpoints 7105, gateway 7106, route 7107), never to
+    /// every interface: peers' pods are routed into the pod network. Port 0 picks a free one,
+    /// logged at start. 0.0.0.0 only where the network around it is closed (docker-compose).
     #[arg(long, env = "TRELLIS_LISTEN", value_name = "HOST:PORT")]
     pub listen: Option<SocketAddr>,
+
+    /// This pod's IP (in Kubernetes from the downward API, `status.podIP`): the default host
+    /// of --listen, so the plaintext port is reachable from the cluster's pods (subject to the
+    /// NetworkPolicies) but not on other interfaces.
+    #[arg(long, env = "TRELLIS_POD_IP", value_name = "IP")]
+    pub pod_ip: Option<IpAddr>,
+
+    /// File holding this cluster's local token (16-256 printable ASCII characters; in
+    /// Kubernetes Secret trellis-local-token). When set, every call on the plaintext listener
+    /// except health, reflection and the cluster-facing methods must carry
+    /// `authorization: Bearer <token>` (else UNAUTHENTICATED), and this service sends it to
+    /// the other local services it calls. Never logged.
+    #[arg(long, env = "TRELLIS_LOCAL_TOKEN_FILE", value_name = "FILE")]
+    pub local_token_file: Option<PathBuf>,
 
     /// ID of the local cluster (letters, digits, '.', '_' and '-'; at most 128). Tags every
     /// log line and span.
@@ -272,12 +288,22 @@ pub enum LogFormat {
 }
 
 impl BaseConfig {
-    /// The listen address, or `0.0.0.0:default_port`.
+    /// The listen address, or `--pod-ip:default_port`, or `127.0.0.1:default_port`.
     pub fn listen_addr(&self, default_port: u16) -> SocketAddr {
         self.listen.unwrap_or(SocketAddr::new(
-            IpAddr::V4(Ipv4Addr::UNSPECIFIED),
+            self.pod_ip.unwrap_or(IpAddr::V4(Ipv4Addr::LOCALHOST)),
             default_port,
         ))
+    }
+
+    /// The local token of `--local-token-file` (off without the flag); an unreadable or
+    /// unusable file is an error naming the flag.
+    pub fn local_token(&self) -> anyhow::Result<crate::local_auth::LocalToken> {
+        match &self.local_token_file {
+            None => Ok(crate::local_auth::LocalToken::off()),
+            Some(path) => crate::local_auth::LocalToken::from_file(path)
+                .with_context(|| format!("--local-token-file {}", path.display())),
+        }
     }
 
     /// Where `/metrics` is served: the flag, or `0.0.0.0:default_port`.

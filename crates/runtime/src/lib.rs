@@ -14,7 +14,9 @@
 //! - [`metrics`]: Prometheus metrics on `--metrics-listen`, gRPC server metrics for free;
 //! - [`launch`]: the `main` of every service binary;
 //! - [`tls`], [`peer`]: mutual TLS between clusters and the authorization of cluster-facing
-//!   RPCs (ADR 0014).
+//!   RPCs (ADR 0014);
+//! - [`local_auth`]: the local token this cluster's own callers present on the plaintext
+//!   listener (ADR 0020).
 //!
 //! The domain error type and its gRPC table are re-exported from `trellis-error`.
 
@@ -23,6 +25,7 @@ pub mod client;
 pub mod cmd;
 pub mod config;
 pub mod launch;
+pub mod local_auth;
 pub mod metrics;
 pub mod peer;
 pub mod propagation;

@@ -73,9 +73,19 @@ pub fn resumed_span(name: &'static str, traceparent: Option<&str>) -> tracing::S
     span
 }
 
-/// Adds the current span's context to every outgoing request.
-#[derive(Debug, Clone, Copy, Default)]
-pub struct TraceInterceptor;
+/// Adds the current span's context to every outgoing request, and on channels to this
+/// cluster's own services the local token ([`crate::local_auth`]; off by default).
+#[derive(Debug, Clone, Default)]
+pub struct TraceInterceptor {
+    local_token: crate::local_auth::LocalToken,
+}
+
+impl TraceInterceptor {
+    /// An interceptor that also sends `token` (for channels to local services only).
+    pub fn with_local_token(token: crate::local_auth::LocalToken) -> Self {
+        Self { local_token: token }
+    }
+}
 
 impl tonic::service::Interceptor for TraceInterceptor {
     fn call(
@@ -86,6 +96,7 @@ impl tonic::service::Interceptor for TraceInterceptor {
         global::get_text_map_propagator(|p| {
             p.inject_context(&cx, &mut MetadataInjector(request.metadata_mut()));
         });
+        self.local_token.attach(request.metadata_mut());
         Ok(request)
     }
 }
@@ -168,7 +179,7 @@ mod tests {
             let span = tracing::info_span!("caller");
             let _entered = span.enter();
             let trace_id = span.context().span().span_context().trace_id();
-            let request = TraceInterceptor
+            let request = TraceInterceptor::default()
                 .call(tonic::Request::new(()))
                 .expect("interceptor never fails");
             let header = request

@@ -28,6 +28,8 @@ pub struct GrpcServer {
     peer: Option<PeerListener>,
     metrics: Metrics,
     metrics_listener: Option<MetricsListener>,
+    local_token: crate::local_auth::LocalToken,
+    cluster_facing: Vec<&'static str>,
 }
 
 /// The mutual-TLS listener for other clusters (ADR 0014): the same routes, behind a gate that
@@ -105,22 +107,47 @@ impl GrpcServer {
             peer: None,
             metrics: Metrics::new(),
             metrics_listener: None,
+            local_token: crate::local_auth::LocalToken::off(),
+            cluster_facing: Vec::new(),
         })
     }
 
+    /// Requires `token` from callers on the plaintext listener (ADR 0020), except for health,
+    /// reflection and the methods given to [`Self::with_cluster_facing`].
+    pub fn with_local_token(mut self, token: crate::local_auth::LocalToken) -> Self {
+        self.local_token = token;
+        self
+    }
+
+    /// The service's cluster-facing methods: on the plaintext listener they need no local
+    /// token (other clusters call them there in plaintext mode; with TLS their handlers refuse
+    /// them there).
+    pub fn with_cluster_facing(mut self, methods: PeerMethods) -> Self {
+        self.cluster_facing = methods
+            .authenticated
+            .iter()
+            .chain(methods.anonymous)
+            .copied()
+            .collect();
+        self
+    }
+
     /// Binds a service's gRPC and `/metrics` listeners from its base flags (`--listen`,
-    /// `--metrics-listen`), falling back to the service's default ports: how every service
-    /// binds, so each gets the gRPC server metrics and a `/metrics` endpoint without code of
+    /// `--pod-ip`, `--metrics-listen`), falling back to the service's default ports, and
+    /// requires the local token of `--local-token-file`: how every service binds, so each gets
+    /// the gRPC server metrics, a `/metrics` endpoint and local authentication without code of
     /// its own.
     pub async fn for_service(
         base: &crate::config::BaseConfig,
         default_port: u16,
         default_metrics_port: u16,
     ) -> anyhow::Result<Self> {
-        Self::bind(base.listen_addr(default_port))
+        let token = base.local_token()?;
+        Ok(Self::bind(base.listen_addr(default_port))
             .await?
             .with_metrics_listener(base.metrics_listen(default_metrics_port))
-            .await
+            .await?
+            .with_local_token(token))
     }
 
     /// Also serves this service's `/metrics` where `listen` says (see
@@ -251,12 +278,16 @@ impl GrpcServer {
             }
             None => None,
         };
-        tracing::info!(addr = %self.addr, services = ?services, "serving gRPC");
+        tracing::info!(addr = %self.addr, services = ?services, local_token = self.local_token.is_on(), "serving gRPC");
         let plain = Server::builder()
             .trace_fn(server_span)
             .tcp_nodelay(true)
             .http2_keepalive_interval(Some(Duration::from_secs(30)))
             .layer(self.metrics.grpc_layer())
+            .layer(crate::local_auth::LocalAuthLayer::new(
+                self.local_token.clone(),
+                self.cluster_facing.clone(),
+            ))
             .add_routes(routes)
             .serve_with_incoming_shutdown(TcpListenerStream::new(self.listener), stop);
         let metrics = self.metrics_listener.map(|listener| {

@@ -1365,7 +1365,10 @@ fn tls_channel(
     config: Arc<rustls::ClientConfig>,
 ) -> Result<TracedChannel> {
     let channel = TlsEndpoint::new(field, address, timeouts, config)?.connect_lazy();
-    Ok(InterceptedService::new(channel, TraceInterceptor))
+    Ok(InterceptedService::new(
+        channel,
+        TraceInterceptor::default(),
+    ))
 }
 
 /// A channel to another cluster's service over mutual TLS: we present our certificate, the

@@ -9,7 +9,10 @@ use std::time::Duration;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use trellis_runtime::config::ports;
 
-use tonic::transport::Channel;
+use tonic::service::interceptor::InterceptedService;
+use trellis_runtime::client::TracedChannel;
+use trellis_runtime::local_auth::LocalToken;
+use trellis_runtime::propagation::TraceInterceptor;
 use trellis_runtime::tls::ToolTls;
 
 use crate::connect::{Service, Target};
@@ -102,6 +105,18 @@ pub struct Globals {
         requires = "tls_cert"
     )]
     pub tls_key: Option<PathBuf>,
+
+    /// File holding the cluster's local token (`authorization: Bearer`), for services started
+    /// with --local-token-file: sent on plaintext connections only, never over --tls-ca-cert
+    /// (another cluster's listener). Same variable as the services', so trellisctl run in a
+    /// service's container authenticates as it.
+    #[arg(
+        long,
+        global = true,
+        env = "TRELLIS_LOCAL_TOKEN_FILE",
+        value_name = "FILE"
+    )]
+    pub local_token_file: Option<PathBuf>,
 }
 
 fn read_file(flag: &str, path: &std::path::Path) -> Result<String, CtlError> {
@@ -130,9 +145,21 @@ impl Globals {
         .map_err(|e| CtlError::Usage(format!("TLS flags: {e}")))
     }
 
-    /// Connects to `target` as the flags say (plaintext, or TLS).
-    pub async fn connect(&self, target: &Target) -> Result<Channel, CtlError> {
-        crate::connect::connect(target, self.tls()?.as_ref(), self.timeout).await
+    /// Connects to `target` as the flags say (plaintext, with the local token when given; or
+    /// TLS).
+    pub async fn connect(&self, target: &Target) -> Result<TracedChannel, CtlError> {
+        let tls = self.tls()?;
+        let token = match (&tls, &self.local_token_file) {
+            (None, Some(path)) => LocalToken::from_file(path).map_err(|e| {
+                CtlError::Usage(format!("--local-token-file {}: {e:#}", path.display()))
+            })?,
+            _ => LocalToken::off(),
+        };
+        let channel = crate::connect::connect(target, tls.as_ref(), self.timeout).await?;
+        Ok(InterceptedService::new(
+            channel,
+            TraceInterceptor::with_local_token(token),
+        ))
     }
 
     /// Where `service` listens, as configured.

@@ -3,12 +3,12 @@
 //! (ListEndpointMappings); `ipam map` translates one endpoint IP (MapEndpointIp).
 
 use serde::Serialize;
-use tonic::transport::Channel;
 use trellis_api::pb::ipam::ipam_client::IpamClient;
 use trellis_api::pb::ipam::{
     ClusterSubnets, EndpointMapping, GetLocalSubnetsRequest, ListClusterSubnetsRequest,
     ListEndpointMappingsRequest, MapEndpointIpRequest,
 };
+use trellis_runtime::client::TracedChannel;
 
 use crate::cli::{Globals, MapArgs};
 use crate::connect::Service;
@@ -167,7 +167,7 @@ impl Report for MapView {
 
 async fn client(
     globals: &Globals,
-) -> Result<(IpamClient<Channel>, crate::connect::Target), CtlError> {
+) -> Result<(IpamClient<TracedChannel>, crate::connect::Target), CtlError> {
     let target = globals.target(Service::Ipam);
     let channel = globals.connect(&target).await?;
     Ok((IpamClient::new(channel), target))

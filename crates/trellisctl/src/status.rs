@@ -11,7 +11,6 @@
 use std::time::SystemTime;
 
 use serde::Serialize;
-use tonic::transport::Channel;
 use tonic_health::pb::HealthCheckRequest;
 use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::health_client::HealthClient;
@@ -22,6 +21,7 @@ use trellis_api::pb::gateway::{GetGatewayInfoRequest, ListTunnelsRequest, Wiregu
 use trellis_api::pb::peering::ListTunnelEndpointsRequest;
 use trellis_api::pb::peering::broker_client::BrokerClient;
 use trellis_api::pb::{gateway, types};
+use trellis_runtime::client::TracedChannel;
 
 use crate::cli::Globals;
 use crate::connect::{Service, Target};
@@ -255,7 +255,7 @@ impl TunnelView {
 
 // ---- fetching ----
 
-type Connected = Result<Channel, CtlError>;
+type Connected = Result<TracedChannel, CtlError>;
 
 async fn probe(target: Target, globals: &Globals) -> (ServiceHealthView, Connected) {
     let mut view = ServiceHealthView {

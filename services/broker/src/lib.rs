@@ -74,6 +74,7 @@ pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started
         &config.ipam,
         &config.gateway,
         tls.clone(),
+        &common.local_token()?,
     )?;
     let core = Arc::new(
         Broker::new(identity, store, clients, config.token.clone())
@@ -94,7 +95,8 @@ pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started
     .await?;
     let server = GrpcServer::for_service(common, ports::BROKER, ports::BROKER_METRICS)
         .await?
-        .with_peer_listener(peer);
+        .with_peer_listener(peer)
+        .with_cluster_facing(grpc::PEER_METHODS);
     let addr = server.local_addr();
     let metrics_addr = server.metrics_addr();
     let peer_addr = server.peer_addr();

@@ -1047,8 +1047,14 @@ mod tests {
     use crate::remote::Clients;
 
     fn broker() -> Broker {
-        let clients = Clients::new("127.0.0.1:9", "127.0.0.1:9", "127.0.0.1:9", None)
-            .expect("valid addresses");
+        let clients = Clients::new(
+            "127.0.0.1:9",
+            "127.0.0.1:9",
+            "127.0.0.1:9",
+            None,
+            &trellis_runtime::local_auth::LocalToken::off(),
+        )
+        .expect("valid addresses");
         let identity = ClusterIdentity::parse("id", "leaf-a", "name", "").expect("identity");
         Broker::new(identity, Arc::new(MemoryStore::new()), clients, None)
     }

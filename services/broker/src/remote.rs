@@ -13,7 +13,8 @@ use trellis_api::pb::ipam::ipam_client::IpamClient;
 use trellis_api::pb::peering::broker_client::BrokerClient;
 use trellis_api::pb::peering::forwarder_client::ForwarderClient;
 use trellis_error::Result;
-use trellis_runtime::client::{Timeouts, TracedChannel, channel};
+use trellis_runtime::client::{Timeouts, TracedChannel, local_channel};
+use trellis_runtime::local_auth::LocalToken;
 use trellis_runtime::tls::{
     CaCertHash, PeerTls, PinnedCa, cluster_channel, first_contact_channel, peer_channel_pinned,
     pinned_handshake_channel,
@@ -42,12 +43,19 @@ pub struct Clients {
 }
 
 impl Clients {
-    /// Channels to the local services (validated addresses; nothing connects yet).
-    pub fn new(discovery: &str, ipam: &str, gateway: &str, tls: Option<PeerTls>) -> Result<Self> {
+    /// Channels to the local services (validated addresses; nothing connects yet), which
+    /// carry the local token (ADR 0020).
+    pub fn new(
+        discovery: &str,
+        ipam: &str,
+        gateway: &str,
+        tls: Option<PeerTls>,
+        local_token: &LocalToken,
+    ) -> Result<Self> {
         Ok(Self {
-            discovery: channel("discovery", discovery, LOCAL)?,
-            ipam: channel("ipam", ipam, LOCAL)?,
-            gateway: channel("gateway", gateway, LOCAL)?,
+            discovery: local_channel("discovery", discovery, LOCAL, local_token)?,
+            ipam: local_channel("ipam", ipam, LOCAL, local_token)?,
+            gateway: local_channel("gateway", gateway, LOCAL, local_token)?,
             tls,
             remote: Mutex::new(HashMap::new()),
         })

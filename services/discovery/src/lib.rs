@@ -36,7 +36,7 @@ use tonic::service::Routes;
 use trellis_api::ClusterIdentity;
 use trellis_api::pb::discovery::discovery_server::DiscoveryServer;
 use trellis_runtime::Shutdown;
-use trellis_runtime::client::{Timeouts, channel};
+use trellis_runtime::client::{Timeouts, local_channel};
 use trellis_runtime::config::ports;
 use trellis_runtime::peer::Authz;
 use trellis_runtime::server::{GrpcServer, cluster_facing};
@@ -98,13 +98,20 @@ pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started
     let (peer, authz) = cluster_facing(
         tls.as_ref(),
         &config.tls,
-        channel("listen", &loopback(addr).to_string(), Timeouts::default())?,
+        local_channel(
+            "listen",
+            &loopback(addr).to_string(),
+            Timeouts::default(),
+            &common.local_token()?,
+        )?,
         grpc::PEER_METHODS,
         &shutdown,
         &mut background,
     )
     .await?;
-    let server = server.with_peer_listener(peer);
+    let server = server
+        .with_peer_listener(peer)
+        .with_cluster_facing(grpc::PEER_METHODS);
     let peer_addr = server.peer_addr();
     let advertised = config.advertised(peer_addr.unwrap_or(addr));
     let mut core = Discovery::open(store, identity, advertised.clone())

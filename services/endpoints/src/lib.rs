@@ -125,6 +125,7 @@ async fn start_inner(
         remote_ipam_attempts: config.remote_ipam_attempts,
         deliver: config.deliver_timeouts(),
         tls: tls.clone(),
+        local_token: config.common.local_token()?,
     })?;
     let store = config.common.open_store().await?;
     let mut background = Vec::new();
@@ -145,7 +146,8 @@ async fn start_inner(
     let server =
         GrpcServer::for_service(&config.common, ports::ENDPOINTS, ports::ENDPOINTS_METRICS)
             .await?
-            .with_peer_listener(peer);
+            .with_peer_listener(peer)
+            .with_cluster_facing(grpc::PEER_METHODS);
     let addr = server.local_addr();
     let metrics_addr = server.metrics_addr();
     metrics::register(server.metrics(), &core);

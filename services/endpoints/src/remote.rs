@@ -18,7 +18,7 @@ use trellis_api::pb::endpoints::endpoint_mapper_client::EndpointMapperClient;
 use trellis_api::pb::ipam::ipam_client::IpamClient;
 use trellis_api::pb::types::ForeignCluster;
 use trellis_error::{Error, Result};
-use trellis_runtime::client::{Timeouts, TracedChannel, channel};
+use trellis_runtime::client::{Timeouts, TracedChannel, local_channel};
 use trellis_runtime::tls::{PeerTls, cluster_channel};
 
 /// Pause between two attempts of a remote IPAM call: long enough for a restarting server to
@@ -49,14 +49,26 @@ pub struct ClientSettings {
     pub deliver: Timeouts,
     /// Mutual TLS towards other clusters, when configured.
     pub tls: Option<PeerTls>,
+    /// Sent to the local IPAM and discovery only (ADR 0020).
+    pub local_token: trellis_runtime::local_auth::LocalToken,
 }
 
 impl Clients {
     /// Channels to the local services (validated addresses; nothing connects yet).
     pub fn new(settings: ClientSettings) -> Result<Self> {
         Ok(Self {
-            ipam: channel("ipam", &settings.ipam, settings.local)?,
-            discovery: channel("discovery", &settings.discovery, settings.local)?,
+            ipam: local_channel(
+                "ipam",
+                &settings.ipam,
+                settings.local,
+                &settings.local_token,
+            )?,
+            discovery: local_channel(
+                "discovery",
+                &settings.discovery,
+                settings.local,
+                &settings.local_token,
+            )?,
             remote_ipam_timeouts: settings.remote_ipam,
             remote_ipam_attempts: settings.remote_ipam_attempts.max(1),
             deliver_timeouts: settings.deliver,

@@ -30,7 +30,7 @@ use trellis_api::{ClusterId, ClusterIdentity};
 use trellis_error::{Error, Result};
 use trellis_runtime::Shutdown;
 use trellis_runtime::backoff::Backoff;
-use trellis_runtime::client::{Timeouts, TracedChannel, channel};
+use trellis_runtime::client::{Timeouts, TracedChannel, local_channel};
 use trellis_runtime::propagation::{resumed_span, traceparent_of};
 use trellis_runtime::tls::{PeerTls, cluster_channel};
 use trellis_store::retry::Contention;
@@ -197,11 +197,12 @@ impl Forwarder {
         discovery: &str,
         delivery: Delivery,
         tls: Option<PeerTls>,
+        local_token: &trellis_runtime::local_auth::LocalToken,
     ) -> Result<Self> {
         Ok(Self {
             identity,
             store,
-            discovery: channel("discovery", discovery, LOCAL)?,
+            discovery: local_channel("discovery", discovery, LOCAL, local_token)?,
             tls,
             brokers: Mutex::new(HashMap::new()),
             delivery: Delivery {

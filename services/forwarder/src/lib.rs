@@ -65,6 +65,7 @@ pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started
         &config.discovery,
         config.delivery(),
         tls.clone(),
+        &common.local_token()?,
     )?);
     // Before serving and retrying, so both only ever see the current layout.
     core.migrate_relay_keys()
@@ -82,7 +83,8 @@ pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started
     .await?;
     let server = GrpcServer::for_service(common, ports::FORWARDER, ports::FORWARDER_METRICS)
         .await?
-        .with_peer_listener(peer);
+        .with_peer_listener(peer)
+        .with_cluster_facing(grpc::PEER_METHODS);
     let addr = server.local_addr();
     let metrics_addr = server.metrics_addr();
     metrics::register(server.metrics(), &core);

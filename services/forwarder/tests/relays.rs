@@ -345,6 +345,7 @@ impl Hub {
                 &discovery_addr.to_string(),
                 delivery,
                 None,
+                &trellis_runtime::local_auth::LocalToken::off(),
             )
             .expect("forwarder"),
         );

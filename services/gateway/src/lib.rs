@@ -136,6 +136,7 @@ pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started
     if let Some(broker) = config.broker.clone() {
         background.push(tokio::spawn(source::run(
             broker,
+            common.local_token()?,
             desired_tx,
             shutdown.clone(),
         )));
@@ -147,6 +148,7 @@ pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started
     if let Some(ipam) = config.ipam.clone() {
         background.push(tokio::spawn(mappings::run(
             ipam,
+            common.local_token()?,
             config.mappings_period(),
             mappings_tx,
             shutdown.clone(),

@@ -13,7 +13,8 @@ use tokio::sync::watch;
 use trellis_api::ClusterId;
 use trellis_api::pb::ipam as ipam_pb;
 use trellis_runtime::Shutdown;
-use trellis_runtime::client::{Timeouts, channel};
+use trellis_runtime::client::{Timeouts, local_channel};
+use trellis_runtime::local_auth::LocalToken;
 
 /// One third-cluster endpoint reachable through our external CIDR.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
@@ -63,11 +64,12 @@ pub fn from_proto(response: &ipam_pb::ListEndpointMappingsResponse) -> Mappings 
 /// Polls the IPAM at `ipam` until `shutdown`, publishing changed sets on `mappings`.
 pub async fn run(
     ipam: String,
+    local_token: LocalToken,
     interval: Duration,
     mappings: watch::Sender<Option<Mappings>>,
     shutdown: Shutdown,
 ) {
-    let channel = match channel("ipam", &ipam, Timeouts::default()) {
+    let channel = match local_channel("ipam", &ipam, Timeouts::default(), &local_token) {
         Ok(c) => c,
         Err(err) => {
             tracing::error!(error = %err, "cannot follow the IPAM's endpoint mappings");

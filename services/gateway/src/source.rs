@@ -15,7 +15,8 @@ use trellis_api::model::TunnelEndpoint;
 use trellis_api::pb::trellis::peering::v1 as peering;
 use trellis_api::pb::types::WatchEventType;
 use trellis_runtime::Shutdown;
-use trellis_runtime::client::{Timeouts, channel};
+use trellis_runtime::client::{Timeouts, local_channel};
+use trellis_runtime::local_auth::LocalToken;
 
 use crate::core::Desired;
 
@@ -126,10 +127,15 @@ impl Follower {
 }
 
 /// Follows the broker at `broker` until `shutdown`, publishing desired sets on `desired`.
-pub async fn run(broker: String, desired: watch::Sender<Option<Desired>>, shutdown: Shutdown) {
+pub async fn run(
+    broker: String,
+    local_token: LocalToken,
+    desired: watch::Sender<Option<Desired>>,
+    shutdown: Shutdown,
+) {
     // The request timeout bounds the call until the stream's headers; the stream itself is
     // unbounded.
-    let channel = match channel("broker", &broker, Timeouts::default()) {
+    let channel = match local_channel("broker", &broker, Timeouts::default(), &local_token) {
         Ok(c) => c,
         Err(err) => {
             tracing::error!(error = %err, "cannot follow the broker's tunnel endpoints");

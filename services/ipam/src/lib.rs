@@ -26,7 +26,7 @@ use tonic::server::NamedService;
 use tonic::service::Routes;
 use trellis_api::pb::ipam::ipam_server::IpamServer;
 use trellis_runtime::Shutdown;
-use trellis_runtime::client::{Timeouts, channel};
+use trellis_runtime::client::{Timeouts, local_channel};
 use trellis_runtime::config::ports;
 use trellis_runtime::peer::Authz;
 use trellis_runtime::server::{GrpcServer, cluster_facing};
@@ -78,7 +78,12 @@ pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started
             cluster_facing(
                 tls.as_ref(),
                 &config.tls,
-                channel("discovery", discovery, Timeouts::default())?,
+                local_channel(
+                    "discovery",
+                    discovery,
+                    Timeouts::default(),
+                    &config.common.local_token()?,
+                )?,
                 grpc::PEER_METHODS,
                 &shutdown,
                 &mut background,
@@ -88,7 +93,8 @@ pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started
     };
     let server = GrpcServer::for_service(&config.common, ports::IPAM, ports::IPAM_METRICS)
         .await?
-        .with_peer_listener(peer);
+        .with_peer_listener(peer)
+        .with_cluster_facing(grpc::PEER_METHODS);
     let addr = server.local_addr();
     let metrics_addr = server.metrics_addr();
     metrics::register(server.metrics(), &core);

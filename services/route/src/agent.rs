@@ -9,7 +9,8 @@ use trellis_api::pb::gateway::WatchRoutesRequest;
 use trellis_api::pb::gateway::gateway_client::GatewayClient;
 use trellis_runtime::Shutdown;
 use trellis_runtime::backoff::Backoff;
-use trellis_runtime::client::{Timeouts, channel};
+use trellis_runtime::client::{Timeouts, local_channel};
+use trellis_runtime::local_auth::LocalToken;
 
 use crate::node;
 use crate::plan::{self, NodeSettings, Wanted};
@@ -28,6 +29,8 @@ pub struct Agent {
     pub node: NodeSettings,
     pub underlay: String,
     pub gateway: String,
+    /// Sent to the gateway (ADR 0020).
+    pub local_token: LocalToken,
     pub resync: Duration,
     pub status: Mutex<Status>,
 }
@@ -87,7 +90,12 @@ pub async fn run(agent: Arc<Agent>, shutdown: Shutdown) {
     };
     loop {
         let stream = async {
-            let channel = channel("--gateway", &agent.gateway, Timeouts::default())?;
+            let channel = local_channel(
+                "--gateway",
+                &agent.gateway,
+                Timeouts::default(),
+                &agent.local_token,
+            )?;
             let response = GatewayClient::new(channel)
                 .watch_routes(request())
                 .await

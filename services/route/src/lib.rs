@@ -69,6 +69,7 @@ pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started
         node,
         underlay,
         gateway: config.gateway.clone(),
+        local_token: config.base.local_token()?,
         resync: Duration::from_secs(config.resync_interval),
         status: Mutex::new(agent::Status::default()),
     });

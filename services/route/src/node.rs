@@ -250,18 +250,13 @@ pub async fn apply(
 /// Sets `ipv4/<path>` under `root` (`--proc-sys-net`) to `value` unless it already is, so a
 /// node whose values are right needs no write (and a read-only `/proc/sys` is then fine).
 async fn ensure_sysctl(root: &Path, path: &str, value: &str) -> anyhow::Result<()> {
-    let file = root.join("ipv4").join(path);
-    let current = tokio::fs::read_to_string(&file).await;
-    if current.as_deref().map(str::trim).ok() == Some(value) {
-        return Ok(());
-    }
-    tokio::fs::write(&file, value).await.with_context(|| {
-        format!(
-            "writing {value} to {} (read-only? mount the host's /proc/sys/net and set \
-             --proc-sys-net)",
-            file.display()
-        )
-    })
+    cmd::ensure_sysctl(
+        root,
+        path,
+        value,
+        "read-only? mount the host's /proc/sys/net and set --proc-sys-net",
+    )
+    .await
 }
 
 #[cfg(test)]

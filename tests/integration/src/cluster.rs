@@ -144,6 +144,8 @@ pub struct Options {
     pub advertise_broker: Option<SocketAddr>,
     /// The same for the forwarder.
     pub advertise_forwarder: Option<SocketAddr>,
+    /// Appended to the broker's flags.
+    pub broker_flags: Vec<String>,
 }
 
 impl Default for Options {
@@ -158,6 +160,7 @@ impl Default for Options {
             kubeconfig: None,
             advertise_broker: None,
             advertise_forwarder: None,
+            broker_flags: Vec::new(),
         }
     }
 }
@@ -378,6 +381,7 @@ impl InProcessCluster {
         if let Some(tls) = &tls {
             broker.extend(tls.flags("broker", tls.broker)?);
         }
+        broker.extend(options.broker_flags.iter().cloned());
         let broker = trellis_broker::start(
             trellis_broker::Config::try_parse_from(broker)?,
             shutdown.clone(),

@@ -183,6 +183,13 @@ impl ServiceProcess {
             .await?)
     }
 
+    /// Whether the process has exited on its own (a killed one counts too).
+    pub fn exited(&mut self) -> bool {
+        self.child
+            .as_mut()
+            .is_none_or(|child| child.try_wait().ok().flatten().is_some())
+    }
+
     /// SIGKILL: no shutdown hook, no flush; whatever is not in the store is lost.
     pub fn kill9(&mut self) {
         if let Some(mut child) = self.child.take() {

@@ -108,6 +108,9 @@ pub struct Options {
     /// Other clusters reach this one's services only through [`Gate`]s (its discovery
     /// advertises the gates), so [`ProcessCluster::partition`] can cut it off from them.
     pub gated: bool,
+    /// Every service authenticates its local callers with the token in this file, and sends
+    /// it to the local services it calls (`TRELLIS_LOCAL_TOKEN_FILE`, ADR 0020).
+    pub local_token_file: Option<std::path::PathBuf>,
 }
 
 impl Default for Options {
@@ -116,6 +119,7 @@ impl Default for Options {
             induced: true,
             otlp_endpoint: None,
             gated: false,
+            local_token_file: None,
         }
     }
 }
@@ -242,7 +246,7 @@ impl ProcessCluster {
         };
         for service in Service::ALL {
             let args = this.args(service, pod_cidr, external_cidr)?;
-            let env = match &this.options.otlp_endpoint {
+            let mut env = match &this.options.otlp_endpoint {
                 // Short batches, so spans arrive while the test still waits for them.
                 Some(endpoint) => vec![
                     ("OTEL_EXPORTER_OTLP_ENDPOINT".to_owned(), endpoint.clone()),
@@ -250,6 +254,12 @@ impl ProcessCluster {
                 ],
                 None => Vec::new(),
             };
+            if let Some(file) = &this.options.local_token_file {
+                env.push((
+                    "TRELLIS_LOCAL_TOKEN_FILE".to_owned(),
+                    file.display().to_string(),
+                ));
+            }
             let process = ServiceProcess::start_with_env(
                 &service.binary(),
                 args,
@@ -404,6 +414,33 @@ impl ProcessCluster {
         self.processes
             .get_mut(&service)
             .with_context(|| format!("{id}: {service} not started"))
+    }
+
+    /// SIGKILLs the etcd behind `service` (its data directory stays).
+    pub fn kill9_etcd(&mut self, service: Service) -> anyhow::Result<()> {
+        let id = self.id.clone();
+        self.etcds
+            .get_mut(&service)
+            .with_context(|| format!("{id}: no etcd for {service}"))?
+            .kill();
+        Ok(())
+    }
+
+    /// Starts the etcd behind `service` again, on its data directory and ports.
+    pub fn restart_etcd(&mut self, service: Service) -> anyhow::Result<()> {
+        let id = self.id.clone();
+        self.etcds
+            .get_mut(&service)
+            .with_context(|| format!("{id}: no etcd for {service}"))?
+            .restart()
+            .with_context(|| format!("{id}: restarting the etcd of {service}"))
+    }
+
+    /// Whether the process of `service` has exited (it does not restart by itself).
+    pub fn exited(&mut self, service: Service) -> bool {
+        self.processes
+            .get_mut(&service)
+            .is_some_and(ServiceProcess::exited)
     }
 
     /// SIGKILLs `service` (no shutdown hook; whatever is not in its etcd is lost).

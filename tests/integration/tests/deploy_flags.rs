@@ -525,9 +525,11 @@ fn host_port(address: &str) -> Option<(&str, u16)> {
     Some((host, port.parse().ok()?))
 }
 
-/// The `host:port`s of an `etcd://h1:p1,h2:p2/prefix` store URL.
+/// The `host:port`s of an `etcd://h1:p1,h2:p2/prefix` (or `etcds://`) store URL.
 fn etcd_endpoints(url: &str) -> Option<Vec<String>> {
-    let rest = url.strip_prefix("etcd://")?;
+    let rest = url
+        .strip_prefix("etcds://")
+        .or_else(|| url.strip_prefix("etcd://"))?;
     let hosts = rest.split('/').next().unwrap_or_default();
     Some(hosts.split(',').map(str::to_owned).collect())
 }
@@ -719,7 +721,7 @@ fn check_compose_wiring(
                         }
                     }
                     None => problems.push(format!(
-                        "{origin}: TRELLIS_STORE={value} is not an etcd:// URL"
+                        "{origin}: TRELLIS_STORE={value} is not an etcd:// or etcds:// URL"
                     )),
                 }
             } else if variable == "OTEL_EXPORTER_OTLP_ENDPOINT" && !value.is_empty() {
@@ -1220,7 +1222,7 @@ impl Rendered {
     ) {
         let Some(endpoints) = etcd_endpoints(value) else {
             problems.push(format!(
-                "{origin}: TRELLIS_STORE={value} is not an etcd:// URL"
+                "{origin}: TRELLIS_STORE={value} is not an etcd:// or etcds:// URL"
             ));
             return;
         };

@@ -29,7 +29,7 @@ use trellis_api::pb::peering::broker_client::BrokerClient;
 use trellis_api::pb::peering::forwarder_client::ForwarderClient;
 use trellis_api::pb::peering::*;
 use trellis_api::pb::types::{self as types};
-use trellis_integration::cluster::InProcessCluster;
+use trellis_integration::cluster::{InProcessCluster, Options};
 use trellis_integration::peering::{eventually, host_at, peer, pod_view, tunnel_to, web_slice};
 use trellis_runtime::client::{Timeouts, TracedChannel};
 use trellis_runtime::tls::{PeerTls, handshake_channel, peer_channel};
@@ -745,6 +745,80 @@ async fn a_pinned_first_contact_refuses_a_wrong_ca_and_the_join_hash_peers() {
     );
     assert_eq!(known(&leaf).await, ["hub"]);
     assert_eq!(known(&hub).await, ["leaf"]);
+}
+
+/// The man in the middle the pin is for, asserted on the remote side: an impostor answering at
+/// the address a leaf was told, claiming the hub's ID and accepting the hub's very token (a
+/// token learnt once is reusable). A leaf holding the join command's hash is refused before the
+/// token leaves, and the impostor, which would have accepted it, has no handshake on record;
+/// the control: an unpinned leaf hands the impostor the token and gets peered with it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_man_in_the_middle_at_first_contact_never_receives_the_token_from_a_pinned_leaf() {
+    let hub = start("hub").await;
+    let token = hub
+        .broker()
+        .await
+        .expect("connects")
+        .get_token(GetTokenRequest {})
+        .await
+        .expect("token")
+        .into_inner();
+    let impostor = InProcessCluster::start_with(
+        "hub",
+        "10.0.0.0/16",
+        "10.201.0.0/16",
+        Options {
+            tls: true,
+            endpoints: true,
+            broker_flags: vec!["--token".into(), token.token.clone()],
+            ..Options::default()
+        },
+    )
+    .await
+    .expect("impostor starts");
+    let pinned = start("leaf-a").await;
+    let unpinned = start("leaf-c").await;
+    let request = |hash: &str| PeerRequest {
+        broker_address: impostor.peering_broker().to_string(),
+        token: token.token.clone(),
+        expected_cluster_id: "hub".into(),
+        ca_cert_hash: hash.into(),
+    };
+
+    let err = pinned
+        .broker()
+        .await
+        .expect("connects")
+        .peer(request(&token.ca_cert_hash))
+        .await
+        .expect_err("the impostor's CA is not the pinned one");
+    assert_eq!(err.code(), Code::PermissionDenied, "{err:?}");
+    assert!(
+        known(&impostor).await.is_empty(),
+        "the impostor got no handshake"
+    );
+    assert!(
+        known(&pinned).await.is_empty(),
+        "nothing stored on the leaf"
+    );
+
+    unpinned
+        .broker()
+        .await
+        .expect("connects")
+        .peer(request(""))
+        .await
+        .expect("an unpinned first contact trusts whoever answers");
+    assert_eq!(
+        known(&impostor).await,
+        ["leaf-c"],
+        "the impostor used the token"
+    );
+    assert!(known(&pinned).await.is_empty());
+    assert!(
+        known(&hub).await.is_empty(),
+        "the real hub was never involved"
+    );
 }
 
 /// Issue 15 item 8: a full peer speaks for a NetworkConfig only as the hub that relays it. A
