@@ -49,7 +49,7 @@ const CONCURRENCY: usize = 16;
 /// failure it could not pin on one remote), otherwise only at the remotes something happened
 /// to ([`Broker::wake_for`]), so the work per event does not grow with the number of peers.
 pub async fn run(broker: Arc<Broker>, resync: Duration, shutdown: Shutdown) {
-    tokio::spawn(follow_discovery(broker.clone(), shutdown.clone()));
+    trellis_runtime::telemetry::spawn(follow_discovery(broker.clone(), shutdown.clone()));
     let mut next_resync = Instant::now();
     let mut retries = Retries::default();
     loop {

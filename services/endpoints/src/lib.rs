@@ -132,7 +132,7 @@ pub async fn start_with_writer(
     let metrics_addr = server.metrics_addr();
     metrics::register(server.metrics(), &core);
     let peer_addr = server.peer_addr();
-    background.push(tokio::spawn(exports::run_reconciler(
+    background.push(trellis_runtime::telemetry::spawn(exports::run_reconciler(
         core.clone(),
         exports::RESYNC,
         shutdown.clone(),
