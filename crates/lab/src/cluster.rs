@@ -206,11 +206,15 @@ impl LabCluster {
         tasks.push(ipam.task);
 
         let mut gateway = common("trellis-gateway", p.gateway, store("gateway")?);
+        // The gateway follows the broker's TunnelEndpoints as in a real cluster: without a data
+        // plane it only records them, so `status` and `diagnose` see tunnels applied.
         gateway.extend(args(&[
             "--dataplane",
             "none",
             "--endpoint-address",
             "127.0.0.1",
+            "--broker",
+            &p.broker.to_string(),
         ]));
         let gateway = traced(
             "trellis-gateway",

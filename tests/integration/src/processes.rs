@@ -108,6 +108,9 @@ pub struct Options {
     /// Other clusters reach this one's services only through [`Gate`]s (its discovery
     /// advertises the gates), so [`ProcessCluster::partition`] can cut it off from them.
     pub gated: bool,
+    /// The gateway follows the broker's TunnelEndpoints (`--broker`), as in a real cluster;
+    /// off by default, where tests only need the gateway's keys and ports.
+    pub gateway_follows_broker: bool,
 }
 
 impl Default for Options {
@@ -116,6 +119,7 @@ impl Default for Options {
             induced: true,
             otlp_endpoint: None,
             gated: false,
+            gateway_follows_broker: false,
         }
     }
 }
@@ -328,7 +332,11 @@ impl ProcessCluster {
         args.extend(match service {
             Service::Ipam => strings(&["--pod-cidr", pod_cidr, "--external-cidr", external_cidr]),
             Service::Gateway => {
-                strings(&["--dataplane", "none", "--endpoint-address", "127.0.0.1"])
+                let mut args = strings(&["--dataplane", "none", "--endpoint-address", "127.0.0.1"]);
+                if self.options.gateway_follows_broker {
+                    args.extend(strings(&["--broker", &s.broker.to_string()]));
+                }
+                args
             }
             Service::Discovery => {
                 let at = |service| self.advertised(service).to_string();

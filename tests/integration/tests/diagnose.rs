@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use serde_json::Value;
 use trellis_integration::lab::RunningLab;
 use trellis_integration::peering::{peer, tunnel_to};
-use trellis_integration::processes::{ProcessCluster, Service};
+use trellis_integration::processes::{Options, ProcessCluster, Service};
 
 const LIMIT: Duration = Duration::from_secs(90);
 
@@ -172,10 +172,14 @@ async fn diagnose_passes_on_a_healthy_lab() {
 /// A hub and a leaf of real processes on real etcd, peered, with identical pod CIDRs (so the
 /// NAT views are remapped ones); `diagnose` on the leaf is healthy first. `None` without etcd.
 async fn peered_pair() -> Option<(ProcessCluster, ProcessCluster)> {
-    let hub = ProcessCluster::start("hub", "10.0.0.0/16", "10.201.0.0/16")
+    let options = Options {
+        gateway_follows_broker: true,
+        ..Options::default()
+    };
+    let hub = ProcessCluster::start_with("hub", "10.0.0.0/16", "10.201.0.0/16", options.clone())
         .await
         .expect("hub starts")?;
-    let leaf = ProcessCluster::start("leaf-a", "10.0.0.0/16", "10.202.0.0/16")
+    let leaf = ProcessCluster::start_with("leaf-a", "10.0.0.0/16", "10.202.0.0/16", options)
         .await
         .expect("leaf starts")
         .expect("etcd");
