@@ -199,7 +199,10 @@ impl LabCluster {
             "trellis-ipam",
             &plan.id,
             &mut tracers,
-            trellis_ipam::start(trellis_ipam::Config::try_parse_from(ipam)?, own.clone()),
+            Box::pin(trellis_ipam::start(
+                trellis_ipam::Config::try_parse_from(ipam)?,
+                own.clone(),
+            )),
         )
         .await?
         .context("ipam")?;
@@ -220,10 +223,10 @@ impl LabCluster {
             "trellis-gateway",
             &plan.id,
             &mut tracers,
-            trellis_gateway::start(
+            Box::pin(trellis_gateway::start(
                 trellis_gateway::Config::try_parse_from(gateway)?,
                 own.clone(),
-            ),
+            )),
         )
         .await?
         .context("gateway")?;
@@ -247,10 +250,10 @@ impl LabCluster {
             "trellis-discovery",
             &plan.id,
             &mut tracers,
-            trellis_discovery::start(
+            Box::pin(trellis_discovery::start(
                 trellis_discovery::Config::try_parse_from(discovery)?,
                 own.clone(),
-            ),
+            )),
         )
         .await?
         .context("discovery")?;
@@ -268,10 +271,10 @@ impl LabCluster {
             "trellis-forwarder",
             &plan.id,
             &mut tracers,
-            trellis_forwarder::start(
+            Box::pin(trellis_forwarder::start(
                 trellis_forwarder::Config::try_parse_from(forwarder)?,
                 own.clone(),
-            ),
+            )),
         )
         .await?
         .context("forwarder")?;
@@ -293,7 +296,10 @@ impl LabCluster {
             "trellis-broker",
             &plan.id,
             &mut tracers,
-            trellis_broker::start(trellis_broker::Config::try_parse_from(broker)?, own.clone()),
+            Box::pin(trellis_broker::start(
+                trellis_broker::Config::try_parse_from(broker)?,
+                own.clone(),
+            )),
         )
         .await?
         .context("broker")?;
@@ -311,10 +317,10 @@ impl LabCluster {
             "trellis-endpoints",
             &plan.id,
             &mut tracers,
-            trellis_endpoints::start(
+            Box::pin(trellis_endpoints::start(
                 trellis_endpoints::Config::try_parse_from(endpoints)?,
                 own.clone(),
-            ),
+            )),
         )
         .await?
         .context("endpoints")?;

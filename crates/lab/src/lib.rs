@@ -265,7 +265,7 @@ async fn start_all(
             let mut plan = plan;
             let mut attempt = 1;
             loop {
-                match LabCluster::start(plan.clone(), options, lab).await {
+                match Box::pin(LabCluster::start(plan.clone(), options, lab)).await {
                     Err(err)
                         if attempt < START_ATTEMPTS
                             && format!("{err:#}").contains("cannot listen")
