@@ -204,6 +204,10 @@ struct MetricsOverheadDoc {
     #[serde(default)]
     ratios: Vec<f64>,
     throughput_ratio: f64,
+    /// Set when the variant ran in another invocation than the rest of the document (its
+    /// `run` block: timestamp, commit, load).
+    #[serde(default)]
+    run: Option<Value>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -1178,6 +1182,13 @@ fn metrics_overhead(md: &mut String, m: Option<&MetricsOverheadDoc>) {
             .collect::<Vec<_>>()
             .join(", ")
     );
+    if let Some(run) = &m.run {
+        let _ = writeln!(
+            md,
+            "Measured in a separate invocation of ipam-bench (`--stores memory`): `{}`.\n",
+            compact(run)
+        );
+    }
     md.push_str("| metrics | requests/s | p50 ms | p99 ms |\n|---|---|---|---|\n");
     for (label, l) in [("on", &m.with_metrics), ("off", &m.without_metrics)] {
         let _ = writeln!(
