@@ -206,6 +206,33 @@ struct IpamDoc {
     scenarios: Vec<IpamScenario>,
     consistency: Vec<ConsistencyDoc>,
     parameters: Option<Value>,
+    metrics_overhead: Option<MetricsOverheadDoc>,
+}
+
+/// ipam-bench's metrics-overhead variant.
+#[derive(Debug, Clone, Deserialize)]
+struct MetricsOverheadDoc {
+    store: String,
+    rpc: String,
+    path: String,
+    #[serde(default)]
+    concurrency: usize,
+    with_metrics: LatencyDoc,
+    without_metrics: LatencyDoc,
+    #[serde(default)]
+    ratios: Vec<f64>,
+    throughput_ratio: f64,
+    /// Set when the variant ran in another invocation than the rest of the document (its
+    /// `run` block: timestamp, commit, load).
+    #[serde(default)]
+    run: Option<Value>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+struct LatencyDoc {
+    ops_per_second: f64,
+    p50_ms: f64,
+    p99_ms: f64,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -1126,6 +1153,7 @@ fn ipam_section(md: &mut String, inputs: &Inputs, files: &mut Vec<(PathBuf, Stri
                      process, so there is nothing for a second replica to share.\n\n",
                 );
             }
+            metrics_overhead(md, p.doc.metrics_overhead.as_ref());
             if p.doc.consistency.is_empty() {
                 md.push_str("Consistency with several replicas: not measured in this run.\n\n");
             } else {
@@ -1170,6 +1198,50 @@ fn ipam_section(md: &mut String, inputs: &Inputs, files: &mut Vec<(PathBuf, Stri
         svg::bar_chart(&chart),
     ));
     md.push_str(&note(inputs, "ipam-history"));
+}
+
+/// The overhead of the Prometheus metrics on the hot path: the same scenario against an IPAM
+/// with and without the gRPC metrics layer, in the same run.
+fn metrics_overhead(md: &mut String, m: Option<&MetricsOverheadDoc>) {
+    let Some(m) = m else {
+        md.push_str("Overhead of the metrics: not measured in this run.\n\n");
+        return;
+    };
+    let _ = writeln!(
+        md,
+        "**Overhead of the Prometheus metrics** ({} {} on the {} store, {} clients, an IPAM with \
+         its gRPC metrics layer against one with `--metrics-listen off`, alternating, in the same \
+         run): throughput with metrics / without = **{}** (median of {} pairs: {}).\n",
+        m.rpc,
+        m.path,
+        m.store,
+        m.concurrency,
+        num(m.throughput_ratio, 3),
+        m.ratios.len(),
+        m.ratios
+            .iter()
+            .map(|r| num(*r, 3))
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+    if let Some(run) = &m.run {
+        let _ = writeln!(
+            md,
+            "Measured in a separate invocation of ipam-bench (`--stores memory`): `{}`.\n",
+            compact(run)
+        );
+    }
+    md.push_str("| metrics | requests/s | p50 ms | p99 ms |\n|---|---|---|---|\n");
+    for (label, l) in [("on", &m.with_metrics), ("off", &m.without_metrics)] {
+        let _ = writeln!(
+            md,
+            "| {label} | {} | {} | {} |",
+            num(l.ops_per_second, 0),
+            num(l.p50_ms, 3),
+            num(l.p99_ms, 3)
+        );
+    }
+    md.push('\n');
 }
 
 fn short_path(path: &str) -> &str {

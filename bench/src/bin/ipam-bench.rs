@@ -14,6 +14,11 @@
 //! its replica, and every answer must agree (one external address per endpoint, one remapped
 //! range per cluster, no two endpoints or clusters sharing one). Disagreements are recorded,
 //! not hidden. The memory store lives inside one server, so replicas do not apply to it.
+//!
+//! The **metrics overhead** variant (issue 19) measures `MapEndpointIp` local_nat on the memory
+//! store twice in the same run, against an IPAM with its Prometheus metrics (the gRPC metrics
+//! layer recording every request, `/metrics` served) and one with `--metrics-listen off` (no
+//! layer), alternating which goes first; the ratio of their throughputs is the overhead.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::{IpAddr, SocketAddr};
@@ -73,6 +78,10 @@ struct Args {
     /// time in the consistency check with several replicas.
     #[arg(long, default_value_t = 300)]
     consistency_endpoints: usize,
+    /// Repeats of the metrics-overhead variant (MapEndpointIp local_nat on the memory store,
+    /// with and without the metrics layer, alternating); 0 skips it.
+    #[arg(long, default_value_t = 5)]
+    metrics_repeats: usize,
     /// Where to write the JSON result.
     #[arg(long, default_value = "bench/results/ipam.json")]
     out: PathBuf,
@@ -116,6 +125,23 @@ struct Consistency {
     consistent: bool,
 }
 
+/// The metrics-overhead variant: the same scenario against an IPAM with and without metrics.
+#[derive(Debug, Serialize)]
+struct MetricsOverhead {
+    store: StoreKind,
+    rpc: &'static str,
+    path: &'static str,
+    concurrency: usize,
+    /// Medians over the runs, with the gRPC metrics layer recording every request.
+    with_metrics: LatencySummary,
+    /// Medians over the runs, with `--metrics-listen off` (no layer).
+    without_metrics: LatencySummary,
+    /// Requests/s with metrics divided by requests/s without, per pair of runs.
+    ratios: Vec<f64>,
+    /// The median of `ratios` (1.0: no overhead; 0.95: 5% fewer requests per second).
+    throughput_ratio: f64,
+}
+
 #[derive(Debug, Serialize)]
 struct Parameters {
     requests: usize,
@@ -124,6 +150,7 @@ struct Parameters {
     repeats: usize,
     replicas: Vec<usize>,
     consistency_endpoints: usize,
+    metrics_repeats: usize,
 }
 
 #[derive(Debug, Serialize)]
@@ -134,6 +161,7 @@ struct Report {
     parameters: Parameters,
     scenarios: Vec<Scenario>,
     consistency: Vec<Consistency>,
+    metrics_overhead: Option<MetricsOverhead>,
 }
 
 const LEAF: &str = "leaf";
@@ -277,6 +305,16 @@ struct Servers {
 }
 
 async fn start_servers(store: StoreKind, replicas: usize) -> anyhow::Result<Servers> {
+    start_servers_with(store, replicas, false).await
+}
+
+/// Like [`start_servers`]; `metrics` serves `/metrics` on a free port (the gRPC metrics layer
+/// recording every request), otherwise `--metrics-listen off` (no layer).
+async fn start_servers_with(
+    store: StoreKind,
+    replicas: usize,
+    metrics: bool,
+) -> anyhow::Result<Servers> {
     let etcd = match store {
         StoreKind::Etcd => Some(
             trellis_testkit::Etcd::start()
@@ -303,6 +341,8 @@ async fn start_servers(store: StoreKind, replicas: usize) -> anyhow::Result<Serv
             "10.0.0.0/16",
             "--external-cidr",
             "10.201.0.0/16",
+            "--metrics-listen",
+            if metrics { "127.0.0.1:0" } else { "off" },
         ])?;
         let started = trellis_ipam::start(config, shutdown.clone()).await?;
         addrs.push(started.addr);
@@ -340,14 +380,7 @@ async fn measure(
             &servers.addrs,
             args.requests,
             args.concurrency,
-            Arc::new(|n| {
-                map_request(IpAddr::from([
-                    10,
-                    0,
-                    (n / 250 % 250) as u8,
-                    (n % 250 + 1) as u8,
-                ]))
-            }),
+            Arc::new(local_request),
         )
         .await?
         .0;
@@ -452,6 +485,66 @@ async fn measure(
         tokio::time::timeout(Duration::from_secs(15), task).await???;
     }
     Ok((scenarios, consistency))
+}
+
+/// The local_nat request number `n` (addresses in our own pod CIDR, cycling).
+fn local_request(n: usize) -> Request {
+    map_request(IpAddr::from([
+        10,
+        0,
+        (n / 250 % 250) as u8,
+        (n % 250 + 1) as u8,
+    ]))
+}
+
+/// The metrics-overhead variant: one IPAM with metrics and one without, both on the memory
+/// store, the same local_nat scenario against each, alternating which runs first.
+async fn measure_metrics_overhead(args: &Args) -> anyhow::Result<MetricsOverhead> {
+    let with = start_servers_with(StoreKind::Memory, 1, true).await?;
+    let without = start_servers_with(StoreKind::Memory, 1, false).await?;
+    prepare(with.addrs[0]).await?;
+    prepare(without.addrs[0]).await?;
+    let mut with_runs = Vec::new();
+    let mut without_runs = Vec::new();
+    let mut ratios = Vec::new();
+    for repeat in 0..args.metrics_repeats {
+        let mut pair = [None, None];
+        let order = if repeat % 2 == 0 { [0, 1] } else { [1, 0] };
+        for i in order {
+            let servers = if i == 0 { &with } else { &without };
+            let summary = run_scenario(
+                &servers.addrs,
+                args.requests,
+                args.concurrency,
+                Arc::new(local_request),
+            )
+            .await?
+            .0;
+            pair[i] = Some(summary);
+        }
+        let [Some(w), Some(wo)] = pair else {
+            anyhow::bail!("a run of the metrics-overhead pair is missing");
+        };
+        ratios.push(w.ops_per_second / wo.ops_per_second);
+        with_runs.push(w);
+        without_runs.push(wo);
+    }
+    for servers in [with, without] {
+        servers.shutdown.cancel();
+        for task in servers.tasks {
+            tokio::time::timeout(Duration::from_secs(15), task).await???;
+        }
+    }
+    Ok(MetricsOverhead {
+        store: StoreKind::Memory,
+        rpc: "MapEndpointIp",
+        path: "local_nat",
+        concurrency: args.concurrency,
+        with_metrics: LatencySummary::median_of(&with_runs).context("no runs")?,
+        without_metrics: LatencySummary::median_of(&without_runs).context("no runs")?,
+        throughput_ratio: trellis_bench::median(&ratios).context("no runs")?,
+        ratios,
+    })
 }
 
 /// Every client asks for the same fresh endpoints and the same new clusters at once, each
@@ -629,6 +722,20 @@ async fn main() -> anyhow::Result<()> {
             }
         }
     }
+    let metrics_overhead = if args.metrics_repeats > 0 {
+        eprintln!(
+            "ipam-bench: metrics overhead: MapEndpointIp local_nat, memory store, with and \
+             without metrics, {} requests x {} repeats",
+            args.requests, args.metrics_repeats
+        );
+        Some(
+            measure_metrics_overhead(&args)
+                .await
+                .context("the metrics-overhead variant")?,
+        )
+    } else {
+        None
+    };
     let report = Report {
         benchmark: "ipam",
         run,
@@ -640,9 +747,11 @@ async fn main() -> anyhow::Result<()> {
             repeats: args.repeats,
             replicas: args.replicas.clone(),
             consistency_endpoints: args.consistency_endpoints,
+            metrics_repeats: args.metrics_repeats,
         },
         scenarios,
         consistency,
+        metrics_overhead,
     };
     write_json(&args.out, &report)?;
     eprintln!("| store | replicas | rpc | path | ops/s | p50 ms | p99 ms | max ms |");
@@ -658,6 +767,16 @@ async fn main() -> anyhow::Result<()> {
             s.latency.p50_ms,
             s.latency.p99_ms,
             s.latency.max_ms
+        );
+    }
+    if let Some(m) = &report.metrics_overhead {
+        eprintln!(
+            "metrics overhead: {:.0} requests/s with metrics, {:.0} without; ratio {:.3} \
+             (per pair: {:?})",
+            m.with_metrics.ops_per_second,
+            m.without_metrics.ops_per_second,
+            m.throughput_ratio,
+            m.ratios
         );
     }
     eprintln!("ipam-bench: wrote {}", args.out.display());

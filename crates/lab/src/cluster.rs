@@ -3,15 +3,20 @@
 //! or a dedicated etcd process). Services talk to each other only through gRPC, exactly as
 //! separate processes would; running them in one process is what lets a laptop hold 255
 //! clusters (ADR 0013). With `--tls` each cluster gets a CA of its own and every cluster-facing
-//! service a certificate and a mutual-TLS peer listener (ADR 0014).
+//! service a certificate and a mutual-TLS peer listener (ADR 0014). With
+//! `OTEL_EXPORTER_OTLP_ENDPOINT` set each service also gets a tracer of its own, with its
+//! binary's name and its cluster as the resource, so a lab's traces read like the processes'.
 
 use std::fmt;
+use std::future::Future;
 use std::net::SocketAddr;
 
 use anyhow::Context as _;
 use clap::Parser as _;
 use tokio::task::JoinHandle;
+use tracing::instrument::WithSubscriber as _;
 use trellis_runtime::Shutdown;
+use trellis_runtime::telemetry::{self, ServiceIdentity, Telemetry};
 use trellis_runtime::tls::ClusterCa;
 use trellis_testkit::Etcd;
 
@@ -80,12 +85,36 @@ pub struct LabCluster {
     pub plan: ClusterPlan,
     tasks: Vec<JoinHandle<anyhow::Result<()>>>,
     etcds: Vec<Etcd>,
+    /// The services' own tracers (with an OTLP endpoint), flushed by [`LabCluster::finish`].
+    tracers: Vec<Telemetry>,
     /// Kept until the cluster is dropped: the services re-read their certificate files.
     _certificates: Option<Certificates>,
 }
 
 fn args(list: &[&str]) -> Vec<String> {
     list.iter().map(|s| (*s).to_owned()).collect()
+}
+
+/// Runs `start` (a service's start-up) under the service's own subscriber when there is an OTLP
+/// endpoint, so the service's tasks and requests export through its own tracer.
+async fn traced<F: Future>(
+    service: &'static str,
+    cluster: &str,
+    tracers: &mut Vec<Telemetry>,
+    start: F,
+) -> anyhow::Result<F::Output> {
+    let identity = ServiceIdentity {
+        service,
+        cluster_id: cluster.to_owned(),
+        cluster_name: cluster.to_owned(),
+    };
+    match telemetry::service_dispatch(&identity, crate::LOG_FILTER)? {
+        Some((dispatch, tracer)) => {
+            tracers.push(tracer);
+            Ok(start.with_subscriber(dispatch).await)
+        }
+        None => Ok(start.await),
+    }
 }
 
 impl LabCluster {
@@ -135,6 +164,7 @@ impl LabCluster {
             a
         };
         let mut tasks = Vec::new();
+        let mut tracers = Vec::new();
         let certificates = plan
             .peer
             .map(|_| Certificates::new(&plan.id))
@@ -165,23 +195,40 @@ impl LabCluster {
             ipam.extend(args(&["--discovery", &p.discovery.to_string()]));
             ipam.extend(tls("ipam")?);
         }
-        let ipam = trellis_ipam::start(trellis_ipam::Config::try_parse_from(ipam)?, own.clone())
-            .await
-            .context("ipam")?;
+        let ipam = traced(
+            "trellis-ipam",
+            &plan.id,
+            &mut tracers,
+            Box::pin(trellis_ipam::start(
+                trellis_ipam::Config::try_parse_from(ipam)?,
+                own.clone(),
+            )),
+        )
+        .await?
+        .context("ipam")?;
         tasks.push(ipam.task);
 
         let mut gateway = common("trellis-gateway", p.gateway, store("gateway")?);
+        // The gateway follows the broker's TunnelEndpoints as in a real cluster: without a data
+        // plane it only records them, so `status` and `diagnose` see tunnels applied.
         gateway.extend(args(&[
             "--dataplane",
             "none",
             "--endpoint-address",
             "127.0.0.1",
+            "--broker",
+            &p.broker.to_string(),
         ]));
-        let gateway = trellis_gateway::start(
-            trellis_gateway::Config::try_parse_from(gateway)?,
-            own.clone(),
+        let gateway = traced(
+            "trellis-gateway",
+            &plan.id,
+            &mut tracers,
+            Box::pin(trellis_gateway::start(
+                trellis_gateway::Config::try_parse_from(gateway)?,
+                own.clone(),
+            )),
         )
-        .await
+        .await?
         .context("gateway")?;
         tasks.push(gateway.task);
 
@@ -199,11 +246,16 @@ impl LabCluster {
         if !options.induced {
             discovery.push("--no-induced".to_owned());
         }
-        let discovery = trellis_discovery::start(
-            trellis_discovery::Config::try_parse_from(discovery)?,
-            own.clone(),
+        let discovery = traced(
+            "trellis-discovery",
+            &plan.id,
+            &mut tracers,
+            Box::pin(trellis_discovery::start(
+                trellis_discovery::Config::try_parse_from(discovery)?,
+                own.clone(),
+            )),
         )
-        .await
+        .await?
         .context("discovery")?;
         tasks.push(discovery.task);
 
@@ -215,11 +267,16 @@ impl LabCluster {
             "1",
         ]));
         forwarder.extend(tls("forwarder")?);
-        let forwarder = trellis_forwarder::start(
-            trellis_forwarder::Config::try_parse_from(forwarder)?,
-            own.clone(),
+        let forwarder = traced(
+            "trellis-forwarder",
+            &plan.id,
+            &mut tracers,
+            Box::pin(trellis_forwarder::start(
+                trellis_forwarder::Config::try_parse_from(forwarder)?,
+                own.clone(),
+            )),
         )
-        .await
+        .await?
         .context("forwarder")?;
         tasks.push(forwarder.task);
 
@@ -235,10 +292,17 @@ impl LabCluster {
             "2",
         ]));
         broker.extend(tls("broker")?);
-        let broker =
-            trellis_broker::start(trellis_broker::Config::try_parse_from(broker)?, own.clone())
-                .await
-                .context("broker")?;
+        let broker = traced(
+            "trellis-broker",
+            &plan.id,
+            &mut tracers,
+            Box::pin(trellis_broker::start(
+                trellis_broker::Config::try_parse_from(broker)?,
+                own.clone(),
+            )),
+        )
+        .await?
+        .context("broker")?;
         tasks.push(broker.task);
 
         let mut endpoints = common("trellis-endpoints", p.endpoints, store("endpoints")?);
@@ -249,11 +313,16 @@ impl LabCluster {
             &p.discovery.to_string(),
         ]));
         endpoints.extend(tls("endpoints")?);
-        let endpoints = trellis_endpoints::start(
-            trellis_endpoints::Config::try_parse_from(endpoints)?,
-            own.clone(),
+        let endpoints = traced(
+            "trellis-endpoints",
+            &plan.id,
+            &mut tracers,
+            Box::pin(trellis_endpoints::start(
+                trellis_endpoints::Config::try_parse_from(endpoints)?,
+                own.clone(),
+            )),
         )
-        .await
+        .await?
         .context("endpoints")?;
         tasks.push(endpoints.task);
 
@@ -262,6 +331,7 @@ impl LabCluster {
             plan,
             tasks,
             etcds,
+            tracers,
             _certificates: certificates,
         })
     }
@@ -278,6 +348,9 @@ impl LabCluster {
         }
         for etcd in &mut self.etcds {
             etcd.kill();
+        }
+        for tracer in self.tracers.drain(..) {
+            tracer.shutdown().await;
         }
         first
     }

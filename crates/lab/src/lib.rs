@@ -48,6 +48,10 @@ const START_CONCURRENCY: usize = 8;
 /// Free-port collisions tolerated per cluster with `--base-port 0`.
 const START_ATTEMPTS: usize = 5;
 
+/// Log lines the lab prints when `RUST_LOG` is unset: warnings only (hundreds of services share
+/// the terminal). Spans are exported at `info` regardless (see `trellis_runtime::telemetry`).
+pub(crate) const LOG_FILTER: &str = "warn";
+
 /// The binary's `main`: parses the command line, sets up logging and signals, runs.
 pub fn main() -> ExitCode {
     let cli = Cli::parse();
@@ -67,7 +71,7 @@ pub fn main() -> ExitCode {
             cluster_id: "lab".to_owned(),
             cluster_name: "lab".to_owned(),
         };
-        let telemetry = telemetry::init_with_default(&identity, LogFormat::Text, "warn")?;
+        let telemetry = telemetry::init_with_default(&identity, LogFormat::Text, LOG_FILTER)?;
         let shutdown = trellis_runtime::shutdown::on_signals()?;
         let result = match cli.command {
             Command::Up(up) => run(up, shutdown, &mut std::io::stdout()).await,
@@ -261,7 +265,7 @@ async fn start_all(
             let mut plan = plan;
             let mut attempt = 1;
             loop {
-                match LabCluster::start(plan.clone(), options, lab).await {
+                match Box::pin(LabCluster::start(plan.clone(), options, lab)).await {
                     Err(err)
                         if attempt < START_ATTEMPTS
                             && format!("{err:#}").contains("cannot listen")

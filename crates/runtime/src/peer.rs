@@ -237,7 +237,7 @@ pub fn spawn_trust_sync(
     trust: TrustStore,
     shutdown: crate::Shutdown,
 ) -> tokio::task::JoinHandle<()> {
-    tokio::spawn(async move {
+    crate::telemetry::spawn(async move {
         loop {
             let run = sync_once(discovery.clone(), &trust);
             tokio::select! {

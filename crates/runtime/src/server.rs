@@ -2,6 +2,11 @@
 //! reflection (v1 and v1alpha, so any grpcurl works), W3C trace context on every request, and
 //! a graceful stop: on shutdown health turns NOT_SERVING, new connections are refused, in-flight
 //! requests get the grace period to finish.
+//!
+//! Each request runs under the subscriber that was current when the server started serving
+//! (its span is created there too): in the lab, where every service has a subscriber of its own
+//! ([`crate::telemetry::service_dispatch`]), a request's spans are its service's, although
+//! tonic runs connections on tasks of its own.
 
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -17,6 +22,7 @@ use crate::metrics::{Metrics, MetricsListen, MetricsListener};
 use crate::peer::{GateLayer, PeerMethods};
 use crate::propagation::server_span;
 use crate::shutdown::Shutdown;
+use crate::telemetry::DispatchLayer;
 use crate::tls::PeerTls;
 
 /// A bound, not yet serving, gRPC server. Binding first lets callers learn the real port when
@@ -210,7 +216,7 @@ impl GrpcServer {
         grace: Duration,
         background: Vec<tokio::task::JoinHandle<()>>,
     ) -> tokio::task::JoinHandle<anyhow::Result<()>> {
-        tokio::spawn(async move {
+        crate::telemetry::spawn(async move {
             let served = Box::pin(self.serve(routes, services, shutdown, grace)).await;
             for mut task in background {
                 match tokio::time::timeout(grace, &mut task).await {
@@ -248,6 +254,20 @@ impl GrpcServer {
             .add_service(reflection().build_v1()?)
             .add_service(reflection().build_v1alpha()?);
 
+        // No /metrics listener, no recording: nobody could read it (and the benchmark measures
+        // the layer's cost against exactly this).
+        let grpc_metrics = self
+            .metrics_listener
+            .is_some()
+            .then(|| self.metrics.grpc_layer());
+        let dispatch = tracing::dispatcher::get_default(Clone::clone);
+        let traced = {
+            let dispatch = dispatch.clone();
+            move |request: &http::Request<()>| {
+                tracing::dispatcher::with_default(&dispatch, || server_span(request))
+            }
+        };
+
         let draining = shutdown.clone();
         let owned: Vec<&'static str> = services.to_vec();
         let stop = async move {
@@ -266,9 +286,10 @@ impl GrpcServer {
                 let stopped = shutdown.clone();
                 Some(
                     Server::builder()
-                        .trace_fn(server_span)
+                        .trace_fn(traced.clone())
                         .http2_keepalive_interval(Some(Duration::from_secs(30)))
-                        .layer(self.metrics.grpc_layer())
+                        .layer(DispatchLayer::new(dispatch.clone()))
+                        .layer(tower::util::option_layer(grpc_metrics.clone()))
                         .layer(GateLayer::new(peer.methods))
                         .add_routes(routes.clone())
                         .serve_with_incoming_shutdown(incoming, async move {
@@ -280,10 +301,11 @@ impl GrpcServer {
         };
         tracing::info!(addr = %self.addr, services = ?services, local_token = self.local_token.is_on(), "serving gRPC");
         let plain = Server::builder()
-            .trace_fn(server_span)
+            .trace_fn(traced)
             .tcp_nodelay(true)
             .http2_keepalive_interval(Some(Duration::from_secs(30)))
-            .layer(self.metrics.grpc_layer())
+            .layer(DispatchLayer::new(dispatch))
+            .layer(tower::util::option_layer(grpc_metrics))
             .layer(crate::local_auth::LocalAuthLayer::new(
                 self.local_token.clone(),
                 self.cluster_facing.clone(),
@@ -293,7 +315,7 @@ impl GrpcServer {
         let metrics = self.metrics_listener.map(|listener| {
             let metrics = self.metrics.clone();
             let stopped = shutdown.clone();
-            tokio::spawn(async move {
+            crate::telemetry::spawn(async move {
                 if let Err(err) = listener.serve(metrics, stopped).await {
                     tracing::error!(error = format!("{err:#}"), "metrics listener stopped");
                 }

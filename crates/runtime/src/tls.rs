@@ -1012,7 +1012,7 @@ impl PeerTls {
         shutdown: crate::Shutdown,
     ) -> tokio::task::JoinHandle<()> {
         let tls = self.clone();
-        tokio::spawn(async move {
+        crate::telemetry::spawn(async move {
             loop {
                 tokio::select! {
                     () = shutdown.cancelled() => return,
@@ -1180,7 +1180,7 @@ pub fn incoming(
     let (tx, rx) = tokio::sync::mpsc::channel(64);
     let acceptor = tokio_rustls::TlsAcceptor::from(tls.server_config()?);
     let trust = tls.trust().clone();
-    tokio::spawn(async move {
+    crate::telemetry::spawn(async move {
         loop {
             let accepted = tokio::select! {
                 () = tx.closed() => return,
@@ -1196,7 +1196,7 @@ pub fn incoming(
             };
             let _ = tcp.set_nodelay(true);
             let (acceptor, tx, trust) = (acceptor.clone(), tx.clone(), trust.clone());
-            tokio::spawn(async move {
+            crate::telemetry::spawn(async move {
                 let stream = match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp))
                     .await
                 {

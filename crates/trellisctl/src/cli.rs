@@ -209,7 +209,16 @@ pub enum Command {
     /// gateway's tunnels (state, last handshake, traffic, latency). A service that cannot be
     /// reached is reported in the output and its section left empty; the command fails (exit
     /// code 1) only when no service answers at all.
-    Status,
+    Status(StatusArgs),
+
+    /// Check this cluster and its peers and say what is wrong, each finding with what to do:
+    /// a local service unreachable or not serving; a peer's advertised service unreachable; a
+    /// peered ForeignCluster without a TunnelEndpoint; a TunnelEndpoint the gateway has not
+    /// applied (no tunnel, or an older generation); a tunnel without a WireGuard handshake for
+    /// more than 3 minutes; NAT views that disagree with the peer's IPAM; a remap pool or the
+    /// external CIDR at least 90% used; a pinned peer CA certificate expiring within 30 days.
+    /// Exit code 0 only when nothing was found, 1 otherwise.
+    Diagnose,
 
     /// Show the IPAM: local subnets, how every remote cluster is addressed (and addresses us),
     /// and the external-CIDR endpoint mappings. `ipam map` translates one endpoint IP.
@@ -228,6 +237,15 @@ pub enum Command {
     /// Stop exporting a Service (EndpointMapper.UnexportService): every peer loses it. Succeeds,
     /// saying so, when it was not exported.
     Unexport(UnexportArgs),
+}
+
+/// Flags of `status`.
+#[derive(Debug, Clone, Default, Args)]
+pub struct StatusArgs {
+    /// Also show withdrawn ForeignClusters (tombstones kept until discovery's
+    /// --tombstone-retention has passed); hidden by default.
+    #[arg(long)]
+    pub all: bool,
 }
 
 /// Arguments of `export`.
@@ -465,7 +483,10 @@ mod tests {
         assert_eq!(g.gateway, "127.0.0.1:7106");
         assert_eq!(g.output, OutputFormat::Table);
         assert_eq!(g.timeout, Duration::from_secs(10));
-        assert!(matches!(cli.command, Command::Status));
+        assert!(matches!(
+            cli.command,
+            Command::Status(StatusArgs { all: false })
+        ));
     }
 
     #[test]
@@ -595,6 +616,7 @@ mod tests {
             "peer",
             "unpeer",
             "status",
+            "diagnose",
             "ipam",
             "endpoints",
             "TRELLIS_BROKER",

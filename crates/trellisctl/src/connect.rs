@@ -14,7 +14,7 @@ use trellis_runtime::tls::ToolTls;
 use crate::error::CtlError;
 
 /// One of the six services of a Trellis cluster.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Service {
     Discovery,

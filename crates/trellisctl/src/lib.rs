@@ -5,14 +5,17 @@
 //! - [`error`]: the failures and their exit codes (2 usage, 1 everything else);
 //! - [`output`], [`table`], [`units`], [`names`]: JSON documents from our own serde structs, and
 //!   their fixed-width table forms;
-//! - one module per command: [`token`], [`peering`] (`peer`, `unpeer`), [`status`], [`ipam`],
+//! - one module per command: [`token`], [`peering`] (`peer`, `unpeer`), [`status`], [`diagnose`] (with
+//!   [`certificate`]), [`ipam`],
 //!   [`endpoints`] (with [`slice_file`] for `endpoints reflect --file`); [`identity`] holds the
 //!   views they share.
 //!
 //! [`run`] is the whole program; `main.rs` only calls it.
 
+pub mod certificate;
 pub mod cli;
 pub mod connect;
+pub mod diagnose;
 pub mod endpoints;
 pub mod error;
 pub mod identity;
@@ -78,8 +81,11 @@ pub async fn execute(cli: &Cli) -> Result<(), CtlError> {
         Command::Token(args) => emit(&token::run(globals, args).await?, format),
         Command::Peer(args) => emit(&peering::peer(globals, args).await?, format),
         Command::Unpeer(args) => emit(&peering::unpeer(globals, args).await?, format),
-        Command::Status => {
-            let view = Box::pin(status::run(globals, SystemTime::now())).await;
+        Command::Status(args) => {
+            let mut view = Box::pin(status::run(globals, SystemTime::now())).await;
+            if !args.all {
+                view.hide_withdrawn();
+            }
             emit(&view, format)?;
             if view.nothing_answered() {
                 return Err(CtlError::Failed(
@@ -87,6 +93,18 @@ pub async fn execute(cli: &Cli) -> Result<(), CtlError> {
                      --broker, --forwarder, --ipam, --endpoints, --gateway or TRELLIS_*)"
                         .into(),
                 ));
+            }
+            Ok(())
+        }
+        Command::Diagnose => {
+            let view = Box::pin(diagnose::run(globals, SystemTime::now())).await;
+            emit(&view, format)?;
+            if !view.healthy {
+                return Err(CtlError::Failed(format!(
+                    "{} problem{} found",
+                    view.findings.len(),
+                    if view.findings.len() == 1 { "" } else { "s" }
+                )));
             }
             Ok(())
         }

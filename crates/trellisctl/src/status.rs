@@ -170,6 +170,18 @@ impl StatusView {
         self.services.iter().all(|s| s.health == "unreachable")
     }
 
+    /// Drops withdrawn ForeignClusters (condition `Withdrawn` True): tombstones kept for a
+    /// while after unpeering, which `status` shows only with `--all`.
+    pub fn hide_withdrawn(&mut self) {
+        if let Some(fcs) = &mut self.foreign_clusters {
+            fcs.retain(|fc| {
+                !fc.conditions
+                    .iter()
+                    .any(|c| c.kind == "Withdrawn" && c.status == "True")
+            });
+        }
+    }
+
     fn problem(&self, section: &str) -> Option<&ProblemView> {
         self.unavailable.iter().find(|p| p.section == section)
     }
@@ -257,7 +269,8 @@ impl TunnelView {
 
 type Connected = Result<TracedChannel, CtlError>;
 
-async fn probe(target: Target, globals: &Globals) -> (ServiceHealthView, Connected) {
+/// Connects to `target` and asks its health; also returns the channel for further calls.
+pub(crate) async fn probe(target: Target, globals: &Globals) -> (ServiceHealthView, Connected) {
     let mut view = ServiceHealthView {
         service: target.service,
         address: target.address.clone(),

@@ -105,7 +105,7 @@ pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started
         BrokerServer::new(BrokerService::with_authz(core.clone(), authz))
             .max_decoding_message_size(MAX_REQUEST_BYTES),
     );
-    background.push(tokio::spawn(reconcile::run(
+    background.push(trellis_runtime::telemetry::spawn(reconcile::run(
         core.clone(),
         config.resync(),
         shutdown.clone(),

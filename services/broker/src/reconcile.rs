@@ -53,8 +53,8 @@ const CONCURRENCY: usize = 16;
 /// remote), otherwise only at the remotes something happened to ([`Broker::wake_for`]), so the
 /// work per event does not grow with the number of peers.
 pub async fn run(broker: Arc<Broker>, resync: Duration, shutdown: Shutdown) {
-    tokio::spawn(follow_discovery(broker.clone(), shutdown.clone()));
-    let induced = tokio::spawn(run_lane(
+    trellis_runtime::telemetry::spawn(follow_discovery(broker.clone(), shutdown.clone()));
+    let induced = trellis_runtime::telemetry::spawn(run_lane(
         broker.clone(),
         Lane::Induced,
         resync,

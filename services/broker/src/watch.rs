@@ -34,7 +34,7 @@ fn event(kind: WatchEventType, tunnel: Option<&TunnelRecord>, revision: i64) -> 
 /// Starts a watch from `start` (0 = snapshot first).
 pub fn watch(broker: Arc<Broker>, start: i64) -> ReceiverStream<Item> {
     let (tx, rx) = mpsc::channel(BUFFER);
-    tokio::spawn(async move {
+    trellis_runtime::telemetry::spawn(async move {
         if let Err(status) = follow(&broker, start, &tx).await {
             let _ = tx.send(Err(status)).await;
         }

@@ -109,6 +109,13 @@ pub struct Config {
               clap::value_parser!(u32).range(1..), |n| n as usize))]
     pub max_induced_per_hub: usize,
 
+    /// Seconds a withdrawn ForeignCluster (unpeered, or no longer introduced by any hub) is kept,
+    /// still listed with `Withdrawn=True` for operators to see what went, before it is deleted.
+    /// Default: one day.
+    #[arg(long, env = "TRELLIS_TOMBSTONE_RETENTION", value_name = "SECONDS",
+          default_value_t = 86_400, value_parser = clap::value_parser!(u64).range(1..))]
+    pub tombstone_retention: u64,
+
     /// Seconds a WatchForeignClusters stream may stay silent before it sends a BOOKMARK with
     /// the latest revision it has processed.
     #[arg(long, env = "TRELLIS_WATCH_BOOKMARK", value_name = "SECONDS", default_value_t = 30,
@@ -155,6 +162,10 @@ impl Config {
         Duration::from_secs(self.neighborhood_retry_max)
     }
 
+    pub fn tombstone_retention(&self) -> Duration {
+        Duration::from_secs(self.tombstone_retention)
+    }
+
     pub fn watch_bookmark(&self) -> Duration {
         Duration::from_secs(self.watch_bookmark)
     }
@@ -182,6 +193,7 @@ mod tests {
         assert_eq!(c.dns_domains, ["a.example", "b.example"]);
         assert_eq!(c.dns_refresh(), Duration::from_secs(30));
         assert!(!c.mdns);
+        assert_eq!(c.tombstone_retention(), Duration::from_secs(86_400));
         let listening: SocketAddr = "127.0.0.1:7101".parse().expect("addr");
         assert_eq!(c.advertised(listening).discovery, "127.0.0.1:7101");
         let wildcard: SocketAddr = "0.0.0.0:7101".parse().expect("addr");
@@ -193,5 +205,6 @@ mod tests {
         let err = parse(&["--advertise-broker", "http://x:1"]).expect_err("scheme");
         assert!(err.to_string().contains("URL scheme"), "{err}");
         assert!(parse(&["--dns-refresh", "0"]).is_err());
+        assert!(parse(&["--tombstone-retention", "0"]).is_err());
     }
 }

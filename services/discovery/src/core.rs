@@ -422,6 +422,40 @@ impl Discovery {
         }
     }
 
+    /// Deletes the records withdrawn (`Withdrawn=True`, not peered) since at least `retention`
+    /// before `now` (nanoseconds since the epoch): what unpeering and Neighborhood updates leave
+    /// behind (issue 19). Each deletion is guarded by the revision the record was read at, so a
+    /// record revived in the meantime stays; it leaves the usual watch tombstone. Returns the
+    /// IDs deleted.
+    pub async fn collect_withdrawn(
+        &self,
+        retention: std::time::Duration,
+        now: i64,
+    ) -> Result<Vec<ClusterId>> {
+        let cutoff = now.saturating_sub(i64::try_from(retention.as_nanos()).unwrap_or(i64::MAX));
+        let snapshot = self.snapshot().await?;
+        let mut deleted = Vec::new();
+        for (id, (record, revision)) in &snapshot.records {
+            let Some(withdrawn) = record.condition(WITHDRAWN) else {
+                continue;
+            };
+            if withdrawn.status != Status::True
+                || record.is(PEERED)
+                || withdrawn.last_transition > cutoff
+            {
+                continue;
+            }
+            let mut batch = Batch::default();
+            batch.delete(record, *revision)?;
+            // A lost race means the record changed: the next pass looks at it again.
+            if batch.commit(&self.store).await?.is_some() {
+                tracing::info!(cluster.id = %id, "collected withdrawn foreign cluster");
+                deleted.push(id.clone());
+            }
+        }
+        Ok(deleted)
+    }
+
     /// Records that `mechanism` found `identity` at `address` (its discovery service answered
     /// GetIdentity with `addresses`). Never peers.
     pub async fn discovered(

@@ -6,6 +6,7 @@
 //!   transactions on the store;
 //! - [`watch`]: the resumable WatchForeignClusters stream;
 //! - [`neighborhood`]: the sender that keeps every full peer's Neighborhood up to date;
+//! - [`tombstones`]: deletes withdrawn ForeignClusters after `--tombstone-retention`;
 //! - [`dns`] and [`mdns`]: the automatic discovery mechanisms;
 //! - [`remote`]: calls to other clusters' discovery services;
 //! - [`convert`]: proto mapping of discovery records (shared conversions live in `trellis_api`);
@@ -23,6 +24,7 @@ pub mod metrics;
 pub mod neighborhood;
 pub mod records;
 pub mod remote;
+pub mod tombstones;
 pub mod watch;
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
@@ -126,13 +128,18 @@ pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started
     let core = Arc::new(core);
     metrics::register(server.metrics(), &core);
 
-    background.push(tokio::spawn(neighborhood::run(
+    background.push(trellis_runtime::telemetry::spawn(neighborhood::run(
         core.clone(),
         SenderTiming {
             resync: config.neighborhood_resync(),
             retry_initial: RETRY_INITIAL,
             retry_max: config.neighborhood_retry_max(),
         },
+        shutdown.clone(),
+    )));
+    background.push(trellis_runtime::telemetry::spawn(tombstones::run(
+        core.clone(),
+        config.tombstone_retention(),
         shutdown.clone(),
     )));
     if !config.dns_domains.is_empty() {
@@ -142,7 +149,7 @@ pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started
             refresh: config.dns_refresh(),
         };
         tracing::info!(domains = ?settings.domains, "dns-srv discovery enabled");
-        background.push(tokio::spawn(dns::run(
+        background.push(trellis_runtime::telemetry::spawn(dns::run(
             core.clone(),
             settings,
             shutdown.clone(),
@@ -157,7 +164,7 @@ pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started
                 .or((!addr.ip().is_unspecified()).then_some(addr.ip())),
             interfaces: config.mdns_interfaces.clone(),
         };
-        background.push(tokio::spawn(mdns::run(
+        background.push(trellis_runtime::telemetry::spawn(mdns::run(
             core.clone(),
             settings,
             shutdown.clone(),

@@ -75,7 +75,7 @@ pub async fn watch(
         .watch(CLUSTERS_PREFIX, Some(from))
         .await
         .map_err(store_error)?;
-    tokio::spawn(async move {
+    trellis_runtime::telemetry::spawn(async move {
         if let Some(snapshot) = snapshot {
             for (record, revision) in snapshot.records.into_values() {
                 if filter.is_none_or(|k| record.kind == k) {

@@ -804,3 +804,66 @@ async fn a_neighborhood_introducing_more_than_the_cap_is_refused_whole() {
     wait_induced(&a, &[("c", "hub"), ("d", "hub")], "two introductions").await;
     assert!(Config::try_parse_from(["trellis-discovery", "--max-induced-per-hub", "0"]).is_err());
 }
+
+/// Issue 19: withdrawn records do not pile up. With `--tombstone-retention 1` a leaf keeps an
+/// induced record its hub withdrew, and the hub's own record after unpeering, for about a
+/// second (still listed, `Withdrawn=True`), then deletes them; live records stay.
+#[tokio::test]
+async fn withdrawn_records_are_collected_after_the_retention_and_live_ones_stay() {
+    let mut b = cluster("b").await;
+    let mut a = cluster_with("a", "127.0.0.1:0", &["--tombstone-retention", "1"]).await;
+    let c = cluster("c").await;
+    let d = cluster("d").await;
+    let hub_addr = b.started.addr.to_string();
+    peer_with(&mut a, "b", &hub_addr, true).await;
+    peer(&mut b, &a).await;
+    peer(&mut b, &c).await;
+    peer(&mut b, &d).await;
+    wait_induced(&a, &[("c", "b"), ("d", "b")], "a learns c and d").await;
+
+    let ids = |fcs: &[ForeignCluster]| -> Vec<String> {
+        let mut ids: Vec<String> = fcs.iter().map(|fc| id_of(fc).to_owned()).collect();
+        ids.sort();
+        ids
+    };
+    // The hub drops d: a withdraws it, keeps the tombstone a while, then forgets it.
+    peer_with(&mut b, "d", &d.started.addr.to_string(), false).await;
+    wait_induced(&a, &[("c", "b")], "a withdraws d").await;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let listed = list(&a).await;
+        if ids(&listed) == ["b", "c"] {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "a still lists {:?}",
+            ids(&listed)
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+
+    // a unpeers the hub: the hub's record and what it introduced are withdrawn, then go.
+    peer_with(&mut a, "b", &hub_addr, false).await;
+    let withdrawn = list(&a).await;
+    assert!(
+        withdrawn
+            .iter()
+            .any(|fc| id_of(fc) == "b" && condition(fc, "Withdrawn") == Some(ConditionStatus::True)),
+        "the tombstone is kept for the retention first: {withdrawn:?}"
+    );
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !list(&a).await.is_empty() {
+        assert!(
+            Instant::now() < deadline,
+            "a still lists {:?}",
+            ids(&list(&a).await)
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // Without the flag (the default retention) nothing is collected this fast.
+    assert!(
+        list(&b).await.iter().any(|fc| id_of(fc) == "d"),
+        "the hub keeps d's tombstone for the default retention"
+    );
+}

@@ -152,7 +152,7 @@ async fn start_inner(
     let metrics_addr = server.metrics_addr();
     metrics::register(server.metrics(), &core);
     let peer_addr = server.peer_addr();
-    background.push(tokio::spawn(exports::run_reconciler(
+    background.push(trellis_runtime::telemetry::spawn(exports::run_reconciler(
         core.clone(),
         exports::RESYNC,
         shutdown.clone(),

@@ -852,7 +852,12 @@ pub async fn retry_loop(forwarder: Arc<Forwarder>, shutdown: Shutdown) {
         for (key, target) in ready {
             let worker = forwarder.clone();
             let cluster = target.clone();
-            let task = running.spawn(async move { worker.process_or_requeue(&key, target).await });
+            // With the current subscriber: in the lab, the relay's spans are this forwarder's.
+            let task = running.spawn(
+                tracing::instrument::WithSubscriber::with_current_subscriber(async move {
+                    worker.process_or_requeue(&key, target).await
+                }),
+            );
             if let Some(cluster) = cluster {
                 calling.insert(task.id(), cluster);
             }

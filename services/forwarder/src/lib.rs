@@ -93,7 +93,7 @@ pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started
         ForwarderServer::new(ForwarderService::with_authz(core.clone(), authz))
             .max_decoding_message_size(MAX_REQUEST_BYTES),
     );
-    background.push(tokio::spawn(core::retry_loop(
+    background.push(trellis_runtime::telemetry::spawn(core::retry_loop(
         core.clone(),
         shutdown.clone(),
     )));

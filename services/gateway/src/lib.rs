@@ -134,7 +134,7 @@ pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started
     let mut background = Vec::new();
     let (desired_tx, desired_rx) = tokio::sync::watch::channel(None);
     if let Some(broker) = config.broker.clone() {
-        background.push(tokio::spawn(source::run(
+        background.push(trellis_runtime::telemetry::spawn(source::run(
             broker,
             common.local_token()?,
             desired_tx,
@@ -146,7 +146,7 @@ pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started
     }
     let (mappings_tx, mappings_rx) = tokio::sync::watch::channel(None);
     if let Some(ipam) = config.ipam.clone() {
-        background.push(tokio::spawn(mappings::run(
+        background.push(trellis_runtime::telemetry::spawn(mappings::run(
             ipam,
             common.local_token()?,
             config.mappings_period(),
@@ -157,7 +157,7 @@ pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started
         tracing::info!("no --ipam: no hub-path DNAT");
         drop(mappings_tx);
     }
-    background.push(tokio::spawn(reconcile::run(
+    background.push(trellis_runtime::telemetry::spawn(reconcile::run(
         core.clone(),
         desired_rx,
         mappings_rx,

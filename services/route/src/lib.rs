@@ -76,7 +76,10 @@ pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started
     let server = GrpcServer::for_service(&config.base, ports::ROUTE, ports::ROUTE_METRICS).await?;
     let addr = server.local_addr();
     let metrics_addr = server.metrics_addr();
-    let background = vec![tokio::spawn(agent::run(agent.clone(), shutdown.clone()))];
+    let background = vec![trellis_runtime::telemetry::spawn(agent::run(
+        agent.clone(),
+        shutdown.clone(),
+    ))];
     let task = server.spawn(
         Routes::new(RouteServer::new(RouteService::new(agent.clone()))),
         &[RouteServer::<RouteService>::NAME],

@@ -18,9 +18,19 @@ impl RunningLab {
     /// returns the lab and everything it printed until then. Panics with that output when the
     /// lab exits or stays silent.
     pub fn start<S: AsRef<OsStr>>(args: &[S], limit: Duration) -> (Self, String) {
+        Self::start_with_env(args, &[], limit)
+    }
+
+    /// [`Self::start`] with extra environment variables (e.g. `OTEL_EXPORTER_OTLP_ENDPOINT`).
+    pub fn start_with_env<S: AsRef<OsStr>>(
+        args: &[S],
+        env: &[(&str, &str)],
+        limit: Duration,
+    ) -> (Self, String) {
         let child = Command::new(crate::bin_path("trellis-lab").expect("trellis-lab is built"))
             .arg("up")
             .args(args)
+            .envs(env.iter().copied())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
             .spawn()

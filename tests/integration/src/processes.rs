@@ -111,6 +111,9 @@ pub struct Options {
     /// Every service authenticates its local callers with the token in this file, and sends
     /// it to the local services it calls (`TRELLIS_LOCAL_TOKEN_FILE`, ADR 0020).
     pub local_token_file: Option<std::path::PathBuf>,
+    /// The gateway follows the broker's TunnelEndpoints (`--broker`), as in a real cluster;
+    /// off by default, where tests only need the gateway's keys and ports.
+    pub gateway_follows_broker: bool,
 }
 
 impl Default for Options {
@@ -120,6 +123,7 @@ impl Default for Options {
             otlp_endpoint: None,
             gated: false,
             local_token_file: None,
+            gateway_follows_broker: false,
         }
     }
 }
@@ -338,7 +342,11 @@ impl ProcessCluster {
         args.extend(match service {
             Service::Ipam => strings(&["--pod-cidr", pod_cidr, "--external-cidr", external_cidr]),
             Service::Gateway => {
-                strings(&["--dataplane", "none", "--endpoint-address", "127.0.0.1"])
+                let mut args = strings(&["--dataplane", "none", "--endpoint-address", "127.0.0.1"]);
+                if self.options.gateway_follows_broker {
+                    args.extend(strings(&["--broker", &s.broker.to_string()]));
+                }
+                args
             }
             Service::Discovery => {
                 let at = |service| self.advertised(service).to_string();

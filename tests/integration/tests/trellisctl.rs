@@ -374,6 +374,23 @@ async fn an_operator_builds_and_inspects_an_induced_mesh_with_trellisctl() {
             })
     })
     .await;
+    // The withdrawn record (a tombstone until discovery's --tombstone-retention passes) is
+    // hidden from `status` and shown by `status --all`.
+    let shown = json(&with(&a_flags, &["status"])).await;
+    assert!(
+        foreign(&shown, "leaf-c").is_none(),
+        "status hides withdrawn records:\n{shown:#}"
+    );
+    let all = json(&with(&a_flags, &["status", "--all"])).await;
+    assert!(
+        foreign(&all, "leaf-c").is_some_and(|fc| {
+            fc["conditions"].as_array().is_some_and(|cs| {
+                cs.iter()
+                    .any(|c| c["type"] == "Withdrawn" && c["status"] == "True")
+            })
+        }),
+        "status --all shows the withdrawn record:\n{all:#}"
+    );
     let again = ok(&with(&hub_flags, &["unpeer", "leaf-c"])).await;
     assert_eq!(again, "leaf-c was not peered; nothing to do\n");
 

@@ -1,0 +1,389 @@
+use std::time::{Duration, UNIX_EPOCH};
+
+use trellis_api::pb::gateway;
+
+use super::*;
+use crate::cli::OutputFormat;
+use crate::identity::AddressesView;
+use crate::output::render;
+use crate::status::{
+    ForeignClusterView, GatewayView, LocalIdentityView, TunnelEndpointView, TunnelView,
+};
+
+const NOW_SECS: u64 = 10_000;
+
+fn now() -> SystemTime {
+    UNIX_EPOCH + Duration::from_secs(NOW_SECS)
+}
+
+fn ident(id: &str) -> Option<types::ClusterIdentity> {
+    Some(types::ClusterIdentity {
+        cluster_id: id.into(),
+        cluster_name: id.into(),
+    })
+}
+
+fn condition(kind: &str, status: types::ConditionStatus) -> types::Condition {
+    types::Condition {
+        r#type: kind.into(),
+        status: status.into(),
+        ..Default::default()
+    }
+}
+
+fn serving(service: Service) -> ServiceHealthView {
+    ServiceHealthView {
+        service,
+        address: format!(
+            "127.0.0.1:{}",
+            7100 + Service::ALL.iter().position(|s| *s == service).unwrap_or(0) + 1
+        ),
+        health: "serving".into(),
+        error: None,
+    }
+}
+
+fn hub_fc() -> types::ForeignCluster {
+    types::ForeignCluster {
+        identity: ident("hub"),
+        kind: types::PeeringKind::Full.into(),
+        full: Some(types::FullPeering {
+            networking_enabled: true,
+            addresses: Some(types::ServiceAddresses {
+                ipam: "127.0.0.1:8104".into(),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }),
+        conditions: vec![condition("Peered", types::ConditionStatus::True)],
+        ..Default::default()
+    }
+}
+
+fn hub_te() -> types::TunnelEndpoint {
+    types::TunnelEndpoint {
+        remote: ident("hub"),
+        kind: types::PeeringKind::Full.into(),
+        remote_endpoint: "127.0.0.1:51840".into(),
+        generation: 2,
+        ..Default::default()
+    }
+}
+
+fn hub_tunnel(handshake_secs_ago: Option<u64>, applied: i64) -> gateway::TunnelStatus {
+    gateway::TunnelStatus {
+        remote: ident("hub"),
+        kind: types::PeeringKind::Full.into(),
+        state: gateway::TunnelState::Up.into(),
+        remote_endpoint: "127.0.0.1:51840".into(),
+        last_handshake_time: handshake_secs_ago.map(|ago| prost_types::Timestamp {
+            seconds: i64::try_from(NOW_SECS - ago).unwrap_or(0),
+            nanos: 0,
+        }),
+        applied_generation: applied,
+        ..Default::default()
+    }
+}
+
+/// Our IPAM record of the hub, and the hub's of us, agreeing.
+fn records() -> (ipam_pb::ClusterSubnets, ipam_pb::ClusterSubnets) {
+    let ours = ipam_pb::ClusterSubnets {
+        cluster_id: "hub".into(),
+        remote_pod_cidr: "10.0.0.0/16".into(),
+        remote_pod_cidr_nat: "10.80.0.0/16".into(),
+        remote_external_cidr: "10.201.0.0/16".into(),
+        remote_external_cidr_nat: "10.201.0.0/16".into(),
+        local_pod_cidr_nat: "10.81.0.0/16".into(),
+        local_external_cidr_nat: "10.202.0.0/16".into(),
+        ..Default::default()
+    };
+    let theirs = ipam_pb::ClusterSubnets {
+        cluster_id: "leaf-a".into(),
+        remote_pod_cidr: "10.0.0.0/16".into(),
+        remote_pod_cidr_nat: "10.81.0.0/16".into(),
+        remote_external_cidr: "10.202.0.0/16".into(),
+        remote_external_cidr_nat: "10.202.0.0/16".into(),
+        local_pod_cidr_nat: "10.80.0.0/16".into(),
+        local_external_cidr_nat: "10.201.0.0/16".into(),
+        ..Default::default()
+    };
+    (ours, theirs)
+}
+
+/// A healthy leaf-a peered with the hub, with a real data plane.
+fn healthy() -> Inputs {
+    let (ours, theirs) = records();
+    Inputs {
+        status: StatusView {
+            services: Service::ALL.iter().map(|s| serving(*s)).collect(),
+            identity: Some(LocalIdentityView {
+                cluster_id: "leaf-a".into(),
+                cluster_name: "leaf-a".into(),
+                addresses: AddressesView::default(),
+            }),
+            foreign_clusters: Some(vec![ForeignClusterView::from_pb(&hub_fc())]),
+            tunnel_endpoints: Some(vec![TunnelEndpointView::from_pb(&hub_te())]),
+            gateway: Some(GatewayView {
+                mode: "userspace".into(),
+                endpoint: "127.0.0.1:51841".into(),
+                public_key: "k".into(),
+            }),
+            tunnels: Some(vec![TunnelView::from_pb(&hub_tunnel(Some(30), 2), now())]),
+            unavailable: vec![],
+        },
+        foreign_clusters: Some(vec![hub_fc()]),
+        ipam: Ok(IpamState {
+            pools: vec!["10.0.0.0/8".into()],
+            external_cidr: "10.202.0.0/16".into(),
+            clusters: vec![ours],
+            external_mappings: 3,
+        }),
+        peers: vec![PeerReport {
+            cluster_id: "hub".into(),
+            services: vec![ServiceHealthView {
+                address: "127.0.0.1:8104".into(),
+                ..serving(Service::Ipam)
+            }],
+            record_of_us: Ok(Some(theirs)),
+        }],
+        now: now(),
+    }
+}
+
+fn checks(view: &DiagnoseView) -> Vec<(Check, String, Option<Service>)> {
+    view.findings
+        .iter()
+        .map(|f| (f.check, f.cluster.clone(), f.service))
+        .collect()
+}
+
+#[test]
+fn a_healthy_cluster_has_no_findings_and_says_so() {
+    let view = analyze(&healthy());
+    assert!(view.healthy, "{:#?}", view.findings);
+    assert_eq!(view.checked.peers, ["hub"]);
+    assert_eq!(view.checked.tunnels, 1);
+    let table = render(&view, OutputFormat::Table).expect("renders");
+    assert!(table.starts_with("leaf-a is healthy\n"), "{table}");
+    let json: serde_json::Value =
+        serde_json::from_str(&render(&view, OutputFormat::Json).expect("json")).expect("parses");
+    assert_eq!(json["healthy"], true);
+    assert_eq!(json["findings"], serde_json::json!([]));
+}
+
+#[test]
+fn a_down_local_service_is_named_with_its_binary_and_flag() {
+    let mut inputs = healthy();
+    inputs.status.services[5] = ServiceHealthView {
+        health: "unreachable".into(),
+        error: Some("connection refused".into()),
+        ..serving(Service::Gateway)
+    };
+    let view = analyze(&inputs);
+    assert_eq!(
+        checks(&view),
+        [(Check::ServiceDown, "leaf-a".into(), Some(Service::Gateway))]
+    );
+    let f = &view.findings[0];
+    assert!(
+        f.problem.contains("trellis-gateway") && f.problem.contains("connection refused"),
+        "{f:?}"
+    );
+    assert!(f.action.contains("--gateway"), "{f:?}");
+    let table = render(&view, OutputFormat::Table).expect("renders");
+    assert!(
+        table.contains("1 problem found") && table.contains("service_down"),
+        "{table}"
+    );
+}
+
+#[test]
+fn a_peered_cluster_without_a_tunnel_endpoint() {
+    let mut inputs = healthy();
+    inputs.status.tunnel_endpoints = Some(vec![]);
+    let view = analyze(&inputs);
+    assert_eq!(
+        checks(&view),
+        [(
+            Check::MissingTunnelEndpoint,
+            "leaf-a".into(),
+            Some(Service::Broker)
+        )]
+    );
+    assert!(view.findings[0].problem.contains("hub"));
+    // A withdrawn record is not expected to have one.
+    let mut withdrawn = hub_fc();
+    withdrawn
+        .conditions
+        .push(condition("Withdrawn", types::ConditionStatus::True));
+    inputs.foreign_clusters = Some(vec![withdrawn]);
+    assert!(analyze(&inputs).healthy);
+}
+
+#[test]
+fn a_tunnel_endpoint_the_gateway_has_not_applied() {
+    let mut inputs = healthy();
+    inputs.status.tunnels = Some(vec![TunnelView::from_pb(&hub_tunnel(Some(30), 1), now())]);
+    let view = analyze(&inputs);
+    assert_eq!(
+        checks(&view),
+        [(
+            Check::TunnelNotApplied,
+            "leaf-a".into(),
+            Some(Service::Gateway)
+        )]
+    );
+    assert!(
+        view.findings[0].problem.contains("generation 1"),
+        "{:?}",
+        view.findings
+    );
+    inputs.status.tunnels = Some(vec![]);
+    assert_eq!(checks(&analyze(&inputs))[0].0, Check::TunnelNotApplied);
+}
+
+#[test]
+fn a_handshake_older_than_three_minutes_but_not_without_a_data_plane() {
+    let mut inputs = healthy();
+    inputs.status.tunnels = Some(vec![TunnelView::from_pb(&hub_tunnel(Some(181), 2), now())]);
+    let view = analyze(&inputs);
+    assert_eq!(
+        checks(&view),
+        [(
+            Check::HandshakeStale,
+            "leaf-a".into(),
+            Some(Service::Gateway)
+        )]
+    );
+    assert!(
+        view.findings[0].problem.contains("3m"),
+        "{:?}",
+        view.findings
+    );
+    inputs.status.tunnels = Some(vec![TunnelView::from_pb(&hub_tunnel(Some(179), 2), now())]);
+    assert!(analyze(&inputs).healthy);
+    inputs.status.tunnels = Some(vec![TunnelView::from_pb(&hub_tunnel(None, 2), now())]);
+    assert_eq!(checks(&analyze(&inputs))[0].0, Check::HandshakeStale);
+    if let Some(g) = &mut inputs.status.gateway {
+        g.mode = "none".into();
+    }
+    assert!(
+        analyze(&inputs).healthy,
+        "no data plane: no handshakes expected"
+    );
+}
+
+#[test]
+fn nat_views_that_disagree_name_who_decided_what() {
+    let mut inputs = healthy();
+    if let Ok(Some(theirs)) = &mut inputs.peers[0].record_of_us {
+        theirs.remote_pod_cidr_nat = "10.99.0.0/16".into();
+    }
+    let view = analyze(&inputs);
+    assert_eq!(
+        checks(&view),
+        [(Check::NatViewMismatch, "hub".into(), Some(Service::Ipam))]
+    );
+    let problem = &view.findings[0].problem;
+    assert!(
+        problem.contains("hub addresses leaf-a's pod CIDR as 10.99.0.0/16")
+            && problem.contains("leaf-a believes it is 10.81.0.0/16"),
+        "{problem}"
+    );
+    // The peer has no record of us at all.
+    inputs.peers[0].record_of_us = Ok(None);
+    assert_eq!(checks(&analyze(&inputs))[0].0, Check::NatViewMismatch);
+}
+
+#[test]
+fn a_down_peer_service_is_named_and_its_views_not_compared() {
+    let mut inputs = healthy();
+    inputs.peers[0].services[0].health = "unreachable".into();
+    inputs.peers[0].services[0].error = Some("connection refused".into());
+    inputs.peers[0].record_of_us = Err("connection refused".into());
+    let view = analyze(&inputs);
+    assert_eq!(
+        checks(&view),
+        [(Check::PeerServiceDown, "hub".into(), Some(Service::Ipam))]
+    );
+    assert!(
+        view.findings[0].problem.contains("trellis-ipam"),
+        "{:?}",
+        view.findings
+    );
+}
+
+#[test]
+fn a_nearly_full_pool_and_external_cidr() {
+    let mut inputs = healthy();
+    if let Ok(ipam) = &mut inputs.ipam {
+        ipam.pools = vec!["10.80.0.0/15".into()];
+        // 10.80.0.0/16 is ours of the hub; one more /16 fills the /15.
+        let mut other = ipam.clusters[0].clone();
+        other.cluster_id = "leaf-c".into();
+        other.remote_pod_cidr_nat = "10.81.0.0/16".into();
+        ipam.clusters.push(other);
+        ipam.external_cidr = "10.202.0.0/29".into();
+        ipam.external_mappings = 6;
+    }
+    let view = analyze(&inputs);
+    let found: Vec<Check> = view.findings.iter().map(|f| f.check).collect();
+    assert_eq!(
+        found,
+        [Check::PoolNearlyExhausted, Check::PoolNearlyExhausted],
+        "{:#?}",
+        view.findings
+    );
+    assert!(
+        view.findings
+            .iter()
+            .any(|f| f.problem.contains("10.80.0.0/15 is 100% used"))
+    );
+    assert!(
+        view.findings
+            .iter()
+            .any(|f| f.problem.contains("10.202.0.0/29 is 100% used"))
+    );
+}
+
+#[test]
+fn a_pinned_ca_close_to_expiry() {
+    let ca = trellis_runtime::tls::ClusterCa::generate("hub").expect("ca");
+    let mut inputs = healthy();
+    let mut fc = hub_fc();
+    if let Some(full) = &mut fc.full {
+        full.ca_certificate = ca.cert_pem().to_owned();
+    }
+    inputs.foreign_clusters = Some(vec![fc]);
+    // Ten years ahead: fine today.
+    inputs.now = SystemTime::now();
+    assert!(analyze(&inputs).healthy);
+    assert_eq!(analyze(&inputs).checked.certificates, 1);
+    // Ten days before it expires, and after.
+    let expiry = crate::certificate::not_after(ca.cert_pem()).expect("parses");
+    inputs.now = expiry - Duration::from_secs(10 * 86_400);
+    let view = analyze(&inputs);
+    assert_eq!(checks(&view)[0].0, Check::CertificateExpiry);
+    assert_eq!(view.findings[0].severity, Severity::Warning);
+    inputs.now = expiry + Duration::from_secs(1);
+    assert_eq!(analyze(&inputs).findings[0].severity, Severity::Error);
+}
+
+#[test]
+fn a_tampered_learned_view_on_the_peer_names_our_decision() {
+    let mut inputs = healthy();
+    if let Ok(Some(theirs)) = &mut inputs.peers[0].record_of_us {
+        theirs.local_pod_cidr_nat = "10.98.0.0/16".into();
+    }
+    let view = analyze(&inputs);
+    assert_eq!(
+        checks(&view),
+        [(Check::NatViewMismatch, "hub".into(), Some(Service::Ipam))]
+    );
+    let problem = &view.findings[0].problem;
+    assert!(
+        problem.contains("leaf-a addresses hub's pod CIDR as 10.80.0.0/16")
+            && problem.contains("hub believes it is 10.98.0.0/16"),
+        "{problem}"
+    );
+}
