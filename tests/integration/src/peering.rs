@@ -15,7 +15,7 @@ use trellis_api::pb::peering::broker_client::BrokerClient;
 use trellis_api::pb::peering::{
     GetTokenRequest, ListTunnelEndpointsRequest, PeerRequest, PeerResponse,
 };
-use trellis_api::pb::types::TunnelEndpoint;
+use trellis_api::pb::types::{PeeringKind, TunnelEndpoint};
 
 use crate::cluster::InProcessCluster;
 use crate::processes::ProcessCluster;
@@ -190,4 +190,34 @@ pub fn web_slice(address: String) -> EndpointSlice {
         ports: vec![],
         labels: Default::default(),
     }
+}
+
+/// The remote cluster ID of a TunnelEndpoint (empty when it names none).
+pub fn remote_id(t: &TunnelEndpoint) -> String {
+    t.remote
+        .as_ref()
+        .map(|r| r.cluster_id.clone())
+        .unwrap_or_default()
+}
+
+/// The `(remote, kind)` of every TunnelEndpoint `holder` must hold in a converged mesh of `hub`
+/// and `leaves`: the hub a full one to each leaf; a leaf a full one to the hub and an induced
+/// one to every other leaf.
+pub fn expected_hub_mesh(
+    hub: &str,
+    leaves: &[&str],
+    holder: &str,
+) -> std::collections::BTreeSet<(String, i32)> {
+    let full = PeeringKind::Full as i32;
+    if holder == hub {
+        return leaves.iter().map(|l| ((*l).to_owned(), full)).collect();
+    }
+    std::iter::once((hub.to_owned(), full))
+        .chain(
+            leaves
+                .iter()
+                .filter(|l| **l != holder)
+                .map(|l| ((*l).to_owned(), PeeringKind::Induced as i32)),
+        )
+        .collect()
 }

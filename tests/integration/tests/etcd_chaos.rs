@@ -16,8 +16,8 @@ use trellis_api::pb::ipam::ListClusterSubnetsRequest;
 use trellis_api::pb::peering::PeerRequest;
 use trellis_api::pb::peering::broker_client::BrokerClient;
 use trellis_api::pb::peering::{ListRelaysRequest, ListTunnelEndpointsRequest};
-use trellis_api::pb::types::{PeeringKind, TunnelEndpoint};
-use trellis_integration::peering::token;
+use trellis_api::pb::types::TunnelEndpoint;
+use trellis_integration::peering::{expected_hub_mesh, remote_id, token};
 use trellis_integration::processes::{ProcessCluster, Service};
 
 const HUB: &str = "hub";
@@ -38,13 +38,6 @@ async fn tunnels(cluster: &ProcessCluster) -> Vec<TunnelEndpoint> {
     }
 }
 
-fn remote(t: &TunnelEndpoint) -> String {
-    t.remote
-        .as_ref()
-        .map(|r| r.cluster_id.clone())
-        .unwrap_or_default()
-}
-
 /// What must survive a store failure: per holder, each tunnel's remote, kind, NAT views and
 /// key.
 type Snapshot = BTreeSet<(String, String, i32, [String; 4], String)>;
@@ -55,7 +48,7 @@ async fn snapshot(all: &[ProcessCluster]) -> Snapshot {
         for t in tunnels(cluster).await {
             out.insert((
                 cluster.id.clone(),
-                remote(&t),
+                remote_id(&t),
                 t.kind,
                 [
                     t.local_pod_cidr_nat.clone(),
@@ -78,22 +71,8 @@ async fn violations(all: &[ProcessCluster]) -> Vec<String> {
         held.push((cluster.id.clone(), tunnels(cluster).await));
     }
     for (holder, ts) in &held {
-        let expected: BTreeSet<(String, i32)> = if holder == HUB {
-            LEAVES
-                .iter()
-                .map(|l| ((*l).to_owned(), PeeringKind::Full as i32))
-                .collect()
-        } else {
-            std::iter::once((HUB.to_owned(), PeeringKind::Full as i32))
-                .chain(
-                    LEAVES
-                        .iter()
-                        .filter(|l| **l != holder)
-                        .map(|l| ((*l).to_owned(), PeeringKind::Induced as i32)),
-                )
-                .collect()
-        };
-        let seen: Vec<(String, i32)> = ts.iter().map(|t| (remote(t), t.kind)).collect();
+        let expected = expected_hub_mesh(HUB, &LEAVES, holder);
+        let seen: Vec<(String, i32)> = ts.iter().map(|t| (remote_id(t), t.kind)).collect();
         let unique: BTreeSet<(String, i32)> = seen.iter().cloned().collect();
         if unique.len() != seen.len() {
             wrong.push(format!("{holder} holds duplicate tunnels: {seen:?}"));
@@ -102,11 +81,11 @@ async fn violations(all: &[ProcessCluster]) -> Vec<String> {
             wrong.push(format!("{holder} holds {unique:?}, expected {expected:?}"));
         }
         for t in ts {
-            let other = remote(t);
+            let other = remote_id(t);
             let back = held
                 .iter()
                 .find(|(id, _)| *id == other)
-                .and_then(|(_, theirs)| theirs.iter().find(|b| remote(b) == *holder));
+                .and_then(|(_, theirs)| theirs.iter().find(|b| remote_id(b) == *holder));
             match back {
                 None => wrong.push(format!("{holder} has a tunnel to {other}, not back")),
                 Some(back)

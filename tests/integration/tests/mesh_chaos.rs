@@ -18,8 +18,8 @@ use trellis_api::pb::ipam::ListClusterSubnetsRequest;
 use trellis_api::pb::peering::{
     ListRelaysRequest, ListTunnelEndpointsRequest, UnpeerRequest, WithdrawNetworkConfigRequest,
 };
-use trellis_api::pb::types::{self as types, PeeringKind, TunnelEndpoint};
-use trellis_integration::peering::peer;
+use trellis_api::pb::types::{self as types, TunnelEndpoint};
+use trellis_integration::peering::{expected_hub_mesh, peer, remote_id};
 use trellis_integration::processes::{Options, ProcessCluster, Service};
 
 const LEAVES: [&str; 4] = ["leaf-1", "leaf-2", "leaf-3", "leaf-4"];
@@ -74,13 +74,6 @@ async fn tunnels(cluster: &ProcessCluster) -> Vec<TunnelEndpoint> {
     }
 }
 
-fn remote(t: &TunnelEndpoint) -> String {
-    t.remote
-        .as_ref()
-        .map(|r| r.cluster_id.clone())
-        .unwrap_or_default()
-}
-
 /// What is wrong with the mesh right now (empty when every invariant holds).
 async fn violations(mesh: &Mesh) -> Vec<String> {
     let mut wrong = Vec::new();
@@ -91,30 +84,16 @@ async fn violations(mesh: &Mesh) -> Vec<String> {
     let find = |holder: &str, other: &str| {
         all.iter()
             .find(|(id, _)| id == holder)
-            .and_then(|(_, ts)| ts.iter().find(|t| remote(t) == other))
+            .and_then(|(_, ts)| ts.iter().find(|t| remote_id(t) == other))
     };
     for (holder, ts) in &all {
-        let expected: BTreeSet<(String, i32)> = if holder == HUB {
-            LEAVES
-                .iter()
-                .map(|l| ((*l).to_owned(), PeeringKind::Full as i32))
-                .collect()
-        } else {
-            std::iter::once((HUB.to_owned(), PeeringKind::Full as i32))
-                .chain(
-                    LEAVES
-                        .iter()
-                        .filter(|l| **l != holder)
-                        .map(|l| ((*l).to_owned(), PeeringKind::Induced as i32)),
-                )
-                .collect()
-        };
-        let seen: BTreeSet<(String, i32)> = ts.iter().map(|t| (remote(t), t.kind)).collect();
+        let expected = expected_hub_mesh(HUB, &LEAVES, holder);
+        let seen: BTreeSet<(String, i32)> = ts.iter().map(|t| (remote_id(t), t.kind)).collect();
         if seen != expected {
             wrong.push(format!("{holder} holds {seen:?}, expected {expected:?}"));
         }
         for t in ts {
-            let other = remote(t);
+            let other = remote_id(t);
             match find(&other, holder) {
                 None => wrong.push(format!("{holder} has a tunnel to {other}, not back")),
                 Some(back) => {
