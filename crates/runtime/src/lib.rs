@@ -16,10 +16,12 @@
 //! - [`tls`], [`peer`]: mutual TLS between clusters and the authorization of cluster-facing
 //!   RPCs (ADR 0014);
 //! - [`local_auth`]: the local token this cluster's own callers present on the plaintext
-//!   listener (ADR 0020).
+//!   listener (ADR 0020);
+//! - [`admission`]: the one tower service both of those checks run in.
 //!
 //! The domain error type and its gRPC table are re-exported from `trellis-error`.
 
+pub mod admission;
 pub mod backoff;
 pub mod client;
 pub mod cmd;

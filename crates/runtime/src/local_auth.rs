@@ -13,11 +13,11 @@
 
 use std::fmt;
 use std::path::Path;
-use std::pin::Pin;
 use std::sync::Arc;
-use std::task::{Context, Poll};
 
 use anyhow::Context as _;
+
+use crate::admission::{AdmissionLayer, Check};
 use tonic::metadata::{AsciiMetadataValue, MetadataMap};
 
 /// The header carrying the token.
@@ -103,68 +103,35 @@ fn exempt(path: &str, cluster_facing: &[&str]) -> bool {
         || cluster_facing.contains(&path)
 }
 
-/// A tower layer enforcing the local token on the plaintext listener.
+/// What the plaintext listener checks: the local token on every path except health,
+/// reflection and the cluster-facing methods.
 #[derive(Debug, Clone)]
-pub struct LocalAuthLayer {
+pub struct LocalAuth {
     token: LocalToken,
     cluster_facing: Vec<&'static str>,
 }
 
-impl LocalAuthLayer {
+/// A tower layer enforcing the local token on the plaintext listener.
+pub type LocalAuthLayer = AdmissionLayer<LocalAuth>;
+
+impl LocalAuth {
     /// Requires `token` on every path except health, reflection and `cluster_facing`.
-    pub fn new(token: LocalToken, cluster_facing: Vec<&'static str>) -> Self {
-        Self {
+    pub fn layer(token: LocalToken, cluster_facing: Vec<&'static str>) -> LocalAuthLayer {
+        AdmissionLayer::new(Self {
             token,
             cluster_facing,
-        }
+        })
     }
 }
 
-impl<S> tower::Layer<S> for LocalAuthLayer {
-    type Service = LocalAuth<S>;
-
-    fn layer(&self, inner: S) -> Self::Service {
-        LocalAuth {
-            inner,
-            layer: self.clone(),
-        }
-    }
-}
-
-/// See [`LocalAuthLayer`].
-#[derive(Debug, Clone)]
-pub struct LocalAuth<S> {
-    inner: S,
-    layer: LocalAuthLayer,
-}
-
-type BoxFuture<T, E> = Pin<Box<dyn std::future::Future<Output = std::result::Result<T, E>> + Send>>;
-
-impl<S, B> tower::Service<http::Request<B>> for LocalAuth<S>
-where
-    S: tower::Service<http::Request<B>, Response = http::Response<tonic::body::Body>>
-        + Clone
-        + Send
-        + 'static,
-    S::Future: Send + 'static,
-    S::Error: Send + 'static,
-    B: Send + 'static,
-{
-    type Response = http::Response<tonic::body::Body>;
-    type Error = S::Error;
-    type Future = BoxFuture<Self::Response, Self::Error>;
-
-    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<std::result::Result<(), Self::Error>> {
-        self.inner.poll_ready(cx)
-    }
-
-    fn call(&mut self, request: http::Request<B>) -> Self::Future {
+impl Check for LocalAuth {
+    fn check<B>(&self, request: &http::Request<B>) -> std::result::Result<(), tonic::Status> {
         let path = request.uri().path();
-        if !self.layer.token.is_on()
-            || exempt(path, &self.layer.cluster_facing)
-            || self.layer.token.accepts(request.headers().get(HEADER))
+        if !self.token.is_on()
+            || exempt(path, &self.cluster_facing)
+            || self.token.accepts(request.headers().get(HEADER))
         {
-            return Box::pin(self.inner.call(request));
+            return Ok(());
         }
         let presented = request.headers().contains_key(HEADER);
         tracing::warn!(
@@ -172,7 +139,7 @@ where
             presented,
             "refused an intra-cluster call without this cluster's local token"
         );
-        let status = tonic::Status::unauthenticated(format!(
+        Err(tonic::Status::unauthenticated(format!(
             "{path} needs this cluster's local token (authorization: Bearer, see \
              --local-token-file); {}",
             if presented {
@@ -180,8 +147,7 @@ where
             } else {
                 "none was presented"
             }
-        ));
-        Box::pin(std::future::ready(Ok(status.into_http())))
+        )))
     }
 }
 

@@ -8,9 +8,6 @@
 //! - [`spawn_trust_sync`]: keeps a [`TrustStore`] equal to the CAs pinned in the local
 //!   discovery service's full peers.
 
-use std::future::Future;
-use std::pin::Pin;
-use std::task::{Context, Poll};
 use std::time::Duration;
 
 use tokio_stream::StreamExt as _;
@@ -19,6 +16,7 @@ use trellis_api::pb::discovery::discovery_client::DiscoveryClient;
 use trellis_api::pb::types as pb;
 use trellis_error::{Error, Result};
 
+use crate::admission::{AdmissionLayer, Check};
 use crate::client::TracedChannel;
 use crate::tls::{Caller, PeerIdentity, PinnedCa, TrustStore, caller, caller_of};
 
@@ -57,69 +55,19 @@ impl PeerMethods {
 }
 
 /// A tower layer enforcing [`PeerMethods`] before any handler runs.
-#[derive(Debug, Clone, Copy)]
-pub struct GateLayer {
-    methods: PeerMethods,
-}
+pub type GateLayer = AdmissionLayer<PeerMethods>;
 
-impl GateLayer {
-    pub fn new(methods: PeerMethods) -> Self {
-        Self { methods }
-    }
-}
-
-impl<S> tower::Layer<S> for GateLayer {
-    type Service = Gate<S>;
-
-    fn layer(&self, inner: S) -> Self::Service {
-        Gate {
-            inner,
-            methods: self.methods,
-        }
-    }
-}
-
-/// See [`GateLayer`].
-#[derive(Debug, Clone)]
-pub struct Gate<S> {
-    inner: S,
-    methods: PeerMethods,
-}
-
-type BoxFuture<T, E> = Pin<Box<dyn Future<Output = std::result::Result<T, E>> + Send>>;
-
-impl<S, B> tower::Service<http::Request<B>> for Gate<S>
-where
-    S: tower::Service<http::Request<B>, Response = http::Response<tonic::body::Body>>
-        + Clone
-        + Send
-        + 'static,
-    S::Future: Send + 'static,
-    S::Error: Send + 'static,
-    B: Send + 'static,
-{
-    type Response = http::Response<tonic::body::Body>;
-    type Error = S::Error;
-    type Future = BoxFuture<Self::Response, Self::Error>;
-
-    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<std::result::Result<(), Self::Error>> {
-        self.inner.poll_ready(cx)
-    }
-
-    fn call(&mut self, request: http::Request<B>) -> Self::Future {
+impl Check for PeerMethods {
+    fn check<B>(&self, request: &http::Request<B>) -> std::result::Result<(), tonic::Status> {
         let caller = caller_of(request.extensions());
-        match self.methods.allows(&caller, request.uri().path()) {
-            Ok(()) => Box::pin(self.inner.call(request)),
-            Err(why) => {
-                let who = match &caller {
-                    Caller::Peer(p) => p.cluster_id.clone(),
-                    _ => "an unauthenticated caller".to_owned(),
-                };
-                tracing::warn!(caller = %who, path = request.uri().path(), reason = %why, "refused a call on the peer listener");
-                let status = tonic::Status::permission_denied(why);
-                Box::pin(std::future::ready(Ok(status.into_http())))
-            }
-        }
+        self.allows(&caller, request.uri().path()).map_err(|why| {
+            let who = match &caller {
+                Caller::Peer(p) => p.cluster_id.clone(),
+                _ => "an unauthenticated caller".to_owned(),
+            };
+            tracing::warn!(caller = %who, path = request.uri().path(), reason = %why, "refused a call on the peer listener");
+            tonic::Status::permission_denied(why)
+        })
     }
 }
 

@@ -306,7 +306,7 @@ impl GrpcServer {
             .http2_keepalive_interval(Some(Duration::from_secs(30)))
             .layer(DispatchLayer::new(dispatch))
             .layer(tower::util::option_layer(grpc_metrics))
-            .layer(crate::local_auth::LocalAuthLayer::new(
+            .layer(crate::local_auth::LocalAuth::layer(
                 self.local_token.clone(),
                 self.cluster_facing.clone(),
             ))
