@@ -53,6 +53,29 @@ pub fn local_channel(
     )
 }
 
+/// Makes the tasks a channel spawns (its request buffer, its connections) run under the
+/// subscriber current where the channel is made. In the lab every service has a subscriber of
+/// its own (ADR 0021); a buffer task under the process default would drop the service's
+/// request spans there, and closing a span through a registry that does not know it panics
+/// and kills the channel for good (every later call: "transport error").
+pub fn keep_subscriber(endpoint: Endpoint) -> Endpoint {
+    endpoint.executor(CurrentSubscriber)
+}
+
+/// A tonic executor: [`crate::telemetry::spawn`], which keeps the current subscriber.
+#[derive(Debug, Clone, Copy)]
+struct CurrentSubscriber;
+
+impl<F> hyper::rt::Executor<F> for CurrentSubscriber
+where
+    F: std::future::Future + Send + 'static,
+    F::Output: Send + 'static,
+{
+    fn execute(&self, future: F) {
+        crate::telemetry::spawn(future);
+    }
+}
+
 fn endpoint_channel(
     field: &str,
     address: &str,
@@ -70,7 +93,75 @@ fn endpoint_channel(
         .timeout(timeouts.request)
         .tcp_nodelay(true);
     Ok(InterceptedService::new(
-        endpoint.connect_lazy(),
+        keep_subscriber(endpoint).connect_lazy(),
         interceptor,
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::task::Poll;
+
+    use tokio_stream::wrappers::TcpListenerStream;
+    use tonic_health::pb::HealthCheckRequest;
+    use tonic_health::pb::health_client::HealthClient;
+    use tracing::instrument::WithSubscriber as _;
+    use tracing::{Dispatch, Instrument as _};
+    use tracing_subscriber::layer::SubscriberExt as _;
+
+    use super::*;
+
+    /// The lab runs each service under a subscriber of its own while the process has another
+    /// default (ADR 0021). A request span created under the service's subscriber and last
+    /// dropped by the channel's buffer task (a cancelled request still queued) used to be
+    /// closed through the task's subscriber, the process default: its registry does not know
+    /// the span and panicked ("tried to drop a ref to Id(..)"), killing the channel for good
+    /// (the lab_traces failure in CI). Current-thread runtime, so the buffer task runs only
+    /// when the test yields, after the caller has dropped its own references.
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_cancelled_request_does_not_kill_a_channel_made_under_a_service_subscriber() {
+        // The process default: a registry of its own that records no span (as the lab's, at
+        // `warn`), so an ID of the service's registry is unknown there.
+        let _ = tracing::subscriber::set_global_default(
+            tracing_subscriber::registry().with(tracing_subscriber::filter::LevelFilter::ERROR),
+        );
+
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("a loopback port");
+        let address = listener.local_addr().expect("its address").to_string();
+        let (_reporter, health) = tonic_health::server::health_reporter();
+        tokio::spawn(
+            tonic::transport::Server::builder()
+                .add_service(health)
+                .serve_with_incoming(TcpListenerStream::new(listener)),
+        );
+
+        // The service's: layered like the lab's (a bare registry never removes a span).
+        let service = Dispatch::new(
+            tracing_subscriber::registry().with(tracing_subscriber::filter::LevelFilter::TRACE),
+        );
+        let outcome = async move {
+            let channel =
+                channel("address", &address, Timeouts::default()).expect("a valid address");
+            let mut client = HealthClient::new(channel);
+            let parent = tracing::info_span!("parent");
+            let child = tracing::info_span!(parent: &parent, "child");
+            {
+                let mut other = client.clone();
+                let mut cancelled =
+                    Box::pin(other.check(HealthCheckRequest::default()).instrument(child));
+                // Queue the request (with its span) in the channel's buffer, then cancel it.
+                assert!(matches!(futures::poll!(&mut cancelled), Poll::Pending));
+            }
+            drop(parent);
+            client.check(HealthCheckRequest::default()).await
+        }
+        .with_subscriber(service)
+        .await;
+        assert!(
+            outcome.is_ok(),
+            "the channel survives a cancelled request: {outcome:?}"
+        );
+    }
 }

@@ -1253,7 +1253,7 @@ fn endpoint(field: &str, address: &str, timeouts: Timeouts) -> Result<(Endpoint,
         .connect_timeout(timeouts.connect)
         .timeout(timeouts.request)
         .tcp_nodelay(true);
-    Ok((endpoint, bare.to_owned()))
+    Ok((crate::client::keep_subscriber(endpoint), bare.to_owned()))
 }
 
 /// The connector of a TLS channel: TCP to the target, then TLS with our configuration, both
