@@ -3,12 +3,14 @@
 //! same flags. Binaries are the ones `make test` builds before running the tests.
 
 pub mod cluster;
+pub mod cut;
 pub mod gate;
 pub mod lab;
 pub mod otlp;
 pub mod peering;
 pub mod processes;
 pub mod prom;
+pub mod rng;
 
 /// Network namespaces for data-plane tests; moved to [`trellis_netlab`], re-exported for
 /// existing users.
@@ -48,6 +50,8 @@ pub struct ServiceProcess {
     binary: PathBuf,
     args: Vec<String>,
     env: Vec<(String, String)>,
+    /// The group ID the process runs with (`setgid` before exec), if not ours.
+    gid: Option<u32>,
     addr: SocketAddr,
     grpc_service: String,
     log: PathBuf,
@@ -81,11 +85,27 @@ impl ServiceProcess {
         addr: SocketAddr,
         grpc_service: &str,
     ) -> anyhow::Result<Self> {
+        Self::start_as(binary, args, env, None, addr, grpc_service).await
+    }
+
+    /// Like [`ServiceProcess::start_with_env`], running with group ID `gid` when given (every
+    /// restart too), so that nftables can tell this process's packets from others'
+    /// (`meta skgid`, see [`cut::Cut`]). The user stays ours: a root test keeps its process
+    /// root, able to read the binaries wherever they are.
+    pub async fn start_as(
+        binary: &str,
+        args: Vec<String>,
+        env: Vec<(String, String)>,
+        gid: Option<u32>,
+        addr: SocketAddr,
+        grpc_service: &str,
+    ) -> anyhow::Result<Self> {
         let log_dir = tempfile::tempdir()?;
         let mut this = Self {
             binary: bin_path(binary)?,
             args,
             env,
+            gid,
             addr,
             grpc_service: grpc_service.to_owned(),
             log: log_dir.path().join("service.log"),
@@ -103,7 +123,11 @@ impl ServiceProcess {
             .append(true)
             .open(&self.log)?;
         self.log_start = log.metadata()?.len();
-        let child = Command::new(&self.binary)
+        let mut command = Command::new(&self.binary);
+        if let Some(gid) = self.gid {
+            std::os::unix::process::CommandExt::gid(&mut command, gid);
+        }
+        let child = command
             .args(&self.args)
             .env("RUST_LOG", "info")
             .env_remove("OTEL_EXPORTER_OTLP_ENDPOINT")
@@ -169,6 +193,11 @@ impl ServiceProcess {
             .await
             .ok()?;
         ServingStatus::try_from(response.into_inner().status).ok()
+    }
+
+    /// The process ID of the running child; `None` once killed.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
     }
 
     /// The gRPC address.

@@ -24,6 +24,7 @@ use trellis_testkit::Etcd;
 
 use crate::ServiceProcess;
 use crate::cluster::Services;
+use crate::cut::{Cut, Side};
 use crate::gate::Gate;
 
 /// One of the services a [`ProcessCluster`] runs.
@@ -114,6 +115,10 @@ pub struct Options {
     /// The gateway follows the broker's TunnelEndpoints (`--broker`), as in a real cluster;
     /// off by default, where tests only need the gateway's keys and ports.
     pub gateway_follows_broker: bool,
+    /// Every service process runs with this group ID (the user stays the test's), so that
+    /// [`ProcessCluster::cut_from`] can cut this cluster from one other cluster only. Each
+    /// cluster of a test needs its own.
+    pub gid: Option<u32>,
 }
 
 impl Default for Options {
@@ -124,6 +129,7 @@ impl Default for Options {
             gated: false,
             local_token_file: None,
             gateway_follows_broker: false,
+            gid: None,
         }
     }
 }
@@ -264,10 +270,11 @@ impl ProcessCluster {
                     file.display().to_string(),
                 ));
             }
-            let process = ServiceProcess::start_with_env(
+            let process = ServiceProcess::start_as(
                 &service.binary(),
                 args,
                 env,
+                this.options.gid,
                 this.addr(service),
                 service.grpc_service(),
             )
@@ -310,6 +317,27 @@ impl ProcessCluster {
                 gate.open();
             }
         }
+    }
+
+    /// Cuts this cluster and `other` from each other, and only from each other, until the
+    /// returned [`Cut`] is dropped: no process of either reaches a service (or gate) of the
+    /// other; both still reach every other cluster. Both must have started with
+    /// [`Options::gid`] (distinct); needs root and `nft`.
+    pub fn cut_from(&self, other: &ProcessCluster) -> anyhow::Result<Cut> {
+        Cut::between(&self.side()?, &other.side()?)
+    }
+
+    fn side(&self) -> anyhow::Result<Side> {
+        let gid = self
+            .options
+            .gid
+            .with_context(|| format!("{}: started without a group ID", self.id))?;
+        let ports = Service::ALL
+            .iter()
+            .map(|&service| self.addr(service).port())
+            .chain(self.gates.values().map(|gate| gate.addr.port()))
+            .collect();
+        Ok(Side { gid, ports })
     }
 
     /// The options the cluster started with.

@@ -21,6 +21,7 @@ use trellis_api::pb::peering::{
 use trellis_api::pb::types::{self as types, TunnelEndpoint};
 use trellis_integration::peering::{expected_hub_mesh, peer, remote_id};
 use trellis_integration::processes::{Options, ProcessCluster, Service};
+use trellis_integration::rng::Rng;
 
 const LEAVES: [&str; 4] = ["leaf-1", "leaf-2", "leaf-3", "leaf-4"];
 const HUB: &str = "hub";
@@ -28,22 +29,6 @@ const HUB: &str = "hub";
 const STEPS: usize = 6;
 const ROUNDS: usize = 2;
 const QUIET: Duration = Duration::from_secs(120);
-
-/// A small deterministic generator (xorshift64*): the sequence is a function of the seed.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n as u64) as usize
-    }
-}
 
 struct Mesh {
     hub: ProcessCluster,
@@ -178,16 +163,7 @@ async fn wipe(cluster: &ProcessCluster, service: Service) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn random_failures_unpeerings_and_partitions_always_converge_to_a_consistent_mesh() {
-    let seed = std::env::var("TRELLIS_CHAOS_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| {
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map_or(1, |d| d.as_nanos() as u64)
-                | 1
-        });
-    eprintln!("chaos seed {seed} (TRELLIS_CHAOS_SEED={seed} replays it)");
+    let (seed, mut rng) = Rng::from_env();
     let gated = || Options {
         gated: true,
         ..Options::default()
@@ -213,7 +189,6 @@ async fn random_failures_unpeerings_and_partitions_always_converge_to_a_consiste
     }
     quiet(&mesh, seed, 0, &[]).await;
 
-    let mut rng = Rng(seed);
     for round in 1..=ROUNDS {
         let mut log = Vec::new();
         let mut unpeered = BTreeSet::new();
