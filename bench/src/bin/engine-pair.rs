@@ -36,7 +36,9 @@ const NS: [&str; 2] = ["ep-a", "ep-b"];
 const UNDERLAY: [&str; 2] = ["192.168.77.1", "192.168.77.2"];
 const INNER: [&str; 2] = ["10.99.0.1", "10.99.0.2"];
 const PORT: u16 = 51820;
-const DEV: &str = "wgp0";
+/// Tunnel interface names, one per namespace: wireguard-go's UAPI sockets
+/// (`/var/run/wireguard/<name>.sock`) are host-wide, so the two must differ.
+const DEV: [&str; 2] = ["wgpa", "wgpb"];
 
 fn run(ns: &str, args: &[&str]) -> anyhow::Result<String> {
     let out = exec(ns, args[0], &args[1..])?;
@@ -81,9 +83,9 @@ fn address_tunnel(i: usize) -> anyhow::Result<()> {
         "add",
         &format!("{}/24", INNER[i]),
         "dev",
-        DEV,
+        DEV[i],
     ])?;
-    ip(&["-n", NS[i], "link", "set", DEV, "mtu", "1420", "up"])?;
+    ip(&["-n", NS[i], "link", "set", DEV[i], "mtu", "1420", "up"])?;
     Ok(())
 }
 
@@ -169,7 +171,7 @@ fn trellis(args: &Args) -> anyhow::Result<()> {
         };
         let engine = in_netns(NS[i], move || {
             let engine = Engine::start(PORT, private)?;
-            engine.add_peer(DEV, &config)?;
+            engine.add_peer(DEV[i], &config)?;
             Ok(Arc::new(engine))
         })?;
         address_tunnel(i)?;
@@ -184,7 +186,7 @@ fn wireguard_go(args: &Args) -> anyhow::Result<()> {
     let mut processes = Vec::new();
     for i in 0..2 {
         let child = Command::new("ip")
-            .args(["netns", "exec", NS[i], "wireguard-go", "-f", DEV])
+            .args(["netns", "exec", NS[i], "wireguard-go", "-f", DEV[i]])
             .env("WG_I_PREFER_BUGGY_USERSPACE_TO_POLISHED_KMOD", "1")
             .stdout(Stdio::null())
             .stderr(Stdio::null())
@@ -192,9 +194,9 @@ fn wireguard_go(args: &Args) -> anyhow::Result<()> {
             .context("wireguard-go")?;
         processes.push(Killed(child));
         let deadline = Instant::now() + Duration::from_secs(10);
-        while ip(&["-n", NS[i], "link", "show", DEV]).is_err() {
+        while ip(&["-n", NS[i], "link", "show", DEV[i]]).is_err() {
             if Instant::now() > deadline {
-                bail!("wireguard-go made no {DEV}");
+                bail!("wireguard-go made no {}", DEV[i]);
             }
             std::thread::sleep(Duration::from_millis(50));
         }
@@ -212,13 +214,18 @@ fn wireguard_go(args: &Args) -> anyhow::Result<()> {
         )?;
         run(
             NS[i],
-            &["wg", "setconf", DEV, conf.to_str().context("utf-8 path")?],
+            &[
+                "wg",
+                "setconf",
+                DEV[i],
+                conf.to_str().context("utf-8 path")?,
+            ],
         )?;
         let _ = std::fs::remove_file(&conf);
         address_tunnel(i)?;
     }
     // wireguard-go daemonizes nothing with -f, but `ip netns exec` is its parent: find it.
-    let pids: Vec<u32> = run("ep-a", &["pgrep", "-f", &format!("wireguard-go -f {DEV}")])?
+    let pids: Vec<u32> = run(NS[0], &["pgrep", "-f", "wireguard-go -f wgp"])?
         .lines()
         .filter_map(|l| l.trim().parse().ok())
         .collect();
