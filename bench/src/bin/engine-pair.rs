@@ -150,7 +150,7 @@ fn measure(label: &str, args: &Args, cpu: &dyn Fn() -> f64) -> anyhow::Result<()
         let before = cpu();
         let (mbps, bytes) = iperf(args.seconds, streams)?;
         let used = cpu() - before;
-        println!(
+        eprintln!(
             "{label}: {streams} stream(s): {mbps:.0} Mbit/s, {:.1} CPU s/GB",
             used / (bytes / 1e9)
         );
