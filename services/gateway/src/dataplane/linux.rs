@@ -242,6 +242,13 @@ impl Linux {
             return Err(err).context("configuring the wireguard device");
         }
         let name = plan.interface.as_str();
+        // The tunnels carry IPv4 only: without this, the kernel's IPv6 link-local chatter
+        // (router solicitations, MLD reports) goes through the tunnel and the peer drops it,
+        // counted as `source_not_allowed`. Best effort (read-only /proc/sys in a container).
+        let ipv6 = format!("/proc/sys/net/ipv6/conf/{name}/disable_ipv6");
+        if let Err(err) = tokio::fs::write(&ipv6, "1").await {
+            tracing::debug!(interface = name, error = %err, "could not disable ipv6 on the tunnel");
+        }
         ip(&[
             "link",
             "set",
