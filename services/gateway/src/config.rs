@@ -6,7 +6,7 @@ use std::time::Duration;
 use clap::{Parser, ValueEnum};
 use trellis_api::model::EndpointHost;
 use trellis_runtime::CommonConfig;
-use trellis_runtime::config::{HasCommon, underlay_mtu_arg};
+use trellis_runtime::config::{HasCommon, ports as default_ports, underlay_mtu_arg};
 
 use crate::ports::PortRange;
 
@@ -40,8 +40,9 @@ fn prefix_arg(value: &str) -> Result<String, String> {
     crate::names::validate_prefix(value).map(|()| value.to_owned())
 }
 
-/// The gateway of one Trellis cluster: one WireGuard interface per remote cluster, routes and
-/// nftables NAT, reconciled from the local broker's TunnelEndpoints.
+/// The gateway of one Trellis cluster: one WireGuard interface per remote cluster behind one
+/// UDP port (userspace), routes and nftables NAT, reconciled from the local broker's
+/// TunnelEndpoints.
 #[derive(Debug, Clone, Parser)]
 #[command(name = "trellis-gateway", version, about, long_about = None)]
 pub struct Config {
@@ -62,8 +63,23 @@ pub struct Config {
     )]
     pub endpoint_address: Option<EndpointHost>,
 
-    /// UDP ports handed out to remote peers, one per peer (`FIRST-LAST`, inclusive). Each
-    /// peer's port is persisted in the store and stays the same across restarts.
+    /// The one UDP port every remote gateway sends WireGuard packets to, with the userspace
+    /// data plane (0: any free port, for tests). Kernel WireGuard cannot share a port between
+    /// interfaces: with `--dataplane kernel` each peer gets its slot of `--wireguard-ports` as
+    /// its own port instead.
+    #[arg(
+        long,
+        env = "TRELLIS_WIREGUARD_PORT",
+        value_name = "PORT",
+        default_value_t = default_ports::WIREGUARD
+    )]
+    pub wireguard_port: u16,
+
+    /// Per-peer slots (`FIRST-LAST`, inclusive): each remote peer holds one number of this
+    /// range, persisted in the store and the same across restarts, which is its connection mark
+    /// and routing table. With the userspace data plane nothing is bound to these numbers;
+    /// with `--dataplane kernel` (and `none`) they are also the peers' UDP listen ports, one
+    /// per peer. The range's size is the most peers the gateway can have.
     #[arg(
         long,
         env = "TRELLIS_WIREGUARD_PORTS",
@@ -266,6 +282,7 @@ mod tests {
         let c = parse(&["--dataplane", "none"]).expect("parses");
         assert_eq!(c.wireguard_ports, PortRange::default_range());
         assert_eq!(c.wireguard_ports.first(), ports::WIREGUARD);
+        assert_eq!(c.wireguard_port, ports::WIREGUARD);
         assert_eq!(c.interface_prefix, "tg");
         assert_eq!(
             c.endpoint_host().expect("defaulted"),

@@ -1,5 +1,10 @@
 //! The gateway's operations: its public endpoint and key per peer, applying a desired set of
-//! TunnelEndpoints (ports in the store, then the data plane), and tunnel status.
+//! TunnelEndpoints (peer slots in the store, then the data plane), and tunnel status.
+//!
+//! Every peer holds a slot from `--wireguard-ports` (ADR 0007's allocation, quarantine and
+//! release, unchanged): the slot is its connection mark and routing table. In userspace mode
+//! every peer sends to the engine's one port (ADR 0022); in kernel mode (and without a data
+//! plane) the slot is also the peer's own listen port.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
@@ -11,6 +16,7 @@ use trellis_api::{ClusterId, ClusterIdentity};
 use trellis_error::Result;
 use trellis_store::SharedStore;
 
+use crate::dataplane::engine::{DropReason, Engine};
 use crate::dataplane::linux::Linux;
 use crate::dataplane::wireguard::PeerStats;
 use crate::dataplane::{Mode, PeerPlan};
@@ -68,6 +74,9 @@ pub struct Settings {
     pub endpoint_host: EndpointHost,
     /// The port range, and when ports go back to it.
     pub ports: PortPolicy,
+    /// The one UDP port of the userspace engine, which every peer sends to; `None`: each peer
+    /// gets its slot as its port (kernel mode, no data plane).
+    pub shared_port: Option<u16>,
     pub interface_prefix: String,
     /// The node the gateway runs on, and its address on the node network (`None`: no route
     /// agent can reach it).
@@ -96,6 +105,9 @@ pub struct Gateway {
     keys: KeyPair,
     mode: Mode,
     dataplane: Option<tokio::sync::Mutex<Linux>>,
+    /// The userspace engine (also inside `dataplane`), read without waiting for a
+    /// reconciliation to finish.
+    engine: Option<std::sync::Arc<Engine>>,
     applied: std::sync::Mutex<BTreeMap<ClusterId, Applied>>,
     /// The node path's view of the last apply, for the route agents' streams.
     routes: tokio::sync::watch::Sender<RouteSet>,
@@ -122,6 +134,7 @@ impl Gateway {
             settings,
             keys,
             mode,
+            engine: dataplane.as_ref().and_then(Linux::engine),
             dataplane: dataplane.map(tokio::sync::Mutex::new),
             applied: std::sync::Mutex::new(BTreeMap::new()),
             routes: tokio::sync::watch::Sender::new(routes),
@@ -144,13 +157,14 @@ impl Gateway {
         self.keys.public()
     }
 
-    /// The endpoint and key the peer `peer` must use (allocating its port on first request);
+    /// The endpoint and key the peer `peer` must use (allocating its slot on first request);
     /// `None`: the base endpoint, for display.
     pub async fn info(&self, peer: Option<&ClusterId>) -> Result<GatewayInfo> {
-        let port = match peer {
-            Some(id) => ports::allocate(&self.store, &self.settings.ports, id).await?,
-            None => self.settings.ports.range.first(),
+        let slot = match peer {
+            Some(id) => Some(ports::allocate(&self.store, &self.settings.ports, id).await?),
+            None => None,
         };
+        let port = self.listen_port(slot.unwrap_or(self.settings.ports.range.first()));
         Ok(GatewayInfo {
             endpoint: Endpoint::new(self.settings.endpoint_host.clone(), port)
                 .ok_or_else(|| trellis_error::Error::Internal("allocated port 0".into()))?,
@@ -158,6 +172,20 @@ impl Gateway {
             mode: self.mode,
             listen_port: port,
         })
+    }
+
+    /// The port the peer holding `slot` sends to.
+    fn listen_port(&self, slot: u16) -> u16 {
+        self.settings.shared_port.unwrap_or(slot)
+    }
+
+    /// Datagrams the userspace engine dropped at the WireGuard port, by reason (empty without
+    /// the engine).
+    pub fn dropped_datagrams(&self) -> Vec<(DropReason, u64)> {
+        self.engine
+            .as_ref()
+            .map(|e| e.dropped())
+            .unwrap_or_default()
     }
 
     /// The interface name of the tunnel to `peer`.
@@ -179,10 +207,11 @@ impl Gateway {
                 tracing::warn!(peer = %id, "ignoring a tunnel endpoint for our own cluster");
                 continue;
             }
-            let port = ports::bind_tunnel(&self.store, &self.settings.ports, id).await?;
+            let slot = ports::bind_tunnel(&self.store, &self.settings.ports, id).await?;
             plans.push(PeerPlan {
                 endpoint: te.clone(),
-                port,
+                slot,
+                listen_port: self.listen_port(slot),
                 interface: self.interface_name(id),
             });
         }

@@ -65,7 +65,7 @@ fn tunnel_status(t: TunnelStatus) -> pb::TunnelStatus {
         state: state(t.state).into(),
         message: t.message,
         applied_generation: te.generation,
-        listen_port: u32::from(t.plan.port),
+        listen_port: u32::from(t.plan.listen_port),
     }
 }
 

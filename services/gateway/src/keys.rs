@@ -45,6 +45,11 @@ impl KeyPair {
         self.public
     }
 
+    /// The private key's bytes, for the userspace engine. Secret.
+    pub fn private_bytes(&self) -> [u8; 32] {
+        self.private
+    }
+
     /// The private key in lowercase hex, as the WireGuard UAPI wants it. Secret.
     pub fn private_hex(&self) -> String {
         hex(&self.private)

@@ -2,9 +2,11 @@
 //! 0008, 0009). It runs inside whatever network namespace it is started in.
 //!
 //! - [`keys`]: the WireGuard key pair, generated once and kept in the store;
-//! - [`ports`]: one listen port per remote peer, persisted and unique;
+//! - [`ports`]: one slot per remote peer (its mark and table; in kernel mode its listen
+//!   port), persisted and unique;
 //! - [`names`]: interface names, connection marks and routing tables per peer;
-//! - [`dataplane`]: WireGuard devices, routes, policy rules and nftables NAT (root only);
+//! - [`dataplane`]: the userspace WireGuard engine (one UDP port for every peer), WireGuard
+//!   interfaces, routes, policy rules and nftables NAT (root only);
 //! - [`source`]: the broker's TunnelEndpoints, followed with a resumable watch;
 //! - [`mappings`]: the IPAM's external-CIDR endpoint mappings (hub-path DNAT), polled;
 //! - [`reconcile`]: the loop applying them;
@@ -42,6 +44,7 @@ pub use crate::config::Config;
 pub use crate::core::Gateway;
 use crate::core::Settings;
 use crate::dataplane::Mode;
+use crate::dataplane::engine::Engine;
 use crate::dataplane::linux::Linux;
 use crate::dataplane::wireguard::Flavor;
 use crate::grpc::GatewayService;
@@ -89,8 +92,20 @@ pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started
     let mode = Mode::resolve(config.dataplane);
     let flavor = match mode {
         Mode::None => None,
-        Mode::Userspace => Some(Flavor::Userspace),
+        Mode::Userspace => {
+            let port = config.wireguard_port;
+            let private = keys.private_bytes();
+            let engine = tokio::task::spawn_blocking(move || Engine::start(port, private))
+                .await
+                .context("engine start task")?
+                .context("starting the userspace wireguard engine")?;
+            Some(Flavor::Userspace(Arc::new(engine)))
+        }
         Mode::Kernel => Some(Flavor::Kernel),
+    };
+    let shared_port = match &flavor {
+        Some(Flavor::Userspace(engine)) => Some(engine.port()),
+        _ => None,
     };
     let dataplane = match flavor {
         Some(flavor) => Some(
@@ -106,7 +121,7 @@ pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started
         ),
         None => None,
     };
-    tracing::info!(mode = ?mode, public_key = %keys.public(), endpoint = %endpoint_host, ports = %config.wireguard_ports, tunnel_mtu = config.tunnel_mtu(), "gateway ready");
+    tracing::info!(mode = ?mode, public_key = %keys.public(), endpoint = %endpoint_host, port = ?shared_port, slots = %config.wireguard_ports, tunnel_mtu = config.tunnel_mtu(), "gateway ready");
     let settings = Settings {
         identity,
         endpoint_host,
@@ -115,6 +130,7 @@ pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started
             unused_grace: config.unused_port_grace(),
             quarantine: config.port_quarantine(),
         },
+        shared_port,
         interface_prefix: config.interface_prefix.clone(),
         node_name: config.node_name()?,
         node_ip: config.node_ip,

@@ -4,6 +4,10 @@
 //! so a removed tunnel's series disappear with it; the counters are the devices' own (they
 //! restart from zero when a device is recreated, which Prometheus' `rate()` handles as a
 //! counter reset).
+//!
+//! With the userspace engine, `trellis_gateway_dropped_datagrams_total{reason}` counts the
+//! datagrams at the WireGuard port that were dropped (malformed, a bad MAC, for no peer, a
+//! replay, failed authentication, an inner source outside the peer's AllowedIPs).
 
 use std::sync::{Arc, Mutex};
 use std::time::SystemTime;
@@ -58,6 +62,8 @@ impl Sample {
 #[derive(Debug, Clone, Default)]
 struct TunnelCollector {
     snapshot: Arc<Mutex<Vec<Sample>>>,
+    /// The engine's drop counters, read at encoding time (atomics, no lock to wait for).
+    core: Option<Arc<Gateway>>,
 }
 
 const STATES: [(State, &str); 4] = [
@@ -131,6 +137,21 @@ impl Collector for TunnelCollector {
                 ConstGauge::new(v).encode(age.encode_family(&s.labels)?)?;
             }
         }
+        if let Some(core) = &self.core {
+            let dropped = core.dropped_datagrams();
+            if !dropped.is_empty() {
+                let mut family = encoder.encode_descriptor(
+                    "trellis_gateway_dropped_datagrams",
+                    "Datagrams at the WireGuard port dropped by the userspace engine, by reason",
+                    None,
+                    ConstCounter::new(0u64).metric_type(),
+                )?;
+                for (reason, n) in dropped {
+                    let labels: Labels = vec![("reason", reason.label().to_owned())];
+                    ConstCounter::new(n).encode(family.encode_family(&labels)?)?;
+                }
+            }
+        }
         let mut state = encoder.encode_descriptor(
             "trellis_gateway_tunnel_state",
             "1 for the tunnel's current state (connecting, up, down, error), 0 for the others",
@@ -151,7 +172,10 @@ impl Collector for TunnelCollector {
 
 /// Registers the tunnel metrics of `core` on `metrics`.
 pub fn register(metrics: &Metrics, core: &Arc<Gateway>) {
-    let collector = TunnelCollector::default();
+    let collector = TunnelCollector {
+        core: Some(core.clone()),
+        ..TunnelCollector::default()
+    };
     let snapshot = collector.snapshot.clone();
     metrics.register_collector(collector);
     let core = core.clone();

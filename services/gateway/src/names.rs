@@ -57,15 +57,15 @@ pub fn interface_name(prefix: &str, local: &ClusterId, remote: &ClusterId) -> St
     format!("{prefix}{short:08x}")
 }
 
-/// The connection mark of a peer: its listen port in the high 16 bits (ports are unique per
-/// peer, so marks are too).
-pub fn mark(port: u16) -> u32 {
-    u32::from(port) << 16
+/// The connection mark of a peer: its slot in the high 16 bits (slots are unique per peer, so
+/// marks are too).
+pub fn mark(slot: u16) -> u32 {
+    u32::from(slot) << 16
 }
 
-/// The routing table of a peer (holding only `default dev <its interface>`): its port number.
-pub fn table(port: u16) -> u32 {
-    u32::from(port)
+/// The routing table of a peer (holding only `default dev <its interface>`): its slot number.
+pub fn table(slot: u16) -> u32 {
+    u32::from(slot)
 }
 
 #[cfg(test)]

@@ -193,6 +193,7 @@ fn gateway_with_grace(
                 unused_grace: unused_port_grace,
                 quarantine: std::time::Duration::ZERO,
             },
+            shared_port: None,
             interface_prefix: "tg".into(),
             node_name: "node-0".into(),
             node_ip: None,
@@ -260,7 +261,7 @@ async fn removing_a_tunnel_releases_its_port_but_not_a_pending_one() {
     assert_eq!(g.apply(&desired, &Vec::new()).await.expect("applied"), 0);
     let tunnels = g.tunnels().await;
     assert_eq!(tunnels.len(), 2);
-    assert_eq!(tunnels[0].plan.port, 40001);
+    assert_eq!(tunnels[0].plan.slot, 40001);
     assert_eq!(tunnels[0].plan.routed().len(), 2);
     assert!(
         tunnels[0].message.contains("--dataplane none"),

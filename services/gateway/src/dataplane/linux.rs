@@ -1,6 +1,6 @@
 //! The Linux reconciler: makes the current network namespace match a set of [`PeerPlan`]s.
 //!
-//! Per peer: a WireGuard device (MTU: the underlay's minus 80, up, rp_filter off), main-table routes for the peer's
+//! Per peer: a WireGuard interface (a TUN of the userspace engine, or a kernel device; MTU: the underlay's minus 80, up, rp_filter off), main-table routes for the peer's
 //! NAT'ed CIDRs, a table holding `default dev <interface>`, and an `ip rule fwmark <mark> lookup
 //! <table>`; for all peers together, the `ip trellis` nftables table. Everything is derived
 //! from the plans, so applying the same plans twice changes nothing, and a start first removes
@@ -22,6 +22,7 @@ use trellis_api::model::Endpoint;
 
 use super::PeerPlan;
 use super::cmd::{self, ip};
+use super::engine::Engine;
 use super::wireguard::{Device, DeviceSpec, Flavor, PeerStats};
 use super::{guard, nft};
 use crate::keys::KeyPair;
@@ -208,12 +209,12 @@ impl Linux {
                 if let Some(old) = self.devices.remove(id) {
                     remove_device(old).await;
                 }
-                let (flavor, name) = (self.flavor, plan.interface.clone());
-                let device = tokio::task::spawn_blocking(move || Device::create(flavor, &name))
+                let (flavor, name) = (self.flavor.clone(), plan.interface.clone());
+                let device = tokio::task::spawn_blocking(move || Device::create(&flavor, &name))
                     .await
                     .context("device creation task")??;
                 let device = Arc::new(device);
-                tracing::info!(peer = %id, interface = %plan.interface, port = plan.port, "created wireguard interface");
+                tracing::info!(peer = %id, interface = %plan.interface, slot = plan.slot, listen_port = plan.listen_port, "created wireguard interface");
                 self.devices.insert(id.clone(), device.clone());
                 device
             }
@@ -221,7 +222,7 @@ impl Linux {
         let peer_endpoint = resolve(&plan.endpoint.remote_endpoint).await?;
         let spec = DeviceSpec {
             name: plan.interface.clone(),
-            listen_port: plan.port,
+            listen_port: plan.listen_port,
             peer_key: plan.endpoint.remote_public_key,
             peer_endpoint,
             allowed_ips: plan.allowed_ips(),
@@ -241,6 +242,13 @@ impl Linux {
             return Err(err).context("configuring the wireguard device");
         }
         let name = plan.interface.as_str();
+        // The tunnels carry IPv4 only: without this, the kernel's IPv6 link-local chatter
+        // (router solicitations, MLD reports) goes through the tunnel and the peer drops it,
+        // counted as `source_not_allowed`. Best effort (read-only /proc/sys in a container).
+        let ipv6 = format!("/proc/sys/net/ipv6/conf/{name}/disable_ipv6");
+        if let Err(err) = tokio::fs::write(&ipv6, "1").await {
+            tracing::debug!(interface = name, error = %err, "could not disable ipv6 on the tunnel");
+        }
         ip(&[
             "link",
             "set",
@@ -267,7 +275,11 @@ impl Linux {
         }
         let table = plan.table().to_string();
         ip(&["route", "replace", "default", "dev", name, "table", &table]).await?;
-        if created && let Some(target) = routed.first() {
+        // The engine starts a handshake itself when it adds a peer.
+        if created
+            && matches!(self.flavor, Flavor::Kernel)
+            && let Some(target) = routed.first()
+        {
             kick_handshake(name, *target).await;
         }
         Ok(())
@@ -311,6 +323,14 @@ impl Linux {
                 "the device did not answer within {STATS_TIMEOUT:?}"
             )),
         })
+    }
+
+    /// The userspace engine, if that is the flavor.
+    pub fn engine(&self) -> Option<Arc<Engine>> {
+        match &self.flavor {
+            Flavor::Userspace(engine) => Some(engine.clone()),
+            Flavor::Kernel => None,
+        }
     }
 
     /// Removes every tunnel, rule and the nftables table (graceful stop).

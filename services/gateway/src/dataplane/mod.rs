@@ -1,13 +1,15 @@
 //! The data plane: what one peer's tunnel needs ([`PeerPlan`]), and the Linux reconciler that
 //! makes the network namespace match a set of plans ([`linux::Linux`]). Root only.
 //!
-//! - [`wireguard`]: one WireGuard device per peer (userspace boringtun or kernel);
+//! - [`engine`]: the userspace WireGuard engine (one UDP port, one TUN interface per peer);
+//! - [`wireguard`]: one WireGuard interface per peer (a peer of the engine, or kernel);
 //! - [`nft`]: the `ip trellis` nftables table (double NAT, connection marks);
 //! - [`guard`]: the `ip trellis-guard` table (what a peer may reach through its tunnel);
 //! - `cmd` (from `trellis_runtime`): `ip`/`nft` invocations and sysctls;
 //! - [`linux`]: the reconciler tying them together, with routes and policy-routing rules.
 
 pub(crate) use trellis_runtime::cmd;
+pub mod engine;
 pub mod guard;
 pub mod linux;
 pub mod nft;
@@ -60,8 +62,12 @@ impl Mode {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PeerPlan {
     pub endpoint: TunnelEndpoint,
-    /// Our listen port for this peer.
-    pub port: u16,
+    /// The peer's slot: a number unique among our peers, persisted in the store, that is its
+    /// connection mark and routing table (and, in kernel mode, its listen port).
+    pub slot: u16,
+    /// The UDP port the peer sends to: the engine's one port in userspace mode, the slot in
+    /// kernel mode.
+    pub listen_port: u16,
     pub interface: String,
 }
 
@@ -99,12 +105,12 @@ impl PeerPlan {
 
     /// The peer's connection mark.
     pub fn mark(&self) -> u32 {
-        names::mark(self.port)
+        names::mark(self.slot)
     }
 
     /// The peer's policy-routing table.
     pub fn table(&self) -> u32 {
-        names::table(self.port)
+        names::table(self.slot)
     }
 
     /// Hub-path DNAT for traffic from this peer: for every external-CIDR mapping handed to
@@ -233,7 +239,8 @@ mod tests {
                 .expect("key"),
                 generation: 1,
             },
-            port: 51841,
+            slot: 51841,
+            listen_port: 51840,
             interface: "tg01234567".into(),
         }
     }

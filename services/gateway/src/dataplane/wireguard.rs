@@ -1,29 +1,22 @@
-//! One WireGuard device per peer, userspace or kernel.
+//! One WireGuard interface per peer, userspace or kernel.
 //!
-//! **Userspace** devices are boringtun's `DeviceHandle`, driven over a private UAPI socket
-//! pair instead of the `/var/run/wireguard/<name>.sock` listener that `defguard_wireguard_rs`'s
-//! `WGApi<Userspace>` uses. The spike (docs/research/0001) found that path fragile: the
-//! listener variant also registers signalfds for SIGTERM/SIGINT that steal the process's
-//! shutdown signal (pitfall 1; the only workaround was `dup2` over the descriptors, which needs
-//! `unsafe`), its socket names are host-global (pitfall 3), a stale socket file survives
-//! SIGKILL (pitfall 7), and its stats read can hang (pitfall 2). With `uapi_fd` set, boringtun
-//! registers neither the listener nor the signal handlers, and we own both ends of the
-//! channel, with read timeouts.
+//! **Userspace** interfaces are TUN interfaces of our own [`Engine`](super::engine::Engine),
+//! which owns the gateway's one WireGuard UDP port for every peer (ADR 0022). A device here is
+//! one peer of the engine; nothing is spoken over a UAPI socket any more, so the spike's
+//! pitfalls of boringtun's `DeviceHandle` (stolen signals, host-global socket names, stale
+//! socket files, hanging stats reads; docs/research/0001) do not arise.
 //!
-//! **Kernel** devices go through `defguard_wireguard_rs`'s `WGApi<Kernel>` (netlink).
+//! **Kernel** devices go through `defguard_wireguard_rs`'s `WGApi<Kernel>` (netlink), each with
+//! its own listen port: kernel WireGuard cannot share one port between interfaces (ADR 0022
+//! designs the one-port variant; it is not built yet).
 //!
-//! Every call here blocks (UAPI round trips, netlink): callers run them in `spawn_blocking`.
+//! Every call here may block (netlink, TUN creation): callers run them in `spawn_blocking`.
 
 use std::fmt;
-use std::io::{Read as _, Write as _};
 use std::net::SocketAddr;
-use std::os::fd::IntoRawFd as _;
-use std::os::unix::net::UnixStream;
-use std::sync::Mutex;
-use std::time::{Duration, SystemTime};
+use std::sync::{Arc, Mutex};
+use std::time::SystemTime;
 
-use defguard_boringtun::device::{DeviceConfig, DeviceHandle};
-use defguard_wireguard_rs::host::Host;
 use defguard_wireguard_rs::key::Key;
 use defguard_wireguard_rs::net::IpAddrMask;
 use defguard_wireguard_rs::peer::Peer;
@@ -31,11 +24,8 @@ use defguard_wireguard_rs::{InterfaceConfiguration, Kernel, WGApi, WireguardInte
 use ipnet::IpNet;
 use trellis_api::model::WgKey;
 
-use crate::keys::{KeyPair, hex};
-
-/// How long one UAPI round trip may take. boringtun answers in microseconds; a device whose
-/// threads died never answers (pitfall 2), and must not hang the caller.
-const UAPI_TIMEOUT: Duration = Duration::from_secs(2);
+use super::engine::{Engine, PeerConfig};
+use crate::keys::KeyPair;
 
 /// WireGuard's worst-case overhead: outer IPv6 40 + UDP 8 + WireGuard header 16 + auth tag 16.
 /// A tunnel's MTU is the underlay's minus this, so a full tunnel packet never fragments on the
@@ -49,9 +39,11 @@ pub fn tunnel_mtu(underlay_mtu: u32) -> u32 {
 }
 
 /// Which implementation drives a device.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone)]
 pub enum Flavor {
-    Userspace,
+    /// A peer of the userspace engine (one UDP port for all).
+    Userspace(Arc<Engine>),
+    /// A kernel WireGuard interface with its own listen port.
     Kernel,
 }
 
@@ -59,6 +51,7 @@ pub enum Flavor {
 #[derive(Clone, PartialEq, Eq)]
 pub struct DeviceSpec {
     pub name: String,
+    /// The kernel interface's listen port (userspace peers share the engine's).
     pub listen_port: u16,
     pub peer_key: WgKey,
     pub peer_endpoint: SocketAddr,
@@ -95,9 +88,9 @@ pub struct PeerStats {
 
 enum Inner {
     Userspace {
-        /// `None` only while dropping, so the device stops before its channel closes.
-        handle: Option<DeviceHandle>,
-        api: UnixStream,
+        engine: Arc<Engine>,
+        /// The peer's index in the engine, once configured.
+        index: Option<u32>,
     },
     Kernel(WGApi<Kernel>),
 }
@@ -124,25 +117,14 @@ fn io_err(what: impl fmt::Display) -> std::io::Error {
 }
 
 impl Device {
-    /// Creates the device (link down, unconfigured).
-    pub fn create(flavor: Flavor, name: &str) -> std::io::Result<Self> {
+    /// Creates the device (kernel: link down, unconfigured; userspace: the TUN interface
+    /// appears with the first configuration).
+    pub fn create(flavor: &Flavor, name: &str) -> std::io::Result<Self> {
         let inner = match flavor {
-            Flavor::Userspace => {
-                let (ours, theirs) = UnixStream::pair()?;
-                ours.set_read_timeout(Some(UAPI_TIMEOUT))?;
-                ours.set_write_timeout(Some(UAPI_TIMEOUT))?;
-                let config = DeviceConfig {
-                    // boringtun takes ownership of the descriptor (it wraps it in a UnixStream).
-                    uapi_fd: theirs.into_raw_fd(),
-                    ..DeviceConfig::default()
-                };
-                let handle = DeviceHandle::new(name, config)
-                    .map_err(|e| io_err(format!("creating userspace device {name}: {e:?}")))?;
-                Inner::Userspace {
-                    handle: Some(handle),
-                    api: ours,
-                }
-            }
+            Flavor::Userspace(engine) => Inner::Userspace {
+                engine: engine.clone(),
+                index: None,
+            },
             Flavor::Kernel => {
                 let mut api = WGApi::<Kernel>::new(name.to_owned())
                     .map_err(|e| io_err(format!("kernel wireguard api for {name}: {e}")))?;
@@ -171,27 +153,18 @@ impl Device {
         }
         let mut inner = self.inner.lock().map_err(|_| io_err("poisoned lock"))?;
         match &mut *inner {
-            Inner::Userspace { api, .. } => {
-                let mut request = format!(
-                    "set=1\nprivate_key={}\nlisten_port={}\nreplace_peers=true\npublic_key={}\n\
-                     endpoint={}\npersistent_keepalive_interval={}\nreplace_allowed_ips=true\n",
-                    key.private_hex(),
-                    spec.listen_port,
-                    hex(spec.peer_key.as_bytes()),
-                    spec.peer_endpoint,
-                    spec.keepalive,
-                );
-                for net in &spec.allowed_ips {
-                    request.push_str(&format!("allowed_ip={net}\n"));
-                }
-                request.push('\n');
-                let reply = uapi(api, &request)?;
-                if !reply.contains("errno=0") {
-                    return Err(io_err(format!(
-                        "device {} refused its configuration: {}",
-                        self.name,
-                        reply.trim()
-                    )));
+            Inner::Userspace { engine, index } => {
+                // The engine holds our key already (one key pair for every peer).
+                let _ = key;
+                let config = PeerConfig {
+                    public_key: *spec.peer_key.as_bytes(),
+                    endpoint: spec.peer_endpoint,
+                    allowed_ips: spec.allowed_ips.clone(),
+                    keepalive: spec.keepalive,
+                };
+                match *index {
+                    Some(i) => engine.update_peer(i, &config)?,
+                    None => *index = Some(engine.add_peer(&self.name, &config)?),
                 }
             }
             Inner::Kernel(api) => {
@@ -223,9 +196,18 @@ impl Device {
     pub fn stats(&self) -> std::io::Result<PeerStats> {
         let mut inner = self.inner.lock().map_err(|_| io_err("poisoned lock"))?;
         let host = match &mut *inner {
-            Inner::Userspace { api, .. } => {
-                let reply = uapi(api, "get=1\n\n")?;
-                Host::parse_uapi(std::io::Cursor::new(reply.into_bytes()))?
+            Inner::Userspace { engine, index } => {
+                let counters = index
+                    .and_then(|i| engine.counters(i))
+                    .ok_or_else(|| io_err(format!("{} is not configured", self.name)))?;
+                return Ok(PeerStats {
+                    last_handshake: counters.last_handshake,
+                    rx_bytes: counters.rx_bytes,
+                    tx_bytes: counters.tx_bytes,
+                    rx_packets: interface_counter(&self.name, "rx_packets"),
+                    tx_packets: interface_counter(&self.name, "tx_packets"),
+                    endpoint: counters.endpoint,
+                });
             }
             Inner::Kernel(api) => api
                 .read_interface_data()
@@ -263,9 +245,11 @@ impl Drop for Device {
             return;
         };
         match inner {
-            // Stop the device threads first: once our end of the channel closes, boringtun
-            // would otherwise answer EOF events until it notices the exit.
-            Inner::Userspace { handle, .. } => drop(handle.take()),
+            Inner::Userspace { engine, index } => {
+                if let Some(i) = index.take() {
+                    engine.remove_peer(i);
+                }
+            }
             Inner::Kernel(api) => {
                 // remove_interface also tries to reset DNS and fails without a DNS backend
                 // (pitfall 5); the link is deleted before that step.
@@ -273,29 +257,6 @@ impl Drop for Device {
                     tracing::debug!(interface = %self.name, error = %err, "remove_interface reported an error");
                 }
             }
-        }
-    }
-}
-
-/// One UAPI request and its reply (everything up to the blank line after `errno=N`).
-fn uapi(stream: &mut UnixStream, request: &str) -> std::io::Result<String> {
-    stream.write_all(request.as_bytes())?;
-    let mut reply = Vec::new();
-    let mut chunk = [0u8; 4096];
-    loop {
-        let n = stream.read(&mut chunk)?;
-        if n == 0 {
-            return Err(io_err("the device closed its control channel"));
-        }
-        reply.extend_from_slice(&chunk[..n]);
-        let text = String::from_utf8_lossy(&reply);
-        if let Some(at) = text.rfind("errno=")
-            && text[at..].contains("\n\n")
-        {
-            return Ok(text.into_owned());
-        }
-        if reply.len() > 1 << 20 {
-            return Err(io_err("oversized reply from the device"));
         }
     }
 }

@@ -1,0 +1,263 @@
+//! The userspace WireGuard engine alone, against Debian's `wireguard-go`, in the same two
+//! namespaces in the same run (issue 18): a quick harness for iterating on the engine's
+//! throughput. **Root only.**
+//!
+//! Two namespaces joined by a veth pair (MTU 1500); in each, a tunnel interface (MTU 1420) with
+//! one peer, the other namespace. `trellis`: this process runs one [`Engine`] per namespace
+//! (its threads enter the namespace); `wireguard-go`: one `wireguard-go` process per namespace,
+//! configured with `wg`. iperf3 TCP over the tunnel, one stream and `--streams` streams, and the
+//! CPU seconds the implementation used per GB moved. No NAT, no nftables, no policy routing:
+//! the gateway's full path is what `dataplane-bench` measures; this is the engine's ceiling.
+
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, bail};
+use clap::Parser;
+use trellis_gateway::dataplane::engine::{Engine, PeerConfig};
+use trellis_gateway::keys::KeyPair;
+use trellis_netlab::netns::{Namespaces, exec, in_netns, ip};
+
+#[derive(Debug, Parser)]
+struct Args {
+    /// Seconds per iperf3 run.
+    #[arg(long, default_value_t = 10)]
+    seconds: u32,
+    /// Parallel streams of the multi-stream run.
+    #[arg(long, default_value_t = 4)]
+    streams: u32,
+    /// Which implementations to run (`trellis`, `wireguard-go`).
+    #[arg(long, value_delimiter = ',', default_value = "trellis,wireguard-go")]
+    only: Vec<String>,
+}
+
+const NS: [&str; 2] = ["ep-a", "ep-b"];
+const UNDERLAY: [&str; 2] = ["192.168.77.1", "192.168.77.2"];
+const INNER: [&str; 2] = ["10.99.0.1", "10.99.0.2"];
+const PORT: u16 = 51820;
+/// Tunnel interface names, one per namespace: wireguard-go's UAPI sockets
+/// (`/var/run/wireguard/<name>.sock`) are host-wide, so the two must differ.
+const DEV: [&str; 2] = ["wgpa", "wgpb"];
+
+fn run(ns: &str, args: &[&str]) -> anyhow::Result<String> {
+    let out = exec(ns, args[0], &args[1..])?;
+    if !out.status.success() {
+        bail!(
+            "{args:?} in {ns}: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+fn topology() -> anyhow::Result<Namespaces> {
+    let mut namespaces = Namespaces::default();
+    for ns in NS {
+        namespaces.add(ns)?;
+        ip(&["-n", ns, "link", "set", "lo", "up"])?;
+    }
+    ip(&[
+        "link", "add", "va", "netns", NS[0], "type", "veth", "peer", "vb", "netns", NS[1],
+    ])?;
+    for (i, dev) in ["va", "vb"].iter().enumerate() {
+        ip(&[
+            "-n",
+            NS[i],
+            "addr",
+            "add",
+            &format!("{}/24", UNDERLAY[i]),
+            "dev",
+            dev,
+        ])?;
+        ip(&["-n", NS[i], "link", "set", dev, "up"])?;
+    }
+    Ok(namespaces)
+}
+
+fn address_tunnel(i: usize) -> anyhow::Result<()> {
+    ip(&[
+        "-n",
+        NS[i],
+        "addr",
+        "add",
+        &format!("{}/24", INNER[i]),
+        "dev",
+        DEV[i],
+    ])?;
+    ip(&["-n", NS[i], "link", "set", DEV[i], "mtu", "1420", "up"])?;
+    Ok(())
+}
+
+/// CPU seconds (user + system) of process `pid` so far.
+fn cpu_seconds(pid: u32) -> f64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    let after = stat.rsplit_once(')').map(|(_, r)| r).unwrap_or_default();
+    let fields: Vec<&str> = after.split_whitespace().collect();
+    let ticks = |i: usize| {
+        fields
+            .get(i)
+            .and_then(|f| f.parse::<f64>().ok())
+            .unwrap_or(0.0)
+    };
+    // utime and stime are fields 14 and 15 of stat, 12 and 13 after the command name.
+    (ticks(11) + ticks(12)) / 100.0
+}
+
+/// One iperf3 run from A to B: (Mbit/s received, bytes).
+fn iperf(seconds: u32, streams: u32) -> anyhow::Result<(f64, f64)> {
+    let out = run(
+        NS[0],
+        &[
+            "iperf3",
+            "-c",
+            INNER[1],
+            "-t",
+            &seconds.to_string(),
+            "-P",
+            &streams.to_string(),
+            "-J",
+        ],
+    )?;
+    let json: serde_json::Value = serde_json::from_str(&out).context("iperf3 json")?;
+    let sum = &json["end"]["sum_received"];
+    let bps = sum["bits_per_second"].as_f64().context("bits_per_second")?;
+    let bytes = sum["bytes"].as_f64().context("bytes")?;
+    Ok((bps / 1e6, bytes))
+}
+
+struct Killed(Child);
+
+impl Drop for Killed {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn measure(label: &str, args: &Args, cpu: &dyn Fn() -> f64) -> anyhow::Result<()> {
+    // Handshake and path warm-up.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !exec(NS[0], "ping", &["-c", "1", "-W", "1", INNER[1]])?
+        .status
+        .success()
+    {
+        if Instant::now() > deadline {
+            bail!("{label}: no answer through the tunnel");
+        }
+    }
+    for streams in [1, args.streams] {
+        let before = cpu();
+        let (mbps, bytes) = iperf(args.seconds, streams)?;
+        let used = cpu() - before;
+        eprintln!(
+            "{label}: {streams} stream(s): {mbps:.0} Mbit/s, {:.1} CPU s/GB",
+            used / (bytes / 1e9)
+        );
+    }
+    Ok(())
+}
+
+fn trellis(args: &Args) -> anyhow::Result<()> {
+    let keys = [KeyPair::generate(), KeyPair::generate()];
+    let mut engines = Vec::new();
+    for i in 0..2 {
+        let private = keys[i].private_bytes();
+        let config = PeerConfig {
+            public_key: *keys[1 - i].public().as_bytes(),
+            endpoint: format!("{}:{PORT}", UNDERLAY[1 - i]).parse()?,
+            allowed_ips: vec![format!("{}/32", INNER[1 - i]).parse()?],
+            keepalive: 0,
+        };
+        let engine = in_netns(NS[i], move || {
+            let engine = Engine::start(PORT, private)?;
+            engine.add_peer(DEV[i], &config)?;
+            Ok(Arc::new(engine))
+        })?;
+        address_tunnel(i)?;
+        engines.push(engine);
+    }
+    let pid = std::process::id();
+    measure("trellis engine", args, &|| cpu_seconds(pid))
+}
+
+fn wireguard_go(args: &Args) -> anyhow::Result<()> {
+    let keys = [KeyPair::generate(), KeyPair::generate()];
+    let mut processes = Vec::new();
+    for i in 0..2 {
+        let child = Command::new("ip")
+            .args(["netns", "exec", NS[i], "wireguard-go", "-f", DEV[i]])
+            .env("WG_I_PREFER_BUGGY_USERSPACE_TO_POLISHED_KMOD", "1")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .context("wireguard-go")?;
+        processes.push(Killed(child));
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while ip(&["-n", NS[i], "link", "show", DEV[i]]).is_err() {
+            if Instant::now() > deadline {
+                bail!("wireguard-go made no {}", DEV[i]);
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let conf = std::env::temp_dir().join(format!("engine-pair-{i}.conf"));
+        std::fs::write(
+            &conf,
+            format!(
+                "[Interface]\nPrivateKey = {}\nListenPort = {PORT}\n\n[Peer]\nPublicKey = {}\n\
+                 Endpoint = {}:{PORT}\nAllowedIPs = {}/32\n",
+                keys[i].private_base64(),
+                keys[1 - i].public(),
+                UNDERLAY[1 - i],
+                INNER[1 - i]
+            ),
+        )?;
+        run(
+            NS[i],
+            &[
+                "wg",
+                "setconf",
+                DEV[i],
+                conf.to_str().context("utf-8 path")?,
+            ],
+        )?;
+        let _ = std::fs::remove_file(&conf);
+        address_tunnel(i)?;
+    }
+    // wireguard-go daemonizes nothing with -f, but `ip netns exec` is its parent: find it.
+    let pids: Vec<u32> = run(NS[0], &["pgrep", "-f", "wireguard-go -f wgp"])?
+        .lines()
+        .filter_map(|l| l.trim().parse().ok())
+        .collect();
+    measure("wireguard-go", args, &|| {
+        pids.iter().map(|p| cpu_seconds(*p)).sum()
+    })
+}
+
+fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    if !trellis_netlab::netns::is_root() {
+        bail!("engine-pair needs root (network namespaces)");
+    }
+    let iperf_server = |_: ()| -> anyhow::Result<Killed> {
+        Ok(Killed(
+            Command::new("ip")
+                .args(["netns", "exec", NS[1], "iperf3", "-s"])
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .context("iperf3 -s")?,
+        ))
+    };
+    for which in &args.only {
+        let _namespaces = topology()?;
+        let _server = iperf_server(())?;
+        std::thread::sleep(Duration::from_millis(300));
+        match which.as_str() {
+            "trellis" => trellis(&args)?,
+            "wireguard-go" => wireguard_go(&args)?,
+            other => bail!("unknown implementation {other}"),
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,675 @@
+//! The userspace WireGuard engine: ONE UDP socket for every peer, ONE TUN interface per peer
+//! (ADR 0022).
+//!
+//! Keeping an interface per peer keeps what ADR 0007/0008 built on it: a peer's real CIDRs may
+//! overlap another peer's (or ours), because each peer's packets enter and leave through its
+//! own interface, where its NAT, connection mark and routing table apply. What changes is
+//! that the interfaces no longer own a UDP port each: this engine owns the gateway's one
+//! WireGuard port and demultiplexes every datagram by the WireGuard message itself:
+//!
+//! - data, handshake responses and cookie replies carry the receiver index we chose; every
+//!   peer's [`Tunn`] gets its own 24-bit index, and boringtun puts it in the upper 24 bits of
+//!   each session index, so `receiver_index >> 8` names the peer;
+//! - a handshake initiation names nobody in clear: after its MAC1 is checked (the sender knows
+//!   our public key; under load the cookie too, before any Diffie-Hellman), boringtun's
+//!   `parse_handshake_anon` decrypts the initiator's static key, which names the peer.
+//!
+//! The cryptography is boringtun's `noise` layer; nothing here encrypts or authenticates.
+//! Datagrams that fit no peer, fail to authenticate, replay a counter or carry an inner source
+//! outside the peer's AllowedIPs are dropped and counted by reason ([`DropReason`]).
+//!
+//! Three threads do the work, so both directions use a core each: one receives from the socket
+//! and writes into the TUNs, one waits on every TUN (`mio`) and sends to the socket, one runs
+//! the WireGuard timers (handshake retries, keepalives, rekeys) four times a second.
+
+use std::collections::HashMap;
+use std::io;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, UdpSocket};
+use std::os::fd::AsRawFd as _;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, RwLock};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant, SystemTime};
+
+use defguard_boringtun::device::tun::TunSocket;
+use defguard_boringtun::noise::errors::WireGuardError;
+use defguard_boringtun::noise::handshake::parse_handshake_anon;
+use defguard_boringtun::noise::rate_limiter::RateLimiter;
+use defguard_boringtun::noise::{Packet, Tunn, TunnResult};
+use defguard_boringtun::x25519::{PublicKey, StaticSecret};
+use ipnet::IpNet;
+use mio::unix::SourceFd;
+use mio::{Events, Interest, Poll, Token, Waker};
+
+/// Buffers hold the largest UDP payload, so no datagram or TUN read is ever truncated.
+const BUF: usize = 1 << 16;
+
+/// The TUN thread's wake-up token (peer indices are 24-bit, so never this).
+const WAKER: Token = Token(usize::MAX);
+
+/// Handshake messages per second (all peers together) before cookies are demanded, as
+/// boringtun's own device sets it.
+const HANDSHAKE_RATE_LIMIT: u64 = 100;
+
+/// How often the WireGuard timers run. boringtun's timers have one-second granularity; four
+/// passes a second keep handshake retries close to their 5 s schedule.
+const TICK: Duration = Duration::from_millis(250);
+
+/// How long the receiving thread blocks before checking whether the engine stops.
+const RECV_TIMEOUT: Duration = Duration::from_millis(200);
+
+/// Peer indices are 24 bits: boringtun keeps the low 8 bits of a session index for itself.
+const INDEX_MASK: u32 = 0x00ff_ffff;
+
+/// Why a datagram at the WireGuard port was dropped (the `reason` label of
+/// `trellis_gateway_dropped_datagrams_total`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DropReason {
+    /// Not a WireGuard message: wrong type, wrong length.
+    Malformed,
+    /// A handshake message whose MAC1 does not match our public key (or MAC2 under load).
+    Mac,
+    /// Authentic as far as it can be checked, but for no peer we have: an unknown receiver
+    /// index, or a handshake initiation from a static key we have no peer for.
+    UnknownPeer,
+    /// A counter (data) or timestamp (handshake) already seen.
+    Replay,
+    /// Authentication failed: a bad AEAD tag, a handshake that does not decrypt.
+    Decrypt,
+    /// Decrypted, but the inner source is outside the peer's AllowedIPs.
+    SourceNotAllowed,
+    /// Any other refusal by the protocol (no session for the index, unexpected message).
+    Other,
+}
+
+impl DropReason {
+    /// Every reason, in label order.
+    pub const ALL: [DropReason; 7] = [
+        Self::Malformed,
+        Self::Mac,
+        Self::UnknownPeer,
+        Self::Replay,
+        Self::Decrypt,
+        Self::SourceNotAllowed,
+        Self::Other,
+    ];
+
+    /// The metric label.
+    pub fn label(self) -> &'static str {
+        match self {
+            Self::Malformed => "malformed",
+            Self::Mac => "mac",
+            Self::UnknownPeer => "unknown_peer",
+            Self::Replay => "replay",
+            Self::Decrypt => "decrypt",
+            Self::SourceNotAllowed => "source_not_allowed",
+            Self::Other => "other",
+        }
+    }
+
+    fn of(err: &WireGuardError) -> Self {
+        match err {
+            WireGuardError::InvalidMac => Self::Mac,
+            WireGuardError::DuplicateCounter
+            | WireGuardError::InvalidCounter
+            | WireGuardError::WrongTai64nTimestamp => Self::Replay,
+            WireGuardError::InvalidAeadTag => Self::Decrypt,
+            WireGuardError::InvalidPacket | WireGuardError::IncorrectPacketLength => {
+                Self::Malformed
+            }
+            WireGuardError::WrongIndex => Self::UnknownPeer,
+            _ => Self::Other,
+        }
+    }
+}
+
+/// What one peer is configured with (nothing secret: our private key is the engine's).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PeerConfig {
+    pub public_key: [u8; 32],
+    pub endpoint: SocketAddr,
+    pub allowed_ips: Vec<IpNet>,
+    /// Persistent keepalive in seconds, 0 for none.
+    pub keepalive: u16,
+}
+
+/// A peer's counters.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Counters {
+    pub last_handshake: Option<SystemTime>,
+    pub rx_bytes: u64,
+    pub tx_bytes: u64,
+    pub endpoint: Option<SocketAddr>,
+}
+
+struct Peer {
+    index: u32,
+    name: String,
+    public_key: [u8; 32],
+    tun: TunSocket,
+    tunn: Mutex<Tunn>,
+    endpoint: RwLock<SocketAddr>,
+    allowed_ips: RwLock<Vec<IpNet>>,
+    keepalive: Mutex<u16>,
+}
+
+impl Peer {
+    fn tunn(&self) -> MutexGuard<'_, Tunn> {
+        // A panic while holding the lock cannot leave the session half-updated in a way we
+        // could repair; keep going with what it holds.
+        self.tunn.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn endpoint(&self) -> SocketAddr {
+        *self.endpoint.read().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn allows(&self, source: IpAddr) -> bool {
+        self.allowed_ips
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .any(|net| net.contains(&source))
+    }
+}
+
+#[derive(Default)]
+struct Peers {
+    by_index: HashMap<u32, Arc<Peer>>,
+    by_key: HashMap<[u8; 32], u32>,
+}
+
+struct Shared {
+    socket: UdpSocket,
+    /// Whether the socket is IPv6 dual-stack (IPv4 peers are then addressed as mapped).
+    dual_stack: bool,
+    secret: StaticSecret,
+    public: PublicKey,
+    /// Checks MAC1 (and MAC2 under load) of handshakes before we spend a Diffie-Hellman on
+    /// finding their peer.
+    limiter: RateLimiter,
+    peers: RwLock<Peers>,
+    registry: mio::Registry,
+    waker: Waker,
+    stop: AtomicBool,
+    next_index: AtomicU32,
+    dropped: [AtomicU64; DropReason::ALL.len()],
+}
+
+/// The running engine. Dropping it stops its threads; every TUN interface disappears with its
+/// peer (or with the process).
+pub struct Engine {
+    shared: Arc<Shared>,
+    port: u16,
+    threads: Vec<JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for Engine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Engine")
+            .field("port", &self.port)
+            .finish_non_exhaustive()
+    }
+}
+
+fn io_err(what: impl std::fmt::Display) -> io::Error {
+    io::Error::other(what.to_string())
+}
+
+/// Binds the one WireGuard socket: dual-stack `[::]:port`, or `0.0.0.0:port` where IPv6 is
+/// off.
+fn bind(port: u16) -> io::Result<(UdpSocket, bool)> {
+    match UdpSocket::bind((Ipv6Addr::UNSPECIFIED, port)) {
+        Ok(socket) => Ok((socket, true)),
+        Err(err) if err.kind() == io::ErrorKind::AddrInUse => Err(err),
+        Err(_) => Ok((UdpSocket::bind((Ipv4Addr::UNSPECIFIED, port))?, false)),
+    }
+}
+
+impl Engine {
+    /// Binds UDP `port` (0: any free port) and starts the threads.
+    pub fn start(port: u16, private_key: [u8; 32]) -> io::Result<Self> {
+        let (socket, dual_stack) =
+            bind(port).map_err(|e| io_err(format!("binding the wireguard port {port}: {e}")))?;
+        socket.set_read_timeout(Some(RECV_TIMEOUT))?;
+        let port = socket.local_addr()?.port();
+        let secret = StaticSecret::from(private_key);
+        let public = PublicKey::from(&secret);
+        let poll = Poll::new()?;
+        let registry = poll.registry().try_clone()?;
+        let waker = Waker::new(poll.registry(), WAKER)?;
+        // A random first index: a restarted engine's indices differ from its predecessor's, so
+        // a peer's packets for an old session fail by index rather than by decryption.
+        let seed = SystemTime::now()
+            .duration_since(SystemTime::UNIX_EPOCH)
+            .map(|d| d.subsec_nanos())
+            .unwrap_or(1);
+        let shared = Arc::new(Shared {
+            socket,
+            dual_stack,
+            limiter: RateLimiter::new(&public, HANDSHAKE_RATE_LIMIT),
+            secret,
+            public,
+            peers: RwLock::new(Peers::default()),
+            registry,
+            waker,
+            stop: AtomicBool::new(false),
+            next_index: AtomicU32::new(seed),
+            dropped: Default::default(),
+        });
+        let spawn = |name: &str, run: Box<dyn FnOnce() + Send>| {
+            std::thread::Builder::new().name(name.into()).spawn(run)
+        };
+        let threads = vec![
+            spawn("wg-udp", {
+                let shared = shared.clone();
+                Box::new(move || udp_loop(&shared))
+            })?,
+            spawn("wg-tun", {
+                let shared = shared.clone();
+                Box::new(move || tun_loop(&shared, poll))
+            })?,
+            spawn("wg-timers", {
+                let shared = shared.clone();
+                Box::new(move || timer_loop(&shared))
+            })?,
+        ];
+        tracing::info!(port, dual_stack, "userspace wireguard engine listening");
+        Ok(Self {
+            shared,
+            port,
+            threads,
+        })
+    }
+
+    /// The UDP port every peer reaches us at.
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// Datagrams dropped so far, by reason.
+    pub fn dropped(&self) -> Vec<(DropReason, u64)> {
+        DropReason::ALL
+            .iter()
+            .zip(&self.shared.dropped)
+            .map(|(r, n)| (*r, n.load(Ordering::Relaxed)))
+            .collect()
+    }
+
+    /// Creates the TUN interface `name` and the peer behind it; returns the peer's index.
+    /// Sends a handshake initiation at once: a restarted gateway must not wait for the peer's
+    /// rekey timers (15 s) before its tunnels carry traffic again.
+    pub fn add_peer(&self, name: &str, config: &PeerConfig) -> io::Result<u32> {
+        let shared = &self.shared;
+        let tun = TunSocket::new(name)
+            .and_then(TunSocket::set_non_blocking)
+            .map_err(|e| io_err(format!("creating tun interface {name}: {e:?}")))?;
+        let fd = tun.as_raw_fd();
+        let peer = {
+            let mut peers = shared.write_peers();
+            if let Some(other) = peers.by_key.get(&config.public_key) {
+                let other = peers.by_index.get(other).map(|p| p.name.clone());
+                return Err(io_err(format!(
+                    "the public key of {name} is already the key of {}",
+                    other.unwrap_or_default()
+                )));
+            }
+            let index = loop {
+                let candidate = shared.next_index.fetch_add(1, Ordering::Relaxed) & INDEX_MASK;
+                if !peers.by_index.contains_key(&candidate) {
+                    break candidate;
+                }
+            };
+            let peer = Arc::new(Peer {
+                index,
+                name: name.to_owned(),
+                public_key: config.public_key,
+                tun,
+                tunn: Mutex::new(shared.tunn(config, index)),
+                endpoint: RwLock::new(config.endpoint),
+                allowed_ips: RwLock::new(config.allowed_ips.clone()),
+                keepalive: Mutex::new(config.keepalive),
+            });
+            peers.by_index.insert(index, peer.clone());
+            peers.by_key.insert(config.public_key, index);
+            peer
+        };
+        // Registered after the peer is findable by index, so no readiness event finds nobody.
+        if let Err(err) = shared.registry.register(
+            &mut SourceFd(&fd),
+            Token(peer.index as usize),
+            Interest::READABLE,
+        ) {
+            self.remove_peer(peer.index);
+            return Err(err);
+        }
+        shared.initiate(&peer);
+        Ok(peer.index)
+    }
+
+    /// Applies `config` to the peer `index`: endpoint and AllowedIPs change in place (the
+    /// session survives), a new keepalive starts a new session. A new public key is refused:
+    /// the key is the peer's identity in the demultiplexer, so such a peer is replaced.
+    pub fn update_peer(&self, index: u32, config: &PeerConfig) -> io::Result<()> {
+        let shared = &self.shared;
+        let Some(peer) = shared.peer(index) else {
+            return Err(io_err(format!("no peer with index {index}")));
+        };
+        if peer.public_key != config.public_key {
+            return Err(io_err(format!(
+                "the peer behind {} changed its public key",
+                peer.name
+            )));
+        }
+        *peer.endpoint.write().unwrap_or_else(|e| e.into_inner()) = config.endpoint;
+        *peer.allowed_ips.write().unwrap_or_else(|e| e.into_inner()) = config.allowed_ips.clone();
+        let mut keepalive = peer.keepalive.lock().unwrap_or_else(|e| e.into_inner());
+        if *keepalive != config.keepalive {
+            *keepalive = config.keepalive;
+            *peer.tunn() = shared.tunn(config, index);
+            drop(keepalive);
+            shared.initiate(&peer);
+        }
+        Ok(())
+    }
+
+    /// Removes the peer `index`; its TUN interface disappears once no thread holds it.
+    pub fn remove_peer(&self, index: u32) {
+        let removed = {
+            let mut peers = self.shared.write_peers();
+            let removed = peers.by_index.remove(&index);
+            if let Some(peer) = &removed {
+                peers.by_key.remove(&peer.public_key);
+            }
+            removed
+        };
+        if let Some(peer) = removed {
+            let fd = peer.tun.as_raw_fd();
+            let _ = self.shared.registry.deregister(&mut SourceFd(&fd));
+        }
+    }
+
+    /// The counters of the peer `index`.
+    pub fn counters(&self, index: u32) -> Option<Counters> {
+        let peer = self.shared.peer(index)?;
+        let (since, tx, rx, _, _) = peer.tunn().stats();
+        Some(Counters {
+            last_handshake: since.and_then(|d| SystemTime::now().checked_sub(d)),
+            rx_bytes: rx as u64,
+            tx_bytes: tx as u64,
+            endpoint: Some(peer.endpoint()),
+        })
+    }
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        self.shared.stop.store(true, Ordering::Relaxed);
+        let _ = self.shared.waker.wake();
+        for thread in self.threads.drain(..) {
+            let _ = thread.join();
+        }
+    }
+}
+
+impl Shared {
+    fn write_peers(&self) -> std::sync::RwLockWriteGuard<'_, Peers> {
+        self.peers.write().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn peer(&self, index: u32) -> Option<Arc<Peer>> {
+        self.peers
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .by_index
+            .get(&index)
+            .cloned()
+    }
+
+    fn peer_by_key(&self, key: &[u8; 32]) -> Option<Arc<Peer>> {
+        let peers = self.peers.read().unwrap_or_else(|e| e.into_inner());
+        let index = peers.by_key.get(key)?;
+        peers.by_index.get(index).cloned()
+    }
+
+    fn tunn(&self, config: &PeerConfig, index: u32) -> Tunn {
+        Tunn::new(
+            self.secret.clone(),
+            PublicKey::from(config.public_key),
+            None,
+            (config.keepalive > 0).then_some(config.keepalive),
+            index,
+            None,
+        )
+    }
+
+    fn count(&self, reason: DropReason) {
+        if let Some(n) = DropReason::ALL
+            .iter()
+            .position(|r| *r == reason)
+            .and_then(|i| self.dropped.get(i))
+        {
+            n.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    fn send(&self, datagram: &[u8], to: SocketAddr) {
+        let to = match (self.dual_stack, to) {
+            (true, SocketAddr::V4(v4)) => {
+                SocketAddr::new(IpAddr::V6(v4.ip().to_ipv6_mapped()), v4.port())
+            }
+            _ => to,
+        };
+        if let Err(err) = self.socket.send_to(datagram, to) {
+            tracing::trace!(%to, error = %err, "sending a wireguard datagram failed");
+        }
+    }
+
+    /// Starts a handshake with `peer` now.
+    fn initiate(&self, peer: &Peer) {
+        let mut buf = [0u8; 256];
+        let result = peer.tunn().format_handshake_initiation(&mut buf, false);
+        if let TunnResult::WriteToNetwork(packet) = result {
+            self.send(packet, peer.endpoint());
+        }
+    }
+
+    /// One datagram from the socket: find its peer, let the peer's session handle it.
+    fn receive(&self, from: SocketAddr, datagram: &[u8], dst: &mut [u8]) {
+        let packet = match self.limiter.verify_packet(Some(from.ip()), datagram, dst) {
+            Ok(packet) => packet,
+            Err(TunnResult::WriteToNetwork(cookie)) => {
+                self.send(cookie, from);
+                return;
+            }
+            Err(TunnResult::Err(err)) => return self.count(DropReason::of(&err)),
+            Err(_) => return self.count(DropReason::Other),
+        };
+        let peer = match &packet {
+            Packet::HandshakeInit(init) => {
+                match parse_handshake_anon(&self.secret, &self.public, init) {
+                    Ok(half) => self.peer_by_key(&half.peer_static_public),
+                    Err(_) => return self.count(DropReason::Decrypt),
+                }
+            }
+            Packet::HandshakeResponse(p) => self.peer(p.receiver_idx >> 8),
+            Packet::PacketCookieReply(p) => self.peer(p.receiver_idx >> 8),
+            Packet::PacketData(p) => self.peer(p.receiver_idx >> 8),
+        };
+        let Some(peer) = peer else {
+            return self.count(DropReason::UnknownPeer);
+        };
+        let mut tunn = peer.tunn();
+        let result = tunn.decapsulate(Some(from.ip()), datagram, dst);
+        match result {
+            TunnResult::Done => {}
+            TunnResult::Err(err) => {
+                drop(tunn);
+                return self.count(DropReason::of(&err));
+            }
+            TunnResult::WriteToNetwork(reply) => {
+                self.send(reply, from);
+                // Packets queued while the session was being established go out now.
+                let mut queued = [0u8; BUF];
+                while let TunnResult::WriteToNetwork(packet) =
+                    tunn.decapsulate(None, &[], &mut queued)
+                {
+                    self.send(packet, from);
+                }
+            }
+            TunnResult::WriteToTunnelV4(inner, source) => {
+                drop(tunn);
+                if !peer.allows(IpAddr::V4(source)) {
+                    return self.count(DropReason::SourceNotAllowed);
+                }
+                let _ = peer.tun.write4(inner);
+            }
+            TunnResult::WriteToTunnelV6(inner, source) => {
+                drop(tunn);
+                if !peer.allows(IpAddr::V6(source)) {
+                    return self.count(DropReason::SourceNotAllowed);
+                }
+                let _ = peer.tun.write6(inner);
+            }
+        }
+        // Authenticated: the peer is where this came from (WireGuard's roaming).
+        let mut endpoint = peer.endpoint.write().unwrap_or_else(|e| e.into_inner());
+        if *endpoint != from {
+            *endpoint = from;
+        }
+    }
+
+    /// Everything a TUN has to read: encrypt each packet and send it to the peer.
+    fn drain(&self, peer: &Peer, src: &mut [u8], dst: &mut [u8]) {
+        // Edge-triggered: read until the TUN says it is empty.
+        while let Ok(packet) = peer.tun.read(src) {
+            let result = peer.tunn().encapsulate(packet, dst);
+            match result {
+                TunnResult::WriteToNetwork(datagram) => self.send(datagram, peer.endpoint()),
+                TunnResult::Err(err) => {
+                    tracing::trace!(interface = %peer.name, error = ?err, "could not encapsulate")
+                }
+                _ => {}
+            }
+        }
+    }
+}
+
+/// Canonical form of a datagram's source: IPv4 peers reach a dual-stack socket as mapped
+/// IPv6 addresses.
+fn canonical(addr: SocketAddr) -> SocketAddr {
+    match addr {
+        SocketAddr::V6(v6) => match v6.ip().to_ipv4_mapped() {
+            Some(v4) => SocketAddr::new(IpAddr::V4(v4), v6.port()),
+            None => addr,
+        },
+        v4 => v4,
+    }
+}
+
+fn udp_loop(shared: &Shared) {
+    let mut src = vec![0u8; BUF];
+    let mut dst = vec![0u8; BUF];
+    while !shared.stop.load(Ordering::Relaxed) {
+        match shared.socket.recv_from(&mut src) {
+            Ok((n, from)) => {
+                let datagram = src.get(..n).unwrap_or_default();
+                shared.receive(canonical(from), datagram, &mut dst);
+            }
+            Err(err)
+                if matches!(
+                    err.kind(),
+                    io::ErrorKind::WouldBlock
+                        | io::ErrorKind::TimedOut
+                        | io::ErrorKind::Interrupted
+                ) => {}
+            Err(err) => {
+                // ICMP errors for earlier sends surface here (ECONNREFUSED); nothing to do.
+                tracing::trace!(error = %err, "receiving from the wireguard socket");
+            }
+        }
+    }
+}
+
+fn tun_loop(shared: &Shared, mut poll: Poll) {
+    let mut events = Events::with_capacity(256);
+    let mut src = vec![0u8; BUF];
+    let mut dst = vec![0u8; BUF];
+    while !shared.stop.load(Ordering::Relaxed) {
+        if let Err(err) = poll.poll(&mut events, None) {
+            if err.kind() != io::ErrorKind::Interrupted {
+                tracing::warn!(error = %err, "waiting for the tun interfaces failed");
+                std::thread::sleep(TICK);
+            }
+            continue;
+        }
+        for event in &events {
+            if event.token() == WAKER {
+                continue;
+            }
+            let Ok(index) = u32::try_from(event.token().0) else {
+                continue;
+            };
+            if let Some(peer) = shared.peer(index) {
+                shared.drain(&peer, &mut src, &mut dst);
+            }
+        }
+    }
+}
+
+fn timer_loop(shared: &Shared) {
+    let mut dst = vec![0u8; BUF];
+    let mut last_reset = Instant::now();
+    while !shared.stop.load(Ordering::Relaxed) {
+        std::thread::sleep(TICK);
+        if last_reset.elapsed() >= Duration::from_secs(1) {
+            shared.limiter.reset_count();
+            last_reset = Instant::now();
+        }
+        let peers: Vec<Arc<Peer>> = shared
+            .peers
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .by_index
+            .values()
+            .cloned()
+            .collect();
+        for peer in peers {
+            let result = peer.tunn().update_timers(&mut dst);
+            if let TunnResult::WriteToNetwork(packet) = result {
+                shared.send(packet, peer.endpoint());
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mapped_sources_are_made_ipv4() {
+        let mapped: SocketAddr = "[::ffff:192.0.2.7]:51840".parse().expect("addr");
+        assert_eq!(
+            canonical(mapped),
+            "192.0.2.7:51840".parse::<SocketAddr>().expect("addr")
+        );
+        let v6: SocketAddr = "[2001:db8::1]:51840".parse().expect("addr");
+        assert_eq!(canonical(v6), v6);
+    }
+
+    #[test]
+    fn errors_map_to_reasons() {
+        assert_eq!(
+            DropReason::of(&WireGuardError::DuplicateCounter),
+            DropReason::Replay
+        );
+        assert_eq!(
+            DropReason::of(&WireGuardError::InvalidAeadTag),
+            DropReason::Decrypt
+        );
+        let labels: std::collections::BTreeSet<&str> =
+            DropReason::ALL.iter().map(|r| r.label()).collect();
+        assert_eq!(labels.len(), DropReason::ALL.len());
+    }
+}
