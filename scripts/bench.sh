@@ -99,7 +99,7 @@ if [ "$kind" = quick ]; then
   run endpoints-bench --reflections 80 --repeats 3 --out "$out/endpoints.json"
   run exports-bench --leaves 5 --samples 20 --bulk-endpoints 200 --repeats 2 \
     --out "$out/exports.json"
-  dataplane=(--samples 10 --iperf-seconds 3 --out "$out/dataplane.json")
+  dataplane=(--samples 10 --iperf-seconds 3 --rounds 2 --out "$out/dataplane.json")
   nodes=(--scenario node-path --samples 10 --iperf-seconds 3 --out "$out/dataplane-nodes.json")
 else
   run ipam-bench --out "$out/ipam.json"
@@ -119,10 +119,11 @@ else
   nodes=(--scenario node-path --out "$out/dataplane-nodes.json")
 fi
 
-# The data plane needs root (network namespaces, nftables, tc) and iperf3.
+# The data plane needs root (network namespaces, nftables, tc), iperf3, and wireguard-go with wg
+# (the reference tunnel it is compared with).
 missing=()
 [ "$(id -u)" -eq 0 ] || missing+=("root")
-for tool in ip tc nft ping iperf3; do
+for tool in ip tc nft ping iperf3 wireguard-go wg; do
   command -v "$tool" >/dev/null 2>&1 || missing+=("$tool")
 done
 if ((${#missing[@]})); then

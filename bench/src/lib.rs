@@ -1,11 +1,13 @@
 //! Shared pieces of the benchmark binaries: a latency recorder, the description of the
 //! machine a run happened on, what identifies a run (date, git commit, quick or full, a
 //! free-form note), the JSON result file every benchmark writes, and the per-process
-//! measurements read from /proc. The report generator (`bench-report`) lives in [`report`].
+//! measurements read from /proc, and the `wireguard-go` reference tunnel of the data-plane
+//! benchmark ([`wireguard_go`]). The report generator (`bench-report`) lives in [`report`].
 
 pub mod proc;
 pub mod report;
 pub mod svg;
+pub mod wireguard_go;
 
 use std::path::Path;
 use std::time::Duration;

@@ -412,6 +412,55 @@ struct ThroughputDoc {
     seconds: u32,
 }
 
+/// One tunnel's iperf3 runs at one stream count (`dataplane-bench`'s side by side).
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(default)]
+struct SideDoc {
+    runs: Vec<Value>,
+    median_mbit_s: Option<f64>,
+    min_mbit_s: Option<f64>,
+    max_mbit_s: Option<f64>,
+    median_cpu_seconds_per_gb: Option<f64>,
+    min_cpu_seconds_per_gb: Option<f64>,
+    max_cpu_seconds_per_gb: Option<f64>,
+}
+
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(default)]
+struct ComparisonDoc {
+    streams: u32,
+    trellis: SideDoc,
+    wireguard_go: SideDoc,
+    ratio_mbit_s: Option<f64>,
+    ratio_cpu_seconds_per_gb: Option<f64>,
+}
+
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(default)]
+struct RttOverheadDoc {
+    tunnel: Option<Rtt>,
+    bare: Option<Rtt>,
+    overhead_ms: Option<f64>,
+}
+
+/// Trellis's tunnel against wireguard-go, in turns in one run.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(default)]
+struct SideBySideDoc {
+    reference: String,
+    rounds: u32,
+    iperf_seconds: u32,
+    throughput: Vec<ComparisonDoc>,
+    rtt_trellis: Option<RttOverheadDoc>,
+    rtt_wireguard_go: Option<RttOverheadDoc>,
+}
+
+impl SideBySideDoc {
+    fn at(&self, streams: u32) -> Option<&ComparisonDoc> {
+        self.throughput.iter().find(|c| c.streams == streams)
+    }
+}
+
 #[derive(Debug, Clone, Default, Deserialize)]
 #[serde(default)]
 struct DataplaneDoc {
@@ -433,6 +482,7 @@ struct DataplaneDoc {
     induced_ready_seconds: Option<f64>,
     hub_ready_seconds: Option<f64>,
     samples: Option<u32>,
+    side_by_side: Option<SideBySideDoc>,
 }
 
 #[derive(Debug, Clone, Default, Deserialize)]
@@ -634,7 +684,7 @@ impl Verdict {
     }
 }
 
-/// One target of issue 9 and what the results say about it.
+/// One target (issues 9 and 18) and what the results say about it.
 #[derive(Debug, Clone)]
 pub struct Target {
     pub target: &'static str,
@@ -974,6 +1024,94 @@ pub fn targets(inputs: &Inputs) -> Vec<Target> {
             },
         },
     });
+
+    // 8 and 9 (issue 18). Against wireguard-go in the same run.
+    let sbs = dp.as_ref().map_err(Clone::clone).and_then(|p| {
+        p.doc.side_by_side.as_ref().ok_or_else(|| {
+            format!(
+                "no side-by-side comparison with wireguard-go in `{}`",
+                p.path
+            )
+        })
+    });
+    let ratio_target =
+        "Trellis at least 1.5× wireguard-go's throughput, one and four TCP streams, same run";
+    out.push(match &sbs {
+        Err(why) => Target {
+            target: ratio_target,
+            measured: why.clone(),
+            verdict: Verdict::NotMeasured,
+        },
+        Ok(c) => {
+            let at: Vec<Option<(u32, f64)>> = [1, 4]
+                .iter()
+                .map(|&n| {
+                    let c = c.at(n)?;
+                    Some((n, c.ratio_mbit_s?))
+                })
+                .collect();
+            if at.iter().any(Option::is_none) {
+                Target {
+                    target: ratio_target,
+                    measured: "the comparison lacks one or four streams".into(),
+                    verdict: Verdict::NotMeasured,
+                }
+            } else {
+                let at: Vec<(u32, f64)> = at.into_iter().flatten().collect();
+                Target {
+                    target: ratio_target,
+                    measured: at
+                        .iter()
+                        .map(|(n, r)| {
+                            format!(
+                                "{} stream{}: ×{}",
+                                n,
+                                if *n == 1 { "" } else { "s" },
+                                num(*r, 2)
+                            )
+                        })
+                        .collect::<Vec<_>>()
+                        .join("; "),
+                    verdict: if at.iter().all(|(_, r)| *r >= 1.5) {
+                        Verdict::Met
+                    } else {
+                        Verdict::NotMet
+                    },
+                }
+            }
+        }
+    });
+    let overhead_target =
+        "tunnel RTT overhead (tunnel minus bare underlay, same run) at most 0.3 ms";
+    out.push(match &sbs {
+        Err(why) => Target {
+            target: overhead_target,
+            measured: why.clone(),
+            verdict: Verdict::NotMeasured,
+        },
+        Ok(c) => match c.rtt_trellis.as_ref().and_then(|r| r.overhead_ms) {
+            None => Target {
+                target: overhead_target,
+                measured: "no RTT overhead recorded".into(),
+                verdict: Verdict::NotMeasured,
+            },
+            Some(ms) => {
+                let mut measured = format!("{} ms", num(ms, 3));
+                if let Some(wg) = c.rtt_wireguard_go.as_ref().and_then(|r| r.overhead_ms) {
+                    let _ = write!(measured, " (wireguard-go: {} ms)", num(wg, 3));
+                }
+                Target {
+                    target: overhead_target,
+                    measured,
+                    verdict: if ms <= 0.3 {
+                        Verdict::Met
+                    } else {
+                        Verdict::NotMet
+                    },
+                }
+            }
+        },
+    });
     out
 }
 
@@ -1006,7 +1144,7 @@ pub fn render(inputs: &Inputs) -> Output {
     );
     md.push_str(&note(inputs, "intro"));
 
-    md.push_str("## Targets (issue 9)\n\n");
+    md.push_str("## Targets (issues 9 and 18)\n\n");
     md.push_str("Computed from the results below each time the document is generated.\n\n");
     md.push_str("| target | measured | verdict |\n|---|---|---|\n");
     for t in targets(inputs) {
@@ -1735,6 +1873,16 @@ fn dataplane_section(md: &mut String, inputs: &Inputs, files: &mut Vec<(PathBuf,
             ("reference".into(), vec![None, None]),
         ],
     };
+    let mut throughput_chart = BarChart {
+        title: "Tunnel throughput: Trellis vs wireguard-go (iperf3 TCP, median)".into(),
+        y_label: "Mbit/s".into(),
+        y_scale: Scale::Linear,
+        categories: vec!["1 stream".into(), "4 streams".into()],
+        series: vec![
+            ("Trellis".into(), vec![None, None]),
+            ("wireguard-go".into(), vec![None, None]),
+        ],
+    };
     match parse::<DataplaneDoc>(inputs, "dataplane") {
         Err(why) => {
             let _ = writeln!(md, "Not measured: {why}.\n");
@@ -1827,6 +1975,15 @@ fn dataplane_section(md: &mut String, inputs: &Inputs, files: &mut Vec<(PathBuf,
                     t.seconds
                 );
             }
+            if let Some(c) = &d.side_by_side {
+                side_by_side_table(md, c);
+                for (i, streams) in [1, 4].into_iter().enumerate() {
+                    if let Some(x) = c.at(streams) {
+                        throughput_chart.series[0].1[i] = x.trellis.median_mbit_s;
+                        throughput_chart.series[1].1[i] = x.wireguard_go.median_mbit_s;
+                    }
+                }
+            }
             if let (Some(i), Some(h)) = (d.induced_ready_seconds, d.hub_ready_seconds) {
                 let _ = writeln!(
                     md,
@@ -1844,11 +2001,122 @@ fn dataplane_section(md: &mut String, inputs: &Inputs, files: &mut Vec<(PathBuf,
         }
     }
     md.push_str("![Leaf-to-leaf RTT](bench/dataplane-rtt.svg)\n\n");
+    md.push_str(
+        "![Tunnel throughput, Trellis vs wireguard-go](bench/dataplane-throughput.svg)\n\n",
+    );
     md.push_str(&note(inputs, "dataplane-analysis"));
     files.push((
         PathBuf::from(PLOT_DIR).join("dataplane-rtt.svg"),
         svg::bar_chart(&chart),
     ));
+    files.push((
+        PathBuf::from(PLOT_DIR).join("dataplane-throughput.svg"),
+        svg::bar_chart(&throughput_chart),
+    ));
+}
+
+/// "median (min–max)" of a side, with `decimals`.
+fn median_spread(
+    median: Option<f64>,
+    min: Option<f64>,
+    max: Option<f64>,
+    decimals: usize,
+) -> String {
+    match (median, min, max) {
+        (Some(m), Some(lo), Some(hi)) => format!(
+            "{} ({}–{})",
+            num(m, decimals),
+            num(lo, decimals),
+            num(hi, decimals)
+        ),
+        (m, _, _) => opt(m, decimals),
+    }
+}
+
+/// The side-by-side comparison with wireguard-go: throughput and CPU per GB at 1 and 4
+/// streams, and RTT overhead over the underlay.
+fn side_by_side_table(md: &mut String, c: &SideBySideDoc) {
+    let _ = writeln!(
+        md,
+        "Side by side with {} (two more gateway namespaces of the same topology, configured with \
+         `wg set`; see the method above), {} round{} of {} s iperf3 runs, the tunnel measured \
+         first alternating by round. Median (smallest–largest) over the rounds; ratios of \
+         medians.\n",
+        if c.reference.is_empty() {
+            "wireguard-go"
+        } else {
+            c.reference.as_str()
+        },
+        c.rounds,
+        if c.rounds == 1 { "" } else { "s" },
+        c.iperf_seconds
+    );
+    md.push_str(
+        "| measure | Trellis | wireguard-go | Trellis / wireguard-go |\n|---|---|---|---|\n",
+    );
+    for x in &c.throughput {
+        let streams = format!(
+            "{} TCP stream{}",
+            x.streams,
+            if x.streams == 1 { "" } else { "s" }
+        );
+        let _ = writeln!(
+            md,
+            "| {streams}, Mbit/s | {} | {} | **{}** |",
+            median_spread(
+                x.trellis.median_mbit_s,
+                x.trellis.min_mbit_s,
+                x.trellis.max_mbit_s,
+                0
+            ),
+            median_spread(
+                x.wireguard_go.median_mbit_s,
+                x.wireguard_go.min_mbit_s,
+                x.wireguard_go.max_mbit_s,
+                0
+            ),
+            opt(x.ratio_mbit_s, 2)
+        );
+        let _ = writeln!(
+            md,
+            "| {streams}, tunnel CPU s per GB | {} | {} | {} |",
+            median_spread(
+                x.trellis.median_cpu_seconds_per_gb,
+                x.trellis.min_cpu_seconds_per_gb,
+                x.trellis.max_cpu_seconds_per_gb,
+                1
+            ),
+            median_spread(
+                x.wireguard_go.median_cpu_seconds_per_gb,
+                x.wireguard_go.min_cpu_seconds_per_gb,
+                x.wireguard_go.max_cpu_seconds_per_gb,
+                1
+            ),
+            opt(x.ratio_cpu_seconds_per_gb, 2)
+        );
+    }
+    if let (Some(t), Some(w)) = (&c.rtt_trellis, &c.rtt_wireguard_go) {
+        let med = |r: &Option<Rtt>| opt(r.as_ref().map(|r| r.median_ms), 3);
+        let _ = writeln!(
+            md,
+            "| RTT pod to pod through the tunnel, median ms | {} | {} | |",
+            med(&t.tunnel),
+            med(&w.tunnel)
+        );
+        let _ = writeln!(
+            md,
+            "| RTT gateway to gateway on the bridge (underlay), median ms | {} | {} | |",
+            med(&t.bare),
+            med(&w.bare)
+        );
+        let _ = writeln!(
+            md,
+            "| RTT overhead (tunnel − underlay), ms | **{}** | {} | |",
+            opt(t.overhead_ms, 3),
+            opt(w.overhead_ms, 3)
+        );
+    }
+    md.push('\n');
 }
 
 // ---------------------------------------------------------------------------------------------

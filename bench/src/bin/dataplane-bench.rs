@@ -17,7 +17,11 @@
 //! - **induced**: induced peering on; B's endpoints service reflects C's pod to A (induced path),
 //!   A's pod pings that address. Before netem is applied: the RTT and iperf3 TCP throughput
 //!   through the A–C tunnel (pod to pod) and over the bare path the tunnel's UDP packets take
-//!   (A's gateway to C's gateway: veth, bridge, veth).
+//!   (A's gateway to C's gateway: veth, bridge, veth). Side by side with the reference, Debian's
+//!   `wireguard-go` between two more gateway namespaces of the same topology
+//!   ([`trellis_bench::wireguard_go`]), alternating in rounds: iperf3 at 1 and 4 TCP streams,
+//!   CPU seconds of the tunnel processes (both ends) per GB of payload, and RTT overhead
+//!   (tunnel RTT minus the underlay's, pinged in the same round).
 //! - **hub**: B's discovery with `--no-induced`: A and C only peer with B; B reflects C's pod to
 //!   A through B's external CIDR (hub-path DNAT at B); A's pod pings that address.
 //!
@@ -34,6 +38,7 @@ use clap::{Parser, ValueEnum};
 use serde::Serialize;
 use trellis_api::pb::endpoints::TranslationPath;
 use trellis_api::pb::types::PeeringKind;
+use trellis_bench::wireguard_go::WireguardGoPair;
 use trellis_bench::{Machine, RunArgs, RunInfo, write_json};
 use trellis_netlab::netem::{self, LinkDelay, set_link_delays};
 use trellis_netlab::netns::exec;
@@ -79,6 +84,10 @@ struct Args {
     /// Round-trip delay added by the leaf link (A–C), in milliseconds.
     #[arg(long, default_value_t = 20)]
     leaf_link_ms: u64,
+    /// Rounds of the side-by-side comparison with wireguard-go (each: RTT, then iperf3 at 1 and
+    /// 4 streams, through both tunnels in turns); medians and spread over the rounds.
+    #[arg(long, default_value_t = 3)]
+    rounds: u32,
     /// Duration of each iperf3 run, in seconds.
     #[arg(long, default_value_t = 10)]
     iperf_seconds: u32,
@@ -169,6 +178,9 @@ struct Report {
     /// answered ping), informative.
     induced_ready_seconds: f64,
     hub_ready_seconds: f64,
+    /// Trellis's A–C tunnel against wireguard-go in the same run: throughput at 1 and 4
+    /// streams, CPU per GB, RTT overhead over the underlay.
+    side_by_side: SideBySide,
 }
 
 fn options(args: &Args, hub_no_induced: bool) -> FabricOptions {
@@ -253,15 +265,38 @@ fn rtt(ns: &str, target: Ipv4Addr, samples: u32) -> anyhow::Result<Rtt> {
     Rtt::of(ping_rtts(ns, target, samples, 0.2)?, samples)
 }
 
-/// iperf3 TCP from `client_ns` to a one-shot server in `server_ns` bound to `server_ip`;
-/// Mbit/s received.
+/// One iperf3 run: what arrived, and the CPU time the tunnel processes spent meanwhile.
+#[derive(Debug, Clone, Serialize)]
+struct Transfer {
+    /// Received, Mbit/s (all streams).
+    mbit_s: f64,
+    /// iperf3 payload received, bytes.
+    bytes: u64,
+    /// utime + stime of the tunnel processes at both ends during the client's run.
+    cpu_seconds: f64,
+    /// `cpu_seconds` per 10^9 bytes of payload.
+    cpu_seconds_per_gb: f64,
+}
+
+/// The summed CPU seconds (utime + stime) of `pids`.
+fn cpu_seconds(pids: &[u32]) -> anyhow::Result<f64> {
+    pids.iter()
+        .map(|p| trellis_bench::proc::usage(*p).map(|u| u.cpu_seconds))
+        .sum()
+}
+
+/// iperf3 TCP with `streams` parallel streams from `client_ns` to a one-shot server in
+/// `server_ns` bound to `server_ip`, reading the CPU time of the tunnel processes `pids` around
+/// the client's run.
 async fn iperf(
     client_ns: &str,
     server_ns: &str,
     server_ip: Ipv4Addr,
     connect_to: Ipv4Addr,
     seconds: u32,
-) -> anyhow::Result<f64> {
+    streams: u32,
+    pids: &[u32],
+) -> anyhow::Result<Transfer> {
     let mut server = std::process::Command::new("ip")
         .args(["netns", "exec", server_ns, "iperf3", "-s", "-1", "-B"])
         .arg(server_ip.to_string())
@@ -270,15 +305,22 @@ async fn iperf(
         .spawn()
         .context("starting the iperf3 server")?;
     tokio::time::sleep(Duration::from_millis(500)).await;
-    let (client_ns, target, secs) = (
+    let (client_ns, target, secs, parallel) = (
         client_ns.to_owned(),
         connect_to.to_string(),
         seconds.to_string(),
+        streams.to_string(),
     );
+    let cpu_before = cpu_seconds(pids)?;
     let out = tokio::task::spawn_blocking(move || {
-        exec(&client_ns, "iperf3", &["-c", &target, "-t", &secs, "-J"])
+        exec(
+            &client_ns,
+            "iperf3",
+            &["-c", &target, "-t", &secs, "-P", &parallel, "-J"],
+        )
     })
     .await??;
+    let cpu = cpu_seconds(pids)? - cpu_before;
     let _ = server.kill();
     let _ = server.wait();
     let json: serde_json::Value =
@@ -286,16 +328,229 @@ async fn iperf(
     if let Some(err) = json["error"].as_str() {
         bail!("iperf3: {err}");
     }
-    let bps = json["end"]["sum_received"]["bits_per_second"]
+    let received = &json["end"]["sum_received"];
+    let bps = received["bits_per_second"]
         .as_f64()
         .context("no end.sum_received.bits_per_second in iperf3's output")?;
-    Ok(bps / 1e6)
+    let bytes = received["bytes"]
+        .as_u64()
+        .context("no end.sum_received.bytes in iperf3's output")?;
+    Ok(Transfer {
+        mbit_s: bps / 1e6,
+        bytes,
+        cpu_seconds: cpu,
+        cpu_seconds_per_gb: if bytes > 0 {
+            cpu / (bytes as f64 / 1e9)
+        } else {
+            f64::NAN
+        },
+    })
 }
 
-async fn induced(
+/// Median, smallest and largest of `v` (NaN for none).
+fn spread(mut v: Vec<f64>) -> (f64, f64, f64) {
+    if v.is_empty() {
+        return (f64::NAN, f64::NAN, f64::NAN);
+    }
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    let median = if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        f64::midpoint(v[n / 2 - 1], v[n / 2])
+    };
+    (median, v[0], v[n - 1])
+}
+
+/// One tunnel's iperf3 runs at one stream count.
+#[derive(Debug, Clone, Serialize)]
+struct Side {
+    runs: Vec<Transfer>,
+    median_mbit_s: f64,
+    min_mbit_s: f64,
+    max_mbit_s: f64,
+    median_cpu_seconds_per_gb: f64,
+    min_cpu_seconds_per_gb: f64,
+    max_cpu_seconds_per_gb: f64,
+}
+
+impl Side {
+    fn of(runs: Vec<Transfer>) -> Self {
+        let (median_mbit_s, min_mbit_s, max_mbit_s) =
+            spread(runs.iter().map(|r| r.mbit_s).collect());
+        let (median_cpu_seconds_per_gb, min_cpu_seconds_per_gb, max_cpu_seconds_per_gb) =
+            spread(runs.iter().map(|r| r.cpu_seconds_per_gb).collect());
+        Self {
+            runs,
+            median_mbit_s,
+            min_mbit_s,
+            max_mbit_s,
+            median_cpu_seconds_per_gb,
+            min_cpu_seconds_per_gb,
+            max_cpu_seconds_per_gb,
+        }
+    }
+}
+
+/// Trellis against wireguard-go at one stream count.
+#[derive(Debug, Clone, Serialize)]
+struct Comparison {
+    streams: u32,
+    trellis: Side,
+    wireguard_go: Side,
+    /// Trellis median / wireguard-go median (above 1: Trellis moves more).
+    ratio_mbit_s: f64,
+    /// Trellis median / wireguard-go median (below 1: Trellis spends less CPU per GB).
+    ratio_cpu_seconds_per_gb: f64,
+}
+
+/// A tunnel's RTT against its underlay's, pod to pod through the tunnel and gateway to gateway
+/// on the bridge, pinged alternately in the same run.
+#[derive(Debug, Clone, Serialize)]
+struct RttOverhead {
+    tunnel: Rtt,
+    bare: Rtt,
+    /// Median tunnel RTT minus median bare RTT.
+    overhead_ms: f64,
+}
+
+/// Trellis's tunnel and wireguard-go's, measured in turns in one run.
+#[derive(Debug, Clone, Serialize)]
+struct SideBySide {
+    /// `wireguard-go --version`'s first line.
+    reference: String,
+    /// Rounds of measurements; each round measures both tunnels (which one first alternates).
+    rounds: u32,
+    iperf_seconds: u32,
+    throughput: Vec<Comparison>,
+    rtt_trellis: RttOverhead,
+    rtt_wireguard_go: RttOverhead,
+}
+
+/// A tunnel to measure: pod to pod across it, the gateways' underlay, and its processes.
+struct TunnelPath<'a> {
+    name: &'static str,
+    from_pod_ns: &'a str,
+    to_pod_ns: &'a str,
+    /// The server pod's own address and the address the client reaches it at.
+    to_pod_ip: Ipv4Addr,
+    to_pod_at: Ipv4Addr,
+    from_gw_ns: &'a str,
+    to_gw_ip: Ipv4Addr,
+    pids: Vec<u32>,
+}
+
+/// The pings of one path, pooled over rounds.
+#[derive(Default)]
+struct Pings {
+    tunnel: Vec<f64>,
+    bare: Vec<f64>,
+    sent: u32,
+}
+
+/// Alternates Trellis's A–C tunnel and the wireguard-go pair: per round, RTT (tunnel and
+/// bare) and iperf3 at 1 and 4 streams for each, the first of the two alternating by round.
+async fn side_by_side(
     args: &Args,
-    emulation: Emulation,
-) -> anyhow::Result<(Rtt, Rtt, Throughput, Option<Rtt>, Rtt, f64)> {
+    trellis: &TunnelPath<'_>,
+    wg: &TunnelPath<'_>,
+) -> anyhow::Result<SideBySide> {
+    const STREAMS: [u32; 2] = [1, 4];
+    let paths = [trellis, wg];
+    let mut pings: [Pings; 2] = Default::default();
+    let mut transfers: [[Vec<Transfer>; 2]; 2] = Default::default();
+    for round in 0..args.rounds {
+        let order = if round % 2 == 0 { [0, 1] } else { [1, 0] };
+        for &p in &order {
+            let path = paths[p];
+            let _ = ping_rtts(path.from_pod_ns, path.to_pod_at, 1, 0.2)?;
+            pings[p].tunnel.extend(ping_rtts(
+                path.from_pod_ns,
+                path.to_pod_at,
+                args.samples,
+                0.2,
+            )?);
+            let _ = ping_rtts(path.from_gw_ns, path.to_gw_ip, 1, 0.2)?;
+            pings[p].bare.extend(ping_rtts(
+                path.from_gw_ns,
+                path.to_gw_ip,
+                args.samples,
+                0.2,
+            )?);
+            pings[p].sent += args.samples;
+        }
+        for (s, &streams) in STREAMS.iter().enumerate() {
+            for &p in &order {
+                let path = paths[p];
+                let t = iperf(
+                    path.from_pod_ns,
+                    path.to_pod_ns,
+                    path.to_pod_ip,
+                    path.to_pod_at,
+                    args.iperf_seconds,
+                    streams,
+                    &path.pids,
+                )
+                .await?;
+                eprintln!(
+                    "dataplane-bench: round {}: {} {streams} stream(s): {:.0} Mbit/s, {:.1} CPU s/GB",
+                    round + 1,
+                    path.name,
+                    t.mbit_s,
+                    t.cpu_seconds_per_gb
+                );
+                transfers[p][s].push(t);
+            }
+        }
+    }
+    let [t_trellis, t_wg] = transfers;
+    let throughput = STREAMS
+        .iter()
+        .zip(t_trellis.into_iter().zip(t_wg))
+        .map(|(&streams, (ours, theirs))| {
+            let (trellis, wireguard_go) = (Side::of(ours), Side::of(theirs));
+            Comparison {
+                streams,
+                ratio_mbit_s: trellis.median_mbit_s / wireguard_go.median_mbit_s,
+                ratio_cpu_seconds_per_gb: trellis.median_cpu_seconds_per_gb
+                    / wireguard_go.median_cpu_seconds_per_gb,
+                trellis,
+                wireguard_go,
+            }
+        })
+        .collect();
+    let [p_trellis, p_wg] = pings;
+    let overhead = |p: Pings| -> anyhow::Result<RttOverhead> {
+        let tunnel = Rtt::of(p.tunnel, p.sent)?;
+        let bare = Rtt::of(p.bare, p.sent)?;
+        Ok(RttOverhead {
+            overhead_ms: tunnel.median_ms - bare.median_ms,
+            tunnel,
+            bare,
+        })
+    };
+    Ok(SideBySide {
+        reference: trellis_bench::wireguard_go::version()?,
+        rounds: args.rounds,
+        iperf_seconds: args.iperf_seconds,
+        throughput,
+        rtt_trellis: overhead(p_trellis)?,
+        rtt_wireguard_go: overhead(p_wg)?,
+    })
+}
+
+/// What the induced scenario measured.
+struct Induced {
+    tunnel: Rtt,
+    bare: Rtt,
+    throughput: Throughput,
+    relay_overhead: Option<Rtt>,
+    delayed: Rtt,
+    ready: f64,
+    compared: SideBySide,
+}
+
+async fn induced(args: &Args, emulation: Emulation) -> anyhow::Result<Induced> {
     let started = Instant::now();
     let fabric = Fabric::up(options(args, false)).await?;
     fabric
@@ -313,28 +568,74 @@ async fn induced(
     let ready = started.elapsed().as_secs_f64();
     eprintln!("dataplane-bench: induced path up at {address} after {ready:.1} s");
     let sites = &fabric.topology.sites;
-    let tunnel = rtt(&sites[A].pod_ns, address, args.samples)?;
-    let bare = rtt(&sites[A].gw_ns, sites[C].uplink_ip, args.samples)?;
-    eprintln!(
-        "dataplane-bench: no netem: tunnel median {:.3} ms, bare {:.3} ms",
-        tunnel.median_ms, bare.median_ms
-    );
-    let tunnel_mbit = iperf(
-        &sites[A].pod_ns,
-        &sites[C].pod_ns,
-        sites[C].pod_ip,
-        address,
-        args.iperf_seconds,
-    )
-    .await?;
+    let wg = WireguardGoPair::up(LIMIT).await?;
+    eprintln!("dataplane-bench: wireguard-go reference tunnel up");
+    let mut pids = Vec::new();
+    for i in [A, C] {
+        pids.push(
+            fabric.clusters[i]
+                .process(Service::Gateway)?
+                .pid()
+                .context("a gateway is not running")?,
+        );
+    }
+    let ours = TunnelPath {
+        name: "trellis",
+        from_pod_ns: &sites[A].pod_ns,
+        to_pod_ns: &sites[C].pod_ns,
+        to_pod_ip: sites[C].pod_ip,
+        to_pod_at: address,
+        from_gw_ns: &sites[A].gw_ns,
+        to_gw_ip: sites[C].uplink_ip,
+        pids,
+    };
+    let wg_sites = &wg.topology.sites;
+    let theirs = TunnelPath {
+        name: "wireguard-go",
+        from_pod_ns: &wg_sites[0].pod_ns,
+        to_pod_ns: &wg_sites[1].pod_ns,
+        to_pod_ip: wg_sites[1].pod_ip,
+        to_pod_at: wg_sites[1].pod_ip,
+        from_gw_ns: &wg_sites[0].gw_ns,
+        to_gw_ip: wg_sites[1].uplink_ip,
+        pids: wg.pids(),
+    };
+    let compared = side_by_side(args, &ours, &theirs).await?;
+    drop(wg);
+    for (name, r) in [
+        ("trellis", &compared.rtt_trellis),
+        ("wireguard-go", &compared.rtt_wireguard_go),
+    ] {
+        eprintln!(
+            "dataplane-bench: {name}: tunnel RTT median {:.3} ms, bare {:.3} ms, overhead {:.3} ms",
+            r.tunnel.median_ms, r.bare.median_ms, r.overhead_ms
+        );
+    }
+    for c in &compared.throughput {
+        eprintln!(
+            "dataplane-bench: {} stream(s): trellis {:.0} Mbit/s, wireguard-go {:.0} Mbit/s (x{:.2}); CPU s/GB {:.1} vs {:.1}",
+            c.streams,
+            c.trellis.median_mbit_s,
+            c.wireguard_go.median_mbit_s,
+            c.ratio_mbit_s,
+            c.trellis.median_cpu_seconds_per_gb,
+            c.wireguard_go.median_cpu_seconds_per_gb
+        );
+    }
+    let tunnel = compared.rtt_trellis.tunnel.clone();
+    let bare = compared.rtt_trellis.bare.clone();
+    let tunnel_mbit = compared.throughput[0].trellis.median_mbit_s;
     let bare_mbit = iperf(
         &sites[A].gw_ns,
         &sites[C].gw_ns,
         sites[C].uplink_ip,
         sites[C].uplink_ip,
         args.iperf_seconds,
+        1,
+        &[],
     )
-    .await?;
+    .await?
+    .mbit_s;
     let fraction = tunnel_mbit / bare_mbit;
     eprintln!(
         "dataplane-bench: iperf3 tunnel {tunnel_mbit:.0} Mbit/s, bare veth {bare_mbit:.0} Mbit/s ({:.1} %)",
@@ -372,7 +673,15 @@ async fn induced(
         "dataplane-bench: induced path with link delays: median {:.1} ms, p90 {:.1} ms",
         delayed.median_ms, delayed.p90_ms
     );
-    Ok((tunnel, bare, throughput, relay_overhead, delayed, ready))
+    Ok(Induced {
+        tunnel,
+        bare,
+        throughput,
+        relay_overhead,
+        delayed,
+        ready,
+        compared,
+    })
 }
 
 async fn hub(args: &Args, emulation: Emulation) -> anyhow::Result<(Rtt, f64)> {
@@ -488,8 +797,11 @@ async fn node_path(args: &Args, run: RunInfo) -> anyhow::Result<NodePathReport> 
                 to.pod_ip,
                 at(to.pod_ip),
                 args.iperf_seconds,
+                1,
+                &[],
             )
-            .await?;
+            .await?
+            .mbit_s;
             eprintln!(
                 "dataplane-bench: iperf3 {} -> {}: {mbit:.0} Mbit/s",
                 from.pod_ns, to.pod_ns
@@ -540,7 +852,7 @@ async fn main() -> anyhow::Result<()> {
         );
         return Ok(());
     }
-    let mut tools = vec!["ip", "tc", "nft", "ping", "iperf3"];
+    let mut tools = vec!["ip", "tc", "nft", "ping", "iperf3", "wireguard-go", "wg"];
     if args.store == Store::Etcd {
         tools.push("etcd");
     }
@@ -560,8 +872,15 @@ async fn main() -> anyhow::Result<()> {
         );
         Emulation::UdpRelay
     };
-    let (tunnel, bare, throughput, relay_overhead, induced_rtt, induced_ready) =
-        induced(&args, emulation).await?;
+    let Induced {
+        tunnel,
+        bare,
+        throughput,
+        relay_overhead,
+        delayed: induced_rtt,
+        ready: induced_ready,
+        compared,
+    } = induced(&args, emulation).await?;
     let (hub_rtt, hub_ready) = hub(&args, emulation).await?;
     let report = Report {
         benchmark: "dataplane_leaf_to_leaf",
@@ -586,6 +905,7 @@ async fn main() -> anyhow::Result<()> {
         thesis_hub_ms: 365.0,
         induced_ready_seconds: induced_ready,
         hub_ready_seconds: hub_ready,
+        side_by_side: compared,
     };
     write_json(&args.out, &report)?;
     eprintln!("| path | median ms | p90 ms | min ms | max ms |");

@@ -60,8 +60,33 @@ fn ipam(memory_p99: f64, etcd_p99: f64) -> Value {
 }
 
 fn dataplane(induced_ms: f64, tunnel: f64) -> Value {
+    dataplane_vs_wireguard_go(induced_ms, tunnel, (250.0, 300.0), 0.2)
+}
+
+/// A data-plane result whose side-by-side run measured Trellis at `tunnel` Mbit/s on one stream
+/// and 1.25 times that on four, wireguard-go at `wg` (one stream, four streams), and a Trellis
+/// RTT overhead of `overhead_ms` (wireguard-go's: 0.5 ms).
+fn dataplane_vs_wireguard_go(
+    induced_ms: f64,
+    tunnel: f64,
+    wg: (f64, f64),
+    overhead_ms: f64,
+) -> Value {
     let rtt = |m: f64| json!({"samples": 20, "lost": 0, "min_ms": m - 1.0, "median_ms": m, "p90_ms": m + 1.0, "max_ms": m + 2.0});
-    json!({"benchmark": "dataplane_leaf_to_leaf", "machine": machine(), "wireguard": "userspace",
+    let side = |mbit: f64, cpu: f64| {
+        json!({"runs": [{}, {}, {}], "median_mbit_s": mbit, "min_mbit_s": mbit - 10.0,
+               "max_mbit_s": mbit + 10.0, "median_cpu_seconds_per_gb": cpu,
+               "min_cpu_seconds_per_gb": cpu - 1.0, "max_cpu_seconds_per_gb": cpu + 1.0})
+    };
+    let cmp = |streams: u32, ours: f64, theirs: f64| {
+        json!({"streams": streams, "trellis": side(ours, 10.0), "wireguard_go": side(theirs, 20.0),
+               "ratio_mbit_s": ours / theirs, "ratio_cpu_seconds_per_gb": 0.5})
+    };
+    let overhead = |o: f64| json!({"tunnel": rtt(0.1 + o), "bare": rtt(0.1), "overhead_ms": o});
+    let side_by_side = json!({"reference": "wireguard-go v0.0.20220316", "rounds": 3,
+        "iperf_seconds": 10, "throughput": [cmp(1, tunnel, wg.0), cmp(4, 1.25 * tunnel, wg.1)],
+        "rtt_trellis": overhead(overhead_ms), "rtt_wireguard_go": overhead(0.5)});
+    json!({"side_by_side": side_by_side, "benchmark": "dataplane_leaf_to_leaf", "machine": machine(), "wireguard": "userspace",
            "build": "release", "store": "memory", "emulation": "netem", "hub_link_rtt_ms": 180,
            "leaf_link_rtt_ms": 20, "rtt_no_netem_tunnel": rtt(0.5), "rtt_no_netem_bare": rtt(0.1),
            "throughput": {"tunnel_mbit_s": tunnel, "bare_veth_mbit_s": 1000.0,
@@ -100,9 +125,12 @@ fn every_target_met() {
             ]),
         ),
         found("ipam", ipam(1.5, 9.0)),
-        found("dataplane", dataplane(21.5, 400.0)),
+        found(
+            "dataplane",
+            dataplane_vs_wireguard_go(21.5, 400.0, (250.0, 300.0), 0.3),
+        ),
     ]);
-    assert_eq!(verdicts(&i), vec![Verdict::Met; 7]);
+    assert_eq!(verdicts(&i), vec![Verdict::Met; 9]);
 }
 
 #[test]
@@ -121,9 +149,13 @@ fn every_target_not_met() {
             ]),
         ),
         found("ipam", ipam(2.0, 23.0)),
-        found("dataplane", dataplane(23.4, 33.0)),
+        // Exactly 1.5 times on one stream, but four streams only 41.25 / 30 = 1.375 times.
+        found(
+            "dataplane",
+            dataplane_vs_wireguard_go(23.4, 33.0, (22.0, 30.0), 0.31),
+        ),
     ]);
-    assert_eq!(verdicts(&i), vec![Verdict::NotMet; 7]);
+    assert_eq!(verdicts(&i), vec![Verdict::NotMet; 9]);
     let t = targets(&i);
     assert!(t[2].measured.contains("timed out"), "{}", t[2].measured);
     assert!(
@@ -132,6 +164,8 @@ fn every_target_not_met() {
         "{}",
         t[3].measured
     );
+    assert_eq!(t[7].measured, "1 stream: ×1.50; 4 streams: ×1.38");
+    assert_eq!(t[8].measured, "0.310 ms (wireguard-go: 0.500 ms)");
 }
 
 #[test]
@@ -156,6 +190,7 @@ fn missing_results_are_not_measured_and_say_why() {
         t[3].measured
     );
     assert!(t[5].measured.contains("unreadable"), "{}", t[5].measured);
+    assert!(t[7].measured.contains("unreadable"), "{}", t[7].measured);
     let doc = &render(&i).files[0].1;
     assert!(doc.contains("Not measured: `bench/results/dataplane.json` is unreadable"));
 }
@@ -191,6 +226,20 @@ fn tables_and_notes_carry_the_numbers() {
     assert!(doc.contains("run: full, started 2026-11-22T01:00:00Z, commit `0123456789+dirty`"));
     assert!(doc.contains("| CPU | Test CPU, 2 cores |"));
     assert!(doc.contains("| induced (A→C direct) | 20 | 21.000 |"));
+    assert!(
+        doc.contains("| 1 TCP stream, Mbit/s | 300 (290–310) | 250 (240–260) | **1.20** |"),
+        "{doc}"
+    );
+    assert!(
+        doc.contains(
+            "| 4 TCP streams, tunnel CPU s per GB | 10.0 (9.0–11.0) | 20.0 (19.0–21.0) | 0.50 |"
+        ),
+        "{doc}"
+    );
+    assert!(
+        doc.contains("| RTT overhead (tunnel − underlay), ms | **0.200** | 0.500 | |"),
+        "{doc}"
+    );
     assert!(doc.contains("| etcd | 3 | 16 | 300 | 30 | 0 | 0 | 0 | 0 | 0 | yes |"));
 }
 
@@ -221,6 +270,7 @@ fn plots_are_well_formed_with_the_expected_series() {
         "mesh-setup-vs-tunnels.svg",
         "ipam-latency.svg",
         "dataplane-rtt.svg",
+        "dataplane-throughput.svg",
     ] {
         let s = svg(name);
         assert!(
@@ -240,6 +290,12 @@ fn plots_are_well_formed_with_the_expected_series() {
     assert_eq!(ipam.matches("data-series=\"p99\"").count(), 4);
     let rtt = svg("dataplane-rtt.svg");
     assert_eq!(rtt.matches("class=\"bar\"").count(), 6);
+    let throughput = svg("dataplane-throughput.svg");
+    assert_eq!(throughput.matches("class=\"bar\"").count(), 4);
+    assert_eq!(
+        throughput.matches("data-series=\"wireguard-go\"").count(),
+        2
+    );
 }
 
 #[test]
