@@ -44,6 +44,8 @@ const DOWN: Duration = Duration::from_secs(2);
 const CONVERGE: Duration = Duration::from_secs(900);
 /// How often the leaves are polled: each poll is 50 calls, taken from the mesh being built.
 const POLL: Duration = Duration::from_millis(500);
+/// How often progress is printed (what a slow or stuck run looks like, in the test's output).
+const PROGRESS: Duration = Duration::from_secs(5);
 
 fn leaf_id(i: usize) -> String {
     format!("leaf-{i:02}")
@@ -305,13 +307,22 @@ async fn killing_the_hubs_forwarder_and_broker_mid_storm_still_converges_to_the_
         peerings.push(tokio::spawn(peer_with_hub(broker.clone(), request)));
     }
     trellis_integration::join_all(peerings).await;
+    eprintln!("{:?}: every leaf peered with the hub", started.elapsed());
 
     // The storm: wait until a quarter of the induced TunnelEndpoints exist.
     let kill_at = expected * KILL_AT.0 / KILL_AT.1;
+    let mut said = Instant::now();
     let reached = loop {
         let now = induced_total(&clients).await;
         if now >= kill_at {
             break now;
+        }
+        if said.elapsed() >= PROGRESS {
+            said = Instant::now();
+            eprintln!(
+                "{:?}: {now} of {expected} induced TunnelEndpoints",
+                started.elapsed()
+            );
         }
         assert!(
             started.elapsed() < CONVERGE,
@@ -372,6 +383,14 @@ async fn killing_the_hubs_forwarder_and_broker_mid_storm_still_converges_to_the_
             continue;
         }
         quiet_once = false;
+        if said.elapsed() >= PROGRESS {
+            said = Instant::now();
+            eprintln!(
+                "{:?}: {} of {expected} induced TunnelEndpoints",
+                started.elapsed(),
+                induced_total(&clients).await
+            );
+        }
         assert!(
             started.elapsed() < CONVERGE,
             "not converged {CONVERGE:?} after the Peer requests ({} induced TunnelEndpoints):\n{}\n{}",
