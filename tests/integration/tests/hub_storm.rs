@@ -393,9 +393,14 @@ async fn killing_the_hubs_forwarder_and_broker_mid_storm_still_converges_to_the_
         }
         assert!(
             started.elapsed() < CONVERGE,
-            "not converged {CONVERGE:?} after the Peer requests ({} induced TunnelEndpoints):\n{}\n{}",
+            "not converged {CONVERGE:?} after peering ({} induced TunnelEndpoints):\n{}\n{}",
             induced_total(&clients).await,
-            wrong.iter().take(40).cloned().collect::<Vec<_>>().join("\n"),
+            wrong
+                .iter()
+                .take(40)
+                .cloned()
+                .collect::<Vec<_>>()
+                .join("\n"),
             hub.logs(30)
         );
         tokio::time::sleep(POLL).await;
