@@ -4,13 +4,15 @@
 //! for the qdisc variant where the kernel has it.
 //!
 //! A link between gateways X and Y carries WireGuard between X's port for Y (`x_endpoint`) and
-//! Y's port for X (`y_endpoint`). The relay owns two UDP sockets on the bridge (the internet
-//! namespace's address 192.0.2.254): `rx` faces X, `ry` faces Y. Each gateway namespace gets a
-//! stateless nftables rewrite (table `ip netlab`, output route hook) sending its WireGuard
-//! packets for the other end (recognised by the gateway's own port for that peer, whatever
-//! address WireGuard currently sends them to) to the relay socket facing it; stateless, because the
-//! tunnel's conntrack entries exist before the relay does and NAT is only decided on a
-//! connection's first packet. The relay holds every datagram for half the link's delay and
+//! Y's port for X (`y_endpoint`). The relay owns two UDP sockets on the bridge, at an address
+//! of the internet namespace that belongs to this link alone ([`relay_ip`]): `rx` faces X, `ry`
+//! faces Y. Each gateway namespace gets a stateless nftables rewrite (table `ip netlab`, output
+//! route hook) sending its WireGuard packets for the other end to the relay socket facing it.
+//! A packet is recognised by the gateway's WireGuard port and a destination that is the other
+//! end's address or this link's relay address (where WireGuard may have roamed): the port alone
+//! does not name the peer, since a gateway has one port for all of them (ADR 0022). Stateless,
+//! because the tunnel's conntrack entries exist before the relay does and NAT is only decided
+//! on a connection's first packet. The relay holds every datagram for half the link's delay and
 //! sends it on from the socket facing the other end, to that end's real endpoint. WireGuard
 //! then sees its peer at the relay's address and roams to it, which keeps the path through the
 //! relay. So a round trip across a link adds the link's delay, as with netem on both ends.
@@ -30,8 +32,23 @@ use tokio::time::Instant;
 use crate::netns::{exec, in_netns, ip};
 use crate::topology::{BRIDGE, Topology};
 
-/// The internet namespace's own address on the bridge, where relays listen.
-pub const RELAY_IP: Ipv4Addr = Ipv4Addr::new(192, 0, 2, 254);
+/// The internet namespace's address on the bridge where the relay of the link between sites
+/// `x` and `y` listens: 192.0.2.248 to .253 for the six links among sites 0 to 3. One address
+/// per link, stable across relay runs, so a gateway that roamed to an earlier relay of the link
+/// is still recognised as sending on this link.
+pub fn relay_ip(x: usize, y: usize) -> anyhow::Result<Ipv4Addr> {
+    let (a, b) = (x.min(y), x.max(y));
+    let index = match (a, b) {
+        (0, 1) => 0,
+        (0, 2) => 1,
+        (0, 3) => 2,
+        (1, 2) => 3,
+        (1, 3) => 4,
+        (2, 3) => 5,
+        _ => bail!("relayed links join two of sites 0 to 3, not {x} and {y}"),
+    };
+    Ok(Ipv4Addr::new(192, 0, 2, 248 + index))
+}
 
 /// One relayed link: the WireGuard endpoints of both ends (each as the other end addresses
 /// it) and the round-trip delay the link adds.
@@ -72,11 +89,11 @@ fn nft(ns: &str, script: &str) -> anyhow::Result<()> {
     Ok(())
 }
 
-async fn socket_in(ns: &str) -> anyhow::Result<UdpSocket> {
+async fn socket_in(ns: &str, address: Ipv4Addr) -> anyhow::Result<UdpSocket> {
     let ns = ns.to_owned();
     let socket = tokio::task::spawn_blocking(move || {
-        in_netns(&ns, || {
-            let s = std::net::UdpSocket::bind(SocketAddr::from((RELAY_IP, 0)))?;
+        in_netns(&ns, move || {
+            let s = std::net::UdpSocket::bind(SocketAddr::from((address, 0)))?;
             s.set_nonblocking(true)?;
             Ok(s)
         })
@@ -116,46 +133,52 @@ fn pump(
 /// Starts one relay per link and redirects the gateways' WireGuard packets through them.
 pub async fn relay_links(topology: &Topology, links: &[RelayedLink]) -> anyhow::Result<Relays> {
     let inet = &topology.inet_ns;
-    let has_addr =
-        ip(&["-n", inet, "-4", "addr", "show", "dev", BRIDGE])?.contains(&RELAY_IP.to_string());
-    if !has_addr {
-        ip(&[
-            "-n",
-            inet,
-            "addr",
-            "add",
-            &format!("{RELAY_IP}/24"),
-            "dev",
-            BRIDGE,
-        ])?;
-    }
     let mut relays = Relays {
         tasks: Vec::new(),
         namespaces: Vec::new(),
     };
     let mut rewrites: std::collections::BTreeMap<usize, Vec<String>> = Default::default();
     for link in links {
-        let rx = std::sync::Arc::new(socket_in(inet).await?);
-        let ry = std::sync::Arc::new(socket_in(inet).await?);
+        let relay = relay_ip(link.x, link.y)?;
+        let has_addr =
+            ip(&["-n", inet, "-4", "addr", "show", "dev", BRIDGE])?.contains(&relay.to_string());
+        if !has_addr {
+            ip(&[
+                "-n",
+                inet,
+                "addr",
+                "add",
+                &format!("{relay}/24"),
+                "dev",
+                BRIDGE,
+            ])?;
+        }
+        let rx = std::sync::Arc::new(socket_in(inet, relay).await?);
+        let ry = std::sync::Arc::new(socket_in(inet, relay).await?);
         let (rx_port, ry_port) = (rx.local_addr()?.port(), ry.local_addr()?.port());
         let one_way = link.rtt / 2;
         relays
             .tasks
             .extend(pump(rx.clone(), ry.clone(), link.y_endpoint, one_way));
         relays.tasks.extend(pump(ry, rx, link.x_endpoint, one_way));
-        // Matched by the gateway's own port for the peer (unique per link), not by the
-        // destination: WireGuard may have roamed to an earlier relay's address.
-        let rule = |own_port: u16, relay_port: u16| {
-            format!("    udp sport {own_port} ip daddr set {RELAY_IP} udp dport set {relay_port}")
+        // Matched by the gateway's own port and the destination: the other end's address, or
+        // this link's relay address (WireGuard may have roamed to an earlier relay of it).
+        let rule = move |own_port: u16, other: SocketAddr, relay_port: u16| {
+            format!(
+                "    udp sport {own_port} ip daddr {{ {}, {relay} }} ip daddr set {relay} udp dport set {relay_port}",
+                other.ip()
+            )
         };
-        rewrites
-            .entry(link.x)
-            .or_default()
-            .push(rule(link.x_endpoint.port(), rx_port));
-        rewrites
-            .entry(link.y)
-            .or_default()
-            .push(rule(link.y_endpoint.port(), ry_port));
+        rewrites.entry(link.x).or_default().push(rule(
+            link.x_endpoint.port(),
+            link.y_endpoint,
+            rx_port,
+        ));
+        rewrites.entry(link.y).or_default().push(rule(
+            link.y_endpoint.port(),
+            link.x_endpoint,
+            ry_port,
+        ));
     }
     for (site, rules) in rewrites {
         let ns = &topology.sites.get(site).context("no such site")?.gw_ns;

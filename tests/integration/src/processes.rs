@@ -552,6 +552,19 @@ impl ProcessCluster {
         Ok(BrokerClient::new(self.channel(Service::Broker).await?))
     }
 
+    /// Every TunnelEndpoint the broker lists; none while the broker cannot be reached (a
+    /// chaos test reads clusters whose broker may be down).
+    pub async fn tunnel_endpoints(&self) -> Vec<trellis_api::pb::types::TunnelEndpoint> {
+        let Ok(mut broker) = self.broker().await else {
+            return Vec::new();
+        };
+        broker
+            .list_tunnel_endpoints(trellis_api::pb::peering::ListTunnelEndpointsRequest::default())
+            .await
+            .map(|r| r.into_inner().tunnel_endpoints)
+            .unwrap_or_default()
+    }
+
     pub async fn forwarder(&self) -> anyhow::Result<ForwarderClient<Channel>> {
         Ok(ForwarderClient::new(
             self.channel(Service::Forwarder).await?,

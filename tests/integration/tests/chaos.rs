@@ -37,10 +37,8 @@ use std::time::{Duration, Instant};
 
 use trellis_api::pb::ipam::ListClusterSubnetsRequest;
 use trellis_api::pb::peering::broker_client::BrokerClient;
-use trellis_api::pb::peering::{
-    ListNetworkConfigsRequest, ListRelaysRequest, ListTunnelEndpointsRequest, PeerRequest,
-};
-use trellis_api::pb::types::{NetworkConfigState, TunnelEndpoint};
+use trellis_api::pb::peering::{ListNetworkConfigsRequest, ListRelaysRequest, PeerRequest};
+use trellis_api::pb::types::NetworkConfigState;
 use trellis_integration::cut::Cut;
 use trellis_integration::join_all;
 use trellis_integration::peering::{expected_hub_mesh, remote_id, token};
@@ -316,24 +314,13 @@ async fn revive(all: &mut [ProcessCluster], faults: &mut Faults, log: &mut Log) 
     }
 }
 
-async fn tunnels(cluster: &ProcessCluster) -> Vec<TunnelEndpoint> {
-    match cluster.broker().await {
-        Ok(mut b) => b
-            .list_tunnel_endpoints(ListTunnelEndpointsRequest::default())
-            .await
-            .map(|r| r.into_inner().tunnel_endpoints)
-            .unwrap_or_default(),
-        Err(_) => Vec::new(),
-    }
-}
-
 /// What must survive the faults: per holder, each tunnel's remote, kind, NAT views and key.
 type Snapshot = BTreeSet<(String, String, i32, [String; 4], String)>;
 
 async fn snapshot(all: &[ProcessCluster]) -> Snapshot {
     let mut out = Snapshot::new();
     for cluster in all {
-        for t in tunnels(cluster).await {
+        for t in cluster.tunnel_endpoints().await {
             out.insert((
                 cluster.id.clone(),
                 remote_id(&t),
@@ -356,7 +343,7 @@ async fn violations(all: &[ProcessCluster]) -> Vec<String> {
     let mut wrong = Vec::new();
     let mut held = Vec::new();
     for cluster in all {
-        held.push((cluster.id.clone(), tunnels(cluster).await));
+        held.push((cluster.id.clone(), cluster.tunnel_endpoints().await));
     }
     for (holder, ts) in &held {
         let expected = expected_hub_mesh(HUB, &LEAVES, holder);

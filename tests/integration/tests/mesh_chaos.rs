@@ -15,10 +15,8 @@ use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
 use trellis_api::pb::ipam::ListClusterSubnetsRequest;
-use trellis_api::pb::peering::{
-    ListRelaysRequest, ListTunnelEndpointsRequest, UnpeerRequest, WithdrawNetworkConfigRequest,
-};
-use trellis_api::pb::types::{self as types, TunnelEndpoint};
+use trellis_api::pb::peering::{ListRelaysRequest, UnpeerRequest, WithdrawNetworkConfigRequest};
+use trellis_api::pb::types;
 use trellis_integration::peering::{expected_hub_mesh, peer, remote_id};
 use trellis_integration::processes::{Options, ProcessCluster, Service};
 use trellis_integration::rng::Rng;
@@ -48,23 +46,12 @@ impl Mesh {
     }
 }
 
-async fn tunnels(cluster: &ProcessCluster) -> Vec<TunnelEndpoint> {
-    match cluster.broker().await {
-        Ok(mut b) => b
-            .list_tunnel_endpoints(ListTunnelEndpointsRequest::default())
-            .await
-            .map(|r| r.into_inner().tunnel_endpoints)
-            .unwrap_or_default(),
-        Err(_) => Vec::new(),
-    }
-}
-
 /// What is wrong with the mesh right now (empty when every invariant holds).
 async fn violations(mesh: &Mesh) -> Vec<String> {
     let mut wrong = Vec::new();
     let mut all = Vec::new();
     for cluster in mesh.all() {
-        all.push((cluster.id.clone(), tunnels(cluster).await));
+        all.push((cluster.id.clone(), cluster.tunnel_endpoints().await));
     }
     let find = |holder: &str, other: &str| {
         all.iter()
