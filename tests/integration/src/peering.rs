@@ -200,6 +200,15 @@ pub fn remote_id(t: &TunnelEndpoint) -> String {
         .unwrap_or_default()
 }
 
+/// Whether two ends of a tunnel agree on the NAT views: what each calls the other is what the
+/// other calls itself, for the pod and the external CIDR.
+pub fn nat_views_agree(t: &TunnelEndpoint, back: &TunnelEndpoint) -> bool {
+    t.local_pod_cidr_nat == back.remote_pod_cidr_nat
+        && t.remote_pod_cidr_nat == back.local_pod_cidr_nat
+        && t.local_external_cidr_nat == back.remote_external_cidr_nat
+        && t.remote_external_cidr_nat == back.local_external_cidr_nat
+}
+
 /// The `(remote, kind)` of every TunnelEndpoint `holder` must hold in a converged mesh of `hub`
 /// and `leaves`: the hub a full one to each leaf; a leaf a full one to the hub and an induced
 /// one to every other leaf.

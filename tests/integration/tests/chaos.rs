@@ -41,7 +41,7 @@ use trellis_api::pb::peering::{ListNetworkConfigsRequest, ListRelaysRequest, Pee
 use trellis_api::pb::types::NetworkConfigState;
 use trellis_integration::cut::Cut;
 use trellis_integration::join_all;
-use trellis_integration::peering::{expected_hub_mesh, remote_id, token};
+use trellis_integration::peering::{expected_hub_mesh, nat_views_agree, remote_id, token};
 use trellis_integration::processes::{Options, ProcessCluster, Service};
 use trellis_integration::rng::Rng;
 use trellis_testkit::{in_ci, require_tool};
@@ -363,12 +363,7 @@ async fn violations(all: &[ProcessCluster]) -> Vec<String> {
                 .and_then(|(_, theirs)| theirs.iter().find(|b| remote_id(b) == *holder));
             match back {
                 None => wrong.push(format!("{holder} has a tunnel to {other}, not back")),
-                Some(back)
-                    if t.local_pod_cidr_nat != back.remote_pod_cidr_nat
-                        || t.remote_pod_cidr_nat != back.local_pod_cidr_nat
-                        || t.local_external_cidr_nat != back.remote_external_cidr_nat
-                        || t.remote_external_cidr_nat != back.local_external_cidr_nat =>
-                {
+                Some(back) if !nat_views_agree(t, back) => {
                     wrong.push(format!("{holder}<->{other}: NAT views disagree"));
                 }
                 Some(_) => {}

@@ -27,7 +27,7 @@ use trellis_api::pb::peering::broker_client::BrokerClient;
 use trellis_api::pb::peering::{ListRelaysRequest, ListTunnelEndpointsRequest, PeerRequest};
 use trellis_api::pb::types::{PeeringKind, TunnelEndpoint};
 use trellis_integration::cluster::InProcessCluster;
-use trellis_integration::peering::{expected_hub_mesh, remote_id, token};
+use trellis_integration::peering::{expected_hub_mesh, nat_views_agree, remote_id, token};
 use trellis_integration::processes::{ProcessCluster, Service};
 
 const HUB: &str = "hub";
@@ -165,12 +165,7 @@ async fn mesh_violations(
                 .and_then(|theirs| theirs.iter().find(|b| remote_id(b) == *holder));
             match back {
                 None => wrong.push(format!("{holder} has a tunnel to {other}, not back")),
-                Some(back)
-                    if t.local_pod_cidr_nat != back.remote_pod_cidr_nat
-                        || t.remote_pod_cidr_nat != back.local_pod_cidr_nat
-                        || t.local_external_cidr_nat != back.remote_external_cidr_nat
-                        || t.remote_external_cidr_nat != back.local_external_cidr_nat =>
-                {
+                Some(back) if !nat_views_agree(t, back) => {
                     wrong.push(format!("{holder}<->{other}: views disagree"));
                 }
                 Some(_) => {}

@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 use trellis_api::pb::ipam::ListClusterSubnetsRequest;
 use trellis_api::pb::peering::{ListRelaysRequest, UnpeerRequest, WithdrawNetworkConfigRequest};
 use trellis_api::pb::types;
-use trellis_integration::peering::{expected_hub_mesh, peer, remote_id};
+use trellis_integration::peering::{expected_hub_mesh, nat_views_agree, peer, remote_id};
 use trellis_integration::processes::{Options, ProcessCluster, Service};
 use trellis_integration::rng::Rng;
 
@@ -69,10 +69,7 @@ async fn violations(mesh: &Mesh) -> Vec<String> {
             match find(&other, holder) {
                 None => wrong.push(format!("{holder} has a tunnel to {other}, not back")),
                 Some(back) => {
-                    if t.local_pod_cidr_nat != back.remote_pod_cidr_nat
-                        || t.remote_pod_cidr_nat != back.local_pod_cidr_nat
-                        || t.local_external_cidr_nat != back.remote_external_cidr_nat
-                    {
+                    if !nat_views_agree(t, back) {
                         wrong.push(format!("{holder}<->{other}: views disagree"));
                     }
                 }
