@@ -532,10 +532,10 @@ impl Shared {
                 let _ = peer.tun.write6(inner);
             }
         }
-        // Authenticated: the peer is where this came from (WireGuard's roaming).
-        let mut endpoint = peer.endpoint.write().unwrap_or_else(|e| e.into_inner());
-        if *endpoint != from {
-            *endpoint = from;
+        // Authenticated: the peer is where this came from (WireGuard's roaming). A read lock
+        // first: this runs for every datagram, and the endpoint almost never changes.
+        if peer.endpoint() != from {
+            *peer.endpoint.write().unwrap_or_else(|e| e.into_inner()) = from;
         }
     }
 
