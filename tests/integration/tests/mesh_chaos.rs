@@ -7,7 +7,12 @@
 //! - exactly the expected TunnelEndpoints: hub↔leaf full, leaf↔leaf induced, nothing else;
 //! - the NAT views of both ends agree (what one calls the other is what the other calls itself);
 //! - no IPAM mapping for a cluster that is not a peer;
+//! - exactly one gateway port for each peer, and none for anyone else (the gateways follow their
+//!   brokers, so tunnels are applied and their ports released as in a real cluster);
 //! - no relay left at the hub.
+//!
+//! At the end one leaf is unpeered for good: nothing of it may stay anywhere (tunnel, IPAM
+//! mapping, gateway port), and it keeps nothing of the others.
 //!
 //! The seed is printed; `TRELLIS_CHAOS_SEED=<n>` replays a run. Skipped (loudly) without etcd.
 
@@ -46,8 +51,64 @@ impl Mesh {
     }
 }
 
-/// What is wrong with the mesh right now (empty when every invariant holds).
-async fn violations(mesh: &Mesh) -> Vec<String> {
+/// Whom `holder` should be peered with when `leaves` are the hub's leaves: nobody for a
+/// cluster that left the mesh.
+fn expected(leaves: &[&str], holder: &str) -> BTreeSet<(String, i32)> {
+    if holder == HUB || leaves.contains(&holder) {
+        expected_hub_mesh(HUB, leaves, holder)
+    } else {
+        BTreeSet::new()
+    }
+}
+
+/// What the gateway of `cluster` holds ports for, or why that does not add up: every peer
+/// record's port must be reserved in its name, and nothing else reserved.
+async fn gateway_ports(cluster: &ProcessCluster) -> Result<BTreeSet<String>, String> {
+    let store = cluster
+        .store(Service::Gateway)
+        .await
+        .map_err(|e| format!("{}: the gateway's store: {e}", cluster.id))?;
+    let list = |prefix: &'static str| {
+        let store = store.clone();
+        async move {
+            store
+                .list(prefix)
+                .await
+                .map_err(|e| format!("lists {prefix}: {e}"))
+                .map(|r| r.kvs)
+        }
+    };
+    let mut peers = BTreeSet::new();
+    let mut reserved = BTreeSet::new();
+    for kv in list("ports/peers/").await? {
+        let peer = kv.key.trim_start_matches("ports/peers/").to_owned();
+        let record: serde_json::Value = serde_json::from_slice(&kv.value)
+            .map_err(|e| format!("{}: port record of {peer}: {e}", cluster.id))?;
+        reserved.insert((record["port"].to_string(), peer.clone()));
+        peers.insert(peer);
+    }
+    let mut used = BTreeSet::new();
+    for kv in list("ports/used/").await? {
+        let port = kv.key.trim_start_matches("ports/used/").to_owned();
+        used.insert((
+            port,
+            String::from_utf8_lossy(&kv.value)
+                .trim_matches('"')
+                .to_owned(),
+        ));
+    }
+    if used != reserved {
+        return Err(format!(
+            "{}: gateway port records {reserved:?} but reservations {used:?}",
+            cluster.id
+        ));
+    }
+    Ok(peers)
+}
+
+/// What is wrong with the mesh right now (empty when every invariant holds), with `leaves` the
+/// hub's leaves.
+async fn violations(mesh: &Mesh, leaves: &[&str]) -> Vec<String> {
     let mut wrong = Vec::new();
     let mut all = Vec::new();
     for cluster in mesh.all() {
@@ -59,7 +120,7 @@ async fn violations(mesh: &Mesh) -> Vec<String> {
             .and_then(|(_, ts)| ts.iter().find(|t| remote_id(t) == other))
     };
     for (holder, ts) in &all {
-        let expected = expected_hub_mesh(HUB, &LEAVES, holder);
+        let expected = expected(leaves, holder);
         let seen: BTreeSet<(String, i32)> = ts.iter().map(|t| (remote_id(t), t.kind)).collect();
         if seen != expected {
             wrong.push(format!("{holder} holds {seen:?}, expected {expected:?}"));
@@ -76,9 +137,12 @@ async fn violations(mesh: &Mesh) -> Vec<String> {
             }
         }
     }
-    // Every IPAM mapping belongs to a peer (all clusters peer with each other in the end).
-    let ids: BTreeSet<String> = mesh.all().map(|c| c.id.clone()).collect();
+    // Every IPAM mapping and gateway port belongs to a peer, and every peer has one port.
     for cluster in mesh.all() {
+        let peers: BTreeSet<String> = expected(leaves, &cluster.id)
+            .into_iter()
+            .map(|(id, _)| id)
+            .collect();
         let Ok(mut ipam) = cluster.ipam().await else {
             wrong.push(format!("{}: IPAM unreachable", cluster.id));
             continue;
@@ -89,9 +153,17 @@ async fn violations(mesh: &Mesh) -> Vec<String> {
             .map(|r| r.into_inner().clusters)
             .unwrap_or_default();
         for m in mapped {
-            if !ids.contains(&m.cluster_id) || m.cluster_id == cluster.id {
+            if !peers.contains(&m.cluster_id) {
                 wrong.push(format!("{}: IPAM maps {}", cluster.id, m.cluster_id));
             }
+        }
+        match gateway_ports(cluster).await {
+            Ok(ports) if ports != peers => wrong.push(format!(
+                "{}: gateway ports for {ports:?}, peers {peers:?}",
+                cluster.id
+            )),
+            Ok(_) => {}
+            Err(e) => wrong.push(e),
         }
     }
     match mesh.hub.forwarder().await {
@@ -110,14 +182,14 @@ async fn violations(mesh: &Mesh) -> Vec<String> {
     wrong
 }
 
-async fn quiet(mesh: &Mesh, seed: u64, round: usize, log: &[String]) {
+async fn quiet(mesh: &Mesh, leaves: &[&str], seed: u64, round: usize, log: &[String]) {
     let started = Instant::now();
     loop {
-        let mut wrong = violations(mesh).await;
+        let mut wrong = violations(mesh, leaves).await;
         if wrong.is_empty() {
             // Quiet means it stays so: again after more than a resync period of every service.
             tokio::time::sleep(Duration::from_secs(3)).await;
-            wrong = violations(mesh).await;
+            wrong = violations(mesh, leaves).await;
         }
         if wrong.is_empty() {
             eprintln!(
@@ -150,6 +222,7 @@ async fn random_failures_unpeerings_and_partitions_always_converge_to_a_consiste
     let (seed, mut rng) = Rng::from_env();
     let gated = || Options {
         gated: true,
+        gateway_follows_broker: true,
         ..Options::default()
     };
     let Some(hub) = ProcessCluster::start_with(HUB, "10.0.0.0/16", "10.201.0.0/16", gated())
@@ -171,7 +244,7 @@ async fn random_failures_unpeerings_and_partitions_always_converge_to_a_consiste
     for leaf in &mesh.leaves {
         peer(leaf, &mesh.hub).await;
     }
-    quiet(&mesh, seed, 0, &[]).await;
+    quiet(&mesh, &LEAVES, seed, 0, &[]).await;
 
     for round in 1..=ROUNDS {
         let mut log = Vec::new();
@@ -274,6 +347,20 @@ async fn random_failures_unpeerings_and_partitions_always_converge_to_a_consiste
             log.push(format!("re-peer {}", mesh.leaves[l].id));
         }
         eprintln!("round {round}: {}", log.join("; "));
-        quiet(&mesh, seed, round, &log).await;
+        quiet(&mesh, &LEAVES, seed, round, &log).await;
     }
+
+    // The last leaf leaves for good: every trace of it goes, on every side.
+    let (gone, stay) = LEAVES.split_last().expect("leaves");
+    mesh.hub
+        .broker()
+        .await
+        .expect("connects")
+        .unpeer(UnpeerRequest {
+            cluster_id: (*gone).to_owned(),
+        })
+        .await
+        .expect("the hub unpeers the last leaf");
+    let log = vec![format!("unpeer {gone} by the hub, for good")];
+    quiet(&mesh, stay, seed, ROUNDS + 1, &log).await;
 }
