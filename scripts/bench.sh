@@ -94,6 +94,8 @@ if [ "$kind" = quick ]; then
     --out "$out/mesh-hub-processes.json")
   run mesh-bench "${hubp[@]}"
   run_reference "${hubp[@]}"
+  run mesh-bench --mode hub-etcd --leaves 2,5 --repeats 2 --timeout 60 \
+    --out "$out/mesh-hub-etcd.json"
   run mesh-bench --mode etcd-processes --leaves 2 --repeats 2 --timeout 60 \
     --out "$out/mesh-etcd.json"
   run endpoints-bench --reflections 80 --repeats 3 --out "$out/endpoints.json"
@@ -111,6 +113,8 @@ else
     --out "$out/mesh-hub-processes.json")
   run mesh-bench "${hubp[@]}"
   run_reference "${hubp[@]}"
+  run mesh-bench --mode hub-etcd --leaves 10,50,100,254 --repeats 1 --timeout 600 \
+    --out "$out/mesh-hub-etcd.json"
   run mesh-bench --mode etcd-processes --leaves 2,5 --repeats 3 --timeout 300 \
     --out "$out/mesh-etcd.json"
   run endpoints-bench --out "$out/endpoints.json"

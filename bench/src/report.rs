@@ -20,10 +20,11 @@ use serde_json::Value;
 use crate::svg::{self, BarChart, LineChart, Scale, Series};
 
 /// The benchmarks, by result file name (`<name>.json`).
-pub const BENCHMARKS: [&str; 8] = [
+pub const BENCHMARKS: [&str; 9] = [
     "ipam",
     "mesh",
     "mesh-hub-processes",
+    "mesh-hub-etcd",
     "mesh-etcd",
     "endpoints",
     "exports",
@@ -338,6 +339,7 @@ struct MeshSize {
     median_full_tunnels_seconds: Option<f64>,
     median_tail_share: Option<f64>,
     median_hub_cpu_ms_per_induced_tunnel: Option<f64>,
+    median_hub_etcd_writes_per_induced_tunnel: Option<f64>,
 }
 
 impl MeshSize {
@@ -1403,6 +1405,7 @@ fn mesh_section(md: &mut String, inputs: &Inputs, files: &mut Vec<(PathBuf, Stri
     let modes = [
         ("mesh", "in process (memory)"),
         ("mesh-hub-processes", "hub processes (memory)"),
+        ("mesh-hub-etcd", "hub processes + etcd"),
         ("mesh-etcd", "processes + etcd"),
     ];
     let mut by_leaves = Vec::new();
@@ -1548,6 +1551,10 @@ fn mesh_section(md: &mut String, inputs: &Inputs, files: &mut Vec<(PathBuf, Stri
             "mesh-hub-processes",
             "### The hub as processes: CPU time and peak memory",
         ),
+        (
+            "mesh-hub-etcd",
+            "### The hub as processes on etcd: CPU, memory and etcd writes per induced tunnel",
+        ),
         ("mesh-etcd", "### Every service a process with its own etcd"),
     ] {
         let _ = writeln!(md, "{title}\n");
@@ -1564,8 +1571,8 @@ fn mesh_section(md: &mut String, inputs: &Inputs, files: &mut Vec<(PathBuf, Stri
                 if p.doc.mode.is_none() {
                     md.push_str("(The result does not name its mode.)\n\n");
                 }
-                md.push_str("| leaves | status | median s | runs (s) | hub CPU s during setup | hub CPU s per process during setup | hub peak RSS MiB (sum) | peak RSS MiB per process | hub etcd keys |\n");
-                md.push_str("|---|---|---|---|---|---|---|---|---|\n");
+                md.push_str("| leaves | status | median s | runs (s) | hub CPU s during setup | hub CPU ms per induced tunnel | hub CPU s per process during setup | hub peak RSS MiB (sum) | peak RSS MiB per process | hub etcd keys | hub etcd writes per induced tunnel |\n");
+                md.push_str("|---|---|---|---|---|---|---|---|---|---|---|\n");
                 for s in &p.doc.sizes {
                     let per = |f: &dyn Fn(&HubProcess) -> String| {
                         s.hub_processes.as_ref().map_or("—".into(), |ps| {
@@ -1577,12 +1584,13 @@ fn mesh_section(md: &mut String, inputs: &Inputs, files: &mut Vec<(PathBuf, Stri
                     };
                     let _ = writeln!(
                         md,
-                        "| {} | {} | {} | {} | {} | {} | {} | {} | {} |",
+                        "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
                         s.leaves,
                         status_text(s),
                         opt(s.converged_median(), 3),
                         runs_text(s),
                         opt(s.hub_cpu_seconds_during_setup, 2),
+                        opt(s.median_hub_cpu_ms_per_induced_tunnel, 3),
                         per(&|p| num(p.cpu_seconds_during_setup, 2)),
                         opt(s.hub_peak_rss_kib_total.map(|k| k as f64 / 1024.0), 1),
                         per(&|p| num(p.peak_rss_kib as f64 / 1024.0, 1)),
@@ -1591,7 +1599,8 @@ fn mesh_section(md: &mut String, inputs: &Inputs, files: &mut Vec<(PathBuf, Stri
                                 .map(|(s, n)| format!("{s} {n}"))
                                 .collect::<Vec<_>>()
                                 .join(", ")
-                        })
+                        }),
+                        opt(s.median_hub_etcd_writes_per_induced_tunnel, 2)
                     );
                 }
                 md.push('\n');

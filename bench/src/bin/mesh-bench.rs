@@ -10,9 +10,13 @@
 //! - **hub-processes**: the same, but the hub's five services are the release service binaries
 //!   as child processes (memory stores), so that the hub's CPU time (utime + stime) and peak
 //!   memory (VmHWM) can be read from /proc at convergence;
-//! - **etcd-processes**: hub and leaves as `trellis_integration::processes::ProcessCluster`s,
-//!   every service a process with its own etcd (as in production); small n only. The hub's
-//!   CPU and memory are read as above, and its etcd keys counted.
+//! - **hub-etcd**: the hub is a `trellis_integration::processes::ProcessCluster` (every service
+//!   a process of the service binaries with its own etcd, as in production), the leaves run in
+//!   this process as above: the hub's CPU, memory, etcd keys and etcd writes (each etcd's
+//!   revision, which every write transaction raises by one) per induced tunnel at sizes up to
+//!   254 leaves (issue 17);
+//! - **etcd-processes**: hub and leaves as `ProcessCluster`s, every service a process with its
+//!   own etcd; small n only. The hub's CPU, memory, etcd keys and writes are read as above.
 //!
 //! A run that does not converge within `--timeout` is recorded (with how many induced
 //! TunnelEndpoints existed) and the larger sizes are skipped, unless `--keep-going`.
@@ -50,6 +54,8 @@ enum Mode {
     /// The hub's services as child processes (release binaries, memory stores), leaves in
     /// this process: the hub's CPU time and peak memory are measured.
     HubProcesses,
+    /// The hub's services as processes, each with its own etcd; leaves in this process.
+    HubEtcd,
     /// Hub and leaves as processes, each service with its own etcd (small n).
     EtcdProcesses,
 }
@@ -59,8 +65,14 @@ impl Mode {
         match self {
             Mode::InProcess => "bench/results/mesh.json",
             Mode::HubProcesses => "bench/results/mesh-hub-processes.json",
+            Mode::HubEtcd => "bench/results/mesh-hub-etcd.json",
             Mode::EtcdProcesses => "bench/results/mesh-etcd.json",
         }
+    }
+
+    /// Whether the hub is a `ProcessCluster` on etcd.
+    fn hub_on_etcd(self) -> bool {
+        matches!(self, Mode::HubEtcd | Mode::EtcdProcesses)
     }
 }
 
@@ -85,7 +97,7 @@ struct Args {
     #[arg(long)]
     keep_going: bool,
     /// Where to write the JSON result [default: bench/results/mesh.json,
-    /// mesh-hub-processes.json or mesh-etcd.json by mode].
+    /// mesh-hub-processes.json, mesh-hub-etcd.json or mesh-etcd.json by mode].
     #[arg(long)]
     out: Option<PathBuf>,
     #[command(flatten)]
@@ -119,6 +131,13 @@ struct Run {
     open_files: Option<usize>,
     /// Peer requests sent again after an UNAVAILABLE answer (at most `PEER_RETRIES` per leaf).
     peer_retries: usize,
+    /// Write transactions on the hub's etcds from the Peer requests to convergence, per
+    /// service (hub on etcd only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    hub_etcd_writes: Option<BTreeMap<&'static str, i64>>,
+    /// All of them per induced TunnelEndpoint (n·(n-1)).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    hub_etcd_writes_per_induced_tunnel: Option<f64>,
 }
 
 /// One hub service's store after convergence.
@@ -216,6 +235,8 @@ struct Size {
     median_tail_share: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     median_hub_cpu_ms_per_induced_tunnel: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    median_hub_etcd_writes_per_induced_tunnel: Option<f64>,
 }
 
 #[derive(Debug, Serialize)]
@@ -472,7 +493,7 @@ enum Hub {
 impl Hub {
     /// Ports are picked before binding: on a collision the whole hub starts again.
     async fn start(mode: Mode) -> anyhow::Result<Option<Self>> {
-        if mode == Mode::EtcdProcesses {
+        if mode.hub_on_etcd() {
             return Ok(ProcessCluster::start(HUB_ID, POD_CIDR, EXTERNAL_CIDR)
                 .await?
                 .map(|c| Hub::Etcd(Box::new(c))));
@@ -528,6 +549,20 @@ impl Hub {
                 Ok((s, pid_listening_on(addr)?))
             })
             .collect()
+    }
+
+    /// Each hub etcd's revision (hub on etcd only): the number of write transactions so far.
+    async fn etcd_revisions(&self) -> anyhow::Result<Option<BTreeMap<&'static str, i64>>> {
+        let Hub::Etcd(c) = self else {
+            return Ok(None);
+        };
+        let mut revisions = BTreeMap::new();
+        for service in Service::ALL {
+            // A prefix nothing is stored under: the answer is only the revision.
+            let listing = c.store(service).await?.list("mesh-bench-nothing/").await?;
+            revisions.insert(service.name(), listing.revision);
+        }
+        Ok(Some(revisions))
     }
 
     async fn stop(self) {
@@ -680,6 +715,7 @@ async fn measure(
     let expected = leaves * (leaves - 1);
     let pids = hub.pids()?;
     let before = read_usage(&pids)?;
+    let revisions_before = hub.etcd_revisions().await?;
 
     let started = Instant::now();
     let mut peerings = Vec::new();
@@ -770,6 +806,15 @@ async fn measure(
     let elapsed = started.elapsed();
     let reached = done.values().sum();
     let after = read_usage(&pids)?;
+    let hub_etcd_writes = match (revisions_before, hub.etcd_revisions().await?) {
+        (Some(before), Some(after)) => Some(
+            after
+                .iter()
+                .map(|(service, rev)| (*service, rev - before.get(service).copied().unwrap_or(0)))
+                .collect::<BTreeMap<_, _>>(),
+        ),
+        _ => None,
+    };
     let cpu_during: Vec<f64> = after
         .iter()
         .zip(&before)
@@ -798,6 +843,11 @@ async fn measure(
             .map(|t90| (seconds - t90) / seconds),
         open_files: std::fs::read_dir("/proc/self/fd").ok().map(Iterator::count),
         peer_retries,
+        hub_etcd_writes_per_induced_tunnel: hub_etcd_writes
+            .as_ref()
+            .filter(|_| converged)
+            .map(|w| w.values().sum::<i64>() as f64 / expected as f64),
+        hub_etcd_writes,
     };
     if !converged {
         return Ok(Outcome { run, held: None });
@@ -896,7 +946,7 @@ fn reexec_from_deps() -> anyhow::Result<()> {
         .find(|p| std::fs::metadata(p).is_ok_and(|m| m.ino() == inode && m.is_file()))
         .with_context(|| {
             format!(
-                "--mode etcd-processes needs the service binaries next to {} (build them with \
+                "--mode hub-etcd and etcd-processes need the service binaries next to {} (build them with \
                  `cargo build --release --bins`) and this binary's hard link in it",
                 deps.display()
             )
@@ -914,7 +964,7 @@ async fn main() -> anyhow::Result<()> {
     if let Some(bad) = args.leaves.iter().find(|n| **n < 2) {
         anyhow::bail!("--leaves: a mesh needs at least 2 leaves, got {bad}");
     }
-    if args.mode == Mode::EtcdProcesses {
+    if args.mode.hub_on_etcd() {
         reexec_from_deps()?;
     }
     let run_info = RunInfo::start(&args.run);
@@ -953,6 +1003,7 @@ async fn main() -> anyhow::Result<()> {
             median_full_tunnels_seconds: None,
             median_tail_share: None,
             median_hub_cpu_ms_per_induced_tunnel: None,
+            median_hub_etcd_writes_per_induced_tunnel: None,
         };
         if let Some(reason) = &gave_up {
             size.status = Status::Skipped;
@@ -1033,6 +1084,8 @@ async fn main() -> anyhow::Result<()> {
         size.median_full_tunnels_seconds = of(|r| r.full_tunnels_seconds);
         size.median_tail_share = of(|r| r.tail_share);
         size.median_hub_cpu_ms_per_induced_tunnel = of(|r| r.hub_cpu_ms_per_induced_tunnel);
+        size.median_hub_etcd_writes_per_induced_tunnel =
+            of(|r| r.hub_etcd_writes_per_induced_tunnel);
         if matches!(size.status, Status::TimedOut | Status::Failed) && !args.keep_going {
             gave_up = Some(format!(
                 "1 hub + {leaves} leaves did not converge ({})",
@@ -1057,13 +1110,13 @@ async fn main() -> anyhow::Result<()> {
     };
     write_json(&out, &report)?;
     eprintln!(
-        "| leaves | status | induced TEs | median s | full tunnels s | 90→100 % share | hub CPU s | hub CPU ms / induced TE | hub peak RSS MiB |"
+        "| leaves | status | induced TEs | median s | full tunnels s | 90→100 % share | hub CPU s | hub CPU ms / induced TE | hub peak RSS MiB | hub etcd writes / induced TE |"
     );
-    eprintln!("|---|---|---|---|---|---|---|---|---|");
+    eprintln!("|---|---|---|---|---|---|---|---|---|---|");
     for s in &report.sizes {
         let opt = |v: Option<f64>, d: usize| v.map_or("-".into(), |v| format!("{v:.d$}"));
         eprintln!(
-            "| {} | {:?} | {} | {} | {} | {} | {} | {} | {} |",
+            "| {} | {:?} | {} | {} | {} | {} | {} | {} | {} | {} |",
             s.leaves,
             s.status,
             s.induced_tunnel_endpoints,
@@ -1072,7 +1125,8 @@ async fn main() -> anyhow::Result<()> {
             opt(s.median_tail_share, 3),
             opt(s.hub_cpu_seconds_during_setup, 2),
             opt(s.median_hub_cpu_ms_per_induced_tunnel, 3),
-            opt(s.hub_peak_rss_kib_total.map(|k| k as f64 / 1024.0), 1)
+            opt(s.hub_peak_rss_kib_total.map(|k| k as f64 / 1024.0), 1),
+            opt(s.median_hub_etcd_writes_per_induced_tunnel, 2)
         );
     }
     eprintln!("mesh-bench: wrote {}", out.display());
