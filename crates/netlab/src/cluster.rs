@@ -466,7 +466,7 @@ impl NsCluster {
         });
         for (s, extra) in &options.extra_args {
             if *s == service {
-                args.extend(extra.iter().cloned());
+                override_flags(&mut args, extra);
             }
         }
         args
@@ -573,5 +573,47 @@ impl Drop for NsCluster {
         for f in &self.forwarders {
             f.abort();
         }
+    }
+}
+
+/// Appends `extra` to `args`, where a flag of `extra` replaces the same flag (and its value)
+/// among the defaults in `args`: flags like `--resync-interval` may be given once only.
+fn override_flags(args: &mut Vec<String>, extra: &[String]) {
+    for flag in extra.iter().filter(|a| a.starts_with("--")) {
+        if let Some(at) = args.iter().position(|a| a == flag) {
+            let with_value = args.get(at + 1).is_some_and(|v| !v.starts_with("--"));
+            args.drain(at..at + 1 + usize::from(with_value));
+        }
+    }
+    args.extend(extra.iter().cloned());
+}
+
+#[cfg(test)]
+mod tests {
+    use super::override_flags;
+
+    fn strings(list: &[&str]) -> Vec<String> {
+        list.iter().map(|s| (*s).to_owned()).collect()
+    }
+
+    #[test]
+    fn an_extra_flag_replaces_the_default_with_its_value() {
+        let mut args = strings(&["--broker", "b:1", "--resync-interval", "5", "--verbose"]);
+        override_flags(
+            &mut args,
+            &strings(&["--resync-interval", "600", "--verbose", "--new", "x"]),
+        );
+        assert_eq!(
+            args,
+            strings(&[
+                "--broker",
+                "b:1",
+                "--resync-interval",
+                "600",
+                "--verbose",
+                "--new",
+                "x"
+            ])
+        );
     }
 }

@@ -17,7 +17,7 @@ use trellis_error::Result;
 use trellis_store::SharedStore;
 
 use crate::dataplane::engine::{DropReason, Engine};
-use crate::dataplane::linux::Linux;
+use crate::dataplane::linux::{Linux, Pass};
 use crate::dataplane::wireguard::PeerStats;
 use crate::dataplane::{Mode, PeerPlan};
 use crate::keys::KeyPair;
@@ -57,6 +57,8 @@ pub struct TunnelStatus {
     pub stats: Option<PeerStats>,
     pub state: State,
     pub message: String,
+    /// How many times the data plane configured this tunnel (device, routes) since start.
+    pub configurations: u64,
 }
 
 /// One tunnel as last applied.
@@ -197,10 +199,17 @@ impl Gateway {
         )
     }
 
-    /// Makes ports and data plane match `desired` (with the hub-path DNAT of `hub`), then
-    /// releases the ports of tunnels that are gone and of peers that never got one. Per-peer data plane failures are recorded
-    /// in the status and counted in the result (the caller retries sooner when there are any).
+    /// A [`Pass::Repair`] pass of [`Gateway::apply_pass`]: everything checked and re-applied.
     pub async fn apply(&self, desired: &Desired, hub: &Mappings) -> Result<usize> {
+        self.apply_pass(desired, hub, Pass::Repair).await
+    }
+
+    /// Makes ports and data plane match `desired` (with the hub-path DNAT of `hub`), then
+    /// releases the ports of tunnels that are gone and of peers that never got one. Per-peer
+    /// data plane failures are recorded in the status and counted in the result (the caller
+    /// retries sooner when there are any). `pass` says whether the data plane applies only what
+    /// changed since the last pass or checks everything.
+    pub async fn apply_pass(&self, desired: &Desired, hub: &Mappings, pass: Pass) -> Result<usize> {
         let mut plans = Vec::with_capacity(desired.len());
         for (id, te) in desired {
             if id == &self.settings.identity.id {
@@ -229,7 +238,7 @@ impl Gateway {
             );
         }
         match &self.dataplane {
-            Some(dp) => results.extend(dp.lock().await.apply(&v4, hub).await),
+            Some(dp) => results.extend(dp.lock().await.apply(&v4, hub, pass).await),
             None => results.extend(v4.iter().map(|p| (p.endpoint.remote.id.clone(), Ok(())))),
         }
         let keep: BTreeSet<ClusterId> = desired.keys().cloned().collect();
@@ -309,12 +318,17 @@ impl Gateway {
 
     async fn status_of(&self, applied: Applied) -> TunnelStatus {
         let Applied { plan, result } = applied;
+        let configurations = match &self.dataplane {
+            Some(dp) => dp.lock().await.configurations(&plan.endpoint.remote.id),
+            None => 0,
+        };
         if let Err(message) = result {
             return TunnelStatus {
                 plan,
                 stats: None,
                 state: State::Error,
                 message,
+                configurations,
             };
         }
         let Some(dp) = &self.dataplane else {
@@ -323,6 +337,7 @@ impl Gateway {
                 stats: None,
                 state: State::Down,
                 message: "data plane disabled (--dataplane none)".into(),
+                configurations,
             };
         };
         let read = dp.lock().await.stats(&plan.endpoint.remote.id).await;
@@ -344,6 +359,7 @@ impl Gateway {
                     stats: Some(stats),
                     state,
                     message,
+                    configurations,
                 }
             }
             Some(Err(err)) => TunnelStatus {
@@ -351,12 +367,14 @@ impl Gateway {
                 stats: None,
                 state: State::Down,
                 message: format!("{err:#}"),
+                configurations,
             },
             None => TunnelStatus {
                 plan,
                 stats: None,
                 state: State::Error,
                 message: "no device (recreated on the next reconciliation)".into(),
+                configurations,
             },
         }
     }

@@ -1,6 +1,7 @@
 //! The gateway's Prometheus metrics (issue 19): one series per tunnel, labelled with the peer
 //! cluster and the peering kind: bytes and packets in and out, the age of the last handshake
-//! and the state (the same view `ListTunnels` gives). Read from the devices at every scrape,
+//! and the state (the same view `ListTunnels` gives), and how often the data plane configured
+//! it. Read from the devices at every scrape,
 //! so a removed tunnel's series disappear with it; the counters are the devices' own (they
 //! restart from zero when a device is recreated, which Prometheus' `rate()` handles as a
 //! counter reset).
@@ -31,6 +32,7 @@ struct Sample {
     tx_bytes: u64,
     rx_packets: Option<u64>,
     tx_packets: Option<u64>,
+    configurations: u64,
 }
 
 impl Sample {
@@ -54,6 +56,7 @@ impl Sample {
             tx_bytes: stats.tx_bytes,
             rx_packets: stats.rx_packets,
             tx_packets: stats.tx_packets,
+            configurations: t.configurations,
         }
     }
 }
@@ -125,6 +128,14 @@ impl Collector for TunnelCollector {
             "Packets the tunnel device took to send to the peer (the interface's count)",
             &samples,
             |s| s.tx_packets,
+        )?;
+        counters(
+            &mut encoder,
+            "trellis_gateway_tunnel_configurations",
+            "Times the data plane configured the tunnel's device and routes since the gateway \
+             started (once, plus once per change of its TunnelEndpoint or repair)",
+            &samples,
+            |s| Some(s.configurations),
         )?;
         let mut age = encoder.encode_descriptor(
             "trellis_gateway_tunnel_handshake_age_seconds",

@@ -1,7 +1,7 @@
-//! The reconciliation loop: applies the latest desired set (TunnelEndpoints and hub-path
-//! endpoint mappings) whenever it changes, again every
-//! resync interval (repairing whatever someone changed underneath), sooner after a failure,
-//! and removes every tunnel on a graceful stop.
+//! The reconciliation loop: applies what changed in the desired set (TunnelEndpoints and
+//! hub-path endpoint mappings) whenever it changes, everything again every resync interval
+//! (repairing whatever someone changed underneath) and sooner after a failure, and removes
+//! every tunnel on a graceful stop.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -10,6 +10,7 @@ use tokio::sync::watch;
 use trellis_runtime::Shutdown;
 
 use crate::core::{Desired, Gateway};
+use crate::dataplane::linux::Pass;
 use crate::mappings::Mappings;
 
 /// Wait before retrying a pass that left some tunnel unconfigured.
@@ -31,16 +32,24 @@ pub async fn run(
     let mut source_alive = true;
     let mut mappings_alive = true;
     loop {
-        tokio::select! {
-            changed = desired.changed(), if source_alive => source_alive = changed.is_ok(),
-            changed = mappings.changed(), if mappings_alive => mappings_alive = changed.is_ok(),
-            () = tokio::time::sleep(wait) => {},
+        // Woken by a change: apply what changed. By the timer (resync, or the retry after a
+        // failure): check everything.
+        let pass = tokio::select! {
+            changed = desired.changed(), if source_alive => {
+                source_alive = changed.is_ok();
+                Pass::Changes
+            }
+            changed = mappings.changed(), if mappings_alive => {
+                mappings_alive = changed.is_ok();
+                Pass::Changes
+            }
+            () = tokio::time::sleep(wait) => Pass::Repair,
             () = shutdown.cancelled() => break,
-        }
+        };
         let current = desired.borrow_and_update().clone();
         let hub = mappings.borrow_and_update().clone().unwrap_or_default();
         let Some(current) = current else { continue };
-        wait = match core.apply(&current, &hub).await {
+        wait = match core.apply_pass(&current, &hub, pass).await {
             Ok(0) => resync,
             Ok(failed) => {
                 tracing::warn!(failed, "some tunnels are not configured; retrying soon");

@@ -7,6 +7,12 @@
 //! whatever a previous run left (rules at our priority, our table, our kernel interfaces: they
 //! all outlive a SIGKILLed process, spike pitfall 7).
 //!
+//! A pass is either a [`Pass::Changes`] pass, which configures only the peers whose plan (or
+//! resolved endpoint) differs from what was last applied and rewrites the nftables tables and
+//! policy rules only when their content changed, or a [`Pass::Repair`] pass, which re-applies
+//! everything and so repairs what someone changed underneath. With hundreds of peers a
+//! TunnelEndpoint change used to re-run about five `ip` processes for every peer (issue 17).
+//!
 //! Routes are not cleaned separately: the kernel deletes a route with the interface it points
 //! to.
 
@@ -39,6 +45,27 @@ const LINK_GONE_TIMEOUT: Duration = Duration::from_secs(3);
 /// (the reconciler's next pass retries).
 const RESOLVE_TIMEOUT: Duration = Duration::from_secs(5);
 
+/// What a pass applies.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Pass {
+    /// What changed since the last pass (a TunnelEndpoint or hub mapping changed).
+    Changes,
+    /// Everything, checking the namespace against the plans (periodic, after failures).
+    Repair,
+}
+
+/// What earlier passes applied, so that a [`Pass::Changes`] pass applies only what changed.
+#[derive(Debug, Default)]
+struct Applied {
+    /// Per peer, the plan and resolved endpoint its device and routes were configured with.
+    peers: BTreeMap<ClusterId, (PeerPlan, SocketAddr)>,
+    /// The nftables scripts last applied in full.
+    nat: Option<String>,
+    guard: Option<String>,
+    /// `(mark, table)` of the policy rules last synced.
+    rules: Option<BTreeSet<(u32, u32)>>,
+}
+
 /// The data plane of this namespace.
 #[derive(Debug)]
 pub struct Linux {
@@ -49,6 +76,9 @@ pub struct Linux {
     /// MTU of every tunnel device.
     mtu: u32,
     devices: BTreeMap<ClusterId, Arc<Device>>,
+    applied: Applied,
+    /// How often each peer's device and routes were configured since start (a metric).
+    configurations: BTreeMap<ClusterId, u64>,
 }
 
 impl Linux {
@@ -74,6 +104,8 @@ impl Linux {
             prefix,
             mtu,
             devices: BTreeMap::new(),
+            applied: Applied::default(),
+            configurations: BTreeMap::new(),
         };
         this.remove_stale().await?;
         Ok(this)
@@ -85,7 +117,7 @@ impl Linux {
             delete_rule(*mark, *table).await?;
         }
         cmd::run("nft", &["-f", "-"], Some(&nft::script(&[], &[]))).await?;
-        apply_guard(&[], &[]).await?;
+        cmd::run("nft", &["-f", "-"], Some(&guard_script(&[], &[]))).await?;
         let links = ip(&["-o", "link", "show"]).await?;
         let mut removed = 0;
         for name in links.lines().filter_map(link_name) {
@@ -102,13 +134,17 @@ impl Linux {
         Ok(())
     }
 
-    /// Makes the namespace match `plans`. Returns, per peer, `Ok` or why its tunnel is not
-    /// configured (one broken peer does not stop the others).
+    /// Makes the namespace match `plans` (see [`Pass`] for how much is checked). Returns, per
+    /// peer, `Ok` or why its tunnel is not configured (one broken peer does not stop the others).
     pub async fn apply(
         &mut self,
         plans: &[PeerPlan],
         hub: &[HubMapping],
+        pass: Pass,
     ) -> BTreeMap<ClusterId, Result<(), String>> {
+        if pass == Pass::Repair {
+            self.applied = Applied::default();
+        }
         let mut results = BTreeMap::new();
         for plan in plans {
             let id = plan.endpoint.remote.id.clone();
@@ -121,6 +157,7 @@ impl Linux {
         // Rules and NAT for every planned peer (a peer whose device failed just matches no
         // packets until it is fixed), then the devices of peers no longer planned.
         let mut refused = Vec::new();
+        let applied = &mut self.applied;
         let shared = async {
             let nats: Vec<nft::PeerNat> = plans.iter().map(|p| p.nat(hub)).collect();
             let snat = if plans.is_empty() {
@@ -128,8 +165,11 @@ impl Linux {
             } else {
                 super::hub_snat(hub)
             };
-            if let Err(err) = cmd::run("nft", &["-f", "-"], Some(&nft::script(&nats, &snat))).await
-            {
+            let script = nft::script(&nats, &snat);
+            if applied.nat.as_ref() == Some(&script) {
+                // Unchanged since it was applied in full.
+            } else if let Err(err) = cmd::run("nft", &["-f", "-"], Some(&script)).await {
+                applied.nat = None;
                 // One peer's rules must not keep every other peer's out: apply those nft takes.
                 tracing::warn!(
                     error = format!("{err:#}"),
@@ -143,9 +183,22 @@ impl Linux {
                 .await;
                 cmd::run("nft", &["-f", "-"], Some(&nft::script(&accepted, &snat))).await?;
                 refused = bad;
+            } else {
+                applied.nat = Some(script);
             }
-            apply_guard(plans, hub).await?;
-            self.sync_rules(plans).await
+            let guard = guard_script(plans, hub);
+            if applied.guard.as_ref() != Some(&guard) {
+                applied.guard = None;
+                cmd::run("nft", &["-f", "-"], Some(&guard)).await?;
+                applied.guard = Some(guard);
+            }
+            let rules: BTreeSet<(u32, u32)> = plans.iter().map(|p| (p.mark(), p.table())).collect();
+            if applied.rules.as_ref() != Some(&rules) {
+                applied.rules = None;
+                sync_rules(&rules).await?;
+                applied.rules = Some(rules);
+            }
+            anyhow::Ok(())
         };
         let shared = shared.await;
         for (interface, reason) in refused {
@@ -174,6 +227,8 @@ impl Linux {
             .cloned()
             .collect();
         for id in gone {
+            self.applied.peers.remove(&id);
+            self.configurations.remove(&id);
             if let Some(device) = self.devices.remove(&id) {
                 tracing::info!(peer = %id, interface = device.name(), "removing tunnel");
                 remove_device(device).await;
@@ -220,6 +275,12 @@ impl Linux {
             }
         };
         let peer_endpoint = resolve(&plan.endpoint.remote_endpoint).await?;
+        let done = (plan.clone(), peer_endpoint);
+        if !created && self.applied.peers.get(id) == Some(&done) {
+            return Ok(());
+        }
+        // Whatever fails below leaves the peer to be configured again by the next pass.
+        self.applied.peers.remove(id);
         let spec = DeviceSpec {
             name: plan.interface.clone(),
             listen_port: plan.listen_port,
@@ -282,29 +343,14 @@ impl Linux {
         {
             kick_handshake(name, *target).await;
         }
+        self.applied.peers.insert(id.clone(), done);
+        *self.configurations.entry(id.clone()).or_default() += 1;
         Ok(())
     }
 
-    async fn sync_rules(&self, plans: &[PeerPlan]) -> anyhow::Result<()> {
-        let want: BTreeSet<(u32, u32)> = plans.iter().map(|p| (p.mark(), p.table())).collect();
-        let have = current_rules().await?;
-        for (mark, table) in have.difference(&want) {
-            delete_rule(*mark, *table).await?;
-        }
-        for (mark, table) in want.difference(&have) {
-            ip(&[
-                "rule",
-                "add",
-                "pref",
-                &RULE_PRIORITY.to_string(),
-                "fwmark",
-                &format!("{mark:#x}/{MARK_MASK:#x}"),
-                "lookup",
-                &table.to_string(),
-            ])
-            .await?;
-        }
-        Ok(())
+    /// How many times the tunnel to `id` was configured (device, routes) since start.
+    pub fn configurations(&self, id: &ClusterId) -> u64 {
+        self.configurations.get(id).copied().unwrap_or(0)
     }
 
     /// The counters of the peer's device; `None` when it has no device.
@@ -335,11 +381,38 @@ impl Linux {
 
     /// Removes every tunnel, rule and the nftables table (graceful stop).
     pub async fn clear(&mut self) {
-        let _ = self.apply(&[], &[]).await;
+        let _ = self.apply(&[], &[], Pass::Repair).await;
     }
 }
 
-/// Replaces the tunnel guard table ([`guard`]) for `plans`.
+/// Makes our policy rules (at [`RULE_PRIORITY`]) exactly `want`: `(mark, table)` each.
+async fn sync_rules(want: &BTreeSet<(u32, u32)>) -> anyhow::Result<()> {
+    let have = current_rules().await?;
+    for (mark, table) in have.difference(want) {
+        delete_rule(*mark, *table).await?;
+    }
+    for (mark, table) in want.difference(&have) {
+        ip(&[
+            "rule",
+            "add",
+            "pref",
+            &RULE_PRIORITY.to_string(),
+            "fwmark",
+            &format!("{mark:#x}/{MARK_MASK:#x}"),
+            "lookup",
+            &table.to_string(),
+        ])
+        .await?;
+    }
+    Ok(())
+}
+
+/// The tunnel guard table ([`guard`]) for `plans`, as an nftables script.
+fn guard_script(plans: &[PeerPlan], hub: &[HubMapping]) -> String {
+    let guards: Vec<guard::TunnelGuard> = plans.iter().map(|p| p.guard(hub)).collect();
+    guard::script(&guards)
+}
+
 /// The socket address WireGuard sends to: the endpoint's IP, or its DNS name resolved now (on
 /// every pass, so a name that moves to another address is followed). Of several addresses the
 /// lowest IPv4 one is taken (else the lowest IPv6), so an unchanged answer in another order does
@@ -367,13 +440,6 @@ async fn resolve(endpoint: &Endpoint) -> anyhow::Result<SocketAddr> {
 /// The lowest IPv4 address of `found`, else the lowest IPv6 one.
 fn pick(found: impl IntoIterator<Item = SocketAddr>) -> Option<SocketAddr> {
     found.into_iter().min_by_key(|a| (a.is_ipv6(), *a))
-}
-
-async fn apply_guard(plans: &[PeerPlan], hub: &[HubMapping]) -> anyhow::Result<()> {
-    let guards: Vec<guard::TunnelGuard> = plans.iter().map(|p| p.guard(hub)).collect();
-    cmd::run("nft", &["-f", "-"], Some(&guard::script(&guards)))
-        .await
-        .map(drop)
 }
 
 /// Makes a new device handshake now. A restarted gateway's devices have no session, while its
