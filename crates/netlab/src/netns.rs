@@ -18,6 +18,23 @@ pub fn is_root() -> bool {
     nix::unistd::geteuid().is_root()
 }
 
+/// Whether namespace test `test` can run here: as root, with every tool of `tools` installed.
+/// Outside CI a missing requirement skips the test loudly (a `SKIPPED:` line); CI runs as root
+/// with the tools installed, so there it fails instead.
+pub fn can_run(test: &str, tools: &[&str]) -> bool {
+    if !is_root() {
+        assert!(
+            !trellis_testkit::in_ci(),
+            "{test} needs root, and CI runs as root"
+        );
+        eprintln!("SKIPPED: {test}: needs root (network namespaces)");
+        return false;
+    }
+    tools
+        .iter()
+        .all(|tool| trellis_testkit::require_tool(tool).is_some())
+}
+
 /// Runs `ip args...`, failing with its stderr.
 pub fn ip(args: &[&str]) -> anyhow::Result<String> {
     let out = Command::new("ip")

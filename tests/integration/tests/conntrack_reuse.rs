@@ -25,7 +25,6 @@ use trellis_api::pb::peering::UnpeerRequest;
 use trellis_api::pb::types::PeeringKind;
 use trellis_netlab::netns::{connect_in, exec, listen_in};
 use trellis_netlab::{Fabric, FabricOptions, Service, StoreKind};
-use trellis_testkit::{in_ci, require_tool};
 
 const OLD_OR_NEW: [usize; 2] = [0, 2];
 const L: usize = 1;
@@ -33,14 +32,7 @@ const LIMIT: Duration = Duration::from_secs(120);
 const PORT: u16 = 7777;
 
 fn can_run(test: &str) -> bool {
-    if !trellis_netlab::netns::is_root() {
-        assert!(!in_ci(), "{test} needs root, and CI runs as root");
-        eprintln!("SKIPPED: {test}: needs root (network namespaces)");
-        return false;
-    }
-    ["ip", "nft", "ping", "conntrack"]
-        .iter()
-        .all(|tool| require_tool(tool).is_some())
+    trellis_netlab::netns::can_run(test, &["ip", "nft", "ping", "conntrack"])
 }
 
 /// The address `from`'s pod uses for `to`'s pod (as `Fabric::reach` computes it, for one pair).

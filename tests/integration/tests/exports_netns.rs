@@ -16,21 +16,13 @@ use std::time::{Duration, Instant};
 use serde_json::Value;
 use trellis_integration::bin_path;
 use trellis_integration::lab::RunningLab;
-use trellis_testkit::{in_ci, require_tool};
 
 const PORT: u16 = 8080;
 const BLOB: usize = 1 << 20;
 const LIMIT: Duration = Duration::from_secs(60);
 
 fn can_run(test: &str) -> bool {
-    if !trellis_netlab::netns::is_root() {
-        assert!(!in_ci(), "{test} needs root, and CI runs as root");
-        eprintln!("SKIPPED: {test}: needs root (network namespaces)");
-        return false;
-    }
-    ["ip", "nft", "ping", "python3"]
-        .iter()
-        .all(|tool| require_tool(tool).is_some())
+    trellis_netlab::netns::can_run(test, &["ip", "nft", "ping", "python3"])
 }
 
 fn str_of<'a>(v: &'a Value, key: &str) -> &'a str {

@@ -25,7 +25,6 @@ use trellis_api::pb::types::PeeringKind;
 use trellis_integration::prom::{parse, parser_python, scrape_in};
 use trellis_netlab::netns::exec;
 use trellis_netlab::{Fabric, FabricOptions, Service};
-use trellis_testkit::{in_ci, require_tool};
 
 // Sorted by ID (`Fabric::wait_mesh` compares in cluster order with the broker's sorted list).
 const A: usize = 0;
@@ -34,14 +33,7 @@ const LIMIT: Duration = Duration::from_secs(120);
 const GATEWAY_METRICS: u16 = 9106;
 
 fn can_run(test: &str) -> bool {
-    if !trellis_netlab::netns::is_root() {
-        assert!(!in_ci(), "{test} needs root, and CI runs as root");
-        eprintln!("SKIPPED: {test}: needs root (network namespaces)");
-        return false;
-    }
-    ["ip", "nft"]
-        .iter()
-        .all(|tool| require_tool(tool).is_some())
+    trellis_netlab::netns::can_run(test, &["ip", "nft"])
 }
 
 /// `(remote cluster ID, interface)` of every tunnel `i`'s gateway reports.

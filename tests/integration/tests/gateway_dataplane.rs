@@ -36,7 +36,6 @@ use trellis_integration::prom::{Sample, parse, parser_python, scrape_in};
 use trellis_netlab::netns::{exec, ip};
 use trellis_netlab::topology::host;
 use trellis_netlab::{Fabric, FabricOptions, Service};
-use trellis_testkit::{in_ci, require_tool};
 
 const NAMES: [&str; 3] = ["a", "b", "c"];
 const A: usize = 0;
@@ -50,14 +49,7 @@ const ENDPOINTS_METRICS: u16 = 9105;
 
 /// Whether the test can run here; prints `SKIPPED:` otherwise (and fails in CI).
 fn can_run(test: &str) -> bool {
-    if !trellis_netlab::netns::is_root() {
-        assert!(!in_ci(), "{test} needs root, and CI runs as root");
-        eprintln!("SKIPPED: {test}: needs root (network namespaces)");
-        return false;
-    }
-    ["ip", "nft", "ping", "nc", "etcd"]
-        .iter()
-        .all(|tool| require_tool(tool).is_some())
+    trellis_netlab::netns::can_run(test, &["ip", "nft", "ping", "nc", "etcd"])
 }
 
 /// The three clusters ([`Fabric`]: clusters drop before their namespaces), with the probes

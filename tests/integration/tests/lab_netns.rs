@@ -14,17 +14,10 @@ use std::time::{Duration, Instant};
 
 use trellis_integration::bin_path;
 use trellis_integration::lab::RunningLab;
-use trellis_testkit::{in_ci, require_tool};
+use trellis_testkit::require_tool;
 
 fn can_run(test: &str) -> bool {
-    if !trellis_netlab::netns::is_root() {
-        assert!(!in_ci(), "{test} needs root, and CI runs as root");
-        eprintln!("SKIPPED: {test}: needs root (network namespaces)");
-        return false;
-    }
-    ["ip", "nft", "ping"]
-        .iter()
-        .all(|tool| require_tool(tool).is_some())
+    trellis_netlab::netns::can_run(test, &["ip", "nft", "ping"])
 }
 
 fn netns_list() -> BTreeSet<String> {

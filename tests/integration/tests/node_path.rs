@@ -19,7 +19,6 @@ use trellis_integration::prom::{parse, parser_python, scrape_in};
 use trellis_netlab::netns::{exec, ip};
 use trellis_netlab::topology::link_counters;
 use trellis_netlab::{Fabric, FabricOptions, Service, StoreKind};
-use trellis_testkit::{in_ci, require_tool};
 
 const A: usize = 0;
 const B: usize = 1;
@@ -28,14 +27,7 @@ const NODES: usize = 3;
 const LIMIT: Duration = Duration::from_secs(90);
 
 fn can_run(test: &str) -> bool {
-    if !trellis_netlab::netns::is_root() {
-        assert!(!in_ci(), "{test} needs root, and CI runs as root");
-        eprintln!("SKIPPED: {test}: needs root (network namespaces)");
-        return false;
-    }
-    ["ip", "nft", "ping", "python3"]
-        .iter()
-        .all(|tool| require_tool(tool).is_some())
+    trellis_netlab::netns::can_run(test, &["ip", "nft", "ping", "python3"])
 }
 
 async fn up() -> Fabric {

@@ -36,7 +36,6 @@ use trellis_api::pb::types::PeeringKind;
 use trellis_integration::prom::{parse, parser_python, scrape_in};
 use trellis_netlab::netns::{exec, in_netns};
 use trellis_netlab::{Fabric, FabricOptions, Service, StoreKind};
-use trellis_testkit::{in_ci, require_tool};
 
 const LEAVES: usize = 20;
 const HUB: usize = 0;
@@ -46,15 +45,7 @@ const WIREGUARD_PORT: u16 = 51840;
 const GATEWAY_METRICS: u16 = 9106;
 
 fn can_run(test: &str) -> bool {
-    if !trellis_netlab::netns::is_root() {
-        assert!(!in_ci(), "{test} needs root, and CI runs as root");
-        eprintln!("SKIPPED: {test}: needs root (network namespaces)");
-        return false;
-    }
-    ["ip", "nft", "ping", "ss"]
-        .iter()
-        .all(|tool| require_tool(tool).is_some())
-        && parser_python().is_some()
+    trellis_netlab::netns::can_run(test, &["ip", "nft", "ping", "ss"]) && parser_python().is_some()
 }
 
 /// The hub's pod as cluster `viewer` addresses it, or a leaf's pod as the hub does.

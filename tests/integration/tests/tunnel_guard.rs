@@ -57,7 +57,6 @@ use trellis_gateway::keys::KeyPair;
 use trellis_netlab::netns::{exec, ip, listen_in};
 use trellis_netlab::topology::{host, link_counters};
 use trellis_netlab::{Fabric, FabricOptions, Service, Site, StoreKind};
-use trellis_testkit::{in_ci, require_tool};
 
 const A: usize = 0;
 const B: usize = 1;
@@ -75,14 +74,10 @@ const TABLE: &str = "4711";
 const LEAK_PINGS: u64 = 20;
 
 fn can_run(test: &str) -> bool {
-    if !trellis_netlab::netns::is_root() {
-        assert!(!in_ci(), "{test} needs root, and CI runs as root");
-        eprintln!("SKIPPED: {test}: needs root (network namespaces)");
-        return false;
-    }
-    ["ip", "nft", "ping", "python3", "wireguard-go", "wg"]
-        .iter()
-        .all(|tool| require_tool(tool).is_some())
+    trellis_netlab::netns::can_run(
+        test,
+        &["ip", "nft", "ping", "python3", "wireguard-go", "wg"],
+    )
 }
 
 async fn up() -> Fabric {

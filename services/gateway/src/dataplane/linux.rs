@@ -392,17 +392,7 @@ async fn sync_rules(want: &BTreeSet<(u32, u32)>) -> anyhow::Result<()> {
         delete_rule(*mark, *table).await?;
     }
     for (mark, table) in want.difference(&have) {
-        ip(&[
-            "rule",
-            "add",
-            "pref",
-            &RULE_PRIORITY.to_string(),
-            "fwmark",
-            &format!("{mark:#x}/{MARK_MASK:#x}"),
-            "lookup",
-            &table.to_string(),
-        ])
-        .await?;
+        rule("add", *mark, *table).await?;
     }
     Ok(())
 }
@@ -469,9 +459,14 @@ async fn current_rules() -> anyhow::Result<BTreeSet<(u32, u32)>> {
 }
 
 async fn delete_rule(mark: u32, table: u32) -> anyhow::Result<()> {
+    rule("del", mark, table).await
+}
+
+/// `ip rule add|del` of our rule sending `mark` to `table`.
+async fn rule(op: &str, mark: u32, table: u32) -> anyhow::Result<()> {
     ip(&[
         "rule",
-        "del",
+        op,
         "pref",
         &RULE_PRIORITY.to_string(),
         "fwmark",
