@@ -111,7 +111,10 @@ async fn every_lab_service_serves_prometheus_metrics_and_domain_gauges_match_the
             "{id}: no client latency histogram"
         );
         // No label names a peer: the series are bounded by the API, not the mesh.
-        for s in broker_samples.iter().filter(|s| s.name.starts_with("grpc_client_")) {
+        for s in broker_samples
+            .iter()
+            .filter(|s| s.name.starts_with("grpc_client_"))
+        {
             let keys: Vec<&str> = s.labels.keys().map(String::as_str).collect();
             assert!(
                 keys.iter()
