@@ -36,7 +36,7 @@ for f in deploy/grafana/*.json; do
   log "$f: valid JSON ($out panels)"
   # Every metric a panel queries is one the code registers (a renamed metric would leave an
   # empty panel): names without the encoder's suffixes, quoted in crates/ or services/.
-  for metric in $(grep -oE '\b(grpc_server|trellis)_[a-z_]+' "$f" | sed -E 's/_(total|bucket|count|sum)$//' | sort -u); do
+  for metric in $(grep -oE '\b(grpc_server|grpc_client|trellis)_[a-z_]+' "$f" | sed -E 's/_(total|bucket|count|sum)$//' | sort -u); do
     grep -rqF "\"$metric\"" crates services || fail "$f queries $metric, which no service registers"
   done
 done

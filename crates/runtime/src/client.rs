@@ -1,16 +1,19 @@
 //! Channels to other Trellis services: bounded connect and request timeouts, so a dead peer
-//! costs a caller seconds rather than forever, and trace propagation on every call.
+//! costs a caller seconds rather than forever, trace propagation on every call, and the gRPC
+//! client metrics of the calling service ([`crate::metrics::MeteredChannel`]).
 
 use std::time::Duration;
 
 use tonic::service::interceptor::InterceptedService;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Endpoint;
 use trellis_error::{Error, Result};
 
+use crate::metrics::{MeteredChannel, Metrics};
 use crate::propagation::TraceInterceptor;
 
-/// A channel that propagates the caller's trace context.
-pub type TracedChannel = InterceptedService<Channel, TraceInterceptor>;
+/// A channel that propagates the caller's trace context and records the caller's client
+/// metrics.
+pub type TracedChannel = InterceptedService<MeteredChannel, TraceInterceptor>;
 
 /// Timeouts of a client channel.
 #[derive(Debug, Clone, Copy)]
@@ -32,9 +35,21 @@ impl Default for Timeouts {
 
 /// A lazily connecting channel to `address` (`host:port` or `http://host:port`). Fails only on a
 /// malformed address, named as `field`. Sends no local token: for other clusters' services,
-/// and for local ones when local authentication is off (see [`local_channel`]).
-pub fn channel(field: &str, address: &str, timeouts: Timeouts) -> Result<TracedChannel> {
-    endpoint_channel(field, address, timeouts, TraceInterceptor::default())
+/// and for local ones when local authentication is off (see [`local_channel`]). Its calls count
+/// in `metrics`, the calling service's.
+pub fn channel(
+    field: &str,
+    address: &str,
+    timeouts: Timeouts,
+    metrics: &Metrics,
+) -> Result<TracedChannel> {
+    endpoint_channel(
+        field,
+        address,
+        timeouts,
+        TraceInterceptor::default(),
+        metrics,
+    )
 }
 
 /// Like [`channel`], to a service of this cluster: every call carries the local token
@@ -44,12 +59,14 @@ pub fn local_channel(
     address: &str,
     timeouts: Timeouts,
     token: &crate::local_auth::LocalToken,
+    metrics: &Metrics,
 ) -> Result<TracedChannel> {
     endpoint_channel(
         field,
         address,
         timeouts,
         TraceInterceptor::with_local_token(token.clone()),
+        metrics,
     )
 }
 
@@ -81,6 +98,7 @@ fn endpoint_channel(
     address: &str,
     timeouts: Timeouts,
     interceptor: TraceInterceptor,
+    metrics: &Metrics,
 ) -> Result<TracedChannel> {
     let uri = if address.contains("://") {
         address.to_owned()
@@ -93,7 +111,7 @@ fn endpoint_channel(
         .timeout(timeouts.request)
         .tcp_nodelay(true);
     Ok(InterceptedService::new(
-        keep_subscriber(endpoint).connect_lazy(),
+        metrics.meter_channel(keep_subscriber(endpoint).connect_lazy()),
         interceptor,
     ))
 }
@@ -142,8 +160,8 @@ mod tests {
             tracing_subscriber::registry().with(tracing_subscriber::filter::LevelFilter::TRACE),
         );
         let outcome = async move {
-            let channel =
-                channel("address", &address, Timeouts::default()).expect("a valid address");
+            let channel = channel("address", &address, Timeouts::default(), &Metrics::new())
+                .expect("a valid address");
             let mut client = HealthClient::new(channel);
             let parent = tracing::info_span!("parent");
             let child = tracing::info_span!(parent: &parent, "child");

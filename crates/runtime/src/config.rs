@@ -327,13 +327,18 @@ impl BaseConfig {
 }
 
 impl CommonConfig {
-    /// Opens the store `--store` names, with the credentials of the `--store-*` flags. Every
-    /// service opens its store through this.
-    pub async fn open_store(&self) -> anyhow::Result<trellis_store::SharedStore> {
+    /// Opens the store `--store` names, with the credentials of the `--store-*` flags, its
+    /// operations recorded in `metrics` (the service's, when served: ADR 0018). Every service
+    /// opens its store through this.
+    pub async fn open_store(
+        &self,
+        metrics: &crate::metrics::Metrics,
+    ) -> anyhow::Result<trellis_store::SharedStore> {
         let auth = self.store_auth.load()?;
-        trellis_store::open_with(&self.store, &auth)
+        let store = trellis_store::open_with(&self.store, &auth)
             .await
-            .with_context(|| format!("opening store {}", self.store))
+            .with_context(|| format!("opening store {}", self.store))?;
+        Ok(metrics.meter_store(store))
     }
 }
 

@@ -1,8 +1,11 @@
 //! Prometheus metrics of one service (issue 19): a registry per service (not per process, so
 //! the lab's in-process services each expose their own), the gRPC server metrics every
-//! [`crate::server::GrpcServer`] records through [`GrpcMetricsLayer`], and the `/metrics`
-//! listener (`--metrics-listen`), served in the Prometheus text format by `prometheus-client`
-//! through axum on a tonic server that also accepts HTTP/1.1 — no second HTTP stack.
+//! [`crate::server::GrpcServer`] records through [`GrpcMetricsLayer`], the gRPC client metrics
+//! of every channel [`crate::client`] and [`crate::tls`] build ([`MeteredChannel`]), the store
+//! metrics of the store [`crate::config::CommonConfig::open_store`] opens
+//! ([`trellis_store::metered`]), and the `/metrics` listener (`--metrics-listen`), served in the
+//! Prometheus text format by `prometheus-client` through axum on a tonic server that also
+//! accepts HTTP/1.1 — no second HTTP stack.
 //!
 //! Gauges that mirror store state are refreshed at scrape time by the hooks a service
 //! registers with [`Metrics::on_scrape`], so a scrape shows what the store holds at that
@@ -12,6 +15,7 @@ use std::fmt;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, RwLock};
 use std::task::{Context, Poll, ready};
 use std::time::Instant;
@@ -19,11 +23,12 @@ use std::time::Instant;
 use anyhow::Context as _;
 use prometheus_client::encoding::text::encode;
 use prometheus_client::metrics::counter::Counter;
-use prometheus_client::metrics::family::{Family, MetricConstructor};
-use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::{Metric, Registry};
 use tokio::net::TcpListener;
 use tokio_stream::wrappers::TcpListenerStream;
+use trellis_store::metered::StoreMetrics;
 
 use crate::shutdown::Shutdown;
 
@@ -36,14 +41,7 @@ pub type Labels = Vec<(&'static str, String)>;
 type Hook = Arc<dyn Fn() -> Pin<Box<dyn Future<Output = ()> + Send>> + Send + Sync>;
 
 /// A histogram constructor with the latency buckets used everywhere: 100 µs to ~13 s.
-#[derive(Debug, Clone, Copy, Default)]
-pub struct LatencyBuckets;
-
-impl MetricConstructor<Histogram> for LatencyBuckets {
-    fn new_metric(&self) -> Histogram {
-        Histogram::new(exponential_buckets(0.0001, 2.0, 18))
-    }
-}
+pub use trellis_store::metered::LatencyBuckets;
 
 /// A family of latency histograms.
 pub type LatencyFamily = Family<Labels, Histogram, LatencyBuckets>;
@@ -53,7 +51,12 @@ pub type LatencyFamily = Family<Labels, Histogram, LatencyBuckets>;
 pub struct Metrics {
     registry: Arc<RwLock<Registry>>,
     hooks: Arc<RwLock<Vec<Hook>>>,
-    grpc: GrpcServerMetrics,
+    grpc: GrpcFamilies,
+    client: GrpcFamilies,
+    store: StoreMetrics,
+    /// Whether `/metrics` is served: only then do channels and the store record (nothing
+    /// would read it otherwise, and `ipam-bench` measures against exactly that).
+    served: Arc<AtomicBool>,
 }
 
 impl fmt::Debug for Metrics {
@@ -69,12 +72,16 @@ impl Default for Metrics {
 }
 
 impl Metrics {
-    /// An empty registry with the gRPC server metrics registered.
+    /// An empty registry with the gRPC server and client metrics and the store metrics
+    /// registered; not [served](Self::served) yet.
     pub fn new() -> Self {
         let metrics = Self {
             registry: Arc::new(RwLock::new(Registry::default())),
             hooks: Arc::default(),
-            grpc: GrpcServerMetrics::default(),
+            grpc: GrpcFamilies::default(),
+            client: GrpcFamilies::default(),
+            store: StoreMetrics::default(),
+            served: Arc::default(),
         };
         metrics.register(
             "grpc_server_started",
@@ -91,7 +98,54 @@ impl Metrics {
             "Time from request to the end of the response (trailers), seconds",
             metrics.grpc.seconds.clone(),
         );
+        // The client side, with go-grpc-prometheus' names: calls this service makes, to its
+        // own cluster's services and to other clusters'.
+        metrics.register(
+            "grpc_client_started",
+            "RPCs started by this service as a client",
+            metrics.client.started.clone(),
+        );
+        metrics.register(
+            "grpc_client_handled",
+            "RPCs this service made that completed, by gRPC status code (no response: the code the client maps the transport error to)",
+            metrics.client.handled.clone(),
+        );
+        metrics.register(
+            "grpc_client_handling_seconds",
+            "Time from sending a request to the end of the response (trailers), seconds",
+            metrics.client.seconds.clone(),
+        );
         metrics
+            .store
+            .register(&mut metrics.registry.write().unwrap_or_else(|e| e.into_inner()));
+        metrics
+    }
+
+    /// Whether `/metrics` is served (see [`crate::server::GrpcServer::with_metrics_listener`]).
+    pub fn served(&self) -> bool {
+        self.served.load(Ordering::Relaxed)
+    }
+
+    pub(crate) fn set_served(&self, served: bool) {
+        self.served.store(served, Ordering::Relaxed);
+    }
+
+    /// `store`, recording `trellis_store_*` into this registry when it is served; `store`
+    /// itself otherwise.
+    pub fn meter_store(&self, store: trellis_store::SharedStore) -> trellis_store::SharedStore {
+        if self.served() {
+            trellis_store::metered::metered(store, &self.store)
+        } else {
+            store
+        }
+    }
+
+    /// `channel`, recording `grpc_client_*` into this registry when it is served.
+    pub fn meter_channel(&self, channel: tonic::transport::Channel) -> MeteredChannel {
+        MeteredChannel {
+            inner: channel,
+            metrics: self.served().then(|| self.client.clone()),
+        }
     }
 
     /// Registers `metric` as `name` (counters get `_total` appended by the encoder).
@@ -219,15 +273,15 @@ impl MetricsListener {
     }
 }
 
-/// The gRPC server metrics, with the conventional names and labels.
+/// The gRPC metrics of one side (server or client), with the conventional names and labels.
 #[derive(Debug, Clone)]
-struct GrpcServerMetrics {
+struct GrpcFamilies {
     started: Family<Labels, Counter>,
     handled: Family<Labels, Counter>,
     seconds: LatencyFamily,
 }
 
-impl Default for GrpcServerMetrics {
+impl Default for GrpcFamilies {
     fn default() -> Self {
         Self {
             started: Family::default(),
@@ -241,7 +295,7 @@ impl Default for GrpcServerMetrics {
 /// `grpc_server_handling_seconds` for every request.
 #[derive(Debug, Clone)]
 pub struct GrpcMetricsLayer {
-    metrics: GrpcServerMetrics,
+    metrics: GrpcFamilies,
 }
 
 impl<S> tower::Layer<S> for GrpcMetricsLayer {
@@ -259,7 +313,7 @@ impl<S> tower::Layer<S> for GrpcMetricsLayer {
 #[derive(Debug, Clone)]
 pub struct GrpcMetricsService<S> {
     inner: S,
-    metrics: GrpcServerMetrics,
+    metrics: GrpcFamilies,
 }
 
 /// `/pkg.Service/Method` split into service and method.
@@ -283,13 +337,29 @@ fn code_name(code: &str) -> String {
 /// What is recorded when the response ends.
 #[derive(Debug)]
 struct Finish {
-    metrics: GrpcServerMetrics,
+    metrics: GrpcFamilies,
     service: String,
     method: String,
     start: Instant,
 }
 
 impl Finish {
+    /// Counts the start of a call to `path` (`/pkg.Service/Method`).
+    fn start(metrics: &GrpcFamilies, path: &str) -> Self {
+        let (service, method) = split_path(path);
+        let labels: Labels = vec![
+            ("grpc_service", service.clone()),
+            ("grpc_method", method.clone()),
+        ];
+        metrics.started.get_or_create(&labels).inc();
+        Self {
+            metrics: metrics.clone(),
+            service,
+            method,
+            start: Instant::now(),
+        }
+    }
+
     fn record(self, code: String) {
         let labels: Labels = vec![("grpc_service", self.service), ("grpc_method", self.method)];
         self.metrics
@@ -299,6 +369,24 @@ impl Finish {
         let mut handled = labels;
         handled.push(("grpc_code", code));
         self.metrics.handled.get_or_create(&handled).inc();
+    }
+
+    /// Records at the end of `response`: now for a trailers-only response (an error before
+    /// any message carries the status in its headers), else when its body yields the trailers.
+    fn on_response(
+        self,
+        response: http::Response<tonic::body::Body>,
+    ) -> http::Response<tonic::body::Body> {
+        if let Some(code) = response.headers().get("grpc-status") {
+            self.record(code_name(code.to_str().unwrap_or("2")));
+            return response;
+        }
+        response.map(|body| {
+            tonic::body::Body::new(MeteredBody {
+                inner: body,
+                finish: Some(self),
+            })
+        })
     }
 }
 
@@ -317,33 +405,73 @@ where
     }
 
     fn call(&mut self, req: http::Request<B>) -> Self::Future {
-        let (service, method) = split_path(req.uri().path());
-        let labels: Labels = vec![
-            ("grpc_service", service.clone()),
-            ("grpc_method", method.clone()),
-        ];
-        self.metrics.started.get_or_create(&labels).inc();
-        let finish = Finish {
-            metrics: self.metrics.clone(),
-            service,
-            method,
-            start: Instant::now(),
-        };
+        let finish = Finish::start(&self.metrics, req.uri().path());
         let fut = self.inner.call(req);
+        Box::pin(async move { Ok(finish.on_response(fut.await?)) })
+    }
+}
+
+/// A client channel recording `grpc_client_started_total`, `grpc_client_handled_total` and
+/// `grpc_client_handling_seconds` into its service's registry (see [`Metrics::meter_channel`]);
+/// every channel of [`crate::client`] and [`crate::tls`] is one. The labels are the server
+/// metrics' (service, method, code): never the peer, so the series stay bounded by the API.
+#[derive(Debug, Clone)]
+pub struct MeteredChannel {
+    inner: tonic::transport::Channel,
+    /// `None`: records nothing (no `/metrics` listener, or a tool).
+    metrics: Option<GrpcFamilies>,
+}
+
+impl MeteredChannel {
+    /// `channel` recording nothing: for tools (trellisctl) that have no registry.
+    pub fn unmetered(channel: tonic::transport::Channel) -> Self {
+        Self {
+            inner: channel,
+            metrics: None,
+        }
+    }
+}
+
+/// The code a call that got no response counts under: what tonic turns the transport error
+/// into for the caller (a timeout: `Cancelled`; a status inside: its code), else
+/// `Unavailable` (connection refused or reset).
+fn transport_code(err: &tonic::transport::Error) -> String {
+    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(err);
+    while let Some(err) = source {
+        if let Some(status) = err.downcast_ref::<tonic::Status>() {
+            return code_name(&(status.code() as i32).to_string());
+        }
+        if err.is::<tonic::TimeoutExpired>() {
+            return "Cancelled".to_owned();
+        }
+        source = err.source();
+    }
+    "Unavailable".to_owned()
+}
+
+impl tower::Service<http::Request<tonic::body::Body>> for MeteredChannel {
+    type Response = http::Response<tonic::body::Body>;
+    type Error = tonic::transport::Error;
+    type Future = Pin<Box<dyn Future<Output = Result<Self::Response, Self::Error>> + Send>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        tower::Service::poll_ready(&mut self.inner, cx)
+    }
+
+    fn call(&mut self, req: http::Request<tonic::body::Body>) -> Self::Future {
+        let Some(metrics) = &self.metrics else {
+            return Box::pin(tower::Service::call(&mut self.inner, req));
+        };
+        let finish = Finish::start(metrics, req.uri().path());
+        let fut = tower::Service::call(&mut self.inner, req);
         Box::pin(async move {
-            let response = fut.await?;
-            // A trailers-only response (an error before any message) carries the status in
-            // its headers; otherwise the status comes in the trailers at the end of the body.
-            if let Some(code) = response.headers().get("grpc-status") {
-                finish.record(code_name(code.to_str().unwrap_or("2")));
-                return Ok(response);
+            match fut.await {
+                Ok(response) => Ok(finish.on_response(response)),
+                Err(err) => {
+                    finish.record(transport_code(&err));
+                    Err(err)
+                }
             }
-            Ok(response.map(|body| {
-                tonic::body::Body::new(MeteredBody {
-                    inner: body,
-                    finish: Some(finish),
-                })
-            }))
         })
     }
 }
@@ -525,6 +653,98 @@ mod tests {
         assert!(text.ends_with("# EOF\n"), "{text}");
         shutdown.cancel();
         task.await.expect("joins").expect("stops cleanly");
+    }
+
+    /// A service's calls count in its own registry by service, method and the code the server
+    /// answered (an error status included), and a call that gets no response at all (nothing
+    /// listens) counts as `Unavailable`.
+    #[tokio::test]
+    async fn client_calls_are_counted_by_the_code_answered() {
+        let server = GrpcServer::bind(local())
+            .await
+            .expect("bind")
+            .with_metrics_listener(MetricsListen::At(local()))
+            .await
+            .expect("metrics bind");
+        let grpc = server.local_addr();
+        let scrape_at = server.metrics_addr().expect("metrics listener");
+        let metrics = server.metrics().clone();
+        assert!(metrics.served());
+        let shutdown = Shutdown::new();
+        let task = server.spawn(
+            tonic::service::Routes::default(),
+            &[],
+            shutdown.clone(),
+            Duration::from_secs(1),
+            Vec::new(),
+        );
+        let timeouts = crate::client::Timeouts::default();
+        let channel = crate::client::channel("address", &grpc.to_string(), timeouts, &metrics)
+            .expect("channel");
+        let mut health = HealthClient::new(channel);
+        health
+            .check(HealthCheckRequest::default())
+            .await
+            .expect("serving");
+        let err = health
+            .check(HealthCheckRequest {
+                service: "no.such.Service".into(),
+            })
+            .await
+            .expect_err("unknown service");
+        assert_eq!(err.code(), tonic::Code::NotFound);
+
+        // A port nothing listens on: refused, no response.
+        let closed = TcpListener::bind(local()).await.expect("bind");
+        let closed_addr = closed.local_addr().expect("addr");
+        drop(closed);
+        let dead = crate::client::channel("address", &closed_addr.to_string(), timeouts, &metrics)
+            .expect("channel");
+        let err = HealthClient::new(dead)
+            .check(HealthCheckRequest::default())
+            .await
+            .expect_err("nothing listens");
+        assert_eq!(err.code(), tonic::Code::Unavailable, "{err:?}");
+
+        let text = scrape(scrape_at).await;
+        let handled = |code: &str| {
+            format!(
+                "grpc_client_handled_total{{grpc_service=\"grpc.health.v1.Health\",grpc_method=\"Check\",grpc_code=\"{code}\"}}"
+            )
+        };
+        assert_eq!(value(&text, &handled("OK")), Some(1.0), "{text}");
+        assert_eq!(value(&text, &handled("NotFound")), Some(1.0), "{text}");
+        assert_eq!(value(&text, &handled("Unavailable")), Some(1.0), "{text}");
+        assert_eq!(
+            value(
+                &text,
+                "grpc_client_handling_seconds_count{grpc_service=\"grpc.health.v1.Health\",grpc_method=\"Check\"}"
+            ),
+            Some(3.0),
+            "{text}"
+        );
+        assert_eq!(
+            value(
+                &text,
+                "grpc_client_started_total{grpc_service=\"grpc.health.v1.Health\",grpc_method=\"Check\"}"
+            ),
+            Some(3.0),
+            "{text}"
+        );
+        shutdown.cancel();
+        task.await.expect("joins").expect("stops cleanly");
+    }
+
+    /// Without a `/metrics` listener nothing records: a channel passes calls through.
+    #[tokio::test]
+    async fn an_unserved_registry_meters_nothing() {
+        let metrics = Metrics::new();
+        assert!(!metrics.served());
+        let channel = tonic::transport::Endpoint::from_static("http://127.0.0.1:9").connect_lazy();
+        assert!(metrics.meter_channel(channel).metrics.is_none());
+        let store: trellis_store::SharedStore = Arc::new(trellis_store::MemoryStore::new());
+        let same = metrics.meter_store(store.clone());
+        assert!(Arc::ptr_eq(&store, &same), "the store is not wrapped");
     }
 
     #[tokio::test]

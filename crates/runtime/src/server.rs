@@ -173,10 +173,15 @@ impl GrpcServer {
             },
             MetricsListen::Off => None,
         };
+        // Channels and the store record only where someone scrapes: set before the service
+        // opens its store and builds its channels through `metrics()`.
+        self.metrics.set_served(self.metrics_listener.is_some());
         Ok(self)
     }
 
-    /// This service's metrics: register domain metrics here.
+    /// This service's metrics: register domain metrics here, open the store
+    /// ([`crate::config::CommonConfig::open_store`]) and build channels ([`crate::client`],
+    /// [`crate::tls`]) with them, so store operations and outgoing calls count here too.
     pub fn metrics(&self) -> &Metrics {
         &self.metrics
     }

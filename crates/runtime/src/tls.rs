@@ -47,6 +47,7 @@ use tonic::transport::server::Connected;
 use trellis_error::{Error, Result};
 
 use crate::client::{Timeouts, TracedChannel};
+use crate::metrics::Metrics;
 use crate::propagation::TraceInterceptor;
 
 /// Every Trellis identity URI starts with this, followed by the cluster ID.
@@ -1363,10 +1364,11 @@ fn tls_channel(
     address: &str,
     timeouts: Timeouts,
     config: Arc<rustls::ClientConfig>,
+    metrics: &Metrics,
 ) -> Result<TracedChannel> {
     let channel = TlsEndpoint::new(field, address, timeouts, config)?.connect_lazy();
     Ok(InterceptedService::new(
-        channel,
+        metrics.meter_channel(channel),
         TraceInterceptor::default(),
     ))
 }
@@ -1379,8 +1381,15 @@ pub fn peer_channel(
     address: &str,
     expected: Option<&str>,
     timeouts: Timeouts,
+    metrics: &Metrics,
 ) -> Result<TracedChannel> {
-    tls_channel(field, address, timeouts, tls.client_config(expected)?)
+    tls_channel(
+        field,
+        address,
+        timeouts,
+        tls.client_config(expected)?,
+        metrics,
+    )
 }
 
 /// A channel to cluster `expected`'s service at `address`: over mutual TLS when `tls` is
@@ -1391,10 +1400,11 @@ pub fn cluster_channel(
     address: &str,
     expected: &str,
     timeouts: Timeouts,
+    metrics: &Metrics,
 ) -> Result<TracedChannel> {
     match tls {
-        Some(tls) => peer_channel(tls, field, address, Some(expected), timeouts),
-        None => crate::client::channel(field, address, timeouts),
+        Some(tls) => peer_channel(tls, field, address, Some(expected), timeouts, metrics),
+        None => crate::client::channel(field, address, timeouts, metrics),
     }
 }
 
@@ -1405,10 +1415,11 @@ pub fn first_contact_channel(
     field: &str,
     address: &str,
     timeouts: Timeouts,
+    metrics: &Metrics,
 ) -> Result<TracedChannel> {
     match tls {
-        Some(tls) => handshake_channel(tls, field, address, timeouts),
-        None => crate::client::channel(field, address, timeouts),
+        Some(tls) => handshake_channel(tls, field, address, timeouts, metrics),
+        None => crate::client::channel(field, address, timeouts, metrics),
     }
 }
 
@@ -1420,6 +1431,7 @@ pub fn peer_channel_pinned(
     address: &str,
     ca: PinnedCa,
     timeouts: Timeouts,
+    metrics: &Metrics,
 ) -> Result<TracedChannel> {
     let only = TrustStore::default();
     let expected = ca.cluster_id.clone();
@@ -1433,7 +1445,7 @@ pub fn peer_channel_pinned(
         },
         true,
     )?;
-    tls_channel(field, address, timeouts, config)
+    tls_channel(field, address, timeouts, config, metrics)
 }
 
 /// A channel for the peering handshake that only reaches a server whose chain anchors at the
@@ -1444,12 +1456,14 @@ pub fn pinned_handshake_channel(
     address: &str,
     pin: CaCertHash,
     timeouts: Timeouts,
+    metrics: &Metrics,
 ) -> Result<TracedChannel> {
     tls_channel(
         field,
         address,
         timeouts,
         tls.pinned_handshake_client_config(pin)?,
+        metrics,
     )
 }
 
@@ -1460,8 +1474,15 @@ pub fn handshake_channel(
     field: &str,
     address: &str,
     timeouts: Timeouts,
+    metrics: &Metrics,
 ) -> Result<TracedChannel> {
-    tls_channel(field, address, timeouts, tls.handshake_client_config()?)
+    tls_channel(
+        field,
+        address,
+        timeouts,
+        tls.handshake_client_config()?,
+        metrics,
+    )
 }
 
 /// Who sent a request, as far as the transport knows.

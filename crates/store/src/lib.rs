@@ -22,6 +22,7 @@ mod error;
 mod etcd;
 mod kv;
 mod memory;
+pub mod metered;
 pub mod record;
 pub mod retry;
 mod txn;
@@ -111,6 +112,12 @@ pub trait Store: Send + Sync + std::fmt::Debug + 'static {
         value: Vec<u8>,
         lease: LeaseId,
     ) -> Result<Revision, StoreError>;
+
+    /// Told by [`retry::Contention`] each time a caller lost a compare-and-swap race and
+    /// retries: nothing for a backend; [`metered::MeteredStore`] counts it
+    /// (`trellis_store_transaction_retries_total`), so retries are counted in the one place
+    /// every retry loop goes through.
+    fn retried(&self) {}
 }
 
 /// Opens a store from its URL.

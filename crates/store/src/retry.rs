@@ -1,11 +1,14 @@
 //! Retrying optimistic transactions. Every service commits with compare-and-swap and, when a
 //! concurrent writer won, re-reads and decides again; [`Contention`] bounds that loop and
-//! spreads the retries of racing writers with a short random wait.
+//! spreads the retries of racing writers with a short random wait. Every lost race is reported
+//! to the store ([`crate::Store::retried`]), which a metered store counts.
 
 use std::time::Duration;
 
 use rand::Rng as _;
 use trellis_error::{Error, Result};
+
+use crate::SharedStore;
 
 /// Lost races after which an operation gives up with [`Error::Aborted`].
 pub const MAX_ATTEMPTS: u32 = 100;
@@ -15,12 +18,28 @@ pub const MAX_ATTEMPTS: u32 = 100;
 pub struct Contention {
     attempt: u32,
     what: &'static str,
+    store: Option<SharedStore>,
 }
 
 impl Contention {
-    /// `what` names the operation in the error ("allocating subnets").
-    pub fn new(what: &'static str) -> Self {
-        Self { attempt: 0, what }
+    /// Races lost on `store`'s compare-and-swap, which is told of each retry (and counts it
+    /// when metered); `what` names the operation in the error ("allocating subnets").
+    pub fn on(store: &SharedStore, what: &'static str) -> Self {
+        Self {
+            attempt: 0,
+            what,
+            store: Some(store.clone()),
+        }
+    }
+
+    /// Races lost somewhere else than a Trellis store (a Kubernetes object's
+    /// `resourceVersion`): bounded and spread the same way, not counted as store retries.
+    pub fn elsewhere(what: &'static str) -> Self {
+        Self {
+            attempt: 0,
+            what,
+            store: None,
+        }
     }
 
     /// Counts a lost race without waiting: the caller already knows how to avoid the
@@ -32,6 +51,9 @@ impl Contention {
                 "{}: gave up after {MAX_ATTEMPTS} conflicting concurrent updates",
                 self.what
             )));
+        }
+        if let Some(store) = &self.store {
+            store.retried();
         }
         Ok(())
     }
@@ -53,7 +75,8 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn gives_up_after_the_bound_with_aborted_naming_the_operation() {
-        let mut contention = Contention::new("allocating subnets");
+        let store: SharedStore = std::sync::Arc::new(crate::MemoryStore::new());
+        let mut contention = Contention::on(&store, "allocating subnets");
         for _ in 1..MAX_ATTEMPTS {
             contention.lost().await.expect("still within the bound");
         }

@@ -12,6 +12,7 @@ use trellis_runtime::config::ports;
 use tonic::service::interceptor::InterceptedService;
 use trellis_runtime::client::TracedChannel;
 use trellis_runtime::local_auth::LocalToken;
+use trellis_runtime::metrics::MeteredChannel;
 use trellis_runtime::propagation::TraceInterceptor;
 use trellis_runtime::tls::ToolTls;
 
@@ -157,7 +158,7 @@ impl Globals {
         };
         let channel = crate::connect::connect(target, tls.as_ref(), self.timeout).await?;
         Ok(InterceptedService::new(
-            channel,
+            MeteredChannel::unmetered(channel),
             TraceInterceptor::with_local_token(token),
         ))
     }

@@ -873,7 +873,7 @@ impl Broker {
     /// Clears the decision on our NC towards `remote`, so that the pass delivers it again.
     async fn resend(&self, remote: &ClusterId) -> Result<()> {
         let key = out_key(remote);
-        let mut contention = Contention::new("re-sending our network config");
+        let mut contention = Contention::on(&self.store, "re-sending our network config");
         loop {
             let Some(kv) = self.store.get(&key).await? else {
                 return Ok(());
@@ -958,7 +958,7 @@ impl Broker {
     pub async fn decided(&self, remote: &ClusterId, decision: Decision) -> Result<bool> {
         self.check_remote_decision("status", &decision)?;
         let key = out_key(remote);
-        let mut contention = Contention::new("recording a network config status");
+        let mut contention = Contention::on(&self.store, "recording a network config status");
         loop {
             let Some(kv) = self.store.get(&key).await? else {
                 return Err(Error::NotFound(format!(

@@ -67,7 +67,9 @@ pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started
     if let Some(initial) = &config.token {
         token::check_format("--token", initial)?;
     }
-    let store = common.open_store().await?;
+    // Bound first: its registry records the store's operations and the clients' calls.
+    let server = GrpcServer::for_service(common, ports::BROKER, ports::BROKER_METRICS).await?;
+    let store = common.open_store(server.metrics()).await?;
     let tls = config.tls.load(identity.id.as_str())?;
     let clients = Clients::new(
         &config.discovery,
@@ -75,6 +77,7 @@ pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started
         &config.gateway,
         tls.clone(),
         &common.local_token()?,
+        server.metrics(),
     )?;
     let core = Arc::new(
         Broker::new(identity, store, clients, config.token.clone())
@@ -93,8 +96,7 @@ pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started
         &mut background,
     )
     .await?;
-    let server = GrpcServer::for_service(common, ports::BROKER, ports::BROKER_METRICS)
-        .await?
+    let server = server
         .with_peer_listener(peer)
         .with_cluster_facing(grpc::PEER_METHODS);
     let addr = server.local_addr();

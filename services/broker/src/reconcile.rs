@@ -1053,6 +1053,7 @@ mod tests {
             "127.0.0.1:9",
             None,
             &trellis_runtime::local_auth::LocalToken::off(),
+            &trellis_runtime::metrics::Metrics::new(),
         )
         .expect("valid addresses");
         let identity = ClusterIdentity::parse("id", "leaf-a", "name", "").expect("identity");

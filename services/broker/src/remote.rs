@@ -15,6 +15,7 @@ use trellis_api::pb::peering::forwarder_client::ForwarderClient;
 use trellis_error::Result;
 use trellis_runtime::client::{Timeouts, TracedChannel, local_channel};
 use trellis_runtime::local_auth::LocalToken;
+use trellis_runtime::metrics::Metrics;
 use trellis_runtime::tls::{
     CaCertHash, PeerTls, PinnedCa, cluster_channel, first_contact_channel, peer_channel_pinned,
     pinned_handshake_channel,
@@ -40,6 +41,8 @@ pub struct Clients {
     tls: Option<PeerTls>,
     /// Remote channels by (address, expected cluster).
     remote: Mutex<HashMap<(String, String), TracedChannel>>,
+    /// The broker's registry: every channel's calls count there (`grpc_client_*`).
+    metrics: Metrics,
 }
 
 impl Clients {
@@ -51,13 +54,15 @@ impl Clients {
         gateway: &str,
         tls: Option<PeerTls>,
         local_token: &LocalToken,
+        metrics: &Metrics,
     ) -> Result<Self> {
         Ok(Self {
-            discovery: local_channel("discovery", discovery, LOCAL, local_token)?,
-            ipam: local_channel("ipam", ipam, LOCAL, local_token)?,
-            gateway: local_channel("gateway", gateway, LOCAL, local_token)?,
+            discovery: local_channel("discovery", discovery, LOCAL, local_token, metrics)?,
+            ipam: local_channel("ipam", ipam, LOCAL, local_token, metrics)?,
+            gateway: local_channel("gateway", gateway, LOCAL, local_token, metrics)?,
             tls,
             remote: Mutex::new(HashMap::new()),
+            metrics: metrics.clone(),
         })
     }
 
@@ -97,8 +102,14 @@ impl Clients {
         {
             return Ok(found.clone());
         }
-        let created =
-            cluster_channel(self.tls.as_ref(), field, address, expected.as_str(), REMOTE)?;
+        let created = cluster_channel(
+            self.tls.as_ref(),
+            field,
+            address,
+            expected.as_str(),
+            REMOTE,
+            &self.metrics,
+        )?;
         if let Ok(mut cache) = self.remote.lock() {
             cache.insert(key, created.clone());
         }
@@ -135,6 +146,7 @@ impl Clients {
                     address,
                     ca,
                     REMOTE,
+                    &self.metrics,
                 )?))
             }
             _ => self.broker(address, expected),
@@ -149,6 +161,7 @@ impl Clients {
             "broker_address",
             address,
             REMOTE,
+            &self.metrics,
         )?))
     }
 
@@ -172,6 +185,7 @@ impl Clients {
             address,
             pin,
             REMOTE,
+            &self.metrics,
         )?))
     }
 

@@ -86,7 +86,7 @@ pub fn accepts(record: &TokenRecord, presented: &str) -> bool {
 
 /// Replaces the token; the previous one stays valid for `grace`.
 pub async fn rotate(store: &SharedStore, grace: Duration) -> Result<TokenRecord> {
-    let mut contention = Contention::new("rotating the token");
+    let mut contention = Contention::on(store, "rotating the token");
     loop {
         let existing = store.get(TOKEN_KEY).await?;
         let (previous, revision) = match &existing {

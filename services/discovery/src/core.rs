@@ -226,6 +226,8 @@ pub struct Discovery {
     induced: bool,
     /// Mutual TLS towards other clusters' discovery services (ADR 0014), when configured.
     tls: Option<PeerTls>,
+    /// The service's registry: calls to other clusters count there (`grpc_client_*`).
+    metrics: trellis_runtime::metrics::Metrics,
     /// Serialises, within this process, the writes that touch many induced records at once
     /// (applying a Neighborhood, ending a peering). A large one commits in several chunks
     /// ([`Batch::commit`]); two of them interleaving chunk by chunk could each re-decide over
@@ -289,6 +291,7 @@ impl Discovery {
             advertised,
             induced: true,
             tls: None,
+            metrics: trellis_runtime::metrics::Metrics::new(),
             bulk: tokio::sync::Mutex::new(()),
             max_induced_per_hub: MAX_INDUCED_PER_HUB,
             heard: std::sync::Mutex::new(BTreeSet::new()),
@@ -302,6 +305,17 @@ impl Discovery {
     pub fn with_tls(mut self, tls: Option<PeerTls>) -> Self {
         self.tls = tls;
         self
+    }
+
+    /// Counts calls to other clusters in `metrics` (the service's registry).
+    pub fn with_metrics(mut self, metrics: &trellis_runtime::metrics::Metrics) -> Self {
+        self.metrics = metrics.clone();
+        self
+    }
+
+    /// The service's registry.
+    pub fn metrics(&self) -> &trellis_runtime::metrics::Metrics {
+        &self.metrics
     }
 
     /// The mutual-TLS setup towards other clusters, when configured.
@@ -389,7 +403,7 @@ impl Discovery {
     /// Forgets a cluster. Refused while peered, and for induced records their origin still
     /// lists (they belong to the origin's Neighborhood); withdrawn induced records may go.
     pub async fn remove(&self, id: &ClusterId) -> Result<bool> {
-        let mut contention = Contention::new("removing a ForeignCluster");
+        let mut contention = Contention::on(&self.store, "removing a ForeignCluster");
         loop {
             let Some((record, revision)) = self.find(id).await? else {
                 return Ok(false);
@@ -471,7 +485,7 @@ impl Discovery {
                 identity.id.as_str()
             )));
         }
-        let mut contention = Contention::new("recording a discovered cluster");
+        let mut contention = Contention::on(&self.store, "recording a discovered cluster");
         loop {
             let found = self.find(&identity.id).await?;
             let (before, revision) = match &found {
@@ -538,7 +552,7 @@ impl Discovery {
         still_found: &BTreeSet<String>,
         reason: &str,
     ) -> Result<Vec<ClusterId>> {
-        let mut contention = Contention::new("recording lost clusters");
+        let mut contention = Contention::on(&self.store, "recording lost clusters");
         loop {
             let snapshot = self.snapshot().await?;
             let mut batch = Batch::default();
@@ -584,7 +598,7 @@ impl Discovery {
             ));
         }
         let _bulk = self.bulk.lock().await;
-        let mut contention = Contention::new("updating a peering");
+        let mut contention = Contention::on(&self.store, "updating a peering");
         loop {
             let snapshot = self.snapshot().await?;
             let found = snapshot.records.get(id);
@@ -845,7 +859,7 @@ impl Discovery {
         self.check_neighborhood(n)?;
         let sender = &n.sender.id;
         let _bulk = self.bulk.lock().await;
-        let mut contention = Contention::new("applying a Neighborhood");
+        let mut contention = Contention::on(&self.store, "applying a Neighborhood");
         loop {
             let snapshot = self.snapshot().await?;
             let Some((sender_record, sender_revision)) = snapshot.records.get(sender) else {

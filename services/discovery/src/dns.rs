@@ -128,7 +128,7 @@ pub async fn refresh(
                 continue;
             };
             let address = SocketAddr::new(ip, srv.port()).to_string();
-            match remote::get_identity(core.tls(), "srv target", &address).await {
+            match remote::get_identity(core.tls(), core.metrics(), "srv target", &address).await {
                 Ok((identity, _)) if identity.id == core.identity().id => {}
                 Ok((identity, addresses)) => {
                     core.discovered(&identity, &addresses, Mechanism::DnsSrv, &address)

@@ -104,8 +104,13 @@ impl DiscoveryApi for DiscoveryService {
                 &req.expected_cluster_id,
             )?)
         };
-        let (identity, addresses) =
-            remote::get_identity(self.core.tls(), "discovery_address", &addr).await?;
+        let (identity, addresses) = remote::get_identity(
+            self.core.tls(),
+            self.core.metrics(),
+            "discovery_address",
+            &addr,
+        )
+        .await?;
         if let Some(expected) = expected
             && expected != identity.id
         {

@@ -88,10 +88,11 @@ pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started
         "cluster-name",
         common.cluster_name(),
     )?;
-    let store = common.open_store().await?;
-    let tls = config.tls.load(identity.id.as_str())?;
+    // Bound first: its registry records the store's operations and the clients' calls.
     let server =
         GrpcServer::for_service(common, ports::DISCOVERY, ports::DISCOVERY_METRICS).await?;
+    let store = common.open_store(server.metrics()).await?;
+    let tls = config.tls.load(identity.id.as_str())?;
     let addr = server.local_addr();
     let metrics_addr = server.metrics_addr();
     let mut background = Vec::new();
@@ -105,6 +106,7 @@ pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started
             &loopback(addr).to_string(),
             Timeouts::default(),
             &common.local_token()?,
+            server.metrics(),
         )?,
         grpc::PEER_METHODS,
         &shutdown,
@@ -120,6 +122,7 @@ pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started
         .await
         .context("opening the discovery service")?
         .with_tls(tls)
+        .with_metrics(server.metrics())
         .with_max_induced_per_hub(config.max_induced_per_hub);
     if config.no_induced {
         tracing::info!("induced peering disabled: neighborhoods introduce nobody");

@@ -101,7 +101,14 @@ async fn serve(core: Arc<Discovery>, settings: MdnsSettings, shutdown: Shutdown)
                     continue;
                 };
                 let address = SocketAddr::new(ip, info.get_port()).to_string();
-                match remote::get_identity(core.tls(), "mdns announcement", &address).await {
+                match remote::get_identity(
+                    core.tls(),
+                    core.metrics(),
+                    "mdns announcement",
+                    &address,
+                )
+                .await
+                {
                     Ok((identity, _)) if identity.id == core.identity().id => {}
                     Ok((identity, addresses)) => {
                         match core

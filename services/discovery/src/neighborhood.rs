@@ -309,7 +309,9 @@ async fn pass(
         });
     }
     let results = futures::future::join_all(jobs.into_iter().map(|job| async move {
-        let result = remote::publish_neighborhood(core.tls(), &job.address, &job.outgoing).await;
+        let result =
+            remote::publish_neighborhood(core.tls(), core.metrics(), &job.address, &job.outgoing)
+                .await;
         (job, result)
     }))
     .await;

@@ -12,6 +12,7 @@ use trellis_api::pb::discovery::{GetIdentityRequest, PublishNeighborhoodRequest}
 use trellis_api::pb::types as pb;
 use trellis_error::{Error, Result};
 use trellis_runtime::client::Timeouts;
+use trellis_runtime::metrics::Metrics;
 use trellis_runtime::tls::{PeerTls, cluster_channel, first_contact_channel};
 
 use crate::convert::{
@@ -31,10 +32,13 @@ pub const TIMEOUTS: Timeouts = Timeouts {
 /// FAILED_PRECONDITION (it is not a usable Trellis discovery service), not our caller's fault.
 pub async fn get_identity(
     tls: Option<&PeerTls>,
+    metrics: &Metrics,
     field: &str,
     address: &str,
 ) -> Result<(ClusterIdentity, Addresses)> {
-    let mut client = DiscoveryClient::new(first_contact_channel(tls, field, address, TIMEOUTS)?);
+    let mut client = DiscoveryClient::new(first_contact_channel(
+        tls, field, address, TIMEOUTS, metrics,
+    )?);
     let answer = client
         .get_identity(GetIdentityRequest {})
         .await
@@ -62,6 +66,7 @@ pub struct Outgoing {
 /// Sends a Neighborhood to the recipient's discovery service at `address`.
 pub async fn publish_neighborhood(
     tls: Option<&PeerTls>,
+    metrics: &Metrics,
     address: &str,
     n: &Outgoing,
 ) -> Result<Applied> {
@@ -71,6 +76,7 @@ pub async fn publish_neighborhood(
         address,
         n.recipient.id.as_str(),
         TIMEOUTS,
+        metrics,
     )?);
     let request = PublishNeighborhoodRequest {
         neighborhood: Some(pb::Neighborhood {

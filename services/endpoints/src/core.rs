@@ -256,7 +256,7 @@ impl Endpoints {
             .full_peer(&target.id, Error::FailedPrecondition)
             .await?;
         let key = outgoing_key(&target.id, &slice.namespace, &slice.name);
-        let mut contention = Contention::new("recording a reflection");
+        let mut contention = Contention::on(&self.store, "recording a reflection");
         let (reflected, released) = loop {
             let previous = match self.store.get(&key).await? {
                 Some(kv) => Some((decode::<OutgoingRecord>(&key, &kv.value)?, kv.mod_revision)),
@@ -341,7 +341,7 @@ impl Endpoints {
         deliver: bool,
     ) -> Result<Unreflected> {
         let key = outgoing_key(&target.id, namespace, name);
-        let mut contention = Contention::new("forgetting a reflection");
+        let mut contention = Contention::on(&self.store, "forgetting a reflection");
         let held = loop {
             let Some(kv) = self.store.get(&key).await? else {
                 break None;
@@ -794,7 +794,7 @@ impl Endpoints {
     ) -> Result<(bool, Option<String>)> {
         self.full_peer(&source.id, Error::PermissionDenied).await?;
         let key = reflected_key(&source.id, &slice.namespace, &slice.name);
-        let mut contention = Contention::new("applying a reflected slice");
+        let mut contention = Contention::on(&self.store, "applying a reflected slice");
         loop {
             let held = match self.store.get(&key).await? {
                 Some(kv) => Some((decode::<ReflectedRecord>(&key, &kv.value)?, kv.mod_revision)),
@@ -883,7 +883,7 @@ impl Endpoints {
         if let Some(writer) = &self.writer {
             writer.delete(source, namespace, name).await?;
         }
-        let mut contention = Contention::new("deleting a reflected slice");
+        let mut contention = Contention::on(&self.store, "deleting a reflected slice");
         loop {
             let Some(kv) = self.store.get(&key).await? else {
                 return Ok(false);

@@ -146,7 +146,7 @@ impl Endpoints {
         }
         export.update_time_nanos = now_nanos();
         let key = export_key(&export.namespace, &export.name);
-        let mut contention = Contention::new("storing an export");
+        let mut contention = Contention::on(&self.store, "storing an export");
         loop {
             let held = self.store.get(&key).await?;
             let revision = match &held {
@@ -195,7 +195,7 @@ impl Endpoints {
         source: ExportSource,
     ) -> Result<bool> {
         let key = export_key(namespace, name);
-        let mut contention = Contention::new("removing an export");
+        let mut contention = Contention::on(&self.store, "removing an export");
         let removed = loop {
             let Some(kv) = self.store.get(&key).await? else {
                 break false;

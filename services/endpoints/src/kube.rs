@@ -285,7 +285,7 @@ impl KubeWriter {
         let name = object_name(&source.id, &slice.name);
         let api = self.api(&slice.namespace);
         let what = format!("endpointslice {}/{name}", slice.namespace);
-        let mut contention = Contention::new("writing an endpointslice");
+        let mut contention = Contention::elsewhere("writing an endpointslice");
         loop {
             let existing = api.get_opt(&name).await.map_err(|e| kube_error(&what, e))?;
             let written = match existing {
@@ -373,7 +373,7 @@ impl KubeWriter {
         let object = object_name(&source.id, name);
         let api = self.api(namespace);
         let what = format!("endpointslice {namespace}/{object}");
-        let mut contention = Contention::new("deleting an endpointslice");
+        let mut contention = Contention::elsewhere("deleting an endpointslice");
         loop {
             let Some(existing) = api
                 .get_opt(&object)

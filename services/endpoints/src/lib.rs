@@ -117,6 +117,9 @@ async fn start_inner(
         config.common.cluster_name(),
     )?;
     let tls = config.tls.load(local.id.as_str())?;
+    // Bound first: its registry records the store's operations and the clients' calls.
+    let server =
+        GrpcServer::for_service(&config.common, ports::ENDPOINTS, ports::ENDPOINTS_METRICS).await?;
     let clients = Clients::new(ClientSettings {
         ipam: config.ipam.clone(),
         discovery: config.discovery.clone(),
@@ -126,8 +129,9 @@ async fn start_inner(
         deliver: config.deliver_timeouts(),
         tls: tls.clone(),
         local_token: config.common.local_token()?,
+        metrics: server.metrics().clone(),
     })?;
-    let store = config.common.open_store().await?;
+    let store = config.common.open_store(server.metrics()).await?;
     let mut background = Vec::new();
     let (peer, authz) = cluster_facing(
         tls.as_ref(),
@@ -143,11 +147,9 @@ async fn start_inner(
         core = core.with_readiness_marking();
     }
     let core = Arc::new(core);
-    let server =
-        GrpcServer::for_service(&config.common, ports::ENDPOINTS, ports::ENDPOINTS_METRICS)
-            .await?
-            .with_peer_listener(peer)
-            .with_cluster_facing(grpc::PEER_METHODS);
+    let server = server
+        .with_peer_listener(peer)
+        .with_cluster_facing(grpc::PEER_METHODS);
     let addr = server.local_addr();
     let metrics_addr = server.metrics_addr();
     metrics::register(server.metrics(), &core);

@@ -36,6 +36,7 @@ pub struct Clients {
     remote_ipams: Mutex<HashMap<ClusterId, (String, TracedChannel)>>,
     remote_endpoints: Mutex<HashMap<(ClusterId, String), TracedChannel>>,
     tls: Option<PeerTls>,
+    metrics: trellis_runtime::metrics::Metrics,
 }
 
 /// Settings of [`Clients::new`].
@@ -51,6 +52,8 @@ pub struct ClientSettings {
     pub tls: Option<PeerTls>,
     /// Sent to the local IPAM and discovery only (ADR 0020).
     pub local_token: trellis_runtime::local_auth::LocalToken,
+    /// The service's registry: every channel's calls count there (`grpc_client_*`).
+    pub metrics: trellis_runtime::metrics::Metrics,
 }
 
 impl Clients {
@@ -62,12 +65,14 @@ impl Clients {
                 &settings.ipam,
                 settings.local,
                 &settings.local_token,
+                &settings.metrics,
             )?,
             discovery: local_channel(
                 "discovery",
                 &settings.discovery,
                 settings.local,
                 &settings.local_token,
+                &settings.metrics,
             )?,
             remote_ipam_timeouts: settings.remote_ipam,
             remote_ipam_attempts: settings.remote_ipam_attempts.max(1),
@@ -75,6 +80,7 @@ impl Clients {
             remote_ipams: Mutex::new(HashMap::new()),
             remote_endpoints: Mutex::new(HashMap::new()),
             tls: settings.tls,
+            metrics: settings.metrics,
         })
     }
 
@@ -133,6 +139,7 @@ impl Clients {
             address,
             id.as_str(),
             self.remote_ipam_timeouts,
+            &self.metrics,
         )?;
         if let Ok(mut cache) = self.remote_ipams.lock() {
             cache.insert(id.clone(), (address.to_owned(), created.clone()));
@@ -189,6 +196,7 @@ impl Clients {
             address,
             id.as_str(),
             self.deliver_timeouts,
+            &self.metrics,
         )?;
         if let Ok(mut cache) = self.remote_endpoints.lock() {
             cache.insert(key, created.clone());

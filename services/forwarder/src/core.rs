@@ -31,6 +31,7 @@ use trellis_error::{Error, Result};
 use trellis_runtime::Shutdown;
 use trellis_runtime::backoff::Backoff;
 use trellis_runtime::client::{Timeouts, TracedChannel, local_channel};
+use trellis_runtime::metrics::Metrics;
 use trellis_runtime::propagation::{resumed_span, traceparent_of};
 use trellis_runtime::tls::{PeerTls, cluster_channel};
 use trellis_store::retry::Contention;
@@ -167,6 +168,8 @@ pub struct Forwarder {
     tls: Option<PeerTls>,
     /// Broker channels by (address, cluster).
     brokers: Mutex<HashMap<(String, String), TracedChannel>>,
+    /// The forwarder's registry: its channels' calls count there (`grpc_client_*`).
+    metrics: Metrics,
     delivery: Delivery,
     /// The retry loop's due queue.
     schedule: Mutex<Schedule>,
@@ -198,12 +201,14 @@ impl Forwarder {
         delivery: Delivery,
         tls: Option<PeerTls>,
         local_token: &trellis_runtime::local_auth::LocalToken,
+        metrics: &Metrics,
     ) -> Result<Self> {
         Ok(Self {
             identity,
             store,
-            discovery: local_channel("discovery", discovery, LOCAL, local_token)?,
+            discovery: local_channel("discovery", discovery, LOCAL, local_token, metrics)?,
             tls,
+            metrics: metrics.clone(),
             brokers: Mutex::new(HashMap::new()),
             delivery: Delivery {
                 concurrency: delivery.concurrency.max(1),
@@ -306,6 +311,7 @@ impl Forwarder {
             address,
             expected.as_str(),
             DELIVERY,
+            &self.metrics,
         )?;
         if let Ok(mut cache) = self.brokers.lock() {
             cache.insert(key, created.clone());
@@ -385,7 +391,7 @@ impl Forwarder {
             tracing::debug!(error = %err, "could not expedite the relay the other way");
         }
         let key = relay_key(&nc.origin.id, &nc.destination.id);
-        let mut contention = Contention::new("accepting a relay");
+        let mut contention = Contention::on(&self.store, "accepting a relay");
         let (record, revision) = loop {
             let existing = self.load(&key).await?;
             if let Some((held, _)) = &existing
@@ -462,7 +468,7 @@ impl Forwarder {
     ) -> Result<State> {
         let peers = self.authorize(&origin.id, &destination.id).await?;
         let key = relay_key(&origin.id, &destination.id);
-        let mut contention = Contention::new("accepting a relayed status");
+        let mut contention = Contention::on(&self.store, "accepting a relayed status");
         loop {
             let (mut record, revision) = match self.load(&key).await? {
                 Some(found) => found,
@@ -531,7 +537,7 @@ impl Forwarder {
             next_attempt_nanos: now + nanos(INLINE_GRACE),
             trace: traceparent_of(&tracing::Span::current()),
         };
-        let mut contention = Contention::new("accepting a withdrawal");
+        let mut contention = Contention::on(&self.store, "accepting a withdrawal");
         loop {
             let revision = self.load(&key).await?.map_or(0, |(_, r)| r);
             if let Some(revision) = self.save_at(&key, revision, Some(&record)).await? {

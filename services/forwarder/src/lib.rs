@@ -57,7 +57,10 @@ pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started
         "--cluster-name",
         common.cluster_name(),
     )?;
-    let store = common.open_store().await?;
+    // Bound first: its registry records the store's operations and the clients' calls.
+    let server =
+        GrpcServer::for_service(common, ports::FORWARDER, ports::FORWARDER_METRICS).await?;
+    let store = common.open_store(server.metrics()).await?;
     let tls = config.tls.load(identity.id.as_str())?;
     let core = Arc::new(Forwarder::new(
         identity,
@@ -66,6 +69,7 @@ pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started
         config.delivery(),
         tls.clone(),
         &common.local_token()?,
+        server.metrics(),
     )?);
     // Before serving and retrying, so both only ever see the current layout.
     core.migrate_relay_keys()
@@ -81,8 +85,7 @@ pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started
         &mut background,
     )
     .await?;
-    let server = GrpcServer::for_service(common, ports::FORWARDER, ports::FORWARDER_METRICS)
-        .await?
+    let server = server
         .with_peer_listener(peer)
         .with_cluster_facing(grpc::PEER_METHODS);
     let addr = server.local_addr();

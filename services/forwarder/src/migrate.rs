@@ -35,7 +35,7 @@ pub async fn relay_keys(store: &SharedStore) -> Result<usize> {
 
 /// Moves the record at `old`; true if it was moved, false if it was gone or superseded.
 async fn move_one(store: &SharedStore, old: &str) -> Result<bool> {
-    let mut contention = Contention::new("moving a relay to the new key layout");
+    let mut contention = Contention::on(store, "moving a relay to the new key layout");
     loop {
         let Some(kv) = store.get(old).await? else {
             return Ok(false);

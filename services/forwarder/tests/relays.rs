@@ -346,6 +346,7 @@ impl Hub {
                 delivery,
                 None,
                 &trellis_runtime::local_auth::LocalToken::off(),
+                &trellis_runtime::metrics::Metrics::new(),
             )
             .expect("forwarder"),
         );

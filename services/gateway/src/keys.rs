@@ -63,7 +63,7 @@ impl KeyPair {
     /// Loads the stored key pair, or generates and stores one. Racing replicas agree: the
     /// first write wins (created only if absent) and the others read it back.
     pub async fn load_or_create(store: &SharedStore) -> Result<Self> {
-        let mut contention = Contention::new("creating the gateway key");
+        let mut contention = Contention::on(store, "creating the gateway key");
         loop {
             if let Some(kv) = store.get(KEY_KEY).await? {
                 let record: KeyRecord = decode(KEY_KEY, &kv.value)?;

@@ -85,7 +85,14 @@ pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started
         common.cluster_name(),
     )?;
     let endpoint_host = config.endpoint_host()?;
-    let store = common.open_store().await?;
+    // Bound first: its registry records the store's operations and the clients' calls.
+    let server = GrpcServer::for_service(
+        common,
+        default_ports::GATEWAY,
+        default_ports::GATEWAY_METRICS,
+    )
+    .await?;
+    let store = common.open_store(server.metrics()).await?;
     let keys = KeyPair::load_or_create(&store)
         .await
         .context("loading the gateway key")?;
@@ -137,12 +144,6 @@ pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started
         tunnel_mtu: config.tunnel_mtu(),
     };
     let core = Arc::new(Gateway::new(store, settings, mode, keys, dataplane));
-    let server = GrpcServer::for_service(
-        common,
-        default_ports::GATEWAY,
-        default_ports::GATEWAY_METRICS,
-    )
-    .await?;
     let addr = server.local_addr();
     let metrics_addr = server.metrics_addr();
     metrics::register(server.metrics(), &core);
@@ -153,6 +154,7 @@ pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started
         background.push(trellis_runtime::telemetry::spawn(source::run(
             broker,
             common.local_token()?,
+            server.metrics().clone(),
             desired_tx,
             shutdown.clone(),
         )));
@@ -165,6 +167,7 @@ pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started
         background.push(trellis_runtime::telemetry::spawn(mappings::run(
             ipam,
             common.local_token()?,
+            server.metrics().clone(),
             config.mappings_period(),
             mappings_tx,
             shutdown.clone(),

@@ -15,6 +15,7 @@ use trellis_api::pb::ipam as ipam_pb;
 use trellis_runtime::Shutdown;
 use trellis_runtime::client::{Timeouts, local_channel};
 use trellis_runtime::local_auth::LocalToken;
+use trellis_runtime::metrics::Metrics;
 
 /// One third-cluster endpoint reachable through our external CIDR.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
@@ -65,11 +66,12 @@ pub fn from_proto(response: &ipam_pb::ListEndpointMappingsResponse) -> Mappings 
 pub async fn run(
     ipam: String,
     local_token: LocalToken,
+    metrics: Metrics,
     interval: Duration,
     mappings: watch::Sender<Option<Mappings>>,
     shutdown: Shutdown,
 ) {
-    let channel = match local_channel("ipam", &ipam, Timeouts::default(), &local_token) {
+    let channel = match local_channel("ipam", &ipam, Timeouts::default(), &local_token, &metrics) {
         Ok(c) => c,
         Err(err) => {
             tracing::error!(error = %err, "cannot follow the IPAM's endpoint mappings");

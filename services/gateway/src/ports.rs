@@ -183,7 +183,7 @@ async fn freed_markers(store: &SharedStore) -> Result<BTreeMap<u16, (FreedRecord
 pub async fn allocate(store: &SharedStore, policy: &PortPolicy, peer: &ClusterId) -> Result<u16> {
     let (range, grace) = (policy.range, policy.unused_grace);
     let key = peer_key(peer);
-    let mut contention = Contention::new("allocating a WireGuard port");
+    let mut contention = Contention::on(store, "allocating a WireGuard port");
     let mut reclaimed = false;
     loop {
         let now = now_nanos();
@@ -324,7 +324,7 @@ pub async fn bind_tunnel(
     peer: &ClusterId,
 ) -> Result<u16> {
     let key = peer_key(peer);
-    let mut contention = Contention::new("marking a WireGuard port in use");
+    let mut contention = Contention::on(store, "marking a WireGuard port in use");
     loop {
         let Some(kv) = store.get(&key).await? else {
             allocate(store, policy, peer).await?;

@@ -17,6 +17,7 @@ use trellis_api::pb::types::WatchEventType;
 use trellis_runtime::Shutdown;
 use trellis_runtime::client::{Timeouts, local_channel};
 use trellis_runtime::local_auth::LocalToken;
+use trellis_runtime::metrics::Metrics;
 
 use crate::core::Desired;
 
@@ -130,12 +131,19 @@ impl Follower {
 pub async fn run(
     broker: String,
     local_token: LocalToken,
+    metrics: Metrics,
     desired: watch::Sender<Option<Desired>>,
     shutdown: Shutdown,
 ) {
     // The request timeout bounds the call until the stream's headers; the stream itself is
     // unbounded.
-    let channel = match local_channel("broker", &broker, Timeouts::default(), &local_token) {
+    let channel = match local_channel(
+        "broker",
+        &broker,
+        Timeouts::default(),
+        &local_token,
+        &metrics,
+    ) {
         Ok(c) => c,
         Err(err) => {
             tracing::error!(error = %err, "cannot follow the broker's tunnel endpoints");

@@ -220,7 +220,7 @@ impl Ipam {
             return Ok(view);
         }
         let _allocating = self.allocating.lock().await;
-        let mut contention = Contention::new("allocating subnets");
+        let mut contention = Contention::on(&self.store, "allocating subnets");
         loop {
             let snapshot = self.snapshot().await?;
             let existing = snapshot.find(id);
@@ -348,7 +348,7 @@ impl Ipam {
             pod_cidr,
             external_cidr,
         };
-        let mut contention = Contention::new("recording local NAT");
+        let mut contention = Contention::on(&self.store, "recording local NAT");
         loop {
             let (mut rec, revision) = match self.record(id).await? {
                 Some((rec, _)) if rec.freeing => {
@@ -409,7 +409,7 @@ impl Ipam {
         let tombstone = encode(&FreedRecord {
             freed_nanos: now_nanos(),
         })?;
-        let mut contention = Contention::new("freeing a cluster");
+        let mut contention = Contention::on(&self.store, "freeing a cluster");
         let (rec, revision) = loop {
             let Some((mut rec, revision)) = self.record(id).await? else {
                 let left = self
@@ -479,7 +479,7 @@ impl Ipam {
         let mut released = 0;
         for kv in listing.kvs {
             let mut current = Some(kv);
-            let mut contention = Contention::new("releasing endpoint mappings");
+            let mut contention = Contention::on(&self.store, "releasing endpoint mappings");
             while let Some(kv) = current.take() {
                 let mut er: EndpointRecord = decode(&kv.key, &kv.value)?;
                 let inside = rec.remote.is_some_and(|v| v.pod_cidr_nat.contains(&er.ip));
@@ -567,7 +567,7 @@ impl Ipam {
     /// targets, returned in the target's view of our external CIDR.
     async fn map_external(&self, id: &ClusterId, ip: IpAddr) -> Result<IpAddr> {
         let local = &self.local.ranges;
-        let mut contention = Contention::new("mapping an endpoint");
+        let mut contention = Contention::on(&self.store, "mapping an endpoint");
         // After losing a candidate address to another allocator, continue after it.
         let mut hint = None;
         loop {
@@ -700,7 +700,7 @@ impl Ipam {
     #[tracing::instrument(skip(self), fields(cluster.id = %id))]
     pub async fn unmap_endpoint_ip(&self, id: &ClusterId, ip: IpAddr) -> Result<bool> {
         let key = endpoint_key(ip);
-        let mut contention = Contention::new("unmapping an endpoint");
+        let mut contention = Contention::on(&self.store, "unmapping an endpoint");
         loop {
             let Some(kv) = self.store.get(&key).await? else {
                 return Ok(false);

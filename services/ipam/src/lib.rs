@@ -65,7 +65,9 @@ pub struct Started {
 /// Opens the store, checks the configuration against it, binds and starts serving.
 pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started> {
     let local = config.local_subnets()?;
-    let store = config.common.open_store().await?;
+    // Bound first: its registry records the store's operations and the clients' calls.
+    let server = GrpcServer::for_service(&config.common, ports::IPAM, ports::IPAM_METRICS).await?;
+    let store = config.common.open_store(server.metrics()).await?;
     let tls = config.tls.load(&config.common.cluster_id)?;
     let core = Arc::new(Ipam::open(store, local).await.context("opening the IPAM")?);
     let mut background = Vec::new();
@@ -83,6 +85,7 @@ pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started
                     discovery,
                     Timeouts::default(),
                     &config.common.local_token()?,
+                    server.metrics(),
                 )?,
                 grpc::PEER_METHODS,
                 &shutdown,
@@ -91,8 +94,7 @@ pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started
             .await?
         }
     };
-    let server = GrpcServer::for_service(&config.common, ports::IPAM, ports::IPAM_METRICS)
-        .await?
+    let server = server
         .with_peer_listener(peer)
         .with_cluster_facing(grpc::PEER_METHODS);
     let addr = server.local_addr();

@@ -31,6 +31,8 @@ pub struct Agent {
     pub gateway: String,
     /// Sent to the gateway (ADR 0020).
     pub local_token: LocalToken,
+    /// The agent's registry: its calls to the gateway count there (`grpc_client_*`).
+    pub metrics: trellis_runtime::metrics::Metrics,
     pub resync: Duration,
     pub status: Mutex<Status>,
 }
@@ -95,6 +97,7 @@ pub async fn run(agent: Arc<Agent>, shutdown: Shutdown) {
                 &agent.gateway,
                 Timeouts::default(),
                 &agent.local_token,
+                &agent.metrics,
             )?;
             let response = GatewayClient::new(channel)
                 .watch_routes(request())

@@ -65,15 +65,17 @@ pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started
         proc_sys_net: config.proc_sys_net.clone(),
     };
     tracing::info!(node = %node.name, node_ip = %node.ip, underlay = %underlay, underlay_mtu = node.underlay_mtu, gateway = %config.gateway, "route agent ready");
+    // Bound first: its registry records the calls to the gateway.
+    let server = GrpcServer::for_service(&config.base, ports::ROUTE, ports::ROUTE_METRICS).await?;
     let agent = Arc::new(Agent {
         node,
         underlay,
         gateway: config.gateway.clone(),
         local_token: config.base.local_token()?,
+        metrics: server.metrics().clone(),
         resync: Duration::from_secs(config.resync_interval),
         status: Mutex::new(agent::Status::default()),
     });
-    let server = GrpcServer::for_service(&config.base, ports::ROUTE, ports::ROUTE_METRICS).await?;
     let addr = server.local_addr();
     let metrics_addr = server.metrics_addr();
     let background = vec![trellis_runtime::telemetry::spawn(agent::run(

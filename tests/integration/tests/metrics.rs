@@ -5,7 +5,9 @@
 //! ListTunnelEndpoints returns, and discovery's ForeignCluster gauges (by kind, by condition)
 //! equal what its ListForeignClusters returns, and the forwarder's relays by state what its
 //! ListRelays returns, and the IPAM's pool and external-address gauges what its
-//! GetLocalSubnets, ListClusterSubnets and ListEndpointMappings return.
+//! GetLocalSubnets, ListClusterSubnets and ListEndpointMappings return. Every service times its
+//! store operations (`trellis_store_operation_seconds`), and every broker counts its
+//! cluster-facing SubmitNetworkConfig calls on the client side (`grpc_client_handled_total`).
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -64,10 +66,60 @@ async fn every_lab_service_serves_prometheus_metrics_and_domain_gauges_match_the
             // Every scrape parses and is complete; a service no one has called yet has no
             // gRPC samples (the encoder omits empty families).
             let text = scrape(addr.as_str().expect("addr"));
-            parse(&python, &text);
+            let samples = parse(&python, &text);
             assert!(
                 text.ends_with("# EOF\n"),
                 "{id}/{service}: truncated scrape"
+            );
+            // Every lab service keeps state: its store operations are timed (the decorator
+            // the runtime puts around every service's store).
+            let store_ops: f64 = samples
+                .iter()
+                .filter(|s| s.name == "trellis_store_operation_seconds_count")
+                .map(|s| s.value)
+                .sum();
+            assert!(
+                store_ops > 0.0,
+                "{id}/{service}: no store operation timed: {samples:?}"
+            );
+        }
+
+        // Every cluster is in a full peering, and its broker sent its NetworkConfig to that
+        // peer's broker (a cluster-facing call): counted on the client side with code OK.
+        let broker_samples = parse(&python, &scrape(metrics["broker"].as_str().expect("addr")));
+        let submitted = broker_samples
+            .iter()
+            .find(|s| {
+                s.name == "grpc_client_handled_total"
+                    && s.labels.get("grpc_service").map(String::as_str)
+                        == Some("trellis.peering.v1.Broker")
+                    && s.labels.get("grpc_method").map(String::as_str)
+                        == Some("SubmitNetworkConfig")
+                    && s.labels.get("grpc_code").map(String::as_str) == Some("OK")
+            })
+            .unwrap_or_else(|| {
+                panic!("{id}: no client-side SubmitNetworkConfig OK: {broker_samples:?}")
+            });
+        assert!(submitted.value >= 1.0, "{submitted:?}");
+        assert!(
+            broker_samples
+                .iter()
+                .any(|s| s.name == "grpc_client_handling_seconds_count"
+                    && s.labels.get("grpc_method").map(String::as_str)
+                        == Some("SubmitNetworkConfig")
+                    && s.value >= 1.0),
+            "{id}: no client latency histogram"
+        );
+        // No label names a peer: the series are bounded by the API, not the mesh.
+        for s in broker_samples
+            .iter()
+            .filter(|s| s.name.starts_with("grpc_client_"))
+        {
+            let keys: Vec<&str> = s.labels.keys().map(String::as_str).collect();
+            assert!(
+                keys.iter()
+                    .all(|k| ["grpc_service", "grpc_method", "grpc_code", "le"].contains(k)),
+                "{id}: unexpected label in {s:?}"
             );
         }
 

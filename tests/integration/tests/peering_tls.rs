@@ -32,6 +32,7 @@ use trellis_api::pb::types::{self as types};
 use trellis_integration::cluster::{InProcessCluster, Options};
 use trellis_integration::peering::{eventually, host_at, peer, pod_view, tunnel_to, web_slice};
 use trellis_runtime::client::{Timeouts, TracedChannel};
+use trellis_runtime::metrics::Metrics;
 use trellis_runtime::tls::{PeerTls, handshake_channel, peer_channel};
 
 const LIMIT: Duration = Duration::from_secs(40);
@@ -49,6 +50,7 @@ fn channel(tls: &PeerTls, address: std::net::SocketAddr, expected: &str) -> Trac
         &address.to_string(),
         Some(expected),
         Timeouts::default(),
+        &Metrics::new(),
     )
     .expect("channel")
 }
@@ -217,6 +219,7 @@ async fn induced_mesh_over_mutual_tls_and_no_cluster_speaks_for_another() {
         "test",
         &hub_tls.broker.to_string(),
         Timeouts::default(),
+        &Metrics::new(),
     )
     .expect("channel");
     let err = BrokerClient::new(anonymous)
@@ -929,6 +932,7 @@ async fn a_changed_ca_for_a_peered_identity_is_refused_until_the_operator_unpeer
         "test",
         &hub_tls.broker.to_string(),
         Timeouts::default(),
+        &Metrics::new(),
     )
     .expect("channel");
     let forged = trellis_runtime::tls::ClusterCa::generate("leaf-a").expect("a fresh CA");
