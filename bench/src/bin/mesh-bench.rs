@@ -980,7 +980,21 @@ async fn main() -> anyhow::Result<()> {
         .clone()
         .unwrap_or_else(|| PathBuf::from(args.mode.default_out()));
     let timeout = Duration::from_secs(args.timeout);
-    let mut sizes = Vec::new();
+    // Written again after every size, so a run stopped midway keeps the sizes it measured.
+    let mut report = Report {
+        benchmark: "induced_mesh_setup",
+        mode: args.mode,
+        run: run_info,
+        machine: Machine::describe(),
+        parameters: Parameters {
+            leaves: args.leaves.clone(),
+            repeats: args.repeats,
+            timeout_seconds: args.timeout,
+            keep_going: args.keep_going,
+            open_files_limit,
+        },
+        sizes: Vec::new(),
+    };
     let mut gave_up: Option<String> = None;
     for &leaves in &args.leaves {
         let expected = leaves * (leaves - 1);
@@ -1009,7 +1023,8 @@ async fn main() -> anyhow::Result<()> {
             size.status = Status::Skipped;
             size.reason = Some(reason.clone());
             eprintln!("mesh-bench: 1 hub + {leaves} leaves skipped: {reason}");
-            sizes.push(size);
+            report.sizes.push(size);
+            write_json(&out, &report)?;
             continue;
         }
         let mut peaks = Vec::new();
@@ -1092,23 +1107,9 @@ async fn main() -> anyhow::Result<()> {
                 size.reason.as_deref().unwrap_or("")
             ));
         }
-        sizes.push(size);
+        report.sizes.push(size);
+        write_json(&out, &report)?;
     }
-    let report = Report {
-        benchmark: "induced_mesh_setup",
-        mode: args.mode,
-        run: run_info,
-        machine: Machine::describe(),
-        parameters: Parameters {
-            leaves: args.leaves.clone(),
-            repeats: args.repeats,
-            timeout_seconds: args.timeout,
-            keep_going: args.keep_going,
-            open_files_limit,
-        },
-        sizes,
-    };
-    write_json(&out, &report)?;
     eprintln!(
         "| leaves | status | induced TEs | median s | full tunnels s | 90→100 % share | hub CPU s | hub CPU ms / induced TE | hub peak RSS MiB | hub etcd writes / induced TE |"
     );
