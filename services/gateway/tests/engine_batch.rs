@@ -12,6 +12,7 @@
 //! protocol crate the engine uses, speaking to it across the kernel.
 
 use std::net::{Ipv4Addr, SocketAddr, UdpSocket};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use defguard_boringtun::noise::{Tunn, TunnResult};
@@ -19,7 +20,7 @@ use defguard_boringtun::x25519::{PublicKey, StaticSecret};
 use trellis_gateway::dataplane::engine::{DropReason, Engine, PeerConfig};
 use trellis_gateway::keys::KeyPair;
 use trellis_netlab::netns::{Namespaces, in_netns, ip};
-use trellis_testkit::tools::in_ci;
+use trellis_testkit::in_ci;
 
 const PEERS: usize = 12;
 const ROUNDS: usize = 20;
@@ -159,7 +160,7 @@ fn rx_packets(ns: &str, dev: &str) -> u64 {
 struct Setup {
     _namespaces: Namespaces,
     ns: String,
-    engine: Engine,
+    engine: Arc<Engine>,
     engine_addr: SocketAddr,
     remotes: Vec<Remote>,
     devs: Vec<String>,
@@ -174,7 +175,8 @@ fn setup(tag: &str) -> Setup {
     let engine_key = KeyPair::generate();
     let engine_public: [u8; 32] = *engine_key.public().as_bytes();
     let private = engine_key.private_bytes();
-    let engine = in_netns(&ns, move || Engine::start(0, private)).expect("engine");
+    let engine =
+        Arc::new(in_netns(&ns, move || Engine::start(0, private)).expect("engine"));
     let engine_addr: SocketAddr = ([127, 0, 0, 1], engine.port()).into();
     let mut remotes = Vec::new();
     let mut devs = Vec::new();
@@ -192,7 +194,9 @@ fn setup(tag: &str) -> Setup {
             keepalive: 0,
         };
         let dev = format!("ebt{tag}{i}");
-        engine.add_peer(&dev, &config).expect("add peer");
+        // The TUN is created in the namespace of the thread that adds the peer.
+        let (e, d) = (engine.clone(), dev.clone());
+        in_netns(&ns, move || e.add_peer(&d, &config)).expect("add peer");
         ip(&["-n", &ns, "link", "set", &dev, "up"]).expect("tun up");
         ip(&[
             "-n",
