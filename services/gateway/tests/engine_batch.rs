@@ -175,8 +175,7 @@ fn setup(tag: &str) -> Setup {
     let engine_key = KeyPair::generate();
     let engine_public: [u8; 32] = *engine_key.public().as_bytes();
     let private = engine_key.private_bytes();
-    let engine =
-        Arc::new(in_netns(&ns, move || Engine::start(0, private)).expect("engine"));
+    let engine = Arc::new(in_netns(&ns, move || Engine::start(0, private)).expect("engine"));
     let engine_addr: SocketAddr = ([127, 0, 0, 1], engine.port()).into();
     let mut remotes = Vec::new();
     let mut devs = Vec::new();
