@@ -5,7 +5,8 @@
 //! Two namespaces joined by a veth pair (MTU 1500); in each, a tunnel interface (MTU 1420) with
 //! one peer, the other namespace. `trellis`: this process runs one [`Engine`] per namespace
 //! (its threads enter the namespace); `wireguard-go`: one `wireguard-go` process per namespace,
-//! configured with `wg`. iperf3 TCP over the tunnel, one stream and `--streams` streams, and the
+//! configured with `wg`; `trellis-unbatched`: the engine with one syscall per datagram
+//! ([`Io::PerDatagram`], the engine before batched I/O). iperf3 TCP over the tunnel, one stream and `--streams` streams, and the
 //! CPU seconds the implementation used per GB moved. No NAT, no nftables, no policy routing:
 //! the gateway's full path is what `dataplane-bench` measures; this is the engine's ceiling.
 
@@ -15,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, bail};
 use clap::Parser;
-use trellis_gateway::dataplane::engine::{Engine, PeerConfig};
+use trellis_gateway::dataplane::engine::{Engine, Io, PeerConfig};
 use trellis_gateway::keys::KeyPair;
 use trellis_netlab::netns::{Namespaces, exec, in_netns, ip};
 
@@ -27,8 +28,12 @@ struct Args {
     /// Parallel streams of the multi-stream run.
     #[arg(long, default_value_t = 4)]
     streams: u32,
-    /// Which implementations to run (`trellis`, `wireguard-go`).
-    #[arg(long, value_delimiter = ',', default_value = "trellis,wireguard-go")]
+    /// Which implementations to run (`trellis`, `trellis-unbatched`, `wireguard-go`).
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "trellis,trellis-unbatched,wireguard-go"
+    )]
     only: Vec<String>,
 }
 
@@ -158,7 +163,7 @@ fn measure(label: &str, args: &Args, cpu: &dyn Fn() -> f64) -> anyhow::Result<()
     Ok(())
 }
 
-fn trellis(args: &Args) -> anyhow::Result<()> {
+fn trellis(args: &Args, io: Io) -> anyhow::Result<()> {
     let keys = [KeyPair::generate(), KeyPair::generate()];
     let mut engines = Vec::new();
     for i in 0..2 {
@@ -170,7 +175,7 @@ fn trellis(args: &Args) -> anyhow::Result<()> {
             keepalive: 0,
         };
         let engine = in_netns(NS[i], move || {
-            let engine = Engine::start(PORT, private)?;
+            let engine = Engine::start_with(PORT, private, io)?;
             engine.add_peer(DEV[i], &config)?;
             Ok(Arc::new(engine))
         })?;
@@ -178,7 +183,11 @@ fn trellis(args: &Args) -> anyhow::Result<()> {
         engines.push(engine);
     }
     let pid = std::process::id();
-    measure("trellis engine", args, &|| cpu_seconds(pid))
+    let label = match io {
+        Io::Batched => "trellis engine",
+        Io::PerDatagram => "trellis engine, unbatched",
+    };
+    measure(label, args, &|| cpu_seconds(pid))
 }
 
 fn wireguard_go(args: &Args) -> anyhow::Result<()> {
@@ -254,7 +263,8 @@ fn main() -> anyhow::Result<()> {
         let _server = iperf_server(())?;
         std::thread::sleep(Duration::from_millis(300));
         match which.as_str() {
-            "trellis" => trellis(&args)?,
+            "trellis" => trellis(&args, Io::Batched)?,
+            "trellis-unbatched" => trellis(&args, Io::PerDatagram)?,
             "wireguard-go" => wireguard_go(&args)?,
             other => bail!("unknown implementation {other}"),
         }
