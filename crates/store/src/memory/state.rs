@@ -450,7 +450,9 @@ mod tests {
                 .sum::<usize>(),
             "the running count matches what is held"
         );
-        let oldest = state.replay(0).err().expect("old starts are compacted");
+        let Err(oldest) = state.replay(0) else {
+            panic!("old starts are compacted");
+        };
         let retained = state
             .replay(oldest)
             .expect("the oldest retained revision replays");
