@@ -136,6 +136,30 @@ async fn memory_watch_from_a_trimmed_revision_fails() {
     );
 }
 
+/// The byte budget compacts like etcd: a start before the retained history fails with the
+/// oldest retained revision, and that revision itself replays.
+#[tokio::test]
+async fn memory_watch_from_before_the_byte_budget_is_compacted() {
+    // Room for two puts of a 100-byte value to "k" (as the budget counts an event).
+    let per_put = std::mem::size_of::<trellis_store::WatchEvent>() + 1 + 100;
+    let store = MemoryStore::with_history_limits(10_000, 2 * per_put);
+    for i in 0..5u8 {
+        store.put("k", vec![i; 100]).await.expect("put");
+    }
+    // Revisions 2..=6 were written; the budget keeps 5 and 6.
+    let err = trellis_store::conformance::assert_watch_compacted(&store, 2).await;
+    assert_eq!(
+        err,
+        StoreError::Compacted {
+            requested: 2,
+            compacted: 5
+        }
+    );
+    let mut events = store.watch("", Some(5)).await.expect("watch");
+    let event = trellis_store::conformance::next_event(&mut events).await;
+    assert_eq!(event.revision(), 5);
+}
+
 #[tokio::test]
 async fn open_fails_fast_when_etcd_is_unreachable() {
     let port = trellis_testkit::free_port();

@@ -20,6 +20,17 @@ use state::{Batch, State};
 /// How many events the store keeps for watch replay unless told otherwise.
 const DEFAULT_HISTORY_LIMIT: usize = 10_000;
 
+/// How many bytes the history keeps at most, whatever the event count (each event counted as
+/// its key, its value and the event's own size).
+///
+/// The history is what a watch started at an older revision (or a watcher that fell more than
+/// [`LIVE_BUFFER`] revisions behind) replays. An event count alone let every store keep up to
+/// 10 000 whole records, and an in-process lab has six stores per cluster (about 1 500 at 255
+/// clusters; issue 17). 512 KiB still covers the live buffer for records of up to about 400
+/// bytes (the services' are about that size or smaller) and any list-then-watch gap; older
+/// starts get [`StoreError::Compacted`], as on a compacted etcd, and the watcher lists again.
+const DEFAULT_HISTORY_BYTES: usize = 512 << 10;
+
 /// How many revisions a live watcher may fall behind before it has to catch up from the
 /// history (which is transparent as long as the history still reaches back far enough).
 const LIVE_BUFFER: usize = 1024;
@@ -28,7 +39,7 @@ const LIVE_BUFFER: usize = 1024;
 ///
 /// Clones are handles to the same data, so several "replicas" under test can share one store.
 /// Revisions, versions, transactions and watch replay behave like etcd; the history kept for
-/// replay is bounded (10 000 events by default) and older starts get
+/// replay is bounded (10 000 events and 512 KiB by default) and older starts get
 /// [`StoreError::Compacted`]. Leases expire on their own, driven by tokio timers, so tests may
 /// use tokio's paused clock. Leases therefore need a tokio runtime; everything else works
 /// under any executor.
@@ -50,12 +61,19 @@ impl MemoryStore {
         Self::with_history_limit(DEFAULT_HISTORY_LIMIT)
     }
 
-    /// A fresh store that keeps about `events` events for watch replay.
+    /// A fresh store that keeps about `events` events for watch replay (and at most the
+    /// default byte budget).
     pub fn with_history_limit(events: usize) -> Self {
+        Self::with_history_limits(events, DEFAULT_HISTORY_BYTES)
+    }
+
+    /// A fresh store that keeps about `events` events, and at most `bytes` bytes of keys and
+    /// values, for watch replay.
+    pub fn with_history_limits(events: usize, bytes: usize) -> Self {
         let (sender, _) = broadcast::channel(LIVE_BUFFER);
         Self {
             shared: Arc::new(Shared {
-                state: Mutex::new(State::new(events)),
+                state: Mutex::new(State::with_limits(events, bytes)),
                 events: sender,
             }),
         }

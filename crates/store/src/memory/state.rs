@@ -43,10 +43,13 @@ struct Lease {
 pub(super) struct State {
     revision: Revision,
     kvs: BTreeMap<String, Entry>,
-    /// Whole revisions, oldest first, holding at most `history_limit` events in total.
+    /// Whole revisions, oldest first, holding at most `history_limit` events and
+    /// `history_bytes_limit` bytes of keys and values in total.
     history: VecDeque<Arc<Batch>>,
     history_events: usize,
     history_limit: usize,
+    history_bytes: usize,
+    history_bytes_limit: usize,
     /// The oldest watch start the history can still serve.
     oldest_replayable: Revision,
     leases: HashMap<LeaseId, Lease>,
@@ -58,7 +61,15 @@ pub(super) struct State {
 }
 
 impl State {
+    /// A store that keeps at most `history_limit` events for replay (and no byte limit).
+    #[cfg(test)]
     pub(super) fn new(history_limit: usize) -> Self {
+        Self::with_limits(history_limit, usize::MAX)
+    }
+
+    /// A store whose replay history holds at most `history_limit` events and
+    /// `history_bytes_limit` bytes of keys and values.
+    pub(super) fn with_limits(history_limit: usize, history_bytes_limit: usize) -> Self {
         Self {
             // etcd starts at revision 1; the first write is revision 2.
             revision: 1,
@@ -66,6 +77,8 @@ impl State {
             history: VecDeque::new(),
             history_events: 0,
             history_limit,
+            history_bytes: 0,
+            history_bytes_limit,
             oldest_replayable: 1,
             leases: HashMap::new(),
             deadlines: BTreeSet::new(),
@@ -286,14 +299,19 @@ impl State {
         }
         self.revision = revision;
         self.history_events += events.len();
+        let bytes = batch_bytes(&events);
+        self.history_bytes += bytes;
         let batch = Arc::new(Batch { revision, events });
         self.history.push_back(Arc::clone(&batch));
         self.unpublished.push(batch);
-        while self.history_events > self.history_limit {
+        while self.history_events > self.history_limit
+            || self.history_bytes > self.history_bytes_limit
+        {
             let Some(oldest) = self.history.pop_front() else {
                 break;
             };
             self.history_events -= oldest.events.len();
+            self.history_bytes -= batch_bytes(&oldest.events);
             self.oldest_replayable = oldest.revision + 1;
         }
     }
@@ -316,8 +334,25 @@ fn duplicate(key: &str) -> StoreError {
     StoreError::Internal(format!("transaction branch writes key {key:?} twice"))
 }
 
+/// What the history's byte budget counts for `events`: each event's own size plus its key
+/// and value. The fixed part matters: without it, a store of small records would keep the
+/// whole event count whatever the budget.
+fn batch_bytes(events: &[WatchEvent]) -> usize {
+    events
+        .iter()
+        .map(|event| {
+            std::mem::size_of::<WatchEvent>()
+                + match event {
+                    WatchEvent::Put(kv) => kv.key.len() + kv.value.len(),
+                    WatchEvent::Delete { key, .. } => key.len(),
+                }
+        })
+        .sum()
+}
+
 #[cfg(test)]
 mod tests {
+    use super::super::{DEFAULT_HISTORY_BYTES, DEFAULT_HISTORY_LIMIT, LIVE_BUFFER};
     use super::*;
 
     fn put(state: &mut State, key: &str, value: &str) {
@@ -360,6 +395,77 @@ mod tests {
             .collect();
         assert_eq!(replayed, [3, 4]);
         assert!(state.replay(5).expect("future start").is_empty());
+    }
+
+    #[test]
+    fn history_is_trimmed_by_bytes_too() {
+        // Room for 100 events but for two puts of "kN" = "12345678" only (plus 5 bytes).
+        let put_bytes = std::mem::size_of::<WatchEvent>() + 2 + 8;
+        let mut state = State::with_limits(100, 2 * put_bytes + 5);
+        let value = "12345678";
+        put(&mut state, "k1", value); // rev 2
+        put(&mut state, "k2", value); // rev 3
+        assert_eq!(state.replay(2).expect("within the budget").len(), 2);
+        put(&mut state, "k3", value); // rev 4: three puts are over the budget, rev 2 goes
+        assert_eq!(state.replay(2).err(), Some(3));
+        let replayed: Vec<_> = state
+            .replay(3)
+            .expect("rev 3 retained")
+            .iter()
+            .map(|batch| batch.revision)
+            .collect();
+        assert_eq!(replayed, [3, 4]);
+        assert_eq!(state.history_bytes, 2 * put_bytes);
+
+        // A revision bigger than the whole budget leaves nothing older replayable (and is
+        // not kept itself), but a watch from the next revision still starts.
+        let big = "x".repeat(3 * put_bytes);
+        put(&mut state, "big", &big); // rev 5
+        assert_eq!(state.replay(4).err(), Some(6));
+        assert_eq!(state.replay(6).expect("from now on").len(), 0);
+        assert_eq!(state.history_bytes, 0);
+    }
+
+    #[test]
+    fn the_default_budget_bounds_the_history_of_large_records() {
+        // Records of 300 bytes written over and over: the event count alone (10 000) would
+        // keep about 4 MiB; the byte budget keeps what fits, which still covers the live
+        // buffer.
+        let mut state = State::with_limits(DEFAULT_HISTORY_LIMIT, DEFAULT_HISTORY_BYTES);
+        let value = "v".repeat(300);
+        for i in 0..10_000 {
+            put(&mut state, &format!("records/{}", i % 300), &value);
+        }
+        assert!(
+            state.history_bytes <= DEFAULT_HISTORY_BYTES,
+            "history holds {} bytes, over the budget of {DEFAULT_HISTORY_BYTES}",
+            state.history_bytes
+        );
+        assert_eq!(
+            state.history_bytes,
+            state
+                .history
+                .iter()
+                .map(|b| batch_bytes(&b.events))
+                .sum::<usize>(),
+            "the running count matches what is held"
+        );
+        let Err(oldest) = state.replay(0) else {
+            panic!("old starts are compacted");
+        };
+        let retained = state
+            .replay(oldest)
+            .expect("the oldest retained revision replays");
+        assert!(
+            retained.len() >= LIVE_BUFFER,
+            "{} revisions retained, fewer than the live buffer ({LIVE_BUFFER})",
+            retained.len()
+        );
+        assert_eq!(
+            retained.last().map(|b| b.revision),
+            Some(state.revision()),
+            "the history reaches up to now"
+        );
     }
 
     #[test]
