@@ -960,6 +960,17 @@ fn reexec_from_deps() -> anyhow::Result<()> {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
+    // Every service of the in-process clusters logs through this one subscriber: quiet unless
+    // RUST_LOG asks (what a slow run waits on shows at debug).
+    let _telemetry = trellis_runtime::telemetry::init_with_default(
+        &trellis_runtime::telemetry::ServiceIdentity {
+            service: "mesh-bench",
+            cluster_id: String::new(),
+            cluster_name: String::new(),
+        },
+        trellis_runtime::config::LogFormat::Text,
+        "off",
+    )?;
     anyhow::ensure!(args.repeats >= 1, "--repeats must be at least 1");
     if let Some(bad) = args.leaves.iter().find(|n| **n < 2) {
         anyhow::bail!("--leaves: a mesh needs at least 2 leaves, got {bad}");
