@@ -21,9 +21,10 @@
 //! A run that does not converge within `--timeout` is recorded (with how many induced
 //! TunnelEndpoints existed) and the larger sizes are skipped, unless `--keep-going`.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
@@ -35,9 +36,9 @@ use trellis_api::pb::peering::broker_client::BrokerClient;
 use trellis_api::pb::peering::forwarder_client::ForwarderClient;
 use trellis_api::pb::peering::{
     GetTokenRequest, ListNetworkConfigsRequest, ListRelaysRequest, ListTunnelEndpointsRequest,
-    PeerRequest,
+    PeerRequest, WatchTunnelEndpointsRequest,
 };
-use trellis_api::pb::types::PeeringKind;
+use trellis_api::pb::types::{PeeringKind, WatchEventType};
 use trellis_bench::proc::{ProcUsage, pid_listening_on, raise_nofile_limit, usage};
 use trellis_bench::{Machine, RunArgs, RunInfo, median, write_json};
 use trellis_integration::ServiceProcess;
@@ -641,35 +642,112 @@ async fn channel(addr: SocketAddr) -> anyhow::Result<Channel> {
         .await?)
 }
 
-/// How many induced TunnelEndpoints the leaf behind `client` holds; 0 while it cannot be asked.
-/// The client (one HTTP/2 connection per leaf) is kept across polls and dropped on an error.
-async fn induced(broker: SocketAddr, client: &mut Option<BrokerClient<Channel>>) -> usize {
-    tunnels_of_kind(broker, client, PeeringKind::Induced).await
+/// How many TunnelEndpoints of each kind every followed broker holds, kept current by their
+/// WatchTunnelEndpoints streams ([`follow`]): each tunnel is seen when it is written, without
+/// polling. (Polling a hundred brokers' listings one after the other took CPU from the mesh
+/// being measured and saw the last full tunnel seconds after it was written.)
+struct Tallies {
+    /// Per broker: (full, induced) TunnelEndpoints, and whether its watch has sent its snapshot.
+    counts: std::sync::Mutex<Vec<(usize, usize, bool)>>,
+    changed: tokio::sync::Notify,
 }
 
-/// How many TunnelEndpoints of `kind` the broker behind `client` holds (see [`induced`]).
-async fn tunnels_of_kind(
-    broker: SocketAddr,
-    client: &mut Option<BrokerClient<Channel>>,
-    kind: PeeringKind,
-) -> usize {
-    if client.is_none() {
-        *client = channel(broker).await.ok().map(BrokerClient::new);
+impl Tallies {
+    fn new(brokers: usize) -> Self {
+        Self {
+            counts: std::sync::Mutex::new(vec![(0, 0, false); brokers]),
+            changed: tokio::sync::Notify::new(),
+        }
     }
-    let Some(connected) = client.as_mut() else {
-        return 0;
-    };
-    match connected
-        .list_tunnel_endpoints(ListTunnelEndpointsRequest {
-            cluster_id: String::new(),
-            kind: kind as i32,
-        })
-        .await
-    {
-        Ok(response) => response.into_inner().tunnel_endpoints.len(),
-        Err(_) => {
-            *client = None;
-            0
+
+    fn set(&self, i: usize, full: usize, induced: usize, watching: bool) {
+        if let Ok(mut counts) = self.counts.lock() {
+            counts[i] = (full, induced, watching);
+        }
+        self.changed.notify_one();
+    }
+
+    /// Returns once every broker's watch has delivered its snapshot.
+    async fn wait_all_watching(&self) {
+        loop {
+            let all = self
+                .counts
+                .lock()
+                .map(|c| c.iter().all(|(_, _, watching)| *watching))
+                .unwrap_or(false);
+            if all {
+                return;
+            }
+            tokio::select! {
+                () = self.changed.notified() => {}
+                () = tokio::time::sleep(Duration::from_millis(50)) => {}
+            }
+        }
+    }
+
+    /// Whether every full tunnel is up (each leaf's to the hub, the hub's to each of the
+    /// `leaves`), and the induced TunnelEndpoints held over all leaves.
+    fn progress(&self, leaves: usize) -> (bool, usize) {
+        let Ok(counts) = self.counts.lock() else {
+            return (false, 0);
+        };
+        let (hub, leaf_counts) = counts.split_last().expect("the hub is followed");
+        let full_up = hub.0 >= leaves && leaf_counts.iter().all(|(full, _, _)| *full > 0);
+        let induced = leaf_counts
+            .iter()
+            .map(|(_, induced, _)| (*induced).min(leaves - 1))
+            .sum();
+        (full_up, induced)
+    }
+}
+
+/// Follows broker `i`'s TunnelEndpoints until `stop`, re-watching from a fresh snapshot after
+/// an interrupted stream.
+async fn follow(i: usize, addr: SocketAddr, tallies: Arc<Tallies>, stop: Shutdown) {
+    loop {
+        let watched = async {
+            let mut stream = BrokerClient::new(channel(addr).await?)
+                .watch_tunnel_endpoints(WatchTunnelEndpointsRequest { start_revision: 0 })
+                .await?
+                .into_inner();
+            let mut held: BTreeMap<String, i32> = BTreeMap::new();
+            let mut watching = false;
+            while let Some(event) = stream.message().await? {
+                let remote = event
+                    .tunnel_endpoint
+                    .as_ref()
+                    .and_then(|t| t.remote.as_ref())
+                    .map(|r| r.cluster_id.clone());
+                match (WatchEventType::try_from(event.r#type), remote) {
+                    (Ok(WatchEventType::Bookmark), _) => watching = true,
+                    (Ok(WatchEventType::Deleted), Some(remote)) => {
+                        held.remove(&remote);
+                    }
+                    (Ok(WatchEventType::Added | WatchEventType::Modified), Some(remote)) => {
+                        let kind = event.tunnel_endpoint.as_ref().map_or(0, |t| t.kind);
+                        held.insert(remote, kind);
+                    }
+                    _ => {}
+                }
+                let full = held
+                    .values()
+                    .filter(|k| **k == PeeringKind::Full as i32)
+                    .count();
+                let induced = held
+                    .values()
+                    .filter(|k| **k == PeeringKind::Induced as i32)
+                    .count();
+                tallies.set(i, full, induced, watching);
+            }
+            anyhow::Ok(())
+        };
+        tokio::select! {
+            () = stop.cancelled() => return,
+            _ = watched => {}
+        }
+        tokio::select! {
+            () = stop.cancelled() => return,
+            () = tokio::time::sleep(Duration::from_millis(100)) => {}
         }
     }
 }
@@ -717,94 +795,94 @@ async fn measure(
     let before = read_usage(&pids)?;
     let revisions_before = hub.etcd_revisions().await?;
 
-    let started = Instant::now();
-    let mut peerings = Vec::new();
-    for broker in &brokers {
-        let mut broker = BrokerClient::new(channel(*broker).await?);
-        let request = PeerRequest {
-            broker_address: hub.addr("broker").to_string(),
-            token: token.clone(),
-            expected_cluster_id: HUB_ID.into(),
-            ca_cert_hash: String::new(),
-        };
-        // With hundreds of clusters on two cores a leaf's own services can be too slow to
-        // answer its broker in time (UNAVAILABLE); an operator would run the command again,
-        // and so does the benchmark, counting it.
-        peerings.push(tokio::spawn(async move {
-            let mut retries = 0;
-            loop {
-                match broker.peer(request.clone()).await {
-                    Err(status)
-                        if status.code() == tonic::Code::Unavailable && retries < PEER_RETRIES =>
-                    {
-                        retries += 1;
-                        tokio::time::sleep(Duration::from_secs(1)).await;
+    // Every broker's tunnels are followed from before the first Peer request (index
+    // `brokers.len()` is the hub).
+    let tallies = Arc::new(Tallies::new(brokers.len() + 1));
+    let stop = Shutdown::new();
+    let followers: Vec<_> = brokers
+        .iter()
+        .chain(std::iter::once(&hub.addr("broker")))
+        .enumerate()
+        .map(|(i, addr)| tokio::spawn(follow(i, *addr, tallies.clone(), stop.clone())))
+        .collect();
+    let result = async {
+        tallies.wait_all_watching().await;
+        let started = Instant::now();
+        let mut peerings = Vec::new();
+        for broker in &brokers {
+            let mut broker = BrokerClient::new(channel(*broker).await?);
+            let request = PeerRequest {
+                broker_address: hub.addr("broker").to_string(),
+                token: token.clone(),
+                expected_cluster_id: HUB_ID.into(),
+                ca_cert_hash: String::new(),
+            };
+            // With hundreds of clusters on two cores a leaf's own services can be too slow to
+            // answer its broker in time (UNAVAILABLE); an operator would run the command again,
+            // and so does the benchmark, counting it.
+            peerings.push(tokio::spawn(async move {
+                let mut retries = 0;
+                loop {
+                    match broker.peer(request.clone()).await {
+                        Err(status)
+                            if status.code() == tonic::Code::Unavailable
+                                && retries < PEER_RETRIES =>
+                        {
+                            retries += 1;
+                            tokio::time::sleep(Duration::from_secs(1)).await;
+                        }
+                        other => return other.map(|_| retries),
                     }
-                    other => return other.map(|_| retries),
                 }
-            }
-        }));
-    }
-    let mut peer_retries = 0;
-    for peering in peerings {
-        peer_retries += peering.await?.context("a leaf peers with the hub")?;
-    }
-    // Leaves that hold all their induced TunnelEndpoints are not asked again: polling every
-    // leaf every few milliseconds would take CPU from the mesh being measured.
-    let mut done: BTreeMap<usize, usize> = BTreeMap::new();
-    let mut pending: BTreeSet<usize> = (0..brokers.len()).collect();
-    let mut clients: Vec<Option<BrokerClient<Channel>>> = vec![None; brokers.len()];
-    // Full tunnels: each leaf's to the hub (asked until it has it), and the hub's to all.
-    let mut without_full: BTreeSet<usize> = (0..brokers.len()).collect();
-    let mut hub_client = None;
-    let mut full_tunnels_at = None;
-    let mut induced_90_at = None;
-    let mut induced_at = None;
-    let converged = loop {
-        let mut finished = Vec::new();
-        for &i in &pending {
-            let count = induced(brokers[i], &mut clients[i]).await;
-            done.insert(i, count);
-            if count == leaves - 1 {
-                finished.push(i);
-            }
+            }));
         }
-        for i in finished {
-            pending.remove(&i);
+        let mut peer_retries = 0;
+        for peering in peerings {
+            peer_retries += peering.await?.context("a leaf peers with the hub")?;
         }
-        if induced_90_at.is_none() && done.values().sum::<usize>() * 10 >= expected * 9 {
-            induced_90_at = Some(started.elapsed());
-        }
-        if induced_at.is_none() && pending.is_empty() {
-            induced_at = Some(started.elapsed());
-        }
-        if full_tunnels_at.is_none() {
-            let mut up = Vec::new();
-            for &i in &without_full {
-                if tunnels_of_kind(brokers[i], &mut clients[i], PeeringKind::Full).await > 0 {
-                    up.push(i);
-                }
+        let mut full_tunnels_at = None;
+        let mut induced_90_at = None;
+        let mut induced_at = None;
+        let (converged, reached) = loop {
+            let (full_up, induced) = tallies.progress(leaves);
+            if induced_90_at.is_none() && induced * 10 >= expected * 9 {
+                induced_90_at = Some(started.elapsed());
             }
-            for i in up {
-                without_full.remove(&i);
+            if induced_at.is_none() && induced == expected {
+                induced_at = Some(started.elapsed());
             }
-            if without_full.is_empty()
-                && tunnels_of_kind(hub.addr("broker"), &mut hub_client, PeeringKind::Full).await
-                    >= leaves
-            {
+            if full_tunnels_at.is_none() && full_up {
                 full_tunnels_at = Some(started.elapsed());
             }
-        }
-        if pending.is_empty() && full_tunnels_at.is_some() {
-            break true;
-        }
-        if started.elapsed() >= timeout {
-            break false;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    };
+            if induced_at.is_some() && full_tunnels_at.is_some() {
+                break (true, induced);
+            }
+            if started.elapsed() >= timeout {
+                break (false, induced);
+            }
+            tokio::select! {
+                () = tallies.changed.notified() => {}
+                () = tokio::time::sleep(Duration::from_millis(100)) => {}
+            }
+        };
+        anyhow::Ok((
+            started,
+            peer_retries,
+            full_tunnels_at,
+            induced_90_at,
+            induced_at,
+            converged,
+            reached,
+        ))
+    }
+    .await;
+    stop.cancel();
+    for follower in followers {
+        let _ = follower.await;
+    }
+    let (started, peer_retries, full_tunnels_at, induced_90_at, induced_at, converged, reached) =
+        result?;
     let elapsed = started.elapsed();
-    let reached = done.values().sum();
     let after = read_usage(&pids)?;
     let hub_etcd_writes = match (revisions_before, hub.etcd_revisions().await?) {
         (Some(before), Some(after)) => Some(

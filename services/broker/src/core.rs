@@ -299,6 +299,16 @@ impl Broker {
     /// The peering view of the clusters `ids` only (unknown ones are absent): one record
     /// lookup each instead of a listing, for the checks on every received NetworkConfig.
     pub async fn peers_of(&self, ids: &[&ClusterId]) -> Result<Peers> {
+        Ok(Peers::from_foreign_clusters(
+            &self.foreign_clusters_of(ids).await?,
+        ))
+    }
+
+    /// The discovery records of `ids` (unknown ones are absent), one lookup each.
+    pub async fn foreign_clusters_of(
+        &self,
+        ids: &[&ClusterId],
+    ) -> Result<Vec<trellis_api::pb::types::ForeignCluster>> {
         let mut discovery = self.clients.discovery();
         let mut found = Vec::with_capacity(ids.len());
         for id in ids {
@@ -311,7 +321,7 @@ impl Broker {
                 Err(status) => return Err(local("reading foreign clusters")(status)),
             }
         }
-        Ok(Peers::from_foreign_clusters(&found))
+        Ok(found)
     }
 
     /// Checks a CA certificate a peer sent in the handshake (ADR 0014): with TLS on it is

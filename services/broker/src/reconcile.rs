@@ -480,21 +480,35 @@ async fn held_lane(broker: &Broker, id: &ClusterId) -> Result<Lane> {
     Ok(Lane::Full)
 }
 
+/// From this many remotes woken at once (a hub's Neighborhood introduced them together), one
+/// listing of every cluster costs less than a lookup per remote and per hub.
+const LIST_FROM: usize = 8;
+
 /// The peering view of `ids` and of the hubs that introduced them: enough to route each of
-/// them, from a few record lookups rather than a listing of every cluster.
+/// them, from a few record lookups rather than a listing of every cluster (or from a listing
+/// when many remotes are woken at once).
 async fn peers_for(broker: &Broker, ids: &BTreeSet<ClusterId>) -> Result<Peers> {
-    let first = broker.peers_of(&ids.iter().collect::<Vec<_>>()).await?;
-    let hubs: BTreeSet<&ClusterId> = first
+    if ids.len() >= LIST_FROM {
+        return broker.peers().await;
+    }
+    let mut records = broker
+        .foreign_clusters_of(&ids.iter().collect::<Vec<_>>())
+        .await?;
+    let first = Peers::from_foreign_clusters(&records);
+    let hubs: Vec<&ClusterId> = first
         .induced
         .values()
         .flatten()
         .filter(|hub| !ids.contains(*hub))
+        .collect::<BTreeSet<_>>()
+        .into_iter()
         .collect();
     if hubs.is_empty() {
         return Ok(first);
     }
-    let all: Vec<&ClusterId> = ids.iter().chain(hubs).collect();
-    broker.peers_of(&all).await
+    // Only the hubs are looked up again; the remotes' records are those read just now.
+    records.extend(broker.foreign_clusters_of(&hubs).await?);
+    Ok(Peers::from_foreign_clusters(&records))
 }
 
 /// One reconciliation of the remotes `ids` only, those of `lane`; a remote that belongs to

@@ -48,22 +48,45 @@ pub struct Mapped {
 pub struct Ipam {
     store: SharedStore,
     local: LocalSubnets,
-    /// Serializes this replica's range allocations. The epoch transaction alone keeps them
-    /// correct, across replicas too, but concurrent allocators in one process would mostly
-    /// lose the epoch race to each other and retry with backoff.
-    allocating: tokio::sync::Mutex<()>,
+    /// Serializes this replica's range allocations, and holds the ranges they must avoid. The
+    /// epoch transaction alone keeps allocations correct, across replicas too, but concurrent
+    /// allocators in one process would mostly lose the epoch race to each other and retry
+    /// with backoff.
+    allocating: tokio::sync::Mutex<Option<Allocated>>,
+}
+
+/// The NAT ranges of every mapped cluster as of one epoch revision: what a new allocation
+/// must avoid. Every change of them (an allocation, the end of a free) rewrites the epoch key,
+/// so while its revision is unchanged this is still the table; a moved epoch (another replica,
+/// a free) means one listing to rebuild it. This replica's own allocations update it in
+/// place. Without it every new mapping listed and decoded the whole table: O(n) per peer,
+/// O(n²) for a cluster joining a mesh of n.
+#[derive(Debug)]
+struct Allocated {
+    epoch_revision: i64,
+    nat: std::collections::HashMap<ClusterId, [IpNet; 2]>,
+}
+
+impl Allocated {
+    fn of(snapshot: &Snapshot) -> Self {
+        Self {
+            epoch_revision: snapshot.epoch_revision,
+            nat: snapshot
+                .records
+                .iter()
+                .filter_map(|(r, _)| {
+                    r.remote
+                        .map(|v| (r.id.clone(), [v.pod_cidr_nat, v.external_cidr_nat]))
+                })
+                .collect(),
+        }
+    }
 }
 
 /// A consistent view of the allocation table.
 struct Snapshot {
     epoch_revision: i64,
     records: Vec<(ClusterRecord, i64)>,
-}
-
-impl Snapshot {
-    fn find(&self, id: &ClusterId) -> Option<&(ClusterRecord, i64)> {
-        self.records.iter().find(|(r, _)| &r.id == id)
-    }
 }
 
 fn put(key: impl Into<String>, value: Vec<u8>) -> Op {
@@ -127,7 +150,7 @@ impl Ipam {
         let ipam = Self {
             store,
             local,
-            allocating: tokio::sync::Mutex::new(()),
+            allocating: tokio::sync::Mutex::new(None),
         };
         ipam.finish_interrupted_frees().await?;
         Ok(ipam)
@@ -219,12 +242,21 @@ impl Ipam {
         {
             return Ok(view);
         }
-        let _allocating = self.allocating.lock().await;
+        let mut allocated = self.allocating.lock().await;
         let mut contention = Contention::on(&self.store, "allocating subnets");
         loop {
-            let snapshot = self.snapshot().await?;
-            let existing = snapshot.find(id);
-            if let Some((rec, _)) = existing {
+            let epoch_revision = self
+                .store
+                .get(EPOCH_KEY)
+                .await?
+                .map_or(0, |kv| kv.mod_revision);
+            let table = match allocated.take() {
+                Some(table) if table.epoch_revision == epoch_revision => table,
+                _ => Allocated::of(&self.snapshot().await?),
+            };
+            let table = allocated.insert(table);
+            let existing = self.record(id).await?;
+            if let Some((rec, _)) = &existing {
                 if rec.freeing {
                     return Err(Error::FailedPrecondition(format!(
                         "cluster {id} is being freed; retry when FreeSubnetsPerCluster completes"
@@ -244,12 +276,11 @@ impl Ipam {
 
             let mut used = self.local.blocked();
             used.extend(
-                snapshot
-                    .records
+                table
+                    .nat
                     .iter()
-                    .filter(|(r, _)| &r.id != id)
-                    .filter_map(|(r, _)| r.remote)
-                    .flat_map(|v| [v.pod_cidr_nat, v.external_cidr_nat]),
+                    .filter(|(cluster, _)| *cluster != id)
+                    .flat_map(|(_, ranges)| *ranges),
             );
             let exhausted = |what: &str, net: IpNet| {
                 Error::ResourceExhausted(format!(
@@ -278,7 +309,7 @@ impl Ipam {
             };
 
             let (mut rec, revision) = match existing {
-                Some((rec, rev)) => (rec.clone(), *rev),
+                Some(found) => found,
                 None => (ClusterRecord::new(id.clone(), cluster.name.clone()), 0),
             };
             if !cluster.name.is_empty() {
@@ -289,7 +320,7 @@ impl Ipam {
                 .store
                 .txn(Txn {
                     compares: vec![
-                        unchanged(EPOCH_KEY, snapshot.epoch_revision),
+                        unchanged(EPOCH_KEY, table.epoch_revision),
                         unchanged(cluster_key(id), revision),
                     ],
                     // A new mapping starts a new peering: the tombstone of an earlier free
@@ -303,6 +334,11 @@ impl Ipam {
                 })
                 .await?;
             if committed.succeeded {
+                // The transaction's revision is the epoch key's new mod revision.
+                table.epoch_revision = committed.revision;
+                table
+                    .nat
+                    .insert(id.clone(), [pod_cidr_nat, external_cidr_nat]);
                 tracing::info!(
                     cluster.id = %id,
                     pod_cidr = %pod_cidr,
@@ -446,7 +482,8 @@ impl Ipam {
 
         let released = self.release_endpoints_of(&rec).await?;
         // Nobody writes a record marked as freeing, so this compare only guards against a
-        // concurrent free that already finished.
+        // concurrent free that already finished. The epoch moves: the ranges are free again,
+        // and every allocator's table of used ranges ([`Allocated`]) must be read anew.
         self.store
             .txn(Txn {
                 compares: vec![unchanged(cluster_key(id), revision)],
@@ -455,6 +492,7 @@ impl Ipam {
                         key: cluster_key(id),
                     },
                     put(freed_key(id), tombstone),
+                    put(EPOCH_KEY, Vec::new()),
                 ],
                 failure: vec![],
             })

@@ -616,3 +616,40 @@ async fn set_local_nat_after_a_free_is_refused_and_leaves_no_record() {
         .expect("first contact");
     assert!(ipam.mapping_exists(&id("b")).await.expect("answers"));
 }
+
+/// Two replicas on one store: each keeps its own table of used ranges between allocations,
+/// and a range the other one allocated or freed meanwhile is seen by the next allocation.
+#[tokio::test]
+async fn replicas_see_each_others_allocations_and_frees() {
+    let store: SharedStore = Arc::new(MemoryStore::new());
+    let first = Ipam::open(store.clone(), local(&["10.0.0.0/14"]))
+        .await
+        .expect("opens");
+    let second = Ipam::open(store.clone(), local(&["10.0.0.0/14"]))
+        .await
+        .expect("opens");
+    // Both load their tables.
+    let a = first
+        .subnets_for(&cluster("a"), net("10.0.0.0/16"), net("192.168.1.0/24"))
+        .await
+        .expect("a");
+    let b = second
+        .subnets_for(&cluster("b"), net("10.0.0.0/16"), net("192.168.2.0/24"))
+        .await
+        .expect("b");
+    assert!(!overlaps(a.pod_cidr_nat, b.pod_cidr_nat));
+    // The first replica allocates again after the second did: no overlap with b.
+    let c = first
+        .subnets_for(&cluster("c"), net("10.0.0.0/16"), net("192.168.3.0/24"))
+        .await
+        .expect("c");
+    assert!(!overlaps(c.pod_cidr_nat, b.pod_cidr_nat));
+    assert!(!overlaps(c.pod_cidr_nat, a.pod_cidr_nat));
+    // A free on one replica makes the range available to the other.
+    assert!(second.free(&id("a")).await.expect("frees"));
+    let d = first
+        .subnets_for(&cluster("d"), net("10.0.0.0/16"), net("192.168.4.0/24"))
+        .await
+        .expect("d");
+    assert_eq!(d.pod_cidr_nat, a.pod_cidr_nat);
+}
