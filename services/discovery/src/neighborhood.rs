@@ -160,6 +160,19 @@ pub async fn run(core: Arc<Discovery>, timing: SenderTiming, shutdown: Shutdown)
     }
 }
 
+/// Whether a pass sends to a peer: when what it should hold changed, on the periodic resync,
+/// and when a failed send to it is due again (a failed resync re-send is retried like any
+/// other send) — never while its backoff runs. A due retry must be acted on: the loop sleeps
+/// until the earliest backoff, so one left due would wake it at once, pass after pass (at 254
+/// leaves every leaf spun so between two resyncs, decoding its whole table each time).
+fn sends(changed: bool, resync: bool, backoff: Option<&Backoff>, now: Instant) -> bool {
+    match backoff {
+        Some(b) if b.next > now => false,
+        Some(_) => true,
+        None => changed || resync,
+    }
+}
+
 /// How long the sender lets a burst of changes accumulate before a pass (ADR 0006).
 pub const COALESCE: Duration = Duration::from_millis(100);
 
@@ -231,15 +244,17 @@ async fn pass(
         })
     };
     let desired = desired(&snapshot, core.induced_peering());
+    // A peer neither desired nor holding anything from us has nothing left to retry: its
+    // backoff would only wake the loop.
+    backoff.retain(|peer, _| {
+        peer == &core.identity().id || desired.contains_key(peer) || outboxes.contains_key(peer)
+    });
     for (peer, (address, neighbors)) in &desired {
         let outbox = outboxes.remove(peer);
         let changed = outbox
             .as_ref()
             .is_none_or(|(o, _)| o.digest != Outbox::digest_of(neighbors));
-        if !changed && !resync {
-            continue;
-        }
-        if backoff.get(peer).is_some_and(|b| b.next > now) {
+        if !sends(changed, resync, backoff.get(peer), now) {
             continue;
         }
         if address.is_empty() {
@@ -443,6 +458,28 @@ mod tests {
             version: 2,
             lease: None,
         })
+    }
+
+    /// A peer whose retry is due is sent to even when nothing changed and no resync is due,
+    /// so no due backoff is left to wake the loop again at once; a running backoff holds any
+    /// send back.
+    #[test]
+    fn a_due_retry_is_sent_and_a_running_backoff_holds_back() {
+        let now = Instant::now();
+        let due = Backoff {
+            failures: 1,
+            stale: 0,
+            next: now,
+        };
+        let later = Backoff {
+            next: now + Duration::from_secs(1),
+            ..due
+        };
+        assert!(sends(false, false, Some(&due), now));
+        for (changed, resync) in [(false, false), (true, false), (false, true), (true, true)] {
+            assert!(!sends(changed, resync, Some(&later), now));
+            assert_eq!(sends(changed, resync, None, now), changed || resync);
+        }
     }
 
     /// A leaf receiving a hub's Neighborhood writes one induced record per neighbour; none of
