@@ -57,10 +57,12 @@ if [ "$reference" != none ]; then
     git worktree prune &&
     git worktree add --force --detach "$refsrc" "$reference" >/dev/null &&
     rm -rf "$refsrc/bench" && cp -r bench "$refsrc/bench" &&
-    (cd "$refsrc" && CARGO_TARGET_DIR="$target/bench-reference/target" \
-      cargo build --release -p trellis-bench --bin mesh-bench \
-      -p trellis-ipam -p trellis-discovery -p trellis-broker -p trellis-forwarder \
-      -p trellis-gateway); then
+    (cd "$refsrc" && export CARGO_TARGET_DIR="$target/bench-reference/target" &&
+      cargo build --release -p trellis-bench --bin mesh-bench &&
+      # Separately: `--bin` would limit every package to that binary, and hub-processes
+      # needs the reference's service binaries.
+      cargo build --release --bins -p trellis-ipam -p trellis-discovery -p trellis-broker \
+        -p trellis-forwarder -p trellis-gateway); then
     refbin="$target/bench-reference/target/release"
   else
     log "reference build FAILED: the mesh benchmarks are not compared with $reference"
