@@ -57,6 +57,20 @@ fn condition_true(fc: &pb::ForeignCluster, kind: &str) -> bool {
         .any(|c| c.r#type == kind && c.status == pb::ConditionStatus::True as i32)
 }
 
+/// Whether `fc` is an established full peer with networking and a broker address: a cluster
+/// [`Peers::desired`] routes to directly, and one a hub relays for.
+pub fn is_routable_full_peer(fc: &pb::ForeignCluster) -> bool {
+    fc.kind == pb::PeeringKind::Full as i32
+        && condition_true(fc, "Peered")
+        && fc.full.as_ref().is_some_and(|full| {
+            full.networking_enabled
+                && full
+                    .addresses
+                    .as_ref()
+                    .is_some_and(|a| !a.broker.is_empty())
+        })
+}
+
 impl Peers {
     /// Interprets a listing.
     pub fn from_foreign_clusters(list: &[pb::ForeignCluster]) -> Self {
@@ -223,5 +237,38 @@ mod tests {
         assert_eq!(relay_hub(&peers, "leaf-c").as_deref(), Some("hub-2"));
         let alone = Peers::from_foreign_clusters(&[induced("leaf-c", "hub-1", &[])]);
         assert_eq!(relay_hub(&alone, "leaf-c"), None);
+    }
+
+    /// The predicate a cached record is trusted by agrees with what a listing routes directly.
+    #[test]
+    fn a_routable_full_peer_is_exactly_a_directly_routed_one() {
+        let mut mute = hub("mute");
+        if let Some(full) = mute.full.as_mut() {
+            full.networking_enabled = false;
+        }
+        let mut brokerless = hub("brokerless");
+        if let Some(addresses) = brokerless.full.as_mut().and_then(|f| f.addresses.as_mut()) {
+            addresses.broker.clear();
+        }
+        let mut unpeered = hub("unpeered");
+        unpeered.conditions.clear();
+        let records = [
+            hub("ok"),
+            mute,
+            brokerless,
+            unpeered,
+            induced("leaf", "ok", &[]),
+        ];
+        let peers = Peers::from_foreign_clusters(&records);
+        for fc in &records {
+            let id =
+                ClusterId::parse("id", &fc.identity.as_ref().expect("id").cluster_id).expect("id");
+            let direct = matches!(
+                peers.desired.get(&id).map(|r| &r.route),
+                Some(Route::Direct { .. })
+            );
+            assert_eq!(is_routable_full_peer(fc), direct, "{id}");
+        }
+        assert!(is_routable_full_peer(&records[0]));
     }
 }

@@ -8,6 +8,8 @@
 //! - [`server`]: a gRPC server that always serves health and reflection (v1 and v1alpha);
 //! - [`client`]: channels to other services with timeouts and trace propagation;
 //! - [`backoff`]: the one exponential backoff for retry loops;
+//! - [`foreign_clusters`]: a watch-fed copy of the local discovery service's ForeignClusters,
+//!   for the checks made on every relayed or received NetworkConfig;
 //! - [`cmd`]: running `ip` and `nft` for the processes that program the kernel (gateway,
 //!   route agent);
 //! - [`shutdown`]: SIGTERM/SIGINT to a cancellation token, graceful drain;
@@ -26,6 +28,7 @@ pub mod backoff;
 pub mod client;
 pub mod cmd;
 pub mod config;
+pub mod foreign_clusters;
 pub mod launch;
 pub mod local_auth;
 pub mod metrics;

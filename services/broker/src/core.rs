@@ -30,6 +30,7 @@ use crate::records::{
 use crate::remote::Clients;
 use crate::token;
 use trellis_api::peers::Peers;
+use trellis_runtime::foreign_clusters::{self, ForeignClusters};
 use trellis_runtime::tls::{CaCertHash, PinnedCa};
 
 /// A NetworkConfig received from a remote, validated.
@@ -39,6 +40,8 @@ pub struct Received {
     pub via: Option<ClusterIdentity>,
     pub spec: NetworkSpec,
     pub generation: i64,
+    /// The generation of our NetworkConfig the origin holds (0: none).
+    pub held_generation: i64,
 }
 
 /// The answer to a received NetworkConfig.
@@ -48,6 +51,9 @@ pub struct Answer {
     pub accepted: bool,
     pub generation: i64,
     pub decision: Decision,
+    /// The generation of our own NetworkConfig towards the origin (0: none yet), told to the
+    /// origin with the decision (ADR 0012).
+    pub receiver_generation: i64,
 }
 
 /// The broker of one cluster.
@@ -66,6 +72,9 @@ pub struct Broker {
     peering_locks: Mutex<HashMap<ClusterId, Arc<tokio::sync::Mutex<()>>>>,
     /// Where a peer's ranges, and its views of ours, may lie (`--allowed-remote-cidrs`).
     allowed: AllowedRanges,
+    /// The local discovery service's records as its watch last delivered them (kept by the
+    /// reconciler's watch): what each received NetworkConfig is checked against first.
+    foreign_clusters: ForeignClusters,
 }
 
 /// The remotes a reconciliation pass looks at: all of them, or only those something happened
@@ -161,6 +170,7 @@ impl Broker {
             lanes: [LaneState::new(), LaneState::new()],
             peering_locks: Mutex::new(HashMap::new()),
             allowed: AllowedRanges::default(),
+            foreign_clusters: ForeignClusters::new(),
         }
     }
 
@@ -309,19 +319,32 @@ impl Broker {
         &self,
         ids: &[&ClusterId],
     ) -> Result<Vec<trellis_api::pb::types::ForeignCluster>> {
-        let mut discovery = self.clients.discovery();
-        let mut found = Vec::with_capacity(ids.len());
-        for id in ids {
-            let request = GetForeignClusterRequest {
-                cluster_id: id.to_string(),
-            };
-            match discovery.get_foreign_cluster(request).await {
-                Ok(answer) => found.extend(answer.into_inner().foreign_cluster),
-                Err(status) if status.code() == tonic::Code::NotFound => {}
-                Err(status) => return Err(local("reading foreign clusters")(status)),
+        foreign_clusters::read(&self.clients.discovery_channel(), ids).await
+    }
+
+    /// The watch-fed copy of discovery's records.
+    pub fn foreign_clusters(&self) -> &ForeignClusters {
+        &self.foreign_clusters
+    }
+
+    /// `check` on the peering view of `ids` from the watch-fed copy (records it lacks are read
+    /// from discovery) and, only if that refuses, on a view read from discovery: a copy that
+    /// lags never makes a refusal.
+    async fn check_peers<T>(
+        &self,
+        ids: &[&ClusterId],
+        check: impl Fn(&Peers) -> Result<T>,
+    ) -> Result<T> {
+        if self.foreign_clusters.synced() {
+            let cached = self
+                .foreign_clusters
+                .lookup(&self.clients.discovery_channel(), ids, |_| true)
+                .await?;
+            if let Ok(passed) = check(&Peers::from_foreign_clusters(&cached)) {
+                return Ok(passed);
             }
         }
-        Ok(found)
+        check(&self.peers_of(ids).await?)
     }
 
     /// Checks a CA certificate a peer sent in the handshake (ADR 0014): with TLS on it is
@@ -761,35 +784,15 @@ impl Broker {
     #[tracing::instrument(skip_all, fields(remote.id = %nc.origin.id, generation = nc.generation))]
     pub async fn receive(&self, nc: Received) -> Result<Answer> {
         self.check_remote_spec("network_config.spec", &nc.spec)?;
-        let peers = match &nc.via {
-            None => self.peers_of(&[&nc.origin.id]).await?,
-            Some(hub) => self.peers_of(&[&hub.id, &nc.origin.id]).await?,
+        let ids = match &nc.via {
+            None => vec![&nc.origin.id],
+            Some(hub) => vec![&hub.id, &nc.origin.id],
         };
-        match &nc.via {
-            None => {
-                if !peers.is_full_peer(&nc.origin.id) {
-                    return Err(Error::PermissionDenied(format!(
-                        "cluster {} is not a full peer of {}",
-                        nc.origin.id, self.identity.id
-                    )));
-                }
-            }
-            Some(hub) => {
-                if !peers.is_full_peer(&hub.id) {
-                    return Err(Error::PermissionDenied(format!(
-                        "the relaying hub {} is not a full peer of {}",
-                        hub.id, self.identity.id
-                    )));
-                }
-                if !peers.introduced_by(&nc.origin.id, &hub.id) {
-                    return Err(Error::FailedPrecondition(format!(
-                        "cluster {} has not (yet) been introduced to us by {}; retry later",
-                        nc.origin.id, hub.id
-                    )));
-                }
-            }
-        }
+        self.check_peers(&ids, |peers| self.may_send(peers, &nc))
+            .await?;
 
+        let ours = self.outgoing(&nc.origin.id).await?;
+        let receiver_generation = ours.as_ref().map_or(0, |o| o.generation);
         let key = in_key(&nc.origin.id);
         let held = match self.store.get(&key).await? {
             Some(kv) => Some((decode::<IncomingNc>(&key, &kv.value)?, kv.mod_revision)),
@@ -801,6 +804,7 @@ impl Broker {
                     accepted: false,
                     generation: held.generation,
                     decision: held.decision.clone(),
+                    receiver_generation,
                 });
             }
             // A pending decision (no free range when we last tried) is made again: the
@@ -814,6 +818,7 @@ impl Broker {
                     accepted: true,
                     generation: held.generation,
                     decision: held.decision.clone(),
+                    receiver_generation,
                 });
             }
         }
@@ -830,6 +835,7 @@ impl Broker {
                 accepted: true,
                 generation: held.generation,
                 decision,
+                receiver_generation,
             });
         }
         let record = IncomingNc {
@@ -864,24 +870,52 @@ impl Broker {
         tracing::info!(remote.id = %nc.origin.id, via = ?nc.via.as_ref().map(|v| v.id.to_string()), "received a network config");
         // A new incarnation of the remote's NC (generations are wall-clock seeded, ADR 0012)
         // may come from a remote that lost our NC (a teardown, a withdrawal, a rebuilt store):
-        // forget the decision on ours so the next pass sends it again. Re-sending a
-        // generation the remote still holds costs one idempotent call.
+        // forget the decision on ours so the next pass sends it again, unless the decision
+        // came from this very incarnation.
         if held
             .as_ref()
             .is_none_or(|(h, _)| h.generation < nc.generation)
         {
-            self.resend(&nc.origin.id).await?;
+            self.resend(&nc.origin.id, nc.generation, nc.held_generation)
+                .await?;
         }
         self.wake_for(&nc.origin.id, Lane::of_via(nc.via.as_ref()));
         Ok(Answer {
             accepted: true,
             generation: nc.generation,
             decision,
+            receiver_generation,
         })
     }
 
-    /// Clears the decision on our NC towards `remote`, so that the pass delivers it again.
-    async fn resend(&self, remote: &ClusterId) -> Result<()> {
+    /// Whether `peers` let `nc`'s origin send it to us: directly as a full peer, or through a
+    /// full peer that introduced it.
+    fn may_send(&self, peers: &Peers, nc: &Received) -> Result<()> {
+        match &nc.via {
+            None if !peers.is_full_peer(&nc.origin.id) => Err(Error::PermissionDenied(format!(
+                "cluster {} is not a full peer of {}",
+                nc.origin.id, self.identity.id
+            ))),
+            None => Ok(()),
+            Some(hub) if !peers.is_full_peer(&hub.id) => Err(Error::PermissionDenied(format!(
+                "the relaying hub {} is not a full peer of {}",
+                hub.id, self.identity.id
+            ))),
+            Some(hub) if !peers.introduced_by(&nc.origin.id, &hub.id) => {
+                Err(Error::FailedPrecondition(format!(
+                    "cluster {} has not (yet) been introduced to us by {}; retry later",
+                    nc.origin.id, hub.id
+                )))
+            }
+            Some(_) => Ok(()),
+        }
+    }
+
+    /// Clears the decision on our NC towards `remote`, so that the pass delivers it again;
+    /// not when the remote's incarnation that just sent generation `theirs` holds ours: it
+    /// decided on ours while its own NC was at `theirs`, or it says it holds our current
+    /// generation (`held`).
+    async fn resend(&self, remote: &ClusterId, theirs: i64, held: i64) -> Result<()> {
         let key = out_key(remote);
         let mut contention = Contention::on(&self.store, "re-sending our network config");
         loop {
@@ -890,6 +924,10 @@ impl Broker {
             };
             let mut out: OutgoingNc = decode(&key, &kv.value)?;
             if out.decision.is_none() {
+                return Ok(());
+            }
+            if out.receiver_generation == theirs || held == out.generation {
+                tracing::debug!(remote.id = %remote, "the remote's new network config comes from the incarnation that holds ours");
                 return Ok(());
             }
             out.decision = None;
@@ -965,7 +1003,13 @@ impl Broker {
 
     /// Stores a remote's decision on our NetworkConfig and tells the IPAM how it addresses us.
     /// Returns false for a stale decision.
-    pub async fn decided(&self, remote: &ClusterId, decision: Decision) -> Result<bool> {
+    /// `receiver_generation` is the remote's own NC generation when it decided (0: unknown).
+    pub async fn decided(
+        &self,
+        remote: &ClusterId,
+        decision: Decision,
+        receiver_generation: i64,
+    ) -> Result<bool> {
         self.check_remote_decision("status", &decision)?;
         let key = out_key(remote);
         let mut contention = Contention::on(&self.store, "recording a network config status");
@@ -979,10 +1023,11 @@ impl Broker {
             if decision.observed_generation() != out.generation {
                 return Ok(false);
             }
-            if out.decision.as_ref() == Some(&decision) {
+            let known = out.decision.as_ref() == Some(&decision);
+            if known && out.receiver_generation == receiver_generation {
                 return Ok(true);
             }
-            if let Decision::Processed { view, .. } = &decision {
+            if !known && let Decision::Processed { view, .. } = &decision {
                 self.clients
                     .ipam()
                     .set_local_nat(SetLocalNatRequest {
@@ -995,6 +1040,7 @@ impl Broker {
                     .map_err(local("recording how the remote addresses us"))?;
             }
             out.decision = Some(decision.clone());
+            out.receiver_generation = receiver_generation;
             let committed = self.replace_outgoing(&key, kv.mod_revision, &out).await?;
             if committed {
                 tracing::info!(remote.id = %remote, generation = out.generation, "the remote decided on our network config");

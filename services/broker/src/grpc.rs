@@ -276,6 +276,11 @@ impl BrokerApi for BrokerService {
         if nc.generation < 1 {
             return Err(Error::invalid("network_config.generation", "must be at least 1").into());
         }
+        if nc.held_generation < 0 {
+            return Err(
+                Error::invalid("network_config.held_generation", "must not be negative").into(),
+            );
+        }
         let spec = NetworkSpec::from_proto("network_config.spec", nc.spec.as_ref())?;
         let answer = self
             .core
@@ -284,11 +289,15 @@ impl BrokerApi for BrokerService {
                 via,
                 spec,
                 generation: nc.generation,
+                held_generation: nc.held_generation,
             })
             .await?;
         Ok(Response::new(pb::SubmitNetworkConfigResponse {
             accepted: answer.accepted,
-            status: Some(status_of(&answer.decision)),
+            status: Some(types::NetworkConfigStatus {
+                receiver_generation: answer.receiver_generation,
+                ..status_of(&answer.decision)
+            }),
         }))
     }
 
@@ -331,7 +340,16 @@ impl BrokerApi for BrokerService {
         else {
             return Err(Error::invalid("status.state", "must be PROCESSED or REJECTED").into());
         };
-        let applied = self.core.decided(&destination.id, decision).await?;
+        let receiver_generation = req.status.as_ref().map_or(0, |s| s.receiver_generation);
+        if receiver_generation < 0 {
+            return Err(
+                Error::invalid("status.receiver_generation", "must not be negative").into(),
+            );
+        }
+        let applied = self
+            .core
+            .decided(&destination.id, decision, receiver_generation)
+            .await?;
         Ok(Response::new(pb::ReportNetworkConfigStatusResponse {
             applied,
         }))
@@ -410,9 +428,13 @@ impl BrokerApi for BrokerService {
                 destination: Some(identity_to_pb(&o.remote)),
                 via: o.via.as_ref().map(identity_to_pb),
                 spec: Some(o.spec.to_proto()),
-                status: o.decision.as_ref().map(status_of),
+                status: o.decision.as_ref().map(|d| types::NetworkConfigStatus {
+                    receiver_generation: o.receiver_generation,
+                    ..status_of(d)
+                }),
                 generation: o.generation,
                 update_time: None,
+                held_generation: 0,
             })
             .chain(ins.iter().map(|i| types::NetworkConfig {
                 name: nc_name(&i.remote.id, &us.id),
@@ -423,6 +445,7 @@ impl BrokerApi for BrokerService {
                 status: Some(status_of(&i.decision)),
                 generation: i.generation,
                 update_time: None,
+                held_generation: 0,
             }))
             .filter(|nc| {
                 filter.as_ref().is_none_or(|f| {

@@ -17,7 +17,7 @@ use tracing::Instrument as _;
 use trellis_api::ClusterId;
 use trellis_api::convert::identity_to_pb;
 use trellis_api::model::{NatView, NetworkSpec, TunnelEndpoint};
-use trellis_api::pb::discovery::{WatchForeignClustersRequest, WatchForeignClustersResponse};
+use trellis_api::pb::discovery::WatchForeignClustersResponse;
 use trellis_api::pb::gateway::GetGatewayInfoRequest;
 use trellis_api::pb::ipam::{
     FreeSubnetsPerClusterRequest, GetLocalSubnetsRequest, ListClusterSubnetsRequest,
@@ -26,6 +26,7 @@ use trellis_api::pb::peering::{RelayRequest, RelayWithdrawalRequest, SubmitNetwo
 use trellis_api::pb::types as pb;
 use trellis_error::{Error, Result};
 use trellis_runtime::Shutdown;
+use trellis_runtime::foreign_clusters::Followed;
 use trellis_runtime::propagation::{resumed_span, traceparent_of};
 use trellis_store::{Compare, Op, Txn};
 
@@ -177,46 +178,22 @@ impl Retries {
     }
 }
 
-/// Wakes the reconciler on every change of the local ForeignClusters. The stream is only a
-/// trigger: each pass re-reads the full listing, so a missed event costs at most a resync.
+/// Wakes the reconciler on every change of the local ForeignClusters, after the broker's copy
+/// of them has taken the change in. The stream is only a trigger: each pass re-reads what it
+/// acts on from discovery, so a missed event costs at most a resync.
 async fn follow_discovery(broker: Arc<Broker>, shutdown: Shutdown) {
-    let mut backoff = RETRY_MIN;
-    loop {
-        let stream = broker
-            .clients()
-            .discovery()
-            .watch_foreign_clusters(WatchForeignClustersRequest {
-                start_revision: 0,
-                kind: 0,
-            })
-            .await;
-        match stream {
-            Ok(stream) => {
-                backoff = RETRY_MIN;
-                let mut stream = stream.into_inner();
-                let mut seen = HashMap::new();
-                loop {
-                    tokio::select! {
-                        () = shutdown.cancelled() => return,
-                        event = stream.next() => match event {
-                            Some(Ok(event)) => wake_for_event(&broker, &event, &mut seen),
-                            Some(Err(status)) => {
-                                tracing::debug!(error = %status, "foreign cluster watch ended");
-                                break;
-                            }
-                            None => break,
-                        },
-                    }
-                }
-            }
-            Err(status) => tracing::debug!(error = %status, "cannot watch foreign clusters yet"),
-        }
-        tokio::select! {
-            () = shutdown.cancelled() => return,
-            () = tokio::time::sleep(backoff) => {}
-        }
-        backoff = (backoff * 2).min(RETRY_MAX);
-    }
+    let mut seen = HashMap::new();
+    broker
+        .foreign_clusters()
+        .follow(
+            broker.clients().discovery_channel(),
+            shutdown,
+            |followed| match followed {
+                Followed::Restarted => seen.clear(),
+                Followed::Event(event) => wake_for_event(&broker, event, &mut seen),
+            },
+        )
+        .await;
 }
 
 /// A change of an induced record concerns that remote only; anything else (a full peer: a
@@ -685,6 +662,7 @@ async fn exchange(
                 spec,
                 generation,
                 decision: None,
+                receiver_generation: 0,
             };
             let revision = previous.map_or(0, |(_, r)| r);
             let committed = broker
@@ -731,6 +709,8 @@ pub fn next_generation(previous: Option<i64>) -> i64 {
 
 async fn deliver(broker: &Broker, remote: &Remote, out: &OutgoingNc) -> Result<()> {
     let id = &remote.identity.id;
+    // Tells the remote we hold its NC, so that ours does not make it send its own again.
+    let held_generation = broker.incoming(id).await?.map_or(0, |i| i.generation);
     let nc = pb::NetworkConfig {
         name: nc_name(&broker.identity().id, id),
         origin: Some(identity_to_pb(broker.identity())),
@@ -740,6 +720,7 @@ async fn deliver(broker: &Broker, remote: &Remote, out: &OutgoingNc) -> Result<(
         status: None,
         generation: out.generation,
         update_time: None,
+        held_generation,
     };
     let status = match &remote.route {
         Route::Direct { broker: address } => {
@@ -775,7 +756,8 @@ async fn deliver(broker: &Broker, remote: &Remote, out: &OutgoingNc) -> Result<(
         }
     };
     if let Some(decision) = decision_from_status(&out.spec, status.as_ref())? {
-        broker.decided(id, decision).await?;
+        let receiver_generation = status.as_ref().map_or(0, |s| s.receiver_generation);
+        broker.decided(id, decision, receiver_generation).await?;
     } else if let Some(waiting) = status
         .as_ref()
         .filter(|s| s.state == pb::NetworkConfigState::Pending as i32 && !s.message.is_empty())

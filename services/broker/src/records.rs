@@ -119,6 +119,11 @@ pub struct OutgoingNc {
     pub generation: i64,
     /// The remote's decision, once known.
     pub decision: Option<Decision>,
+    /// The generation of the remote's own NetworkConfig towards us when it made `decision`
+    /// (0: it had none, or it did not say). Its NetworkConfig at this generation comes from
+    /// the incarnation that holds ours, so receiving it does not make us send ours again.
+    #[serde(default)]
+    pub receiver_generation: i64,
     /// W3C traceparent of the exchange, so every pass and process that works on it adds to
     /// one trace (absent when tracing is off).
     #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -18,19 +18,18 @@ use tokio::sync::Notify;
 use tracing::Instrument as _;
 use trellis_api::convert::identity_to_pb;
 use trellis_api::model::NetworkSpec;
-use trellis_api::pb::discovery::GetForeignClusterRequest;
-use trellis_api::pb::discovery::discovery_client::DiscoveryClient;
 use trellis_api::pb::peering::broker_client::BrokerClient;
 use trellis_api::pb::peering::{
     ReportNetworkConfigStatusRequest, SubmitNetworkConfigRequest, WithdrawNetworkConfigRequest,
 };
 use trellis_api::pb::types as pb;
-use trellis_api::peers::Peers;
+use trellis_api::peers::{Peers, is_routable_full_peer};
 use trellis_api::{ClusterId, ClusterIdentity};
 use trellis_error::{Error, Result};
 use trellis_runtime::Shutdown;
 use trellis_runtime::backoff::Backoff;
 use trellis_runtime::client::{Timeouts, TracedChannel, local_channel};
+use trellis_runtime::foreign_clusters::{self, ForeignClusters};
 use trellis_runtime::metrics::Metrics;
 use trellis_runtime::propagation::{resumed_span, traceparent_of};
 use trellis_runtime::tls::{PeerTls, cluster_channel};
@@ -156,6 +155,8 @@ pub struct Passthrough {
     pub destination: ClusterIdentity,
     pub spec: NetworkSpec,
     pub generation: i64,
+    /// The generation of the destination's NetworkConfig the origin holds (0: none).
+    pub held_generation: i64,
 }
 
 /// The forwarder of one hub cluster.
@@ -164,6 +165,9 @@ pub struct Forwarder {
     identity: ClusterIdentity,
     store: SharedStore,
     discovery: TracedChannel,
+    /// The local discovery service's records, as its watch last delivered them
+    /// ([`Forwarder::follow_discovery`]): what a relay is authorized against.
+    foreign_clusters: ForeignClusters,
     /// Mutual TLS towards other clusters (ADR 0014); plaintext when absent.
     tls: Option<PeerTls>,
     /// Broker channels by (address, cluster).
@@ -207,6 +211,7 @@ impl Forwarder {
             identity,
             store,
             discovery: local_channel("discovery", discovery, LOCAL, local_token, metrics)?,
+            foreign_clusters: ForeignClusters::new(),
             tls,
             metrics: metrics.clone(),
             brokers: Mutex::new(HashMap::new()),
@@ -256,23 +261,34 @@ impl Forwarder {
         &self.store
     }
 
-    /// The peering view of the clusters `ids` (unknown ones are simply absent): one record
-    /// lookup each, not a listing, so a relay costs the same with 2 peers or 250.
+    /// Keeps the copy of discovery's records that relays are authorized against current,
+    /// until `shutdown`. Without it running, every check reads discovery.
+    pub async fn follow_discovery(&self, shutdown: Shutdown) {
+        self.foreign_clusters
+            .follow(self.discovery.clone(), shutdown, |_| {})
+            .await;
+    }
+
+    /// The copy of discovery's records relays are authorized against.
+    pub fn foreign_clusters(&self) -> &ForeignClusters {
+        &self.foreign_clusters
+    }
+
+    /// The peering view of the clusters `ids` (unknown ones are simply absent). A record from
+    /// the watch-fed copy is used when it lets the cluster be relayed for; any other is read
+    /// from discovery, so a stale copy never refuses a relay.
     async fn peers(&self, ids: &[&ClusterId]) -> Result<Peers> {
-        let mut client = DiscoveryClient::new(self.discovery.clone());
-        let mut found = Vec::with_capacity(ids.len());
-        for id in ids {
-            let request = GetForeignClusterRequest {
-                cluster_id: id.to_string(),
-            };
-            match client.get_foreign_cluster(request).await {
-                Ok(answer) => found.extend(answer.into_inner().foreign_cluster),
-                Err(status) if status.code() == tonic::Code::NotFound => {}
-                Err(status) => {
-                    return Err(Error::from(status).context("reading foreign clusters"));
-                }
-            }
-        }
+        let found = self
+            .foreign_clusters
+            .lookup(&self.discovery, ids, is_routable_full_peer)
+            .await?;
+        Ok(Peers::from_foreign_clusters(&found))
+    }
+
+    /// [`Self::peers`] read from discovery: for withdrawals, which must know whether the
+    /// destination is gone.
+    async fn fresh_peers(&self, ids: &[&ClusterId]) -> Result<Peers> {
+        let found = foreign_clusters::read(&self.discovery, ids).await?;
         Ok(Peers::from_foreign_clusters(&found))
     }
 
@@ -405,6 +421,7 @@ impl Forwarder {
                 destination: nc.destination.clone(),
                 spec: nc.spec.clone(),
                 generation: nc.generation,
+                held_generation: nc.held_generation,
                 state: State::Pending,
                 status: None,
                 reason: String::new(),
@@ -505,7 +522,7 @@ impl Forwarder {
     ) -> Result<State> {
         // The destination may already be gone from our peers (that is often why the origin
         // withdraws): then there is nobody left to tell.
-        let peers = self.peers(&[&origin.id, &destination.id]).await?;
+        let peers = self.fresh_peers(&[&origin.id, &destination.id]).await?;
         Self::broker_of(&peers, &origin.id, "origin")?;
         let key = relay_key(&origin.id, &destination.id);
         if Self::broker_of(&peers, &destination.id, "destination").is_err() {
@@ -527,6 +544,7 @@ impl Forwarder {
                 }
             },
             generation: 0,
+            held_generation: 0,
             state: State::Withdrawing,
             status: None,
             reason,
@@ -555,7 +573,7 @@ impl Forwarder {
         destination: &ClusterIdentity,
         reason: &str,
     ) -> Result<State> {
-        let peers = self.peers(&[&destination.id]).await?;
+        let peers = self.fresh_peers(&[&destination.id]).await?;
         let broker = Self::broker_of(&peers, &destination.id, "destination")?;
         self.send_withdrawal(&broker, origin, destination, reason)
             .await?;
@@ -620,6 +638,7 @@ impl Forwarder {
                                 status: None,
                                 generation: record.generation,
                                 update_time: None,
+                                held_generation: record.held_generation,
                             }),
                         })
                         .await
@@ -634,13 +653,7 @@ impl Forwarder {
                     });
                     match decided {
                         Some(s) => {
-                            record.status = Some(RelayedStatus {
-                                pod_cidr_nat: s.pod_cidr_nat,
-                                external_cidr_nat: s.external_cidr_nat,
-                                state: s.state,
-                                observed_generation: s.observed_generation,
-                                message: s.message,
-                            });
+                            record.status = Some(RelayedStatus::from_pb(s));
                             // The origin is told in the Relay reply (when it waits on this
                             // attempt) or through ReportNetworkConfigStatus, rejections too.
                             Ok(Some(State::StatusPending))
@@ -662,14 +675,7 @@ impl Forwarder {
                                 destination: Some(identity_to_pb(&record.destination)),
                                 via: Some(identity_to_pb(&self.identity)),
                             }),
-                            status: Some(pb::NetworkConfigStatus {
-                                pod_cidr_nat: status.pod_cidr_nat,
-                                external_cidr_nat: status.external_cidr_nat,
-                                state: status.state,
-                                observed_generation: status.observed_generation,
-                                message: status.message,
-                                update_time: None,
-                            }),
+                            status: Some(status.to_pb()),
                         })
                         .await
                         .map_err(Error::from)?;

@@ -102,17 +102,6 @@ impl ForwarderService {
     }
 }
 
-fn status_to_pb(s: &RelayedStatus) -> types::NetworkConfigStatus {
-    types::NetworkConfigStatus {
-        pod_cidr_nat: s.pod_cidr_nat.clone(),
-        external_cidr_nat: s.external_cidr_nat.clone(),
-        state: s.state,
-        observed_generation: s.observed_generation,
-        message: s.message.clone(),
-        update_time: None,
-    }
-}
-
 fn state_to_pb(state: State) -> RelayState {
     match state {
         State::Pending => RelayState::Pending,
@@ -134,7 +123,7 @@ fn record_to_pb(r: &RelayRecord, hub: &ClusterIdentity) -> pb::RelayRecord {
         }),
         generation: r.generation,
         state: state_to_pb(r.state).into(),
-        status: r.status.as_ref().map(status_to_pb),
+        status: r.status.as_ref().map(RelayedStatus::to_pb),
         attempts: r.attempts,
         last_error: r.last_error.clone(),
         create_time: Some(timestamp(r.created_nanos)),
@@ -172,6 +161,11 @@ impl ForwarderApi for ForwarderService {
         if nc.generation < 1 {
             return Err(Error::invalid("network_config.generation", "must be at least 1").into());
         }
+        if nc.held_generation < 0 {
+            return Err(
+                Error::invalid("network_config.held_generation", "must not be negative").into(),
+            );
+        }
         let spec = NetworkSpec::from_proto("network_config.spec", nc.spec.as_ref())?;
         let (state, status, _) = self
             .core
@@ -180,12 +174,13 @@ impl ForwarderApi for ForwarderService {
                 destination,
                 spec,
                 generation: nc.generation,
+                held_generation: nc.held_generation,
             })
             .await?;
         let state = state_to_pb(state);
         Ok(Response::new(pb::RelayResponse {
             state: state.into(),
-            status: status.as_ref().map(status_to_pb),
+            status: status.as_ref().map(RelayedStatus::to_pb),
         }))
     }
 
@@ -222,19 +217,14 @@ impl ForwarderApi for ForwarderService {
                 return Err(Error::invalid("status.state", "must be PROCESSED or REJECTED").into());
             }
         }
+        if status.receiver_generation < 0 {
+            return Err(
+                Error::invalid("status.receiver_generation", "must not be negative").into(),
+            );
+        }
         let state = self
             .core
-            .relay_status(
-                &origin,
-                &destination,
-                RelayedStatus {
-                    pod_cidr_nat: status.pod_cidr_nat,
-                    external_cidr_nat: status.external_cidr_nat,
-                    state: status.state,
-                    observed_generation: status.observed_generation,
-                    message: status.message,
-                },
-            )
+            .relay_status(&origin, &destination, RelayedStatus::from_pb(status))
             .await?;
         let state = state_to_pb(state);
         Ok(Response::new(pb::RelayStatusResponse {

@@ -96,6 +96,11 @@ pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started
         ForwarderServer::new(ForwarderService::with_authz(core.clone(), authz))
             .max_decoding_message_size(MAX_REQUEST_BYTES),
     );
+    let follower = core.clone();
+    let stop = shutdown.clone();
+    background.push(trellis_runtime::telemetry::spawn(async move {
+        follower.follow_discovery(stop).await;
+    }));
     background.push(trellis_runtime::telemetry::spawn(core::retry_loop(
         core.clone(),
         shutdown.clone(),

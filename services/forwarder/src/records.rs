@@ -13,6 +13,7 @@
 
 use serde::{Deserialize, Serialize};
 use trellis_api::model::NetworkSpec;
+use trellis_api::pb::types as pb;
 use trellis_api::{ClusterId, ClusterIdentity};
 
 pub const RELAYS_PREFIX: &str = "relays/";
@@ -55,6 +56,37 @@ pub struct RelayedStatus {
     pub state: i32,
     pub observed_generation: i64,
     pub message: String,
+    /// The destination's own NetworkConfig generation towards the origin when it decided
+    /// (0: none, or relayed by an earlier version).
+    #[serde(default)]
+    pub receiver_generation: i64,
+}
+
+impl RelayedStatus {
+    /// The status as received on the wire.
+    pub fn from_pb(status: pb::NetworkConfigStatus) -> Self {
+        Self {
+            pod_cidr_nat: status.pod_cidr_nat,
+            external_cidr_nat: status.external_cidr_nat,
+            state: status.state,
+            observed_generation: status.observed_generation,
+            message: status.message,
+            receiver_generation: status.receiver_generation,
+        }
+    }
+
+    /// The status as it is passed on.
+    pub fn to_pb(&self) -> pb::NetworkConfigStatus {
+        pb::NetworkConfigStatus {
+            pod_cidr_nat: self.pod_cidr_nat.clone(),
+            external_cidr_nat: self.external_cidr_nat.clone(),
+            state: self.state,
+            observed_generation: self.observed_generation,
+            message: self.message.clone(),
+            update_time: None,
+            receiver_generation: self.receiver_generation,
+        }
+    }
 }
 
 /// One relay in flight.
@@ -64,6 +96,10 @@ pub struct RelayRecord {
     pub destination: ClusterIdentity,
     pub spec: NetworkSpec,
     pub generation: i64,
+    /// The generation of the destination's NetworkConfig the origin held when it sent this
+    /// one (0: none, or relayed by an earlier version).
+    #[serde(default)]
+    pub held_generation: i64,
     pub state: State,
     pub status: Option<RelayedStatus>,
     /// Why the origin withdrew (state Withdrawing).

@@ -64,6 +64,7 @@ cases!(
     a_dead_destination_does_not_hold_up_the_others,
     failed_relays_are_collected_after_the_retention,
     a_relay_refused_while_the_other_way_arrives_is_retried_at_once,
+    relays_are_authorized_from_the_watched_copy_which_never_refuses_alone,
 );
 
 /// The forwarder's store on a fresh etcd, through a prefixed URL as the services use it.
@@ -241,6 +242,7 @@ impl BrokerApi for FakeBroker {
                 observed_generation: nc.generation,
                 message: String::new(),
                 update_time: None,
+                receiver_generation: 0,
             }),
         }))
     }
@@ -299,7 +301,34 @@ impl BrokerApi for FakeBroker {
 struct Hub {
     forwarder: Arc<Forwarder>,
     discovery: Arc<Discovery>,
+    /// The paths of the calls the discovery service answered.
+    discovery_calls: Calls,
     shutdown: Shutdown,
+}
+
+/// Records the path of every call a server admits (a check that admits everything).
+#[derive(Debug, Clone, Default)]
+struct Calls(Arc<Mutex<Vec<String>>>);
+
+impl Calls {
+    fn count(&self, method: &str) -> usize {
+        self.0
+            .lock()
+            .expect("not poisoned")
+            .iter()
+            .filter(|path| path.ends_with(method))
+            .count()
+    }
+}
+
+impl trellis_runtime::admission::Check for Calls {
+    fn check<B>(&self, request: &tonic::codegen::http::Request<B>) -> Result<(), Status> {
+        self.0
+            .lock()
+            .expect("not poisoned")
+            .push(request.uri().path().to_owned());
+        Ok(())
+    }
 }
 
 impl Drop for Hub {
@@ -329,8 +358,11 @@ impl Hub {
         let routes =
             trellis_discovery::routes(discovery.clone(), Duration::from_secs(10), Authz::off());
         let stop = shutdown.clone();
+        let discovery_calls = Calls::default();
+        let admission = trellis_runtime::admission::AdmissionLayer::new(discovery_calls.clone());
         tokio::spawn(async move {
             tonic::transport::Server::builder()
+                .layer(admission)
                 .add_routes(routes)
                 .serve_with_incoming_shutdown(
                     TcpListenerStream::new(listener),
@@ -353,6 +385,7 @@ impl Hub {
         Self {
             forwarder,
             discovery,
+            discovery_calls,
             shutdown,
         }
     }
@@ -379,6 +412,13 @@ impl Hub {
             .expect("peering recorded");
     }
 
+    /// Starts keeping the forwarder's copy of the discovery records (stopped with the hub).
+    fn follow_discovery(&self) {
+        let forwarder = self.forwarder.clone();
+        let stop = self.shutdown.clone();
+        tokio::spawn(async move { forwarder.follow_discovery(stop).await });
+    }
+
     /// Starts the forwarder's retry loop (stopped with the hub).
     fn run_retries(&self) {
         tokio::spawn(trellis_forwarder::core::retry_loop(
@@ -394,6 +434,7 @@ impl Hub {
                 destination: identity(destination),
                 spec: spec(spec_n),
                 generation: 1,
+                held_generation: 0,
             })
             .await
             .expect("relay accepted")
@@ -468,6 +509,7 @@ fn held(origin: &str, destination: &str, spec_n: u8, state: State) -> RelayRecor
         destination: identity(destination),
         spec: spec(spec_n),
         generation: 1,
+        held_generation: 0,
         state,
         status: None,
         reason: String::new(),
@@ -775,4 +817,86 @@ async fn a_relay_refused_while_the_other_way_arrives_is_retried_at_once(store: S
             .then_some(())
     })
     .await;
+}
+
+/// With the discovery watch followed, a relay between peers the copy knows reads nothing from
+/// discovery; a cached record that would refuse the relay (networking off) is read again before
+/// the refusal, and a change reaches the copy.
+async fn relays_are_authorized_from_the_watched_copy_which_never_refuses_alone(store: SharedStore) {
+    let shutdown = Shutdown::new();
+    let _stop = shutdown.clone().drop_guard();
+    let (a, c) = (FakeBroker::default(), FakeBroker::default());
+    let (a_addr, c_addr) = (a.start(&shutdown).await, c.start(&shutdown).await);
+    let hub = Hub::start(store).await;
+    hub.peer("a", &a_addr).await;
+    hub.peer("c", &c_addr).await;
+    hub.discovery
+        .update_peering(&PeeringUpdate {
+            identity: identity("mute"),
+            peered: true,
+            addresses: Addresses {
+                broker: a_addr.clone(),
+                ..Addresses::default()
+            },
+            outgoing: true,
+            incoming: true,
+            networking: false,
+            reason: String::new(),
+            message: String::new(),
+            expected_revision: 0,
+            ca_certificate: String::new(),
+        })
+        .await
+        .expect("peering recorded");
+    hub.follow_discovery();
+    eventually("the forwarder's copy to hold every peer", || async {
+        let copy = hub.forwarder.foreign_clusters();
+        ["a", "c", "mute"]
+            .iter()
+            .all(|id| copy.cached(id).is_some())
+            .then_some(())
+    })
+    .await;
+
+    let before = hub.discovery_calls.count("/GetForeignCluster");
+    assert_eq!(hub.relay("a", "c", 1).await, State::Completed);
+    assert_eq!(hub.relay("c", "a", 2).await, State::Completed);
+    assert_eq!(
+        hub.discovery_calls.count("/GetForeignCluster"),
+        before,
+        "relays between known peers are checked against the copy"
+    );
+
+    let refused = hub
+        .forwarder
+        .relay(Passthrough {
+            origin: identity("mute"),
+            destination: identity("a"),
+            spec: spec(3),
+            generation: 1,
+            held_generation: 0,
+        })
+        .await;
+    assert!(
+        matches!(refused, Err(trellis_error::Error::PermissionDenied(_))),
+        "{refused:?}"
+    );
+    assert_eq!(
+        hub.discovery_calls.count("/GetForeignCluster"),
+        before + 1,
+        "a cached record that would refuse is read again from discovery first"
+    );
+
+    // Networking turned on: the copy follows, and the relay goes through.
+    hub.peer("mute", &a_addr).await;
+    eventually("the copy to see mute's networking", || async {
+        hub.forwarder
+            .foreign_clusters()
+            .cached("mute")
+            .and_then(|fc| fc.full)
+            .is_some_and(|full| full.networking_enabled)
+            .then_some(())
+    })
+    .await;
+    assert_eq!(hub.relay("mute", "c", 4).await, State::Completed);
 }

@@ -203,6 +203,7 @@ fn network_config(origin: &str, destination: &str, pod: &str) -> types::NetworkC
         status: None,
         generation: 1,
         update_time: None,
+        held_generation: 0,
     }
 }
 
@@ -634,6 +635,141 @@ async fn one_withdrawn_network_config_heals_on_both_sides() {
             .then_some(())
     })
     .await;
+}
+
+/// A NetworkConfig of a new generation makes the receiver send its own again (the remote may
+/// have lost it), except when it comes from the incarnation that decided on the receiver's
+/// (the `receiver_generation` that remote put in its status) or says it holds the receiver's
+/// current one (`held_generation`) (ADR 0012). Driven by hand through
+/// leaf-1's broker, as the hub relaying for leaf-2: first a status naming generation X, then
+/// leaf-2's NetworkConfig at X (kept), then at X + 1 (re-sent, and decided by the real leaf-2),
+/// then at X + 2 saying it holds leaf-1's current generation (kept).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_network_config_from_the_incarnation_that_decided_on_ours_does_not_make_us_resend() {
+    let start = |id: &'static str| InProcessCluster::start(id, "10.0.0.0/16", "10.201.0.0/16");
+    let (hub, one, two) = (
+        start("hub").await.expect("starts"),
+        start("leaf-1").await.expect("starts"),
+        start("leaf-2").await.expect("starts"),
+    );
+    trellis_integration::peering::peer(&one, &hub).await;
+    trellis_integration::peering::peer(&two, &hub).await;
+    eventually("leaf-1's tunnel to leaf-2", LIMIT, || {
+        tunnel_to(&one, "leaf-2")
+    })
+    .await;
+
+    let id = |c: &str| types::ClusterIdentity {
+        cluster_id: c.into(),
+        cluster_name: c.into(),
+    };
+    let broker = one.broker().await.expect("connects");
+    // leaf-1's NetworkConfig towards leaf-2 (origin leaf-1) and the one it received.
+    let ncs = |origin: &'static str| {
+        let mut broker = broker.clone();
+        async move {
+            broker
+                .list_network_configs(ListNetworkConfigsRequest {
+                    cluster_id: "leaf-2".into(),
+                })
+                .await
+                .expect("lists")
+                .into_inner()
+                .network_configs
+                .into_iter()
+                .find(|nc| nc.origin.as_ref().is_some_and(|o| o.cluster_id == origin))
+                .expect("held")
+        }
+    };
+    let ours = ncs("leaf-1").await;
+    let theirs = ncs("leaf-2").await;
+    let decided = ours.status.clone().expect("leaf-2 decided on ours");
+    assert_eq!(decided.state, types::NetworkConfigState::Processed as i32);
+
+    // leaf-2's decision again, now naming generation X as its own.
+    let x = theirs.generation + 1000;
+    let applied = broker
+        .clone()
+        .report_network_config_status(ReportNetworkConfigStatusRequest {
+            network_config: Some(types::NetworkConfigRef {
+                name: "leaf-1--leaf-2".into(),
+                origin: Some(id("leaf-1")),
+                destination: Some(id("leaf-2")),
+                via: Some(id("hub")),
+            }),
+            status: Some(types::NetworkConfigStatus {
+                receiver_generation: x,
+                ..decided.clone()
+            }),
+        })
+        .await
+        .expect("plaintext takes the claim")
+        .into_inner()
+        .applied;
+    assert!(applied);
+    assert_eq!(
+        ncs("leaf-1").await.status.map(|s| s.receiver_generation),
+        Some(x)
+    );
+
+    let submit = |generation: i64, held_generation: i64| {
+        let mut broker = broker.clone();
+        let nc = types::NetworkConfig {
+            generation,
+            held_generation,
+            status: None,
+            ..theirs.clone()
+        };
+        async move {
+            broker
+                .submit_network_config(SubmitNetworkConfigRequest {
+                    network_config: Some(nc),
+                })
+                .await
+                .expect("accepted")
+                .into_inner()
+        }
+    };
+    let answer = submit(x, 0).await;
+    assert!(answer.accepted);
+    assert_eq!(
+        answer.status.map(|s| s.receiver_generation),
+        Some(ours.generation),
+        "the answer names leaf-1's own generation towards leaf-2"
+    );
+    assert_eq!(
+        ncs("leaf-1").await.status.map(|s| s.state),
+        Some(types::NetworkConfigState::Processed as i32),
+        "the incarnation that decided on ours holds it: nothing to re-send"
+    );
+
+    assert_eq!(
+        ncs("leaf-1").await.status.map(|s| s.receiver_generation),
+        Some(x),
+        "the decision stands"
+    );
+
+    // A later incarnation may have lost ours: leaf-1 sends it again, and the real leaf-2
+    // answers with its own generation.
+    assert!(submit(x + 1, 0).await.accepted);
+    eventually(
+        "leaf-1's network config re-sent and decided again",
+        LIMIT,
+        || async {
+            (ncs("leaf-1").await.status.map(|s| s.receiver_generation) == Some(theirs.generation))
+                .then_some(())
+        },
+    )
+    .await;
+
+    // A new incarnation that says it holds leaf-1's current generation (`held_generation`)
+    // does not need it again either.
+    assert!(submit(x + 2, ours.generation).await.accepted);
+    assert_eq!(
+        ncs("leaf-1").await.status.map(|s| s.receiver_generation),
+        Some(theirs.generation),
+        "the decision stands"
+    );
 }
 
 /// Two hubs introduce the same pair of leaves (issue 15, item 4). The introductions come in at

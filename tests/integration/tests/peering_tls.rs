@@ -75,6 +75,7 @@ fn nc(origin: &str, destination: &str, via: Option<&str>, generation: i64) -> ty
         status: None,
         generation,
         update_time: None,
+        held_generation: 0,
     }
 }
 

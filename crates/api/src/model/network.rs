@@ -82,6 +82,7 @@ impl NatView {
             observed_generation: generation,
             message: String::new(),
             update_time: None,
+            receiver_generation: 0,
         }
     }
 
