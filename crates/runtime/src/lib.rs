@@ -7,7 +7,8 @@
 //! - [`propagation`]: W3C trace context carried across gRPC, server and client side;
 //! - [`server`]: a gRPC server that always serves health and reflection (v1 and v1alpha);
 //! - [`client`]: channels to other services with timeouts and trace propagation;
-//! - [`backoff`]: the one exponential backoff for retry loops;
+//! - [`backoff`]: the one exponential backoff for retry loops; [`resync`]: when a reconciler's
+//!   periodic pass over everything is due;
 //! - [`foreign_clusters`]: a watch-fed copy of the local discovery service's ForeignClusters,
 //!   for the checks made on every relayed or received NetworkConfig;
 //! - [`cmd`]: running `ip` and `nft` for the processes that program the kernel (gateway,
@@ -34,6 +35,7 @@ pub mod local_auth;
 pub mod metrics;
 pub mod peer;
 pub mod propagation;
+pub mod resync;
 pub mod server;
 pub mod shutdown;
 pub mod telemetry;

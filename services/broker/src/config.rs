@@ -46,7 +46,8 @@ pub struct Config {
     )]
     pub token: Option<String>,
 
-    /// Seconds between two full reconciliations when nothing triggers one earlier.
+    /// Seconds between two full reconciliations when nothing triggers one earlier. A
+    /// reconciliation that takes long is followed by a wait of at least nine times its duration.
     #[arg(
         long,
         env = "TRELLIS_RESYNC",

@@ -28,6 +28,7 @@ use trellis_error::{Error, Result};
 use trellis_runtime::Shutdown;
 use trellis_runtime::foreign_clusters::Followed;
 use trellis_runtime::propagation::{resumed_span, traceparent_of};
+use trellis_runtime::resync::Resync;
 use trellis_store::{Compare, Op, Txn};
 
 use crate::core::{Broker, Lane};
@@ -68,20 +69,21 @@ pub async fn run(broker: Arc<Broker>, resync: Duration, shutdown: Shutdown) {
 /// One lane's loop.
 async fn run_lane(broker: Arc<Broker>, lane: Lane, resync: Duration, shutdown: Shutdown) {
     let wake = broker.lane_wake(lane);
-    let mut next_resync = Instant::now();
+    let mut periodic = Resync::new(resync);
     let mut retries = Retries::default();
     loop {
         let now = Instant::now();
         let mut dirty = broker.take_dirty(lane);
-        if now >= next_resync {
+        if periodic.due(now) {
             dirty.all = true;
         }
         dirty.all |= retries.all_due(now);
         dirty.ids.extend(retries.due(now));
         if dirty.all || !dirty.ids.is_empty() {
             let outcome = if dirty.all {
-                next_resync = now + resync;
-                pass(&broker, lane).await
+                let outcome = pass(&broker, lane).await;
+                periodic.ran(now, Instant::now());
+                outcome
             } else {
                 pass_for(&broker, lane, &dirty.ids).await
             };
@@ -112,7 +114,7 @@ async fn run_lane(broker: Arc<Broker>, lane: Lane, resync: Duration, shutdown: S
         }
         let wake_at = retries
             .next_due()
-            .map_or(next_resync, |at| at.min(next_resync));
+            .map_or(periodic.next(), |at| at.min(periodic.next()));
         tokio::select! {
             () = shutdown.cancelled() => return,
             () = wake.notified() => {}

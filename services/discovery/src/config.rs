@@ -83,7 +83,8 @@ pub struct Config {
     pub mdns_interfaces: Vec<String>,
 
     /// Seconds between two full re-sends of this cluster's Neighborhoods (changes are sent at
-    /// once; the resync heals peers that lost state).
+    /// once; the resync heals peers that lost state). A re-send that takes long is followed by
+    /// a wait of at least nine times its duration.
     #[arg(long, env = "TRELLIS_NEIGHBORHOOD_RESYNC", value_name = "SECONDS", default_value_t = 60,
           value_parser = clap::value_parser!(u64).range(1..))]
     pub neighborhood_resync: u64,

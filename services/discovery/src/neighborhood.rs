@@ -19,6 +19,7 @@ use tokio::time::Instant;
 use trellis_api::ClusterId;
 use trellis_error::{Error, Result};
 use trellis_runtime::Shutdown;
+use trellis_runtime::resync::Resync;
 
 use crate::core::{Discovery, Snapshot};
 use crate::records::{CLUSTERS_PREFIX, Neighbor, Outbox};
@@ -85,7 +86,7 @@ struct Job {
 /// Runs the sender until `shutdown`.
 pub async fn run(core: Arc<Discovery>, timing: SenderTiming, shutdown: Shutdown) {
     let mut backoff: BTreeMap<ClusterId, Backoff> = BTreeMap::new();
-    let mut next_resync = Instant::now();
+    let mut periodic = Resync::new(timing.resync);
     let mut changes = None;
     loop {
         if changes.is_none() {
@@ -97,11 +98,13 @@ pub async fn run(core: Arc<Discovery>, timing: SenderTiming, shutdown: Shutdown)
                 }
             }
         }
-        let resync = Instant::now() >= next_resync;
+        let started = Instant::now();
+        let resync = periodic.due(started);
+        let outcome = pass(&core, &timing, resync, &mut backoff).await;
         if resync {
-            next_resync = Instant::now() + timing.resync;
+            periodic.ran(started, Instant::now());
         }
-        if let Err(err) = pass(&core, &timing, resync, &mut backoff).await {
+        if let Err(err) = outcome {
             tracing::warn!(error = %err, "neighborhood pass failed; retrying");
             backoff.insert(
                 core.identity().id.clone(),
@@ -113,7 +116,7 @@ pub async fn run(core: Arc<Discovery>, timing: SenderTiming, shutdown: Shutdown)
         let wake = backoff
             .values()
             .map(|b| b.next)
-            .fold(next_resync, Instant::min);
+            .fold(periodic.next(), Instant::min);
         loop {
             tokio::select! {
                 () = shutdown.cancelled() => return,
