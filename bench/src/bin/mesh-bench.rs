@@ -1,5 +1,9 @@
 //! Full induced mesh setup time versus the number of leaves: one hub and n leaves, all with
-//! the same pod and external CIDRs (so every cluster remaps every other). The clock starts
+//! the same pod CIDR (so every cluster remaps every other's) and each with an external /24 of
+//! its own, as the lab does: remapping both /16s of 254 peers would take 508 /16s, and the
+//! IPAM's default pools hold 273, so no leaf could map more than about 135 peers (until this
+//! was found, a 254-leaf run stalled near 28 % of its induced tunnels for that reason alone:
+//! each end had mapped about half of the others, in its own order). The clock starts
 //! when the leaves send their Peer requests to the hub and stops when every leaf holds an
 //! induced TunnelEndpoint for every other leaf (n·(n-1) in total). Three modes (`--mode`):
 //!
@@ -291,6 +295,11 @@ const HUB_ID: &str = "hub";
 const PEER_RETRIES: usize = 5;
 const POD_CIDR: &str = "10.0.0.0/16";
 const EXTERNAL_CIDR: &str = "10.201.0.0/16";
+
+/// Leaf `i`'s external CIDR: a /24 of its own in 100.64.0.0/10 (see the module doc).
+fn leaf_external(i: usize) -> String {
+    format!("100.{}.{}.0/24", 64 + i / 256, i % 256)
+}
 /// Hub services in start order (callees first), with their gRPC service for health checks.
 const HUB_SERVICES: [(&str, &str); 5] = [
     ("ipam", "trellis.ipam.v1.Ipam"),
@@ -599,7 +608,8 @@ impl Leaves {
             Mode::EtcdProcesses => {
                 let mut out = Vec::new();
                 for i in 0..n {
-                    let Some(c) = ProcessCluster::start(&name(i), POD_CIDR, EXTERNAL_CIDR).await?
+                    let Some(c) =
+                        ProcessCluster::start(&name(i), POD_CIDR, &leaf_external(i)).await?
                     else {
                         return Ok(None);
                     };
@@ -610,7 +620,7 @@ impl Leaves {
             _ => {
                 let mut out = Vec::with_capacity(n);
                 for i in 0..n {
-                    out.push(InProcessCluster::start(&name(i), POD_CIDR, EXTERNAL_CIDR).await?);
+                    out.push(InProcessCluster::start(&name(i), POD_CIDR, &leaf_external(i)).await?);
                 }
                 Leaves::InProcess(out)
             }
