@@ -392,6 +392,11 @@ impl Hub {
 
     /// Records `cluster` as a full peer of the hub with networking, its broker at `broker`.
     async fn peer(&self, cluster: &str, broker: &str) {
+        self.peer_with(cluster, broker, true).await;
+    }
+
+    /// Records `cluster` as a full peer of the hub, with networking or without.
+    async fn peer_with(&self, cluster: &str, broker: &str, networking: bool) {
         self.discovery
             .update_peering(&PeeringUpdate {
                 identity: identity(cluster),
@@ -402,7 +407,7 @@ impl Hub {
                 },
                 outgoing: true,
                 incoming: true,
-                networking: true,
+                networking,
                 reason: String::new(),
                 message: String::new(),
                 expected_revision: 0,
@@ -830,24 +835,7 @@ async fn relays_are_authorized_from_the_watched_copy_which_never_refuses_alone(s
     let hub = Hub::start(store).await;
     hub.peer("a", &a_addr).await;
     hub.peer("c", &c_addr).await;
-    hub.discovery
-        .update_peering(&PeeringUpdate {
-            identity: identity("mute"),
-            peered: true,
-            addresses: Addresses {
-                broker: a_addr.clone(),
-                ..Addresses::default()
-            },
-            outgoing: true,
-            incoming: true,
-            networking: false,
-            reason: String::new(),
-            message: String::new(),
-            expected_revision: 0,
-            ca_certificate: String::new(),
-        })
-        .await
-        .expect("peering recorded");
+    hub.peer_with("mute", &a_addr, false).await;
     hub.follow_discovery();
     eventually("the forwarder's copy to hold every peer", || async {
         let copy = hub.forwarder.foreign_clusters();
