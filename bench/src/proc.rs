@@ -65,6 +65,12 @@ pub fn usage(pid: u32) -> anyhow::Result<ProcUsage> {
     })
 }
 
+/// Resets this process's peak RSS (VmHWM) to its current RSS, so that the next reading is the
+/// peak of what ran since (Linux 4.0 and later: `5` to `/proc/self/clear_refs`).
+pub fn reset_peak_rss() -> anyhow::Result<()> {
+    std::fs::write("/proc/self/clear_refs", "5").context("writing /proc/self/clear_refs")
+}
+
 /// The process whose command line holds `--listen <addr>`: the service processes are started
 /// by `trellis_integration`, which does not hand out their ids, and every one listens on its
 /// own port.
@@ -122,5 +128,25 @@ mod tests {
     fn reads_this_process() {
         let me = usage(std::process::id()).expect("own /proc entry");
         assert!(me.peak_rss_kib >= me.rss_kib);
+    }
+
+    #[test]
+    fn the_peak_is_reset_to_the_current_rss() {
+        // 64 MiB touched, then returned to the system (an allocation this large is a mapping
+        // of its own): the peak keeps it until reset.
+        let block = vec![1_u8; 64 << 20];
+        std::hint::black_box(&block);
+        drop(block);
+        let before = usage(std::process::id()).expect("own /proc entry");
+        assert!(
+            before.peak_rss_kib >= before.rss_kib + (32 << 10),
+            "{before:?}"
+        );
+        reset_peak_rss().expect("reset");
+        let after = usage(std::process::id()).expect("own /proc entry");
+        assert!(
+            after.peak_rss_kib + (32 << 10) <= before.peak_rss_kib,
+            "{after:?}"
+        );
     }
 }

@@ -340,6 +340,9 @@ struct MeshSize {
     median_tail_share: Option<f64>,
     median_hub_cpu_ms_per_induced_tunnel: Option<f64>,
     median_hub_etcd_writes_per_induced_tunnel: Option<f64>,
+    /// The benchmark process (in process: every cluster): peak RSS and CPU seconds per run.
+    median_process_peak_rss_kib: Option<u64>,
+    median_process_cpu_seconds: Option<f64>,
 }
 
 impl MeshSize {
@@ -1442,13 +1445,13 @@ fn mesh_section(md: &mut String, inputs: &Inputs, files: &mut Vec<(PathBuf, Stri
             if let Some(params) = &p.doc.parameters {
                 let _ = writeln!(md, "Parameters: `{}`.\n", compact(params));
             }
-            md.push_str("| leaves | status | induced TunnelEndpoints | median s | runs (s) | ms per induced tunnel | hub TunnelEndpoints | hub NetworkConfigs | relays held by the hub | hub IPAM records | open files at the end |\n");
-            md.push_str("|---|---|---|---|---|---|---|---|---|---|---|\n");
+            md.push_str("| leaves | status | induced TunnelEndpoints | median s | runs (s) | ms per induced tunnel | hub TunnelEndpoints | hub NetworkConfigs | relays held by the hub | hub IPAM records | open files at the end | peak RSS MiB (all clusters) | CPU s (all clusters) |\n");
+            md.push_str("|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
             for s in &p.doc.sizes {
                 let med = s.converged_median();
                 let _ = writeln!(
                     md,
-                    "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
+                    "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
                     s.leaves,
                     status_text(s),
                     num(s.induced_tunnel_endpoints as f64, 0),
@@ -1463,7 +1466,9 @@ fn mesh_section(md: &mut String, inputs: &Inputs, files: &mut Vec<(PathBuf, Stri
                     opt_usize(s.hub_network_configs),
                     opt_usize(s.hub_relays_in_flight),
                     opt_usize(s.hub_ipam_records),
-                    opt_usize(s.runs.last().and_then(|r| r.open_files))
+                    opt_usize(s.runs.last().and_then(|r| r.open_files)),
+                    opt(s.median_process_peak_rss_kib.map(|k| k as f64 / 1024.0), 0),
+                    opt(s.median_process_cpu_seconds, 1)
                 );
             }
             md.push('\n');
@@ -1662,10 +1667,10 @@ fn mesh_reference_section(md: &mut String, inputs: &Inputs) {
 
 ",
         );
-        md.push_str("| leaves | setup s | all full tunnels s | 90→100 % share of the setup | hub CPU ms per induced tunnel | hub peak RSS MiB |
+        md.push_str("| leaves | setup s | all full tunnels s | 90→100 % share of the setup | hub CPU ms per induced tunnel | hub peak RSS MiB | bench process peak RSS MiB | bench process CPU s |
 ");
         md.push_str(
-            "|---|---|---|---|---|---|
+            "|---|---|---|---|---|---|---|---|
 ",
         );
         for s in &ours.doc.sizes {
@@ -1673,9 +1678,10 @@ fn mesh_reference_section(md: &mut String, inputs: &Inputs) {
                 continue;
             };
             let rss = |x: &MeshSize| x.hub_peak_rss_kib_total.map(|k| k as f64 / 1024.0);
+            let own_rss = |x: &MeshSize| x.median_process_peak_rss_kib.map(|k| k as f64 / 1024.0);
             let _ = writeln!(
                 md,
-                "| {} | {} | {} | {} | {} | {} |",
+                "| {} | {} | {} | {} | {} | {} | {} | {} |",
                 s.leaves,
                 pair(s.converged_median(), r.converged_median(), 2),
                 pair(
@@ -1690,6 +1696,12 @@ fn mesh_reference_section(md: &mut String, inputs: &Inputs) {
                     3
                 ),
                 pair(rss(s), rss(r), 1),
+                pair(own_rss(s), own_rss(r), 0),
+                pair(
+                    s.median_process_cpu_seconds,
+                    r.median_process_cpu_seconds,
+                    1
+                ),
             );
         }
         md.push('\n');

@@ -43,7 +43,7 @@ use trellis_api::pb::peering::{
     PeerRequest, WatchTunnelEndpointsRequest,
 };
 use trellis_api::pb::types::{PeeringKind, WatchEventType};
-use trellis_bench::proc::{ProcUsage, pid_listening_on, raise_nofile_limit, usage};
+use trellis_bench::proc::{ProcUsage, pid_listening_on, raise_nofile_limit, reset_peak_rss, usage};
 use trellis_bench::{Machine, RunArgs, RunInfo, median, write_json};
 use trellis_integration::ServiceProcess;
 use trellis_integration::cluster::InProcessCluster;
@@ -143,6 +143,13 @@ struct Run {
     /// All of them per induced TunnelEndpoint (n·(n-1)).
     #[serde(skip_serializing_if = "Option::is_none")]
     hub_etcd_writes_per_induced_tunnel: Option<f64>,
+    /// This benchmark process over the run, from before the hub started until it was stopped:
+    /// its peak RSS (VmHWM, reset at the start), KiB, and its CPU seconds (user + system). In
+    /// process that is every cluster; otherwise the leaves and the harness.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    process_peak_rss_kib: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    process_cpu_seconds: Option<f64>,
 }
 
 /// One hub service's store after convergence.
@@ -242,6 +249,10 @@ struct Size {
     median_hub_cpu_ms_per_induced_tunnel: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     median_hub_etcd_writes_per_induced_tunnel: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    median_process_peak_rss_kib: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    median_process_cpu_seconds: Option<f64>,
 }
 
 #[derive(Debug, Serialize)]
@@ -776,6 +787,11 @@ struct Outcome {
 
 /// One run: the setup time and, when it converged, the hub's holdings.
 async fn run(mode: Mode, leaves: usize, timeout: Duration) -> anyhow::Result<Option<Outcome>> {
+    // A failed reset only makes the peak include the runs before (the sizes grow).
+    if let Err(err) = reset_peak_rss() {
+        eprintln!("mesh-bench: the peak RSS is not reset between runs: {err:#}");
+    }
+    let before = usage(std::process::id())?;
     let Some(hub) = Hub::start(mode).await? else {
         return Ok(None);
     };
@@ -783,9 +799,13 @@ async fn run(mode: Mode, leaves: usize, timeout: Duration) -> anyhow::Result<Opt
         return Ok(None);
     };
     let result = measure(&hub, &clusters, leaves, timeout).await;
+    let after = usage(std::process::id())?;
     hub.stop().await;
     clusters.stop().await;
-    result.map(Some)
+    let mut outcome = result?;
+    outcome.run.process_peak_rss_kib = Some(after.peak_rss_kib);
+    outcome.run.process_cpu_seconds = Some(after.cpu_seconds - before.cpu_seconds);
+    Ok(Some(outcome))
 }
 
 async fn measure(
@@ -936,6 +956,8 @@ async fn measure(
             .filter(|_| converged)
             .map(|w| w.values().sum::<i64>() as f64 / expected as f64),
         hub_etcd_writes,
+        process_peak_rss_kib: None,
+        process_cpu_seconds: None,
     };
     if !converged {
         return Ok(Outcome { run, held: None });
@@ -1115,6 +1137,8 @@ async fn main() -> anyhow::Result<()> {
             hub_etcd_keys: None,
             median_full_tunnels_seconds: None,
             median_tail_share: None,
+            median_process_peak_rss_kib: None,
+            median_process_cpu_seconds: None,
             median_hub_cpu_ms_per_induced_tunnel: None,
             median_hub_etcd_writes_per_induced_tunnel: None,
         };
@@ -1197,6 +1221,9 @@ async fn main() -> anyhow::Result<()> {
         };
         size.median_full_tunnels_seconds = of(|r| r.full_tunnels_seconds);
         size.median_tail_share = of(|r| r.tail_share);
+        size.median_process_peak_rss_kib =
+            of(|r| r.process_peak_rss_kib.map(|k| k as f64)).map(|k| k as u64);
+        size.median_process_cpu_seconds = of(|r| r.process_cpu_seconds);
         size.median_hub_cpu_ms_per_induced_tunnel = of(|r| r.hub_cpu_ms_per_induced_tunnel);
         size.median_hub_etcd_writes_per_induced_tunnel =
             of(|r| r.hub_etcd_writes_per_induced_tunnel);

@@ -72,10 +72,13 @@ pub fn is_routable_full_peer(fc: &pb::ForeignCluster) -> bool {
 }
 
 impl Peers {
-    /// Interprets a listing.
-    pub fn from_foreign_clusters(list: &[pb::ForeignCluster]) -> Self {
+    /// Interprets a listing (any collection of records, walked twice).
+    pub fn from_foreign_clusters<'a, I>(list: I) -> Self
+    where
+        I: IntoIterator<Item = &'a pb::ForeignCluster> + Clone,
+    {
         let mut peers = Self::default();
-        for fc in list {
+        for fc in list.clone() {
             // Malformed records are skipped: they come from our own discovery service, and one
             // bad record must not stop every peering.
             let Ok(identity) = identity_from_pb("identity", fc.identity.as_ref()) else {

@@ -50,9 +50,11 @@ pub enum Followed<'a> {
 struct Copy {
     /// Whether `records` holds a complete snapshot and every change since.
     synced: bool,
-    records: HashMap<String, pb::ForeignCluster>,
+    /// Boxed: a record is several hundred bytes, and a table keeps up to twice as many slots
+    /// as entries (a copy per broker and forwarder, each holding every peer; issue 17).
+    records: HashMap<String, Box<pb::ForeignCluster>>,
     /// The snapshot of a stream that has not reached its BOOKMARK yet.
-    incoming: HashMap<String, pb::ForeignCluster>,
+    incoming: HashMap<String, Box<pb::ForeignCluster>>,
 }
 
 /// The copy, shared by every clone.
@@ -78,15 +80,17 @@ impl ForeignClusters {
     }
 
     /// A new stream starts: lookups read through until its snapshot is complete (a record
-    /// deleted while no stream was open would otherwise stay).
-    fn restart(&self) {
+    /// deleted while no stream was open would otherwise stay). [`Self::follow`] calls it; it
+    /// is public so that a test can stage a copy that lags discovery.
+    pub fn restart(&self) {
         if let Ok(mut copy) = self.copy.write() {
             copy.synced = false;
             copy.incoming.clear();
         }
     }
 
-    fn apply(&self, event: &WatchForeignClustersResponse) {
+    /// Takes in one event of the stream (see [`Self::restart`]).
+    pub fn apply(&self, event: &WatchForeignClustersResponse) {
         let Ok(mut copy) = self.copy.write() else {
             return;
         };
@@ -101,7 +105,7 @@ impl ForeignClusters {
                 copy.incoming.remove(&id);
             }
             (Ok(pb::WatchEventType::Added | pb::WatchEventType::Modified), Some(id)) => {
-                let record = event.foreign_cluster.clone().unwrap_or_default();
+                let record = Box::new(event.foreign_cluster.clone().unwrap_or_default());
                 if copy.synced {
                     copy.records.insert(id, record);
                 } else {
@@ -120,7 +124,19 @@ impl ForeignClusters {
         if !copy.synced {
             return None;
         }
-        copy.records.get(id).cloned()
+        copy.records.get(id).map(|fc| fc.as_ref().clone())
+    }
+
+    /// `f` over every cached record, if the copy is synced: a whole view without a listing.
+    /// The copy may lag discovery; a caller that acts on a record's absence confirms with
+    /// [`read`] or a listing first.
+    pub fn with_records<R>(&self, f: impl FnOnce(&[&pb::ForeignCluster]) -> R) -> Option<R> {
+        let copy = self.copy.read().ok()?;
+        if !copy.synced {
+            return None;
+        }
+        let records: Vec<&pb::ForeignCluster> = copy.records.values().map(AsRef::as_ref).collect();
+        Some(f(&records))
     }
 
     /// The records of `ids` (unknown ones absent): from the copy where `accept` admits the
@@ -298,6 +314,32 @@ mod tests {
             "a record missing from the new snapshot is gone"
         );
         assert_eq!(broker_of(copy.cached("b")).as_deref(), Some("b:1"));
+    }
+
+    #[test]
+    fn the_whole_copy_is_offered_only_when_synced() {
+        let copy = ForeignClusters::new();
+        let ids = |copy: &ForeignClusters| {
+            copy.with_records(|records| {
+                let mut ids: Vec<String> = records
+                    .iter()
+                    .filter_map(|fc| id_of(Some(fc)).map(str::to_owned))
+                    .collect();
+                ids.sort();
+                ids
+            })
+        };
+        assert_eq!(ids(&copy), None, "never synced");
+        copy.restart();
+        copy.apply(&event(pb::WatchEventType::Added, Some(record("a", "a:1"))));
+        assert_eq!(ids(&copy), None, "a partial snapshot is not offered");
+        copy.apply(&event(pb::WatchEventType::Bookmark, None));
+        copy.apply(&event(pb::WatchEventType::Added, Some(record("b", "b:1"))));
+        assert_eq!(ids(&copy), Some(vec!["a".to_owned(), "b".to_owned()]));
+        copy.apply(&event(pb::WatchEventType::Deleted, Some(record("a", ""))));
+        assert_eq!(ids(&copy), Some(vec!["b".to_owned()]));
+        copy.restart();
+        assert_eq!(ids(&copy), None, "nothing is offered between streams");
     }
 
     #[test]

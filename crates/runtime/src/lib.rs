@@ -5,7 +5,8 @@
 //! - [`telemetry`]: logs through `tracing`, spans exported over OTLP with the resource
 //!   attributes DESIGN.md fixes;
 //! - [`propagation`]: W3C trace context carried across gRPC, server and client side;
-//! - [`server`]: a gRPC server that always serves health and reflection (v1 and v1alpha);
+//! - [`server`]: a gRPC server that always serves health and reflection (v1 and v1alpha,
+//!   built once per process: [`reflection`]);
 //! - [`client`]: channels to other services with timeouts and trace propagation;
 //! - [`backoff`]: the one exponential backoff for retry loops; [`resync`]: when a reconciler's
 //!   periodic pass over everything is due;
@@ -35,6 +36,7 @@ pub mod local_auth;
 pub mod metrics;
 pub mod peer;
 pub mod propagation;
+pub mod reflection;
 pub mod resync;
 pub mod server;
 pub mod shutdown;

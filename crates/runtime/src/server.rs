@@ -248,15 +248,7 @@ impl GrpcServer {
                 .await;
         }
 
-        let reflection = || {
-            tonic_reflection::server::Builder::configure()
-                .register_encoded_file_descriptor_set(trellis_api::FILE_DESCRIPTOR_SET)
-                .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
-        };
-        let routes = routes
-            .add_service(health)
-            .add_service(reflection().build_v1()?)
-            .add_service(reflection().build_v1alpha()?);
+        let routes = crate::reflection::add_to(routes.add_service(health))?;
 
         // No /metrics listener, no recording: nobody could read it (and the benchmark measures
         // the layer's cost against exactly this).

@@ -306,6 +306,19 @@ impl Broker {
         Ok(Peers::from_foreign_clusters(&listing.foreign_clusters))
     }
 
+    /// The peering view for a pass: from the watch-fed copy of discovery's records when it is
+    /// synced, otherwise [`Self::peers`]. The copy may lag discovery, so whatever is torn down
+    /// or freed because a cluster is absent from it is confirmed with [`Self::peers`] first.
+    pub async fn view(&self) -> Result<Peers> {
+        let cached = self
+            .foreign_clusters
+            .with_records(|records| Peers::from_foreign_clusters(records.iter().copied()));
+        match cached {
+            Some(peers) => Ok(peers),
+            None => self.peers().await,
+        }
+    }
+
     /// The peering view of the clusters `ids` only (unknown ones are absent): one record
     /// lookup each instead of a listing, for the checks on every received NetworkConfig.
     pub async fn peers_of(&self, ids: &[&ClusterId]) -> Result<Peers> {

@@ -205,17 +205,17 @@ async fn follow_discovery(broker: Arc<Broker>, shutdown: Shutdown) {
 ///
 /// A record rewritten with nothing the reconciler reads changed (a hub's new Neighborhood
 /// generation refreshes every record it lists) wakes nothing: `seen` holds what the reconciler
-/// reads of each record since this watch started.
+/// reads of each record since this watch started, as a digest ([`relevant_digest`]).
 fn wake_for_event(
     broker: &Broker,
     event: &WatchForeignClustersResponse,
-    seen: &mut HashMap<String, pb::ForeignCluster>,
+    seen: &mut HashMap<String, u64>,
 ) {
     if let Some(fc) = event.foreign_cluster.as_ref()
         && let Some(identity) = fc.identity.as_ref()
         && event.r#type != pb::WatchEventType::Deleted as i32
     {
-        let relevant = relevant_part(fc);
+        let relevant = relevant_digest(fc);
         if seen.get(&identity.cluster_id) == Some(&relevant) {
             return;
         }
@@ -240,6 +240,15 @@ fn wake_for_event(
         }
         _ => broker.wake(),
     }
+}
+
+/// A digest of [`relevant_part`]: what `seen` keeps per remote instead of a second copy of
+/// every record (issue 17). A collision would only delay a wake until the next pass.
+fn relevant_digest(fc: &pb::ForeignCluster) -> u64 {
+    use std::hash::{Hash as _, Hasher as _};
+    let mut hasher = std::collections::hash_map::DefaultHasher::new();
+    prost::Message::encode_to_vec(&relevant_part(fc)).hash(&mut hasher);
+    hasher.finish()
 }
 
 /// What [`Peers::from_foreign_clusters`] reads of a record: without timestamps, revision,
@@ -342,14 +351,19 @@ async fn ensure_all(
         .map_err(|s| Error::from(s).context("reading the local subnets"))?
         .into_inner();
     let (pod, external) = (&subnets.pod_cidr, &subnets.external_cidr);
-    let work: Vec<_> = remotes
-        .into_iter()
-        .map(|remote| ensure_one(broker, remote, pod, external, basics))
-        .collect();
-    let mut results = futures::stream::iter(work).buffer_unordered(CONCURRENCY);
-    while let Some(result) = results.next().await {
+    // Each future is made when a slot frees. Made up front, every pass over 254 remotes held
+    // 254 of them: 176 MiB of the 255-cluster in-process lab's peak heap (issue 17).
+    let mut waiting = remotes.into_iter();
+    let mut running = futures::stream::FuturesUnordered::new();
+    for remote in waiting.by_ref().take(CONCURRENCY) {
+        running.push(ensure_one(broker, remote, pod, external, basics));
+    }
+    while let Some(result) = running.next().await {
         if let Err(id) = result {
             failed.insert(id);
+        }
+        if let Some(remote) = waiting.next() {
+            running.push(ensure_one(broker, remote, pod, external, basics));
         }
     }
     Ok(failed)
@@ -386,7 +400,7 @@ pub async fn pass(broker: &Broker, lane: Lane) -> Result<Unsettled> {
         Lane::Induced => None,
     };
     let held = held(broker).await?;
-    let peers = broker.peers().await?;
+    let peers = broker.view().await?;
     let mut unsettled = Unsettled::default();
 
     if lane == Lane::Full {
@@ -463,16 +477,44 @@ async fn held_lane(broker: &Broker, id: &ClusterId) -> Result<Lane> {
 /// listing of every cluster costs less than a lookup per remote and per hub.
 const LIST_FROM: usize = 8;
 
-/// The peering view of `ids` and of the hubs that introduced them: enough to route each of
-/// them, from a few record lookups rather than a listing of every cluster (or from a listing
-/// when many remotes are woken at once).
-async fn peers_for(broker: &Broker, ids: &BTreeSet<ClusterId>) -> Result<Peers> {
-    if ids.len() >= LIST_FROM {
-        return broker.peers().await;
+/// Where [`peers_for`] reads discovery's records.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Source {
+    /// The watch-fed copy where it holds a record (a record it lacks is read from discovery):
+    /// may lag discovery.
+    Copy,
+    /// Discovery itself: to confirm an absence before acting on it.
+    Fresh,
+}
+
+/// The records of `ids` (unknown ones absent) from `source`.
+async fn records_of(
+    broker: &Broker,
+    ids: &[&ClusterId],
+    source: Source,
+) -> Result<Vec<pb::ForeignCluster>> {
+    match source {
+        Source::Copy => {
+            broker
+                .foreign_clusters()
+                .lookup(&broker.clients().discovery_channel(), ids, |_| true)
+                .await
+        }
+        Source::Fresh => broker.foreign_clusters_of(ids).await,
     }
-    let mut records = broker
-        .foreign_clusters_of(&ids.iter().collect::<Vec<_>>())
-        .await?;
+}
+
+/// The peering view of `ids` and of the hubs that introduced them: enough to route each of
+/// them, from a few records rather than a listing of every cluster (or from a whole view
+/// when many remotes are woken at once).
+async fn peers_for(broker: &Broker, ids: &BTreeSet<ClusterId>, source: Source) -> Result<Peers> {
+    if ids.len() >= LIST_FROM {
+        return match source {
+            Source::Copy => broker.view().await,
+            Source::Fresh => broker.peers().await,
+        };
+    }
+    let mut records = records_of(broker, &ids.iter().collect::<Vec<_>>(), source).await?;
     let first = Peers::from_foreign_clusters(&records);
     let hubs: Vec<&ClusterId> = first
         .induced
@@ -486,7 +528,7 @@ async fn peers_for(broker: &Broker, ids: &BTreeSet<ClusterId>) -> Result<Peers> 
         return Ok(first);
     }
     // Only the hubs are looked up again; the remotes' records are those read just now.
-    records.extend(broker.foreign_clusters_of(&hubs).await?);
+    records.extend(records_of(broker, &hubs, source).await?);
     Ok(Peers::from_foreign_clusters(&records))
 }
 
@@ -500,7 +542,7 @@ pub async fn pass_for(broker: &Broker, lane: Lane, ids: &BTreeSet<ClusterId>) ->
             held.insert(id.clone());
         }
     }
-    let peers = peers_for(broker, ids).await?;
+    let peers = peers_for(broker, ids, Source::Copy).await?;
     let mut mine = Vec::new();
     for id in ids {
         if let Some(remote) = peers.desired.get(id) {
@@ -515,8 +557,22 @@ pub async fn pass_for(broker: &Broker, lane: Lane, ids: &BTreeSet<ClusterId>) ->
         all: false,
         ids: ensure_all(broker, mine, None).await?,
     };
-    // The view above is fresh (read from discovery just now), so it confirms the teardown.
-    for id in held.iter().filter(|id| !peers.desired.contains_key(*id)) {
+    let unwanted: BTreeSet<ClusterId> = held
+        .iter()
+        .filter(|id| !peers.desired.contains_key(*id))
+        .cloned()
+        .collect();
+    if unwanted.is_empty() {
+        return Ok(unsettled);
+    }
+    // Tearing down is not undone by a later pass, and the view above may lag discovery:
+    // confirm with a fresh one. A remote wanted after all is woken by the watch event that
+    // brings its change to the copy.
+    let fresh = peers_for(broker, &unwanted, Source::Fresh).await?;
+    for id in unwanted
+        .iter()
+        .filter(|id| !fresh.desired.contains_key(*id))
+    {
         if held_lane(broker, id).await? != lane {
             broker.wake_for(id, lane.other());
             continue;
@@ -1056,6 +1112,81 @@ mod tests {
         .expect("valid addresses");
         let identity = ClusterIdentity::parse("id", "leaf-a", "name", "").expect("identity");
         Broker::new(identity, Arc::new(MemoryStore::new()), clients, None)
+    }
+
+    /// Our NetworkConfig towards `id` over a direct route: state held for a full peer.
+    async fn hold_full_peer_state(broker: &Broker, id: &ClusterId) {
+        let spec = NetworkSpec::from_proto(
+            "spec",
+            Some(&pb::NetworkConfigSpec {
+                pod_cidr: "10.0.0.0/16".into(),
+                external_cidr: "10.1.0.0/16".into(),
+                endpoint: "192.0.2.1:51820".into(),
+                public_key: "AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA=".into(),
+            }),
+        )
+        .expect("spec");
+        let out = OutgoingNc {
+            remote: ClusterIdentity::parse("remote", id.as_str(), "name", "").expect("identity"),
+            via: None,
+            forwarder: None,
+            spec,
+            generation: 1,
+            decision: None,
+            receiver_generation: 0,
+            trace: None,
+        };
+        broker
+            .store()
+            .put(&out_key(id), encode(&out).expect("encoded"))
+            .await
+            .expect("written");
+    }
+
+    /// The broker's copy of discovery's records, synced to exactly `records`.
+    fn copy_holds(broker: &Broker, records: Vec<pb::ForeignCluster>) {
+        let copy = broker.foreign_clusters();
+        copy.restart();
+        for fc in records {
+            copy.apply(&WatchForeignClustersResponse {
+                r#type: pb::WatchEventType::Added as i32,
+                foreign_cluster: Some(fc),
+                revision: 1,
+            });
+        }
+        copy.apply(&WatchForeignClustersResponse {
+            r#type: pb::WatchEventType::Bookmark as i32,
+            foreign_cluster: None,
+            revision: 1,
+        });
+        assert!(copy.synced());
+    }
+
+    /// Passes read who is wanted from the watch-fed copy, which may lag discovery; a remote
+    /// that looks unwanted there is torn down only once discovery confirms it (here discovery
+    /// does not answer, so nothing is torn down).
+    #[tokio::test]
+    async fn a_remote_absent_from_a_lagging_copy_is_not_torn_down_unconfirmed() {
+        let broker = broker();
+        let id = ClusterId::parse("id", "leaf-b").expect("id");
+        hold_full_peer_state(&broker, &id).await;
+        copy_holds(&broker, vec![]);
+        assert!(pass(&broker, Lane::Full).await.is_err());
+        assert!(holds(&broker, &id).await.expect("read"), "torn down");
+
+        // The same for a pass over that remote only, whose copy says it is no peer.
+        let not_peered = pb::ForeignCluster {
+            identity: Some(pb::ClusterIdentity {
+                cluster_id: id.to_string(),
+                cluster_name: "name".into(),
+            }),
+            kind: pb::PeeringKind::Full as i32,
+            ..Default::default()
+        };
+        copy_holds(&broker, vec![not_peered]);
+        let ids = BTreeSet::from([id.clone()]);
+        assert!(pass_for(&broker, Lane::Full, &ids).await.is_err());
+        assert!(holds(&broker, &id).await.expect("read"), "torn down");
     }
 
     fn condition(kind: &str, status: pb::ConditionStatus, message: &str) -> pb::Condition {
