@@ -10,6 +10,8 @@
 //! - [`client`]: channels to other services with timeouts and trace propagation;
 //! - [`backoff`]: the one exponential backoff for retry loops; [`resync`]: when a reconciler's
 //!   periodic pass over everything is due;
+//! - [`batch`]: many unary calls to one server carried by one batch call, client and server
+//!   side;
 //! - [`foreign_clusters`]: a watch-fed copy of the local discovery service's ForeignClusters,
 //!   for the checks made on every relayed or received NetworkConfig;
 //! - [`cmd`]: running `ip` and `nft` for the processes that program the kernel (gateway,
@@ -27,6 +29,7 @@
 
 pub mod admission;
 pub mod backoff;
+pub mod batch;
 pub mod client;
 pub mod cmd;
 pub mod config;

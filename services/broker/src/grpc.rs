@@ -15,8 +15,9 @@ use trellis_api::pb::types;
 use trellis_api::{ClusterId, ClusterIdentity, address};
 use trellis_error::{Error, Result};
 
+use trellis_runtime::batch;
 use trellis_runtime::peer::{Authz, PeerMethods};
-use trellis_runtime::tls::CaCertHash;
+use trellis_runtime::tls::{CaCertHash, PeerIdentity};
 
 use crate::core::{Broker, Received};
 use crate::peering_id::PeeringId;
@@ -40,12 +41,66 @@ impl BrokerService {
     pub fn with_authz(core: Arc<Broker>, authz: Authz) -> Self {
         Self { core, authz }
     }
+
+    /// One SubmitNetworkConfig request, alone or as an item of a batch: `peer` is the caller's
+    /// verified identity, `rpc` the method it called (for errors).
+    async fn submit_one(
+        &self,
+        peer: Option<&PeerIdentity>,
+        rpc: &str,
+        request: pb::SubmitNetworkConfigRequest,
+    ) -> Result<pb::SubmitNetworkConfigResponse, Status> {
+        let nc = request
+            .network_config
+            .ok_or_else(|| Error::invalid("network_config", "is required"))?;
+        let origin = identity_from_pb("network_config.origin", nc.origin.as_ref())?;
+        let destination = identity_from_pb("network_config.destination", nc.destination.as_ref())?;
+        let via = via_of("network_config.via", nc.via.as_ref())?;
+        check_pair(
+            &self.core.identity().id,
+            "network_config",
+            &nc.name,
+            &origin,
+            &destination,
+            via.as_ref(),
+        )?;
+        // A cluster submits only as itself; a relayed one only as the hub it names in `via`.
+        let (claim, expected) = sender(via.as_ref(), &origin, "network_config.origin");
+        self.authz.require(peer, rpc, claim, expected.as_str())?;
+        if nc.generation < 1 {
+            return Err(Error::invalid("network_config.generation", "must be at least 1").into());
+        }
+        if nc.held_generation < 0 {
+            return Err(
+                Error::invalid("network_config.held_generation", "must not be negative").into(),
+            );
+        }
+        let spec = NetworkSpec::from_proto("network_config.spec", nc.spec.as_ref())?;
+        let answer = self
+            .core
+            .receive(Received {
+                origin,
+                via,
+                spec,
+                generation: nc.generation,
+                held_generation: nc.held_generation,
+            })
+            .await?;
+        Ok(pb::SubmitNetworkConfigResponse {
+            accepted: answer.accepted,
+            status: Some(types::NetworkConfigStatus {
+                receiver_generation: answer.receiver_generation,
+                ..status_of(&answer.decision)
+            }),
+        })
+    }
 }
 
 /// The methods the peer listener serves (ADR 0014).
 pub const PEER_METHODS: PeerMethods = PeerMethods {
     authenticated: &[
         "/trellis.peering.v1.Broker/SubmitNetworkConfig",
+        "/trellis.peering.v1.Broker/SubmitNetworkConfigBatch",
         "/trellis.peering.v1.Broker/ReportNetworkConfigStatus",
         "/trellis.peering.v1.Broker/WithdrawNetworkConfig",
         "/trellis.peering.v1.Broker/NotifyUnpeer",
@@ -252,52 +307,36 @@ impl BrokerApi for BrokerService {
         &self,
         request: Request<pb::SubmitNetworkConfigRequest>,
     ) -> Result<Response<pb::SubmitNetworkConfigResponse>, Status> {
-        const RPC: &str = "SubmitNetworkConfig";
+        let peer = self.authz.peer(&request, "SubmitNetworkConfig")?;
+        self.submit_one(peer.as_ref(), "SubmitNetworkConfig", request.into_inner())
+            .await
+            .map(Response::new)
+    }
+
+    async fn submit_network_config_batch(
+        &self,
+        request: Request<pb::SubmitNetworkConfigBatchRequest>,
+    ) -> Result<Response<pb::SubmitNetworkConfigBatchResponse>, Status> {
+        const RPC: &str = "SubmitNetworkConfigBatch";
         let peer = self.authz.peer(&request, RPC)?;
-        let nc = request
-            .into_inner()
-            .network_config
-            .ok_or_else(|| Error::invalid("network_config", "is required"))?;
-        let origin = identity_from_pb("network_config.origin", nc.origin.as_ref())?;
-        let destination = identity_from_pb("network_config.destination", nc.destination.as_ref())?;
-        let via = via_of("network_config.via", nc.via.as_ref())?;
-        check_pair(
-            &self.core.identity().id,
-            "network_config",
-            &nc.name,
-            &origin,
-            &destination,
-            via.as_ref(),
-        )?;
-        // A cluster submits only as itself; a relayed one only as the hub it names in `via`.
-        let (claim, expected) = sender(via.as_ref(), &origin, "network_config.origin");
-        self.authz
-            .require(peer.as_ref(), RPC, claim, expected.as_str())?;
-        if nc.generation < 1 {
-            return Err(Error::invalid("network_config.generation", "must be at least 1").into());
-        }
-        if nc.held_generation < 0 {
-            return Err(
-                Error::invalid("network_config.held_generation", "must not be negative").into(),
-            );
-        }
-        let spec = NetworkSpec::from_proto("network_config.spec", nc.spec.as_ref())?;
-        let answer = self
-            .core
-            .receive(Received {
-                origin,
-                via,
-                spec,
-                generation: nc.generation,
-                held_generation: nc.held_generation,
-            })
-            .await?;
-        Ok(Response::new(pb::SubmitNetworkConfigResponse {
-            accepted: answer.accepted,
-            status: Some(types::NetworkConfigStatus {
-                receiver_generation: answer.receiver_generation,
-                ..status_of(&answer.decision)
-            }),
+        let requests = request.into_inner().requests;
+        batch::check_len(requests.len())?;
+        let results =
+            batch::serve(requests, |item| self.submit_one(peer.as_ref(), RPC, item)).await;
+        Ok(Response::new(pb::SubmitNetworkConfigBatchResponse {
+            results: results
+                .into_iter()
+                .map(|result| pb::SubmitNetworkConfigResult {
+                    result: Some(match result {
+                        Ok(response) => {
+                            pb::submit_network_config_result::Result::Response(response)
+                        }
+                        Err(status) => pb::submit_network_config_result::Result::Error(
+                            batch::to_item_error(&status),
+                        ),
+                    }),
+                })
+                .collect(),
         }))
     }
 

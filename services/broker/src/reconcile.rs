@@ -784,22 +784,21 @@ async fn deliver(broker: &Broker, remote: &Remote, out: &OutgoingNc) -> Result<(
         Route::Direct { broker: address } => {
             broker
                 .clients()
-                .broker(address, id)?
-                .submit_network_config(SubmitNetworkConfigRequest {
+                .submitter(address, id)?
+                .call(SubmitNetworkConfigRequest {
                     network_config: Some(nc),
                 })
                 .await
                 .map_err(|s| {
                     Error::from(s).context(format!("submitting our network config to {id}"))
                 })?
-                .into_inner()
                 .status
         }
         Route::Relayed { forwarder, hub } => {
             broker
                 .clients()
-                .forwarder(forwarder, &hub.id)?
-                .relay(RelayRequest {
+                .relayer(forwarder, &hub.id)?
+                .call(RelayRequest {
                     network_config: Some(nc),
                 })
                 .await
@@ -809,7 +808,6 @@ async fn deliver(broker: &Broker, remote: &Remote, out: &OutgoingNc) -> Result<(
                         hub.id
                     ))
                 })?
-                .into_inner()
                 .status
         }
     };

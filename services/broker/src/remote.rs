@@ -12,7 +12,11 @@ use trellis_api::pb::gateway::gateway_client::GatewayClient;
 use trellis_api::pb::ipam::ipam_client::IpamClient;
 use trellis_api::pb::peering::broker_client::BrokerClient;
 use trellis_api::pb::peering::forwarder_client::ForwarderClient;
+use trellis_api::pb::peering::{
+    RelayRequest, RelayResponse, SubmitNetworkConfigRequest, SubmitNetworkConfigResponse,
+};
 use trellis_error::Result;
+use trellis_runtime::batch::{self, Batchers, Relayer, Submitter};
 use trellis_runtime::client::{Timeouts, TracedChannel, local_channel};
 use trellis_runtime::local_auth::LocalToken;
 use trellis_runtime::metrics::Metrics;
@@ -41,6 +45,9 @@ pub struct Clients {
     tls: Option<PeerTls>,
     /// Remote channels by (address, expected cluster).
     remote: Mutex<HashMap<(String, String), TracedChannel>>,
+    /// `SubmitNetworkConfig` to remote brokers and `Relay` to hubs' forwarders, batched.
+    submitters: Batchers<SubmitNetworkConfigRequest, SubmitNetworkConfigResponse>,
+    relayers: Batchers<RelayRequest, RelayResponse>,
     /// The broker's registry: every channel's calls count there (`grpc_client_*`).
     metrics: Metrics,
 }
@@ -62,6 +69,8 @@ impl Clients {
             gateway: local_channel("gateway", gateway, LOCAL, local_token, metrics)?,
             tls,
             remote: Mutex::new(HashMap::new()),
+            submitters: Batchers::default(),
+            relayers: Batchers::default(),
             metrics: metrics.clone(),
         })
     }
@@ -129,6 +138,19 @@ impl Clients {
         )?))
     }
 
+    /// Cluster `expected`'s broker's `SubmitNetworkConfig`, batched with our other submissions
+    /// to it.
+    pub fn submitter(&self, address: &str, expected: &ClusterId) -> Result<Submitter> {
+        self.submitters
+            .get_or_make((address.to_owned(), expected.to_string()), || {
+                Ok(batch::submitter(self.remote_channel(
+                    "broker_address",
+                    address,
+                    expected,
+                )?))
+            })
+    }
+
     /// Cluster `expected`'s broker after we unpeered it: over mutual TLS its server must chain
     /// to `ca_pem` (no longer pinned). Not cached.
     pub fn unpinned_broker(
@@ -187,6 +209,18 @@ impl Clients {
             REMOTE,
             &self.metrics,
         )?))
+    }
+
+    /// Hub `expected`'s forwarder's `Relay`, batched with our other relays through it.
+    pub fn relayer(&self, address: &str, expected: &ClusterId) -> Result<Relayer> {
+        self.relayers
+            .get_or_make((address.to_owned(), expected.to_string()), || {
+                Ok(batch::relayer(self.remote_channel(
+                    "forwarder",
+                    address,
+                    expected,
+                )?))
+            })
     }
 
     /// Hub `expected`'s forwarder.

@@ -11,6 +11,7 @@
 //! relays to everyone else go on.
 
 use std::collections::{BTreeSet, HashMap, HashSet};
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -20,7 +21,8 @@ use trellis_api::convert::identity_to_pb;
 use trellis_api::model::NetworkSpec;
 use trellis_api::pb::peering::broker_client::BrokerClient;
 use trellis_api::pb::peering::{
-    ReportNetworkConfigStatusRequest, SubmitNetworkConfigRequest, WithdrawNetworkConfigRequest,
+    ReportNetworkConfigStatusRequest, SubmitNetworkConfigRequest, SubmitNetworkConfigResponse,
+    WithdrawNetworkConfigRequest,
 };
 use trellis_api::pb::types as pb;
 use trellis_api::peers::{Peers, is_routable_full_peer};
@@ -28,6 +30,7 @@ use trellis_api::{ClusterId, ClusterIdentity};
 use trellis_error::{Error, Result};
 use trellis_runtime::Shutdown;
 use trellis_runtime::backoff::Backoff;
+use trellis_runtime::batch::{self, Batchers, Submitter};
 use trellis_runtime::client::{Timeouts, TracedChannel, local_channel};
 use trellis_runtime::foreign_clusters::{self, ForeignClusters};
 use trellis_runtime::metrics::Metrics;
@@ -172,6 +175,8 @@ pub struct Forwarder {
     tls: Option<PeerTls>,
     /// Broker channels by (address, cluster).
     brokers: Mutex<HashMap<(String, String), TracedChannel>>,
+    /// Deliveries to each broker, batched (ADR 0012).
+    submitters: Batchers<SubmitNetworkConfigRequest, SubmitNetworkConfigResponse>,
     /// The forwarder's registry: its channels' calls count there (`grpc_client_*`).
     metrics: Metrics,
     delivery: Delivery,
@@ -197,6 +202,34 @@ fn nc_name(origin: &ClusterId, destination: &ClusterId) -> String {
     format!("{origin}--{destination}")
 }
 
+/// Whether the origin still waits for a relay's first attempt (its Relay call, or its item of a
+/// RelayBatch that may stop waiting). The attempt and the waiter settle it once, atomically:
+/// either the attempt answers the origin in the reply, or the waiter gave up first and the
+/// status goes through ReportNetworkConfigStatus; never neither.
+#[derive(Debug, Default)]
+pub struct OriginWait(AtomicU8);
+
+const WAITING: u8 = 0;
+const ANSWERED: u8 = 1;
+const ABANDONED: u8 = 2;
+
+impl OriginWait {
+    /// The attempt takes the answer upon itself, unless the origin stopped waiting.
+    fn answer(&self) -> bool {
+        self.0
+            .compare_exchange(WAITING, ANSWERED, Ordering::AcqRel, Ordering::Acquire)
+            .is_ok()
+    }
+
+    /// The origin stops waiting, unless the attempt already took the answer upon itself (its
+    /// reply is then moments away).
+    pub fn abandon(&self) -> bool {
+        self.0
+            .compare_exchange(WAITING, ABANDONED, Ordering::AcqRel, Ordering::Acquire)
+            .is_ok()
+    }
+}
+
 impl Forwarder {
     pub fn new(
         identity: ClusterIdentity,
@@ -215,6 +248,7 @@ impl Forwarder {
             tls,
             metrics: metrics.clone(),
             brokers: Mutex::new(HashMap::new()),
+            submitters: Batchers::default(),
             delivery: Delivery {
                 concurrency: delivery.concurrency.max(1),
                 ..delivery
@@ -315,11 +349,23 @@ impl Forwarder {
     /// Cluster `expected`'s broker at `address` (over mutual TLS when on: the server must
     /// chain to `expected`'s pinned CA).
     fn broker(&self, address: &str, expected: &ClusterId) -> Result<BrokerClient<TracedChannel>> {
+        Ok(BrokerClient::new(self.broker_channel(address, expected)?))
+    }
+
+    /// [`Self::broker`]'s `SubmitNetworkConfig`, batched with our other deliveries to it.
+    fn submitter(&self, address: &str, expected: &ClusterId) -> Result<Submitter> {
+        self.submitters
+            .get_or_make((address.to_owned(), expected.to_string()), || {
+                Ok(batch::submitter(self.broker_channel(address, expected)?))
+            })
+    }
+
+    fn broker_channel(&self, address: &str, expected: &ClusterId) -> Result<TracedChannel> {
         let key = (address.to_owned(), expected.to_string());
         if let Ok(cache) = self.brokers.lock()
             && let Some(found) = cache.get(&key)
         {
-            return Ok(BrokerClient::new(found.clone()));
+            return Ok(found.clone());
         }
         let created = cluster_channel(
             self.tls.as_ref(),
@@ -332,7 +378,7 @@ impl Forwarder {
         if let Ok(mut cache) = self.brokers.lock() {
             cache.insert(key, created.clone());
         }
-        Ok(BrokerClient::new(created))
+        Ok(created)
     }
 
     /// Both ends must be full peers of this hub with networking: exactly the clusters this
@@ -400,8 +446,18 @@ impl Forwarder {
     }
 
     /// Accepts a passthrough NetworkConfig and tries to deliver it at once.
-    #[tracing::instrument(skip_all, fields(origin = %nc.origin.id, destination = %nc.destination.id, generation = nc.generation))]
     pub async fn relay(&self, nc: Passthrough) -> Result<(State, Option<RelayedStatus>, bool)> {
+        self.relay_answering(nc, &OriginWait::default()).await
+    }
+
+    /// [`Self::relay`] for an origin that may stop waiting for the answer (`wait`): a status
+    /// obtained after it stopped is reported through ReportNetworkConfigStatus instead.
+    #[tracing::instrument(skip_all, fields(origin = %nc.origin.id, destination = %nc.destination.id, generation = nc.generation))]
+    pub async fn relay_answering(
+        &self,
+        nc: Passthrough,
+        wait: &OriginWait,
+    ) -> Result<(State, Option<RelayedStatus>, bool)> {
         let peers = self.authorize(&nc.origin.id, &nc.destination.id).await?;
         if let Err(err) = self.expedite(&nc.destination.id, &nc.origin.id).await {
             tracing::debug!(error = %err, "could not expedite the relay the other way");
@@ -438,9 +494,11 @@ impl Forwarder {
             }
             contention.lost().await?;
         };
-        tracing::info!(origin = %nc.origin.id, destination = %nc.destination.id, "accepted a relay");
+        // Per relay, debug: a hub relays n·(n-1) of them to converge; ListRelays and the
+        // traces show them one by one.
+        tracing::debug!(origin = %nc.origin.id, destination = %nc.destination.id, "accepted a relay");
         let outcome = self
-            .attempt(&key, record, revision, true, Some(peers))
+            .attempt(&key, record, revision, Some(wait), Some(peers))
             .await?;
         Ok((outcome.0, outcome.1, true))
     }
@@ -505,7 +563,7 @@ impl Forwarder {
             record.next_attempt_nanos = now_nanos() + nanos(INLINE_GRACE);
             if let Some(revision) = self.save_at(&key, revision, Some(&record)).await? {
                 return Ok(self
-                    .attempt(&key, record, revision, false, Some(peers))
+                    .attempt(&key, record, revision, None, Some(peers))
                     .await?
                     .0);
             }
@@ -559,7 +617,7 @@ impl Forwarder {
         loop {
             let revision = self.load(&key).await?.map_or(0, |(_, r)| r);
             if let Some(revision) = self.save_at(&key, revision, Some(&record)).await? {
-                return Ok(self.attempt(&key, record, revision, false, None).await?.0);
+                return Ok(self.attempt(&key, record, revision, None, None).await?.0);
             }
             contention.lost().await?;
         }
@@ -611,7 +669,7 @@ impl Forwarder {
         key: &str,
         mut record: RelayRecord,
         revision: i64,
-        answering_origin: bool,
+        answering_origin: Option<&OriginWait>,
         known: Option<Peers>,
     ) -> Result<(State, Option<RelayedStatus>)> {
         // Both ends, as just checked by the caller when it did.
@@ -627,8 +685,8 @@ impl Forwarder {
                 State::Pending | State::Delivered => {
                     let broker = Self::broker_of(&peers, &record.destination.id, "destination")?;
                     let answer = self
-                        .broker(&broker, &record.destination.id)?
-                        .submit_network_config(SubmitNetworkConfigRequest {
+                        .submitter(&broker, &record.destination.id)?
+                        .call(SubmitNetworkConfigRequest {
                             network_config: Some(pb::NetworkConfig {
                                 name: nc_name(&record.origin.id, &record.destination.id),
                                 origin: Some(identity_to_pb(&record.origin)),
@@ -642,8 +700,7 @@ impl Forwarder {
                             }),
                         })
                         .await
-                        .map_err(Error::from)?
-                        .into_inner();
+                        .map_err(Error::from)?;
                     let decided = answer.status.filter(|s| {
                         matches!(
                             pb::NetworkConfigState::try_from(s.state),
@@ -705,11 +762,11 @@ impl Forwarder {
         let next = match result {
             // Done: nothing left to keep.
             Ok(None) => None,
-            Ok(Some(State::StatusPending)) if answering_origin => {
+            Ok(Some(State::StatusPending)) if answering_origin.is_some_and(OriginWait::answer) => {
                 // The origin gets the status in its Relay reply: complete.
                 let status = record.status.clone();
                 self.save(key, revision, None).await?;
-                tracing::info!(origin = %record.origin.id, destination = %record.destination.id, "relay completed");
+                tracing::debug!(origin = %record.origin.id, destination = %record.destination.id, "relay completed");
                 let rejected = status
                     .as_ref()
                     .is_some_and(|s| s.state == pb::NetworkConfigState::Rejected as i32);
@@ -764,7 +821,7 @@ impl Forwarder {
             self.save(key, revision, Some(&stored)).await?;
         } else {
             self.save(key, revision, None).await?;
-            tracing::info!(origin = %origin_id, destination = %destination_id, "relay completed");
+            tracing::debug!(origin = %origin_id, destination = %destination_id, "relay completed");
         }
         Ok((state, status))
     }
@@ -788,7 +845,7 @@ impl Forwarder {
             }
             Some((_, Some(_))) => {
                 let span = resumed_span("relay retry", record.trace.as_deref());
-                self.attempt(key, record, revision, false, None)
+                self.attempt(key, record, revision, None, None)
                     .instrument(span)
                     .await?;
             }

@@ -2,6 +2,9 @@
 //! the field), call [`Forwarder`], map back.
 
 use std::sync::Arc;
+use std::time::Duration;
+
+use tracing::Instrument as _;
 
 use tonic::{Request, Response, Status};
 use trellis_api::convert::{identity_from_pb, identity_to_pb, timestamp};
@@ -13,8 +16,10 @@ use trellis_api::{ClusterId, ClusterIdentity};
 use trellis_error::{Error, Result};
 
 use trellis_runtime::peer::{Authz, PeerMethods};
+use trellis_runtime::tls::PeerIdentity;
+use trellis_runtime::{batch, telemetry};
 
-use crate::core::{Forwarder, Passthrough};
+use crate::core::{Forwarder, OriginWait, Passthrough};
 use crate::records::{RelayRecord, RelayedStatus, State};
 
 /// The gRPC face of one [`Forwarder`].
@@ -24,10 +29,15 @@ pub struct ForwarderService {
     authz: Authz,
 }
 
+/// How long an item of a RelayBatch may take before it is answered PENDING (see
+/// [`ForwarderApi::relay_batch`]): a destination that answers at all answers well within it.
+const BATCH_ITEM_WAIT: Duration = Duration::from_secs(1);
+
 /// The methods the peer listener serves (ADR 0014).
 pub const PEER_METHODS: PeerMethods = PeerMethods {
     authenticated: &[
         "/trellis.peering.v1.Forwarder/Relay",
+        "/trellis.peering.v1.Forwarder/RelayBatch",
         "/trellis.peering.v1.Forwarder/RelayStatus",
         "/trellis.peering.v1.Forwarder/RelayWithdrawal",
     ],
@@ -100,6 +110,57 @@ impl ForwarderService {
         }
         Ok((origin, destination))
     }
+
+    /// One Relay request, alone or as an item of a batch: `peer` is the caller's verified
+    /// identity, `rpc` the method it called (for errors).
+    async fn relay_one(
+        &self,
+        peer: Option<&PeerIdentity>,
+        rpc: &str,
+        request: pb::RelayRequest,
+        wait: &OriginWait,
+    ) -> Result<pb::RelayResponse, Status> {
+        let nc = request
+            .network_config
+            .ok_or_else(|| Error::invalid("network_config", "is required"))?;
+        let (origin, destination) = self.pair(
+            "network_config",
+            &nc.name,
+            nc.origin.as_ref(),
+            nc.destination.as_ref(),
+            nc.via.as_ref(),
+        )?;
+        // Only the origin relays its own NetworkConfig.
+        self.authz
+            .require(peer, rpc, "network_config.origin", origin.id.as_str())?;
+        if nc.generation < 1 {
+            return Err(Error::invalid("network_config.generation", "must be at least 1").into());
+        }
+        if nc.held_generation < 0 {
+            return Err(
+                Error::invalid("network_config.held_generation", "must not be negative").into(),
+            );
+        }
+        let spec = NetworkSpec::from_proto("network_config.spec", nc.spec.as_ref())?;
+        let (state, status, _) = self
+            .core
+            .relay_answering(
+                Passthrough {
+                    origin,
+                    destination,
+                    spec,
+                    generation: nc.generation,
+                    held_generation: nc.held_generation,
+                },
+                wait,
+            )
+            .await?;
+        let state = state_to_pb(state);
+        Ok(pb::RelayResponse {
+            state: state.into(),
+            status: status.as_ref().map(RelayedStatus::to_pb),
+        })
+    }
 }
 
 fn state_to_pb(state: State) -> RelayState {
@@ -138,49 +199,66 @@ impl ForwarderApi for ForwarderService {
         &self,
         request: Request<pb::RelayRequest>,
     ) -> Result<Response<pb::RelayResponse>, Status> {
-        const RPC: &str = "Relay";
-        let peer = self.authz.peer(&request, RPC)?;
-        let nc = request
-            .into_inner()
-            .network_config
-            .ok_or_else(|| Error::invalid("network_config", "is required"))?;
-        let (origin, destination) = self.pair(
-            "network_config",
-            &nc.name,
-            nc.origin.as_ref(),
-            nc.destination.as_ref(),
-            nc.via.as_ref(),
-        )?;
-        // Only the origin relays its own NetworkConfig.
-        self.authz.require(
+        let peer = self.authz.peer(&request, "Relay")?;
+        self.relay_one(
             peer.as_ref(),
-            RPC,
-            "network_config.origin",
-            origin.id.as_str(),
-        )?;
-        if nc.generation < 1 {
-            return Err(Error::invalid("network_config.generation", "must be at least 1").into());
-        }
-        if nc.held_generation < 0 {
-            return Err(
-                Error::invalid("network_config.held_generation", "must not be negative").into(),
-            );
-        }
-        let spec = NetworkSpec::from_proto("network_config.spec", nc.spec.as_ref())?;
-        let (state, status, _) = self
-            .core
-            .relay(Passthrough {
-                origin,
-                destination,
-                spec,
-                generation: nc.generation,
-                held_generation: nc.held_generation,
-            })
-            .await?;
-        let state = state_to_pb(state);
-        Ok(Response::new(pb::RelayResponse {
-            state: state.into(),
-            status: status.as_ref().map(RelayedStatus::to_pb),
+            "Relay",
+            request.into_inner(),
+            &OriginWait::default(),
+        )
+        .await
+        .map(Response::new)
+    }
+
+    async fn relay_batch(
+        &self,
+        request: Request<pb::RelayBatchRequest>,
+    ) -> Result<Response<pb::RelayBatchResponse>, Status> {
+        const RPC: &str = "RelayBatch";
+        let peer = self.authz.peer(&request, RPC)?;
+        let requests = request.into_inner().requests;
+        batch::check_len(requests.len())?;
+        let results = batch::serve(requests, |item| {
+            let this = self.clone();
+            let peer = peer.clone();
+            async move {
+                // Each item runs on its own, so that one whose destination is slow does not
+                // hold the whole batch (every other relay of the origin) back: past
+                // BATCH_ITEM_WAIT it is answered PENDING, as an accepted relay whose status
+                // follows through ReportNetworkConfigStatus, and its attempt goes on.
+                let wait = Arc::new(OriginWait::default());
+                let waiting = wait.clone();
+                let mut item = telemetry::spawn(
+                    async move { this.relay_one(peer.as_ref(), RPC, item, &waiting).await }
+                        .in_current_span(),
+                );
+                let joined = match tokio::time::timeout(BATCH_ITEM_WAIT, &mut item).await {
+                    Ok(joined) => joined,
+                    Err(_) if wait.abandon() => {
+                        return Ok(pb::RelayResponse {
+                            state: RelayState::Pending.into(),
+                            status: None,
+                        });
+                    }
+                    // The attempt has the status and answers in a moment.
+                    Err(_) => item.await,
+                };
+                joined.map_err(|e| Status::internal(format!("relay task: {e}")))?
+            }
+        })
+        .await;
+        Ok(Response::new(pb::RelayBatchResponse {
+            results: results
+                .into_iter()
+                .map(|result| pb::RelayResult {
+                    result: Some(match result {
+                        Ok(response) => pb::relay_result::Result::Response(response),
+                        Err(status) => {
+                            pb::relay_result::Result::Error(batch::to_item_error(&status))
+                        }
+                    }),
+                })
+                .collect(),
         }))
     }
 

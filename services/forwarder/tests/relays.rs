@@ -23,7 +23,7 @@ use trellis_api::pb::types as pb;
 use trellis_api::{ClusterId, ClusterIdentity};
 use trellis_discovery::Discovery;
 use trellis_discovery::core::PeeringUpdate;
-use trellis_forwarder::core::{Delivery, Forwarder, Passthrough};
+use trellis_forwarder::core::{Delivery, Forwarder, OriginWait, Passthrough};
 use trellis_forwarder::records::{RELAYS_PREFIX, RelayRecord, State, encode, now_nanos, relay_key};
 use trellis_runtime::Shutdown;
 use trellis_runtime::peer::Authz;
@@ -65,6 +65,7 @@ cases!(
     failed_relays_are_collected_after_the_retention,
     a_relay_refused_while_the_other_way_arrives_is_retried_at_once,
     relays_are_authorized_from_the_watched_copy_which_never_refuses_alone,
+    an_origin_that_stopped_waiting_gets_the_status_reported,
 );
 
 /// The forwarder's store on a fresh etcd, through a prefixed URL as the services use it.
@@ -244,6 +245,33 @@ impl BrokerApi for FakeBroker {
                 update_time: None,
                 receiver_generation: 0,
             }),
+        }))
+    }
+    async fn submit_network_config_batch(
+        &self,
+        request: Request<ppb::SubmitNetworkConfigBatchRequest>,
+    ) -> Result<Response<ppb::SubmitNetworkConfigBatchResponse>, Status> {
+        // Each item as its own call, concurrently, as the real broker does.
+        let calls = request
+            .into_inner()
+            .requests
+            .into_iter()
+            .map(|item| self.submit_network_config(Request::new(item)));
+        let results = futures::future::join_all(calls).await;
+        Ok(Response::new(ppb::SubmitNetworkConfigBatchResponse {
+            results: results
+                .into_iter()
+                .map(|r| ppb::SubmitNetworkConfigResult {
+                    result: Some(match r {
+                        Ok(response) => ppb::submit_network_config_result::Result::Response(
+                            response.into_inner(),
+                        ),
+                        Err(status) => ppb::submit_network_config_result::Result::Error(
+                            trellis_runtime::batch::to_item_error(&status),
+                        ),
+                    }),
+                })
+                .collect(),
         }))
     }
     async fn report_network_config_status(
@@ -887,4 +915,68 @@ async fn relays_are_authorized_from_the_watched_copy_which_never_refuses_alone(s
     })
     .await;
     assert_eq!(hub.relay("mute", "c", 4).await, State::Completed);
+}
+
+/// An item of a RelayBatch stops waiting after a while (its origin is answered PENDING): the
+/// status its attempt obtains afterwards must reach the origin through
+/// ReportNetworkConfigStatus, not be dropped as if it had been answered in the reply.
+async fn an_origin_that_stopped_waiting_gets_the_status_reported(store: SharedStore) {
+    let shutdown = Shutdown::new();
+    let _stop = shutdown.clone().drop_guard();
+    let (a, c) = (FakeBroker::default(), FakeBroker::default());
+    let (a_addr, c_addr) = (a.start(&shutdown).await, c.start(&shutdown).await);
+    let hub = Hub::start(store).await;
+    hub.peer("a", &a_addr).await;
+    hub.peer("c", &c_addr).await;
+    hub.run_retries();
+
+    let wait = OriginWait::default();
+    assert!(wait.abandon(), "nobody answered yet");
+    let (state, status, _) = hub
+        .forwarder
+        .relay_answering(
+            Passthrough {
+                origin: identity("a"),
+                destination: identity("c"),
+                spec: spec(1),
+                generation: 1,
+                held_generation: 0,
+            },
+            &wait,
+        )
+        .await
+        .expect("relay accepted");
+    assert_eq!(state, State::StatusPending, "not answered in the reply");
+    assert!(status.is_some(), "the destination decided");
+    eventually("the status to be reported to the origin", || async {
+        a.received()
+            .statuses
+            .contains(&("a".into(), "c".into()))
+            .then_some(())
+    })
+    .await;
+    eventually("the relay to complete", || async {
+        hub.relays().await.is_empty().then_some(())
+    })
+    .await;
+
+    // While the origin waits, the status comes in the reply and nothing is reported.
+    let waiting = OriginWait::default();
+    let (state, _, _) = hub
+        .forwarder
+        .relay_answering(
+            Passthrough {
+                origin: identity("c"),
+                destination: identity("a"),
+                spec: spec(2),
+                generation: 1,
+                held_generation: 0,
+            },
+            &waiting,
+        )
+        .await
+        .expect("relay accepted");
+    assert_eq!(state, State::Completed);
+    assert!(!waiting.abandon(), "the attempt answered");
+    assert!(!c.received().statuses.contains(&("c".into(), "a".into())));
 }

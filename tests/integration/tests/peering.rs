@@ -261,6 +261,48 @@ async fn bad_network_configs_are_refused_with_clear_errors_and_store_nothing() {
         .await
         .expect_err("unknown hub");
     assert_eq!(err.code(), Code::PermissionDenied, "{err:?}");
+    // The same through the batch RPC: each item gets the error its own call would have.
+    let batch = broker
+        .submit_network_config_batch(SubmitNetworkConfigBatchRequest {
+            requests: vec![
+                submit(network_config("stranger", "hub-b", "10.0.0.0/16")),
+                submit(network_config("stranger", "hub-b", "10.0.0.1/16")),
+                submit(network_config("stranger", "someone-else", "10.0.0.0/16")),
+            ],
+        })
+        .await
+        .expect("a batch of bad items is answered item by item")
+        .into_inner()
+        .results;
+    let errors: Vec<(i32, String)> = batch
+        .into_iter()
+        .map(|r| match r.result {
+            Some(submit_network_config_result::Result::Error(e)) => (e.code, e.message),
+            other => panic!("expected an error, got {other:?}"),
+        })
+        .collect();
+    assert_eq!(errors.len(), 3);
+    assert_eq!(errors[0].0, Code::PermissionDenied as i32, "{errors:?}");
+    assert_eq!(errors[1].0, Code::InvalidArgument as i32, "{errors:?}");
+    assert!(
+        errors[1].1.contains("network_config.spec.pod_cidr"),
+        "{errors:?}"
+    );
+    assert!(
+        errors[2].1.contains("network_config.destination"),
+        "{errors:?}"
+    );
+    let err = broker
+        .submit_network_config_batch(SubmitNetworkConfigBatchRequest {
+            requests: vec![
+                submit(network_config("stranger", "hub-b", "10.0.0.0/16"));
+                trellis_runtime::batch::MAX_ITEMS + 1
+            ],
+        })
+        .await
+        .expect_err("too many items");
+    assert_eq!(err.code(), Code::InvalidArgument, "{err:?}");
+    assert!(err.message().contains("requests"), "{err:?}");
     let err = broker
         .handshake(HandshakeRequest {
             token: String::new(),
@@ -536,6 +578,45 @@ async fn the_forwarder_refuses_bad_relays_and_stores_nothing() {
         .await
         .expect_err("to itself");
     assert_eq!(err.code(), Code::InvalidArgument);
+    // The same through the batch RPC: each item gets the error its own call would have.
+    let batch = forwarder
+        .relay_batch(RelayBatchRequest {
+            requests: vec![
+                relayed("leaf-a", "stranger", "hub-b", "10.1.0.0/16"),
+                relayed("leaf-a", "leaf-c", "other-hub", "10.1.0.0/16"),
+                relayed("leaf-a", "leaf-c", "hub-b", "10.1.0.0/33"),
+            ],
+        })
+        .await
+        .expect("a batch of bad items is answered item by item")
+        .into_inner()
+        .results;
+    let errors: Vec<(i32, String)> = batch
+        .into_iter()
+        .map(|r| match r.result {
+            Some(relay_result::Result::Error(e)) => (e.code, e.message),
+            other => panic!("expected an error, got {other:?}"),
+        })
+        .collect();
+    assert_eq!(errors.len(), 3);
+    assert_eq!(errors[0].0, Code::PermissionDenied as i32, "{errors:?}");
+    assert!(errors[0].1.contains("stranger"), "{errors:?}");
+    assert!(errors[1].1.contains("network_config.via"), "{errors:?}");
+    assert!(
+        errors[2].1.contains("network_config.spec.pod_cidr"),
+        "{errors:?}"
+    );
+    let err = forwarder
+        .relay_batch(RelayBatchRequest {
+            requests: vec![
+                relayed("leaf-a", "stranger", "hub-b", "10.1.0.0/16");
+                trellis_runtime::batch::MAX_ITEMS + 1
+            ],
+        })
+        .await
+        .expect_err("too many items");
+    assert_eq!(err.code(), Code::InvalidArgument, "{err:?}");
+    assert!(err.message().contains("requests"), "{err:?}");
     // A status report naming the hub itself as an end.
     let err = forwarder
         .relay_status(RelayStatusRequest {

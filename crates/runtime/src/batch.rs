@@ -1,0 +1,534 @@
+//! Batch RPCs: many unary calls to one server carried by one call (ADR 0012).
+//!
+//! At a hub much of the cost of an induced tunnel was per call, not per NetworkConfig: the
+//! HTTP/2 stream, the socket writes and the task per request (a profile of the forwarder at 100
+//! leaves: 21 % of its CPU in system calls, 10 % in HTTP/2 connection handling). A [`Batcher`] sends a caller's request at once when
+//! nothing is in flight to that server, so an idle system sees no added latency; requests that
+//! arrive while [`IN_FLIGHT`] batches are being answered wait and leave together in the next
+//! one. The server side ([`serve`]) handles every item as the unary call would, concurrently,
+//! and answers each with its own result.
+
+use std::collections::{HashMap, VecDeque};
+use std::future::Future;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+
+use futures::future::BoxFuture;
+use tokio::sync::oneshot;
+use tonic::{Code, Status};
+use tracing::Instrument;
+use trellis_api::pb::peering::broker_client::BrokerClient;
+use trellis_api::pb::peering::forwarder_client::ForwarderClient;
+use trellis_api::pb::peering::{
+    RelayBatchRequest, RelayRequest, RelayResponse, SubmitNetworkConfigBatchRequest,
+    SubmitNetworkConfigRequest, SubmitNetworkConfigResponse, relay_result,
+    submit_network_config_result,
+};
+use trellis_api::pb::types::ItemError;
+use trellis_error::Error;
+
+use crate::client::TracedChannel;
+
+/// The most items a batch carries; servers refuse larger ones (`InvalidArgument`).
+pub const MAX_ITEMS: usize = 256;
+
+/// Batches in flight to one server before further requests wait for the next one. One, so
+/// that requests arriving under load leave together; an item whose answer waits on a third
+/// party is bounded by its server (a forwarder answers a relay still being delivered after a
+/// second as PENDING), so it does not hold the next batch back for long.
+pub const IN_FLIGHT: usize = 1;
+
+/// One batch call: the results of `requests`, in order, or the error of the whole call.
+pub type SendBatch<Req, Resp> = Box<
+    dyn Fn(Vec<Req>) -> BoxFuture<'static, Result<Vec<Result<Resp, Status>>, Status>> + Send + Sync,
+>;
+
+/// One unary call, for a lone request and for servers without the batch RPC.
+pub type SendOne<Req, Resp> =
+    Box<dyn Fn(Req) -> BoxFuture<'static, Result<Resp, Status>> + Send + Sync>;
+
+type Waiting<Req, Resp> = (Req, oneshot::Sender<Result<Resp, Status>>);
+
+struct Queue<Req, Resp> {
+    waiting: VecDeque<Waiting<Req, Resp>>,
+    in_flight: usize,
+}
+
+struct Inner<Req, Resp> {
+    queue: Mutex<Queue<Req, Resp>>,
+    batch: SendBatch<Req, Resp>,
+    one: SendOne<Req, Resp>,
+    /// The server answered the batch RPC UNIMPLEMENTED (an older version): unary from then on.
+    unary_only: AtomicBool,
+}
+
+/// Coalesces calls to one server into batch calls; cheap to clone (clones share the queue).
+pub struct Batcher<Req, Resp> {
+    inner: Arc<Inner<Req, Resp>>,
+}
+
+impl<Req, Resp> Clone for Batcher<Req, Resp> {
+    fn clone(&self) -> Self {
+        Self {
+            inner: self.inner.clone(),
+        }
+    }
+}
+
+impl<Req, Resp> std::fmt::Debug for Batcher<Req, Resp> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Batcher")
+            .field("unary_only", &self.inner.unary_only.load(Ordering::Relaxed))
+            .finish_non_exhaustive()
+    }
+}
+
+impl<Req: Send + 'static, Resp: Send + 'static> Batcher<Req, Resp> {
+    /// A batcher sending through `batch`, and through `one` for lone requests.
+    pub fn new(batch: SendBatch<Req, Resp>, one: SendOne<Req, Resp>) -> Self {
+        Self {
+            inner: Arc::new(Inner {
+                queue: Mutex::new(Queue {
+                    waiting: VecDeque::new(),
+                    in_flight: 0,
+                }),
+                batch,
+                one,
+                unary_only: AtomicBool::new(false),
+            }),
+        }
+    }
+
+    /// Sends `request` (alone or with others) and returns its own result.
+    pub async fn call(&self, request: Req) -> Result<Resp, Status> {
+        if self.inner.unary_only.load(Ordering::Relaxed) {
+            return (self.inner.one)(request).await;
+        }
+        let (tx, rx) = oneshot::channel();
+        let start = {
+            let mut queue = self
+                .inner
+                .queue
+                .lock()
+                .map_err(|_| Status::internal("the batch queue is poisoned"))?;
+            queue.waiting.push_back((request, tx));
+            let start = queue.in_flight < IN_FLIGHT;
+            if start {
+                queue.in_flight += 1;
+            }
+            start
+        };
+        if start {
+            // The sender runs in the caller's span and under its subscriber (the lab gives each
+            // cluster its own): a batch is traced under the request that opened it.
+            crate::telemetry::spawn(send_while_waiting(self.inner.clone()).in_current_span());
+        }
+        rx.await
+            .map_err(|_| Status::unavailable("the batch carrying this request was dropped"))?
+    }
+}
+
+/// Sends what waits, one batch at a time, until nothing does.
+async fn send_while_waiting<Req: Send + 'static, Resp: Send + 'static>(
+    inner: Arc<Inner<Req, Resp>>,
+) {
+    loop {
+        let taken: Vec<Waiting<Req, Resp>> = {
+            let Ok(mut queue) = inner.queue.lock() else {
+                return;
+            };
+            if queue.waiting.is_empty() {
+                queue.in_flight -= 1;
+                return;
+            }
+            let n = queue.waiting.len().min(MAX_ITEMS);
+            queue.waiting.drain(..n).collect()
+        };
+        let (requests, replies): (Vec<Req>, Vec<_>) = taken.into_iter().unzip();
+        if requests.len() == 1 || inner.unary_only.load(Ordering::Relaxed) {
+            // A lone request (or an old server) goes as the unary call: same cost, and its
+            // span and metrics name the method.
+            let calls = requests.into_iter().map(|r| (inner.one)(r));
+            for (reply, result) in replies
+                .into_iter()
+                .zip(futures::future::join_all(calls).await)
+            {
+                let _ = reply.send(result);
+            }
+            continue;
+        }
+        let n = requests.len();
+        let results = match (inner.batch)(requests).await {
+            Ok(results) if results.len() == n => results,
+            Ok(results) => {
+                let status = Status::internal(format!(
+                    "a batch of {n} requests was answered with {} results",
+                    results.len()
+                ));
+                (0..n).map(|_| Err(status.clone())).collect()
+            }
+            Err(status) => {
+                if status.code() == Code::Unimplemented {
+                    // These requests fail once (their callers retry them); later ones go unary.
+                    tracing::info!(error = %status.message(), "the server has no batch rpc: calling it once per request");
+                    inner.unary_only.store(true, Ordering::Relaxed);
+                }
+                (0..n).map(|_| Err(status.clone())).collect()
+            }
+        };
+        for (reply, result) in replies.into_iter().zip(results) {
+            let _ = reply.send(result);
+        }
+    }
+}
+
+/// A hub's forwarder's `Relay`, batched through `RelayBatch`.
+pub type Relayer = Batcher<RelayRequest, RelayResponse>;
+
+/// A broker's `SubmitNetworkConfig`, batched through `SubmitNetworkConfigBatch`.
+pub type Submitter = Batcher<SubmitNetworkConfigRequest, SubmitNetworkConfigResponse>;
+
+/// The [`Relayer`] over `channel` (a remote forwarder's).
+pub fn relayer(channel: TracedChannel) -> Relayer {
+    let one = ForwarderClient::new(channel.clone());
+    let batch = ForwarderClient::new(channel);
+    Batcher::new(
+        Box::new(move |requests| {
+            let mut client = batch.clone();
+            Box::pin(async move {
+                let results = client
+                    .relay_batch(RelayBatchRequest { requests })
+                    .await?
+                    .into_inner()
+                    .results;
+                Ok(unpack(results, |r| match r.result {
+                    Some(relay_result::Result::Response(response)) => Some(Ok(response)),
+                    Some(relay_result::Result::Error(error)) => Some(Err(error)),
+                    None => None,
+                }))
+            })
+        }),
+        Box::new(move |request| {
+            let mut client = one.clone();
+            Box::pin(async move { Ok(client.relay(request).await?.into_inner()) })
+        }),
+    )
+}
+
+/// The [`Submitter`] over `channel` (a remote broker's).
+pub fn submitter(channel: TracedChannel) -> Submitter {
+    let one = BrokerClient::new(channel.clone());
+    let batch = BrokerClient::new(channel);
+    Batcher::new(
+        Box::new(move |requests| {
+            let mut client = batch.clone();
+            Box::pin(async move {
+                let results = client
+                    .submit_network_config_batch(SubmitNetworkConfigBatchRequest { requests })
+                    .await?
+                    .into_inner()
+                    .results;
+                Ok(unpack(results, |r| match r.result {
+                    Some(submit_network_config_result::Result::Response(response)) => {
+                        Some(Ok(response))
+                    }
+                    Some(submit_network_config_result::Result::Error(error)) => Some(Err(error)),
+                    None => None,
+                }))
+            })
+        }),
+        Box::new(move |request| {
+            let mut client = one.clone();
+            Box::pin(async move { Ok(client.submit_network_config(request).await?.into_inner()) })
+        }),
+    )
+}
+
+/// The per-item results of a batch response; `split` opens one result's `oneof`.
+fn unpack<R, T>(
+    results: Vec<R>,
+    split: impl Fn(R) -> Option<Result<T, ItemError>>,
+) -> Vec<Result<T, Status>> {
+    results
+        .into_iter()
+        .map(|r| match split(r) {
+            Some(Ok(response)) => Ok(response),
+            Some(Err(error)) => Err(from_item_error(error)),
+            None => Err(missing_result()),
+        })
+        .collect()
+}
+
+/// Batchers by (address, expected cluster), one per remote server, as the channels are.
+pub struct Batchers<Req, Resp> {
+    cache: Mutex<HashMap<(String, String), Batcher<Req, Resp>>>,
+}
+
+impl<Req, Resp> Default for Batchers<Req, Resp> {
+    fn default() -> Self {
+        Self {
+            cache: Mutex::new(HashMap::new()),
+        }
+    }
+}
+
+impl<Req, Resp> std::fmt::Debug for Batchers<Req, Resp> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let n = self.cache.lock().map_or(0, |c| c.len());
+        f.debug_struct("Batchers").field("servers", &n).finish()
+    }
+}
+
+impl<Req, Resp> Batchers<Req, Resp> {
+    /// The batcher of `key`, made by `make` the first time.
+    pub fn get_or_make(
+        &self,
+        key: (String, String),
+        make: impl FnOnce() -> trellis_error::Result<Batcher<Req, Resp>>,
+    ) -> trellis_error::Result<Batcher<Req, Resp>> {
+        if let Ok(cache) = self.cache.lock()
+            && let Some(found) = cache.get(&key)
+        {
+            return Ok(found.clone());
+        }
+        let made = make()?;
+        Ok(match self.cache.lock() {
+            // Another caller may have made one meanwhile: theirs is kept, so that every request
+            // to a server queues in one place.
+            Ok(mut cache) => cache.entry(key).or_insert(made).clone(),
+            Err(_) => made,
+        })
+    }
+}
+
+/// Refuses a batch of more than [`MAX_ITEMS`] items (field `requests`).
+pub fn check_len(len: usize) -> Result<(), Status> {
+    if len > MAX_ITEMS {
+        return Err(Error::invalid(
+            "requests",
+            format!("holds {len} items; at most {MAX_ITEMS} are allowed"),
+        )
+        .into());
+    }
+    Ok(())
+}
+
+/// Handles every item with `handle`, concurrently, and returns their results in order.
+pub async fn serve<Req, Resp, F, Fut>(items: Vec<Req>, handle: F) -> Vec<Result<Resp, Status>>
+where
+    F: Fn(Req) -> Fut,
+    Fut: Future<Output = Result<Resp, Status>>,
+{
+    futures::future::join_all(items.into_iter().map(handle)).await
+}
+
+/// An item's error as it travels in a batch response.
+pub fn to_item_error(status: &Status) -> ItemError {
+    ItemError {
+        code: status.code() as i32,
+        message: status.message().to_owned(),
+    }
+}
+
+/// The status an item's error stands for (an unknown code is `Unknown`).
+pub fn from_item_error(error: ItemError) -> Status {
+    Status::new(Code::from_i32(error.code), error.message)
+}
+
+/// A batch result whose `oneof` is empty (a server that set neither field).
+pub fn missing_result() -> Status {
+    Status::internal("a batch result holds neither a response nor an error")
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::AtomicUsize;
+
+    use super::*;
+
+    /// A batcher over an echo server that records the size of every call it receives.
+    fn echo(
+        sizes: Arc<Mutex<Vec<usize>>>,
+        gate: Arc<tokio::sync::Semaphore>,
+        batch_rpc: bool,
+    ) -> Batcher<u32, u32> {
+        let batch_sizes = sizes.clone();
+        let batch_gate = gate.clone();
+        Batcher::new(
+            Box::new(move |requests: Vec<u32>| {
+                let sizes = batch_sizes.clone();
+                let gate = batch_gate.clone();
+                Box::pin(async move {
+                    if !batch_rpc {
+                        return Err(Status::unimplemented("no batch rpc"));
+                    }
+                    let _permit = gate.acquire().await.map_err(|_| Status::cancelled(""))?;
+                    sizes.lock().expect("the test's lock").push(requests.len());
+                    Ok(requests
+                        .into_iter()
+                        .map(|r| {
+                            if r == 0 {
+                                Err(Status::invalid_argument("zero"))
+                            } else {
+                                Ok(r * 10)
+                            }
+                        })
+                        .collect())
+                })
+            }),
+            Box::new(move |request: u32| {
+                let sizes = sizes.clone();
+                let gate = gate.clone();
+                Box::pin(async move {
+                    let _permit = gate.acquire().await.map_err(|_| Status::cancelled(""))?;
+                    sizes.lock().expect("the test's lock").push(1);
+                    if request == 0 {
+                        return Err(Status::invalid_argument("zero"));
+                    }
+                    Ok(request * 10)
+                })
+            }),
+        )
+    }
+
+    #[tokio::test]
+    async fn a_lone_call_goes_at_once_and_calls_under_load_leave_together() {
+        let alone = Arc::new(Mutex::new(Vec::new()));
+        let open = Arc::new(tokio::sync::Semaphore::new(1_000));
+        assert_eq!(
+            echo(alone.clone(), open, true)
+                .call(9)
+                .await
+                .expect("the call"),
+            90
+        );
+        assert_eq!(
+            *alone.lock().expect("the test's lock"),
+            vec![1],
+            "a lone call is sent as the unary call"
+        );
+
+        let sizes = Arc::new(Mutex::new(Vec::new()));
+        let gate = Arc::new(tokio::sync::Semaphore::new(0));
+        let batcher = echo(sizes.clone(), gate.clone(), true);
+        let calls: Vec<_> = (1..=50_u32)
+            .map(|i| {
+                let b = batcher.clone();
+                tokio::spawn(async move { b.call(i).await })
+            })
+            .collect();
+        // Let every call queue while the first IN_FLIGHT sends wait at the gate.
+        tokio::task::yield_now().await;
+        for _ in 0..10 {
+            tokio::task::yield_now().await;
+        }
+        gate.add_permits(1_000);
+        for (i, call) in (1..=50_u32).zip(calls) {
+            assert_eq!(
+                call.await.expect("the call task").expect("the call"),
+                i * 10
+            );
+        }
+        let sizes = sizes.lock().expect("the test's lock").clone();
+        assert_eq!(sizes.iter().sum::<usize>(), 50, "{sizes:?}");
+        assert!(
+            sizes.len() <= IN_FLIGHT + 2,
+            "50 calls made while {IN_FLIGHT} were in flight leave in a few batches: {sizes:?}"
+        );
+    }
+
+    #[tokio::test]
+    async fn each_item_gets_its_own_error() {
+        let sizes = Arc::new(Mutex::new(Vec::new()));
+        let gate = Arc::new(tokio::sync::Semaphore::new(0));
+        let batcher = echo(sizes.clone(), gate.clone(), true);
+        let calls: Vec<_> = [3_u32, 0, 4, 0, 5]
+            .into_iter()
+            .map(|i| {
+                let b = batcher.clone();
+                tokio::spawn(async move { b.call(i).await })
+            })
+            .collect();
+        for _ in 0..10 {
+            tokio::task::yield_now().await;
+        }
+        gate.add_permits(1_000);
+        let mut got = Vec::new();
+        for call in calls {
+            got.push(call.await.expect("the call task").map_err(|s| s.code()));
+        }
+        assert_eq!(
+            got,
+            vec![
+                Ok(30),
+                Err(Code::InvalidArgument),
+                Ok(40),
+                Err(Code::InvalidArgument),
+                Ok(50)
+            ]
+        );
+    }
+
+    #[tokio::test]
+    async fn a_server_without_the_batch_rpc_is_called_once_per_request_after_the_first_refusal() {
+        let sizes = Arc::new(Mutex::new(Vec::new()));
+        let gate = Arc::new(tokio::sync::Semaphore::new(1_000));
+        let batcher = echo(sizes.clone(), gate.clone(), false);
+        let refused = AtomicUsize::new(0);
+        // Enough concurrent calls that some leave as a batch, which the server refuses.
+        let results = futures::future::join_all((1..=20_u32).map(|i| batcher.call(i))).await;
+        for (i, result) in (1..=20_u32).zip(results) {
+            match result {
+                Ok(v) => assert_eq!(v, i * 10),
+                Err(s) => {
+                    assert_eq!(s.code(), Code::Unimplemented);
+                    refused.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        }
+        assert!(
+            refused.load(Ordering::Relaxed) > 0,
+            "the first batch was refused"
+        );
+        assert_eq!(
+            batcher.call(7).await.expect("the call"),
+            70,
+            "later calls go unary"
+        );
+        assert!(format!("{batcher:?}").contains("unary_only: true"));
+    }
+
+    #[test]
+    fn an_oversized_batch_is_refused_naming_the_field() {
+        assert!(check_len(MAX_ITEMS).is_ok());
+        let err = check_len(MAX_ITEMS + 1).expect_err("too many");
+        assert_eq!(err.code(), Code::InvalidArgument);
+        assert!(err.message().contains("requests"), "{}", err.message());
+    }
+
+    #[test]
+    fn item_errors_round_trip() {
+        let status = from_item_error(to_item_error(&Status::permission_denied("not yours")));
+        assert_eq!(status.code(), Code::PermissionDenied);
+        assert_eq!(status.message(), "not yours");
+        assert_eq!(
+            from_item_error(ItemError {
+                code: 999,
+                message: String::new()
+            })
+            .code(),
+            Code::Unknown
+        );
+    }
+
+    #[tokio::test]
+    async fn items_are_served_in_order() {
+        let results = serve(vec![3_u32, 1, 2], |i| async move {
+            tokio::time::sleep(std::time::Duration::from_millis(u64::from(i))).await;
+            Ok::<_, Status>(i)
+        })
+        .await;
+        let got: Vec<u32> = results.into_iter().map(|r| r.expect("served")).collect();
+        assert_eq!(got, vec![3, 1, 2]);
+    }
+}
