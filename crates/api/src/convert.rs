@@ -25,6 +25,24 @@ pub fn identity_to_pb(identity: &ClusterIdentity) -> pb::ClusterIdentity {
     }
 }
 
+/// A NetworkConfig's `generation` (at least 1) and `held_generation` (not negative), as every
+/// receiver checks them (fields under `network_config`).
+pub fn generations_from_pb(nc: &pb::NetworkConfig) -> Result<(i64, i64)> {
+    if nc.generation < 1 {
+        return Err(trellis_error::Error::invalid(
+            "network_config.generation",
+            "must be at least 1",
+        ));
+    }
+    if nc.held_generation < 0 {
+        return Err(trellis_error::Error::invalid(
+            "network_config.held_generation",
+            "must not be negative",
+        ));
+    }
+    Ok((nc.generation, nc.held_generation))
+}
+
 /// Parses an identity at `field` (e.g. `neighborhood.sender`); absent counts as empty.
 pub fn identity_from_pb(
     field: &str,

@@ -6,7 +6,8 @@ use std::time::Duration;
 
 use tonic::{Request, Response, Status};
 use trellis_api::convert::{
-    addresses_from_pb, addresses_to_pb, identity_from_pb, identity_to_pb, timestamp,
+    addresses_from_pb, addresses_to_pb, generations_from_pb, identity_from_pb, identity_to_pb,
+    timestamp,
 };
 use trellis_api::model::{NetworkSpec, PeeringKind};
 use trellis_api::pb::peering::broker_server::Broker as BrokerApi;
@@ -67,14 +68,7 @@ impl BrokerService {
         // A cluster submits only as itself; a relayed one only as the hub it names in `via`.
         let (claim, expected) = sender(via.as_ref(), &origin, "network_config.origin");
         self.authz.require(peer, rpc, claim, expected.as_str())?;
-        if nc.generation < 1 {
-            return Err(Error::invalid("network_config.generation", "must be at least 1").into());
-        }
-        if nc.held_generation < 0 {
-            return Err(
-                Error::invalid("network_config.held_generation", "must not be negative").into(),
-            );
-        }
+        let (generation, held_generation) = generations_from_pb(&nc)?;
         let spec = NetworkSpec::from_proto("network_config.spec", nc.spec.as_ref())?;
         let answer = self
             .core
@@ -82,8 +76,8 @@ impl BrokerService {
                 origin,
                 via,
                 spec,
-                generation: nc.generation,
-                held_generation: nc.held_generation,
+                generation,
+                held_generation,
             })
             .await?;
         Ok(pb::SubmitNetworkConfigResponse {

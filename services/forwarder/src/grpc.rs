@@ -7,7 +7,7 @@ use std::time::Duration;
 use tracing::Instrument as _;
 
 use tonic::{Request, Response, Status};
-use trellis_api::convert::{identity_from_pb, identity_to_pb, timestamp};
+use trellis_api::convert::{generations_from_pb, identity_from_pb, identity_to_pb, timestamp};
 use trellis_api::model::NetworkSpec;
 use trellis_api::pb::peering::forwarder_server::Forwarder as ForwarderApi;
 use trellis_api::pb::peering::{self as pb, RelayState};
@@ -133,14 +133,7 @@ impl ForwarderService {
         // Only the origin relays its own NetworkConfig.
         self.authz
             .require(peer, rpc, "network_config.origin", origin.id.as_str())?;
-        if nc.generation < 1 {
-            return Err(Error::invalid("network_config.generation", "must be at least 1").into());
-        }
-        if nc.held_generation < 0 {
-            return Err(
-                Error::invalid("network_config.held_generation", "must not be negative").into(),
-            );
-        }
+        let (generation, held_generation) = generations_from_pb(&nc)?;
         let spec = NetworkSpec::from_proto("network_config.spec", nc.spec.as_ref())?;
         let (state, status, _) = self
             .core
@@ -149,8 +142,8 @@ impl ForwarderService {
                     origin,
                     destination,
                     spec,
-                    generation: nc.generation,
-                    held_generation: nc.held_generation,
+                    generation,
+                    held_generation,
                 },
                 wait,
             )
