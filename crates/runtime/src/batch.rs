@@ -20,9 +20,9 @@ use tracing::Instrument;
 use trellis_api::pb::peering::broker_client::BrokerClient;
 use trellis_api::pb::peering::forwarder_client::ForwarderClient;
 use trellis_api::pb::peering::{
-    RelayBatchRequest, RelayRequest, RelayResponse, SubmitNetworkConfigBatchRequest,
-    SubmitNetworkConfigRequest, SubmitNetworkConfigResponse, relay_result,
-    submit_network_config_result,
+    RelayBatchRequest, RelayRequest, RelayResponse, RelayResult, SubmitNetworkConfigBatchRequest,
+    SubmitNetworkConfigRequest, SubmitNetworkConfigResponse, SubmitNetworkConfigResult,
+    relay_result, submit_network_config_result,
 };
 use trellis_api::pb::types::ItemError;
 use trellis_error::Error;
@@ -242,6 +242,34 @@ pub fn submitter(channel: TracedChannel) -> Submitter {
             Box::pin(async move { Ok(client.submit_network_config(request).await?.into_inner()) })
         }),
     )
+}
+
+/// A RelayBatch response's results, from each item's outcome (server side).
+pub fn relay_results(results: Vec<Result<RelayResponse, Status>>) -> Vec<RelayResult> {
+    results
+        .into_iter()
+        .map(|r| RelayResult {
+            result: Some(match r {
+                Ok(response) => relay_result::Result::Response(response),
+                Err(status) => relay_result::Result::Error(to_item_error(&status)),
+            }),
+        })
+        .collect()
+}
+
+/// A SubmitNetworkConfigBatch response's results, from each item's outcome (server side).
+pub fn submit_results(
+    results: Vec<Result<SubmitNetworkConfigResponse, Status>>,
+) -> Vec<SubmitNetworkConfigResult> {
+    results
+        .into_iter()
+        .map(|r| SubmitNetworkConfigResult {
+            result: Some(match r {
+                Ok(response) => submit_network_config_result::Result::Response(response),
+                Err(status) => submit_network_config_result::Result::Error(to_item_error(&status)),
+            }),
+        })
+        .collect()
 }
 
 /// The per-item results of a batch response; `split` opens one result's `oneof`.
@@ -518,6 +546,35 @@ mod tests {
             })
             .code(),
             Code::Unknown
+        );
+    }
+
+    #[test]
+    fn results_travel_in_their_oneof_and_come_back_in_order() {
+        let sent = vec![
+            Ok(RelayResponse::default()),
+            Err(Status::failed_precondition("not introduced")),
+        ];
+        let back = unpack(relay_results(sent), |r| match r.result {
+            Some(relay_result::Result::Response(response)) => Some(Ok(response)),
+            Some(relay_result::Result::Error(error)) => Some(Err(error)),
+            None => None,
+        });
+        assert!(back[0].is_ok());
+        let err = back[1].as_ref().expect_err("the second failed");
+        assert_eq!(err.code(), Code::FailedPrecondition);
+        assert_eq!(err.message(), "not introduced");
+        let submitted = submit_results(vec![Err(Status::invalid_argument("bad"))]);
+        assert!(matches!(
+            &submitted[0].result,
+            Some(submit_network_config_result::Result::Error(e)) if e.code == Code::InvalidArgument as i32
+        ));
+        let empty = unpack(vec![RelayResult { result: None }], |r: RelayResult| {
+            r.result.map(|_| Ok::<_, ItemError>(()))
+        });
+        assert_eq!(
+            empty[0].as_ref().expect_err("no result").code(),
+            Code::Internal
         );
     }
 

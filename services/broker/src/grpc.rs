@@ -318,19 +318,7 @@ impl BrokerApi for BrokerService {
         let results =
             batch::serve(requests, |item| self.submit_one(peer.as_ref(), RPC, item)).await;
         Ok(Response::new(pb::SubmitNetworkConfigBatchResponse {
-            results: results
-                .into_iter()
-                .map(|result| pb::SubmitNetworkConfigResult {
-                    result: Some(match result {
-                        Ok(response) => {
-                            pb::submit_network_config_result::Result::Response(response)
-                        }
-                        Err(status) => pb::submit_network_config_result::Result::Error(
-                            batch::to_item_error(&status),
-                        ),
-                    }),
-                })
-                .collect(),
+            results: batch::submit_results(results),
         }))
     }
 

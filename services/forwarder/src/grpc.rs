@@ -241,17 +241,7 @@ impl ForwarderApi for ForwarderService {
         })
         .await;
         Ok(Response::new(pb::RelayBatchResponse {
-            results: results
-                .into_iter()
-                .map(|result| pb::RelayResult {
-                    result: Some(match result {
-                        Ok(response) => pb::relay_result::Result::Response(response),
-                        Err(status) => {
-                            pb::relay_result::Result::Error(batch::to_item_error(&status))
-                        }
-                    }),
-                })
-                .collect(),
+            results: batch::relay_results(results),
         }))
     }
 

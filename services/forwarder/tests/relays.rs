@@ -259,19 +259,12 @@ impl BrokerApi for FakeBroker {
             .map(|item| self.submit_network_config(Request::new(item)));
         let results = futures::future::join_all(calls).await;
         Ok(Response::new(ppb::SubmitNetworkConfigBatchResponse {
-            results: results
-                .into_iter()
-                .map(|r| ppb::SubmitNetworkConfigResult {
-                    result: Some(match r {
-                        Ok(response) => ppb::submit_network_config_result::Result::Response(
-                            response.into_inner(),
-                        ),
-                        Err(status) => ppb::submit_network_config_result::Result::Error(
-                            trellis_runtime::batch::to_item_error(&status),
-                        ),
-                    }),
-                })
-                .collect(),
+            results: trellis_runtime::batch::submit_results(
+                results
+                    .into_iter()
+                    .map(|r| r.map(Response::into_inner))
+                    .collect(),
+            ),
         }))
     }
     async fn report_network_config_status(
