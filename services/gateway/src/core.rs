@@ -111,6 +111,8 @@ pub struct Gateway {
     /// reconciliation to finish.
     engine: Option<std::sync::Arc<Engine>>,
     applied: std::sync::Mutex<BTreeMap<ClusterId, Applied>>,
+    /// Where the next new peer's port is looked for first.
+    port_hint: ports::Hint,
     /// The node path's view of the last apply, for the route agents' streams.
     routes: tokio::sync::watch::Sender<RouteSet>,
 }
@@ -139,6 +141,7 @@ impl Gateway {
             engine: dataplane.as_ref().and_then(Linux::engine),
             dataplane: dataplane.map(tokio::sync::Mutex::new),
             applied: std::sync::Mutex::new(BTreeMap::new()),
+            port_hint: ports::Hint::default(),
             routes: tokio::sync::watch::Sender::new(routes),
         }
     }
@@ -163,7 +166,9 @@ impl Gateway {
     /// `None`: the base endpoint, for display.
     pub async fn info(&self, peer: Option<&ClusterId>) -> Result<GatewayInfo> {
         let slot = match peer {
-            Some(id) => Some(ports::allocate(&self.store, &self.settings.ports, id).await?),
+            Some(id) => {
+                Some(ports::allocate(&self.store, &self.settings.ports, &self.port_hint, id).await?)
+            }
             None => None,
         };
         let port = self.listen_port(slot.unwrap_or(self.settings.ports.range.first()));
@@ -216,7 +221,8 @@ impl Gateway {
                 tracing::warn!(peer = %id, "ignoring a tunnel endpoint for our own cluster");
                 continue;
             }
-            let slot = ports::bind_tunnel(&self.store, &self.settings.ports, id).await?;
+            let slot =
+                ports::bind_tunnel(&self.store, &self.settings.ports, &self.port_hint, id).await?;
             plans.push(PeerPlan {
                 endpoint: te.clone(),
                 slot,
