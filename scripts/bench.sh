@@ -7,6 +7,8 @@
 # whatever results exist and the script then exits non-zero.
 #
 # Environment: TRELLIS_BENCH_NOTE (a note on the run's conditions, recorded in every result),
+# TRELLIS_BENCH_ONLY (benchmark binaries to run, space-separated, e.g. "mesh-bench"; the others
+# keep their previous results and the document says which run each comes from),
 # CARGO_TARGET_DIR (where the release build lives; the Makefile sets it).
 set -euo pipefail
 
@@ -31,8 +33,14 @@ cargo build --release --locked -p trellis-bench --bins \
 bin="$(cargo metadata --format-version 1 --no-deps | python3 -c 'import json,sys; print(json.load(sys.stdin)["target_directory"])')/release"
 
 failed=()
+only=${TRELLIS_BENCH_ONLY:-}
+selected() { [ -z "$only" ] || [[ " $only " == *" $1 "* ]]; }
 run() {
   local name=$1; shift
+  if ! selected "$name"; then
+    log "$name: skipped (TRELLIS_BENCH_ONLY=$only); its previous result is kept"
+    return 0
+  fi
   log "$name: $*"
   local started=$SECONDS
   if "$bin/$name" --run-kind "$kind" "$@"; then
@@ -49,7 +57,7 @@ run() {
 # fields, and built in release into its own target directory.
 reference=${TRELLIS_BENCH_REFERENCE:-main}
 refbin=""
-if [ "$reference" != none ]; then
+if [ "$reference" != none ] && selected mesh-bench; then
   target="$(dirname "$bin")"
   refsrc="$target/bench-reference/src"
   log "building the reference ($reference) with this run's benchmark harness (release)"
