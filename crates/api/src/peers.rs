@@ -57,18 +57,28 @@ fn condition_true(fc: &pb::ForeignCluster, kind: &str) -> bool {
         .any(|c| c.r#type == kind && c.status == pb::ConditionStatus::True as i32)
 }
 
-/// Whether `fc` is an established full peer with networking and a broker address: a cluster
-/// [`Peers::desired`] routes to directly, and one a hub relays for.
+/// Whether `fc` is an established full peer (what [`Peers::full`] holds).
+pub fn is_full_peer(fc: &pb::ForeignCluster) -> bool {
+    fc.kind == pb::PeeringKind::Full as i32 && condition_true(fc, "Peered")
+}
+
+/// The broker address of `fc` if it is an established full peer with networking and a broker
+/// address: a cluster [`Peers::desired`] routes to directly, and one a hub relays for.
+pub fn routable_broker(fc: &pb::ForeignCluster) -> Option<&str> {
+    if !is_full_peer(fc) {
+        return None;
+    }
+    let full = fc.full.as_ref().filter(|full| full.networking_enabled)?;
+    full.addresses
+        .as_ref()
+        .map(|a| a.broker.as_str())
+        .filter(|broker| !broker.is_empty())
+}
+
+/// Whether `fc` is an established full peer with networking and a broker address (see
+/// [`routable_broker`]).
 pub fn is_routable_full_peer(fc: &pb::ForeignCluster) -> bool {
-    fc.kind == pb::PeeringKind::Full as i32
-        && condition_true(fc, "Peered")
-        && fc.full.as_ref().is_some_and(|full| {
-            full.networking_enabled
-                && full
-                    .addresses
-                    .as_ref()
-                    .is_some_and(|a| !a.broker.is_empty())
-        })
+    routable_broker(fc).is_some()
 }
 
 impl Peers {
@@ -84,7 +94,7 @@ impl Peers {
             let Ok(identity) = identity_from_pb("identity", fc.identity.as_ref()) else {
                 continue;
             };
-            if fc.kind == pb::PeeringKind::Full as i32 && condition_true(fc, "Peered") {
+            if is_full_peer(fc) {
                 let full = fc.full.clone().unwrap_or_default();
                 let addresses = full.addresses.unwrap_or_default();
                 peers.full.insert(

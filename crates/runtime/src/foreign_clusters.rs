@@ -120,11 +120,17 @@ impl ForeignClusters {
 
     /// The cached record of `id`, if the copy is synced and holds one.
     pub fn cached(&self, id: &str) -> Option<pb::ForeignCluster> {
+        self.cached_with(id, Clone::clone)
+    }
+
+    /// `f` over the cached record of `id`, if the copy is synced and holds one: what a check
+    /// needs of a record without copying it (a record carries the peer's CA certificate).
+    pub fn cached_with<R>(&self, id: &str, f: impl FnOnce(&pb::ForeignCluster) -> R) -> Option<R> {
         let copy = self.copy.read().ok()?;
         if !copy.synced {
             return None;
         }
-        copy.records.get(id).map(|fc| fc.as_ref().clone())
+        copy.records.get(id).map(|fc| f(fc))
     }
 
     /// `f` over every cached record, if the copy is synced: a whole view without a listing.

@@ -25,7 +25,7 @@ use trellis_api::pb::peering::{
     WithdrawNetworkConfigRequest,
 };
 use trellis_api::pb::types as pb;
-use trellis_api::peers::{Peers, is_routable_full_peer};
+use trellis_api::peers::routable_broker;
 use trellis_api::{ClusterId, ClusterIdentity};
 use trellis_error::{Error, Result};
 use trellis_runtime::Shutdown;
@@ -39,6 +39,7 @@ use trellis_runtime::tls::{PeerTls, cluster_channel};
 use trellis_store::retry::Contention;
 use trellis_store::{Compare, Op, SharedStore, Txn};
 
+use crate::ends::{End, Ends};
 use crate::records::{
     RELAYS_PREFIX, RelayRecord, RelayedStatus, State, decode, encode, now_nanos, relay_key,
 };
@@ -206,8 +207,15 @@ fn nc_name(origin: &ClusterId, destination: &ClusterId) -> String {
 /// RelayBatch that may stop waiting). The attempt and the waiter settle it once, atomically:
 /// either the attempt answers the origin in the reply, or the waiter gave up first and the
 /// status goes through ReportNetworkConfigStatus; never neither.
+///
+/// It also holds the relay while only its first attempt knows of it (nothing stored yet, see
+/// [`Forwarder::relay_answering`]): an origin that stops waiting is answered PENDING only once
+/// the relay is stored ([`Forwarder::stop_waiting`]).
 #[derive(Debug, Default)]
-pub struct OriginWait(AtomicU8);
+pub struct OriginWait {
+    state: AtomicU8,
+    unstored: tokio::sync::Mutex<Option<(String, RelayRecord)>>,
+}
 
 const WAITING: u8 = 0;
 const ANSWERED: u8 = 1;
@@ -216,7 +224,7 @@ const ABANDONED: u8 = 2;
 impl OriginWait {
     /// The attempt takes the answer upon itself, unless the origin stopped waiting.
     fn answer(&self) -> bool {
-        self.0
+        self.state
             .compare_exchange(WAITING, ANSWERED, Ordering::AcqRel, Ordering::Acquire)
             .is_ok()
     }
@@ -224,7 +232,7 @@ impl OriginWait {
     /// The origin stops waiting, unless the attempt already took the answer upon itself (its
     /// reply is then moments away).
     pub fn abandon(&self) -> bool {
-        self.0
+        self.state
             .compare_exchange(WAITING, ABANDONED, Ordering::AcqRel, Ordering::Acquire)
             .is_ok()
     }
@@ -308,37 +316,35 @@ impl Forwarder {
         &self.foreign_clusters
     }
 
-    /// The peering view of the clusters `ids` (unknown ones are simply absent). A record from
+    /// The ends `ids` of a relay (clusters that are not full peers are absent). A record from
     /// the watch-fed copy is used when it lets the cluster be relayed for; any other is read
     /// from discovery, so a stale copy never refuses a relay.
-    async fn peers(&self, ids: &[&ClusterId]) -> Result<Peers> {
-        let found = self
-            .foreign_clusters
-            .lookup(&self.discovery, ids, is_routable_full_peer)
-            .await?;
-        Ok(Peers::from_foreign_clusters(&found))
+    async fn peers(&self, ids: &[&ClusterId]) -> Result<Ends> {
+        let mut ends = Ends::default();
+        let mut missing = Vec::new();
+        for id in ids {
+            let cached = self
+                .foreign_clusters
+                .cached_with(id.as_str(), |fc| routable_broker(fc).map(str::to_owned));
+            match cached.flatten() {
+                Some(broker) => ends.insert((*id).clone(), End::Routable(broker)),
+                None => missing.push(*id),
+            }
+        }
+        for fc in foreign_clusters::read(&self.discovery, &missing).await? {
+            ends.insert_record(&fc);
+        }
+        Ok(ends)
     }
 
     /// [`Self::peers`] read from discovery: for withdrawals, which must know whether the
     /// destination is gone.
-    async fn fresh_peers(&self, ids: &[&ClusterId]) -> Result<Peers> {
-        let found = foreign_clusters::read(&self.discovery, ids).await?;
-        Ok(Peers::from_foreign_clusters(&found))
-    }
-
-    /// The broker address of a full peer with networking, or why it cannot be relayed to.
-    fn broker_of(peers: &Peers, id: &ClusterId, role: &str) -> Result<String> {
-        match peers.full.get(id) {
-            Some((_, addresses, true)) if !addresses.broker.is_empty() => {
-                Ok(addresses.broker.clone())
-            }
-            Some(_) => Err(Error::PermissionDenied(format!(
-                "the {role} {id} is a full peer of this hub without networking or without a broker address"
-            ))),
-            None => Err(Error::PermissionDenied(format!(
-                "the {role} {id} is not a full peer of this hub"
-            ))),
+    async fn fresh_peers(&self, ids: &[&ClusterId]) -> Result<Ends> {
+        let mut ends = Ends::default();
+        for fc in foreign_clusters::read(&self.discovery, ids).await? {
+            ends.insert_record(&fc);
         }
+        Ok(ends)
     }
 
     /// The local discovery service's channel.
@@ -383,10 +389,10 @@ impl Forwarder {
 
     /// Both ends must be full peers of this hub with networking: exactly the clusters this
     /// hub advertises to each other in its Neighborhoods.
-    async fn authorize(&self, origin: &ClusterId, destination: &ClusterId) -> Result<Peers> {
+    async fn authorize(&self, origin: &ClusterId, destination: &ClusterId) -> Result<Ends> {
         let peers = self.peers(&[origin, destination]).await?;
-        Self::broker_of(&peers, origin, "origin")?;
-        Self::broker_of(&peers, destination, "destination")?;
+        peers.broker_of(origin, "origin")?;
+        peers.broker_of(destination, "destination")?;
         Ok(peers)
     }
 
@@ -464,6 +470,12 @@ impl Forwarder {
         }
         let key = relay_key(&nc.origin.id, &nc.destination.id);
         let mut contention = Contention::on(&self.store, "accepting a relay");
+        // `None`: nothing is stored for this relay (the usual case: a relay is deleted once
+        // answered). Its first attempt then runs before anything is written: answered in the
+        // reply, the relay costs the store nothing; otherwise the attempt stores its outcome,
+        // and an origin that stops waiting first has the relay stored before it is answered
+        // PENDING ([`Self::stop_waiting`]). Either way the relay is stored before the origin
+        // is told anything but its outcome (ADR 0012).
         let (record, revision) = loop {
             let existing = self.load(&key).await?;
             if let Some((held, _)) = &existing
@@ -488,19 +500,64 @@ impl Forwarder {
                 next_attempt_nanos: now + nanos(INLINE_GRACE),
                 trace: traceparent_of(&tracing::Span::current()),
             };
-            let revision = existing.as_ref().map_or(0, |(_, r)| *r);
+            let Some((_, revision)) = existing else {
+                break (record, None);
+            };
             if let Some(revision) = self.save_at(&key, revision, Some(&record)).await? {
-                break (record, revision);
+                break (record, Some(revision));
             }
             contention.lost().await?;
         };
         // Per relay, debug: a hub relays n·(n-1) of them to converge; ListRelays and the
         // traces show them one by one.
-        tracing::debug!(origin = %nc.origin.id, destination = %nc.destination.id, "accepted a relay");
+        tracing::debug!(origin = %nc.origin.id, destination = %nc.destination.id, stored = revision.is_some(), "accepted a relay");
+        if revision.is_none() {
+            *wait.unstored.lock().await = Some((key.clone(), record.clone()));
+        }
         let outcome = self
             .attempt(&key, record, revision, Some(wait), Some(peers))
             .await?;
         Ok((outcome.0, outcome.1, true))
+    }
+
+    /// The origin stops waiting for the first attempt of its relay (an item of a RelayBatch
+    /// past its wait). Returns whether it did; `false`: the attempt has the answer and replies
+    /// in a moment. A relay nothing is stored for yet is stored first, so that the PENDING the
+    /// origin is then answered means accepted (ADR 0012); the attempt stores its outcome over
+    /// it when it ends.
+    pub async fn stop_waiting(&self, wait: &OriginWait) -> Result<bool> {
+        if !wait.abandon() {
+            return Ok(false);
+        }
+        let mut unstored = wait.unstored.lock().await;
+        if let Some((key, record)) = unstored.take() {
+            self.store_first(&key, &record, |held| held.generation >= record.generation)
+                .await?;
+        }
+        Ok(true)
+    }
+
+    /// Stores `record` at `key` unless `keep` says the record stored there wins.
+    async fn store_first(
+        &self,
+        key: &str,
+        record: &RelayRecord,
+        keep: impl Fn(&RelayRecord) -> bool,
+    ) -> Result<()> {
+        let mut contention = Contention::on(&self.store, "storing a relay");
+        loop {
+            let current = self.load(key).await?;
+            if current.as_ref().is_some_and(|(held, _)| keep(held)) {
+                return Ok(());
+            }
+            if self
+                .save(key, current.map_or(0, |(_, r)| r), Some(record))
+                .await?
+            {
+                return Ok(());
+            }
+            contention.lost().await?;
+        }
     }
 
     /// The relay from `origin` to `destination` is due at once if it waits for a retry: it was
@@ -512,6 +569,8 @@ impl Forwarder {
     async fn expedite(&self, origin: &ClusterId, destination: &ClusterId) -> Result<()> {
         let key = relay_key(origin, destination);
         let now = now_nanos();
+        // A first attempt running before anything is stored (see `relay_answering`) is not
+        // found here: if it fails, it waits only the first, short backoff.
         if let Some((mut record, revision)) = self.load(&key).await?
             && record.state == State::Pending
         {
@@ -563,7 +622,7 @@ impl Forwarder {
             record.next_attempt_nanos = now_nanos() + nanos(INLINE_GRACE);
             if let Some(revision) = self.save_at(&key, revision, Some(&record)).await? {
                 return Ok(self
-                    .attempt(&key, record, revision, None, Some(peers))
+                    .attempt(&key, record, Some(revision), None, Some(peers))
                     .await?
                     .0);
             }
@@ -581,9 +640,9 @@ impl Forwarder {
         // The destination may already be gone from our peers (that is often why the origin
         // withdraws): then there is nobody left to tell.
         let peers = self.fresh_peers(&[&origin.id, &destination.id]).await?;
-        Self::broker_of(&peers, &origin.id, "origin")?;
+        peers.broker_of(&origin.id, "origin")?;
         let key = relay_key(&origin.id, &destination.id);
-        if Self::broker_of(&peers, &destination.id, "destination").is_err() {
+        if peers.broker_of(&destination.id, "destination").is_err() {
             if let Some((_, revision)) = self.load(&key).await? {
                 self.save(&key, revision, None).await?;
             }
@@ -617,7 +676,10 @@ impl Forwarder {
         loop {
             let revision = self.load(&key).await?.map_or(0, |(_, r)| r);
             if let Some(revision) = self.save_at(&key, revision, Some(&record)).await? {
-                return Ok(self.attempt(&key, record, revision, None, None).await?.0);
+                return Ok(self
+                    .attempt(&key, record, Some(revision), None, None)
+                    .await?
+                    .0);
             }
             contention.lost().await?;
         }
@@ -632,7 +694,7 @@ impl Forwarder {
         reason: &str,
     ) -> Result<State> {
         let peers = self.fresh_peers(&[&destination.id]).await?;
-        let broker = Self::broker_of(&peers, &destination.id, "destination")?;
+        let broker = peers.broker_of(&destination.id, "destination")?;
         self.send_withdrawal(&broker, origin, destination, reason)
             .await?;
         Ok(State::Completed)
@@ -660,7 +722,8 @@ impl Forwarder {
         Ok(())
     }
 
-    /// One delivery attempt of `record` (stored at `revision`), recording the outcome.
+    /// One delivery attempt of `record` (stored at `revision`; `None`: nothing stored yet, see
+    /// [`Self::relay_answering`]), recording the outcome.
     /// `answering_origin` is set when the origin waits on this attempt (its Relay call): a
     /// status obtained now goes back in that reply instead of through a later report.
     /// Returns the state after the attempt and the destination's status when known.
@@ -668,9 +731,9 @@ impl Forwarder {
         &self,
         key: &str,
         mut record: RelayRecord,
-        revision: i64,
+        revision: Option<i64>,
         answering_origin: Option<&OriginWait>,
-        known: Option<Peers>,
+        known: Option<Ends>,
     ) -> Result<(State, Option<RelayedStatus>)> {
         // Both ends, as just checked by the caller when it did.
         let peers = match known {
@@ -683,7 +746,7 @@ impl Forwarder {
         let result: Result<Option<State>> = async {
             match record.state {
                 State::Pending | State::Delivered => {
-                    let broker = Self::broker_of(&peers, &record.destination.id, "destination")?;
+                    let broker = peers.broker_of(&record.destination.id, "destination")?;
                     let answer = self
                         .submitter(&broker, &record.destination.id)?
                         .call(SubmitNetworkConfigRequest {
@@ -719,7 +782,7 @@ impl Forwarder {
                     }
                 }
                 State::StatusPending => {
-                    let broker = Self::broker_of(&peers, &record.origin.id, "origin")?;
+                    let broker = peers.broker_of(&record.origin.id, "origin")?;
                     let status = record
                         .status
                         .clone()
@@ -739,7 +802,7 @@ impl Forwarder {
                     Ok(None)
                 }
                 State::Withdrawing => {
-                    let broker = Self::broker_of(&peers, &record.destination.id, "destination")?;
+                    let broker = peers.broker_of(&record.destination.id, "destination")?;
                     self.send_withdrawal(
                         &broker,
                         &record.origin,
@@ -765,7 +828,9 @@ impl Forwarder {
             Ok(Some(State::StatusPending)) if answering_origin.is_some_and(OriginWait::answer) => {
                 // The origin gets the status in its Relay reply: complete.
                 let status = record.status.clone();
-                self.save(key, revision, None).await?;
+                if let Some(revision) = revision {
+                    self.save(key, revision, None).await?;
+                }
                 tracing::debug!(origin = %record.origin.id, destination = %record.destination.id, "relay completed");
                 let rejected = status
                     .as_ref()
@@ -815,13 +880,38 @@ impl Forwarder {
         };
         let state = next.as_ref().map_or(State::Completed, |r| r.state);
         let status = next.as_ref().and_then(|r| r.status.clone());
-        if let Some(r) = &next {
-            let mut stored = r.clone();
-            stored.updated_nanos = now;
-            self.save(key, revision, Some(&stored)).await?;
-        } else {
-            self.save(key, revision, None).await?;
-            tracing::debug!(origin = %origin_id, destination = %destination_id, "relay completed");
+        match (&next, revision) {
+            (Some(r), Some(revision)) => {
+                let mut stored = r.clone();
+                stored.updated_nanos = now;
+                self.save(key, revision, Some(&stored)).await?;
+            }
+            (Some(r), None) => {
+                // A first attempt with nothing stored: its outcome is stored now, over what an
+                // origin that stopped waiting had stored (the same relay, still pending), never
+                // over a newer generation.
+                let mut stored = r.clone();
+                stored.updated_nanos = now;
+                // Held while storing: an origin that stops waiting meanwhile finds the relay
+                // stored, not a stale copy to store over this outcome.
+                let _unstored = match answering_origin {
+                    Some(wait) => {
+                        let mut unstored = wait.unstored.lock().await;
+                        unstored.take();
+                        Some(unstored)
+                    }
+                    None => None,
+                };
+                self.store_first(key, &stored, |held| held.generation > stored.generation)
+                    .await?;
+            }
+            (None, Some(revision)) => {
+                self.save(key, revision, None).await?;
+                tracing::debug!(origin = %origin_id, destination = %destination_id, "relay completed");
+            }
+            (None, None) => {
+                tracing::debug!(origin = %origin_id, destination = %destination_id, "relay completed");
+            }
         }
         Ok((state, status))
     }
@@ -845,7 +935,7 @@ impl Forwarder {
             }
             Some((_, Some(_))) => {
                 let span = resumed_span("relay retry", record.trace.as_deref());
-                self.attempt(key, record, revision, None, None)
+                self.attempt(key, record, Some(revision), None, None)
                     .instrument(span)
                     .await?;
             }

@@ -221,20 +221,23 @@ impl ForwarderApi for ForwarderService {
                 // follows through ReportNetworkConfigStatus, and its attempt goes on.
                 let wait = Arc::new(OriginWait::default());
                 let waiting = wait.clone();
+                let core = self.core.clone();
                 let mut item = telemetry::spawn(
                     async move { this.relay_one(peer.as_ref(), RPC, item, &waiting).await }
                         .in_current_span(),
                 );
                 let joined = match tokio::time::timeout(BATCH_ITEM_WAIT, &mut item).await {
                     Ok(joined) => joined,
-                    Err(_) if wait.abandon() => {
-                        return Ok(pb::RelayResponse {
-                            state: RelayState::Pending.into(),
-                            status: None,
-                        });
-                    }
-                    // The attempt has the status and answers in a moment.
-                    Err(_) => item.await,
+                    Err(_) => match core.stop_waiting(&wait).await? {
+                        true => {
+                            return Ok(pb::RelayResponse {
+                                state: RelayState::Pending.into(),
+                                status: None,
+                            });
+                        }
+                        // The attempt has the status and answers in a moment.
+                        false => item.await,
+                    },
                 };
                 joined.map_err(|e| Status::internal(format!("relay task: {e}")))?
             }

@@ -3,7 +3,8 @@
 //! destination's status back, and relays withdrawals (thesis §5.3, §6.2.3; Trellis replaces
 //! Liqo's reflector between namespaces with this service).
 //!
-//! - [`core`]: accepting, persisting, delivering and retrying relays;
+//! - [`core`]: accepting, persisting, delivering and retrying relays; `ends`: what a relay
+//!   needs to know of the clusters at its two ends;
 //! - [`records`]: what is stored (only relays in flight); [`migrate`]: moving records of an
 //!   earlier key layout on start;
 //! - [`metrics`]: relays by state, for Prometheus;
@@ -11,6 +12,7 @@
 
 pub mod config;
 pub mod core;
+mod ends;
 pub mod grpc;
 pub mod metrics;
 pub mod migrate;

@@ -66,6 +66,8 @@ cases!(
     a_relay_refused_while_the_other_way_arrives_is_retried_at_once,
     relays_are_authorized_from_the_watched_copy_which_never_refuses_alone,
     an_origin_that_stopped_waiting_gets_the_status_reported,
+    a_relay_answered_in_its_reply_writes_nothing,
+    an_origin_that_stops_waiting_is_answered_once_the_relay_is_stored,
 );
 
 /// The forwarder's store on a fresh etcd, through a prefixed URL as the services use it.
@@ -972,4 +974,117 @@ async fn an_origin_that_stopped_waiting_gets_the_status_reported(store: SharedSt
     assert_eq!(state, State::Completed);
     assert!(!waiting.abandon(), "the attempt answered");
     assert!(!c.received().statuses.contains(&("c".into(), "a".into())));
+}
+
+/// The store's revision: it moves with every write.
+async fn revision(store: &SharedStore) -> i64 {
+    store.list(RELAYS_PREFIX).await.expect("lists").revision
+}
+
+/// A relay whose destination decides at once is answered in its reply and costs the store
+/// nothing: no write ahead of the delivery, no delete after it (issue 17).
+async fn a_relay_answered_in_its_reply_writes_nothing(store: SharedStore) {
+    let shutdown = Shutdown::new();
+    let _stop = shutdown.clone().drop_guard();
+    let (a, c) = (FakeBroker::default(), FakeBroker::default());
+    let (a_addr, c_addr) = (a.start(&shutdown).await, c.start(&shutdown).await);
+    let hub = Hub::start(store.clone()).await;
+    hub.peer("a", &a_addr).await;
+    hub.peer("c", &c_addr).await;
+    hub.run_retries();
+    // A first relay warms the destination's channel; the second is the one measured.
+    assert_eq!(hub.relay("a", "c", 1).await, State::Completed);
+    let before = revision(&store).await;
+    assert_eq!(hub.relay("c", "a", 2).await, State::Completed);
+    assert!(
+        a.received()
+            .submitted
+            .contains(&("c".into(), "a".into(), 1))
+    );
+    assert_eq!(
+        revision(&store).await,
+        before,
+        "the relay wrote to the store"
+    );
+    assert!(hub.relays().await.is_empty());
+}
+
+/// An origin that stops waiting for the first attempt (an item of a RelayBatch past its wait)
+/// is answered PENDING, which means accepted: by then the relay is stored, although that
+/// attempt started with nothing stored and is still in flight; the attempt's outcome (a
+/// refusal to retry) is stored over it, and the retry loop completes the relay.
+async fn an_origin_that_stops_waiting_is_answered_once_the_relay_is_stored(store: SharedStore) {
+    let shutdown = Shutdown::new();
+    let _stop = shutdown.clone().drop_guard();
+    let introduction = Arc::new(Introduction::default());
+    let c = FakeBroker {
+        introduction: Some(introduction.clone()),
+        ..FakeBroker::default()
+    };
+    let c_addr = c.start(&shutdown).await;
+    let a = FakeBroker::default();
+    let a_addr = a.start(&shutdown).await;
+    let hub = Hub::start(store).await;
+    hub.peer("a", &a_addr).await;
+    hub.peer("c", &c_addr).await;
+    hub.run_retries();
+
+    let wait = Arc::new(OriginWait::default());
+    let attempt = {
+        let (forwarder, wait) = (hub.forwarder.clone(), wait.clone());
+        tokio::spawn(async move {
+            forwarder
+                .relay_answering(
+                    Passthrough {
+                        origin: identity("a"),
+                        destination: identity("c"),
+                        spec: spec(1),
+                        generation: 1,
+                        held_generation: 0,
+                    },
+                    &wait,
+                )
+                .await
+        })
+    };
+    eventually("the first attempt to be held at C", || async {
+        introduction
+            .entered
+            .load(std::sync::atomic::Ordering::SeqCst)
+            .then_some(())
+    })
+    .await;
+    assert!(
+        hub.relays().await.is_empty(),
+        "stored before the attempt ended"
+    );
+    assert!(
+        hub.forwarder.stop_waiting(&wait).await.expect("stored"),
+        "nobody answered yet"
+    );
+    let stored = hub.relays().await;
+    let relay = stored
+        .get(&("a".to_owned(), "c".to_owned()))
+        .expect("the relay is stored before PENDING is answered");
+    assert_eq!((relay.state, relay.generation), (State::Pending, 1));
+
+    introduction.release.notify_one();
+    let (state, _, _) = attempt.await.expect("joins").expect("relay accepted");
+    assert_eq!(
+        state,
+        State::Pending,
+        "the first attempt was refused, to retry"
+    );
+    eventually("the retried relay to reach C and its status A", || async {
+        (c.received()
+            .submitted
+            .contains(&("a".into(), "c".into(), 1))
+            && a.received().statuses.contains(&("a".into(), "c".into())))
+        .then_some(())
+    })
+    .await;
+    eventually("the relay to complete", || async {
+        hub.relays().await.is_empty().then_some(())
+    })
+    .await;
 }
