@@ -138,6 +138,35 @@ struct Introduction {
     release: tokio::sync::Notify,
 }
 
+impl Introduction {
+    /// Waits until the first NetworkConfig (`what`) is held at the destination.
+    async fn held(&self, what: &str) {
+        eventually(&format!("{what} to be held at the destination"), || async {
+            self.entered
+                .load(std::sync::atomic::Ordering::SeqCst)
+                .then_some(())
+        })
+        .await;
+    }
+}
+
+/// A (a plain fake broker) and C (which holds the first NetworkConfig it receives until
+/// released, then refuses it as not yet introduced: see [`Introduction`]), serving until
+/// `shutdown`, with their addresses.
+async fn a_and_introduced_c(
+    shutdown: &Shutdown,
+) -> (FakeBroker, String, FakeBroker, String, Arc<Introduction>) {
+    let introduction = Arc::new(Introduction::default());
+    let c = FakeBroker {
+        introduction: Some(introduction.clone()),
+        ..FakeBroker::default()
+    };
+    let c_addr = c.start(shutdown).await;
+    let a = FakeBroker::default();
+    let a_addr = a.start(shutdown).await;
+    (a, a_addr, c, c_addr, introduction)
+}
+
 impl FakeBroker {
     fn received(&self) -> Received {
         self.received.lock().expect("not poisoned").clone()
@@ -799,14 +828,7 @@ async fn failed_relays_are_collected_after_the_retention(store: SharedStore) {
 async fn a_relay_refused_while_the_other_way_arrives_is_retried_at_once(store: SharedStore) {
     let shutdown = Shutdown::new();
     let _stop = shutdown.clone().drop_guard();
-    let introduction = Arc::new(Introduction::default());
-    let c = FakeBroker {
-        introduction: Some(introduction.clone()),
-        ..FakeBroker::default()
-    };
-    let c_addr = c.start(&shutdown).await;
-    let a = FakeBroker::default();
-    let a_addr = a.start(&shutdown).await;
+    let (_a, a_addr, c, c_addr, introduction) = a_and_introduced_c(&shutdown).await;
 
     let mut record = held("a", "c", 1, State::Pending);
     record.attempts = 40;
@@ -829,13 +851,7 @@ async fn a_relay_refused_while_the_other_way_arrives_is_retried_at_once(store: S
     hub.peer("c", &c_addr).await;
     hub.run_retries();
 
-    eventually("the retry of A→C to be in flight at C", || async {
-        introduction
-            .entered
-            .load(std::sync::atomic::Ordering::SeqCst)
-            .then_some(())
-    })
-    .await;
+    introduction.held("the retry of A→C").await;
     assert_eq!(hub.relay("c", "a", 2).await, State::Completed);
     introduction.release.notify_one();
     eventually("A→C to be delivered", || async {
@@ -1016,14 +1032,7 @@ async fn a_relay_answered_in_its_reply_writes_nothing(store: SharedStore) {
 async fn an_origin_that_stops_waiting_is_answered_once_the_relay_is_stored(store: SharedStore) {
     let shutdown = Shutdown::new();
     let _stop = shutdown.clone().drop_guard();
-    let introduction = Arc::new(Introduction::default());
-    let c = FakeBroker {
-        introduction: Some(introduction.clone()),
-        ..FakeBroker::default()
-    };
-    let c_addr = c.start(&shutdown).await;
-    let a = FakeBroker::default();
-    let a_addr = a.start(&shutdown).await;
+    let (a, a_addr, c, c_addr, introduction) = a_and_introduced_c(&shutdown).await;
     let hub = Hub::start(store).await;
     hub.peer("a", &a_addr).await;
     hub.peer("c", &c_addr).await;
@@ -1047,13 +1056,7 @@ async fn an_origin_that_stops_waiting_is_answered_once_the_relay_is_stored(store
                 .await
         })
     };
-    eventually("the first attempt to be held at C", || async {
-        introduction
-            .entered
-            .load(std::sync::atomic::Ordering::SeqCst)
-            .then_some(())
-    })
-    .await;
+    introduction.held("the first attempt of A→C").await;
     assert!(
         hub.relays().await.is_empty(),
         "stored before the attempt ended"
