@@ -983,10 +983,6 @@ pub fn targets(inputs: &Inputs) -> Vec<Target> {
         },
     });
 
-    // Issue 17: the induced mesh at the hub's full scale, each figure beside main's in the same
-    // run.
-    out.extend(scale_targets(inputs, &mesh));
-
     // 4 and 5. IPAM p99.
     let ipam = parse::<IpamDoc>(inputs, "ipam");
     for (store, limit, target) in [
@@ -1217,6 +1213,9 @@ pub fn targets(inputs: &Inputs) -> Vec<Target> {
             }
         },
     });
+    // Issue 17: the induced mesh at the hub's full scale, each figure beside main's in the same
+    // run.
+    out.extend(scale_targets(inputs, &mesh));
     out
 }
 

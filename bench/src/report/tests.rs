@@ -130,7 +130,7 @@ fn every_target_met() {
             dataplane_vs_wireguard_go(21.5, 400.0, (250.0, 300.0), 0.3),
         ),
     ]);
-    assert_eq!(verdicts(&i), vec![Verdict::Met; 9]);
+    assert_eq!(verdicts(&i)[..9], vec![Verdict::Met; 9]);
 }
 
 #[test]
@@ -155,7 +155,7 @@ fn every_target_not_met() {
             dataplane_vs_wireguard_go(23.4, 33.0, (22.0, 30.0), 0.31),
         ),
     ]);
-    assert_eq!(verdicts(&i), vec![Verdict::NotMet; 9]);
+    assert_eq!(verdicts(&i)[..9], vec![Verdict::NotMet; 9]);
     let t = targets(&i);
     assert!(t[2].measured.contains("timed out"), "{}", t[2].measured);
     assert!(
@@ -193,6 +193,75 @@ fn missing_results_are_not_measured_and_say_why() {
     assert!(t[7].measured.contains("unreadable"), "{}", t[7].measured);
     let doc = &render(&i).files[0].1;
     assert!(doc.contains("Not measured: `bench/results/dataplane.json` is unreadable"));
+}
+
+/// Issue 17's figures: each against its target, with main's from the same run beside it when
+/// the run has one.
+#[test]
+fn scale_targets_compare_with_main() {
+    let size = |n: usize, s: f64, full: f64, tail: f64, hub_ms: Option<f64>| {
+        json!({"leaves": n, "induced_tunnel_endpoints": n * (n - 1), "status": "converged",
+               "runs": [{"seconds": s, "converged": true}], "median_seconds": s,
+               "median_full_tunnels_seconds": full, "median_tail_share": tail,
+               "median_hub_cpu_ms_per_induced_tunnel": hub_ms})
+    };
+    let doc = |mode: &str, sizes: Vec<Value>| {
+        json!({"benchmark": "induced_mesh_setup", "mode": mode,
+               "run": run("full", "2026-11-22T01:00:00Z"), "machine": machine(), "sizes": sizes})
+    };
+    let i = inputs(vec![
+        found(
+            "mesh",
+            doc(
+                "in_process",
+                vec![
+                    size(100, 3.5, 1.0, 0.05, None),
+                    size(254, 25.0, 12.0, 0.1, None),
+                ],
+            ),
+        ),
+        found(
+            "mesh-main",
+            doc(
+                "in_process",
+                vec![
+                    size(100, 7.0, 2.0, 0.1, None),
+                    size(254, 50.0, 24.0, 0.2, None),
+                ],
+            ),
+        ),
+        found(
+            "mesh-hub-processes",
+            doc("hub_processes", vec![size(100, 4.0, 1.0, 0.05, Some(0.15))]),
+        ),
+    ]);
+    let t = targets(&i);
+    let scale: Vec<(&str, Verdict)> = t[9..]
+        .iter()
+        .map(|t| (t.measured.as_str(), t.verdict.clone()))
+        .collect();
+    assert_eq!(
+        scale,
+        vec![
+            (
+                "25.000 s; main in the same run 50.000 s (ratio 0.50)",
+                Verdict::Met
+            ),
+            (
+                "12.000 s; main in the same run 24.000 s (ratio 0.50)",
+                Verdict::NotMet
+            ),
+            (
+                "0.100; main in the same run 0.200 (ratio 0.50)",
+                Verdict::Met
+            ),
+            (
+                "3.500 s; main in the same run 7.000 s (ratio 0.50)",
+                Verdict::Met
+            ),
+            ("0.150 ms; main not measured in this run", Verdict::NotMet),
+        ]
+    );
 }
 
 #[test]

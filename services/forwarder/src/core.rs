@@ -189,6 +189,13 @@ pub struct Forwarder {
     /// attempt fails for a reason that may be gone now, it is retried at once, not after its
     /// backoff ([`Forwarder::expedite`]).
     expedited: Mutex<HashSet<String>>,
+    /// First attempts running with nothing stored for their relay (see
+    /// [`Forwarder::relay_answering`]), by key, and how many. A withdrawal of that relay waits
+    /// for them to end ([`Forwarder::unstored_ended`]), so that an attempt's outcome is never
+    /// stored (and retried) after the withdrawal.
+    unstored: Mutex<HashMap<String, u32>>,
+    /// Wakes withdrawals waiting for such attempts.
+    unstored_end: Notify,
 }
 
 /// Gives up on a delivery for good: the other end refused the content itself.
@@ -264,6 +271,8 @@ impl Forwarder {
             schedule: Mutex::new(Schedule::default()),
             wake: Notify::new(),
             expedited: Mutex::new(HashSet::new()),
+            unstored: Mutex::new(HashMap::new()),
+            unstored_end: Notify::new(),
         })
     }
 
@@ -513,11 +522,56 @@ impl Forwarder {
         tracing::debug!(origin = %nc.origin.id, destination = %nc.destination.id, stored = revision.is_some(), "accepted a relay");
         if revision.is_none() {
             *wait.unstored.lock().await = Some((key.clone(), record.clone()));
+            self.count_unstored(&key, true);
         }
         let outcome = self
             .attempt(&key, record, revision, Some(wait), Some(peers))
-            .await?;
+            .await;
+        if revision.is_none() {
+            self.count_unstored(&key, false);
+        }
+        let outcome = outcome?;
         Ok((outcome.0, outcome.1, true))
+    }
+
+    /// Counts a first attempt with nothing stored for `key` in or out.
+    fn count_unstored(&self, key: &str, starting: bool) {
+        let Ok(mut unstored) = self.unstored.lock() else {
+            return;
+        };
+        if starting {
+            *unstored.entry(key.to_owned()).or_default() += 1;
+        } else if let Some(n) = unstored.get_mut(key) {
+            *n -= 1;
+            if *n == 0 {
+                unstored.remove(key);
+                self.unstored_end.notify_waiters();
+            }
+        }
+    }
+
+    /// Returns once no first attempt with nothing stored runs for `key` (each is bounded by the
+    /// delivery timeout).
+    async fn unstored_ended(&self, key: &str) {
+        loop {
+            let ended = self.unstored_end.notified();
+            tokio::pin!(ended);
+            ended.as_mut().enable();
+            let running = self
+                .unstored
+                .lock()
+                .is_ok_and(|unstored| unstored.contains_key(key));
+            if !running {
+                return;
+            }
+            ended.await;
+        }
+    }
+
+    /// Whether a stored relay wins over the outcome of a first attempt of generation `ours`
+    /// that started with nothing stored: a newer NetworkConfig, or a withdrawal.
+    fn stored_wins(held: &RelayRecord, ours: i64) -> bool {
+        held.generation > ours || held.state == State::Withdrawing
     }
 
     /// The origin stops waiting for the first attempt of its relay (an item of a RelayBatch
@@ -531,8 +585,10 @@ impl Forwarder {
         }
         let mut unstored = wait.unstored.lock().await;
         if let Some((key, record)) = unstored.take() {
-            self.store_first(&key, &record, |held| held.generation >= record.generation)
-                .await?;
+            self.store_first(&key, &record, |held| {
+                held.generation == record.generation || Self::stored_wins(held, record.generation)
+            })
+            .await?;
         }
         Ok(true)
     }
@@ -642,6 +698,9 @@ impl Forwarder {
         let peers = self.fresh_peers(&[&origin.id, &destination.id]).await?;
         peers.broker_of(&origin.id, "origin")?;
         let key = relay_key(&origin.id, &destination.id);
+        // A first attempt delivering with nothing stored ends (and stores its outcome) first:
+        // stored after the withdrawal, a retry would deliver the NetworkConfig again.
+        self.unstored_ended(&key).await;
         if peers.broker_of(&destination.id, "destination").is_err() {
             if let Some((_, revision)) = self.load(&key).await? {
                 self.save(&key, revision, None).await?;
@@ -889,7 +948,7 @@ impl Forwarder {
             (Some(r), None) => {
                 // A first attempt with nothing stored: its outcome is stored now, over what an
                 // origin that stopped waiting had stored (the same relay, still pending), never
-                // over a newer generation.
+                // over a newer generation or a withdrawal.
                 let mut stored = r.clone();
                 stored.updated_nanos = now;
                 // Held while storing: an origin that stops waiting meanwhile finds the relay
@@ -902,8 +961,10 @@ impl Forwarder {
                     }
                     None => None,
                 };
-                self.store_first(key, &stored, |held| held.generation > stored.generation)
-                    .await?;
+                self.store_first(key, &stored, |held| {
+                    Self::stored_wins(held, stored.generation)
+                })
+                .await?;
             }
             (None, Some(revision)) => {
                 self.save(key, revision, None).await?;

@@ -68,6 +68,7 @@ cases!(
     an_origin_that_stopped_waiting_gets_the_status_reported,
     a_relay_answered_in_its_reply_writes_nothing,
     an_origin_that_stops_waiting_is_answered_once_the_relay_is_stored,
+    a_withdrawal_during_a_first_attempt_is_not_undone_by_its_retry,
 );
 
 /// The forwarder's store on a fresh etcd, through a prefixed URL as the services use it.
@@ -115,6 +116,8 @@ struct Received {
     submitted: Vec<(String, String, i64)>,
     /// Relayed statuses: (origin, destination).
     statuses: Vec<(String, String)>,
+    /// Withdrawn NetworkConfigs: (origin, destination).
+    withdrawn: Vec<(String, String)>,
 }
 
 /// A stand-in for a peer's broker (see the module doc): accepts every NetworkConfig with a
@@ -314,8 +317,17 @@ impl BrokerApi for FakeBroker {
     }
     async fn withdraw_network_config(
         &self,
-        _: Request<ppb::WithdrawNetworkConfigRequest>,
+        request: Request<ppb::WithdrawNetworkConfigRequest>,
     ) -> Result<Response<ppb::WithdrawNetworkConfigResponse>, Status> {
+        let reference = request.into_inner().network_config.unwrap_or_default();
+        let id = |i: &Option<pb::ClusterIdentity>| {
+            i.as_ref().map(|i| i.cluster_id.clone()).unwrap_or_default()
+        };
+        self.received
+            .lock()
+            .expect("not poisoned")
+            .withdrawn
+            .push((id(&reference.origin), id(&reference.destination)));
         Ok(Response::new(ppb::WithdrawNetworkConfigResponse {
             removed: true,
         }))
@@ -1090,4 +1102,73 @@ async fn an_origin_that_stops_waiting_is_answered_once_the_relay_is_stored(store
         hub.relays().await.is_empty().then_some(())
     })
     .await;
+}
+
+/// The origin withdraws while the first attempt of its relay (nothing stored for it yet) is
+/// still being delivered, and that attempt then fails: the withdrawal waits for the attempt,
+/// so the retry the attempt stores is replaced by the withdrawal instead of delivering the
+/// NetworkConfig after it.
+async fn a_withdrawal_during_a_first_attempt_is_not_undone_by_its_retry(store: SharedStore) {
+    let shutdown = Shutdown::new();
+    let _stop = shutdown.clone().drop_guard();
+    let (_a, a_addr, c, c_addr, introduction) = a_and_introduced_c(&shutdown).await;
+    let hub = Hub::start(store).await;
+    hub.peer("a", &a_addr).await;
+    hub.peer("c", &c_addr).await;
+    hub.run_retries();
+
+    let attempt = {
+        let forwarder = hub.forwarder.clone();
+        tokio::spawn(async move {
+            forwarder
+                .relay(Passthrough {
+                    origin: identity("a"),
+                    destination: identity("c"),
+                    spec: spec(1),
+                    generation: 1,
+                    held_generation: 0,
+                })
+                .await
+        })
+    };
+    introduction.held("the first attempt of A→C").await;
+    let withdrawal = {
+        let forwarder = hub.forwarder.clone();
+        tokio::spawn(async move {
+            forwarder
+                .relay_withdrawal(&identity("a"), &identity("c"), "PeeringGone".into())
+                .await
+        })
+    };
+    // Time for the withdrawal to reach the forwarder (which must hold it back).
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(
+        c.received().withdrawn.is_empty(),
+        "the withdrawal overtook the attempt still being delivered"
+    );
+    introduction.release.notify_one();
+    let (state, _, _) = attempt.await.expect("joins").expect("relay accepted");
+    assert_eq!(
+        state,
+        State::Pending,
+        "the first attempt was refused, to retry"
+    );
+    withdrawal.await.expect("joins").expect("withdrawn");
+    eventually(
+        "the withdrawal to reach C and the relay to be gone",
+        || async {
+            (c.received().withdrawn.contains(&("a".into(), "c".into()))
+                && hub.relays().await.is_empty())
+            .then_some(())
+        },
+    )
+    .await;
+    // A retry stored after the withdrawal would be due within its first backoff (200 ms).
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert!(
+        !c.received()
+            .submitted
+            .contains(&("a".into(), "c".into(), 1)),
+        "the withdrawn NetworkConfig was delivered after its withdrawal"
+    );
 }
