@@ -91,6 +91,17 @@ fn id(s: &str) -> ClusterId {
 }
 
 /// A distinct spec per `n`, so records can be told apart by content.
+/// `origin`'s first NetworkConfig (generation 1, holding none of `destination`'s), spec `n`.
+fn passthrough(origin: &str, destination: &str, n: u8) -> Passthrough {
+    Passthrough {
+        origin: identity(origin),
+        destination: identity(destination),
+        spec: spec(n),
+        generation: 1,
+        held_generation: 0,
+    }
+}
+
 fn spec(n: u8) -> NetworkSpec {
     NetworkSpec::from_proto(
         "spec",
@@ -498,13 +509,7 @@ impl Hub {
 
     async fn relay(&self, origin: &str, destination: &str, spec_n: u8) -> State {
         self.forwarder
-            .relay(Passthrough {
-                origin: identity(origin),
-                destination: identity(destination),
-                spec: spec(spec_n),
-                generation: 1,
-                held_generation: 0,
-            })
+            .relay(passthrough(origin, destination, spec_n))
             .await
             .expect("relay accepted")
             .0
@@ -906,16 +911,7 @@ async fn relays_are_authorized_from_the_watched_copy_which_never_refuses_alone(s
         "relays between known peers are checked against the copy"
     );
 
-    let refused = hub
-        .forwarder
-        .relay(Passthrough {
-            origin: identity("mute"),
-            destination: identity("a"),
-            spec: spec(3),
-            generation: 1,
-            held_generation: 0,
-        })
-        .await;
+    let refused = hub.forwarder.relay(passthrough("mute", "a", 3)).await;
     assert!(
         matches!(refused, Err(trellis_error::Error::PermissionDenied(_))),
         "{refused:?}"
@@ -957,16 +953,7 @@ async fn an_origin_that_stopped_waiting_gets_the_status_reported(store: SharedSt
     assert!(wait.abandon(), "nobody answered yet");
     let (state, status, _) = hub
         .forwarder
-        .relay_answering(
-            Passthrough {
-                origin: identity("a"),
-                destination: identity("c"),
-                spec: spec(1),
-                generation: 1,
-                held_generation: 0,
-            },
-            &wait,
-        )
+        .relay_answering(passthrough("a", "c", 1), &wait)
         .await
         .expect("relay accepted");
     assert_eq!(state, State::StatusPending, "not answered in the reply");
@@ -987,16 +974,7 @@ async fn an_origin_that_stopped_waiting_gets_the_status_reported(store: SharedSt
     let waiting = OriginWait::default();
     let (state, _, _) = hub
         .forwarder
-        .relay_answering(
-            Passthrough {
-                origin: identity("c"),
-                destination: identity("a"),
-                spec: spec(2),
-                generation: 1,
-                held_generation: 0,
-            },
-            &waiting,
-        )
+        .relay_answering(passthrough("c", "a", 2), &waiting)
         .await
         .expect("relay accepted");
     assert_eq!(state, State::Completed);
@@ -1055,16 +1033,7 @@ async fn an_origin_that_stops_waiting_is_answered_once_the_relay_is_stored(store
         let (forwarder, wait) = (hub.forwarder.clone(), wait.clone());
         tokio::spawn(async move {
             forwarder
-                .relay_answering(
-                    Passthrough {
-                        origin: identity("a"),
-                        destination: identity("c"),
-                        spec: spec(1),
-                        generation: 1,
-                        held_generation: 0,
-                    },
-                    &wait,
-                )
+                .relay_answering(passthrough("a", "c", 1), &wait)
                 .await
         })
     };
@@ -1119,17 +1088,7 @@ async fn a_withdrawal_during_a_first_attempt_is_not_undone_by_its_retry(store: S
 
     let attempt = {
         let forwarder = hub.forwarder.clone();
-        tokio::spawn(async move {
-            forwarder
-                .relay(Passthrough {
-                    origin: identity("a"),
-                    destination: identity("c"),
-                    spec: spec(1),
-                    generation: 1,
-                    held_generation: 0,
-                })
-                .await
-        })
+        tokio::spawn(async move { forwarder.relay(passthrough("a", "c", 1)).await })
     };
     introduction.held("the first attempt of A→C").await;
     let withdrawal = {
