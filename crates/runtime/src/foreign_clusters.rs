@@ -153,16 +153,31 @@ impl ForeignClusters {
         ids: &[&ClusterId],
         accept: impl Fn(&pb::ForeignCluster) -> bool,
     ) -> Result<Vec<pb::ForeignCluster>> {
+        self.lookup_with(channel, ids, accept, Clone::clone).await
+    }
+
+    /// [`Self::lookup`], returning `f` of each record instead of the record: a cached one is
+    /// not copied out of the copy (a record carries the peer's CA certificate).
+    pub async fn lookup_with<T>(
+        &self,
+        channel: &TracedChannel,
+        ids: &[&ClusterId],
+        accept: impl Fn(&pb::ForeignCluster) -> bool,
+        f: impl Fn(&pb::ForeignCluster) -> T,
+    ) -> Result<Vec<T>> {
         let mut found = Vec::with_capacity(ids.len());
         let mut missing = Vec::new();
         for id in ids {
-            match self.cached(id.as_str()).filter(|fc| accept(fc)) {
-                Some(fc) => found.push(fc),
+            match self
+                .cached_with(id.as_str(), |fc| accept(fc).then(|| f(fc)))
+                .flatten()
+            {
+                Some(t) => found.push(t),
                 None => missing.push(*id),
             }
         }
         if !missing.is_empty() {
-            found.extend(read(channel, &missing).await?);
+            found.extend(read(channel, &missing).await?.iter().map(&f));
         }
         Ok(found)
     }

@@ -25,7 +25,7 @@ use trellis_api::pb::peering::{
     WithdrawNetworkConfigRequest,
 };
 use trellis_api::pb::types as pb;
-use trellis_api::peers::routable_broker;
+use trellis_api::peers::is_routable_full_peer;
 use trellis_api::{ClusterId, ClusterIdentity};
 use trellis_error::{Error, Result};
 use trellis_runtime::Shutdown;
@@ -39,7 +39,7 @@ use trellis_runtime::tls::{PeerTls, cluster_channel};
 use trellis_store::retry::Contention;
 use trellis_store::{Compare, Op, SharedStore, Txn};
 
-use crate::ends::{End, Ends};
+use crate::ends::Ends;
 use crate::records::{
     RELAYS_PREFIX, RelayRecord, RelayedStatus, State, decode, encode, now_nanos, relay_key,
 };
@@ -329,31 +329,22 @@ impl Forwarder {
     /// the watch-fed copy is used when it lets the cluster be relayed for; any other is read
     /// from discovery, so a stale copy never refuses a relay.
     async fn peers(&self, ids: &[&ClusterId]) -> Result<Ends> {
-        let mut ends = Ends::default();
-        let mut missing = Vec::new();
-        for id in ids {
-            let cached = self
-                .foreign_clusters
-                .cached_with(id.as_str(), |fc| routable_broker(fc).map(str::to_owned));
-            match cached.flatten() {
-                Some(broker) => ends.insert((*id).clone(), End::Routable(broker)),
-                None => missing.push(*id),
-            }
-        }
-        for fc in foreign_clusters::read(&self.discovery, &missing).await? {
-            ends.insert_record(&fc);
-        }
-        Ok(ends)
+        Ok(self
+            .foreign_clusters
+            .lookup_with(&self.discovery, ids, is_routable_full_peer, Ends::entry)
+            .await?
+            .into_iter()
+            .collect())
     }
 
     /// [`Self::peers`] read from discovery: for withdrawals, which must know whether the
     /// destination is gone.
     async fn fresh_peers(&self, ids: &[&ClusterId]) -> Result<Ends> {
-        let mut ends = Ends::default();
-        for fc in foreign_clusters::read(&self.discovery, ids).await? {
-            ends.insert_record(&fc);
-        }
-        Ok(ends)
+        Ok(foreign_clusters::read(&self.discovery, ids)
+            .await?
+            .iter()
+            .map(Ends::entry)
+            .collect())
     }
 
     /// The local discovery service's channel.

@@ -27,30 +27,20 @@ impl End {
     }
 }
 
-/// The ends looked up, by cluster; a cluster that is not a full peer is absent.
+/// The ends looked up, by cluster ID; a cluster that is not a full peer is absent.
 #[derive(Debug, Clone, Default)]
-pub(crate) struct Ends(Vec<(ClusterId, End)>);
+pub(crate) struct Ends(Vec<(String, End)>);
 
 impl Ends {
-    pub(crate) fn insert(&mut self, id: ClusterId, end: End) {
-        self.0.retain(|(known, _)| *known != id);
-        self.0.push((id, end));
-    }
-
-    /// Adds the end a record read from discovery makes (a malformed record makes none: it
-    /// comes from our own discovery service, and one bad record must not stop every relay).
-    pub(crate) fn insert_record(&mut self, fc: &pb::ForeignCluster) {
-        let id = fc.identity.as_ref().and_then(|identity| {
-            ClusterId::parse("identity.cluster_id", &identity.cluster_id).ok()
-        });
-        if let (Some(id), Some(end)) = (id, End::of(fc)) {
-            self.insert(id, end);
-        }
+    /// What `fc` makes, as [`Ends::from_iter`] takes it.
+    pub(crate) fn entry(fc: &pb::ForeignCluster) -> Option<(String, End)> {
+        let id = fc.identity.as_ref()?.cluster_id.clone();
+        Some((id, End::of(fc)?))
     }
 
     /// The broker address of `id` (the relay's `role`), or why it cannot be relayed to.
     pub(crate) fn broker_of(&self, id: &ClusterId, role: &str) -> Result<String> {
-        match self.0.iter().find(|(known, _)| known == id) {
+        match self.0.iter().find(|(known, _)| known == id.as_str()) {
             Some((_, End::Routable(broker))) => Ok(broker.clone()),
             Some((_, End::Unrouted)) => Err(Error::PermissionDenied(format!(
                 "the {role} {id} is a full peer of this hub without networking or without a broker address"
@@ -59,6 +49,12 @@ impl Ends {
                 "the {role} {id} is not a full peer of this hub"
             ))),
         }
+    }
+}
+
+impl FromIterator<Option<(String, End)>> for Ends {
+    fn from_iter<I: IntoIterator<Item = Option<(String, End)>>>(entries: I) -> Self {
+        Self(entries.into_iter().flatten().collect())
     }
 }
 
@@ -107,15 +103,15 @@ mod tests {
     /// which of the two it is not.
     #[test]
     fn an_end_is_routable_only_as_a_networked_full_peer() {
-        let mut ends = Ends::default();
-        for fc in [
+        let ends: Ends = [
             record("routed", pb::PeeringKind::Full, true, true),
             record("dark", pb::PeeringKind::Full, true, false),
             record("unpeered", pb::PeeringKind::Full, false, true),
             record("induced", pb::PeeringKind::Induced, true, true),
-        ] {
-            ends.insert_record(&fc);
-        }
+        ]
+        .iter()
+        .map(Ends::entry)
+        .collect();
         assert_eq!(
             ends.broker_of(&id("routed"), "origin").expect("routable"),
             "routed:7002"
@@ -133,10 +129,5 @@ mod tests {
                 "{other}: {err}"
             );
         }
-        ends.insert(id("dark"), End::Routable("dark:7002".into()));
-        assert_eq!(
-            ends.broker_of(&id("dark"), "origin").expect("now"),
-            "dark:7002"
-        );
     }
 }
