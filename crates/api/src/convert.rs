@@ -51,11 +51,12 @@ pub fn identity_from_pb(
     let empty = pb::ClusterIdentity::default();
     let value = value.unwrap_or(&empty);
     ClusterIdentity::parse(
-        &format!("{field}.cluster_id"),
+        "cluster_id",
         &value.cluster_id,
-        &format!("{field}.cluster_name"),
+        "cluster_name",
         &value.cluster_name,
     )
+    .map_err(|e| e.under(field))
 }
 
 pub fn addresses_to_pb(a: &Addresses) -> pb::ServiceAddresses {

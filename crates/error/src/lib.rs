@@ -80,6 +80,23 @@ impl Error {
         }
     }
 
+    /// The error of a parser that named its fields relative to `parent`: an
+    /// [`Error::InvalidArgument`]'s field becomes `parent.field` (unchanged when `parent` is
+    /// empty); other kinds are returned as they are. Parsers of hot request paths name fields
+    /// this way, so that a field's full path is only formatted when it is wrong.
+    #[must_use]
+    pub fn under(self, parent: &str) -> Self {
+        match self {
+            Self::InvalidArgument { field, reason } if !parent.is_empty() => {
+                Self::InvalidArgument {
+                    field: format!("{parent}.{field}"),
+                    reason,
+                }
+            }
+            other => other,
+        }
+    }
+
     /// Prefixes the message with context, keeping the kind (and so the gRPC code).
     #[must_use]
     pub fn context(self, what: impl std::fmt::Display) -> Self {
@@ -139,6 +156,18 @@ impl From<Status> for Error {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn under_names_the_field_by_its_full_path() {
+        let inner = Error::invalid("cluster_id", "is required");
+        assert_eq!(
+            inner.clone().under("network_config.origin").to_string(),
+            "invalid network_config.origin.cluster_id: is required"
+        );
+        assert_eq!(inner.clone().under("").to_string(), inner.to_string());
+        let other = Error::NotFound("no such relay".into());
+        assert_eq!(other.clone().under("x").to_string(), other.to_string());
+    }
 
     #[test]
     fn invalid_argument_names_the_field() {

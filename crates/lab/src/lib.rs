@@ -54,6 +54,7 @@ pub(crate) const LOG_FILTER: &str = "warn";
 
 /// The binary's `main`: parses the command line, sets up logging and signals, runs.
 pub fn main() -> ExitCode {
+    trellis_runtime::allocator::tune();
     let cli = Cli::parse();
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()

@@ -18,6 +18,7 @@ where
     F: FnOnce(C, Shutdown) -> Fut,
     Fut: Future<Output = anyhow::Result<()>>,
 {
+    crate::allocator::tune();
     let config = C::parse();
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()

@@ -24,12 +24,13 @@
 //! - [`local_auth`]: the local token this cluster's own callers present on the plaintext
 //!   listener (ADR 0020);
 //! - [`admission`]: the one tower service both of those checks run in;
-//! - `allocator`: mimalloc (v2) as the global allocator of every binary linking this crate.
+//! - [`allocator`]: mimalloc (v2) as the global allocator of every binary linking this crate,
+//!   and [`allocator::tune`], its options for a long-running service.
 //!
 //! The domain error type and its gRPC table are re-exported from `trellis-error`.
 
 pub mod admission;
-mod allocator;
+pub mod allocator;
 pub mod backoff;
 pub mod batch;
 pub mod client;

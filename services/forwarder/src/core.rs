@@ -245,6 +245,28 @@ impl OriginWait {
     }
 }
 
+/// A first attempt running with nothing stored for its relay (`Forwarder::unstored`), counted
+/// in while this lives. Counted out when dropped: when the attempt ends, and also when it is
+/// cancelled with the call that waits on it (the origin's deadline passed, its connection
+/// dropped), which would otherwise hold every later withdrawal of the relay back for good.
+struct Unstored<'a> {
+    forwarder: &'a Forwarder,
+    key: &'a str,
+}
+
+impl<'a> Unstored<'a> {
+    fn start(forwarder: &'a Forwarder, key: &'a str) -> Self {
+        forwarder.count_unstored(key, true);
+        Self { forwarder, key }
+    }
+}
+
+impl Drop for Unstored<'_> {
+    fn drop(&mut self) {
+        self.forwarder.count_unstored(self.key, false);
+    }
+}
+
 impl Forwarder {
     pub fn new(
         identity: ClusterIdentity,
@@ -511,21 +533,20 @@ impl Forwarder {
         // Per relay, debug: a hub relays n·(n-1) of them to converge; ListRelays and the
         // traces show them one by one.
         tracing::debug!(origin = %nc.origin.id, destination = %nc.destination.id, stored = revision.is_some(), "accepted a relay");
-        if revision.is_none() {
-            *wait.unstored.lock().await = Some((key.clone(), record.clone()));
-            self.count_unstored(&key, true);
-        }
+        let _running = match revision {
+            Some(_) => None,
+            None => {
+                *wait.unstored.lock().await = Some((key.clone(), record.clone()));
+                Some(Unstored::start(self, &key))
+            }
+        };
         let outcome = self
             .attempt(&key, record, revision, Some(wait), Some(peers))
-            .await;
-        if revision.is_none() {
-            self.count_unstored(&key, false);
-        }
-        let outcome = outcome?;
+            .await?;
         Ok((outcome.0, outcome.1, true))
     }
 
-    /// Counts a first attempt with nothing stored for `key` in or out.
+    /// Counts a first attempt with nothing stored for `key` in or out (see [`Unstored`]).
     fn count_unstored(&self, key: &str, starting: bool) {
         let Ok(mut unstored) = self.unstored.lock() else {
             return;

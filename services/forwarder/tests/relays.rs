@@ -69,6 +69,7 @@ cases!(
     a_relay_answered_in_its_reply_writes_nothing,
     an_origin_that_stops_waiting_is_answered_once_the_relay_is_stored,
     a_withdrawal_during_a_first_attempt_is_not_undone_by_its_retry,
+    a_relay_whose_caller_gave_up_does_not_hold_back_its_withdrawal,
 );
 
 /// The forwarder's store on a fresh etcd, through a prefixed URL as the services use it.
@@ -1130,4 +1131,44 @@ async fn a_withdrawal_during_a_first_attempt_is_not_undone_by_its_retry(store: S
             .contains(&("a".into(), "c".into(), 1)),
         "the withdrawn NetworkConfig was delivered after its withdrawal"
     );
+}
+
+/// The origin's Relay call is cancelled (its deadline passed, its connection dropped) while the
+/// first attempt, with nothing stored, is being delivered: the attempt is dropped with it, and
+/// a later withdrawal of that relay, which waits for such attempts to end, is not held back.
+async fn a_relay_whose_caller_gave_up_does_not_hold_back_its_withdrawal(store: SharedStore) {
+    let shutdown = Shutdown::new();
+    let _stop = shutdown.clone().drop_guard();
+    let (_a, a_addr, c, c_addr, introduction) = a_and_introduced_c(&shutdown).await;
+    let hub = Hub::start(store).await;
+    hub.peer("a", &a_addr).await;
+    hub.peer("c", &c_addr).await;
+    hub.run_retries();
+
+    let attempt = {
+        let forwarder = hub.forwarder.clone();
+        tokio::spawn(async move { forwarder.relay(passthrough("a", "c", 1)).await })
+    };
+    introduction.held("the first attempt of A→C").await;
+    attempt.abort();
+    assert!(
+        attempt.await.is_err_and(|e| e.is_cancelled()),
+        "the relay was cancelled"
+    );
+    let withdrawal = tokio::time::timeout(
+        LIMIT,
+        hub.forwarder
+            .relay_withdrawal(&identity("a"), &identity("c"), "PeeringGone".into()),
+    )
+    .await
+    .expect("the withdrawal is not held back by the cancelled attempt");
+    withdrawal.expect("withdrawn");
+    introduction.release.notify_one();
+    eventually("the withdrawal to reach C", || async {
+        c.received()
+            .withdrawn
+            .contains(&("a".into(), "c".into()))
+            .then_some(())
+    })
+    .await;
 }

@@ -29,22 +29,25 @@ impl NetworkSpec {
         let Some(spec) = spec else {
             return Err(Error::invalid(prefix, "is required"));
         };
-        let pod_field = path(prefix, "pod_cidr");
-        let external_field = path(prefix, "external_cidr");
-        let pod_cidr = wire::cidr(&pod_field, &spec.pod_cidr)?;
+        Self::from_fields(spec).map_err(|e| e.under(prefix))
+    }
+
+    /// [`Self::from_proto`] of a present spec, naming fields relative to it.
+    fn from_fields(spec: &pb::NetworkConfigSpec) -> Result<Self> {
+        let pod_cidr = wire::cidr("pod_cidr", &spec.pod_cidr)?;
         let external_cidr = wire::require_family_net(
-            &external_field,
-            wire::cidr(&external_field, &spec.external_cidr)?,
+            "external_cidr",
+            wire::cidr("external_cidr", &spec.external_cidr)?,
             Family::of_net(pod_cidr),
         )?;
         if overlaps(pod_cidr, external_cidr) {
             return Err(Error::invalid(
-                external_field,
+                "external_cidr",
                 format!("{external_cidr} overlaps the pod CIDR {pod_cidr}"),
             ));
         }
-        let endpoint = Endpoint::parse(&path(prefix, "endpoint"), &spec.endpoint)?;
-        let public_key = WgKey::parse(&path(prefix, "public_key"), &spec.public_key)?;
+        let endpoint = Endpoint::parse("endpoint", &spec.endpoint)?;
+        let public_key = WgKey::parse("public_key", &spec.public_key)?;
         Ok(Self {
             pod_cidr,
             external_cidr,
