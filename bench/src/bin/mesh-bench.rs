@@ -1069,8 +1069,6 @@ fn reexec_from_deps() -> anyhow::Result<()> {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    // The in-process clusters are services: they get the services' allocator options.
-    trellis_runtime::allocator::tune();
     let args = Args::parse();
     // Every service of the in-process clusters logs through this one subscriber: quiet unless
     // RUST_LOG asks (what a slow run waits on shows at debug).

@@ -28,8 +28,8 @@ const PURGE_DELAY_MS: c_long = 1000;
 const PURGE_DELAY_ENV: &str = "MIMALLOC_PURGE_DELAY";
 
 /// Sets the allocator's options for a long-running service (see the module doc). Called once,
-/// first thing, by every process that runs services: [`crate::launch()`], the lab and the
-/// mesh benchmark.
+/// first thing, by every process that runs services: [`crate::launch()`], the lab, and the
+/// in-process clusters of the tests and benchmarks. Calling it again changes nothing.
 pub fn tune() {
     if std::env::var_os(PURGE_DELAY_ENV).is_none() {
         set_option(PURGE_DELAY_OPTION, PURGE_DELAY_MS);

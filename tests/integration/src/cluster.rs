@@ -225,6 +225,9 @@ impl InProcessCluster {
         external_cidr: &str,
         options: Options,
     ) -> anyhow::Result<Self> {
+        // The process now runs services: it gets their allocator options, as a service
+        // binary does (the benchmarks measure what a deployment would run).
+        trellis_runtime::allocator::tune();
         let mut attempt = 0;
         loop {
             match Self::start_once(id, pod_cidr, external_cidr, &options).await {
