@@ -5,8 +5,16 @@
 //! server restarted on its old port (an etcd after kill -9, as the chaos tests do) could find it
 //! held by some client's connection for as long as that connection lives. Below the range only
 //! servers started by tests compete for ports, and each pick is checked by binding it.
+//!
+//! A port handed out stays reserved for the rest of the process: a lock on a file named after
+//! it (`trellis-test-ports/<port>` in the temporary directory), which other test processes
+//! check before they pick it and the kernel drops when the process exits. A bind check alone
+//! let a port go while its server was down: an etcd killed by the chaos test found its port
+//! taken by another test's server when restarted a few seconds later.
 
+use std::fs::{File, OpenOptions};
 use std::net::{Ipv4Addr, TcpListener};
+use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 /// The lowest port handed out (above the fixed ports of the services, 7101-9107, and of the
@@ -29,7 +37,14 @@ pub fn free_port() -> u16 {
     let span = u64::from(end - FIRST);
     for _ in 0..1_000 {
         let port = FIRST + u16::try_from(next_random() % span).unwrap_or(0);
+        let Some(reservation) = reserve(port) else {
+            continue;
+        };
         if TcpListener::bind((Ipv4Addr::LOCALHOST, port)).is_ok() {
+            RESERVED
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .push(reservation);
             return port;
         }
     }
@@ -38,6 +53,26 @@ pub fn free_port() -> u16 {
         .and_then(|listener| listener.local_addr())
         .map(|addr| addr.port())
         .unwrap_or_else(|err| panic!("cannot bind a loopback port: {err}"))
+}
+
+/// The reservations of the ports this process handed out (see the module doc).
+static RESERVED: Mutex<Vec<Option<File>>> = Mutex::new(Vec::new());
+
+/// Locks `port`'s reservation file: `None` when a test process (this one included) holds it.
+/// Without a usable temporary directory every port counts as unreserved, as before.
+fn reserve(port: u16) -> Option<Option<File>> {
+    let dir = std::env::temp_dir().join("trellis-test-ports");
+    let file = std::fs::create_dir_all(&dir).and_then(|()| {
+        OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(dir.join(port.to_string()))
+    });
+    match file {
+        Ok(file) => file.try_lock().is_ok().then_some(Some(file)),
+        Err(_) => Some(None),
+    }
 }
 
 /// The first port of the kernel's ephemeral range.
@@ -80,5 +115,16 @@ mod tests {
             );
             TcpListener::bind((Ipv4Addr::LOCALHOST, port)).expect("port is free");
         }
+    }
+
+    #[test]
+    fn a_port_handed_out_is_not_handed_out_again_while_this_process_lives() {
+        let port = free_port();
+        // Nothing listens on it (as when its server was killed), and yet it is not free: a
+        // second lock, like another process's, is refused.
+        assert!(
+            reserve(port).is_none(),
+            "{port} is reserved until the process exits"
+        );
     }
 }

@@ -196,6 +196,21 @@ pub struct Forwarder {
     unstored: Mutex<HashMap<String, u32>>,
     /// Wakes withdrawals waiting for such attempts.
     unstored_end: Notify,
+    /// Which relays may be stored ([`MaybeStored`]): accepting a relay known to be absent, the
+    /// usual case, reads nothing.
+    maybe_stored: Mutex<MaybeStored>,
+}
+
+/// The keys of the relays that may be stored, kept by this process's writes (the forwarder is
+/// the only writer of its store): a key is added before it is written and removed once its
+/// delete committed, so a write whose outcome is unknown leaves it in. Until the retry loop
+/// has listed the store at start (`complete`), absence means nothing and every read goes to
+/// the store. On etcd a relay accepted and answered at once read the store twice (its own key
+/// and the other direction's), at a hub n·(n-1) times each.
+#[derive(Debug, Default)]
+struct MaybeStored {
+    complete: bool,
+    keys: HashSet<String>,
 }
 
 /// Gives up on a delivery for good: the other end refused the content itself.
@@ -295,6 +310,7 @@ impl Forwarder {
             expedited: Mutex::new(HashSet::new()),
             unstored: Mutex::new(HashMap::new()),
             unstored_end: Notify::new(),
+            maybe_stored: Mutex::new(MaybeStored::default()),
         })
     }
 
@@ -310,6 +326,14 @@ impl Forwarder {
     /// Returns how many relays are held.
     async fn load_schedule(&self) -> Result<usize> {
         let listing = self.store.list(RELAYS_PREFIX).await?;
+        if let Ok(mut known) = self.maybe_stored.lock() {
+            // Added to what writes since the listing added, never replacing it: a key deleted
+            // meanwhile only costs a read.
+            known
+                .keys
+                .extend(listing.kvs.iter().map(|kv| kv.key.clone()));
+            known.complete = true;
+        }
         let mut held = 0;
         for kv in &listing.kvs {
             match decode::<RelayRecord>(&kv.key, &kv.value) {
@@ -419,6 +443,13 @@ impl Forwarder {
     }
 
     async fn load(&self, key: &str) -> Result<Option<(RelayRecord, i64)>> {
+        let absent = self
+            .maybe_stored
+            .lock()
+            .is_ok_and(|known| known.complete && !known.keys.contains(key));
+        if absent {
+            return Ok(None);
+        }
         Ok(match self.store.get(key).await? {
             Some(kv) => Some((decode(key, &kv.value)?, kv.mod_revision)),
             None => None,
@@ -449,6 +480,11 @@ impl Forwarder {
                 key: key.to_owned(),
             },
         };
+        if record.is_some()
+            && let Ok(mut known) = self.maybe_stored.lock()
+        {
+            known.keys.insert(key.to_owned());
+        }
         let done = self
             .store
             .txn(Txn {
@@ -465,6 +501,12 @@ impl Forwarder {
                 key,
                 record.and_then(|r| work_of(r, self.delivery.retention)),
             );
+        }
+        if done.succeeded
+            && record.is_none()
+            && let Ok(mut known) = self.maybe_stored.lock()
+        {
+            known.keys.remove(key);
         }
         if done.succeeded && record.is_none() {
             // A relay that is gone has no attempt left to expedite.

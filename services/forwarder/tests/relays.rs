@@ -27,6 +27,7 @@ use trellis_forwarder::core::{Delivery, Forwarder, OriginWait, Passthrough};
 use trellis_forwarder::records::{RELAYS_PREFIX, RelayRecord, State, encode, now_nanos, relay_key};
 use trellis_runtime::Shutdown;
 use trellis_runtime::peer::Authz;
+use trellis_store::metered::StoreMetrics;
 use trellis_store::{MemoryStore, SharedStore};
 use trellis_testkit::Etcd;
 
@@ -70,6 +71,7 @@ cases!(
     an_origin_that_stops_waiting_is_answered_once_the_relay_is_stored,
     a_withdrawal_during_a_first_attempt_is_not_undone_by_its_retry,
     a_relay_whose_caller_gave_up_does_not_hold_back_its_withdrawal,
+    a_relay_answered_in_its_reply_reads_nothing_once_the_store_is_listed,
 );
 
 /// The forwarder's store on a fresh etcd, through a prefixed URL as the services use it.
@@ -1014,6 +1016,60 @@ async fn a_relay_answered_in_its_reply_writes_nothing(store: SharedStore) {
         "the relay wrote to the store"
     );
     assert!(hub.relays().await.is_empty());
+}
+
+/// Nor does it read the store (its own key, the other direction's), once the forwarder has
+/// listed its relays at start: it knows which may be stored (issue 17; on etcd these two
+/// reads were a round trip each for every relay of a hub).
+async fn a_relay_answered_in_its_reply_reads_nothing_once_the_store_is_listed(store: SharedStore) {
+    let shutdown = Shutdown::new();
+    let _stop = shutdown.clone().drop_guard();
+    let metrics = StoreMetrics::default();
+    let mut registry = prometheus_client::registry::Registry::default();
+    metrics.register(&mut registry);
+    let store = trellis_store::metered::metered(store, &metrics);
+    let (a, c) = (FakeBroker::default(), FakeBroker::default());
+    let (a_addr, c_addr) = (a.start(&shutdown).await, c.start(&shutdown).await);
+    // A relay held from before the start is in the listing: still read, and delivered.
+    store
+        .put(
+            &relay_key(&id("c"), &id("a")),
+            encode(&held("c", "a", 1, State::Pending)).expect("encodes"),
+        )
+        .await
+        .expect("stored");
+    let hub = Hub::start(store).await;
+    hub.peer("a", &a_addr).await;
+    hub.peer("c", &c_addr).await;
+    hub.run_retries();
+    // Until the loop has listed the store, absence means nothing and a relay reads its keys.
+    eventually("a relay that reads nothing", || async {
+        let before = store_gets(&registry);
+        assert_eq!(hub.relay("a", "c", 1).await, State::Completed);
+        (store_gets(&registry) == before).then_some(())
+    })
+    .await;
+    eventually("the held relay to be delivered and deleted", || async {
+        hub.relays().await.is_empty().then_some(())
+    })
+    .await;
+    assert!(
+        a.received()
+            .submitted
+            .contains(&("c".into(), "a".into(), 1)),
+        "the relay held in the store was read and delivered"
+    );
+}
+
+/// How many store reads (`get`) the metrics in `registry` counted.
+fn store_gets(registry: &prometheus_client::registry::Registry) -> u64 {
+    let mut text = String::new();
+    prometheus_client::encoding::text::encode(&mut text, registry).expect("encodes");
+    text.lines()
+        .find_map(|line| {
+            line.strip_prefix("trellis_store_operation_seconds_count{operation=\"get\"} ")
+        })
+        .map_or(0, |n| n.parse().expect("a count"))
 }
 
 /// An origin that stops waiting for the first attempt (an item of a RelayBatch past its wait)
