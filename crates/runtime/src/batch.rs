@@ -505,6 +505,17 @@ mod tests {
         );
     }
 
+    /// An [`echo`] batcher that answers at once, and the sizes of the calls it receives.
+    fn open_echo() -> (Arc<Mutex<Vec<usize>>>, Batcher<u32, u32>) {
+        let sizes = Arc::new(Mutex::new(Vec::new()));
+        let batcher = echo(
+            sizes.clone(),
+            Arc::new(tokio::sync::Semaphore::new(1_000)),
+            true,
+        );
+        (sizes, batcher)
+    }
+
     /// Calls `batcher` with `value` from a task of its own.
     fn spawn_call(batcher: &Batcher<u32, u32>, value: u32) -> tokio::task::JoinHandle<u32> {
         let batcher = batcher.clone();
@@ -513,12 +524,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn batches_to_a_busy_server_are_spaced_and_a_quiet_one_is_called_at_once() {
-        let sizes = Arc::new(Mutex::new(Vec::new()));
-        let batcher = echo(
-            sizes.clone(),
-            Arc::new(tokio::sync::Semaphore::new(1_000)),
-            true,
-        );
+        let (sizes, batcher) = open_echo();
         let start = Instant::now();
         assert_eq!(batcher.call(1).await.expect("the call"), 10);
         assert!(
@@ -548,12 +554,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn a_full_batch_does_not_wait_for_the_spacing() {
-        let sizes = Arc::new(Mutex::new(Vec::new()));
-        let batcher = echo(
-            sizes.clone(),
-            Arc::new(tokio::sync::Semaphore::new(1_000)),
-            true,
-        );
+        let (sizes, batcher) = open_echo();
         assert_eq!(batcher.call(1).await.expect("the call"), 10);
         let start = Instant::now();
         let calls: Vec<_> = (1..=FILL as u32).map(|i| spawn_call(&batcher, i)).collect();

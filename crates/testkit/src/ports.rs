@@ -6,12 +6,13 @@
 //! held by some client's connection for as long as that connection lives. Below the range only
 //! servers started by tests compete for ports, and each pick is checked by binding it.
 //!
-//! A port handed out stays reserved for the rest of the process: a lock on a file named after
-//! it (`trellis-test-ports/<port>` in the temporary directory), which other test processes
-//! check before they pick it and the kernel drops when the process exits. A bind check alone
-//! let a port go while its server was down: an etcd killed by the chaos test found its port
-//! taken by another test's server when restarted a few seconds later.
+//! The last [`RESERVED_MAX`] ports a process handed out stay reserved while it runs: a lock on a
+//! file named after each (`trellis-test-ports/<port>` in the temporary directory), which other
+//! test processes check before they pick a port and the kernel drops when the process exits.
+//! A bind check alone let a port go while its server was down: an etcd killed by the chaos
+//! test found its port taken by another test's server when restarted a few seconds later.
 
+use std::collections::VecDeque;
 use std::fs::{File, OpenOptions};
 use std::net::{Ipv4Addr, TcpListener};
 use std::sync::Mutex;
@@ -41,10 +42,11 @@ pub fn free_port() -> u16 {
             continue;
         };
         if TcpListener::bind((Ipv4Addr::LOCALHOST, port)).is_ok() {
-            RESERVED
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .push(reservation);
+            let mut reserved = RESERVED.lock().unwrap_or_else(|e| e.into_inner());
+            reserved.push_back(reservation);
+            if reserved.len() > RESERVED_MAX {
+                reserved.pop_front();
+            }
             return port;
         }
     }
@@ -55,8 +57,12 @@ pub fn free_port() -> u16 {
         .unwrap_or_else(|err| panic!("cannot bind a loopback port: {err}"))
 }
 
-/// The reservations of the ports this process handed out (see the module doc).
-static RESERVED: Mutex<Vec<Option<File>>> = Mutex::new(Vec::new());
+/// The reservations of the ports this process handed out last (see the module doc).
+static RESERVED: Mutex<VecDeque<Option<File>>> = Mutex::new(VecDeque::new());
+
+/// How many reservations a process holds (each an open file): enough for the servers of a
+/// chaos test and their restarts, bounded for a benchmark that starts thousands of clusters.
+const RESERVED_MAX: usize = 512;
 
 /// Locks `port`'s reservation file: `None` when a test process (this one included) holds it.
 /// Without a usable temporary directory every port counts as unreserved, as before.

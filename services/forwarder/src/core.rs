@@ -202,15 +202,64 @@ pub struct Forwarder {
 }
 
 /// The keys of the relays that may be stored, kept by this process's writes (the forwarder is
-/// the only writer of its store): a key is added before it is written and removed once its
-/// delete committed, so a write whose outcome is unknown leaves it in. Until the retry loop
-/// has listed the store at start (`complete`), absence means nothing and every read goes to
-/// the store. On etcd a relay accepted and answered at once read the store twice (its own key
-/// and the other direction's), at a hub n·(n-1) times each.
+/// the only writer of its store), each with the revision of its last write known to have
+/// committed. A key is added before a put is sent ([`UNKNOWN`] until it commits) and
+/// forgotten when a delete commits after every put of it known to have committed, so a write
+/// whose outcome is unknown, or a put racing a delete, leaves it in: a key too many only
+/// costs a read. Until the retry loop has listed the store at start (`complete`), absence
+/// means nothing and every read goes to the store. On etcd a relay accepted and answered at
+/// once read the store twice (its own key and the other direction's), at a hub n·(n-1) times.
 #[derive(Debug, Default)]
 struct MaybeStored {
     complete: bool,
-    keys: HashSet<String>,
+    keys: HashMap<String, i64>,
+}
+
+/// The revision of a put that has not committed (or whose outcome is unknown).
+const UNKNOWN: i64 = 0;
+
+impl MaybeStored {
+    /// Whether `key` is known not to be stored.
+    fn absent(&self, key: &str) -> bool {
+        self.complete && !self.keys.contains_key(key)
+    }
+
+    /// A put of `key` is about to be sent.
+    fn putting(&mut self, key: &str) {
+        self.keys.entry(key.to_owned()).or_insert(UNKNOWN);
+    }
+
+    /// A put of `key` committed at `revision`.
+    fn put(&mut self, key: &str, revision: i64) {
+        let known = self.keys.entry(key.to_owned()).or_insert(UNKNOWN);
+        *known = (*known).max(revision);
+    }
+
+    /// A delete of `key` committed at `revision`.
+    fn deleted(&mut self, key: &str, revision: i64) {
+        if self
+            .keys
+            .get(key)
+            .is_some_and(|known| *known != UNKNOWN && *known < revision)
+        {
+            self.keys.remove(key);
+        }
+    }
+
+    /// The store's listing at start: from now on absence is known.
+    fn listed(&mut self, kvs: &[trellis_store::KeyValue]) {
+        for kv in kvs {
+            self.keys
+                .entry(kv.key.clone())
+                .and_modify(|known| {
+                    if *known != UNKNOWN {
+                        *known = (*known).max(kv.mod_revision);
+                    }
+                })
+                .or_insert(kv.mod_revision);
+        }
+        self.complete = true;
+    }
 }
 
 /// Gives up on a delivery for good: the other end refused the content itself.
@@ -327,12 +376,7 @@ impl Forwarder {
     async fn load_schedule(&self) -> Result<usize> {
         let listing = self.store.list(RELAYS_PREFIX).await?;
         if let Ok(mut known) = self.maybe_stored.lock() {
-            // Added to what writes since the listing added, never replacing it: a key deleted
-            // meanwhile only costs a read.
-            known
-                .keys
-                .extend(listing.kvs.iter().map(|kv| kv.key.clone()));
-            known.complete = true;
+            known.listed(&listing.kvs);
         }
         let mut held = 0;
         for kv in &listing.kvs {
@@ -446,7 +490,7 @@ impl Forwarder {
         let absent = self
             .maybe_stored
             .lock()
-            .is_ok_and(|known| known.complete && !known.keys.contains(key));
+            .is_ok_and(|known| known.absent(key));
         if absent {
             return Ok(None);
         }
@@ -483,7 +527,7 @@ impl Forwarder {
         if record.is_some()
             && let Ok(mut known) = self.maybe_stored.lock()
         {
-            known.keys.insert(key.to_owned());
+            known.putting(key);
         }
         let done = self
             .store
@@ -503,10 +547,12 @@ impl Forwarder {
             );
         }
         if done.succeeded
-            && record.is_none()
             && let Ok(mut known) = self.maybe_stored.lock()
         {
-            known.keys.remove(key);
+            match record {
+                Some(_) => known.put(key, done.revision),
+                None => known.deleted(key, done.revision),
+            }
         }
         if done.succeeded && record.is_none() {
             // A relay that is gone has no attempt left to expedite.
@@ -1165,6 +1211,28 @@ mod tests {
 
     fn id(s: &str) -> ClusterId {
         ClusterId::parse("id", s).expect("valid id")
+    }
+
+    #[test]
+    fn a_key_is_known_absent_only_after_the_listing_and_a_delete_after_its_puts() {
+        let mut known = MaybeStored::default();
+        assert!(
+            !known.absent("relays/a/b"),
+            "nothing is known before the listing"
+        );
+        known.putting("relays/a/b");
+        known.listed(&[]);
+        assert!(!known.absent("relays/a/b"), "a put in flight may be stored");
+        assert!(known.absent("relays/x/y"));
+        // A delete committing while a put of the same key is unconfirmed leaves it in.
+        known.deleted("relays/a/b", 5);
+        assert!(!known.absent("relays/a/b"));
+        known.put("relays/a/b", 7);
+        // An older delete (its removal ran late) does not forget a newer put.
+        known.deleted("relays/a/b", 6);
+        assert!(!known.absent("relays/a/b"));
+        known.deleted("relays/a/b", 8);
+        assert!(known.absent("relays/a/b"));
     }
 
     #[test]

@@ -1130,6 +1130,34 @@ async fn an_origin_that_stops_waiting_is_answered_once_the_relay_is_stored(store
     .await;
 }
 
+/// A's relay to C, running in a task of its own.
+type RelayTask = tokio::task::JoinHandle<
+    trellis_error::Result<(
+        State,
+        Option<trellis_forwarder::records::RelayedStatus>,
+        bool,
+    )>,
+>;
+
+/// A hub with A and an introduced C ([`a_and_introduced_c`]), its retry loop running, and A's
+/// relay to C in its first attempt (nothing stored for it yet), held at C until released.
+async fn a_first_attempt_held_at_c(
+    store: SharedStore,
+    shutdown: &Shutdown,
+) -> (Hub, FakeBroker, Arc<Introduction>, RelayTask) {
+    let (_a, a_addr, c, c_addr, introduction) = a_and_introduced_c(shutdown).await;
+    let hub = Hub::start(store).await;
+    hub.peer("a", &a_addr).await;
+    hub.peer("c", &c_addr).await;
+    hub.run_retries();
+    let attempt = {
+        let forwarder = hub.forwarder.clone();
+        tokio::spawn(async move { forwarder.relay(passthrough("a", "c", 1)).await })
+    };
+    introduction.held("the first attempt of A→C").await;
+    (hub, c, introduction, attempt)
+}
+
 /// The origin withdraws while the first attempt of its relay (nothing stored for it yet) is
 /// still being delivered, and that attempt then fails: the withdrawal waits for the attempt,
 /// so the retry the attempt stores is replaced by the withdrawal instead of delivering the
@@ -1137,17 +1165,7 @@ async fn an_origin_that_stops_waiting_is_answered_once_the_relay_is_stored(store
 async fn a_withdrawal_during_a_first_attempt_is_not_undone_by_its_retry(store: SharedStore) {
     let shutdown = Shutdown::new();
     let _stop = shutdown.clone().drop_guard();
-    let (_a, a_addr, c, c_addr, introduction) = a_and_introduced_c(&shutdown).await;
-    let hub = Hub::start(store).await;
-    hub.peer("a", &a_addr).await;
-    hub.peer("c", &c_addr).await;
-    hub.run_retries();
-
-    let attempt = {
-        let forwarder = hub.forwarder.clone();
-        tokio::spawn(async move { forwarder.relay(passthrough("a", "c", 1)).await })
-    };
-    introduction.held("the first attempt of A→C").await;
+    let (hub, c, introduction, attempt) = a_first_attempt_held_at_c(store, &shutdown).await;
     let withdrawal = {
         let forwarder = hub.forwarder.clone();
         tokio::spawn(async move {
@@ -1195,17 +1213,7 @@ async fn a_withdrawal_during_a_first_attempt_is_not_undone_by_its_retry(store: S
 async fn a_relay_whose_caller_gave_up_does_not_hold_back_its_withdrawal(store: SharedStore) {
     let shutdown = Shutdown::new();
     let _stop = shutdown.clone().drop_guard();
-    let (_a, a_addr, c, c_addr, introduction) = a_and_introduced_c(&shutdown).await;
-    let hub = Hub::start(store).await;
-    hub.peer("a", &a_addr).await;
-    hub.peer("c", &c_addr).await;
-    hub.run_retries();
-
-    let attempt = {
-        let forwarder = hub.forwarder.clone();
-        tokio::spawn(async move { forwarder.relay(passthrough("a", "c", 1)).await })
-    };
-    introduction.held("the first attempt of A→C").await;
+    let (hub, c, introduction, attempt) = a_first_attempt_held_at_c(store, &shutdown).await;
     attempt.abort();
     assert!(
         attempt.await.is_err_and(|e| e.is_cancelled()),
