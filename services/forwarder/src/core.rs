@@ -546,12 +546,13 @@ impl Forwarder {
                 record.and_then(|r| work_of(r, self.delivery.retention)),
             );
         }
-        if done.succeeded
-            && let Ok(mut known) = self.maybe_stored.lock()
-        {
-            match record {
-                Some(_) => known.put(key, done.revision),
-                None => known.deleted(key, done.revision),
+        if let Ok(mut known) = self.maybe_stored.lock() {
+            match (done.succeeded, record) {
+                (true, Some(_)) => known.put(key, done.revision),
+                (true, None) => known.deleted(key, done.revision),
+                // The key is not as this process believed: someone else wrote it (during a
+                // rollout, the forwarder it replaces). Read it from now on.
+                (false, _) => known.putting(key),
             }
         }
         if done.succeeded && record.is_none() {
