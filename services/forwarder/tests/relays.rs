@@ -72,6 +72,7 @@ cases!(
     a_withdrawal_during_a_first_attempt_is_not_undone_by_its_retry,
     a_relay_whose_caller_gave_up_does_not_hold_back_its_withdrawal,
     a_relay_answered_in_its_reply_reads_nothing_once_the_store_is_listed,
+    a_relay_stored_by_another_forwarder_is_read_once_a_write_shows_it,
 );
 
 /// The forwarder's store on a fresh etcd, through a prefixed URL as the services use it.
@@ -1058,6 +1059,58 @@ async fn a_relay_answered_in_its_reply_reads_nothing_once_the_store_is_listed(st
             .submitted
             .contains(&("c".into(), "a".into(), 1)),
         "the relay held in the store was read and delivered"
+    );
+}
+
+/// Two forwarders on one store (a rolling update would run the old one and its replacement
+/// for a while; the Deployment's Recreate strategy is there to prevent it): what one believes
+/// absent, the other may have stored. A relay whose first attempt fails must not be lost to
+/// that belief: its write's compare fails, the key is read from then on, and the newer
+/// generation is what the store holds.
+async fn a_relay_stored_by_another_forwarder_is_read_once_a_write_shows_it(store: SharedStore) {
+    let shutdown = Shutdown::new();
+    let _stop = shutdown.clone().drop_guard();
+    let metrics = StoreMetrics::default();
+    let mut registry = prometheus_client::registry::Registry::default();
+    metrics.register(&mut registry);
+    let (a, b) = (FakeBroker::default(), FakeBroker::default());
+    let (a_addr, b_addr) = (a.start(&shutdown).await, b.start(&shutdown).await);
+    let c_addr = refusing();
+    let new = Hub::start(trellis_store::metered::metered(store.clone(), &metrics)).await;
+    let old = Hub::start(store).await;
+    for hub in [&new, &old] {
+        hub.peer("a", &a_addr).await;
+        hub.peer("b", &b_addr).await;
+        hub.peer("c", &c_addr).await;
+    }
+    new.run_retries();
+    eventually("the new forwarder to have listed the store", || async {
+        let before = store_gets(&registry);
+        assert_eq!(new.relay("a", "b", 1).await, State::Completed);
+        (store_gets(&registry) == before).then_some(())
+    })
+    .await;
+    // The old forwarder stores a relay the new one believes absent (C refuses connections).
+    assert_eq!(old.relay("a", "c", 1).await, State::Pending);
+
+    let newer = Passthrough {
+        generation: 2,
+        ..passthrough("a", "c", 2)
+    };
+    let (state, _, accepted) = new
+        .forwarder
+        .relay(newer)
+        .await
+        .expect("the relay is accepted despite the other forwarder's record");
+    assert_eq!((state, accepted), (State::Pending, true));
+    let held = old.relays().await;
+    let record = held
+        .get(&("a".to_owned(), "c".to_owned()))
+        .expect("the relay is held");
+    assert_eq!(
+        (record.generation, &record.spec),
+        (2, &spec(2)),
+        "the newer generation is stored"
     );
 }
 
