@@ -24,6 +24,8 @@
 //!
 //! A run that does not converge within `--timeout` is recorded (with how many induced
 //! TunnelEndpoints existed) and the larger sizes are skipped, unless `--keep-going`.
+//! Every run is a process of its own (this binary with the hidden `--one-run`), so that the
+//! memory and CPU it records are its own, not partly an earlier run's.
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -33,7 +35,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
 use clap::{Parser, ValueEnum};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use tonic::transport::Channel;
 use trellis_api::pb::ipam::ListClusterSubnetsRequest;
 use trellis_api::pb::peering::broker_client::BrokerClient;
@@ -105,11 +107,15 @@ struct Args {
     /// mesh-hub-processes.json, mesh-hub-etcd.json or mesh-etcd.json by mode].
     #[arg(long)]
     out: Option<PathBuf>,
+    /// Internal: measure one run of this many leaves and write its outcome to `--out` (the
+    /// benchmark runs every repeat so, in a process of its own).
+    #[arg(long, hide = true)]
+    one_run: Option<usize>,
     #[command(flatten)]
     run: RunArgs,
 }
 
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 struct Run {
     /// Setup time; the timeout when not converged.
     seconds: f64,
@@ -139,7 +145,7 @@ struct Run {
     /// Write transactions on the hub's etcds from the Peer requests to convergence, per
     /// service (hub on etcd only).
     #[serde(skip_serializing_if = "Option::is_none")]
-    hub_etcd_writes: Option<BTreeMap<&'static str, i64>>,
+    hub_etcd_writes: Option<BTreeMap<String, i64>>,
     /// All of them per induced TunnelEndpoint (n·(n-1)).
     #[serde(skip_serializing_if = "Option::is_none")]
     hub_etcd_writes_per_induced_tunnel: Option<f64>,
@@ -153,7 +159,7 @@ struct Run {
 }
 
 /// One hub service's store after convergence.
-#[derive(Debug, Clone, Copy, Default, Serialize)]
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize)]
 struct StoreUse {
     keys: usize,
     /// Keys plus values, in bytes.
@@ -170,7 +176,7 @@ impl From<StoreSize> for StoreUse {
 }
 
 /// The hub's stores after convergence, per service, and their sum.
-#[derive(Debug, Clone, Copy, Default, Serialize)]
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize)]
 struct HubStores {
     discovery: StoreUse,
     broker: StoreUse,
@@ -181,9 +187,9 @@ struct HubStores {
 }
 
 /// One hub process at convergence.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 struct HubProcess {
-    service: &'static str,
+    service: String,
     /// utime + stime since the process started (including its start-up).
     cpu_seconds: f64,
     /// utime + stime from the Peer requests to convergence.
@@ -195,7 +201,7 @@ struct HubProcess {
 }
 
 /// What the hub holds after convergence.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
 struct Held {
     tunnels: usize,
     ncs: usize,
@@ -203,7 +209,7 @@ struct Held {
     ipam: usize,
     stores: Option<HubStores>,
     processes: Option<Vec<HubProcess>>,
-    etcd_keys: Option<BTreeMap<&'static str, usize>>,
+    etcd_keys: Option<BTreeMap<String, usize>>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -241,7 +247,7 @@ struct Size {
     #[serde(skip_serializing_if = "Option::is_none")]
     hub_peak_rss_kib_total: Option<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
-    hub_etcd_keys: Option<BTreeMap<&'static str, usize>>,
+    hub_etcd_keys: Option<BTreeMap<String, usize>>,
     /// Medians over the converged runs of the per-run fields of the same names.
     median_full_tunnels_seconds: Option<f64>,
     median_tail_share: Option<f64>,
@@ -780,6 +786,7 @@ fn read_usage(pids: &[(&'static str, u32)]) -> anyhow::Result<Vec<(&'static str,
 }
 
 /// The outcome of one run.
+#[derive(Debug, Serialize, Deserialize)]
 struct Outcome {
     run: Run,
     held: Option<Held>,
@@ -787,7 +794,7 @@ struct Outcome {
 
 /// One run: the setup time and, when it converged, the hub's holdings.
 async fn run(mode: Mode, leaves: usize, timeout: Duration) -> anyhow::Result<Option<Outcome>> {
-    // A failed reset only makes the peak include the runs before (the sizes grow).
+    // A failed reset only makes the peak include this process's start.
     if let Err(err) = reset_peak_rss() {
         eprintln!("mesh-bench: the peak RSS is not reset between runs: {err:#}");
     }
@@ -806,6 +813,42 @@ async fn run(mode: Mode, leaves: usize, timeout: Duration) -> anyhow::Result<Opt
     outcome.run.process_peak_rss_kib = Some(after.peak_rss_kib);
     outcome.run.process_cpu_seconds = Some(after.cpu_seconds - before.cpu_seconds);
     Ok(Some(outcome))
+}
+
+/// One run in a process of its own: this binary with `--one-run`. In one process, a run's
+/// peak RSS included what the allocator kept of the runs before it (the 254-leaf runs read
+/// 2.6 GB where one run alone peaks at 1.4 GB), and a run's CPU what their tasks still did.
+async fn run_alone(mode: Mode, leaves: usize, timeout: u64) -> anyhow::Result<Option<Outcome>> {
+    let exe = std::env::current_exe().context("finding this binary")?;
+    let out = std::env::temp_dir().join(format!(
+        "mesh-bench-{}-{leaves}-{}.json",
+        std::process::id(),
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos())
+    ));
+    let mode_flag = mode
+        .to_possible_value()
+        .context("every mode has a flag value")?;
+    let status = tokio::process::Command::new(&exe)
+        .arg("--mode")
+        .arg(mode_flag.get_name())
+        .arg("--timeout")
+        .arg(timeout.to_string())
+        .arg("--one-run")
+        .arg(leaves.to_string())
+        .arg("--out")
+        .arg(&out)
+        .stdin(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .status()
+        .await
+        .with_context(|| format!("starting {}", exe.display()))?;
+    let written = std::fs::read(&out);
+    let _ = std::fs::remove_file(&out);
+    anyhow::ensure!(status.success(), "the run's process ended with {status}");
+    let written = written.with_context(|| format!("reading {}", out.display()))?;
+    serde_json::from_slice(&written).context("reading the run's outcome")
 }
 
 async fn measure(
@@ -918,7 +961,10 @@ async fn measure(
         (Some(before), Some(after)) => Some(
             after
                 .iter()
-                .map(|(service, rev)| (*service, rev - before.get(service).copied().unwrap_or(0)))
+                .map(|(service, rev)| {
+                    let before = before.get(service).copied().unwrap_or(0);
+                    ((*service).to_owned(), rev - before)
+                })
                 .collect::<BTreeMap<_, _>>(),
         ),
         _ => None,
@@ -1001,7 +1047,7 @@ async fn measure(
             .iter()
             .zip(&cpu_during)
             .map(|((service, u), during)| HubProcess {
-                service,
+                service: (*service).to_owned(),
                 cpu_seconds: u.cpu_seconds,
                 cpu_seconds_during_setup: *during,
                 peak_rss_kib: u.peak_rss_kib,
@@ -1013,7 +1059,7 @@ async fn measure(
         Hub::Etcd(c) => {
             let mut keys = BTreeMap::new();
             for service in Service::ALL {
-                keys.insert(service.name(), c.etcd_keys(service)?.len());
+                keys.insert(service.name().to_owned(), c.etcd_keys(service)?.len());
             }
             Some(keys)
         }
@@ -1088,7 +1134,6 @@ async fn main() -> anyhow::Result<()> {
     if args.mode.hub_on_etcd() {
         reexec_from_deps()?;
     }
-    let run_info = RunInfo::start(&args.run);
     let open_files_limit = match raise_nofile_limit() {
         Ok(limit) => Some(limit),
         Err(err) => {
@@ -1101,6 +1146,13 @@ async fn main() -> anyhow::Result<()> {
         .clone()
         .unwrap_or_else(|| PathBuf::from(args.mode.default_out()));
     let timeout = Duration::from_secs(args.timeout);
+    if let Some(leaves) = args.one_run {
+        let outcome = run(args.mode, leaves, timeout).await?;
+        std::fs::write(&out, serde_json::to_vec(&outcome)?)
+            .with_context(|| format!("writing {}", out.display()))?;
+        return Ok(());
+    }
+    let run_info = RunInfo::start(&args.run);
     // Written again after every size, so a run stopped midway keeps the sizes it measured.
     let mut report = Report {
         benchmark: "induced_mesh_setup",
@@ -1152,7 +1204,7 @@ async fn main() -> anyhow::Result<()> {
         }
         let mut peaks = Vec::new();
         for repeat in 0..args.repeats {
-            match run(args.mode, leaves, timeout).await {
+            match run_alone(args.mode, leaves, args.timeout).await {
                 Ok(None) => {
                     size.status = Status::Skipped;
                     size.reason = Some("etcd is not installed (`make setup`)".into());
