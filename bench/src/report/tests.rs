@@ -205,6 +205,10 @@ fn scale_targets_compare_with_main() {
                "median_full_tunnels_seconds": full, "median_tail_share": tail,
                "median_hub_cpu_ms_per_induced_tunnel": hub_ms})
     };
+    let with_rss = |mut size: Value, kib: u64| {
+        size["median_process_peak_rss_kib"] = json!(kib);
+        size
+    };
     let doc = |mode: &str, sizes: Vec<Value>| {
         json!({"benchmark": "induced_mesh_setup", "mode": mode,
                "run": run("full", "2026-11-22T01:00:00Z"), "machine": machine(), "sizes": sizes})
@@ -216,7 +220,7 @@ fn scale_targets_compare_with_main() {
                 "in_process",
                 vec![
                     size(100, 3.5, 1.0, 0.05, None),
-                    size(254, 25.0, 12.0, 0.1, None),
+                    with_rss(size(254, 25.0, 12.0, 0.1, None), 1_400_000),
                 ],
             ),
         ),
@@ -226,7 +230,7 @@ fn scale_targets_compare_with_main() {
                 "in_process",
                 vec![
                     size(100, 7.0, 2.0, 0.1, None),
-                    size(254, 50.0, 24.0, 0.2, None),
+                    with_rss(size(254, 50.0, 24.0, 0.2, None), 2_000_000),
                 ],
             ),
         ),
@@ -260,6 +264,10 @@ fn scale_targets_compare_with_main() {
                 Verdict::Met
             ),
             ("0.150 ms; main not measured in this run", Verdict::NotMet),
+            (
+                "1.434 GB; main in the same run 2.048 GB (ratio 0.70)",
+                Verdict::Met
+            ),
         ]
     );
 }
