@@ -1025,10 +1025,7 @@ async fn a_relay_answered_in_its_reply_writes_nothing(store: SharedStore) {
 async fn a_relay_answered_in_its_reply_reads_nothing_once_the_store_is_listed(store: SharedStore) {
     let shutdown = Shutdown::new();
     let _stop = shutdown.clone().drop_guard();
-    let metrics = StoreMetrics::default();
-    let mut registry = prometheus_client::registry::Registry::default();
-    metrics.register(&mut registry);
-    let store = trellis_store::metered::metered(store, &metrics);
+    let (store, registry) = metered(store);
     let (a, c) = (FakeBroker::default(), FakeBroker::default());
     let (a_addr, c_addr) = (a.start(&shutdown).await, c.start(&shutdown).await);
     // A relay held from before the start is in the listing: still read, and delivered.
@@ -1044,12 +1041,7 @@ async fn a_relay_answered_in_its_reply_reads_nothing_once_the_store_is_listed(st
     hub.peer("c", &c_addr).await;
     hub.run_retries();
     // Until the loop has listed the store, absence means nothing and a relay reads its keys.
-    eventually("a relay that reads nothing", || async {
-        let before = store_gets(&registry);
-        assert_eq!(hub.relay("a", "c", 1).await, State::Completed);
-        (store_gets(&registry) == before).then_some(())
-    })
-    .await;
+    until_relays_read_nothing(&hub, &registry, "a", "c").await;
     eventually("the held relay to be delivered and deleted", || async {
         hub.relays().await.is_empty().then_some(())
     })
@@ -1070,13 +1062,11 @@ async fn a_relay_answered_in_its_reply_reads_nothing_once_the_store_is_listed(st
 async fn a_relay_stored_by_another_forwarder_is_read_once_a_write_shows_it(store: SharedStore) {
     let shutdown = Shutdown::new();
     let _stop = shutdown.clone().drop_guard();
-    let metrics = StoreMetrics::default();
-    let mut registry = prometheus_client::registry::Registry::default();
-    metrics.register(&mut registry);
+    let (metered, registry) = metered(store.clone());
     let (a, b) = (FakeBroker::default(), FakeBroker::default());
     let (a_addr, b_addr) = (a.start(&shutdown).await, b.start(&shutdown).await);
     let c_addr = refusing();
-    let new = Hub::start(trellis_store::metered::metered(store.clone(), &metrics)).await;
+    let new = Hub::start(metered).await;
     let old = Hub::start(store).await;
     for hub in [&new, &old] {
         hub.peer("a", &a_addr).await;
@@ -1084,12 +1074,7 @@ async fn a_relay_stored_by_another_forwarder_is_read_once_a_write_shows_it(store
         hub.peer("c", &c_addr).await;
     }
     new.run_retries();
-    eventually("the new forwarder to have listed the store", || async {
-        let before = store_gets(&registry);
-        assert_eq!(new.relay("a", "b", 1).await, State::Completed);
-        (store_gets(&registry) == before).then_some(())
-    })
-    .await;
+    until_relays_read_nothing(&new, &registry, "a", "b").await;
     // The old forwarder stores a relay the new one believes absent (C refuses connections).
     assert_eq!(old.relay("a", "c", 1).await, State::Pending);
 
@@ -1112,6 +1097,30 @@ async fn a_relay_stored_by_another_forwarder_is_read_once_a_write_shows_it(store
         (2, &spec(2)),
         "the newer generation is stored"
     );
+}
+
+/// `store` with its operations counted, and the registry they are counted in.
+fn metered(store: SharedStore) -> (SharedStore, prometheus_client::registry::Registry) {
+    let metrics = StoreMetrics::default();
+    let mut registry = prometheus_client::registry::Registry::default();
+    metrics.register(&mut registry);
+    (trellis_store::metered::metered(store, &metrics), registry)
+}
+
+/// Waits until a relay from `origin` to `destination` (both answering) is accepted without a
+/// store read: `hub`'s retry loop has listed its store.
+async fn until_relays_read_nothing(
+    hub: &Hub,
+    registry: &prometheus_client::registry::Registry,
+    origin: &str,
+    destination: &str,
+) {
+    eventually("a relay that reads nothing", || async {
+        let before = store_gets(registry);
+        assert_eq!(hub.relay(origin, destination, 1).await, State::Completed);
+        (store_gets(registry) == before).then_some(())
+    })
+    .await;
 }
 
 /// How many store reads (`get`) the metrics in `registry` counted.
