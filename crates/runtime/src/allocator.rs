@@ -12,6 +12,14 @@
 //! it back in, a transparent huge page (2 MiB zeroed by the kernel) at a time: the hub's
 //! forwarder took about 3,000 page faults during a 100-leaf induced mesh against about 430 with
 //! a one-second delay, and the hub's CPU per induced tunnel fell by about 9 % (ADR 0015).
+//!
+//! [`small_pages`] turns transparent huge pages off for a service process. mimalloc asks the
+//! kernel for them, and a service's heap of tens of megabytes then grows and stays resident
+//! 2 MiB at a time: the hub's five services at 100 leaves peaked at 196–209 MB together with
+//! them and 140–150 MB without, their CPU no higher (ADR 0015). Not for the gateway, whose
+//! userspace tunnels move every packet through its heap (its tunnel throughput was 1–6 % lower
+//! without them), nor for the lab, whose hundreds of clusters share one heap of over a
+//! gigabyte (a fifth slower without them).
 
 use std::ffi::{c_int, c_long};
 
@@ -26,6 +34,9 @@ const PURGE_DELAY_MS: c_long = 1000;
 /// The environment variable through which mimalloc reads the same option; when an operator
 /// sets it, their value stands.
 const PURGE_DELAY_ENV: &str = "MIMALLOC_PURGE_DELAY";
+/// The environment variable through which mimalloc reads whether it may use transparent huge
+/// pages; when an operator sets it, mimalloc follows it and [`small_pages`] does nothing.
+const ALLOW_THP_ENV: &str = "MIMALLOC_ALLOW_THP";
 
 /// Sets the allocator's options for a long-running service (see the module doc). Called once,
 /// first thing, by every process that runs services: [`crate::launch()`], the lab, and the
@@ -34,6 +45,19 @@ pub fn tune() {
     if std::env::var_os(PURGE_DELAY_ENV).is_none() {
         set_option(PURGE_DELAY_OPTION, PURGE_DELAY_MS);
     }
+}
+
+/// Services that keep transparent huge pages (see the module doc).
+const KEEP_HUGE_PAGES: &[&str] = &["trellis-gateway"];
+
+/// Turns transparent huge pages off for the process of `service` (see the module doc),
+/// unless it is one that keeps them or the environment says whether mimalloc may use them.
+/// Called by [`crate::launch()`], before the service's heap grows.
+pub fn small_pages(service: &str) -> nix::Result<()> {
+    if KEEP_HUGE_PAGES.contains(&service) || std::env::var_os(ALLOW_THP_ENV).is_some() {
+        return Ok(());
+    }
+    nix::sys::prctl::set_thp_disable(true)
 }
 
 #[allow(unsafe_code)]
@@ -77,6 +101,49 @@ mod tests {
             .status()
             .expect("the test binary runs");
         assert!(status.success(), "the child process failed: {status}");
+    }
+
+    /// The service a child process of the test below plays.
+    const SERVICE: &str = "TRELLIS_ALLOCATOR_TEST_SERVICE";
+
+    /// In child processes: the flag is per process and inherited, and the test binary's other
+    /// tests should keep the kernel's default.
+    #[test]
+    fn small_pages_turns_huge_pages_off_unless_the_service_or_the_environment_keeps_them() {
+        if let Some(expected) = std::env::var_os(CHILD) {
+            let service = std::env::var(SERVICE).expect("the service to play");
+            small_pages(&service).expect("prctl");
+            assert_eq!(
+                nix::sys::prctl::get_thp_disable().expect("prctl"),
+                expected == "off",
+                "{service}"
+            );
+            return;
+        }
+        for (expected, service, env) in [
+            ("off", "trellis-broker", None),
+            ("kept", "trellis-broker", Some("1")),
+            ("kept", "trellis-gateway", None),
+        ] {
+            let mut child =
+                std::process::Command::new(std::env::current_exe().expect("test binary"));
+            child
+                .args([
+                    "--exact",
+                    "allocator::tests::small_pages_turns_huge_pages_off_unless_the_service_or_the_environment_keeps_them",
+                ])
+                .env(CHILD, expected)
+                .env(SERVICE, service)
+                .env_remove(ALLOW_THP_ENV);
+            if let Some(value) = env {
+                child.env(ALLOW_THP_ENV, value);
+            }
+            let status = child.status().expect("the test binary runs");
+            assert!(
+                status.success(),
+                "the child playing {service} ({expected}) failed: {status}"
+            );
+        }
     }
 
     #[test]

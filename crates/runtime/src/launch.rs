@@ -19,6 +19,8 @@ where
     Fut: Future<Output = anyhow::Result<()>>,
 {
     crate::allocator::tune();
+    // Before telemetry is up; a kernel without the flag only keeps its huge pages.
+    let small_pages = crate::allocator::small_pages(service);
     let config = C::parse();
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -38,6 +40,9 @@ where
             cluster_name: common.cluster_name().to_owned(),
         };
         let telemetry = telemetry::init(&identity, common.log_format)?;
+        if let Err(err) = small_pages {
+            tracing::warn!(error = %err, "cannot turn transparent huge pages off; the service uses more memory");
+        }
         let shutdown = shutdown::on_signals()?;
         let result = run(config, shutdown).await;
         if let Err(err) = &result {
