@@ -25,7 +25,8 @@
 //!   listener (ADR 0020);
 //! - [`admission`]: the one tower service both of those checks run in;
 //! - [`allocator`]: mimalloc (v2) as the global allocator of every binary linking this crate,
-//!   and [`allocator::tune`], its options for a long-running service.
+//!   [`allocator::tune`], its options for a long-running service, and
+//!   [`allocator::small_pages`], which keeps a service's heap off transparent huge pages.
 //!
 //! The domain error type and its gRPC table are re-exported from `trellis-error`.
 
