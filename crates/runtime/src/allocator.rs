@@ -15,8 +15,8 @@
 //!
 //! [`small_pages`] turns transparent huge pages off for a service process. mimalloc asks the
 //! kernel for them, and a service's heap of tens of megabytes then grows and stays resident
-//! 2 MiB at a time: the hub's five services at 100 leaves peaked at 196–209 MB together with
-//! them and 140–150 MB without, their CPU no higher (ADR 0015). Not for the gateway, whose
+//! 2 MiB at a time: the hub's five services at 100 leaves peaked at 196,220–208,584 KiB
+//! together with them and 140,300–149,952 KiB without, their CPU no higher (ADR 0015). Not for the gateway, whose
 //! userspace tunnels move every packet through its heap (its tunnel throughput was 1–6 % lower
 //! without them), nor for the lab, whose hundreds of clusters share one heap of over a
 //! gigabyte (a fifth slower without them).
