@@ -388,7 +388,17 @@ where
     F: Fn(Req) -> Fut,
     Fut: Future<Output = Result<Resp, Status>>,
 {
-    futures::future::join_all(items.into_iter().map(handle)).await
+    use futures::StreamExt as _;
+    // Not `join_all`: below 31 futures it polls every item each time any one is woken, and a
+    // batch's items finish one by one as their destinations answer, so each answer re-polled
+    // (and entered the span of) every item still waiting. Without that, the hub's CPU per
+    // induced tunnel at 100 leaves read 0.095-0.102 ms against 0.102-0.111 ms (five pairs).
+    items
+        .into_iter()
+        .map(handle)
+        .collect::<futures::stream::FuturesOrdered<_>>()
+        .collect()
+        .await
 }
 
 /// An item's error as it travels in a batch response.
@@ -692,5 +702,32 @@ mod tests {
         .await;
         let got: Vec<u32> = results.into_iter().map(|r| r.expect("served")).collect();
         assert_eq!(got, vec![3, 1, 2]);
+    }
+
+    /// Items finish one by one, as their destinations answer: each answer polls its own item,
+    /// not every item still waiting (which made a batch of n items cost n²/2 polls, each
+    /// entering the item's span).
+    #[tokio::test(start_paused = true)]
+    async fn an_item_is_polled_when_it_is_woken_not_when_another_is() {
+        const ITEMS: u64 = 30;
+        let polls = Arc::new(AtomicUsize::new(0));
+        let results = serve((1..=ITEMS).collect(), |i| {
+            let polls = polls.clone();
+            let mut sleep = Box::pin(tokio::time::sleep(Duration::from_millis(i)));
+            std::future::poll_fn(move |cx| {
+                polls.fetch_add(1, Ordering::Relaxed);
+                sleep.as_mut().poll(cx).map(|()| Ok::<_, Status>(i))
+            })
+        })
+        .await;
+        let got: Vec<u64> = results.into_iter().map(|r| r.expect("served")).collect();
+        assert_eq!(got, (1..=ITEMS).collect::<Vec<_>>());
+        // Once when started and once when its own timer fires (joining every item on every
+        // wake polls 30 items 495 times).
+        let polls = polls.load(Ordering::Relaxed);
+        assert!(
+            polls <= 2 * ITEMS as usize,
+            "{polls} polls for {ITEMS} items"
+        );
     }
 }
