@@ -77,6 +77,8 @@ impl Backoff {
 struct Job {
     address: String,
     outgoing: Outgoing,
+    /// [`Outbox::digest_of`] the neighbours sent.
+    digest: String,
     /// The outbox entry and its revision (0 = none yet).
     outbox: Option<(Outbox, i64)>,
     /// The peer is no longer a networked full peer: withdraw, then forget it.
@@ -202,30 +204,67 @@ fn concerns_sender(event: &trellis_store::WatchEvent) -> bool {
 /// The Neighborhood each networked full peer should hold: the other networked full peers.
 /// With induced peering off every list is empty: peers still get (empty) Neighborhoods, which
 /// withdraws anything an earlier run introduced.
-fn desired(snapshot: &Snapshot, induced: bool) -> BTreeMap<ClusterId, (String, Vec<Neighbor>)> {
-    let peers: Vec<_> = snapshot
-        .records
-        .values()
-        .filter(|(r, _)| r.is_networked_full_peer())
-        .map(|(r, _)| r)
-        .collect();
-    peers
-        .iter()
-        .map(|p| {
-            let others = peers
-                .iter()
-                .filter(|o| induced && o.identity.id != p.identity.id)
-                .map(|o| Neighbor {
-                    identity: o.identity.clone(),
-                    addresses: o.full.clone().unwrap_or_default().addresses,
-                })
-                .collect();
-            (
-                p.identity.id.clone(),
-                (p.discovery_endpoint().to_owned(), others),
-            )
-        })
-        .collect()
+///
+/// Each peer's list is every other peer, so the lists hold n(n-1) entries in all: a pass
+/// builds one only for a peer it sends to, and compares the others by digest, from one hash
+/// per peer ([`Neighbor::hash64`]).
+struct Desired {
+    /// Every networked full peer, ordered by ID: its discovery address and itself as a
+    /// neighbour, with its hash.
+    peers: Vec<(ClusterId, String, Neighbor, u64)>,
+    induced: bool,
+}
+
+impl Desired {
+    fn of(snapshot: &Snapshot, induced: bool) -> Self {
+        let peers = snapshot
+            .records
+            .values()
+            .filter(|(r, _)| r.is_networked_full_peer())
+            .map(|(r, _)| {
+                let neighbor = Neighbor {
+                    identity: r.identity.clone(),
+                    addresses: r
+                        .full
+                        .as_ref()
+                        .map(|f| f.addresses.clone())
+                        .unwrap_or_default(),
+                };
+                let hash = neighbor.hash64();
+                (
+                    r.identity.id.clone(),
+                    r.discovery_endpoint().to_owned(),
+                    neighbor,
+                    hash,
+                )
+            })
+            .collect();
+        Self { peers, induced }
+    }
+
+    fn contains(&self, peer: &ClusterId) -> bool {
+        self.peers.binary_search_by(|(id, ..)| id.cmp(peer)).is_ok()
+    }
+
+    /// The entries of every peer but the one at `index`.
+    fn others(&self, index: usize) -> impl Iterator<Item = &(ClusterId, String, Neighbor, u64)> {
+        let induced = self.induced;
+        self.peers
+            .iter()
+            .enumerate()
+            .filter(move |(i, _)| induced && *i != index)
+            .map(|(_, entry)| entry)
+    }
+
+    /// [`Outbox::digest_of`] the list of the peer at `index`.
+    fn digest(&self, index: usize) -> String {
+        Outbox::digest_of_hashes(self.others(index).map(|(.., hash)| *hash))
+    }
+
+    /// The list of the peer at `index`.
+    fn neighbors(&self, index: usize) -> Vec<Neighbor> {
+        self.others(index).map(|(_, _, n, _)| n.clone()).collect()
+    }
 }
 
 async fn pass(
@@ -246,17 +285,16 @@ async fn pass(
                 .max(o.floor)
         })
     };
-    let desired = desired(&snapshot, core.induced_peering());
+    let desired = Desired::of(&snapshot, core.induced_peering());
     // A peer neither desired nor holding anything from us has nothing left to retry: its
     // backoff would only wake the loop.
     backoff.retain(|peer, _| {
-        peer == &core.identity().id || desired.contains_key(peer) || outboxes.contains_key(peer)
+        peer == &core.identity().id || desired.contains(peer) || outboxes.contains_key(peer)
     });
-    for (peer, (address, neighbors)) in &desired {
+    for (index, (peer, address, ..)) in desired.peers.iter().enumerate() {
         let outbox = outboxes.remove(peer);
-        let changed = outbox
-            .as_ref()
-            .is_none_or(|(o, _)| o.digest != Outbox::digest_of(neighbors));
+        let digest = desired.digest(index);
+        let changed = outbox.as_ref().is_none_or(|(o, _)| o.digest != digest);
         if !sends(changed, resync, backoff.get(peer), now) {
             continue;
         }
@@ -279,9 +317,10 @@ async fn pass(
             outgoing: Outgoing {
                 sender: core.identity().clone(),
                 recipient: record.identity.clone(),
-                neighbors: neighbors.clone(),
+                neighbors: desired.neighbors(index),
                 generation,
             },
+            digest,
             outbox,
             farewell: false,
         });
@@ -322,6 +361,7 @@ async fn pass(
                 neighbors: Vec::new(),
                 generation,
             },
+            digest: Outbox::digest_of(&[]),
             outbox: Some((outbox, revision)),
             farewell: true,
         });
@@ -389,7 +429,7 @@ async fn settle(core: &Discovery, job: &Job, result: Result<crate::core::Applied
                 let acknowledged = Outbox {
                     peer: job.outgoing.recipient.clone(),
                     generation: job.outgoing.generation,
-                    digest: Outbox::digest_of(&job.outgoing.neighbors),
+                    digest: job.digest.clone(),
                     count: job.outgoing.neighbors.len(),
                     floor,
                 };
@@ -449,7 +489,10 @@ mod tests {
     use trellis_store::{KeyValue, WatchEvent};
 
     use super::*;
-    use crate::records::{ForeignClusterRecord, Kind, Source, cluster_key, encode};
+    use crate::records::{
+        Addresses, ForeignClusterRecord, FullPeering, Kind, PEERED, Source, Status, cluster_key,
+        encode,
+    };
 
     fn put(record: &ForeignClusterRecord) -> WatchEvent {
         let key = cluster_key(&record.identity.id);
@@ -506,5 +549,97 @@ mod tests {
             key: cluster_key(&induced.identity.id),
             mod_revision: 4,
         }));
+    }
+
+    /// A snapshot of `full` networked full peers, one full peer without networking and one
+    /// induced record.
+    fn snapshot(full: usize) -> Snapshot {
+        let identity = |id: &str| ClusterIdentity::parse("id", id, "name", "").expect("identity");
+        let peer = |id: String, networking: bool| {
+            let mut record = ForeignClusterRecord::new(identity(&id), Kind::Full, Source::Peering);
+            record.set_condition(PEERED, Status::True, "Peered", "");
+            record.full = Some(FullPeering {
+                outgoing: true,
+                incoming: true,
+                networking,
+                addresses: Addresses {
+                    discovery: format!("{id}.example:7101"),
+                    ..Addresses::default()
+                },
+                ca_certificate: String::new(),
+            });
+            record
+        };
+        let mut records: Vec<ForeignClusterRecord> = (0..full)
+            .map(|i| peer(format!("leaf-{i:03}"), true))
+            .collect();
+        records.push(peer("quiet".into(), false));
+        records.push(ForeignClusterRecord::new(
+            identity("far"),
+            Kind::Induced,
+            Source::Neighborhood,
+        ));
+        Snapshot {
+            records: records
+                .into_iter()
+                .map(|r| (r.identity.id.clone(), (r, 3)))
+                .collect(),
+            revision: 3,
+        }
+    }
+
+    /// Each networked full peer's list is every other one, and the digest a pass compares,
+    /// made from one hash per peer, is the digest of that list as sent: otherwise every pass
+    /// would re-send every Neighborhood (or none).
+    #[test]
+    fn a_peers_digest_is_the_digest_of_the_list_it_is_sent() {
+        let snapshot = snapshot(5);
+        let desired = Desired::of(&snapshot, true);
+        let ids: Vec<&str> = desired.peers.iter().map(|(id, ..)| id.as_str()).collect();
+        assert_eq!(
+            ids,
+            ["leaf-000", "leaf-001", "leaf-002", "leaf-003", "leaf-004"]
+        );
+        for (index, (id, address, ..)) in desired.peers.iter().enumerate() {
+            assert!(desired.contains(id));
+            assert_eq!(address, &format!("{id}.example:7101"));
+            let neighbors = desired.neighbors(index);
+            let named: Vec<&str> = neighbors.iter().map(|n| n.identity.id.as_str()).collect();
+            let expected: Vec<&str> = ids.iter().copied().filter(|o| *o != id.as_str()).collect();
+            assert_eq!(named, expected);
+            assert_eq!(desired.digest(index), Outbox::digest_of(&neighbors));
+        }
+        assert!(!desired.contains(&ClusterId::parse("id", "quiet").expect("id")));
+        assert!(!desired.contains(&ClusterId::parse("id", "far").expect("id")));
+        // Two peers' lists differ, and so do their digests.
+        assert_ne!(desired.digest(0), desired.digest(1));
+
+        let off = Desired::of(&snapshot, false);
+        assert_eq!(off.peers.len(), 5);
+        assert!(off.neighbors(2).is_empty());
+        assert_eq!(off.digest(2), Outbox::digest_of(&[]));
+    }
+
+    /// A digest changes with any neighbour's content, its count or their order.
+    #[test]
+    fn a_digest_tells_lists_apart() {
+        let desired = Desired::of(&snapshot(3), true);
+        let list = desired.neighbors(0);
+        let mut moved = list.clone();
+        moved[1].addresses.discovery = "elsewhere:7101".into();
+        let mut reversed = list.clone();
+        reversed.reverse();
+        let digests = [
+            Outbox::digest_of(&list),
+            Outbox::digest_of(&moved),
+            Outbox::digest_of(&reversed),
+            Outbox::digest_of(&list[..1]),
+        ];
+        for (i, a) in digests.iter().enumerate() {
+            for b in &digests[i + 1..] {
+                assert_ne!(a, b);
+            }
+        }
+        assert!(digests[3].ends_with(":1"));
     }
 }
