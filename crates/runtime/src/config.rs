@@ -74,6 +74,18 @@ pub struct BaseConfig {
         default_value_t = 10
     )]
     pub shutdown_grace: u64,
+
+    /// Threads the service's async runtime runs on (1-1024). Defaults to 1, except for the
+    /// gateway, which uses one per core (or `TOKIO_WORKER_THREADS`). A control-plane service
+    /// spends microseconds of CPU per request and mostly waits on other services; on one
+    /// thread it saves the wake-ups and frees across threads that a pool costs (ADR 0015).
+    #[arg(
+        long,
+        env = "TRELLIS_WORKER_THREADS",
+        value_name = "N",
+        value_parser = clap::value_parser!(u16).range(1..=1024)
+    )]
+    pub worker_threads: Option<u16>,
 }
 
 /// Flags common to all Trellis services that keep state: [`BaseConfig`] (reachable through
@@ -430,6 +442,20 @@ mod tests {
         assert_eq!(cli.common.cluster_name(), "c1");
         assert_eq!(cli.common.log_format, LogFormat::Text);
         assert_eq!(cli.common.shutdown_grace(), Duration::from_secs(10));
+        assert_eq!(cli.common.worker_threads, None);
+    }
+
+    #[test]
+    fn worker_threads_are_range_checked() {
+        let parse = |n: &str| {
+            let flag = format!("--worker-threads={n}");
+            Cli::try_parse_from(["x", "--store", "memory://", "--cluster-id", "c1", &flag])
+        };
+        assert_eq!(parse("4").expect("parses").common.worker_threads, Some(4));
+        for bad in ["0", "1025", "-1", "two"] {
+            let err = parse(bad).expect_err(bad);
+            assert!(err.to_string().contains("--worker-threads"), "{err}");
+        }
     }
 
     #[test]
