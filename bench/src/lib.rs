@@ -227,11 +227,28 @@ fn git_commit() -> String {
     match git(&["rev-parse", "HEAD"]) {
         Some(head) if !head.is_empty() => {
             let dirty = git(&["status", "--porcelain", "--untracked-files=no"])
-                .is_some_and(|s| !s.is_empty());
+                .is_some_and(|s| changes_beyond_outputs(&s));
             if dirty { format!("{head}+dirty") } else { head }
         }
         _ => "unknown".into(),
     }
+}
+
+/// What the benchmarks write themselves: a suite run changes them before its later
+/// benchmarks start, which is not a change of the tree they measure.
+const OUTPUTS: &[&str] = &["bench/results/", "docs/bench/", "docs/benchmarks.md"];
+
+/// Whether `git status --porcelain` output lists a change outside [`OUTPUTS`].
+fn changes_beyond_outputs(porcelain: &str) -> bool {
+    porcelain.lines().any(|line| {
+        // "XY path", or "XY from -> to" for a rename: both ends count.
+        let paths = line.get(3..).unwrap_or_default();
+        paths.split(" -> ").any(|path| {
+            !OUTPUTS
+                .iter()
+                .any(|o| path.trim_matches('"').starts_with(o))
+        })
+    })
 }
 
 /// The current time, UTC, as `YYYY-MM-DDTHH:MM:SSZ` (no date crate for one line).
@@ -289,6 +306,23 @@ mod tests {
         assert_eq!(format_utc(0), "1970-01-01T00:00:00Z");
         assert_eq!(format_utc(951_782_400), "2000-02-29T00:00:00Z");
         assert_eq!(format_utc(1_795_320_000), "2026-11-22T04:00:00Z");
+    }
+
+    /// A suite run writes its results before its later benchmarks start: those files do not
+    /// make the measured tree dirty; anything else does.
+    #[test]
+    fn only_changes_beyond_the_results_make_a_run_dirty() {
+        assert!(!changes_beyond_outputs(""));
+        assert!(!changes_beyond_outputs(
+            " M bench/results/mesh.json\n M docs/bench/mesh-setup-vs-leaves.svg\n M docs/benchmarks.md\n"
+        ));
+        assert!(changes_beyond_outputs(
+            " M bench/results/mesh.json\n M services/forwarder/src/core.rs\n"
+        ));
+        assert!(changes_beyond_outputs("M  bench/notes/mesh.md\n"));
+        assert!(changes_beyond_outputs(
+            "R  crates/a.rs -> bench/results/a.json\n"
+        ));
     }
 
     #[test]

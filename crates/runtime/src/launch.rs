@@ -68,9 +68,9 @@ const POOLED: &[&str] = &["trellis-gateway"];
 /// The runtime threads of `service`: `configured` (`--worker-threads`), else 1, or Tokio's
 /// default (one per core, or `TOKIO_WORKER_THREADS`) for [`POOLED`] services.
 ///
-/// Why one: at 100 leaves the hub's five processes spent 0.068-0.081 ms of CPU per induced
-/// tunnel on one thread each against 0.089-0.103 ms on a pool of two (three alternating pairs
-/// on a 2-core machine), and converged sooner.
+/// Why one: at 100 leaves the hub's five processes spent 0.069-0.085 ms of CPU per induced
+/// tunnel on one thread each against 0.086-0.102 ms on a pool of two (four alternating pairs
+/// on a 2-core machine), and converged sooner (ADR 0015).
 fn worker_threads(service: &str, configured: Option<u16>) -> Option<usize> {
     match configured {
         Some(n) => Some(usize::from(n)),
