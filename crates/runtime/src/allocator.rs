@@ -16,10 +16,11 @@
 //! [`small_pages`] turns transparent huge pages off for a service process. mimalloc asks the
 //! kernel for them, and a service's heap of tens of megabytes then grows and stays resident
 //! 2 MiB at a time: the hub's five services at 100 leaves peaked at 196,220–208,584 KiB
-//! together with them and 140,300–149,952 KiB without, their CPU no higher (ADR 0015). Not for the gateway, whose
-//! userspace tunnels move every packet through its heap (its tunnel throughput was 1–6 % lower
-//! without them), nor for the lab, whose hundreds of clusters share one heap of over a
-//! gigabyte (a fifth slower without them).
+//! together with them and 140,300–149,952 KiB without, their CPU no higher (ADR 0015). Not for
+//! the gateway (`launch` leaves its data-plane services alone), whose userspace tunnels move
+//! every packet through its heap (its tunnel throughput was 1–6 % lower without them), nor for
+//! the lab, whose hundreds of clusters share one heap of over a gigabyte (a fifth slower
+//! without them).
 
 use std::ffi::{c_int, c_long};
 
@@ -47,14 +48,11 @@ pub fn tune() {
     }
 }
 
-/// Services that keep transparent huge pages (see the module doc).
-const KEEP_HUGE_PAGES: &[&str] = &["trellis-gateway"];
-
-/// Turns transparent huge pages off for the process of `service` (see the module doc),
-/// unless it is one that keeps them or the environment says whether mimalloc may use them.
-/// Called by [`crate::launch()`], before the service's heap grows.
-pub fn small_pages(service: &str) -> nix::Result<()> {
-    if KEEP_HUGE_PAGES.contains(&service) || std::env::var_os(ALLOW_THP_ENV).is_some() {
+/// Turns transparent huge pages off for this process (see the module doc), unless the
+/// environment says whether mimalloc may use them. Called by [`crate::launch()`] for every
+/// service but the data plane's, before the service's heap grows.
+pub fn small_pages() -> nix::Result<()> {
+    if std::env::var_os(ALLOW_THP_ENV).is_some() {
         return Ok(());
     }
     nix::sys::prctl::set_thp_disable(true)
@@ -103,46 +101,33 @@ mod tests {
         assert!(status.success(), "the child process failed: {status}");
     }
 
-    /// The service a child process of the test below plays.
-    const SERVICE: &str = "TRELLIS_ALLOCATOR_TEST_SERVICE";
-
     /// In child processes: the flag is per process and inherited, and the test binary's other
     /// tests should keep the kernel's default.
     #[test]
-    fn small_pages_turns_huge_pages_off_unless_the_service_or_the_environment_keeps_them() {
+    fn small_pages_turns_huge_pages_off_unless_the_environment_decides() {
         if let Some(expected) = std::env::var_os(CHILD) {
-            let service = std::env::var(SERVICE).expect("the service to play");
-            small_pages(&service).expect("prctl");
+            small_pages().expect("prctl");
             assert_eq!(
                 nix::sys::prctl::get_thp_disable().expect("prctl"),
-                expected == "off",
-                "{service}"
+                expected == "off"
             );
             return;
         }
-        for (expected, service, env) in [
-            ("off", "trellis-broker", None),
-            ("kept", "trellis-broker", Some("1")),
-            ("kept", "trellis-gateway", None),
-        ] {
+        for (expected, env) in [("off", None), ("kept", Some("1"))] {
             let mut child =
                 std::process::Command::new(std::env::current_exe().expect("test binary"));
             child
                 .args([
                     "--exact",
-                    "allocator::tests::small_pages_turns_huge_pages_off_unless_the_service_or_the_environment_keeps_them",
+                    "allocator::tests::small_pages_turns_huge_pages_off_unless_the_environment_decides",
                 ])
                 .env(CHILD, expected)
-                .env(SERVICE, service)
                 .env_remove(ALLOW_THP_ENV);
             if let Some(value) = env {
                 child.env(ALLOW_THP_ENV, value);
             }
             let status = child.status().expect("the test binary runs");
-            assert!(
-                status.success(),
-                "the child playing {service} ({expected}) failed: {status}"
-            );
+            assert!(status.success(), "the child ({expected}) failed: {status}");
         }
     }
 

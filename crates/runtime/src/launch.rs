@@ -19,11 +19,14 @@ where
     Fut: Future<Output = anyhow::Result<()>>,
 {
     crate::allocator::tune();
+    let data_plane = DATA_PLANE.contains(&service);
     // Before telemetry is up; a kernel without the flag only keeps its huge pages.
-    let small_pages = crate::allocator::small_pages(service);
+    let small_pages = (!data_plane)
+        .then(crate::allocator::small_pages)
+        .transpose();
     let config = C::parse();
     let mut builder = tokio::runtime::Builder::new_multi_thread();
-    if let Some(threads) = worker_threads(service, config.base().worker_threads) {
+    if let Some(threads) = worker_threads(data_plane, config.base().worker_threads) {
         builder.worker_threads(threads);
     }
     let runtime = match builder.enable_all().build() {
@@ -61,20 +64,22 @@ where
     }
 }
 
-/// Services whose runtime keeps one thread per core by default: the gateway, which moves
-/// packets.
-const POOLED: &[&str] = &["trellis-gateway"];
+/// The services that move packets: the gateway, whose userspace tunnels carry every packet
+/// through its heap and its threads. They keep what the control-plane services give up (ADR
+/// 0015): transparent huge pages (its tunnel throughput was 1-6 % lower without them) and
+/// Tokio's pool of one runtime thread per core.
+const DATA_PLANE: &[&str] = &["trellis-gateway"];
 
-/// The runtime threads of `service`: `configured` (`--worker-threads`), else 1, or Tokio's
-/// default (one per core, or `TOKIO_WORKER_THREADS`) for [`POOLED`] services.
+/// The runtime threads of a service: `configured` (`--worker-threads`), else 1, or Tokio's
+/// default (one per core, or `TOKIO_WORKER_THREADS`) for a [`DATA_PLANE`] service.
 ///
 /// Why one: at 100 leaves the hub's five processes spent 0.069-0.085 ms of CPU per induced
 /// tunnel on one thread each against 0.086-0.102 ms on a pool of two (four alternating pairs
 /// on a 2-core machine), and converged sooner (ADR 0015).
-fn worker_threads(service: &str, configured: Option<u16>) -> Option<usize> {
+fn worker_threads(data_plane: bool, configured: Option<u16>) -> Option<usize> {
     match configured {
         Some(n) => Some(usize::from(n)),
-        None if POOLED.contains(&service) => None,
+        None if data_plane => None,
         None => Some(1),
     }
 }
@@ -85,10 +90,13 @@ mod tests {
 
     #[test]
     fn control_plane_services_run_on_one_thread_unless_told_otherwise() {
-        assert_eq!(worker_threads("trellis-forwarder", None), Some(1));
-        assert_eq!(worker_threads("trellis-ipam", None), Some(1));
-        assert_eq!(worker_threads("trellis-forwarder", Some(4)), Some(4));
-        assert_eq!(worker_threads("trellis-gateway", None), None);
-        assert_eq!(worker_threads("trellis-gateway", Some(2)), Some(2));
+        assert!(DATA_PLANE.contains(&"trellis-gateway"));
+        for service in ["trellis-forwarder", "trellis-ipam", "trellis-route"] {
+            assert!(!DATA_PLANE.contains(&service), "{service}");
+        }
+        assert_eq!(worker_threads(false, None), Some(1));
+        assert_eq!(worker_threads(false, Some(4)), Some(4));
+        assert_eq!(worker_threads(true, None), None);
+        assert_eq!(worker_threads(true, Some(2)), Some(2));
     }
 }
