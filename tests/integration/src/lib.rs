@@ -26,23 +26,9 @@ use tonic::transport::Channel;
 use tonic_health::pb::health_client::HealthClient;
 use tonic_health::pb::{HealthCheckRequest, health_check_response::ServingStatus};
 
-/// Path of a workspace binary built next to the running test (`<target>/<profile>/<name>`).
-pub fn bin_path(name: &str) -> anyhow::Result<PathBuf> {
-    let exe = std::env::current_exe()?;
-    // <target>/<profile>/deps/<test-binary>
-    let profile_dir = exe
-        .parent()
-        .and_then(|deps| deps.parent())
-        .context("test binary has no profile directory")?;
-    let path = profile_dir.join(name);
-    if !path.exists() {
-        bail!(
-            "{} is missing; build it first (`cargo build --workspace --bins`, which `make test` does)",
-            path.display()
-        );
-    }
-    Ok(path)
-}
+/// Path of a workspace binary: `$TRELLIS_BIN_DIR` when set, else the one built next to the
+/// running test (`<target>/<profile>/<name>`).
+pub use trellis_netlab::bins::bin_path;
 
 /// A service binary running as a child process, killed on drop.
 #[derive(Debug)]
