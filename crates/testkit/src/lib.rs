@@ -5,7 +5,9 @@
 //! - [`free_port`]: a loopback port nobody listens on;
 //! - [`Etcd`]: a real single-node etcd process in a temporary directory;
 //! - [`FakeApiServer`]: a fake Kubernetes API server speaking the real HTTP/JSON protocol
-//!   (ADR 0019 says what it does not model).
+//!   (ADR 0019 says what it does not model);
+//! - [`wireguard::Forger`]: forged WireGuard handshake initiations naming a key the sender does
+//!   not hold, for tests of a gateway under hostile handshakes.
 //!
 //! This is a dev-dependency: its helpers panic with a clear message where a test should fail.
 
@@ -14,6 +16,7 @@ mod etcd_tls;
 mod kube_fake;
 mod ports;
 mod tools;
+pub mod wireguard;
 
 pub use etcd::Etcd;
 pub use etcd_tls::EtcdTlsFiles;

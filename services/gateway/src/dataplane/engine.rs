@@ -18,9 +18,20 @@
 //! Datagrams that fit no peer, fail to authenticate, replay a counter or carry an inner source
 //! outside the peer's AllowedIPs are dropped and counted by reason ([`DropReason`]).
 //!
-//! Three threads do the work, so both directions use a core each: one receives from the socket
+//! Four threads do the work, so both directions use a core each: one receives from the socket
 //! and writes into the TUNs, one waits on every TUN (`mio`) and sends to the socket, one runs
-//! the WireGuard timers (handshake retries, keepalives, rekeys) four times a second.
+//! the WireGuard timers (handshake retries, keepalives, rekeys) four times a second, and one
+//! handles handshake messages, which the receiving thread hands over through a bounded queue.
+//!
+//! Handshakes are where an attacker who knows public keys can make us work (every member of a
+//! fabric learns every gateway's key from the NetworkConfigs), so they get the defences of
+//! kernel WireGuard: one cookie secret for the whole engine (its [`RateLimiter`] demands
+//! cookies above [`HANDSHAKE_RATE_LIMIT`] handshakes a second; the per-peer sessions only check
+//! MAC1 again, so no second secret can ping-pong a peer's cookie), a token bucket per source
+//! address once under that load ([`SourceBuckets`]), their Diffie-Hellman work on a thread of
+//! their own (a flood of initiations cannot slow other peers' data), and a peer's endpoint
+//! that only moves on an authenticated message (data, a keepalive, a completed handshake),
+//! never on one that was only answered with a cookie or refused.
 //!
 //! The socket is batched ([`Io::Batched`], `quinn-udp`): one `recvmmsg` returns up to 32
 //! buffers, each of which may hold many datagrams of one sender coalesced by UDP GRO; the TUN
@@ -60,6 +71,19 @@ const WAKER: Token = Token(usize::MAX);
 /// Handshake messages per second (all peers together) before cookies are demanded, as
 /// boringtun's own device sets it.
 const HANDSHAKE_RATE_LIMIT: u64 = 100;
+
+/// Handshake messages waiting for the handshake thread; more are dropped (kernel WireGuard
+/// queues 4096 per device; ours serves one gateway's peers, a few hundred at most).
+const HANDSHAKE_QUEUE: usize = 1024;
+
+/// Under load, handshake messages per second one source address may send, and its burst: kernel
+/// WireGuard's `ratelimiter.c` values (20 packets/s, burst 5).
+const SOURCE_RATE: f64 = 20.0;
+const SOURCE_BURST: f64 = 5.0;
+
+/// Sources tracked at once under load; a new source beyond that is refused until old ones
+/// expire (the table of a spoofing flood must not grow without bound).
+const MAX_SOURCES: usize = 16_384;
 
 /// How often the WireGuard timers run. boringtun's timers have one-second granularity; four
 /// passes a second keep handshake retries close to their 5 s schedule.
@@ -116,19 +140,26 @@ pub enum DropReason {
     Decrypt,
     /// Decrypted, but the inner source is outside the peer's AllowedIPs.
     SourceNotAllowed,
+    /// A handshake message refused under load: its source sent more than its share, or the
+    /// handshake queue was full.
+    RateLimited,
+    /// Decrypted, but the TUN interface would not take it (its queue full).
+    TunWrite,
     /// Any other refusal by the protocol (no session for the index, unexpected message).
     Other,
 }
 
 impl DropReason {
     /// Every reason, in label order.
-    pub const ALL: [DropReason; 7] = [
+    pub const ALL: [DropReason; 9] = [
         Self::Malformed,
         Self::Mac,
         Self::UnknownPeer,
         Self::Replay,
         Self::Decrypt,
         Self::SourceNotAllowed,
+        Self::RateLimited,
+        Self::TunWrite,
         Self::Other,
     ];
 
@@ -141,6 +172,8 @@ impl DropReason {
             Self::Replay => "replay",
             Self::Decrypt => "decrypt",
             Self::SourceNotAllowed => "source_not_allowed",
+            Self::RateLimited => "rate_limited",
+            Self::TunWrite => "tun_write",
             Self::Other => "other",
         }
     }
@@ -227,8 +260,18 @@ struct Shared {
     secret: StaticSecret,
     public: PublicKey,
     /// Checks MAC1 (and MAC2 under load) of handshakes before we spend a Diffie-Hellman on
-    /// finding their peer.
+    /// finding their peer: the engine's one cookie secret.
     limiter: RateLimiter,
+    /// What every peer's session checks again: MAC1 only, never under load, so a session never
+    /// answers with a cookie of its own (boringtun gives a session without a shared limiter a
+    /// private one, with its own secret and a limit of 10 a second per peer).
+    mac1_only: Arc<RateLimiter>,
+    /// Handshake messages this second (reset with the limiter's count): above
+    /// [`HANDSHAKE_RATE_LIMIT`], every source is held to its bucket.
+    handshakes: AtomicU64,
+    sources: Mutex<SourceBuckets>,
+    /// Handshake messages for the handshake thread.
+    handshake_queue: std::sync::mpsc::SyncSender<(SocketAddr, Vec<u8>)>,
     peers: RwLock<Peers>,
     registry: mio::Registry,
     waker: Waker,
@@ -322,11 +365,16 @@ impl Engine {
             .duration_since(SystemTime::UNIX_EPOCH)
             .map(|d| d.subsec_nanos())
             .unwrap_or(1);
+        let (handshake_queue, queued_handshakes) = std::sync::mpsc::sync_channel(HANDSHAKE_QUEUE);
         let shared = Arc::new(Shared {
             socket,
             batched,
             dual_stack,
             limiter: RateLimiter::new(&public, HANDSHAKE_RATE_LIMIT),
+            mac1_only: Arc::new(RateLimiter::new(&public, u64::MAX)),
+            handshakes: AtomicU64::new(0),
+            sources: Mutex::new(SourceBuckets::default()),
+            handshake_queue,
             secret,
             public,
             peers: RwLock::new(Peers::default()),
@@ -355,6 +403,10 @@ impl Engine {
                 let shared = shared.clone();
                 Box::new(move || timer_loop(&shared))
             })?,
+            spawn("wg-handshake", {
+                let shared = shared.clone();
+                Box::new(move || handshake_loop(&shared, &queued_handshakes))
+            })?,
         ];
         tracing::info!(
             port,
@@ -372,6 +424,19 @@ impl Engine {
     /// The UDP port every peer reaches us at.
     pub fn port(&self) -> u16 {
         self.port
+    }
+
+    /// The engine's threads that ended while it is still running: each carries one direction
+    /// or the handshakes of every peer, so the engine is broken until the process restarts.
+    pub fn stopped_threads(&self) -> Vec<String> {
+        if self.shared.stop.load(Ordering::Relaxed) {
+            return Vec::new();
+        }
+        self.threads
+            .iter()
+            .filter(|t| t.is_finished())
+            .map(|t| t.thread().name().unwrap_or("unnamed").to_owned())
+            .collect()
     }
 
     /// Datagrams dropped so far, by reason.
@@ -526,7 +591,7 @@ impl Shared {
             None,
             (config.keepalive > 0).then_some(config.keepalive),
             index,
-            None,
+            Some(self.mac1_only.clone()),
         )
     }
 
@@ -627,8 +692,30 @@ impl Shared {
         }
     }
 
-    /// One datagram from the socket: find its peer, let the peer's session handle it.
+    /// One datagram from the socket. Handshake initiations and responses go to the handshake
+    /// thread (dropped when its queue is full); data and cookie replies are handled here.
     fn receive(&self, from: SocketAddr, datagram: &[u8], dst: &mut [u8]) {
+        if matches!(datagram.first(), Some(1 | 2)) {
+            if self
+                .handshake_queue
+                .try_send((from, datagram.to_vec()))
+                .is_err()
+            {
+                self.count(DropReason::RateLimited);
+            }
+            return;
+        }
+        self.handle(from, datagram, dst);
+    }
+
+    /// One datagram: check it, find its peer, let the peer's session handle it.
+    fn handle(&self, from: SocketAddr, datagram: &[u8], dst: &mut [u8]) {
+        let handshake = matches!(datagram.first(), Some(1 | 2));
+        let load = if handshake {
+            self.handshakes.fetch_add(1, Ordering::Relaxed) + 1
+        } else {
+            0
+        };
         let packet = match self.limiter.verify_packet(Some(from.ip()), datagram, dst) {
             Ok(packet) => packet,
             Err(TunnResult::WriteToNetwork(cookie)) => {
@@ -638,6 +725,18 @@ impl Shared {
             Err(TunnResult::Err(err)) => return self.count(DropReason::of(&err)),
             Err(_) => return self.count(DropReason::Other),
         };
+        // Under load, a source with a valid cookie still gets only its share of our
+        // Diffie-Hellman work.
+        if load > HANDSHAKE_RATE_LIMIT
+            && !self
+                .sources
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .allow(from.ip(), Instant::now())
+        {
+            return self.count(DropReason::RateLimited);
+        }
+        let cookie_reply = matches!(packet, Packet::PacketCookieReply(_));
         let peer = match &packet {
             Packet::HandshakeInit(init) => {
                 match parse_handshake_anon(&self.secret, &self.public, init) {
@@ -654,6 +753,15 @@ impl Shared {
         };
         let mut tunn = peer.tunn();
         let result = tunn.decapsulate(Some(from.ip()), datagram, dst);
+        // Only an authenticated message moves the peer's endpoint (WireGuard's roaming): data, a
+        // keepalive, a handshake this session completed. A cookie reply authenticates nobody,
+        // and neither does anything answered with one.
+        let authenticated = !cookie_reply
+            && match &result {
+                TunnResult::Err(_) => false,
+                TunnResult::WriteToNetwork(reply) => reply.first() != Some(&3),
+                _ => true,
+            };
         match result {
             TunnResult::Done => {}
             TunnResult::Err(err) => {
@@ -675,19 +783,23 @@ impl Shared {
                 if !peer.allows(IpAddr::V4(source)) {
                     return self.count(DropReason::SourceNotAllowed);
                 }
-                let _ = peer.tun.write4(inner);
+                if peer.tun.write4(inner) == 0 {
+                    self.count(DropReason::TunWrite);
+                }
             }
             TunnResult::WriteToTunnelV6(inner, source) => {
                 drop(tunn);
                 if !peer.allows(IpAddr::V6(source)) {
                     return self.count(DropReason::SourceNotAllowed);
                 }
-                let _ = peer.tun.write6(inner);
+                if peer.tun.write6(inner) == 0 {
+                    self.count(DropReason::TunWrite);
+                }
             }
         }
-        // Authenticated: the peer is where this came from (WireGuard's roaming). A read lock
-        // first: this runs for every datagram, and the endpoint almost never changes.
-        if peer.endpoint() != from {
+        // The peer is where this came from. A read lock first: this runs for every datagram,
+        // and the endpoint almost never changes.
+        if authenticated && peer.endpoint() != from {
             *peer.endpoint.write().unwrap_or_else(|e| e.into_inner()) = from;
         }
     }
@@ -927,6 +1039,61 @@ fn tun_loop(shared: &Shared, mut poll: Poll) {
     }
 }
 
+/// Handshake messages, one at a time, off the thread that carries every peer's data.
+fn handshake_loop(shared: &Shared, queue: &std::sync::mpsc::Receiver<(SocketAddr, Vec<u8>)>) {
+    let mut dst = vec![0u8; BUF];
+    while !shared.stop.load(Ordering::Relaxed) {
+        match queue.recv_timeout(RECV_TIMEOUT) {
+            Ok((from, datagram)) => shared.handle(from, &datagram, &mut dst),
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {}
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => return,
+        }
+    }
+}
+
+/// A token bucket per source address (IPv6 by /64, as kernel WireGuard groups them), consulted
+/// only under load.
+#[derive(Default)]
+struct SourceBuckets {
+    buckets: HashMap<IpAddr, (f64, Instant)>,
+    swept: Option<Instant>,
+}
+
+impl SourceBuckets {
+    fn allow(&mut self, source: IpAddr, now: Instant) -> bool {
+        let source = match source {
+            IpAddr::V6(v6) if v6.to_ipv4_mapped().is_none() => {
+                let bits = u128::from(v6) & !((1u128 << 64) - 1);
+                IpAddr::V6(Ipv6Addr::from(bits))
+            }
+            IpAddr::V6(v6) => IpAddr::V4(v6.to_ipv4_mapped().unwrap_or(Ipv4Addr::UNSPECIFIED)),
+            v4 => v4,
+        };
+        // A bucket refills in a quarter of a second; one untouched for a second is full and
+        // need not be kept.
+        if self
+            .swept
+            .is_none_or(|at| now.duration_since(at) >= Duration::from_secs(1))
+        {
+            self.buckets
+                .retain(|_, (_, at)| now.duration_since(*at) < Duration::from_secs(1));
+            self.swept = Some(now);
+        }
+        if !self.buckets.contains_key(&source) && self.buckets.len() >= MAX_SOURCES {
+            return false;
+        }
+        let (tokens, at) = self.buckets.entry(source).or_insert((SOURCE_BURST, now));
+        *tokens = (*tokens + now.duration_since(*at).as_secs_f64() * SOURCE_RATE).min(SOURCE_BURST);
+        *at = now;
+        if *tokens >= 1.0 {
+            *tokens -= 1.0;
+            true
+        } else {
+            false
+        }
+    }
+}
+
 fn timer_loop(shared: &Shared) {
     let mut dst = vec![0u8; BUF];
     let mut last_reset = Instant::now();
@@ -934,6 +1101,7 @@ fn timer_loop(shared: &Shared) {
         std::thread::sleep(TICK);
         if last_reset.elapsed() >= Duration::from_secs(1) {
             shared.limiter.reset_count();
+            shared.handshakes.store(0, Ordering::Relaxed);
             last_reset = Instant::now();
         }
         let peers: Vec<Arc<Peer>> = shared
