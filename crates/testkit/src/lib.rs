@@ -6,6 +6,8 @@
 //! - [`Etcd`]: a real single-node etcd process in a temporary directory;
 //! - [`FakeApiServer`]: a fake Kubernetes API server speaking the real HTTP/JSON protocol
 //!   (ADR 0019 says what it does not model);
+//! - [`rng::Rng`]: seeded randomness for property and chaos tests, the seed printed and
+//!   replayable;
 //! - [`wireguard::Forger`]: forged WireGuard handshake initiations naming a key the sender does
 //!   not hold, for tests of a gateway under hostile handshakes.
 //!
@@ -15,6 +17,7 @@ mod etcd;
 mod etcd_tls;
 mod kube_fake;
 mod ports;
+pub mod rng;
 mod tools;
 pub mod wireguard;
 

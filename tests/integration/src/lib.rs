@@ -10,11 +10,14 @@ pub mod otlp;
 pub mod peering;
 pub mod processes;
 pub mod prom;
-pub mod rng;
 
 /// Network namespaces for data-plane tests; moved to [`trellis_netlab`], re-exported for
 /// existing users.
 pub use trellis_netlab::netns;
+
+/// Seeded randomness for the chaos tests; moved to [`trellis_testkit`], re-exported for
+/// existing users.
+pub use trellis_testkit::rng;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
