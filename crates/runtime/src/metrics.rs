@@ -747,6 +747,199 @@ mod tests {
         assert!(Arc::ptr_eq(&store, &same), "the store is not wrapped");
     }
 
+    /// Calls `path` on `channel` (an empty health request; any answer will do), returning the
+    /// code answered.
+    async fn call_path(channel: tonic::transport::Channel, path: String) -> tonic::Code {
+        let mut grpc = tonic::client::Grpc::new(channel);
+        if grpc.ready().await.is_err() {
+            return tonic::Code::Unavailable;
+        }
+        let path = http::uri::PathAndQuery::try_from(path).expect("a valid path");
+        let codec = tonic_prost::ProstCodec::<
+            HealthCheckRequest,
+            tonic_health::pb::HealthCheckResponse,
+        >::default();
+        match grpc
+            .unary(
+                tonic::Request::new(HealthCheckRequest::default()),
+                path,
+                codec,
+            )
+            .await
+        {
+            Ok(_) => tonic::Code::Ok,
+            Err(status) => status.code(),
+        }
+    }
+
+    /// Calls every path of `paths` on `channel`, 32 at a time; returns how many got each code.
+    async fn call_paths(
+        channel: &tonic::transport::Channel,
+        paths: impl Iterator<Item = String>,
+    ) -> std::collections::BTreeMap<String, usize> {
+        use futures::StreamExt as _;
+        let codes: Vec<tonic::Code> = futures::stream::iter(paths)
+            .map(|path| call_path(channel.clone(), path))
+            .buffer_unordered(32)
+            .collect()
+            .await;
+        let mut counts = std::collections::BTreeMap::new();
+        for code in codes {
+            *counts.entry(format!("{code:?}")).or_default() += 1;
+        }
+        counts
+    }
+
+    /// The sample lines of the gRPC server metrics.
+    fn server_series(text: &str) -> usize {
+        text.lines()
+            .filter(|l| l.starts_with("grpc_server_"))
+            .count()
+    }
+
+    /// Distinct paths the server does not serve, with a long tail like an attacker's: under an
+    /// unknown service (refused by both listeners' checks), and under health and reflection
+    /// (which both listeners let through, to an UNIMPLEMENTED answer).
+    fn unknown_paths(tag: &str, range: std::ops::Range<usize>) -> impl Iterator<Item = String> {
+        let tail = "x".repeat(200);
+        range.map(move |i| match i % 3 {
+            0 => format!("/junk.{tag}{i}.Service/Method{i}{tail}"),
+            1 => format!("/grpc.health.v1.Health/{tag}{i}{tail}"),
+            _ => format!("/grpc.reflection.v1.ServerReflection/{tag}{i}{tail}"),
+        })
+    }
+
+    /// An unauthenticated caller cannot grow the registry: 10,000 distinct paths the server
+    /// does not serve, sent to the peer listener without a client certificate and to the
+    /// plaintext listener without the local token, leave `/metrics` small and add no series
+    /// (the labels name only routes the server serves); the refusals are still counted.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn unknown_paths_from_unauthenticated_callers_do_not_grow_the_registry() {
+        const PATHS: usize = 10_000;
+        const METHODS: crate::peer::PeerMethods = crate::peer::PeerMethods {
+            authenticated: &["/trellis.peering.v1.Broker/SubmitNetworkConfig"],
+            anonymous: &["/trellis.peering.v1.Broker/Handshake"],
+        };
+        let ca = crate::tls::ClusterCa::generate("leaf-a").expect("CA");
+        let cert = ca.issue("broker").expect("cert");
+        let tls = crate::tls::PeerTls::new("leaf-a", ca.cert_pem(), &cert.cert_pem, cert.key_pem())
+            .expect("tls");
+        let peer = crate::server::PeerListener::bind(local(), tls.clone(), METHODS)
+            .await
+            .expect("peer bind");
+        let server = GrpcServer::bind(local())
+            .await
+            .expect("bind")
+            .with_metrics_listener(MetricsListen::At(local()))
+            .await
+            .expect("metrics bind")
+            .with_local_token(
+                crate::local_auth::LocalToken::new("0123456789abcdef-local").expect("token"),
+            )
+            .with_cluster_facing(METHODS)
+            .with_peer_listener(Some(peer));
+        let plain_addr = server.local_addr();
+        let peer_addr = server.peer_addr().expect("peer listener");
+        let scrape_at = server.metrics_addr().expect("metrics listener");
+        let shutdown = Shutdown::new();
+        let task = server.spawn(
+            tonic::service::Routes::default(),
+            &[],
+            shutdown.clone(),
+            Duration::from_secs(1),
+            Vec::new(),
+        );
+        let plain = tonic::transport::Endpoint::from_shared(format!("http://{plain_addr}"))
+            .expect("uri")
+            .connect()
+            .await
+            .expect("connects");
+        let anonymous = crate::tls::TlsEndpoint::new(
+            "peer",
+            &peer_addr.to_string(),
+            crate::client::Timeouts::default(),
+            tls.handshake_client_config().expect("client config"),
+        )
+        .expect("endpoint")
+        .connect()
+        .await
+        .expect("connects without a client certificate");
+
+        // Positive control: both listeners answer and are counted.
+        for channel in [&plain, &anonymous] {
+            HealthClient::new(channel.clone())
+                .check(HealthCheckRequest::default())
+                .await
+                .expect("serving");
+        }
+        // Every kind of unknown path once, on both listeners: the series they may add.
+        let mut warmup = call_paths(&plain, unknown_paths("warm", 0..30)).await;
+        for (code, n) in call_paths(&anonymous, unknown_paths("warm", 0..30)).await {
+            *warmup.entry(code).or_default() += n;
+        }
+        assert_eq!(
+            warmup.keys().map(String::as_str).collect::<Vec<_>>(),
+            ["PermissionDenied", "Unauthenticated", "Unimplemented"],
+            "{warmup:?}"
+        );
+        let before = scrape(scrape_at).await;
+        assert_eq!(
+            value(
+                &before,
+                "grpc_server_handled_total{grpc_service=\"grpc.health.v1.Health\",grpc_method=\"Check\",grpc_code=\"OK\"}"
+            ),
+            Some(2.0),
+            "{before}"
+        );
+
+        let plain_codes = call_paths(&plain, unknown_paths("plain", 0..PATHS)).await;
+        let peer_codes = call_paths(&anonymous, unknown_paths("peer", 0..PATHS)).await;
+        assert_eq!(
+            plain_codes.values().sum::<usize>() + peer_codes.values().sum::<usize>(),
+            2 * PATHS,
+            "{plain_codes:?} {peer_codes:?}"
+        );
+        let after = scrape(scrape_at).await;
+        assert!(
+            after.len() < 256 * 1024,
+            "/metrics grew to {} bytes with {} series after {PATHS} distinct unknown paths on \
+             each listener ({} series before)",
+            after.len(),
+            server_series(&after),
+            server_series(&before)
+        );
+        assert_eq!(
+            server_series(&after),
+            server_series(&before),
+            "the series grew with the paths: {after}"
+        );
+        // Operators still see the refusals, under a fixed label.
+        let refused = |code: &str| {
+            value(
+                &after,
+                &format!(
+                    "grpc_server_handled_total{{grpc_service=\"unknown\",grpc_method=\"unknown\",grpc_code=\"{code}\"}}"
+                ),
+            )
+        };
+        let total = |codes: &std::collections::BTreeMap<String, usize>, code: &str| {
+            codes.get(code).copied().unwrap_or_default()
+                + warmup.get(code).copied().unwrap_or_default()
+        };
+        assert_eq!(
+            refused("Unauthenticated"),
+            Some(total(&plain_codes, "Unauthenticated") as f64),
+            "{after}"
+        );
+        assert_eq!(
+            refused("PermissionDenied"),
+            Some(total(&peer_codes, "PermissionDenied") as f64),
+            "{after}"
+        );
+        shutdown.cancel();
+        task.await.expect("joins").expect("stops cleanly");
+    }
+
     #[tokio::test]
     async fn a_taken_default_port_costs_the_metrics_an_explicit_one_fails() {
         let taken = TcpListener::bind(local()).await.expect("bind");

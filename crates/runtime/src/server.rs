@@ -352,6 +352,138 @@ fn accepted(listener: TcpListener) -> tonic::transport::server::TcpIncoming {
 mod tests {
     use super::*;
 
+    use tonic_health::pb::health_check_response::ServingStatus as Status;
+    use tonic_health::pb::health_client::HealthClient;
+    use tonic_health::pb::{HealthCheckRequest, HealthCheckResponse};
+
+    const SERVICE: &str = "test.v1.Thing";
+
+    fn local() -> SocketAddr {
+        SocketAddr::from(([127, 0, 0, 1], 0))
+    }
+
+    /// A service serving `SERVICE` with `background`, and health watches on "" and `SERVICE`
+    /// that have seen SERVING (the positive control for the NOT_SERVING to come).
+    struct Watched {
+        task: tokio::task::JoinHandle<anyhow::Result<()>>,
+        shutdown: Shutdown,
+        watches: Vec<tonic::Streaming<HealthCheckResponse>>,
+    }
+
+    async fn serve_watched(background: Vec<tokio::task::JoinHandle<()>>) -> Watched {
+        let server = GrpcServer::bind(local()).await.expect("binds");
+        let addr = server.local_addr();
+        let shutdown = Shutdown::new();
+        let task = server.spawn(
+            Routes::default(),
+            &[SERVICE],
+            shutdown.clone(),
+            Duration::from_secs(10),
+            background,
+        );
+        let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+            .expect("uri")
+            .connect()
+            .await
+            .expect("connects");
+        let mut watches = Vec::new();
+        for service in ["", SERVICE] {
+            let mut watch = HealthClient::new(channel.clone())
+                .watch(HealthCheckRequest {
+                    service: service.into(),
+                })
+                .await
+                .expect("watch")
+                .into_inner();
+            let first = watch.message().await.expect("status").expect("a message");
+            assert_eq!(first.status(), Status::Serving, "{service:?}");
+            watches.push(watch);
+        }
+        Watched {
+            task,
+            shutdown,
+            watches,
+        }
+    }
+
+    impl Watched {
+        /// Asserts that health turns NOT_SERVING for "" and `SERVICE` and that the service
+        /// stops by itself with an error containing `reason`, shutdown never asked for.
+        async fn assert_fails(mut self, reason: &str) {
+            for (watch, service) in self.watches.iter_mut().zip(["", SERVICE]) {
+                let next = tokio::time::timeout(Duration::from_secs(10), watch.message())
+                    .await
+                    .unwrap_or_else(|_| {
+                        panic!("health of {service:?} still SERVING 10 s after the failure")
+                    })
+                    .expect("status")
+                    .expect("a message");
+                assert_eq!(next.status(), Status::NotServing, "{service:?}");
+            }
+            drop(self.watches);
+            let result = tokio::time::timeout(Duration::from_secs(30), self.task)
+                .await
+                .expect("the service stops by itself")
+                .expect("joins");
+            let err = result.expect_err("the service fails, so that it is restarted");
+            assert!(format!("{err:#}").contains(reason), "{err:#}");
+            assert!(!self.shutdown.is_cancelled());
+        }
+    }
+
+    /// A background task that panics while the service serves fails the service at once:
+    /// health NOT_SERVING, then an error (the process exits non-zero and is restarted).
+    #[tokio::test]
+    async fn a_background_task_that_panics_fails_the_service() {
+        let (trigger, triggered) = tokio::sync::oneshot::channel::<()>();
+        let task = tokio::spawn(async move {
+            let _ = triggered.await;
+            panic!("the reconciler broke");
+        });
+        let watched = serve_watched(vec![task]).await;
+        trigger.send(()).expect("task waiting");
+        watched.assert_fails("the reconciler broke").await;
+    }
+
+    /// A background task that returns while the service serves (not because of a shutdown)
+    /// fails it too: whatever it did is no longer done.
+    #[tokio::test]
+    async fn a_background_task_that_returns_early_fails_the_service() {
+        let (trigger, triggered) = tokio::sync::oneshot::channel::<()>();
+        let task = tokio::spawn(async move {
+            let _ = triggered.await;
+        });
+        let watched = serve_watched(vec![task]).await;
+        trigger.send(()).expect("task waiting");
+        watched
+            .assert_fails("a background task of the service ended")
+            .await;
+    }
+
+    /// Tasks that end because of the shutdown are the normal stop: no error.
+    #[tokio::test]
+    async fn background_tasks_ending_on_shutdown_stop_the_service_cleanly() {
+        let shutdown = Shutdown::new();
+        let stopped = shutdown.clone();
+        let task = tokio::spawn(async move { stopped.cancelled().await });
+        let server = GrpcServer::bind(local()).await.expect("binds");
+        let served = server.spawn(
+            Routes::default(),
+            &[SERVICE],
+            shutdown.clone(),
+            Duration::from_secs(10),
+            vec![task],
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert!(!served.is_finished(), "serving until shutdown");
+        shutdown.cancel();
+        tokio::time::timeout(Duration::from_secs(10), served)
+            .await
+            .expect("stops")
+            .expect("joins")
+            .expect("a clean stop");
+    }
+
     /// Connections accepted by a service have TCP_NODELAY set (see [`accepted`]).
     #[tokio::test]
     async fn accepted_connections_have_nagle_off() {
