@@ -177,10 +177,12 @@ impl Metrics {
             .push(Arc::new(move || Box::pin(hook())));
     }
 
-    /// The layer recording the gRPC server metrics into this registry.
-    pub fn grpc_layer(&self) -> GrpcMetricsLayer {
+    /// The layer recording the gRPC server metrics into this registry, for a server serving
+    /// `services` (and health and reflection): see [`KnownRoutes`].
+    pub fn grpc_layer(&self, services: &[&str]) -> GrpcMetricsLayer {
         GrpcMetricsLayer {
             metrics: self.grpc.clone(),
+            known: Arc::new(KnownRoutes::of(services)),
         }
     }
 
@@ -291,11 +293,96 @@ impl Default for GrpcFamilies {
     }
 }
 
+/// The label values of a call to a path the server does not serve.
+const UNKNOWN: &str = "unknown";
+
+/// Health and reflection: served by every server. Reflection's own descriptors are not in
+/// the sets [`api_methods`] reads.
+const ALWAYS_SERVED: &[&str] = &[
+    "grpc.health.v1.Health",
+    "grpc.reflection.v1.ServerReflection",
+    "grpc.reflection.v1alpha.ServerReflection",
+];
+const REFLECTION_METHODS: &[&str] = &[
+    "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+    "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
+];
+
+/// Every method of the API and of health, as `/package.Service/Method`, read once per process
+/// from their file descriptors.
+fn api_methods() -> &'static [String] {
+    static METHODS: std::sync::OnceLock<Vec<String>> = std::sync::OnceLock::new();
+    METHODS.get_or_init(|| {
+        let mut out: Vec<String> = REFLECTION_METHODS.iter().map(|m| (*m).to_owned()).collect();
+        for encoded in [
+            trellis_api::FILE_DESCRIPTOR_SET,
+            tonic_health::pb::FILE_DESCRIPTOR_SET,
+        ] {
+            // Built into the binary by the same build that generated the services: a set
+            // that does not decode leaves only health and reflection labelled, and is logged.
+            let set = match <prost_types::FileDescriptorSet as prost::Message>::decode(encoded) {
+                Ok(set) => set,
+                Err(err) => {
+                    tracing::error!(error = %err, "cannot read the API's file descriptors; server metrics label its methods unknown");
+                    continue;
+                }
+            };
+            for file in &set.file {
+                for service in &file.service {
+                    for method in &service.method {
+                        out.push(format!(
+                            "/{}.{}/{}",
+                            file.package(),
+                            service.name(),
+                            method.name()
+                        ));
+                    }
+                }
+            }
+        }
+        out
+    })
+}
+
+/// The routes a server serves, the only paths its metrics name: every other path (anyone can
+/// send any `:path`, before any authentication) counts under [`UNKNOWN`], so the series stay
+/// bounded by the API whatever callers send.
+#[derive(Debug)]
+struct KnownRoutes(std::collections::HashSet<&'static str>);
+
+impl KnownRoutes {
+    /// The methods of `services`, health and reflection.
+    fn of(services: &[&str]) -> Self {
+        Self(
+            api_methods()
+                .iter()
+                .filter(|path| {
+                    let (service, _) = split_path(path);
+                    services.contains(&service) || ALWAYS_SERVED.contains(&service)
+                })
+                .map(String::as_str)
+                .collect(),
+        )
+    }
+
+    /// The service and method labels of a call to `path`.
+    fn labels(&self, path: &str) -> (String, String) {
+        if self.0.contains(path) {
+            let (service, method) = split_path(path);
+            (service.to_owned(), method.to_owned())
+        } else {
+            (UNKNOWN.to_owned(), UNKNOWN.to_owned())
+        }
+    }
+}
+
 /// A tower layer recording `grpc_server_started_total`, `grpc_server_handled_total` and
-/// `grpc_server_handling_seconds` for every request.
+/// `grpc_server_handling_seconds` for every request. It sits outside the listeners' checks
+/// (the local token, the peer gate), so refused calls count too, by their code.
 #[derive(Debug, Clone)]
 pub struct GrpcMetricsLayer {
     metrics: GrpcFamilies,
+    known: Arc<KnownRoutes>,
 }
 
 impl<S> tower::Layer<S> for GrpcMetricsLayer {
@@ -305,6 +392,7 @@ impl<S> tower::Layer<S> for GrpcMetricsLayer {
         GrpcMetricsService {
             inner,
             metrics: self.metrics.clone(),
+            known: self.known.clone(),
         }
     }
 }
@@ -314,15 +402,13 @@ impl<S> tower::Layer<S> for GrpcMetricsLayer {
 pub struct GrpcMetricsService<S> {
     inner: S,
     metrics: GrpcFamilies,
+    known: Arc<KnownRoutes>,
 }
 
 /// `/pkg.Service/Method` split into service and method.
-fn split_path(path: &str) -> (String, String) {
+fn split_path(path: &str) -> (&str, &str) {
     let trimmed = path.trim_start_matches('/');
-    match trimmed.split_once('/') {
-        Some((service, method)) => (service.to_owned(), method.to_owned()),
-        None => (trimmed.to_owned(), String::new()),
-    }
+    trimmed.split_once('/').unwrap_or((trimmed, ""))
 }
 
 /// The name gRPC gives a status code in metrics (`OK`, `NotFound`, ...).
@@ -344,9 +430,8 @@ struct Finish {
 }
 
 impl Finish {
-    /// Counts the start of a call to `path` (`/pkg.Service/Method`).
-    fn start(metrics: &GrpcFamilies, path: &str) -> Self {
-        let (service, method) = split_path(path);
+    /// Counts the start of a call to `service`'s `method`.
+    fn start(metrics: &GrpcFamilies, (service, method): (String, String)) -> Self {
         let labels: Labels = vec![
             ("grpc_service", service.clone()),
             ("grpc_method", method.clone()),
@@ -405,7 +490,7 @@ where
     }
 
     fn call(&mut self, req: http::Request<B>) -> Self::Future {
-        let finish = Finish::start(&self.metrics, req.uri().path());
+        let finish = Finish::start(&self.metrics, self.known.labels(req.uri().path()));
         let fut = self.inner.call(req);
         Box::pin(async move { Ok(finish.on_response(fut.await?)) })
     }
@@ -462,7 +547,9 @@ impl tower::Service<http::Request<tonic::body::Body>> for MeteredChannel {
         let Some(metrics) = &self.metrics else {
             return Box::pin(tower::Service::call(&mut self.inner, req));
         };
-        let finish = Finish::start(metrics, req.uri().path());
+        // Our own calls: their paths are the API's.
+        let (service, method) = split_path(req.uri().path());
+        let finish = Finish::start(metrics, (service.to_owned(), method.to_owned()));
         let fut = tower::Service::call(&mut self.inner, req);
         Box::pin(async move {
             match fut.await {
@@ -938,6 +1025,42 @@ mod tests {
         );
         shutdown.cancel();
         task.await.expect("joins").expect("stops cleanly");
+    }
+
+    /// Labels name the methods of the services a server serves, health and reflection; any
+    /// other path, a method of a service served elsewhere included, is "unknown".
+    #[test]
+    fn only_served_methods_are_named() {
+        let known = KnownRoutes::of(&["trellis.gateway.v1.Gateway"]);
+        let named = |service: &str, method: &str| (service.to_owned(), method.to_owned());
+        assert_eq!(
+            known.labels("/trellis.gateway.v1.Gateway/GetGatewayInfo"),
+            named("trellis.gateway.v1.Gateway", "GetGatewayInfo")
+        );
+        assert_eq!(
+            known.labels("/grpc.health.v1.Health/Watch"),
+            named("grpc.health.v1.Health", "Watch")
+        );
+        assert_eq!(
+            known.labels("/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo"),
+            named(
+                "grpc.reflection.v1alpha.ServerReflection",
+                "ServerReflectionInfo"
+            )
+        );
+        for unknown in [
+            "/trellis.gateway.v1.Gateway/NoSuchMethod",
+            "/trellis.ipam.v1.Ipam/GetLocalSubnets",
+            "/grpc.health.v1.Health/",
+            "/",
+            "",
+        ] {
+            assert_eq!(
+                known.labels(unknown),
+                named("unknown", "unknown"),
+                "{unknown:?}"
+            );
+        }
     }
 
     #[tokio::test]

@@ -255,7 +255,7 @@ impl GrpcServer {
         let grpc_metrics = self
             .metrics_listener
             .is_some()
-            .then(|| self.metrics.grpc_layer());
+            .then(|| self.metrics.grpc_layer(services));
         let dispatch = tracing::dispatcher::get_default(Clone::clone);
         let traced = {
             let dispatch = dispatch.clone();
