@@ -16,7 +16,8 @@
 //!   for the checks made on every relayed or received NetworkConfig;
 //! - [`cmd`]: running `ip` and `nft` for the processes that program the kernel (gateway,
 //!   route agent);
-//! - [`shutdown`]: SIGTERM/SIGINT to a cancellation token, graceful drain;
+//! - [`shutdown`]: SIGTERM/SIGINT to a cancellation token, graceful drain; [`supervise`]: a
+//!   background task or thread that fails fails the service, so that it is restarted;
 //! - [`metrics`]: Prometheus metrics on `--metrics-listen`, gRPC server metrics for free;
 //! - [`launch`]: the `main` of every service binary;
 //! - [`tls`], [`peer`]: mutual TLS between clusters and the authorization of cluster-facing
@@ -47,6 +48,7 @@ pub mod reflection;
 pub mod resync;
 pub mod server;
 pub mod shutdown;
+pub mod supervise;
 pub mod telemetry;
 pub mod tls;
 

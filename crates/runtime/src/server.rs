@@ -21,6 +21,7 @@ use crate::metrics::{Metrics, MetricsListen, MetricsListener};
 use crate::peer::{GateLayer, PeerMethods};
 use crate::propagation::server_span;
 use crate::shutdown::Shutdown;
+use crate::supervise::Fault;
 use crate::telemetry::DispatchLayer;
 use crate::tls::PeerTls;
 
@@ -35,6 +36,7 @@ pub struct GrpcServer {
     metrics_listener: Option<MetricsListener>,
     local_token: crate::local_auth::LocalToken,
     cluster_facing: Vec<&'static str>,
+    fault: Fault,
 }
 
 /// The mutual-TLS listener for other clusters (ADR 0014): the same routes, behind a gate that
@@ -114,7 +116,15 @@ impl GrpcServer {
             metrics_listener: None,
             local_token: crate::local_auth::LocalToken::off(),
             cluster_facing: Vec::new(),
+            fault: Fault::new(),
         })
+    }
+
+    /// Where the service's components report that they can no longer do their job (a
+    /// data-plane thread that died): the service then fails as when one of its background
+    /// tasks does (see [`GrpcServer::spawn`] and [`crate::supervise`]).
+    pub fn fault(&self) -> &Fault {
+        &self.fault
     }
 
     /// Requires `token` from callers on the plaintext listener (ADR 0020), except for health,
@@ -208,10 +218,15 @@ impl GrpcServer {
         self.peer.as_ref().map(PeerListener::local_addr)
     }
 
-    /// Serves in a task of its own (see [`GrpcServer::serve`]). `background` holds the
-    /// service's other tasks, which watch the same `shutdown`: once serving has stopped they
-    /// get the grace period to finish and are aborted after it; a panic in one of them is
-    /// reported as the service's error.
+    /// Serves in a task of its own (see [`GrpcServer::serve`]), supervising `background`, the
+    /// service's other tasks, which watch the same `shutdown` ([`crate::supervise`]):
+    ///
+    /// - one that panics or returns before the shutdown, or a report to [`GrpcServer::fault`],
+    ///   fails the service: health turns NOT_SERVING at once, serving stops after `grace`, the
+    ///   other tasks are aborted and the task ends with the failure as its error (the binary
+    ///   exits non-zero, so it is restarted);
+    /// - on the shutdown, once serving has stopped, they get `grace` to finish and are aborted
+    ///   after it; a panic in one of them is reported as the service's error.
     pub fn spawn(
         self,
         routes: Routes,
@@ -221,12 +236,47 @@ impl GrpcServer {
         background: Vec<tokio::task::JoinHandle<()>>,
     ) -> tokio::task::JoinHandle<anyhow::Result<()>> {
         crate::telemetry::spawn(async move {
-            let served = Box::pin(self.serve(routes, services, shutdown, grace)).await;
-            for mut task in background {
+            let fault = self.fault.clone();
+            // Serving stops on the shutdown, or on a failure.
+            let stop = shutdown.child_token();
+            let mut served = Box::pin(self.serve(routes, services, stop.clone(), grace));
+            let mut tasks = background;
+            let mut failed: Option<String> = None;
+            let mut panicked_on_shutdown: Option<String> = None;
+            let served = loop {
+                tokio::select! {
+                    served = &mut served => break served,
+                    ended = next_ended(&mut tasks), if !tasks.is_empty() => {
+                        match (ended, shutdown.is_cancelled()) {
+                            (Ok(()), true) => {}
+                            (Err(err), true) => panicked_on_shutdown = Some(ended_why(err)),
+                            (Ok(()), false) => fault.report(
+                                "a background task of the service ended while it was serving",
+                            ),
+                            (Err(err), false) => fault.report(ended_why(err)),
+                        }
+                    }
+                    reason = fault.reported(), if failed.is_none() && !shutdown.is_cancelled() => {
+                        failed = Some(reason);
+                        stop.cancel();
+                    }
+                }
+            };
+            if let Some(reason) = failed {
+                for task in tasks {
+                    task.abort();
+                }
+                return Err(anyhow::anyhow!(reason)).context("the service failed");
+            }
+            for mut task in tasks {
                 match tokio::time::timeout(grace, &mut task).await {
-                    Ok(joined) => joined.context("a background task of the service panicked")?,
+                    Ok(Ok(())) => {}
+                    Ok(Err(err)) => panicked_on_shutdown = Some(ended_why(err)),
                     Err(_) => task.abort(),
                 }
+            }
+            if let Some(why) = panicked_on_shutdown {
+                return Err(anyhow::anyhow!(why)).context("a background task of the service panicked");
             }
             served
         })
@@ -339,6 +389,33 @@ impl GrpcServer {
     }
 }
 
+/// Waits for the first of `tasks` to end and removes it. Cancel-safe: a task that has not
+/// ended stays in `tasks`.
+async fn next_ended(
+    tasks: &mut Vec<tokio::task::JoinHandle<()>>,
+) -> Result<(), tokio::task::JoinError> {
+    if tasks.is_empty() {
+        return std::future::pending().await;
+    }
+    let (ended, index, _) = futures::future::select_all(tasks.iter_mut()).await;
+    drop(tasks.swap_remove(index));
+    ended
+}
+
+/// Why a task ended with `err`: its panic message, if it panicked.
+fn ended_why(err: tokio::task::JoinError) -> String {
+    if !err.is_panic() {
+        return format!("a background task of the service was cancelled: {err}");
+    }
+    let panic = err.into_panic();
+    let message = panic
+        .downcast_ref::<&str>()
+        .map(|s| (*s).to_owned())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a panic without a message".to_owned());
+    format!("a background task of the service panicked: {message}")
+}
+
 /// The plaintext listener's connections, with Nagle's algorithm off. The builder's own
 /// `tcp_nodelay` applies only to listeners tonic binds itself, not to an incoming stream we
 /// hand it: without this every unary answer written in two segments (headers and data, then
@@ -368,11 +445,13 @@ mod tests {
         task: tokio::task::JoinHandle<anyhow::Result<()>>,
         shutdown: Shutdown,
         watches: Vec<tonic::Streaming<HealthCheckResponse>>,
+        fault: Fault,
     }
 
     async fn serve_watched(background: Vec<tokio::task::JoinHandle<()>>) -> Watched {
         let server = GrpcServer::bind(local()).await.expect("binds");
         let addr = server.local_addr();
+        let fault = server.fault().clone();
         let shutdown = Shutdown::new();
         let task = server.spawn(
             Routes::default(),
@@ -403,6 +482,7 @@ mod tests {
             task,
             shutdown,
             watches,
+            fault,
         }
     }
 
@@ -457,6 +537,20 @@ mod tests {
         trigger.send(()).expect("task waiting");
         watched
             .assert_fails("a background task of the service ended")
+            .await;
+    }
+
+    /// A component the server cannot watch itself (a data-plane thread) reports through the
+    /// server's [`Fault`]: the service fails the same way.
+    #[tokio::test]
+    async fn a_reported_fault_fails_the_service() {
+        let watched = serve_watched(Vec::new()).await;
+        let armed = watched.fault.arm("the wg-udp thread");
+        std::thread::spawn(move || drop(armed))
+            .join()
+            .expect("joins");
+        watched
+            .assert_fails("the wg-udp thread ended while the service was running")
             .await;
     }
 
