@@ -24,7 +24,8 @@
 //!   RPCs (ADR 0014);
 //! - [`local_auth`]: the local token this cluster's own callers present on the plaintext
 //!   listener (ADR 0020);
-//! - [`admission`]: the one tower service both of those checks run in;
+//! - [`admission`]: the one tower service both of those checks run in; [`log_limit`]: the
+//!   warnings any remote party can trigger, one per period;
 //! - [`allocator`]: mimalloc (v2) as the global allocator of every binary linking this crate,
 //!   [`allocator::tune`], its options for a long-running service, and
 //!   [`allocator::small_pages`], which keeps a service's heap off transparent huge pages.
@@ -41,6 +42,7 @@ pub mod config;
 pub mod foreign_clusters;
 pub mod launch;
 pub mod local_auth;
+pub mod log_limit;
 pub mod metrics;
 pub mod peer;
 pub mod propagation;

@@ -25,6 +25,12 @@ use crate::supervise::Fault;
 use crate::telemetry::DispatchLayer;
 use crate::tls::PeerTls;
 
+/// Streams one connection may have open at once on either listener. Without it tonic's builder
+/// lifts hyper's limit (200) and a single connection could open streams without bound; the
+/// Trellis callers that share a connection keep far fewer calls in flight (a client queues
+/// streams beyond the limit, it does not fail them).
+pub const MAX_CONCURRENT_STREAMS: u32 = 256;
+
 /// A bound, not yet serving, gRPC server. Binding first lets callers learn the real port when
 /// they asked for port 0.
 #[derive(Debug)]
@@ -576,6 +582,69 @@ mod tests {
             .expect("stops")
             .expect("joins")
             .expect("a clean stop");
+    }
+
+    /// One connection cannot open streams without bound: the server holds at most
+    /// `MAX_CONCURRENT_STREAMS` of a connection's streams open at once (tonic's builder
+    /// otherwise lifts hyper's limit); the client queues the rest.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_connection_gets_a_bounded_number_of_concurrent_streams() {
+        const STREAMS: u32 = 300;
+        let server = GrpcServer::bind(local()).await.expect("binds");
+        let addr = server.local_addr();
+        let shutdown = Shutdown::new();
+        let task = server.spawn(
+            Routes::default(),
+            &[SERVICE],
+            shutdown.clone(),
+            Duration::from_secs(1),
+            Vec::new(),
+        );
+        let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+            .expect("uri")
+            .connect()
+            .await
+            .expect("connects");
+        let (opened, mut counted) = tokio::sync::mpsc::unbounded_channel();
+        let mut watches = Vec::new();
+        for _ in 0..STREAMS {
+            let (channel, opened) = (channel.clone(), opened.clone());
+            watches.push(tokio::spawn(async move {
+                let mut watch = HealthClient::new(channel)
+                    .watch(HealthCheckRequest::default())
+                    .await
+                    .expect("watch")
+                    .into_inner();
+                watch.message().await.expect("status").expect("a message");
+                let _ = opened.send(());
+                // Held open until aborted.
+                std::future::pending::<()>().await;
+            }));
+        }
+        // Positive control: the streams the server allows are all answered...
+        for n in 0..MAX_CONCURRENT_STREAMS.min(STREAMS) {
+            tokio::time::timeout(Duration::from_secs(20), counted.recv())
+                .await
+                .unwrap_or_else(|_| panic!("only {n} streams answered"))
+                .expect("sender alive");
+        }
+        // ...and no more while they stay open.
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let mut more = 0;
+        while counted.try_recv().is_ok() {
+            more += 1;
+        }
+        assert_eq!(
+            more,
+            0,
+            "{} streams open at once on one connection",
+            MAX_CONCURRENT_STREAMS + more
+        );
+        for watch in watches {
+            watch.abort();
+        }
+        shutdown.cancel();
+        task.await.expect("joins").expect("stops cleanly");
     }
 
     /// Connections accepted by a service have TCP_NODELAY set (see [`accepted`]).
