@@ -6,6 +6,9 @@
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
+/// The period of the limited warnings: at most one line per 10 s for each kind, per process.
+pub const PERIOD: Duration = Duration::from_secs(10);
+
 /// One event logged per `period`; the others counted.
 #[derive(Debug)]
 pub struct LogLimit {

@@ -340,6 +340,7 @@ impl GrpcServer {
                     Server::builder()
                         .trace_fn(traced.clone())
                         .http2_keepalive_interval(Some(Duration::from_secs(30)))
+                        .max_concurrent_streams(MAX_CONCURRENT_STREAMS)
                         .layer(DispatchLayer::new(dispatch.clone()))
                         .layer(tower::util::option_layer(grpc_metrics.clone()))
                         .layer(GateLayer::new(peer.methods))
@@ -356,6 +357,7 @@ impl GrpcServer {
             .trace_fn(traced)
             .tcp_nodelay(true)
             .http2_keepalive_interval(Some(Duration::from_secs(30)))
+            .max_concurrent_streams(MAX_CONCURRENT_STREAMS)
             .layer(DispatchLayer::new(dispatch))
             .layer(tower::util::option_layer(grpc_metrics))
             .layer(crate::local_auth::LocalAuth::layer(
