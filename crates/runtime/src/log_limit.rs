@@ -116,7 +116,9 @@ mod tests {
         let _incoming = crate::tls::incoming(listener, &tls).expect("incoming");
         let mut connections = Vec::new();
         for _ in 0..50 {
-            let mut tcp = tokio::net::TcpStream::connect(addr).await.expect("connects");
+            let mut tcp = tokio::net::TcpStream::connect(addr)
+                .await
+                .expect("connects");
             // Not a TLS ClientHello: the handshake fails at once.
             tcp.write_all(b"GET / HTTP/1.1\r\n\r\n")
                 .await

@@ -282,7 +282,8 @@ impl GrpcServer {
                 }
             }
             if let Some(why) = panicked_on_shutdown {
-                return Err(anyhow::anyhow!(why)).context("a background task of the service panicked");
+                return Err(anyhow::anyhow!(why))
+                    .context("a background task of the service panicked");
             }
             served
         })

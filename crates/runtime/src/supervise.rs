@@ -143,7 +143,10 @@ mod tests {
         let reason = tokio::time::timeout(std::time::Duration::from_secs(5), fault.reported())
             .await
             .expect("reported");
-        assert_eq!(reason, "the wg-udp thread panicked while the service was running");
+        assert_eq!(
+            reason,
+            "the wg-udp thread panicked while the service was running"
+        );
 
         let other = Fault::new();
         let armed = other.arm("the tun thread");

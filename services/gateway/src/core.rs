@@ -231,29 +231,31 @@ impl Gateway {
                 tracing::warn!(peer = %id, "ignoring a tunnel endpoint for our own cluster");
                 continue;
             }
-            let slot =
-                match ports::bind_tunnel(&self.store, &self.settings.ports, &self.port_hint, id)
-                    .await
-                {
-                    Ok(slot) => slot,
-                    // The store is in trouble, for every peer alike: change nothing, retry.
-                    Err(
-                        err @ (Error::Unavailable(_)
-                        | Error::DeadlineExceeded(_)
-                        | Error::Aborted(_)),
-                    ) => return Err(err),
-                    Err(err) => {
-                        tracing::warn!(peer = %id, error = %err, "no slot for this peer: its tunnel waits, the others are applied");
-                        results.insert(id.clone(), Err(format!("no slot for this peer: {err}")));
-                        unslotted.push(PeerPlan {
-                            endpoint: te.clone(),
-                            slot: 0,
-                            listen_port: 0,
-                            interface: self.interface_name(id),
-                        });
-                        continue;
-                    }
-                };
+            let slot = match ports::bind_tunnel(
+                &self.store,
+                &self.settings.ports,
+                &self.port_hint,
+                id,
+            )
+            .await
+            {
+                Ok(slot) => slot,
+                // The store is in trouble, for every peer alike: change nothing, retry.
+                Err(
+                    err @ (Error::Unavailable(_) | Error::DeadlineExceeded(_) | Error::Aborted(_)),
+                ) => return Err(err),
+                Err(err) => {
+                    tracing::warn!(peer = %id, error = %err, "no slot for this peer: its tunnel waits, the others are applied");
+                    results.insert(id.clone(), Err(format!("no slot for this peer: {err}")));
+                    unslotted.push(PeerPlan {
+                        endpoint: te.clone(),
+                        slot: 0,
+                        listen_port: 0,
+                        interface: self.interface_name(id),
+                    });
+                    continue;
+                }
+            };
             plans.push(PeerPlan {
                 endpoint: te.clone(),
                 slot,

@@ -335,7 +335,11 @@ async fn a_peer_without_a_slot_does_not_hold_back_removals_and_gets_the_freed_sl
         .expect("a pass with one peer short of a slot still applies the others");
     assert_eq!(failed, 1, "c has no slot yet");
     assert!(g.tunnel(&id("b")).await.is_none(), "b's tunnel is still up");
-    assert_eq!(prefixes(), Vec::<String>::new(), "b's routes are still announced");
+    assert_eq!(
+        prefixes(),
+        Vec::<String>::new(),
+        "b's routes are still announced"
+    );
     assert_eq!(
         trellis_gateway::ports::lookup(&store, &id("b"))
             .await
@@ -345,7 +349,11 @@ async fn a_peer_without_a_slot_does_not_hold_back_removals_and_gets_the_freed_sl
     );
     let c = g.tunnel(&id("c")).await.expect("c has a status");
     assert_eq!(c.state, trellis_gateway::core::State::Error);
-    assert!(c.message.contains("no free WireGuard port"), "{}", c.message);
+    assert!(
+        c.message.contains("no free WireGuard port"),
+        "{}",
+        c.message
+    );
 
     // The reconciler retries a pass that left a tunnel unconfigured; c gets b's slot once
     // the quarantine is over, not before.
