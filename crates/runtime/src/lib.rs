@@ -16,14 +16,16 @@
 //!   for the checks made on every relayed or received NetworkConfig;
 //! - [`cmd`]: running `ip` and `nft` for the processes that program the kernel (gateway,
 //!   route agent);
-//! - [`shutdown`]: SIGTERM/SIGINT to a cancellation token, graceful drain;
+//! - [`shutdown`]: SIGTERM/SIGINT to a cancellation token, graceful drain; [`supervise`]: a
+//!   background task or thread that fails fails the service, so that it is restarted;
 //! - [`metrics`]: Prometheus metrics on `--metrics-listen`, gRPC server metrics for free;
 //! - [`launch`]: the `main` of every service binary;
 //! - [`tls`], [`peer`]: mutual TLS between clusters and the authorization of cluster-facing
 //!   RPCs (ADR 0014);
 //! - [`local_auth`]: the local token this cluster's own callers present on the plaintext
 //!   listener (ADR 0020);
-//! - [`admission`]: the one tower service both of those checks run in;
+//! - [`admission`]: the one tower service both of those checks run in; [`log_limit`]: the
+//!   warnings any remote party can trigger, one per period;
 //! - [`allocator`]: mimalloc (v2) as the global allocator of every binary linking this crate,
 //!   [`allocator::tune`], its options for a long-running service, and
 //!   [`allocator::small_pages`], which keeps a service's heap off transparent huge pages.
@@ -40,6 +42,7 @@ pub mod config;
 pub mod foreign_clusters;
 pub mod launch;
 pub mod local_auth;
+pub mod log_limit;
 pub mod metrics;
 pub mod peer;
 pub mod propagation;
@@ -47,6 +50,7 @@ pub mod reflection;
 pub mod resync;
 pub mod server;
 pub mod shutdown;
+pub mod supervise;
 pub mod telemetry;
 pub mod tls;
 

@@ -18,6 +18,7 @@ use std::sync::Arc;
 use anyhow::Context as _;
 
 use crate::admission::{AdmissionLayer, Check};
+use crate::log_limit::LogLimit;
 use tonic::metadata::{AsciiMetadataValue, MetadataMap};
 
 /// The header carrying the token.
@@ -134,11 +135,16 @@ impl Check for LocalAuth {
             return Ok(());
         }
         let presented = request.headers().contains_key(HEADER);
-        tracing::warn!(
-            path,
-            presented,
-            "refused an intra-cluster call without this cluster's local token"
-        );
+        // Anyone who reaches the listener can trigger it: one line per period.
+        static REFUSALS: LogLimit = LogLimit::new(crate::log_limit::PERIOD);
+        if let Some(held_back) = REFUSALS.admit() {
+            tracing::warn!(
+                path,
+                presented,
+                held_back,
+                "refused an intra-cluster call without this cluster's local token"
+            );
+        }
         Err(tonic::Status::unauthenticated(format!(
             "{path} needs this cluster's local token (authorization: Bearer, see \
              --local-token-file); {}",

@@ -177,10 +177,12 @@ impl Metrics {
             .push(Arc::new(move || Box::pin(hook())));
     }
 
-    /// The layer recording the gRPC server metrics into this registry.
-    pub fn grpc_layer(&self) -> GrpcMetricsLayer {
+    /// The layer recording the gRPC server metrics into this registry, for a server serving
+    /// `services` (and health and reflection): see [`KnownRoutes`].
+    pub fn grpc_layer(&self, services: &[&str]) -> GrpcMetricsLayer {
         GrpcMetricsLayer {
             metrics: self.grpc.clone(),
+            known: Arc::new(KnownRoutes::of(services)),
         }
     }
 
@@ -291,11 +293,96 @@ impl Default for GrpcFamilies {
     }
 }
 
+/// The label values of a call to a path the server does not serve.
+const UNKNOWN: &str = "unknown";
+
+/// Health and reflection: served by every server. Reflection's own descriptors are not in
+/// the sets [`api_methods`] reads.
+const ALWAYS_SERVED: &[&str] = &[
+    "grpc.health.v1.Health",
+    "grpc.reflection.v1.ServerReflection",
+    "grpc.reflection.v1alpha.ServerReflection",
+];
+const REFLECTION_METHODS: &[&str] = &[
+    "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+    "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
+];
+
+/// Every method of the API and of health, as `/package.Service/Method`, read once per process
+/// from their file descriptors.
+fn api_methods() -> &'static [String] {
+    static METHODS: std::sync::OnceLock<Vec<String>> = std::sync::OnceLock::new();
+    METHODS.get_or_init(|| {
+        let mut out: Vec<String> = REFLECTION_METHODS.iter().map(|m| (*m).to_owned()).collect();
+        for encoded in [
+            trellis_api::FILE_DESCRIPTOR_SET,
+            tonic_health::pb::FILE_DESCRIPTOR_SET,
+        ] {
+            // Built into the binary by the same build that generated the services: a set
+            // that does not decode leaves only health and reflection labelled, and is logged.
+            let set = match <prost_types::FileDescriptorSet as prost::Message>::decode(encoded) {
+                Ok(set) => set,
+                Err(err) => {
+                    tracing::error!(error = %err, "cannot read the API's file descriptors; server metrics label its methods unknown");
+                    continue;
+                }
+            };
+            for file in &set.file {
+                for service in &file.service {
+                    for method in &service.method {
+                        out.push(format!(
+                            "/{}.{}/{}",
+                            file.package(),
+                            service.name(),
+                            method.name()
+                        ));
+                    }
+                }
+            }
+        }
+        out
+    })
+}
+
+/// The routes a server serves, the only paths its metrics name: every other path (anyone can
+/// send any `:path`, before any authentication) counts under [`UNKNOWN`], so the series stay
+/// bounded by the API whatever callers send.
+#[derive(Debug)]
+struct KnownRoutes(std::collections::HashSet<&'static str>);
+
+impl KnownRoutes {
+    /// The methods of `services`, health and reflection.
+    fn of(services: &[&str]) -> Self {
+        Self(
+            api_methods()
+                .iter()
+                .filter(|path| {
+                    let (service, _) = split_path(path);
+                    services.contains(&service) || ALWAYS_SERVED.contains(&service)
+                })
+                .map(String::as_str)
+                .collect(),
+        )
+    }
+
+    /// The service and method labels of a call to `path`.
+    fn labels(&self, path: &str) -> (String, String) {
+        if self.0.contains(path) {
+            let (service, method) = split_path(path);
+            (service.to_owned(), method.to_owned())
+        } else {
+            (UNKNOWN.to_owned(), UNKNOWN.to_owned())
+        }
+    }
+}
+
 /// A tower layer recording `grpc_server_started_total`, `grpc_server_handled_total` and
-/// `grpc_server_handling_seconds` for every request.
+/// `grpc_server_handling_seconds` for every request. It sits outside the listeners' checks
+/// (the local token, the peer gate), so refused calls count too, by their code.
 #[derive(Debug, Clone)]
 pub struct GrpcMetricsLayer {
     metrics: GrpcFamilies,
+    known: Arc<KnownRoutes>,
 }
 
 impl<S> tower::Layer<S> for GrpcMetricsLayer {
@@ -305,6 +392,7 @@ impl<S> tower::Layer<S> for GrpcMetricsLayer {
         GrpcMetricsService {
             inner,
             metrics: self.metrics.clone(),
+            known: self.known.clone(),
         }
     }
 }
@@ -314,15 +402,13 @@ impl<S> tower::Layer<S> for GrpcMetricsLayer {
 pub struct GrpcMetricsService<S> {
     inner: S,
     metrics: GrpcFamilies,
+    known: Arc<KnownRoutes>,
 }
 
 /// `/pkg.Service/Method` split into service and method.
-fn split_path(path: &str) -> (String, String) {
+fn split_path(path: &str) -> (&str, &str) {
     let trimmed = path.trim_start_matches('/');
-    match trimmed.split_once('/') {
-        Some((service, method)) => (service.to_owned(), method.to_owned()),
-        None => (trimmed.to_owned(), String::new()),
-    }
+    trimmed.split_once('/').unwrap_or((trimmed, ""))
 }
 
 /// The name gRPC gives a status code in metrics (`OK`, `NotFound`, ...).
@@ -344,9 +430,8 @@ struct Finish {
 }
 
 impl Finish {
-    /// Counts the start of a call to `path` (`/pkg.Service/Method`).
-    fn start(metrics: &GrpcFamilies, path: &str) -> Self {
-        let (service, method) = split_path(path);
+    /// Counts the start of a call to `service`'s `method`.
+    fn start(metrics: &GrpcFamilies, (service, method): (String, String)) -> Self {
         let labels: Labels = vec![
             ("grpc_service", service.clone()),
             ("grpc_method", method.clone()),
@@ -405,7 +490,7 @@ where
     }
 
     fn call(&mut self, req: http::Request<B>) -> Self::Future {
-        let finish = Finish::start(&self.metrics, req.uri().path());
+        let finish = Finish::start(&self.metrics, self.known.labels(req.uri().path()));
         let fut = self.inner.call(req);
         Box::pin(async move { Ok(finish.on_response(fut.await?)) })
     }
@@ -462,7 +547,9 @@ impl tower::Service<http::Request<tonic::body::Body>> for MeteredChannel {
         let Some(metrics) = &self.metrics else {
             return Box::pin(tower::Service::call(&mut self.inner, req));
         };
-        let finish = Finish::start(metrics, req.uri().path());
+        // Our own calls: their paths are the API's.
+        let (service, method) = split_path(req.uri().path());
+        let finish = Finish::start(metrics, (service.to_owned(), method.to_owned()));
         let fut = tower::Service::call(&mut self.inner, req);
         Box::pin(async move {
             match fut.await {
@@ -745,6 +832,235 @@ mod tests {
         let store: trellis_store::SharedStore = Arc::new(trellis_store::MemoryStore::new());
         let same = metrics.meter_store(store.clone());
         assert!(Arc::ptr_eq(&store, &same), "the store is not wrapped");
+    }
+
+    /// Calls `path` on `channel` (an empty health request; any answer will do), returning the
+    /// code answered.
+    async fn call_path(channel: tonic::transport::Channel, path: String) -> tonic::Code {
+        let mut grpc = tonic::client::Grpc::new(channel);
+        if grpc.ready().await.is_err() {
+            return tonic::Code::Unavailable;
+        }
+        let path = http::uri::PathAndQuery::try_from(path).expect("a valid path");
+        let codec = tonic_prost::ProstCodec::<
+            HealthCheckRequest,
+            tonic_health::pb::HealthCheckResponse,
+        >::default();
+        match grpc
+            .unary(
+                tonic::Request::new(HealthCheckRequest::default()),
+                path,
+                codec,
+            )
+            .await
+        {
+            Ok(_) => tonic::Code::Ok,
+            Err(status) => status.code(),
+        }
+    }
+
+    /// Calls every path of `paths` on `channel`, 32 at a time; returns how many got each code.
+    async fn call_paths(
+        channel: &tonic::transport::Channel,
+        paths: impl Iterator<Item = String>,
+    ) -> std::collections::BTreeMap<String, usize> {
+        use futures::StreamExt as _;
+        let codes: Vec<tonic::Code> = futures::stream::iter(paths)
+            .map(|path| call_path(channel.clone(), path))
+            .buffer_unordered(32)
+            .collect()
+            .await;
+        let mut counts = std::collections::BTreeMap::new();
+        for code in codes {
+            *counts.entry(format!("{code:?}")).or_default() += 1;
+        }
+        counts
+    }
+
+    /// The sample lines of the gRPC server metrics.
+    fn server_series(text: &str) -> usize {
+        text.lines()
+            .filter(|l| l.starts_with("grpc_server_"))
+            .count()
+    }
+
+    /// Distinct paths the server does not serve, with a long tail like an attacker's: under an
+    /// unknown service (refused by both listeners' checks), and under health and reflection
+    /// (which both listeners let through, to an UNIMPLEMENTED answer).
+    fn unknown_paths(tag: &str, range: std::ops::Range<usize>) -> impl Iterator<Item = String> {
+        let tail = "x".repeat(200);
+        range.map(move |i| match i % 3 {
+            0 => format!("/junk.{tag}{i}.Service/Method{i}{tail}"),
+            1 => format!("/grpc.health.v1.Health/{tag}{i}{tail}"),
+            _ => format!("/grpc.reflection.v1.ServerReflection/{tag}{i}{tail}"),
+        })
+    }
+
+    /// An unauthenticated caller cannot grow the registry: 10,000 distinct paths the server
+    /// does not serve, sent to the peer listener without a client certificate and to the
+    /// plaintext listener without the local token, leave `/metrics` small and add no series
+    /// (the labels name only routes the server serves); the refusals are still counted.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn unknown_paths_from_unauthenticated_callers_do_not_grow_the_registry() {
+        const PATHS: usize = 10_000;
+        const METHODS: crate::peer::PeerMethods = crate::peer::PeerMethods {
+            authenticated: &["/trellis.peering.v1.Broker/SubmitNetworkConfig"],
+            anonymous: &["/trellis.peering.v1.Broker/Handshake"],
+        };
+        let ca = crate::tls::ClusterCa::generate("leaf-a").expect("CA");
+        let cert = ca.issue("broker").expect("cert");
+        let tls = crate::tls::PeerTls::new("leaf-a", ca.cert_pem(), &cert.cert_pem, cert.key_pem())
+            .expect("tls");
+        let peer = crate::server::PeerListener::bind(local(), tls.clone(), METHODS)
+            .await
+            .expect("peer bind");
+        let server = GrpcServer::bind(local())
+            .await
+            .expect("bind")
+            .with_metrics_listener(MetricsListen::At(local()))
+            .await
+            .expect("metrics bind")
+            .with_local_token(
+                crate::local_auth::LocalToken::new("0123456789abcdef-local").expect("token"),
+            )
+            .with_cluster_facing(METHODS)
+            .with_peer_listener(Some(peer));
+        let plain_addr = server.local_addr();
+        let peer_addr = server.peer_addr().expect("peer listener");
+        let scrape_at = server.metrics_addr().expect("metrics listener");
+        let shutdown = Shutdown::new();
+        let task = server.spawn(
+            tonic::service::Routes::default(),
+            &[],
+            shutdown.clone(),
+            Duration::from_secs(1),
+            Vec::new(),
+        );
+        let plain = tonic::transport::Endpoint::from_shared(format!("http://{plain_addr}"))
+            .expect("uri")
+            .connect()
+            .await
+            .expect("connects");
+        let anonymous = crate::tls::TlsEndpoint::new(
+            "peer",
+            &peer_addr.to_string(),
+            crate::client::Timeouts::default(),
+            tls.handshake_client_config().expect("client config"),
+        )
+        .expect("endpoint")
+        .connect()
+        .await
+        .expect("connects without a client certificate");
+
+        // Positive control: both listeners answer and are counted.
+        for channel in [&plain, &anonymous] {
+            HealthClient::new(channel.clone())
+                .check(HealthCheckRequest::default())
+                .await
+                .expect("serving");
+        }
+        // Every kind of unknown path once, on both listeners: the series they may add.
+        let mut warmup = call_paths(&plain, unknown_paths("warm", 0..30)).await;
+        for (code, n) in call_paths(&anonymous, unknown_paths("warm", 0..30)).await {
+            *warmup.entry(code).or_default() += n;
+        }
+        assert_eq!(
+            warmup.keys().map(String::as_str).collect::<Vec<_>>(),
+            ["PermissionDenied", "Unauthenticated", "Unimplemented"],
+            "{warmup:?}"
+        );
+        let before = scrape(scrape_at).await;
+        assert_eq!(
+            value(
+                &before,
+                "grpc_server_handled_total{grpc_service=\"grpc.health.v1.Health\",grpc_method=\"Check\",grpc_code=\"OK\"}"
+            ),
+            Some(2.0),
+            "{before}"
+        );
+
+        let plain_codes = call_paths(&plain, unknown_paths("plain", 0..PATHS)).await;
+        let peer_codes = call_paths(&anonymous, unknown_paths("peer", 0..PATHS)).await;
+        assert_eq!(
+            plain_codes.values().sum::<usize>() + peer_codes.values().sum::<usize>(),
+            2 * PATHS,
+            "{plain_codes:?} {peer_codes:?}"
+        );
+        let after = scrape(scrape_at).await;
+        assert!(
+            after.len() < 256 * 1024,
+            "/metrics grew to {} bytes with {} series after {PATHS} distinct unknown paths on \
+             each listener ({} series before)",
+            after.len(),
+            server_series(&after),
+            server_series(&before)
+        );
+        assert_eq!(
+            server_series(&after),
+            server_series(&before),
+            "the series grew with the paths: {after}"
+        );
+        // Operators still see the refusals, under a fixed label.
+        let refused = |code: &str| {
+            value(
+                &after,
+                &format!(
+                    "grpc_server_handled_total{{grpc_service=\"unknown\",grpc_method=\"unknown\",grpc_code=\"{code}\"}}"
+                ),
+            )
+        };
+        let total = |codes: &std::collections::BTreeMap<String, usize>, code: &str| {
+            codes.get(code).copied().unwrap_or_default()
+                + warmup.get(code).copied().unwrap_or_default()
+        };
+        assert_eq!(
+            refused("Unauthenticated"),
+            Some(total(&plain_codes, "Unauthenticated") as f64),
+            "{after}"
+        );
+        assert_eq!(
+            refused("PermissionDenied"),
+            Some(total(&peer_codes, "PermissionDenied") as f64),
+            "{after}"
+        );
+        shutdown.cancel();
+        task.await.expect("joins").expect("stops cleanly");
+    }
+
+    /// Labels name the methods of the services a server serves, health and reflection; any
+    /// other path, a method of a service served elsewhere included, is "unknown".
+    #[test]
+    fn only_served_methods_are_named() {
+        let known = KnownRoutes::of(&["trellis.gateway.v1.Gateway"]);
+        let named = |service: &str, method: &str| (service.to_owned(), method.to_owned());
+        assert_eq!(
+            known.labels("/trellis.gateway.v1.Gateway/GetGatewayInfo"),
+            named("trellis.gateway.v1.Gateway", "GetGatewayInfo")
+        );
+        assert_eq!(
+            known.labels("/grpc.health.v1.Health/Watch"),
+            named("grpc.health.v1.Health", "Watch")
+        );
+        assert_eq!(
+            known.labels("/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo"),
+            named(
+                "grpc.reflection.v1alpha.ServerReflection",
+                "ServerReflectionInfo"
+            )
+        );
+        for unknown in [
+            "/trellis.gateway.v1.Gateway/NoSuchMethod",
+            "/trellis.ipam.v1.Ipam/GetLocalSubnets",
+            "/grpc.health.v1.Health/",
+            "/",
+            "",
+        ] {
+            assert_eq!(
+                known.labels(unknown),
+                named("unknown", "unknown"),
+                "{unknown:?}"
+            );
+        }
     }
 
     #[tokio::test]

@@ -62,6 +62,11 @@ pub const CA_LIFETIME: Duration = Duration::from_secs(10 * 365 * 24 * 3600);
 /// How long a TLS handshake on the peer listener may take.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// Refused and timed-out handshakes on the peer listener, which anyone who reaches it can
+/// cause: logged once per period ([`crate::log_limit`]).
+static REFUSED_HANDSHAKES: crate::log_limit::LogLimit =
+    crate::log_limit::LogLimit::new(crate::log_limit::PERIOD);
+
 /// The SAN URI naming a cluster (its CA carries it).
 pub fn cluster_uri(cluster_id: &str) -> String {
     format!("{URI_PREFIX}{cluster_id}")
@@ -1203,11 +1208,15 @@ pub fn incoming(
                 {
                     Ok(Ok(stream)) => stream,
                     Ok(Err(err)) => {
-                        tracing::warn!(remote = %remote, error = %err, "refused a TLS connection on the peer listener");
+                        if let Some(held_back) = REFUSED_HANDSHAKES.admit() {
+                            tracing::warn!(remote = %remote, error = %err, held_back, "refused a TLS connection on the peer listener");
+                        }
                         return;
                     }
                     Err(_) => {
-                        tracing::warn!(remote = %remote, "TLS handshake timed out on the peer listener");
+                        if let Some(held_back) = REFUSED_HANDSHAKES.admit() {
+                            tracing::warn!(remote = %remote, held_back, "TLS handshake timed out on the peer listener");
+                        }
                         return;
                     }
                 };
@@ -1223,7 +1232,9 @@ pub fn incoming(
                     ) {
                         Ok(peer) => Some(peer),
                         Err(err) => {
-                            tracing::warn!(remote = %remote, error = %err, "refused a TLS connection on the peer listener");
+                            if let Some(held_back) = REFUSED_HANDSHAKES.admit() {
+                                tracing::warn!(remote = %remote, error = %err, held_back, "refused a TLS connection on the peer listener");
+                            }
                             return;
                         }
                     },

@@ -13,7 +13,7 @@ use std::time::{Duration, SystemTime};
 use ipnet::IpNet;
 use trellis_api::model::{Endpoint, EndpointHost, TunnelEndpoint};
 use trellis_api::{ClusterId, ClusterIdentity};
-use trellis_error::Result;
+use trellis_error::{Error, Result};
 use trellis_store::SharedStore;
 
 use crate::dataplane::engine::{DropReason, Engine};
@@ -61,7 +61,8 @@ pub struct TunnelStatus {
     pub configurations: u64,
 }
 
-/// One tunnel as last applied.
+/// One tunnel as last applied. A peer that got no slot has slot 0 (no port is 0) and an
+/// error result: it is in the status, not in the data plane.
 #[derive(Debug, Clone)]
 struct Applied {
     plan: PeerPlan,
@@ -209,20 +210,52 @@ impl Gateway {
         self.apply_pass(desired, hub, Pass::Repair).await
     }
 
-    /// Makes ports and data plane match `desired` (with the hub-path DNAT of `hub`), then
-    /// releases the ports of tunnels that are gone and of peers that never got one. Per-peer
-    /// data plane failures are recorded in the status and counted in the result (the caller
-    /// retries sooner when there are any). `pass` says whether the data plane applies only what
-    /// changed since the last pass or checks everything.
+    /// Makes ports and data plane match `desired` (with the hub-path DNAT of `hub`): first
+    /// releases the slots of tunnels that are gone, then binds a slot for every desired peer,
+    /// applies the data plane, and releases the slots of peers that never got a tunnel.
+    /// Per-peer failures are recorded in the status and counted in the result (the caller
+    /// retries sooner when there are any): a peer that cannot get a slot (the range full, or
+    /// its slot in quarantine) waits with an error status while every other change, removals
+    /// included, is applied. `pass` says whether the data plane applies only what changed
+    /// since the last pass or checks everything.
     pub async fn apply_pass(&self, desired: &Desired, hub: &Mappings, pass: Pass) -> Result<usize> {
+        // Releases first: the slot a removed peer frees may be the one a new peer waits for,
+        // and a peer short of a slot must never keep a removed one's tunnel up.
+        let keep: BTreeSet<ClusterId> = desired.keys().cloned().collect();
+        ports::release_tunnels_except(&self.store, &keep).await?;
         let mut plans = Vec::with_capacity(desired.len());
+        let mut unslotted = Vec::new();
+        let mut results: BTreeMap<ClusterId, std::result::Result<(), String>> = BTreeMap::new();
         for (id, te) in desired {
             if id == &self.settings.identity.id {
                 tracing::warn!(peer = %id, "ignoring a tunnel endpoint for our own cluster");
                 continue;
             }
-            let slot =
-                ports::bind_tunnel(&self.store, &self.settings.ports, &self.port_hint, id).await?;
+            let slot = match ports::bind_tunnel(
+                &self.store,
+                &self.settings.ports,
+                &self.port_hint,
+                id,
+            )
+            .await
+            {
+                Ok(slot) => slot,
+                // The store is in trouble, for every peer alike: change nothing, retry.
+                Err(
+                    err @ (Error::Unavailable(_) | Error::DeadlineExceeded(_) | Error::Aborted(_)),
+                ) => return Err(err),
+                Err(err) => {
+                    tracing::warn!(peer = %id, error = %err, "no slot for this peer: its tunnel waits, the others are applied");
+                    results.insert(id.clone(), Err(format!("no slot for this peer: {err}")));
+                    unslotted.push(PeerPlan {
+                        endpoint: te.clone(),
+                        slot: 0,
+                        listen_port: 0,
+                        interface: self.interface_name(id),
+                    });
+                    continue;
+                }
+            };
             plans.push(PeerPlan {
                 endpoint: te.clone(),
                 slot,
@@ -230,7 +263,6 @@ impl Gateway {
                 interface: self.interface_name(id),
             });
         }
-        let mut results: BTreeMap<ClusterId, std::result::Result<(), String>> = BTreeMap::new();
         // The data plane's `ip` table is IPv4 only for now: an IPv6 TunnelEndpoint gets an
         // error status instead of half a tunnel.
         let (v4, v6): (Vec<PeerPlan>, Vec<PeerPlan>) = plans
@@ -247,9 +279,9 @@ impl Gateway {
             Some(dp) => results.extend(dp.lock().await.apply(&v4, hub, pass).await),
             None => results.extend(v4.iter().map(|p| (p.endpoint.remote.id.clone(), Ok(())))),
         }
-        let keep: BTreeSet<ClusterId> = desired.keys().cloned().collect();
-        ports::release_tunnels_except(&self.store, &keep).await?;
         ports::release_unused(&self.store, self.settings.ports.unused_grace).await?;
+        // After the data plane removed the released peers: none of their connections is
+        // marked again once flushed.
         self.flush_freed().await?;
         let prefixes: BTreeSet<IpNet> = v4.iter().flat_map(PeerPlan::routed).collect();
         self.routes.send_if_modified(|routes| {
@@ -261,6 +293,7 @@ impl Gateway {
         let failed = results.values().filter(|r| r.is_err()).count();
         let applied = plans
             .into_iter()
+            .chain(unslotted)
             .map(|plan| {
                 let id = plan.endpoint.remote.id.clone();
                 let result = results.remove(&id).unwrap_or(Ok(()));

@@ -183,6 +183,22 @@ fn gateway_with_grace(
     range: PortRange,
     unused_port_grace: std::time::Duration,
 ) -> Gateway {
+    gateway_with(
+        store,
+        keys,
+        range,
+        unused_port_grace,
+        std::time::Duration::ZERO,
+    )
+}
+
+fn gateway_with(
+    store: SharedStore,
+    keys: KeyPair,
+    range: PortRange,
+    unused_port_grace: std::time::Duration,
+    quarantine: std::time::Duration,
+) -> Gateway {
     Gateway::new(
         store,
         Settings {
@@ -191,7 +207,7 @@ fn gateway_with_grace(
             ports: PortPolicy {
                 range,
                 unused_grace: unused_port_grace,
-                quarantine: std::time::Duration::ZERO,
+                quarantine,
             },
             shared_port: None,
             interface_prefix: "tg".into(),
@@ -277,6 +293,88 @@ async fn removing_a_tunnel_releases_its_port_but_not_a_pending_one() {
     // nobody held goes first. d's is still held.
     assert_eq!(g.info(Some(&id("e"))).await.expect("e").listen_port, 40003);
     assert_eq!(g.info(Some(&id("d"))).await.expect("d").listen_port, 40000);
+}
+
+/// One peer that cannot get a slot must not hold the others back: with a one-slot range held
+/// by b's tunnel, publishing {c} (b removed, c added) removes b's tunnel at once (its routes
+/// withdrawn, its slot freed) and gives c an error status saying why; c gets the slot once
+/// its quarantine has passed.
+#[tokio::test]
+async fn a_peer_without_a_slot_does_not_hold_back_removals_and_gets_the_freed_slot_later() {
+    let store: SharedStore = Arc::new(trellis_store::MemoryStore::new());
+    let keys = KeyPair::load_or_create(&store).await.expect("key");
+    let range = PortRange::new(40000, 40000).expect("range");
+    let quarantine = std::time::Duration::from_secs(1);
+    let g = gateway_with(
+        store.clone(),
+        keys,
+        range,
+        std::time::Duration::from_secs(600),
+        quarantine,
+    );
+    let id = |s: &str| trellis_api::ClusterId::parse("cluster_id", s).expect("id");
+    let routes = g.watch_routes();
+    let prefixes = || -> Vec<String> {
+        routes
+            .borrow()
+            .prefixes
+            .iter()
+            .map(ToString::to_string)
+            .collect()
+    };
+    let only_b: BTreeMap<_, _> = [(id("b"), te("b", 80))].into();
+    assert_eq!(g.apply(&only_b, &Vec::new()).await.expect("applied"), 0);
+    assert_eq!(g.tunnel(&id("b")).await.expect("b").plan.slot, 40000);
+    assert_eq!(prefixes(), ["10.80.0.0/16", "10.81.0.0/16"]);
+
+    let only_c: BTreeMap<_, _> = [(id("c"), te("c", 83))].into();
+    let published = std::time::Instant::now();
+    let failed = g
+        .apply(&only_c, &Vec::new())
+        .await
+        .expect("a pass with one peer short of a slot still applies the others");
+    assert_eq!(failed, 1, "c has no slot yet");
+    assert!(g.tunnel(&id("b")).await.is_none(), "b's tunnel is still up");
+    assert_eq!(
+        prefixes(),
+        Vec::<String>::new(),
+        "b's routes are still announced"
+    );
+    assert_eq!(
+        trellis_gateway::ports::lookup(&store, &id("b"))
+            .await
+            .expect("reads"),
+        None,
+        "b still holds its slot"
+    );
+    let c = g.tunnel(&id("c")).await.expect("c has a status");
+    assert_eq!(c.state, trellis_gateway::core::State::Error);
+    assert!(
+        c.message.contains("no free WireGuard port"),
+        "{}",
+        c.message
+    );
+
+    // The reconciler retries a pass that left a tunnel unconfigured; c gets b's slot once
+    // the quarantine is over, not before.
+    loop {
+        let failed = g.apply(&only_c, &Vec::new()).await.expect("applied");
+        if failed == 0 {
+            break;
+        }
+        assert!(
+            published.elapsed() < std::time::Duration::from_secs(10),
+            "c still has no slot: {}",
+            g.tunnel(&id("c")).await.expect("c").message
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    assert!(
+        published.elapsed() >= quarantine,
+        "the slot was reused before its quarantine ended"
+    );
+    assert_eq!(g.tunnel(&id("c")).await.expect("c").plan.slot, 40000);
+    assert_eq!(prefixes(), ["10.83.0.0/16", "10.84.0.0/16"]);
 }
 
 /// Issue 15 item 5: ports handed out for peers that never get a tunnel go back to the range
