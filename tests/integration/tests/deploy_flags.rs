@@ -1741,7 +1741,11 @@ fn single_writer_services_never_run_two_pods_during_a_rollout() -> anyhow::Resul
                 continue;
             };
             found.insert(*binary);
-            check_single_writer(&format!("{}: {binary}", path.display()), &document, &mut problems);
+            check_single_writer(
+                &format!("{}: {binary}", path.display()),
+                &document,
+                &mut problems,
+            );
         }
     }
     assert_eq!(

@@ -978,7 +978,10 @@ impl Peerable for Unreachable {
     async fn broker_client(
         &self,
     ) -> anyhow::Result<broker_client::BrokerClient<tonic::transport::Channel>> {
-        Ok(broker_client::BrokerClient::connect(format!("http://{}", self.peering_broker())).await?)
+        Ok(
+            broker_client::BrokerClient::connect(format!("http://{}", self.peering_broker()))
+                .await?,
+        )
     }
 }
 
@@ -999,14 +1002,15 @@ async fn an_absence_check_fails_when_the_broker_cannot_be_asked() {
     let err = answered_tunnel_to(&Unreachable, "hub")
         .await
         .expect_err("an unreachable broker is an error");
-    assert!(
-        format!("{err:#}").contains("transport error"),
-        "{err:#}"
-    );
+    assert!(format!("{err:#}").contains("transport error"), "{err:#}");
 }
 
 /// The NetworkConfig `origin` → `destination` that `holder`'s broker lists.
-async fn listed_nc(holder: &InProcessCluster, origin: &str, destination: &str) -> types::NetworkConfig {
+async fn listed_nc(
+    holder: &InProcessCluster,
+    origin: &str,
+    destination: &str,
+) -> types::NetworkConfig {
     holder
         .broker()
         .await
@@ -1046,7 +1050,11 @@ async fn a_peer_announcing_another_peers_wireguard_key_is_refused_and_changes_no
     let mut broker = b.broker().await.expect("broker");
     for (key, code, says) in [
         (&b_to_a.remote_public_key, Code::AlreadyExists, "leaf-a"),
-        (&a_to_b.remote_public_key, Code::InvalidArgument, "hub-b's own gateway"),
+        (
+            &a_to_b.remote_public_key,
+            Code::InvalidArgument,
+            "hub-b's own gateway",
+        ),
     ] {
         let mut forged = held.clone();
         forged.status = None;
@@ -1175,8 +1183,14 @@ async fn one_hub_introducing_all_it_may_leaves_room_for_the_leafs_other_peerings
     }
 
     trellis_integration::peering::peer(&a, &d).await;
-    eventually("a's tunnel to the second hub", LIMIT, || tunnel_to(&a, "hub-d")).await;
-    eventually("the second hub's tunnel to a", LIMIT, || tunnel_to(&d, "leaf-a")).await;
+    eventually("a's tunnel to the second hub", LIMIT, || {
+        tunnel_to(&a, "hub-d")
+    })
+    .await;
+    eventually("the second hub's tunnel to a", LIMIT, || {
+        tunnel_to(&d, "leaf-a")
+    })
+    .await;
     for cluster in [a, b, d] {
         cluster.stop().await;
     }

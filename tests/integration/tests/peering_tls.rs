@@ -907,11 +907,15 @@ async fn a_third_peer_cannot_withdraw_or_decide_for_a_network_config_it_does_not
         .into_inner()
         .removed;
     assert!(removed, "A held M's NC");
-    eventually("A's tunnel to M rebuilt after M's own withdrawal", LIMIT, || async {
-        tunnel_to(&a, "leaf-m")
-            .await
-            .filter(|t| t.revision > to_m.revision)
-    })
+    eventually(
+        "A's tunnel to M rebuilt after M's own withdrawal",
+        LIMIT,
+        || async {
+            tunnel_to(&a, "leaf-m")
+                .await
+                .filter(|t| t.revision > to_m.revision)
+        },
+    )
     .await;
     // Nothing else changed: A keeps its tunnels to C (as it was) and to the hub.
     let still = answered_tunnel_to(&a, "leaf-c")
@@ -1131,7 +1135,10 @@ async fn a_token_holder_presenting_a_peered_clusters_own_ca_cannot_take_over_its
 
     let (peered, after) = full_record(&hub, "leaf-a").await;
     assert!(peered, "the hub still holds A as a peer");
-    assert_eq!(after.addresses, before.addresses, "A's addresses at the hub");
+    assert_eq!(
+        after.addresses, before.addresses,
+        "A's addresses at the hub"
+    );
     assert_eq!(after.ca_certificate, a_tls.ca.cert_pem());
 
     // The peering ID the hub keeps is still the one A knows: A's notice ends the peering.
