@@ -8,11 +8,12 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use tokio::sync::Notify;
 use trellis_api::convert::{addresses_to_pb, identity_to_pb};
-use trellis_api::model::{Addresses, NatView, NetworkSpec};
+use trellis_api::model::{Addresses, NatView, NetworkSpec, WgKey};
 use trellis_api::net::AllowedRanges;
 use trellis_api::pb::discovery::{
     GetForeignClusterRequest, GetIdentityRequest, ListForeignClustersRequest, UpdatePeeringRequest,
 };
+use trellis_api::pb::gateway::GetGatewayInfoRequest;
 use trellis_api::pb::ipam::{
     FreeSubnetsPerClusterRequest, GetSubnetsPerClusterRequest, SetLocalNatRequest,
 };
@@ -31,7 +32,7 @@ use crate::remote::Clients;
 use crate::token;
 use trellis_api::peers::Peers;
 use trellis_runtime::foreign_clusters::{self, ForeignClusters};
-use trellis_runtime::tls::{CaCertHash, PinnedCa};
+use trellis_runtime::tls::{CaCertHash, Caller, PinnedCa};
 
 /// A NetworkConfig received from a remote, validated.
 #[derive(Debug, Clone)]
@@ -75,6 +76,8 @@ pub struct Broker {
     /// The local discovery service's records as its watch last delivered them (kept by the
     /// reconciler's watch): what each received NetworkConfig is checked against first.
     foreign_clusters: ForeignClusters,
+    /// Our gateway's WireGuard public key as last read, which no remote may announce as its own.
+    own_key: Mutex<Option<WgKey>>,
 }
 
 /// The remotes a reconciliation pass looks at: all of them, or only those something happened
@@ -171,6 +174,7 @@ impl Broker {
             peering_locks: Mutex::new(HashMap::new()),
             allowed: AllowedRanges::default(),
             foreign_clusters: ForeignClusters::new(),
+            own_key: Mutex::new(None),
         }
     }
 
@@ -203,7 +207,8 @@ impl Broker {
     }
 
     /// Serialises starting, ending and notifying the peering with `remote` (in this process;
-    /// the broker runs as one replica per cluster).
+    /// the broker runs as one replica per cluster, and its Deployment is `Recreate` so that a
+    /// rollout never runs two).
     async fn lock_peering(&self, remote: &ClusterId) -> tokio::sync::OwnedMutexGuard<()> {
         let lock = self
             .peering_locks
@@ -384,12 +389,21 @@ impl Broker {
         Ok(Some(ca))
     }
 
-    /// The CA-change rule (ADR 0014): a handshake for an identity we are already peered with
-    /// must present the CA we pinned for it. The handshake itself is unauthenticated (the
-    /// caller has no certificate we trust yet), so accepting another CA would let any holder of
-    /// our token take over the identity. Re-admitting a cluster whose CA really changed is an
-    /// operator's decision: `Unpeer` it here, then it peers again like a new cluster.
-    async fn refuse_changed_ca(&self, remote: &ClusterId, ca: &PinnedCa) -> Result<()> {
+    /// The re-handshake rule (ADR 0014): a handshake for an identity we are already peered
+    /// with must present the CA we pinned for it, and must come over mutual TLS from a
+    /// certificate of that cluster. The handshake method itself takes callers without a
+    /// certificate (first contact), and a CA certificate is public (servers send it in their
+    /// chain), so without both checks any holder of our token could take over the identity:
+    /// replace its addresses and peering ID and cancel our unpeering notice to it. The peer
+    /// itself re-handshakes over mutual TLS ([`Broker::peer`]). Re-admitting a cluster that
+    /// lost its CA, its certificate or its records is an operator's decision: `Unpeer` it here,
+    /// then it peers again like a new cluster.
+    async fn refuse_takeover(
+        &self,
+        remote: &ClusterId,
+        ca: &PinnedCa,
+        caller: &Caller,
+    ) -> Result<()> {
         let request = GetForeignClusterRequest {
             cluster_id: remote.to_string(),
         };
@@ -410,14 +424,33 @@ impl Broker {
             return Ok(());
         };
         let pinned = PinnedCa::from_pem(remote.as_str(), &pinned)?;
-        if pinned.fingerprint() == ca.fingerprint() {
-            return Ok(());
+        if pinned.fingerprint() != ca.fingerprint() {
+            tracing::warn!(remote.id = %remote, pinned = pinned.fingerprint(), presented = ca.fingerprint(), "refused a handshake presenting another ca for a peered cluster");
+            return Err(Error::PermissionDenied(format!(
+                "cluster {remote} is peered with another CA; an operator must unpeer it before it \
+                 can peer again with a new one"
+            )));
         }
-        tracing::warn!(remote.id = %remote, pinned = pinned.fingerprint(), presented = ca.fingerprint(), "refused a handshake presenting another ca for a peered cluster");
-        Err(Error::PermissionDenied(format!(
-            "cluster {remote} is peered with another CA; an operator must unpeer it before it \
-             can peer again with a new one"
-        )))
+        match caller {
+            Caller::Peer(peer)
+                if peer.cluster_id == remote.as_str()
+                    && peer.ca_fingerprint == pinned.fingerprint() =>
+            {
+                Ok(())
+            }
+            other => {
+                let who = match other {
+                    Caller::Peer(peer) => peer.cluster_id.clone(),
+                    Caller::Anonymous | Caller::Plaintext => "no client certificate".to_owned(),
+                };
+                tracing::warn!(remote.id = %remote, caller = %who, "refused a handshake for a peered cluster that did not come from its certificate");
+                Err(Error::PermissionDenied(format!(
+                    "cluster {remote} is already peered: a new handshake for it must come over \
+                     mutual TLS with its own certificate (its broker's Peer does so); if it lost \
+                     its certificate or its records, an operator unpeers it here first"
+                )))
+            }
+        }
     }
 
     /// Our CA certificate for the handshake (empty without TLS).
@@ -494,10 +527,12 @@ impl Broker {
     }
 
     /// Answers a remote's handshake: checks the token, records the caller as a full peer,
-    /// returns who we are and where our services are.
+    /// returns who we are and where our services are. `transport` is who the connection it
+    /// came on authenticated (checked for a cluster we are already peered with).
     #[tracing::instrument(skip_all, fields(remote.id = %caller.id))]
     pub async fn handshake(
         &self,
+        transport: &Caller,
         presented: &str,
         caller: &ClusterIdentity,
         addresses: &Addresses,
@@ -524,8 +559,10 @@ impl Broker {
             ));
         }
         let ca = self.peer_ca("ca_certificate", &caller.id, ca_certificate)?;
+        // Without TLS nothing authenticates the caller: a re-handshake is taken as it comes
+        // (plaintext trusts everyone who reaches the services; README, ADR 0014).
         if let Some(ca) = &ca {
-            self.refuse_changed_ca(&caller.id, ca).await?;
+            self.refuse_takeover(&caller.id, ca, transport).await?;
         }
         let ours = self.advertised().await?;
         let _peering = self.lock_peering(&caller.id).await;
@@ -560,9 +597,13 @@ impl Broker {
                 "the local discovery service advertises no broker address; peers could not reach us".into(),
             ));
         }
-        let mut client = match pin {
-            Some(pin) => self.clients.pinned_handshake_broker(address, pin)?,
-            None => {
+        let peered = self.peered_at(address, expected).await?;
+        let mut client = match (&peered, pin) {
+            // Already peered: the remote takes a new handshake only over mutual TLS from our
+            // certificate (`refuse_takeover`), and the server must chain to its pinned CA.
+            (Some(id), _) => self.clients.broker(address, id)?,
+            (None, Some(pin)) => self.clients.pinned_handshake_broker(address, pin)?,
+            (None, None) => {
                 if self.clients.tls().is_some() {
                     tracing::warn!(remote = %address, "first contact is unpinned: the token goes to whoever answers at this address (pass ca_cert_hash, as `trellisctl token --join` prints it)");
                 }
@@ -585,6 +626,12 @@ impl Broker {
                         "the broker at {address} does not present a certificate of the CA \
                          pinned by ca_cert_hash; nothing was sent ({})",
                         status.message()
+                    ));
+                }
+                if let Some(id) = &peered {
+                    return Error::from(status).context(format!(
+                        "handshake with {address} over mutual TLS (we are peered with {id}; a \
+                         remote whose CA changed must be unpeered here first)"
                     ));
                 }
                 Error::from(status).context(format!("handshake with {address}"))
@@ -630,6 +677,29 @@ impl Broker {
         tracing::info!(remote.id = %remote.id, remote.name = %remote.name, "peered");
         self.wake();
         Ok((remote, addresses))
+    }
+
+    /// With mutual TLS on, the full peer we hold a pinned CA for that `address` reaches: the
+    /// `expected` cluster, or the one advertising `address` as its broker. `None` without TLS
+    /// or when we are not peered with it (first contact).
+    async fn peered_at(
+        &self,
+        address: &str,
+        expected: Option<&ClusterId>,
+    ) -> Result<Option<ClusterId>> {
+        let Some(tls) = self.clients.tls() else {
+            return Ok(None);
+        };
+        let peers = self.peers().await?;
+        let found = peers
+            .full
+            .iter()
+            .find(|(id, (_, addresses, _))| match expected {
+                Some(expected) => *id == expected,
+                None => addresses.broker == address,
+            })
+            .map(|(id, _)| id.clone());
+        Ok(found.filter(|id| tls.trust().get(id.as_str()).is_some()))
     }
 
     /// Ends the full peering with `id`: marks it unpeered (the reconciler tears down what was
@@ -836,6 +906,7 @@ impl Broker {
             }
         }
 
+        self.refuse_duplicate_key(&nc, ours.as_ref()).await?;
         let decision = self.decide(&nc).await?;
         if let Some((held, _)) = &held
             && held.generation == nc.generation
@@ -899,6 +970,69 @@ impl Broker {
             decision,
             receiver_generation,
         })
+    }
+
+    /// Remembers our gateway's WireGuard public key (the reconciler, whenever it reads it).
+    pub fn note_own_key(&self, key: WgKey) {
+        *self.own_key.lock().unwrap_or_else(PoisonError::into_inner) = Some(key);
+    }
+
+    /// Our gateway's WireGuard public key: the one our NetworkConfig to the origin carries, the
+    /// one last read, or the gateway's answer.
+    async fn own_key(&self, ours: Option<&OutgoingNc>) -> Result<WgKey> {
+        if let Some(out) = ours {
+            return Ok(out.spec.public_key);
+        }
+        let known = *self.own_key.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(key) = known {
+            return Ok(key);
+        }
+        let info = self
+            .clients
+            .gateway()
+            .get_gateway_info(GetGatewayInfoRequest {
+                cluster_id: String::new(),
+            })
+            .await
+            .map_err(local("asking the gateway for its public key"))?
+            .into_inner();
+        let key = WgKey::parse("public_key", &info.public_key).map_err(|e| {
+            Error::Internal(format!("the gateway answered an unusable public key: {e}"))
+        })?;
+        self.note_own_key(key);
+        Ok(key)
+    }
+
+    /// Refuses a NetworkConfig whose WireGuard key is ours or another remote's (issue 32). The
+    /// gateway's engine tells peers apart by their keys and refuses a key it already holds, so
+    /// of two remotes announcing one key, the one added second (in cluster-ID order, on every
+    /// pass after a restart) gets no tunnel: a peer could knock out another's tunnel by
+    /// announcing its key. A key's first holder keeps it: the newcomer is refused and nothing
+    /// is stored. Its own earlier NetworkConfig and refused ones do not count.
+    async fn refuse_duplicate_key(&self, nc: &Received, ours: Option<&OutgoingNc>) -> Result<()> {
+        let key = nc.spec.public_key;
+        if key == self.own_key(ours).await? {
+            tracing::warn!(remote.id = %nc.origin.id, "refused a network config announcing our own wireguard key");
+            return Err(Error::invalid(
+                "network_config.spec.public_key",
+                format!("is the WireGuard key of {}'s own gateway", self.identity.id),
+            ));
+        }
+        for kv in self.store.list(IN_PREFIX).await?.kvs {
+            let held: IncomingNc = decode(&kv.key, &kv.value)?;
+            if held.remote.id != nc.origin.id
+                && held.spec.public_key == key
+                && !matches!(held.decision, Decision::Rejected { .. })
+            {
+                tracing::warn!(remote.id = %nc.origin.id, holder = %held.remote.id, "refused a network config announcing another peer's wireguard key");
+                return Err(Error::AlreadyExists(format!(
+                    "network_config.spec.public_key: cluster {} already uses this WireGuard key \
+                     with {}; each peer needs its own",
+                    held.remote.id, self.identity.id
+                )));
+            }
+        }
+        Ok(())
     }
 
     /// Whether `peers` let `nc`'s origin send it to us: directly as a full peer, or through a

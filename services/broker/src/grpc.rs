@@ -271,6 +271,7 @@ impl BrokerApi for BrokerService {
         &self,
         request: Request<pb::HandshakeRequest>,
     ) -> Result<Response<pb::HandshakeResponse>, Status> {
+        let transport = trellis_runtime::tls::caller(&request);
         let req = request.into_inner();
         if req.token.is_empty() || req.token.len() > 256 {
             return Err(
@@ -283,6 +284,7 @@ impl BrokerApi for BrokerService {
         let (identity, ours, ca_certificate) = self
             .core
             .handshake(
+                &transport,
                 &req.token,
                 &caller,
                 &addresses,

@@ -325,6 +325,9 @@ async fn gateway_basics(broker: &Broker) -> Result<GatewayBasics> {
         .await
         .map_err(|s| Error::from(s).context("asking the gateway for its endpoint"))?
         .into_inner();
+    if let Ok(key) = trellis_api::model::WgKey::parse("public_key", &info.public_key) {
+        broker.note_own_key(key);
+    }
     Ok(GatewayBasics {
         public_key: info.public_key,
         endpoint_host: trellis_api::model::Endpoint::parse("endpoint", &info.endpoint)

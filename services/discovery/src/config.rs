@@ -103,7 +103,9 @@ pub struct Config {
 
     /// Most clusters one hub's Neighborhood may introduce; a larger one is refused whole
     /// (INVALID_ARGUMENT) and changes nothing, so a misbehaving hub cannot flood this cluster
-    /// with records, NetworkConfig exchanges and tunnels.
+    /// with records, NetworkConfig exchanges and tunnels. Each introduction takes one of the
+    /// gateway's per-peer slots: the default (three quarters of the gateway's default 256)
+    /// leaves the rest to full peerings and other hubs. Raise it with `--wireguard-ports`.
     #[arg(long, env = "TRELLIS_MAX_INDUCED_PER_HUB", value_name = "N",
           default_value_t = crate::core::MAX_INDUCED_PER_HUB,
           value_parser = clap::builder::TypedValueParser::map(

@@ -242,9 +242,12 @@ pub struct Discovery {
     heard_wake: tokio::sync::Notify,
 }
 
-/// The default of `--max-induced-per-hub`: far above the largest mesh measured (255
-/// clusters), far below what would exhaust a store or a gateway's ports.
-pub const MAX_INDUCED_PER_HUB: usize = 4096;
+/// The default of `--max-induced-per-hub`: three quarters of a gateway's default 256 per-peer
+/// slots (`--wireguard-ports`), so that one hub's introductions, each a slot and possibly an
+/// IPAM remap range, leave the rest to the leaf's full peerings and other hubs (issue 32: at
+/// 4096, one hub could take every slot and starve them). A mesh of more than 193 clusters
+/// around one hub raises it, with the slots and the IPAM pools.
+pub const MAX_INDUCED_PER_HUB: usize = 192;
 
 impl Discovery {
     /// Opens the service on `store`. The first start records the identity; later ones must

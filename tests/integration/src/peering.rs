@@ -89,13 +89,37 @@ pub async fn tunnels(cluster: &impl Peerable) -> anyhow::Result<Vec<TunnelEndpoi
 }
 
 /// The cluster's TunnelEndpoint towards `remote`; `None` also while its broker cannot be
-/// reached (callers poll through restarts).
+/// reached (callers poll through restarts). For waiting until a tunnel exists only: absence
+/// checks use [`no_tunnel_to`] or [`answered_tunnel_to`].
 pub async fn tunnel_to(cluster: &impl Peerable, remote: &str) -> Option<TunnelEndpoint> {
     tunnels(cluster)
         .await
         .ok()?
         .into_iter()
         .find(|t| t.remote.as_ref().is_some_and(|r| r.cluster_id == remote))
+}
+
+/// The cluster's TunnelEndpoint towards `remote` as its broker answers; an error when the
+/// broker cannot be asked. What absence checks use: an unreachable broker must not read as "no
+/// tunnel".
+pub async fn answered_tunnel_to(
+    cluster: &impl Peerable,
+    remote: &str,
+) -> anyhow::Result<Option<TunnelEndpoint>> {
+    Ok(tunnels(cluster)
+        .await?
+        .into_iter()
+        .find(|t| t.remote.as_ref().is_some_and(|r| r.cluster_id == remote)))
+}
+
+/// `Some` once the cluster's broker answers that it holds no TunnelEndpoint towards `remote`;
+/// `None` while it holds one and while it cannot be reached (for [`eventually`]: absence is
+/// proven by an answer, never by a failed call).
+pub async fn no_tunnel_to(cluster: &impl Peerable, remote: &str) -> Option<()> {
+    match answered_tunnel_to(cluster, remote).await {
+        Ok(None) => Some(()),
+        Ok(Some(_)) | Err(_) => None,
+    }
 }
 
 /// The cluster's current peering token.

@@ -1684,3 +1684,86 @@ fn the_node_path_checks_report_privilege_and_placement_mistakes() -> anyhow::Res
     assert!(all.contains("TRELLIS_NODE_IP must come from"), "{all}");
     Ok(())
 }
+
+// --- one writer per store ----------------------------------------------------------------------
+
+/// The services whose correctness assumes a single running process per cluster: the broker
+/// serialises starting, ending and notifying a peering with an in-process lock, the forwarder
+/// keeps its relays' due queue in memory, and the gateway owns the node's tunnel devices and
+/// WireGuard port. A rollout with the default RollingUpdate strategy surges a second pod next to
+/// the first, so for a while two of them write the same store.
+const SINGLE_WRITERS: [&str; 3] = ["trellis-broker", "trellis-forwarder", "trellis-gateway"];
+
+/// What makes `deployment` (running `binary`) run at most one pod at any time, as problems.
+fn check_single_writer(origin: &str, deployment: &Value, problems: &mut Vec<String>) {
+    let replicas = deployment.pointer("/spec/replicas").and_then(Value::as_i64);
+    if replicas != Some(1) {
+        problems.push(format!("{origin}: replicas is {replicas:?}, not 1"));
+    }
+    let strategy = deployment
+        .pointer("/spec/strategy/type")
+        .and_then(Value::as_str);
+    if strategy != Some("Recreate") {
+        problems.push(format!(
+            "{origin}: strategy is {strategy:?}, not Recreate (a rolling update runs two pods \
+             at once)"
+        ));
+    }
+}
+
+#[test]
+fn single_writer_services_never_run_two_pods_during_a_rollout() -> anyhow::Result<()> {
+    let Some(python) = yaml_python() else {
+        return Ok(());
+    };
+    // This crate's own checkout (tests/integration is two levels below the root).
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .ancestors()
+        .nth(2)
+        .context("the workspace root")?;
+    let base = root.join("deploy/kustomize/base");
+    let mut problems = Vec::new();
+    let mut found = BTreeSet::new();
+    for entry in std::fs::read_dir(&base)? {
+        let path = entry?.path();
+        if path.extension().and_then(|e| e.to_str()) != Some("yaml") {
+            continue;
+        }
+        for document in yaml_documents(&python, &std::fs::read(&path)?)? {
+            if document.get("kind").and_then(Value::as_str) != Some("Deployment") {
+                continue;
+            }
+            let runs = strings(document.pointer("/spec/template/spec/containers/0/command"));
+            let Some(binary) = SINGLE_WRITERS
+                .iter()
+                .find(|b| runs.first().map(String::as_str) == Some(**b))
+            else {
+                continue;
+            };
+            found.insert(*binary);
+            check_single_writer(
+                &format!("{}: {binary}", path.display()),
+                &document,
+                &mut problems,
+            );
+        }
+    }
+    assert_eq!(
+        found,
+        SINGLE_WRITERS.into_iter().collect::<BTreeSet<_>>(),
+        "the base runs each single-writer service as a Deployment"
+    );
+    assert_eq!(problems, Vec::<String>::new());
+
+    // The check itself sees the default strategy.
+    let mut problems = Vec::new();
+    check_single_writer(
+        "rolling",
+        &serde_json::json!({"spec": {"replicas": 2}}),
+        &mut problems,
+    );
+    let all = problems.join("\n");
+    assert!(all.contains("replicas is Some(2)"), "{all}");
+    assert!(all.contains("strategy is None, not Recreate"), "{all}");
+    Ok(())
+}

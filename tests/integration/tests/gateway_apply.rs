@@ -4,10 +4,10 @@
 //! change, and during an induced storm every leaf's gateway did so for each of its n-1 new peers.
 //!
 //! Hub `h` with leaves `a`, `b`, `c` in namespaces (real gateways, userspace tunnels). The hub
-//! unpeers `c`, so `a` loses its induced tunnel to `c`. `a`'s gateway counts, per tunnel, how
+//! unpeers `c`, so `a` loses its induced tunnel to `c`; then `c` peers again, and `a` rebuilds it. `a`'s gateway counts, per tunnel, how
 //! often it configured it (`trellis_gateway_tunnel_configurations_total`, scraped and parsed with
 //! the Prometheus parser): the counts of `h` and `b`, whose tunnels did not change, must not
-//! move. The periodic repair pass (which re-applies everything on purpose) is pushed out of the
+//! move, checked once `c`'s new tunnel is counted (every pass before it has been applied). The periodic repair pass (which re-applies everything on purpose) is pushed out of the
 //! window with a long `--resync-interval`; a full pass (here the one at start) still restores a
 //! route deleted underneath the gateway.
 //!
@@ -28,6 +28,7 @@ use trellis_netlab::{Fabric, FabricOptions, Service};
 
 // Sorted by ID (`Fabric::wait_mesh` compares in cluster order with the broker's sorted list).
 const A: usize = 0;
+const C: usize = 2;
 const H: usize = 3;
 const LIMIT: Duration = Duration::from_secs(120);
 const GATEWAY_METRICS: u16 = 9106;
@@ -133,18 +134,32 @@ async fn a_change_to_one_peer_reconfigures_that_peer_only() {
         assert!(started.elapsed() < LIMIT, "a's gateway keeps c's tunnel");
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
-    // Passes triggered by the same change (the hub's mappings, a status) come within moments.
-    tokio::time::sleep(Duration::from_secs(3)).await;
-    let after = configurations(&python, &gw_ns);
+    let gone = configurations(&python, &gw_ns);
     assert!(
-        !after.contains_key("c"),
-        "c's tunnel is still counted: {after:?}"
+        !gone.contains_key("c"),
+        "c's tunnel is still counted: {gone:?}"
     );
+    // The control: c peers with the hub again, and `a`'s gateway configures c's tunnel anew.
+    // The passes that follow c's removal (the hub's mappings, a status) come before that, so
+    // once c is counted again they have all been applied.
+    fabric.peer(C, H).await.expect("c peers with the hub again");
+    let started = Instant::now();
+    let after = loop {
+        let seen = configurations(&python, &gw_ns);
+        if seen.get("c").is_some_and(|n| *n >= 1.0) {
+            break seen;
+        }
+        assert!(
+            started.elapsed() < LIMIT,
+            "a's gateway did not configure c's tunnel again: {seen:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
     for peer in ["h", "b"] {
         assert_eq!(
             after.get(peer),
             before.get(peer),
-            "{peer}'s unchanged tunnel was configured again when only c's went away \
+            "{peer}'s unchanged tunnel was configured again when only c's went and came back \
              (before {before:?}, after {after:?})"
         );
     }

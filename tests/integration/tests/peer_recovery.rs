@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use trellis_api::pb::peering::UnpeerRequest;
 use trellis_api::pb::types;
-use trellis_integration::peering::{eventually, peer, tunnel_to};
+use trellis_integration::peering::{eventually, no_tunnel_to, peer, tunnel_to};
 use trellis_integration::processes::{Options, ProcessCluster, Service};
 
 const LIMIT: Duration = Duration::from_secs(90);
@@ -59,7 +59,7 @@ async fn a_leaf_unpeered_and_re_peered_while_the_third_is_cut_off_gets_its_tunne
         .await
         .expect("unpeers");
     eventually("A drops its tunnel to C", LIMIT, || async {
-        tunnel_to(&a, &c.id).await.is_none().then_some(())
+        no_tunnel_to(&a, &c.id).await
     })
     .await;
     peer(&a, &b).await;

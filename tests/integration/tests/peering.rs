@@ -9,7 +9,10 @@ use trellis_api::pb::ipam::ListClusterSubnetsRequest;
 use trellis_api::pb::peering::*;
 use trellis_api::pb::types::{self as types};
 use trellis_integration::cluster::InProcessCluster;
-use trellis_integration::peering::{eventually, peer_with_token, token, tunnel_to, tunnels};
+use trellis_integration::peering::{
+    Peerable, answered_tunnel_to, eventually, no_tunnel_to, peer_with_token, token, tunnel_to,
+    tunnels,
+};
 
 const LIMIT: Duration = Duration::from_secs(30);
 
@@ -434,11 +437,11 @@ async fn leaves_of_a_hub_build_an_induced_peering_with_consistent_nat_views() {
         .await
         .expect("unpeers");
     eventually("A's tunnel to C withdrawn", LIMIT, || async {
-        tunnel_to(&a, "leaf-c").await.is_none().then_some(())
+        no_tunnel_to(&a, "leaf-c").await
     })
     .await;
     eventually("C's tunnel to A withdrawn", LIMIT, || async {
-        tunnel_to(&c, "leaf-a").await.is_none().then_some(())
+        no_tunnel_to(&c, "leaf-a").await
     })
     .await;
     assert!(
@@ -954,6 +957,309 @@ async fn a_peer_advertising_ranges_outside_the_allowed_space_is_refused_and_chan
     let after = tunnel_to(&b, "leaf-a").await.expect("the tunnel stays");
     assert_eq!(after.remote_pod_cidr, before.remote_pod_cidr);
     assert_eq!(after.remote_pod_cidr_nat, before.remote_pod_cidr_nat);
+    for cluster in [a, b] {
+        cluster.stop().await;
+    }
+}
+
+/// A cluster whose broker cannot be reached (nothing listens at its address): what a broker
+/// that is down or wedged looks like to a test.
+struct Unreachable;
+
+impl Peerable for Unreachable {
+    fn cluster_id(&self) -> &str {
+        "leaf-gone"
+    }
+
+    fn peering_broker(&self) -> std::net::SocketAddr {
+        std::net::SocketAddr::from(([127, 0, 0, 1], 9))
+    }
+
+    async fn broker_client(
+        &self,
+    ) -> anyhow::Result<broker_client::BrokerClient<tonic::transport::Channel>> {
+        Ok(
+            broker_client::BrokerClient::connect(format!("http://{}", self.peering_broker()))
+                .await?,
+        )
+    }
+}
+
+/// An absence check must not pass because the broker cannot be asked: `tunnel_to` (for waiting
+/// until a tunnel appears) reads an unreachable broker as "no tunnel", which is how the old
+/// absence checks passed on a dead broker; the checks now use answers only.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_absence_check_fails_when_the_broker_cannot_be_asked() {
+    assert!(
+        tunnel_to(&Unreachable, "hub").await.is_none(),
+        "the old check: passes on an unreachable broker"
+    );
+    assert_eq!(
+        no_tunnel_to(&Unreachable, "hub").await,
+        None,
+        "absence is not proven without an answer"
+    );
+    let err = answered_tunnel_to(&Unreachable, "hub")
+        .await
+        .expect_err("an unreachable broker is an error");
+    assert!(format!("{err:#}").contains("transport error"), "{err:#}");
+}
+
+/// The NetworkConfig `origin` → `destination` that `holder`'s broker lists.
+async fn listed_nc(
+    holder: &InProcessCluster,
+    origin: &str,
+    destination: &str,
+) -> types::NetworkConfig {
+    holder
+        .broker()
+        .await
+        .expect("broker")
+        .list_network_configs(ListNetworkConfigsRequest::default())
+        .await
+        .expect("lists")
+        .into_inner()
+        .network_configs
+        .into_iter()
+        .find(|nc| nc.name == format!("{origin}--{destination}"))
+        .unwrap_or_else(|| panic!("{} holds {origin}--{destination}", holder.id))
+}
+
+/// Issue 32: a peer announcing another peer's WireGuard key (or the receiver's own) is refused
+/// with an error naming the conflict, and nothing changes: the gateway's engine refuses a key
+/// it already holds, so accepting it would knock out whichever tunnel it adds second.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_announcing_another_peers_wireguard_key_is_refused_and_changes_nothing() {
+    let b = InProcessCluster::start("hub-b", "10.1.0.0/16", "10.202.0.0/16")
+        .await
+        .expect("b starts");
+    let a = InProcessCluster::start("leaf-a", "10.0.0.0/16", "10.201.0.0/16")
+        .await
+        .expect("a starts");
+    let c = InProcessCluster::start("leaf-c", "10.2.0.0/16", "10.203.0.0/16")
+        .await
+        .expect("c starts");
+    trellis_integration::peering::peer(&a, &b).await;
+    trellis_integration::peering::peer(&c, &b).await;
+    let b_to_a = eventually("b's tunnel to a", LIMIT, || tunnel_to(&b, "leaf-a")).await;
+    let b_to_c = eventually("b's tunnel to c", LIMIT, || tunnel_to(&b, "leaf-c")).await;
+    let a_to_b = eventually("a's tunnel to b", LIMIT, || tunnel_to(&a, "hub-b")).await;
+    assert_ne!(b_to_a.remote_public_key, b_to_c.remote_public_key);
+    let held = listed_nc(&b, "leaf-c", "hub-b").await;
+
+    let mut broker = b.broker().await.expect("broker");
+    for (key, code, says) in [
+        (&b_to_a.remote_public_key, Code::AlreadyExists, "leaf-a"),
+        (
+            &a_to_b.remote_public_key,
+            Code::InvalidArgument,
+            "hub-b's own gateway",
+        ),
+    ] {
+        let mut forged = held.clone();
+        forged.status = None;
+        forged.generation = held.generation + 1;
+        if let Some(spec) = forged.spec.as_mut() {
+            spec.public_key.clone_from(key);
+        }
+        let err = broker
+            .submit_network_config(SubmitNetworkConfigRequest {
+                network_config: Some(forged),
+            })
+            .await
+            .expect_err(says);
+        assert_eq!(err.code(), code, "{says}: {err:?}");
+        assert!(err.message().contains("public_key"), "{err:?}");
+        assert!(err.message().contains(says), "{err:?}");
+    }
+
+    // Nothing was stored: the hub holds C's NetworkConfig as it was, and both tunnels stay.
+    let after = listed_nc(&b, "leaf-c", "hub-b").await;
+    assert_eq!(after.generation, held.generation);
+    assert_eq!(after.spec, held.spec);
+    let tunnels = tunnels(&b).await.expect("the hub's broker answers");
+    for (remote, key) in [
+        ("leaf-a", &b_to_a.remote_public_key),
+        ("leaf-c", &b_to_c.remote_public_key),
+    ] {
+        let tunnel = tunnels
+            .iter()
+            .find(|t| t.remote.as_ref().is_some_and(|r| r.cluster_id == remote))
+            .unwrap_or_else(|| panic!("the hub's tunnel to {remote}"));
+        assert_eq!(&tunnel.remote_public_key, key, "{remote}'s key");
+    }
+    for cluster in [a, b, c] {
+        cluster.stop().await;
+    }
+}
+
+/// Issue 32: one hub cannot use up a leaf's finite resources (its gateway's per-peer slots, its
+/// IPAM's remap ranges) and so starve the leaf's other peerings. Hub B introduces made-up
+/// clusters, as many as the leaf admits up to 300 (the old cap, 4096, admitted them all; the
+/// default gateway has 256 slots): the leaf starts an exchange with each, then a second hub
+/// still peers with it and gets its tunnel. A Neighborhood of 300 is refused whole.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_hub_introducing_all_it_may_leaves_room_for_the_leafs_other_peerings() {
+    let b = InProcessCluster::start("hub-b", "10.1.0.0/16", "10.202.0.0/16")
+        .await
+        .expect("b starts");
+    let d = InProcessCluster::start("hub-d", "10.3.0.0/16", "10.204.0.0/16")
+        .await
+        .expect("d starts");
+    let a = InProcessCluster::start("leaf-a", "10.0.0.0/16", "10.201.0.0/16")
+        .await
+        .expect("a starts");
+    trellis_integration::peering::peer(&a, &b).await;
+    eventually("a's tunnel to b", LIMIT, || tunnel_to(&a, "hub-b")).await;
+
+    let introduce = |count: usize| {
+        use trellis_api::pb::discovery::PublishNeighborhoodRequest;
+        let ident = |id: String| {
+            Some(types::ClusterIdentity {
+                cluster_id: id.clone(),
+                cluster_name: id,
+            })
+        };
+        PublishNeighborhoodRequest {
+            neighborhood: Some(types::Neighborhood {
+                sender: ident("hub-b".into()),
+                recipient: ident("leaf-a".into()),
+                neighbors: (0..count)
+                    .map(|i| types::Neighbor {
+                        identity: ident(format!("made-up-{i}")),
+                        addresses: Some(types::ServiceAddresses::default()),
+                    })
+                    .collect(),
+                generation: i64::MAX / 2,
+                create_time: None,
+            }),
+        }
+    };
+    let cap = trellis_discovery::core::MAX_INDUCED_PER_HUB;
+    let mut discovery = a.discovery().await.expect("discovery");
+    if cap < 300 {
+        let err = discovery
+            .publish_neighborhood(introduce(300))
+            .await
+            .expect_err("over the cap");
+        assert_eq!(err.code(), Code::InvalidArgument, "{err:?}");
+        assert!(err.message().contains("--max-induced-per-hub"), "{err:?}");
+    }
+    let count = cap.min(300);
+    discovery
+        .publish_neighborhood(introduce(count))
+        .await
+        .expect("the leaf takes the introductions");
+    // The leaf works through the introductions until it has written its NetworkConfig for
+    // each (a slot each; the relays through B go nowhere) or it stops making progress (no slot
+    // left). What follows asserts a tunnel appears, so waiting too little cannot pass it.
+    let mut broker = a.broker().await.expect("broker");
+    let started = std::time::Instant::now();
+    let (mut made, mut since) = (0, std::time::Instant::now());
+    loop {
+        let now = broker
+            .list_network_configs(ListNetworkConfigsRequest::default())
+            .await
+            .expect("lists")
+            .into_inner()
+            .network_configs
+            .iter()
+            .filter(|nc| {
+                nc.origin.as_ref().is_some_and(|o| o.cluster_id == "leaf-a")
+                    && nc.via.as_ref().is_some_and(|v| v.cluster_id == "hub-b")
+            })
+            .count();
+        if now != made {
+            (made, since) = (now, std::time::Instant::now());
+        }
+        if made == count || (made > 0 && since.elapsed() > Duration::from_secs(3)) {
+            break;
+        }
+        assert!(
+            started.elapsed() < LIMIT,
+            "the leaf made {made} of {count} exchanges"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+
+    trellis_integration::peering::peer(&a, &d).await;
+    eventually("a's tunnel to the second hub", LIMIT, || {
+        tunnel_to(&a, "hub-d")
+    })
+    .await;
+    eventually("the second hub's tunnel to a", LIMIT, || {
+        tunnel_to(&d, "leaf-a")
+    })
+    .await;
+    for cluster in [a, b, d] {
+        cluster.stop().await;
+    }
+}
+
+/// The limit of plaintext mode, recorded (ADR 0010, ADR 0014): nothing authenticates a
+/// re-handshake, so a holder of the hub's token can handshake as a peered cluster and replace
+/// the addresses the hub calls it at. What still holds: a wrong token changes nothing. With
+/// mutual TLS the same re-handshake is refused
+/// (`peering_tls::a_token_holder_presenting_a_peered_clusters_own_ca_cannot_take_over_its_identity`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_tls_a_token_holder_can_re_handshake_as_a_peered_cluster() {
+    let b = InProcessCluster::start("hub-b", "10.1.0.0/16", "10.202.0.0/16")
+        .await
+        .expect("b starts");
+    let a = InProcessCluster::start("leaf-a", "10.0.0.0/16", "10.201.0.0/16")
+        .await
+        .expect("a starts");
+    trellis_integration::peering::peer(&a, &b).await;
+    let addresses = |broker: &str| types::ServiceAddresses {
+        discovery: broker.into(),
+        broker: broker.into(),
+        forwarder: broker.into(),
+        ipam: broker.into(),
+        endpoints: broker.into(),
+        ..Default::default()
+    };
+    let claim = |token: String| HandshakeRequest {
+        token,
+        identity: Some(types::ClusterIdentity {
+            cluster_id: "leaf-a".into(),
+            cluster_name: "leaf-a".into(),
+        }),
+        addresses: Some(addresses("127.0.0.1:9")),
+        ca_certificate: String::new(),
+        peering_id: String::new(),
+    };
+    let held = || async {
+        b.discovery()
+            .await
+            .expect("discovery")
+            .get_foreign_cluster(trellis_api::pb::discovery::GetForeignClusterRequest {
+                cluster_id: "leaf-a".into(),
+            })
+            .await
+            .expect("A known")
+            .into_inner()
+            .foreign_cluster
+            .and_then(|fc| fc.full)
+            .and_then(|full| full.addresses)
+            .expect("A's addresses")
+    };
+    let real = held().await;
+    assert_ne!(real.broker, "127.0.0.1:9");
+    let mut hub = broker_client::BrokerClient::connect(format!("http://{}", b.peering_broker()))
+        .await
+        .expect("connects");
+
+    let err = hub
+        .handshake(claim("not-the-token-of-hub-b".into()))
+        .await
+        .expect_err("a wrong token");
+    assert_eq!(err.code(), Code::PermissionDenied, "{err:?}");
+    assert_eq!(held().await, real, "a wrong token changes nothing");
+
+    hub.handshake(claim(token(&b).await))
+        .await
+        .expect("plaintext cannot tell the claimant from A");
+    assert_eq!(held().await, addresses("127.0.0.1:9"));
     for cluster in [a, b] {
         cluster.stop().await;
     }

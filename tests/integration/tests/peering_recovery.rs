@@ -15,7 +15,7 @@ use trellis_api::pb::ipam::{GetSubnetsPerClusterRequest, ListClusterSubnetsReque
 use trellis_api::pb::peering::{ListNetworkConfigsRequest, UnpeerRequest};
 use trellis_api::pb::types::{self as types, NetworkConfig, TunnelEndpoint};
 use trellis_integration::cluster::{InProcessCluster, Options};
-use trellis_integration::peering::{self, eventually, peer, tunnel_to};
+use trellis_integration::peering::{self, answered_tunnel_to, eventually, peer, tunnel_to};
 use trellis_integration::processes::{ProcessCluster, Service};
 
 /// Generous: the broker backs off up to 10 s between retries of one remote.
@@ -140,15 +140,30 @@ async fn a_peering_refused_for_want_of_a_free_range_converges_once_one_is_freed(
         types::NetworkConfigState::Pending as i32,
         "no free range is a reason to wait, not a refusal: {status:?}"
     );
-    assert!(tunnel_to(&hub, "leaf-c").await.is_none());
-    assert!(tunnel_to(&c, "hub").await.is_none());
+    assert!(
+        answered_tunnel_to(&hub, "leaf-c")
+            .await
+            .expect("the hub's broker answers")
+            .is_none()
+    );
+    assert!(
+        answered_tunnel_to(&c, "hub")
+            .await
+            .expect("C's broker answers")
+            .is_none()
+    );
 
     unpeer(&a, "hub").await;
     let hub_to_c = eventually("the hub's tunnel to C", LIMIT, || tunnel_to(&hub, "leaf-c")).await;
     let c_to_hub = eventually("C's tunnel to the hub", LIMIT, || tunnel_to(&c, "hub")).await;
     assert_eq!(hub_to_c.remote_pod_cidr_nat, "10.99.0.0/16");
     assert_consistent(&hub_to_c, &c_to_hub);
-    assert!(tunnel_to(&hub, "leaf-a").await.is_none());
+    assert!(
+        answered_tunnel_to(&hub, "leaf-a")
+            .await
+            .expect("the hub's broker answers")
+            .is_none()
+    );
 
     a.stop().await;
     c.stop().await;

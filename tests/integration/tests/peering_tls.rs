@@ -30,7 +30,9 @@ use trellis_api::pb::peering::forwarder_client::ForwarderClient;
 use trellis_api::pb::peering::*;
 use trellis_api::pb::types::{self as types};
 use trellis_integration::cluster::{InProcessCluster, Options};
-use trellis_integration::peering::{eventually, host_at, peer, pod_view, tunnel_to, web_slice};
+use trellis_integration::peering::{
+    answered_tunnel_to, eventually, host_at, peer, pod_view, tunnel_to, web_slice,
+};
 use trellis_runtime::client::{Timeouts, TracedChannel};
 use trellis_runtime::metrics::Metrics;
 use trellis_runtime::tls::{PeerTls, handshake_channel, peer_channel};
@@ -837,9 +839,9 @@ async fn a_third_peer_cannot_withdraw_or_decide_for_a_network_config_it_does_not
     peer(&a, &hub).await;
     peer(&c, &hub).await;
     peer(&m, &a).await;
-    eventually("A's induced tunnel to C", LIMIT, || tunnel_to(&a, "leaf-c")).await;
+    let to_c = eventually("A's induced tunnel to C", LIMIT, || tunnel_to(&a, "leaf-c")).await;
     eventually("A's tunnel to the hub", LIMIT, || tunnel_to(&a, "hub")).await;
-    eventually("A's tunnel to M", LIMIT, || tunnel_to(&a, "leaf-m")).await;
+    let to_m = eventually("A's tunnel to M", LIMIT, || tunnel_to(&a, "leaf-m")).await;
 
     let a_tls = a.tls.as_ref().expect("tls");
     let as_m = m
@@ -892,12 +894,36 @@ async fn a_third_peer_cannot_withdraw_or_decide_for_a_network_config_it_does_not
         .expect_err("M is not the hub of A's NC");
     assert_eq!(err.code(), Code::PermissionDenied, "{err:?}");
 
-    // Nothing changed: A keeps both tunnels (give a pass the time to act on a withdrawal).
-    tokio::time::sleep(Duration::from_secs(3)).await;
-    assert!(
-        tunnel_to(&a, "leaf-c").await.is_some(),
-        "A lost its tunnel to C"
-    );
+    // The control: M's withdrawal of its own NC to A is taken, and the exchange heals (A's
+    // next pass sends its NC again, M answers): A's tunnel to M comes back newer. Every forged
+    // call above came before, so a forged withdrawal that got through would show by now.
+    let removed = broker
+        .withdraw_network_config(WithdrawNetworkConfigRequest {
+            network_config: Some(reference("leaf-m", "leaf-a", None)),
+            reason: "Control".into(),
+        })
+        .await
+        .expect("M withdraws its own NC")
+        .into_inner()
+        .removed;
+    assert!(removed, "A held M's NC");
+    eventually(
+        "A's tunnel to M rebuilt after M's own withdrawal",
+        LIMIT,
+        || async {
+            tunnel_to(&a, "leaf-m")
+                .await
+                .filter(|t| t.revision > to_m.revision)
+        },
+    )
+    .await;
+    // Nothing else changed: A keeps its tunnels to C (as it was) and to the hub.
+    let still = answered_tunnel_to(&a, "leaf-c")
+        .await
+        .expect("A's broker answers")
+        .expect("A lost its tunnel to C");
+    assert_eq!(still.remote_pod_cidr_nat, to_c.remote_pod_cidr_nat);
+    assert_eq!(still.remote_public_key, to_c.remote_public_key);
     assert!(
         tunnel_to(&a, "hub").await.is_some(),
         "A lost its tunnel to the hub"
@@ -1013,4 +1039,122 @@ async fn a_changed_ca_for_a_peered_identity_is_refused_until_the_operator_unpeer
         .handshake(takeover)
         .await
         .expect("re-admitted with the new CA after an unpeer");
+}
+
+/// Whether `cluster`'s discovery holds `remote` as an established full peer, and its record.
+async fn full_record(cluster: &InProcessCluster, remote: &str) -> (bool, types::FullPeering) {
+    let record = cluster
+        .discovery()
+        .await
+        .expect("connects")
+        .get_foreign_cluster(GetForeignClusterRequest {
+            cluster_id: remote.into(),
+        })
+        .await
+        .expect("known")
+        .into_inner()
+        .foreign_cluster
+        .expect("record");
+    let peered = record
+        .conditions
+        .iter()
+        .any(|c| c.r#type == "Peered" && c.status == types::ConditionStatus::True as i32);
+    (peered, record.full.expect("a full peer"))
+}
+
+/// Issue 32 (the same-CA takeover): a cluster's CA certificate is public (servers send it in
+/// their chain), so presenting it proves nothing. A holder of the hub's token who re-handshakes
+/// as already peered A with A's own CA, without a client certificate or with its own, is
+/// refused: the hub keeps A's addresses and peering ID (A's unpeering notice, which names that
+/// ID, still ends the peering). A itself re-handshakes over mutual TLS with its certificate.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_token_holder_presenting_a_peered_clusters_own_ca_cannot_take_over_its_identity() {
+    let hub = start("hub").await;
+    let a = start("leaf-a").await;
+    let c = start("leaf-c").await;
+    peer(&a, &hub).await;
+    peer(&c, &hub).await;
+    eventually("A's tunnel to the hub", LIMIT, || tunnel_to(&a, "hub")).await;
+    let (peered, before) = full_record(&hub, "leaf-a").await;
+    assert!(peered, "the hub holds A as a peer");
+    // A itself may handshake again (a repeated `Peer`): over mutual TLS, as A.
+    peer(&a, &hub).await;
+    let (peered, again) = full_record(&hub, "leaf-a").await;
+    assert!(peered, "A's own re-handshake keeps the peering");
+    assert_eq!(again.addresses, before.addresses);
+
+    let token = hub
+        .broker()
+        .await
+        .expect("connects")
+        .get_token(GetTokenRequest {})
+        .await
+        .expect("token")
+        .into_inner()
+        .token;
+    let hub_tls = hub.tls.as_ref().expect("tls");
+    let a_tls = a.tls.as_ref().expect("tls");
+    let as_c = c
+        .tls
+        .as_ref()
+        .expect("tls")
+        .client("broker", &[&hub])
+        .expect("client");
+    let takeover = HandshakeRequest {
+        token,
+        identity: identity("leaf-a"),
+        addresses: Some(types::ServiceAddresses {
+            discovery: "127.0.0.1:9".into(),
+            broker: "127.0.0.1:9".into(),
+            forwarder: "127.0.0.1:9".into(),
+            ipam: "127.0.0.1:9".into(),
+            endpoints: "127.0.0.1:9".into(),
+            ..Default::default()
+        }),
+        ca_certificate: a_tls.ca.cert_pem().to_owned(),
+        peering_id: "0123456789abcdef0123456789abcdef".into(),
+    };
+    let anonymous = handshake_channel(
+        &as_c,
+        "test",
+        &hub_tls.broker.to_string(),
+        Timeouts::default(),
+        &Metrics::new(),
+    )
+    .expect("channel");
+    let err = BrokerClient::new(anonymous)
+        .handshake(takeover.clone())
+        .await
+        .expect_err("A's public CA without A's certificate");
+    assert_eq!(err.code(), Code::PermissionDenied, "{err:?}");
+    let err = BrokerClient::new(channel(&as_c, hub_tls.broker, "hub"))
+        .handshake(takeover)
+        .await
+        .expect_err("A's public CA over mutual TLS as C");
+    assert_eq!(err.code(), Code::PermissionDenied, "{err:?}");
+
+    let (peered, after) = full_record(&hub, "leaf-a").await;
+    assert!(peered, "the hub still holds A as a peer");
+    assert_eq!(
+        after.addresses, before.addresses,
+        "A's addresses at the hub"
+    );
+    assert_eq!(after.ca_certificate, a_tls.ca.cert_pem());
+
+    // The peering ID the hub keeps is still the one A knows: A's notice ends the peering.
+    let unpeered = a
+        .broker()
+        .await
+        .expect("connects")
+        .unpeer(UnpeerRequest {
+            cluster_id: "hub".into(),
+        })
+        .await
+        .expect("A unpeers the hub")
+        .into_inner();
+    assert!(unpeered.unpeered);
+    eventually("the hub honours A's unpeering notice", LIMIT, || async {
+        (!full_record(&hub, "leaf-a").await.0).then_some(())
+    })
+    .await;
 }

@@ -9,7 +9,7 @@ use trellis_api::pb::discovery::ListForeignClustersRequest;
 use trellis_api::pb::peering::{NotifyUnpeerRequest, UnpeerRequest};
 use trellis_api::pb::types::{self as types, ConditionStatus};
 use trellis_broker::peering_id::PeeringId;
-use trellis_integration::peering::{eventually, peer, tunnel_to};
+use trellis_integration::peering::{eventually, no_tunnel_to, peer, tunnel_to};
 use trellis_integration::processes::{Options, ProcessCluster, Service};
 
 const LIMIT: Duration = Duration::from_secs(60);
@@ -151,7 +151,8 @@ async fn an_unpeering_persisted_before_a_crash_is_completed_on_both_sides_after_
     })
     .await;
     eventually("both tunnels gone", LIMIT, || async {
-        (tunnel_to(&a, &b.id).await.is_none() && tunnel_to(&b, &a.id).await.is_none()).then_some(())
+        no_tunnel_to(&a, &b.id).await?;
+        no_tunnel_to(&b, &a.id).await
     })
     .await;
 }
