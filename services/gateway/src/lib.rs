@@ -110,6 +110,10 @@ pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started
         }
         Mode::Kernel => Some(Flavor::Kernel),
     };
+    let engine = match &flavor {
+        Some(Flavor::Userspace(engine)) => Some(engine.clone()),
+        _ => None,
+    };
     let shared_port = match &flavor {
         Some(Flavor::Userspace(engine)) => Some(engine.port()),
         _ => None,
@@ -176,6 +180,12 @@ pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started
         tracing::info!("no --ipam: no hub-path DNAT");
         drop(mappings_tx);
     }
+    if let Some(engine) = engine {
+        background.push(trellis_runtime::telemetry::spawn(watch_engine(
+            engine,
+            shutdown.clone(),
+        )));
+    }
     background.push(trellis_runtime::telemetry::spawn(reconcile::run(
         core.clone(),
         desired_rx,
@@ -201,6 +211,24 @@ pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started
 }
 
 /// Runs the gateway until `shutdown`.
+/// Returns when one of the engine's threads has ended while the gateway runs: the server's
+/// supervision then fails the service, so that it is restarted (a dead receiving thread would
+/// otherwise leave every tunnel UP on paper and silent in fact).
+async fn watch_engine(engine: Arc<Engine>, shutdown: Shutdown) {
+    let mut tick = tokio::time::interval(std::time::Duration::from_secs(1));
+    loop {
+        tokio::select! {
+            () = shutdown.cancelled() => return,
+            _ = tick.tick() => {}
+        }
+        let stopped = engine.stopped_threads();
+        if !stopped.is_empty() {
+            tracing::error!(threads = ?stopped, "the userspace wireguard engine lost a thread");
+            return;
+        }
+    }
+}
+
 pub async fn run(config: Config, shutdown: Shutdown) -> anyhow::Result<()> {
     let started = start(config, shutdown).await?;
     started.task.await.context("gateway server task")?

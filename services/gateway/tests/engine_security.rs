@@ -449,3 +449,178 @@ fn one_source_with_a_cookie_gets_a_bounded_share_of_handshake_work() {
         Some(peer.addr())
     );
 }
+
+/// A peer of the property test: where it is now, and the initiation it sent last (what an
+/// on-path attacker captures and replays).
+struct Roaming {
+    peer: Peer,
+    captured: Option<Vec<u8>>,
+    rx: u64,
+}
+
+impl Roaming {
+    /// Starts a new handshake from the peer, captures its initiation, and serves until done.
+    fn rekey(&mut self, engine: SocketAddr) -> bool {
+        let mut buf = vec![0u8; 256];
+        let init = match self.peer.tunn.format_handshake_initiation(&mut buf, true) {
+            TunnResult::WriteToNetwork(p) => p.to_vec(),
+            other => panic!("no initiation: {other:?}"),
+        };
+        self.peer.socket.send_to(&init, engine).expect("initiation");
+        self.captured = Some(init);
+        let started = Instant::now();
+        while started.elapsed() < DEADLINE {
+            self.peer.serve(engine, Duration::from_millis(100));
+            if self
+                .peer
+                .tunn
+                .stats()
+                .0
+                .is_some_and(|since| since < started.elapsed())
+            {
+                return true;
+            }
+        }
+        false
+    }
+}
+
+/// The random-fault property test of the engine's handshakes: three peers, and a random plan
+/// (seed printed; `TRELLIS_CHAOS_SEED=<n>` replays it) of hostile steps — replays of a peer's
+/// captured initiation and forged initiations naming it, from third addresses, floods from
+/// spoofed sources — mixed with what honest peers do: new handshakes, data, and moving to
+/// another address (roaming, which must keep working). After every step each peer's endpoint
+/// is where the peer really is, and its data reaches its TUN.
+#[test]
+fn random_hostile_handshakes_never_move_an_endpoint_or_stop_a_peer() {
+    let test = "random_hostile_handshakes_never_move_an_endpoint_or_stop_a_peer";
+    if !can_run(test) {
+        return;
+    }
+    let (seed, mut rng) = trellis_testkit::rng::Rng::from_env();
+    let s = setup("p");
+    let mut peers: Vec<Roaming> = (0..3)
+        .map(|i| {
+            let mut peer = Peer::add(&s, &format!("esp{i}"));
+            assert!(
+                peer.serve(s.engine_addr, Duration::from_secs(3)),
+                "the engine's handshake with peer {i} did not complete"
+            );
+            Roaming {
+                peer,
+                captured: None,
+                rx: 0,
+            }
+        })
+        .collect();
+    let mut log = Vec::new();
+    let mut forger = Forger::new(s.engine_public);
+    for step in 0..30 {
+        let p = rng.below(peers.len());
+        let mut moved = None;
+        let attacker_ip = Ipv4Addr::new(127, 0, 2, 1 + rng.below(200) as u8);
+        match rng.below(6) {
+            0 => {
+                let n = 5 + rng.below(40);
+                if let Some(init) = peers[p].captured.clone() {
+                    let attacker = socket(&s.ns, attacker_ip);
+                    for _ in 0..n {
+                        attacker.send_to(&init, s.engine_addr).expect("replay");
+                    }
+                    log.push(format!("{step}: {n} replays of peer {p}'s initiation from {attacker_ip}"));
+                } else {
+                    log.push(format!("{step}: nothing of peer {p} to replay"));
+                }
+            }
+            1 => {
+                let n = 5 + rng.below(100);
+                let attacker = socket(&s.ns, attacker_ip);
+                attacker
+                    .set_read_timeout(Some(Duration::from_millis(1)))
+                    .expect("timeout");
+                let mut buf = [0u8; 256];
+                for _ in 0..n {
+                    attacker
+                        .send_to(&forger.initiation(&peers[p].peer.public), s.engine_addr)
+                        .expect("forgery");
+                    // Cookies as they come, so later forgeries carry a valid MAC2.
+                    while let Ok((len, _)) = attacker.recv_from(&mut buf) {
+                        forger.read_cookie_reply(&buf[..len]);
+                    }
+                }
+                log.push(format!("{step}: {n} forged initiations naming peer {p} from {attacker_ip}"));
+            }
+            2 => {
+                let n = 200 + rng.below(600);
+                let sources: Vec<UdpSocket> = (0..16)
+                    .map(|i| socket(&s.ns, Ipv4Addr::new(127, 0, 3, 1 + i)))
+                    .collect();
+                let mut flood = Forger::new(s.engine_public);
+                let made_up = *PublicKey::from(&StaticSecret::random()).as_bytes();
+                for i in 0..n {
+                    let _ = sources[i % sources.len()]
+                        .send_to(&flood.initiation(&made_up), s.engine_addr);
+                }
+                log.push(format!("{step}: a flood of {n} initiations from 16 sources"));
+            }
+            3 => {
+                assert!(
+                    peers[p].rekey(s.engine_addr),
+                    "seed {seed}: peer {p}'s new handshake did not complete\nsteps:\n{}\ndrops {:?}",
+                    log.join("\n"),
+                    s.engine.dropped()
+                );
+                log.push(format!("{step}: peer {p} starts a new handshake"));
+            }
+            4 => {
+                // The peer moves: a new port (a NAT rebinding); its next data tells the engine.
+                peers[p].peer.socket = socket(&s.ns, Ipv4Addr::LOCALHOST);
+                moved = Some(p);
+                log.push(format!("{step}: peer {p} moves to {}", peers[p].peer.addr()));
+            }
+            _ => log.push(format!("{step}: peer {p} sends data")),
+        }
+        // Whatever the attacker did, the engine still points at every peer (but the one that
+        // just moved, which it cannot know of before the peer's next packet).
+        std::thread::sleep(Duration::from_millis(100));
+        for (i, roaming) in peers.iter().enumerate() {
+            if moved != Some(i) {
+                assert_eq!(
+                    s.engine.counters(roaming.peer.index).and_then(|c| c.endpoint),
+                    Some(roaming.peer.addr()),
+                    "seed {seed}: after step {step}, peer {i}'s endpoint moved\nsteps:\n{}\ndrops {:?}",
+                    log.join("\n"),
+                    s.engine.dropped()
+                );
+            }
+        }
+        // Every peer sends data from where it is; the engine must follow it there and only there.
+        for (i, roaming) in peers.iter_mut().enumerate() {
+            roaming.peer.serve(s.engine_addr, Duration::from_millis(50));
+            roaming.rx = rx_packets(&s.ns, &roaming.peer.dev);
+            roaming.peer.send_data(s.engine_addr);
+            let deadline = Instant::now() + DEADLINE;
+            while rx_packets(&s.ns, &roaming.peer.dev) <= roaming.rx {
+                assert!(
+                    Instant::now() < deadline,
+                    "seed {seed}: peer {i}'s data no longer arrives\nsteps:\n{}\ndrops {:?}",
+                    log.join("\n"),
+                    s.engine.dropped()
+                );
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            assert_eq!(
+                s.engine.counters(roaming.peer.index).and_then(|c| c.endpoint),
+                Some(roaming.peer.addr()),
+                "seed {seed}: peer {i}'s endpoint is not where the peer is\nsteps:\n{}\ndrops {:?}",
+                log.join("\n"),
+                s.engine.dropped()
+            );
+        }
+    }
+    eprintln!(
+        "measured: 30 steps, drops {:?}\n{}",
+        s.engine.dropped(),
+        log.join("\n")
+    );
+}

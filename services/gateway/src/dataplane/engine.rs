@@ -278,6 +278,9 @@ struct Shared {
     stop: AtomicBool,
     next_index: AtomicU32,
     dropped: [AtomicU64; DropReason::ALL.len()],
+    /// Makes the timer thread panic: how the tests show a dead thread is noticed.
+    #[cfg(test)]
+    crash_timers: AtomicBool,
 }
 
 /// The running engine. Dropping it stops its threads; every TUN interface disappears with its
@@ -383,6 +386,8 @@ impl Engine {
             stop: AtomicBool::new(false),
             next_index: AtomicU32::new(seed),
             dropped: Default::default(),
+            #[cfg(test)]
+            crash_timers: AtomicBool::new(false),
         });
         let spawn = |name: &str, run: Box<dyn FnOnce() + Send>| {
             std::thread::Builder::new().name(name.into()).spawn(run)
@@ -1099,6 +1104,11 @@ fn timer_loop(shared: &Shared) {
     let mut last_reset = Instant::now();
     while !shared.stop.load(Ordering::Relaxed) {
         std::thread::sleep(TICK);
+        #[cfg(test)]
+        assert!(
+            !shared.crash_timers.load(Ordering::Relaxed),
+            "the timer thread crashes, as the test asked"
+        );
         if last_reset.elapsed() >= Duration::from_secs(1) {
             shared.limiter.reset_count();
             shared.handshakes.store(0, Ordering::Relaxed);
@@ -1216,6 +1226,23 @@ mod tests {
                 );
             }
         }
+    }
+
+    /// A thread that dies while the engine runs is named (the gateway then fails, so it is
+    /// restarted); one stopped by the engine's own shutdown is not.
+    #[test]
+    fn a_thread_that_dies_is_named_as_stopped() {
+        let engine = Engine::start_with(0, [7; 32], Io::PerDatagram).expect("engine starts");
+        assert!(engine.stopped_threads().is_empty());
+        engine.shared.crash_timers.store(true, Ordering::Relaxed);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while engine.stopped_threads().is_empty() {
+            assert!(Instant::now() < deadline, "the dead timer thread was not noticed");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        assert_eq!(engine.stopped_threads(), vec!["wg-timers".to_owned()]);
+        engine.shared.stop.store(true, Ordering::Relaxed);
+        assert!(engine.stopped_threads().is_empty(), "a shutdown is no failure");
     }
 
     #[test]
