@@ -45,6 +45,7 @@ impl RouteApi for RouteService {
             overlay_mtu: wanted.map_or(0, |w| w.vxlan.mtu),
             in_sync: status.in_sync,
             message: status.message,
+            refused_prefixes: Vec::new(),
         }))
     }
 }
