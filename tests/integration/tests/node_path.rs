@@ -14,6 +14,7 @@ use std::net::{Ipv4Addr, SocketAddr};
 use std::time::{Duration, Instant};
 
 use ipnet::Ipv4Net;
+use trellis_api::pb::gateway::ListTunnelsRequest;
 use trellis_api::pb::peering::UnpeerRequest;
 use trellis_api::pb::route::GetStatusRequest;
 use trellis_api::pb::route::route_client::RouteClient;
@@ -624,10 +625,37 @@ async fn a_peer_range_on_the_node_network_is_remapped_or_refused_and_the_nodes_s
     assert_eq!(a_view.to_string(), NODE_NETWORK);
     let b_view = fabric.view(B, C, false).await.expect("B's view of C");
 
-    // Every agent of A and B has been told its cluster's view of C (routed or refused, the
-    // node was reconciled with it), so whatever that view does to the nodes has happened.
+    // A's and B's gateways applied their tunnels to C, and every other node's agent was told
+    // its cluster's view of C (routed or refused, the node was reconciled with it): whatever
+    // that view does to the nodes has happened.
+    for i in [A, B] {
+        let deadline = Instant::now() + LIMIT;
+        loop {
+            let tunnels = fabric.clusters[i]
+                .gateway()
+                .expect("gateway")
+                .list_tunnels(ListTunnelsRequest {})
+                .await
+                .map(|r| r.into_inner().tunnels)
+                .unwrap_or_default();
+            let applied = tunnels.iter().any(|t| {
+                t.remote.as_ref().is_some_and(|r| r.cluster_id == fabric.clusters[C].id)
+                    && t.applied_generation > 0
+            });
+            if applied {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{}'s gateway never applied its tunnel to C: {tunnels:?}\n{}",
+                fabric.clusters[i].id,
+                fabric.logs()
+            );
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+    }
     for (i, view) in [(A, a_view), (B, b_view)] {
-        for node in &fabric.topology.sites[i].nodes {
+        for node in &fabric.topology.sites[i].nodes[1..] {
             let deadline = Instant::now() + LIMIT;
             while !agent_prefixes(node).await.contains(&view.to_string()) {
                 assert!(
