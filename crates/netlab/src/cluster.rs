@@ -392,6 +392,7 @@ impl NsCluster {
         ]);
         args.extend(match service {
             Service::Ipam => {
+                #[allow(unused_mut)]
                 let mut i = strings(&[
                     "--pod-cidr",
                     &site.pod_cidr.to_string(),

@@ -246,7 +246,7 @@ impl Topology {
             if room < nodes as u64 {
                 bail!("{}: node network {network} has no room for {nodes} nodes", site.name);
             }
-            if network.contains(&site.uplink_ip) || network.overlaps(&site.pod_cidr) {
+            if network.contains(&site.uplink_ip) || network.contains(&site.pod_cidr) || site.pod_cidr.contains(&network) {
                 bail!(
                     "{}: node network {network} overlaps the site's own uplink or pod CIDR",
                     site.name

@@ -654,6 +654,16 @@ async fn a_peer_range_on_the_node_network_is_remapped_or_refused_and_the_nodes_s
             tokio::time::sleep(Duration::from_millis(500)).await;
         }
     }
+    // The gateway nodes of A and B route (or refuse) C's range now: the nodes of A and B
+    // still reach each other over the node network.
+    for site in [a, b] {
+        let failed = node_pairs_failing(site, Duration::from_secs(5)).await;
+        assert!(
+            failed.is_empty(),
+            "nodes lost each other once the gateway applied C's tunnel: {failed:#?}\n{}",
+            fabric.logs()
+        );
+    }
     for (i, view) in [(A, a_view), (B, b_view)] {
         for node in &fabric.topology.sites[i].nodes[1..] {
             let deadline = Instant::now() + LIMIT;
@@ -669,13 +679,12 @@ async fn a_peer_range_on_the_node_network_is_remapped_or_refused_and_the_nodes_s
             }
         }
     }
-
-    // The nodes of A and B still reach each other over the node network.
+    // And once every agent has it too.
     for site in [a, b] {
         let failed = node_pairs_failing(site, Duration::from_secs(5)).await;
         assert!(
             failed.is_empty(),
-            "nodes lost each other: {failed:#?}\n{}",
+            "nodes lost each other once the agents had C's range: {failed:#?}\n{}",
             fabric.logs()
         );
     }
