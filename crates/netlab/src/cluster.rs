@@ -392,15 +392,15 @@ impl NsCluster {
         ]);
         args.extend(match service {
             Service::Ipam => {
-                #[allow(unused_mut)]
                 let mut i = strings(&[
                     "--pod-cidr",
                     &site.pod_cidr.to_string(),
                     "--external-cidr",
                     &options.external_cidr,
                 ]);
-                // NOT YET: the IPAM is told nothing of the node network.
-                let _ = site.node_network.filter(|_| options.reserve_node_network);
+                if let Some(net) = site.node_network.filter(|_| options.reserve_node_network) {
+                    i.extend(strings(&["--reserved", &net.to_string()]));
+                }
                 i
             }
             Service::Gateway => {
