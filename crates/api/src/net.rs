@@ -164,8 +164,12 @@ pub fn address_networks(ip_json: &str) -> Result<Vec<(String, IpNet)>, String> {
             if addr["scope"].as_str() == Some("host") {
                 continue;
             }
-            let ip = addr["local"].as_str().and_then(|a| a.parse::<IpAddr>().ok());
-            let len = addr["prefixlen"].as_u64().and_then(|l| u8::try_from(l).ok());
+            let ip = addr["local"]
+                .as_str()
+                .and_then(|a| a.parse::<IpAddr>().ok());
+            let len = addr["prefixlen"]
+                .as_u64()
+                .and_then(|l| u8::try_from(l).ok());
             if let (Some(ip), Some(len)) = (ip, len)
                 && let Ok(net) = IpNet::new(ip, len)
             {

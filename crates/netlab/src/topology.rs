@@ -244,9 +244,15 @@ impl Topology {
             // Hosts 1..=nodes, and neither the network nor the broadcast address.
             let room = (1u64 << (32 - u32::from(network.prefix_len()))).saturating_sub(2);
             if room < nodes as u64 {
-                bail!("{}: node network {network} has no room for {nodes} nodes", site.name);
+                bail!(
+                    "{}: node network {network} has no room for {nodes} nodes",
+                    site.name
+                );
             }
-            if network.contains(&site.uplink_ip) || network.contains(&site.pod_cidr) || site.pod_cidr.contains(&network) {
+            if network.contains(&site.uplink_ip)
+                || network.contains(&site.pod_cidr)
+                || site.pod_cidr.contains(&network)
+            {
                 bail!(
                     "{}: node network {network} overlaps the site's own uplink or pod CIDR",
                     site.name
@@ -362,7 +368,9 @@ fn add_nodes(
     namespaces.add(&net_ns)?;
     ip(&["-n", &net_ns, "link", "add", NODE_BRIDGE, "type", "bridge"])?;
     ip(&["-n", &net_ns, "link", "set", NODE_BRIDGE, "up"])?;
-    let network = site.node_network.context("a site with nodes has a node network")?;
+    let network = site
+        .node_network
+        .context("a site with nodes has a node network")?;
     let mut nodes = Vec::with_capacity(count);
     for index in 0..count {
         let k = u8::try_from(index).context("too many nodes")?;

@@ -37,7 +37,10 @@ fn ipv4_arg(value: &str) -> Result<Ipv4Addr, String> {
 fn ipv4_cidr_arg(value: &str) -> Result<ipnet::Ipv4Net, String> {
     match value.parse::<ipnet::Ipv4Net>() {
         Ok(net) if net.trunc() == net => Ok(net),
-        Ok(net) => Err(format!("{value:?} has host bits set; did you mean {}?", net.trunc())),
+        Ok(net) => Err(format!(
+            "{value:?} has host bits set; did you mean {}?",
+            net.trunc()
+        )),
         Err(_) => Err(format!("{value:?} is not an IPv4 CIDR (like 10.9.0.0/16)")),
     }
 }
@@ -197,7 +200,10 @@ mod tests {
             ("trellis-vx", 7107, 4800, 30)
         );
         assert_eq!(c.underlay_mtu, None);
-        assert!(c.node_cidrs.is_empty(), "the network of --node-ip's address");
+        assert!(
+            c.node_cidrs.is_empty(),
+            "the network of --node-ip's address"
+        );
         let spread = parse(&["--node-cidrs", "10.9.0.0/16,10.10.0.0/16"]).expect("two subnets");
         assert_eq!(spread.node_cidrs.len(), 2);
         assert_eq!(c.proc_sys_net, PathBuf::from("/proc/sys/net"));

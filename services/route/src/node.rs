@@ -382,7 +382,12 @@ pub async fn apply(
     ensure_sysctl(root, &format!("conf/{iface}/rp_filter"), "2").await?;
     ensure_sysctl(root, &format!("conf/{underlay}/rp_filter"), "2").await?;
     let overlay = OverlayGuard::of(node, wanted);
-    cmd::run("nft", &["-f", "-"], Some(&nft_script(&wanted.clamp, &overlay))).await?;
+    cmd::run(
+        "nft",
+        &["-f", "-"],
+        Some(&nft_script(&wanted.clamp, &overlay)),
+    )
+    .await?;
     Ok(changes)
 }
 
@@ -464,7 +469,10 @@ mod tests {
             ),
             "{some}"
         );
-        assert!(some.contains("ip daddr @nodes udp dport 4800 drop"), "{some}");
+        assert!(
+            some.contains("ip daddr @nodes udp dport 4800 drop"),
+            "{some}"
+        );
         // Overlapping nodes are merged (nft refuses overlapping intervals).
         assert!(some.contains("elements = { 100.64.1.0/24 }"), "{some}");
     }

@@ -223,7 +223,10 @@ mod tests {
         );
         let routes: Vec<String> = kept.routes.iter().map(ToString::to_string).collect();
         assert_eq!(routes, ["10.83.0.0/16"]);
-        assert_eq!(kept.clamp, kept.routes, "nor clamped, nor in the node guard");
+        assert_eq!(
+            kept.clamp, kept.routes,
+            "nor clamped, nor in the node guard"
+        );
         assert_eq!(kept.vxlan, wanted.vxlan);
         // Nothing of the node's overlaps: nothing changes.
         let (same, none) = refuse(&wanted, &own[1..]);

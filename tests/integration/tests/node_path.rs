@@ -271,7 +271,10 @@ async fn pods_on_every_node_reach_every_remote_pod_and_leaf_traffic_skips_the_hu
     let elapsed = started.elapsed();
     let _ = server.kill();
     let _ = server.wait();
-    let dropped: u64 = nodes.iter().map(|ns| counter_packets(ns, "pmtu", "dropped")).sum();
+    let dropped: u64 = nodes
+        .iter()
+        .map(|ns| counter_packets(ns, "pmtu", "dropped"))
+        .sum();
     for ns in &nodes {
         nft_in(ns, "delete table ip pmtu\n");
     }
@@ -286,7 +289,10 @@ async fn pods_on_every_node_reach_every_remote_pod_and_leaf_traffic_skips_the_hu
         "{} (\"fragmentation needed\" dropped: {dropped})",
         String::from_utf8_lossy(&fetched.stderr)
     );
-    assert_eq!(dropped, 0, "a packet needed fragmentation despite the clamp");
+    assert_eq!(
+        dropped, 0,
+        "a packet needed fragmentation despite the clamp"
+    );
     eprintln!(
         "measured: 4 MB from C/n2 to A/n1 over HTTP in {} ms, without path MTU discovery",
         elapsed.as_millis()
@@ -318,8 +324,12 @@ fn nft_in(ns: &str, script: &str) {
 /// The packets of the named counter `name` of table `ip <table>` in `ns`.
 fn counter_packets(ns: &str, table: &str, name: &str) -> u64 {
     let out = exec(ns, "nft", &["-j", "list", "counter", "ip", table, name]).expect("nft runs");
-    let json: serde_json::Value = serde_json::from_slice(&out.stdout)
-        .unwrap_or_else(|e| panic!("nft -j in {ns}: {e}: {}", String::from_utf8_lossy(&out.stderr)));
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
+        panic!(
+            "nft -j in {ns}: {e}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        )
+    });
     json["nftables"]
         .as_array()
         .into_iter()
@@ -608,7 +618,11 @@ async fn a_peer_range_on_the_node_network_is_remapped_or_refused_and_the_nodes_s
     let mut options = FabricOptions::three_clusters();
     options.store = StoreKind::Memory;
     options.nodes = NODES;
-    options.pod_cidrs = vec!["10.0.0.0/16".into(), "10.0.0.0/16".into(), NODE_NETWORK.into()];
+    options.pod_cidrs = vec![
+        "10.0.0.0/16".into(),
+        "10.0.0.0/16".into(),
+        NODE_NETWORK.into(),
+    ];
     options.node_networks = vec![NODE_NETWORK.into(), NODE_NETWORK.into()];
     options.unreserved = vec![A];
     let fabric = Fabric::up(options).await.expect("fabric up");
@@ -639,7 +653,9 @@ async fn a_peer_range_on_the_node_network_is_remapped_or_refused_and_the_nodes_s
                 .map(|r| r.into_inner().tunnels)
                 .unwrap_or_default();
             let applied = tunnels.iter().any(|t| {
-                t.remote.as_ref().is_some_and(|r| r.cluster_id == fabric.clusters[C].id)
+                t.remote
+                    .as_ref()
+                    .is_some_and(|r| r.cluster_id == fabric.clusters[C].id)
                     && t.applied_generation > 0
             });
             if applied {
@@ -720,7 +736,8 @@ async fn a_peer_range_on_the_node_network_is_remapped_or_refused_and_the_nodes_s
         );
         let text = scrape_in(&node.netns, SocketAddr::from(([127, 0, 0, 1], 9107)));
         assert!(
-            text.lines().any(|l| l == "trellis_route_refused_prefixes 1"),
+            text.lines()
+                .any(|l| l == "trellis_route_refused_prefixes 1"),
             "{}: the refusal is not counted:\n{text}",
             node.name
         );

@@ -101,7 +101,10 @@ fn peer_labels(id: &ClusterId) -> Labels {
 
 /// `routed` split into the ranges that may be routed and those overlapping one of the node's
 /// own networks (`own`: `(interface, network)`), each refused one with the network it overlaps.
-pub fn refuse(routed: &[IpNet], own: &[(String, IpNet)]) -> (Vec<IpNet>, Vec<(IpNet, String, IpNet)>) {
+pub fn refuse(
+    routed: &[IpNet],
+    own: &[(String, IpNet)],
+) -> (Vec<IpNet>, Vec<(IpNet, String, IpNet)>) {
     let mut kept = Vec::new();
     let mut refused = Vec::new();
     for net in routed {
@@ -165,7 +168,12 @@ impl Linux {
     }
 
     /// Records the ranges of peer `id` refused in this configuration, warning once per change.
-    fn record_refused(&mut self, id: &ClusterId, interface: &str, refused: &[(IpNet, String, IpNet)]) {
+    fn record_refused(
+        &mut self,
+        id: &ClusterId,
+        interface: &str,
+        refused: &[(IpNet, String, IpNet)],
+    ) {
         let now: BTreeSet<IpNet> = refused.iter().map(|(net, _, _)| *net).collect();
         let before = self.refused.get(id).cloned().unwrap_or_default();
         for (net, own_interface, network) in refused {
@@ -617,7 +625,12 @@ mod tests {
             ("pod".to_owned(), net("10.0.0.0/24")),
         ];
         let (kept, refused) = refuse(
-            &[net("10.9.0.0/16"), net("10.81.0.0/16"), net("10.9.128.0/20"), net("10.0.0.0/8")],
+            &[
+                net("10.9.0.0/16"),
+                net("10.81.0.0/16"),
+                net("10.9.128.0/20"),
+                net("10.0.0.0/8"),
+            ],
             &own,
         );
         assert_eq!(kept, [net("10.81.0.0/16")]);
