@@ -149,6 +149,37 @@ pub fn overlaps(a: IpNet, b: IpNet) -> bool {
     a0 <= b1 && b0 <= a1
 }
 
+/// The networks of a node's own addresses, from `ip -j addr show`: `(interface, network)` for
+/// every address except host-scoped ones (loopback), host bits cleared. These are the node's
+/// connected networks (its node network, bridges, overlays): a route that overlaps one takes
+/// the node's own traffic away from it (`ip route replace` of the same prefix even replaces the
+/// connected route), so the data plane refuses to route a peer's range into any of them.
+pub fn address_networks(ip_json: &str) -> Result<Vec<(String, IpNet)>, String> {
+    let links: serde_json::Value =
+        serde_json::from_str(ip_json).map_err(|e| format!("parsing `ip -j addr show`: {e}"))?;
+    let mut out = Vec::new();
+    for link in links.as_array().into_iter().flatten() {
+        let name = link["ifname"].as_str().unwrap_or_default();
+        for addr in link["addr_info"].as_array().into_iter().flatten() {
+            if addr["scope"].as_str() == Some("host") {
+                continue;
+            }
+            let ip = addr["local"]
+                .as_str()
+                .and_then(|a| a.parse::<IpAddr>().ok());
+            let len = addr["prefixlen"]
+                .as_u64()
+                .and_then(|l| u8::try_from(l).ok());
+            if let (Some(ip), Some(len)) = (ip, len)
+                && let Ok(net) = IpNet::new(ip, len)
+            {
+                out.push((name.to_owned(), net.trunc()));
+            }
+        }
+    }
+    Ok(out)
+}
+
 /// Moves `ip` from network `from` to the same host bits in `to`. `None` when `ip` is not in
 /// `from`, or the two networks differ in family or prefix length.
 pub fn translate(ip: IpAddr, from: IpNet, to: IpNet) -> Option<IpAddr> {
@@ -165,6 +196,33 @@ pub fn translate(ip: IpAddr, from: IpNet, to: IpNet) -> Option<IpAddr> {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn address_networks_are_the_nodes_connected_networks_without_loopback() {
+        let json = r#"[
+          {"ifname":"lo","addr_info":[{"family":"inet","local":"127.0.0.1","prefixlen":8,"scope":"host"}]},
+          {"ifname":"node","addr_info":[
+            {"family":"inet","local":"10.9.0.2","prefixlen":16,"scope":"global"},
+            {"family":"inet6","local":"fe80::1","prefixlen":64,"scope":"link"}]},
+          {"ifname":"trellis-vx","addr_info":[{"family":"inet","local":"240.9.0.2","prefixlen":8,"scope":"global"}]},
+          {"ifname":"down","addr_info":[]}
+        ]"#;
+        let found: Vec<(String, String)> = super::address_networks(json)
+            .expect("parses")
+            .into_iter()
+            .map(|(i, n)| (i, n.to_string()))
+            .collect();
+        let want: Vec<(String, String)> = [
+            ("node", "10.9.0.0/16"),
+            ("node", "fe80::/64"),
+            ("trellis-vx", "240.0.0.0/8"),
+        ]
+        .iter()
+        .map(|(i, n)| ((*i).to_owned(), (*n).to_owned()))
+        .collect();
+        assert_eq!(found, want);
+        assert!(super::address_networks("not json").is_err());
+    }
+
     use super::*;
 
     fn net(s: &str) -> IpNet {

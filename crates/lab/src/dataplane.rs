@@ -107,6 +107,8 @@ pub(crate) async fn run(
             vec![(Service::Discovery, vec!["--no-induced".to_owned()])]
         },
         nodes,
+        node_networks: Vec::new(),
+        unreserved: Vec::new(),
         endpoint_names: false,
     };
     let clock = Instant::now();

@@ -137,6 +137,9 @@ pub struct ClusterOptions {
     /// The gateway's `--endpoint-address` (an IP or a DNS name); `None`: the site's bridge
     /// address.
     pub endpoint_address: Option<String>,
+    /// With nodes: the IPAM is told the site's node network (`--reserved`), so it remaps a
+    /// peer's range that overlaps it.
+    pub reserve_node_network: bool,
 }
 
 impl ClusterOptions {
@@ -150,6 +153,7 @@ impl ClusterOptions {
             dataplane: "userspace".to_owned(),
             extra_args: Vec::new(),
             endpoint_address: None,
+            reserve_node_network: true,
         }
     }
 }
@@ -387,12 +391,18 @@ impl NsCluster {
             "1",
         ]);
         args.extend(match service {
-            Service::Ipam => strings(&[
-                "--pod-cidr",
-                &site.pod_cidr.to_string(),
-                "--external-cidr",
-                &options.external_cidr,
-            ]),
+            Service::Ipam => {
+                let mut i = strings(&[
+                    "--pod-cidr",
+                    &site.pod_cidr.to_string(),
+                    "--external-cidr",
+                    &options.external_cidr,
+                ]);
+                if let Some(net) = site.node_network.filter(|_| options.reserve_node_network) {
+                    i.extend(strings(&["--reserved", &net.to_string()]));
+                }
+                i
+            }
             Service::Gateway => {
                 let mut g = Vec::new();
                 if let Some(node) = site.nodes.first() {

@@ -42,6 +42,13 @@ pub struct FabricOptions {
     /// Nodes per cluster: 1 is the one-namespace topology; more build a node network with a
     /// route agent on every node ([`Topology::build_with_nodes`]).
     pub nodes: usize,
+    /// With nodes: per-cluster node networks, in `names` order, instead of 100.64.<n>.0/24
+    /// (empty, or a shorter list: the default for the rest). Each IPAM is told its node
+    /// network (`--reserved`), as the deployment does with `TRELLIS_RESERVED`.
+    pub node_networks: Vec<String>,
+    /// Indices of clusters whose IPAM is *not* told its node network: an operator who left
+    /// `TRELLIS_RESERVED` unset.
+    pub unreserved: Vec<usize>,
     /// Gateways advertise a DNS name ([`endpoint_name`]) instead of their bridge address; the
     /// names resolve inside every gateway namespace through `/etc/netns/<ns>/hosts` (which
     /// `ip netns exec` mounts over `/etc/hosts`), so each remote gateway resolves them itself.
@@ -105,6 +112,8 @@ impl FabricOptions {
             store: StoreKind::EtcdPerService,
             extra_args: Vec::new(),
             nodes: 1,
+            node_networks: Vec::new(),
+            unreserved: Vec::new(),
             endpoint_names: false,
         }
     }
@@ -152,7 +161,12 @@ impl Fabric {
             })
             .collect();
         let topology = if options.nodes > 1 {
-            Topology::build_with_nodes(&sites, options.nodes)?
+            let networks = options
+                .node_networks
+                .iter()
+                .map(|n| n.parse().with_context(|| format!("node network {n:?}")))
+                .collect::<anyhow::Result<Vec<ipnet::Ipv4Net>>>()?;
+            Topology::build_with_node_networks(&sites, options.nodes, &networks)?
         } else {
             Topology::build(&sites)?
         };
@@ -174,6 +188,7 @@ impl Fabric {
                 o.endpoint_address = Some(endpoint_name(&options.names[i]));
             }
             o.no_induced = i == options.hub && options.hub_no_induced;
+            o.reserve_node_network = !options.unreserved.contains(&i);
             o.store = options.store;
             o.extra_args = options.extra_args.clone();
             NsCluster::start(site, o)

@@ -55,6 +55,9 @@ pub struct Site {
     /// With [`Topology::build_with_nodes`]: the cluster's nodes, node 0 being the gateway
     /// namespace; empty in the one-namespace topology.
     pub nodes: Vec<Node>,
+    /// With nodes: the cluster's node network (100.64.<index + 1>.0/24 unless
+    /// [`Topology::build_with_node_networks`] chose another); `None` without nodes.
+    pub node_network: Option<Ipv4Net>,
 }
 
 /// One node of a cluster built with [`Topology::build_with_nodes`]: a namespace on the
@@ -66,7 +69,8 @@ pub struct Node {
     pub name: String,
     pub index: usize,
     pub netns: String,
-    /// The node's address on the node network, 100.64.<site + 1>.<index + 1>.
+    /// The node's address on the node network: host `index + 1` of it (100.64.<site +
+    /// 1>.<index + 1> by default).
     pub node_ip: Ipv4Addr,
     /// The node's slice of the pod CIDR.
     pub pod_slice: Ipv4Net,
@@ -178,6 +182,7 @@ impl Topology {
                 pod_ip: host(pod_cidr, POD_HOST),
                 gateway_pod_ip: host(pod_cidr, GATEWAY_POD_HOST),
                 nodes: Vec::new(),
+                node_network: None,
             };
             namespaces.add(&site.gw_ns)?;
             namespaces.add(&site.pod_ns)?;
@@ -198,8 +203,27 @@ impl Topology {
     /// plain host-routed pod network). Nothing routes remote clusters' ranges from a node other
     /// than node 0: that is the route agent's job.
     pub fn build_with_nodes(sites: &[(&str, &str)], nodes: usize) -> anyhow::Result<Self> {
+        Self::build_with_node_networks(sites, nodes, &[])
+    }
+
+    /// Like [`Topology::build_with_nodes`], with site `i` on node network `node_networks[i]`
+    /// instead of 100.64.<i + 1>.0/24 (a missing entry keeps the default). A node network may
+    /// be any range with room for the nodes, one that overlaps another cluster's pod CIDR
+    /// included: that is what such a topology is for (a peer's range on our nodes' network).
+    pub fn build_with_node_networks(
+        sites: &[(&str, &str)],
+        nodes: usize,
+        node_networks: &[Ipv4Net],
+    ) -> anyhow::Result<Self> {
         if !(1..=16).contains(&nodes) {
             bail!("1 to 16 nodes per site, not {nodes}");
+        }
+        if node_networks.len() > sites.len() {
+            bail!(
+                "{} node networks for {} sites",
+                node_networks.len(),
+                sites.len()
+            );
         }
         let mut topology = Self::build(sites)?;
         for site in &mut topology.sites {
@@ -210,6 +234,31 @@ impl Topology {
                     site.pod_cidr
                 );
             }
+            let network = match node_networks.get(site.index) {
+                Some(net) => net.trunc(),
+                None => {
+                    let octet = u8::try_from(site.index + 1).context("too many sites")?;
+                    Ipv4Net::new(Ipv4Addr::new(100, 64, octet, 0), 24)?
+                }
+            };
+            // Hosts 1..=nodes, and neither the network nor the broadcast address.
+            let room = (1u64 << (32 - u32::from(network.prefix_len()))).saturating_sub(2);
+            if room < nodes as u64 {
+                bail!(
+                    "{}: node network {network} has no room for {nodes} nodes",
+                    site.name
+                );
+            }
+            if network.contains(&site.uplink_ip)
+                || network.contains(&site.pod_cidr)
+                || site.pod_cidr.contains(&network)
+            {
+                bail!(
+                    "{}: node network {network} overlaps the site's own uplink or pod CIDR",
+                    site.name
+                );
+            }
+            site.node_network = Some(network);
             add_nodes(&mut topology.namespaces, &topology.run, site, nodes)?;
         }
         Ok(topology)
@@ -319,7 +368,9 @@ fn add_nodes(
     namespaces.add(&net_ns)?;
     ip(&["-n", &net_ns, "link", "add", NODE_BRIDGE, "type", "bridge"])?;
     ip(&["-n", &net_ns, "link", "set", NODE_BRIDGE, "up"])?;
-    let site_octet = u8::try_from(site.index + 1).context("too many sites")?;
+    let network = site
+        .node_network
+        .context("a site with nodes has a node network")?;
     let mut nodes = Vec::with_capacity(count);
     for index in 0..count {
         let k = u8::try_from(index).context("too many nodes")?;
@@ -340,7 +391,7 @@ fn add_nodes(
             name: format!("n{index}"),
             index,
             netns,
-            node_ip: Ipv4Addr::new(100, 64, site_octet, k + 1),
+            node_ip: host(network, u32::from(k) + 1),
             pod_slice: slice,
             pod_ns,
             pod_ip: host(slice, POD_HOST),
@@ -382,7 +433,11 @@ fn add_nodes(
 fn wire_node(net_ns: &str, site: &Site, node: &Node) -> anyhow::Result<()> {
     let ns = node.netns.as_str();
     let port = format!("n{}", node.index);
-    let node_addr = format!("{}/24", node.node_ip);
+    let node_addr = format!(
+        "{}/{}",
+        node.node_ip,
+        site.node_network.map_or(24, |n| n.prefix_len())
+    );
     let gw = host(node.pod_slice, GATEWAY_POD_HOST);
     let gw_addr = format!("{gw}/24");
     let pod_addr = format!("{}/24", node.pod_ip);

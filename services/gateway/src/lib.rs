@@ -147,6 +147,15 @@ pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started
         node_ip: config.node_ip,
         tunnel_mtu: config.tunnel_mtu(),
     };
+    if let Some(dp) = &dataplane {
+        server.metrics().register(
+            "trellis_gateway_refused_routes",
+            "A peer's routed ranges the gateway does not route because each overlaps a network \
+             of its node (node network, bridge, overlay): the peer is unreachable there; reserve \
+             the node network in the IPAM (--reserved) so the peer is remapped",
+            dp.refused_metric(),
+        );
+    }
     let core = Arc::new(Gateway::new(store, settings, mode, keys, dataplane));
     let addr = server.local_addr();
     let metrics_addr = server.metrics_addr();

@@ -34,6 +34,17 @@ fn ipv4_arg(value: &str) -> Result<Ipv4Addr, String> {
     }
 }
 
+fn ipv4_cidr_arg(value: &str) -> Result<ipnet::Ipv4Net, String> {
+    match value.parse::<ipnet::Ipv4Net>() {
+        Ok(net) if net.trunc() == net => Ok(net),
+        Ok(net) => Err(format!(
+            "{value:?} has host bits set; did you mean {}?",
+            net.trunc()
+        )),
+        Err(_) => Err(format!("{value:?} is not an IPv4 CIDR (like 10.9.0.0/16)")),
+    }
+}
+
 fn vni_arg(value: &str) -> Result<u32, String> {
     match value.parse::<u32>() {
         Ok(v) if (1..=0x00ff_ffff).contains(&v) => Ok(v),
@@ -68,6 +79,19 @@ pub struct Config {
     /// bytes).
     #[arg(long, env = "TRELLIS_NODE_IP", value_name = "IPV4", value_parser = ipv4_arg)]
     pub node_ip: Ipv4Addr,
+
+    /// Comma-separated CIDRs of the node network, when the nodes span more than the network of
+    /// --node-ip's own address (the default): the gateway node accepts the overlay (UDP
+    /// --vxlan-port) only from these, no pod may send to that port of any of them, and no
+    /// remote prefix overlapping one is ever routed.
+    #[arg(
+        long,
+        env = "TRELLIS_NODE_CIDRS",
+        value_name = "CIDR,...",
+        value_delimiter = ',',
+        value_parser = ipv4_cidr_arg
+    )]
+    pub node_cidrs: Vec<ipnet::Ipv4Net>,
 
     /// Name of the VXLAN device the agent owns on the node.
     #[arg(
@@ -176,6 +200,12 @@ mod tests {
             ("trellis-vx", 7107, 4800, 30)
         );
         assert_eq!(c.underlay_mtu, None);
+        assert!(
+            c.node_cidrs.is_empty(),
+            "the network of --node-ip's address"
+        );
+        let spread = parse(&["--node-cidrs", "10.9.0.0/16,10.10.0.0/16"]).expect("two subnets");
+        assert_eq!(spread.node_cidrs.len(), 2);
         assert_eq!(c.proc_sys_net, PathBuf::from("/proc/sys/net"));
         let jumbo = parse(&["--underlay-mtu", "9000"]).expect("jumbo frames");
         assert_eq!(jumbo.underlay_mtu, Some(9000));
@@ -196,6 +226,8 @@ mod tests {
             ("--underlay-mtu", "576", "--underlay-mtu"),
             ("--underlay-mtu", "9001", "--underlay-mtu"),
             ("--resync-interval", "0", "--resync-interval"),
+            ("--node-cidrs", "10.9.0.1/16", "host bits"),
+            ("--node-cidrs", "fd00::/64", "IPv4 CIDR"),
         ] {
             let mut args: Vec<&str> = GOOD.to_vec();
             match args.iter().position(|a| *a == flag) {

@@ -29,6 +29,7 @@ impl RouteApi for RouteService {
         let status = self.agent.status();
         let node = &self.agent.node;
         let wanted = status.wanted.as_ref();
+        let refused = node.refused.prefixes();
         Ok(Response::new(pb::GetStatusResponse {
             node_name: node.name.clone(),
             node_ip: node.ip.to_string(),
@@ -39,12 +40,19 @@ impl RouteApi for RouteService {
                 .unwrap_or_default(),
             is_gateway_node: wanted.is_some_and(|w| w.is_gateway_node),
             routed_prefixes: wanted
-                .map(|w| w.routes.iter().map(ToString::to_string).collect())
+                .map(|w| {
+                    w.routes
+                        .iter()
+                        .filter(|p| !refused.contains(p))
+                        .map(ToString::to_string)
+                        .collect()
+                })
                 .unwrap_or_default(),
             interface_name: node.interface.clone(),
             overlay_mtu: wanted.map_or(0, |w| w.vxlan.mtu),
             in_sync: status.in_sync,
             message: status.message,
+            refused_prefixes: refused.iter().map(ToString::to_string).collect(),
         }))
     }
 }

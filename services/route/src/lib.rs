@@ -54,7 +54,14 @@ pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started
             config.proc_sys_net.display()
         );
     }
-    let (underlay, detected_mtu) = node::underlay(node_ip).await?;
+    let (underlay, detected_mtu, node_network) = node::underlay(node_ip).await?;
+    let node_cidrs = if config.node_cidrs.is_empty() {
+        vec![node_network]
+    } else {
+        config.node_cidrs.clone()
+    };
+    // Bound first: its registry records the calls to the gateway.
+    let server = GrpcServer::for_service(&config.base, ports::ROUTE, ports::ROUTE_METRICS).await?;
     let node = NodeSettings {
         name: config.node_name.clone(),
         ip: node_ip,
@@ -63,10 +70,10 @@ pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started
         vxlan_port: config.vxlan_port,
         underlay_mtu: config.underlay_mtu.unwrap_or(detected_mtu),
         proc_sys_net: config.proc_sys_net.clone(),
+        node_cidrs,
+        refused: node::Refused::registered(server.metrics()),
     };
-    tracing::info!(node = %node.name, node_ip = %node.ip, underlay = %underlay, underlay_mtu = node.underlay_mtu, gateway = %config.gateway, "route agent ready");
-    // Bound first: its registry records the calls to the gateway.
-    let server = GrpcServer::for_service(&config.base, ports::ROUTE, ports::ROUTE_METRICS).await?;
+    tracing::info!(node = %node.name, node_ip = %node.ip, underlay = %underlay, underlay_mtu = node.underlay_mtu, node_cidrs = ?node.node_cidrs, gateway = %config.gateway, "route agent ready");
     let agent = Arc::new(Agent {
         node,
         underlay,

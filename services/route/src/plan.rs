@@ -6,10 +6,14 @@
 //! - A node that is not the gateway node points the VXLAN at the gateway node and routes every
 //!   remote prefix via the gateway node's overlay address, with the route MTU of the tunnel:
 //!   nested encapsulation (VXLAN, then WireGuard) must never need fragmentation.
-//! - The gateway node's VXLAN has no fixed remote (it answers whichever node sent), and it routes
-//!   nothing into it: its tunnels already carry the remote prefixes.
+//! - The gateway node's VXLAN has no fixed remote (it answers whichever node sent, so it learns
+//!   their addresses), and it routes nothing into it: its tunnels already carry the remote
+//!   prefixes. Every other node's VXLAN learns nothing: all it sends goes to the gateway node.
+//! - A remote prefix that overlaps a network of the node itself is never routed, clamped or
+//!   guarded ([`refuse`]): a route for it would take the node's own traffic (its node network,
+//!   the overlay's underlay included) away from it.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::net::{IpAddr, Ipv4Addr};
 
 use ipnet::Ipv4Net;
@@ -20,7 +24,7 @@ use trellis_error::{Error, Result};
 pub const VXLAN_OVERHEAD: u32 = 50;
 
 /// The node's own, fixed settings.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone)]
 pub struct NodeSettings {
     pub name: String,
     pub ip: Ipv4Addr,
@@ -30,6 +34,11 @@ pub struct NodeSettings {
     pub underlay_mtu: u32,
     /// Where the node's `net` sysctls are (`--proc-sys-net`).
     pub proc_sys_net: std::path::PathBuf,
+    /// The node network (`--node-cidrs`, else the network of the node IP's address): the only
+    /// senders the gateway node's overlay accepts, and never routed as a remote prefix.
+    pub node_cidrs: Vec<Ipv4Net>,
+    /// Where the reconciliation reports the prefixes it refused.
+    pub refused: crate::node::Refused,
 }
 
 /// The VXLAN device as it must be.
@@ -42,6 +51,11 @@ pub struct Vxlan {
     pub remote: Option<Ipv4Addr>,
     pub mtu: u32,
     pub address: Ipv4Net,
+    /// Whether the device learns where inner addresses are from the frames it receives: on
+    /// the gateway node only, which must answer every node; elsewhere the default entry
+    /// towards the gateway node serves everything, and learning would only let a forged
+    /// frame redirect replies.
+    pub learning: bool,
 }
 
 /// The whole wanted state of a node.
@@ -123,6 +137,7 @@ pub fn plan(node: &NodeSettings, message: &WatchRoutesResponse) -> Result<Wanted
             remote: (!is_gateway_node).then_some(gateway_ip),
             mtu: overlay_mtu,
             address,
+            learning: is_gateway_node,
         },
         routes: if is_gateway_node {
             BTreeSet::new()
@@ -133,6 +148,30 @@ pub fn plan(node: &NodeSettings, message: &WatchRoutesResponse) -> Result<Wanted
         route_mtu,
         clamp: prefixes,
     })
+}
+
+/// `wanted` without the remote prefixes that overlap one of the node's own networks
+/// (`(interface or flag, network)` each), and those refused prefixes, each with the first
+/// network it overlaps. Refused prefixes are neither routed, nor clamped, nor in the node
+/// guard (whose "no new connection from a remote prefix" would cut the node off its own
+/// network).
+pub fn refuse(
+    wanted: &Wanted,
+    own: &[(String, Ipv4Net)],
+) -> (Wanted, BTreeMap<Ipv4Net, (String, Ipv4Net)>) {
+    let refused: BTreeMap<Ipv4Net, (String, Ipv4Net)> = wanted
+        .clamp
+        .iter()
+        .filter_map(|prefix| {
+            own.iter()
+                .find(|(_, net)| net.contains(prefix) || prefix.contains(net))
+                .map(|hit| (*prefix, hit.clone()))
+        })
+        .collect();
+    let mut kept = wanted.clone();
+    kept.routes.retain(|p| !refused.contains_key(p));
+    kept.clamp.retain(|p| !refused.contains_key(p));
+    (kept, refused)
 }
 
 #[cfg(test)]
@@ -148,7 +187,58 @@ mod tests {
             vxlan_port: 4800,
             underlay_mtu: 1500,
             proc_sys_net: "/proc/sys/net".into(),
+            node_cidrs: vec!["100.64.1.0/24".parse().expect("net")],
+            refused: crate::node::Refused::default(),
         }
+    }
+
+    fn net(s: &str) -> Ipv4Net {
+        s.parse().expect("net")
+    }
+
+    #[test]
+    fn prefixes_overlapping_a_network_of_the_node_are_refused_whole() {
+        let wanted = plan(
+            &node("n1", [10, 9, 0, 2]),
+            &message(&["10.9.0.0/16", "10.9.4.0/24", "10.8.0.0/15", "10.83.0.0/16"]),
+        )
+        .expect("plans");
+        let own = vec![
+            ("node".to_owned(), net("10.9.0.0/16")),
+            ("trellis-vx".to_owned(), net("240.0.0.0/8")),
+        ];
+        let (kept, refused) = refuse(&wanted, &own);
+        // Equal, inside and around the node network: all three would take its traffic.
+        let refused: Vec<String> = refused
+            .iter()
+            .map(|(p, (i, n))| format!("{p} {i} {n}"))
+            .collect();
+        assert_eq!(
+            refused,
+            [
+                "10.8.0.0/15 node 10.9.0.0/16",
+                "10.9.0.0/16 node 10.9.0.0/16",
+                "10.9.4.0/24 node 10.9.0.0/16"
+            ]
+        );
+        let routes: Vec<String> = kept.routes.iter().map(ToString::to_string).collect();
+        assert_eq!(routes, ["10.83.0.0/16"]);
+        assert_eq!(
+            kept.clamp, kept.routes,
+            "nor clamped, nor in the node guard"
+        );
+        assert_eq!(kept.vxlan, wanted.vxlan);
+        // Nothing of the node's overlaps: nothing changes.
+        let (same, none) = refuse(&wanted, &own[1..]);
+        assert_eq!((same, none.len()), (wanted, 0));
+    }
+
+    #[test]
+    fn only_the_gateway_nodes_overlay_learns() {
+        let n = node("n1", [100, 64, 1, 2]);
+        assert!(!plan(&n, &message(&[])).expect("plans").vxlan.learning);
+        let g = node("n0", [100, 64, 1, 1]);
+        assert!(plan(&g, &message(&[])).expect("plans").vxlan.learning);
     }
 
     fn message(prefixes: &[&str]) -> WatchRoutesResponse {

@@ -14,7 +14,10 @@ use std::net::{Ipv4Addr, SocketAddr};
 use std::time::{Duration, Instant};
 
 use ipnet::Ipv4Net;
+use trellis_api::pb::gateway::ListTunnelsRequest;
 use trellis_api::pb::peering::UnpeerRequest;
+use trellis_api::pb::route::GetStatusRequest;
+use trellis_api::pb::route::route_client::RouteClient;
 use trellis_integration::prom::{parse, parser_python, scrape_in};
 use trellis_netlab::netns::{exec, ip};
 use trellis_netlab::topology::link_counters;
@@ -212,7 +215,24 @@ async fn pods_on_every_node_reach_every_remote_pod_and_leaf_traffic_skips_the_hu
     );
 
     // A 4 MB HTTP transfer between pods on non-gateway nodes of two leaves: nested encapsulation
-    // (VXLAN, then WireGuard) with the MSS clamped, no black hole.
+    // (VXLAN, then WireGuard) with the MSS clamped, no black hole. Path MTU discovery would
+    // rescue an unclamped connection here (each node answers "fragmentation needed" for a
+    // packet larger than its route's MTU), so every node of the three clusters drops those
+    // ICMP messages, as many real networks do: the transfer only completes if no packet ever
+    // needed one, i.e. if both ends' SYNs were clamped. The drops are counted: none may happen.
+    let nodes: Vec<String> = fabric
+        .topology
+        .sites
+        .iter()
+        .flat_map(|s| s.nodes.iter().map(|n| n.netns.clone()))
+        .collect();
+    for ns in &nodes {
+        nft_in(ns, PMTU_BLACKHOLE);
+    }
+    for pod in [&a1.pod_ns, &c2.pod_ns] {
+        // No path MTU learned by earlier traffic may help either.
+        ip(&["-n", pod, "route", "flush", "cache"]).expect("flush");
+    }
     let dir = tempfile::tempdir().expect("dir");
     let payload: Vec<u8> = (0..4 * 1024 * 1024u32).map(|i| (i % 251) as u8).collect();
     std::fs::write(dir.path().join("blob"), &payload).expect("write");
@@ -231,13 +251,19 @@ async fn pods_on_every_node_reach_every_remote_pod_and_leaf_traffic_skips_the_hu
         .spawn()
         .expect("http server");
     let url = format!("http://{target}:8080/blob");
+    // Waits for the server with small connections, then fetches once: a black-holed transfer
+    // stalls and times out instead of being retried.
     let script = format!(
-        "import sys, time, urllib.request\n\
-         for _ in range(50):\n\
+        "import socket, sys, time, urllib.request\n\
+         for _ in range(100):\n\
          \x20   try:\n\
-         \x20       data = urllib.request.urlopen('{url}', timeout=20).read(); break\n\
+         \x20       socket.create_connection(('{target}', 8080), timeout=2).close(); break\n\
          \x20   except OSError:\n\
          \x20       time.sleep(0.2)\n\
+         try:\n\
+         \x20   data = urllib.request.urlopen('{url}', timeout=15).read()\n\
+         except OSError as e:\n\
+         \x20   sys.stdout.write('failed: ' + repr(e)); sys.exit(0)\n\
          sys.stdout.write(str(len(data)) + ' ' + str(sum(data) % 1000003))\n"
     );
     let started = Instant::now();
@@ -245,6 +271,13 @@ async fn pods_on_every_node_reach_every_remote_pod_and_leaf_traffic_skips_the_hu
     let elapsed = started.elapsed();
     let _ = server.kill();
     let _ = server.wait();
+    let dropped: u64 = nodes
+        .iter()
+        .map(|ns| counter_packets(ns, "pmtu", "dropped"))
+        .sum();
+    for ns in &nodes {
+        nft_in(ns, "delete table ip pmtu\n");
+    }
     let expected = format!(
         "{} {}",
         payload.len(),
@@ -253,13 +286,56 @@ async fn pods_on_every_node_reach_every_remote_pod_and_leaf_traffic_skips_the_hu
     assert_eq!(
         String::from_utf8_lossy(&fetched.stdout),
         expected,
-        "{}",
+        "{} (\"fragmentation needed\" dropped: {dropped})",
         String::from_utf8_lossy(&fetched.stderr)
     );
+    assert_eq!(
+        dropped, 0,
+        "a packet needed fragmentation despite the clamp"
+    );
     eprintln!(
-        "measured: 4 MB from C/n2 to A/n1 over HTTP in {} ms",
+        "measured: 4 MB from C/n2 to A/n1 over HTTP in {} ms, without path MTU discovery",
         elapsed.as_millis()
     );
+}
+
+/// An nftables table `ip pmtu` dropping (and counting) every ICMP "fragmentation needed" a
+/// node sends or forwards.
+const PMTU_BLACKHOLE: &str = "table ip pmtu {}\ndelete table ip pmtu\n\
+    table ip pmtu {\n  counter dropped {}\n  \
+    chain output {\n    type filter hook output priority filter; policy accept;\n    \
+    icmp type destination-unreachable icmp code frag-needed counter name \"dropped\" drop\n  }\n  \
+    chain forward {\n    type filter hook forward priority filter; policy accept;\n    \
+    icmp type destination-unreachable icmp code frag-needed counter name \"dropped\" drop\n  }\n}\n";
+
+/// Applies an nftables script in `ns`.
+fn nft_in(ns: &str, script: &str) {
+    let dir = tempfile::tempdir().expect("dir");
+    let path = dir.path().join("rules.nft");
+    std::fs::write(&path, script).expect("write");
+    let out = exec(ns, "nft", &["-f", path.to_str().expect("utf-8")]).expect("nft runs");
+    assert!(
+        out.status.success(),
+        "nft in {ns}: {}\n{script}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// The packets of the named counter `name` of table `ip <table>` in `ns`.
+fn counter_packets(ns: &str, table: &str, name: &str) -> u64 {
+    let out = exec(ns, "nft", &["-j", "list", "counter", "ip", table, name]).expect("nft runs");
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
+        panic!(
+            "nft -j in {ns}: {e}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        )
+    });
+    json["nftables"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find_map(|o| o["counter"]["packets"].as_u64())
+        .unwrap_or_else(|| panic!("no counter {name} in {ns}: {json}"))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -477,4 +553,327 @@ async fn a_gateway_moving_to_another_node_is_followed_by_every_node_and_by_the_p
             tokio::time::sleep(Duration::from_millis(500)).await;
         }
     }
+}
+
+/// What the route agent of `node` received from its gateway, as its GetStatus reports it: the
+/// prefixes it routes and those it refused (sorted, together).
+async fn agent_prefixes(node: &trellis_netlab::topology::Node) -> Vec<String> {
+    let channel = trellis_netlab::netns::channel_in(
+        &node.netns,
+        SocketAddr::new(std::net::IpAddr::V4(node.node_ip), 7107),
+    )
+    .expect("channel");
+    let status = RouteClient::new(channel)
+        .get_status(GetStatusRequest {})
+        .await
+        .expect("GetStatus")
+        .into_inner();
+    let mut all = status.routed_prefixes;
+    all.extend(status.refused_prefixes);
+    all.sort();
+    all
+}
+
+/// The routes of a namespace's main table for exactly `prefix` (`ip route show exact`).
+fn routes_exactly(ns: &str, prefix: &str) -> Vec<String> {
+    ip(&["-n", ns, "-o", "route", "show", "exact", prefix])
+        .expect("ip route")
+        .lines()
+        .map(str::to_owned)
+        .collect()
+}
+
+/// Every node of `site` pings every other node of it on the node network; the pairs that never
+/// answered within `bound`.
+async fn node_pairs_failing(site: &trellis_netlab::Site, bound: Duration) -> Vec<String> {
+    let mut failed = Vec::new();
+    for from in &site.nodes {
+        for to in site.nodes.iter().filter(|n| n.index != from.index) {
+            if !reaches(&from.netns, to.node_ip, bound).await {
+                failed.push(format!(
+                    "{}/{} -> {}/{} at {}",
+                    site.name, from.name, site.name, to.name, to.node_ip
+                ));
+            }
+        }
+    }
+    failed
+}
+
+/// A peer's range on our node network (a hub and a leaf whose nodes sit on 10.9.0.0/16, exactly
+/// the other leaf's pod CIDR). Routed as it is, that range replaces the nodes' own connected
+/// route on every node (`ip route replace` by the route agents, and by the gateway into the
+/// tunnel), and the node guard drops new connections from it: the cluster's nodes lose each
+/// other. The hub's IPAM is told its node network (`--reserved`, as TRELLIS_RESERVED does in the
+/// deployment) and remaps the leaf; leaf A's is not (an operator who left it unset), so A keeps
+/// the leaf's range as it is, and A's route agents and gateway must refuse to route it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_peer_range_on_the_node_network_is_remapped_or_refused_and_the_nodes_stay_reachable() {
+    if !can_run(
+        "a_peer_range_on_the_node_network_is_remapped_or_refused_and_the_nodes_stay_reachable",
+    ) {
+        return;
+    }
+    const NODE_NETWORK: &str = "10.9.0.0/16";
+    let mut options = FabricOptions::three_clusters();
+    options.store = StoreKind::Memory;
+    options.nodes = NODES;
+    options.pod_cidrs = vec![
+        "10.0.0.0/16".into(),
+        "10.0.0.0/16".into(),
+        NODE_NETWORK.into(),
+    ];
+    options.node_networks = vec![NODE_NETWORK.into(), NODE_NETWORK.into()];
+    options.unreserved = vec![A];
+    let fabric = Fabric::up(options).await.expect("fabric up");
+    fabric
+        .wait_mesh(LIMIT)
+        .await
+        .unwrap_or_else(|e| panic!("{e:#}\n{}", fabric.logs()));
+    let (a, b) = (&fabric.topology.sites[A], &fabric.topology.sites[B]);
+    assert_eq!(a.node_network, Some(NODE_NETWORK.parse().expect("net")));
+    assert_eq!(b.node_network, a.node_network);
+
+    // A's IPAM knows nothing of its node network: it keeps C's range as C announced it.
+    let a_view = fabric.view(A, C, false).await.expect("A's view of C");
+    assert_eq!(a_view.to_string(), NODE_NETWORK);
+    let b_view = fabric.view(B, C, false).await.expect("B's view of C");
+
+    // A's and B's gateways applied their tunnels to C, and every other node's agent was told
+    // its cluster's view of C (routed or refused, the node was reconciled with it): whatever
+    // that view does to the nodes has happened.
+    for i in [A, B] {
+        let deadline = Instant::now() + LIMIT;
+        loop {
+            let tunnels = fabric.clusters[i]
+                .gateway()
+                .expect("gateway")
+                .list_tunnels(ListTunnelsRequest {})
+                .await
+                .map(|r| r.into_inner().tunnels)
+                .unwrap_or_default();
+            let applied = tunnels.iter().any(|t| {
+                t.remote
+                    .as_ref()
+                    .is_some_and(|r| r.cluster_id == fabric.clusters[C].id)
+                    && t.applied_generation > 0
+            });
+            if applied {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{}'s gateway never applied its tunnel to C: {tunnels:?}\n{}",
+                fabric.clusters[i].id,
+                fabric.logs()
+            );
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+    }
+    // The gateway nodes of A and B route (or refuse) C's range now: the nodes of A and B
+    // still reach each other over the node network.
+    for site in [a, b] {
+        let failed = node_pairs_failing(site, Duration::from_secs(5)).await;
+        assert!(
+            failed.is_empty(),
+            "nodes lost each other once the gateway applied C's tunnel: {failed:#?}\n{}",
+            fabric.logs()
+        );
+    }
+    for (i, view) in [(A, a_view), (B, b_view)] {
+        for node in &fabric.topology.sites[i].nodes[1..] {
+            let deadline = Instant::now() + LIMIT;
+            while !agent_prefixes(node).await.contains(&view.to_string()) {
+                assert!(
+                    Instant::now() < deadline,
+                    "{}/{} never received {view}\n{}",
+                    fabric.clusters[i].id,
+                    node.name,
+                    fabric.logs()
+                );
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+        }
+    }
+    // And once every agent has it too.
+    for site in [a, b] {
+        let failed = node_pairs_failing(site, Duration::from_secs(5)).await;
+        assert!(
+            failed.is_empty(),
+            "nodes lost each other once the agents had C's range: {failed:#?}\n{}",
+            fabric.logs()
+        );
+    }
+
+    // B remapped C off its node network, and traffic between them flows both ways.
+    let node_network: Ipv4Net = NODE_NETWORK.parse().expect("net");
+    assert!(
+        !b_view.contains(&node_network.network()) && !node_network.contains(&b_view.network()),
+        "B kept C at {b_view}, on its node network {NODE_NETWORK}"
+    );
+    for (from, from_node, to, to_node) in [(B, 1, C, 2), (C, 1, B, 2), (A, 1, B, 2)] {
+        let src = &fabric.topology.sites[from].nodes[from_node];
+        let dst = &fabric.topology.sites[to].nodes[to_node];
+        let target = address(&fabric, from, to, dst.pod_ip).await;
+        assert!(
+            reaches(&src.pod_ns, target, LIMIT).await,
+            "{}/{} never reached {}/{} at {target}\n{}",
+            fabric.clusters[from].id,
+            src.name,
+            fabric.clusters[to].id,
+            dst.name,
+            fabric.logs()
+        );
+    }
+
+    // A refused the range: no agent routes it, the gateway node's only route for it is the
+    // node network's own, and every agent and the gateway count the refusal.
+    for node in &a.nodes {
+        assert!(
+            !agent_routes(&node.netns).contains(&a_view.to_string()),
+            "{} routes {a_view}",
+            node.name
+        );
+        let text = scrape_in(&node.netns, SocketAddr::from(([127, 0, 0, 1], 9107)));
+        assert!(
+            text.lines()
+                .any(|l| l == "trellis_route_refused_prefixes 1"),
+            "{}: the refusal is not counted:\n{text}",
+            node.name
+        );
+    }
+    let gateway_node = &a.nodes[0].netns;
+    let routes = routes_exactly(gateway_node, NODE_NETWORK);
+    assert!(
+        routes.len() == 1 && routes[0].contains("dev node") && routes[0].contains("proto kernel"),
+        "{routes:?}"
+    );
+    let text = scrape_in(gateway_node, SocketAddr::from(([127, 0, 0, 1], 9106)));
+    assert!(
+        text.lines()
+            .any(|l| l.starts_with("trellis_gateway_refused_routes{") && l.ends_with(" 1")),
+        "the gateway does not count the refusal:\n{text}"
+    );
+}
+
+/// Builds an ICMP echo request with identifier `ident` from `src` to `dst` and either sends it
+/// from the namespace it runs in as an ordinary packet (`plain`), or wraps it in Ethernet (to
+/// `mac`) and VXLAN (VNI `vni`) and sends that as one UDP datagram to `underlay:port`, `count`
+/// times: what a pod needs to inject a packet into another node's overlay device.
+const FRAME_SCRIPT: &str = r#"
+import socket, struct, sys
+mode, mac, src, dst, ident, underlay, port, vni, count = sys.argv[1:]
+def csum(b):
+    if len(b) % 2:
+        b += b"\0"
+    s = sum(struct.unpack("!%dH" % (len(b) // 2), b))
+    s = (s >> 16) + (s & 0xffff)
+    s += s >> 16
+    return ~s & 0xffff
+icmp = struct.pack("!BBHHH", 8, 0, 0, int(ident), 1) + b"trellis overlay probe"
+icmp = icmp[:2] + struct.pack("!H", csum(icmp)) + icmp[4:]
+if mode == "plain":
+    s = socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_ICMP)
+    for _ in range(int(count)):
+        s.sendto(icmp, (dst, 0))
+    sys.exit(0)
+ip = struct.pack("!BBHHHBBH4s4s", 0x45, 0, 20 + len(icmp), 0x7107, 0, 64, 1, 0,
+                 socket.inet_aton(src), socket.inet_aton(dst))
+ip = ip[:10] + struct.pack("!H", csum(ip)) + ip[12:]
+eth = bytes.fromhex(mac.replace(":", "")) + bytes.fromhex("02deadbeef01") + b"\x08\x00"
+vxlan = struct.pack("!II", 0x08000000, int(vni) << 8)
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+for _ in range(int(count)):
+    s.sendto(vxlan + eth + ip + icmp, (underlay, int(port)))
+"#;
+
+/// The MAC address of `dev` in `ns`.
+fn mac_of(ns: &str, dev: &str) -> String {
+    let text = ip(&["-n", ns, "-j", "link", "show", "dev", dev]).expect("ip link");
+    let json: serde_json::Value = serde_json::from_str(&text).expect("json");
+    json[0]["address"].as_str().expect("a MAC").to_owned()
+}
+
+/// A pod must not be able to use the overlay: from a pod on A's node 2, a hand-built VXLAN frame
+/// (the agents' VNI, to the gateway node's overlay device, carrying an echo request from the pod
+/// of A's node 1 to a pod of C) sent to the gateway node's node address, UDP 4800, would be
+/// decapsulated there and forwarded into the tunnel to C as if node 1 had sent it. C's pod
+/// counts the echo requests it receives by identifier: the same request sent the legitimate
+/// way (from A/n1's pod, after the forged frames) must arrive, the forged ones never.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_pod_cannot_inject_packets_into_the_overlay() {
+    if !can_run("a_pod_cannot_inject_packets_into_the_overlay") {
+        return;
+    }
+    const FORGED: &str = "29001";
+    const LEGIT: &str = "29002";
+    let fabric = up().await;
+    let a = &fabric.topology.sites[A];
+    let (a0, a1, a2) = (&a.nodes[0], &a.nodes[1], &a.nodes[2]);
+    let c2 = &fabric.topology.sites[C].nodes[2];
+    let target = address(&fabric, A, C, c2.pod_ip).await;
+    assert!(
+        reaches(&a1.pod_ns, target, LIMIT).await,
+        "A/n1 never reached C/n2 at {target}\n{}",
+        fabric.logs()
+    );
+    nft_in(
+        &c2.pod_ns,
+        &format!(
+            "table ip probe {{\n  counter forged {{}}\n  counter legit {{}}\n  \
+             chain input {{\n    type filter hook input priority filter; policy accept;\n    \
+             icmp type echo-request icmp id {FORGED} counter name \"forged\"\n    \
+             icmp type echo-request icmp id {LEGIT} counter name \"legit\"\n  }}\n}}\n"
+        ),
+    );
+    let mac = mac_of(&a0.netns, "trellis-vx");
+    let (src, dst, underlay) = (
+        a1.pod_ip.to_string(),
+        target.to_string(),
+        a0.node_ip.to_string(),
+    );
+    let send = |ns: &str, mode: &str, ident: &str, count: &str| {
+        let out = exec(
+            ns,
+            "python3",
+            &[
+                "-c",
+                FRAME_SCRIPT,
+                mode,
+                &mac,
+                &src,
+                &dst,
+                ident,
+                &underlay,
+                "4800",
+                "7107",
+                count,
+            ],
+        )
+        .expect("python runs");
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    send(&a2.pod_ns, "vxlan", FORGED, "20");
+    // The positive control, sent after the forged frames: the legitimate path delivers it.
+    let deadline = Instant::now() + LIMIT;
+    while counter_packets(&c2.pod_ns, "probe", "legit") == 0 {
+        assert!(
+            Instant::now() < deadline,
+            "the legitimate probe never arrived\n{}",
+            fabric.logs()
+        );
+        send(&a1.pod_ns, "plain", LEGIT, "1");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let forged = counter_packets(&c2.pod_ns, "probe", "forged");
+    assert_eq!(
+        forged, 0,
+        "{forged} of 20 forged overlay frames from A/n2's pod reached C's pod"
+    );
+    // And the node path itself still works both ways.
+    assert!(reaches(&a2.pod_ns, target, LIMIT).await);
 }

@@ -128,6 +128,8 @@ async fn twenty_peers_on_one_cidr_share_one_udp_port_survive_hostile_datagrams_a
             ],
         )],
         nodes: 1,
+        node_networks: Vec::new(),
+        unreserved: Vec::new(),
         endpoint_names: false,
     };
     let started = Instant::now();

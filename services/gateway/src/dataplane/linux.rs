@@ -15,6 +15,12 @@
 //!
 //! Routes are not cleaned separately: the kernel deletes a route with the interface it points
 //! to.
+//!
+//! A peer's range that overlaps a network of the node itself (the gateway runs on the host
+//! network: its node network, a bridge, the overlay) is never routed: `ip route replace` of
+//! that prefix would replace the node's connected route, and a longer one would shadow part of
+//! it, so the node would lose its own network. Such a range is refused (logged once, counted by
+//! `trellis_gateway_refused_routes`); the IPAM's `--reserved` is what remaps the peer instead.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
@@ -25,6 +31,9 @@ use anyhow::Context as _;
 use ipnet::IpNet;
 use trellis_api::ClusterId;
 use trellis_api::model::Endpoint;
+use trellis_runtime::metrics::Labels;
+use trellis_runtime::metrics::prometheus_client::metrics::family::Family;
+use trellis_runtime::metrics::prometheus_client::metrics::gauge::Gauge;
 
 use super::PeerPlan;
 use super::cmd::{self, ip};
@@ -79,6 +88,35 @@ pub struct Linux {
     applied: Applied,
     /// How often each peer's device and routes were configured since start (a metric).
     configurations: BTreeMap<ClusterId, u64>,
+    /// Per peer, its routed ranges refused for overlapping a network of the node.
+    refused: BTreeMap<ClusterId, BTreeSet<IpNet>>,
+    /// How many each peer has refused (`trellis_gateway_refused_routes{peer}`).
+    refused_metric: Family<Labels, Gauge>,
+}
+
+/// The peer's label of the refusal gauge.
+fn peer_labels(id: &ClusterId) -> Labels {
+    vec![("peer", id.to_string())]
+}
+
+/// `routed` split into the ranges that may be routed and those overlapping one of the node's
+/// own networks (`own`: `(interface, network)`), each refused one with the network it overlaps.
+pub fn refuse(
+    routed: &[IpNet],
+    own: &[(String, IpNet)],
+) -> (Vec<IpNet>, Vec<(IpNet, String, IpNet)>) {
+    let mut kept = Vec::new();
+    let mut refused = Vec::new();
+    for net in routed {
+        match own
+            .iter()
+            .find(|(_, mine)| trellis_api::net::overlaps(*net, *mine))
+        {
+            Some((interface, mine)) => refused.push((*net, interface.clone(), *mine)),
+            None => kept.push(*net),
+        }
+    }
+    (kept, refused)
 }
 
 impl Linux {
@@ -106,9 +144,59 @@ impl Linux {
             devices: BTreeMap::new(),
             applied: Applied::default(),
             configurations: BTreeMap::new(),
+            refused: BTreeMap::new(),
+            refused_metric: Family::default(),
         };
         this.remove_stale().await?;
         Ok(this)
+    }
+
+    /// The gauge family counting each peer's refused routes (register it in the service's
+    /// registry; clones share).
+    pub fn refused_metric(&self) -> Family<Labels, Gauge> {
+        self.refused_metric.clone()
+    }
+
+    /// The networks of the node's addresses, but our tunnel devices'.
+    async fn own_networks(&self) -> anyhow::Result<Vec<(String, IpNet)>> {
+        let text = ip(&["-j", "addr", "show"]).await?;
+        Ok(trellis_api::net::address_networks(&text)
+            .map_err(anyhow::Error::msg)?
+            .into_iter()
+            .filter(|(interface, _)| !is_ours(&self.prefix, interface))
+            .collect())
+    }
+
+    /// Records the ranges of peer `id` refused in this configuration, warning once per change.
+    fn record_refused(
+        &mut self,
+        id: &ClusterId,
+        interface: &str,
+        refused: &[(IpNet, String, IpNet)],
+    ) {
+        let now: BTreeSet<IpNet> = refused.iter().map(|(net, _, _)| *net).collect();
+        let before = self.refused.get(id).cloned().unwrap_or_default();
+        for (net, own_interface, network) in refused {
+            if !before.contains(net) {
+                tracing::warn!(
+                    peer = %id,
+                    interface,
+                    prefix = %net,
+                    node_interface = %own_interface,
+                    node_network = %network,
+                    "refusing to route a peer's range that overlaps a network of this node; \
+                     reserve the node network in the IPAM (--reserved) so the peer is remapped"
+                );
+            }
+        }
+        self.refused_metric
+            .get_or_create(&peer_labels(id))
+            .set(i64::try_from(now.len()).unwrap_or(i64::MAX));
+        if now.is_empty() {
+            self.refused.remove(id);
+        } else {
+            self.refused.insert(id.clone(), now);
+        }
     }
 
     async fn remove_stale(&self) -> anyhow::Result<()> {
@@ -229,6 +317,8 @@ impl Linux {
         for id in gone {
             self.applied.peers.remove(&id);
             self.configurations.remove(&id);
+            self.refused.remove(&id);
+            self.refused_metric.remove(&peer_labels(&id));
             if let Some(device) = self.devices.remove(&id) {
                 tracing::info!(peer = %id, interface = device.name(), "removing tunnel");
                 remove_device(device).await;
@@ -321,7 +411,9 @@ impl Linux {
         ])
         .await?;
         cmd::sysctl(&format!("conf/{name}/rp_filter"), "0").await?;
-        let routed = plan.routed();
+        let own = self.own_networks().await?;
+        let (routed, refused) = refuse(&plan.routed(), &own);
+        self.record_refused(id, name, &refused);
         for net in &routed {
             ip(&["route", "replace", &net.to_string(), "dev", name]).await?;
         }
@@ -524,6 +616,37 @@ async fn remove_device(device: Arc<Device>) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn ranges_overlapping_a_network_of_the_node_are_refused() {
+        let net = |s: &str| s.parse::<IpNet>().expect("net");
+        let own = vec![
+            ("node".to_owned(), net("10.9.0.0/16")),
+            ("pod".to_owned(), net("10.0.0.0/24")),
+        ];
+        let (kept, refused) = refuse(
+            &[
+                net("10.9.0.0/16"),
+                net("10.81.0.0/16"),
+                net("10.9.128.0/20"),
+                net("10.0.0.0/8"),
+            ],
+            &own,
+        );
+        assert_eq!(kept, [net("10.81.0.0/16")]);
+        let refused: Vec<String> = refused
+            .iter()
+            .map(|(p, i, n)| format!("{p} {i} {n}"))
+            .collect();
+        assert_eq!(
+            refused,
+            [
+                "10.9.0.0/16 node 10.9.0.0/16",
+                "10.9.128.0/20 node 10.9.0.0/16",
+                "10.0.0.0/8 node 10.9.0.0/16"
+            ]
+        );
+    }
 
     #[test]
     fn parses_rules_and_link_names() {
