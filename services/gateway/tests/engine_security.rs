@@ -527,7 +527,9 @@ fn random_hostile_handshakes_never_move_an_endpoint_or_stop_a_peer() {
                     for _ in 0..n {
                         attacker.send_to(&init, s.engine_addr).expect("replay");
                     }
-                    log.push(format!("{step}: {n} replays of peer {p}'s initiation from {attacker_ip}"));
+                    log.push(format!(
+                        "{step}: {n} replays of peer {p}'s initiation from {attacker_ip}"
+                    ));
                 } else {
                     log.push(format!("{step}: nothing of peer {p} to replay"));
                 }
@@ -548,7 +550,9 @@ fn random_hostile_handshakes_never_move_an_endpoint_or_stop_a_peer() {
                         forger.read_cookie_reply(&buf[..len]);
                     }
                 }
-                log.push(format!("{step}: {n} forged initiations naming peer {p} from {attacker_ip}"));
+                log.push(format!(
+                    "{step}: {n} forged initiations naming peer {p} from {attacker_ip}"
+                ));
             }
             2 => {
                 let n = 200 + rng.below(600);
@@ -561,7 +565,9 @@ fn random_hostile_handshakes_never_move_an_endpoint_or_stop_a_peer() {
                     let _ = sources[i % sources.len()]
                         .send_to(&flood.initiation(&made_up), s.engine_addr);
                 }
-                log.push(format!("{step}: a flood of {n} initiations from 16 sources"));
+                log.push(format!(
+                    "{step}: a flood of {n} initiations from 16 sources"
+                ));
             }
             3 => {
                 assert!(
@@ -576,7 +582,10 @@ fn random_hostile_handshakes_never_move_an_endpoint_or_stop_a_peer() {
                 // The peer moves: a new port (a NAT rebinding); its next data tells the engine.
                 peers[p].peer.socket = socket(&s.ns, Ipv4Addr::LOCALHOST);
                 moved = Some(p);
-                log.push(format!("{step}: peer {p} moves to {}", peers[p].peer.addr()));
+                log.push(format!(
+                    "{step}: peer {p} moves to {}",
+                    peers[p].peer.addr()
+                ));
             }
             _ => log.push(format!("{step}: peer {p} sends data")),
         }
@@ -586,7 +595,9 @@ fn random_hostile_handshakes_never_move_an_endpoint_or_stop_a_peer() {
         for (i, roaming) in peers.iter().enumerate() {
             if moved != Some(i) {
                 assert_eq!(
-                    s.engine.counters(roaming.peer.index).and_then(|c| c.endpoint),
+                    s.engine
+                        .counters(roaming.peer.index)
+                        .and_then(|c| c.endpoint),
                     Some(roaming.peer.addr()),
                     "seed {seed}: after step {step}, peer {i}'s endpoint moved\nsteps:\n{}\ndrops {:?}",
                     log.join("\n"),
@@ -610,7 +621,9 @@ fn random_hostile_handshakes_never_move_an_endpoint_or_stop_a_peer() {
                 std::thread::sleep(Duration::from_millis(10));
             }
             assert_eq!(
-                s.engine.counters(roaming.peer.index).and_then(|c| c.endpoint),
+                s.engine
+                    .counters(roaming.peer.index)
+                    .and_then(|c| c.endpoint),
                 Some(roaming.peer.addr()),
                 "seed {seed}: peer {i}'s endpoint is not where the peer is\nsteps:\n{}\ndrops {:?}",
                 log.join("\n"),

@@ -176,7 +176,10 @@ async fn violations(mesh: &Mesh, leaves: &[&str]) -> Vec<String> {
             wrong.push(format!("{}: IPAM unreachable", cluster.id));
             continue;
         };
-        let mapped = match ipam.list_cluster_subnets(ListClusterSubnetsRequest {}).await {
+        let mapped = match ipam
+            .list_cluster_subnets(ListClusterSubnetsRequest {})
+            .await
+        {
             Ok(r) => r.into_inner().clusters,
             Err(e) => {
                 wrong.push(format!("{}: ListClusterSubnets failed: {e}", cluster.id));
@@ -416,7 +419,10 @@ async fn random_failures_unpeerings_and_partitions_always_converge_to_a_consiste
         }
         for (l, c) in silenced {
             drop(c);
-            log.push(format!("the silent partition of {} heals", mesh.leaves[l].id));
+            log.push(format!(
+                "the silent partition of {} heals",
+                mesh.leaves[l].id
+            ));
         }
         for l in unpeered {
             peer(&mesh.leaves[l], &mesh.hub).await;

@@ -1237,12 +1237,18 @@ mod tests {
         engine.shared.crash_timers.store(true, Ordering::Relaxed);
         let deadline = Instant::now() + Duration::from_secs(10);
         while engine.stopped_threads().is_empty() {
-            assert!(Instant::now() < deadline, "the dead timer thread was not noticed");
+            assert!(
+                Instant::now() < deadline,
+                "the dead timer thread was not noticed"
+            );
             std::thread::sleep(Duration::from_millis(20));
         }
         assert_eq!(engine.stopped_threads(), vec!["wg-timers".to_owned()]);
         engine.shared.stop.store(true, Ordering::Relaxed);
-        assert!(engine.stopped_threads().is_empty(), "a shutdown is no failure");
+        assert!(
+            engine.stopped_threads().is_empty(),
+            "a shutdown is no failure"
+        );
     }
 
     #[test]
