@@ -129,6 +129,56 @@ mod tests {
 
     use super::*;
 
+    /// A watch whose server vanished without closing the connection (a crashed node, a
+    /// partition that drops packets) must end, so the follower reconnects: the client's own
+    /// HTTP/2 PINGs go unanswered. Without keepalive the stream waited forever, since a client
+    /// that only receives never learns its server is gone.
+    #[tokio::test]
+    async fn a_watch_through_a_network_gone_silent_ends_within_the_keepalive_bound() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("a loopback port");
+        let server = listener.local_addr().expect("its address");
+        let (_reporter, health) = tonic_health::server::health_reporter();
+        tokio::spawn(
+            tonic::transport::Server::builder()
+                .add_service(health)
+                .serve_with_incoming(TcpListenerStream::new(listener)),
+        );
+        let relay = trellis_testkit::SilentRelay::start(server)
+            .await
+            .expect("a relay");
+        let channel = channel(
+            "address",
+            &relay.addr.to_string(),
+            Timeouts::default(),
+            &Metrics::new(),
+        )
+        .expect("a valid address");
+        let mut watch = HealthClient::new(channel)
+            .watch(HealthCheckRequest::default())
+            .await
+            .expect("the watch opens")
+            .into_inner();
+        // Positive control: the stream delivers through the relay.
+        let first = watch.message().await.expect("a first status");
+        assert!(first.is_some(), "the server's current status");
+
+        relay.silence();
+        let started = std::time::Instant::now();
+        let bound = Duration::from_secs(20);
+        let ended = tokio::time::timeout(bound, watch.message()).await;
+        let elapsed = started.elapsed();
+        match ended {
+            Err(_) => panic!("the watch still waits {bound:?} after the network went silent"),
+            Ok(Ok(Some(message))) => panic!("a message through a silent relay: {message:?}"),
+            Ok(outcome) => eprintln!(
+                "measured: the watch ended {} ms after the network went silent: {outcome:?}",
+                elapsed.as_millis()
+            ),
+        }
+    }
+
     /// The lab runs each service under a subscriber of its own while the process has another
     /// default (ADR 0021). A request span created under the service's subscriber and last
     /// dropped by the channel's buffer task (a cancelled request still queued) used to be

@@ -5,7 +5,9 @@
 //! - [`free_port`]: a loopback port nobody listens on;
 //! - [`Etcd`]: a real single-node etcd process in a temporary directory;
 //! - [`FakeApiServer`]: a fake Kubernetes API server speaking the real HTTP/JSON protocol
-//!   (ADR 0019 says what it does not model).
+//!   (ADR 0019 says what it does not model);
+//! - [`SilentRelay`]: a TCP relay a test turns silent (swallows everything, closes nothing), to
+//!   play a crashed node or a dropping partition on loopback.
 //!
 //! This is a dev-dependency: its helpers panic with a clear message where a test should fail.
 
@@ -13,10 +15,12 @@ mod etcd;
 mod etcd_tls;
 mod kube_fake;
 mod ports;
+mod silent;
 mod tools;
 
 pub use etcd::Etcd;
 pub use etcd_tls::EtcdTlsFiles;
 pub use kube_fake::FakeApiServer;
 pub use ports::free_port;
+pub use silent::SilentRelay;
 pub use tools::{in_ci, require_tool, tool_path, workspace_root};

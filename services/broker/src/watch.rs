@@ -108,3 +108,64 @@ fn out_of_range(err: Error) -> Status {
         other => other.into(),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use trellis_api::ClusterIdentity;
+    use trellis_store::MemoryStore;
+
+    use super::*;
+    use crate::remote::Clients;
+
+    fn broker() -> Arc<Broker> {
+        let clients = Clients::new(
+            "127.0.0.1:9",
+            "127.0.0.1:9",
+            "127.0.0.1:9",
+            None,
+            &trellis_runtime::local_auth::LocalToken::off(),
+            &trellis_runtime::metrics::Metrics::new(),
+        )
+        .expect("valid addresses");
+        let identity = ClusterIdentity::parse("id", "leaf-a", "name", "").expect("identity");
+        Arc::new(Broker::new(
+            identity,
+            Arc::new(MemoryStore::new()),
+            clients,
+            None,
+        ))
+    }
+
+    /// A client that leaves a quiet watch (no tunnel changes) must not leave its task behind:
+    /// the task used to notice only when its next event failed to send, so on a quiet store
+    /// every departed watcher stayed, holding a store watch. The task's share of the broker
+    /// tells whether it is still there.
+    #[tokio::test]
+    async fn a_departed_client_ends_its_quiet_watch() {
+        let broker = broker();
+        let mut stream = watch(broker.clone(), 0);
+        let bookmark = stream
+            .next()
+            .await
+            .expect("an event")
+            .expect("the snapshot's bookmark");
+        assert_eq!(bookmark.r#type, WatchEventType::Bookmark as i32);
+        // Positive control: while the client is there, its task holds the broker.
+        assert_eq!(Arc::strong_count(&broker), 2, "the watch task runs");
+
+        drop(stream);
+        let bound = Duration::from_secs(5);
+        let ended = tokio::time::timeout(bound, async {
+            while Arc::strong_count(&broker) > 1 {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        })
+        .await;
+        assert!(
+            ended.is_ok(),
+            "the watch task still runs {bound:?} after its client left"
+        );
+    }
+}
