@@ -31,12 +31,18 @@ fn event(kind: WatchEventType, tunnel: Option<&TunnelRecord>, revision: i64) -> 
     })
 }
 
-/// Starts a watch from `start` (0 = snapshot first).
+/// Starts a watch from `start` (0 = snapshot first). Its task ends when the client leaves (the
+/// response stream is dropped), even if no change ever comes to fail a send.
 pub fn watch(broker: Arc<Broker>, start: i64) -> ReceiverStream<Item> {
     let (tx, rx) = mpsc::channel(BUFFER);
     trellis_runtime::telemetry::spawn(async move {
-        if let Err(status) = follow(&broker, start, &tx).await {
-            let _ = tx.send(Err(status)).await;
+        tokio::select! {
+            result = follow(&broker, start, &tx) => {
+                if let Err(status) = result {
+                    let _ = tx.send(Err(status)).await;
+                }
+            }
+            () = tx.closed() => {}
         }
     });
     ReceiverStream::new(rx)

@@ -482,7 +482,8 @@ async fn a_watch_over_mutual_tls_through_a_network_gone_silent_ends() {
     );
 
     relay.silence();
-    let bound = Duration::from_secs(20);
+    let keepalive = crate::client::KEEPALIVE;
+    let bound = keepalive.interval + keepalive.timeout + Duration::from_secs(5);
     let ended = tokio::time::timeout(bound, watch.message()).await;
     match ended {
         Err(_) => panic!("the watch still waits {bound:?} after the network went silent"),
