@@ -146,7 +146,11 @@ mod tests {
         let (n0, n1, n2) = (&site.nodes[0], &site.nodes[1], &site.nodes[2]);
         // Positive controls: the probes see an answer, and an RST from a closed port.
         assert!(pings(&n2.netns, n0.node_ip), "n2 reaches n0 before");
-        assert_eq!(connect(&n2.netns, n0.node_ip), Some(false), "refused before");
+        assert_eq!(
+            connect(&n2.netns, n0.node_ip),
+            Some(false),
+            "refused before"
+        );
 
         let partition = Partition::nodes(site, &[2], &[0]).expect("partition");
         assert!(!pings(&n2.netns, n0.node_ip), "n2 no longer reaches n0");
@@ -158,13 +162,13 @@ mod tests {
         );
         assert!(pings(&n2.netns, n1.node_ip), "n2 still reaches n1");
         assert!(pings(&n1.netns, n0.node_ip), "n1 still reaches n0");
-        assert!(Partition::nodes(site, &[1], &[1]).is_err(), "one node, both sides");
+        assert!(
+            Partition::nodes(site, &[1], &[1]).is_err(),
+            "one node, both sides"
+        );
 
         drop(partition);
         // The neighbour entries went stale meanwhile: allow a few tries to resolve them.
-        assert!(
-            (0..5).any(|_| pings(&n2.netns, n0.node_ip)),
-            "healed"
-        );
+        assert!((0..5).any(|_| pings(&n2.netns, n0.node_ip)), "healed");
     }
 }

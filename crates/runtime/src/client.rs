@@ -33,9 +33,9 @@ pub struct Timeouts {
 /// How a channel notices that its server vanished without closing the connection: an HTTP/2
 /// PING after `interval` without a frame from the server, even with no call open, and the
 /// connection fails, with every stream on it, when the PING goes unanswered for `timeout`. The
-/// callers' loops then reconnect as after any broken stream. TCP keepalive probes after the
-/// same idle time, every `timeout`, cover what HTTP/2 cannot see (a kernel that forgot the
-/// connection answers the probes with a reset).
+/// callers' loops then reconnect as after any broken stream. Below it, TCP keepalive (the same
+/// idle time, a probe every `timeout`, the connection dropped after three unanswered) ends an
+/// idle connection in the kernel even while nothing drives its HTTP/2 side.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Keepalive {
     pub interval: Duration,

@@ -1251,7 +1251,10 @@ fn endpoint(field: &str, address: &str, timeouts: Timeouts) -> Result<(Endpoint,
         .trim_end_matches('/');
     let endpoint = Endpoint::from_shared(format!("http://{bare}"))
         .map_err(|e| Error::invalid(field, format!("{address:?} is not a usable address: {e}")))?;
-    Ok((crate::client::configure(endpoint, timeouts), bare.to_owned()))
+    Ok((
+        crate::client::configure(endpoint, timeouts),
+        bare.to_owned(),
+    ))
 }
 
 /// The connector of a TLS channel: TCP (with [`crate::client::KEEPALIVE`]) to the target, then
@@ -1286,8 +1289,7 @@ impl tower::Service<http::Uri> for TlsConnect {
                 let tcp = TcpStream::connect(&this.target).await?;
                 tcp.set_nodelay(true)?;
                 // tonic sets TCP keepalive only on sockets it opens itself.
-                socket2::SockRef::from(&tcp)
-                    .set_tcp_keepalive(&crate::client::KEEPALIVE.tcp())?;
+                socket2::SockRef::from(&tcp).set_tcp_keepalive(&crate::client::KEEPALIVE.tcp())?;
                 this.connector.connect(this.name.clone(), tcp).await
             };
             match tokio::time::timeout(this.timeout, connect).await {
