@@ -8,6 +8,7 @@
 //!   namespace on that bridge plus a pod namespace behind the gateway;
 //! - [`netem`]: `tc netem` delays per link between two gateways, where the kernel has netem;
 //! - [`relay`]: the same per-link delays with userspace UDP relays, where it has not;
+//! - [`partition`]: a silent partition (every frame dropped, nothing refused) between nodes;
 //! - [`process`]: a binary running inside a namespace (`ip netns exec`), killed on drop;
 //! - [`cluster`]: the six Trellis services of one cluster inside its gateway namespace, on the
 //!   bridge address, each with its own etcd or a memory store;
@@ -24,6 +25,7 @@ pub mod cluster;
 pub mod fabric;
 pub mod netem;
 pub mod netns;
+pub mod partition;
 pub mod process;
 pub mod relay;
 pub mod topology;

@@ -14,7 +14,9 @@
 //! listings.
 //!
 //! Until the watch has delivered its first snapshot (and after it breaks, until the next
-//! snapshot), every lookup reads through.
+//! snapshot), every lookup reads through. A watch to a discovery whose node went silent breaks
+//! through the channel's keepalive ([`crate::client::KEEPALIVE`], about 15 s), so that lag is
+//! bounded too: without it the copy froze and kept admitting what discovery no longer did.
 
 use std::collections::HashMap;
 use std::sync::{Arc, RwLock};

@@ -179,7 +179,9 @@ fn peered_ca(fc: &pb::ForeignCluster) -> Option<PinnedCa> {
 }
 
 /// Keeps `trust` equal to the CAs of the established full peers in the discovery service at
-/// `discovery` (a watch of its ForeignClusters; restarted after errors), until `shutdown`.
+/// `discovery` (a watch of its ForeignClusters; restarted after errors, including a discovery
+/// gone silent, which the channel's keepalive turns into one: [`crate::client::KEEPALIVE`]),
+/// until `shutdown`.
 pub fn spawn_trust_sync(
     discovery: TracedChannel,
     trust: TrustStore,

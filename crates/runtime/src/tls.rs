@@ -1261,15 +1261,15 @@ fn endpoint(field: &str, address: &str, timeouts: Timeouts) -> Result<(Endpoint,
         .map_or(address, |(_, rest)| rest)
         .trim_end_matches('/');
     let endpoint = Endpoint::from_shared(format!("http://{bare}"))
-        .map_err(|e| Error::invalid(field, format!("{address:?} is not a usable address: {e}")))?
-        .connect_timeout(timeouts.connect)
-        .timeout(timeouts.request)
-        .tcp_nodelay(true);
-    Ok((crate::client::keep_subscriber(endpoint), bare.to_owned()))
+        .map_err(|e| Error::invalid(field, format!("{address:?} is not a usable address: {e}")))?;
+    Ok((
+        crate::client::configure(endpoint, timeouts),
+        bare.to_owned(),
+    ))
 }
 
-/// The connector of a TLS channel: TCP to the target, then TLS with our configuration, both
-/// within the connect timeout.
+/// The connector of a TLS channel: TCP (with [`crate::client::KEEPALIVE`]) to the target, then
+/// TLS with our configuration, both within the connect timeout.
 #[derive(Clone)]
 struct TlsConnect {
     connector: tokio_rustls::TlsConnector,
@@ -1299,6 +1299,8 @@ impl tower::Service<http::Uri> for TlsConnect {
             let connect = async {
                 let tcp = TcpStream::connect(&this.target).await?;
                 tcp.set_nodelay(true)?;
+                // tonic sets TCP keepalive only on sockets it opens itself.
+                socket2::SockRef::from(&tcp).set_tcp_keepalive(&crate::client::KEEPALIVE.tcp())?;
                 this.connector.connect(this.name.clone(), tcp).await
             };
             match tokio::time::timeout(this.timeout, connect).await {

@@ -9,7 +9,9 @@
 //! - [`rng::Rng`]: seeded randomness for property and chaos tests, the seed printed and
 //!   replayable;
 //! - [`wireguard::Forger`]: forged WireGuard handshake initiations naming a key the sender does
-//!   not hold, for tests of a gateway under hostile handshakes.
+//!   not hold, for tests of a gateway under hostile handshakes;
+//! - [`SilentRelay`]: a TCP relay a test turns silent (swallows everything, closes nothing), to
+//!   play a crashed node or a dropping partition on loopback.
 //!
 //! This is a dev-dependency: its helpers panic with a clear message where a test should fail.
 
@@ -18,6 +20,7 @@ mod etcd_tls;
 mod kube_fake;
 mod ports;
 pub mod rng;
+mod silent;
 mod tools;
 pub mod wireguard;
 
@@ -25,4 +28,5 @@ pub use etcd::Etcd;
 pub use etcd_tls::EtcdTlsFiles;
 pub use kube_fake::FakeApiServer;
 pub use ports::free_port;
+pub use silent::SilentRelay;
 pub use tools::{in_ci, require_tool, tool_path, workspace_root};

@@ -31,12 +31,18 @@ fn event(kind: WatchEventType, tunnel: Option<&TunnelRecord>, revision: i64) -> 
     })
 }
 
-/// Starts a watch from `start` (0 = snapshot first).
+/// Starts a watch from `start` (0 = snapshot first). Its task ends when the client leaves (the
+/// response stream is dropped), even if no change ever comes to fail a send.
 pub fn watch(broker: Arc<Broker>, start: i64) -> ReceiverStream<Item> {
     let (tx, rx) = mpsc::channel(BUFFER);
     trellis_runtime::telemetry::spawn(async move {
-        if let Err(status) = follow(&broker, start, &tx).await {
-            let _ = tx.send(Err(status)).await;
+        tokio::select! {
+            result = follow(&broker, start, &tx) => {
+                if let Err(status) = result {
+                    let _ = tx.send(Err(status)).await;
+                }
+            }
+            () = tx.closed() => {}
         }
     });
     ReceiverStream::new(rx)
@@ -106,5 +112,66 @@ fn out_of_range(err: Error) -> Status {
         ))
         .into(),
         other => other.into(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use trellis_api::ClusterIdentity;
+    use trellis_store::MemoryStore;
+
+    use super::*;
+    use crate::remote::Clients;
+
+    fn broker() -> Arc<Broker> {
+        let clients = Clients::new(
+            "127.0.0.1:9",
+            "127.0.0.1:9",
+            "127.0.0.1:9",
+            None,
+            &trellis_runtime::local_auth::LocalToken::off(),
+            &trellis_runtime::metrics::Metrics::new(),
+        )
+        .expect("valid addresses");
+        let identity = ClusterIdentity::parse("id", "leaf-a", "name", "").expect("identity");
+        Arc::new(Broker::new(
+            identity,
+            Arc::new(MemoryStore::new()),
+            clients,
+            None,
+        ))
+    }
+
+    /// A client that leaves a quiet watch (no tunnel changes) must not leave its task behind:
+    /// the task used to notice only when its next event failed to send, so on a quiet store
+    /// every departed watcher stayed, holding a store watch. The task's share of the broker
+    /// tells whether it is still there.
+    #[tokio::test]
+    async fn a_departed_client_ends_its_quiet_watch() {
+        let broker = broker();
+        let mut stream = watch(broker.clone(), 0);
+        let bookmark = stream
+            .next()
+            .await
+            .expect("an event")
+            .expect("the snapshot's bookmark");
+        assert_eq!(bookmark.r#type, WatchEventType::Bookmark as i32);
+        // Positive control: while the client is there, its task holds the broker.
+        assert_eq!(Arc::strong_count(&broker), 2, "the watch task runs");
+
+        drop(stream);
+        let bound = Duration::from_secs(5);
+        let ended = tokio::time::timeout(bound, async {
+            while Arc::strong_count(&broker) > 1 {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        })
+        .await;
+        assert!(
+            ended.is_ok(),
+            "the watch task still runs {bound:?} after its client left"
+        );
     }
 }

@@ -136,7 +136,8 @@ pub async fn run(
     shutdown: Shutdown,
 ) {
     // The request timeout bounds the call until the stream's headers; the stream itself is
-    // unbounded.
+    // unbounded, but the channel's keepalive (`trellis_runtime::client::KEEPALIVE`) fails it
+    // when the broker's node goes silent, and the loop below then watches again.
     let channel = match local_channel(
         "broker",
         &broker,

@@ -1,6 +1,9 @@
 //! The agent's loop: follow the gateway's `WatchRoutes` stream, reconcile the node after every
 //! message and on a periodic resync, and reconnect with backoff when the stream breaks (a
-//! restarted or moved gateway is followed from its first message).
+//! restarted or moved gateway is followed from its first message). A gateway whose node went
+//! silent breaks the stream too, through the channel's keepalive
+//! (`trellis_runtime::client::KEEPALIVE`): without it the agent waited on the dead stream
+//! forever and kept routing towards the old gateway node.
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;

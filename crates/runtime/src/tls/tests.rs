@@ -440,3 +440,54 @@ async fn first_contact_with_a_pinned_hash_reaches_only_the_pinned_cas_servers() 
         .expect_err("another CA is refused");
     assert!(err.contains("pinned CA"), "{err}");
 }
+
+/// A channel to another cluster (mutual TLS, the peer listener) notices a server gone silent
+/// like a plaintext one does (`client.rs`): a watch through it ends instead of waiting forever.
+#[tokio::test]
+async fn a_watch_over_mutual_tls_through_a_network_gone_silent_ends() {
+    use tonic_health::pb::HealthCheckRequest;
+    use tonic_health::pb::health_client::HealthClient;
+
+    let hub = cluster("hub", "discovery");
+    let leaf = cluster("leaf-a", "broker");
+    pin(&hub, &leaf);
+    pin(&leaf, &hub);
+    let (server, accepted) = listen(&hub.tls).await;
+    let (_reporter, health) = tonic_health::server::health_reporter();
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(health)
+            .serve_with_incoming(accepted),
+    );
+    let relay = trellis_testkit::SilentRelay::start(server)
+        .await
+        .expect("a relay");
+    let channel = peer_channel(
+        &leaf.tls,
+        "address",
+        &relay.addr.to_string(),
+        Some("hub"),
+        Timeouts::default(),
+        &Metrics::new(),
+    )
+    .expect("a channel");
+    let mut watch = HealthClient::new(channel)
+        .watch(HealthCheckRequest::default())
+        .await
+        .expect("the watch opens")
+        .into_inner();
+    assert!(
+        watch.message().await.expect("a first status").is_some(),
+        "the stream delivers through the relay"
+    );
+
+    relay.silence();
+    let keepalive = crate::client::KEEPALIVE;
+    let bound = keepalive.interval + keepalive.timeout + Duration::from_secs(5);
+    let ended = tokio::time::timeout(bound, watch.message()).await;
+    match ended {
+        Err(_) => panic!("the watch still waits {bound:?} after the network went silent"),
+        Ok(Ok(Some(message))) => panic!("a message through a silent relay: {message:?}"),
+        Ok(_) => {}
+    }
+}
