@@ -13,7 +13,7 @@
 //! reflected to us. It runs after every export or import change and on a fixed resync, so a new
 //! peer gets every existing export and an unpeered one is forgotten within one resync; each pass
 //! is idempotent (a slice already delivered unchanged is not sent again, except every
-//! [`RESEND_EVERY`] passes).
+//! `--export-resend`).
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::net::IpAddr;
@@ -38,10 +38,6 @@ use crate::remote::local_error;
 /// Label naming the cluster an exported slice comes from (the MCS API's label on imported
 /// slices). Set by the exporter; a slice in transit keeps it.
 pub const ORIGIN_LABEL: &str = "multicluster.kubernetes.io/source-cluster";
-
-/// Passes after which the reconciler forgets what it delivered and sends everything again, so
-/// a peer that dropped what we sent (a flap of its view of us) gets it back.
-pub const RESEND_EVERY: u32 = 30;
 
 /// How often the reconciler re-reads the peers even when no export changed: the bound on how
 /// long a new or removed peer waits for its exports.
@@ -427,12 +423,17 @@ fn transit_of(source: &ClusterId, slice: &Slice) -> Option<Slice> {
 
 /// Runs the export reconciler until `shutdown`: a pass after every export change and every
 /// `resync`.
-pub async fn run_reconciler(core: Arc<Endpoints>, resync: Duration, shutdown: Shutdown) {
+pub async fn run_reconciler(
+    core: Arc<Endpoints>,
+    resync: Duration,
+    resend: Duration,
+    shutdown: Shutdown,
+) {
     let mut delivered = Delivered::new();
-    let mut passes = 0u32;
+    let mut last_resend = tokio::time::Instant::now();
     loop {
-        passes = passes.wrapping_add(1);
-        if passes.is_multiple_of(RESEND_EVERY) {
+        if last_resend.elapsed() >= resend {
+            last_resend = tokio::time::Instant::now();
             delivered.clear();
         }
         if let Err(err) = core.reconcile_exports(&mut delivered).await {
