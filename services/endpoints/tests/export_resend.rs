@@ -121,10 +121,7 @@ async fn metric(addr: Option<SocketAddr>, name: &str, labels: &[&str]) -> f64 {
         .filter(|l| !l.starts_with('#'))
         .filter_map(|l| l.rsplit_once(' '))
         .filter(|(series, _)| {
-            series
-                .split_once('{')
-                .map_or(*series, |(n, _)| n)
-                .eq(name)
+            series.split_once('{').map_or(*series, |(n, _)| n).eq(name)
                 && labels.iter().all(|want| series.contains(want))
         })
         .filter_map(|(_, value)| value.parse::<f64>().ok())

@@ -350,7 +350,10 @@ async fn the_fake_api_server_assigns_cluster_ips_keeps_them_and_refuses_to_chang
     assert_eq!(ip(&updated), Some(first.clone()));
     let mut change = service("web", json!({"clusterIP": "10.96.255.1"}));
     change.metadata.resource_version = updated.metadata.resource_version.clone();
-    match services.replace("web", &PostParams::default(), &change).await {
+    match services
+        .replace("web", &PostParams::default(), &change)
+        .await
+    {
         Err(kube::Error::Api(status)) => assert_eq!(status.code, 422, "{status:?}"),
         other => panic!("expected 422, got {other:?}"),
     }

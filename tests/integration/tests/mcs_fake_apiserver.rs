@@ -543,6 +543,7 @@ async fn the_service_import_carries_the_derived_service_cluster_ip_and_follows_i
         return;
     };
     peer(&a.cluster, &b.cluster).await;
+    eventually("B's tunnel to A", LIMIT, || tunnel_to(&b.cluster, "leaf-a")).await;
     let b_view_a = pod_view(&b.cluster, "leaf-a").await;
     export(&a, 8080, &[("10.0.0.7", true)]).await;
     let want = present(
@@ -552,12 +553,18 @@ async fn the_service_import_carries_the_derived_service_cluster_ip_and_follows_i
     );
     until("B imports A's web with its cluster IP", &b, &want).await;
     let (uid, first) = derived_service(&b).expect("the derived service exists");
-    assert!(!first.is_empty(), "the fake API server assigned a cluster IP");
+    assert!(
+        !first.is_empty(),
+        "the fake API server assigned a cluster IP"
+    );
 
     // The derived Service goes (an operator, a namespace cleanup): the import side creates it
     // again, with another cluster IP, and the ServiceImport must follow.
     Api::<Service>::namespaced(client(&b.api).await, "shop")
-        .delete(&derived_service_name("shop", "web"), &DeleteParams::default())
+        .delete(
+            &derived_service_name("shop", "web"),
+            &DeleteParams::default(),
+        )
         .await
         .expect("deletes");
     let deadline = Instant::now() + LIMIT;
@@ -567,7 +574,10 @@ async fn the_service_import_carries_the_derived_service_cluster_ip_and_follows_i
         {
             break ip;
         }
-        assert!(Instant::now() < deadline, "the derived service never came back");
+        assert!(
+            Instant::now() < deadline,
+            "the derived service never came back"
+        );
         tokio::time::sleep(Duration::from_millis(200)).await;
     };
     assert_ne!(second, first, "a new Service, a new cluster IP");
