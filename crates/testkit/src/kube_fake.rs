@@ -14,7 +14,12 @@
 //!   from the history after N (all objects as `ADDED` when N is empty or 0), then live ones;
 //!   an N older than the compacted history answers an `ERROR` event with a 410 `Expired`
 //!   Status; `timeoutSeconds` ends the stream;
-//! - one monotonic resourceVersion for every object, `uid`, `creationTimestamp`, `generation`.
+//! - one monotonic resourceVersion for every object, `uid`, `creationTimestamp`, `generation`;
+//! - a core `Service` created without `spec.clusterIP` (and not `ExternalName` or headless
+//!   `None`) gets one, with `spec.clusterIPs`, from [`FakeApiServer::SERVICE_CIDR`], as the real API server's
+//!   allocator does: never reused, so a Service deleted and created again gets another IP. A PUT
+//!   that leaves them out keeps the assigned ones; one that changes them is refused with 422
+//!   (the field is immutable).
 //!
 //! Not modelled: authentication and authorization, admission (defaulting, validation, webhooks),
 //! field selectors (400), server-side apply and PATCH (405), discovery (`/api`, `/apis`: 404;
@@ -41,6 +46,11 @@ use tokio_stream::wrappers::TcpListenerStream;
 /// Events kept for watches resuming from an older resourceVersion.
 const HISTORY: usize = 10_000;
 
+/// Where Services get their cluster IPs: `10.96.0.0/12`, kubeadm's default service CIDR.
+const SERVICE_CIDR: &str = "10.96.0.0/12";
+const FIRST_SERVICE_IP: u32 = u32::from_be_bytes([10, 96, 0, 1]);
+const SERVICE_IPS: u32 = 1 << 20;
+
 /// (group/version, resource, namespace or "", name).
 type Key = (String, String, String, String);
 
@@ -61,6 +71,77 @@ struct State {
     /// Watches from a resourceVersion below this answer 410.
     floor: u64,
     requests: u64,
+    /// Cluster IPs handed out so far.
+    service_ips: u32,
+}
+
+/// Whether `target` is the core Services resource (not its `/status`).
+fn is_service(target: &Target) -> bool {
+    target.gv == "v1" && target.resource == "services" && !target.status
+}
+
+/// The cluster IP of a Service object, when it has one set.
+fn cluster_ip(object: &Value) -> Option<&str> {
+    object
+        .pointer("/spec/clusterIP")
+        .and_then(Value::as_str)
+        .filter(|ip| !ip.is_empty())
+}
+
+impl State {
+    /// Gives a new Service its cluster IP, as the API server's allocator does; headless
+    /// (`None`) and `ExternalName` Services get none.
+    fn assign_cluster_ip(&mut self, object: &mut Value) -> Result<(), Response> {
+        if object.pointer("/spec/type").and_then(Value::as_str) == Some("ExternalName")
+            || cluster_ip(object).is_some()
+        {
+            return Ok(());
+        }
+        if self.service_ips >= SERVICE_IPS - 2 {
+            return Err(status(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "InternalError",
+                format!("the fake API server's service CIDR {SERVICE_CIDR} is exhausted"),
+            ));
+        }
+        let ip = std::net::Ipv4Addr::from(FIRST_SERVICE_IP + self.service_ips).to_string();
+        self.service_ips += 1;
+        if !object["spec"].is_object() {
+            object["spec"] = json!({});
+        }
+        object["spec"]["clusterIP"] = json!(ip);
+        object["spec"]["clusterIPs"] = json!([ip]);
+        Ok(())
+    }
+}
+
+/// A PUT of a Service keeps the cluster IPs the API server assigned (when the update leaves
+/// them out) and refuses to change them.
+fn keep_cluster_ip(stored: &Value, object: &mut Value) -> Result<(), Response> {
+    let Some(held) = cluster_ip(stored) else {
+        return Ok(());
+    };
+    match cluster_ip(object) {
+        None => {
+            if !object["spec"].is_object() {
+                object["spec"] = json!({});
+            }
+            object["spec"]["clusterIP"] = stored["spec"]["clusterIP"].clone();
+            object["spec"]["clusterIPs"] = stored["spec"]["clusterIPs"].clone();
+            Ok(())
+        }
+        Some(given) if given == held => {
+            if object.pointer("/spec/clusterIPs").is_none_or(Value::is_null) {
+                object["spec"]["clusterIPs"] = stored["spec"]["clusterIPs"].clone();
+            }
+            Ok(())
+        }
+        Some(given) => Err(status(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "Invalid",
+            format!("spec.clusterIP: Invalid value: \"{given}\": field is immutable"),
+        )),
+    }
 }
 
 #[derive(Debug)]
@@ -359,6 +440,11 @@ impl Shared {
                         format!("{} \"{name}\" already exists", target.resource),
                     );
                 }
+                if is_service(&target)
+                    && let Err(refused) = state.assign_cluster_ip(&mut object)
+                {
+                    return refused;
+                }
                 state.rv += 1;
                 state.uid += 1;
                 if let Some(o) = object.as_object_mut() {
@@ -403,6 +489,11 @@ impl Shared {
                             target.resource
                         ),
                     );
+                }
+                if is_service(&target)
+                    && let Err(refused) = keep_cluster_ip(&stored, &mut object)
+                {
+                    return refused;
                 }
                 let mut updated = stored.clone();
                 if target.status {
@@ -590,6 +681,9 @@ fn not_found(target: &Target, name: &str) -> Response {
 }
 
 impl FakeApiServer {
+    /// Where Services get their cluster IPs (see the module documentation).
+    pub const SERVICE_CIDR: &'static str = SERVICE_CIDR;
+
     /// Starts a fake API server on a free loopback port.
     pub async fn start() -> anyhow::Result<Self> {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")

@@ -58,6 +58,12 @@ pub struct Config {
     #[arg(long, env = "TRELLIS_DELIVER_TIMEOUT", value_name = "MS", default_value_t = 10_000, value_parser = millis_arg)]
     pub deliver_timeout: u64,
 
+    /// How often the export reconciler re-delivers every export it reflected to each peer, in
+    /// milliseconds: a peer that lost what we sent (its store rebuilt, a flap of its view of
+    /// us) gets it back within this time.
+    #[arg(long, env = "TRELLIS_EXPORT_RESEND", value_name = "MS", default_value_t = 60_000, value_parser = millis_arg)]
+    pub export_resend: u64,
+
     /// Connect this service to Kubernetes (the in-cluster service account, `KUBECONFIG`, or
     /// --kubeconfig): export every Service named by a `ServiceExport`
     /// (multicluster.x-k8s.io/v1alpha1) with its EndpointSlices, and write what peers export

@@ -84,6 +84,17 @@ pub struct Unreflected {
     pub delivered: bool,
 }
 
+/// The answer of [`Endpoints::apply`] (target side), and of a delivery (source side).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Applied {
+    /// Whether the offered generation is now held (new, or an idempotent re-send).
+    pub applied: bool,
+    /// The generation held after the call: the offered one, or the higher one that refused it.
+    pub held: i64,
+    /// The Kubernetes object written for it, with Kubernetes access.
+    pub object_name: Option<String>,
+}
+
 /// Whether the induced path to one home cluster can be used, decided once per reflection.
 #[derive(Debug, Clone)]
 enum Route {
@@ -123,6 +134,19 @@ fn now_nanos() -> i64 {
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| i64::try_from(d.as_nanos()).unwrap_or(i64::MAX))
         .unwrap_or(0)
+}
+
+/// The generation of a new version of a reflection: above the previous one and at least the
+/// wall clock in milliseconds, like the broker's NetworkConfig generations (ADR 0012). A
+/// reflection recorded again from nothing (the exporter's or hub's endpoints store lost, the
+/// reflection withdrawn and made again) thus starts above every generation a consumer still
+/// holds from before, as long as the clock did not step back by more than the time between the
+/// two; [`Endpoints::reflect_as`] renumbers above what the consumer holds when it did.
+pub(crate) fn next_generation(previous: Option<i64>) -> i64 {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX / 2));
+    previous.map_or(1, |p| p.saturating_add(1)).max(now)
 }
 
 /// A full peer with networking enabled and the peering established.
@@ -280,14 +304,14 @@ impl Endpoints {
                 .collect();
             let (generation, revision, dropped) = match &previous {
                 Some((rec, revision)) => (
-                    rec.generation + 1,
+                    next_generation(Some(rec.generation)),
                     *revision,
                     rec.hub_external
                         .difference(&hub_external)
                         .cloned()
                         .collect(),
                 ),
-                None => (1, 0, Vec::new()),
+                None => (next_generation(None), 0, Vec::new()),
             };
             let record = OutgoingRecord {
                 target: target.clone(),
@@ -325,10 +349,80 @@ impl Endpoints {
         );
         let mut reflected = reflected;
         if deliver {
-            self.deliver_apply(&target.id, &peer, &reflected).await?;
+            let mut answer = self
+                .deliver_apply(&target.id, &peer, &reflected.slice, reflected.generation)
+                .await?;
+            if !answer.applied {
+                // The target holds a higher generation of this slice: ours started again below
+                // it (our store lost while the clock is behind the one that numbered the
+                // target's copy). Renumber above it and deliver once more.
+                tracing::warn!(
+                    held = answer.held,
+                    offered = reflected.generation,
+                    "target holds a higher generation of the slice; renumbering above it"
+                );
+                reflected.generation = self.renumber(&key, answer.held).await?;
+                answer = self
+                    .deliver_apply(&target.id, &peer, &reflected.slice, reflected.generation)
+                    .await?;
+            }
+            if !answer.applied {
+                return Err(Error::Aborted(format!(
+                    "cluster {} holds generation {} of {}/{}, above ours {}, after renumbering",
+                    target.id,
+                    answer.held,
+                    reflected.slice.namespace,
+                    reflected.slice.name,
+                    reflected.generation
+                )));
+            }
             reflected.delivered = true;
         }
         Ok(reflected)
+    }
+
+    /// Delivers an earlier translation of a reflection again, unchanged and with the same
+    /// generation (the export reconciler's resend): a target that still holds it answers
+    /// without writing anything; one that lost it stores it again. `applied = false` when the
+    /// target holds a higher generation (then reflect again, which renumbers).
+    pub(crate) async fn redeliver(
+        &self,
+        target: &ClusterIdentity,
+        translated: &Slice,
+        generation: i64,
+    ) -> Result<Applied> {
+        let peer = self
+            .full_peer(&target.id, Error::FailedPrecondition)
+            .await?;
+        self.deliver_apply(&target.id, &peer, translated, generation)
+            .await
+    }
+
+    /// Moves the generation of the reflection at `key` above `held` (what the target holds);
+    /// returns the new generation.
+    async fn renumber(&self, key: &str, held: i64) -> Result<i64> {
+        let mut contention = Contention::on(&self.store, "renumbering a reflection");
+        loop {
+            let Some(kv) = self.store.get(key).await? else {
+                return Err(Error::Aborted(format!(
+                    "reflection {key} was withdrawn while it was being delivered"
+                )));
+            };
+            let mut record: OutgoingRecord = decode(key, &kv.value)?;
+            record.generation = next_generation(Some(record.generation.max(held)));
+            let committed = self
+                .store
+                .txn(Txn {
+                    compares: vec![unchanged(key, kv.mod_revision)],
+                    success: vec![Op::put(key, encode(&record)?)],
+                    failure: vec![],
+                })
+                .await?;
+            if committed.succeeded {
+                return Ok(record.generation);
+            }
+            contention.lost().await?;
+        }
     }
 
     /// Stops reflecting `namespace/name` to `target`.
@@ -454,8 +548,9 @@ impl Endpoints {
         &self,
         target_id: &ClusterId,
         peer: &ForeignCluster,
-        reflected: &Reflected,
-    ) -> Result<()> {
+        slice: &Slice,
+        generation: i64,
+    ) -> Result<Applied> {
         let target = peer
             .identity
             .as_ref()
@@ -474,8 +569,8 @@ impl Endpoints {
             .remote_endpoints(target_id, &address)?
             .apply_reflected_slice(epb::ApplyReflectedSliceRequest {
                 source: Some(convert::identity_to_pb(&self.local)),
-                slice: Some(reflected.slice.to_pb()),
-                generation: reflected.generation,
+                slice: Some(slice.to_pb()),
+                generation,
             })
             .await
             .map_err(|s| match s.code() {
@@ -488,10 +583,12 @@ impl Endpoints {
                 _ => Error::from(s).context(format!("cluster {target} refused the slice")),
             })?
             .into_inner();
-        if !answer.applied {
-            tracing::warn!(target.id = %target, generation = reflected.generation, "target holds a newer generation of the slice");
-        }
-        Ok(())
+        Ok(Applied {
+            applied: answer.applied,
+            // A target that does not say holds at least what it refused.
+            held: answer.held_generation.max(generation),
+            object_name: Some(answer.object_name).filter(|n| !n.is_empty()),
+        })
     }
 
     /// Translates every address of `slice` for `target`, a few addresses at a time; the route
@@ -614,6 +711,23 @@ impl Endpoints {
         };
         self.map_locally(target, field, ip, Some(home), detail)
             .await
+    }
+
+    /// Whether addresses of `home` would take the induced path to `target` now (the export
+    /// reconciler's check that a translation still holds).
+    pub(crate) async fn induced_route(
+        &self,
+        home: &ClusterId,
+        target: &ClusterIdentity,
+    ) -> Result<bool> {
+        let home = ClusterIdentity {
+            id: home.clone(),
+            name: String::new(),
+        };
+        Ok(matches!(
+            self.route_to(&home, target).await?,
+            Route::Induced(_)
+        ))
     }
 
     /// Decides, once per home cluster and reflection, whether its IPAM can map for `target`.
@@ -784,14 +898,14 @@ impl Endpoints {
     // ---- target side ----
 
     /// Stores (and writes into Kubernetes) a slice `source` reflected to us. Returns whether
-    /// this generation is now held, and the Kubernetes object name.
+    /// this generation is now held, the generation held, and the Kubernetes object name.
     #[tracing::instrument(skip(self, slice), fields(source.id = %source.id, slice.namespace = %slice.namespace, slice.name = %slice.name))]
     pub async fn apply(
         &self,
         source: &ClusterIdentity,
         slice: Slice,
         generation: i64,
-    ) -> Result<(bool, Option<String>)> {
+    ) -> Result<Applied> {
         self.full_peer(&source.id, Error::PermissionDenied).await?;
         let key = reflected_key(&source.id, &slice.namespace, &slice.name);
         let mut contention = Contention::on(&self.store, "applying a reflected slice");
@@ -813,7 +927,11 @@ impl Endpoints {
                         "ignored a stale reflected slice"
                     );
                 }
-                return Ok((current, rec.object_name.clone()));
+                return Ok(Applied {
+                    applied: current,
+                    held: rec.generation,
+                    object_name: rec.object_name.clone(),
+                });
             }
             // Kubernetes first: if the object cannot be written (e.g. an unmanaged slice of
             // that name exists), nothing is stored.
@@ -851,7 +969,11 @@ impl Endpoints {
                 // An export we pass on to our other peers may have changed.
                 self.exports_changed.notify_one();
                 self.imports_changed.notify_one();
-                return Ok((true, object_name));
+                return Ok(Applied {
+                    applied: true,
+                    held: generation,
+                    object_name,
+                });
             }
             contention.lost().await?;
         }

@@ -12,8 +12,15 @@
 //! longer wanted. It also drops every slice a cluster that is no longer a networked full peer
 //! reflected to us. It runs after every export or import change and on a fixed resync, so a new
 //! peer gets every existing export and an unpeered one is forgotten within one resync; each pass
-//! is idempotent (a slice already delivered unchanged is not sent again, except every
-//! [`RESEND_EVERY`] passes).
+//! is idempotent (a slice already delivered unchanged is not sent again).
+//!
+//! Every `--export-resend` a pass also resends what it delivered, so a peer that lost it (its
+//! store rebuilt, a flap of its view of us) gets it back. A resend costs no translation: it
+//! delivers the earlier translation again with the same generation (a target that holds it
+//! writes nothing), unless what the translation depends on moved since: the local IPAM's
+//! records of the target and the origin (one listing per resend pass) or, for an export in transit, whether the induced path
+//! from its origin to the target exists (one remote IPAM call per origin and target). Then it
+//! translates again.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::net::IpAddr;
@@ -27,7 +34,9 @@ use trellis_runtime::Shutdown;
 use trellis_store::retry::Contention;
 use trellis_store::{Compare, Op, Txn};
 
-use crate::core::{Endpoints, is_networked_full_peer};
+use trellis_api::pb::ipam::{ClusterSubnets, ListClusterSubnetsRequest};
+
+use crate::core::{Endpoints, Path, is_networked_full_peer};
 use crate::model::{AddressType, Conditions, Endpoint, Slice};
 use crate::records::{
     EXPORT_PREFIX, ExportRecord, ExportSource, OUTGOING_PREFIX, OutgoingRecord, decode, encode,
@@ -38,10 +47,6 @@ use crate::remote::local_error;
 /// Label naming the cluster an exported slice comes from (the MCS API's label on imported
 /// slices). Set by the exporter; a slice in transit keeps it.
 pub const ORIGIN_LABEL: &str = "multicluster.kubernetes.io/source-cluster";
-
-/// Passes after which the reconciler forgets what it delivered and sends everything again, so
-/// a peer that dropped what we sent (a flap of its view of us) gets it back.
-pub const RESEND_EVERY: u32 = 30;
 
 /// How often the reconciler re-reads the peers even when no export changed: the bound on how
 /// long a new or removed peer waits for its exports.
@@ -54,9 +59,25 @@ pub struct ExportView {
     pub reflected_to: Vec<ClusterId>,
 }
 
+/// What the reconciler last delivered for one (target, namespace, name).
+#[derive(Debug, Clone)]
+pub struct Delivery {
+    /// The slice as we address it (what the pass wanted reflected).
+    slice: Slice,
+    /// The slice as translated for the target, and its generation: what a resend sends again.
+    translated: Slice,
+    generation: i64,
+    /// The local IPAM's records of the target and of the slice's origin when it was
+    /// translated (how we address them, how they address us).
+    subnets: Vec<ClusterSubnets>,
+    /// Whether an address took the induced path (a slice in transit from an induced peer of the
+    /// target).
+    induced: bool,
+}
+
 /// What the reconciler last delivered, per (target, namespace, name): a pass skips slices the
-/// target already holds unchanged. Lost on restart, which only costs one re-send.
-pub type Delivered = HashMap<(ClusterId, String, String), Slice>;
+/// target already holds unchanged. Lost on restart, which only costs one translation.
+pub type Delivered = HashMap<(ClusterId, String, String), Delivery>;
 
 fn now_nanos() -> i64 {
     std::time::SystemTime::now()
@@ -338,11 +359,30 @@ impl Endpoints {
         Ok(desired)
     }
 
+    /// The local IPAM's records (how we address each peer and how each addresses us): what
+    /// every translation depends on locally.
+    async fn subnets(&self) -> Result<Arc<Vec<ClusterSubnets>>> {
+        Ok(Arc::new(
+            self.clients
+                .ipam()
+                .list_cluster_subnets(ListClusterSubnetsRequest {})
+                .await
+                .map_err(|s| local_error("ipam", s))?
+                .into_inner()
+                .clusters,
+        ))
+    }
+
     /// One reconciler pass: drop what a peer that is gone brought us, reflect every export
     /// (ours, and those in transit) to every networked full peer, withdraw owned reflections
-    /// whose export or peer is gone. A failure for one (peer, slice) is logged and retried on
+    /// whose export or peer is gone; with `resend`, deliver again what was delivered unchanged
+    /// (see the module documentation). A failure for one (peer, slice) is logged and retried on
     /// the next pass; it does not stop the others. Returns how many steps failed.
-    pub async fn reconcile_exports(&self, delivered: &mut Delivered) -> Result<usize> {
+    pub async fn reconcile_exports(
+        &self,
+        delivered: &mut Delivered,
+        resend: bool,
+    ) -> Result<usize> {
         // Imports listed before the peers are read: an import is stored only while its source
         // is a peer, so one stored after a stale read of the peers cannot be dropped here.
         let imports = self.list(None, None).await?;
@@ -381,10 +421,11 @@ impl Endpoints {
             }
         }
         delivered.retain(|(target, _, _), _| targets.contains_key(target));
+        // Read at most once per pass, before any translation: a change after it shows at the
+        // next resend.
+        let mut subnets: Option<Arc<Vec<ClusterSubnets>>> = None;
+        let mut induced_routes: HashMap<(ClusterId, ClusterId), bool> = HashMap::new();
         for (key, slice) in desired {
-            if delivered.get(&key) == Some(&slice) {
-                continue;
-            }
             let Some(target) = targets.get(&key.0) else {
                 continue;
             };
@@ -395,12 +436,70 @@ impl Endpoints {
             else {
                 continue;
             };
+            if let Some(held) = delivered.get(&key)
+                && held.slice == slice
+            {
+                if !resend {
+                    continue;
+                }
+                let current = match &subnets {
+                    Some(s) => s.clone(),
+                    None => subnets.insert(self.subnets().await?).clone(),
+                };
+                let induced = if home == self.local().id {
+                    false
+                } else {
+                    match induced_routes.get(&(home.clone(), target.id.clone())) {
+                        Some(induced) => *induced,
+                        None => {
+                            let induced = self.induced_route(&home, target).await?;
+                            induced_routes.insert((home.clone(), target.id.clone()), induced);
+                            induced
+                        }
+                    }
+                };
+                if held.subnets == relevant(&current, &target.id, &home) && held.induced == induced
+                {
+                    match self
+                        .redeliver(target, &held.translated, held.generation)
+                        .await
+                    {
+                        Ok(answer) if answer.applied => continue,
+                        // The target holds a higher generation: translated and renumbered below.
+                        Ok(_) => {}
+                        Err(err) => {
+                            // Kept: the next resend tries again, still without translating.
+                            failed += 1;
+                            tracing::warn!(target.id = %target.id, namespace = %key.1, name = %key.2, error = %err, "resending an export failed; retrying at the next resend");
+                            continue;
+                        }
+                    }
+                }
+            }
+            let translated_with = match &subnets {
+                Some(s) => s.clone(),
+                None => subnets.insert(self.subnets().await?).clone(),
+            };
             match self
                 .reflect_as(target, slice.clone(), true, Some(&home))
                 .await
             {
-                Ok(_) => {
-                    delivered.insert(key, slice);
+                Ok(reflected) => {
+                    let induced = reflected
+                        .translations
+                        .iter()
+                        .any(|t| t.path == Path::Induced);
+                    let subnets = relevant(&translated_with, &key.0, &home);
+                    delivered.insert(
+                        key,
+                        Delivery {
+                            slice,
+                            translated: reflected.slice,
+                            generation: reflected.generation,
+                            subnets,
+                            induced,
+                        },
+                    );
                 }
                 Err(err) => {
                     failed += 1;
@@ -411,6 +510,15 @@ impl Endpoints {
         }
         Ok(failed)
     }
+}
+
+/// The local IPAM's records of `target` and `origin`: what a translation for `target` of
+/// `origin`'s addresses depends on locally.
+fn relevant(all: &[ClusterSubnets], target: &ClusterId, origin: &ClusterId) -> Vec<ClusterSubnets> {
+    all.iter()
+        .filter(|c| c.cluster_id == target.as_str() || c.cluster_id == origin.as_str())
+        .cloned()
+        .collect()
 }
 
 /// The slice `source` sent us, as we pass it on to our other peers: only an export its origin
@@ -427,15 +535,20 @@ fn transit_of(source: &ClusterId, slice: &Slice) -> Option<Slice> {
 
 /// Runs the export reconciler until `shutdown`: a pass after every export change and every
 /// `resync`.
-pub async fn run_reconciler(core: Arc<Endpoints>, resync: Duration, shutdown: Shutdown) {
+pub async fn run_reconciler(
+    core: Arc<Endpoints>,
+    resync: Duration,
+    resend: Duration,
+    shutdown: Shutdown,
+) {
     let mut delivered = Delivered::new();
-    let mut passes = 0u32;
+    let mut last_resend = tokio::time::Instant::now();
     loop {
-        passes = passes.wrapping_add(1);
-        if passes.is_multiple_of(RESEND_EVERY) {
-            delivered.clear();
+        let resend_now = last_resend.elapsed() >= resend;
+        if resend_now {
+            last_resend = tokio::time::Instant::now();
         }
-        if let Err(err) = core.reconcile_exports(&mut delivered).await {
+        if let Err(err) = core.reconcile_exports(&mut delivered, resend_now).await {
             tracing::warn!(error = %err, "export reconciler pass failed");
         }
         tokio::select! {

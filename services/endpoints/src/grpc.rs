@@ -202,10 +202,11 @@ impl EndpointMapper for EndpointsService {
         if source.id == self.core.local().id {
             return Err(Error::invalid("source.cluster_id", "is this cluster").into());
         }
-        let (applied, object_name) = self.core.apply(&source, slice, req.generation).await?;
+        let answer = self.core.apply(&source, slice, req.generation).await?;
         Ok(Response::new(pb::ApplyReflectedSliceResponse {
-            applied,
-            object_name: object_name.unwrap_or_default(),
+            applied: answer.applied,
+            object_name: answer.object_name.unwrap_or_default(),
+            held_generation: answer.held,
         }))
     }
 

@@ -205,9 +205,14 @@ impl Import {
         derived_service_name(&self.namespace, &self.name)
     }
 
-    /// The ServiceImport's spec.
-    fn spec(&self) -> Value {
-        json!({"type": "ClusterSetIP", "ports": service_ports(&self.ports)})
+    /// The ServiceImport's spec: `ips` is the derived Service's cluster IP, what
+    /// `clusterset.local` DNS answers for the import (left out while it is not known).
+    fn spec(&self, ips: &[String]) -> Value {
+        let mut spec = json!({"type": "ClusterSetIP", "ports": service_ports(&self.ports)});
+        if !ips.is_empty() {
+            spec["ips"] = json!(ips);
+        }
+        spec
     }
 
     /// The Conflict condition (without its transition time).
@@ -283,6 +288,20 @@ impl Import {
     }
 }
 
+/// The cluster IPs of a Service (none for a headless one, or before the API server assigned
+/// them).
+fn cluster_ips(service: &core_v1::Service) -> Vec<String> {
+    let spec = service.spec.as_ref();
+    let ips = spec
+        .and_then(|s| s.cluster_ips.clone())
+        .filter(|ips| !ips.is_empty())
+        .or_else(|| spec.and_then(|s| s.cluster_ip.clone()).map(|ip| vec![ip]))
+        .unwrap_or_default();
+    ips.into_iter()
+        .filter(|ip| !ip.is_empty() && ip != "None")
+        .collect()
+}
+
 fn kube_error(what: &str, err: kube::Error) -> Error {
     Error::Unavailable(format!("{what}: {err}"))
 }
@@ -315,18 +334,21 @@ impl ImportWriter {
     }
 
     /// Creates or updates the derived Service of `import`; refuses a Service of that name that
-    /// Trellis did not derive for this import.
-    async fn apply_service(&self, import: &Import) -> Result<()> {
+    /// Trellis did not derive for this import. Returns its cluster IPs (assigned by the API
+    /// server), for the ServiceImport.
+    async fn apply_service(&self, import: &Import) -> Result<Vec<String>> {
         let api: Api<core_v1::Service> = Api::namespaced(self.client.clone(), &import.namespace);
         let name = import.derived();
         let what = format!("service {}/{name}", import.namespace);
         let desired = import.service();
-        match api.get_opt(&name).await.map_err(|e| kube_error(&what, e))? {
+        let written = match api.get_opt(&name).await.map_err(|e| kube_error(&what, e))? {
             None => {
-                api.create(&PostParams::default(), &desired)
+                let created = api
+                    .create(&PostParams::default(), &desired)
                     .await
                     .map_err(|e| kube_error(&what, e))?;
                 tracing::info!(namespace = %import.namespace, service = %name, "created derived service");
+                created
             }
             Some(held) => {
                 let own = format!("{}/{}", import.namespace, import.name);
@@ -341,7 +363,7 @@ impl ImportWriter {
                 let want = desired.spec.clone().unwrap_or_default();
                 if held_spec.ports == want.ports && held.metadata.labels == desired.metadata.labels
                 {
-                    return Ok(());
+                    return Ok(cluster_ips(&held));
                 }
                 let mut update = desired;
                 update.metadata.resource_version = held.metadata.resource_version.clone();
@@ -350,17 +372,20 @@ impl ImportWriter {
                     spec.cluster_ip = held_spec.cluster_ip;
                     spec.cluster_ips = held_spec.cluster_ips;
                 }
-                api.replace(&name, &PostParams::default(), &update)
+                let replaced = api
+                    .replace(&name, &PostParams::default(), &update)
                     .await
                     .map_err(|e| kube_error(&what, e))?;
                 tracing::info!(namespace = %import.namespace, service = %name, "updated derived service");
+                replaced
             }
-        }
-        Ok(())
+        };
+        Ok(cluster_ips(&written))
     }
 
-    /// Creates or updates the ServiceImport of `import` (spec, then status through `/status`).
-    async fn apply_import(&self, import: &Import) -> Result<()> {
+    /// Creates or updates the ServiceImport of `import` with `ips` (spec, then status through
+    /// `/status`).
+    async fn apply_import(&self, import: &Import, ips: &[String]) -> Result<()> {
         let api: Api<ServiceImport> = Api::namespaced(self.client.clone(), &import.namespace);
         let what = format!("serviceimport {}/{}", import.namespace, import.name);
         let mut meta = managed_meta(&import.namespace, &import.name);
@@ -368,7 +393,7 @@ impl ImportWriter {
             DERIVED_SERVICE_ANNOTATION.to_owned(),
             import.derived(),
         )]));
-        let desired = ServiceImport::new(meta, import.spec());
+        let desired = ServiceImport::new(meta, import.spec(ips));
         let held = match api
             .get_opt(&import.name)
             .await
@@ -543,10 +568,16 @@ impl Endpoints {
         let reach = self.reachability().await?;
         let imports = merge(&records);
         let mut failed = 0;
-        for import in imports.values() {
-            if let Err(err) = writer.apply_service(import).await {
-                failed += 1;
-                tracing::warn!(namespace = %import.namespace, name = %import.name, error = %err, "writing a derived service failed; retrying on the next pass");
+        let mut ips: BTreeMap<(String, String), Vec<String>> = BTreeMap::new();
+        for (key, import) in &imports {
+            match writer.apply_service(import).await {
+                Ok(service_ips) => {
+                    ips.insert(key.clone(), service_ips);
+                }
+                Err(err) => {
+                    failed += 1;
+                    tracing::warn!(namespace = %import.namespace, name = %import.name, error = %err, "writing a derived service failed; retrying on the next pass");
+                }
             }
         }
         for record in &records {
@@ -558,8 +589,13 @@ impl Endpoints {
                 tracing::warn!(source.id = %record.source.id, namespace = %record.slice.namespace, name = %record.slice.name, error = %err, "writing an imported endpointslice failed; retrying on the next pass");
             }
         }
-        for import in imports.values() {
-            if let Err(err) = writer.apply_import(import).await {
+        for (key, import) in &imports {
+            // Without the derived Service's IPs this pass the ServiceImport waits for the next
+            // one rather than losing the IPs it has.
+            let Some(ips) = ips.get(key) else {
+                continue;
+            };
+            if let Err(err) = writer.apply_import(import, ips).await {
                 failed += 1;
                 tracing::warn!(namespace = %import.namespace, name = %import.name, error = %err, "writing a serviceimport failed; retrying on the next pass");
             }

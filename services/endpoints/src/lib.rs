@@ -157,6 +157,7 @@ async fn start_inner(
     background.push(trellis_runtime::telemetry::spawn(exports::run_reconciler(
         core.clone(),
         exports::RESYNC,
+        std::time::Duration::from_millis(config.export_resend),
         shutdown.clone(),
     )));
     if let Some(client) = client {

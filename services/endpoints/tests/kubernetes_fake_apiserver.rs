@@ -289,3 +289,83 @@ async fn the_fake_api_server_refuses_conflicts_checks_preconditions_and_expires_
     maps.delete("m", &right).await.expect("deletes");
     assert!(maps.get_opt("m").await.expect("gets").is_none());
 }
+
+#[tokio::test]
+async fn the_fake_api_server_assigns_cluster_ips_keeps_them_and_refuses_to_change_them() {
+    use k8s_openapi::api::core::v1::Service;
+    use kube::api::{DeleteParams, PostParams};
+
+    let api = FakeApiServer::start().await.expect("fake api server");
+    let client =
+        kube::Client::try_from(kube::Config::new(api.url().parse().expect("url"))).expect("client");
+    let services: kube::Api<Service> = kube::Api::namespaced(client, "shop");
+    let service = |name: &str, extra: Value| -> Service {
+        let mut spec = json!({"ports": [{"port": 80}]});
+        if let (Some(s), Some(e)) = (spec.as_object_mut(), extra.as_object()) {
+            s.extend(e.clone());
+        }
+        serde_json::from_value(json!({"metadata": {"name": name}, "spec": spec})).expect("service")
+    };
+    let ip = |s: &Service| s.spec.as_ref().and_then(|s| s.cluster_ip.clone());
+    let ips = |s: &Service| s.spec.as_ref().and_then(|s| s.cluster_ips.clone());
+    let net: ipnet::Ipv4Net = FakeApiServer::SERVICE_CIDR.parse().expect("cidr");
+
+    let web = services
+        .create(&PostParams::default(), &service("web", json!({})))
+        .await
+        .expect("creates");
+    let first = ip(&web).expect("a cluster IP is assigned");
+    assert!(
+        net.contains(&first.parse::<std::net::Ipv4Addr>().expect("an IPv4")),
+        "{first}"
+    );
+    assert_eq!(ips(&web), Some(vec![first.clone()]));
+    // Headless and ExternalName Services get none.
+    let headless = services
+        .create(
+            &PostParams::default(),
+            &service("headless", json!({"clusterIP": "None"})),
+        )
+        .await
+        .expect("creates");
+    assert_eq!(ip(&headless).as_deref(), Some("None"));
+    let external = services
+        .create(
+            &PostParams::default(),
+            &service(
+                "external",
+                json!({"type": "ExternalName", "externalName": "example.org"}),
+            ),
+        )
+        .await
+        .expect("creates");
+    assert_eq!(ip(&external), None);
+    // A replace that leaves the IP out keeps it; one that changes it is refused.
+    let mut update = service("web", json!({"ports": [{"port": 81}]}));
+    update.metadata.resource_version = web.metadata.resource_version.clone();
+    let updated = services
+        .replace("web", &PostParams::default(), &update)
+        .await
+        .expect("replaces");
+    assert_eq!(ip(&updated), Some(first.clone()));
+    let mut change = service("web", json!({"clusterIP": "10.96.255.1"}));
+    change.metadata.resource_version = updated.metadata.resource_version.clone();
+    match services
+        .replace("web", &PostParams::default(), &change)
+        .await
+    {
+        Err(kube::Error::Api(status)) => assert_eq!(status.code, 422, "{status:?}"),
+        other => panic!("expected 422, got {other:?}"),
+    }
+    // Deleted and created again: another IP, as the real allocator gives.
+    services
+        .delete("web", &DeleteParams::default())
+        .await
+        .expect("deletes");
+    let again = services
+        .create(&PostParams::default(), &service("web", json!({})))
+        .await
+        .expect("creates");
+    let second = ip(&again).expect("a cluster IP is assigned");
+    assert_ne!(second, first);
+}

@@ -104,6 +104,15 @@ async fn until_held(
     }
 }
 
+async fn export_on(a: &ProcessCluster, hosts: &[&str]) {
+    a.endpoints()
+        .await
+        .expect("connects")
+        .export_service(export(hosts))
+        .await
+        .expect("exports");
+}
+
 async fn exports_of(a: &ProcessCluster) -> Vec<(String, usize)> {
     a.endpoints()
         .await
@@ -254,4 +263,122 @@ async fn exports_and_imports_survive_kill_9_of_either_endpoints_service() {
         .expect("unexports");
     until_held("B after unexport", &a, &b, &[]).await;
     assert_eq!(exports_of(&a).await, vec![]);
+}
+
+/// An exporter whose endpoints store is lost (rebuilt etcd, wiped volume) starts its
+/// generations again. Its consumer holds a higher generation of the same slice from the earlier
+/// incarnation; the new incarnation's changes must still reach it, promptly, not after as many
+/// resends as the consumer's generation is ahead.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_exporter_that_lost_its_endpoints_store_still_updates_its_consumers() {
+    if trellis_testkit::require_tool("etcd").is_none() {
+        return;
+    }
+    let (b, a) = tokio::join!(
+        ProcessCluster::start("hub-b", POD_CIDR, EXTERNAL_CIDR),
+        ProcessCluster::start("leaf-a", POD_CIDR, EXTERNAL_CIDR),
+    );
+    let (Some(b), Some(mut a)) = (b.expect("b starts"), a.expect("a starts")) else {
+        return;
+    };
+    let token = b
+        .broker()
+        .await
+        .expect("connects")
+        .get_token(GetTokenRequest {})
+        .await
+        .expect("token")
+        .into_inner()
+        .token;
+    a.broker()
+        .await
+        .expect("connects")
+        .peer(PeerRequest {
+            broker_address: b.services.broker.to_string(),
+            token,
+            expected_cluster_id: "hub-b".into(),
+            ca_cert_hash: String::new(),
+        })
+        .await
+        .expect("a peers with b");
+    export_on(&a, &["10.0.0.7"]).await;
+    let deadline = Instant::now() + LIMIT;
+    while held(&b).await.unwrap_or_default().is_empty() {
+        assert!(
+            Instant::now() < deadline,
+            "B never imported A's export\n{}\n{}",
+            a.logs(25),
+            b.logs(25)
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let b_view_a: IpNet = b
+        .ipam()
+        .await
+        .expect("connects")
+        .list_cluster_subnets(ListClusterSubnetsRequest {})
+        .await
+        .expect("lists")
+        .into_inner()
+        .clusters
+        .into_iter()
+        .find(|c| c.cluster_id == "leaf-a")
+        .expect("b maps a")
+        .remote_pod_cidr_nat
+        .parse()
+        .expect("cidr");
+    // A few changes, so B holds a generation above the first one.
+    export_on(&a, &["10.0.0.7", "10.0.0.8"]).await;
+    until_held(
+        "B follows the scale-up",
+        &a,
+        &b,
+        &[(
+            "web".to_owned(),
+            vec![host_at(b_view_a, 7), host_at(b_view_a, 8)],
+        )],
+    )
+    .await;
+    let before = generation(&b).await.expect("held");
+
+    // A's endpoints store is lost while the service is down: exports, reflections, all of it.
+    a.kill9(Service::Endpoints).expect("kills");
+    let store = a.store(Service::Endpoints).await.expect("opens a's store");
+    let keys: Vec<String> = store
+        .list("")
+        .await
+        .expect("lists")
+        .kvs
+        .into_iter()
+        .map(|kv| kv.key)
+        .collect();
+    assert!(!keys.is_empty(), "A's endpoints store held its export");
+    for key in &keys {
+        store.delete(key).await.expect("deletes");
+    }
+    assert!(store.list("").await.expect("lists").kvs.is_empty());
+    drop(store);
+    a.restart(Service::Endpoints).await.expect("a restarts");
+
+    // The exporter exports again, with other endpoints: B must follow within seconds.
+    export_on(&a, &["10.0.0.9"]).await;
+    let want = vec![("web".to_owned(), vec![host_at(b_view_a, 9)])];
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let got = held(&b).await;
+        if got.as_deref() == Ok(&want[..]) {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "B still holds {got:?} (generation {:?}, was {before} before A lost its store) 10 s after A's new export, want {want:?}\n{}",
+            generation(&b).await,
+            a.logs(25)
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert!(
+        generation(&b).await.is_some_and(|g| g > before),
+        "B holds a newer generation than before"
+    );
 }

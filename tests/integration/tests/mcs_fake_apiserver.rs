@@ -33,6 +33,21 @@ use trellis_testkit::{Etcd, FakeApiServer};
 /// Generous: three clusters, three etcds and three fake API servers share two cores.
 const LIMIT: Duration = Duration::from_secs(90);
 
+/// The derived Service of shop/web in `site`'s API server: (uid, clusterIP).
+fn derived_service(site: &Site) -> Option<(String, String)> {
+    let derived = derived_service_name("shop", "web");
+    site.api
+        .objects("v1", "services", "shop")
+        .into_iter()
+        .find(|o| o["metadata"]["name"] == derived.as_str())
+        .map(|o| {
+            (
+                o["metadata"]["uid"].as_str().unwrap_or("").to_owned(),
+                o["spec"]["clusterIP"].as_str().unwrap_or("").to_owned(),
+            )
+        })
+}
+
 /// One cluster: its fake API server, its endpoints etcd, the cluster.
 struct Site {
     api: FakeApiServer,
@@ -139,15 +154,26 @@ async fn export(site: &Site, port: i32, endpoints: &[(&str, bool)]) {
 }
 
 /// What `site`'s API server holds for the import of shop/web: the ServiceImport's
-/// (clusters, ports, Conflict status), the derived Service's ports, and every imported
+/// (clusters, ports, Conflict status), whether its `spec.ips` is the derived Service's cluster
+/// IP (what `clusterset.local` DNS answers), the derived Service's ports, and every imported
 /// slice's (source cluster, [(address, ready)]) sorted; `None` parts are absent.
 #[derive(Debug, Clone, PartialEq)]
 struct Imported {
     clusters: Option<Vec<String>>,
     import_ports: Option<Vec<i64>>,
     conflict: Option<String>,
+    ips: Option<Ips>,
     service_ports: Option<Vec<i64>>,
     slices: Vec<(String, Vec<(String, bool)>)>,
+}
+
+/// A ServiceImport's `spec.ips` against its derived Service's `clusterIP`.
+#[derive(Debug, Clone, PartialEq)]
+enum Ips {
+    /// Equal to `[clusterIP]`, and the Service has one.
+    ClusterIp,
+    /// Anything else: (`spec.ips`, the Service's `clusterIP`).
+    Wrong(Value, Value),
 }
 
 fn imported(site: &Site) -> Imported {
@@ -210,6 +236,17 @@ fn imported(site: &Site) -> Imported {
                 .find(|c| c["type"] == "Conflict")
                 .and_then(|c| c["status"].as_str().map(str::to_owned))
         }),
+        ips: import.as_ref().map(|i| {
+            let cluster_ip = service
+                .as_ref()
+                .map_or(Value::Null, |s| s["spec"]["clusterIP"].clone());
+            match (&i["spec"]["ips"], cluster_ip.as_str()) {
+                (Value::Array(ips), Some(ip)) if !ip.is_empty() && *ips == [json!(ip)] => {
+                    Ips::ClusterIp
+                }
+                (ips, _) => Ips::Wrong(ips.clone(), cluster_ip.clone()),
+            }
+        }),
         service_ports: service.as_ref().and_then(|s| ports(&s["spec"]["ports"])),
         slices,
     }
@@ -220,6 +257,7 @@ fn present(clusters: &[&str], port: i64, slices: Vec<(&str, Vec<(String, bool)>)
         clusters: Some(clusters.iter().map(|c| (*c).to_owned()).collect()),
         import_ports: Some(vec![port]),
         conflict: Some("False".into()),
+        ips: Some(Ips::ClusterIp),
         service_ports: Some(vec![port]),
         slices: slices.into_iter().map(|(c, e)| (c.to_owned(), e)).collect(),
     }
@@ -230,6 +268,7 @@ fn absent() -> Imported {
         clusters: None,
         import_ports: None,
         conflict: None,
+        ips: None,
         service_ports: None,
         slices: vec![],
     }
@@ -493,4 +532,54 @@ async fn service_export_through_fake_api_servers_reaches_hub_and_induced_leaf_me
     until("B drops A's import after unpeering", &b, &absent()).await;
     until("C drops A's import after unpeering", &c, &absent()).await;
     assert!(trellis_objects(&b).is_empty(), "{:?}", trellis_objects(&b));
+}
+
+/// `clusterset.local` DNS (the MCS DNS specification, CoreDNS's `multicluster` plugin) answers
+/// from `ServiceImport.spec.ips`: it must be the derived Service's cluster IP, and follow it
+/// when the Service is created again with another one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_service_import_carries_the_derived_service_cluster_ip_and_follows_it() {
+    let (Some(b), Some(a)) = (site("hub-b").await, site("leaf-a").await) else {
+        return;
+    };
+    peer(&a.cluster, &b.cluster).await;
+    eventually("B's tunnel to A", LIMIT, || tunnel_to(&b.cluster, "leaf-a")).await;
+    let b_view_a = pod_view(&b.cluster, "leaf-a").await;
+    export(&a, 8080, &[("10.0.0.7", true)]).await;
+    let want = present(
+        &["leaf-a"],
+        8080,
+        vec![("leaf-a", at(b_view_a, &[(7, true)]))],
+    );
+    until("B imports A's web with its cluster IP", &b, &want).await;
+    let (uid, first) = derived_service(&b).expect("the derived service exists");
+    assert!(
+        !first.is_empty(),
+        "the fake API server assigned a cluster IP"
+    );
+
+    // The derived Service goes (an operator, a namespace cleanup): the import side creates it
+    // again, with another cluster IP, and the ServiceImport must follow.
+    Api::<Service>::namespaced(client(&b.api).await, "shop")
+        .delete(
+            &derived_service_name("shop", "web"),
+            &DeleteParams::default(),
+        )
+        .await
+        .expect("deletes");
+    let deadline = Instant::now() + LIMIT;
+    let second = loop {
+        if let Some((again, ip)) = derived_service(&b)
+            && again != uid
+        {
+            break ip;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the derived service never came back"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    assert_ne!(second, first, "a new Service, a new cluster IP");
+    until("B's ServiceImport follows the new cluster IP", &b, &want).await;
 }

@@ -28,6 +28,8 @@ pub struct Cluster {
     pub ipam: SocketAddr,
     pub discovery: SocketAddr,
     pub endpoints: SocketAddr,
+    /// The endpoints service's `/metrics` listener, when started with one.
+    pub endpoints_metrics: Option<SocketAddr>,
     /// Stops this cluster's IPAM only (the "remote IPAM down" test).
     pub ipam_shutdown: Shutdown,
     pub ipam_task: Option<tokio::task::JoinHandle<anyhow::Result<()>>>,
@@ -75,7 +77,16 @@ impl Cluster {
         external_cidr: &'static str,
         writer: Option<trellis_endpoints::KubeWriter>,
     ) -> Self {
-        Self::start_inner(id, external_cidr, writer, None).await
+        Self::start_inner(id, external_cidr, writer, None, &[]).await
+    }
+
+    /// Like [`Self::start`], with `extra` flags for the endpoints service.
+    pub async fn start_with_args(
+        id: &'static str,
+        external_cidr: &'static str,
+        extra: &[&str],
+    ) -> Self {
+        Self::start_inner(id, external_cidr, None, None, extra).await
     }
 
     /// Like [`Self::start`], the endpoints service with `--kubernetes --kubeconfig FILE` (a
@@ -85,7 +96,7 @@ impl Cluster {
         external_cidr: &'static str,
         kubeconfig: &std::path::Path,
     ) -> Self {
-        Self::start_inner(id, external_cidr, None, Some(kubeconfig)).await
+        Self::start_inner(id, external_cidr, None, Some(kubeconfig), &[]).await
     }
 
     async fn start_inner(
@@ -93,6 +104,7 @@ impl Cluster {
         external_cidr: &'static str,
         writer: Option<trellis_endpoints::KubeWriter>,
         kubeconfig: Option<&std::path::Path>,
+        extra: &[&str],
     ) -> Self {
         let shutdown = Shutdown::new();
         let ipam_shutdown = Shutdown::new();
@@ -125,6 +137,7 @@ impl Cluster {
             "--remote-ipam-timeout",
             "1000",
         ]));
+        endpoints.extend(args(extra));
         let endpoints = match kubeconfig {
             Some(file) => {
                 endpoints.extend(args(&[
@@ -154,6 +167,7 @@ impl Cluster {
             ipam: ipam.addr,
             discovery: discovery.addr,
             endpoints: endpoints.addr,
+            endpoints_metrics: endpoints.metrics_addr,
             ipam_shutdown,
             ipam_task: Some(ipam.task),
             shutdown,
