@@ -131,7 +131,10 @@ fn keep_cluster_ip(stored: &Value, object: &mut Value) -> Result<(), Response> {
             Ok(())
         }
         Some(given) if given == held => {
-            if object.pointer("/spec/clusterIPs").is_none_or(Value::is_null) {
+            if object
+                .pointer("/spec/clusterIPs")
+                .is_none_or(Value::is_null)
+            {
                 object["spec"]["clusterIPs"] = stored["spec"]["clusterIPs"].clone();
             }
             Ok(())
