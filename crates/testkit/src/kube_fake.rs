@@ -91,18 +91,18 @@ fn cluster_ip(object: &Value) -> Option<&str> {
 impl State {
     /// Gives a new Service its cluster IP, as the API server's allocator does; headless
     /// (`None`) and `ExternalName` Services get none.
-    fn assign_cluster_ip(&mut self, object: &mut Value) -> Result<(), Response> {
+    fn assign_cluster_ip(&mut self, object: &mut Value) -> Result<(), Box<Response>> {
         if object.pointer("/spec/type").and_then(Value::as_str) == Some("ExternalName")
             || cluster_ip(object).is_some()
         {
             return Ok(());
         }
         if self.service_ips >= SERVICE_IPS - 2 {
-            return Err(status(
+            return Err(Box::new(status(
                 StatusCode::INTERNAL_SERVER_ERROR,
                 "InternalError",
                 format!("the fake API server's service CIDR {SERVICE_CIDR} is exhausted"),
-            ));
+            )));
         }
         let ip = std::net::Ipv4Addr::from(FIRST_SERVICE_IP + self.service_ips).to_string();
         self.service_ips += 1;
@@ -117,7 +117,7 @@ impl State {
 
 /// A PUT of a Service keeps the cluster IPs the API server assigned (when the update leaves
 /// them out) and refuses to change them.
-fn keep_cluster_ip(stored: &Value, object: &mut Value) -> Result<(), Response> {
+fn keep_cluster_ip(stored: &Value, object: &mut Value) -> Result<(), Box<Response>> {
     let Some(held) = cluster_ip(stored) else {
         return Ok(());
     };
@@ -139,11 +139,11 @@ fn keep_cluster_ip(stored: &Value, object: &mut Value) -> Result<(), Response> {
             }
             Ok(())
         }
-        Some(given) => Err(status(
+        Some(given) => Err(Box::new(status(
             StatusCode::UNPROCESSABLE_ENTITY,
             "Invalid",
             format!("spec.clusterIP: Invalid value: \"{given}\": field is immutable"),
-        )),
+        ))),
     }
 }
 
@@ -446,7 +446,7 @@ impl Shared {
                 if is_service(&target)
                     && let Err(refused) = state.assign_cluster_ip(&mut object)
                 {
-                    return refused;
+                    return *refused;
                 }
                 state.rv += 1;
                 state.uid += 1;
@@ -496,7 +496,7 @@ impl Shared {
                 if is_service(&target)
                     && let Err(refused) = keep_cluster_ip(&stored, &mut object)
                 {
-                    return refused;
+                    return *refused;
                 }
                 let mut updated = stored.clone();
                 if target.status {
