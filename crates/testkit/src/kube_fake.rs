@@ -90,15 +90,15 @@ fn cluster_ip(object: &Value) -> Option<&str> {
 
 impl State {
     /// Gives a new Service its cluster IP, as the API server's allocator does; headless
-    /// (`None`) and `ExternalName` Services get none.
-    fn assign_cluster_ip(&mut self, object: &mut Value) -> Result<(), Response> {
+    /// (`None`) and `ExternalName` Services get none. `Some` is the refusal to answer.
+    fn assign_cluster_ip(&mut self, object: &mut Value) -> Option<Response> {
         if object.pointer("/spec/type").and_then(Value::as_str) == Some("ExternalName")
             || cluster_ip(object).is_some()
         {
-            return Ok(());
+            return None;
         }
         if self.service_ips >= SERVICE_IPS - 2 {
-            return Err(status(
+            return Some(status(
                 StatusCode::INTERNAL_SERVER_ERROR,
                 "InternalError",
                 format!("the fake API server's service CIDR {SERVICE_CIDR} is exhausted"),
@@ -111,16 +111,15 @@ impl State {
         }
         object["spec"]["clusterIP"] = json!(ip);
         object["spec"]["clusterIPs"] = json!([ip]);
-        Ok(())
+        None
     }
 }
 
 /// A PUT of a Service keeps the cluster IPs the API server assigned (when the update leaves
-/// them out) and refuses to change them.
-fn keep_cluster_ip(stored: &Value, object: &mut Value) -> Result<(), Response> {
-    let Some(held) = cluster_ip(stored) else {
-        return Ok(());
-    };
+/// them out) and refuses to change them (`Some`: the refusal to answer).
+fn keep_cluster_ip(stored: &Value, object: &mut Value) -> Option<Response> {
+    // Nothing assigned, nothing to keep.
+    let held = cluster_ip(stored)?;
     match cluster_ip(object) {
         None => {
             if !object["spec"].is_object() {
@@ -128,15 +127,18 @@ fn keep_cluster_ip(stored: &Value, object: &mut Value) -> Result<(), Response> {
             }
             object["spec"]["clusterIP"] = stored["spec"]["clusterIP"].clone();
             object["spec"]["clusterIPs"] = stored["spec"]["clusterIPs"].clone();
-            Ok(())
+            None
         }
         Some(given) if given == held => {
-            if object.pointer("/spec/clusterIPs").is_none_or(Value::is_null) {
+            if object
+                .pointer("/spec/clusterIPs")
+                .is_none_or(Value::is_null)
+            {
                 object["spec"]["clusterIPs"] = stored["spec"]["clusterIPs"].clone();
             }
-            Ok(())
+            None
         }
-        Some(given) => Err(status(
+        Some(given) => Some(status(
             StatusCode::UNPROCESSABLE_ENTITY,
             "Invalid",
             format!("spec.clusterIP: Invalid value: \"{given}\": field is immutable"),
@@ -441,7 +443,7 @@ impl Shared {
                     );
                 }
                 if is_service(&target)
-                    && let Err(refused) = state.assign_cluster_ip(&mut object)
+                    && let Some(refused) = state.assign_cluster_ip(&mut object)
                 {
                     return refused;
                 }
@@ -491,7 +493,7 @@ impl Shared {
                     );
                 }
                 if is_service(&target)
-                    && let Err(refused) = keep_cluster_ip(&stored, &mut object)
+                    && let Some(refused) = keep_cluster_ip(&stored, &mut object)
                 {
                     return refused;
                 }

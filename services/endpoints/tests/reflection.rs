@@ -294,7 +294,10 @@ async fn delivered_slices_are_stored_on_the_target_and_deleted_with_it() {
     // Generations start at the wall clock in milliseconds (a source that lost its store starts
     // above what it sent before).
     let first = held[0].generation;
-    assert!(first >= started_ms, "generation {first} below the clock {started_ms}");
+    assert!(
+        first >= started_ms,
+        "generation {first} below the clock {started_ms}"
+    );
     assert_eq!(held[0].slice, response.slice);
     assert_eq!(held[0].object_name, "", "no Kubernetes access configured");
 
