@@ -90,19 +90,19 @@ fn cluster_ip(object: &Value) -> Option<&str> {
 
 impl State {
     /// Gives a new Service its cluster IP, as the API server's allocator does; headless
-    /// (`None`) and `ExternalName` Services get none.
-    fn assign_cluster_ip(&mut self, object: &mut Value) -> Result<(), Box<Response>> {
+    /// (`None`) and `ExternalName` Services get none. `Some` is the refusal to answer.
+    fn assign_cluster_ip(&mut self, object: &mut Value) -> Option<Response> {
         if object.pointer("/spec/type").and_then(Value::as_str) == Some("ExternalName")
             || cluster_ip(object).is_some()
         {
-            return Ok(());
+            return None;
         }
         if self.service_ips >= SERVICE_IPS - 2 {
-            return Err(Box::new(status(
+            return Some(status(
                 StatusCode::INTERNAL_SERVER_ERROR,
                 "InternalError",
                 format!("the fake API server's service CIDR {SERVICE_CIDR} is exhausted"),
-            )));
+            ));
         }
         let ip = std::net::Ipv4Addr::from(FIRST_SERVICE_IP + self.service_ips).to_string();
         self.service_ips += 1;
@@ -111,16 +111,15 @@ impl State {
         }
         object["spec"]["clusterIP"] = json!(ip);
         object["spec"]["clusterIPs"] = json!([ip]);
-        Ok(())
+        None
     }
 }
 
 /// A PUT of a Service keeps the cluster IPs the API server assigned (when the update leaves
-/// them out) and refuses to change them.
-fn keep_cluster_ip(stored: &Value, object: &mut Value) -> Result<(), Box<Response>> {
-    let Some(held) = cluster_ip(stored) else {
-        return Ok(());
-    };
+/// them out) and refuses to change them (`Some`: the refusal to answer).
+fn keep_cluster_ip(stored: &Value, object: &mut Value) -> Option<Response> {
+    // Nothing assigned, nothing to keep.
+    let held = cluster_ip(stored)?;
     match cluster_ip(object) {
         None => {
             if !object["spec"].is_object() {
@@ -128,7 +127,7 @@ fn keep_cluster_ip(stored: &Value, object: &mut Value) -> Result<(), Box<Respons
             }
             object["spec"]["clusterIP"] = stored["spec"]["clusterIP"].clone();
             object["spec"]["clusterIPs"] = stored["spec"]["clusterIPs"].clone();
-            Ok(())
+            None
         }
         Some(given) if given == held => {
             if object
@@ -137,13 +136,13 @@ fn keep_cluster_ip(stored: &Value, object: &mut Value) -> Result<(), Box<Respons
             {
                 object["spec"]["clusterIPs"] = stored["spec"]["clusterIPs"].clone();
             }
-            Ok(())
+            None
         }
-        Some(given) => Err(Box::new(status(
+        Some(given) => Some(status(
             StatusCode::UNPROCESSABLE_ENTITY,
             "Invalid",
             format!("spec.clusterIP: Invalid value: \"{given}\": field is immutable"),
-        ))),
+        )),
     }
 }
 
@@ -444,9 +443,9 @@ impl Shared {
                     );
                 }
                 if is_service(&target)
-                    && let Err(refused) = state.assign_cluster_ip(&mut object)
+                    && let Some(refused) = state.assign_cluster_ip(&mut object)
                 {
-                    return *refused;
+                    return refused;
                 }
                 state.rv += 1;
                 state.uid += 1;
@@ -494,9 +493,9 @@ impl Shared {
                     );
                 }
                 if is_service(&target)
-                    && let Err(refused) = keep_cluster_ip(&stored, &mut object)
+                    && let Some(refused) = keep_cluster_ip(&stored, &mut object)
                 {
-                    return *refused;
+                    return refused;
                 }
                 let mut updated = stored.clone();
                 if target.status {

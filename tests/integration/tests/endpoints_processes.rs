@@ -246,7 +246,7 @@ async fn assert_landed_on_c(mesh: &Mesh, translated: &str) -> ReflectedSlice {
         reflected.source.as_ref().map(|s| s.cluster_id.as_str()),
         Some(HUB)
     );
-    assert_eq!(reflected.generation, 1, "{reflected:?}");
+    assert!(reflected.generation > 0, "{reflected:?}");
     let slice = reflected.slice.as_ref().expect("a slice");
     assert_eq!(
         (slice.namespace.as_str(), slice.name.as_str()),
@@ -479,6 +479,7 @@ async fn with_induced_peering_disabled_the_endpoint_takes_the_hub_path() {
         "not in C's view of B's pod CIDR: {t:?}"
     );
     // Reflecting the same slice again keeps the same external address (one per original IP).
+    let first = held_generations(&mesh).await;
     let (again, _) = reflect_a_pod_to_c(&mesh).await;
     assert_eq!(
         again.translations[0].translated_address, t.translated_address,
@@ -496,7 +497,11 @@ async fn with_induced_peering_disabled_the_endpoint_takes_the_hub_path() {
         .into_inner()
         .reflected_slices;
     assert_eq!(landed.len(), 1, "{landed:#?}");
-    assert_eq!(landed[0].generation, 2, "the second reflection: {landed:?}");
+    assert_eq!(first.len(), 1, "{first:?}");
+    assert!(
+        landed[0].generation > first[0],
+        "the second reflection: {landed:?}"
+    );
     assert_eq!(
         landed[0]
             .slice
@@ -509,4 +514,20 @@ async fn with_induced_peering_disabled_the_endpoint_takes_the_hub_path() {
         1,
         "B's external address goes back to its pool"
     );
+}
+
+/// The generations of the slices C holds.
+async fn held_generations(mesh: &Mesh) -> Vec<i64> {
+    mesh.c
+        .endpoints()
+        .await
+        .expect("connects")
+        .list_reflected_slices(ListReflectedSlicesRequest::default())
+        .await
+        .expect("C lists")
+        .into_inner()
+        .reflected_slices
+        .into_iter()
+        .map(|r| r.generation)
+        .collect()
 }
