@@ -104,10 +104,13 @@ fn identity(id: &str) -> ClusterIdentity {
     ClusterIdentity::parse("id", id, "name", "").expect("identity")
 }
 
+/// A leaf that takes Neighborhoods above the default cap: these tests need more neighbours
+/// than one etcd transaction holds.
 async fn open(store: SharedStore) -> Discovery {
     Discovery::open(store, identity("leaf"), Addresses::default())
         .await
         .expect("opens")
+        .with_max_induced_per_hub(1024)
 }
 
 fn peering(peered: bool) -> PeeringUpdate {

@@ -39,6 +39,9 @@ async fn start_discovery(etcd: &Etcd, cluster: &str) -> ServiceProcess {
         "2",
         "--neighborhood-retry-max",
         "1",
+        // One test sends a Neighborhood larger than an etcd transaction, above the default cap.
+        "--max-induced-per-hub",
+        "1024",
     ]
     .iter()
     .map(|s| s.to_string())
