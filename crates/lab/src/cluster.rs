@@ -242,6 +242,10 @@ impl LabCluster {
             "10",
             "--neighborhood-retry-max",
             "2",
+            // The lab's hub introduces up to 254 leaves, above the production default (192,
+            // which keeps one hub from filling a leaf's 256 gateway slots).
+            "--max-induced-per-hub",
+            "4096",
         ]));
         if !options.induced {
             discovery.push("--no-induced".to_owned());
