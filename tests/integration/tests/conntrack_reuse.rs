@@ -1,7 +1,14 @@
-//! Replies of a removed peer's connections never enter the tunnel of a new peer that reuses
-//! its WireGuard port (issue 15, item 11), with real packets through real tunnels, as root, in
-//! namespaces this test creates and always removes.
+//! Conntrack state never mixes up peers, with real packets through real tunnels, as root, in
+//! namespaces these tests create and always remove:
+//! - replies of a removed peer's connections never enter the tunnel of a new peer that reuses
+//!   its WireGuard port (issue 15, item 11);
+//! - two peers with the same pod CIDR and the same view of us, whose pods at the same address
+//!   send from the same UDP port to the same pod of ours, are two flows (issue 32): each peer's
+//!   connections live in a conntrack zone of their own;
+//! - a range of ours freed with a peer is not handed to the next peer while our pods' flows
+//!   towards the old peer may still be running (issue 32): the IPAM quarantines it.
 //!
+//! The first test:
 //! The gateway marks a connection that arrives from a peer's tunnel with the peer's
 //! conntrack mark, and routes the replies by that mark (`ip rule fwmark → table → tunnel`).
 //! Marks derive from the peer's listen port, and ports are reused once a peer is gone. So the
@@ -17,19 +24,23 @@
 //! Skipped (with a `SKIPPED:` line) when not root or without `ip`/`nft`/`ping`/`conntrack`
 //! (`scripts/setup.sh` installs them); CI runs as root and fails instead.
 
-use std::net::{Ipv4Addr, SocketAddr};
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use trellis_api::pb::peering::UnpeerRequest;
 use trellis_api::pb::types::PeeringKind;
-use trellis_netlab::netns::{connect_in, exec, listen_in};
+use trellis_netlab::netns::{connect_in, exec, listen_in, udp_in};
 use trellis_netlab::{Fabric, FabricOptions, Service, StoreKind};
 
 const OLD_OR_NEW: [usize; 2] = [0, 2];
 const L: usize = 1;
 const LIMIT: Duration = Duration::from_secs(120);
 const PORT: u16 = 7777;
+/// The UDP port of the flows of the zone and quarantine tests, at both ends.
+const FLOW_PORT: u16 = 5000;
 
 fn can_run(test: &str) -> bool {
     trellis_netlab::netns::can_run(test, &["ip", "nft", "ping", "conntrack"])
@@ -52,6 +63,305 @@ fn leaked(gw_ns: &str) -> u64 {
         .nth(1)
         .and_then(|n| n.parse().ok())
         .unwrap_or_else(|| panic!("no counter in {text}"))
+}
+
+/// Loads `script` (a whole nftables table) into `ns`.
+fn nft_load(ns: &str, script: &str) {
+    let mut nft = std::process::Command::new("ip")
+        .args(["netns", "exec", ns, "nft", "-f", "-"])
+        .stdin(std::process::Stdio::piped())
+        .spawn()
+        .expect("nft");
+    std::io::Write::write_all(&mut nft.stdin.take().expect("stdin"), script.as_bytes())
+        .expect("script");
+    assert!(nft.wait().expect("nft").success(), "nft -f:\n{script}");
+}
+
+/// The packet count of the one counter rule of `chain` in table `table` of `ns`.
+fn counted(ns: &str, table: &str, chain: &str) -> u64 {
+    let out = exec(ns, "nft", &["list", "chain", "ip", table, chain]).expect("nft");
+    let text = String::from_utf8_lossy(&out.stdout);
+    text.split_whitespace()
+        .skip_while(|w| *w != "packets")
+        .nth(1)
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no counter in {text}"))
+}
+
+/// Hub L with leaves X and Y, every pod CIDR 10.0.0.0/16, no induced peering between the
+/// leaves (what they send each other is not the point).
+async fn two_leaves() -> Fabric {
+    let mut options = FabricOptions::three_clusters();
+    options.names = ["x", "l", "y"].map(str::to_owned).to_vec();
+    options.store = StoreKind::EtcdPerService;
+    options.hub_no_induced = true;
+    let fabric = Fabric::up(options).await.expect("fabric up");
+    let id = |i: usize| fabric.clusters[i].id.clone();
+    let mut leaves: Vec<(String, PeeringKind)> = OLD_OR_NEW
+        .iter()
+        .map(|&i| (id(i), PeeringKind::Full))
+        .collect();
+    leaves.sort();
+    let leaves: Vec<(&str, PeeringKind)> = leaves.iter().map(|(i, k)| (i.as_str(), *k)).collect();
+    fabric
+        .wait_tunnel_endpoints(L, &leaves, LIMIT)
+        .await
+        .expect("L's tunnels");
+    for leaf in OLD_OR_NEW {
+        fabric
+            .wait_tunnel_endpoints(leaf, &[(id(L).as_str(), PeeringKind::Full)], LIMIT)
+            .await
+            .expect("the leaf's tunnel");
+    }
+    fabric
+}
+
+/// Two peers whose pods send the very same UDP datagrams (same source address and port, to
+/// the same address and port, as both address L alike) are two flows at L: L's pod sees two
+/// sources, and each leaf gets only the answers to what it sent. In one shared conntrack table
+/// the second peer's datagrams match the first peer's entry and take its translation, so L's
+/// pod sees one source and answers the second leaf's datagrams to the first.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_same_flow_from_two_peers_is_two_flows() {
+    if !can_run("conntrack_zones") {
+        return;
+    }
+    let fabric = two_leaves().await;
+    let [x, y] = OLD_OR_NEW;
+    let sites = &fabric.topology.sites;
+    let to_l = address(&fabric, x, L).await;
+    // The premise: the same source and destination from both leaves.
+    assert_eq!(
+        to_l,
+        address(&fabric, y, L).await,
+        "both leaves' IPAMs map L alike (first free range)"
+    );
+    assert_eq!(
+        sites[x].pod_ip, sites[y].pod_ip,
+        "the leaves' pods share an address"
+    );
+    for leaf in OLD_OR_NEW {
+        fabric
+            .wait_ping(leaf, to_l, LIMIT)
+            .await
+            .expect("the leaf reaches L's pod");
+    }
+    // How L addresses each leaf's pod: the sources its pod must see.
+    let sources = [address(&fabric, L, x).await, address(&fabric, L, y).await];
+
+    // L's pod answers every datagram to where it came from and notes who sent what.
+    let server = Arc::new(
+        udp_in(
+            &sites[L].pod_ns,
+            SocketAddr::from(([0, 0, 0, 0], FLOW_PORT)),
+        )
+        .expect("udp in L"),
+    );
+    let seen: Arc<Mutex<BTreeMap<IpAddr, BTreeSet<String>>>> = Arc::default();
+    let echo = {
+        let (server, seen) = (server.clone(), seen.clone());
+        tokio::spawn(async move {
+            let mut buf = [0u8; 64];
+            while let Ok((n, from)) = server.recv_from(&mut buf).await {
+                let payload = String::from_utf8_lossy(&buf[..n]).into_owned();
+                seen.lock()
+                    .expect("lock")
+                    .entry(from.ip())
+                    .or_default()
+                    .insert(payload);
+                let _ = server.send_to(&buf[..n], from).await;
+            }
+        })
+    };
+    let clients = OLD_OR_NEW.map(|leaf| {
+        udp_in(
+            &sites[leaf].pod_ns,
+            SocketAddr::from((sites[leaf].pod_ip, FLOW_PORT)),
+        )
+        .expect("udp in a leaf")
+    });
+    let payload = |leaf: usize| format!("from {}", fabric.clusters[leaf].id);
+    let destination = SocketAddr::from((to_l, FLOW_PORT));
+    for _ in 0..20 {
+        for (client, leaf) in clients.iter().zip(OLD_OR_NEW) {
+            client
+                .send_to(payload(leaf).as_bytes(), destination)
+                .await
+                .expect("send");
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // What came back to each leaf, until a second passes without anything.
+    let mut answered = Vec::new();
+    for client in &clients {
+        let mut got = BTreeSet::new();
+        let mut buf = [0u8; 64];
+        while let Ok(Ok((n, _))) =
+            tokio::time::timeout(Duration::from_secs(1), client.recv_from(&mut buf)).await
+        {
+            got.insert(String::from_utf8_lossy(&buf[..n]).into_owned());
+        }
+        answered.push(got);
+    }
+    echo.abort();
+    let seen = seen.lock().expect("lock").clone();
+    let entries = exec(&sites[L].gw_ns, "conntrack", &["-L", "-p", "udp"]).expect("conntrack");
+    let want: BTreeMap<IpAddr, BTreeSet<String>> = sources
+        .iter()
+        .zip(OLD_OR_NEW)
+        .map(|(src, leaf)| (IpAddr::V4(*src), BTreeSet::from([payload(leaf)])))
+        .collect();
+    let want_answers: Vec<BTreeSet<String>> = OLD_OR_NEW
+        .iter()
+        .map(|&leaf| BTreeSet::from([payload(leaf)]))
+        .collect();
+    assert!(
+        seen == want && answered == want_answers,
+        "L's pod saw {seen:?} (expected each leaf from its own source: {want:?}); the leaves \
+         got back {answered:?} (expected {want_answers:?}); L's conntrack:\n{}",
+        String::from_utf8_lossy(&entries.stdout)
+    );
+}
+
+/// A range L freed with one peer is not the next peer's while L's pods may still send towards
+/// it. X and Y are both mapped; the one L addresses through the higher range ("new") is
+/// unpeered first, so that, once the other ("old") is unpeered too, the next mapping's first
+/// free range is old's. L's pod streams UDP to old's pod throughout; old is unpeered and new
+/// peers again. What leaves L's gateway into new's tunnel from L's pod on the stream's port is
+/// counted and must stay 0 while the stream demonstrably runs (counted where it enters L's
+/// gateway); the control is L's pod sending the same way to new's pod, which the counter sees.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_freed_range_is_not_handed_to_the_next_peer_while_flows_towards_it_run() {
+    if !can_run("ipam_quarantine") {
+        return;
+    }
+    let fabric = two_leaves().await;
+    for leaf in OLD_OR_NEW {
+        fabric
+            .wait_ping(leaf, address(&fabric, leaf, L).await, LIMIT)
+            .await
+            .expect("the leaf reaches L's pod");
+    }
+    let ranges = [
+        fabric.view(L, OLD_OR_NEW[0], false).await.expect("view"),
+        fabric.view(L, OLD_OR_NEW[1], false).await.expect("view"),
+    ];
+    let (old, new, old_range) = if ranges[0].network() < ranges[1].network() {
+        (OLD_OR_NEW[0], OLD_OR_NEW[1], ranges[0])
+    } else {
+        (OLD_OR_NEW[1], OLD_OR_NEW[0], ranges[1])
+    };
+    let id = |i: usize| fabric.clusters[i].id.clone();
+    let unpeer = |leaf: usize| {
+        let fabric = &fabric;
+        async move {
+            fabric.clusters[L]
+                .broker()
+                .expect("broker")
+                .unpeer(UnpeerRequest {
+                    cluster_id: fabric.clusters[leaf].id.clone(),
+                })
+                .await
+                .expect("Unpeer");
+            // L's IPAM has freed the leaf's ranges once it no longer lists them.
+            let started = Instant::now();
+            while fabric.view(L, leaf, false).await.is_ok() {
+                assert!(started.elapsed() < LIMIT, "L's IPAM keeps {leaf}'s mapping");
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        }
+    };
+    unpeer(new).await;
+    fabric
+        .wait_tunnel_endpoints(new, &[], LIMIT)
+        .await
+        .expect("new forgets L");
+
+    // L's pod streams towards old's pod, 50 datagrams a second, from here to the end.
+    let l_site = &fabric.topology.sites[L];
+    let to_old = address(&fabric, L, old).await;
+    let streamer =
+        Arc::new(udp_in(&l_site.pod_ns, SocketAddr::from(([0, 0, 0, 0], 0))).expect("udp in L"));
+    let stream = {
+        let streamer = streamer.clone();
+        tokio::spawn(async move {
+            loop {
+                // Unconnected: the ICMP errors while no route exists do not stop it.
+                let _ = streamer
+                    .send_to(b"stream", SocketAddr::from((to_old, FLOW_PORT)))
+                    .await;
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        })
+    };
+    unpeer(old).await;
+    fabric
+        .wait_tunnel_endpoints(L, &[], LIMIT)
+        .await
+        .expect("L holds no tunnel");
+    fabric.peer(new, L).await.expect("new peers with L again");
+    fabric
+        .wait_tunnel_endpoints(L, &[(id(new).as_str(), PeeringKind::Full)], LIMIT)
+        .await
+        .expect("new's tunnel");
+    let new_range = fabric.view(L, new, false).await.expect("view");
+    let to_new = address(&fabric, L, new).await;
+    fabric
+        .wait_ping(L, to_new, LIMIT)
+        .await
+        .expect("L's pod reaches new's pod");
+
+    let interface = trellis_gateway::names::interface_name(
+        "tg",
+        &trellis_api::ClusterId::parse("cluster_id", &id(L)).expect("id"),
+        &trellis_api::ClusterId::parse("cluster_id", &id(new)).expect("id"),
+    );
+    let pod = l_site.pod_ip;
+    nft_load(
+        &l_site.gw_ns,
+        &format!(
+            "table ip quarantine {{\n  chain pre {{\n    type filter hook prerouting priority -400;\n    \
+             ip saddr {pod} ip daddr {to_old} udp dport {FLOW_PORT} counter\n  }}\n  \
+             chain post {{\n    type filter hook postrouting priority 300;\n    \
+             oifname \"{interface}\" ip saddr {pod} udp dport {FLOW_PORT} counter\n  }}\n}}\n"
+        ),
+    );
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let (streamed, leaked_packets) = (
+        counted(&l_site.gw_ns, "quarantine", "pre"),
+        counted(&l_site.gw_ns, "quarantine", "post"),
+    );
+    stream.abort();
+    eprintln!(
+        "old {} was at {old_range}; new {} is now at {new_range}; {streamed} datagrams of the \
+         stream to {to_old} reached L's gateway, {leaked_packets} entered {interface}",
+        id(old),
+        id(new)
+    );
+    assert!(
+        streamed > 0,
+        "the stream towards {to_old} never reached L's gateway"
+    );
+    assert_eq!(
+        leaked_packets,
+        0,
+        "L's pod's stream towards the removed peer's range {old_range} entered the tunnel of \
+         {} (now mapped at {new_range})",
+        id(new)
+    );
+
+    // The control: L's pod sending the same way to new's pod is counted.
+    for _ in 0..5 {
+        streamer
+            .send_to(b"control", SocketAddr::from((to_new, FLOW_PORT)))
+            .await
+            .expect("send");
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(
+        counted(&l_site.gw_ns, "quarantine", "post") > 0,
+        "the counter saw none of L's pod's datagrams to new's pod"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
