@@ -6,7 +6,10 @@
 //!   send from the same UDP port to the same pod of ours, are two flows (issue 32): each peer's
 //!   connections live in a conntrack zone of their own;
 //! - a range of ours freed with a peer is not handed to the next peer while our pods' flows
-//!   towards the old peer may still be running (issue 32): the IPAM quarantines it.
+//!   towards the old peer may still be running (issue 32): the IPAM quarantines it;
+//! - a hub-path connection whose mapping is gone no longer follows its translation into the
+//!   tunnel of whichever peer holds the old destination's range next (issue 32): the gateway
+//!   flushes the connections DNAT'ed to a removed mapping's destination.
 //!
 //! The first test:
 //! The gateway marks a connection that arrives from a peer's tunnel with the peer's
@@ -30,6 +33,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use trellis_api::pb::endpoints::TranslationPath;
 use trellis_api::pb::peering::UnpeerRequest;
 use trellis_api::pb::types::PeeringKind;
 use trellis_netlab::netns::{connect_in, exec, listen_in, udp_in};
@@ -502,5 +506,208 @@ async fn replies_of_a_removed_peer_never_enter_the_tunnel_of_the_peer_that_reuse
     assert!(
         leaked(&l_site.gw_ns) > 0,
         "the counter saw none of the new peer's own connection"
+    );
+}
+
+/// A hub-path connection outlives neither its mapping nor the peer it leads to. Hub L (no
+/// induced peering) reflects leaf X's pod to leaf A through L's external CIDR; A's pod streams
+/// UDP to it and X's pod answers. X is unpeered (its endpoints' mappings go with it) and Y, unpeered before, peers
+/// again and is given X's range at once (`--range-quarantine 0`: what the flush alone
+/// guarantees). Without a flush the stream's conntrack entry at L kept its DNAT to X's pod as L
+/// addressed it, now Y's range, and entered Y's tunnel; the counter on Y's tunnel must stay at
+/// 0 while the stream demonstrably still arrives from A, and sees L's pod sending to Y's pod
+/// (the control).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hub_path_flow_never_follows_its_removed_mapping_into_the_next_peers_tunnel() {
+    if !can_run("hub_path_flush") {
+        return;
+    }
+    const A: usize = 0;
+    const HUB: usize = 1;
+    const LEAVES: [usize; 2] = [2, 3];
+    let mut options = FabricOptions::three_clusters();
+    options.names = ["a", "l", "x", "y"].map(str::to_owned).to_vec();
+    options.store = StoreKind::EtcdPerService;
+    options.hub_no_induced = true;
+    options.extra_args = vec![(Service::Ipam, vec!["--range-quarantine".into(), "0".into()])];
+    let fabric = Fabric::up(options).await.expect("fabric up");
+    let id = |i: usize| fabric.clusters[i].id.clone();
+    let mut peers: Vec<String> = [A, LEAVES[0], LEAVES[1]].map(id).to_vec();
+    peers.sort();
+    let full = |ids: &[String]| -> Vec<(String, PeeringKind)> {
+        ids.iter().map(|i| (i.clone(), PeeringKind::Full)).collect()
+    };
+    let wait_hub = |ids: Vec<(String, PeeringKind)>| {
+        let fabric = &fabric;
+        async move {
+            let ids: Vec<(&str, PeeringKind)> = ids.iter().map(|(i, k)| (i.as_str(), *k)).collect();
+            fabric
+                .wait_tunnel_endpoints(HUB, &ids, LIMIT)
+                .await
+                .expect("L's tunnels");
+        }
+    };
+    wait_hub(full(&peers)).await;
+    let ranges = [
+        fabric.view(HUB, LEAVES[0], false).await.expect("view"),
+        fabric.view(HUB, LEAVES[1], false).await.expect("view"),
+    ];
+    let (old, new, old_range) = if ranges[0].network() < ranges[1].network() {
+        (LEAVES[0], LEAVES[1], ranges[0])
+    } else {
+        (LEAVES[1], LEAVES[0], ranges[1])
+    };
+    let unpeer = |leaf: usize| {
+        let fabric = &fabric;
+        async move {
+            fabric.clusters[HUB]
+                .broker()
+                .expect("broker")
+                .unpeer(UnpeerRequest {
+                    cluster_id: fabric.clusters[leaf].id.clone(),
+                })
+                .await
+                .expect("Unpeer");
+            let started = Instant::now();
+            while fabric.view(HUB, leaf, false).await.is_ok() {
+                assert!(started.elapsed() < LIMIT, "L's IPAM keeps {leaf}'s mapping");
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        }
+    };
+    unpeer(new).await;
+    fabric
+        .wait_tunnel_endpoints(new, &[], LIMIT)
+        .await
+        .expect("new forgets L");
+
+    // L reflects old's pod to A; A's pod streams to it through L.
+    let (path, mapped) = fabric.reflect_pod(HUB, old, A).await.expect("reflection");
+    assert_eq!(path, TranslationPath::HubExternal);
+    fabric
+        .wait_ping(A, mapped, LIMIT)
+        .await
+        .expect("A reaches old's pod through L");
+    // Old's pod answers, so the stream is an established connection (which the tunnel guard
+    // lets through whatever its destination).
+    let old_site = &fabric.topology.sites[old];
+    let echoer = udp_in(
+        &old_site.pod_ns,
+        SocketAddr::from((old_site.pod_ip, FLOW_PORT)),
+    )
+    .expect("udp in old");
+    let answered = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let echo = {
+        let answered = answered.clone();
+        tokio::spawn(async move {
+            let mut buf = [0u8; 64];
+            while let Ok((n, from)) = echoer.recv_from(&mut buf).await {
+                if echoer.send_to(&buf[..n], from).await.is_ok() {
+                    answered.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                }
+            }
+        })
+    };
+    let a_site = &fabric.topology.sites[A];
+    let streamer = udp_in(&a_site.pod_ns, SocketAddr::from(([0, 0, 0, 0], 0))).expect("udp in A");
+    let stream = tokio::spawn(async move {
+        loop {
+            let _ = streamer
+                .send_to(b"stream", SocketAddr::from((mapped, FLOW_PORT)))
+                .await;
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    });
+    let started = Instant::now();
+    while answered.load(std::sync::atomic::Ordering::SeqCst) == 0 {
+        assert!(started.elapsed() < LIMIT, "old's pod never got A's stream");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+
+    unpeer(old).await;
+    let mut rest: Vec<String> = vec![id(A)];
+    wait_hub(full(&rest)).await;
+    fabric.peer(new, HUB).await.expect("new peers with L again");
+    rest.push(id(new));
+    rest.sort();
+    wait_hub(full(&rest)).await;
+    let new_range = fabric.view(HUB, new, false).await.expect("view");
+    assert_eq!(
+        new_range, old_range,
+        "the premise: without a quarantine new is given old's range"
+    );
+    let l_site = &fabric.topology.sites[HUB];
+    let to_new = address(&fabric, HUB, new).await;
+    fabric
+        .wait_ping(HUB, to_new, LIMIT)
+        .await
+        .expect("L's pod reaches new's pod");
+    // L's gateway has applied the mappings without old's endpoint.
+    let started = Instant::now();
+    loop {
+        let out = exec(&l_site.gw_ns, "nft", &["list", "table", "ip", "trellis"]).expect("nft");
+        if !String::from_utf8_lossy(&out.stdout).contains(&format!("{mapped} :")) {
+            break;
+        }
+        assert!(
+            started.elapsed() < LIMIT,
+            "L keeps the hub-path DNAT of {mapped}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+
+    let interface = |peer: usize| {
+        trellis_gateway::names::interface_name(
+            "tg",
+            &trellis_api::ClusterId::parse("cluster_id", &id(HUB)).expect("id"),
+            &trellis_api::ClusterId::parse("cluster_id", &id(peer)).expect("id"),
+        )
+    };
+    let (from_a, into_new) = (interface(A), interface(new));
+    nft_load(
+        &l_site.gw_ns,
+        &format!(
+            "table ip hubflush {{\n  chain pre {{\n    type filter hook prerouting priority -400;\n    \
+             iifname \"{from_a}\" udp dport {FLOW_PORT} counter\n  }}\n  \
+             chain post {{\n    type filter hook postrouting priority 300;\n    \
+             oifname \"{into_new}\" udp dport {FLOW_PORT} counter\n  }}\n}}\n"
+        ),
+    );
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let (streamed, leaked_packets) = (
+        counted(&l_site.gw_ns, "hubflush", "pre"),
+        counted(&l_site.gw_ns, "hubflush", "post"),
+    );
+    stream.abort();
+    echo.abort();
+    let entries = exec(&l_site.gw_ns, "conntrack", &["-L", "-p", "udp"]).expect("conntrack");
+    eprintln!(
+        "old {} and new {} were both at {old_range}; {streamed} datagrams of A's stream to \
+         {mapped} reached L's gateway, {leaked_packets} entered {into_new}",
+        id(old),
+        id(new)
+    );
+    assert!(streamed > 0, "A's stream never reached L's gateway");
+    assert_eq!(
+        leaked_packets,
+        0,
+        "A's hub-path stream to the removed mapping {mapped} entered the tunnel of {}, now at \
+         {old_range}; L's conntrack:\n{}",
+        id(new),
+        String::from_utf8_lossy(&entries.stdout)
+    );
+
+    // The control: L's pod sending to new's pod on the same port is counted.
+    let control = udp_in(&l_site.pod_ns, SocketAddr::from(([0, 0, 0, 0], 0))).expect("udp in L");
+    for _ in 0..5 {
+        control
+            .send_to(b"control", SocketAddr::from((to_new, FLOW_PORT)))
+            .await
+            .expect("send");
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(
+        counted(&l_site.gw_ns, "hubflush", "post") > 0,
+        "the counter saw none of L's pod's datagrams to new's pod"
     );
 }
