@@ -143,6 +143,16 @@ pub async fn connect_in(ns: &str, addr: SocketAddr) -> std::io::Result<tokio::ne
     tokio::net::TcpStream::from_std(stream)
 }
 
+/// A UDP socket bound to `addr` inside `ns`.
+pub fn udp_in(ns: &str, addr: SocketAddr) -> std::io::Result<tokio::net::UdpSocket> {
+    let std_socket = in_netns(ns, move || {
+        let s = std::net::UdpSocket::bind(addr)?;
+        s.set_nonblocking(true)?;
+        Ok(s)
+    })?;
+    tokio::net::UdpSocket::from_std(std_socket)
+}
+
 /// A lazily connecting gRPC channel to `addr` inside `ns`.
 pub fn channel_in(ns: &str, addr: SocketAddr) -> anyhow::Result<Channel> {
     let ns = ns.to_owned();

@@ -61,6 +61,18 @@ pub struct Config {
     /// Comma-separated ranges never handed out by a remap (node network, load balancers, ...).
     #[arg(long, env = "TRELLIS_RESERVED", value_name = "CIDR,...", value_delimiter = ',', value_parser = cidr_arg)]
     pub reserved: Vec<IpNet>,
+
+    /// Seconds the ranges a freed (unpeered) cluster was addressed by stay out of other
+    /// clusters' mappings, while any other range is free: our pods' flows towards the freed
+    /// cluster would otherwise enter the tunnel of the next cluster given its range. The
+    /// cluster itself may have them back. 0 reuses a freed range at once.
+    #[arg(
+        long,
+        env = "TRELLIS_RANGE_QUARANTINE",
+        value_name = "SECONDS",
+        default_value_t = crate::subnets::DEFAULT_QUARANTINE.as_secs()
+    )]
+    pub range_quarantine: u64,
 }
 
 impl HasCommon for Config {
@@ -81,6 +93,7 @@ impl Config {
             self.pools.clone(),
             self.reserved.clone(),
         )
+        .map(|s| s.with_quarantine(std::time::Duration::from_secs(self.range_quarantine)))
     }
 }
 
@@ -106,7 +119,8 @@ mod tests {
         .expect("parses");
         assert_eq!(c.pools.len(), 3);
         assert_eq!(c.reserved.len(), 2);
-        assert!(c.local_subnets().is_ok());
+        let local = c.local_subnets().expect("valid");
+        assert_eq!(local.quarantine, crate::subnets::DEFAULT_QUARANTINE);
     }
 
     #[test]

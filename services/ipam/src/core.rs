@@ -16,8 +16,9 @@ use trellis_store::{Compare, KeyValue, Op, SharedStore, Txn};
 use crate::alloc::{conflicts, first_free};
 use crate::records::{
     CLUSTERS_PREFIX, ClusterRecord, ENDPOINTS_PREFIX, EPOCH_KEY, EXTERNAL_PREFIX, EndpointRecord,
-    FreedRecord, LOCAL_KEY, LocalNat, RemoteView, SUBNETS_PREFIX, cluster_key, decode, encode,
-    endpoint_key, external_key, freed_key, now_nanos,
+    FreedRecord, LOCAL_KEY, LocalNat, QUARANTINE_PREFIX, QuarantineRecord, RemoteView,
+    SUBNETS_PREFIX, cluster_key, decode, encode, endpoint_key, external_key, freed_key, now_nanos,
+    quarantine_key,
 };
 use crate::subnets::{LocalRanges, LocalSubnets};
 
@@ -65,6 +66,9 @@ pub struct Ipam {
 struct Allocated {
     epoch_revision: i64,
     nat: std::collections::HashMap<ClusterId, [IpNet; 2]>,
+    /// The ranges of freed clusters, by cluster ID, with when they were freed (the epoch
+    /// moves with every free, so this too is current while the revision is).
+    quarantined: std::collections::HashMap<String, QuarantineRecord>,
 }
 
 impl Allocated {
@@ -79,7 +83,22 @@ impl Allocated {
                         .map(|v| (r.id.clone(), [v.pod_cidr_nat, v.external_cidr_nat]))
                 })
                 .collect(),
+            quarantined: snapshot.quarantined.iter().cloned().collect(),
         }
+    }
+
+    /// The ranges still in quarantine (freed less than `quarantine` ago) for a cluster other
+    /// than `id`.
+    fn quarantined_for(&self, id: &ClusterId, quarantine: std::time::Duration) -> Vec<IpNet> {
+        let limit = i64::try_from(quarantine.as_nanos()).unwrap_or(i64::MAX);
+        let now = now_nanos();
+        self.quarantined
+            .iter()
+            .filter(|(cluster, q)| {
+                cluster.as_str() != id.as_str() && now.saturating_sub(q.freed_nanos) < limit
+            })
+            .flat_map(|(_, q)| q.ranges.iter().copied())
+            .collect()
     }
 }
 
@@ -87,7 +106,12 @@ impl Allocated {
 struct Snapshot {
     epoch_revision: i64,
     records: Vec<(ClusterRecord, i64)>,
+    /// `(cluster ID, its quarantined ranges)` of freed clusters.
+    quarantined: Vec<(String, QuarantineRecord)>,
 }
+
+/// Where a pair of ranges could not be found: `(what, the wanted network)`.
+type Shortage = (&'static str, IpNet);
 
 fn put(key: impl Into<String>, value: Vec<u8>) -> Op {
     Op::Put {
@@ -176,10 +200,15 @@ impl Ipam {
         let mut snapshot = Snapshot {
             epoch_revision: 0,
             records: Vec::new(),
+            quarantined: Vec::new(),
         };
         for kv in listing.kvs {
             if kv.key == EPOCH_KEY {
                 snapshot.epoch_revision = kv.mod_revision;
+            } else if let Some(cluster) = kv.key.strip_prefix(QUARANTINE_PREFIX) {
+                snapshot
+                    .quarantined
+                    .push((cluster.to_owned(), decode(&kv.key, &kv.value)?));
             } else if kv.key.starts_with(CLUSTERS_PREFIX) {
                 snapshot
                     .records
@@ -214,6 +243,21 @@ impl Ipam {
         } else {
             Some(wanted)
         }
+    }
+
+    /// Our views of a pod and an external CIDR, clear of `used` and of each other.
+    fn pick_pair(
+        &self,
+        pod_cidr: IpNet,
+        external_cidr: IpNet,
+        mut used: Vec<IpNet>,
+    ) -> std::result::Result<(IpNet, IpNet), Shortage> {
+        let pod_cidr_nat = self.pick(pod_cidr, &used).ok_or(("pod CIDR", pod_cidr))?;
+        used.push(pod_cidr_nat);
+        let external_cidr_nat = self
+            .pick(external_cidr, &used)
+            .ok_or(("external CIDR", external_cidr))?;
+        Ok((pod_cidr_nat, external_cidr_nat))
     }
 
     /// How we address `cluster`'s pod and external CIDRs: unchanged when free, otherwise the
@@ -294,13 +338,24 @@ impl Ipam {
                         .join(", ")
                 ))
             };
-            let pod_cidr_nat = self
-                .pick(pod_cidr, &used)
-                .ok_or_else(|| exhausted("pod CIDR", pod_cidr))?;
-            used.push(pod_cidr_nat);
-            let external_cidr_nat = self
-                .pick(external_cidr, &used)
-                .ok_or_else(|| exhausted("external CIDR", external_cidr))?;
+            // Ranges of clusters freed a short while ago only when nothing else is free: a
+            // full pool must not refuse peers, and a quarantined range is no worse than the
+            // reuse it delays.
+            let quarantined = table.quarantined_for(id, self.local.quarantine);
+            let strict: Vec<IpNet> = used.iter().chain(&quarantined).copied().collect();
+            let (pod_cidr_nat, external_cidr_nat) =
+                match self.pick_pair(pod_cidr, external_cidr, strict) {
+                    Err(_) if !quarantined.is_empty() => {
+                        tracing::warn!(
+                            cluster.id = %id,
+                            quarantined = quarantined.len(),
+                            "no free range outside the quarantine of freed clusters: handing out a quarantined one"
+                        );
+                        self.pick_pair(pod_cidr, external_cidr, used)
+                    }
+                    picked => picked,
+                }
+                .map_err(|(what, net)| exhausted(what, net))?;
             let view = RemoteView {
                 pod_cidr,
                 pod_cidr_nat,
@@ -329,6 +384,7 @@ impl Ipam {
                         put(cluster_key(id), encode(&rec)?),
                         put(EPOCH_KEY, Vec::new()),
                         Op::delete(freed_key(id)),
+                        Op::delete(quarantine_key(id)),
                     ],
                     failure: vec![],
                 })
@@ -339,6 +395,7 @@ impl Ipam {
                 table
                     .nat
                     .insert(id.clone(), [pod_cidr_nat, external_cidr_nat]);
+                table.quarantined.remove(id.as_str());
                 tracing::info!(
                     cluster.id = %id,
                     pod_cidr = %pod_cidr,
@@ -436,15 +493,15 @@ impl Ipam {
     }
 
     /// Forgets `id`: marks the record, releases every endpoint mapping made for it or pointing
-    /// into its pod CIDR, then replaces the record by a tombstone ([`FreedRecord`]). A crash
+    /// into its pod CIDR, then replaces the record by a tombstone ([`FreedRecord`]) and the
+    /// ranges we addressed it by are quarantined ([`QuarantineRecord`]). A crash
     /// midway leaves the mark, and the next call (or the next start) finishes. Returns whether
     /// a record existed; the tombstone is left either way, since a decision of the peering
     /// being torn down may still be on its way.
     #[tracing::instrument(skip(self), fields(cluster.id = %id))]
     pub async fn free(&self, id: &ClusterId) -> Result<bool> {
-        let tombstone = encode(&FreedRecord {
-            freed_nanos: now_nanos(),
-        })?;
+        let freed_nanos = now_nanos();
+        let tombstone = encode(&FreedRecord { freed_nanos })?;
         let mut contention = Contention::on(&self.store, "freeing a cluster");
         let (rec, revision) = loop {
             let Some((mut rec, revision)) = self.record(id).await? else {
@@ -482,18 +539,29 @@ impl Ipam {
 
         let released = self.release_endpoints_of(&rec).await?;
         // Nobody writes a record marked as freeing, so this compare only guards against a
-        // concurrent free that already finished. The epoch moves: the ranges are free again,
-        // and every allocator's table of used ranges ([`Allocated`]) must be read anew.
+        // concurrent free that already finished. The epoch moves: the ranges are free again
+        // (after their quarantine), and every allocator's table of used ranges
+        // ([`Allocated`]) must be read anew.
+        let mut success = vec![
+            Op::Delete {
+                key: cluster_key(id),
+            },
+            put(freed_key(id), tombstone),
+            put(EPOCH_KEY, Vec::new()),
+        ];
+        if let Some(view) = rec.remote {
+            success.push(put(
+                quarantine_key(id),
+                encode(&QuarantineRecord {
+                    freed_nanos,
+                    ranges: vec![view.pod_cidr_nat, view.external_cidr_nat],
+                })?,
+            ));
+        }
         self.store
             .txn(Txn {
                 compares: vec![unchanged(cluster_key(id), revision)],
-                success: vec![
-                    Op::Delete {
-                        key: cluster_key(id),
-                    },
-                    put(freed_key(id), tombstone),
-                    put(EPOCH_KEY, Vec::new()),
-                ],
+                success,
                 failure: vec![],
             })
             .await?;

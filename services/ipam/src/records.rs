@@ -8,9 +8,10 @@
 //! | `endpoints/<ip>` | [`EndpointRecord`]: a third-cluster endpoint behind our external CIDR |
 //! | `external/<ip>` | the original IP an external address was allocated for (uniqueness) |
 //! | `freed/<cluster_id>` | [`FreedRecord`]: the cluster was freed; only a new mapping revives it |
+//! | `subnets/quarantine/<cluster_id>` | [`QuarantineRecord`]: the ranges we addressed a freed cluster by, and when |
 //!
-//! The epoch and the cluster records share the `subnets/` prefix so a single listing is a
-//! consistent snapshot of both; an allocation commits only if the epoch it saw is unchanged,
+//! The epoch, the cluster records and the quarantined ranges share the `subnets/` prefix so a
+//! single listing is a consistent snapshot of them; an allocation commits only if the epoch it saw is unchanged,
 //! which serialises allocations across replicas without a lock.
 
 use std::collections::BTreeSet;
@@ -27,6 +28,7 @@ pub const CLUSTERS_PREFIX: &str = "subnets/clusters/";
 pub const ENDPOINTS_PREFIX: &str = "endpoints/";
 pub const EXTERNAL_PREFIX: &str = "external/";
 pub const FREED_PREFIX: &str = "freed/";
+pub const QUARANTINE_PREFIX: &str = "subnets/quarantine/";
 
 /// Store key of a cluster's record.
 pub fn cluster_key(id: &ClusterId) -> String {
@@ -43,6 +45,11 @@ pub fn external_key(ip: IpAddr) -> String {
     format!("{EXTERNAL_PREFIX}{ip}")
 }
 
+/// Store key of the ranges a freed cluster was addressed by.
+pub fn quarantine_key(id: &ClusterId) -> String {
+    format!("{QUARANTINE_PREFIX}{id}")
+}
+
 /// Store key of a freed cluster's tombstone.
 pub fn freed_key(id: &ClusterId) -> String {
     format!("{FREED_PREFIX}{id}")
@@ -55,6 +62,16 @@ pub fn freed_key(id: &ClusterId) -> String {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct FreedRecord {
     pub freed_nanos: i64,
+}
+
+/// Left by `FreeSubnetsPerCluster` with the ranges we addressed the cluster by: no other
+/// cluster is given them until the quarantine (`--range-quarantine`) has passed, unless
+/// nothing else is free. A new mapping of the same cluster removes it. One small key per
+/// cluster ever freed with a mapping.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct QuarantineRecord {
+    pub freed_nanos: i64,
+    pub ranges: Vec<IpNet>,
 }
 
 /// How we address a remote cluster: its real ranges and our (possibly remapped) view.

@@ -1,9 +1,14 @@
 //! This cluster's own ranges and the pools remaps are drawn from, validated once at start.
 
+use std::time::Duration;
+
 use ipnet::IpNet;
 use serde::{Deserialize, Serialize};
 use trellis_api::net::{Family, overlaps};
 use trellis_error::{Error, Result};
+
+/// How long a range freed with a cluster is kept from other clusters by default (ADR 0005).
+pub const DEFAULT_QUARANTINE: Duration = Duration::from_secs(600);
 
 /// The default remapping pools of DESIGN.md (the RFC 1918 ranges).
 pub const DEFAULT_POOLS: [&str; 3] = ["10.0.0.0/8", "192.168.0.0/16", "172.16.0.0/12"];
@@ -25,6 +30,11 @@ pub struct LocalSubnets {
     pub pools: Vec<IpNet>,
     /// Ranges never handed out (node network, load balancers, ...).
     pub reserved: Vec<IpNet>,
+    /// How long the ranges we addressed a freed cluster by stay out of other clusters'
+    /// mappings (while any other range is free): flows our pods opened towards the freed
+    /// cluster carry no mark of it and follow the route of the range, into whichever tunnel
+    /// holds it next. [`DEFAULT_QUARANTINE`] unless set with [`Self::with_quarantine`].
+    pub quarantine: Duration,
 }
 
 impl LocalSubnets {
@@ -72,7 +82,14 @@ impl LocalSubnets {
             ranges,
             pools,
             reserved,
+            quarantine: DEFAULT_QUARANTINE,
         })
+    }
+
+    /// The same, with freed ranges quarantined for `quarantine` (zero: reused at once).
+    pub fn with_quarantine(mut self, quarantine: Duration) -> Self {
+        self.quarantine = quarantine;
+        self
     }
 
     /// The address family of this cluster.

@@ -3,6 +3,7 @@
 
 use std::net::IpAddr;
 use std::sync::Arc;
+use std::time::Duration;
 
 use ipnet::IpNet;
 use proptest::prelude::*;
@@ -46,6 +47,14 @@ async fn ipam_with(pools: &[&str]) -> (Ipam, SharedStore) {
         .await
         .expect("opens");
     (ipam, store)
+}
+
+/// An IPAM that reuses freed ranges at once.
+async fn ipam_without_quarantine(pools: &[&str]) -> Ipam {
+    let store: SharedStore = Arc::new(MemoryStore::new());
+    Ipam::open(store, local(pools).with_quarantine(Duration::ZERO))
+        .await
+        .expect("opens")
 }
 
 async fn ipam() -> Ipam {
@@ -339,7 +348,7 @@ async fn home_ip_identity_and_the_targets_own_pods() {
 
 #[tokio::test]
 async fn free_releases_ranges_and_endpoint_mappings_and_is_idempotent() {
-    let (ipam, _store) = ipam_with(&["10.0.0.0/15"]).await;
+    let ipam = ipam_without_quarantine(&["10.0.0.0/15"]).await;
     let a = ipam
         .subnets_for(&cluster("a"), net("10.0.0.0/16"), net("192.168.1.0/24"))
         .await
@@ -370,7 +379,7 @@ async fn free_releases_ranges_and_endpoint_mappings_and_is_idempotent() {
             .is_empty()
     );
     assert!(!ipam.free(&id("a")).await.expect("idempotent"));
-    // The range A held is free again.
+    // The range A held is free again (no quarantine here).
     let b = ipam
         .subnets_for(&cluster("b"), net("10.0.0.0/16"), net("192.168.2.0/24"))
         .await
@@ -617,17 +626,135 @@ async fn set_local_nat_after_a_free_is_refused_and_leaves_no_record() {
     assert!(ipam.mapping_exists(&id("b")).await.expect("answers"));
 }
 
+/// A range freed with one cluster is not handed to another one at once: our pods' flows
+/// towards the freed cluster may still run, and would enter the next holder's tunnel. The
+/// cluster that held it may have it back.
+#[tokio::test]
+async fn a_freed_range_is_quarantined_from_other_clusters() {
+    let ipam = ipam().await;
+    let a = ipam
+        .subnets_for(&cluster("a"), net("10.0.0.0/16"), net("10.201.0.0/16"))
+        .await
+        .expect("a");
+    assert!(ipam.free(&id("a")).await.expect("frees"));
+    let b = ipam
+        .subnets_for(&cluster("b"), net("10.0.0.0/16"), net("10.201.0.0/16"))
+        .await
+        .expect("b");
+    for (b_range, a_range) in [
+        (b.pod_cidr_nat, a.pod_cidr_nat),
+        (b.pod_cidr_nat, a.external_cidr_nat),
+        (b.external_cidr_nat, a.pod_cidr_nat),
+        (b.external_cidr_nat, a.external_cidr_nat),
+    ] {
+        assert!(
+            !overlaps(b_range, a_range),
+            "b got {b_range}, a range of the cluster freed just before ({a:?})"
+        );
+    }
+    // A range kept as it was (no conflict) is quarantined all the same.
+    let c = ipam
+        .subnets_for(&cluster("c"), net("10.5.0.0/16"), net("10.6.0.0/16"))
+        .await
+        .expect("c");
+    assert_eq!(c.pod_cidr_nat, net("10.5.0.0/16"));
+    assert!(ipam.free(&id("c")).await.expect("frees"));
+    let d = ipam
+        .subnets_for(&cluster("d"), net("10.5.0.0/16"), net("10.6.0.0/16"))
+        .await
+        .expect("d");
+    assert!(
+        !overlaps(d.pod_cidr_nat, c.pod_cidr_nat)
+            && !overlaps(d.external_cidr_nat, c.external_cidr_nat),
+        "d got {d:?}, c's ranges freed just before"
+    );
+    // c itself, peering again, may have its ranges back.
+    let again = ipam
+        .subnets_for(&cluster("c"), net("10.5.0.0/16"), net("10.6.0.0/16"))
+        .await
+        .expect("c again");
+    assert_eq!(again.pod_cidr_nat, net("10.5.0.0/16"));
+}
+
+/// The quarantine ends: a range freed longer ago than it is anyone's again.
+#[tokio::test]
+async fn a_quarantine_ends() {
+    let store: SharedStore = Arc::new(MemoryStore::new());
+    let ipam = Ipam::open(
+        store,
+        local(&["10.0.0.0/8"]).with_quarantine(Duration::from_millis(300)),
+    )
+    .await
+    .expect("opens");
+    let a = ipam
+        .subnets_for(&cluster("a"), net("10.0.0.0/16"), net("10.201.0.0/16"))
+        .await
+        .expect("a");
+    assert!(ipam.free(&id("a")).await.expect("frees"));
+    let b = ipam
+        .subnets_for(&cluster("b"), net("10.0.0.0/16"), net("10.201.0.0/16"))
+        .await
+        .expect("b");
+    assert!(!overlaps(b.pod_cidr_nat, a.pod_cidr_nat), "{b:?} {a:?}");
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let c = ipam
+        .subnets_for(&cluster("c"), net("10.0.0.0/16"), net("10.201.0.0/16"))
+        .await
+        .expect("c");
+    assert_eq!(
+        c.pod_cidr_nat, a.pod_cidr_nat,
+        "a's range after its quarantine"
+    );
+}
+
+/// A full pool does not refuse a peer for the quarantine's sake: the quarantined ranges are
+/// handed out when nothing else is free.
+#[tokio::test]
+async fn quarantined_ranges_are_handed_out_when_nothing_else_is_free() {
+    // 10.0.0.0/15: our pod CIDR and one free /16.
+    let (ipam, _store) = ipam_with(&["10.0.0.0/15"]).await;
+    let a = ipam
+        .subnets_for(&cluster("a"), net("10.0.0.0/16"), net("192.168.1.0/24"))
+        .await
+        .expect("a");
+    assert_eq!(a.pod_cidr_nat, net("10.1.0.0/16"));
+    assert!(ipam.free(&id("a")).await.expect("frees"));
+    let b = ipam
+        .subnets_for(&cluster("b"), net("10.0.0.0/16"), net("192.168.2.0/24"))
+        .await
+        .expect("b gets the quarantined range rather than nothing");
+    assert_eq!(b.pod_cidr_nat, a.pod_cidr_nat);
+}
+
+/// Quarantines live in the store: a restarted IPAM (or another replica) keeps them.
+#[tokio::test]
+async fn a_quarantine_outlives_a_restart() {
+    let (ipam, store) = ipam_with(&["10.0.0.0/8"]).await;
+    let a = ipam
+        .subnets_for(&cluster("a"), net("10.0.0.0/16"), net("10.201.0.0/16"))
+        .await
+        .expect("a");
+    assert!(ipam.free(&id("a")).await.expect("frees"));
+    drop(ipam);
+    let restarted = Ipam::open(store, local(&["10.0.0.0/8"]))
+        .await
+        .expect("opens");
+    let b = restarted
+        .subnets_for(&cluster("b"), net("10.0.0.0/16"), net("10.201.0.0/16"))
+        .await
+        .expect("b");
+    assert!(!overlaps(b.pod_cidr_nat, a.pod_cidr_nat), "{b:?} {a:?}");
+}
+
 /// Two replicas on one store: each keeps its own table of used ranges between allocations,
 /// and a range the other one allocated or freed meanwhile is seen by the next allocation.
 #[tokio::test]
 async fn replicas_see_each_others_allocations_and_frees() {
     let store: SharedStore = Arc::new(MemoryStore::new());
-    let first = Ipam::open(store.clone(), local(&["10.0.0.0/14"]))
-        .await
-        .expect("opens");
-    let second = Ipam::open(store.clone(), local(&["10.0.0.0/14"]))
-        .await
-        .expect("opens");
+    // No quarantine: a freed range is free again at once.
+    let local = || local(&["10.0.0.0/14"]).with_quarantine(Duration::ZERO);
+    let first = Ipam::open(store.clone(), local()).await.expect("opens");
+    let second = Ipam::open(store.clone(), local()).await.expect("opens");
     // Both load their tables.
     let a = first
         .subnets_for(&cluster("a"), net("10.0.0.0/16"), net("192.168.1.0/24"))

@@ -25,19 +25,26 @@
 //! - (c) another peer's range: the third cluster's pod (or external range) as we address it
 //!   (what leaves through our tunnel to the third is counted: without the guards the third's
 //!   AllowedIPs usually refuse our translated source, so an answer cannot be relied on);
-//! - (d) our pod on a non-gateway node at the address the peer's pods use.
+//! - (d) our pod on a non-gateway node at the address the peer's pods use;
+//! - (e) an address of our external CIDR that no hub-path mapping uses, as the peer addresses
+//!   it: our DNAT turns it into our real external address, which nothing of ours holds, so the
+//!   gateway node would route it out of its default route (a real node has one; the test gives
+//!   our gateway node one, through a neighbour that drops everything) with the peer's source
+//!   translated. What leaves the underlay interface towards it is counted (an nftables counter
+//!   in the gateway node's postrouting hook).
 //!
 //! Three phases, each probing every target from both sources:
 //! 1. the guards as the gateway (`ip trellis-guard`) and the route agents (the node guard in
 //!    `ip trellis-route`) apply them: (a)-(c) stay unanswered, no listener on a node address
-//!    accepts anything and (c) does not leave through our tunnel to the third, while (d)
-//!    answers;
+//!    accepts anything, (c) does not leave through our tunnel to the third and (e) does not
+//!    leave the underlay, while (d) answers;
 //! 2. the node guards deleted over and over (their agents put them back on each resync): the
 //!    gateway's guard alone stops everything but the non-gateway node's pod-side address, which
-//!    lies inside the pod CIDR it must let through;
+//!    lies inside the pod CIDR it must let through, and (e) still does not leave;
 //! 3. every guard deleted (the control): every (a) and (b) target answers and (c) leaves
 //!    through our tunnel to the third (and, where the address plans line up, even gets its
-//!    answer back), which shows the probes see what the guards stop.
+//!    answer back), and (e) leaves the underlay, which shows the probes see what the guards
+//!    stop.
 //!
 //! With `TRELLIS_TEST_NO_GUARD=1` phase 1 runs without the guards too, and the test fails.
 //!
@@ -55,7 +62,7 @@ use trellis_api::pb::peering::ListTunnelEndpointsRequest;
 use trellis_api::pb::types::TunnelEndpoint;
 use trellis_gateway::keys::KeyPair;
 use trellis_netlab::netns::{exec, ip, listen_in};
-use trellis_netlab::topology::{host, link_counters};
+use trellis_netlab::topology::{UPLINK, host, link_counters};
 use trellis_netlab::{Fabric, FabricOptions, Service, Site, StoreKind};
 
 const A: usize = 0;
@@ -72,6 +79,14 @@ const ROUTE_PORT: u16 = 7107;
 const TABLE: &str = "4711";
 /// Pings sent towards the third cluster's range to count what leaves through our tunnel to it.
 const LEAK_PINGS: u64 = 20;
+/// Host of our external CIDR probed as (e): far above what the IPAM hands out to mappings
+/// here (checked against our gateway's DNAT map all the same).
+const UNMAPPED_HOST: u32 = 0xc809;
+/// Host of the uplink's /24 the test makes our gateway node's default gateway: no site has it,
+/// and its neighbour entry is a MAC nobody owns, so what is routed there leaves and is lost.
+const BLACKHOLE_HOST: u32 = 254;
+/// The nftables table counting what leaves our gateway node's underlay towards (e).
+const UNDERLAY_COUNT: &str = "tlunderlay";
 
 fn can_run(test: &str) -> bool {
     trellis_netlab::netns::can_run(
@@ -471,6 +486,80 @@ fn leaked(evil: &Impersonator, ns: &str, dev: &str, to: Ipv4Addr) -> u64 {
     link_counters(ns, dev).expect("counters").tx_packets - before.tx_packets
 }
 
+/// Gives our gateway node `ns` a default route out of its underlay interface (what a real node
+/// has), to a neighbour that drops everything, and a counter of what leaves the underlay
+/// towards `to`.
+fn count_underlay(ns: &str, uplink_ip: Ipv4Addr, to: Ipv4Addr) {
+    let uplink = Ipv4Net::new(uplink_ip, 24).expect("/24").trunc();
+    let gateway = host(uplink, BLACKHOLE_HOST).to_string();
+    ip(&[
+        "-n",
+        ns,
+        "neigh",
+        "replace",
+        &gateway,
+        "lladdr",
+        "02:00:00:00:fe:fe",
+        "dev",
+        UPLINK,
+        "nud",
+        "permanent",
+    ])
+    .unwrap_or_else(|e| panic!("{e:#}"));
+    ip(&[
+        "-n", ns, "route", "replace", "default", "via", &gateway, "dev", UPLINK,
+    ])
+    .unwrap_or_else(|e| panic!("{e:#}"));
+    let script = format!(
+        "table ip {UNDERLAY_COUNT} {{\n  chain post {{\n    type filter hook postrouting \
+         priority 300;\n    oifname \"{UPLINK}\" ip daddr {to} counter\n  }}\n}}\n"
+    );
+    let mut nft = Command::new("ip")
+        .args(["netns", "exec", ns, "nft", "-f", "-"])
+        .stdin(Stdio::piped())
+        .spawn()
+        .expect("nft");
+    std::io::Write::write_all(&mut nft.stdin.take().expect("stdin"), script.as_bytes())
+        .expect("script");
+    assert!(nft.wait().expect("nft").success(), "the underlay counter");
+}
+
+/// The packets the underlay counter of `ns` has seen.
+fn underlay_count(ns: &str) -> u64 {
+    let out = exec(ns, "nft", &["list", "table", "ip", UNDERLAY_COUNT]).expect("nft");
+    let text = String::from_utf8_lossy(&out.stdout);
+    text.split_whitespace()
+        .skip_while(|w| *w != "packets")
+        .nth(1)
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no counter in {text}"))
+}
+
+/// Packets that left the underlay of `ns` towards (e) while `LEAK_PINGS` pings went from the
+/// peer's real source to `to` (the address as the peer addresses it).
+fn leaked_out(evil: &Impersonator, ns: &str, to: Ipv4Addr) -> u64 {
+    let before = underlay_count(ns);
+    exec(
+        &evil.ns,
+        "ping",
+        &[
+            "-n",
+            "-q",
+            "-c",
+            &LEAK_PINGS.to_string(),
+            "-i",
+            "0.05",
+            "-W",
+            "1",
+            "-I",
+            &evil.real.to_string(),
+            &to.to_string(),
+        ],
+    )
+    .expect("ping runs");
+    underlay_count(ns) - before
+}
+
 /// Who plays whom: `ours` (whose guards are probed), `evil` (the impersonated peer) and
 /// `third` (whose range `evil` must not reach through `ours`), and the address of `third` the
 /// probes use, as `ours` addresses it.
@@ -569,6 +658,26 @@ async fn a_peer_sending_anything_through_its_tunnel_reaches_only_our_pods() {
         .expect("view");
     let as_peer_sees = |addr: Ipv4Addr| rebase(addr, ours.pod_cidr, peer_view);
     let to_third_dev = route_dev(&ours.gw_ns, roles.third_target);
+    // (e): an unmapped address of our external CIDR, real and as the peer addresses it.
+    let our_external = net(&tunnel_endpoint(&fabric, roles.ours, roles.evil)
+        .await
+        .local_external_cidr);
+    let unmapped = host(our_external, UNMAPPED_HOST);
+    let unmapped_seen = rebase(
+        unmapped,
+        our_external,
+        fabric
+            .view(roles.evil, roles.ours, true)
+            .await
+            .expect("view"),
+    );
+    let nat = exec(&ours.gw_ns, "nft", &["list", "table", "ip", "trellis"]).expect("nft runs");
+    let nat = String::from_utf8_lossy(&nat.stdout);
+    assert!(
+        !nat.contains(&format!("{unmapped_seen} :")) && !nat.contains(&format!("{unmapped} ")),
+        "(e) {unmapped} is mapped after all:\n{nat}"
+    );
+    count_underlay(&ours.gw_ns, ours.uplink_ip, unmapped);
 
     fabric.clusters[roles.evil]
         .kill9(Service::Gateway)
@@ -650,6 +759,7 @@ async fn a_peer_sending_anything_through_its_tunnel_reaches_only_our_pods() {
     let accepted_before = at_n0.load(Ordering::SeqCst) + at_n1.load(Ordering::SeqCst);
     let wrong = probe("guarded", &evil, &targets, |_| false);
     let leaks = leaked(&evil, &ours.gw_ns, &to_third_dev, roles.third_target);
+    let out = leaked_out(&evil, &ours.gw_ns, unmapped_seen);
     let accepted = at_n0.load(Ordering::SeqCst) + at_n1.load(Ordering::SeqCst) - accepted_before;
     // A lost probe is no proof of a block: the pod is tried until both kinds answer, and its
     // listener (not just any host) must have taken the connection.
@@ -664,12 +774,15 @@ async fn a_peer_sending_anything_through_its_tunnel_reaches_only_our_pods() {
     }
     drop(off);
     eprintln!(
-        "guarded: {leaks} of {LEAK_PINGS} pings to the third's range left through {to_third_dev}"
+        "guarded: {leaks} of {LEAK_PINGS} pings to the third's range left through {to_third_dev}; \
+         {out} to (e) {unmapped_seen} left the underlay towards {unmapped}"
     );
     assert!(
-        wrong.is_empty() && accepted == 0 && leaks < LEAK_PINGS / 2,
+        wrong.is_empty() && accepted == 0 && leaks < LEAK_PINGS / 2 && out == 0,
         "through the guards: {wrong:#?}; {accepted} connections accepted on node addresses; \
-         {leaks} of {LEAK_PINGS} pings left through our tunnel to the third ({to_third_dev})"
+         {leaks} of {LEAK_PINGS} pings left through our tunnel to the third ({to_third_dev}); \
+         {out} of {LEAK_PINGS} pings to (e), an unmapped address of our external CIDR \
+         ({unmapped_seen} as the peer addresses it), left our gateway node's underlay"
     );
     assert!(
         pod_pings && pod_accepted,
@@ -683,11 +796,12 @@ async fn a_peer_sending_anything_through_its_tunnel_reaches_only_our_pods() {
         t.addr == n1_pod_side
     });
     let leaks = leaked(&evil, &ours.gw_ns, &to_third_dev, roles.third_target);
+    let out = leaked_out(&evil, &ours.gw_ns, unmapped_seen);
     drop(off);
     assert!(
-        wrong.is_empty() && leaks < LEAK_PINGS / 2,
+        wrong.is_empty() && leaks < LEAK_PINGS / 2 && out == 0,
         "with the gateway's guard alone: {wrong:#?}; {leaks} of {LEAK_PINGS} pings left \
-         through our tunnel to the third"
+         through our tunnel to the third; {out} of {LEAK_PINGS} pings to (e) left the underlay"
     );
 
     // Phase 3, the control: with every guard deleted, (a)-(c) get through. (c) leaves through
@@ -705,14 +819,17 @@ async fn a_peer_sending_anything_through_its_tunnel_reaches_only_our_pods() {
         eprintln!("unguarded: {} {}: {:?}", t.what, t.addr, evil.reaches(t));
     }
     let leaks = leaked(&evil, &ours.gw_ns, &to_third_dev, roles.third_target);
+    let out = leaked_out(&evil, &ours.gw_ns, unmapped_seen);
     drop(off);
     eprintln!(
-        "unguarded: {leaks} of {LEAK_PINGS} pings to the third's range left through {to_third_dev}"
+        "unguarded: {leaks} of {LEAK_PINGS} pings to the third's range left through \
+         {to_third_dev}; {out} to (e) left the underlay"
     );
     assert!(
-        wrong.is_empty() && leaks >= LEAK_PINGS / 2,
+        wrong.is_empty() && leaks >= LEAK_PINGS / 2 && out >= LEAK_PINGS / 2,
         "without the guards (the probes prove nothing): {wrong:#?}; {leaks} of {LEAK_PINGS} \
-         pings left through our tunnel to the third"
+         pings left through our tunnel to the third; {out} of {LEAK_PINGS} pings to (e) left \
+         the underlay"
     );
     drop(evil);
 }

@@ -6,9 +6,11 @@
 //! Per tunnel interface, after the NAT table's DNAT (the forward and input hooks see the
 //! translated destination):
 //! - forward: replies and related packets (ICMP errors) of known connections pass; a new
-//!   connection passes only to a destination the peer's DNAT maps lead to — our real pod CIDR,
-//!   our real external CIDR, and the hub-path targets mapped for that peer; everything else
-//!   (node addresses, the service CIDR, the control plane, other peers' ranges) is dropped;
+//!   connection passes only to our real pod CIDR and to the hub-path targets mapped for that
+//!   peer (where its hub-path DNAT leads); everything else (node addresses, the service CIDR,
+//!   the control plane, other peers' ranges, and the addresses of our external CIDR that no
+//!   mapping for the peer uses, which nothing holds and the node would route out of its
+//!   default route) is dropped;
 //! - input: the gateway node itself answers nothing that arrives through a tunnel except
 //!   replies to what it sent (the handshake kick, probes).
 //!
@@ -93,7 +95,6 @@ mod tests {
             interface: "tga".into(),
             allowed: vec![
                 "10.0.0.0/16".parse().expect("net"),
-                "10.201.0.0/16".parse().expect("net"),
                 "10.83.0.10/32".parse().expect("net"),
             ],
         }]);
@@ -102,7 +103,7 @@ mod tests {
             .find("iifname \"tga\" ct state established,related accept")
             .expect(&s);
         let allow = s
-            .find("iifname \"tga\" ip daddr { 10.0.0.0/16, 10.201.0.0/16, 10.83.0.10/32 } accept")
+            .find("iifname \"tga\" ip daddr { 10.0.0.0/16, 10.83.0.10/32 } accept")
             .expect(&s);
         let drop = s.find("iifname \"tga\" drop").expect(&s);
         assert!(est < allow && allow < drop, "{s}");

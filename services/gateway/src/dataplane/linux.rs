@@ -23,7 +23,7 @@
 //! `trellis_gateway_refused_routes`); the IPAM's `--reserved` is what remaps the peer instead.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -92,6 +92,9 @@ pub struct Linux {
     refused: BTreeMap<ClusterId, BTreeSet<IpNet>>,
     /// How many each peer has refused (`trellis_gateway_refused_routes{peer}`).
     refused_metric: Family<Labels, Gauge>,
+    /// The hub-path destinations (DNAT targets) of the NAT table last applied: a mapping
+    /// that goes has its connections flushed (see [`Linux::flush_dnat`]).
+    hub_targets: BTreeSet<IpAddr>,
 }
 
 /// The peer's label of the refusal gauge.
@@ -146,6 +149,7 @@ impl Linux {
             configurations: BTreeMap::new(),
             refused: BTreeMap::new(),
             refused_metric: Family::default(),
+            hub_targets: BTreeSet::new(),
         };
         this.remove_stale().await?;
         Ok(this)
@@ -289,6 +293,9 @@ impl Linux {
             anyhow::Ok(())
         };
         let shared = shared.await;
+        if shared.is_ok() {
+            self.flush_removed_mappings(plans, hub).await;
+        }
         for (interface, reason) in refused {
             if let Some(plan) = plans.iter().find(|p| p.interface == interface) {
                 tracing::warn!(peer = %plan.endpoint.remote.id, interface = %interface, error = %reason, "nftables refused this peer's NAT rules; the other peers keep theirs");
@@ -325,6 +332,48 @@ impl Linux {
             }
         }
         results
+    }
+
+    /// Once the NAT table without them is applied, flushes the connections DNAT'ed to the
+    /// destinations of hub-path mappings that went; one whose flush failed is tried again on
+    /// the next pass.
+    async fn flush_removed_mappings(&mut self, plans: &[PeerPlan], hub: &[HubMapping]) {
+        let current: BTreeSet<IpAddr> = if plans.is_empty() {
+            BTreeSet::new()
+        } else {
+            super::hub_snat(hub).into_iter().map(|(d, _)| d).collect()
+        };
+        let gone: Vec<IpAddr> = self.hub_targets.difference(&current).copied().collect();
+        let mut kept = current;
+        for target in gone {
+            if let Err(err) = self.flush_dnat(target).await {
+                tracing::warn!(%target, error = format!("{err:#}"), "could not flush the connections of a removed hub-path mapping; retrying on the next pass");
+                kept.insert(target);
+            }
+        }
+        self.hub_targets = kept;
+    }
+
+    /// Deletes every connection conntrack tracks as DNAT'ed to `target` (a hub-path mapping's
+    /// destination that went). Such a connection keeps its translation after its mapping and
+    /// its destination's peer are gone, so an established one (which the tunnel guard lets
+    /// through) followed it into the tunnel of whichever peer holds that range next. Without
+    /// the `conntrack` tool this only warns.
+    pub async fn flush_dnat(&self, target: IpAddr) -> anyhow::Result<()> {
+        let target = target.to_string();
+        match cmd::run("conntrack", &["-D", "--dst-nat", &target], None).await {
+            Ok(_) => {
+                tracing::info!(%target, "flushed the connections of a removed hub-path mapping");
+                Ok(())
+            }
+            // conntrack exits 1 when nothing matched.
+            Err(err) if format!("{err:#}").contains("0 flow entries") => Ok(()),
+            Err(err) if format!("{err:#}").starts_with("cannot run conntrack") => {
+                tracing::warn!(%target, error = format!("{err:#}"), "conntrack is not installed: the connections of a removed hub-path mapping are not flushed");
+                Ok(())
+            }
+            Err(err) => Err(err),
+        }
     }
 
     /// Deletes every connection conntrack tracks under `mark` (a freed peer's), so none of

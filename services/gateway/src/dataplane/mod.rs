@@ -152,11 +152,14 @@ impl PeerPlan {
 }
 
 impl PeerPlan {
-    /// What new connections from this peer's tunnel may reach: where its DNAT maps lead (our
-    /// real pod and external CIDRs, and the hub-path targets mapped for it).
+    /// What new connections from this peer's tunnel may reach: where its DNAT maps lead to
+    /// something of ours, i.e. our real pod CIDR and the hub-path targets mapped for it. Not
+    /// our real external CIDR: the mapped addresses of it were already DNAT'ed to their
+    /// targets, and any other address of it is held by nothing, so the node would route it
+    /// out of its default route with the peer's source translated.
     pub fn guard(&self, hub: &[HubMapping]) -> guard::TunnelGuard {
         let te = &self.endpoint;
-        let mut allowed = vec![te.local_pod_cidr, te.local_external_cidr];
+        let mut allowed = vec![te.local_pod_cidr];
         allowed.extend(guard::hosts(
             self.hub_dnat(hub).into_iter().map(|(_, target)| target),
         ));
@@ -271,6 +274,25 @@ mod tests {
         assert_eq!(
             hub_snat(&hub[..1]),
             vec![(ip("10.83.0.10"), ip("10.201.3.7"))]
+        );
+    }
+
+    #[test]
+    fn the_guard_admits_our_pods_and_the_peers_mapped_targets_only() {
+        let hub = [
+            mapping("10.201.3.7", "10.83.0.10", &["a"]),
+            // Mapped for another peer: not a's to reach.
+            mapping("10.201.0.9", "10.83.0.11", &["c"]),
+        ];
+        let guard = plan("a").guard(&hub);
+        assert_eq!(guard.interface, "tg01234567");
+        // Our real external CIDR is absent: DNAT already sent the mapped addresses to their
+        // targets, so anything else of it is an unmapped address the node would route out of
+        // its default route.
+        assert_eq!(
+            guard.allowed,
+            vec![net("10.0.0.0/16"), net("10.83.0.10/32")],
+            "the guard of a peer holds our pod CIDR and its mapped hub targets, nothing else"
         );
     }
 

@@ -3,6 +3,18 @@
 //! applying it twice (or after a crash) never duplicates a rule.
 //!
 //! Per peer interface (DESIGN.md "Data plane", ADR 0008):
+//! - `pre_raw` and `out_raw` (before conntrack): every connection with the peer lives in the
+//!   peer's own conntrack zone (its slot). Peers with the same real pod CIDR often address us
+//!   alike too (every IPAM takes the first free range), so two peers' pods at one address send
+//!   identical tuples, and a peer's tuple may even equal the reply tuple of another peer's
+//!   connection (its source as we see it equal to our address as the other peer sees us); in
+//!   one shared table such packets matched the other peer's entry and took its translation
+//!   and its route (ADR 0008). Packets from the peer's tunnel take its zone by interface;
+//!   packets from our side (our pods' connections to the peer, replies to the peer's) by
+//!   destination, our views of the peer. The hub path crosses two tunnels, so its connections
+//!   are zoned in the original direction only: the replies, arriving from the destination's
+//!   tunnel towards the mapping's external address, are found in the default zone, where the
+//!   reply tuple (the destination as we address it, that address) is unique.
 //! - `pre_mangle`: a new connection arriving from the peer gets the peer's conntrack mark;
 //!   reply packets of marked connections carry it as their fwmark, so `ip rule fwmark → table`
 //!   sends them back through the peer's tunnel even when the peer's real pod CIDR equals ours.
@@ -35,6 +47,78 @@ pub struct PeerNat {
     pub snat: Vec<(IpNet, IpNet)>,
 }
 
+impl PeerNat {
+    /// The peer's conntrack zone: its slot, the high half of its mark (unique per peer).
+    pub fn zone(&self) -> u16 {
+        u16::try_from(self.mark >> 16).unwrap_or(u16::MAX)
+    }
+
+    /// How we address the peer: the ranges routed into its tunnel (the source map's targets).
+    pub fn views(&self) -> Vec<IpNet> {
+        let mut views: Vec<IpNet> = self
+            .snat
+            .iter()
+            .map(|(_, seen)| *seen)
+            .filter(|n| n.addr().is_ipv4())
+            .collect();
+        views.sort();
+        views.dedup();
+        views
+    }
+}
+
+fn set<T: ToString>(items: impl IntoIterator<Item = T>) -> Option<String> {
+    let items: Vec<String> = items.into_iter().map(|i| i.to_string()).collect();
+    (!items.is_empty()).then(|| format!("{{ {} }}", items.join(", ")))
+}
+
+/// The zone rules of `pre_raw` (from a tunnel, or towards a peer) and of `out_raw` (the
+/// gateway node's own packets towards a peer).
+fn zones(s: &mut String, peers: &[PeerNat], hub_snat: &[(IpAddr, IpAddr)]) {
+    let zoned: Vec<&PeerNat> = peers.iter().filter(|p| p.zone() != 0).collect();
+    s.push_str("  chain pre_raw {\n    type filter hook prerouting priority raw; policy accept;\n");
+    // Replies of hub-path connections: the default zone holds their reply tuples.
+    if let Some(externals) = set(hub_snat.iter().filter(|(_, x)| x.is_ipv4()).map(|(_, x)| x)) {
+        let _ = writeln!(s, "    ip daddr {externals} return");
+    }
+    for p in &zoned {
+        if let Some(keys) = set(p
+            .hub_dnat
+            .iter()
+            .filter(|(k, _)| k.is_ipv4())
+            .map(|(k, _)| k))
+        {
+            let _ = writeln!(
+                s,
+                "    iifname \"{}\" ip daddr {keys} ct original zone set {} accept",
+                p.interface,
+                p.zone()
+            );
+        }
+        let _ = writeln!(
+            s,
+            "    iifname \"{}\" ct zone set {} accept",
+            p.interface,
+            p.zone()
+        );
+    }
+    let towards: Vec<String> = zoned
+        .iter()
+        .filter_map(|p| {
+            set(p.views()).map(|views| format!("    ip daddr {views} ct zone set {}\n", p.zone()))
+        })
+        .collect();
+    for rule in &towards {
+        s.push_str(rule);
+    }
+    s.push_str("  }\n");
+    s.push_str("  chain out_raw {\n    type filter hook output priority raw; policy accept;\n");
+    for rule in &towards {
+        s.push_str(rule);
+    }
+    s.push_str("  }\n");
+}
+
 fn map(entries: &[(IpNet, IpNet)]) -> Option<String> {
     // Identity entries are no-ops; a map of only those needs no rule at all.
     let entries: Vec<String> = entries
@@ -65,6 +149,7 @@ pub fn script(peers: &[PeerNat], hub_snat: &[(IpAddr, IpAddr)]) -> String {
         return s;
     }
     let _ = writeln!(s, "table ip {TABLE} {{");
+    zones(&mut s, peers, hub_snat);
     s.push_str(
         "  chain pre_mangle {\n    type filter hook prerouting priority mangle; policy accept;\n",
     );
@@ -174,6 +259,23 @@ mod tests {
             s.contains("iifname \"tg01234567\" ct state new ct mark set 0xca810000"),
             "{s}"
         );
+        // The peer's own conntrack zone (its slot), set before conntrack looks the packet up:
+        // from its tunnel, and towards how we address it, from our side and from the node.
+        let raw = s
+            .find("type filter hook prerouting priority raw")
+            .expect(&s);
+        let from = s
+            .find("iifname \"tg01234567\" ct zone set 51841 accept")
+            .expect(&s);
+        let towards = s
+            .find("ip daddr { 10.81.0.0/16 } ct zone set 51841")
+            .expect(&s);
+        let out = s.find("type filter hook output priority raw").expect(&s);
+        assert!(raw < from && from < towards && towards < out, "{s}");
+        assert!(
+            s[out..].contains("ip daddr { 10.81.0.0/16 } ct zone set 51841"),
+            "{s}"
+        );
         assert!(
             s.contains("dnat ip prefix to ip daddr map { 10.83.0.0/16 : 10.0.0.0/16 }"),
             "{s}"
@@ -201,6 +303,14 @@ mod tests {
             .expect(&s);
         let prefix = s.find("dnat ip prefix to").expect(&s);
         assert!(hub < prefix, "{s}");
+        // Hub-path connections: zoned in the original direction only, their replies (towards
+        // the mapping's external address) looked up in the default zone.
+        let replies = s.find("ip daddr { 10.201.3.7 } return").expect(&s);
+        let hub_zone = s
+            .find("iifname \"tga\" ip daddr { 10.92.3.7 } ct original zone set 1 accept")
+            .expect(&s);
+        let zone = s.find("iifname \"tga\" ct zone set 1 accept").expect(&s);
+        assert!(replies < hub_zone && hub_zone < zone, "{s}");
         let snat = s
             .find("ct status dnat snat ip to ip daddr map { 10.83.0.10 : 10.201.3.7 }")
             .expect(&s);
