@@ -399,6 +399,7 @@ fn help_explains_every_flag_and_its_environment_variable() {
         ("--external-cidr", "TRELLIS_EXTERNAL_CIDR"),
         ("--pools", "TRELLIS_POOLS"),
         ("--reserved", "TRELLIS_RESERVED"),
+        ("--range-quarantine", "TRELLIS_RANGE_QUARANTINE"),
     ] {
         assert!(
             help.contains(flag),
