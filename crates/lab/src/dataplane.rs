@@ -110,6 +110,7 @@ pub(crate) async fn run(
         node_networks: Vec::new(),
         unreserved: Vec::new(),
         endpoint_names: false,
+        gateways: 1,
     };
     let clock = Instant::now();
     let fabric = tokio::select! {

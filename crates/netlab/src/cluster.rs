@@ -140,6 +140,10 @@ pub struct ClusterOptions {
     /// With nodes: the IPAM is told the site's node network (`--reserved`), so it remaps a
     /// peer's range that overlaps it.
     pub reserve_node_network: bool,
+    /// More gateway replicas (ADR 0023), each `(node index, its public address)`: the same
+    /// binary and store as the gateway of node 0, on that node (which needs an uplink of its
+    /// own, [`crate::Topology::add_node_uplink`]). Needs etcd: replicas share the store.
+    pub standby_gateways: Vec<(usize, std::net::Ipv4Addr)>,
 }
 
 impl ClusterOptions {
@@ -154,12 +158,28 @@ impl ClusterOptions {
             extra_args: Vec::new(),
             endpoint_address: None,
             reserve_node_network: true,
+            standby_gateways: Vec::new(),
         }
     }
 }
 
 fn strings(list: &[&str]) -> Vec<String> {
     list.iter().map(|s| (*s).to_owned()).collect()
+}
+
+/// Replaces the value of each flag of `flags` in `args` (each must be there).
+fn set_flags(args: &mut [String], flags: &[(&str, String)]) -> anyhow::Result<()> {
+    for (flag, value) in flags {
+        let at = args
+            .iter()
+            .position(|a| a == flag)
+            .with_context(|| format!("the gateway has no {flag}"))?;
+        let slot = args
+            .get_mut(at + 1)
+            .with_context(|| format!("{flag} has no value"))?;
+        *slot = value.clone();
+    }
+    Ok(())
 }
 
 /// The route agents' gRPC port (DESIGN.md).
@@ -179,6 +199,8 @@ pub struct NsCluster {
     processes: BTreeMap<Service, NsProcess>,
     /// With nodes: the route agent of every node, by node index.
     agents: Vec<NsProcess>,
+    /// The gateway replicas beyond node 0's, by node index.
+    replicas: BTreeMap<usize, NsProcess>,
     forwarders: Vec<JoinHandle<()>>,
     etcds: BTreeMap<Service, Etcd>,
     logs: tempfile::TempDir,
@@ -199,6 +221,7 @@ impl NsCluster {
             ip: IpAddr::V4(site.uplink_ip),
             processes: BTreeMap::new(),
             agents: Vec::new(),
+            replicas: BTreeMap::new(),
             forwarders: Vec::new(),
             etcds: BTreeMap::new(),
             logs,
@@ -234,6 +257,50 @@ impl NsCluster {
             .with_context(|| format!("{}: starting {service}", this.id))?;
             this.processes.insert(service, process);
         }
+        if !options.standby_gateways.is_empty() && options.store != StoreKind::EtcdPerService {
+            anyhow::bail!("gateway replicas share their store: they need etcd");
+        }
+        let mut gateways = vec![this.addr(Service::Gateway).to_string()];
+        for &(index, endpoint) in &options.standby_gateways {
+            let node = site
+                .nodes
+                .get(index)
+                .context("no such node for a gateway replica")?;
+            let listen = SocketAddr::new(IpAddr::V4(node.node_ip), Service::Gateway.port());
+            if let Some(etcd) = this.etcds.get(&Service::Gateway) {
+                let outside: SocketAddr = etcd.endpoint().parse()?;
+                this.forwarders.push(forward_into(
+                    &node.netns,
+                    Self::etcd_addr(Service::Gateway),
+                    outside,
+                )?);
+            }
+            let mut args = this.args(Service::Gateway, site, &options);
+            set_flags(
+                &mut args,
+                &[
+                    ("--listen", listen.to_string()),
+                    ("--node-name", node.name.clone()),
+                    ("--node-ip", node.node_ip.to_string()),
+                    ("--endpoint-address", endpoint.to_string()),
+                ],
+            )?;
+            let process = NsProcess::start(
+                &node.netns,
+                bin_path(&Service::Gateway.binary())?,
+                args,
+                Vec::new(),
+                listen,
+                Service::Gateway.grpc_service(),
+                this.logs.path().join(format!("gateway-{}.log", node.name)),
+            )
+            .await
+            .with_context(|| {
+                format!("{}: starting the gateway replica on {}", this.id, node.name)
+            })?;
+            this.replicas.insert(index, process);
+            gateways.push(listen.to_string());
+        }
         for node in &site.nodes {
             let addr = SocketAddr::new(IpAddr::V4(node.node_ip), ROUTE_PORT);
             let agent = NsProcess::start(
@@ -245,7 +312,7 @@ impl NsCluster {
                     "--cluster-id",
                     &this.id,
                     "--gateway",
-                    &this.addr(Service::Gateway).to_string(),
+                    &gateways.join(","),
                     "--node-name",
                     &node.name,
                     "--node-ip",
@@ -265,6 +332,39 @@ impl NsCluster {
             this.agents.push(agent);
         }
         Ok(this)
+    }
+
+    /// The gateway replica on node `node`: node 0's is the cluster's gateway process.
+    pub fn gateway_replica_mut(&mut self, node: usize) -> anyhow::Result<&mut NsProcess> {
+        if node == 0 {
+            return self.process_mut(Service::Gateway);
+        }
+        let id = self.id.clone();
+        self.replicas
+            .get_mut(&node)
+            .with_context(|| format!("{id}: no gateway replica on node {node}"))
+    }
+
+    /// The nodes running a gateway replica, node 0 first.
+    pub fn gateway_replica_nodes(&self) -> Vec<usize> {
+        std::iter::once(0)
+            .chain(self.replicas.keys().copied())
+            .collect()
+    }
+
+    /// A client of the gateway replica on node `node`, from inside that node.
+    pub fn gateway_replica(&self, node: usize) -> anyhow::Result<GatewayClient<Channel>> {
+        if node == 0 {
+            return self.gateway();
+        }
+        let process = self
+            .replicas
+            .get(&node)
+            .with_context(|| format!("{}: no gateway replica on node {node}", self.id))?;
+        Ok(GatewayClient::new(crate::netns::channel_in(
+            process.netns(),
+            process.addr(),
+        )?))
     }
 
     /// The route agent of node `index` (with nodes).
@@ -331,18 +431,15 @@ impl NsCluster {
             }
         }
         let mut args = self.args(Service::Gateway, site, &self.options.clone());
-        for (flag, value) in [
-            ("--listen", listen.to_string()),
-            ("--node-name", target.name.clone()),
-            ("--node-ip", target.node_ip.to_string()),
-            ("--endpoint-address", endpoint.to_string()),
-        ] {
-            let at = args
-                .iter()
-                .position(|a| a == flag)
-                .with_context(|| format!("the gateway has no {flag}"))?;
-            args[at + 1] = value;
-        }
+        set_flags(
+            &mut args,
+            &[
+                ("--listen", listen.to_string()),
+                ("--node-name", target.name.clone()),
+                ("--node-ip", target.node_ip.to_string()),
+                ("--endpoint-address", endpoint.to_string()),
+            ],
+        )?;
         let process = NsProcess::start(
             &target.netns,
             bin_path(&Service::Gateway.binary())?,
@@ -542,6 +639,13 @@ impl NsCluster {
         self.processes
             .iter()
             .map(|(service, p)| format!("----- {} {service} -----\n{}", self.id, p.log_tail(lines)))
+            .chain(self.replicas.iter().map(|(node, p)| {
+                format!(
+                    "----- {} gateway replica on node {node} -----\n{}",
+                    self.id,
+                    p.log_tail(lines)
+                )
+            }))
             .collect::<Vec<_>>()
             .join("\n")
     }

@@ -53,6 +53,9 @@ pub struct FabricOptions {
     /// names resolve inside every gateway namespace through `/etc/netns/<ns>/hosts` (which
     /// `ip netns exec` mounts over `/etc/hosts`), so each remote gateway resolves them itself.
     pub endpoint_names: bool,
+    /// Gateway replicas per cluster (ADR 0023), on nodes 0..gateways: 1 or 2 (the topology
+    /// gives each site one more uplink, on node 1). Needs nodes and etcd.
+    pub gateways: usize,
 }
 
 /// The DNS name cluster `id`'s gateway advertises with [`FabricOptions::endpoint_names`]
@@ -115,6 +118,7 @@ impl FabricOptions {
             node_networks: Vec::new(),
             unreserved: Vec::new(),
             endpoint_names: false,
+            gateways: 1,
         }
     }
 }
@@ -182,6 +186,21 @@ impl Fabric {
         } else {
             None
         };
+        if options.gateways > 2 || (options.gateways == 2 && options.nodes < 2) {
+            bail!(
+                "{} gateway replicas on {} nodes: netlab runs at most 2, on nodes 0 and 1",
+                options.gateways,
+                options.nodes
+            );
+        }
+        let mut second_uplinks = Vec::new();
+        for i in 0..topology.sites.len() {
+            second_uplinks.push(if options.gateways == 2 {
+                Some(topology.add_node_uplink(i, 1)?)
+            } else {
+                None
+            });
+        }
         let starting = topology.sites.iter().enumerate().map(|(i, site)| {
             let mut o = ClusterOptions::new(&options.names[i], &options.external_cidr);
             if options.endpoint_names {
@@ -191,6 +210,7 @@ impl Fabric {
             o.reserve_node_network = !options.unreserved.contains(&i);
             o.store = options.store;
             o.extra_args = options.extra_args.clone();
+            o.standby_gateways = second_uplinks[i].map(|ip| (1, ip)).into_iter().collect();
             NsCluster::start(site, o)
         });
         let mut clusters = Vec::with_capacity(options.names.len());

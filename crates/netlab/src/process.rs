@@ -138,6 +138,11 @@ impl NsProcess {
         self.addr
     }
 
+    /// The namespace it runs in.
+    pub fn netns(&self) -> &str {
+        &self.ns
+    }
+
     /// The operating-system process ID, while running.
     pub fn pid(&self) -> Option<u32> {
         self.child.as_ref().map(Child::id)

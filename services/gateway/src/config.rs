@@ -1,6 +1,6 @@
 //! Command-line flags of `trellis-gateway` (each also `TRELLIS_<FLAG>`).
 
-use std::net::{IpAddr, Ipv4Addr};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::time::Duration;
 
 use clap::{Parser, ValueEnum};
@@ -196,9 +196,58 @@ pub struct Config {
         default_value_t = 30
     )]
     pub resync_interval: u64,
+
+    /// This gateway's name among the cluster's gateway replicas (a DNS label, unique per
+    /// replica; defaults to `--node-name`). Replicas are gateways of one cluster sharing one
+    /// store: one is active, the others are warm standbys that take over when it goes silent
+    /// (ADR 0023). A gateway alone is simply always the active.
+    #[arg(long, env = "TRELLIS_REPLICA_ID", value_name = "NAME", value_parser = node_name_arg)]
+    pub replica_id: Option<String>,
+
+    /// Where this replica receives the other replicas' heartbeats (UDP, `IP:PORT`). Its
+    /// address is registered in the store, where the others find it: with a wildcard IP, the
+    /// node's `--node-ip` is registered. Port 0 takes any free port (Kubernetes manifests fix
+    /// 7116 so a network policy can name it).
+    #[arg(
+        long,
+        env = "TRELLIS_HEARTBEAT_LISTEN",
+        value_name = "IP:PORT",
+        default_value = "0.0.0.0:0"
+    )]
+    pub heartbeat_listen: SocketAddr,
+
+    /// How often each replica sends its heartbeat to every other, in milliseconds (10-10000).
+    #[arg(
+        long,
+        env = "TRELLIS_HEARTBEAT_INTERVAL",
+        value_name = "MS",
+        default_value_t = 100,
+        value_parser = clap::value_parser!(u64).range(10..=10_000)
+    )]
+    pub heartbeat_interval: u64,
+
+    /// How long the active replica may be silent before a standby takes over, in
+    /// milliseconds; at least twice `--heartbeat-interval`. Also how long a starting replica
+    /// listens for an active before it may claim the role itself.
+    #[arg(
+        long,
+        env = "TRELLIS_FAILOVER_AFTER",
+        value_name = "MS",
+        default_value_t = 300,
+        value_parser = clap::value_parser!(u64).range(20..=60_000)
+    )]
+    pub failover_after: u64,
 }
 
 impl Config {
+    /// `--replica-id`, or the node name.
+    pub fn replica_id(&self) -> anyhow::Result<String> {
+        match &self.replica_id {
+            Some(id) => Ok(id.clone()),
+            None => self.node_name(),
+        }
+    }
+
     /// `--node-name`, or the host name.
     pub fn node_name(&self) -> anyhow::Result<String> {
         if let Some(name) = &self.node_name {

@@ -24,6 +24,7 @@ use crate::keys::KeyPair;
 use crate::mappings::Mappings;
 use crate::names;
 use crate::ports::{self, PortPolicy};
+use crate::replicas::{self, Replicas, View};
 
 /// A handshake older than this means the tunnel is down: WireGuard re-handshakes every 120 s
 /// while traffic flows, and gives up on a session after 180 s (REJECT_AFTER_TIME).
@@ -98,6 +99,8 @@ pub struct RouteSet {
     pub gateway_node_name: String,
     pub gateway_node_ip: Option<IpAddr>,
     pub tunnel_mtu: u32,
+    /// The epoch of the active replica on `gateway_node_name` (0: none elected yet).
+    pub epoch: u64,
 }
 
 /// The gateway of one cluster.
@@ -116,6 +119,13 @@ pub struct Gateway {
     port_hint: ports::Hint,
     /// The node path's view of the last apply, for the route agents' streams.
     routes: tokio::sync::watch::Sender<RouteSet>,
+    /// The replicas' election, when this gateway takes part in one (always, once started).
+    replicas: Option<std::sync::Arc<Replicas>>,
+    /// The election's outcome as last followed.
+    view: std::sync::Mutex<View>,
+    /// Whether the last pass left every desired tunnel configured (told to the other
+    /// replicas: a standby that is not warm cannot take over at once).
+    warm: std::sync::Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl Gateway {
@@ -133,6 +143,7 @@ impl Gateway {
             gateway_node_name: settings.node_name.clone(),
             gateway_node_ip: settings.node_ip,
             tunnel_mtu: settings.tunnel_mtu,
+            epoch: 0,
         };
         Self {
             store,
@@ -144,6 +155,68 @@ impl Gateway {
             applied: std::sync::Mutex::new(BTreeMap::new()),
             port_hint: ports::Hint::default(),
             routes: tokio::sync::watch::Sender::new(routes),
+            replicas: None,
+            view: std::sync::Mutex::new(View::default()),
+            warm: std::sync::Arc::default(),
+        }
+    }
+
+    /// This gateway as one of its cluster's replicas, following `replicas`' election.
+    pub fn with_replicas(mut self, replicas: std::sync::Arc<Replicas>) -> Self {
+        self.warm = replicas.warm_flag();
+        self.replicas = Some(replicas);
+        self
+    }
+
+    /// Follows the election's outcome: the data plane turns active or standby (the engine
+    /// first, so the handshakes of a takeover leave before anything else is done), and the
+    /// route agents learn the active's node under its epoch.
+    pub async fn follow_view(&self, view: View) -> Result<()> {
+        if let Some(engine) = &self.engine {
+            engine.set_standby(!view.active);
+        }
+        if let Some(dp) = &self.dataplane {
+            let mut dp = dp.lock().await;
+            if dp.is_active() != view.active {
+                dp.set_active(view.active)
+                    .await
+                    .map_err(|e| Error::Internal(format!("{e:#}")))?;
+            }
+        }
+        let (name, ip) = match &view.leader {
+            Some(leader) => (leader.node_name.clone(), leader.node_ip),
+            None => (self.settings.node_name.clone(), self.settings.node_ip),
+        };
+        let epoch = view.epoch();
+        self.routes.send_if_modified(|routes| {
+            let changed = routes.gateway_node_name != name
+                || routes.gateway_node_ip != ip
+                || routes.epoch != epoch;
+            routes.gateway_node_name = name;
+            routes.gateway_node_ip = ip;
+            routes.epoch = epoch;
+            changed
+        });
+        if let Ok(mut current) = self.view.lock() {
+            *current = view;
+        }
+        Ok(())
+    }
+
+    /// This replica's part in the election (a gateway built without one reports itself as
+    /// its cluster's only, active replica).
+    pub fn replica_status(&self) -> replicas::Status {
+        match &self.replicas {
+            Some(replicas) => replicas.status(),
+            None => replicas::Status {
+                replica: self.settings.node_name.clone(),
+                view: View {
+                    active: true,
+                    leader: None,
+                },
+                warm: self.warm.load(std::sync::atomic::Ordering::Relaxed),
+                peers: Vec::new(),
+            },
         }
     }
 
@@ -173,8 +246,17 @@ impl Gateway {
             None => None,
         };
         let port = self.listen_port(slot.unwrap_or(self.settings.ports.range.first()));
+        // Peers that join later are told where the active replica is (those already peered
+        // followed it when its handshakes reached them).
+        let leader_host = self
+            .view
+            .lock()
+            .ok()
+            .and_then(|v| v.leader.clone())
+            .and_then(|l| EndpointHost::parse("endpoint_host", &l.endpoint_host).ok());
+        let host = leader_host.unwrap_or_else(|| self.settings.endpoint_host.clone());
         Ok(GatewayInfo {
-            endpoint: Endpoint::new(self.settings.endpoint_host.clone(), port)
+            endpoint: Endpoint::new(host, port)
                 .ok_or_else(|| trellis_error::Error::Internal("allocated port 0".into()))?,
             public_key: self.keys.public(),
             mode: self.mode,
@@ -291,6 +373,8 @@ impl Gateway {
             changed
         });
         let failed = results.values().filter(|r| r.is_err()).count();
+        self.warm
+            .store(failed == 0, std::sync::atomic::Ordering::Relaxed);
         let applied = plans
             .into_iter()
             .chain(unslotted)

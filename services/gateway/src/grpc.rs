@@ -128,6 +128,33 @@ impl GatewayApi for GatewayService {
             WatchStream::new(self.core.watch_routes()).map(|routes| Ok(route_set(&routes)));
         Ok(Response::new(Box::pin(stream)))
     }
+
+    async fn get_replica_status(
+        &self,
+        _request: Request<pb::GetReplicaStatusRequest>,
+    ) -> Result<Response<pb::GetReplicaStatusResponse>, Status> {
+        let status = self.core.replica_status();
+        let leader = status.view.leader.as_ref();
+        Ok(Response::new(pb::GetReplicaStatusResponse {
+            replica: status.replica.clone(),
+            active: status.view.active,
+            epoch: status.view.epoch(),
+            active_replica: leader.map(|l| l.replica.clone()).unwrap_or_default(),
+            active_node_name: leader.map(|l| l.node_name.clone()).unwrap_or_default(),
+            warm: status.warm,
+            peers: status
+                .peers
+                .into_iter()
+                .map(|p| pb::ReplicaPeer {
+                    replica: p.replica,
+                    since_heartbeat: prost_types::Duration::try_from(p.since).ok(),
+                    active: p.active,
+                    warm: p.warm,
+                    epoch: p.epoch,
+                })
+                .collect(),
+        }))
+    }
 }
 
 /// The stream of WatchRoutes.
@@ -142,5 +169,6 @@ fn route_set(routes: &RouteSet) -> pb::WatchRoutesResponse {
             .map(|ip| ip.to_string())
             .unwrap_or_default(),
         tunnel_mtu: routes.tunnel_mtu,
+        epoch: routes.epoch,
     }
 }

@@ -10,6 +10,7 @@
 //! - [`source`]: the broker's TunnelEndpoints, followed with a resumable watch;
 //! - [`mappings`]: the IPAM's external-CIDR endpoint mappings (hub-path DNAT), polled;
 //! - [`reconcile`]: the loop applying them;
+//! - [`replicas`]: the election of the cluster's active gateway among its replicas;
 //! - [`core`]: the operations; [`records`]: what is stored, under which keys;
 //! - [`metrics`]: per-tunnel Prometheus metrics (bytes, packets, handshake age, state);
 //! - [`grpc`]: the thin gRPC layer; [`config`]: the flags.
@@ -25,6 +26,7 @@ pub mod names;
 pub mod ports;
 pub mod reconcile;
 pub mod records;
+pub mod replicas;
 pub mod source;
 
 use std::net::SocketAddr;
@@ -96,6 +98,25 @@ pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started
     let keys = KeyPair::load_or_create(&store)
         .await
         .context("loading the gateway key")?;
+    let node_name = config.node_name()?;
+    let replicas = Arc::new(
+        replicas::Replicas::bind(
+            replicas::Settings {
+                replica: config.replica_id()?,
+                node_name: node_name.clone(),
+                node_ip: config.node_ip,
+                endpoint_host: endpoint_host.to_string(),
+                public_key: keys.public().to_string(),
+                listen: config.heartbeat_listen,
+                interval: std::time::Duration::from_millis(config.heartbeat_interval),
+                failover_after: std::time::Duration::from_millis(config.failover_after),
+            },
+            store.clone(),
+            &keys.private_bytes(),
+            server.metrics(),
+        )
+        .await?,
+    );
     let mode = Mode::resolve(config.dataplane);
     let flavor = match mode {
         Mode::None => None,
@@ -143,7 +164,7 @@ pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started
         },
         shared_port,
         interface_prefix: config.interface_prefix.clone(),
-        node_name: config.node_name()?,
+        node_name,
         node_ip: config.node_ip,
         tunnel_mtu: config.tunnel_mtu(),
     };
@@ -156,7 +177,9 @@ pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started
             dp.refused_metric(),
         );
     }
-    let core = Arc::new(Gateway::new(store, settings, mode, keys, dataplane));
+    let core = Arc::new(
+        Gateway::new(store, settings, mode, keys, dataplane).with_replicas(replicas.clone()),
+    );
     let addr = server.local_addr();
     let metrics_addr = server.metrics_addr();
     metrics::register(server.metrics(), &core);
@@ -195,6 +218,14 @@ pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started
             shutdown.clone(),
         )));
     }
+    background.push(trellis_runtime::telemetry::spawn(follow_election(
+        core.clone(),
+        replicas.subscribe(),
+        shutdown.clone(),
+    )));
+    background.push(trellis_runtime::telemetry::spawn(
+        replicas.clone().run(shutdown.clone()),
+    ));
     background.push(trellis_runtime::telemetry::spawn(reconcile::run(
         core.clone(),
         desired_rx,
@@ -217,6 +248,30 @@ pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started
         core,
         task,
     })
+}
+
+/// Applies each outcome of the election to the core until `shutdown`; one that cannot be
+/// applied is tried again every second.
+async fn follow_election(
+    core: Arc<Gateway>,
+    mut view: tokio::sync::watch::Receiver<replicas::View>,
+    shutdown: Shutdown,
+) {
+    loop {
+        let current = view.borrow_and_update().clone();
+        let active = current.active;
+        if let Err(err) = core.follow_view(current).await {
+            tracing::warn!(active, error = %err, "could not follow the election; retrying");
+            tokio::select! {
+                () = shutdown.cancelled() => return,
+                () = tokio::time::sleep(std::time::Duration::from_secs(1)) => continue,
+            }
+        }
+        tokio::select! {
+            () = shutdown.cancelled() => return,
+            changed = view.changed() => if changed.is_err() { return },
+        }
+    }
 }
 
 /// Runs the gateway until `shutdown`.

@@ -6,6 +6,8 @@
 //! | `ports/peers/<cluster_id>` | [`PortRecord`]: the UDP port of that peer's interface |
 //! | `ports/used/<port>` | the cluster ID holding the port (uniqueness) |
 //! | `ports/freed/<port>` | [`FreedRecord`]: a port whose tunnel went away, until it is taken again |
+//! | `replicas/active` | [`ActiveRecord`]: the active replica and its epoch (the fence, ADR 0023) |
+//! | `replicas/members/<replica>` | [`MemberRecord`]: a replica and where its heartbeats go |
 //!
 //! A port is taken by one transaction that writes both port keys only if both are absent, so
 //! two replicas (or two concurrent GetGatewayInfo calls) can never hand out one port twice.
@@ -17,6 +19,42 @@ pub const KEY_KEY: &str = "key";
 pub const PEERS_PREFIX: &str = "ports/peers/";
 pub const USED_PREFIX: &str = "ports/used/";
 pub const FREED_PREFIX: &str = "ports/freed/";
+pub const ACTIVE_KEY: &str = "replicas/active";
+pub const MEMBERS_PREFIX: &str = "replicas/members/";
+
+/// Store key of a replica's membership.
+pub fn member_key(replica: &str) -> String {
+    format!("{MEMBERS_PREFIX}{replica}")
+}
+
+/// Which replica is the cluster's active gateway. Written only by a transaction that compares
+/// the revision the writer read, each time with the next epoch: two replicas can never both
+/// claim one epoch, and every takeover is a new one.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ActiveRecord {
+    pub replica: String,
+    pub epoch: u64,
+    /// Its node, for the route agents.
+    pub node_name: String,
+    pub node_ip: Option<std::net::IpAddr>,
+    /// Its `--endpoint-address`: what GetGatewayInfo publishes to peers that join later.
+    pub endpoint_host: String,
+    /// The gateway's public key as the active held it: a replica with another key never
+    /// takes over.
+    pub public_key: String,
+    pub since_nanos: i64,
+}
+
+/// One gateway replica, written by itself at start.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MemberRecord {
+    pub replica: String,
+    pub node_name: String,
+    /// Where its heartbeats are received (UDP).
+    pub heartbeat: std::net::SocketAddr,
+    pub public_key: String,
+    pub started_nanos: i64,
+}
 
 /// Store key of a peer's port record.
 pub fn peer_key(id: &ClusterId) -> String {

@@ -1,15 +1,21 @@
-//! The agent's loop: follow the gateway's `WatchRoutes` stream, reconcile the node after every
-//! message and on a periodic resync, and reconnect with backoff when the stream breaks (a
-//! restarted or moved gateway is followed from its first message). A gateway whose node went
-//! silent breaks the stream too, through the channel's keepalive
-//! (`trellis_runtime::client::KEEPALIVE`): without it the agent waited on the dead stream
-//! forever and kept routing towards the old gateway node.
+//! The agent's loop: follow the `WatchRoutes` stream of every gateway replica, reconcile the
+//! node after every message of the newest election and on a periodic resync, and reconnect
+//! with backoff when a stream breaks (a restarted or moved gateway is followed from its first
+//! message). With replicas, the standby that takes over says so on its own stream at once
+//! (a higher epoch), so the node follows it without waiting for the old active's stream to
+//! end. A gateway whose node went silent breaks its stream too, through the channel's
+//! keepalive (`trellis_runtime::client::KEEPALIVE`): without it the agent waited on the dead
+//! stream forever and kept routing towards the old gateway node.
 
+use std::collections::BTreeSet;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use trellis_api::pb::gateway::WatchRoutesRequest;
+use tokio::sync::mpsc;
 use trellis_api::pb::gateway::gateway_client::GatewayClient;
+use trellis_api::pb::gateway::{WatchRoutesRequest, WatchRoutesResponse};
 use trellis_runtime::Shutdown;
 use trellis_runtime::backoff::Backoff;
 use trellis_runtime::client::{Timeouts, local_channel};
@@ -17,6 +23,9 @@ use trellis_runtime::local_auth::LocalToken;
 
 use crate::node;
 use crate::plan::{self, NodeSettings, Wanted};
+
+/// How often `--gateway` names are resolved again (a replica that appears is followed).
+const RESOLVE_EVERY: Duration = Duration::from_secs(5);
 
 /// What GetStatus reports.
 #[derive(Debug, Clone, Default)]
@@ -31,7 +40,8 @@ pub struct Status {
 pub struct Agent {
     pub node: NodeSettings,
     pub underlay: String,
-    pub gateway: String,
+    /// `--gateway`: every replica's address (or a name resolving to all of them).
+    pub gateways: Vec<String>,
     /// Sent to the gateway (ADR 0020).
     pub local_token: LocalToken,
     /// The agent's registry: its calls to the gateway count there (`grpc_client_*`).
@@ -84,12 +94,106 @@ impl Agent {
     }
 }
 
-/// Follows the gateway until `shutdown`.
+/// A message of one replica's stream.
+type Message = (String, WatchRoutesResponse);
+
+/// Whether a message of epoch `epoch` is to be applied after one of `applied` was: the newest
+/// election wins, and among the messages of one epoch (the active's and its standbys', which
+/// name the same active) the latest. Epoch 0 (no election yet) only until any election is known.
+pub fn supersedes(epoch: u64, applied: Option<u64>) -> bool {
+    applied.is_none_or(|applied| epoch >= applied)
+}
+
+/// Follows every gateway replica until `shutdown`, applying the message of the newest epoch.
 pub async fn run(agent: Arc<Agent>, shutdown: Shutdown) {
-    let mut backoff = Backoff::new(Duration::from_millis(200), Duration::from_secs(5));
+    let (tx, mut rx) = mpsc::channel::<Message>(64);
+    let live = Arc::new(AtomicUsize::new(0));
+    trellis_runtime::telemetry::spawn(discover(agent.clone(), tx, live.clone(), shutdown.clone()));
     let mut last: Option<Wanted> = None;
+    let mut applied: Option<u64> = None;
     let mut resync = tokio::time::interval(agent.resync);
     resync.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            () = shutdown.cancelled() => return,
+            _ = resync.tick() => {
+                if let Some(wanted) = &last {
+                    agent.reconcile(wanted).await;
+                }
+            }
+            Some((from, message)) = rx.recv() => {
+                if !supersedes(message.epoch, applied) {
+                    tracing::debug!(gateway = %from, epoch = message.epoch, applied = ?applied, "ignoring a message of an older election");
+                    continue;
+                }
+                match plan::plan(&agent.node, &message) {
+                    Ok(wanted) => {
+                        if applied.is_some_and(|a| message.epoch > a) {
+                            tracing::info!(gateway = %from, epoch = message.epoch, gateway_node = %wanted.gateway_node, "following a newly elected gateway replica");
+                        }
+                        applied = Some(message.epoch);
+                        agent.reconcile(&wanted).await;
+                        last = Some(wanted);
+                    }
+                    Err(err) => {
+                        tracing::warn!(gateway = %from, error = %err, "ignoring a routes message this agent cannot apply");
+                        agent.record(None, &Err(anyhow::anyhow!("{err}")));
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Resolves `--gateway` every few seconds and follows every address found, each once.
+async fn discover(
+    agent: Arc<Agent>,
+    tx: mpsc::Sender<Message>,
+    live: Arc<AtomicUsize>,
+    shutdown: Shutdown,
+) {
+    let mut followed: BTreeSet<String> = BTreeSet::new();
+    loop {
+        for entry in &agent.gateways {
+            let addresses: Vec<String> = match entry.parse::<SocketAddr>() {
+                Ok(addr) => vec![addr.to_string()],
+                Err(_) => match tokio::net::lookup_host(entry.as_str()).await {
+                    Ok(found) => found.map(|a| a.to_string()).collect(),
+                    Err(err) => {
+                        tracing::warn!(gateway = %entry, error = %err, "cannot resolve the gateway; retrying");
+                        Vec::new()
+                    }
+                },
+            };
+            for address in addresses {
+                if followed.insert(address.clone()) {
+                    trellis_runtime::telemetry::spawn(follow(
+                        agent.clone(),
+                        address,
+                        tx.clone(),
+                        live.clone(),
+                        shutdown.clone(),
+                    ));
+                }
+            }
+        }
+        tokio::select! {
+            () = shutdown.cancelled() => return,
+            () = tokio::time::sleep(RESOLVE_EVERY) => {}
+        }
+    }
+}
+
+/// Follows one replica's stream, reconnecting with backoff when it breaks (a restarted
+/// replica is followed from its first message).
+async fn follow(
+    agent: Arc<Agent>,
+    address: String,
+    tx: mpsc::Sender<Message>,
+    live: Arc<AtomicUsize>,
+    shutdown: Shutdown,
+) {
+    let mut backoff = Backoff::new(Duration::from_millis(200), Duration::from_secs(5));
     let request = || WatchRoutesRequest {
         node_name: agent.node.name.clone(),
     };
@@ -97,7 +201,7 @@ pub async fn run(agent: Arc<Agent>, shutdown: Shutdown) {
         let stream = async {
             let channel = local_channel(
                 "--gateway",
-                &agent.gateway,
+                &address,
                 Timeouts::default(),
                 &agent.local_token,
                 &agent.metrics,
@@ -114,11 +218,9 @@ pub async fn run(agent: Arc<Agent>, shutdown: Shutdown) {
                 Ok(stream) => stream,
                 Err(err) => {
                     let wait = backoff.next_delay();
-                    tracing::warn!(gateway = %agent.gateway, error = format!("{err:#}"), retry_ms = wait.as_millis() as u64, "cannot follow the gateway");
-                    agent.record(None, &Err(err));
-                    if let Some(wanted) = &last {
-                        // Keep the node as it was (traffic may still flow) but repair it.
-                        agent.reconcile(wanted).await;
+                    tracing::warn!(gateway = %address, error = format!("{err:#}"), retry_ms = wait.as_millis() as u64, "cannot follow the gateway");
+                    if live.load(Ordering::Relaxed) == 0 {
+                        agent.record(None, &Err(err));
                     }
                     tokio::select! {
                         () = shutdown.cancelled() => return,
@@ -127,39 +229,50 @@ pub async fn run(agent: Arc<Agent>, shutdown: Shutdown) {
                 }
             },
         };
+        live.fetch_add(1, Ordering::Relaxed);
         loop {
             tokio::select! {
                 () = shutdown.cancelled() => return,
-                _ = resync.tick() => {
-                    if let Some(wanted) = &last {
-                        agent.reconcile(wanted).await;
-                    }
-                }
                 message = stream.message() => match message {
                     Ok(Some(message)) => {
                         backoff.reset();
-                        match plan::plan(&agent.node, &message) {
-                            Ok(wanted) => {
-                                agent.reconcile(&wanted).await;
-                                last = Some(wanted);
-                            }
-                            Err(err) => {
-                                tracing::warn!(error = %err, "ignoring a routes message this agent cannot apply");
-                                agent.record(None, &Err(anyhow::anyhow!("{err}")));
-                            }
+                        if tx.send((address.clone(), message)).await.is_err() {
+                            return;
                         }
                     }
                     Ok(None) | Err(_) => {
-                        tracing::info!(gateway = %agent.gateway, "the gateway's stream ended; reconnecting");
+                        tracing::info!(gateway = %address, "the gateway's stream ended; reconnecting");
                         break;
                     }
                 },
             }
         }
+        live.fetch_sub(1, Ordering::Relaxed);
         let wait = backoff.next_delay();
         tokio::select! {
             () = shutdown.cancelled() => return,
             () = tokio::time::sleep(wait) => {}
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_newest_election_wins_and_an_older_one_never_goes_back() {
+        assert!(
+            supersedes(0, None),
+            "the first message, before any election"
+        );
+        assert!(supersedes(3, Some(0)));
+        assert!(supersedes(3, Some(3)), "the same election, a newer message");
+        assert!(supersedes(4, Some(3)), "a takeover");
+        assert!(!supersedes(3, Some(4)), "the old active, still talking");
+        assert!(
+            !supersedes(0, Some(4)),
+            "a replica that has not heard of any election"
+        );
     }
 }

@@ -62,11 +62,21 @@ pub struct Config {
     #[command(flatten)]
     pub base: BaseConfig,
 
-    /// Address of the local gateway's gRPC server (`host:port`), whose WatchRoutes stream the
-    /// agent follows. Retried with backoff while unreachable; a gateway that restarts elsewhere
-    /// is followed when the stream comes back.
-    #[arg(long, env = "TRELLIS_GATEWAY", value_name = "HOST:PORT", value_parser = address_arg)]
-    pub gateway: String,
+    /// Addresses of the local gateway replicas' gRPC servers (`host:port`, comma-separated),
+    /// whose WatchRoutes streams the agent follows, all at once: the message with the highest
+    /// epoch wins, so the node follows a standby the moment it takes over (its own stream
+    /// says so first). A name is resolved every few seconds and every address it has is
+    /// followed (in Kubernetes, a headless Service of the gateway replicas). Each is retried
+    /// with backoff while unreachable.
+    #[arg(
+        long,
+        env = "TRELLIS_GATEWAY",
+        value_name = "HOST:PORT,...",
+        value_parser = address_arg,
+        value_delimiter = ',',
+        required = true
+    )]
+    pub gateway: Vec<String>,
 
     /// This node's name (in Kubernetes, the downward API's `spec.nodeName`). The node whose
     /// name the gateway announces is the gateway node: it receives overlay traffic and routes

@@ -73,11 +73,11 @@ pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started
         node_cidrs,
         refused: node::Refused::registered(server.metrics()),
     };
-    tracing::info!(node = %node.name, node_ip = %node.ip, underlay = %underlay, underlay_mtu = node.underlay_mtu, node_cidrs = ?node.node_cidrs, gateway = %config.gateway, "route agent ready");
+    tracing::info!(node = %node.name, node_ip = %node.ip, underlay = %underlay, underlay_mtu = node.underlay_mtu, node_cidrs = ?node.node_cidrs, gateways = ?config.gateway, "route agent ready");
     let agent = Arc::new(Agent {
         node,
         underlay,
-        gateway: config.gateway.clone(),
+        gateways: config.gateway.clone(),
         local_token: config.base.local_token()?,
         metrics: server.metrics().clone(),
         resync: Duration::from_secs(config.resync_interval),

@@ -31,6 +31,11 @@ use crate::plan::{self, NodeSettings, Wanted};
 /// names, so no routing daemon claims it.
 pub const ROUTE_PROTO: &str = "214";
 
+/// The metric of our routes: above the gateway's own (0), so on the node where a standby
+/// gateway takes over, its routes into the tunnels win at once, before this agent hears of
+/// the takeover and withdraws ours, and neither writer replaces the other's route.
+pub const ROUTE_METRIC: &str = "1024";
+
 /// Our nftables table (family `ip`).
 pub const NFT_TABLE: &str = "trellis-route";
 
@@ -53,6 +58,9 @@ pub struct Observed {
     pub vxlan: Option<Option<FoundVxlan>>,
     pub addresses: Vec<Ipv4Net>,
     pub routes: BTreeSet<Ipv4Net>,
+    /// Our routes with another metric (an agent before [`ROUTE_METRIC`]): `(prefix, metric)`,
+    /// removed.
+    pub other_metric: Vec<(Ipv4Net, u64)>,
     /// `(interface, network)` of every IPv4 address of the node but loopback's.
     pub own: Vec<(String, Ipv4Net)>,
 }
@@ -196,18 +204,23 @@ pub async fn observe(interface: &str) -> anyhow::Result<Observed> {
         .collect();
     let text = cmd::ip(&["-j", "route", "show", "proto", ROUTE_PROTO]).await?;
     let json: Value = serde_json::from_str(&text).context("parsing `ip -j route show`")?;
-    observed.routes = json
-        .as_array()
-        .into_iter()
-        .flatten()
-        .filter_map(|r| r["dst"].as_str())
-        .filter_map(|dst| {
-            // A host route is listed without its /32.
+    let metric: u64 = ROUTE_METRIC.parse().unwrap_or_default();
+    for route in json.as_array().into_iter().flatten() {
+        // A host route is listed without its /32.
+        let Some(dst) = route["dst"].as_str().and_then(|dst| {
             dst.parse::<Ipv4Net>()
                 .ok()
                 .or_else(|| dst.parse::<Ipv4Addr>().ok().map(Ipv4Net::from))
-        })
-        .collect();
+        }) else {
+            continue;
+        };
+        match route["metric"].as_u64().unwrap_or(0) {
+            m if m == metric => {
+                observed.routes.insert(dst);
+            }
+            other => observed.other_metric.push((dst, other)),
+        }
+    }
     Ok(observed)
 }
 
@@ -356,20 +369,29 @@ pub async fn apply(
             for net in &wanted.routes {
                 let _ = writeln!(
                     batch,
-                    "route replace {net} via {via} dev {iface} onlink mtu {} proto {ROUTE_PROTO}",
+                    "route replace {net} via {via} dev {iface} onlink mtu {} proto {ROUTE_PROTO} metric {ROUTE_METRIC}",
                     wanted.route_mtu
                 );
             }
         }
         for net in existing.difference(&wanted.routes) {
-            let _ = writeln!(batch, "route del {net} proto {ROUTE_PROTO}");
+            let _ = writeln!(
+                batch,
+                "route del {net} proto {ROUTE_PROTO} metric {ROUTE_METRIC}"
+            );
         }
     }
     for net in observed.routes.difference(&existing) {
         // Ours, but on a device we just replaced (or left over): gone with it, or stale.
         if !wanted.routes.contains(net) {
-            let _ = writeln!(batch, "route del {net} proto {ROUTE_PROTO}");
+            let _ = writeln!(
+                batch,
+                "route del {net} proto {ROUTE_PROTO} metric {ROUTE_METRIC}"
+            );
         }
+    }
+    for (net, metric) in &observed.other_metric {
+        let _ = writeln!(batch, "route del {net} proto {ROUTE_PROTO} metric {metric}");
     }
     if !batch.is_empty() {
         cmd::run("ip", &["-force", "-batch", "-"], Some(&batch)).await?;
@@ -498,6 +520,7 @@ mod tests {
             gateway_node_name: gateway.into(),
             gateway_node_ip: "10.9.0.1".into(),
             tunnel_mtu: 1420,
+            epoch: 1,
         };
         let node = settings(&["10.9.0.0/16"]);
         let other = plan::plan(&node, &message("n0")).expect("plans");

@@ -247,6 +247,7 @@ mod tests {
             gateway_node_name: "n0".into(),
             gateway_node_ip: "100.64.1.1".into(),
             tunnel_mtu: 1420,
+            epoch: 1,
         }
     }
 

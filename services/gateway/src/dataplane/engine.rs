@@ -147,11 +147,14 @@ pub enum DropReason {
     TunWrite,
     /// Any other refusal by the protocol (no session for the index, unexpected message).
     Other,
+    /// Received while this replica is a standby: only the active replica answers for the
+    /// cluster's key (a remote still pointing here after a failover, or a probe).
+    Standby,
 }
 
 impl DropReason {
     /// Every reason, in label order.
-    pub const ALL: [DropReason; 9] = [
+    pub const ALL: [DropReason; 10] = [
         Self::Malformed,
         Self::Mac,
         Self::UnknownPeer,
@@ -161,6 +164,7 @@ impl DropReason {
         Self::RateLimited,
         Self::TunWrite,
         Self::Other,
+        Self::Standby,
     ];
 
     /// The metric label.
@@ -175,6 +179,7 @@ impl DropReason {
             Self::RateLimited => "rate_limited",
             Self::TunWrite => "tun_write",
             Self::Other => "other",
+            Self::Standby => "standby",
         }
     }
 
@@ -219,7 +224,13 @@ struct Peer {
     public_key: [u8; 32],
     tun: TunSocket,
     tunn: Mutex<Tunn>,
+    /// Where the peer is now: the configured endpoint until an authenticated message came from
+    /// elsewhere (roaming).
     endpoint: RwLock<SocketAddr>,
+    /// The endpoint last configured: a reconfiguration with the same one keeps a roamed
+    /// endpoint (a remote gateway that failed over to its standby is where its handshake came
+    /// from, not where its NetworkConfig said).
+    configured: Mutex<SocketAddr>,
     allowed_ips: RwLock<Vec<IpNet>>,
     keepalive: Mutex<u16>,
 }
@@ -276,6 +287,9 @@ struct Shared {
     registry: mio::Registry,
     waker: Waker,
     stop: AtomicBool,
+    /// A standby replica's engine: every peer ready, nothing sent, everything received dropped
+    /// ([`Engine::set_standby`]).
+    standby: AtomicBool,
     next_index: AtomicU32,
     dropped: [AtomicU64; DropReason::ALL.len()],
     /// Makes the timer thread panic: how the tests show a dead thread is noticed.
@@ -384,6 +398,7 @@ impl Engine {
             registry,
             waker,
             stop: AtomicBool::new(false),
+            standby: AtomicBool::new(false),
             next_index: AtomicU32::new(seed),
             dropped: Default::default(),
             #[cfg(test)]
@@ -484,6 +499,7 @@ impl Engine {
                 tun,
                 tunn: Mutex::new(shared.tunn(config, index)),
                 endpoint: RwLock::new(config.endpoint),
+                configured: Mutex::new(config.endpoint),
                 allowed_ips: RwLock::new(config.allowed_ips.clone()),
                 keepalive: Mutex::new(config.keepalive),
             });
@@ -500,7 +516,9 @@ impl Engine {
             self.remove_peer(peer.index);
             return Err(err);
         }
-        shared.initiate(&peer);
+        if !shared.standby.load(Ordering::Relaxed) {
+            shared.initiate(&peer);
+        }
         Ok(peer.index)
     }
 
@@ -518,16 +536,60 @@ impl Engine {
                 peer.name
             )));
         }
-        *peer.endpoint.write().unwrap_or_else(|e| e.into_inner()) = config.endpoint;
+        let mut configured = peer.configured.lock().unwrap_or_else(|e| e.into_inner());
+        if *configured != config.endpoint {
+            *configured = config.endpoint;
+            *peer.endpoint.write().unwrap_or_else(|e| e.into_inner()) = config.endpoint;
+        }
+        drop(configured);
         *peer.allowed_ips.write().unwrap_or_else(|e| e.into_inner()) = config.allowed_ips.clone();
         let mut keepalive = peer.keepalive.lock().unwrap_or_else(|e| e.into_inner());
         if *keepalive != config.keepalive {
             *keepalive = config.keepalive;
             *peer.tunn() = shared.tunn(config, index);
             drop(keepalive);
-            shared.initiate(&peer);
+            if !shared.standby.load(Ordering::Relaxed) {
+                shared.initiate(&peer);
+            }
         }
         Ok(())
+    }
+
+    /// Whether the engine is a standby's.
+    pub fn is_standby(&self) -> bool {
+        self.shared.standby.load(Ordering::Relaxed)
+    }
+
+    /// Makes the engine a standby's (`true`: it sends nothing, not even keepalives, and drops
+    /// every datagram, counted as [`DropReason::Standby`]) or the active's. Becoming active
+    /// starts a fresh session with every peer and sends each an initiation at once: its
+    /// timestamp is this moment's, newer than any the previous active sent, so every remote
+    /// accepts it and, the message being authenticated, moves its endpoint for us here
+    /// (roaming): no control-plane message is needed.
+    pub fn set_standby(&self, standby: bool) {
+        let shared = &self.shared;
+        if shared.standby.swap(standby, Ordering::SeqCst) == standby || standby {
+            return;
+        }
+        let peers: Vec<Arc<Peer>> = shared
+            .peers
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .by_index
+            .values()
+            .cloned()
+            .collect();
+        for peer in &peers {
+            let keepalive = *peer.keepalive.lock().unwrap_or_else(|e| e.into_inner());
+            let config = PeerConfig {
+                public_key: peer.public_key,
+                endpoint: peer.endpoint(),
+                allowed_ips: Vec::new(),
+                keepalive,
+            };
+            *peer.tunn() = shared.tunn(&config, peer.index);
+            shared.initiate(peer);
+        }
     }
 
     /// Removes the peer `index`; its TUN interface disappears once no thread holds it.
@@ -700,6 +762,9 @@ impl Shared {
     /// One datagram from the socket. Handshake initiations and responses go to the handshake
     /// thread (dropped when its queue is full); data and cookie replies are handled here.
     fn receive(&self, from: SocketAddr, datagram: &[u8], dst: &mut [u8]) {
+        if self.standby.load(Ordering::Relaxed) {
+            return self.count(DropReason::Standby);
+        }
         if matches!(datagram.first(), Some(1 | 2)) {
             if self
                 .handshake_queue
@@ -1034,7 +1099,10 @@ fn tun_loop(shared: &Shared, mut poll: Poll) {
                 continue;
             };
             if let Some(peer) = shared.peer(index) {
-                if shared.batched.is_some() {
+                if shared.standby.load(Ordering::Relaxed) {
+                    // Nothing leaves a standby: what the kernel routed into the TUN is dropped.
+                    while peer.tun.read(&mut src).is_ok() {}
+                } else if shared.batched.is_some() {
                     shared.drain_batched(&peer, &mut src, &mut batch);
                 } else {
                     shared.drain(&peer, &mut src, &mut dst);
@@ -1113,6 +1181,9 @@ fn timer_loop(shared: &Shared) {
             shared.limiter.reset_count();
             shared.handshakes.store(0, Ordering::Relaxed);
             last_reset = Instant::now();
+        }
+        if shared.standby.load(Ordering::Relaxed) {
+            continue;
         }
         let peers: Vec<Arc<Peer>> = shared
             .peers

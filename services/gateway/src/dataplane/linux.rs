@@ -23,6 +23,7 @@
 //! `trellis_gateway_refused_routes`); the IPAM's `--reserved` is what remaps the peer instead.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::fmt::Write as _;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::time::Duration;
@@ -95,6 +96,10 @@ pub struct Linux {
     /// The hub-path destinations (DNAT targets) of the NAT table last applied: a mapping
     /// that goes has its connections flushed (see [`Linux::flush_dnat`]).
     hub_targets: BTreeSet<IpAddr>,
+    /// Whether this replica is the cluster's active gateway: only the active routes the peers'
+    /// ranges into its tunnels (a standby's node reaches them through the overlay, like any
+    /// other node) and lets its engine send.
+    active: bool,
 }
 
 /// The peer's label of the refusal gauge.
@@ -150,7 +155,11 @@ impl Linux {
             refused: BTreeMap::new(),
             refused_metric: Family::default(),
             hub_targets: BTreeSet::new(),
+            active: false,
         };
+        if let Some(engine) = this.engine() {
+            engine.set_standby(true);
+        }
         this.remove_stale().await?;
         Ok(this)
     }
@@ -463,6 +472,7 @@ impl Linux {
         let own = self.own_networks().await?;
         let (routed, refused) = refuse(&plan.routed(), &own);
         self.record_refused(id, name, &refused);
+        let routed = if self.active { routed } else { Vec::new() };
         for net in &routed {
             ip(&["route", "replace", &net.to_string(), "dev", name]).await?;
         }
@@ -517,6 +527,62 @@ impl Linux {
         match &self.flavor {
             Flavor::Userspace(engine) => Some(engine.clone()),
             Flavor::Kernel => None,
+        }
+    }
+
+    /// Whether this replica routes and sends ([`Linux::set_active`]).
+    pub fn is_active(&self) -> bool {
+        self.active
+    }
+
+    /// Makes this replica the cluster's active gateway, or a standby. Taking over changes only
+    /// what a standby holds back, all prepared beforehand: the engine sends a handshake to
+    /// every peer at once, and the peers' ranges are routed into their tunnels (one `ip -batch`
+    /// for all). Stepping down removes those routes and silences the engine.
+    pub async fn set_active(&mut self, active: bool) -> anyhow::Result<()> {
+        self.active = active;
+        if let Some(engine) = self.engine() {
+            engine.set_standby(!active);
+        }
+        if active {
+            // A connection that began on the previous active continues here from its middle:
+            // conntrack picks it up from any packet (tcp_loose), and must not drop or leave
+            // untranslated the packets whose window it has not seen yet.
+            for (knob, value) in [
+                ("nf_conntrack_tcp_loose", "1"),
+                ("nf_conntrack_tcp_be_liberal", "1"),
+            ] {
+                let path = format!("/proc/sys/net/netfilter/{knob}");
+                if let Err(err) = tokio::fs::write(&path, value).await {
+                    tracing::warn!(knob, error = %err, "could not set a conntrack knob for taking over connections mid-flow");
+                }
+            }
+        }
+        let mut batch = String::new();
+        for (id, (plan, _)) in &self.applied.peers {
+            let refused = self.refused.get(id);
+            for net in plan.routed() {
+                if refused.is_some_and(|r| r.contains(&net)) {
+                    continue;
+                }
+                let verb = if active { "replace" } else { "del" };
+                let _ = writeln!(batch, "route {verb} {net} dev {}", plan.interface);
+            }
+        }
+        if batch.is_empty() {
+            return Ok(());
+        }
+        match cmd::run("ip", &["-force", "-batch", "-"], Some(&batch)).await {
+            Ok(_) => Ok(()),
+            Err(err) if active => Err(err).context("routing the peers' ranges into their tunnels"),
+            // A route already gone is what stepping down wants.
+            Err(err) => {
+                tracing::debug!(
+                    error = format!("{err:#}"),
+                    "some tunnel routes were already gone"
+                );
+                Ok(())
+            }
         }
     }
 

@@ -1,0 +1,657 @@
+//! Gateway replicas (ADR 0023): two or more gateways of one cluster, on different nodes, with
+//! one store. One is active; the others are warm standbys, whose data plane holds every
+//! tunnel, NAT map and guard but routes nothing and sends nothing.
+//!
+//! - Detection: every replica sends an authenticated UDP heartbeat ([`heartbeat`]) to every
+//!   other each `--heartbeat-interval`; a standby that has not heard the active for
+//!   `--failover-after` takes over.
+//! - Fencing: taking over is a compare-and-swap on the store's `replicas/active` record with
+//!   the next epoch ([`claim`]), so two replicas never hold one epoch, and a replica that
+//!   cannot reach the store never takes over. An active steps down when it hears or reads a
+//!   higher epoch; it never stops because the store is unreachable (a store outage alone
+//!   never cuts traffic).
+//! - [`election`]: the rules, pure; this module: the sockets, the store and the loop.
+//!
+//! The outcome is a [`View`] that the core follows: the data plane turns active or standby,
+//! and the route agents are told which node is the gateway node, under which epoch.
+
+pub mod election;
+pub mod heartbeat;
+
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::Context as _;
+use tokio::net::UdpSocket;
+use tokio::sync::{mpsc, watch};
+use trellis_error::{Error, Result};
+use trellis_runtime::Shutdown;
+use trellis_runtime::log_limit::LogLimit;
+use trellis_runtime::metrics::prometheus_client::metrics::counter::Counter;
+use trellis_runtime::metrics::prometheus_client::metrics::family::Family;
+use trellis_runtime::metrics::prometheus_client::metrics::gauge::Gauge;
+use trellis_runtime::metrics::{Labels, Metrics};
+use trellis_store::{Compare, Op, SharedStore, Txn};
+
+use self::election::{Change, Election, Leader};
+use self::heartbeat::{Heartbeat, Refusal};
+use crate::records::{self, ActiveRecord, MemberRecord, decode, encode, now_nanos};
+
+/// How long one store operation of the election may take: the loop must not wait on a store
+/// that went away (heartbeats go on meanwhile, on their own task).
+const STORE_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// How often the store is read (members and the active record) while other replicas exist,
+/// and while this replica is alone.
+const SYNC: Duration = Duration::from_secs(1);
+const SYNC_ALONE: Duration = Duration::from_secs(5);
+
+/// Heartbeats waiting for the election loop; more are dropped (and the sender is heard on its
+/// next one).
+const QUEUE: usize = 1024;
+
+/// This replica's settings (its flags).
+#[derive(Debug, Clone)]
+pub struct Settings {
+    /// Its name among the replicas (`--replica-id`).
+    pub replica: String,
+    pub node_name: String,
+    pub node_ip: Option<IpAddr>,
+    /// Its `--endpoint-address`, as text.
+    pub endpoint_host: String,
+    /// The gateway's public key (base64).
+    pub public_key: String,
+    /// Where heartbeats are received (`--heartbeat-listen`).
+    pub listen: SocketAddr,
+    pub interval: Duration,
+    pub failover_after: Duration,
+}
+
+/// What the election decided, for the core: whether this replica is the active, and the active
+/// record it follows (its own while active).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct View {
+    pub active: bool,
+    pub leader: Option<ActiveRecord>,
+}
+
+impl View {
+    /// The epoch of the active followed; 0 before any is known.
+    pub fn epoch(&self) -> u64 {
+        self.leader.as_ref().map_or(0, |l| l.epoch)
+    }
+}
+
+/// What this replica last heard from another.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PeerStatus {
+    pub replica: String,
+    pub since: Duration,
+    pub active: bool,
+    pub warm: bool,
+    pub epoch: u64,
+}
+
+/// This replica's part in the election (GetReplicaStatus).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Status {
+    pub replica: String,
+    pub view: View,
+    pub warm: bool,
+    pub peers: Vec<PeerStatus>,
+}
+
+/// The election's metrics.
+#[derive(Debug, Clone, Default)]
+struct ReplicaMetrics {
+    active: Gauge,
+    epoch: Gauge,
+    failovers: Counter,
+    heard_age: Family<Labels, Gauge<f64, AtomicU64>>,
+    warm: Family<Labels, Gauge>,
+    refused: Family<Labels, Counter>,
+}
+
+impl ReplicaMetrics {
+    fn register(&self, metrics: &Metrics) {
+        metrics.register(
+            "trellis_gateway_active",
+            "1 on the cluster's active gateway replica, 0 on a standby",
+            self.active.clone(),
+        );
+        metrics.register(
+            "trellis_gateway_epoch",
+            "The epoch of the active replica this replica follows (its own while active); each \
+             takeover is a new epoch",
+            self.epoch.clone(),
+        );
+        metrics.register(
+            "trellis_gateway_failovers",
+            "Times this replica took over from another active replica",
+            self.failovers.clone(),
+        );
+        metrics.register(
+            "trellis_gateway_replica_heartbeat_age_seconds",
+            "Seconds since the last heartbeat of each other replica: a standby silent for more \
+             than the failover time cannot take over, an active silent that long is replaced",
+            self.heard_age.clone(),
+        );
+        metrics.register(
+            "trellis_gateway_replica_warm",
+            "1 when that replica said in its last heartbeat that its data plane holds every \
+             desired tunnel (a standby could take over at once), 0 otherwise",
+            self.warm.clone(),
+        );
+        metrics.register(
+            "trellis_gateway_heartbeats_refused",
+            "Heartbeats refused, by reason: malformed, tag (not from a holder of the gateway's \
+             key: another cluster's gateway, a replica with another key, a forgery), stale (a \
+             replay, or a replica whose clock is more than 2 s off)",
+            self.refused.clone(),
+        );
+    }
+}
+
+/// The replicas' election, as this replica runs it.
+#[derive(Debug)]
+pub struct Replicas {
+    settings: Settings,
+    store: SharedStore,
+    key: ring::hmac::Key,
+    socket: Arc<UdpSocket>,
+    /// Where the other replicas send our heartbeats.
+    advertised: SocketAddr,
+    view: watch::Sender<View>,
+    /// Whether our data plane holds every desired tunnel (set by the core).
+    warm: Arc<AtomicBool>,
+    /// Where our heartbeats go: every other member's address, from the store and from the
+    /// heartbeats themselves (a replica that restarted on a new port is answered at once,
+    /// before the next read of the store shows its new address).
+    targets: Mutex<std::collections::BTreeMap<String, SocketAddr>>,
+    /// The last heartbeat of every other replica, and when it came.
+    peers: Mutex<std::collections::BTreeMap<String, (Instant, Heartbeat)>>,
+    metrics: ReplicaMetrics,
+    store_down: LogLimit,
+}
+
+/// The address the other replicas reach `listen` at: its own IP, or the node's for a wildcard
+/// listener (loopback without `--node-ip`: a replica alone).
+fn advertised(listen: SocketAddr, bound: u16, node_ip: Option<IpAddr>) -> SocketAddr {
+    let ip = if listen.ip().is_unspecified() {
+        node_ip.unwrap_or(IpAddr::V4(Ipv4Addr::LOCALHOST))
+    } else {
+        listen.ip()
+    };
+    SocketAddr::new(ip, bound)
+}
+
+async fn timed<T>(what: &str, op: impl std::future::Future<Output = Result<T>>) -> Result<T> {
+    tokio::time::timeout(STORE_TIMEOUT, op).await.map_err(|_| {
+        Error::Unavailable(format!(
+            "{what}: no answer from the store in {STORE_TIMEOUT:?}"
+        ))
+    })?
+}
+
+/// The active record and its revision.
+pub async fn read_active(store: &SharedStore) -> Result<Option<(ActiveRecord, i64)>> {
+    let Some(kv) = store.get(records::ACTIVE_KEY).await? else {
+        return Ok(None);
+    };
+    Ok(Some((
+        decode(records::ACTIVE_KEY, &kv.value)?,
+        kv.mod_revision,
+    )))
+}
+
+/// Writes `record` as the active one if the record is still the one read at `revision`
+/// (`None`: if there is none). Whether it was written.
+pub async fn claim(
+    store: &SharedStore,
+    revision: Option<i64>,
+    record: &ActiveRecord,
+) -> Result<bool> {
+    let compare = match revision {
+        Some(revision) => Compare::mod_revision(records::ACTIVE_KEY, revision),
+        None => Compare::absent(records::ACTIVE_KEY),
+    };
+    let outcome = store
+        .txn(
+            Txn::new()
+                .when(compare)
+                .then(Op::put(records::ACTIVE_KEY, encode(record)?)),
+        )
+        .await?;
+    Ok(outcome.succeeded)
+}
+
+/// Every registered replica.
+pub async fn members(store: &SharedStore) -> Result<Vec<MemberRecord>> {
+    let listing = store.list(records::MEMBERS_PREFIX).await?;
+    listing
+        .kvs
+        .iter()
+        .map(|kv| decode(&kv.key, &kv.value))
+        .collect()
+}
+
+impl Replicas {
+    /// Binds the heartbeat socket. `private_key` keys the heartbeats' tag.
+    pub async fn bind(
+        settings: Settings,
+        store: SharedStore,
+        private_key: &[u8; 32],
+        metrics: &Metrics,
+    ) -> anyhow::Result<Self> {
+        if settings.failover_after < settings.interval * 2 {
+            anyhow::bail!(
+                "--failover-after ({} ms) must be at least twice --heartbeat-interval ({} ms): \
+                 one late heartbeat would otherwise fail the active over",
+                settings.failover_after.as_millis(),
+                settings.interval.as_millis()
+            );
+        }
+        let socket = UdpSocket::bind(settings.listen)
+            .await
+            .with_context(|| format!("binding --heartbeat-listen {}", settings.listen))?;
+        let bound = socket.local_addr()?.port();
+        let advertised = advertised(settings.listen, bound, settings.node_ip);
+        let replica_metrics = ReplicaMetrics::default();
+        replica_metrics.register(metrics);
+        Ok(Self {
+            key: heartbeat::key(private_key),
+            settings,
+            store,
+            socket: Arc::new(socket),
+            advertised,
+            view: watch::Sender::new(View::default()),
+            warm: Arc::new(AtomicBool::new(false)),
+            targets: Mutex::new(std::collections::BTreeMap::new()),
+            peers: Mutex::new(std::collections::BTreeMap::new()),
+            metrics: replica_metrics,
+            store_down: LogLimit::new(trellis_runtime::log_limit::PERIOD),
+        })
+    }
+
+    /// The election's outcome, now and after each change.
+    pub fn subscribe(&self) -> watch::Receiver<View> {
+        self.view.subscribe()
+    }
+
+    /// Where the core reports whether the data plane holds every desired tunnel.
+    pub fn warm_flag(&self) -> Arc<AtomicBool> {
+        self.warm.clone()
+    }
+
+    /// This replica's part in the election now.
+    pub fn status(&self) -> Status {
+        let now = Instant::now();
+        let peers = self
+            .peers
+            .lock()
+            .map(|p| {
+                p.values()
+                    .map(|(at, beat)| PeerStatus {
+                        replica: beat.replica.clone(),
+                        since: now.duration_since(*at),
+                        active: beat.active,
+                        warm: beat.warm,
+                        epoch: beat.epoch,
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
+        Status {
+            replica: self.settings.replica.clone(),
+            view: self.view.borrow().clone(),
+            warm: self.warm.load(Ordering::Relaxed),
+            peers,
+        }
+    }
+
+    /// The address our heartbeats are received at, as the other replicas reach it.
+    pub fn heartbeat_addr(&self) -> SocketAddr {
+        self.advertised
+    }
+
+    fn member(&self) -> MemberRecord {
+        MemberRecord {
+            replica: self.settings.replica.clone(),
+            node_name: self.settings.node_name.clone(),
+            heartbeat: self.advertised,
+            public_key: self.settings.public_key.clone(),
+            started_nanos: now_nanos(),
+        }
+    }
+
+    /// Runs the election until `shutdown`.
+    pub async fn run(self: Arc<Self>, shutdown: Shutdown) {
+        let (tx, mut rx) = mpsc::channel(QUEUE);
+        let receiver = trellis_runtime::telemetry::spawn(self.clone().receive(tx));
+        let sender = trellis_runtime::telemetry::spawn(self.clone().send(shutdown.clone()));
+        let mut election = Election::new(
+            &self.settings.replica,
+            self.settings.failover_after,
+            Instant::now(),
+        );
+        let mut tick =
+            tokio::time::interval((self.settings.interval / 2).max(Duration::from_millis(5)));
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut last_sync: Option<Instant> = None;
+        let mut registered = false;
+        loop {
+            tokio::select! {
+                () = shutdown.cancelled() => break,
+                Some(beat) = rx.recv() => {
+                    let (beat, at): (Heartbeat, Instant) = beat;
+                    let known = election.leader().map(|l| l.epoch);
+                    if election.on_heartbeat(&beat.replica, beat.active, beat.epoch, at) == Some(Change::StepDown) {
+                        self.stepped_down(&election, "heard");
+                    }
+                    if beat.active && known.is_none_or(|k| beat.epoch > k) {
+                        // A new active: read its record now rather than at the next sync.
+                        last_sync = None;
+                    }
+                    self.metrics.warm.get_or_create(&vec![("replica", beat.replica.clone())]).set(i64::from(beat.warm));
+                    if let Ok(mut peers) = self.peers.lock() {
+                        peers.insert(beat.replica.clone(), (at, beat));
+                    }
+                    continue;
+                }
+                _ = tick.tick() => {}
+            }
+            let now = Instant::now();
+            let period = if self.targets().is_empty() {
+                SYNC_ALONE
+            } else {
+                SYNC
+            };
+            if last_sync.is_none_or(|at| now.duration_since(at) >= period) {
+                last_sync = Some(now);
+                self.sync(&mut election, &mut registered).await;
+            }
+            if election.should_take_over(Instant::now()) {
+                self.take_over(&mut election).await;
+            }
+            for (replica, heard) in election.heard() {
+                self.metrics
+                    .heard_age
+                    .get_or_create(&vec![("replica", replica.clone())])
+                    .set(Instant::now().duration_since(heard.at).as_secs_f64());
+            }
+        }
+        receiver.abort();
+        sender.abort();
+    }
+
+    fn targets(&self) -> Vec<SocketAddr> {
+        self.targets
+            .lock()
+            .map(|t| t.values().copied().collect())
+            .unwrap_or_default()
+    }
+
+    /// Reads the members and the active record; registers this replica when it is missing.
+    async fn sync(&self, election: &mut Election, registered: &mut bool) {
+        let store = &self.store;
+        match timed("listing the replicas", members(store)).await {
+            Ok(list) => {
+                let me = &self.settings.replica;
+                for other in list.iter().filter(|m| &m.replica != me) {
+                    if other.public_key != self.settings.public_key {
+                        tracing::error!(replica = %other.replica, "a gateway replica registered with another public key: replicas share the key of their store, so it is not one of ours or its store differs; it never becomes active here");
+                    }
+                }
+                let targets: std::collections::BTreeMap<String, SocketAddr> = list
+                    .iter()
+                    .filter(|m| &m.replica != me && m.public_key == self.settings.public_key)
+                    .map(|m| (m.replica.clone(), m.heartbeat))
+                    .collect();
+                if let Ok(mut t) = self.targets.lock() {
+                    *t = targets;
+                }
+                let mine = list.iter().find(|m| &m.replica == me);
+                if !*registered || mine.is_none_or(|m| m.heartbeat != self.advertised) {
+                    let member = self.member();
+                    let written = match encode(&member) {
+                        Ok(value) => timed("registering this replica", async {
+                            store
+                                .put(&records::member_key(me), value)
+                                .await
+                                .map_err(Error::from)
+                        })
+                        .await
+                        .map(drop),
+                        Err(err) => Err(err),
+                    };
+                    match written {
+                        Ok(()) => *registered = true,
+                        Err(err) => self.store_unavailable("registering this replica", &err),
+                    }
+                }
+            }
+            Err(err) => self.store_unavailable("listing the replicas", &err),
+        }
+        match timed("reading the active record", read_active(store)).await {
+            Ok(record) => {
+                let leader = record.as_ref().map(|(r, _)| Leader {
+                    replica: r.replica.clone(),
+                    epoch: r.epoch,
+                });
+                if election.on_record(leader, Instant::now()) == Some(Change::StepDown) {
+                    self.stepped_down(election, "read");
+                }
+                if let Some((record, _)) = record {
+                    self.publish(election, Some(record));
+                }
+            }
+            Err(err) => self.store_unavailable("reading the active record", &err),
+        }
+    }
+
+    fn store_unavailable(&self, what: &str, err: &Error) {
+        if let Some(held) = self.store_down.admit() {
+            tracing::warn!(what, error = %err, held_back = held, "the store is unreachable; the data plane goes on as it is");
+        }
+    }
+
+    /// Publishes the view: active or not, and `record` when it is the newest known.
+    fn publish(&self, election: &Election, record: Option<ActiveRecord>) {
+        let active = election.active().is_some();
+        self.view.send_if_modified(|view| {
+            let mut changed = view.active != active;
+            view.active = active;
+            if let Some(record) = record
+                && view.leader.as_ref().is_none_or(|l| record.epoch >= l.epoch)
+                && view.leader.as_ref() != Some(&record)
+            {
+                view.leader = Some(record);
+                changed = true;
+            }
+            changed
+        });
+        self.metrics.active.set(i64::from(active));
+        self.metrics
+            .epoch
+            .set(i64::try_from(self.view.borrow().epoch()).unwrap_or(i64::MAX));
+    }
+
+    fn stepped_down(&self, election: &Election, how: &str) {
+        let leader = election.leader().cloned();
+        tracing::info!(
+            replica = %self.settings.replica,
+            active = leader.as_ref().map(|l| l.replica.as_str()).unwrap_or(""),
+            epoch = leader.as_ref().map_or(0, |l| l.epoch),
+            how,
+            "stepping down: another replica is active under a newer epoch"
+        );
+        self.publish(election, None);
+    }
+
+    /// Claims the active role with the next epoch; the store decides.
+    async fn take_over(&self, election: &mut Election) {
+        let silent = election.leader_silence(Instant::now());
+        let span = tracing::info_span!("gateway.election", replica = %self.settings.replica, silent_ms = silent.as_millis() as u64);
+        let _entered = span.enter();
+        let read = match timed("reading the active record", read_active(&self.store)).await {
+            Ok(read) => read,
+            Err(err) => {
+                if let Some(held) = self.store_down.admit() {
+                    tracing::warn!(error = %err, held_back = held, "the active replica is silent but the store is unreachable: not taking over (the store is the fence)");
+                }
+                return;
+            }
+        };
+        if let Some((record, _)) = &read {
+            if record.public_key != self.settings.public_key {
+                if let Some(held) = self.store_down.admit() {
+                    tracing::error!(active = %record.replica, held_back = held, "the active record names another gateway key than ours: this replica never becomes active (replicas must share the key of one store)");
+                }
+                return;
+            }
+            let leader = Leader {
+                replica: record.replica.clone(),
+                epoch: record.epoch,
+            };
+            election.on_record(Some(leader), Instant::now());
+            if !election.should_take_over(Instant::now()) {
+                // Another replica took over meanwhile.
+                self.publish(election, Some(record.clone()));
+                return;
+            }
+        }
+        let previous = read.as_ref().map(|(r, _)| r.clone());
+        let epoch = previous.as_ref().map_or(1, |r| r.epoch + 1);
+        let record = ActiveRecord {
+            replica: self.settings.replica.clone(),
+            epoch,
+            node_name: self.settings.node_name.clone(),
+            node_ip: self.settings.node_ip,
+            endpoint_host: self.settings.endpoint_host.clone(),
+            public_key: self.settings.public_key.clone(),
+            since_nanos: now_nanos(),
+        };
+        let revision = read.map(|(_, revision)| revision);
+        match timed(
+            "claiming the active role",
+            claim(&self.store, revision, &record),
+        )
+        .await
+        {
+            Ok(true) => {
+                election.won(epoch, Instant::now());
+                let from = previous.as_ref().map(|r| r.replica.as_str()).unwrap_or("");
+                if !from.is_empty() && from != self.settings.replica {
+                    self.metrics.failovers.inc();
+                }
+                tracing::info!(epoch, previous = from, node = %self.settings.node_name, "this replica is now the active gateway");
+                self.publish(election, Some(record));
+            }
+            Ok(false) => tracing::info!(epoch, "another replica claimed the active role first"),
+            Err(err) => {
+                if let Some(held) = self.store_down.admit() {
+                    tracing::warn!(error = %err, held_back = held, "could not claim the active role: the store is unreachable");
+                }
+            }
+        }
+    }
+
+    /// Receives heartbeats, hands the authentic and fresh ones to the loop.
+    async fn receive(self: Arc<Self>, tx: mpsc::Sender<(Heartbeat, Instant)>) {
+        let mut buf = [0u8; heartbeat::MAX_LEN + 1];
+        let mut last_sent: std::collections::HashMap<String, i64> =
+            std::collections::HashMap::new();
+        let refused_log = LogLimit::new(trellis_runtime::log_limit::PERIOD);
+        loop {
+            let Ok((n, from)) = self.socket.recv_from(&mut buf).await else {
+                continue;
+            };
+            let beat =
+                Heartbeat::decode(buf.get(..n).unwrap_or_default(), &self.key).and_then(|beat| {
+                    if heartbeat::fresh(
+                        beat.sent_nanos,
+                        last_sent.get(&beat.replica).copied(),
+                        now_nanos(),
+                    ) {
+                        Ok(beat)
+                    } else {
+                        Err(Refusal::Stale)
+                    }
+                });
+            match beat {
+                Ok(beat) => {
+                    last_sent.insert(beat.replica.clone(), beat.sent_nanos);
+                    if beat.replica != self.settings.replica
+                        && let Ok(mut targets) = self.targets.lock()
+                    {
+                        targets.insert(beat.replica.clone(), from);
+                    }
+                    let _ = tx.try_send((beat, Instant::now()));
+                }
+                Err(reason) => {
+                    self.metrics
+                        .refused
+                        .get_or_create(&vec![("reason", reason.label().to_owned())])
+                        .inc();
+                    if let Some(held) = refused_log.admit() {
+                        tracing::warn!(%from, reason = reason.label(), held_back = held, "refused a heartbeat");
+                    }
+                }
+            }
+        }
+    }
+
+    /// Sends our heartbeat to every other replica each interval, whatever the store does.
+    async fn send(self: Arc<Self>, shutdown: Shutdown) {
+        let mut tick = tokio::time::interval(self.settings.interval);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+        loop {
+            tokio::select! {
+                () = shutdown.cancelled() => return,
+                _ = tick.tick() => {}
+            }
+            let targets = self.targets();
+            if targets.is_empty() {
+                continue;
+            }
+            let view = self.view.borrow().clone();
+            let datagram = Heartbeat {
+                replica: self.settings.replica.clone(),
+                active: view.active,
+                warm: self.warm.load(Ordering::Relaxed),
+                epoch: view.epoch(),
+                sent_nanos: now_nanos(),
+            }
+            .encode(&self.key);
+            for to in targets {
+                if let Err(err) = self.socket.send_to(&datagram, to).await {
+                    tracing::trace!(%to, error = %err, "sending a heartbeat failed");
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_wildcard_listener_is_advertised_at_the_node_ip() {
+        let node: IpAddr = "10.1.0.2".parse().expect("ip");
+        assert_eq!(
+            advertised("0.0.0.0:7116".parse().expect("addr"), 7116, Some(node)),
+            "10.1.0.2:7116".parse().expect("addr")
+        );
+        assert_eq!(
+            advertised("0.0.0.0:0".parse().expect("addr"), 40000, None),
+            "127.0.0.1:40000".parse().expect("addr")
+        );
+        assert_eq!(
+            advertised("10.9.0.1:0".parse().expect("addr"), 40000, Some(node)),
+            "10.9.0.1:40000".parse().expect("addr")
+        );
+    }
+}

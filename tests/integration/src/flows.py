@@ -1,0 +1,182 @@
+"""Long-lived flows across a failover, run inside pod namespaces by the integration tests.
+
+serve PORT: echoes every TCP connection and every UDP datagram on PORT.
+run RESULT STOP TARGET...: each TARGET is tcp:IP:PORT:N (N connections, each sending an
+8-digit sequence number and a newline every 50 ms and checking that the echo comes back
+unchanged and in order) or udp:IP:PORT (a datagram every 10 ms). Runs until the file STOP
+exists, then writes a JSON summary to RESULT: per target, the connections broken (reset,
+closed, or an echo that does not match) and the longest time without an echo.
+"""
+
+import json
+import os
+import selectors
+import socket
+import sys
+import time
+
+TCP_EVERY = 0.05
+UDP_EVERY = 0.01
+
+
+def serve(port):
+    sel = selectors.DefaultSelector()
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(("0.0.0.0", port))
+    listener.listen(1024)
+    listener.setblocking(False)
+    sel.register(listener, selectors.EVENT_READ, "accept")
+    udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    udp.bind(("0.0.0.0", port))
+    udp.setblocking(False)
+    sel.register(udp, selectors.EVENT_READ, "udp")
+    while True:
+        for key, _ in sel.select():
+            if key.data == "accept":
+                conn, _ = listener.accept()
+                conn.setblocking(False)
+                sel.register(conn, selectors.EVENT_READ, "conn")
+            elif key.data == "udp":
+                try:
+                    data, peer = udp.recvfrom(2048)
+                    udp.sendto(data, peer)
+                except OSError:
+                    pass
+            else:
+                conn = key.fileobj
+                try:
+                    data = conn.recv(65536)
+                except OSError:
+                    data = b""
+                if not data:
+                    sel.unregister(conn)
+                    conn.close()
+                    continue
+                conn.setblocking(True)
+                try:
+                    conn.sendall(data)
+                except OSError:
+                    sel.unregister(conn)
+                    conn.close()
+                    continue
+                conn.setblocking(False)
+
+
+class Conn:
+    def __init__(self, addr):
+        self.sock = socket.create_connection(addr, timeout=10)
+        self.sock.setblocking(False)
+        self.seq = 0
+        self.expected = 0
+        self.buf = b""
+        self.last_echo = time.monotonic()
+        self.max_stall = 0.0
+        self.error = None
+
+
+def run(result_path, stop_path, targets):
+    sel = selectors.DefaultSelector()
+    summary = []
+    conns = []
+    probes = []
+    for target in targets:
+        kind, ip, port, *rest = target.split(":")
+        entry = {"target": target, "broken": [], "max_gap_ms": 0.0}
+        summary.append(entry)
+        if kind == "tcp":
+            for _ in range(int(rest[0])):
+                c = Conn((ip, int(port)))
+                c.entry = entry
+                conns.append(c)
+                sel.register(c.sock, selectors.EVENT_READ, c)
+            entry["connections"] = int(rest[0])
+        else:
+            s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+            s.connect((ip, int(port)))
+            s.setblocking(False)
+            probe = {"sock": s, "seq": 0, "received": 0, "last": time.monotonic(), "entry": entry}
+            probes.append(probe)
+            sel.register(s, selectors.EVENT_READ, probe)
+    next_tcp = next_udp = time.monotonic()
+    while not os.path.exists(stop_path):
+        now = time.monotonic()
+        if now >= next_tcp:
+            next_tcp += TCP_EVERY
+            for c in conns:
+                if c.error:
+                    continue
+                try:
+                    c.sock.send(b"%08d\n" % (c.seq % 100000000))
+                    c.seq += 1
+                except BlockingIOError:
+                    pass
+                except OSError as e:
+                    c.error = "send: %s" % e
+        if now >= next_udp:
+            next_udp += UDP_EVERY
+            for p in probes:
+                try:
+                    p["sock"].send(b"%d" % p["seq"])
+                except OSError:
+                    pass
+                p["seq"] += 1
+        timeout = max(0.0, min(next_tcp, next_udp) - time.monotonic())
+        for key, _ in sel.select(timeout):
+            now = time.monotonic()
+            if isinstance(key.data, Conn):
+                c = key.data
+                try:
+                    data = c.sock.recv(65536)
+                except BlockingIOError:
+                    continue
+                except OSError as e:
+                    c.error = "recv: %s" % e
+                    sel.unregister(c.sock)
+                    continue
+                if not data:
+                    c.error = "closed by the peer"
+                    sel.unregister(c.sock)
+                    continue
+                c.buf += data
+                while b"\n" in c.buf:
+                    line, c.buf = c.buf.split(b"\n", 1)
+                    if line != b"%08d" % (c.expected % 100000000):
+                        c.error = "echo %r where %d was expected" % (line, c.expected)
+                        break
+                    c.expected += 1
+                    c.max_stall = max(c.max_stall, now - c.last_echo)
+                    c.last_echo = now
+            else:
+                p = key.data
+                try:
+                    while True:
+                        p["sock"].recv(2048)
+                        p["received"] += 1
+                        gap = now - p["last"]
+                        p["entry"]["max_gap_ms"] = max(p["entry"]["max_gap_ms"], gap * 1000)
+                        p["last"] = now
+                except OSError:
+                    pass
+    now = time.monotonic()
+    for c in conns:
+        stall = max(c.max_stall, now - c.last_echo)
+        c.entry["max_gap_ms"] = max(c.entry["max_gap_ms"], stall * 1000)
+        if c.error:
+            c.entry["broken"].append(c.error)
+        c.entry.setdefault("echoes", 0)
+        c.entry["echoes"] += c.expected
+    for p in probes:
+        e = p["entry"]
+        e["max_gap_ms"] = max(e["max_gap_ms"], (now - p["last"]) * 1000)
+        e["sent"] = p["seq"]
+        e["received"] = p["received"]
+    with open(result_path, "w") as f:
+        json.dump(summary, f)
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "serve":
+        serve(int(sys.argv[2]))
+    else:
+        run(sys.argv[2], sys.argv[3], sys.argv[4:])
