@@ -135,6 +135,9 @@ pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started
         Some(Flavor::Userspace(engine)) => Some(engine.clone()),
         _ => None,
     };
+    if let Some(engine) = &engine {
+        replicas.set_engine(engine.clone());
+    }
     let shared_port = match &flavor {
         Some(Flavor::Userspace(engine)) => Some(engine.port()),
         _ => None,

@@ -8,6 +8,7 @@
 //! | `ports/freed/<port>` | [`FreedRecord`]: a port whose tunnel went away, until it is taken again |
 //! | `replicas/active` | [`ActiveRecord`]: the active replica and its epoch (the fence, ADR 0023) |
 //! | `replicas/members/<replica>` | [`MemberRecord`]: a replica and where its heartbeats go |
+//! | `replicas/endpoints` | [`RoamedRecord`]: where the active last heard each roamed peer |
 //!
 //! A port is taken by one transaction that writes both port keys only if both are absent, so
 //! two replicas (or two concurrent GetGatewayInfo calls) can never hand out one port twice.
@@ -21,6 +22,17 @@ pub const USED_PREFIX: &str = "ports/used/";
 pub const FREED_PREFIX: &str = "ports/freed/";
 pub const ACTIVE_KEY: &str = "replicas/active";
 pub const MEMBERS_PREFIX: &str = "replicas/members/";
+pub const ROAMED_KEY: &str = "replicas/endpoints";
+
+/// The peers the active hears from somewhere else than their published endpoint (a peer whose
+/// cluster failed over to its standby), written by the active when that changes: a standby
+/// that takes over initiates to them there.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RoamedRecord {
+    pub epoch: u64,
+    /// Base64 public key of the peer, and where it is.
+    pub endpoints: std::collections::BTreeMap<String, std::net::SocketAddr>,
+}
 
 /// Store key of a replica's membership.
 pub fn member_key(replica: &str) -> String {

@@ -49,6 +49,7 @@ pub struct FoundVxlan {
     pub mtu: u32,
     pub up: bool,
     pub learning: bool,
+    pub mac: String,
 }
 
 /// What the node holds of ours, and the networks of its own addresses.
@@ -177,6 +178,7 @@ pub async fn observe(interface: &str) -> anyhow::Result<Observed> {
                     .as_array()
                     .is_some_and(|f| f.iter().any(|x| x.as_str() == Some("UP"))),
                 learning: data["learning"].as_bool().unwrap_or(true),
+                mac: link["address"].as_str().unwrap_or_default().to_owned(),
             }
         }));
         let text = cmd::ip(&["-j", "addr", "show", "dev", interface]).await?;
@@ -319,7 +321,8 @@ pub async fn apply(
     let v = &wanted.vxlan;
     let found = observed.vxlan.clone();
     let same_device = matches!(&found, Some(Some(f)) if f.id == v.id && f.port == v.port
-        && f.local == Some(v.local) && f.remote == v.remote && f.learning == v.learning);
+        && f.local == Some(v.local) && f.remote == v.remote && f.learning == v.learning
+        && f.mac == v.mac);
     if !same_device {
         if found.is_some() {
             // A changed remote (the gateway moved) or a foreign device of our name: VXLAN
@@ -329,7 +332,8 @@ pub async fn apply(
         let (id, port, local) = (v.id.to_string(), v.port.to_string(), v.local.to_string());
         let remote = v.remote.map(|r| r.to_string());
         let mut args = vec![
-            "link", "add", iface, "type", "vxlan", "id", &id, "dstport", &port, "local", &local,
+            "link", "add", iface, "address", &v.mac, "type", "vxlan", "id", &id, "dstport", &port,
+            "local", &local,
         ];
         if let Some(remote) = &remote {
             args.extend(["remote", remote.as_str()]);
@@ -364,6 +368,7 @@ pub async fn apply(
         BTreeSet::new()
     };
     let mut batch = String::new();
+    let mut deletes = String::new();
     if existing != wanted.routes || !settled {
         if let Some(via) = wanted.via {
             for net in &wanted.routes {
@@ -376,7 +381,7 @@ pub async fn apply(
         }
         for net in existing.difference(&wanted.routes) {
             let _ = writeln!(
-                batch,
+                deletes,
                 "route del {net} proto {ROUTE_PROTO} metric {ROUTE_METRIC}"
             );
         }
@@ -385,16 +390,43 @@ pub async fn apply(
         // Ours, but on a device we just replaced (or left over): gone with it, or stale.
         if !wanted.routes.contains(net) {
             let _ = writeln!(
-                batch,
+                deletes,
                 "route del {net} proto {ROUTE_PROTO} metric {ROUTE_METRIC}"
             );
         }
     }
     for (net, metric) in &observed.other_metric {
-        let _ = writeln!(batch, "route del {net} proto {ROUTE_PROTO} metric {metric}");
+        let _ = writeln!(
+            deletes,
+            "route del {net} proto {ROUTE_PROTO} metric {metric}"
+        );
     }
     if !batch.is_empty() {
         cmd::run("ip", &["-force", "-batch", "-"], Some(&batch)).await?;
+        changes += 1;
+    }
+    if let (Some(via), Some(mac)) = (wanted.via, &wanted.via_mac) {
+        let via = via.to_string();
+        cmd::ip(&[
+            "neigh",
+            "replace",
+            &via,
+            "lladdr",
+            mac,
+            "dev",
+            iface,
+            "nud",
+            "permanent",
+        ])
+        .await?;
+    }
+    if !deletes.is_empty() {
+        match cmd::run("ip", &["-force", "-batch", "-"], Some(&deletes)).await {
+            Ok(_) => {}
+            // A route of a device just replaced went with it: gone is what was wanted.
+            Err(err) if only_already_gone(&format!("{err:#}")) => {}
+            Err(err) => return Err(err),
+        }
         changes += 1;
     }
     // Replies of connections the gateway DNATs to this node's pods arrive over the node
@@ -413,6 +445,15 @@ pub async fn apply(
     Ok(changes)
 }
 
+/// Whether every failure `ip -batch` reported in `error` is a route that no longer exists.
+fn only_already_gone(error: &str) -> bool {
+    error
+        .lines()
+        .filter(|l| l.contains("RTNETLINK answers"))
+        .all(|l| l.contains("No such process"))
+        && error.contains("RTNETLINK answers")
+}
+
 /// Sets `ipv4/<path>` under `root` (`--proc-sys-net`) to `value` unless it already is, so a
 /// node whose values are right needs no write (and a read-only `/proc/sys` is then fine).
 async fn ensure_sysctl(root: &Path, path: &str, value: &str) -> anyhow::Result<()> {
@@ -428,6 +469,19 @@ async fn ensure_sysctl(root: &Path, path: &str, value: &str) -> anyhow::Result<(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_routes_already_gone_are_tolerated_when_deleting() {
+        let gone = "ip -force -batch - failed (exit status: 1): RTNETLINK answers: No such \
+                    process\nCommand failed -:1\nRTNETLINK answers: No such process";
+        assert!(only_already_gone(gone));
+        let denied = "ip -force -batch - failed (exit status: 1): RTNETLINK answers: No such \
+                      process\nRTNETLINK answers: Operation not permitted";
+        assert!(!only_already_gone(denied));
+        assert!(!only_already_gone(
+            "cannot run ip -force -batch -: not found"
+        ));
+    }
 
     #[tokio::test]
     async fn sysctls_are_written_under_the_given_root_only_when_they_differ() {

@@ -51,6 +51,9 @@ pub struct Vxlan {
     pub remote: Option<Ipv4Addr>,
     pub mtu: u32,
     pub address: Ipv4Net,
+    /// Its MAC address, derived from the node IP ([`overlay_mac`]): every node knows the
+    /// gateway node's without asking (no ARP to wait for when the gateway moves).
+    pub mac: String,
     /// Whether the device learns where inner addresses are from the frames it receives: on
     /// the gateway node only, which must answer every node; elsewhere the default entry
     /// towards the gateway node serves everything, and learning would only let a forged
@@ -68,6 +71,8 @@ pub struct Wanted {
     pub routes: BTreeSet<Ipv4Net>,
     /// Next hop of those routes: the gateway node's overlay address.
     pub via: Option<Ipv4Addr>,
+    /// The gateway node's overlay MAC, a permanent neighbour entry for `via`.
+    pub via_mac: Option<String>,
     /// MTU of those routes (and the TCP MSS clamp's basis).
     pub route_mtu: u32,
     /// Every remote prefix, for the MSS clamp and the node guard (also on the gateway node).
@@ -78,6 +83,13 @@ pub struct Wanted {
 pub fn overlay_ip(ip: Ipv4Addr) -> Ipv4Addr {
     let [_, b, c, d] = ip.octets();
     Ipv4Addr::new(240, b, c, d)
+}
+
+/// The overlay MAC of the node with node IP `a.b.c.d`: 02:f0:a:b:c:d (locally administered,
+/// unique per node IP).
+pub fn overlay_mac(ip: Ipv4Addr) -> String {
+    let [a, b, c, d] = ip.octets();
+    format!("02:f0:{a:02x}:{b:02x}:{c:02x}:{d:02x}")
 }
 
 /// The wanted state for `node` after `message`; an error names the message field that is
@@ -138,6 +150,7 @@ pub fn plan(node: &NodeSettings, message: &WatchRoutesResponse) -> Result<Wanted
             mtu: overlay_mtu,
             address,
             learning: is_gateway_node,
+            mac: overlay_mac(node.ip),
         },
         routes: if is_gateway_node {
             BTreeSet::new()
@@ -145,6 +158,7 @@ pub fn plan(node: &NodeSettings, message: &WatchRoutesResponse) -> Result<Wanted
             prefixes.clone()
         },
         via: (!is_gateway_node).then(|| overlay_ip(gateway_ip)),
+        via_mac: (!is_gateway_node).then(|| overlay_mac(gateway_ip)),
         route_mtu,
         clamp: prefixes,
     })

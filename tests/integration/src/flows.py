@@ -5,7 +5,8 @@ run RESULT STOP TARGET...: each TARGET is tcp:IP:PORT:N (N connections, each sen
 8-digit sequence number and a newline every 50 ms and checking that the echo comes back
 unchanged and in order) or udp:IP:PORT (a datagram every 10 ms). Runs until the file STOP
 exists, then writes a JSON summary to RESULT: per target, the connections broken (reset,
-closed, or an echo that does not match) and the longest time without an echo.
+closed, or an echo that does not match) and the longest time without an echo; per probe,
+every gap over 100 ms as [seconds since the start, milliseconds].
 """
 
 import json
@@ -95,10 +96,11 @@ def run(result_path, stop_path, targets):
             s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
             s.connect((ip, int(port)))
             s.setblocking(False)
+            entry["gaps"] = []
             probe = {"sock": s, "seq": 0, "received": 0, "last": time.monotonic(), "entry": entry}
             probes.append(probe)
             sel.register(s, selectors.EVENT_READ, probe)
-    next_tcp = next_udp = time.monotonic()
+    begin = next_tcp = next_udp = time.monotonic()
     while not os.path.exists(stop_path):
         now = time.monotonic()
         if now >= next_tcp:
@@ -112,7 +114,7 @@ def run(result_path, stop_path, targets):
                 except BlockingIOError:
                     pass
                 except OSError as e:
-                    c.error = "send: %s" % e
+                    c.error = "send at %.3f s: %s" % (now - begin, e)
         if now >= next_udp:
             next_udp += UDP_EVERY
             for p in probes:
@@ -131,7 +133,7 @@ def run(result_path, stop_path, targets):
                 except BlockingIOError:
                     continue
                 except OSError as e:
-                    c.error = "recv: %s" % e
+                    c.error = "recv at %.3f s: %s" % (now - begin, e)
                     sel.unregister(c.sock)
                     continue
                 if not data:
@@ -155,6 +157,8 @@ def run(result_path, stop_path, targets):
                         p["received"] += 1
                         gap = now - p["last"]
                         p["entry"]["max_gap_ms"] = max(p["entry"]["max_gap_ms"], gap * 1000)
+                        if gap > 0.1:
+                            p["entry"]["gaps"].append([round(p["last"] - begin, 3), round(gap * 1000)])
                         p["last"] = now
                 except OSError:
                     pass

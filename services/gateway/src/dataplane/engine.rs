@@ -588,7 +588,42 @@ impl Engine {
                 keepalive,
             };
             *peer.tunn() = shared.tunn(&config, peer.index);
-            shared.initiate(peer);
+            // Where the previous active last heard the peer may be out of date (the peer's
+            // cluster failed over too): its published endpoint gets the same initiation.
+            let configured = *peer.configured.lock().unwrap_or_else(|e| e.into_inner());
+            let also = (configured != peer.endpoint()).then_some(configured);
+            shared.initiate_to(peer, also);
+        }
+    }
+
+    /// Every peer whose endpoint moved away from its configured one (roaming), by public key:
+    /// what the active tells its standbys, so that a takeover reaches peers where they are.
+    pub fn roamed(&self) -> Vec<([u8; 32], SocketAddr)> {
+        let peers = self.shared.peers.read().unwrap_or_else(|e| e.into_inner());
+        let mut out: Vec<([u8; 32], SocketAddr)> = peers
+            .by_index
+            .values()
+            .filter(|p| *p.configured.lock().unwrap_or_else(|e| e.into_inner()) != p.endpoint())
+            .map(|p| (p.public_key, p.endpoint()))
+            .collect();
+        out.sort();
+        out
+    }
+
+    /// Points every peer at the endpoint the active last heard it from (`roamed`, by public
+    /// key), and every other peer back at its configured endpoint. For a standby: its
+    /// takeover then starts where the peers are.
+    pub fn follow_roamed(&self, roamed: &[([u8; 32], SocketAddr)]) {
+        let peers = self.shared.peers.read().unwrap_or_else(|e| e.into_inner());
+        for peer in peers.by_index.values() {
+            let configured = *peer.configured.lock().unwrap_or_else(|e| e.into_inner());
+            let to = roamed
+                .iter()
+                .find(|(key, _)| *key == peer.public_key)
+                .map_or(configured, |(_, at)| *at);
+            if peer.endpoint() != to {
+                *peer.endpoint.write().unwrap_or_else(|e| e.into_inner()) = to;
+            }
         }
     }
 
@@ -752,10 +787,18 @@ impl Shared {
 
     /// Starts a handshake with `peer` now.
     fn initiate(&self, peer: &Peer) {
+        self.initiate_to(peer, None);
+    }
+
+    /// Starts a handshake with `peer` now, sent to its endpoint and to `also`.
+    fn initiate_to(&self, peer: &Peer, also: Option<SocketAddr>) {
         let mut buf = [0u8; 256];
         let result = peer.tunn().format_handshake_initiation(&mut buf, false);
         if let TunnResult::WriteToNetwork(packet) = result {
             self.send(packet, peer.endpoint());
+            if let Some(to) = also {
+                self.send(packet, to);
+            }
         }
     }
 

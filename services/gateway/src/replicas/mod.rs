@@ -37,7 +37,8 @@ use trellis_store::{Compare, Op, SharedStore, Txn};
 
 use self::election::{Change, Election, Leader};
 use self::heartbeat::{Heartbeat, Refusal};
-use crate::records::{self, ActiveRecord, MemberRecord, decode, encode, now_nanos};
+use crate::dataplane::engine::Engine;
+use crate::records::{self, ActiveRecord, MemberRecord, RoamedRecord, decode, encode, now_nanos};
 
 /// How long one store operation of the election may take: the loop must not wait on a store
 /// that went away (heartbeats go on meanwhile, on their own task).
@@ -174,6 +175,11 @@ pub struct Replicas {
     peers: Mutex<std::collections::BTreeMap<String, (Instant, Heartbeat)>>,
     metrics: ReplicaMetrics,
     store_down: LogLimit,
+    /// The userspace engine, once started: the active shares where it hears roamed peers,
+    /// a standby points its peers there.
+    engine: std::sync::OnceLock<Arc<Engine>>,
+    /// The roamed endpoints last written (active) or applied (standby).
+    roamed: Mutex<Option<std::collections::BTreeMap<String, SocketAddr>>>,
 }
 
 /// The address the other replicas reach `listen` at: its own IP, or the node's for a wildcard
@@ -272,7 +278,85 @@ impl Replicas {
             peers: Mutex::new(std::collections::BTreeMap::new()),
             metrics: replica_metrics,
             store_down: LogLimit::new(trellis_runtime::log_limit::PERIOD),
+            engine: std::sync::OnceLock::new(),
+            roamed: Mutex::new(None),
         })
+    }
+
+    /// The userspace engine whose roamed endpoints are shared between the replicas.
+    pub fn set_engine(&self, engine: Arc<Engine>) {
+        let _ = self.engine.set(engine);
+    }
+
+    /// The active writes where it hears roamed peers when that changed; a standby reads it
+    /// and points its peers there.
+    async fn share_roamed(&self, election: &Election) {
+        use base64::Engine as _;
+        let Some(engine) = self.engine.get() else {
+            return;
+        };
+        let b64 = base64::engine::general_purpose::STANDARD;
+        if let Some(epoch) = election.active() {
+            let endpoints: std::collections::BTreeMap<String, SocketAddr> = engine
+                .roamed()
+                .into_iter()
+                .map(|(key, at)| (b64.encode(key), at))
+                .collect();
+            if self.roamed.lock().ok().and_then(|r| r.clone()).as_ref() == Some(&endpoints) {
+                return;
+            }
+            let record = RoamedRecord {
+                epoch,
+                endpoints: endpoints.clone(),
+            };
+            let written = match encode(&record) {
+                Ok(value) => timed("sharing the roamed endpoints", async {
+                    self.store
+                        .put(records::ROAMED_KEY, value)
+                        .await
+                        .map_err(Error::from)
+                })
+                .await
+                .map(drop),
+                Err(err) => Err(err),
+            };
+            match written {
+                Ok(()) => {
+                    if let Ok(mut r) = self.roamed.lock() {
+                        *r = Some(endpoints);
+                    }
+                }
+                Err(err) => self.store_unavailable("sharing the roamed endpoints", &err),
+            }
+            return;
+        }
+        let read = timed("reading the roamed endpoints", async {
+            match self.store.get(records::ROAMED_KEY).await? {
+                Some(kv) => Ok(Some(decode::<RoamedRecord>(
+                    records::ROAMED_KEY,
+                    &kv.value,
+                )?)),
+                None => Ok(None),
+            }
+        })
+        .await;
+        match read {
+            Ok(record) => {
+                let endpoints = record.map(|r| r.endpoints).unwrap_or_default();
+                let roamed: Vec<([u8; 32], SocketAddr)> = endpoints
+                    .iter()
+                    .filter_map(|(key, at)| {
+                        let bytes: [u8; 32] = b64.decode(key).ok()?.try_into().ok()?;
+                        Some((bytes, *at))
+                    })
+                    .collect();
+                engine.follow_roamed(&roamed);
+                if let Ok(mut r) = self.roamed.lock() {
+                    *r = None;
+                }
+            }
+            Err(err) => self.store_unavailable("reading the roamed endpoints", &err),
+        }
     }
 
     /// The election's outcome, now and after each change.
@@ -449,6 +533,7 @@ impl Replicas {
             }
             Err(err) => self.store_unavailable("reading the active record", &err),
         }
+        self.share_roamed(election).await;
     }
 
     fn store_unavailable(&self, what: &str, err: &Error) {

@@ -1,0 +1,455 @@
+//! Gateway replicas fail over with real packets (issue 33), as root, in network namespaces this
+//! test creates and always removes: hub B and leaves A and C, all with pod CIDR 10.0.0.0/16,
+//! three nodes each, **two gateway replicas per cluster** (nodes 0 and 1, one store). While
+//! long-lived TCP connections (a message every 50 ms, each echo checked) and a 10 ms UDP probe
+//! run from the pod of A's node 2 to the pods of node 2 of B (leaf to hub) and of C (leaf to
+//! leaf, induced: the direct tunnel), the active gateway of each cluster in turn is killed with
+//! SIGKILL. The standby must take over under a new epoch, every route agent and every tunnel
+//! must follow it, and the killed replica must come back as a standby (no pre-emption).
+//!
+//! Through A's own failover every connection survives. Through the failovers of B and C (the
+//! clusters that did not open the connections) a connection can still be reset, when the new
+//! active sees its first packet from its own pod's side (ADR 0023): those resets are counted
+//! and printed, not asserted, until that is fixed. Every gap is printed as `measured:`.
+//!
+//! Skipped (with a `SKIPPED:` line) when not root or without `ip`/`nft`/`ping`/`python3`; CI
+//! runs as root and fails instead. Heavy (36 processes): one at a time in the `heavy` group.
+
+use std::net::Ipv4Addr;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use ipnet::Ipv4Net;
+use trellis_api::pb::gateway::{
+    GetReplicaStatusRequest, GetReplicaStatusResponse, ListTunnelsRequest,
+};
+use trellis_api::pb::route::GetStatusRequest;
+use trellis_api::pb::route::route_client::RouteClient;
+use trellis_netlab::{Fabric, FabricOptions};
+
+const A: usize = 0;
+const B: usize = 1;
+const C: usize = 2;
+const LIMIT: Duration = Duration::from_secs(90);
+const PORT: u16 = 7500;
+/// TCP connections per destination.
+const CONNECTIONS: usize = 25;
+/// How long a standby may take to say it is active after the kill (generous: the target is
+/// under 2 s, this bound only catches a takeover that never comes).
+const TAKEOVER: Duration = Duration::from_secs(10);
+
+const FLOWS: &str = include_str!("../src/flows.py");
+
+fn can_run(test: &str) -> bool {
+    trellis_netlab::netns::can_run(test, &["ip", "nft", "ping", "python3"])
+}
+
+/// The address a pod of cluster `from` uses for `to`'s pod `pod_ip`.
+async fn address(fabric: &Fabric, from: usize, to: usize, pod_ip: Ipv4Addr) -> Ipv4Addr {
+    let view: Ipv4Net = fabric.view(from, to, false).await.expect("view");
+    let site = &fabric.topology.sites[to];
+    let offset = u32::from(pod_ip) - u32::from(site.pod_cidr.network());
+    Ipv4Addr::from(u32::from(view.network()) + offset)
+}
+
+async fn replica_status(
+    fabric: &Fabric,
+    cluster: usize,
+    node: usize,
+) -> anyhow::Result<GetReplicaStatusResponse> {
+    let mut client = fabric.clusters[cluster].gateway_replica(node)?;
+    let status = tokio::time::timeout(
+        Duration::from_secs(2),
+        client.get_replica_status(GetReplicaStatusRequest {}),
+    )
+    .await??;
+    Ok(status.into_inner())
+}
+
+/// The node of `cluster`'s one active replica, once exactly one says it is active (and none
+/// other answers as active), with its epoch.
+async fn the_active(fabric: &Fabric, cluster: usize, bound: Duration) -> (usize, u64) {
+    let started = Instant::now();
+    loop {
+        let mut active = Vec::new();
+        for node in fabric.clusters[cluster].gateway_replica_nodes() {
+            if let Ok(s) = replica_status(fabric, cluster, node).await
+                && s.active
+            {
+                active.push((node, s.epoch));
+            }
+        }
+        if let [one] = active.as_slice() {
+            return *one;
+        }
+        assert!(
+            active.len() < 2,
+            "two active replicas in cluster {cluster}: {active:?}"
+        );
+        assert!(
+            started.elapsed() < bound,
+            "no active replica in cluster {cluster} within {bound:?}\n{}",
+            fabric.logs()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// After a takeover by the replica on node `new`: milliseconds since `killed` until every route
+/// agent of `cluster` routes to that node (in sync), and until every tunnel of the new active
+/// had a handshake after `kill_time`.
+async fn follow_up(
+    fabric: &Fabric,
+    cluster: usize,
+    new: usize,
+    killed: Instant,
+    kill_time: std::time::SystemTime,
+) -> (u128, u128) {
+    let site = &fabric.topology.sites[cluster];
+    let gateway_node = site.nodes[new].name.clone();
+    let (mut nodes_at, mut handshakes_at) = (None, None);
+    while nodes_at.is_none() || handshakes_at.is_none() {
+        if killed.elapsed() > LIMIT {
+            panic!(
+                "cluster {cluster} never settled after the takeover (nodes {nodes_at:?}, \
+                 handshakes {handshakes_at:?})\n{}\n{}",
+                tunnels(fabric).await,
+                fabric.logs()
+            );
+        }
+        if nodes_at.is_none() {
+            let mut all = true;
+            for node in &site.nodes {
+                let addr = std::net::SocketAddr::new(node.node_ip.into(), 7107);
+                let followed = async {
+                    let channel = trellis_netlab::netns::channel_in(&node.netns, addr)?;
+                    let status = RouteClient::new(channel)
+                        .get_status(GetStatusRequest {})
+                        .await?
+                        .into_inner();
+                    anyhow::Ok(status.gateway_node_name == gateway_node && status.in_sync)
+                }
+                .await
+                .unwrap_or(false);
+                all &= followed;
+            }
+            if all {
+                nodes_at = Some(killed.elapsed().as_millis());
+            }
+        }
+        if handshakes_at.is_none() {
+            let fresh = async {
+                let tunnels = fabric.clusters[cluster]
+                    .gateway_replica(new)?
+                    .list_tunnels(ListTunnelsRequest {})
+                    .await?
+                    .into_inner()
+                    .tunnels;
+                anyhow::Ok(
+                    !tunnels.is_empty()
+                        && tunnels.iter().all(|t| {
+                            t.last_handshake_time
+                                .clone()
+                                .and_then(|ts| std::time::SystemTime::try_from(ts).ok())
+                                .is_some_and(|at| at > kill_time)
+                        }),
+                )
+            }
+            .await
+            .unwrap_or(false);
+            if fresh {
+                handshakes_at = Some(killed.elapsed().as_millis());
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    (
+        nodes_at.unwrap_or_default(),
+        handshakes_at.unwrap_or_default(),
+    )
+}
+
+/// Every replica's tunnels: peer, state, where it sends, last handshake (for failures).
+async fn tunnels(fabric: &Fabric) -> String {
+    let mut out = String::new();
+    for (i, cluster) in fabric.clusters.iter().enumerate() {
+        for node in cluster.gateway_replica_nodes() {
+            let listed = async {
+                let active = replica_status(fabric, i, node).await?.active;
+                let tunnels = cluster
+                    .gateway_replica(node)?
+                    .list_tunnels(ListTunnelsRequest {})
+                    .await?
+                    .into_inner()
+                    .tunnels;
+                anyhow::Ok((active, tunnels))
+            }
+            .await;
+            match listed {
+                Ok((active, tunnels)) => {
+                    for t in tunnels {
+                        out.push_str(&format!(
+                            "{} n{node} (active {active}) -> {}: state {} endpoint {} handshake {:?}\n",
+                            cluster.id,
+                            t.remote.map(|r| r.cluster_id).unwrap_or_default(),
+                            t.state,
+                            t.remote_endpoint,
+                            t.last_handshake_time
+                        ));
+                    }
+                }
+                Err(err) => out.push_str(&format!("{} n{node}: {err:#}\n", cluster.id)),
+            }
+        }
+    }
+    out
+}
+
+/// A process in a pod namespace, killed on drop.
+struct PodProcess(Child);
+
+impl Drop for PodProcess {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn python_in(ns: &str, script: &std::path::Path, args: &[String]) -> PodProcess {
+    let child = Command::new("ip")
+        .args(["netns", "exec", ns, "python3"])
+        .arg(script)
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("python3 starts");
+    PodProcess(child)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_standby_takes_over_each_clusters_tunnels_and_node_path_after_a_kill() {
+    if !can_run("a_standby_takes_over_each_clusters_tunnels_and_node_path_after_a_kill") {
+        return;
+    }
+    let mut options = FabricOptions::three_clusters();
+    options.nodes = 3;
+    options.gateways = 2;
+    let started = Instant::now();
+    let mut fabric = Fabric::up(options).await.expect("fabric up");
+    fabric
+        .wait_mesh(LIMIT)
+        .await
+        .unwrap_or_else(|e| panic!("{e:#}\n{}", fabric.logs()));
+    eprintln!(
+        "measured: 3 clusters x 3 nodes x 2 gateway replicas up and peered in {} ms",
+        started.elapsed().as_millis()
+    );
+    for cluster in [A, B, C] {
+        let (node, epoch) = the_active(&fabric, cluster, LIMIT).await;
+        eprintln!("cluster {cluster}: the active replica is on node {node}, epoch {epoch}");
+    }
+
+    let dir = tempfile::tempdir().expect("tempdir");
+    let script = dir.path().join("flows.py");
+    std::fs::write(&script, FLOWS).expect("script written");
+    let (b2, c2, a2) = (
+        fabric.topology.sites[B].nodes[2].clone(),
+        fabric.topology.sites[C].nodes[2].clone(),
+        fabric.topology.sites[A].nodes[2].clone(),
+    );
+    let _servers =
+        [&b2, &c2].map(|n| python_in(&n.pod_ns, &script, &["serve".into(), PORT.to_string()]));
+    let to_b = address(&fabric, A, B, b2.pod_ip).await;
+    let to_c = address(&fabric, A, C, c2.pod_ip).await;
+    for to in [to_b, to_c] {
+        let bound = Duration::from_secs(60);
+        let started = Instant::now();
+        loop {
+            let out = trellis_netlab::netns::exec(
+                &a2.pod_ns,
+                "ping",
+                &["-n", "-c", "1", "-W", "1", &to.to_string()],
+            )
+            .expect("ping runs");
+            if out.status.success() {
+                break;
+            }
+            assert!(
+                started.elapsed() < bound,
+                "A/n2 never reached {to}\n{}",
+                fabric.logs()
+            );
+        }
+    }
+    // The servers listen by now (they started before the pings answered).
+    let targets = [
+        format!("tcp:{to_b}:{PORT}:{CONNECTIONS}"),
+        format!("tcp:{to_c}:{PORT}:{CONNECTIONS}"),
+        format!("udp:{to_b}:{PORT}"),
+        format!("udp:{to_c}:{PORT}"),
+    ];
+
+    // A's own failover: every connection was opened from A, so the new active picks each up
+    // right from whichever side sends first. Not one may break.
+    let flows = Flows::start(&a2.pod_ns, &script, dir.path(), "a", &targets);
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    fail_over(&mut fabric, A).await;
+    let summary = flows.stop();
+    let broken = report(&summary);
+    assert!(
+        broken.is_empty(),
+        "connections broken by A's failover:\n{}\n{}",
+        broken.join("\n"),
+        fabric.logs()
+    );
+
+    // The hub's and C's failovers: the connections were opened by A's pod, so on B and C they
+    // are the peer's. Those the new active picks up from the tunnel keep their translation;
+    // one whose first packet there comes from our pod's side is tracked untranslated and is
+    // reset (ADR 0023, open in issue 33): counted, not asserted yet. The probes must resume.
+    let flows = Flows::start(&a2.pod_ns, &script, dir.path(), "bc", &targets);
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    fail_over(&mut fabric, B).await;
+    fail_over(&mut fabric, C).await;
+    let summary = flows.stop();
+    let broken = report(&summary);
+    eprintln!(
+        "measured: {} of {} connections reset by the failovers of the clusters that did not \
+         open them",
+        broken.len(),
+        2 * CONNECTIONS
+    );
+    for target in summary.as_array().expect("targets") {
+        if target["connections"].is_null() {
+            let gap = target["max_gap_ms"].as_f64().unwrap_or(f64::MAX);
+            assert!(
+                gap < 10_000.0,
+                "the probe {} never came back ({gap} ms)\n{}",
+                target["target"],
+                fabric.logs()
+            );
+        }
+    }
+}
+
+/// The flows script running in a pod, until [`Flows::stop`].
+struct Flows {
+    client: PodProcess,
+    result: std::path::PathBuf,
+    stop: std::path::PathBuf,
+}
+
+impl Flows {
+    fn start(
+        ns: &str,
+        script: &std::path::Path,
+        dir: &std::path::Path,
+        name: &str,
+        targets: &[String],
+    ) -> Self {
+        let result = dir.join(format!("{name}.json"));
+        let stop = dir.join(format!("{name}.stop"));
+        let mut args = vec![
+            "run".to_owned(),
+            result.display().to_string(),
+            stop.display().to_string(),
+        ];
+        args.extend(targets.iter().cloned());
+        Self {
+            client: python_in(ns, script, &args),
+            result,
+            stop,
+        }
+    }
+
+    /// Stops the flows; their summary.
+    fn stop(mut self) -> serde_json::Value {
+        std::fs::write(&self.stop, b"").expect("stop file");
+        let exited = Instant::now();
+        while self.client.0.try_wait().expect("client state").is_none() {
+            assert!(
+                exited.elapsed() < Duration::from_secs(10),
+                "the flows never stopped"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        serde_json::from_slice(&std::fs::read(&self.result).expect("result written")).expect("json")
+    }
+}
+
+/// Prints what the flows measured; the broken connections.
+fn report(summary: &serde_json::Value) -> Vec<String> {
+    let mut broken = Vec::new();
+    for target in summary.as_array().expect("targets") {
+        eprintln!(
+            "measured: {} longest gap {:.0} ms ({})",
+            target["target"],
+            target["max_gap_ms"].as_f64().unwrap_or(-1.0),
+            if target["connections"].is_null() {
+                format!(
+                    "{} of {} probes answered",
+                    target["received"], target["sent"]
+                )
+            } else {
+                format!(
+                    "{} connections, {} echoes",
+                    target["connections"], target["echoes"]
+                )
+            }
+        );
+        if let Some(gaps) = target["gaps"].as_array() {
+            eprintln!("  gaps over 100 ms [s since start, ms]: {gaps:?}");
+        }
+        for b in target["broken"].as_array().into_iter().flatten() {
+            broken.push(format!("{}: {b}", target["target"]));
+        }
+        let answered = target["echoes"]
+            .as_u64()
+            .or(target["received"].as_u64())
+            .unwrap_or(0);
+        assert!(answered > 0, "nothing came back from {}", target["target"]);
+    }
+    broken
+}
+
+/// Kills `cluster`'s active replica: the standby must take over under a new epoch, every node
+/// and tunnel follow it, and the killed replica comes back as a standby (no pre-emption).
+async fn fail_over(fabric: &mut Fabric, cluster: usize) {
+    let (old, epoch) = the_active(fabric, cluster, LIMIT).await;
+    let killed = Instant::now();
+    let kill_time = std::time::SystemTime::now();
+    fabric.clusters[cluster]
+        .gateway_replica_mut(old)
+        .expect("replica")
+        .kill9();
+    let (new, new_epoch) = the_active(fabric, cluster, TAKEOVER).await;
+    eprintln!(
+        "measured: cluster {cluster}: the replica on node {new} said it is active {} ms after \
+         the kill of node {old}'s (epoch {epoch} -> {new_epoch})",
+        killed.elapsed().as_millis()
+    );
+    assert_ne!(new, old, "the killed replica cannot be the active");
+    assert!(new_epoch > epoch, "a takeover is a new epoch");
+    let (nodes, handshakes) = follow_up(fabric, cluster, new, killed, kill_time).await;
+    eprintln!(
+        "measured: cluster {cluster}: every node followed the new active after {nodes} ms, \
+         every tunnel of the new active handshook after {handshakes} ms"
+    );
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    fabric.clusters[cluster]
+        .gateway_replica_mut(old)
+        .expect("replica")
+        .restart()
+        .await
+        .expect("the killed replica restarts");
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(
+        the_active(fabric, cluster, TAKEOVER).await,
+        (new, new_epoch),
+        "a returning replica must not pre-empt a healthy active"
+    );
+    let back = replica_status(fabric, cluster, old).await.expect("status");
+    assert!(!back.active && back.epoch == new_epoch, "{back:?}");
+}
