@@ -399,4 +399,23 @@ mod tests {
         let c = parse(&["--wireguard-ports", "40000-40009"]).expect("parses");
         assert_eq!(c.wireguard_ports.len(), 10);
     }
+
+    #[test]
+    fn replica_flags_default_to_a_fast_failover_and_refuse_bad_values_naming_the_flag() {
+        let c = parse(&["--dataplane", "none", "--node-name", "gw-1"]).expect("parses");
+        assert_eq!(c.replica_id().expect("defaulted"), "gw-1", "the node name");
+        assert_eq!((c.heartbeat_interval, c.failover_after), (100, 300));
+        assert_eq!(c.heartbeat_listen, "0.0.0.0:0".parse().expect("addr"));
+        for (flag, bad) in [
+            ("--replica-id", "Gw_1"),
+            ("--heartbeat-listen", "7116"),
+            ("--heartbeat-interval", "5"),
+            ("--heartbeat-interval", "10001"),
+            ("--failover-after", "10"),
+            ("--failover-after", "soon"),
+        ] {
+            let err = parse(&[flag, bad]).expect_err(&format!("{flag} {bad} is refused"));
+            assert!(err.to_string().contains(flag), "{flag} {bad}: {err}");
+        }
+    }
 }

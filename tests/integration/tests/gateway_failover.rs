@@ -149,7 +149,6 @@ async fn follow_up(
                     !tunnels.is_empty()
                         && tunnels.iter().all(|t| {
                             t.last_handshake_time
-                                .clone()
                                 .and_then(|ts| std::time::SystemTime::try_from(ts).ok())
                                 .is_some_and(|at| at > kill_time)
                         }),
