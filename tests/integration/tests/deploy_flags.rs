@@ -1688,11 +1688,11 @@ fn the_node_path_checks_report_privilege_and_placement_mistakes() -> anyhow::Res
 // --- one writer per store ----------------------------------------------------------------------
 
 /// The services whose correctness assumes a single running process per cluster: the broker
-/// serialises starting, ending and notifying a peering with an in-process lock, the forwarder
-/// keeps its relays' due queue in memory, and the gateway owns the node's tunnel devices and
-/// WireGuard port. A rollout with the default RollingUpdate strategy surges a second pod next to
-/// the first, so for a while two of them write the same store.
-const SINGLE_WRITERS: [&str; 3] = ["trellis-broker", "trellis-forwarder", "trellis-gateway"];
+/// serialises starting, ending and notifying a peering with an in-process lock, and the
+/// forwarder keeps its relays' due queue in memory. A rollout with the default RollingUpdate
+/// strategy surges a second pod next to the first, so for a while two of them write the same
+/// store. (The gateway is not one: its replicas share the store by design, ADR 0023.)
+const SINGLE_WRITERS: [&str; 2] = ["trellis-broker", "trellis-forwarder"];
 
 /// What makes `deployment` (running `binary`) run at most one pod at any time, as problems.
 fn check_single_writer(origin: &str, deployment: &Value, problems: &mut Vec<String>) {
@@ -1765,5 +1765,76 @@ fn single_writer_services_never_run_two_pods_during_a_rollout() -> anyhow::Resul
     let all = problems.join("\n");
     assert!(all.contains("replicas is Some(2)"), "{all}");
     assert!(all.contains("strategy is None, not Recreate"), "{all}");
+    Ok(())
+}
+
+/// The gateway's replicas (ADR 0023) as deployed: at least two, never two on one node, a drain
+/// or rollout takes one at a time, and the route agents follow every replica through a headless
+/// Service.
+#[test]
+fn gateway_replicas_run_on_different_nodes_and_leave_one_up_in_a_drain() -> anyhow::Result<()> {
+    let Some(python) = yaml_python() else {
+        return Ok(());
+    };
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .ancestors()
+        .nth(2)
+        .context("the workspace root")?;
+    let base = root.join("deploy/kustomize/base");
+    let gateway = yaml_documents(&python, &std::fs::read(base.join("gateway.yaml"))?)?;
+    let route = yaml_documents(&python, &std::fs::read(base.join("route.yaml"))?)?;
+    let find = |kind: &str, name: &str| {
+        gateway.iter().find(|d| {
+            d.get("kind").and_then(Value::as_str) == Some(kind)
+                && d.pointer("/metadata/name").and_then(Value::as_str) == Some(name)
+        })
+    };
+    let deployment = find("Deployment", "trellis-gateway").context("the gateway Deployment")?;
+    let replicas = deployment.pointer("/spec/replicas").and_then(Value::as_u64);
+    assert!(replicas.is_some_and(|r| r >= 2), "replicas {replicas:?}");
+    assert_eq!(
+        deployment
+            .pointer("/spec/strategy/rollingUpdate/maxSurge")
+            .and_then(Value::as_u64),
+        Some(0),
+        "a rollout replaces one replica at a time"
+    );
+    let anti = deployment
+        .pointer("/spec/template/spec/affinity/podAntiAffinity/requiredDuringSchedulingIgnoredDuringExecution/0")
+        .context("required pod anti-affinity")?;
+    assert_eq!(
+        anti.pointer("/topologyKey").and_then(Value::as_str),
+        Some("kubernetes.io/hostname")
+    );
+    assert_eq!(
+        anti.pointer("/labelSelector/matchLabels/app.kubernetes.io~1name")
+            .and_then(Value::as_str),
+        Some("trellis-gateway")
+    );
+    let pdb = find("PodDisruptionBudget", "trellis-gateway").context("the gateway's PDB")?;
+    assert_eq!(
+        pdb.pointer("/spec/minAvailable").and_then(Value::as_u64),
+        Some(1)
+    );
+    let headless = find("Service", "trellis-gateway-replicas").context("the replicas' Service")?;
+    assert_eq!(
+        headless.pointer("/spec/clusterIP").and_then(Value::as_str),
+        Some("None"),
+        "a headless Service resolves to every replica"
+    );
+    let agents = route
+        .iter()
+        .find(|d| d.get("kind").and_then(Value::as_str) == Some("DaemonSet"))
+        .context("the route agents' DaemonSet")?;
+    let env = agents
+        .pointer("/spec/template/spec/containers/0/env")
+        .and_then(Value::as_array)
+        .context("env")?;
+    let target = env
+        .iter()
+        .find(|e| e.get("name").and_then(Value::as_str) == Some("TRELLIS_GATEWAY"))
+        .and_then(|e| e.get("value"))
+        .and_then(Value::as_str);
+    assert_eq!(target, Some("trellis-gateway-replicas:7106"));
     Ok(())
 }
