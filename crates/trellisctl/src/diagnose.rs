@@ -98,6 +98,9 @@ pub enum Check {
     PoolNearlyExhausted,
     /// A certificate expires soon, or has expired.
     CertificateExpiry,
+    /// A gateway replica that could not take over at once: not warm, silent, or without an
+    /// active (ADR 0023).
+    GatewayReplica,
     /// A check could not run (e.g. a section could not be read).
     NotChecked,
 }
@@ -275,6 +278,11 @@ pub fn analyze(inputs: &Inputs) -> DiagnoseView {
                 ),
             ));
         }
+    }
+
+    // Gateway replicas (ADR 0023): every one must be able to take over at once.
+    if let Some(replica) = status.gateway.as_ref().and_then(|g| g.replica.as_ref()) {
+        out.extend(replica_findings(&local, replica));
     }
 
     // Peered ForeignClusters without a TunnelEndpoint.
@@ -509,6 +517,75 @@ pub fn analyze(inputs: &Inputs) -> DiagnoseView {
         findings: out,
         checked,
     }
+}
+
+/// A heartbeat older than this means the replica could not be followed or take over.
+const REPLICA_SILENT_MS: u64 = 1_000;
+
+/// What keeps a failover from being immediate, as seen from the replica that answered.
+fn replica_findings(local: &str, replica: &crate::status::ReplicaView) -> Vec<Finding> {
+    let mut out = Vec::new();
+    let gateway = Some(Service::Gateway);
+    if !replica.active && replica.active_replica.is_empty() {
+        out.push(finding(
+            Severity::Error,
+            Check::GatewayReplica,
+            local,
+            gateway,
+            format!(
+                "gateway replica {} knows no active replica: no tunnel carries traffic",
+                replica.replica
+            ),
+            "check that the gateway reaches its store (an active is elected there) and the \
+             replica's log"
+                .into(),
+        ));
+    }
+    if !replica.warm {
+        out.push(finding(
+            Severity::Warning,
+            Check::GatewayReplica,
+            local,
+            gateway,
+            format!(
+                "gateway replica {} is not warm: its data plane does not hold every desired \
+                 tunnel, so a takeover by it would leave some peers unreachable",
+                replica.replica
+            ),
+            "see its ListTunnels for the tunnels in error, and its log".into(),
+        ));
+    }
+    for peer in &replica.peers {
+        if peer.since_heartbeat_ms > REPLICA_SILENT_MS {
+            out.push(finding(
+                Severity::Warning,
+                Check::GatewayReplica,
+                local,
+                gateway,
+                format!(
+                    "gateway replica {} has not heard replica {} for {} ms",
+                    replica.replica, peer.replica, peer.since_heartbeat_ms
+                ),
+                "if that replica is gone, nothing to do; else open the heartbeat port \
+                 (TRELLIS_HEARTBEAT_LISTEN, UDP 7116 in the manifests) between the gateway nodes"
+                    .into(),
+            ));
+        } else if !peer.warm {
+            out.push(finding(
+                Severity::Warning,
+                Check::GatewayReplica,
+                local,
+                gateway,
+                format!(
+                    "gateway replica {} is not warm (as replica {} hears it): a takeover by it \
+                     would leave some peers unreachable",
+                    peer.replica, replica.replica
+                ),
+                "see that replica's ListTunnels and log".into(),
+            ));
+        }
+    }
+    out
 }
 
 fn expiry_finding(
@@ -884,6 +961,7 @@ pub fn check_name(c: Check) -> &'static str {
         Check::NatViewMismatch => "nat_view_mismatch",
         Check::PoolNearlyExhausted => "pool_nearly_exhausted",
         Check::CertificateExpiry => "certificate_expiry",
+        Check::GatewayReplica => "gateway_replica",
         Check::NotChecked => "not_checked",
     }
 }

@@ -17,7 +17,9 @@ use tonic_health::pb::health_client::HealthClient;
 use trellis_api::pb::discovery::discovery_client::DiscoveryClient;
 use trellis_api::pb::discovery::{GetIdentityRequest, ListForeignClustersRequest};
 use trellis_api::pb::gateway::gateway_client::GatewayClient;
-use trellis_api::pb::gateway::{GetGatewayInfoRequest, ListTunnelsRequest, WireguardMode};
+use trellis_api::pb::gateway::{
+    GetGatewayInfoRequest, GetReplicaStatusRequest, ListTunnelsRequest, WireguardMode,
+};
 use trellis_api::pb::peering::ListTunnelEndpointsRequest;
 use trellis_api::pb::peering::broker_client::BrokerClient;
 use trellis_api::pb::{gateway, types};
@@ -130,6 +132,91 @@ pub struct GatewayView {
     pub mode: String,
     pub endpoint: String,
     pub public_key: String,
+    /// Its part in the election of the cluster's active gateway (GetReplicaStatus); `None`
+    /// when the gateway does not answer it (an older one).
+    pub replica: Option<ReplicaView>,
+}
+
+/// One gateway replica's view of the election (ADR 0023).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct ReplicaView {
+    pub replica: String,
+    pub active: bool,
+    pub epoch: u64,
+    pub active_replica: String,
+    pub warm: bool,
+    /// The other replicas it hears: name, milliseconds since the last heartbeat, active, warm.
+    pub peers: Vec<ReplicaPeerView>,
+}
+
+/// Another replica as one replica hears it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct ReplicaPeerView {
+    pub replica: String,
+    pub since_heartbeat_ms: u64,
+    pub active: bool,
+    pub warm: bool,
+}
+
+impl ReplicaView {
+    fn from_pb(r: &gateway::GetReplicaStatusResponse) -> Self {
+        Self {
+            replica: r.replica.clone(),
+            active: r.active,
+            epoch: r.epoch,
+            active_replica: r.active_replica.clone(),
+            warm: r.warm,
+            peers: r
+                .peers
+                .iter()
+                .map(|p| ReplicaPeerView {
+                    replica: p.replica.clone(),
+                    since_heartbeat_ms: p
+                        .since_heartbeat
+                        .and_then(|d| std::time::Duration::try_from(d).ok())
+                        .map_or(u64::MAX, |d| {
+                            u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+                        }),
+                    active: p.active,
+                    warm: p.warm,
+                })
+                .collect(),
+        }
+    }
+
+    /// One line: who this replica is, and who is active.
+    fn describe(&self) -> String {
+        let role = if self.active {
+            format!("active, epoch {}", self.epoch)
+        } else if self.active_replica.is_empty() {
+            "standby, no active known".to_owned()
+        } else {
+            format!(
+                "standby{}, active: {} (epoch {})",
+                if self.warm { "" } else { ", NOT warm" },
+                self.active_replica,
+                self.epoch
+            )
+        };
+        let peers: Vec<String> = self
+            .peers
+            .iter()
+            .map(|p| {
+                format!(
+                    "{} {}{} heard {} ms ago",
+                    p.replica,
+                    if p.active { "active" } else { "standby" },
+                    if p.warm { "" } else { " NOT warm" },
+                    p.since_heartbeat_ms
+                )
+            })
+            .collect();
+        if peers.is_empty() {
+            format!("{} ({role})", self.replica)
+        } else {
+            format!("{} ({role}); {}", self.replica, peers.join("; "))
+        }
+    }
 }
 
 /// One tunnel as the gateway reports it.
@@ -371,15 +458,22 @@ async fn tunnel_endpoints(
 }
 
 async fn gateway_info(target: &Target, channel: Connected) -> Result<GatewayView, CtlError> {
-    let reply = GatewayClient::new(channel?)
+    let mut client = GatewayClient::new(channel?);
+    let reply = client
         .get_gateway_info(GetGatewayInfoRequest::default())
         .await
         .map_err(|s| CtlError::rpc(target, "GetGatewayInfo", &s))?
         .into_inner();
+    let replica = client
+        .get_replica_status(GetReplicaStatusRequest {})
+        .await
+        .ok()
+        .map(|r| ReplicaView::from_pb(&r.into_inner()));
     Ok(GatewayView {
         mode: names::wireguard_mode(reply.mode),
         endpoint: reply.endpoint,
         public_key: reply.public_key,
+        replica,
     })
 }
 
@@ -580,6 +674,12 @@ impl StatusView {
                 ("wireguard mode", gw.mode.clone()),
                 ("endpoint", gw.endpoint.clone()),
                 ("public key", gw.public_key.clone()),
+                (
+                    "replica",
+                    gw.replica
+                        .as_ref()
+                        .map_or_else(|| "unknown".to_owned(), ReplicaView::describe),
+                ),
             ]));
             if gw.mode == names::wireguard_mode(WireguardMode::None as i32) {
                 out.push_str(
@@ -836,9 +936,28 @@ mod tests {
             mode: "none".into(),
             endpoint: "127.0.0.1:51840".into(),
             public_key: "k".into(),
+            replica: Some(ReplicaView {
+                replica: "n1".into(),
+                active: false,
+                epoch: 4,
+                active_replica: "n0".into(),
+                warm: false,
+                peers: vec![ReplicaPeerView {
+                    replica: "n0".into(),
+                    since_heartbeat_ms: 40,
+                    active: true,
+                    warm: true,
+                }],
+            }),
         });
         view.tunnels = Some(vec![]);
         let text = view.table();
+        assert!(
+            text.contains(
+                "n1 (standby, NOT warm, active: n0 (epoch 4)); n0 active heard 40 ms ago"
+            ),
+            "{text}"
+        );
         assert!(text.contains("wireguard mode  none"), "{text}");
         assert!(text.contains("note: no data plane"), "{text}");
         assert!(text.contains("(no tunnels)"), "{text}");

@@ -127,6 +127,7 @@ fn healthy() -> Inputs {
                 mode: "userspace".into(),
                 endpoint: "127.0.0.1:51841".into(),
                 public_key: "k".into(),
+                replica: None,
             }),
             tunnels: Some(vec![TunnelView::from_pb(&hub_tunnel(Some(30), 2), now())]),
             unavailable: vec![],
@@ -386,4 +387,58 @@ fn a_tampered_learned_view_on_the_peer_names_our_decision() {
             && problem.contains("hub believes it is 10.98.0.0/16"),
         "{problem}"
     );
+}
+
+#[test]
+fn a_standby_that_is_not_warm_or_silent_and_a_missing_active_are_findings() {
+    use crate::status::{ReplicaPeerView, ReplicaView};
+    let replica = ReplicaView {
+        replica: "n1".into(),
+        active: false,
+        epoch: 0,
+        active_replica: String::new(),
+        warm: false,
+        peers: vec![
+            ReplicaPeerView {
+                replica: "n0".into(),
+                since_heartbeat_ms: 5_000,
+                active: true,
+                warm: true,
+            },
+            ReplicaPeerView {
+                replica: "n2".into(),
+                since_heartbeat_ms: 30,
+                active: false,
+                warm: false,
+            },
+        ],
+    };
+    let found = replica_findings("leaf-a", &replica);
+    let problems: Vec<&str> = found.iter().map(|f| f.problem.as_str()).collect();
+    assert_eq!(found.len(), 4, "{problems:#?}");
+    assert!(found.iter().all(|f| f.check == Check::GatewayReplica));
+    assert!(
+        problems[0].contains("knows no active replica"),
+        "{problems:#?}"
+    );
+    assert!(problems[1].contains("n1 is not warm"), "{problems:#?}");
+    assert!(
+        problems[2].contains("not heard replica n0 for 5000 ms"),
+        "{problems:#?}"
+    );
+    assert!(problems[3].contains("n2 is not warm"), "{problems:#?}");
+    let healthy = ReplicaView {
+        active: true,
+        epoch: 3,
+        active_replica: "n1".into(),
+        warm: true,
+        peers: vec![ReplicaPeerView {
+            replica: "n0".into(),
+            since_heartbeat_ms: 40,
+            active: false,
+            warm: true,
+        }],
+        ..replica
+    };
+    assert!(replica_findings("leaf-a", &healthy).is_empty());
 }
