@@ -334,6 +334,14 @@ impl NsCluster {
         Ok(this)
     }
 
+    /// `service`'s etcd (with [`StoreKind::EtcdPerService`]), to stop and restart it.
+    pub fn etcd_mut(&mut self, service: Service) -> anyhow::Result<&mut Etcd> {
+        let id = self.id.clone();
+        self.etcds
+            .get_mut(&service)
+            .with_context(|| format!("{id}: {service} has no etcd of its own"))
+    }
+
     /// The gateway replica on node `node`: node 0's is the cluster's gateway process.
     pub fn gateway_replica_mut(&mut self, node: usize) -> anyhow::Result<&mut NsProcess> {
         if node == 0 {

@@ -25,7 +25,7 @@ use trellis_api::pb::gateway::{
 };
 use trellis_api::pb::route::GetStatusRequest;
 use trellis_api::pb::route::route_client::RouteClient;
-use trellis_netlab::{Fabric, FabricOptions};
+use trellis_netlab::{Fabric, FabricOptions, Service};
 
 const A: usize = 0;
 const B: usize = 1;
@@ -204,6 +204,19 @@ async fn tunnels(fabric: &Fabric) -> String {
     out
 }
 
+/// The replicas of `cluster` that say they are active, with their epochs.
+async fn actives(fabric: &Fabric, cluster: usize) -> Vec<(usize, u64)> {
+    let mut out = Vec::new();
+    for node in fabric.clusters[cluster].gateway_replica_nodes() {
+        if let Ok(s) = replica_status(fabric, cluster, node).await
+            && s.active
+        {
+            out.push((node, s.epoch));
+        }
+    }
+    out
+}
+
 /// A process in a pod namespace, killed on drop.
 struct PodProcess(Child);
 
@@ -327,6 +340,133 @@ async fn a_standby_takes_over_each_clusters_tunnels_and_node_path_after_a_kill()
                 gap < 10_000.0,
                 "the probe {} never came back ({gap} ms)\n{}",
                 target["target"],
+                fabric.logs()
+            );
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_store_outage_and_a_standby_restart_lose_no_probe_and_never_make_two_actives() {
+    if !can_run("a_store_outage_and_a_standby_restart_lose_no_probe_and_never_make_two_actives") {
+        return;
+    }
+    let mut options = FabricOptions::three_clusters();
+    options.nodes = 3;
+    options.gateways = 2;
+    let mut fabric = Fabric::up(options).await.expect("fabric up");
+    fabric
+        .wait_mesh(LIMIT)
+        .await
+        .unwrap_or_else(|e| panic!("{e:#}\n{}", fabric.logs()));
+    let (active, epoch) = the_active(&fabric, A, LIMIT).await;
+    let standby = 1 - active;
+
+    let dir = tempfile::tempdir().expect("tempdir");
+    let script = dir.path().join("flows.py");
+    std::fs::write(&script, FLOWS).expect("script written");
+    let (b2, a2) = (
+        fabric.topology.sites[B].nodes[2].clone(),
+        fabric.topology.sites[A].nodes[2].clone(),
+    );
+    let _server = python_in(&b2.pod_ns, &script, &["serve".into(), PORT.to_string()]);
+    let to_b = address(&fabric, A, B, b2.pod_ip).await;
+    let started = Instant::now();
+    while !trellis_netlab::netns::exec(
+        &a2.pod_ns,
+        "ping",
+        &["-n", "-c", "1", "-W", "1", &to_b.to_string()],
+    )
+    .expect("ping runs")
+    .status
+    .success()
+    {
+        assert!(
+            started.elapsed() < LIMIT,
+            "A/n2 never reached {to_b}\n{}",
+            fabric.logs()
+        );
+    }
+    let flows = Flows::start(
+        &a2.pod_ns,
+        &script,
+        dir.path(),
+        "outage",
+        &[
+            format!("tcp:{to_b}:{PORT}:{CONNECTIONS}"),
+            format!("udp:{to_b}:{PORT}"),
+        ],
+    );
+    tokio::time::sleep(Duration::from_secs(2)).await;
+
+    // A checker samples both replicas every 100 ms: never two actives, never a failover.
+    let mut samples = 0;
+    let outage = Duration::from_secs(60);
+    fabric.clusters[A]
+        .etcd_mut(Service::Gateway)
+        .expect("etcd")
+        .kill();
+    let stopped = Instant::now();
+    while stopped.elapsed() < outage {
+        let actives = actives(&fabric, A).await;
+        samples += 1;
+        assert!(
+            actives.len() < 2,
+            "two active replicas during the store outage: {actives:?}"
+        );
+        assert!(
+            actives.is_empty() || actives == [(active, epoch)],
+            "the active changed during the store outage: {actives:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    fabric.clusters[A]
+        .etcd_mut(Service::Gateway)
+        .expect("etcd")
+        .restart()
+        .expect("etcd restarts");
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(the_active(&fabric, A, TAKEOVER).await, (active, epoch));
+    eprintln!(
+        "measured: {samples} samples of both replicas during a {outage:?} store outage, never two actives"
+    );
+
+    // The standby killed and restarted.
+    fabric.clusters[A]
+        .gateway_replica_mut(standby)
+        .expect("replica")
+        .kill9();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    fabric.clusters[A]
+        .gateway_replica_mut(standby)
+        .expect("replica")
+        .restart()
+        .await
+        .expect("the standby restarts");
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(the_active(&fabric, A, TAKEOVER).await, (active, epoch));
+
+    let summary = flows.stop();
+    let broken = report(&summary);
+    assert!(
+        broken.is_empty(),
+        "connections broken:\n{}",
+        broken.join("\n")
+    );
+    for target in summary.as_array().expect("targets") {
+        if target["connections"].is_null() {
+            let sent = target["sent"].as_u64().unwrap_or(0);
+            let received = target["received"].as_u64().unwrap_or(0);
+            let gap = target["max_gap_ms"].as_f64().unwrap_or(f64::MAX);
+            eprintln!(
+                "measured: {} probes lost of {sent}, longest gap {gap:.0} ms",
+                sent - received
+            );
+            // The last probes may still be on their way when the flows stop.
+            assert!(
+                sent - received <= 3 && gap < 200.0,
+                "probes lost: {} of {sent}, longest gap {gap} ms\n{}",
+                sent - received,
                 fabric.logs()
             );
         }

@@ -59,12 +59,18 @@ async fn pod_seen_by(fabric: &Fabric, viewer: usize, remote: usize) -> Ipv4Addr 
 /// UDP sockets bound by the gateway process in `ns`: `(local address, port)` per socket.
 fn gateway_udp_sockets(ns: &str) -> Vec<String> {
     let out = exec(ns, "ss", &["-H", "-u", "-l", "-n", "-p"]).expect("ss runs");
+    let heartbeat = format!("127.0.0.1:{HEARTBEAT_PORT}");
     String::from_utf8_lossy(&out.stdout)
         .lines()
         .filter(|l| l.contains("trellis-gatewa"))
         .filter_map(|l| l.split_whitespace().nth(3).map(str::to_owned))
+        .filter(|addr| *addr != heartbeat)
         .collect()
 }
+
+/// Where the gateways receive their replicas' heartbeats (pinned here so that the one socket
+/// counted above is WireGuard's).
+const HEARTBEAT_PORT: u16 = 7116;
 
 /// The hub gateway's drop counters by reason.
 fn dropped(fabric: &Fabric) -> BTreeMap<String, f64> {
@@ -125,6 +131,8 @@ async fn twenty_peers_on_one_cidr_share_one_udp_port_survive_hostile_datagrams_a
             vec![
                 "--metrics-listen".into(),
                 format!("0.0.0.0:{GATEWAY_METRICS}"),
+                "--heartbeat-listen".into(),
+                format!("127.0.0.1:{HEARTBEAT_PORT}"),
             ],
         )],
         nodes: 1,

@@ -428,19 +428,9 @@ impl Replicas {
         loop {
             tokio::select! {
                 () = shutdown.cancelled() => break,
-                Some(beat) = rx.recv() => {
-                    let (beat, at): (Heartbeat, Instant) = beat;
-                    let known = election.leader().map(|l| l.epoch);
-                    if election.on_heartbeat(&beat.replica, beat.active, beat.epoch, at) == Some(Change::StepDown) {
-                        self.stepped_down(&election, "heard");
-                    }
-                    if beat.active && known.is_none_or(|k| beat.epoch > k) {
-                        // A new active: read its record now rather than at the next sync.
+                Some((beat, at)) = rx.recv() => {
+                    if self.heard(&mut election, beat, at) {
                         last_sync = None;
-                    }
-                    self.metrics.warm.get_or_create(&vec![("replica", beat.replica.clone())]).set(i64::from(beat.warm));
-                    if let Ok(mut peers) = self.peers.lock() {
-                        peers.insert(beat.replica.clone(), (at, beat));
                     }
                     continue;
                 }
@@ -456,8 +446,15 @@ impl Replicas {
                 last_sync = Some(now);
                 self.sync(&mut election, &mut registered).await;
             }
+            // A store call may have taken long: what was heard meanwhile counts first, or a
+            // store that just came back would let us pre-empt an active we did hear.
+            while let Ok((beat, at)) = rx.try_recv() {
+                if self.heard(&mut election, beat, at) {
+                    last_sync = None;
+                }
+            }
             if election.should_take_over(Instant::now()) {
-                self.take_over(&mut election).await;
+                self.take_over(&mut election, &mut rx).await;
             }
             for (replica, heard) in election.heard() {
                 self.metrics
@@ -468,6 +465,26 @@ impl Replicas {
         }
         receiver.abort();
         sender.abort();
+    }
+
+    /// One heartbeat, received at `at`; whether it names an active newer than any known (its
+    /// record is then read at once rather than at the next sync).
+    fn heard(&self, election: &mut Election, beat: Heartbeat, at: Instant) -> bool {
+        let known = election.leader().map(|l| l.epoch);
+        if election.on_heartbeat(&beat.replica, beat.active, beat.epoch, at)
+            == Some(Change::StepDown)
+        {
+            self.stepped_down(election, "heard");
+        }
+        self.metrics
+            .warm
+            .get_or_create(&vec![("replica", beat.replica.clone())])
+            .set(i64::from(beat.warm));
+        let newer = beat.active && known.is_none_or(|k| beat.epoch > k);
+        if let Ok(mut peers) = self.peers.lock() {
+            peers.insert(beat.replica.clone(), (at, beat));
+        }
+        newer
     }
 
     fn targets(&self) -> Vec<SocketAddr> {
@@ -575,8 +592,13 @@ impl Replicas {
         self.publish(election, None);
     }
 
-    /// Claims the active role with the next epoch; the store decides.
-    async fn take_over(&self, election: &mut Election) {
+    /// Claims the active role with the next epoch; the store decides. `heard` hands over the
+    /// heartbeats that came while the store was read: one from the active calls it off.
+    async fn take_over(
+        &self,
+        election: &mut Election,
+        heard: &mut mpsc::Receiver<(Heartbeat, Instant)>,
+    ) {
         let silent = election.leader_silence(Instant::now());
         let span = tracing::info_span!("gateway.election", replica = %self.settings.replica, silent_ms = silent.as_millis() as u64);
         let _entered = span.enter();
@@ -601,6 +623,9 @@ impl Replicas {
                 epoch: record.epoch,
             };
             election.on_record(Some(leader), Instant::now());
+            while let Ok((beat, at)) = heard.try_recv() {
+                self.heard(election, beat, at);
+            }
             if !election.should_take_over(Instant::now()) {
                 // Another replica took over meanwhile.
                 self.publish(election, Some(record.clone()));
