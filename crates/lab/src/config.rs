@@ -29,6 +29,27 @@ pub enum Command {
     /// pair, and exit 0 only when every pair answered. Needs root (it enters the pods'
     /// namespaces).
     Check(CheckConfig),
+    /// SIGKILL the active gateway replica of CLUSTER in a running `--dataplane netns --gateways
+    /// 2` lab (the replicas are listed in its topology file), then wait until another replica
+    /// says it is active and print how long that took. Needs root.
+    Failover(FailoverConfig),
+}
+
+/// Flags of `trellis-lab failover`.
+#[derive(Debug, Clone, Args)]
+pub struct FailoverConfig {
+    /// The cluster ID whose active gateway is killed (e.g. `leaf-1`).
+    pub cluster: String,
+
+    /// The topology file a running `trellis-lab up --dataplane netns --topology-file PATH`
+    /// wrote.
+    #[arg(long, env = "TRELLIS_LAB_TOPOLOGY_FILE", value_name = "PATH")]
+    pub topology_file: PathBuf,
+
+    /// Seconds to wait for another replica to take over before giving up.
+    #[arg(long, env = "TRELLIS_LAB_FAILOVER_TIMEOUT", value_name = "SECONDS", default_value_t = 10,
+          value_parser = clap::value_parser!(u64).range(1..=600))]
+    pub timeout: u64,
 }
 
 /// Flags of `trellis-lab check`.
@@ -77,6 +98,14 @@ pub struct UpConfig {
     #[arg(long, env = "TRELLIS_LAB_NODES", value_name = "N", default_value_t = 1,
           value_parser = clap::value_parser!(u8).range(1..=16))]
     pub nodes: u8,
+
+    /// Gateway replicas per cluster with `--dataplane netns` (1 or 2; ADR 0023): on nodes 0
+    /// and 1, sharing the cluster's gateway store (so 2 needs `--store etcd` and `--nodes` of
+    /// at least 2). One is active, the other a warm standby; `trellis-lab failover` kills the
+    /// active one.
+    #[arg(long, env = "TRELLIS_LAB_GATEWAYS", value_name = "K", default_value_t = 1,
+          value_parser = clap::value_parser!(u8).range(1..=2))]
+    pub gateways: u8,
 
     /// Switch induced peering off on every cluster: leaves peer only with the hub, and
     /// leaf-to-leaf traffic would take the hub path.
@@ -155,6 +184,18 @@ impl UpConfig {
                 "--nodes needs --dataplane netns (without a data plane there are no nodes)"
             );
         }
+        if self.gateways > 1
+            && (self.dataplane != DataplaneKind::Netns
+                || self.nodes < self.gateways
+                || self.store != StoreKind::Etcd)
+        {
+            anyhow::bail!(
+                "--gateways {} needs --dataplane netns, --nodes of at least {} and --store etcd \
+                 (the replicas run on their own nodes and share the gateway's store)",
+                self.gateways,
+                self.gateways
+            );
+        }
         if self.dataplane == DataplaneKind::Netns && self.tls {
             anyhow::bail!(
                 "--tls is not available with --dataplane netns yet; use one or the other"
@@ -180,7 +221,7 @@ mod tests {
         args.extend_from_slice(extra);
         Cli::try_parse_from(args).map(|cli| match cli.command {
             Command::Up(up) => up,
-            Command::Check(_) => panic!("not up"),
+            Command::Check(_) | Command::Failover(_) => panic!("not up"),
         })
     }
 
@@ -212,6 +253,54 @@ mod tests {
         assert!(c.same_pod_cidr && !c.induced() && c.until_converged);
         assert_eq!(c.store, StoreKind::Etcd);
         assert_eq!(c.topology_file, Some(PathBuf::from("/tmp/t.json")));
+    }
+
+    #[test]
+    fn gateway_replicas_need_nodes_namespaces_and_etcd() {
+        let c = up(&[
+            "--dataplane",
+            "netns",
+            "--nodes",
+            "2",
+            "--store",
+            "etcd",
+            "--gateways",
+            "2",
+        ])
+        .expect("parses");
+        assert_eq!(c.gateways, 2);
+        c.validate().expect("valid");
+        for bad in [
+            &["--gateways", "2"][..],
+            &[
+                "--dataplane",
+                "netns",
+                "--nodes",
+                "1",
+                "--store",
+                "etcd",
+                "--gateways",
+                "2",
+            ],
+            &["--dataplane", "netns", "--nodes", "2", "--gateways", "2"],
+        ] {
+            let err = up(bad).expect("parses").validate().expect_err("refused");
+            assert!(
+                err.to_string().contains("--gateways 2 needs"),
+                "{bad:?}: {err}"
+            );
+        }
+        assert!(
+            up(&["--gateways", "3"]).is_err(),
+            "netns labs run at most 2"
+        );
+        let cli =
+            Cli::try_parse_from(["trellis-lab", "failover", "leaf-1", "--topology-file", "t"])
+                .expect("parses");
+        let Command::Failover(f) = cli.command else {
+            panic!("not failover")
+        };
+        assert_eq!((f.cluster.as_str(), f.timeout), ("leaf-1", 10));
     }
 
     #[test]

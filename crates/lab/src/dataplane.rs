@@ -22,7 +22,7 @@ use crate::check;
 use crate::config::{StoreKind, UpConfig};
 use crate::mesh::{self, Brokers, Expected};
 use crate::plan::{self, ClusterPlan};
-use crate::report::{self, Reach, Topology, TopologyNode, TopologyPod};
+use crate::report::{self, Reach, Topology, TopologyGateway, TopologyNode, TopologyPod};
 
 /// Clusters the namespace lab builds at most: each is 6 service processes plus a route agent
 /// per node (and with `--store etcd` six etcds), far more than the control-plane lab's
@@ -110,7 +110,7 @@ pub(crate) async fn run(
         node_networks: Vec::new(),
         unreserved: Vec::new(),
         endpoint_names: false,
-        gateways: 1,
+        gateways: usize::from(config.gateways),
     };
     let clock = Instant::now();
     let fabric = tokio::select! {
@@ -305,6 +305,26 @@ fn topology(
                 })
                 .collect()
         };
+        let index = site.index;
+        cluster.gateways = fabric.clusters[index]
+            .gateway_replica_nodes()
+            .into_iter()
+            .filter_map(|node| {
+                let process = fabric.clusters[index].gateway_replica_process(node)?;
+                Some(TopologyGateway {
+                    node: site
+                        .nodes
+                        .get(node)
+                        .map_or_else(|| "n0".to_owned(), |n| n.name.clone()),
+                    netns: process.netns().to_owned(),
+                    address: process.addr().to_string(),
+                    pid: process.pid(),
+                    // The first replica starts first and is elected first; the live answer
+                    // is GetReplicaStatus (`trellis-lab failover` asks it).
+                    active_at_start: node == 0,
+                })
+            })
+            .collect();
         cluster.pods = pods
             .into_iter()
             .map(|p| TopologyPod {

@@ -20,6 +20,7 @@ pub mod check;
 pub mod cluster;
 pub mod config;
 pub mod dataplane;
+pub mod failover;
 pub mod mesh;
 pub mod plan;
 pub mod report;
@@ -77,6 +78,7 @@ pub fn main() -> ExitCode {
         let result = match cli.command {
             Command::Up(up) => run(up, shutdown, &mut std::io::stdout()).await,
             Command::Check(check) => check::run(&check, &mut std::io::stdout()).await,
+            Command::Failover(failover) => failover::run(&failover, &mut std::io::stdout()).await,
         };
         telemetry.shutdown().await;
         result

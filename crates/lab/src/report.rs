@@ -229,6 +229,22 @@ pub struct TopologyCluster {
     /// With `--dataplane netns`: one pod per node.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub pods: Vec<TopologyPod>,
+    /// With `--dataplane netns`: every gateway replica (ADR 0023).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub gateways: Vec<TopologyGateway>,
+}
+
+/// A gateway replica of a `--dataplane netns` cluster.
+#[derive(Debug, Serialize, serde::Deserialize)]
+pub struct TopologyGateway {
+    /// The node it runs on.
+    pub node: String,
+    pub netns: String,
+    /// Its gRPC address, inside `netns`.
+    pub address: String,
+    pub pid: Option<u32>,
+    /// Whether it was the active one when the file was written.
+    pub active_at_start: bool,
 }
 
 /// A node of a `--dataplane netns` cluster.
@@ -328,6 +344,7 @@ impl Topology {
                 pod_ip: None,
                 nodes: Vec::new(),
                 pods: Vec::new(),
+                gateways: Vec::new(),
             })
             .collect();
         Self {

@@ -353,6 +353,14 @@ impl NsCluster {
             .with_context(|| format!("{id}: no gateway replica on node {node}"))
     }
 
+    /// The process of the gateway replica on node `node`.
+    pub fn gateway_replica_process(&self, node: usize) -> Option<&NsProcess> {
+        if node == 0 {
+            return self.processes.get(&Service::Gateway);
+        }
+        self.replicas.get(&node)
+    }
+
     /// The nodes running a gateway replica, node 0 first.
     pub fn gateway_replica_nodes(&self) -> Vec<usize> {
         std::iter::once(0)

@@ -70,6 +70,10 @@ fn the_namespace_lab_with_nodes_reaches_every_pod_checks_the_matrix_and_leaves_n
             "3".as_ref(),
             "--nodes".as_ref(),
             "2".as_ref(),
+            "--gateways".as_ref(),
+            "2".as_ref(),
+            "--store".as_ref(),
+            "etcd".as_ref(),
             "--same-pod-cidr".as_ref(),
             "--timeout".as_ref(),
             "180".as_ref(),
@@ -149,11 +153,46 @@ fn the_namespace_lab_with_nodes_reaches_every_pod_checks_the_matrix_and_leaves_n
         assert_ne!(str_of(r, "address"), real, "{r}");
     }
 
-    // `check` against the running lab: all pass; then one pod loses its link and the check
-    // fails, naming it.
+    // `check` against the running lab: all pass; `failover` kills leaf-1's active gateway
+    // and another replica takes over, after which every pair answers again; then one pod loses
+    // its link and the check fails, naming it.
     let (ok, text) = check(&path);
     assert!(ok, "{text}");
     assert!(text.contains("all 24 pod pairs answered"), "{text}");
+    for c in clusters {
+        let gateways = c["gateways"].as_array().expect("gateways");
+        assert_eq!(gateways.len(), 2, "{c}");
+        assert_eq!(
+            gateways
+                .iter()
+                .filter(|g| g["active_at_start"] == true)
+                .count(),
+            1,
+            "{c}"
+        );
+    }
+    let failover = Command::new(bin_path("trellis-lab").expect("built"))
+        .args(["failover", "leaf-1", "--topology-file"])
+        .arg(&path)
+        .output()
+        .expect("trellis-lab failover runs");
+    let said = String::from_utf8_lossy(&failover.stdout).into_owned();
+    assert!(
+        failover.status.success(),
+        "{said}{}",
+        String::from_utf8_lossy(&failover.stderr)
+    );
+    assert!(
+        said.contains("leaf-1: killed the active gateway replica on n0"),
+        "{said}"
+    );
+    assert!(
+        said.contains("leaf-1: the replica on n1 took over after"),
+        "{said}"
+    );
+    eprintln!("measured: {}", said.trim().replace('\n', "; "));
+    let (ok, text) = check(&path);
+    assert!(ok, "not every pair answered after the failover:\n{text}");
     let (_, cut_ns, _) = pods_of["leaf-2"][1].clone();
     let down = Command::new("ip")
         .args(["-n", &cut_ns, "link", "set", "eth0", "down"])
