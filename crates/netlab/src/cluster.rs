@@ -473,8 +473,9 @@ impl NsCluster {
         Ok(())
     }
 
-    /// The address inside the namespace where `service`'s etcd is forwarded.
-    fn etcd_addr(service: Service) -> SocketAddr {
+    /// The address inside every namespace of the cluster where `service`'s etcd is forwarded
+    /// (what a test drops to cut a node off its store).
+    pub fn etcd_addr(service: Service) -> SocketAddr {
         SocketAddr::from(([127, 0, 0, 1], 2379 + service.index()))
     }
 

@@ -64,9 +64,21 @@ def serve(port):
                 conn.setblocking(False)
 
 
+def connect(addr):
+    """A connection to addr, retried while the server is still starting (refused)."""
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            return socket.create_connection(addr, timeout=10)
+        except ConnectionRefusedError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
 class Conn:
     def __init__(self, addr):
-        self.sock = socket.create_connection(addr, timeout=10)
+        self.sock = connect(addr)
         self.sock.setblocking(False)
         self.seq = 0
         self.expected = 0

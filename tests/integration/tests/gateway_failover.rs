@@ -473,6 +473,149 @@ async fn a_store_outage_and_a_standby_restart_lose_no_probe_and_never_make_two_a
     }
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_standby_takes_over_from_an_active_whose_node_is_cut_off_which_steps_down_on_return() {
+    if !can_run(
+        "a_standby_takes_over_from_an_active_whose_node_is_cut_off_which_steps_down_on_return",
+    ) {
+        return;
+    }
+    let mut options = FabricOptions::three_clusters();
+    options.nodes = 3;
+    options.gateways = 2;
+    let fabric = Fabric::up(options).await.expect("fabric up");
+    fabric
+        .wait_mesh(LIMIT)
+        .await
+        .unwrap_or_else(|e| panic!("{e:#}\n{}", fabric.logs()));
+    let (old, epoch) = the_active(&fabric, A, LIMIT).await;
+    assert_eq!(old, 0, "the first replica is elected first");
+
+    let dir = tempfile::tempdir().expect("tempdir");
+    let script = dir.path().join("flows.py");
+    std::fs::write(&script, FLOWS).expect("script written");
+    let (b2, a2) = (
+        fabric.topology.sites[B].nodes[2].clone(),
+        fabric.topology.sites[A].nodes[2].clone(),
+    );
+    let _server = python_in(&b2.pod_ns, &script, &["serve".into(), PORT.to_string()]);
+    let to_b = address(&fabric, A, B, b2.pod_ip).await;
+    let started = Instant::now();
+    while !trellis_netlab::netns::exec(
+        &a2.pod_ns,
+        "ping",
+        &["-n", "-c", "1", "-W", "1", &to_b.to_string()],
+    )
+    .expect("ping runs")
+    .status
+    .success()
+    {
+        assert!(
+            started.elapsed() < LIMIT,
+            "A/n2 never reached {to_b}\n{}",
+            fabric.logs()
+        );
+    }
+    let flows = Flows::start(
+        &a2.pod_ns,
+        &script,
+        dir.path(),
+        "cut",
+        &[
+            format!("tcp:{to_b}:{PORT}:{CONNECTIONS}"),
+            format!("udp:{to_b}:{PORT}"),
+        ],
+    );
+    tokio::time::sleep(Duration::from_secs(2)).await;
+
+    // Node 0 of A loses its links: the node network, its uplink, and with them its way to the
+    // gateway's store (forwarded into the namespace by this test, so dropped there).
+    let n0 = fabric.topology.sites[A].nodes[0].netns.clone();
+    let store_port = trellis_netlab::NsCluster::etcd_addr(Service::Gateway).port();
+    let rules = dir.path().join("cut.nft");
+    std::fs::write(
+        &rules,
+        format!(
+            "table ip trellis-test-cut {{\n  chain out {{\n    type filter hook output \
+             priority 0; policy accept;\n    tcp dport {store_port} drop\n    tcp sport \
+             {store_port} drop\n  }}\n}}\n"
+        ),
+    )
+    .expect("rules written");
+    let cut = Instant::now();
+    trellis_netlab::netns::ip(&["-n", &n0, "link", "set", "node", "down"]).expect("node link down");
+    fabric.topology.set_uplink(A, false).expect("uplink down");
+    let out = trellis_netlab::netns::exec(&n0, "nft", &["-f", &rules.display().to_string()])
+        .expect("nft runs");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let took_over = loop {
+        if let Ok(s) = replica_status(&fabric, A, 1).await
+            && s.active
+        {
+            assert!(s.epoch > epoch, "{s:?}");
+            break cut.elapsed();
+        }
+        assert!(
+            cut.elapsed() < TAKEOVER,
+            "node 1 never took over\n{}",
+            fabric.logs()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    eprintln!(
+        "measured: A's node 0 cut off; the replica on node 1 said it is active after {} ms",
+        took_over.as_millis()
+    );
+    // Cut off from everything, the old active cannot know; once back it hears the new active
+    // (a higher epoch) and steps down, and the new one draws back any peer it touched.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    trellis_netlab::netns::ip(&["-n", &n0, "link", "set", "node", "up"]).expect("node link up");
+    fabric.topology.set_uplink(A, true).expect("uplink up");
+    let out =
+        trellis_netlab::netns::exec(&n0, "nft", &["delete", "table", "ip", "trellis-test-cut"])
+            .expect("nft runs");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let back = Instant::now();
+    loop {
+        if let Ok(s) = replica_status(&fabric, A, 0).await
+            && !s.active
+        {
+            break;
+        }
+        assert!(
+            back.elapsed() < TAKEOVER,
+            "node 0 never stepped down\n{}",
+            fabric.logs()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    eprintln!(
+        "measured: the returning replica stepped down {} ms after its links came back",
+        back.elapsed().as_millis()
+    );
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let (now, now_epoch) = the_active(&fabric, A, TAKEOVER).await;
+    assert_eq!(now, 1, "the returning replica must not take the role back");
+    assert!(now_epoch > epoch);
+
+    let summary = flows.stop();
+    let broken = report(&summary);
+    assert!(
+        broken.is_empty(),
+        "connections broken by the cut:\n{}\n{}",
+        broken.join("\n"),
+        fabric.logs()
+    );
+}
+
 /// The flows script running in a pod, until [`Flows::stop`].
 struct Flows {
     client: PodProcess,

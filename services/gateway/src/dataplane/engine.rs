@@ -596,6 +596,31 @@ impl Engine {
         }
     }
 
+    /// Sends every peer a new handshake initiation now, keeping the current sessions until the
+    /// new ones complete: an active that hears a deposed active come back (its links restored)
+    /// re-points the peers the deposed one may have drawn to itself with its last packets.
+    pub fn reassert(&self) {
+        if self.shared.standby.load(Ordering::Relaxed) {
+            return;
+        }
+        let peers: Vec<Arc<Peer>> = self
+            .shared
+            .peers
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .by_index
+            .values()
+            .cloned()
+            .collect();
+        let mut buf = [0u8; 256];
+        for peer in peers {
+            let result = peer.tunn().format_handshake_initiation(&mut buf, true);
+            if let TunnResult::WriteToNetwork(packet) = result {
+                self.shared.send(packet, peer.endpoint());
+            }
+        }
+    }
+
     /// Every peer whose endpoint moved away from its configured one (roaming), by public key:
     /// what the active tells its standbys, so that a takeover reaches peers where they are.
     pub fn roamed(&self) -> Vec<([u8; 32], SocketAddr)> {

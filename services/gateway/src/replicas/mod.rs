@@ -178,6 +178,14 @@ pub struct Replicas {
     /// The userspace engine, once started: the active shares where it hears roamed peers,
     /// a standby points its peers there.
     engine: std::sync::OnceLock<Arc<Engine>>,
+    /// At most one re-handshake with every peer a second, however many heartbeats a deposed
+    /// active sends before it hears of us.
+    reassert: LogLimit,
+    /// The active record's revision as last read, and since when it has been that one: a
+    /// record that keeps changing is an active that renews it, alive though silent to us.
+    observed: Mutex<Option<(i64, Instant)>>,
+    /// The revision of our own record while active (what a renewal compares).
+    mine: Mutex<Option<i64>>,
     /// The roamed endpoints last written (active) or applied (standby).
     roamed: Mutex<Option<std::collections::BTreeMap<String, SocketAddr>>>,
 }
@@ -213,12 +221,12 @@ pub async fn read_active(store: &SharedStore) -> Result<Option<(ActiveRecord, i6
 }
 
 /// Writes `record` as the active one if the record is still the one read at `revision`
-/// (`None`: if there is none). Whether it was written.
+/// (`None`: if there is none). The record's new revision when it was written.
 pub async fn claim(
     store: &SharedStore,
     revision: Option<i64>,
     record: &ActiveRecord,
-) -> Result<bool> {
+) -> Result<Option<i64>> {
     let compare = match revision {
         Some(revision) => Compare::mod_revision(records::ACTIVE_KEY, revision),
         None => Compare::absent(records::ACTIVE_KEY),
@@ -230,7 +238,7 @@ pub async fn claim(
                 .then(Op::put(records::ACTIVE_KEY, encode(record)?)),
         )
         .await?;
-    Ok(outcome.succeeded)
+    Ok(outcome.succeeded.then_some(outcome.revision))
 }
 
 /// Every registered replica.
@@ -279,6 +287,9 @@ impl Replicas {
             metrics: replica_metrics,
             store_down: LogLimit::new(trellis_runtime::log_limit::PERIOD),
             engine: std::sync::OnceLock::new(),
+            reassert: LogLimit::new(Duration::from_secs(1)),
+            observed: Mutex::new(None),
+            mine: Mutex::new(None),
             roamed: Mutex::new(None),
         })
     }
@@ -425,6 +436,7 @@ impl Replicas {
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut last_sync: Option<Instant> = None;
         let mut registered = false;
+        let mut last_renewal: Option<Instant> = None;
         loop {
             tokio::select! {
                 () = shutdown.cancelled() => break,
@@ -445,6 +457,10 @@ impl Replicas {
             if last_sync.is_none_or(|at| now.duration_since(at) >= period) {
                 last_sync = Some(now);
                 self.sync(&mut election, &mut registered).await;
+            }
+            if last_renewal.is_none_or(|at: Instant| at.elapsed() >= self.renew_every()) {
+                last_renewal = Some(Instant::now());
+                self.renew(&mut election).await;
             }
             // A store call may have taken long: what was heard meanwhile counts first, or a
             // store that just came back would let us pre-empt an active we did hear.
@@ -467,6 +483,93 @@ impl Replicas {
         sender.abort();
     }
 
+    /// How often an active that hears no other replica renews its record.
+    fn renew_every(&self) -> Duration {
+        (self.settings.failover_after / 3).max(Duration::from_millis(10))
+    }
+
+    /// Notes the active record's revision as read at `now`; whether it moved since the last
+    /// read.
+    fn moved(&self, revision: i64, now: Instant) -> bool {
+        let Ok(mut observed) = self.observed.lock() else {
+            return false;
+        };
+        match *observed {
+            Some((seen, _)) if seen == revision => false,
+            Some(_) => {
+                *observed = Some((revision, now));
+                true
+            }
+            None => {
+                // First sight: nothing says it moves.
+                *observed = Some((
+                    revision,
+                    now.checked_sub(self.renew_every() * 4).unwrap_or(now),
+                ));
+                false
+            }
+        }
+    }
+
+    /// While active and hearing no other replica, rewrites our record (compared against our
+    /// own last revision) so that a replica cut off from us but not from the store sees an
+    /// active that is alive and does not take over. A renewal that finds another record means
+    /// another replica took over: we step down.
+    async fn renew(&self, election: &mut Election) {
+        let Some(epoch) = election.active() else {
+            return;
+        };
+        let now = Instant::now();
+        let hears_one = election
+            .heard()
+            .values()
+            .any(|h| now.duration_since(h.at) < self.settings.failover_after);
+        if hears_one || self.targets().is_empty() {
+            return;
+        }
+        let Some(revision) = self.mine.lock().ok().and_then(|m| *m) else {
+            return;
+        };
+        let Some(record) = self
+            .view
+            .borrow()
+            .leader
+            .clone()
+            .filter(|l| l.epoch == epoch)
+        else {
+            return;
+        };
+        match timed(
+            "renewing the active record",
+            claim(&self.store, Some(revision), &record),
+        )
+        .await
+        {
+            Ok(Some(written)) => {
+                if let Ok(mut mine) = self.mine.lock() {
+                    *mine = Some(written);
+                }
+            }
+            Ok(None) => {
+                // Someone else's record now: read it and step down.
+                if let Ok(Some((other, _))) =
+                    timed("reading the active record", read_active(&self.store)).await
+                    && election.on_record(
+                        Some(Leader {
+                            replica: other.replica.clone(),
+                            epoch: other.epoch,
+                        }),
+                        Instant::now(),
+                    ) == Some(Change::StepDown)
+                {
+                    self.stepped_down(election, "renewal");
+                    self.publish(election, Some(other));
+                }
+            }
+            Err(err) => self.store_unavailable("renewing the active record", &err),
+        }
+    }
+
     /// One heartbeat, received at `at`; whether it names an active newer than any known (its
     /// record is then read at once rather than at the next sync).
     fn heard(&self, election: &mut Election, beat: Heartbeat, at: Instant) -> bool {
@@ -481,6 +584,17 @@ impl Replicas {
             .get_or_create(&vec![("replica", beat.replica.clone())])
             .set(i64::from(beat.warm));
         let newer = beat.active && known.is_none_or(|k| beat.epoch > k);
+        // A deposed active that comes back (its node's links restored) may have sent the peers
+        // a packet before it heard of us: whatever it drew to itself is drawn back.
+        if let Some(mine) = election.active()
+            && beat.active
+            && beat.epoch < mine
+            && let Some(engine) = self.engine.get()
+            && self.reassert.admit().is_some()
+        {
+            tracing::info!(replica = %beat.replica, epoch = beat.epoch, "a deposed active is back; handshaking with every peer again");
+            engine.reassert();
+        }
         if let Ok(mut peers) = self.peers.lock() {
             peers.insert(beat.replica.clone(), (at, beat));
         }
@@ -544,7 +658,8 @@ impl Replicas {
                 if election.on_record(leader, Instant::now()) == Some(Change::StepDown) {
                     self.stepped_down(election, "read");
                 }
-                if let Some((record, _)) = record {
+                if let Some((record, revision)) = record {
+                    self.moved(revision, Instant::now());
                     self.publish(election, Some(record));
                 }
             }
@@ -611,7 +726,18 @@ impl Replicas {
                 return;
             }
         };
-        if let Some((record, _)) = &read {
+        if let Some((record, revision)) = &read {
+            // Silent to us but renewing its record: the active is alive, we are the one cut off.
+            if self.moved(*revision, Instant::now())
+                || self
+                    .observed
+                    .lock()
+                    .ok()
+                    .and_then(|o| *o)
+                    .is_some_and(|(_, since)| since.elapsed() < self.renew_every() * 2)
+            {
+                return;
+            }
             if record.public_key != self.settings.public_key {
                 if let Some(held) = self.store_down.admit() {
                     tracing::error!(active = %record.replica, held_back = held, "the active record names another gateway key than ours: this replica never becomes active (replicas must share the key of one store)");
@@ -650,7 +776,10 @@ impl Replicas {
         )
         .await
         {
-            Ok(true) => {
+            Ok(Some(written)) => {
+                if let Ok(mut mine) = self.mine.lock() {
+                    *mine = Some(written);
+                }
                 election.won(epoch, Instant::now());
                 let from = previous.as_ref().map(|r| r.replica.as_str()).unwrap_or("");
                 if !from.is_empty() && from != self.settings.replica {
@@ -659,7 +788,7 @@ impl Replicas {
                 tracing::info!(epoch, previous = from, node = %self.settings.node_name, "this replica is now the active gateway");
                 self.publish(election, Some(record));
             }
-            Ok(false) => tracing::info!(epoch, "another replica claimed the active role first"),
+            Ok(None) => tracing::info!(epoch, "another replica claimed the active role first"),
             Err(err) => {
                 if let Some(held) = self.store_down.admit() {
                     tracing::warn!(error = %err, held_back = held, "could not claim the active role: the store is unreachable");
