@@ -362,41 +362,7 @@ async fn a_store_outage_and_a_standby_restart_lose_no_probe_and_never_make_two_a
     let (active, epoch) = the_active(&fabric, A, LIMIT).await;
     let standby = 1 - active;
 
-    let dir = tempfile::tempdir().expect("tempdir");
-    let script = dir.path().join("flows.py");
-    std::fs::write(&script, FLOWS).expect("script written");
-    let (b2, a2) = (
-        fabric.topology.sites[B].nodes[2].clone(),
-        fabric.topology.sites[A].nodes[2].clone(),
-    );
-    let _server = python_in(&b2.pod_ns, &script, &["serve".into(), PORT.to_string()]);
-    let to_b = address(&fabric, A, B, b2.pod_ip).await;
-    let started = Instant::now();
-    while !trellis_netlab::netns::exec(
-        &a2.pod_ns,
-        "ping",
-        &["-n", "-c", "1", "-W", "1", &to_b.to_string()],
-    )
-    .expect("ping runs")
-    .status
-    .success()
-    {
-        assert!(
-            started.elapsed() < LIMIT,
-            "A/n2 never reached {to_b}\n{}",
-            fabric.logs()
-        );
-    }
-    let flows = Flows::start(
-        &a2.pod_ns,
-        &script,
-        dir.path(),
-        "outage",
-        &[
-            format!("tcp:{to_b}:{PORT}:{CONNECTIONS}"),
-            format!("udp:{to_b}:{PORT}"),
-        ],
-    );
+    let (_dir, _server, flows) = flows_from_a_to_b(&fabric, "outage").await;
     tokio::time::sleep(Duration::from_secs(2)).await;
 
     // A checker samples both replicas every 100 ms: never two actives, never a failover.
@@ -491,41 +457,7 @@ async fn a_standby_takes_over_from_an_active_whose_node_is_cut_off_which_steps_d
     let (old, epoch) = the_active(&fabric, A, LIMIT).await;
     assert_eq!(old, 0, "the first replica is elected first");
 
-    let dir = tempfile::tempdir().expect("tempdir");
-    let script = dir.path().join("flows.py");
-    std::fs::write(&script, FLOWS).expect("script written");
-    let (b2, a2) = (
-        fabric.topology.sites[B].nodes[2].clone(),
-        fabric.topology.sites[A].nodes[2].clone(),
-    );
-    let _server = python_in(&b2.pod_ns, &script, &["serve".into(), PORT.to_string()]);
-    let to_b = address(&fabric, A, B, b2.pod_ip).await;
-    let started = Instant::now();
-    while !trellis_netlab::netns::exec(
-        &a2.pod_ns,
-        "ping",
-        &["-n", "-c", "1", "-W", "1", &to_b.to_string()],
-    )
-    .expect("ping runs")
-    .status
-    .success()
-    {
-        assert!(
-            started.elapsed() < LIMIT,
-            "A/n2 never reached {to_b}\n{}",
-            fabric.logs()
-        );
-    }
-    let flows = Flows::start(
-        &a2.pod_ns,
-        &script,
-        dir.path(),
-        "cut",
-        &[
-            format!("tcp:{to_b}:{PORT}:{CONNECTIONS}"),
-            format!("udp:{to_b}:{PORT}"),
-        ],
-    );
+    let (dir, _server, flows) = flows_from_a_to_b(&fabric, "cut").await;
     tokio::time::sleep(Duration::from_secs(2)).await;
 
     // Node 0 of A loses its links: the node network, its uplink, and with them its way to the
@@ -614,6 +546,48 @@ async fn a_standby_takes_over_from_an_active_whose_node_is_cut_off_which_steps_d
         broken.join("\n"),
         fabric.logs()
     );
+}
+
+/// A flows server on the pod of B's node 2, and flows to it from the pod of A's node 2 (TCP
+/// connections and a UDP probe) once A/n2 reaches it: the scratch directory, the server and the
+/// flows.
+async fn flows_from_a_to_b(fabric: &Fabric, name: &str) -> (tempfile::TempDir, PodProcess, Flows) {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let script = dir.path().join("flows.py");
+    std::fs::write(&script, FLOWS).expect("script written");
+    let (b2, a2) = (
+        fabric.topology.sites[B].nodes[2].clone(),
+        fabric.topology.sites[A].nodes[2].clone(),
+    );
+    let server = python_in(&b2.pod_ns, &script, &["serve".into(), PORT.to_string()]);
+    let to_b = address(fabric, A, B, b2.pod_ip).await;
+    let started = Instant::now();
+    while !trellis_netlab::netns::exec(
+        &a2.pod_ns,
+        "ping",
+        &["-n", "-c", "1", "-W", "1", &to_b.to_string()],
+    )
+    .expect("ping runs")
+    .status
+    .success()
+    {
+        assert!(
+            started.elapsed() < LIMIT,
+            "A/n2 never reached {to_b}\n{}",
+            fabric.logs()
+        );
+    }
+    let flows = Flows::start(
+        &a2.pod_ns,
+        &script,
+        dir.path(),
+        name,
+        &[
+            format!("tcp:{to_b}:{PORT}:{CONNECTIONS}"),
+            format!("udp:{to_b}:{PORT}"),
+        ],
+    );
+    (dir, server, flows)
 }
 
 /// The flows script running in a pod, until [`Flows::stop`].

@@ -571,14 +571,7 @@ impl Engine {
         if shared.standby.swap(standby, Ordering::SeqCst) == standby || standby {
             return;
         }
-        let peers: Vec<Arc<Peer>> = shared
-            .peers
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .by_index
-            .values()
-            .cloned()
-            .collect();
+        let peers = shared.all_peers();
         for peer in &peers {
             let keepalive = *peer.keepalive.lock().unwrap_or_else(|e| e.into_inner());
             let config = PeerConfig {
@@ -603,15 +596,7 @@ impl Engine {
         if self.shared.standby.load(Ordering::Relaxed) {
             return;
         }
-        let peers: Vec<Arc<Peer>> = self
-            .shared
-            .peers
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .by_index
-            .values()
-            .cloned()
-            .collect();
+        let peers = self.shared.all_peers();
         let mut buf = [0u8; 256];
         for peer in peers {
             let result = peer.tunn().format_handshake_initiation(&mut buf, true);
@@ -703,6 +688,17 @@ impl Shared {
             .by_index
             .get(&index)
             .cloned()
+    }
+
+    /// Every peer, taken out of the lock (a pass over all of them must not hold it).
+    fn all_peers(&self) -> Vec<Arc<Peer>> {
+        self.peers
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .by_index
+            .values()
+            .cloned()
+            .collect()
     }
 
     fn peer_by_key(&self, key: &[u8; 32]) -> Option<Arc<Peer>> {
@@ -1253,14 +1249,7 @@ fn timer_loop(shared: &Shared) {
         if shared.standby.load(Ordering::Relaxed) {
             continue;
         }
-        let peers: Vec<Arc<Peer>> = shared
-            .peers
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .by_index
-            .values()
-            .cloned()
-            .collect();
+        let peers = shared.all_peers();
         for peer in peers {
             let result = peer.tunn().update_timers(&mut dst);
             if let TunnResult::WriteToNetwork(packet) = result {
