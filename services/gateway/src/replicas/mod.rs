@@ -181,6 +181,9 @@ pub struct Replicas {
     /// At most one re-handshake with every peer a second, however many heartbeats a deposed
     /// active sends before it hears of us.
     reassert: LogLimit,
+    /// The error about a member with another key, at most once per period (it is read every
+    /// second).
+    odd_key: LogLimit,
     /// The active record's revision as last read, and since when it has been that one: a
     /// record that keeps changing is an active that renews it, alive though silent to us.
     observed: Mutex<Option<(i64, Instant)>>,
@@ -288,6 +291,7 @@ impl Replicas {
             store_down: LogLimit::new(trellis_runtime::log_limit::PERIOD),
             engine: std::sync::OnceLock::new(),
             reassert: LogLimit::new(Duration::from_secs(1)),
+            odd_key: LogLimit::new(trellis_runtime::log_limit::PERIOD),
             observed: Mutex::new(None),
             mine: Mutex::new(None),
             roamed: Mutex::new(None),
@@ -615,8 +619,10 @@ impl Replicas {
             Ok(list) => {
                 let me = &self.settings.replica;
                 for other in list.iter().filter(|m| &m.replica != me) {
-                    if other.public_key != self.settings.public_key {
-                        tracing::error!(replica = %other.replica, "a gateway replica registered with another public key: replicas share the key of their store, so it is not one of ours or its store differs; it never becomes active here");
+                    if other.public_key != self.settings.public_key
+                        && let Some(held) = self.odd_key.admit()
+                    {
+                        tracing::error!(held_back = held, replica = %other.replica, "a gateway replica registered with another public key: replicas share the key of their store, so it is not one of ours or its store differs; it never becomes active here");
                     }
                 }
                 let targets: std::collections::BTreeMap<String, SocketAddr> = list
