@@ -31,7 +31,7 @@ use trellis_runtime::propagation::{resumed_span, traceparent_of};
 use trellis_runtime::resync::Resync;
 use trellis_store::{Compare, Op, Txn};
 
-use crate::core::{Broker, Lane};
+use crate::core::{Broker, Dirty, Lane};
 use crate::records::{
     Decision, IN_PREFIX, IncomingNc, NOTIFY_PREFIX, OUT_PREFIX, OutgoingNc, PendingNotify,
     TUNNELS_PREFIX, TunnelRecord, decode, encode, in_key, nc_name, out_key, tombstone_key,
@@ -80,10 +80,20 @@ async fn run_lane(broker: Arc<Broker>, lane: Lane, resync: Duration, shutdown: S
         dirty.all |= retries.all_due(now);
         dirty.ids.extend(retries.due(now));
         if dirty.all || !dirty.ids.is_empty() {
+            let own = own_look(&dirty, &retries);
             let outcome = if dirty.all {
                 let outcome = pass(&broker, lane).await;
                 periodic.ran(now, Instant::now());
-                outcome
+                match outcome {
+                    Ok(mut failed) if !own.is_empty() => {
+                        pass_for(&broker, lane, &own).await.map(|more| {
+                            failed.ids.extend(more.ids);
+                            failed.all |= more.all;
+                            failed
+                        })
+                    }
+                    other => other,
+                }
             } else {
                 pass_for(&broker, lane, &dirty.ids).await
             };
@@ -121,6 +131,22 @@ async fn run_lane(broker: Arc<Broker>, lane: Lane, resync: Duration, shutdown: S
             () = tokio::time::sleep_until(wake_at) => {}
         }
     }
+}
+
+/// The remotes a full pass must also look at one by one: a full pass takes a settled exchange
+/// on trust (it compares only our side of it, so a pass over hundreds of remotes reads little),
+/// but a remote woken for its own reason (a network config it sent us, say with a new key) or
+/// waiting for a retry needs the whole look, or its change waits for nothing and is lost.
+fn own_look(dirty: &Dirty, retries: &Retries) -> BTreeSet<ClusterId> {
+    if !dirty.all {
+        return BTreeSet::new();
+    }
+    dirty
+        .ids
+        .iter()
+        .chain(retries.remotes.keys())
+        .cloned()
+        .collect()
 }
 
 /// When to look again at what a pass left unfinished. Each remote backs off on its own: while
@@ -1272,6 +1298,33 @@ mod tests {
 
     fn id(name: &str) -> ClusterId {
         ClusterId::parse("id", name).expect("valid cluster ID")
+    }
+
+    #[test]
+    fn a_full_pass_still_looks_at_each_woken_or_retrying_remote_on_its_own() {
+        // A leaf's hub came back with a new key and sent its network config just as the
+        // periodic full pass fell due: the full pass takes the settled exchange on trust, so
+        // without its own look the new key never reached the tunnel (a CI run: one leaf cut off
+        // from its hub for good).
+        let now = Instant::now();
+        let mut retries = Retries::default();
+        retries.failed(id("leaf-r"), now);
+        let woken = Dirty {
+            all: true,
+            ids: BTreeSet::from([id("hub")]),
+        };
+        assert_eq!(
+            own_look(&woken, &retries),
+            BTreeSet::from([id("hub"), id("leaf-r")])
+        );
+        let only_woken = Dirty {
+            all: false,
+            ids: BTreeSet::from([id("hub")]),
+        };
+        assert!(
+            own_look(&only_woken, &retries).is_empty(),
+            "without a full pass the woken remotes get their own pass anyway"
+        );
     }
 
     #[test]

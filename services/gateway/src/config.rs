@@ -237,6 +237,21 @@ pub struct Config {
         value_parser = clap::value_parser!(u64).range(20..=60_000)
     )]
     pub failover_after: u64,
+
+    /// How often the active replica tells the standbys which connections the peers opened
+    /// through it, in milliseconds (0: never). A standby enters them in its connection
+    /// tracking, translation included, so that after a takeover those connections continue
+    /// whichever side sends first (without it, our pod answering first gets the connection
+    /// reset). A connection younger than one interval when the active dies is not handed off.
+    /// Needs the `conntrack` tool; only with a data plane (not `--dataplane none`).
+    #[arg(
+        long,
+        env = "TRELLIS_HANDOFF_INTERVAL",
+        value_name = "MS",
+        default_value_t = 1000,
+        value_parser = clap::value_parser!(u64).range(0..=60_000)
+    )]
+    pub handoff_interval: u64,
 }
 
 impl Config {
@@ -406,6 +421,7 @@ mod tests {
         assert_eq!(c.replica_id().expect("defaulted"), "gw-1", "the node name");
         assert_eq!((c.heartbeat_interval, c.failover_after), (100, 300));
         assert_eq!(c.heartbeat_listen, "0.0.0.0:0".parse().expect("addr"));
+        assert_eq!(c.handoff_interval, 1000);
         for (flag, bad) in [
             ("--replica-id", "Gw_1"),
             ("--heartbeat-listen", "7116"),
@@ -413,6 +429,8 @@ mod tests {
             ("--heartbeat-interval", "10001"),
             ("--failover-after", "10"),
             ("--failover-after", "soon"),
+            ("--handoff-interval", "60001"),
+            ("--handoff-interval", "often"),
         ] {
             let err = parse(&[flag, bad]).expect_err(&format!("{flag} {bad} is refused"));
             assert!(err.to_string().contains(flag), "{flag} {bad}: {err}");

@@ -156,6 +156,9 @@ pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started
         ),
         None => None,
     };
+    if dataplane.is_some() && config.handoff_interval > 0 {
+        replicas.enable_handoff(std::time::Duration::from_millis(config.handoff_interval));
+    }
     tracing::info!(mode = ?mode, public_key = %keys.public(), endpoint = %endpoint_host, port = ?shared_port, slots = %config.wireguard_ports, tunnel_mtu = config.tunnel_mtu(), "gateway ready");
     let settings = Settings {
         identity,

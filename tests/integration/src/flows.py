@@ -1,12 +1,15 @@
 """Long-lived flows across a failover, run inside pod namespaces by the integration tests.
 
-serve PORT: echoes every TCP connection and every UDP datagram on PORT.
+serve PORT: echoes every TCP connection and every UDP datagram on PORT; a connection that
+starts with "PUSH\n" instead gets an 8-digit sequence number and a newline every 50 ms.
 run RESULT STOP TARGET...: each TARGET is tcp:IP:PORT:N (N connections, each sending an
 8-digit sequence number and a newline every 50 ms and checking that the echo comes back
-unchanged and in order) or udp:IP:PORT (a datagram every 10 ms). Runs until the file STOP
-exists, then writes a JSON summary to RESULT: per target, the connections broken (reset,
-closed, or an echo that does not match) and the longest time without an echo; per probe,
-every gap over 100 ms as [seconds since the start, milliseconds].
+unchanged and in order), push:IP:PORT:N (N connections that only receive the server's
+numbers, checking their order: after a failover only the server's side speaks first), or
+udp:IP:PORT (a datagram every 10 ms). Runs until the file STOP exists, then writes a JSON
+summary to RESULT: per target, the connections broken (reset, closed, an echo that does not
+match, or a push connection silent for 3 s at the end) and the longest time without an echo;
+per probe, every gap over 100 ms as [seconds since the start, milliseconds].
 """
 
 import json
@@ -18,6 +21,7 @@ import time
 
 TCP_EVERY = 0.05
 UDP_EVERY = 0.01
+PUSH_SILENT = 3.0
 
 
 def serve(port):
@@ -32,8 +36,23 @@ def serve(port):
     udp.bind(("0.0.0.0", port))
     udp.setblocking(False)
     sel.register(udp, selectors.EVENT_READ, "udp")
+    pushed = {}
+    next_push = time.monotonic()
     while True:
-        for key, _ in sel.select():
+        now = time.monotonic()
+        if now >= next_push:
+            next_push = now + TCP_EVERY
+            for conn, seq in list(pushed.items()):
+                try:
+                    conn.send(b"%08d\n" % (seq % 100000000))
+                    pushed[conn] = seq + 1
+                except BlockingIOError:
+                    pass
+                except OSError:
+                    del pushed[conn]
+                    sel.unregister(conn)
+                    conn.close()
+        for key, _ in sel.select(max(0.0, next_push - time.monotonic())):
             if key.data == "accept":
                 conn, _ = listener.accept()
                 conn.setblocking(False)
@@ -51,8 +70,12 @@ def serve(port):
                 except OSError:
                     data = b""
                 if not data:
+                    pushed.pop(conn, None)
                     sel.unregister(conn)
                     conn.close()
+                    continue
+                if data.startswith(b"PUSH\n") or conn in pushed:
+                    pushed.setdefault(conn, 0)
                     continue
                 conn.setblocking(True)
                 try:
@@ -86,6 +109,7 @@ class Conn:
         self.last_echo = time.monotonic()
         self.max_stall = 0.0
         self.error = None
+        self.push = False
 
 
 def run(result_path, stop_path, targets):
@@ -97,9 +121,14 @@ def run(result_path, stop_path, targets):
         kind, ip, port, *rest = target.split(":")
         entry = {"target": target, "broken": [], "max_gap_ms": 0.0}
         summary.append(entry)
-        if kind == "tcp":
+        if kind in ("tcp", "push"):
             for _ in range(int(rest[0])):
                 c = Conn((ip, int(port)))
+                if kind == "push":
+                    c.push = True
+                    c.sock.setblocking(True)
+                    c.sock.sendall(b"PUSH\n")
+                    c.sock.setblocking(False)
                 c.entry = entry
                 conns.append(c)
                 sel.register(c.sock, selectors.EVENT_READ, c)
@@ -118,7 +147,7 @@ def run(result_path, stop_path, targets):
         if now >= next_tcp:
             next_tcp += TCP_EVERY
             for c in conns:
-                if c.error:
+                if c.error or c.push:
                     continue
                 try:
                     c.sock.send(b"%08d\n" % (c.seq % 100000000))
@@ -178,6 +207,8 @@ def run(result_path, stop_path, targets):
     for c in conns:
         stall = max(c.max_stall, now - c.last_echo)
         c.entry["max_gap_ms"] = max(c.entry["max_gap_ms"], stall * 1000)
+        if c.push and not c.error and now - c.last_echo > PUSH_SILENT:
+            c.error = "silent for the last %.1f s" % (now - c.last_echo)
         if c.error:
             c.entry["broken"].append(c.error)
         c.entry.setdefault("echoes", 0)

@@ -35,6 +35,8 @@ const LIMIT: Duration = Duration::from_secs(90);
 const PORT: u16 = 7500;
 /// TCP connections per destination.
 const CONNECTIONS: usize = 25;
+/// Connections per destination on which only the server speaks.
+const PUSHED: usize = 5;
 /// How long a standby may take to say it is active after the kill (generous: the target is
 /// under 2 s, this bound only catches a takeover that never comes).
 const TAKEOVER: Duration = Duration::from_secs(10);
@@ -291,36 +293,49 @@ async fn a_standby_takes_over_each_clusters_tunnels_and_node_path_after_a_kill()
         format!("udp:{to_c}:{PORT}"),
     ];
 
-    // A's own failover: every connection was opened from A, so the new active should pick each
-    // up right from whichever side sends first. One run in about fifteen still lost one here
-    // (closed by the peer; ADR 0023, open in issue 33): counted, not asserted yet.
+    // A's own failover: every connection was opened from A, so the new active picks each up
+    // right from whichever side sends first.
     let flows = Flows::start(&a2.pod_ns, &script, dir.path(), "a", &targets);
     tokio::time::sleep(Duration::from_secs(3)).await;
     fail_over(&mut fabric, A).await;
     let summary = flows.stop();
     let broken = report(&summary);
-    eprintln!(
-        "measured: {} of {} connections broken by the failover of the cluster that opened them",
-        broken.len(),
-        2 * CONNECTIONS
+    assert!(
+        broken.is_empty(),
+        "connections broken by the failover of the cluster that opened them:\n{}",
+        broken.join("\n")
     );
     probes_resumed(&summary, &fabric);
 
     // The hub's and C's failovers: the connections were opened by A's pod, so on B and C they
-    // are the peer's. Those the new active picks up from the tunnel keep their translation;
-    // one whose first packet there comes from our pod's side is tracked untranslated and is
-    // reset (ADR 0023, open in issue 33): counted, not asserted yet. The probes must resume.
+    // are the peer's, translated there. The push connections make sure that after the switch
+    // the first packet of each comes from B's or C's pod, the side that looks like a
+    // connection of its own: without the handoff (ADR 0023) every one of them is reset.
+    let mut targets = targets.to_vec();
+    targets.extend([
+        format!("push:{to_b}:{PORT}:{PUSHED}"),
+        format!("push:{to_c}:{PORT}:{PUSHED}"),
+    ]);
     let flows = Flows::start(&a2.pod_ns, &script, dir.path(), "bc", &targets);
     tokio::time::sleep(Duration::from_secs(3)).await;
     fail_over(&mut fabric, B).await;
     fail_over(&mut fabric, C).await;
     let summary = flows.stop();
     let broken = report(&summary);
+    // The hub's failover still resets connections in some runs, even with the handoff (ADR
+    // 0023, "Not yet"): counted there; every other connection must survive.
+    let at_hub = format!("{to_b}:");
+    let (hub, others): (Vec<String>, Vec<String>) =
+        broken.into_iter().partition(|b| b.contains(&at_hub));
     eprintln!(
-        "measured: {} of {} connections reset by the failovers of the clusters that did not \
-         open them",
-        broken.len(),
-        2 * CONNECTIONS
+        "measured: {} of {} connections to the hub broken by its failover",
+        hub.len(),
+        CONNECTIONS + PUSHED
+    );
+    assert!(
+        others.is_empty(),
+        "connections broken by the failover of the cluster that did not open them:\n{}",
+        others.join("\n")
     );
     probes_resumed(&summary, &fabric);
 }
@@ -544,9 +559,10 @@ async fn a_standby_takes_over_from_an_active_whose_node_is_cut_off_which_steps_d
 
     let summary = flows.stop();
     let broken = report(&summary);
+    // Counted, not asserted: one full-suite run lost a connection here before the handoff,
+    // through the failover of the cluster that opened it (ADR 0023, "Not yet").
     eprintln!(
-        "measured: {} of {CONNECTIONS} connections broken by the cut (counted, not asserted: \
-         ADR 0023)",
+        "measured: {} of {CONNECTIONS} connections broken by the cut",
         broken.len()
     );
     probes_resumed(&summary, &fabric);

@@ -443,8 +443,10 @@ impl Linux {
             .await
             .context("device configuration task")?;
         if let Err(err) = result {
-            // A device that cannot be configured (or whose control channel broke) is rebuilt
-            // on the next pass.
+            // A device that cannot be configured (or whose control channel broke, or whose
+            // peer changed its key) is rebuilt on the next pass. Our own handle goes first:
+            // the interface disappears only with the last one, and the removal waits for that.
+            drop(device);
             if let Some(old) = self.devices.remove(id) {
                 remove_device(old).await;
             }

@@ -10,12 +10,15 @@
 //!   cannot reach the store never takes over. An active steps down when it hears or reads a
 //!   higher epoch; it never stops because the store is unreachable (a store outage alone
 //!   never cuts traffic).
+//! - Handoff ([`handoff`]): the active tells its standbys which translated connections the
+//!   peers opened through it, so the one that takes over continues them.
 //! - [`election`]: the rules, pure; this module: the sockets, the store and the loop.
 //!
 //! The outcome is a [`View`] that the core follows: the data plane turns active or standby,
 //! and the route agents are told which node is the gateway node, under which epoch.
 
 pub mod election;
+pub mod handoff;
 pub mod heartbeat;
 
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
@@ -27,12 +30,12 @@ use anyhow::Context as _;
 use tokio::net::UdpSocket;
 use tokio::sync::{mpsc, watch};
 use trellis_error::{Error, Result};
-use trellis_runtime::Shutdown;
 use trellis_runtime::log_limit::LogLimit;
 use trellis_runtime::metrics::prometheus_client::metrics::counter::Counter;
 use trellis_runtime::metrics::prometheus_client::metrics::family::Family;
 use trellis_runtime::metrics::prometheus_client::metrics::gauge::Gauge;
 use trellis_runtime::metrics::{Labels, Metrics};
+use trellis_runtime::{Shutdown, cmd};
 use trellis_store::{Compare, Op, SharedStore, Txn};
 
 use self::election::{Change, Election, Leader};
@@ -52,6 +55,9 @@ const SYNC_ALONE: Duration = Duration::from_secs(5);
 /// Heartbeats waiting for the election loop; more are dropped (and the sender is heard on its
 /// next one).
 const QUEUE: usize = 1024;
+
+/// This network namespace's connection tracking table, as text.
+const CONNTRACK_TABLE: &str = "/proc/net/nf_conntrack";
 
 /// This replica's settings (its flags).
 #[derive(Debug, Clone)]
@@ -113,6 +119,8 @@ struct ReplicaMetrics {
     heard_age: Family<Labels, Gauge<f64, AtomicU64>>,
     warm: Family<Labels, Gauge>,
     refused: Family<Labels, Counter>,
+    handed_off: Gauge,
+    handoff_errors: Counter,
 }
 
 impl ReplicaMetrics {
@@ -151,6 +159,19 @@ impl ReplicaMetrics {
              key: another cluster's gateway, a replica with another key, a forgery), stale (a \
              replay, or a replica whose clock is more than 2 s off)",
             self.refused.clone(),
+        );
+        metrics.register(
+            "trellis_gateway_handoff_connections",
+            "Connections opened by peers and translated here: on the active, those it last told \
+             its standbys of; on a standby, those it holds in its connection tracking to continue \
+             after a takeover",
+            self.handed_off.clone(),
+        );
+        metrics.register(
+            "trellis_gateway_handoff_errors",
+            "Handed-off connections a standby could not enter in (or remove from) its connection \
+             tracking, and reads of the active's table that failed (see the log)",
+            self.handoff_errors.clone(),
         );
     }
 }
@@ -191,6 +212,11 @@ pub struct Replicas {
     mine: Mutex<Option<i64>>,
     /// The roamed endpoints last written (active) or applied (standby).
     roamed: Mutex<Option<std::collections::BTreeMap<String, SocketAddr>>>,
+    /// How often the active hands its connections to the standbys (`--handoff-interval`),
+    /// once a data plane that tracks them is there.
+    handoff: std::sync::OnceLock<Duration>,
+    /// Handoff errors, at most once per period.
+    handoff_log: LogLimit,
 }
 
 /// The address the other replicas reach `listen` at: its own IP, or the node's for a wildcard
@@ -295,7 +321,15 @@ impl Replicas {
             observed: Mutex::new(None),
             mine: Mutex::new(None),
             roamed: Mutex::new(None),
+            handoff: std::sync::OnceLock::new(),
+            handoff_log: LogLimit::new(trellis_runtime::log_limit::PERIOD),
         })
+    }
+
+    /// Hands the active's translated connections to the standbys every `every` (a data
+    /// plane with connection tracking only; before [`Replicas::run`]).
+    pub fn enable_handoff(&self, every: Duration) {
+        let _ = self.handoff.set(every);
     }
 
     /// The userspace engine whose roamed endpoints are shared between the replicas.
@@ -428,8 +462,19 @@ impl Replicas {
     /// Runs the election until `shutdown`.
     pub async fn run(self: Arc<Self>, shutdown: Shutdown) {
         let (tx, mut rx) = mpsc::channel(QUEUE);
-        let receiver = trellis_runtime::telemetry::spawn(self.clone().receive(tx));
-        let sender = trellis_runtime::telemetry::spawn(self.clone().send(shutdown.clone()));
+        let (parts_tx, parts_rx) = mpsc::channel(QUEUE);
+        let mut tasks = vec![
+            trellis_runtime::telemetry::spawn(self.clone().receive(tx, parts_tx)),
+            trellis_runtime::telemetry::spawn(self.clone().send(shutdown.clone())),
+        ];
+        if let Some(every) = self.handoff.get().copied() {
+            tasks.push(trellis_runtime::telemetry::spawn(
+                self.clone().share_connections(every, shutdown.clone()),
+            ));
+            tasks.push(trellis_runtime::telemetry::spawn(
+                self.clone().hold_connections(parts_rx),
+            ));
+        }
         let mut election = Election::new(
             &self.settings.replica,
             self.settings.failover_after,
@@ -483,8 +528,9 @@ impl Replicas {
                     .set(Instant::now().duration_since(heard.at).as_secs_f64());
             }
         }
-        receiver.abort();
-        sender.abort();
+        for task in tasks {
+            task.abort();
+        }
     }
 
     /// How often an active that hears no other replica renews its record.
@@ -803,9 +849,15 @@ impl Replicas {
         }
     }
 
-    /// Receives heartbeats, hands the authentic and fresh ones to the loop.
-    async fn receive(self: Arc<Self>, tx: mpsc::Sender<(Heartbeat, Instant)>) {
-        let mut buf = [0u8; heartbeat::MAX_LEN + 1];
+    /// Receives heartbeats, hands the authentic and fresh ones to the loop; and handoff
+    /// parts, handed to [`Replicas::hold_connections`] when they come from the active we
+    /// follow.
+    async fn receive(
+        self: Arc<Self>,
+        tx: mpsc::Sender<(Heartbeat, Instant)>,
+        parts: mpsc::Sender<handoff::Part>,
+    ) {
+        let mut buf = vec![0u8; heartbeat::MAX_LEN.max(handoff::MAX_LEN) + 1];
         let mut last_sent: std::collections::HashMap<String, i64> =
             std::collections::HashMap::new();
         let refused_log = LogLimit::new(trellis_runtime::log_limit::PERIOD);
@@ -813,38 +865,170 @@ impl Replicas {
             let Ok((n, from)) = self.socket.recv_from(&mut buf).await else {
                 continue;
             };
-            let beat =
-                Heartbeat::decode(buf.get(..n).unwrap_or_default(), &self.key).and_then(|beat| {
-                    if heartbeat::fresh(
-                        beat.sent_nanos,
-                        last_sent.get(&beat.replica).copied(),
-                        now_nanos(),
-                    ) {
-                        Ok(beat)
-                    } else {
-                        Err(Refusal::Stale)
-                    }
-                });
-            match beat {
-                Ok(beat) => {
-                    last_sent.insert(beat.replica.clone(), beat.sent_nanos);
-                    if beat.replica != self.settings.replica
-                        && let Ok(mut targets) = self.targets.lock()
-                    {
-                        targets.insert(beat.replica.clone(), from);
-                    }
-                    let _ = tx.try_send((beat, Instant::now()));
+            let datagram = buf.get(..n).unwrap_or_default();
+            let outcome = if datagram.starts_with(handoff::MAGIC) {
+                self.take_part(datagram, &parts)
+            } else {
+                Heartbeat::decode(datagram, &self.key)
+                    .and_then(|beat| {
+                        if heartbeat::fresh(
+                            beat.sent_nanos,
+                            last_sent.get(&beat.replica).copied(),
+                            now_nanos(),
+                        ) {
+                            Ok(beat)
+                        } else {
+                            Err(Refusal::Stale)
+                        }
+                    })
+                    .map(|beat| {
+                        last_sent.insert(beat.replica.clone(), beat.sent_nanos);
+                        if beat.replica != self.settings.replica
+                            && let Ok(mut targets) = self.targets.lock()
+                        {
+                            targets.insert(beat.replica.clone(), from);
+                        }
+                        let _ = tx.try_send((beat, Instant::now()));
+                    })
+            };
+            if let Err(reason) = outcome {
+                self.metrics
+                    .refused
+                    .get_or_create(&vec![("reason", reason.label().to_owned())])
+                    .inc();
+                if let Some(held) = refused_log.admit() {
+                    tracing::warn!(%from, reason = reason.label(), held_back = held, "refused a heartbeat");
                 }
-                Err(reason) => {
-                    self.metrics
-                        .refused
-                        .get_or_create(&vec![("reason", reason.label().to_owned())])
-                        .inc();
-                    if let Some(held) = refused_log.admit() {
-                        tracing::warn!(%from, reason = reason.label(), held_back = held, "refused a heartbeat");
+            }
+        }
+    }
+
+    /// One handoff datagram: authentic and fresh, from the active this standby follows (a
+    /// deposed active's sets are ignored), it goes to [`Replicas::hold_connections`].
+    fn take_part(
+        &self,
+        datagram: &[u8],
+        parts: &mpsc::Sender<handoff::Part>,
+    ) -> std::result::Result<(), Refusal> {
+        let part = handoff::decode(datagram, &self.key)?;
+        if !handoff::fresh(part.sent_nanos, now_nanos()) {
+            return Err(Refusal::Stale);
+        }
+        let view = self.view.borrow().clone();
+        let from_leader = view
+            .leader
+            .as_ref()
+            .is_some_and(|l| l.replica == part.replica && l.epoch == part.epoch);
+        if self.handoff.get().is_some() && !view.active && from_leader {
+            let _ = parts.try_send(part);
+        }
+        Ok(())
+    }
+
+    /// The active's side of the handoff: every `every`, the translated connections the peers
+    /// opened (from this namespace's connection tracking), to every other replica.
+    async fn share_connections(self: Arc<Self>, every: Duration, shutdown: Shutdown) {
+        let mut tick = tokio::time::interval(every);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+        // Set numbers only need to differ from the previous run's.
+        let mut set = u32::try_from(now_nanos().rem_euclid(i64::from(u32::MAX))).unwrap_or(0);
+        loop {
+            tokio::select! {
+                () = shutdown.cancelled() => return,
+                _ = tick.tick() => {}
+            }
+            let view = self.view.borrow().clone();
+            let targets = self.targets();
+            if !view.active || targets.is_empty() {
+                continue;
+            }
+            let table = match tokio::fs::read_to_string(CONNTRACK_TABLE).await {
+                Ok(table) => table,
+                Err(err) => {
+                    self.metrics.handoff_errors.inc();
+                    if let Some(held) = self.handoff_log.admit() {
+                        tracing::warn!(path = CONNTRACK_TABLE, error = %err, held_back = held, "cannot read the connection tracking table: the standbys get no connections to continue after a takeover");
+                    }
+                    continue;
+                }
+            };
+            let flows = handoff::parse(&table, crate::names::MARK_MASK);
+            set = set.wrapping_add(1);
+            let datagrams = handoff::encode(
+                &self.settings.replica,
+                view.epoch(),
+                set,
+                now_nanos(),
+                &flows,
+                &self.key,
+            );
+            self.metrics
+                .handed_off
+                .set(i64::try_from(flows.len()).unwrap_or(i64::MAX));
+            for to in targets {
+                for datagram in &datagrams {
+                    if let Err(err) = self.socket.send_to(datagram, to).await {
+                        tracing::trace!(%to, error = %err, "sending a handoff part failed");
                     }
                 }
             }
+        }
+    }
+
+    /// The standby's side of the handoff: each complete set from the active becomes this
+    /// namespace's copy (new connections entered, ended ones removed), so a takeover finds
+    /// them tracked and translated as the active had them.
+    async fn hold_connections(self: Arc<Self>, mut parts: mpsc::Receiver<handoff::Part>) {
+        let mut assembler = handoff::Assembler::default();
+        let mut held = std::collections::BTreeSet::new();
+        while let Some(part) = parts.recv().await {
+            let Some(wanted) = assembler.take(part) else {
+                continue;
+            };
+            if self.view.borrow().active {
+                // Ours now: what we track is the truth, and the next standby's business.
+                held.clear();
+                continue;
+            }
+            let (insert, remove) = handoff::diff(&held, &wanted);
+            for flow in insert {
+                let args = flow.insert_args();
+                let args: Vec<&str> = args.iter().map(String::as_str).collect();
+                match cmd::run("conntrack", &args, None).await {
+                    Ok(_) => {
+                        held.insert(flow);
+                    }
+                    // Tracked already (this replica was the active, or saw the packet).
+                    Err(err) if format!("{err:#}").contains("File exists") => {
+                        held.insert(flow);
+                    }
+                    Err(err) => self.handoff_failed(&err),
+                }
+            }
+            for flow in remove {
+                let args = flow.delete_args();
+                let args: Vec<&str> = args.iter().map(String::as_str).collect();
+                match cmd::run("conntrack", &args, None).await {
+                    Ok(_) => {}
+                    Err(err) if format!("{err:#}").contains("0 flow entries") => {}
+                    Err(err) => self.handoff_failed(&err),
+                }
+                held.remove(&flow);
+            }
+            self.metrics
+                .handed_off
+                .set(i64::try_from(held.len()).unwrap_or(i64::MAX));
+        }
+    }
+
+    fn handoff_failed(&self, err: &anyhow::Error) {
+        self.metrics.handoff_errors.inc();
+        if let Some(held) = self.handoff_log.admit() {
+            tracing::warn!(
+                error = format!("{err:#}"),
+                held_back = held,
+                "could not enter a handed-off connection in connection tracking: it may be reset after a takeover"
+            );
         }
     }
 
