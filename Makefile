@@ -8,7 +8,7 @@ export PATH := $(ROOT)/.tools/bin:$(HOME)/.cargo/bin:$(PATH)
 export CARGO_TARGET_DIR ?= $(HOME)/.cache/trellis/target
 export CARGO_TERM_COLOR ?= never
 
-.PHONY: demo setup test fmt-check clippy lint-proto validate-deploy build nextest fmt bench bench-quick bench-report bench-ipam bench-mesh bench-endpoints bench-exports bench-dataplane clean
+.PHONY: demo setup test fmt-check clippy lint-proto validate-deploy build nextest fmt bench bench-quick bench-report bench-ipam bench-mesh bench-endpoints bench-exports bench-dataplane bench-failover clean
 
 setup:
 	bash scripts/setup.sh
@@ -83,6 +83,12 @@ bench-dataplane: setup
 	cargo run --release --locked -p trellis-bench --bin dataplane-bench -- --out bench/results/dataplane.json
 	cargo run --release --locked -p trellis-bench --bin dataplane-bench -- --scenario node-path \
 		--out bench/results/dataplane-nodes.json
+
+# Root only: kills each cluster's active gateway replica in turn (issue 33, ADR 0023).
+bench-failover: setup
+	cargo build --release --locked --bins -p trellis-ipam -p trellis-discovery -p trellis-broker \
+		-p trellis-forwarder -p trellis-gateway -p trellis-endpoints -p trellis-route
+	cargo run --release --locked -p trellis-bench --bin failover-bench -- --out bench/results/failover.json
 
 clean:
 	cargo clean

@@ -20,7 +20,7 @@ use serde_json::Value;
 use crate::svg::{self, BarChart, LineChart, Scale, Series};
 
 /// The benchmarks, by result file name (`<name>.json`).
-pub const BENCHMARKS: [&str; 9] = [
+pub const BENCHMARKS: [&str; 10] = [
     "ipam",
     "mesh",
     "mesh-hub-processes",
@@ -30,6 +30,7 @@ pub const BENCHMARKS: [&str; 9] = [
     "exports",
     "dataplane",
     "dataplane-nodes",
+    "failover",
 ];
 
 /// Earlier measurements kept for the notes' "what changed" sections (full results only).
@@ -505,6 +506,37 @@ struct NodePathDoc {
     mbit_s_non_gateway_nodes: Vec<f64>,
     rtt_ratio: Option<f64>,
     throughput_ratio: Option<f64>,
+}
+
+#[derive(Debug, Deserialize)]
+struct FailoverDoc {
+    parameters: FailoverParameters,
+    kills: Vec<FailoverKill>,
+    takeover_ms: FailoverSpread,
+    probe_gap_ms: FailoverSpread,
+    tcp_connections: usize,
+    tcp_broken: usize,
+}
+
+#[derive(Debug, Deserialize)]
+struct FailoverParameters {
+    kills: usize,
+    connections_per_destination: usize,
+    pushed_per_destination: usize,
+}
+
+#[derive(Debug, Deserialize)]
+struct FailoverKill {
+    cluster: String,
+    probe_gap_ms: f64,
+    tcp_broken: usize,
+}
+
+#[derive(Debug, Deserialize)]
+struct FailoverSpread {
+    p50: f64,
+    p99: f64,
+    max: f64,
 }
 
 /// A parsed result with where it came from.
@@ -1228,7 +1260,57 @@ pub fn targets(inputs: &Inputs) -> Vec<Target> {
     // Issue 17: the induced mesh at the hub's full scale, each figure beside main's in the same
     // run.
     out.extend(scale_targets(inputs, &mesh));
+    out.extend(failover_targets(inputs));
     out
+}
+
+/// Issue 33: the gateway failover's gap and the TCP connections it costs.
+fn failover_targets(inputs: &Inputs) -> Vec<Target> {
+    const GAP: &str = "gateway failover: largest 10 ms probe gap p50 under 0.5 s and p99 under \
+                       2 s over at least 20 kills (issue 33)";
+    const TCP: &str = "gateway failover: no established TCP connection lost (issue 33)";
+    let p = match parse::<FailoverDoc>(inputs, "failover") {
+        Ok(p) => p,
+        Err(why) => {
+            return [GAP, TCP]
+                .map(|target| Target {
+                    target,
+                    measured: why.clone(),
+                    verdict: Verdict::NotMeasured,
+                })
+                .into();
+        }
+    };
+    let d = &p.doc;
+    let gap = &d.probe_gap_ms;
+    vec![
+        Target {
+            target: GAP,
+            measured: format!(
+                "p50 {} ms, p99 {} ms, max {} ms over {} kills",
+                num(gap.p50, 0),
+                num(gap.p99, 0),
+                num(gap.max, 0),
+                d.parameters.kills
+            ),
+            verdict: if d.parameters.kills < 20 {
+                Verdict::NotMeasured
+            } else if gap.p50 < 500.0 && gap.p99 < 2000.0 {
+                Verdict::Met
+            } else {
+                Verdict::NotMet
+            },
+        },
+        Target {
+            target: TCP,
+            measured: format!("{} of {} lost", d.tcp_broken, d.tcp_connections),
+            verdict: if d.tcp_broken == 0 {
+                Verdict::Met
+            } else {
+                Verdict::NotMet
+            },
+        },
+    ]
 }
 
 /// Induced tunnels in a mesh of `n` leaves, n·(n-1) (0 for a nonsensical 0 in a result file).
@@ -1283,6 +1365,7 @@ pub fn render(inputs: &Inputs) -> Output {
     exports_section(&mut md, inputs);
     dataplane_section(&mut md, inputs, &mut files);
     node_path_section(&mut md, inputs);
+    failover_section(&mut md, inputs);
     md.push_str(&note(inputs, "outro"));
     while md.ends_with("\n\n") {
         md.pop();
@@ -1988,6 +2071,63 @@ fn node_path_section(md: &mut String, inputs: &Inputs) {
             num(tput, 2)
         );
     }
+}
+
+fn failover_section(md: &mut String, inputs: &Inputs) {
+    md.push_str("## Gateway failover\n\n");
+    let p = match parse::<FailoverDoc>(inputs, "failover") {
+        Err(why) => {
+            let _ = writeln!(md, "Not measured: {why}.\n");
+            return;
+        }
+        Ok(p) => p,
+    };
+    let d = &p.doc;
+    let _ = writeln!(md, "{}\n", run_line(&p.path, &p.common));
+    md.push_str(&note(inputs, "failover"));
+    let _ = writeln!(
+        md,
+        "{} kills; per destination {} echoed TCP connections and {} on which only the server \
+         speaks, fresh for each kill.\n",
+        d.parameters.kills,
+        d.parameters.connections_per_destination,
+        d.parameters.pushed_per_destination
+    );
+    md.push_str("| per kill | p50 ms | p99 ms | max ms |\n|---|---|---|---|\n");
+    for (name, s) in [
+        ("largest gap of the 10 ms UDP probes", &d.probe_gap_ms),
+        (
+            "takeover (until the standby says it is active)",
+            &d.takeover_ms,
+        ),
+    ] {
+        let _ = writeln!(
+            md,
+            "| {name} | {} | {} | {} |",
+            num(s.p50, 0),
+            num(s.p99, 0),
+            num(s.max, 0)
+        );
+    }
+    md.push_str(
+        "| Submariner, Liqo: Lease duration before a standby may take over (not measured here) \
+         | 15 000 | 15 000 | 15 000 |\n\n",
+    );
+    md.push_str("| cluster killed | kills | largest probe gap ms | TCP connections broken |\n|---|---|---|---|\n");
+    let mut clusters: Vec<&str> = d.kills.iter().map(|k| k.cluster.as_str()).collect();
+    clusters.sort_unstable();
+    clusters.dedup();
+    for c in clusters {
+        let of: Vec<&FailoverKill> = d.kills.iter().filter(|k| k.cluster == c).collect();
+        let gap = of.iter().map(|k| k.probe_gap_ms).fold(0.0, f64::max);
+        let broken: usize = of.iter().map(|k| k.tcp_broken).sum();
+        let _ = writeln!(md, "| {c} | {} | {} | {broken} |", of.len(), num(gap, 0));
+    }
+    let _ = writeln!(
+        md,
+        "\nTCP connections broken over all kills: **{} of {}**.\n",
+        d.tcp_broken, d.tcp_connections
+    );
 }
 
 fn dataplane_section(md: &mut String, inputs: &Inputs, files: &mut Vec<(PathBuf, String)>) {

@@ -4,6 +4,7 @@
 
 pub mod cluster;
 pub mod cut;
+pub mod failover;
 pub mod gate;
 pub mod lab;
 pub mod otlp;

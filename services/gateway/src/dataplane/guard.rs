@@ -13,6 +13,13 @@
 //!   default route) is dropped;
 //! - input: the gateway node itself answers nothing that arrives through a tunnel except
 //!   replies to what it sent (the handshake kick, probes).
+//! - forward, first of all: a connection a peer opened (its conntrack mark says which peer)
+//!   arrives only from a tunnel and is answered only into one. Normally the routing makes that
+//!   so; this rule matters where it cannot: on the node of a replica killed a moment ago, whose
+//!   tunnels are gone while its conntrack entries and NAT table stay. Until the route agents
+//!   move to the new active, our pods' packets still reach that node; translated by the stale
+//!   entries and with no tunnel to take, they were routed back to our own pods (the peer's real
+//!   range is often ours) and reset the very connections the new active had been handed.
 //!
 //! A drop in any table is final, so this table needs no coordination with the NAT table.
 
@@ -20,6 +27,8 @@ use std::fmt::Write as _;
 use std::net::IpAddr;
 
 use ipnet::IpNet;
+
+use crate::names::MARK_MASK;
 
 /// Name of the guard table (family `ip`).
 pub const TABLE: &str = "trellis-guard";
@@ -41,6 +50,19 @@ pub fn script(tunnels: &[TunnelGuard]) -> String {
     }
     let _ = writeln!(s, "table ip {TABLE} {{");
     s.push_str("  chain forward {\n    type filter hook forward priority filter; policy accept;\n");
+    let interfaces: Vec<String> = tunnels
+        .iter()
+        .map(|t| format!("\"{}\"", t.interface))
+        .collect();
+    let interfaces = interfaces.join(", ");
+    let _ = writeln!(
+        s,
+        "    ct direction original ct mark and {MARK_MASK:#010x} != 0x00000000 iifname != {{ {interfaces} }} drop"
+    );
+    let _ = writeln!(
+        s,
+        "    ct direction reply ct mark and {MARK_MASK:#010x} != 0x00000000 oifname != {{ {interfaces} }} drop"
+    );
     for t in tunnels {
         let allowed: Vec<String> = t
             .allowed
@@ -109,6 +131,38 @@ mod tests {
         assert!(est < allow && allow < drop, "{s}");
         assert!(s.contains("hook input"), "{s}");
         assert_eq!(s.matches("iifname \"tga\" drop").count(), 2, "{s}");
+    }
+
+    #[test]
+    fn a_peers_connection_only_enters_from_and_leaves_into_a_tunnel() {
+        let s = script(&[
+            TunnelGuard {
+                interface: "tga".into(),
+                allowed: vec![],
+            },
+            TunnelGuard {
+                interface: "tgb".into(),
+                allowed: vec![],
+            },
+        ]);
+        let first = s.find("hook forward").expect(&s);
+        let original = s
+            .find(
+                "ct direction original ct mark and 0xffff0000 != 0x00000000 \
+                 iifname != { \"tga\", \"tgb\" } drop",
+            )
+            .expect(&s);
+        let reply = s
+            .find(
+                "ct direction reply ct mark and 0xffff0000 != 0x00000000 \
+                 oifname != { \"tga\", \"tgb\" } drop",
+            )
+            .expect(&s);
+        let per_tunnel = s.find("iifname \"tga\" ct state").expect(&s);
+        assert!(
+            first < original && original < per_tunnel && reply < per_tunnel,
+            "{s}"
+        );
     }
 
     #[test]
