@@ -1973,16 +1973,10 @@ fn endpoints_section(md: &mut String, inputs: &Inputs) {
 
 fn exports_section(md: &mut String, inputs: &Inputs) {
     md.push_str("## Service exports across an induced mesh (`ExportService`)\n\n");
-    let p = match parse::<ExportsDoc>(inputs, "exports") {
-        Err(why) => {
-            let _ = writeln!(md, "Not measured: {why}.\n");
-            return;
-        }
-        Ok(p) => p,
+    let Some(p) = opening::<ExportsDoc>(md, inputs, "exports") else {
+        return;
     };
     let d = &p.doc;
-    let _ = writeln!(md, "{}\n", run_line(&p.path, &p.common));
-    md.push_str(&note(inputs, "exports"));
     if let Some(params) = &d.parameters {
         let _ = writeln!(md, "Parameters: `{}`.\n", compact(params));
     }
@@ -2015,18 +2009,32 @@ fn exports_section(md: &mut String, inputs: &Inputs) {
     );
 }
 
-fn node_path_section(md: &mut String, inputs: &Inputs) {
-    md.push_str("## Data plane: pod to pod across non-gateway nodes (the node path)\n\n");
-    let p = match parse::<NodePathDoc>(inputs, "dataplane-nodes") {
+/// The opening of a benchmark's section: its run line and its note, or why it was not
+/// measured (then `None`: the section ends there).
+fn opening<T: for<'de> Deserialize<'de>>(
+    md: &mut String,
+    inputs: &Inputs,
+    name: &str,
+) -> Option<Parsed<T>> {
+    match parse::<T>(inputs, name) {
         Err(why) => {
             let _ = writeln!(md, "Not measured: {why}.\n");
-            return;
+            None
         }
-        Ok(p) => p,
+        Ok(p) => {
+            let _ = writeln!(md, "{}\n", run_line(&p.path, &p.common));
+            md.push_str(&note(inputs, name));
+            Some(p)
+        }
+    }
+}
+
+fn node_path_section(md: &mut String, inputs: &Inputs) {
+    md.push_str("## Data plane: pod to pod across non-gateway nodes (the node path)\n\n");
+    let Some(p) = opening::<NodePathDoc>(md, inputs, "dataplane-nodes") else {
+        return;
     };
     let d = &p.doc;
-    let _ = writeln!(md, "{}\n", run_line(&p.path, &p.common));
-    md.push_str(&note(inputs, "dataplane-nodes"));
     let _ = writeln!(
         md,
         "WireGuard: {}; build: {}; store: {}; {} nodes per cluster; {} pings per RTT, {} s per iperf3 run.\n",
@@ -2075,16 +2083,10 @@ fn node_path_section(md: &mut String, inputs: &Inputs) {
 
 fn failover_section(md: &mut String, inputs: &Inputs) {
     md.push_str("## Gateway failover\n\n");
-    let p = match parse::<FailoverDoc>(inputs, "failover") {
-        Err(why) => {
-            let _ = writeln!(md, "Not measured: {why}.\n");
-            return;
-        }
-        Ok(p) => p,
+    let Some(p) = opening::<FailoverDoc>(md, inputs, "failover") else {
+        return;
     };
     let d = &p.doc;
-    let _ = writeln!(md, "{}\n", run_line(&p.path, &p.common));
-    md.push_str(&note(inputs, "failover"));
     let _ = writeln!(
         md,
         "{} kills; per destination {} echoed TCP connections and {} on which only the server \

@@ -192,57 +192,20 @@ async fn a_standby_takes_over_each_clusters_tunnels_and_node_path_after_a_kill()
         eprintln!("cluster {cluster}: the active replica is on node {node}, epoch {epoch}");
     }
 
-    let dir = tempfile::tempdir().expect("tempdir");
-    let script = dir.path().join("flows.py");
-    std::fs::write(&script, FLOWS).expect("script written");
-    let (b2, c2, a2) = (
-        fabric.topology.sites[B].nodes[2].clone(),
-        fabric.topology.sites[C].nodes[2].clone(),
-        fabric.topology.sites[A].nodes[2].clone(),
-    );
-    let _servers =
-        [&b2, &c2].map(|n| python_in(&n.pod_ns, &script, &["serve".into(), PORT.to_string()]));
-    let to_b = address(&fabric, A, B, b2.pod_ip).await;
-    let to_c = address(&fabric, A, C, c2.pod_ip).await;
-    for to in [to_b, to_c] {
-        let bound = Duration::from_secs(60);
-        let started = Instant::now();
-        loop {
-            let out = trellis_netlab::netns::exec(
-                &a2.pod_ns,
-                "ping",
-                &["-n", "-c", "1", "-W", "1", &to.to_string()],
-            )
-            .expect("ping runs");
-            if out.status.success() {
-                break;
-            }
-            assert!(
-                started.elapsed() < bound,
-                "A/n2 never reached {to}\n{}",
-                fabric.logs()
-            );
-        }
-    }
-    // The servers listen by now (they started before the pings answered).
-    let targets = [
-        format!("tcp:{to_b}:{PORT}:{CONNECTIONS}"),
-        format!("tcp:{to_c}:{PORT}:{CONNECTIONS}"),
-        format!("udp:{to_b}:{PORT}"),
-        format!("udp:{to_c}:{PORT}"),
-    ];
+    let pods = Pods::up(&fabric).await;
+    let targets = pods.targets(false);
 
     // A's own failover: every connection was opened from A, so the new active picks each up
     // right from whichever side sends first.
-    let flows = Flows::start(&a2.pod_ns, &script, dir.path(), "a", &targets);
+    let flows = pods.flows("a", &targets);
     tokio::time::sleep(Duration::from_secs(3)).await;
     fail_over(&mut fabric, A).await;
     let summary = flows.stop();
     let broken = report(&summary);
-    assert!(
-        broken.is_empty(),
-        "connections broken by the failover of the cluster that opened them:\n{}",
-        broken.join("\n")
+    none_broken(
+        &broken,
+        "connections broken by the failover of the cluster that opened them",
+        &fabric,
     );
     probes_resumed(&summary, &fabric);
 
@@ -250,23 +213,28 @@ async fn a_standby_takes_over_each_clusters_tunnels_and_node_path_after_a_kill()
     // are the peer's, translated there. The push connections make sure that after the switch
     // the first packet of each comes from B's or C's pod, the side that looks like a
     // connection of its own: without the handoff (ADR 0023) every one of them is reset.
-    let mut targets = targets.to_vec();
-    targets.extend([
-        format!("push:{to_b}:{PORT}:{PUSHED}"),
-        format!("push:{to_c}:{PORT}:{PUSHED}"),
-    ]);
-    let flows = Flows::start(&a2.pod_ns, &script, dir.path(), "bc", &targets);
+    let flows = pods.flows("bc", &pods.targets(true));
     tokio::time::sleep(Duration::from_secs(3)).await;
     fail_over(&mut fabric, B).await;
     fail_over(&mut fabric, C).await;
     let summary = flows.stop();
     let broken = report(&summary);
-    assert!(
-        broken.is_empty(),
-        "connections broken by the failovers of the clusters that did not open them:\n{}",
-        broken.join("\n")
+    none_broken(
+        &broken,
+        "connections broken by the failovers of the clusters that did not open them",
+        &fabric,
     );
     probes_resumed(&summary, &fabric);
+}
+
+/// Fails, with every log, when any connection broke.
+fn none_broken(broken: &[String], what: &str, fabric: &Fabric) {
+    assert!(
+        broken.is_empty(),
+        "{what}:\n{}\n{}",
+        broken.join("\n"),
+        fabric.logs()
+    );
 }
 
 /// Every probe of `summary` came back after the failovers (its longest gap is a bound on the
@@ -301,7 +269,8 @@ async fn a_store_outage_and_a_standby_restart_lose_no_probe_and_never_make_two_a
     let (active, epoch) = the_active(&fabric, A, LIMIT).await;
     let standby = 1 - active;
 
-    let (_dir, _server, flows) = flows_from_a_to_b(&fabric, "outage").await;
+    let pods = Pods::up(&fabric).await;
+    let flows = pods.flows("outage", &pods.targets(false));
     tokio::time::sleep(Duration::from_secs(2)).await;
 
     // A checker samples both replicas every 100 ms: never two actives, never a failover.
@@ -362,11 +331,7 @@ async fn a_store_outage_and_a_standby_restart_lose_no_probe_and_never_make_two_a
 
     let summary = flows.stop();
     let broken = report(&summary);
-    assert!(
-        broken.is_empty(),
-        "connections broken:\n{}",
-        broken.join("\n")
-    );
+    none_broken(&broken, "connections broken", &fabric);
     for target in summary.as_array().expect("targets") {
         if target["connections"].is_null() {
             let sent = target["sent"].as_u64().unwrap_or(0);
@@ -388,10 +353,9 @@ async fn a_store_outage_and_a_standby_restart_lose_no_probe_and_never_make_two_a
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn a_standby_takes_over_from_an_active_whose_node_is_cut_off_which_steps_down_on_return() {
-    if !can_run(
-        "a_standby_takes_over_from_an_active_whose_node_is_cut_off_which_steps_down_on_return",
-    ) {
+async fn each_clusters_active_cut_off_is_replaced_by_its_standby_and_steps_down_on_return() {
+    if !can_run("each_clusters_active_cut_off_is_replaced_by_its_standby_and_steps_down_on_return")
+    {
         return;
     }
     let mut options = FabricOptions::three_clusters();
@@ -402,17 +366,29 @@ async fn a_standby_takes_over_from_an_active_whose_node_is_cut_off_which_steps_d
         .wait_mesh(LIMIT)
         .await
         .unwrap_or_else(|e| panic!("{e:#}\n{}", fabric.logs()));
-    let (old, epoch) = the_active(&fabric, A, LIMIT).await;
-    assert_eq!(old, 0, "the first replica is elected first");
-
-    let (dir, _server, flows) = flows_from_a_to_b(&fabric, "cut").await;
+    let pods = Pods::up(&fabric).await;
+    let flows = pods.flows("cut", &pods.targets(true));
     tokio::time::sleep(Duration::from_secs(2)).await;
+    for cluster in [A, B, C] {
+        cut_over(&fabric, cluster, pods.dir.path()).await;
+    }
 
-    // Node 0 of A loses its links: the node network, its uplink, and with them its way to the
-    // gateway's store (forwarded into the namespace by this test, so dropped there).
-    let n0 = fabric.topology.sites[A].nodes[0].netns.clone();
+    let summary = flows.stop();
+    let broken = report(&summary);
+    none_broken(&broken, "connections broken by the cuts", &fabric);
+    probes_resumed(&summary, &fabric);
+}
+
+/// Cuts off the node of `cluster`'s active replica (node 0, the first elected): its node
+/// network, its uplink and with them its way to the gateway's store (forwarded into the
+/// namespace by this test, so dropped there). The replica on node 1 must take over; once the
+/// links are back, the old one must hear it and step down, never taking the role back.
+async fn cut_over(fabric: &Fabric, cluster: usize, dir: &std::path::Path) {
+    let (old, epoch) = the_active(fabric, cluster, LIMIT).await;
+    assert_eq!(old, 0, "the first replica is elected first");
+    let n0 = fabric.topology.sites[cluster].nodes[0].netns.clone();
     let store_port = trellis_netlab::NsCluster::etcd_addr(Service::Gateway).port();
-    let rules = dir.path().join("cut.nft");
+    let rules = dir.join("cut.nft");
     std::fs::write(
         &rules,
         format!(
@@ -424,7 +400,10 @@ async fn a_standby_takes_over_from_an_active_whose_node_is_cut_off_which_steps_d
     .expect("rules written");
     let cut = Instant::now();
     trellis_netlab::netns::ip(&["-n", &n0, "link", "set", "node", "down"]).expect("node link down");
-    fabric.topology.set_uplink(A, false).expect("uplink down");
+    fabric
+        .topology
+        .set_uplink(cluster, false)
+        .expect("uplink down");
     let out = trellis_netlab::netns::exec(&n0, "nft", &["-f", &rules.display().to_string()])
         .expect("nft runs");
     assert!(
@@ -433,7 +412,7 @@ async fn a_standby_takes_over_from_an_active_whose_node_is_cut_off_which_steps_d
         String::from_utf8_lossy(&out.stderr)
     );
     let took_over = loop {
-        if let Ok(s) = replica_status(&fabric, A, 1).await
+        if let Ok(s) = replica_status(fabric, cluster, 1).await
             && s.active
         {
             assert!(s.epoch > epoch, "{s:?}");
@@ -447,14 +426,18 @@ async fn a_standby_takes_over_from_an_active_whose_node_is_cut_off_which_steps_d
         tokio::time::sleep(Duration::from_millis(20)).await;
     };
     eprintln!(
-        "measured: A's node 0 cut off; the replica on node 1 said it is active after {} ms",
+        "measured: cluster {cluster}: node 0 cut off; the replica on node 1 said it is active \
+         after {} ms",
         took_over.as_millis()
     );
     // Cut off from everything, the old active cannot know; once back it hears the new active
     // (a higher epoch) and steps down, and the new one draws back any peer it touched.
     tokio::time::sleep(Duration::from_secs(3)).await;
     trellis_netlab::netns::ip(&["-n", &n0, "link", "set", "node", "up"]).expect("node link up");
-    fabric.topology.set_uplink(A, true).expect("uplink up");
+    fabric
+        .topology
+        .set_uplink(cluster, true)
+        .expect("uplink up");
     let out =
         trellis_netlab::netns::exec(&n0, "nft", &["delete", "table", "ip", "trellis-test-cut"])
             .expect("nft runs");
@@ -465,7 +448,7 @@ async fn a_standby_takes_over_from_an_active_whose_node_is_cut_off_which_steps_d
     );
     let back = Instant::now();
     loop {
-        if let Ok(s) = replica_status(&fabric, A, 0).await
+        if let Ok(s) = replica_status(fabric, cluster, 0).await
             && !s.active
         {
             break;
@@ -478,64 +461,94 @@ async fn a_standby_takes_over_from_an_active_whose_node_is_cut_off_which_steps_d
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     eprintln!(
-        "measured: the returning replica stepped down {} ms after its links came back",
+        "measured: cluster {cluster}: the returning replica stepped down {} ms after its links \
+         came back",
         back.elapsed().as_millis()
     );
     tokio::time::sleep(Duration::from_secs(3)).await;
-    let (now, now_epoch) = the_active(&fabric, A, TAKEOVER).await;
+    let (now, now_epoch) = the_active(fabric, cluster, TAKEOVER).await;
     assert_eq!(now, 1, "the returning replica must not take the role back");
     assert!(now_epoch > epoch);
-
-    let summary = flows.stop();
-    let broken = report(&summary);
-    assert!(
-        broken.is_empty(),
-        "connections broken by the cut:\n{}",
-        broken.join("\n")
-    );
-    probes_resumed(&summary, &fabric);
 }
 
-/// A flows server on the pod of B's node 2, and flows to it from the pod of A's node 2 (TCP
-/// connections and a UDP probe) once A/n2 reaches it: the scratch directory, the server and the
-/// flows.
-async fn flows_from_a_to_b(fabric: &Fabric, name: &str) -> (tempfile::TempDir, PodProcess, Flows) {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let script = dir.path().join("flows.py");
-    std::fs::write(&script, FLOWS).expect("script written");
-    let (b2, a2) = (
-        fabric.topology.sites[B].nodes[2].clone(),
-        fabric.topology.sites[A].nodes[2].clone(),
-    );
-    let server = python_in(&b2.pod_ns, &script, &["serve".into(), PORT.to_string()]);
-    let to_b = address(fabric, A, B, b2.pod_ip).await;
-    let started = Instant::now();
-    while !trellis_netlab::netns::exec(
-        &a2.pod_ns,
-        "ping",
-        &["-n", "-c", "1", "-W", "1", &to_b.to_string()],
-    )
-    .expect("ping runs")
-    .status
-    .success()
-    {
-        assert!(
-            started.elapsed() < LIMIT,
-            "A/n2 never reached {to_b}\n{}",
-            fabric.logs()
+/// The pods the flows run between: a flows server on the pod of node 2 of B and of C, the
+/// client on the pod of A's node 2, which reaches both.
+struct Pods {
+    dir: tempfile::TempDir,
+    script: std::path::PathBuf,
+    _servers: [PodProcess; 2],
+    client_ns: String,
+    to_b: Ipv4Addr,
+    to_c: Ipv4Addr,
+}
+
+impl Pods {
+    async fn up(fabric: &Fabric) -> Self {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let script = dir.path().join("flows.py");
+        std::fs::write(&script, FLOWS).expect("script written");
+        let (b2, c2, a2) = (
+            fabric.topology.sites[B].nodes[2].clone(),
+            fabric.topology.sites[C].nodes[2].clone(),
+            fabric.topology.sites[A].nodes[2].clone(),
         );
+        let servers =
+            [&b2, &c2].map(|n| python_in(&n.pod_ns, &script, &["serve".into(), PORT.to_string()]));
+        let to_b = address(fabric, A, B, b2.pod_ip).await;
+        let to_c = address(fabric, A, C, c2.pod_ip).await;
+        for to in [to_b, to_c] {
+            let started = Instant::now();
+            while !trellis_netlab::netns::exec(
+                &a2.pod_ns,
+                "ping",
+                &["-n", "-c", "1", "-W", "1", &to.to_string()],
+            )
+            .expect("ping runs")
+            .status
+            .success()
+            {
+                assert!(
+                    started.elapsed() < LIMIT,
+                    "A/n2 never reached {to}\n{}",
+                    fabric.logs()
+                );
+            }
+        }
+        // The servers listen by now (they started before the pings answered).
+        Self {
+            dir,
+            script,
+            _servers: servers,
+            client_ns: a2.pod_ns,
+            to_b,
+            to_c,
+        }
     }
-    let flows = Flows::start(
-        &a2.pod_ns,
-        &script,
-        dir.path(),
-        name,
-        &[
-            format!("tcp:{to_b}:{PORT}:{CONNECTIONS}"),
-            format!("udp:{to_b}:{PORT}"),
-        ],
-    );
-    (dir, server, flows)
+
+    /// Echoed TCP connections and a probe to both pods; with `push`, also connections on
+    /// which only the server speaks (after a switch on the server's side, the side that did
+    /// not open them speaks first: without the handoff, ADR 0023, every one is reset).
+    fn targets(&self, push: bool) -> Vec<String> {
+        let mut targets = Vec::new();
+        for to in [self.to_b, self.to_c] {
+            targets.push(format!("tcp:{to}:{PORT}:{CONNECTIONS}"));
+            targets.push(format!("udp:{to}:{PORT}"));
+            if push {
+                targets.push(format!("push:{to}:{PORT}:{PUSHED}"));
+            }
+        }
+        targets
+    }
+
+    fn flows(&self, name: &str, targets: &[String]) -> Flows {
+        Flows::start(
+            &self.client_ns,
+            &self.script,
+            self.dir.path(),
+            name,
+            targets,
+        )
+    }
 }
 
 /// The flows script running in a pod, until [`Flows::stop`].

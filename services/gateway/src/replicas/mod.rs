@@ -1139,6 +1139,38 @@ mod tests {
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_replica_with_another_key_never_becomes_active_not_even_when_the_active_dies() {
+        let store: SharedStore = Arc::new(trellis_store::MemoryStore::new());
+        let (a, stop_a) = start("a", &store).await;
+        until("a is active", || a.status().view.active).await;
+        let mut odd = settings("odd");
+        odd.public_key = "another-key".into();
+        let odd = Arc::new(
+            Replicas::bind(odd, store.clone(), &[9; 32], &Metrics::new())
+                .await
+                .expect("binds"),
+        );
+        let stop_odd = Shutdown::new();
+        tokio::spawn(odd.clone().run(stop_odd.clone()));
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        assert!(a.status().view.active && !odd.status().view.active);
+        assert!(
+            a.status().peers.iter().all(|p| p.replica != "odd"),
+            "its heartbeats, under another key, are refused"
+        );
+
+        stop_a.cancel();
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        assert!(
+            !odd.status().view.active,
+            "a replica with another key took over"
+        );
+        let record = read_active(&store).await.expect("reads").expect("a record");
+        assert_eq!((record.0.replica.as_str(), record.0.epoch), ("a", 1));
+        stop_odd.cancel();
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn forged_heartbeats_neither_keep_a_dead_active_alive_nor_depose_a_live_one() {
         let store: SharedStore = Arc::new(trellis_store::MemoryStore::new());
         let (a, stop_a) = start("a", &store).await;
