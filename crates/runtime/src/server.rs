@@ -305,7 +305,8 @@ impl GrpcServer {
                 .await;
         }
 
-        let routes = crate::reflection::add_to(routes.add_service(health))?;
+        let routes = crate::reflection::add_to(routes.add_service(health), services)?;
+        let routes = crate::reflection::answer_unserved(routes, services);
 
         // No /metrics listener, no recording: nobody could read it (and the benchmark measures
         // the layer's cost against exactly this).
