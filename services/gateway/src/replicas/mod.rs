@@ -155,7 +155,7 @@ impl ReplicaMetrics {
         );
         metrics.register(
             "trellis_gateway_heartbeats_refused",
-            "Heartbeats refused, by reason: malformed, tag (not from a holder of the gateway's \
+            "Heartbeats and handoff datagrams refused, by reason: malformed, tag (not from a holder of the gateway's \
              key: another cluster's gateway, a replica with another key, a forgery), stale (a \
              replay, or a replica whose clock is more than 2 s off)",
             self.refused.clone(),
@@ -897,7 +897,7 @@ impl Replicas {
                     .get_or_create(&vec![("reason", reason.label().to_owned())])
                     .inc();
                 if let Some(held) = refused_log.admit() {
-                    tracing::warn!(%from, reason = reason.label(), held_back = held, "refused a heartbeat");
+                    tracing::warn!(%from, reason = reason.label(), held_back = held, "refused a heartbeat or handoff datagram");
                 }
             }
         }
