@@ -10,8 +10,9 @@
 //! Every TCP connection must survive every failover and the cut: through A's own (which
 //! opened them) and through B's and C's, where they are the peer's and were handed off to the
 //! standby (ADR 0023), push connections included (after the switch only the server speaks, the
-//! side that looks like a connection of its own). The probes must come back. Every gap is
-//! printed as `measured:`.
+//! side that looks like a connection of its own), and through a store outage, and while C's
+//! active has lost its zone rules for its own side (the tunnel guard drops what misses its
+//! zone). The probes must come back. Every gap is printed as `measured:`.
 //!
 //! Skipped (with a `SKIPPED:` line) when not root or without `ip`/`nft`/`ping`/`python3`; CI
 //! runs as root and fails instead. Heavy (36 processes): one at a time in the `heavy` group.
@@ -331,18 +332,14 @@ async fn a_store_outage_and_a_standby_restart_lose_no_probe_and_never_make_two_a
 
     let summary = flows.stop();
     let broken = report(&summary);
-    // Counted, not asserted: no failover happens here, the connections only have to outlast
-    // the outage (what this test is about is probes and actives). About one run in eight loses
-    // one at a random moment, with or without the handoff, unexplained (ADR 0023, "Not yet"):
-    // its logs are printed.
-    eprintln!(
-        "measured: {} of {} connections broken during the store outage and the standby's restart",
-        broken.len(),
-        2 * CONNECTIONS
+    // No failover happens here: every connection only has to outlast the outage. About one
+    // run in eight used to lose one at a random moment: a reply of C's pod that missed its
+    // conntrack zone (ADR 0023), now dropped by the tunnel guard.
+    none_broken(
+        &broken,
+        "connections broken during the store outage and the standby's restart",
+        &fabric,
     );
-    if !broken.is_empty() {
-        eprintln!("{}\n{}", broken.join("\n"), fabric.logs());
-    }
     for target in summary.as_array().expect("targets") {
         if target["connections"].is_null() {
             let sent = target["sent"].as_u64().unwrap_or(0);
@@ -388,6 +385,96 @@ async fn each_clusters_active_cut_off_is_replaced_by_its_standby_and_steps_down_
     let broken = report(&summary);
     none_broken(&broken, "connections broken by the cuts", &fabric);
     probes_resumed(&summary, &fabric);
+}
+
+/// A packet of a peer's connection that misses its conntrack zone on the way out (seen once
+/// in CI: one packet of one connection, on a gateway whose rules were in place) finds no entry
+/// in the default zone, starts one there untranslated and, sent into the tunnel like that,
+/// reached the peer as a new connection from our pod: the peer's pod answered it with a reset
+/// that killed the real connection. Here C's active loses every zone rule for its own side for
+/// a few seconds (until its next repair pass puts them back): every reply of C's pod misses its
+/// zone, and the tunnel guard must drop them all, so the connections only stall.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_packet_that_missed_its_conntrack_zone_never_leaves_through_a_tunnel() {
+    if !can_run("a_packet_that_missed_its_conntrack_zone_never_leaves_through_a_tunnel") {
+        return;
+    }
+    let mut options = FabricOptions::three_clusters();
+    options.nodes = 3;
+    options.gateways = 2;
+    let fabric = Fabric::up(options).await.expect("fabric up");
+    fabric
+        .wait_mesh(LIMIT)
+        .await
+        .unwrap_or_else(|e| panic!("{e:#}\n{}", fabric.logs()));
+    let (active, _) = the_active(&fabric, C, LIMIT).await;
+    let ns = fabric.topology.sites[C].nodes[active].netns.clone();
+    let pods = Pods::up(&fabric).await;
+    let flows = pods.flows("zones", &pods.targets(false));
+    tokio::time::sleep(Duration::from_secs(2)).await;
+
+    let removed = remove_destination_zones(&ns);
+    assert!(removed > 0, "C's active had no zone rule for its side");
+    let started = Instant::now();
+    while destination_zones(&ns).is_empty() {
+        assert!(
+            started.elapsed() < LIMIT,
+            "the repair pass never restored the zone rules\n{}",
+            fabric.logs()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    eprintln!(
+        "measured: C's {removed} zone rules for its own side were missing for {} ms",
+        started.elapsed().as_millis()
+    );
+    tokio::time::sleep(Duration::from_secs(3)).await;
+
+    let summary = flows.stop();
+    let broken = report(&summary);
+    none_broken(
+        &broken,
+        "connections broken by packets that missed their zone",
+        &fabric,
+    );
+    probes_resumed(&summary, &fabric);
+}
+
+/// The handles of the `pre_raw` rules in `ns` that put our side's packets into a peer's zone
+/// (by destination; the tunnels' own rules go by interface).
+fn destination_zones(ns: &str) -> Vec<String> {
+    let out = trellis_netlab::netns::exec(
+        ns,
+        "nft",
+        &["-a", "list", "chain", "ip", "trellis", "pre_raw"],
+    )
+    .expect("nft runs");
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter(|l| l.contains("ip daddr") && l.contains("ct zone set") && !l.contains("iifname"))
+        .filter_map(|l| l.rsplit("# handle ").next().map(|h| h.trim().to_owned()))
+        .collect()
+}
+
+/// Removes those rules; how many there were.
+fn remove_destination_zones(ns: &str) -> usize {
+    let handles = destination_zones(ns);
+    for handle in &handles {
+        let out = trellis_netlab::netns::exec(
+            ns,
+            "nft",
+            &[
+                "delete", "rule", "ip", "trellis", "pre_raw", "handle", handle,
+            ],
+        )
+        .expect("nft runs");
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    handles.len()
 }
 
 /// Cuts off the node of `cluster`'s active replica (node 0, the first elected): its node

@@ -39,6 +39,9 @@ pub struct TunnelGuard {
     pub interface: String,
     /// Destination ranges new connections from the tunnel may reach.
     pub allowed: Vec<IpNet>,
+    /// Whether the peer's connections live in a conntrack zone of their own (every peer with
+    /// a slot): then none of its packets may leave from the default zone.
+    pub zoned: bool,
 }
 
 /// The script replacing the guard table with one for `tunnels` (just removing it when there
@@ -63,6 +66,14 @@ pub fn script(tunnels: &[TunnelGuard]) -> String {
         s,
         "    ct direction reply ct mark and {MARK_MASK:#010x} != 0x00000000 oifname != {{ {interfaces} }} drop"
     );
+    let zoned: Vec<String> = tunnels
+        .iter()
+        .filter(|t| t.zoned)
+        .map(|t| format!("\"{}\"", t.interface))
+        .collect();
+    if !zoned.is_empty() {
+        let _ = writeln!(s, "    oifname {{ {} }} ct zone 0 drop", zoned.join(", "));
+    }
     for t in tunnels {
         let allowed: Vec<String> = t
             .allowed
@@ -119,6 +130,7 @@ mod tests {
                 "10.0.0.0/16".parse().expect("net"),
                 "10.83.0.10/32".parse().expect("net"),
             ],
+            zoned: true,
         }]);
         assert!(s.starts_with("table ip trellis-guard {}\ndelete table ip trellis-guard\n"));
         let est = s
@@ -139,10 +151,12 @@ mod tests {
             TunnelGuard {
                 interface: "tga".into(),
                 allowed: vec![],
+                zoned: true,
             },
             TunnelGuard {
                 interface: "tgb".into(),
                 allowed: vec![],
+                zoned: true,
             },
         ]);
         let first = s.find("hook forward").expect(&s);
@@ -163,6 +177,29 @@ mod tests {
             first < original && original < per_tunnel && reply < per_tunnel,
             "{s}"
         );
+    }
+
+    #[test]
+    fn nothing_enters_a_zoned_peers_tunnel_from_the_default_zone() {
+        let s = script(&[
+            TunnelGuard {
+                interface: "tga".into(),
+                allowed: vec![],
+                zoned: true,
+            },
+            TunnelGuard {
+                interface: "tgz".into(),
+                allowed: vec![],
+                zoned: false,
+            },
+        ]);
+        let zone = s.find("oifname { \"tga\" } ct zone 0 drop").expect(&s);
+        let per_tunnel = s.find("iifname \"tga\" ct state").expect(&s);
+        assert!(
+            s.find("hook forward").expect(&s) < zone && zone < per_tunnel,
+            "{s}"
+        );
+        assert!(!s.contains("\"tgz\" } ct zone"), "{s}");
     }
 
     #[test]

@@ -166,6 +166,7 @@ impl PeerPlan {
         guard::TunnelGuard {
             interface: self.interface.clone(),
             allowed: dedup(allowed),
+            zoned: nft::zone(self.mark()) != 0,
         }
     }
 }

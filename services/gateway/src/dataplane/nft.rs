@@ -50,7 +50,7 @@ pub struct PeerNat {
 impl PeerNat {
     /// The peer's conntrack zone: its slot, the high half of its mark (unique per peer).
     pub fn zone(&self) -> u16 {
-        u16::try_from(self.mark >> 16).unwrap_or(u16::MAX)
+        zone(self.mark)
     }
 
     /// How we address the peer: the ranges routed into its tunnel (the source map's targets).
@@ -70,6 +70,12 @@ impl PeerNat {
 fn set<T: ToString>(items: impl IntoIterator<Item = T>) -> Option<String> {
     let items: Vec<String> = items.into_iter().map(|i| i.to_string()).collect();
     (!items.is_empty()).then(|| format!("{{ {} }}", items.join(", ")))
+}
+
+/// The conntrack zone of the peer with connection mark `mark`: the mark's high half (its
+/// slot); 0, the default zone, for none.
+pub fn zone(mark: u32) -> u16 {
+    u16::try_from(mark >> 16).unwrap_or(u16::MAX)
 }
 
 /// The zone rules of `pre_raw` (from a tunnel, or towards a peer) and of `out_raw` (the
