@@ -25,6 +25,8 @@ declare -A want=(
   [wg]=wireguard-tools
   # The gateway flushes a removed peer's connections (conntrack -D --mark).
   [conntrack]=conntrack
+  # The metrics test checks every exposition with Prometheus's own linter.
+  [promtool]=prometheus
 )
 missing=()
 for bin in "${!want[@]}"; do

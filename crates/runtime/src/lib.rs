@@ -39,6 +39,7 @@ pub mod batch;
 pub mod client;
 pub mod cmd;
 pub mod config;
+pub mod exposition;
 pub mod foreign_clusters;
 pub mod launch;
 pub mod local_auth;

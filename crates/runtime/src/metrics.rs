@@ -3,9 +3,10 @@
 //! [`crate::server::GrpcServer`] records through [`GrpcMetricsLayer`], the gRPC client metrics
 //! of every channel [`crate::client`] and [`crate::tls`] build ([`MeteredChannel`]), the store
 //! metrics of the store [`crate::config::CommonConfig::open_store`] opens
-//! ([`trellis_store::metered`]), and the `/metrics` listener (`--metrics-listen`), served in the
-//! Prometheus text format by `prometheus-client` through axum on a tonic server that also
-//! accepts HTTP/1.1 — no second HTTP stack.
+//! ([`trellis_store::metered`]), and the `/metrics` listener (`--metrics-listen`), encoded by
+//! `prometheus-client` and served as OpenMetrics or the classic text format, whichever the
+//! scraper's `Accept` asks for ([`crate::exposition`]), through axum on a tonic server that
+//! also accepts HTTP/1.1 — no second HTTP stack.
 //!
 //! Gauges that mirror store state are refreshed at scrape time by the hooks a service
 //! registers with [`Metrics::on_scrape`], so a scrape shows what the store holds at that
@@ -30,6 +31,7 @@ use tokio::net::TcpListener;
 use tokio_stream::wrappers::TcpListenerStream;
 use trellis_store::metered::StoreMetrics;
 
+use crate::exposition::{self, Format};
 use crate::shutdown::Shutdown;
 
 /// The metric types, for services registering their own.
@@ -186,7 +188,16 @@ impl Metrics {
         }
     }
 
-    /// Refreshes and renders the registry in the Prometheus text format.
+    /// Refreshes and renders the registry in `format`.
+    pub async fn render_as(&self, format: Format) -> String {
+        let openmetrics = self.render().await;
+        match format {
+            Format::OpenMetrics => openmetrics,
+            Format::Text => exposition::to_text(&openmetrics),
+        }
+    }
+
+    /// Refreshes and renders the registry in OpenMetrics.
     pub async fn render(&self) -> String {
         let hooks: Vec<Hook> = self.hooks.read().unwrap_or_else(|e| e.into_inner()).clone();
         futures::future::join_all(hooks.iter().map(|h| h())).await;
@@ -251,15 +262,16 @@ impl MetricsListener {
         tracing::info!(addr = %self.addr, "serving metrics on /metrics");
         let router = axum::Router::new().route(
             "/metrics",
-            axum::routing::get(move || {
+            axum::routing::get(move |headers: http::HeaderMap| {
                 let metrics = metrics.clone();
                 async move {
+                    let accept = headers
+                        .get(http::header::ACCEPT)
+                        .and_then(|v| v.to_str().ok());
+                    let format = Format::negotiate(accept);
                     (
-                        [(
-                            http::header::CONTENT_TYPE,
-                            "text/plain; version=0.0.4; charset=utf-8",
-                        )],
-                        metrics.render().await,
+                        [(http::header::CONTENT_TYPE, format.content_type())],
+                        metrics.render_as(format).await,
                     )
                 }
             }),

@@ -1,6 +1,8 @@
 //! Prometheus metrics (issue 19): every service of the default 3-cluster lab (the real
-//! `trellis-lab` binary) serves `/metrics`; each scrape is parsed by the Python
-//! `prometheus_client` parser (scripts/parse-metrics.py), the gRPC server metrics carry
+//! `trellis-lab` binary) serves `/metrics` in both exposition formats, chosen by `Accept`:
+//! each scrape is parsed by the Python `prometheus_client` parser for the content type it
+//! came with (scripts/parse-metrics.py), the text format also passes `promtool check metrics`,
+//! and both carry the same counters, typed as counters. The gRPC server metrics carry
 //! service, method and code labels, the broker's `trellis_tunnel_endpoints` equals what its
 //! ListTunnelEndpoints returns, and discovery's ForeignCluster gauges (by kind, by condition)
 //! equal what its ListForeignClusters returns, and the forwarder's relays by state what its
@@ -23,7 +25,13 @@ use trellis_api::pb::peering::forwarder_client::ForwarderClient;
 use trellis_api::pb::peering::{ListRelaysRequest, ListTunnelEndpointsRequest, RelayState};
 use trellis_api::pb::types::{ConditionStatus, PeeringKind};
 use trellis_integration::lab::RunningLab;
-use trellis_integration::prom::{parse, parser_python, scrape};
+use trellis_integration::prom::{
+    Sample, parse, parse_openmetrics, parser_python, promtool_check, scrape, scrape_accepting,
+};
+
+/// What Prometheus sends when it may have OpenMetrics.
+const OPENMETRICS_ACCEPT: &str = "application/openmetrics-text;version=1.0.0,\
+     application/openmetrics-text;version=0.0.1;q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1";
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_lab_service_serves_prometheus_metrics_and_domain_gauges_match_the_list_rpcs() {
@@ -63,13 +71,60 @@ async fn every_lab_service_serves_prometheus_metrics_and_domain_gauges_match_the
             "{id}"
         );
         for (service, addr) in metrics {
-            // Every scrape parses and is complete; a service no one has called yet has no
-            // gRPC samples (the encoder omits empty families).
-            let text = scrape(addr.as_str().expect("addr"));
-            let samples = parse(&python, &text);
+            let addr = addr.as_str().expect("addr");
+            // Every scrape parses, in the format its content type names, and is complete; a
+            // service no one has called yet has no gRPC samples (the encoder omits empty
+            // families).
+            let (content_type, openmetrics) = scrape_accepting(addr, OPENMETRICS_ACCEPT);
             assert!(
-                text.ends_with("# EOF\n"),
+                content_type.starts_with("application/openmetrics-text"),
+                "{id}/{service}: {content_type}"
+            );
+            assert!(
+                openmetrics.ends_with("# EOF\n"),
                 "{id}/{service}: truncated scrape"
+            );
+            let from_openmetrics = parse_openmetrics(&python, &openmetrics);
+            let (content_type, text) = scrape_accepting(addr, "text/plain;version=0.0.4");
+            assert!(
+                content_type.starts_with("text/plain; version=0.0.4"),
+                "{id}/{service}: {content_type}"
+            );
+            let samples = parse(&python, &text);
+            promtool_check(&text);
+            // The same counters, typed as counters, in both: read as the text format it says
+            // it is, a counter's type and help name its samples (`_total`).
+            for (format, parsed) in [("text", &samples), ("openmetrics", &from_openmetrics)] {
+                let untyped: Vec<&str> = parsed
+                    .iter()
+                    .filter(|s| s.name.ends_with("_total") && s.kind != "counter")
+                    .map(|s| s.name.as_str())
+                    .collect();
+                assert!(
+                    untyped.is_empty(),
+                    "{id}/{service} ({format}): counters without their type: {untyped:?}"
+                );
+            }
+            let counters = |parsed: &[Sample]| -> Vec<String> {
+                let mut names: Vec<String> = parsed
+                    .iter()
+                    .filter(|s| s.kind == "counter" && s.name.ends_with("_total"))
+                    .map(|s| s.name.clone())
+                    .collect();
+                names.sort();
+                names.dedup();
+                names
+            };
+            assert!(
+                counters(&samples)
+                    .iter()
+                    .any(|n| n.starts_with("trellis_store_") || n.starts_with("grpc_")),
+                "{id}/{service}: no counter in {samples:?}"
+            );
+            assert_eq!(
+                counters(&samples),
+                counters(&from_openmetrics),
+                "{id}/{service}: the formats disagree"
             );
             // Every lab service keeps state: its store operations are timed (the decorator
             // the runtime puts around every service's store).
