@@ -749,7 +749,12 @@ mod tests {
             Some(3.0),
             "{text}"
         );
-        assert!(text.ends_with("# EOF\n"), "{text}");
+        // Asked for nothing in particular: the text format, counters typed under the name
+        // their samples have.
+        assert!(
+            text.contains("# TYPE grpc_server_handled_total counter\n") && !text.contains("# EOF"),
+            "{text}"
+        );
         shutdown.cancel();
         task.await.expect("joins").expect("stops cleanly");
     }
