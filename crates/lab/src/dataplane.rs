@@ -74,6 +74,16 @@ pub(crate) async fn run(
     progress: &mut Progress<'_>,
 ) -> anyhow::Result<()> {
     preflight(config)?;
+    // A lab killed hard (SIGKILL, a job's timeout) could not remove its namespaces; its
+    // processes died with it.
+    for leftover in trellis_netlab::owner::leftovers()? {
+        let removed = leftover.remove()?;
+        progress.say(format_args!(
+            "removed the leftovers of lab run {} (no longer running): {} namespaces, {} \
+             processes still in them",
+            leftover.run, removed.namespaces, removed.processes
+        ));
+    }
     let mut plans = plan::plan(
         config.clusters,
         config.same_pod_cidr,

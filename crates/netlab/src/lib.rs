@@ -14,10 +14,12 @@
 //!   bridge address, each with its own etcd or a memory store;
 //! - [`fabric`]: a hub and its leaves peered through the brokers, with the probes tests and
 //!   benchmarks share (TunnelEndpoints, IPAM views, endpoint reflection, pings);
-//! - [`bins`]: where the service binaries are.
+//! - [`bins`]: where the service binaries are;
+//! - [`owner`]: each run's claim on its namespaces, and the leftovers of runs that died.
 //!
 //! Everything created is removed on drop: processes first, then etcds, then namespaces (with
-//! every interface, route and qdisc in them). Hold a [`cluster::NsCluster`] shorter than the
+//! every interface, route and qdisc in them). A run killed hard cannot drop anything: its
+//! processes die with it (they are tied to it), and its namespaces are [`owner::leftovers`]. Hold a [`cluster::NsCluster`] shorter than the
 //! [`topology::Topology`] it runs in (declare it after, or drop it first).
 
 pub mod bins;
@@ -25,6 +27,7 @@ pub mod cluster;
 pub mod fabric;
 pub mod netem;
 pub mod netns;
+pub mod owner;
 pub mod partition;
 pub mod process;
 pub mod relay;

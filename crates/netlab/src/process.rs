@@ -1,7 +1,8 @@
 //! [`NsProcess`]: a service binary running inside a network namespace (`ip netns exec`, which
 //! enters the namespace and execs the binary, so the child *is* the service and signals reach
 //! it directly), logging to a file, with its gRPC health checked from this process through a
-//! socket opened inside the namespace. Killed on drop.
+//! socket opened inside the namespace. Killed on drop, and with this process however it dies
+//! ([`trellis_testkit::spawn_tied`]).
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -68,7 +69,8 @@ impl NsProcess {
             .append(true)
             .open(&self.log)
             .with_context(|| format!("opening {}", self.log.display()))?;
-        let child = Command::new("ip")
+        let mut command = Command::new("ip");
+        command
             .args(["netns", "exec", &self.ns])
             .arg(&self.binary)
             .args(&self.args)
@@ -80,8 +82,9 @@ impl NsProcess {
             .envs(self.env.iter().map(|(k, v)| (k, v)))
             .stdin(Stdio::null())
             .stdout(log.try_clone()?)
-            .stderr(log)
-            .spawn()
+            .stderr(log);
+        // Tied: a lab or test killed hard (SIGKILL, a timeout) takes its services with it.
+        let child = trellis_testkit::spawn_tied(command)
             .with_context(|| format!("starting {} in {}", self.binary.display(), self.ns))?;
         self.child = Some(child);
         Ok(())

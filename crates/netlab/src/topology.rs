@@ -137,6 +137,8 @@ pub struct Topology {
     /// The sites, by index.
     pub sites: Vec<Site>,
     namespaces: Namespaces,
+    /// Held until the namespaces are gone (fields drop in order).
+    _claim: crate::owner::Claim,
 }
 
 /// Host `n` of `net`.
@@ -152,6 +154,8 @@ impl Topology {
             bail!("at most 250 sites on one /24 bridge");
         }
         let run = crate::run_id();
+        // Claimed before any namespace exists, so none is ever taken for a leftover.
+        let claim = crate::owner::claim(&run)?;
         let mut namespaces = Namespaces::default();
         let inet_ns = format!("tl{run}-inet");
         namespaces.add(&inet_ns)?;
@@ -194,6 +198,7 @@ impl Topology {
             inet_ns,
             sites: built,
             namespaces,
+            _claim: claim,
         })
     }
 

@@ -189,9 +189,8 @@ impl Etcd {
             .append(true)
             .open(self.log_path())
             .context("opening etcd's log file")?;
-        let mut command = self.command(&log)?;
-        let child = command
-            .spawn()
+        // Tied: a test or lab killed hard takes its etcds with it.
+        let child = crate::spawn_tied(self.command(&log)?)
             .with_context(|| format!("spawning {}", self.binary.display()))?;
         self.child = Some(child);
         self.wait_ready().with_context(|| {

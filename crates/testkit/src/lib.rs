@@ -11,7 +11,8 @@
 //! - [`wireguard::Forger`]: forged WireGuard handshake initiations naming a key the sender does
 //!   not hold, for tests of a gateway under hostile handshakes;
 //! - [`SilentRelay`]: a TCP relay a test turns silent (swallows everything, closes nothing), to
-//!   play a crashed node or a dropping partition on loopback.
+//!   play a crashed node or a dropping partition on loopback;
+//! - [`spawn_tied`]: a child process killed when this process dies, however it dies.
 //!
 //! This is a dev-dependency: its helpers panic with a clear message where a test should fail.
 
@@ -21,6 +22,7 @@ mod kube_fake;
 mod ports;
 pub mod rng;
 mod silent;
+mod tied;
 mod tools;
 pub mod wireguard;
 
@@ -29,4 +31,5 @@ pub use etcd_tls::EtcdTlsFiles;
 pub use kube_fake::FakeApiServer;
 pub use ports::free_port;
 pub use silent::SilentRelay;
+pub use tied::spawn_tied;
 pub use tools::{in_ci, require_tool, tool_path, workspace_root};

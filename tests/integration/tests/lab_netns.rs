@@ -2,7 +2,9 @@
 //! clusters on one pod CIDR, two nodes each, real packets. The lab waits until every pod answers
 //! every pod of the other clusters and prints the matrix; its topology file lists nodes, pods
 //! and every pair; `trellis-lab check` against the running lab passes, and fails naming the pod
-//! once that pod is cut off; Ctrl-C removes every namespace the lab made.
+//! once that pod is cut off; Ctrl-C removes every namespace the lab made. A lab killed with
+//! SIGKILL takes every process it started along, and the next `trellis-lab up` removes the
+//! namespaces it left and says so.
 //!
 //! Skipped (with a `SKIPPED:` line) when not root; CI runs as root and fails instead. Heavy
 //! (24 processes): one at a time in the `netns` test group.
@@ -229,6 +231,128 @@ fn the_namespace_lab_with_nodes_reaches_every_pod_checks_the_matrix_and_leaves_n
         .filter(|ns| made.contains(*ns) || ns.starts_with(&format!("{run_prefix}-")))
         .collect();
     assert!(left.is_empty(), "left behind: {left:?}");
+}
+
+/// Every process descending from `pid` (from `/proc`), itself excluded.
+fn descendants(pid: u32) -> BTreeSet<u32> {
+    let mut parent_of = std::collections::BTreeMap::new();
+    for entry in std::fs::read_dir("/proc").expect("/proc").flatten() {
+        let Ok(child) = entry.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        if let Some(parent) = std::fs::read_to_string(entry.path().join("stat"))
+            .ok()
+            .and_then(|stat| stat.rsplit_once(") ").map(|(_, rest)| rest.to_owned()))
+            .and_then(|rest| rest.split_whitespace().nth(1)?.parse::<u32>().ok())
+        {
+            parent_of.insert(child, parent);
+        }
+    }
+    let mut found = BTreeSet::from([pid]);
+    loop {
+        let more: Vec<u32> = parent_of
+            .iter()
+            .filter(|(child, parent)| found.contains(parent) && !found.contains(child))
+            .map(|(child, _)| *child)
+            .collect();
+        if more.is_empty() {
+            break;
+        }
+        found.extend(more);
+    }
+    found.remove(&pid);
+    found
+}
+
+/// Whether `pid` still runs (a zombie waiting for its reaper does not).
+fn running(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|stat| {
+            stat.rsplit_once(") ")
+                .and_then(|(_, rest)| rest.chars().next())
+        })
+        .is_some_and(|state| state != 'Z' && state != 'X')
+}
+
+#[test]
+fn a_lab_killed_with_sigkill_takes_its_processes_along_and_the_next_up_removes_its_namespaces() {
+    let test = "a_lab_killed_with_sigkill_takes_its_processes_along_and_the_next_up_removes_its_namespaces";
+    if !can_run(test) {
+        return;
+    }
+    let args = [
+        "--dataplane",
+        "netns",
+        "--clusters",
+        "2",
+        "--store",
+        "etcd",
+        "--timeout",
+        "180",
+    ];
+    let before = netns_list();
+    let (lab, _) = RunningLab::start(&args, Duration::from_secs(240));
+    let made: BTreeSet<String> = netns_list().difference(&before).cloned().collect();
+    let children = descendants(lab.child.id());
+    // 2 clusters of 6 services, and an etcd per service.
+    assert!(
+        children.len() >= 24 && !made.is_empty(),
+        "{children:?} {made:?}"
+    );
+    let run = made
+        .iter()
+        .find_map(|ns| ns.strip_prefix("tl")?.split('-').next())
+        .expect("the run's namespaces are named tl<run>-...")
+        .to_owned();
+    let killed = Command::new("kill")
+        .args(["-KILL", &lab.child.id().to_string()])
+        .status()
+        .expect("kill runs");
+    assert!(killed.success());
+    let started = Instant::now();
+    loop {
+        let alive: Vec<u32> = children.iter().copied().filter(|p| running(*p)).collect();
+        if alive.is_empty() {
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "{} of the lab's {} processes outlived its SIGKILL: {alive:?}",
+            alive.len(),
+            children.len()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    eprintln!(
+        "measured: all {} processes of the lab gone {} ms after its SIGKILL",
+        children.len(),
+        started.elapsed().as_millis()
+    );
+    drop(lab);
+    // Nothing could remove the namespaces; the next lab does, and says so.
+    assert!(made.is_subset(&netns_list()), "{made:?}");
+    let (next, printed) = RunningLab::start(&args, Duration::from_secs(240));
+    let left = netns_list();
+    assert!(
+        made.iter().all(|ns| !left.contains(ns)),
+        "{:?} left after the next lab came up:\n{printed}",
+        made.intersection(&left).collect::<Vec<_>>()
+    );
+    let said = printed
+        .lines()
+        .find(|l| l.contains(&format!("removed the leftovers of lab run {run} ")))
+        .unwrap_or_else(|| panic!("the next lab did not say it removed them:\n{printed}"));
+    assert!(
+        said.contains(&format!("{} namespaces", made.len())),
+        "{said} ({} made)",
+        made.len()
+    );
+    assert!(next.interrupt().success());
+    assert!(
+        netns_list().is_subset(&before),
+        "the second lab left namespaces behind"
+    );
 }
 
 #[test]
