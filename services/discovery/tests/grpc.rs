@@ -2,6 +2,9 @@
 //! nothing is stored), peering, Neighborhood exchange between several running services, the
 //! resumable watch, and manual discovery.
 
+// Tests spawn plainly: there is no service subscriber to keep (services/clippy.toml).
+#![allow(clippy::disallowed_methods)]
+
 use std::time::{Duration, Instant};
 
 use clap::Parser as _;

@@ -161,13 +161,15 @@ async fn start_inner(
         shutdown.clone(),
     )));
     if let Some(client) = client {
-        background.push(tokio::spawn(kube_source::run_export_source(
-            core.clone(),
-            client.clone(),
-            exports::RESYNC,
-            shutdown.clone(),
-        )));
-        background.push(tokio::spawn(imports::run_import_sync(
+        background.push(trellis_runtime::telemetry::spawn(
+            kube_source::run_export_source(
+                core.clone(),
+                client.clone(),
+                exports::RESYNC,
+                shutdown.clone(),
+            ),
+        ));
+        background.push(trellis_runtime::telemetry::spawn(imports::run_import_sync(
             core.clone(),
             imports::ImportWriter::new(client),
             exports::RESYNC,

@@ -2,6 +2,9 @@
 //! service behind `kube::Client` receives every HTTP request the writer sends; the tests assert
 //! method, path and body exactly and answer as the API server would. No cluster is needed.
 
+// Tests spawn plainly: there is no service subscriber to keep (services/clippy.toml).
+#![allow(clippy::disallowed_methods)]
+
 mod common;
 
 use std::time::Duration;

@@ -9,6 +9,9 @@
 //! behind it (IPAM, gateway, an induced record of the origin), which `tests/integration`
 //! covers end to end; here they only have to answer, refuse or stay silent on demand.
 
+// Tests spawn plainly: there is no service subscriber to keep (services/clippy.toml).
+#![allow(clippy::disallowed_methods)]
+
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;

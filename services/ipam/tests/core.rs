@@ -1,6 +1,9 @@
 //! Behaviour of the IPAM core on the in-memory store: remapping, endpoint translation,
 //! freeing, and the no-overlap invariant under random sequences of operations.
 
+// Tests spawn plainly: there is no service subscriber to keep (services/clippy.toml).
+#![allow(clippy::disallowed_methods)]
+
 use std::net::IpAddr;
 use std::sync::Arc;
 use std::time::Duration;

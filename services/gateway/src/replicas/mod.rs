@@ -1064,6 +1064,7 @@ impl Replicas {
 }
 
 #[cfg(test)]
+#[allow(clippy::disallowed_methods)] // tests spawn plainly: there is no service subscriber to keep
 mod tests {
     use super::*;
 
