@@ -392,11 +392,31 @@ pub fn diff(held: &BTreeSet<Flow>, wanted: &BTreeSet<Flow>) -> (Vec<Flow>, Vec<F
     )
 }
 
+/// Whether `conntrack -I` failed only because the connection is tracked already: this replica
+/// was the active (its node keeps its entries across a restart) or saw a packet of it. The
+/// tool says so in words that changed between versions.
+pub fn already_tracked(error: &str) -> bool {
+    error.contains("File exists") || error.contains("Such conntrack exists")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     const MASK: u32 = 0xffff_0000;
+
+    #[test]
+    fn an_entry_tracked_already_is_held_not_an_error() {
+        // conntrack-tools 1.4.7, as logged by a standby restarted on the old active's node.
+        assert!(already_tracked(
+            "conntrack -I -p tcp ... failed (exit status: 1): conntrack v1.4.7 \
+             (conntrack-tools): Operation failed: Such conntrack exists, try -U to update"
+        ));
+        assert!(already_tracked("Operation failed: File exists"));
+        assert!(!already_tracked(
+            "conntrack v1.4.7 (conntrack-tools): Operation failed: invalid parameters"
+        ));
+    }
 
     const TABLE: &str = "\
 ipv4     2 tcp      6 431999 ESTABLISHED src=10.0.0.10 dst=10.83.0.10 sport=40000 dport=5000 src=10.0.0.10 dst=10.81.0.10 sport=5000 dport=40000 [ASSURED] mark=3398500352 zone=51841 use=2

@@ -998,8 +998,7 @@ impl Replicas {
                     Ok(_) => {
                         held.insert(flow);
                     }
-                    // Tracked already (this replica was the active, or saw the packet).
-                    Err(err) if format!("{err:#}").contains("File exists") => {
+                    Err(err) if handoff::already_tracked(&format!("{err:#}")) => {
                         held.insert(flow);
                     }
                     Err(err) => self.handoff_failed(&err),
