@@ -314,6 +314,13 @@ const POD_CIDR: &str = "10.0.0.0/16";
 const EXTERNAL_CIDR: &str = "10.201.0.0/16";
 
 /// Leaf `i`'s external CIDR: a /24 of its own in 100.64.0.0/10 (see the module doc).
+/// Discovery's flags on every leaf, as the lab gives them: a leaf of an N-leaf hub is
+/// introduced to N-1 others, above discovery's default cap (`--max-induced-per-hub`, 192) at
+/// 254 leaves, where every Neighborhood would be refused.
+fn leaf_discovery_flags() -> Vec<String> {
+    vec!["--max-induced-per-hub".to_owned(), "4096".to_owned()]
+}
+
 fn leaf_external(i: usize) -> String {
     format!("100.{}.{}.0/24", 64 + i / 256, i % 256)
 }
@@ -625,8 +632,13 @@ impl Leaves {
             Mode::EtcdProcesses => {
                 let mut out = Vec::new();
                 for i in 0..n {
+                    let options = trellis_integration::processes::Options {
+                        discovery_flags: leaf_discovery_flags(),
+                        ..Default::default()
+                    };
                     let Some(c) =
-                        ProcessCluster::start(&name(i), POD_CIDR, &leaf_external(i)).await?
+                        ProcessCluster::start_with(&name(i), POD_CIDR, &leaf_external(i), options)
+                            .await?
                     else {
                         return Ok(None);
                     };
@@ -637,7 +649,19 @@ impl Leaves {
             _ => {
                 let mut out = Vec::with_capacity(n);
                 for i in 0..n {
-                    out.push(InProcessCluster::start(&name(i), POD_CIDR, &leaf_external(i)).await?);
+                    let options = trellis_integration::cluster::Options {
+                        discovery_flags: leaf_discovery_flags(),
+                        ..Default::default()
+                    };
+                    out.push(
+                        InProcessCluster::start_with(
+                            &name(i),
+                            POD_CIDR,
+                            &leaf_external(i),
+                            options,
+                        )
+                        .await?,
+                    );
                 }
                 Leaves::InProcess(out)
             }

@@ -146,6 +146,8 @@ pub struct Options {
     pub advertise_forwarder: Option<SocketAddr>,
     /// Appended to the broker's flags.
     pub broker_flags: Vec<String>,
+    /// Appended to discovery's flags.
+    pub discovery_flags: Vec<String>,
 }
 
 impl Default for Options {
@@ -161,6 +163,7 @@ impl Default for Options {
             advertise_broker: None,
             advertise_forwarder: None,
             broker_flags: Vec::new(),
+            discovery_flags: Vec::new(),
         }
     }
 }
@@ -341,6 +344,7 @@ impl InProcessCluster {
         if !induced {
             discovery.push("--no-induced".into());
         }
+        discovery.extend(options.discovery_flags.iter().cloned());
         if let Some(tls) = &tls {
             discovery.extend(tls.flags("discovery", tls.discovery)?);
         }

@@ -119,6 +119,8 @@ pub struct Options {
     /// [`ProcessCluster::cut_from`] can cut this cluster from one other cluster only. Each
     /// cluster of a test needs its own.
     pub gid: Option<u32>,
+    /// Appended to discovery's flags.
+    pub discovery_flags: Vec<String>,
 }
 
 impl Default for Options {
@@ -130,6 +132,7 @@ impl Default for Options {
             local_token_file: None,
             gateway_follows_broker: false,
             gid: None,
+            discovery_flags: Vec::new(),
         }
     }
 }
@@ -399,6 +402,7 @@ impl ProcessCluster {
                 if !self.options.induced {
                     args.push("--no-induced".to_owned());
                 }
+                args.extend(self.options.discovery_flags.iter().cloned());
                 args
             }
             Service::Forwarder => {
