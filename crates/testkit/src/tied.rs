@@ -10,15 +10,15 @@
 use std::io;
 use std::os::unix::process::CommandExt as _;
 use std::process::{Child, Command};
+use std::sync::OnceLock;
 use std::sync::mpsc;
-use std::sync::{Mutex, OnceLock};
 
 type Request = (Command, mpsc::Sender<io::Result<Child>>);
 
 /// Starts `command` so that it is killed when this process dies.
 #[allow(unsafe_code)]
 pub fn spawn_tied(mut command: Command) -> io::Result<Child> {
-    static SPAWNER: OnceLock<Mutex<mpsc::Sender<Request>>> = OnceLock::new();
+    static SPAWNER: OnceLock<mpsc::Sender<Request>> = OnceLock::new();
     let spawner = SPAWNER.get_or_init(|| {
         let (tx, rx) = mpsc::channel::<Request>();
         std::thread::Builder::new()
@@ -30,7 +30,7 @@ pub fn spawn_tied(mut command: Command) -> io::Result<Child> {
                 }
             })
             .expect("the spawner thread starts");
-        Mutex::new(tx)
+        tx
     });
     let parent = std::process::id();
     // SAFETY: the closure runs in the forked child before exec and only makes two
@@ -48,8 +48,6 @@ pub fn spawn_tied(mut command: Command) -> io::Result<Child> {
     }
     let (reply, answer) = mpsc::channel();
     spawner
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
         .send((command, reply))
         .map_err(|_| io::Error::other("the spawner thread is gone"))?;
     answer

@@ -108,23 +108,16 @@ fn request(mut stream: TcpStream, addr: &str, accept: Option<&str>) -> (String, 
 /// Checks `text` (the classic text format) with Prometheus's own `promtool check metrics`,
 /// panicking with what it reports; `false` (a loud skip outside CI) without promtool.
 pub fn promtool_check(text: &str) -> bool {
-    let child = Command::new("promtool")
+    let Some(promtool) = trellis_testkit::require_tool("promtool") else {
+        return false;
+    };
+    let mut child = Command::new(promtool)
         .args(["check", "metrics"])
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
-        .spawn();
-    let Ok(mut child) = child else {
-        assert!(
-            !in_ci(),
-            "promtool is missing; scripts/setup.sh installs it"
-        );
-        let _ = writeln!(
-            std::io::stderr(),
-            "SKIPPED: promtool is missing; run scripts/setup.sh"
-        );
-        return false;
-    };
+        .spawn()
+        .expect("promtool runs");
     child
         .stdin
         .take()

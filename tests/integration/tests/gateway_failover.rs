@@ -228,6 +228,20 @@ async fn a_standby_takes_over_each_clusters_tunnels_and_node_path_after_a_kill()
     probes_resumed(&summary, &fabric);
 }
 
+/// Hub B and leaves A and C on one pod CIDR, three nodes each and two gateway replicas per
+/// cluster, peered.
+async fn replicated_fabric() -> Fabric {
+    let mut options = FabricOptions::three_clusters();
+    options.nodes = 3;
+    options.gateways = 2;
+    let fabric = Fabric::up(options).await.expect("fabric up");
+    fabric
+        .wait_mesh(LIMIT)
+        .await
+        .unwrap_or_else(|e| panic!("{e:#}\n{}", fabric.logs()));
+    fabric
+}
+
 /// Fails, with every log, when any connection broke.
 fn none_broken(broken: &[String], what: &str, fabric: &Fabric) {
     assert!(
@@ -259,14 +273,7 @@ async fn a_store_outage_and_a_standby_restart_lose_no_probe_and_never_make_two_a
     if !can_run("a_store_outage_and_a_standby_restart_lose_no_probe_and_never_make_two_actives") {
         return;
     }
-    let mut options = FabricOptions::three_clusters();
-    options.nodes = 3;
-    options.gateways = 2;
-    let mut fabric = Fabric::up(options).await.expect("fabric up");
-    fabric
-        .wait_mesh(LIMIT)
-        .await
-        .unwrap_or_else(|e| panic!("{e:#}\n{}", fabric.logs()));
+    let mut fabric = replicated_fabric().await;
     let (active, epoch) = the_active(&fabric, A, LIMIT).await;
     let standby = 1 - active;
 
@@ -366,14 +373,7 @@ async fn each_clusters_active_cut_off_is_replaced_by_its_standby_and_steps_down_
     {
         return;
     }
-    let mut options = FabricOptions::three_clusters();
-    options.nodes = 3;
-    options.gateways = 2;
-    let fabric = Fabric::up(options).await.expect("fabric up");
-    fabric
-        .wait_mesh(LIMIT)
-        .await
-        .unwrap_or_else(|e| panic!("{e:#}\n{}", fabric.logs()));
+    let fabric = replicated_fabric().await;
     let pods = Pods::up(&fabric).await;
     let flows = pods.flows("cut", &pods.targets(true));
     tokio::time::sleep(Duration::from_secs(2)).await;
@@ -399,14 +399,7 @@ async fn a_packet_that_missed_its_conntrack_zone_never_leaves_through_a_tunnel()
     if !can_run("a_packet_that_missed_its_conntrack_zone_never_leaves_through_a_tunnel") {
         return;
     }
-    let mut options = FabricOptions::three_clusters();
-    options.nodes = 3;
-    options.gateways = 2;
-    let fabric = Fabric::up(options).await.expect("fabric up");
-    fabric
-        .wait_mesh(LIMIT)
-        .await
-        .unwrap_or_else(|e| panic!("{e:#}\n{}", fabric.logs()));
+    let fabric = replicated_fabric().await;
     let (active, _) = the_active(&fabric, C, LIMIT).await;
     let ns = fabric.topology.sites[C].nodes[active].netns.clone();
     let pods = Pods::up(&fabric).await;

@@ -27,6 +27,8 @@ fn netns_list() -> BTreeSet<String> {
         .args(["netns", "list"])
         .output()
         .expect("ip netns list");
+    // An empty list from a failed `ip` would pass every "is gone" check.
+    assert!(out.status.success(), "ip netns list failed");
     String::from_utf8_lossy(&out.stdout)
         .lines()
         .filter_map(|l| l.split_whitespace().next())

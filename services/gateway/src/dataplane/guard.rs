@@ -122,6 +122,15 @@ pub fn hosts(targets: impl IntoIterator<Item = IpAddr>) -> Vec<IpNet> {
 mod tests {
     use super::*;
 
+    /// A tunnel that may open nothing (only its other rules are looked at).
+    fn tunnel(interface: &str, zoned: bool) -> TunnelGuard {
+        TunnelGuard {
+            interface: interface.into(),
+            allowed: vec![],
+            zoned,
+        }
+    }
+
     #[test]
     fn each_tunnel_reaches_only_its_allowed_destinations_and_established_traffic() {
         let s = script(&[TunnelGuard {
@@ -147,18 +156,7 @@ mod tests {
 
     #[test]
     fn a_peers_connection_only_enters_from_and_leaves_into_a_tunnel() {
-        let s = script(&[
-            TunnelGuard {
-                interface: "tga".into(),
-                allowed: vec![],
-                zoned: true,
-            },
-            TunnelGuard {
-                interface: "tgb".into(),
-                allowed: vec![],
-                zoned: true,
-            },
-        ]);
+        let s = script(&[tunnel("tga", true), tunnel("tgb", true)]);
         let first = s.find("hook forward").expect(&s);
         let original = s
             .find(
@@ -181,18 +179,7 @@ mod tests {
 
     #[test]
     fn nothing_enters_a_zoned_peers_tunnel_from_the_default_zone() {
-        let s = script(&[
-            TunnelGuard {
-                interface: "tga".into(),
-                allowed: vec![],
-                zoned: true,
-            },
-            TunnelGuard {
-                interface: "tgz".into(),
-                allowed: vec![],
-                zoned: false,
-            },
-        ]);
+        let s = script(&[tunnel("tga", true), tunnel("tgz", false)]);
         let zone = s.find("oifname { \"tga\" } ct zone 0 drop").expect(&s);
         let per_tunnel = s.find("iifname \"tga\" ct state").expect(&s);
         assert!(
