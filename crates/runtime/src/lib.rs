@@ -5,6 +5,8 @@
 //! - [`telemetry`]: logs through `tracing`, spans exported over OTLP with the resource
 //!   attributes DESIGN.md fixes;
 //! - [`propagation`]: W3C trace context carried across gRPC, server and client side;
+//! - [`bootstrap`]: the one start-up sequence of a service (listeners, identity, store,
+//!   cluster-facing listener, supervised tasks), ending in one generic [`Started`];
 //! - [`server`]: a gRPC server that always serves health and reflection (v1 and v1alpha,
 //!   built once per process: [`reflection`]);
 //! - [`client`]: channels to other services with timeouts and trace propagation;
@@ -36,6 +38,7 @@ pub mod admission;
 pub mod allocator;
 pub mod backoff;
 pub mod batch;
+pub mod bootstrap;
 pub mod client;
 pub mod cmd;
 pub mod config;
@@ -55,6 +58,7 @@ pub mod supervise;
 pub mod telemetry;
 pub mod tls;
 
+pub use bootstrap::{Bootstrap, Opened, Service, Started};
 pub use config::CommonConfig;
 pub use launch::launch;
 pub use shutdown::Shutdown;

@@ -931,7 +931,7 @@ mod tests {
         let peer = crate::server::PeerListener::bind(local(), tls.clone(), METHODS)
             .await
             .expect("peer bind");
-        let server = GrpcServer::bind(local())
+        let mut server = GrpcServer::bind(local())
             .await
             .expect("bind")
             .with_metrics_listener(MetricsListen::At(local()))
@@ -939,9 +939,8 @@ mod tests {
             .expect("metrics bind")
             .with_local_token(
                 crate::local_auth::LocalToken::new("0123456789abcdef-local").expect("token"),
-            )
-            .with_cluster_facing(METHODS)
-            .with_peer_listener(Some(peer));
+            );
+        server.set_cluster_facing(Some(peer), METHODS);
         let plain_addr = server.local_addr();
         let peer_addr = server.peer_addr().expect("peer listener");
         let scrape_at = server.metrics_addr().expect("metrics listener");

@@ -80,33 +80,6 @@ impl PeerListener {
     }
 }
 
-/// The cluster-facing side of a service (ADR 0014). With TLS loaded and `--peer-listen` given:
-/// the mutual-TLS listener for `methods`, authorization on, and two tasks pushed onto
-/// `background` (one keeps the pinned CAs equal to discovery's full peers, one reloads the
-/// certificate files). Otherwise no listener and authorization off.
-pub async fn cluster_facing(
-    tls: Option<&PeerTls>,
-    config: &crate::config::PeerTlsConfig,
-    discovery: crate::client::TracedChannel,
-    methods: PeerMethods,
-    shutdown: &Shutdown,
-    background: &mut Vec<tokio::task::JoinHandle<()>>,
-) -> anyhow::Result<(Option<PeerListener>, crate::peer::Authz)> {
-    let (Some(tls), Some(listen)) = (tls, config.peer_listen) else {
-        return Ok((None, crate::peer::Authz::off()));
-    };
-    background.push(crate::peer::spawn_trust_sync(
-        discovery,
-        tls.trust().clone(),
-        shutdown.clone(),
-    ));
-    background.push(tls.spawn_reloader(config.reload_period(), shutdown.clone()));
-    Ok((
-        Some(PeerListener::bind(listen, tls.clone(), methods).await?),
-        crate::peer::Authz::on(tls.trust().clone()),
-    ))
-}
-
 impl GrpcServer {
     /// Binds the listen address.
     pub async fn bind(addr: SocketAddr) -> anyhow::Result<Self> {
@@ -144,31 +117,21 @@ impl GrpcServer {
     /// token (other clusters call them there in plaintext mode; with TLS their handlers refuse
     /// them there).
     pub fn with_cluster_facing(mut self, methods: PeerMethods) -> Self {
+        self.set_cluster_facing(None, methods);
+        self
+    }
+
+    /// [`Self::with_cluster_facing`], also serving on `peer` (mutual TLS) when given.
+    pub(crate) fn set_cluster_facing(&mut self, peer: Option<PeerListener>, methods: PeerMethods) {
+        if peer.is_some() {
+            self.peer = peer;
+        }
         self.cluster_facing = methods
             .authenticated
             .iter()
             .chain(methods.anonymous)
             .copied()
             .collect();
-        self
-    }
-
-    /// Binds a service's gRPC and `/metrics` listeners from its base flags (`--listen`,
-    /// `--pod-ip`, `--metrics-listen`), falling back to the service's default ports, and
-    /// requires the local token of `--local-token-file`: how every service binds, so each gets
-    /// the gRPC server metrics, a `/metrics` endpoint and local authentication without code of
-    /// its own.
-    pub async fn for_service(
-        base: &crate::config::BaseConfig,
-        default_port: u16,
-        default_metrics_port: u16,
-    ) -> anyhow::Result<Self> {
-        let token = base.local_token()?;
-        Ok(Self::bind(base.listen_addr(default_port))
-            .await?
-            .with_metrics_listener(base.metrics_listen(default_metrics_port))
-            .await?
-            .with_local_token(token))
     }
 
     /// Also serves this service's `/metrics` where `listen` says (see
@@ -211,12 +174,6 @@ impl GrpcServer {
     /// The address actually bound.
     pub fn local_addr(&self) -> SocketAddr {
         self.addr
-    }
-
-    /// Also serves on `peer` (mutual TLS), when given.
-    pub fn with_peer_listener(mut self, peer: Option<PeerListener>) -> Self {
-        self.peer = peer;
-        self
     }
 
     /// The peer listener's address, when there is one.

@@ -32,16 +32,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context as _;
-use tokio::task::JoinHandle;
 use tonic::server::NamedService;
 use tonic::service::Routes;
-use trellis_api::ClusterIdentity;
 use trellis_api::pb::discovery::discovery_server::DiscoveryServer;
-use trellis_runtime::Shutdown;
-use trellis_runtime::client::{Timeouts, local_channel};
-use trellis_runtime::config::ports;
+use trellis_runtime::client::Timeouts;
 use trellis_runtime::peer::Authz;
-use trellis_runtime::server::{GrpcServer, cluster_facing};
+use trellis_runtime::{Bootstrap, Opened, Service, Shutdown};
 
 pub use crate::config::Config;
 pub use crate::core::Discovery;
@@ -64,74 +60,35 @@ pub fn routes(core: Arc<Discovery>, bookmark_every: Duration, authz: Authz) -> R
 }
 
 /// A running discovery service.
-#[derive(Debug)]
-pub struct Started {
-    /// The address it listens on.
-    pub addr: SocketAddr,
-    /// The mutual-TLS listener for other clusters, when TLS is on.
-    pub peer_addr: Option<SocketAddr>,
-    /// The `/metrics` listener, unless `--metrics-listen off`.
-    pub metrics_addr: Option<SocketAddr>,
-    /// The domain core, for in-process callers (the lab, tests).
-    pub core: Arc<Discovery>,
-    /// Finishes when the server and every background task have stopped.
-    pub task: JoinHandle<anyhow::Result<()>>,
-}
+pub type Started = trellis_runtime::Started<Discovery>;
 
 /// Opens the store, checks the identity against it, binds, starts serving and starts the
 /// background tasks (Neighborhood sender, DNS-SRV, mDNS).
 pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started> {
     let common = &config.common;
-    let identity = ClusterIdentity::parse(
-        "cluster-id",
-        &common.cluster_id,
-        "cluster-name",
-        common.cluster_name(),
-    )?;
-    // Bound first: its registry records the store's operations and the clients' calls.
-    let server =
-        GrpcServer::for_service(common, ports::DISCOVERY, ports::DISCOVERY_METRICS).await?;
-    let store = common.open_store(server.metrics()).await?;
-    let tls = config.tls.load(identity.id.as_str())?;
-    let addr = server.local_addr();
-    let metrics_addr = server.metrics_addr();
-    let mut background = Vec::new();
+    let (mut boot, Opened { identity, store }) =
+        Bootstrap::open(Service::DISCOVERY, common, &shutdown).await?;
+    let tls = boot.load_tls(&config.tls)?;
+    let addr = boot.addr();
     // The pinned CAs are this service's own full peers: the trust sync watches them through
     // our own plaintext listener, like every other service watches its discovery.
-    let (peer, authz) = cluster_facing(
-        tls.as_ref(),
-        &config.tls,
-        local_channel(
-            "listen",
-            &loopback(addr).to_string(),
-            Timeouts::default(),
-            &common.local_token()?,
-            server.metrics(),
-        )?,
-        grpc::PEER_METHODS,
-        &shutdown,
-        &mut background,
-    )
-    .await?;
-    let server = server
-        .with_peer_listener(peer)
-        .with_cluster_facing(grpc::PEER_METHODS);
-    let peer_addr = server.peer_addr();
-    let advertised = config.advertised(peer_addr.unwrap_or(addr));
+    let own = boot.local_channel("listen", &loopback(addr).to_string(), Timeouts::default())?;
+    let authz = boot.cluster_facing(Some(own), grpc::PEER_METHODS).await?;
+    let advertised = config.advertised(boot.peer_addr().unwrap_or(addr));
     let mut core = Discovery::open(store, identity, advertised.clone())
         .await
         .context("opening the discovery service")?
         .with_tls(tls)
-        .with_metrics(server.metrics())
+        .with_metrics(boot.metrics())
         .with_max_induced_per_hub(config.max_induced_per_hub);
     if config.no_induced {
         tracing::info!("induced peering disabled: neighborhoods introduce nobody");
         core = core.without_induced_peering();
     }
     let core = Arc::new(core);
-    metrics::register(server.metrics(), &core);
+    metrics::register(boot.metrics(), &core);
 
-    background.push(trellis_runtime::telemetry::spawn(neighborhood::run(
+    boot.spawn(neighborhood::run(
         core.clone(),
         SenderTiming {
             resync: config.neighborhood_resync(),
@@ -139,12 +96,12 @@ pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started
             retry_max: config.neighborhood_retry_max(),
         },
         shutdown.clone(),
-    )));
-    background.push(trellis_runtime::telemetry::spawn(tombstones::run(
+    ));
+    boot.spawn(tombstones::run(
         core.clone(),
         config.tombstone_retention(),
         shutdown.clone(),
-    )));
+    ));
     if !config.dns_domains.is_empty() {
         let settings = dns::DnsSettings {
             domains: config.dns_domains.clone(),
@@ -152,11 +109,7 @@ pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started
             refresh: config.dns_refresh(),
         };
         tracing::info!(domains = ?settings.domains, "dns-srv discovery enabled");
-        background.push(trellis_runtime::telemetry::spawn(dns::run(
-            core.clone(),
-            settings,
-            shutdown.clone(),
-        )));
+        boot.spawn(dns::run(core.clone(), settings, shutdown.clone()));
     }
     if config.mdns {
         let announced: Option<SocketAddr> = advertised.discovery.parse().ok();
@@ -167,28 +120,11 @@ pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started
                 .or((!addr.ip().is_unspecified()).then_some(addr.ip())),
             interfaces: config.mdns_interfaces.clone(),
         };
-        background.push(trellis_runtime::telemetry::spawn(mdns::run(
-            core.clone(),
-            settings,
-            shutdown.clone(),
-        )));
+        boot.spawn(mdns::run(core.clone(), settings, shutdown));
     }
 
     let routes = routes(core.clone(), config.watch_bookmark(), authz);
-    let task = server.spawn(
-        routes,
-        &[DiscoveryServer::<DiscoveryService>::NAME],
-        shutdown,
-        common.shutdown_grace(),
-        background,
-    );
-    Ok(Started {
-        addr,
-        peer_addr,
-        metrics_addr,
-        core,
-        task,
-    })
+    Ok(boot.serve(routes, &[DiscoveryServer::<DiscoveryService>::NAME], core))
 }
 
 /// Where this process reaches its own listener: a wildcard address means loopback.
@@ -202,6 +138,5 @@ fn loopback(addr: SocketAddr) -> SocketAddr {
 
 /// Runs the discovery service until `shutdown`.
 pub async fn run(config: Config, shutdown: Shutdown) -> anyhow::Result<()> {
-    let started = start(config, shutdown).await?;
-    started.task.await.context("discovery server task")?
+    start(config, shutdown).await?.finished().await
 }

@@ -29,19 +29,14 @@ pub mod model;
 pub mod records;
 pub mod remote;
 
-use std::net::SocketAddr;
 use std::sync::Arc;
 
 use anyhow::Context as _;
-use tokio::task::JoinHandle;
 use tonic::server::NamedService;
 use tonic::service::Routes;
-use trellis_api::ClusterIdentity;
 use trellis_api::pb::endpoints::endpoint_mapper_server::EndpointMapperServer;
-use trellis_runtime::Shutdown;
-use trellis_runtime::config::ports;
 use trellis_runtime::peer::Authz;
-use trellis_runtime::server::{GrpcServer, cluster_facing};
+use trellis_runtime::{Bootstrap, Opened, Service, Shutdown};
 
 pub use crate::config::Config;
 pub use crate::core::Endpoints;
@@ -62,19 +57,7 @@ pub fn routes(core: Arc<Endpoints>, authz: Authz) -> Routes {
 }
 
 /// A running endpoints server.
-#[derive(Debug)]
-pub struct Started {
-    /// The address it listens on.
-    pub addr: SocketAddr,
-    /// The mutual-TLS listener for other clusters, when TLS is on.
-    pub peer_addr: Option<SocketAddr>,
-    /// The `/metrics` listener, unless `--metrics-listen off`.
-    pub metrics_addr: Option<SocketAddr>,
-    /// The domain core, for in-process callers (the lab, tests).
-    pub core: Arc<Endpoints>,
-    /// Finishes when the server has stopped.
-    pub task: JoinHandle<anyhow::Result<()>>,
-}
+pub type Started = trellis_runtime::Started<Endpoints>;
 
 /// Opens the store, builds the clients (and, with `--kubernetes`, the kube client: the
 /// Kubernetes export source and import side run), binds and starts serving.
@@ -110,16 +93,10 @@ async fn start_inner(
     shutdown: Shutdown,
 ) -> anyhow::Result<Started> {
     let writer = writer.or_else(|| client.clone().map(KubeWriter::new));
-    let local = ClusterIdentity::parse(
-        "cluster-id",
-        &config.common.cluster_id,
-        "cluster-name",
-        config.common.cluster_name(),
-    )?;
-    let tls = config.tls.load(local.id.as_str())?;
-    // Bound first: its registry records the store's operations and the clients' calls.
-    let server =
-        GrpcServer::for_service(&config.common, ports::ENDPOINTS, ports::ENDPOINTS_METRICS).await?;
+    let common = &config.common;
+    let (mut boot, Opened { identity, store }) =
+        Bootstrap::open(Service::ENDPOINTS, common, &shutdown).await?;
+    let tls = boot.load_tls(&config.tls)?;
     let clients = Clients::new(ClientSettings {
         ipam: config.ipam.clone(),
         discovery: config.discovery.clone(),
@@ -128,73 +105,47 @@ async fn start_inner(
         remote_ipam_attempts: config.remote_ipam_attempts,
         deliver: config.deliver_timeouts(),
         tls: tls.clone(),
-        local_token: config.common.local_token()?,
-        metrics: server.metrics().clone(),
+        local_token: boot.local_token().clone(),
+        metrics: boot.metrics().clone(),
     })?;
-    let store = config.common.open_store(server.metrics()).await?;
-    let mut background = Vec::new();
-    let (peer, authz) = cluster_facing(
-        tls.as_ref(),
-        &config.tls,
-        clients.discovery_channel(),
-        grpc::PEER_METHODS,
-        &shutdown,
-        &mut background,
-    )
-    .await?;
-    let mut core = Endpoints::new(store, local, clients, writer);
+    let authz = boot
+        .cluster_facing(Some(clients.discovery_channel()), grpc::PEER_METHODS)
+        .await?;
+    let mut core = Endpoints::new(store, identity, clients, writer);
     if client.is_some() {
         core = core.with_readiness_marking();
     }
     let core = Arc::new(core);
-    let server = server
-        .with_peer_listener(peer)
-        .with_cluster_facing(grpc::PEER_METHODS);
-    let addr = server.local_addr();
-    let metrics_addr = server.metrics_addr();
-    metrics::register(server.metrics(), &core);
-    let peer_addr = server.peer_addr();
-    background.push(trellis_runtime::telemetry::spawn(exports::run_reconciler(
+    metrics::register(boot.metrics(), &core);
+    boot.spawn(exports::run_reconciler(
         core.clone(),
         exports::RESYNC,
         std::time::Duration::from_millis(config.export_resend),
         shutdown.clone(),
-    )));
+    ));
     if let Some(client) = client {
-        background.push(trellis_runtime::telemetry::spawn(
-            kube_source::run_export_source(
-                core.clone(),
-                client.clone(),
-                exports::RESYNC,
-                shutdown.clone(),
-            ),
+        boot.spawn(kube_source::run_export_source(
+            core.clone(),
+            client.clone(),
+            exports::RESYNC,
+            shutdown.clone(),
         ));
-        background.push(trellis_runtime::telemetry::spawn(imports::run_import_sync(
+        boot.spawn(imports::run_import_sync(
             core.clone(),
             imports::ImportWriter::new(client),
             exports::RESYNC,
-            shutdown.clone(),
-        )));
+            shutdown,
+        ));
     }
     let routes = routes(core.clone(), authz);
-    let task = server.spawn(
+    Ok(boot.serve(
         routes,
         &[EndpointMapperServer::<EndpointsService>::NAME],
-        shutdown,
-        config.common.shutdown_grace(),
-        background,
-    );
-    Ok(Started {
-        addr,
-        peer_addr,
-        metrics_addr,
         core,
-        task,
-    })
+    ))
 }
 
 /// Runs the endpoints service until `shutdown`.
 pub async fn run(config: Config, shutdown: Shutdown) -> anyhow::Result<()> {
-    let started = start(config, shutdown).await?;
-    started.task.await.context("endpoints server task")?
+    start(config, shutdown).await?.finished().await
 }

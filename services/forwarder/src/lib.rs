@@ -18,18 +18,13 @@ pub mod metrics;
 pub mod migrate;
 pub mod records;
 
-use std::net::SocketAddr;
 use std::sync::Arc;
 
 use anyhow::Context as _;
-use tokio::task::JoinHandle;
 use tonic::server::NamedService;
 use tonic::service::Routes;
-use trellis_api::ClusterIdentity;
 use trellis_api::pb::peering::forwarder_server::ForwarderServer;
-use trellis_runtime::Shutdown;
-use trellis_runtime::config::ports;
-use trellis_runtime::server::{GrpcServer, cluster_facing};
+use trellis_runtime::{Bootstrap, Opened, Service, Shutdown};
 
 pub use crate::config::Config;
 pub use crate::core::Forwarder;
@@ -39,92 +34,43 @@ use crate::grpc::ForwarderService;
 pub const MAX_REQUEST_BYTES: usize = 64 * 1024;
 
 /// A running forwarder.
-#[derive(Debug)]
-pub struct Started {
-    pub addr: SocketAddr,
-    /// The mutual-TLS listener for other clusters, when TLS is on.
-    pub peer_addr: Option<SocketAddr>,
-    /// The `/metrics` listener, unless `--metrics-listen off`.
-    pub metrics_addr: Option<SocketAddr>,
-    pub core: Arc<Forwarder>,
-    pub task: JoinHandle<anyhow::Result<()>>,
-}
+pub type Started = trellis_runtime::Started<Forwarder>;
 
 /// Opens the store, binds, starts serving and retrying relays.
 pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started> {
     let common = &config.common;
-    let identity = ClusterIdentity::parse(
-        "--cluster-id",
-        &common.cluster_id,
-        "--cluster-name",
-        common.cluster_name(),
-    )?;
-    // Bound first: its registry records the store's operations and the clients' calls.
-    let server =
-        GrpcServer::for_service(common, ports::FORWARDER, ports::FORWARDER_METRICS).await?;
-    let store = common.open_store(server.metrics()).await?;
-    let tls = config.tls.load(identity.id.as_str())?;
+    let (mut boot, Opened { identity, store }) =
+        Bootstrap::open(Service::FORWARDER, common, &shutdown).await?;
+    let tls = boot.load_tls(&config.tls)?;
     let core = Arc::new(Forwarder::new(
         identity,
         store,
         &config.discovery,
         config.delivery(),
         tls.clone(),
-        &common.local_token()?,
-        server.metrics(),
+        boot.local_token(),
+        boot.metrics(),
     )?);
     // Before serving and retrying, so both only ever see the current layout.
     core.migrate_relay_keys()
         .await
         .context("moving relays of the old key layout")?;
-    let mut background = Vec::new();
-    let (peer, authz) = cluster_facing(
-        tls.as_ref(),
-        &config.tls,
-        core.discovery_channel(),
-        grpc::PEER_METHODS,
-        &shutdown,
-        &mut background,
-    )
-    .await?;
-    let server = server
-        .with_peer_listener(peer)
-        .with_cluster_facing(grpc::PEER_METHODS);
-    let addr = server.local_addr();
-    let metrics_addr = server.metrics_addr();
-    metrics::register(server.metrics(), &core);
-    let peer_addr = server.peer_addr();
+    let authz = boot
+        .cluster_facing(Some(core.discovery_channel()), grpc::PEER_METHODS)
+        .await?;
+    metrics::register(boot.metrics(), &core);
     let routes = Routes::new(
         ForwarderServer::new(ForwarderService::with_authz(core.clone(), authz))
             .max_decoding_message_size(MAX_REQUEST_BYTES),
     );
     let follower = core.clone();
     let stop = shutdown.clone();
-    background.push(trellis_runtime::telemetry::spawn(async move {
-        follower.follow_discovery(stop).await;
-    }));
-    background.push(trellis_runtime::telemetry::spawn(core::retry_loop(
-        core.clone(),
-        shutdown.clone(),
-    )));
-    let task = server.spawn(
-        routes,
-        &[ForwarderServer::<ForwarderService>::NAME],
-        shutdown,
-        common.shutdown_grace(),
-        background,
-    );
-    Ok(Started {
-        addr,
-        peer_addr,
-        metrics_addr,
-        core,
-        task,
-    })
+    boot.spawn(async move { follower.follow_discovery(stop).await });
+    boot.spawn(core::retry_loop(core.clone(), shutdown));
+    Ok(boot.serve(routes, &[ForwarderServer::<ForwarderService>::NAME], core))
 }
 
 /// Runs the forwarder until `shutdown`.
 pub async fn run(config: Config, shutdown: Shutdown) -> anyhow::Result<()> {
-    let started = start(config, shutdown).await?;
-    started.task.await.context("forwarder server task")?
+    start(config, shutdown).await?.finished().await
 }

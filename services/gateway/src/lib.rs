@@ -9,7 +9,8 @@
 //!   interfaces, routes, policy rules and nftables NAT (root only);
 //! - [`source`]: the broker's TunnelEndpoints, followed with a resumable watch;
 //! - [`mappings`]: the IPAM's external-CIDR endpoint mappings (hub-path DNAT), polled;
-//! - [`reconcile`]: the loop applying them;
+//! - [`reconcile`]: the loop applying them; `tasks`: following the election, watching the
+//!   engine's threads;
 //! - [`replicas`]: the election of the cluster's active gateway among its replicas;
 //! - [`core`]: the operations; [`records`]: what is stored, under which keys;
 //! - [`metrics`]: per-tunnel Prometheus metrics (bytes, packets, handshake age, state);
@@ -28,19 +29,15 @@ pub mod reconcile;
 pub mod records;
 pub mod replicas;
 pub mod source;
+mod tasks;
 
-use std::net::SocketAddr;
 use std::sync::Arc;
 
 use anyhow::Context as _;
-use tokio::task::JoinHandle;
 use tonic::server::NamedService;
 use tonic::service::Routes;
-use trellis_api::ClusterIdentity;
 use trellis_api::pb::gateway::gateway_server::GatewayServer;
-use trellis_runtime::Shutdown;
-use trellis_runtime::config::ports as default_ports;
-use trellis_runtime::server::GrpcServer;
+use trellis_runtime::{Bootstrap, Opened, Service, Shutdown};
 
 pub use crate::config::Config;
 pub use crate::core::Gateway;
@@ -63,38 +60,17 @@ pub fn routes(core: Arc<Gateway>) -> Routes {
     )
 }
 
-/// A running gateway.
-#[derive(Debug)]
-pub struct Started {
-    /// The address it listens on.
-    pub addr: SocketAddr,
-    /// The `/metrics` listener, unless `--metrics-listen off`.
-    pub metrics_addr: Option<SocketAddr>,
-    /// The domain core, for in-process callers (the lab, tests).
-    pub core: Arc<Gateway>,
-    /// Finishes when the server and the reconciler have stopped (the data plane removed).
-    pub task: JoinHandle<anyhow::Result<()>>,
-}
+/// A running gateway; its task finishes when the server and the reconciler have stopped (the
+/// data plane removed).
+pub type Started = trellis_runtime::Started<Gateway>;
 
 /// Opens the store, loads the key, prepares the data plane, binds, serves, and follows the
 /// broker when one is configured.
 pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started> {
     let common = &config.common;
-    let identity = ClusterIdentity::parse(
-        "cluster-id",
-        &common.cluster_id,
-        "cluster-name",
-        common.cluster_name(),
-    )?;
     let endpoint_host = config.endpoint_host()?;
-    // Bound first: its registry records the store's operations and the clients' calls.
-    let server = GrpcServer::for_service(
-        common,
-        default_ports::GATEWAY,
-        default_ports::GATEWAY_METRICS,
-    )
-    .await?;
-    let store = common.open_store(server.metrics()).await?;
+    let (mut boot, Opened { identity, store }) =
+        Bootstrap::open(Service::GATEWAY, common, &shutdown).await?;
     let keys = KeyPair::load_or_create(&store)
         .await
         .context("loading the gateway key")?;
@@ -113,7 +89,7 @@ pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started
             },
             store.clone(),
             &keys.private_bytes(),
-            server.metrics(),
+            boot.metrics(),
         )
         .await?,
     );
@@ -175,7 +151,7 @@ pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started
         tunnel_mtu: config.tunnel_mtu(),
     };
     if let Some(dp) = &dataplane {
-        server.metrics().register(
+        boot.metrics().register(
             "trellis_gateway_refused_routes",
             "A peer's routed ranges the gateway does not route because each overlaps a network \
              of its node (node network, bridge, overlay): the peer is unreachable there; reserve \
@@ -186,120 +162,57 @@ pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started
     let core = Arc::new(
         Gateway::new(store, settings, mode, keys, dataplane).with_replicas(replicas.clone()),
     );
-    let addr = server.local_addr();
-    let metrics_addr = server.metrics_addr();
-    metrics::register(server.metrics(), &core);
+    metrics::register(boot.metrics(), &core);
 
-    let mut background = Vec::new();
     let (desired_tx, desired_rx) = tokio::sync::watch::channel(None);
     if let Some(broker) = config.broker.clone() {
-        background.push(trellis_runtime::telemetry::spawn(source::run(
+        boot.spawn(source::run(
             broker,
-            common.local_token()?,
-            server.metrics().clone(),
+            boot.local_token().clone(),
+            boot.metrics().clone(),
             desired_tx,
             shutdown.clone(),
-        )));
+        ));
     } else {
         tracing::info!("no --broker: serving keys, ports and status only");
         drop(desired_tx);
     }
     let (mappings_tx, mappings_rx) = tokio::sync::watch::channel(None);
     if let Some(ipam) = config.ipam.clone() {
-        background.push(trellis_runtime::telemetry::spawn(mappings::run(
+        boot.spawn(mappings::run(
             ipam,
-            common.local_token()?,
-            server.metrics().clone(),
+            boot.local_token().clone(),
+            boot.metrics().clone(),
             config.mappings_period(),
             mappings_tx,
             shutdown.clone(),
-        )));
+        ));
     } else {
         tracing::info!("no --ipam: no hub-path DNAT");
         drop(mappings_tx);
     }
     if let Some(engine) = engine {
-        background.push(trellis_runtime::telemetry::spawn(watch_engine(
-            engine,
-            shutdown.clone(),
-        )));
+        boot.spawn(tasks::watch_engine(engine, shutdown.clone()));
     }
-    background.push(trellis_runtime::telemetry::spawn(follow_election(
+    boot.spawn(tasks::follow_election(
         core.clone(),
         replicas.subscribe(),
         shutdown.clone(),
-    )));
-    background.push(trellis_runtime::telemetry::spawn(
-        replicas.clone().run(shutdown.clone()),
     ));
-    background.push(trellis_runtime::telemetry::spawn(reconcile::run(
+    boot.spawn(replicas.clone().run(shutdown.clone()));
+    boot.spawn(reconcile::run(
         core.clone(),
         desired_rx,
         mappings_rx,
         config.resync(),
         shutdown.clone(),
-    )));
+    ));
 
     let routes = routes(core.clone());
-    let task = server.spawn(
-        routes,
-        &[GatewayServer::<GatewayService>::NAME],
-        shutdown,
-        common.shutdown_grace(),
-        background,
-    );
-    Ok(Started {
-        addr,
-        metrics_addr,
-        core,
-        task,
-    })
-}
-
-/// Applies each outcome of the election to the core until `shutdown`; one that cannot be
-/// applied is tried again every second.
-async fn follow_election(
-    core: Arc<Gateway>,
-    mut view: tokio::sync::watch::Receiver<replicas::View>,
-    shutdown: Shutdown,
-) {
-    loop {
-        let current = view.borrow_and_update().clone();
-        let active = current.active;
-        if let Err(err) = core.follow_view(current).await {
-            tracing::warn!(active, error = %err, "could not follow the election; retrying");
-            tokio::select! {
-                () = shutdown.cancelled() => return,
-                () = tokio::time::sleep(std::time::Duration::from_secs(1)) => continue,
-            }
-        }
-        tokio::select! {
-            () = shutdown.cancelled() => return,
-            changed = view.changed() => if changed.is_err() { return },
-        }
-    }
+    Ok(boot.serve(routes, &[GatewayServer::<GatewayService>::NAME], core))
 }
 
 /// Runs the gateway until `shutdown`.
-/// Returns when one of the engine's threads has ended while the gateway runs: the server's
-/// supervision then fails the service, so that it is restarted (a dead receiving thread would
-/// otherwise leave every tunnel UP on paper and silent in fact).
-async fn watch_engine(engine: Arc<Engine>, shutdown: Shutdown) {
-    let mut tick = tokio::time::interval(std::time::Duration::from_secs(1));
-    loop {
-        tokio::select! {
-            () = shutdown.cancelled() => return,
-            _ = tick.tick() => {}
-        }
-        let stopped = engine.stopped_threads();
-        if !stopped.is_empty() {
-            tracing::error!(threads = ?stopped, "the userspace wireguard engine lost a thread");
-            return;
-        }
-    }
-}
-
 pub async fn run(config: Config, shutdown: Shutdown) -> anyhow::Result<()> {
-    let started = start(config, shutdown).await?;
-    started.task.await.context("gateway server task")?
+    start(config, shutdown).await?.finished().await
 }

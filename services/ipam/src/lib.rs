@@ -17,19 +17,15 @@ pub mod metrics;
 pub mod records;
 pub mod subnets;
 
-use std::net::SocketAddr;
 use std::sync::Arc;
 
 use anyhow::Context as _;
-use tokio::task::JoinHandle;
 use tonic::server::NamedService;
 use tonic::service::Routes;
 use trellis_api::pb::ipam::ipam_server::IpamServer;
-use trellis_runtime::Shutdown;
-use trellis_runtime::client::{Timeouts, local_channel};
-use trellis_runtime::config::ports;
+use trellis_runtime::client::Timeouts;
 use trellis_runtime::peer::Authz;
-use trellis_runtime::server::{GrpcServer, cluster_facing};
+use trellis_runtime::{Bootstrap, Opened, Service, Shutdown};
 
 pub use crate::config::Config;
 pub use crate::core::Ipam;
@@ -48,78 +44,30 @@ pub fn routes(core: Arc<Ipam>, authz: Authz) -> Routes {
 }
 
 /// A running IPAM server.
-#[derive(Debug)]
-pub struct Started {
-    /// The address it listens on.
-    pub addr: SocketAddr,
-    /// The mutual-TLS listener for other clusters, when TLS is on.
-    pub peer_addr: Option<SocketAddr>,
-    /// The `/metrics` listener, unless `--metrics-listen off`.
-    pub metrics_addr: Option<SocketAddr>,
-    /// The domain core, for in-process callers (the lab, tests).
-    pub core: Arc<Ipam>,
-    /// Finishes when the server has stopped.
-    pub task: JoinHandle<anyhow::Result<()>>,
-}
+pub type Started = trellis_runtime::Started<Ipam>;
 
 /// Opens the store, checks the configuration against it, binds and starts serving.
 pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started> {
     let local = config.local_subnets()?;
-    // Bound first: its registry records the store's operations and the clients' calls.
-    let server = GrpcServer::for_service(&config.common, ports::IPAM, ports::IPAM_METRICS).await?;
-    let store = config.common.open_store(server.metrics()).await?;
-    let tls = config.tls.load(&config.common.cluster_id)?;
+    let common = &config.common;
+    let (mut boot, Opened { store, .. }) =
+        Bootstrap::open(Service::IPAM, common, &shutdown).await?;
+    let tls = boot.load_tls(&config.tls)?;
     let core = Arc::new(Ipam::open(store, local).await.context("opening the IPAM")?);
-    let mut background = Vec::new();
-    let (peer, authz) = match (&tls, config.discovery.as_deref()) {
-        (None, _) => (None, Authz::off()),
-        (Some(_), None) => {
-            anyhow::bail!("--peer-listen needs --discovery (where the peers' CAs are pinned)")
-        }
-        (Some(_), Some(discovery)) => {
-            cluster_facing(
-                tls.as_ref(),
-                &config.tls,
-                local_channel(
-                    "discovery",
-                    discovery,
-                    Timeouts::default(),
-                    &config.common.local_token()?,
-                    server.metrics(),
-                )?,
-                grpc::PEER_METHODS,
-                &shutdown,
-                &mut background,
-            )
-            .await?
-        }
-    };
-    let server = server
-        .with_peer_listener(peer)
-        .with_cluster_facing(grpc::PEER_METHODS);
-    let addr = server.local_addr();
-    let metrics_addr = server.metrics_addr();
-    metrics::register(server.metrics(), &core);
-    let peer_addr = server.peer_addr();
+    // Only TLS pins peers' CAs, which is all the IPAM asks of discovery.
+    let discovery = config
+        .discovery
+        .as_deref()
+        .filter(|_| tls.is_some())
+        .map(|address| boot.local_channel("discovery", address, Timeouts::default()))
+        .transpose()?;
+    let authz = boot.cluster_facing(discovery, grpc::PEER_METHODS).await?;
+    metrics::register(boot.metrics(), &core);
     let routes = routes(core.clone(), authz);
-    let task = server.spawn(
-        routes,
-        &[IpamServer::<IpamService>::NAME],
-        shutdown,
-        config.common.shutdown_grace(),
-        background,
-    );
-    Ok(Started {
-        addr,
-        peer_addr,
-        metrics_addr,
-        core,
-        task,
-    })
+    Ok(boot.serve(routes, &[IpamServer::<IpamService>::NAME], core))
 }
 
 /// Runs the IPAM until `shutdown`.
 pub async fn run(config: Config, shutdown: Shutdown) -> anyhow::Result<()> {
-    let started = start(config, shutdown).await?;
-    started.task.await.context("IPAM server task")?
+    start(config, shutdown).await?.finished().await
 }

@@ -14,33 +14,21 @@ pub mod grpc;
 pub mod node;
 pub mod plan;
 
-use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use anyhow::Context as _;
-use tokio::task::JoinHandle;
 use tonic::server::NamedService;
 use tonic::service::Routes;
 use trellis_api::pb::route::route_server::RouteServer;
-use trellis_runtime::Shutdown;
-use trellis_runtime::config::ports;
-use trellis_runtime::server::GrpcServer;
+use trellis_runtime::{Bootstrap, Service, Shutdown};
 
 use crate::agent::Agent;
 pub use crate::config::Config;
 use crate::grpc::RouteService;
 use crate::plan::NodeSettings;
 
-/// A running agent.
-#[derive(Debug)]
-pub struct Started {
-    pub addr: SocketAddr,
-    /// The `/metrics` listener, unless `--metrics-listen off`.
-    pub metrics_addr: Option<SocketAddr>,
-    pub agent: Arc<Agent>,
-    pub task: JoinHandle<anyhow::Result<()>>,
-}
+/// A running agent (its core is the [`Agent`]).
+pub type Started = trellis_runtime::Started<Agent>;
 
 /// Checks the node, binds, serves status and starts following the gateway.
 pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started> {
@@ -61,7 +49,7 @@ pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started
         config.node_cidrs.clone()
     };
     // Bound first: its registry records the calls to the gateway.
-    let server = GrpcServer::for_service(&config.base, ports::ROUTE, ports::ROUTE_METRICS).await?;
+    let mut boot = Bootstrap::bind(Service::ROUTE, &config.base, &shutdown).await?;
     let node = NodeSettings {
         name: config.node_name.clone(),
         ip: node_ip,
@@ -71,43 +59,26 @@ pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started
         underlay_mtu: config.underlay_mtu.unwrap_or(detected_mtu),
         proc_sys_net: config.proc_sys_net.clone(),
         node_cidrs,
-        refused: node::Refused::registered(server.metrics()),
+        refused: node::Refused::registered(boot.metrics()),
     };
     tracing::info!(node = %node.name, node_ip = %node.ip, underlay = %underlay, underlay_mtu = node.underlay_mtu, node_cidrs = ?node.node_cidrs, gateways = ?config.gateway, "route agent ready");
     let agent = Arc::new(Agent {
         node,
         underlay,
         gateways: config.gateway.clone(),
-        local_token: config.base.local_token()?,
-        metrics: server.metrics().clone(),
+        local_token: boot.local_token().clone(),
+        metrics: boot.metrics().clone(),
         resync: Duration::from_secs(config.resync_interval),
         status: Mutex::new(agent::Status::default()),
     });
-    let addr = server.local_addr();
-    let metrics_addr = server.metrics_addr();
-    let background = vec![trellis_runtime::telemetry::spawn(agent::run(
-        agent.clone(),
-        shutdown.clone(),
-    ))];
-    let task = server.spawn(
-        Routes::new(RouteServer::new(RouteService::new(agent.clone()))),
-        &[RouteServer::<RouteService>::NAME],
-        shutdown,
-        config.base.shutdown_grace(),
-        background,
-    );
-    Ok(Started {
-        addr,
-        metrics_addr,
-        agent,
-        task,
-    })
+    boot.spawn(agent::run(agent.clone(), shutdown));
+    let routes = Routes::new(RouteServer::new(RouteService::new(agent.clone())));
+    Ok(boot.serve(routes, &[RouteServer::<RouteService>::NAME], agent))
 }
 
 /// Runs the agent until `shutdown`.
 pub async fn run(config: Config, shutdown: Shutdown) -> anyhow::Result<()> {
-    let started = start(config, shutdown).await?;
-    started.task.await.context("route agent task")?
+    start(config, shutdown).await?.finished().await
 }
 
 #[cfg(test)]
