@@ -6,6 +6,9 @@
 //!   decisions, WireGuard keys, TunnelEndpoints), converted from and to the protos.
 //! - [`address`] and [`convert`]: "host:port" service addresses, and conversions of shared
 //!   messages (identities, advertised addresses, timestamps) both ways.
+//! - [`peers`]: the peering vocabulary (ForeignCluster condition types, the predicates the
+//!   services read ForeignClusters with, the NetworkConfig naming rule) and the peering view of
+//!   discovery's ForeignClusters the broker and the forwarder share.
 //! - [`wire`]: the parsing helpers that turn request strings into those types, failing with
 //!   [`Error::InvalidArgument`] naming the offending field.
 //!

@@ -1,15 +1,130 @@
-//! The peering view of a cluster's discovery service, shared by the broker and the forwarder:
-//! which remotes to exchange NetworkConfigs with, read from the local discovery
-//! service's ForeignClusters: full peers with an established peering and networking enabled,
-//! and induced clusters (not withdrawn) introduced by such a full peer that advertises a
-//! forwarder. An induced cluster introduced by several hubs is relayed through the one with the
-//! smallest cluster ID, so both ends pick the same hub whatever order the introductions came in.
+//! The peering vocabulary, and the peering view of a cluster's discovery service.
+//!
+//! The vocabulary is the one place the words of peering are spelled, so that every service,
+//! `trellisctl` and the runtime read ForeignClusters alike:
+//!
+//! - [`Condition`]: the types of a ForeignCluster's conditions. Their strings are on the wire
+//!   and in discovery's store, so they never change; `crates/api/tests/vocabulary.rs` fails
+//!   when one is spelled as a string literal anywhere else in the workspace.
+//! - [`PEERED_REASON`] and [`UNPEERED_REASON`]: the reasons a peering's start and end are
+//!   recorded with (in the `Peered` condition, and in the unpeering notice to the remote).
+//! - the predicates the services read a ForeignCluster with: [`is_full_peer`],
+//!   [`is_networked_full_peer`], [`routable_broker`], [`is_introduced`], [`is_withdrawn`].
+//! - [`network_config_name`]: the name both ends (and a relaying hub) give a NetworkConfig.
+//!
+//! The view ([`Peers`]), shared by the broker and the forwarder: which remotes to exchange
+//! NetworkConfigs with, read from the local discovery service's ForeignClusters: full peers
+//! with an established peering and networking enabled, and induced clusters (not withdrawn)
+//! introduced by such a full peer that advertises a forwarder. An induced cluster introduced by
+//! several hubs is relayed through the one with the smallest cluster ID, so both ends pick the
+//! same hub whatever order the introductions came in.
 
 use std::collections::BTreeMap;
+use std::fmt;
+use std::str::FromStr;
 
 use crate::convert::identity_from_pb;
 use crate::ident::{ClusterId, ClusterIdentity};
 use crate::pb::types as pb;
+
+/// Declares [`Condition`] with its wire strings and [`Condition::ALL`] from one list, so a new
+/// condition cannot be left out of `ALL` (which the vocabulary test walks).
+macro_rules! conditions {
+    ($($(#[$doc:meta])* $variant:ident = $wire:literal,)*) => {
+        /// The type of a ForeignCluster condition: `Condition.type` on the wire, a condition's
+        /// `kind` in discovery's store.
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+        pub enum Condition {
+            $($(#[$doc])* $variant,)*
+        }
+
+        impl Condition {
+            /// Every condition, in declaration order.
+            pub const ALL: &[Condition] = &[$(Condition::$variant,)*];
+
+            /// The string on the wire and in the store.
+            pub const fn as_str(self) -> &'static str {
+                match self {
+                    $(Condition::$variant => $wire,)*
+                }
+            }
+        }
+    };
+}
+
+conditions! {
+    /// A discovery mechanism (DNS-SD, mDNS, a static list) finds the cluster.
+    Discovered = "Discovered",
+    /// The full peering with the cluster is established.
+    Peered = "Peered",
+    /// A hub's Neighborhood introduces the cluster (an induced peering).
+    InducedPeering = "InducedPeering",
+    /// Nothing finds, peers with or introduces the cluster any more: the record is a tombstone
+    /// kept for a while.
+    Withdrawn = "Withdrawn",
+}
+
+impl Condition {
+    /// Whether `fc` carries this condition with status True.
+    pub fn is_true(self, fc: &pb::ForeignCluster) -> bool {
+        fc.conditions
+            .iter()
+            .any(|c| c.r#type == self.as_str() && c.status == pb::ConditionStatus::True as i32)
+    }
+}
+
+impl fmt::Display for Condition {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A condition type this version does not know (a newer peer's, or a typo).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UnknownCondition(pub String);
+
+impl fmt::Display for UnknownCondition {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "unknown condition type {:?}", self.0)
+    }
+}
+
+impl std::error::Error for UnknownCondition {}
+
+impl FromStr for Condition {
+    type Err = UnknownCondition;
+
+    /// Exact and case-sensitive, as on the wire.
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Self::ALL
+            .iter()
+            .copied()
+            .find(|c| c.as_str() == s)
+            .ok_or_else(|| UnknownCondition(s.to_owned()))
+    }
+}
+
+impl TryFrom<&str> for Condition {
+    type Error = UnknownCondition;
+
+    fn try_from(s: &str) -> Result<Self, Self::Error> {
+        s.parse()
+    }
+}
+
+/// The reason a peering is recorded as established with when the caller gives none: the
+/// condition's own name.
+pub const PEERED_REASON: &str = Condition::Peered.as_str();
+
+/// The reason a peering is recorded as ended with, locally and in the notice to the remote.
+pub const UNPEERED_REASON: &str = "Unpeered";
+
+/// The name of the NetworkConfig `origin` sends `destination`, `<origin>--<destination>`: both
+/// ends and a relaying hub derive it alike, and a receiver refuses a NetworkConfig named
+/// otherwise.
+pub fn network_config_name(origin: &ClusterId, destination: &ClusterId) -> String {
+    format!("{origin}--{destination}")
+}
 
 /// How to reach a remote's peering plane.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -51,15 +166,26 @@ pub struct Peers {
     pub induced: BTreeMap<ClusterId, Vec<ClusterId>>,
 }
 
-fn condition_true(fc: &pb::ForeignCluster, kind: &str) -> bool {
-    fc.conditions
-        .iter()
-        .any(|c| c.r#type == kind && c.status == pb::ConditionStatus::True as i32)
-}
-
 /// Whether `fc` is an established full peer (what [`Peers::full`] holds).
 pub fn is_full_peer(fc: &pb::ForeignCluster) -> bool {
-    fc.kind == pb::PeeringKind::Full as i32 && condition_true(fc, "Peered")
+    fc.kind == pb::PeeringKind::Full as i32 && Condition::Peered.is_true(fc)
+}
+
+/// Whether `fc` is an established full peer with networking enabled (with or without a broker
+/// address; see [`routable_broker`] for one that has it).
+pub fn is_networked_full_peer(fc: &pb::ForeignCluster) -> bool {
+    is_full_peer(fc) && fc.full.as_ref().is_some_and(|full| full.networking_enabled)
+}
+
+/// Whether `fc` is an induced cluster a hub currently introduces (`InducedPeering` True).
+pub fn is_introduced(fc: &pb::ForeignCluster) -> bool {
+    fc.kind == pb::PeeringKind::Induced as i32 && Condition::InducedPeering.is_true(fc)
+}
+
+/// Whether `fc` is withdrawn: a tombstone of a cluster nothing finds, peers with or
+/// introduces any more.
+pub fn is_withdrawn(fc: &pb::ForeignCluster) -> bool {
+    Condition::Withdrawn.is_true(fc)
 }
 
 /// The broker address of `fc` if it is an established full peer with networking and a broker
@@ -117,7 +243,7 @@ impl Peers {
             }
         }
         for fc in list {
-            if fc.kind != pb::PeeringKind::Induced as i32 || condition_true(fc, "Withdrawn") {
+            if fc.kind != pb::PeeringKind::Induced as i32 || is_withdrawn(fc) {
                 continue;
             }
             let Ok(identity) = identity_from_pb("identity", fc.identity.as_ref()) else {
@@ -191,7 +317,7 @@ mod tests {
                 ..Default::default()
             }),
             conditions: vec![pb::Condition {
-                r#type: "Peered".into(),
+                r#type: Condition::Peered.to_string(),
                 status: pb::ConditionStatus::True as i32,
                 ..Default::default()
             }],
@@ -283,5 +409,59 @@ mod tests {
             assert_eq!(is_routable_full_peer(fc), direct, "{id}");
         }
         assert!(is_routable_full_peer(&records[0]));
+    }
+
+    /// The strings are on the wire and in discovery's store: pinned here, the one place they
+    /// may be spelled.
+    #[test]
+    fn conditions_keep_their_wire_strings_and_parse_back() {
+        let wire: Vec<&str> = Condition::ALL.iter().map(|c| c.as_str()).collect();
+        assert_eq!(
+            wire,
+            ["Discovered", "Peered", "InducedPeering", "Withdrawn"]
+        );
+        for &c in Condition::ALL {
+            assert_eq!(c.to_string(), c.as_str());
+            assert_eq!(c.as_str().parse::<Condition>(), Ok(c));
+            assert_eq!(Condition::try_from(c.as_str()), Ok(c));
+        }
+        assert_eq!(
+            "peered".parse::<Condition>(),
+            Err(UnknownCondition("peered".into()))
+        );
+        assert_eq!(PEERED_REASON, "Peered");
+        assert_eq!(UNPEERED_REASON, "Unpeered");
+    }
+
+    #[test]
+    fn network_configs_are_named_origin_dash_dash_destination() {
+        let id = |s: &str| ClusterId::parse("id", s).expect("id");
+        assert_eq!(network_config_name(&id("a"), &id("b")), "a--b");
+    }
+
+    #[test]
+    fn the_predicates_read_kind_and_conditions() {
+        let full = hub("hub-1");
+        assert!(is_full_peer(&full) && is_networked_full_peer(&full));
+        assert!(!is_withdrawn(&full) && !is_introduced(&full));
+        let mut mute = hub("mute");
+        if let Some(f) = mute.full.as_mut() {
+            f.networking_enabled = false;
+        }
+        assert!(is_full_peer(&mute) && !is_networked_full_peer(&mute));
+        let mut leaf = induced("leaf", "hub-1", &[]);
+        assert!(!is_full_peer(&leaf) && !is_introduced(&leaf));
+        leaf.conditions.push(pb::Condition {
+            r#type: Condition::InducedPeering.to_string(),
+            status: pb::ConditionStatus::True as i32,
+            ..Default::default()
+        });
+        assert!(is_introduced(&leaf));
+        leaf.conditions.push(pb::Condition {
+            r#type: Condition::Withdrawn.to_string(),
+            status: pb::ConditionStatus::True as i32,
+            ..Default::default()
+        });
+        assert!(is_withdrawn(&leaf));
     }
 }

@@ -14,6 +14,7 @@ use tokio_stream::StreamExt as _;
 use trellis_api::pb::discovery::WatchForeignClustersRequest;
 use trellis_api::pb::discovery::discovery_client::DiscoveryClient;
 use trellis_api::pb::types as pb;
+use trellis_api::peers::is_full_peer;
 use trellis_error::{Error, Result};
 
 use crate::admission::{AdmissionLayer, Check};
@@ -157,16 +158,12 @@ impl Authz {
 }
 
 fn peered_ca(fc: &pb::ForeignCluster) -> Option<PinnedCa> {
-    if fc.kind != pb::PeeringKind::Full as i32 {
+    if !is_full_peer(fc) {
         return None;
     }
-    let peered = fc
-        .conditions
-        .iter()
-        .any(|c| c.r#type == "Peered" && c.status == pb::ConditionStatus::True as i32);
     let pem = &fc.full.as_ref()?.ca_certificate;
     let id = &fc.identity.as_ref()?.cluster_id;
-    if !peered || pem.is_empty() {
+    if pem.is_empty() {
         return None;
     }
     match PinnedCa::from_pem(id, pem) {

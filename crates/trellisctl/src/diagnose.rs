@@ -23,6 +23,7 @@ use trellis_api::pb::ipam::{
     self as ipam_pb, GetLocalSubnetsRequest, ListClusterSubnetsRequest, ListEndpointMappingsRequest,
 };
 use trellis_api::pb::types;
+use trellis_api::peers::{Condition, is_withdrawn};
 
 use crate::certificate;
 use crate::cli::Globals;
@@ -198,22 +199,17 @@ fn health_problem(s: &ServiceHealthView) -> Option<String> {
     }
 }
 
-fn is_true(fc: &types::ForeignCluster, kind: &str) -> bool {
-    fc.conditions
-        .iter()
-        .any(|c| c.r#type == kind && c.status == types::ConditionStatus::True as i32)
-}
-
 /// The peers that should have a tunnel: full peers (Peered=True, networking on) and induced
 /// peers not withdrawn.
 fn live_peers(fcs: &[types::ForeignCluster]) -> Vec<&types::ForeignCluster> {
     fcs.iter()
-        .filter(|fc| !is_true(fc, "Withdrawn"))
+        .filter(|fc| !is_withdrawn(fc))
         .filter(|fc| {
             if fc.kind == types::PeeringKind::Induced as i32 {
                 true
             } else {
-                is_true(fc, "Peered") && fc.full.as_ref().is_none_or(|f| f.networking_enabled)
+                Condition::Peered.is_true(fc)
+                    && fc.full.as_ref().is_none_or(|f| f.networking_enabled)
             }
         })
         .collect()
@@ -487,7 +483,7 @@ pub fn analyze(inputs: &Inputs) -> DiagnoseView {
         let Some(pem) = fc.full.as_ref().map(|f| f.ca_certificate.as_str()) else {
             continue;
         };
-        if pem.trim().is_empty() || is_true(fc, "Withdrawn") {
+        if pem.trim().is_empty() || is_withdrawn(fc) {
             continue;
         }
         checked.certificates += 1;

@@ -23,6 +23,7 @@ use trellis_api::pb::gateway::{
 use trellis_api::pb::peering::ListTunnelEndpointsRequest;
 use trellis_api::pb::peering::broker_client::BrokerClient;
 use trellis_api::pb::{gateway, types};
+use trellis_api::peers::Condition;
 use trellis_runtime::client::TracedChannel;
 
 use crate::cli::Globals;
@@ -264,7 +265,7 @@ impl StatusView {
             fcs.retain(|fc| {
                 !fc.conditions
                     .iter()
-                    .any(|c| c.kind == "Withdrawn" && c.status == "True")
+                    .any(|c| c.kind == Condition::Withdrawn.as_str() && c.status == "True")
             });
         }
     }
@@ -292,7 +293,7 @@ impl ForeignClusterView {
             .collect();
         let peered = conditions
             .iter()
-            .any(|c| c.kind == "Peered" && c.status == "True");
+            .any(|c| c.kind == Condition::Peered.as_str() && c.status == "True");
         Self {
             cluster_id: identity.cluster_id,
             cluster_name: identity.cluster_name,
@@ -769,9 +770,9 @@ mod tests {
         })
     }
 
-    fn condition(kind: &str, status: types::ConditionStatus) -> types::Condition {
+    fn condition(kind: Condition, status: types::ConditionStatus) -> types::Condition {
         types::Condition {
-            r#type: kind.into(),
+            r#type: kind.to_string(),
             status: status.into(),
             ..Default::default()
         }
@@ -786,7 +787,7 @@ mod tests {
                 networking_enabled: true,
                 ..Default::default()
             }),
-            conditions: vec![condition("Peered", types::ConditionStatus::True)],
+            conditions: vec![condition(Condition::Peered, types::ConditionStatus::True)],
             discovery_source: types::DiscoverySource::Peering.into(),
             ..Default::default()
         };
@@ -797,7 +798,10 @@ mod tests {
                 origin: ident("hub"),
                 ..Default::default()
             }),
-            conditions: vec![condition("InducedPeering", types::ConditionStatus::True)],
+            conditions: vec![condition(
+                Condition::InducedPeering,
+                types::ConditionStatus::True,
+            )],
             discovery_source: types::DiscoverySource::Neighborhood.into(),
             ..Default::default()
         };
@@ -909,7 +913,7 @@ mod tests {
         assert_eq!(json["foreign_clusters"][0]["networking_enabled"], true);
         assert_eq!(
             json["foreign_clusters"][0]["conditions"][0]["type"],
-            "Peered"
+            Condition::Peered.as_str()
         );
         assert_eq!(json["tunnel_endpoints"][0]["via"]["cluster_id"], "hub");
         assert_eq!(

@@ -30,7 +30,7 @@ use crate::records::{
 };
 use crate::remote::Clients;
 use crate::token;
-use trellis_api::peers::Peers;
+use trellis_api::peers::{PEERED_REASON, Peers, UNPEERED_REASON};
 use trellis_runtime::foreign_clusters::{self, ForeignClusters};
 use trellis_runtime::tls::{CaCertHash, Caller, PinnedCa};
 
@@ -671,7 +671,7 @@ impl Broker {
         let _peering = self.lock_peering(&remote.id).await;
         self.cancel_notice(&remote.id).await?;
         self.keep_peering_id(&remote.id, Some(&peering_id)).await?;
-        self.record_peering(&remote, Some(&addresses), true, "Peered", ca.as_ref())
+        self.record_peering(&remote, Some(&addresses), true, PEERED_REASON, ca.as_ref())
             .await?;
         self.pin(&remote.id, ca);
         tracing::info!(remote.id = %remote.id, remote.name = %remote.name, "peered");
@@ -725,7 +725,7 @@ impl Broker {
         let pending = (!addresses.broker.is_empty()).then(|| PendingNotify {
             remote: remote.clone(),
             broker: addresses.broker.clone(),
-            reason: "Unpeered".into(),
+            reason: UNPEERED_REASON.into(),
             ca_certificate,
             peering_id,
         });
@@ -764,7 +764,7 @@ impl Broker {
     /// Our side of ending the peering with `remote`: discovery marks it unpeered (the
     /// reconciler tears down what was built on it) and its CA is no longer trusted.
     async fn end_peering(&self, remote: &ClusterIdentity) -> Result<()> {
-        self.record_peering(remote, None, false, "Unpeered", None)
+        self.record_peering(remote, None, false, UNPEERED_REASON, None)
             .await?;
         self.keep_peering_id(&remote.id, None).await?;
         self.pin(&remote.id, None);

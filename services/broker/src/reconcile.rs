@@ -1243,7 +1243,7 @@ mod tests {
                     ..Default::default()
                 }),
                 conditions: vec![condition(
-                    "InducedPeering",
+                    trellis_api::peers::Condition::InducedPeering.as_str(),
                     pb::ConditionStatus::True,
                     &format!("generation {generation}"),
                 )],

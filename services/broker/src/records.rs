@@ -166,9 +166,8 @@ pub struct PendingNotify {
 /// A stored TunnelEndpoint.
 pub type TunnelRecord = TunnelEndpoint;
 
-/// The NetworkConfig name both ends agree on.
-pub fn nc_name(origin: &ClusterId, destination: &ClusterId) -> String {
-    format!("{origin}--{destination}")
-}
+/// The NetworkConfig name both ends agree on; the rule is trellis-api's, shared with the
+/// forwarder that relays NetworkConfigs between induced peers.
+pub use trellis_api::peers::network_config_name as nc_name;
 
 pub use trellis_store::record::{decode, encode, now_nanos};

@@ -5,6 +5,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
+use trellis_api::peers::{Condition, PEERED_REASON, UNPEERED_REASON};
 use trellis_api::{ClusterId, ClusterIdentity};
 use trellis_error::{Error, Result};
 use trellis_runtime::tls::PeerTls;
@@ -12,10 +13,9 @@ use trellis_store::retry::Contention;
 use trellis_store::{Compare, Op, SharedStore, Txn};
 
 use crate::records::{
-    Addresses, CLUSTERS_PREFIX, DISCOVERED, ForeignClusterRecord, FullPeering, IDENTITY_KEY,
-    INDUCED_PEERING, Inbox, InducedPeering, Kind, LocalIdentity, Mechanism, Neighbor,
-    OUTBOX_PREFIX, Outbox, PEERED, Source, Status, WITHDRAWN, cluster_key, decode, encode,
-    inbox_key, now_nanos, outbox_key, tombstone_key,
+    Addresses, CLUSTERS_PREFIX, ForeignClusterRecord, FullPeering, IDENTITY_KEY, Inbox,
+    InducedPeering, Kind, LocalIdentity, Mechanism, Neighbor, OUTBOX_PREFIX, Outbox, Source,
+    Status, cluster_key, decode, encode, inbox_key, now_nanos, outbox_key, tombstone_key,
 };
 
 /// A record with the store revision of its last change.
@@ -411,13 +411,13 @@ impl Discovery {
             let Some((record, revision)) = self.find(id).await? else {
                 return Ok(false);
             };
-            if record.is(PEERED) {
+            if record.is(Condition::Peered) {
                 return Err(Error::FailedPrecondition(format!(
                     "cluster {:?} is peered; unpeer it first",
                     id.as_str()
                 )));
             }
-            if record.kind == Kind::Induced && !record.is(WITHDRAWN) {
+            if record.kind == Kind::Induced && !record.is(Condition::Withdrawn) {
                 let origin = record
                     .induced
                     .as_ref()
@@ -453,11 +453,11 @@ impl Discovery {
         let snapshot = self.snapshot().await?;
         let mut deleted = Vec::new();
         for (id, (record, revision)) in &snapshot.records {
-            let Some(withdrawn) = record.condition(WITHDRAWN) else {
+            let Some(withdrawn) = record.condition(Condition::Withdrawn) else {
                 continue;
             };
             if withdrawn.status != Status::True
-                || record.is(PEERED)
+                || record.is(Condition::Peered)
                 || withdrawn.last_transition > cutoff
             {
                 continue;
@@ -498,21 +498,22 @@ impl Discovery {
             let mut after = before.cloned().unwrap_or_else(|| {
                 ForeignClusterRecord::new(identity.clone(), Kind::Full, mechanism.source())
             });
-            if after.kind == Kind::Induced && after.is(WITHDRAWN) {
+            if after.kind == Kind::Induced && after.is(Condition::Withdrawn) {
                 // What the record stood for has gone; our own finding makes it a plain full
                 // (not peered) record again.
                 after.kind = Kind::Full;
                 after.induced = None;
-                after
-                    .conditions
-                    .retain(|c| c.kind != INDUCED_PEERING && c.kind != WITHDRAWN);
+                after.conditions.retain(|c| {
+                    c.kind != Condition::InducedPeering.as_str()
+                        && c.kind != Condition::Withdrawn.as_str()
+                });
             }
             if after.kind == Kind::Full {
                 let full = after.full.get_or_insert_with(FullPeering::default);
                 if !after
                     .conditions
                     .iter()
-                    .any(|c| c.kind == PEERED && c.status == Status::True)
+                    .any(|c| c.kind == Condition::Peered.as_str() && c.status == Status::True)
                 {
                     // Before peering, what GetIdentity returned is the best we know.
                     full.addresses = addresses.clone();
@@ -524,13 +525,18 @@ impl Discovery {
             after.discovery_address = address.to_owned();
             after.found_by.insert(mechanism);
             after.set_condition(
-                DISCOVERED,
+                Condition::Discovered,
                 Status::True,
                 "IdentityConfirmed",
                 &format!("found by {mechanism:?} at {address}; its discovery service answered"),
             );
-            if after.kind == Kind::Full && after.is(WITHDRAWN) {
-                after.set_condition(WITHDRAWN, Status::False, "Rediscovered", "found again");
+            if after.kind == Kind::Full && after.is(Condition::Withdrawn) {
+                after.set_condition(
+                    Condition::Withdrawn,
+                    Status::False,
+                    "Rediscovered",
+                    "found again",
+                );
             }
             let mut batch = Batch::default();
             batch.put(before, revision, after.clone())?;
@@ -569,13 +575,18 @@ impl Discovery {
                 after.found_by.remove(&mechanism);
                 if after.found_by.is_empty() {
                     after.set_condition(
-                        DISCOVERED,
+                        Condition::Discovered,
                         Status::False,
                         reason,
                         &format!("{mechanism:?} no longer finds {}", record.discovery_address),
                     );
-                    if after.kind == Kind::Full && !after.is(PEERED) {
-                        after.set_condition(WITHDRAWN, Status::True, reason, "no longer found");
+                    if after.kind == Kind::Full && !after.is(Condition::Peered) {
+                        after.set_condition(
+                            Condition::Withdrawn,
+                            Status::True,
+                            reason,
+                            "no longer found",
+                        );
                     }
                 }
                 batch.put(Some(record), *revision, after)?;
@@ -615,7 +626,11 @@ impl Discovery {
             }
             let before = found.map(|(r, _)| r);
             let reason = if update.reason.is_empty() {
-                if update.peered { "Peered" } else { "Unpeered" }
+                if update.peered {
+                    PEERED_REASON
+                } else {
+                    UNPEERED_REASON
+                }
             } else {
                 update.reason.as_str()
             };
@@ -640,7 +655,7 @@ impl Discovery {
                     after.kind = Kind::Full;
                     after.induced = None;
                     after.set_condition(
-                        INDUCED_PEERING,
+                        Condition::InducedPeering,
                         Status::False,
                         "FullPeeringEstablished",
                         "peered directly; no longer induced",
@@ -662,9 +677,9 @@ impl Discovery {
                     addresses: update.addresses.clone(),
                     ca_certificate,
                 });
-                after.set_condition(PEERED, Status::True, reason, &update.message);
-                if after.condition(WITHDRAWN).is_some() {
-                    after.set_condition(WITHDRAWN, Status::False, reason, "peered");
+                after.set_condition(Condition::Peered, Status::True, reason, &update.message);
+                if after.condition(Condition::Withdrawn).is_some() {
+                    after.set_condition(Condition::Withdrawn, Status::False, reason, "peered");
                 }
             } else {
                 if let Some(full) = after.full.as_mut() {
@@ -673,10 +688,10 @@ impl Discovery {
                     full.networking = false;
                     full.ca_certificate.clear();
                 }
-                after.set_condition(PEERED, Status::False, reason, &update.message);
+                after.set_condition(Condition::Peered, Status::False, reason, &update.message);
                 if after.found_by.is_empty() {
                     after.set_condition(
-                        WITHDRAWN,
+                        Condition::Withdrawn,
                         Status::True,
                         reason,
                         "unpeered and no discovery mechanism finds it",
@@ -733,7 +748,7 @@ impl Discovery {
             };
             let mut after = record.clone();
             if induced.origin.id == *origin {
-                if record.is(WITHDRAWN) {
+                if record.is(Condition::Withdrawn) {
                     continue;
                 }
                 let Some(next) = after.induced.as_mut() else {
@@ -741,13 +756,13 @@ impl Discovery {
                 };
                 if next.alternative_origins.is_empty() {
                     after.set_condition(
-                        INDUCED_PEERING,
+                        Condition::InducedPeering,
                         Status::False,
                         reason,
                         &format!("hub {origin} no longer lists it"),
                     );
                     after.set_condition(
-                        WITHDRAWN,
+                        Condition::Withdrawn,
                         Status::True,
                         reason,
                         &format!("hub {origin} no longer lists it"),
@@ -968,17 +983,16 @@ impl Discovery {
                 Source::Neighborhood,
             ),
             // A cluster we peer with directly stays full: induced peering is for the others.
-            Some(r) if r.kind == Kind::Full && r.is(PEERED) => return None,
+            Some(r) if r.kind == Kind::Full && r.is(Condition::Peered) => return None,
             Some(r) => r.clone(),
         };
         match after.induced.as_mut() {
             Some(current)
                 if after.kind == Kind::Induced
                     && current.origin.id != n.sender.id
-                    && !after
-                        .conditions
-                        .iter()
-                        .any(|c| c.kind == WITHDRAWN && c.status == Status::True) =>
+                    && !after.conditions.iter().any(|c| {
+                        c.kind == Condition::Withdrawn.as_str() && c.status == Status::True
+                    }) =>
             {
                 // Another hub introduced it first and still lists it: remember this one as an
                 // alternative origin.
@@ -1010,13 +1024,18 @@ impl Discovery {
             after.identity.name = neighbor.identity.name.clone();
         }
         after.set_condition(
-            INDUCED_PEERING,
+            Condition::InducedPeering,
             Status::True,
             "NeighborhoodUpdated",
             &message,
         );
-        if after.condition(WITHDRAWN).is_some() {
-            after.set_condition(WITHDRAWN, Status::False, "NeighborhoodUpdated", &message);
+        if after.condition(Condition::Withdrawn).is_some() {
+            after.set_condition(
+                Condition::Withdrawn,
+                Status::False,
+                "NeighborhoodUpdated",
+                &message,
+            );
         }
         if found.is_some_and(|old| same_content(old, &after)) {
             return None;

@@ -486,12 +486,12 @@ async fn settle(core: &Discovery, job: &Job, result: Result<crate::core::Applied
 #[cfg(test)]
 mod tests {
     use trellis_api::ClusterIdentity;
+    use trellis_api::peers::{Condition, PEERED_REASON};
     use trellis_store::{KeyValue, WatchEvent};
 
     use super::*;
     use crate::records::{
-        Addresses, ForeignClusterRecord, FullPeering, Kind, PEERED, Source, Status, cluster_key,
-        encode,
+        Addresses, ForeignClusterRecord, FullPeering, Kind, Source, Status, cluster_key, encode,
     };
 
     fn put(record: &ForeignClusterRecord) -> WatchEvent {
@@ -557,7 +557,7 @@ mod tests {
         let identity = |id: &str| ClusterIdentity::parse("id", id, "name", "").expect("identity");
         let peer = |id: String, networking: bool| {
             let mut record = ForeignClusterRecord::new(identity(&id), Kind::Full, Source::Peering);
-            record.set_condition(PEERED, Status::True, "Peered", "");
+            record.set_condition(Condition::Peered, Status::True, PEERED_REASON, "");
             record.full = Some(FullPeering {
                 outgoing: true,
                 incoming: true,

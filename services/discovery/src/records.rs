@@ -15,6 +15,7 @@
 use std::collections::BTreeSet;
 
 use serde::{Deserialize, Serialize};
+use trellis_api::peers;
 use trellis_api::{ClusterId, ClusterIdentity};
 
 pub const IDENTITY_KEY: &str = "identity";
@@ -121,6 +122,8 @@ pub enum Status {
 /// One condition of a record; at most one per type.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Condition {
+    /// A [`peers::Condition`]'s wire string; a string, so that a record a newer version wrote
+    /// with a condition this one does not know still decodes.
     pub kind: String,
     pub status: Status,
     pub reason: String,
@@ -128,11 +131,6 @@ pub struct Condition {
     /// When `status` last changed, in nanoseconds since the epoch.
     pub last_transition: i64,
 }
-
-pub const DISCOVERED: &str = "Discovered";
-pub const PEERED: &str = "Peered";
-pub const INDUCED_PEERING: &str = "InducedPeering";
-pub const WITHDRAWN: &str = "Withdrawn";
 
 /// One known remote cluster.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -179,20 +177,26 @@ impl ForeignClusterRecord {
     }
 
     /// The condition of type `kind`, if present.
-    pub fn condition(&self, kind: &str) -> Option<&Condition> {
-        self.conditions.iter().find(|c| c.kind == kind)
+    pub fn condition(&self, kind: peers::Condition) -> Option<&Condition> {
+        self.conditions.iter().find(|c| c.kind == kind.as_str())
     }
 
     /// Whether condition `kind` is present and true.
-    pub fn is(&self, kind: &str) -> bool {
+    pub fn is(&self, kind: peers::Condition) -> bool {
         self.condition(kind)
             .is_some_and(|c| c.status == Status::True)
     }
 
     /// Sets a condition; the transition time moves only when the status changes.
-    pub fn set_condition(&mut self, kind: &str, status: Status, reason: &str, message: &str) {
+    pub fn set_condition(
+        &mut self,
+        kind: peers::Condition,
+        status: Status,
+        reason: &str,
+        message: &str,
+    ) {
         let now = now_nanos();
-        match self.conditions.iter_mut().find(|c| c.kind == kind) {
+        match self.conditions.iter_mut().find(|c| c.kind == kind.as_str()) {
             Some(c) => {
                 if c.status != status {
                     c.last_transition = now;
@@ -202,7 +206,7 @@ impl ForeignClusterRecord {
                 c.message = message.to_owned();
             }
             None => self.conditions.push(Condition {
-                kind: kind.to_owned(),
+                kind: kind.as_str().to_owned(),
                 status,
                 reason: reason.to_owned(),
                 message: message.to_owned(),
@@ -215,7 +219,7 @@ impl ForeignClusterRecord {
     /// its own.
     pub fn is_networked_full_peer(&self) -> bool {
         self.kind == Kind::Full
-            && self.is(PEERED)
+            && self.is(peers::Condition::Peered)
             && self.full.as_ref().is_some_and(|f| f.networking)
     }
 
@@ -231,7 +235,7 @@ impl ForeignClusterRecord {
     /// Whether the record is induced by `origin` and not withdrawn.
     pub fn is_induced_by(&self, origin: &ClusterId) -> bool {
         self.kind == Kind::Induced
-            && !self.is(WITHDRAWN)
+            && !self.is(peers::Condition::Withdrawn)
             && self
                 .induced
                 .as_ref()

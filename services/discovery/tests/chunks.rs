@@ -13,11 +13,10 @@ use std::sync::atomic::{AtomicI64, Ordering};
 use std::time::Duration;
 
 use trellis_api::ClusterIdentity;
+use trellis_api::peers::{Condition, UNPEERED_REASON};
 use trellis_discovery::Discovery;
 use trellis_discovery::core::{PeeringUpdate, ReceivedNeighborhood};
-use trellis_discovery::records::{
-    Addresses, INDUCED_PEERING, Inbox, Kind, Neighbor, PEERED, WITHDRAWN, decode, inbox_key,
-};
+use trellis_discovery::records::{Addresses, Inbox, Kind, Neighbor, decode, inbox_key};
 use trellis_store::{
     KeyValue, LeaseId, Listing, MemoryStore, Revision, SharedStore, Store, StoreError, Txn,
     TxnOutcome, WatchStream,
@@ -129,7 +128,7 @@ fn peering(peered: bool) -> PeeringUpdate {
         reason: if peered {
             "HandshakeCompleted"
         } else {
-            "Unpeered"
+            UNPEERED_REASON
         }
         .into(),
         message: String::new(),
@@ -155,10 +154,13 @@ fn neighborhood(n: usize, generation: i64) -> ReceivedNeighborhood {
 /// (active induced records, withdrawn induced records).
 async fn induced(discovery: &Discovery) -> (usize, usize) {
     let (records, _) = discovery.list(Some(Kind::Induced)).await.expect("lists");
-    let withdrawn = records.iter().filter(|(r, _)| r.is(WITHDRAWN)).count();
+    let withdrawn = records
+        .iter()
+        .filter(|(r, _)| r.is(Condition::Withdrawn))
+        .count();
     let active = records
         .iter()
-        .filter(|(r, _)| r.is(INDUCED_PEERING) && !r.is(WITHDRAWN))
+        .filter(|(r, _)| r.is(Condition::InducedPeering) && !r.is(Condition::Withdrawn))
         .count();
     (active, withdrawn)
 }
@@ -223,7 +225,10 @@ async fn dying_between_chunks_is_finished_by_the_next_process(store: SharedStore
         "one chunk withdrawn: {active} active, {withdrawn} withdrawn"
     );
     let hub = third.get(&identity("hub").id).await.expect("hub record");
-    assert!(hub.0.is(PEERED), "the peer's record is the last write");
+    assert!(
+        hub.0.is(Condition::Peered),
+        "the peer's record is the last write"
+    );
 
     // The caller retries on the next process: everything withdrawn, the hub unpeered.
     let fourth = open(store.clone()).await;
@@ -233,7 +238,7 @@ async fn dying_between_chunks_is_finished_by_the_next_process(store: SharedStore
         .expect("unpeers");
     assert_eq!(induced(&fourth).await, (0, 300));
     let hub = fourth.get(&identity("hub").id).await.expect("hub record");
-    assert!(!hub.0.is(PEERED));
+    assert!(!hub.0.is(Condition::Peered));
     assert_eq!(inbox_generation(&store).await, None, "inbox forgotten");
 }
 

@@ -18,7 +18,8 @@ use hickory_server::authority::MessageResponseBuilder;
 use hickory_server::server::{Request, RequestHandler, ResponseHandler, ResponseInfo};
 use tokio::net::{TcpListener, UdpSocket};
 use trellis_api::ClusterId;
-use trellis_discovery::records::{DISCOVERED, Mechanism, Source, Status};
+use trellis_api::peers::Condition;
+use trellis_discovery::records::{Mechanism, Source, Status};
 use trellis_discovery::{Config, Started, dns, start};
 use trellis_runtime::Shutdown;
 
@@ -176,7 +177,7 @@ async fn wait_discovered(home: &Started, id: &str, want: Option<Status>) {
             .get(&id)
             .await
             .ok()
-            .and_then(|(r, _)| r.condition(DISCOVERED).map(|c| c.status));
+            .and_then(|(r, _)| r.condition(Condition::Discovered).map(|c| c.status));
         if got == want {
             return;
         }
@@ -217,7 +218,7 @@ async fn srv_records_are_found_refreshed_and_dropped() {
     assert_eq!(record.source, Source::DnsSrv);
     assert_eq!(record.discovery_address, r1.addr.to_string());
     assert!(record.found_by.contains(&Mechanism::DnsSrv));
-    assert!(!record.is("Peered"), "discovery never peers");
+    assert!(!record.is(Condition::Peered), "discovery never peers");
 
     // A record added later is found on a refresh.
     dns_server.publish("r2", r2.addr.port());
@@ -232,7 +233,9 @@ async fn srv_records_are_found_refreshed_and_dropped() {
         .await
         .expect("record kept");
     assert_eq!(
-        record.condition(DISCOVERED).map(|c| c.reason.as_str()),
+        record
+            .condition(Condition::Discovered)
+            .map(|c| c.reason.as_str()),
         Some("SrvRecordRemoved")
     );
     wait_discovered(&home, "remote-2", Some(Status::True)).await;

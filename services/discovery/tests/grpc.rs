@@ -17,6 +17,7 @@ use trellis_api::pb::types::{
     ClusterIdentity, ConditionStatus, ForeignCluster, Neighbor, Neighborhood, PeeringKind,
     ServiceAddresses, WatchEventType,
 };
+use trellis_api::peers::Condition;
 use trellis_discovery::{Config, Started, start};
 use trellis_runtime::Shutdown;
 
@@ -120,10 +121,10 @@ async fn list(c: &Cluster) -> Vec<ForeignCluster> {
         .foreign_clusters
 }
 
-fn condition(fc: &ForeignCluster, kind: &str) -> Option<ConditionStatus> {
+fn condition(fc: &ForeignCluster, kind: Condition) -> Option<ConditionStatus> {
     fc.conditions
         .iter()
-        .find(|c| c.r#type == kind)
+        .find(|c| c.r#type == kind.as_str())
         .and_then(|c| ConditionStatus::try_from(c.status).ok())
 }
 
@@ -137,7 +138,7 @@ async fn induced(c: &Cluster) -> Vec<(String, String)> {
         .await
         .iter()
         .filter(|fc| fc.kind == PeeringKind::Induced as i32)
-        .filter(|fc| condition(fc, "Withdrawn") != Some(ConditionStatus::True))
+        .filter(|fc| condition(fc, Condition::Withdrawn) != Some(ConditionStatus::True))
         .map(|fc| {
             let origin = fc
                 .induced
@@ -384,9 +385,12 @@ async fn neighborhoods_create_refresh_ignore_stale_and_withdraw() {
         .into_inner()
         .foreign_cluster
         .expect("record");
-    assert_eq!(condition(&e, "Withdrawn"), Some(ConditionStatus::True));
     assert_eq!(
-        condition(&e, "InducedPeering"),
+        condition(&e, Condition::Withdrawn),
+        Some(ConditionStatus::True)
+    );
+    assert_eq!(
+        condition(&e, Condition::InducedPeering),
         Some(ConditionStatus::False)
     );
 
@@ -619,8 +623,11 @@ async fn manual_discovery_learns_the_remote_identity_and_never_peers() {
         .expect("record");
     assert_eq!(id_of(&added), "b");
     assert_eq!(added.kind, PeeringKind::Full as i32);
-    assert_eq!(condition(&added, "Discovered"), Some(ConditionStatus::True));
-    assert_eq!(condition(&added, "Peered"), None);
+    assert_eq!(
+        condition(&added, Condition::Discovered),
+        Some(ConditionStatus::True)
+    );
+    assert_eq!(condition(&added, Condition::Peered), None);
 
     let err = a
         .client
@@ -850,9 +857,8 @@ async fn withdrawn_records_are_collected_after_the_retention_and_live_ones_stay(
     peer_with(&mut a, "b", &hub_addr, false).await;
     let withdrawn = list(&a).await;
     assert!(
-        withdrawn
-            .iter()
-            .any(|fc| id_of(fc) == "b" && condition(fc, "Withdrawn") == Some(ConditionStatus::True)),
+        withdrawn.iter().any(|fc| id_of(fc) == "b"
+            && condition(fc, Condition::Withdrawn) == Some(ConditionStatus::True)),
         "the tombstone is kept for the retention first: {withdrawn:?}"
     );
     let deadline = Instant::now() + Duration::from_secs(30);

@@ -16,7 +16,8 @@ use ipnet::IpNet;
 use tokio::sync::{Mutex, OnceCell};
 use trellis_api::pb::endpoints as epb;
 use trellis_api::pb::ipam as ipb;
-use trellis_api::pb::types::{self as tpb, ConditionStatus, ForeignCluster, PeeringKind};
+use trellis_api::pb::types::{self as tpb, ForeignCluster};
+use trellis_api::peers::is_networked_full_peer;
 use trellis_api::{ClusterId, ClusterIdentity, convert};
 use trellis_error::{Error, Result};
 use trellis_store::retry::Contention;
@@ -147,16 +148,6 @@ pub(crate) fn next_generation(previous: Option<i64>) -> i64 {
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX / 2));
     previous.map_or(1, |p| p.saturating_add(1)).max(now)
-}
-
-/// A full peer with networking enabled and the peering established.
-pub(crate) fn is_networked_full_peer(fc: &ForeignCluster) -> bool {
-    fc.kind == i32::from(PeeringKind::Full)
-        && fc.full.as_ref().is_some_and(|f| f.networking_enabled)
-        && fc
-            .conditions
-            .iter()
-            .any(|c| c.r#type == "Peered" && c.status == i32::from(ConditionStatus::True))
 }
 
 fn advertised(fc: &ForeignCluster) -> Option<&tpb::ServiceAddresses> {

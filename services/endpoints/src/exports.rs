@@ -28,6 +28,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use trellis_api::pb::discovery::ListForeignClustersRequest;
+use trellis_api::peers::is_networked_full_peer;
 use trellis_api::{ClusterId, ClusterIdentity, convert};
 use trellis_error::{Error, Result};
 use trellis_runtime::Shutdown;
@@ -36,7 +37,7 @@ use trellis_store::{Compare, Op, Txn};
 
 use trellis_api::pb::ipam::{ClusterSubnets, ListClusterSubnetsRequest};
 
-use crate::core::{Endpoints, Path, is_networked_full_peer};
+use crate::core::{Endpoints, Path};
 use crate::model::{AddressType, Conditions, Endpoint, Slice};
 use crate::records::{
     EXPORT_PREFIX, ExportRecord, ExportSource, OUTGOING_PREFIX, OutgoingRecord, decode, encode,

@@ -29,11 +29,12 @@ use serde_json::{Value, json};
 use trellis_api::ClusterId;
 use trellis_api::pb::discovery::ListForeignClustersRequest;
 use trellis_api::pb::ipam::ListClusterSubnetsRequest;
-use trellis_api::pb::types::{ConditionStatus, ForeignCluster, PeeringKind};
+use trellis_api::pb::types::ForeignCluster;
+use trellis_api::peers::{is_introduced, is_networked_full_peer};
 use trellis_error::{Error, Result};
 use trellis_runtime::Shutdown;
 
-use crate::core::{Endpoints, is_networked_full_peer};
+use crate::core::Endpoints;
 use crate::exports::ORIGIN_LABEL;
 use crate::kube::{SOURCE_CLUSTER_ANNOTATION, SOURCE_SLICE_ANNOTATION, derived_service_name};
 use crate::mcs::{
@@ -58,11 +59,7 @@ pub struct Reachability {
 
 /// Whether `fc` is a peering our traffic can use.
 fn is_networked(fc: &ForeignCluster) -> bool {
-    is_networked_full_peer(fc)
-        || (fc.kind == i32::from(PeeringKind::Induced)
-            && fc.conditions.iter().any(|c| {
-                c.r#type == "InducedPeering" && c.status == i32::from(ConditionStatus::True)
-            }))
+    is_networked_full_peer(fc) || is_introduced(fc)
 }
 
 impl Reachability {

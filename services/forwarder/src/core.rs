@@ -25,7 +25,7 @@ use trellis_api::pb::peering::{
     WithdrawNetworkConfigRequest,
 };
 use trellis_api::pb::types as pb;
-use trellis_api::peers::is_routable_full_peer;
+use trellis_api::peers::{is_routable_full_peer, network_config_name};
 use trellis_api::{ClusterId, ClusterIdentity};
 use trellis_error::{Error, Result};
 use trellis_runtime::Shutdown;
@@ -268,10 +268,6 @@ fn is_permanent(err: &Error) -> bool {
         err,
         Error::InvalidArgument { .. } | Error::PermissionDenied(_) | Error::NotFound(_)
     )
-}
-
-fn nc_name(origin: &ClusterId, destination: &ClusterId) -> String {
-    format!("{origin}--{destination}")
 }
 
 /// Whether the origin still waits for a relay's first attempt (its Relay call, or its item of a
@@ -870,7 +866,7 @@ impl Forwarder {
         self.broker(broker, &destination.id)?
             .withdraw_network_config(WithdrawNetworkConfigRequest {
                 network_config: Some(pb::NetworkConfigRef {
-                    name: nc_name(&origin.id, &destination.id),
+                    name: network_config_name(&origin.id, &destination.id),
                     origin: Some(identity_to_pb(origin)),
                     destination: Some(identity_to_pb(destination)),
                     via: Some(identity_to_pb(&self.identity)),
@@ -911,7 +907,10 @@ impl Forwarder {
                         .submitter(&broker, &record.destination.id)?
                         .call(SubmitNetworkConfigRequest {
                             network_config: Some(pb::NetworkConfig {
-                                name: nc_name(&record.origin.id, &record.destination.id),
+                                name: network_config_name(
+                                    &record.origin.id,
+                                    &record.destination.id,
+                                ),
                                 origin: Some(identity_to_pb(&record.origin)),
                                 destination: Some(identity_to_pb(&record.destination)),
                                 via: Some(identity_to_pb(&self.identity)),
@@ -950,7 +949,10 @@ impl Forwarder {
                     self.broker(&broker, &record.origin.id)?
                         .report_network_config_status(ReportNetworkConfigStatusRequest {
                             network_config: Some(pb::NetworkConfigRef {
-                                name: nc_name(&record.origin.id, &record.destination.id),
+                                name: network_config_name(
+                                    &record.origin.id,
+                                    &record.destination.id,
+                                ),
                                 origin: Some(identity_to_pb(&record.origin)),
                                 destination: Some(identity_to_pb(&record.destination)),
                                 via: Some(identity_to_pb(&self.identity)),

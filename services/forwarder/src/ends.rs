@@ -60,6 +60,8 @@ impl FromIterator<Option<(String, End)>> for Ends {
 
 #[cfg(test)]
 mod tests {
+    use trellis_api::peers::Condition;
+
     use super::*;
 
     fn record(
@@ -75,7 +77,7 @@ mod tests {
             }),
             kind: kind as i32,
             conditions: vec![pb::Condition {
-                r#type: "Peered".into(),
+                r#type: Condition::Peered.to_string(),
                 status: if peered {
                     pb::ConditionStatus::True
                 } else {

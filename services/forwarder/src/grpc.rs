@@ -12,6 +12,7 @@ use trellis_api::model::NetworkSpec;
 use trellis_api::pb::peering::forwarder_server::Forwarder as ForwarderApi;
 use trellis_api::pb::peering::{self as pb, RelayState};
 use trellis_api::pb::types;
+use trellis_api::peers::network_config_name;
 use trellis_api::{ClusterId, ClusterIdentity};
 use trellis_error::{Error, Result};
 
@@ -101,17 +102,11 @@ impl ForwarderService {
                 "this hub cannot be an end of a relay",
             ));
         }
-        let named = name
-            .strip_prefix(origin.id.as_str())
-            .and_then(|rest| rest.strip_prefix("--"))
-            .is_some_and(|rest| rest == destination.id.as_str());
-        if !named {
+        let expected = network_config_name(&origin.id, &destination.id);
+        if name != expected {
             return Err(Error::invalid(
                 "network_config.name",
-                format!(
-                    "is {name:?}; expected {:?}",
-                    format!("{}--{}", origin.id, destination.id)
-                ),
+                format!("is {name:?}; expected {expected:?}"),
             ));
         }
         Ok((origin, destination))
@@ -175,7 +170,7 @@ fn state_to_pb(state: State) -> RelayState {
 fn record_to_pb(r: &RelayRecord, hub: &ClusterIdentity) -> pb::RelayRecord {
     pb::RelayRecord {
         network_config: Some(types::NetworkConfigRef {
-            name: format!("{}--{}", r.origin.id, r.destination.id),
+            name: network_config_name(&r.origin.id, &r.destination.id),
             origin: Some(identity_to_pb(&r.origin)),
             destination: Some(identity_to_pb(&r.destination)),
             via: Some(identity_to_pb(hub)),

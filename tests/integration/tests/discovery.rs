@@ -13,6 +13,7 @@ use trellis_api::pb::discovery::*;
 use trellis_api::pb::types::{
     ClusterIdentity, ConditionStatus, ForeignCluster, PeeringKind, ServiceAddresses,
 };
+use trellis_api::peers::{Condition, UNPEERED_REASON};
 use trellis_integration::{ServiceProcess, free_addr};
 use trellis_testkit::{Etcd, require_tool};
 
@@ -75,7 +76,7 @@ async fn peer(on: &ServiceProcess, peer_id: &str, peer_addr: SocketAddr, peered:
             reason: if peered {
                 "HandshakeCompleted"
             } else {
-                "Unpeered"
+                UNPEERED_REASON
             }
             .into(),
             message: String::new(),
@@ -86,10 +87,10 @@ async fn peer(on: &ServiceProcess, peer_id: &str, peer_addr: SocketAddr, peered:
         .expect("update peering");
 }
 
-fn condition(fc: &ForeignCluster, kind: &str) -> Option<ConditionStatus> {
+fn condition(fc: &ForeignCluster, kind: Condition) -> Option<ConditionStatus> {
     fc.conditions
         .iter()
-        .find(|c| c.r#type == kind)
+        .find(|c| c.r#type == kind.as_str())
         .and_then(|c| ConditionStatus::try_from(c.status).ok())
 }
 
@@ -112,7 +113,7 @@ async fn induced(p: &ServiceProcess) -> (Vec<(String, String)>, Vec<String>) {
             .as_ref()
             .map(|i| i.cluster_id.clone())
             .unwrap_or_default();
-        if condition(&fc, "Withdrawn") == Some(ConditionStatus::True) {
+        if condition(&fc, Condition::Withdrawn) == Some(ConditionStatus::True) {
             withdrawn.push(id);
         } else {
             let origin = fc
@@ -341,7 +342,7 @@ async fn grpcurl_lists_calls_and_streams_the_discovery_service() {
             .as_array()
             .expect("conditions")
             .iter()
-            .find(|c| c["type"] == "Peered")
+            .find(|c| c["type"] == Condition::Peered.as_str())
             .map(|c| c["status"].clone()),
         Some(serde_json::json!("CONDITION_STATUS_FALSE"))
     );
@@ -404,7 +405,7 @@ async fn induced_generations(p: &ServiceProcess) -> Vec<i64> {
         .into_inner()
         .foreign_clusters
         .iter()
-        .filter(|fc| condition(fc, "Withdrawn") != Some(ConditionStatus::True))
+        .filter(|fc| condition(fc, Condition::Withdrawn) != Some(ConditionStatus::True))
         .filter_map(|fc| fc.induced.as_ref().map(|i| i.neighborhood_generation))
         .collect()
 }

@@ -12,6 +12,7 @@ use tonic::transport::Channel;
 use trellis_api::pb::discovery::discovery_client::DiscoveryClient;
 use trellis_api::pb::discovery::*;
 use trellis_api::pb::types::{ConditionStatus, DiscoverySource, ForeignCluster};
+use trellis_api::peers::Condition;
 use trellis_integration::{ServiceProcess, bin_path};
 use trellis_testkit::{free_port, in_ci, require_tool};
 
@@ -165,7 +166,7 @@ async fn connect(addr: SocketAddr) -> DiscoveryClient<Channel> {
 fn discovered(fc: &ForeignCluster) -> Option<ConditionStatus> {
     fc.conditions
         .iter()
-        .find(|c| c.r#type == "Discovered")
+        .find(|c| c.r#type == Condition::Discovered.as_str())
         .and_then(|c| ConditionStatus::try_from(c.status).ok())
 }
 

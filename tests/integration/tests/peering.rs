@@ -8,6 +8,7 @@ use tonic::Code;
 use trellis_api::pb::ipam::ListClusterSubnetsRequest;
 use trellis_api::pb::peering::*;
 use trellis_api::pb::types::{self as types};
+use trellis_api::peers::UNPEERED_REASON;
 use trellis_integration::cluster::InProcessCluster;
 use trellis_integration::peering::{
     Peerable, answered_tunnel_to, eventually, no_tunnel_to, peer_with_token, token, tunnel_to,
@@ -339,7 +340,7 @@ async fn bad_network_configs_are_refused_with_clear_errors_and_store_nothing() {
     let err = broker
         .notify_unpeer(NotifyUnpeerRequest {
             identity: stranger,
-            reason: "Unpeered".into(),
+            reason: UNPEERED_REASON.into(),
             peering_id: "z".repeat(80),
         })
         .await

@@ -29,6 +29,7 @@ use trellis_api::pb::peering::broker_client::BrokerClient;
 use trellis_api::pb::peering::forwarder_client::ForwarderClient;
 use trellis_api::pb::peering::*;
 use trellis_api::pb::types::{self as types};
+use trellis_api::peers::Condition;
 use trellis_integration::cluster::{InProcessCluster, Options};
 use trellis_integration::peering::{
     answered_tunnel_to, eventually, host_at, peer, pod_view, tunnel_to, web_slice,
@@ -1057,10 +1058,9 @@ async fn full_record(cluster: &InProcessCluster, remote: &str) -> (bool, types::
         .into_inner()
         .foreign_cluster
         .expect("record");
-    let peered = record
-        .conditions
-        .iter()
-        .any(|c| c.r#type == "Peered" && c.status == types::ConditionStatus::True as i32);
+    let peered = record.conditions.iter().any(|c| {
+        c.r#type == Condition::Peered.as_str() && c.status == types::ConditionStatus::True as i32
+    });
     (peered, record.full.expect("a full peer"))
 }
 

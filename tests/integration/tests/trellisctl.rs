@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 
 use ipnet::IpNet;
 use serde_json::Value;
+use trellis_api::peers::Condition;
 use trellis_integration::cluster::InProcessCluster;
 
 const LIMIT: Duration = Duration::from_secs(60);
@@ -368,8 +369,9 @@ async fn an_operator_builds_and_inspects_an_induced_mesh_with_trellisctl() {
         tunnel_endpoint(s, "leaf-c").is_none()
             && foreign(s, "leaf-c").is_none_or(|fc| {
                 fc["conditions"].as_array().is_some_and(|cs| {
-                    cs.iter()
-                        .any(|c| c["type"] == "Withdrawn" && c["status"] == "True")
+                    cs.iter().any(|c| {
+                        c["type"] == Condition::Withdrawn.as_str() && c["status"] == "True"
+                    })
                 })
             })
     })
@@ -386,7 +388,7 @@ async fn an_operator_builds_and_inspects_an_induced_mesh_with_trellisctl() {
         foreign(&all, "leaf-c").is_some_and(|fc| {
             fc["conditions"].as_array().is_some_and(|cs| {
                 cs.iter()
-                    .any(|c| c["type"] == "Withdrawn" && c["status"] == "True")
+                    .any(|c| c["type"] == Condition::Withdrawn.as_str() && c["status"] == "True")
             })
         }),
         "status --all shows the withdrawn record:\n{all:#}"

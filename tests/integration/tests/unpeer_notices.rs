@@ -8,6 +8,7 @@ use std::time::Duration;
 use trellis_api::pb::discovery::ListForeignClustersRequest;
 use trellis_api::pb::peering::{NotifyUnpeerRequest, UnpeerRequest};
 use trellis_api::pb::types::{self as types, ConditionStatus};
+use trellis_api::peers::{Condition, UNPEERED_REASON};
 use trellis_broker::peering_id::PeeringId;
 use trellis_integration::peering::{eventually, no_tunnel_to, peer, tunnel_to};
 use trellis_integration::processes::{Options, ProcessCluster, Service};
@@ -28,10 +29,9 @@ async fn peered_with(cluster: &ProcessCluster, remote: &str) -> bool {
     list.iter().any(|fc| {
         fc.identity.as_ref().is_some_and(|i| i.cluster_id == remote)
             && fc.kind == types::PeeringKind::Full as i32
-            && fc
-                .conditions
-                .iter()
-                .any(|c| c.r#type == "Peered" && c.status == ConditionStatus::True as i32)
+            && fc.conditions.iter().any(|c| {
+                c.r#type == Condition::Peered.as_str() && c.status == ConditionStatus::True as i32
+            })
     })
 }
 
@@ -129,7 +129,7 @@ async fn an_unpeering_persisted_before_a_crash_is_completed_on_both_sides_after_
     let pending = trellis_broker::records::PendingNotify {
         remote: remote.clone(),
         broker: b.addr(Service::Broker).to_string(),
-        reason: "Unpeered".into(),
+        reason: UNPEERED_REASON.into(),
         ca_certificate: String::new(),
         peering_id: Some(peering_id(&a, &b.id).await),
     };

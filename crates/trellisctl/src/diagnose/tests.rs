@@ -23,9 +23,9 @@ fn ident(id: &str) -> Option<types::ClusterIdentity> {
     })
 }
 
-fn condition(kind: &str, status: types::ConditionStatus) -> types::Condition {
+fn condition(kind: Condition, status: types::ConditionStatus) -> types::Condition {
     types::Condition {
-        r#type: kind.into(),
+        r#type: kind.to_string(),
         status: status.into(),
         ..Default::default()
     }
@@ -55,7 +55,7 @@ fn hub_fc() -> types::ForeignCluster {
             }),
             ..Default::default()
         }),
-        conditions: vec![condition("Peered", types::ConditionStatus::True)],
+        conditions: vec![condition(Condition::Peered, types::ConditionStatus::True)],
         ..Default::default()
     }
 }
@@ -214,9 +214,10 @@ fn a_peered_cluster_without_a_tunnel_endpoint() {
     assert!(view.findings[0].problem.contains("hub"));
     // A withdrawn record is not expected to have one.
     let mut withdrawn = hub_fc();
-    withdrawn
-        .conditions
-        .push(condition("Withdrawn", types::ConditionStatus::True));
+    withdrawn.conditions.push(condition(
+        Condition::Withdrawn,
+        types::ConditionStatus::True,
+    ));
     inputs.foreign_clusters = Some(vec![withdrawn]);
     assert!(analyze(&inputs).healthy);
 }
