@@ -539,6 +539,35 @@ mod tests {
         }
     }
 
+    /// A first "stale" answer is sent to again at once; a second in a row backs off like a
+    /// failure; a failure or a success starts the count over.
+    #[test]
+    fn a_peer_answering_stale_again_backs_off_and_the_count_starts_over() {
+        let timing = SenderTiming {
+            resync: Duration::from_secs(60),
+            retry_initial: Duration::from_millis(200),
+            retry_max: Duration::from_secs(30),
+        };
+        let peer = ClusterId::parse("id", "leaf").expect("valid cluster ID");
+        let now = Instant::now();
+        let mut retries = Retries::new(&timing);
+        assert_eq!(retries.stale(peer.clone(), now), 1);
+        assert_eq!(retries.due_at(&peer), Some(now), "sent to again at once");
+        assert_eq!(retries.stale(peer.clone(), now), 2);
+        assert!(retries.waiting(&peer, now), "backs off");
+        assert_eq!(retries.backoff.failures(&peer), 1);
+
+        assert_eq!(retries.failed(peer.clone(), now), 2);
+        assert_eq!(
+            retries.stale(peer.clone(), now),
+            1,
+            "a failure ends the streak"
+        );
+        assert!(retries.reset(&peer));
+        assert_eq!(retries.stale(peer.clone(), now), 1, "so does a success");
+        assert!(!retries.waiting(&peer, now));
+    }
+
     /// A leaf receiving a hub's Neighborhood writes one induced record per neighbour; none of
     /// them can change what the leaf itself sends, so none may cost a pass (with n leaves that
     /// would be n passes over n records per Neighborhood).
