@@ -13,15 +13,17 @@ use trellis_api::pb::peering::broker_client::BrokerClient;
 use trellis_api::pb::peering::{GetTokenRequest, ListTunnelEndpointsRequest, PeerRequest};
 use trellis_api::pb::types::{PeeringKind, TunnelEndpoint};
 
-use trellis_runtime::backoff::Backoff;
+use trellis_runtime::retry::{RetryPolicy, Retryable as _, retry};
 
 use crate::plan::{ClusterPlan, Role};
 
 /// Peer requests in flight at once (the hub's broker handles each with a few store writes).
 const PEER_CONCURRENCY: usize = 16;
 
-/// How many times one leaf's Peer request is sent again after UNAVAILABLE.
-const PEER_RETRIES: usize = 5;
+/// How one leaf's Peer request is sent again after a transient failure: 1 s doubling to 8 s,
+/// six attempts in all.
+const PEER_RETRY: RetryPolicy =
+    RetryPolicy::exponential(Duration::from_secs(1), Duration::from_secs(8)).with_max_attempts(6);
 
 async fn broker(addr: SocketAddr) -> anyhow::Result<BrokerClient<Channel>> {
     let channel = Channel::from_shared(format!("http://{addr}"))?
@@ -63,31 +65,35 @@ pub async fn peer_leaves(
             ca_cert_hash: ca_cert_hash.clone(),
         };
         async move {
-            let mut client = broker(leaf.ports.broker).await?;
+            let client = broker(leaf.ports.broker).await?;
             // On a loaded machine the hub's handshake can time out (UNAVAILABLE) while hundreds
             // of clusters start; an operator would run the command again, and so does the lab,
-            // a few times, on the workspace's backoff.
-            let mut backoff = Backoff::new(Duration::from_secs(1), Duration::from_secs(8));
-            let mut retries = 0;
-            loop {
-                match client.peer(request.clone()).await {
-                    Err(status)
-                        if status.code() == tonic::Code::Unavailable && retries < PEER_RETRIES =>
+            // a few times, on the workspace's retry policy.
+            let mut attempts = 0;
+            retry(&PEER_RETRY, None, || {
+                attempts += 1;
+                let last = PEER_RETRY.gives_up_after(attempts);
+                let mut client = client.clone();
+                let request = request.clone();
+                async move {
+                    let answer = client.peer(request).await;
+                    if let Err(status) = &answer
+                        && status.is_transient()
+                        && !last
                     {
-                        retries += 1;
                         tracing::warn!(
                             leaf = %leaf.id,
+                            code = ?status.code(),
                             error = %status.message(),
-                            "peering answered unavailable; asking again"
+                            "peering failed for now; asking again"
                         );
-                        tokio::time::sleep(backoff.next_delay()).await;
                     }
-                    other => {
-                        other.with_context(|| format!("peering {} with the hub", leaf.id))?;
-                        return anyhow::Ok(());
-                    }
+                    answer
                 }
-            }
+            })
+            .await
+            .with_context(|| format!("peering {} with the hub", leaf.id))?;
+            anyhow::Ok(())
         }
     }))
     .buffer_unordered(PEER_CONCURRENCY);

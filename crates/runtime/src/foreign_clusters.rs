@@ -32,12 +32,12 @@ use trellis_api::pb::types as pb;
 use trellis_error::{Error, Result};
 
 use crate::Shutdown;
-use crate::backoff::Backoff;
 use crate::client::TracedChannel;
+use crate::retry::RetryPolicy;
 
-/// The first and the longest wait before the watch is opened again after it broke.
-const RETRY_MIN: Duration = Duration::from_millis(200);
-const RETRY_MAX: Duration = Duration::from_secs(10);
+/// The waits before the watch is opened again after it broke: 200 ms doubling to 10 s.
+const RETRY: RetryPolicy =
+    RetryPolicy::exponential(Duration::from_millis(200), Duration::from_secs(10));
 
 /// What [`ForeignClusters::follow`] reports to its caller, after the copy has taken it in.
 #[derive(Debug, Clone, Copy)]
@@ -185,7 +185,7 @@ impl ForeignClusters {
     }
 
     /// Follows discovery's watch at `channel` until `shutdown`, keeping the copy current and
-    /// opening the watch again (with the runtime's backoff) whenever it breaks. `on_event`
+    /// opening the watch again (on the runtime's retry policy) whenever it breaks. `on_event`
     /// sees every event after the copy took it in, so a reader woken by it finds the change.
     pub async fn follow(
         &self,
@@ -193,7 +193,7 @@ impl ForeignClusters {
         shutdown: Shutdown,
         mut on_event: impl FnMut(Followed<'_>),
     ) {
-        let mut backoff = Backoff::new(RETRY_MIN, RETRY_MAX);
+        let mut backoff = RETRY.backoff();
         loop {
             let opened = DiscoveryClient::new(channel.clone())
                 .watch_foreign_clusters(WatchForeignClustersRequest {

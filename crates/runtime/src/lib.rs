@@ -10,8 +10,9 @@
 //! - [`server`]: a gRPC server that always serves health and reflection (v1 and v1alpha,
 //!   built once per process: [`reflection`]);
 //! - [`client`]: channels to other services with timeouts and trace propagation;
-//! - [`backoff`]: the one exponential backoff for retry loops; [`resync`]: when a reconciler's
-//!   periodic pass over everything is due;
+//! - [`retry`]: the one retry policy: the waits after a failure (one, or per key), which
+//!   failures are worth another attempt, and a call retried while they are; [`resync`]: when a
+//!   reconciler's periodic pass over everything is due;
 //! - [`batch`]: many unary calls to one server carried by one batch call, client and server
 //!   side;
 //! - [`foreign_clusters`]: a watch-fed copy of the local discovery service's ForeignClusters,
@@ -52,6 +53,7 @@ pub mod peer;
 pub mod propagation;
 pub mod reflection;
 pub mod resync;
+pub mod retry;
 pub mod server;
 pub mod shutdown;
 pub mod supervise;

@@ -19,6 +19,7 @@ use trellis_error::{Error, Result};
 
 use crate::admission::{AdmissionLayer, Check};
 use crate::client::TracedChannel;
+use crate::retry::RetryPolicy;
 use crate::tls::{Caller, PeerIdentity, PinnedCa, TrustStore, caller, caller_of};
 
 /// Which gRPC methods (full paths, `/package.Service/Method`) the peer listener serves.
@@ -175,6 +176,11 @@ fn peered_ca(fc: &pb::ForeignCluster) -> Option<PinnedCa> {
     }
 }
 
+/// The wait before the trust sync watches discovery again after its watch ended: a fixed half
+/// second, not a growing backoff, because a peer pinned while the watch is down is refused
+/// until the sync is back.
+const TRUST_SYNC_RETRY: RetryPolicy = RetryPolicy::fixed(Duration::from_millis(500));
+
 /// Keeps `trust` equal to the CAs of the established full peers in the discovery service at
 /// `discovery` (a watch of its ForeignClusters; restarted after errors, including a discovery
 /// gone silent, which the channel's keepalive turns into one: [`crate::client::KEEPALIVE`]),
@@ -185,6 +191,7 @@ pub fn spawn_trust_sync(
     shutdown: crate::Shutdown,
 ) -> tokio::task::JoinHandle<()> {
     crate::telemetry::spawn(async move {
+        let mut backoff = TRUST_SYNC_RETRY.backoff();
         loop {
             let run = sync_once(discovery.clone(), &trust);
             tokio::select! {
@@ -197,7 +204,7 @@ pub fn spawn_trust_sync(
             }
             tokio::select! {
                 () = shutdown.cancelled() => return,
-                () = tokio::time::sleep(Duration::from_millis(500)) => {}
+                () = tokio::time::sleep(backoff.next_delay()) => {}
             }
         }
     })

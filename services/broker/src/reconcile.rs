@@ -6,7 +6,7 @@
 //! a remote that is no longer wanted is torn down. Runs on every wake-up (handlers, discovery
 //! changes) and periodically; every step is idempotent, so a restart simply runs it again.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -29,6 +29,7 @@ use trellis_runtime::Shutdown;
 use trellis_runtime::foreign_clusters::Followed;
 use trellis_runtime::propagation::{resumed_span, traceparent_of};
 use trellis_runtime::resync::Resync;
+use trellis_runtime::retry::{KeyedBackoff, RetryPolicy};
 use trellis_store::{Compare, Op, Txn};
 
 use crate::core::{Broker, Dirty, Lane};
@@ -39,9 +40,9 @@ use crate::records::{
 };
 use trellis_api::peers::{Peers, Remote, Route};
 
-/// Shortest and longest wait before retrying after a failed delivery.
-const RETRY_MIN: Duration = Duration::from_millis(200);
-const RETRY_MAX: Duration = Duration::from_secs(10);
+/// The waits before retrying after a failed delivery: 200 ms doubling to 10 s, per remote.
+const RETRY: RetryPolicy =
+    RetryPolicy::exponential(Duration::from_millis(200), Duration::from_secs(10));
 
 /// Remotes worked on at the same time within one pass: deliveries wait on other clusters,
 /// so one slow remote must not hold up the others.
@@ -152,56 +153,58 @@ fn own_look(dirty: &Dirty, retries: &Retries) -> BTreeSet<ClusterId> {
 /// When to look again at what a pass left unfinished. Each remote backs off on its own: while
 /// leaves are still peering with the hub, many remotes fail for a while, and one shared backoff
 /// grown on their failures would also hold back every remote that failed once, later.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct Retries {
-    /// Per remote: the delay after its next failure, and when it is due.
-    remotes: BTreeMap<ClusterId, (Duration, Instant)>,
+    /// Per remote: its failures in a row and when it is due.
+    remotes: KeyedBackoff<ClusterId>,
     /// The same for a failure not tied to one remote (a full pass).
-    all: Option<(Duration, Instant)>,
+    all: KeyedBackoff<()>,
+}
+
+impl Default for Retries {
+    fn default() -> Self {
+        Self {
+            remotes: KeyedBackoff::new(RETRY),
+            all: KeyedBackoff::new(RETRY),
+        }
+    }
 }
 
 impl Retries {
     fn failed(&mut self, id: ClusterId, now: Instant) {
-        let delay = self.remotes.get(&id).map_or(RETRY_MIN, |(delay, _)| *delay);
-        self.remotes
-            .insert(id, ((delay * 2).min(RETRY_MAX), now + delay));
+        self.remotes.failed(id, now);
     }
 
     fn failed_all(&mut self, now: Instant) {
-        let delay = self.all.map_or(RETRY_MIN, |(delay, _)| delay);
-        self.all = Some(((delay * 2).min(RETRY_MAX), now + delay));
+        self.all.failed((), now);
     }
 
     fn settle<'a>(&mut self, ids: impl Iterator<Item = &'a ClusterId>) {
         for id in ids {
-            self.remotes.remove(id);
+            self.remotes.reset(id);
         }
     }
 
     fn settle_all_but(&mut self, failed: &Unsettled) {
-        self.remotes.retain(|id, _| failed.ids.contains(id));
+        self.remotes.retain(|id| failed.ids.contains(id));
         if !failed.all {
-            self.all = None;
+            self.all.reset(&());
         }
     }
 
     fn all_due(&self, now: Instant) -> bool {
-        self.all.is_some_and(|(_, at)| now >= at)
+        self.all.is_due(&(), now)
     }
 
     fn due(&self, now: Instant) -> Vec<ClusterId> {
-        self.remotes
-            .iter()
-            .filter(|(_, (_, at))| now >= *at)
-            .map(|(id, _)| id.clone())
-            .collect()
+        self.remotes.due(now).cloned().collect()
     }
 
     fn next_due(&self) -> Option<Instant> {
         self.remotes
-            .values()
-            .map(|(_, at)| *at)
-            .chain(self.all.map(|(_, at)| at))
+            .next_due()
+            .into_iter()
+            .chain(self.all.next_due())
             .min()
     }
 }
@@ -1327,6 +1330,11 @@ mod tests {
         );
     }
 
+    /// Whether `wait` is `base` plus the policy's jitter at most.
+    fn jittered(wait: Duration, base: Duration) -> bool {
+        (base..=base + base / 4).contains(&wait)
+    }
+
     #[test]
     fn a_remote_that_keeps_failing_does_not_delay_another() {
         let now = Instant::now();
@@ -1335,9 +1343,10 @@ mod tests {
             retries.failed(id("leaf-a"), now);
         }
         retries.failed(id("leaf-c"), now);
-        assert_eq!(retries.next_due(), Some(now + RETRY_MIN));
-        assert_eq!(retries.due(now + RETRY_MIN), vec![id("leaf-c")]);
-        assert!(retries.due(now + RETRY_MAX).contains(&id("leaf-a")));
+        let first = retries.next_due().expect("a retry is due") - now;
+        assert!(jittered(first, RETRY.initial), "{first:?}");
+        assert_eq!(retries.due(now + RETRY.initial * 5 / 4), vec![id("leaf-c")]);
+        assert!(retries.due(now + RETRY.max * 5 / 4).contains(&id("leaf-a")));
     }
 
     #[test]
@@ -1348,7 +1357,8 @@ mod tests {
         retries.failed(id("leaf-a"), now);
         retries.settle([id("leaf-a")].iter());
         retries.failed(id("leaf-a"), now);
-        assert_eq!(retries.next_due(), Some(now + RETRY_MIN));
+        let first = retries.next_due().expect("a retry is due") - now;
+        assert!(jittered(first, RETRY.initial), "{first:?}");
 
         retries.failed(id("leaf-c"), now);
         retries.failed_all(now);
@@ -1357,7 +1367,7 @@ mod tests {
             ids: BTreeSet::from([id("leaf-c")]),
         };
         retries.settle_all_but(&failed);
-        assert!(!retries.all_due(now + RETRY_MAX));
-        assert_eq!(retries.due(now + RETRY_MAX), vec![id("leaf-c")]);
+        assert!(!retries.all_due(now + RETRY.max * 5 / 4));
+        assert_eq!(retries.due(now + RETRY.max * 5 / 4), vec![id("leaf-c")]);
     }
 }

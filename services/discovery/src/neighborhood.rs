@@ -14,12 +14,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures::{FutureExt as _, StreamExt as _};
-use rand::Rng as _;
 use tokio::time::Instant;
 use trellis_api::ClusterId;
 use trellis_error::{Error, Result};
 use trellis_runtime::Shutdown;
 use trellis_runtime::resync::Resync;
+use trellis_runtime::retry::{KeyedBackoff, RetryPolicy};
 
 use crate::core::{Discovery, Snapshot};
 use crate::records::{CLUSTERS_PREFIX, Neighbor, Outbox};
@@ -36,13 +36,20 @@ pub struct SenderTiming {
     pub retry_max: Duration,
 }
 
-/// A peer we failed to reach: when to try again.
-#[derive(Debug, Clone, Copy)]
-struct Backoff {
-    failures: u32,
-    /// "Stale" answers in a row: after [`STALE_BEFORE_BACKOFF`] they back off like failures.
-    stale: u32,
-    next: Instant,
+impl SenderTiming {
+    /// The retry policy of failed sends: `retry_initial` doubling to `retry_max`.
+    pub fn retry_policy(&self) -> RetryPolicy {
+        RetryPolicy::exponential(self.retry_initial, self.retry_max)
+    }
+}
+
+/// The peers we failed to reach (and ourselves, for a pass that failed): when to try again.
+#[derive(Debug)]
+struct Retries {
+    backoff: KeyedBackoff<ClusterId>,
+    /// "Stale" answers in a row, per peer: after [`STALE_BEFORE_BACKOFF`] they back off like
+    /// failures.
+    stale: BTreeMap<ClusterId, u32>,
 }
 
 /// A peer may answer "stale" once legitimately (our store was restored from an old backup:
@@ -55,20 +62,53 @@ const STALE_BEFORE_BACKOFF: u32 = 2;
 /// `i64::MAX`.
 const MAX_PEER_GENERATION: i64 = i64::MAX / 4;
 
-impl Backoff {
-    fn after_failure(previous: Option<Backoff>, timing: &SenderTiming) -> Self {
-        let failures = previous.map_or(0, |b| b.failures) + 1;
-        let base = timing
-            .retry_initial
-            .saturating_mul(1u32 << failures.saturating_sub(1).min(16))
-            .min(timing.retry_max);
-        // Up to +25% jitter so a hub restarting with many dead peers does not retry in lockstep.
-        let jitter = base.mul_f64(rand::rng().random_range(0.0..0.25));
+impl Retries {
+    fn new(timing: &SenderTiming) -> Self {
         Self {
-            failures,
-            stale: 0,
-            next: Instant::now() + base + jitter,
+            backoff: KeyedBackoff::new(timing.retry_policy()),
+            stale: BTreeMap::new(),
         }
+    }
+
+    /// A failure of `peer`: it backs off; returns its failures in a row.
+    fn failed(&mut self, peer: ClusterId, now: Instant) -> u32 {
+        self.stale.remove(&peer);
+        self.backoff.failed(peer, now)
+    }
+
+    /// A "stale" answer of `peer`: sent to again at once, unless it keeps answering so, when
+    /// it backs off like a failure. Returns the stale answers in a row.
+    fn stale(&mut self, peer: ClusterId, now: Instant) -> u32 {
+        let stale = self.stale.get(&peer).map_or(0, |s| *s).saturating_add(1);
+        self.stale.insert(peer.clone(), stale);
+        if stale >= STALE_BEFORE_BACKOFF {
+            self.backoff.failed(peer, now);
+        } else {
+            self.backoff.retry_now(peer, now);
+        }
+        stale
+    }
+
+    /// A success (or a reason to try again at once): `peer` no longer backs off. Whether it
+    /// did.
+    fn reset(&mut self, peer: &ClusterId) -> bool {
+        self.stale.remove(peer);
+        self.backoff.reset(peer)
+    }
+
+    fn retain(&mut self, mut keep: impl FnMut(&ClusterId) -> bool) {
+        self.stale.retain(|peer, _| keep(peer));
+        self.backoff.retain(keep);
+    }
+
+    /// When `peer` is due again, if it backs off.
+    fn due_at(&self, peer: &ClusterId) -> Option<Instant> {
+        self.backoff.due_at(peer)
+    }
+
+    /// Whether `peer` backs off and is not due at `now`.
+    fn waiting(&self, peer: &ClusterId, now: Instant) -> bool {
+        self.due_at(peer).is_some_and(|at| at > now)
     }
 }
 
@@ -87,7 +127,7 @@ struct Job {
 
 /// Runs the sender until `shutdown`.
 pub async fn run(core: Arc<Discovery>, timing: SenderTiming, shutdown: Shutdown) {
-    let mut backoff: BTreeMap<ClusterId, Backoff> = BTreeMap::new();
+    let mut retries = Retries::new(&timing);
     let mut periodic = Resync::new(timing.resync);
     let mut changes = None;
     loop {
@@ -102,23 +142,20 @@ pub async fn run(core: Arc<Discovery>, timing: SenderTiming, shutdown: Shutdown)
         }
         let started = Instant::now();
         let resync = periodic.due(started);
-        let outcome = pass(&core, &timing, resync, &mut backoff).await;
+        let outcome = pass(&core, resync, &mut retries).await;
         if resync {
             periodic.ran(started, Instant::now());
         }
         if let Err(err) = outcome {
             tracing::warn!(error = %err, "neighborhood pass failed; retrying");
-            backoff.insert(
-                core.identity().id.clone(),
-                Backoff::after_failure(backoff.get(&core.identity().id).copied(), &timing),
-            );
+            retries.failed(core.identity().id.clone(), Instant::now());
         } else {
-            backoff.remove(&core.identity().id);
+            retries.reset(&core.identity().id);
         }
-        let wake = backoff
-            .values()
-            .map(|b| b.next)
-            .fold(periodic.next(), Instant::min);
+        let wake = retries
+            .backoff
+            .next_due()
+            .map_or(periodic.next(), |due| due.min(periodic.next()));
         loop {
             tokio::select! {
                 () = shutdown.cancelled() => return,
@@ -128,7 +165,7 @@ pub async fn run(core: Arc<Discovery>, timing: SenderTiming, shutdown: Shutdown)
                     // refused for not knowing us yet, it accepts now. Not a backoff matter.
                     let mut retry = false;
                     for peer in heard {
-                        retry |= backoff.remove(&peer).is_some();
+                        retry |= retries.reset(&peer);
                     }
                     if retry {
                         break;
@@ -170,9 +207,9 @@ pub async fn run(core: Arc<Discovery>, timing: SenderTiming, shutdown: Shutdown)
 /// other send) — never while its backoff runs. A due retry must be acted on: the loop sleeps
 /// until the earliest backoff, so one left due would wake it at once, pass after pass (at 254
 /// leaves every leaf spun so between two resyncs, decoding its whole table each time).
-fn sends(changed: bool, resync: bool, backoff: Option<&Backoff>, now: Instant) -> bool {
-    match backoff {
-        Some(b) if b.next > now => false,
+fn sends(changed: bool, resync: bool, due: Option<Instant>, now: Instant) -> bool {
+    match due {
+        Some(at) if at > now => false,
         Some(_) => true,
         None => changed || resync,
     }
@@ -267,12 +304,7 @@ impl Desired {
     }
 }
 
-async fn pass(
-    core: &Arc<Discovery>,
-    timing: &SenderTiming,
-    resync: bool,
-    backoff: &mut BTreeMap<ClusterId, Backoff>,
-) -> Result<()> {
+async fn pass(core: &Arc<Discovery>, resync: bool, retries: &mut Retries) -> Result<()> {
     let snapshot = core.snapshot().await?;
     let mut outboxes = core.outboxes().await?;
     let now = Instant::now();
@@ -288,14 +320,14 @@ async fn pass(
     let desired = Desired::of(&snapshot, core.induced_peering());
     // A peer neither desired nor holding anything from us has nothing left to retry: its
     // backoff would only wake the loop.
-    backoff.retain(|peer, _| {
+    retries.retain(|peer| {
         peer == &core.identity().id || desired.contains(peer) || outboxes.contains_key(peer)
     });
     for (index, (peer, address, ..)) in desired.peers.iter().enumerate() {
         let outbox = outboxes.remove(peer);
         let digest = desired.digest(index);
         let changed = outbox.as_ref().is_none_or(|(o, _)| o.digest != digest);
-        if !sends(changed, resync, backoff.get(peer), now) {
+        if !sends(changed, resync, retries.due_at(peer), now) {
             continue;
         }
         if address.is_empty() {
@@ -349,7 +381,7 @@ async fn pass(
             core.forget_outbox(&peer, revision).await?;
             continue;
         }
-        if backoff.get(&peer).is_some_and(|b| b.next > now) {
+        if retries.waiting(&peer, now) {
             continue;
         }
         let generation = next_generation(Some(&(outbox.clone(), revision)));
@@ -377,38 +409,25 @@ async fn pass(
         let peer = job.outgoing.recipient.id.clone();
         match settle(core, &job, result).await {
             Ok(true) => {
-                backoff.remove(&peer);
+                retries.reset(&peer);
             }
             Ok(false) => {
                 // The peer holds a newer generation; the floor is recorded: go again at once,
                 // unless it keeps saying so.
-                let previous = backoff.get(&peer).copied();
-                let stale = previous.map_or(0, |b| b.stale).saturating_add(1);
-                let next = if stale >= STALE_BEFORE_BACKOFF {
+                let stale = retries.stale(peer.clone(), Instant::now());
+                if stale >= STALE_BEFORE_BACKOFF {
                     tracing::warn!(cluster.id = %peer, stale, "peer keeps answering stale; backing off");
-                    Backoff {
-                        stale,
-                        ..Backoff::after_failure(previous, timing)
-                    }
-                } else {
-                    Backoff {
-                        failures: 0,
-                        stale,
-                        next: Instant::now(),
-                    }
-                };
-                backoff.insert(peer, next);
+                }
             }
             Err(err) => {
-                let next = Backoff::after_failure(backoff.get(&peer).copied(), timing);
+                let failures = retries.failed(peer.clone(), Instant::now());
                 // A first refusal is routine right after a handshake: we record the peer a
                 // moment before it records us. Persisting failures are worth a warning.
-                if next.failures < 3 {
-                    tracing::info!(cluster.id = %peer, address = %job.address, error = %err, failures = next.failures, "sending neighborhood failed; will retry");
+                if failures < 3 {
+                    tracing::info!(cluster.id = %peer, address = %job.address, error = %err, failures, "sending neighborhood failed; will retry");
                 } else {
-                    tracing::warn!(cluster.id = %peer, address = %job.address, error = %err, failures = next.failures, "sending neighborhood failed; will retry");
+                    tracing::warn!(cluster.id = %peer, address = %job.address, error = %err, failures, "sending neighborhood failed; will retry");
                 }
-                backoff.insert(peer, next);
             }
         }
     }
@@ -512,20 +531,41 @@ mod tests {
     #[test]
     fn a_due_retry_is_sent_and_a_running_backoff_holds_back() {
         let now = Instant::now();
-        let due = Backoff {
-            failures: 1,
-            stale: 0,
-            next: now,
-        };
-        let later = Backoff {
-            next: now + Duration::from_secs(1),
-            ..due
-        };
-        assert!(sends(false, false, Some(&due), now));
+        let later = now + Duration::from_secs(1);
+        assert!(sends(false, false, Some(now), now));
         for (changed, resync) in [(false, false), (true, false), (false, true), (true, true)] {
-            assert!(!sends(changed, resync, Some(&later), now));
+            assert!(!sends(changed, resync, Some(later), now));
             assert_eq!(sends(changed, resync, None, now), changed || resync);
         }
+    }
+
+    /// A first "stale" answer is sent to again at once; a second in a row backs off like a
+    /// failure; a failure or a success starts the count over.
+    #[test]
+    fn a_peer_answering_stale_again_backs_off_and_the_count_starts_over() {
+        let timing = SenderTiming {
+            resync: Duration::from_secs(60),
+            retry_initial: Duration::from_millis(200),
+            retry_max: Duration::from_secs(30),
+        };
+        let peer = ClusterId::parse("id", "leaf").expect("valid cluster ID");
+        let now = Instant::now();
+        let mut retries = Retries::new(&timing);
+        assert_eq!(retries.stale(peer.clone(), now), 1);
+        assert_eq!(retries.due_at(&peer), Some(now), "sent to again at once");
+        assert_eq!(retries.stale(peer.clone(), now), 2);
+        assert!(retries.waiting(&peer, now), "backs off");
+        assert_eq!(retries.backoff.failures(&peer), 1);
+
+        assert_eq!(retries.failed(peer.clone(), now), 2);
+        assert_eq!(
+            retries.stale(peer.clone(), now),
+            1,
+            "a failure ends the streak"
+        );
+        assert!(retries.reset(&peer));
+        assert_eq!(retries.stale(peer.clone(), now), 1, "so does a success");
+        assert!(!retries.waiting(&peer, now));
     }
 
     /// A leaf receiving a hub's Neighborhood writes one induced record per neighbour; none of

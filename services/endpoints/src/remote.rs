@@ -19,11 +19,17 @@ use trellis_api::pb::ipam::ipam_client::IpamClient;
 use trellis_api::pb::types::ForeignCluster;
 use trellis_error::{Error, Result};
 use trellis_runtime::client::{Timeouts, TracedChannel, local_channel};
+use trellis_runtime::retry::{RetryPolicy, retry};
 use trellis_runtime::tls::{PeerTls, cluster_channel};
 
 /// Pause between two attempts of a remote IPAM call: long enough for a restarting server to
 /// listen again, short enough to stay well inside the caller's budget.
 const RETRY_PAUSE: Duration = Duration::from_millis(100);
+
+/// How a remote IPAM call is retried: [`RETRY_PAUSE`] between `attempts` attempts in all.
+fn remote_ipam_retry(attempts: u32) -> RetryPolicy {
+    RetryPolicy::fixed(RETRY_PAUSE).with_max_attempts(attempts)
+}
 
 /// Every client the endpoints service uses.
 #[derive(Debug)]
@@ -147,8 +153,9 @@ impl Clients {
         Ok(IpamClient::new(created))
     }
 
-    /// Calls a remote IPAM with `call`, retrying while it is unavailable, each attempt bounded
-    /// by the remote timeouts (also when the channel itself would wait longer).
+    /// Calls a remote IPAM with `call`, retrying while it fails transiently
+    /// ([`trellis_runtime::retry::Retryable`]), each attempt bounded by the remote timeouts
+    /// (also when the channel itself would wait longer).
     pub async fn remote_ipam_call<T, F, Fut>(
         &self,
         mut call: F,
@@ -158,24 +165,19 @@ impl Clients {
         Fut: Future<Output = std::result::Result<T, tonic::Status>>,
     {
         let budget = self.remote_ipam_timeouts.connect + self.remote_ipam_timeouts.request;
-        let mut attempt = 1;
-        loop {
-            let outcome = match tokio::time::timeout(budget, call()).await {
-                Ok(outcome) => outcome,
-                Err(_) => Err(tonic::Status::deadline_exceeded(format!(
-                    "no answer within {} ms",
-                    budget.as_millis()
-                ))),
-            };
-            match outcome {
-                Err(status) if retryable(&status) && attempt < self.remote_ipam_attempts => {
-                    tracing::debug!(attempt, error = %status.message(), "remote ipam call failed, retrying");
-                    attempt += 1;
-                    tokio::time::sleep(RETRY_PAUSE).await;
-                }
-                other => return other,
+        let policy = remote_ipam_retry(self.remote_ipam_attempts);
+        retry(&policy, None, || {
+            let attempt = tokio::time::timeout(budget, call());
+            async move {
+                attempt.await.unwrap_or_else(|_| {
+                    Err(tonic::Status::deadline_exceeded(format!(
+                        "no answer within {} ms",
+                        budget.as_millis()
+                    )))
+                })
             }
-        }
+        })
+        .await
     }
 
     /// The endpoints service of cluster `id`, at `address`.
@@ -203,14 +205,6 @@ impl Clients {
         }
         Ok(EndpointMapperClient::new(created))
     }
-}
-
-/// Failures worth another attempt: the server could not be reached or did not answer in time.
-fn retryable(status: &tonic::Status) -> bool {
-    matches!(
-        status.code(),
-        tonic::Code::Unavailable | tonic::Code::DeadlineExceeded | tonic::Code::Cancelled
-    )
 }
 
 /// A local service's failure, keeping its kind; an unreachable one names the service.

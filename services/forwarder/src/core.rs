@@ -29,12 +29,12 @@ use trellis_api::peers::{is_routable_full_peer, network_config_name};
 use trellis_api::{ClusterId, ClusterIdentity};
 use trellis_error::{Error, Result};
 use trellis_runtime::Shutdown;
-use trellis_runtime::backoff::Backoff;
 use trellis_runtime::batch::{self, Batchers, Submitter};
 use trellis_runtime::client::{Timeouts, TracedChannel, local_channel};
 use trellis_runtime::foreign_clusters::{self, ForeignClusters};
 use trellis_runtime::metrics::Metrics;
 use trellis_runtime::propagation::{resumed_span, traceparent_of};
+use trellis_runtime::retry::{RetryPolicy, Retryable as _};
 use trellis_runtime::tls::{PeerTls, cluster_channel};
 use trellis_store::retry::Contention;
 use trellis_store::{Compare, Op, SharedStore, Txn};
@@ -53,6 +53,7 @@ const LOCAL: Timeouts = Timeouts {
     connect: Duration::from_secs(2),
     request: Duration::from_secs(10),
 };
+/// The first wait before a failed delivery is retried; it doubles up to `--retry-max`.
 const RETRY_MIN: Duration = Duration::from_millis(200);
 /// An attempt made while the caller waits (Relay, RelayStatus, RelayWithdrawal) owns its
 /// relay this long: the retry loop leaves it alone meanwhile rather than send it twice. The
@@ -60,8 +61,8 @@ const RETRY_MIN: Duration = Duration::from_millis(200);
 const INLINE_GRACE: Duration =
     Duration::from_secs(DELIVERY.connect.as_secs() + DELIVERY.request.as_secs() + 1);
 /// How long the loop waits before retrying a relay whose processing failed on our side (the
-/// store or the local discovery service did not answer).
-const LOCAL_RETRY: Duration = Duration::from_secs(1);
+/// store or the local discovery service did not answer): a fixed second.
+const LOCAL_RETRY: RetryPolicy = RetryPolicy::fixed(Duration::from_secs(1));
 /// The longest the retry loop sleeps with nothing due (a safety net; every write wakes it).
 const IDLE: Duration = Duration::from_secs(60);
 
@@ -79,6 +80,13 @@ pub struct Delivery {
     /// How long a relay refused for good (state Failed), or delivered but never answered
     /// (state Delivered), is kept for operators before it is deleted.
     pub retention: Duration,
+}
+
+impl Delivery {
+    /// The retry policy of a relay's deliveries: [`RETRY_MIN`] doubling to `retry_max`.
+    pub fn retry_policy(&self) -> RetryPolicy {
+        RetryPolicy::exponential(RETRY_MIN, self.retry_max)
+    }
 }
 
 /// The retry loop's in-memory due queue: which relay needs work when, and which cluster that
@@ -260,14 +268,6 @@ impl MaybeStored {
         }
         self.complete = true;
     }
-}
-
-/// Gives up on a delivery for good: the other end refused the content itself.
-fn is_permanent(err: &Error) -> bool {
-    matches!(
-        err,
-        Error::InvalidArgument { .. } | Error::PermissionDenied(_) | Error::NotFound(_)
-    )
 }
 
 /// Whether the origin still waits for a relay's first attempt (its Relay call, or its item of a
@@ -1017,7 +1017,9 @@ impl Forwarder {
                 };
                 Some(record)
             }
-            Err(err) if is_permanent(&err) => {
+            // Given up for good only when the other end refused the content itself; anything
+            // else (unreachable, not peered yet, a bug a restart may clear) is retried.
+            Err(err) if err.is_permanent() => {
                 tracing::warn!(origin = %record.origin.id, destination = %record.destination.id, error = %err, "relay refused for good");
                 record.state = State::Failed;
                 record.last_error = err.to_string();
@@ -1032,9 +1034,8 @@ impl Forwarder {
                     // for is likely gone.
                     now
                 } else {
-                    let backoff = Backoff::new(RETRY_MIN, self.delivery.retry_max)
-                        .after_failures(record.attempts);
-                    now.saturating_add(nanos(backoff))
+                    let wait = self.delivery.retry_policy().delay_after(record.attempts);
+                    now.saturating_add(nanos(wait))
                 };
                 tracing::debug!(origin = %record.origin.id, destination = %record.destination.id, attempts = record.attempts, error = %err, "relay delivery will be retried");
                 Some(record)
@@ -1112,7 +1113,7 @@ impl Forwarder {
     async fn process_or_requeue(&self, key: &str, target: Option<ClusterId>) {
         if let Err(err) = self.process(key).await {
             tracing::warn!(key = %key, error = %err, "relay attempt failed");
-            let due = now_nanos().saturating_add(nanos(LOCAL_RETRY));
+            let due = now_nanos().saturating_add(nanos(LOCAL_RETRY.delay_after(1)));
             if let Ok(mut schedule) = self.schedule.lock()
                 && !schedule.entries.contains_key(key)
             {
@@ -1146,7 +1147,7 @@ impl Forwarder {
 /// per cluster called. Attempts still running at shutdown are dropped (the records stay and
 /// the next start retries them).
 pub async fn retry_loop(forwarder: Arc<Forwarder>, shutdown: Shutdown) {
-    let mut backoff = Backoff::new(RETRY_MIN, forwarder.delivery.retry_max);
+    let mut backoff = forwarder.delivery.retry_policy().backoff();
     loop {
         match forwarder.load_schedule().await {
             Ok(held) => {

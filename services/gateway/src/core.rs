@@ -14,6 +14,7 @@ use ipnet::IpNet;
 use trellis_api::model::{Endpoint, EndpointHost, TunnelEndpoint};
 use trellis_api::{ClusterId, ClusterIdentity};
 use trellis_error::{Error, Result};
+use trellis_runtime::retry::Retryable as _;
 use trellis_store::SharedStore;
 
 use crate::dataplane::engine::{DropReason, Engine};
@@ -323,9 +324,7 @@ impl Gateway {
             {
                 Ok(slot) => slot,
                 // The store is in trouble, for every peer alike: change nothing, retry.
-                Err(
-                    err @ (Error::Unavailable(_) | Error::DeadlineExceeded(_) | Error::Aborted(_)),
-                ) => return Err(err),
+                Err(err) if err.is_transient() => return Err(err),
                 Err(err) => {
                     tracing::warn!(peer = %id, error = %err, "no slot for this peer: its tunnel waits, the others are applied");
                     results.insert(id.clone(), Err(format!("no slot for this peer: {err}")));

@@ -8,13 +8,14 @@ use std::time::Duration;
 
 use tokio::sync::watch;
 use trellis_runtime::Shutdown;
+use trellis_runtime::retry::RetryPolicy;
 
 use crate::core::{Desired, Gateway};
 use crate::dataplane::linux::Pass;
 use crate::mappings::Mappings;
 
-/// Wait before retrying a pass that left some tunnel unconfigured.
-const RETRY: Duration = Duration::from_secs(2);
+/// The wait before retrying a pass that left some tunnel unconfigured: a fixed 2 s.
+const RETRY: RetryPolicy = RetryPolicy::fixed(Duration::from_secs(2));
 
 /// Runs until `shutdown`. Nothing is applied before the first desired set arrives: an empty
 /// data plane is not the same as "not known yet".
@@ -29,6 +30,7 @@ pub async fn run(
     shutdown: Shutdown,
 ) {
     let mut wait = resync;
+    let mut backoff = RETRY.backoff();
     let mut source_alive = true;
     let mut mappings_alive = true;
     loop {
@@ -50,14 +52,17 @@ pub async fn run(
         let hub = mappings.borrow_and_update().clone().unwrap_or_default();
         let Some(current) = current else { continue };
         wait = match core.apply_pass(&current, &hub, pass).await {
-            Ok(0) => resync,
+            Ok(0) => {
+                backoff.reset();
+                resync
+            }
             Ok(failed) => {
                 tracing::warn!(failed, "some tunnels are not configured; retrying soon");
-                RETRY
+                backoff.next_delay()
             }
             Err(err) => {
                 tracing::warn!(error = %err, "reconciliation failed; retrying soon");
-                RETRY
+                backoff.next_delay()
             }
         };
     }

@@ -18,12 +18,13 @@ use trellis_runtime::Shutdown;
 use trellis_runtime::client::{Timeouts, local_channel};
 use trellis_runtime::local_auth::LocalToken;
 use trellis_runtime::metrics::Metrics;
+use trellis_runtime::retry::RetryPolicy;
 
 use crate::core::Desired;
 
-/// First wait after a failed or ended watch; doubled up to [`RETRY_MAX`].
-const RETRY_INITIAL: Duration = Duration::from_millis(200);
-const RETRY_MAX: Duration = Duration::from_secs(5);
+/// The waits after a failed or ended watch: 200 ms doubling to 5 s.
+const RETRY: RetryPolicy =
+    RetryPolicy::exponential(Duration::from_millis(200), Duration::from_secs(5));
 
 /// The state of a watch consumer, independent of the transport.
 #[derive(Debug, Default)]
@@ -153,7 +154,7 @@ pub async fn run(
     };
     let mut client = peering::broker_client::BrokerClient::new(channel);
     let mut follower = Follower::default();
-    let mut backoff = RETRY_INITIAL;
+    let mut backoff = RETRY.backoff();
     loop {
         follower.on_stream_start();
         let start_revision = follower.resume_from();
@@ -173,7 +174,7 @@ pub async fn run(
                     };
                     match next {
                         Ok(Some(event)) => {
-                            backoff = RETRY_INITIAL;
+                            backoff.reset();
                             if let Some(set) = follower.on_event(&event) {
                                 tracing::info!(
                                     tunnels = set.len(),
@@ -190,17 +191,17 @@ pub async fn run(
             }
             Err(status) => status,
         };
+        let wait = backoff.next_delay();
         if ended.code() == Code::OutOfRange {
             tracing::info!("broker history compacted; taking a new snapshot");
             follower.restart();
         } else {
-            tracing::warn!(code = ?ended.code(), message = ended.message(), retry_ms = backoff.as_millis() as u64, "tunnel endpoint watch interrupted");
+            tracing::warn!(code = ?ended.code(), message = ended.message(), retry_ms = wait.as_millis() as u64, "tunnel endpoint watch interrupted");
         }
         tokio::select! {
-            () = tokio::time::sleep(backoff) => {},
+            () = tokio::time::sleep(wait) => {},
             () = shutdown.cancelled() => return,
         }
-        backoff = (backoff * 2).min(RETRY_MAX);
     }
 }
 

@@ -2,20 +2,23 @@
 //! replicas' election to the core, and watching the userspace engine's threads.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use trellis_runtime::Shutdown;
+use trellis_runtime::retry::RetryPolicy;
 
 use crate::core::Gateway;
 use crate::dataplane::engine::Engine;
 use crate::replicas;
 
 /// Applies each outcome of the election to the core until `shutdown`; one that cannot be
-/// applied is tried again every second.
+/// applied is tried again about every second (the retry policy's fixed wait).
 pub(crate) async fn follow_election(
     core: Arc<Gateway>,
     mut view: tokio::sync::watch::Receiver<replicas::View>,
     shutdown: Shutdown,
 ) {
+    let mut backoff = RetryPolicy::fixed(Duration::from_secs(1)).backoff();
     loop {
         let current = view.borrow_and_update().clone();
         let active = current.active;
@@ -23,9 +26,10 @@ pub(crate) async fn follow_election(
             tracing::warn!(active, error = %err, "could not follow the election; retrying");
             tokio::select! {
                 () = shutdown.cancelled() => return,
-                () = tokio::time::sleep(std::time::Duration::from_secs(1)) => continue,
+                () = tokio::time::sleep(backoff.next_delay()) => continue,
             }
         }
+        backoff.reset();
         tokio::select! {
             () = shutdown.cancelled() => return,
             changed = view.changed() => if changed.is_err() { return },
@@ -37,7 +41,7 @@ pub(crate) async fn follow_election(
 /// supervision then fails the service, so that it is restarted (a dead receiving thread would
 /// otherwise leave every tunnel UP on paper and silent in fact).
 pub(crate) async fn watch_engine(engine: Arc<Engine>, shutdown: Shutdown) {
-    let mut tick = tokio::time::interval(std::time::Duration::from_secs(1));
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
     loop {
         tokio::select! {
             () = shutdown.cancelled() => return,

@@ -17,15 +17,19 @@ use tokio::sync::mpsc;
 use trellis_api::pb::gateway::gateway_client::GatewayClient;
 use trellis_api::pb::gateway::{WatchRoutesRequest, WatchRoutesResponse};
 use trellis_runtime::Shutdown;
-use trellis_runtime::backoff::Backoff;
 use trellis_runtime::client::{Timeouts, local_channel};
 use trellis_runtime::local_auth::LocalToken;
+use trellis_runtime::retry::RetryPolicy;
 
 use crate::node;
 use crate::plan::{self, NodeSettings, Wanted};
 
 /// How often `--gateway` names are resolved again (a replica that appears is followed).
 const RESOLVE_EVERY: Duration = Duration::from_secs(5);
+
+/// The waits before a replica's stream is opened again after it broke: 200 ms doubling to 5 s.
+const FOLLOW_RETRY: RetryPolicy =
+    RetryPolicy::exponential(Duration::from_millis(200), Duration::from_secs(5));
 
 /// What GetStatus reports.
 #[derive(Debug, Clone, Default)]
@@ -193,7 +197,7 @@ async fn follow(
     live: Arc<AtomicUsize>,
     shutdown: Shutdown,
 ) {
-    let mut backoff = Backoff::new(Duration::from_millis(200), Duration::from_secs(5));
+    let mut backoff = FOLLOW_RETRY.backoff();
     let request = || WatchRoutesRequest {
         node_name: agent.node.name.clone(),
     };
