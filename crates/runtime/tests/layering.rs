@@ -6,8 +6,9 @@
 //! The graph is read from the sources, not from the compiler: the module tree is followed from
 //! `lib.rs` through `mod name;` declarations, comments and literals are blanked out, and items
 //! under `#[cfg(test)]` are left out (tests may use anything). A `crate::Name` re-exported at the
-//! root counts as a use of the module it comes from. The runtime's test also checks
-//! `trellisctl`, whose crate has no test dependencies of its own.
+//! root counts as a use of the module it comes from. The same holds for the submodules of the
+//! runtime's `tls` folder, through `super::` paths. The runtime's test also checks `trellisctl`,
+//! whose crate has no test dependencies of its own.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -175,15 +176,15 @@ fn file_modules(code: &str) -> Vec<String> {
     found
 }
 
-/// The first path segment after every `crate::` in `code`; `crate::{a, b::c}` gives `a` and
-/// `b`.
-fn crate_paths(code: &str) -> Vec<String> {
+/// The first path segment after every `prefix` (`crate::`) in `code`; `crate::{a, b::c}` gives
+/// `a` and `b`.
+fn paths_after(code: &str, prefix: &str) -> Vec<String> {
     let mut found = Vec::new();
-    for (at, _) in code.match_indices("crate::") {
+    for (at, _) in code.match_indices(prefix) {
         if code[..at].chars().next_back().is_some_and(is_ident) {
             continue;
         }
-        let after = &code[at + "crate::".len()..];
+        let after = &code[at + prefix.len()..];
         match after.strip_prefix('{') {
             Some(group) => {
                 let mut depth = 0usize;
@@ -242,12 +243,12 @@ fn module_code(path: &Path) -> String {
     all
 }
 
-/// Which top-level module of the crate in `src` (its `lib.rs`) uses which.
-fn module_graph(src: &Path) -> Graph {
-    let lib = src.join("lib.rs");
-    let root = read_code(&lib);
+/// Which module declared in the file `root` uses which of the others, through paths that start
+/// with `prefix`: `crate::` from a crate's `lib.rs`, `super::` from a folder module's `mod.rs`.
+fn module_graph(root_file: &Path, prefix: &str) -> Graph {
+    let root = read_code(root_file);
     let modules: BTreeSet<String> = file_modules(&root).into_iter().collect();
-    // `pub use module::{A, B};` at the root: `crate::A` is a use of `module`.
+    // `pub use module::{A, B};` in the root: `crate::A` is a use of `module`.
     let mut reexported: BTreeMap<String, String> = BTreeMap::new();
     for statement in root.split(';') {
         let Some(path) = statement.trim().strip_prefix("pub use ") else {
@@ -266,7 +267,7 @@ fn module_graph(src: &Path) -> Graph {
     }
     let mut graph = Graph::new();
     for module in &modules {
-        let uses = crate_paths(&module_code(&module_file(&lib, module)))
+        let uses = paths_after(&module_code(&module_file(root_file, module)), prefix)
             .into_iter()
             .filter_map(|name| {
                 if modules.contains(&name) {
@@ -313,34 +314,37 @@ fn find_cycle(graph: &Graph) -> Option<Vec<String>> {
         .find_map(|module| visit(graph, module, &mut Vec::new(), &mut done))
 }
 
-/// Fails naming the cycle when the top-level modules of the crate in `crate_dir` form one.
-fn assert_layered(crate_dir: &Path) -> Graph {
-    let graph = module_graph(&crate_dir.join("src"));
+/// Fails naming the cycle when the modules declared in `root_file` form one (see
+/// [`module_graph`]).
+fn assert_layered(root_file: &Path, prefix: &str) -> Graph {
+    let graph = module_graph(root_file, prefix);
     assert!(
         graph.len() > 1,
         "found no modules in {}",
-        crate_dir.display()
+        root_file.display()
     );
     if let Some(cycle) = find_cycle(&graph) {
         panic!(
             "the modules of {} form a cycle: {}",
-            crate_dir.display(),
+            root_file.display(),
             cycle.join(" -> ")
         );
     }
     graph
 }
 
-fn crate_dir(name: &str) -> PathBuf {
+/// The `lib.rs` of the workspace crate in `crates/<name>`.
+fn lib_of(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
         .parent()
         .expect("crates/")
         .join(name)
+        .join("src/lib.rs")
 }
 
 #[test]
 fn the_runtime_modules_form_no_cycle() {
-    let graph = assert_layered(&crate_dir("runtime"));
+    let graph = assert_layered(&lib_of("runtime"), "crate::");
     // The reader still sees the uses: an edge known to exist is found.
     assert!(
         graph["server"].contains("tls") && graph["server"].contains("shutdown"),
@@ -351,11 +355,23 @@ fn the_runtime_modules_form_no_cycle() {
 
 #[test]
 fn the_trellisctl_modules_form_no_cycle() {
-    let graph = assert_layered(&crate_dir("trellisctl"));
+    let graph = assert_layered(&lib_of("trellisctl"), "crate::");
     assert!(
         graph["cli"].contains("connect") && graph["error"].contains("service"),
         "cli's uses not found: {:?}",
         graph["cli"]
+    );
+}
+
+/// `tls/mod.rs` lists its submodules bottom up, each using only those above it: no cycle.
+#[test]
+fn the_tls_submodules_form_no_cycle() {
+    let tls = Path::new(env!("CARGO_MANIFEST_DIR")).join("src/tls/mod.rs");
+    let graph = assert_layered(&tls, "super::");
+    assert!(
+        graph["channel"].contains("peer_tls") && graph["pin"].contains("verification"),
+        "channel's uses not found: {:?}",
+        graph["channel"]
     );
 }
 
@@ -367,7 +383,7 @@ fn a_cycle_is_found_and_test_code_is_not_read() {
          use crate::i::J;",
     );
     let code = without_tests(&code);
-    assert_eq!(crate_paths(&code), ["b", "c", "i"]);
+    assert_eq!(paths_after(&code, "crate::"), ["b", "c", "i"]);
     assert_eq!(file_modules(&code), ["g"]);
     let graph: Graph = [("a", "b"), ("b", "c"), ("c", "a")]
         .into_iter()
