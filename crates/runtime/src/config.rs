@@ -6,7 +6,11 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::Context as _;
-use clap::{Args, ValueEnum};
+use clap::Args;
+
+// The format belongs to the logs; the flag that picks it is here, and so is the name callers
+// have always used for it.
+pub use crate::telemetry::LogFormat;
 
 /// A clap value parser for `host:port` flags (another service's address): refuses what no
 /// client could dial, with the reason.
@@ -288,15 +292,6 @@ impl PeerTlsConfig {
     pub fn reload_period(&self) -> Duration {
         Duration::from_secs(self.tls_reload.max(1))
     }
-}
-
-/// How log lines are written.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum LogFormat {
-    /// Human-readable lines.
-    Text,
-    /// One JSON object per line, for log collectors.
-    Json,
 }
 
 impl BaseConfig {

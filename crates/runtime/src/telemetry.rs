@@ -21,7 +21,14 @@ use tracing_subscriber::layer::SubscriberExt;
 use tracing_subscriber::util::SubscriberInitExt;
 use tracing_subscriber::{EnvFilter, Layer};
 
-use crate::config::LogFormat;
+/// How log lines are written (the `--log-format` flag of [`crate::config::BaseConfig`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum LogFormat {
+    /// Human-readable lines.
+    Text,
+    /// One JSON object per line, for log collectors.
+    Json,
+}
 
 /// Who is emitting: the resource attributes of every exported span.
 #[derive(Debug, Clone)]

@@ -16,8 +16,8 @@ use trellis_runtime::metrics::MeteredChannel;
 use trellis_runtime::propagation::TraceInterceptor;
 use trellis_runtime::tls::ToolTls;
 
-use crate::connect::{Service, Target};
 use crate::error::CtlError;
+use crate::service::{Service, Target};
 
 /// Operator CLI of Trellis: peers clusters and shows what the local cluster's services know.
 ///

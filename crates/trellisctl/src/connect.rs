@@ -1,112 +1,22 @@
-//! Connections to the local cluster's services: which service listens where, an eager connect
-//! bounded by `--timeout` (so an unreachable service is reported as such, with the cause, before
-//! any call), and the translation of connection failures into plain words.
+//! Connections to the local cluster's services: an eager connect bounded by `--timeout` (so an
+//! unreachable service is reported as such, with the cause, before any call), and the
+//! translation of connection failures into plain words.
 
 use std::error::Error as StdError;
 use std::io;
 use std::time::Duration;
 
-use serde::Serialize;
 use tonic::transport::{Channel, Endpoint};
 use trellis_runtime::client::Timeouts;
 use trellis_runtime::tls::ToolTls;
 
 use crate::error::CtlError;
-
-/// One of the six services of a Trellis cluster.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Service {
-    Discovery,
-    Broker,
-    Forwarder,
-    Ipam,
-    Endpoints,
-    Gateway,
-}
-
-impl Service {
-    /// Every service, in port order.
-    pub const ALL: [Service; 6] = [
-        Service::Discovery,
-        Service::Broker,
-        Service::Forwarder,
-        Service::Ipam,
-        Service::Endpoints,
-        Service::Gateway,
-    ];
-
-    /// Short name, as in the flags and JSON output.
-    pub fn name(self) -> &'static str {
-        match self {
-            Service::Discovery => "discovery",
-            Service::Broker => "broker",
-            Service::Forwarder => "forwarder",
-            Service::Ipam => "ipam",
-            Service::Endpoints => "endpoints",
-            Service::Gateway => "gateway",
-        }
-    }
-
-    /// How error messages refer to it ("the broker").
-    pub fn label(self) -> &'static str {
-        match self {
-            Service::Discovery => "the discovery service",
-            Service::Broker => "the broker",
-            Service::Forwarder => "the forwarder",
-            Service::Ipam => "the IPAM",
-            Service::Endpoints => "the endpoints service",
-            Service::Gateway => "the gateway",
-        }
-    }
-
-    /// The binary that serves it.
-    pub fn binary(self) -> &'static str {
-        match self {
-            Service::Discovery => "trellis-discovery",
-            Service::Broker => "trellis-broker",
-            Service::Forwarder => "trellis-forwarder",
-            Service::Ipam => "trellis-ipam",
-            Service::Endpoints => "trellis-endpoints",
-            Service::Gateway => "trellis-gateway",
-        }
-    }
-
-    /// The global flag that sets its address.
-    pub fn flag(self) -> &'static str {
-        match self {
-            Service::Discovery => "--discovery",
-            Service::Broker => "--broker",
-            Service::Forwarder => "--forwarder",
-            Service::Ipam => "--ipam",
-            Service::Endpoints => "--endpoints",
-            Service::Gateway => "--gateway",
-        }
-    }
-
-    /// Its fully qualified gRPC service name (what `grpc.health.v1.Health/Check` is asked about).
-    pub fn grpc_name(self) -> &'static str {
-        match self {
-            Service::Discovery => "trellis.discovery.v1.Discovery",
-            Service::Broker => "trellis.peering.v1.Broker",
-            Service::Forwarder => "trellis.peering.v1.Forwarder",
-            Service::Ipam => "trellis.ipam.v1.Ipam",
-            Service::Endpoints => "trellis.endpoints.v1.EndpointMapper",
-            Service::Gateway => "trellis.gateway.v1.Gateway",
-        }
-    }
-}
+// Their old path: they moved to `service` so that `error` can name them without a cycle.
+pub use crate::service::{Service, Target};
 
 type Connecting = std::pin::Pin<
     Box<dyn std::future::Future<Output = Result<Channel, tonic::transport::Error>> + Send>,
 >;
-
-/// A service and the address it is expected at.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Target {
-    pub service: Service,
-    pub address: String,
-}
 
 /// Connects to `target` (over TLS with `tls`), waiting at most `timeout`; every call on the
 /// channel is bounded by `timeout` too.

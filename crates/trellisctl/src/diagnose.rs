@@ -27,9 +27,9 @@ use trellis_api::peers::{Condition, is_withdrawn};
 
 use crate::certificate;
 use crate::cli::Globals;
-use crate::connect::{Service, Target};
 use crate::error::CtlError;
 use crate::output::Report;
+use crate::service::{Service, Target};
 use crate::status::{self, ServiceHealthView, StatusView};
 use crate::table::{Table, section};
 

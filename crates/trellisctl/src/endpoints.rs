@@ -11,11 +11,11 @@ use trellis_api::pb::endpoints::{
 use trellis_api::pb::types;
 
 use crate::cli::{EndpointsArgs, ExportArgs, Globals, ReflectArgs, UnexportArgs};
-use crate::connect::Service;
 use crate::error::CtlError;
 use crate::identity::{IdentityView, id_or_empty};
 use crate::names;
 use crate::output::Report;
+use crate::service::Service;
 use crate::slice_file;
 use crate::table::Table;
 use crate::units::rfc3339;

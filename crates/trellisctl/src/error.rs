@@ -5,7 +5,7 @@ use std::fmt;
 
 use tonic::{Code, Status};
 
-use crate::connect::{Service, Target};
+use crate::service::{Service, Target};
 
 /// A failed command.
 #[derive(Debug, Clone, PartialEq, Eq)]

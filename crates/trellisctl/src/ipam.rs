@@ -11,10 +11,10 @@ use trellis_api::pb::ipam::{
 use trellis_runtime::client::TracedChannel;
 
 use crate::cli::{Globals, MapArgs};
-use crate::connect::Service;
 use crate::error::CtlError;
 use crate::names;
 use crate::output::Report;
+use crate::service::Service;
 use crate::table::{Table, fields, section};
 
 /// Everything `ipam` shows.
@@ -167,7 +167,7 @@ impl Report for MapView {
 
 async fn client(
     globals: &Globals,
-) -> Result<(IpamClient<TracedChannel>, crate::connect::Target), CtlError> {
+) -> Result<(IpamClient<TracedChannel>, crate::service::Target), CtlError> {
     let target = globals.target(Service::Ipam);
     let channel = globals.connect(&target).await?;
     Ok((IpamClient::new(channel), target))

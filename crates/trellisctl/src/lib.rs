@@ -1,7 +1,8 @@
 //! `trellisctl`: the operator CLI of Trellis, over the gRPC APIs of one cluster's services.
 //!
 //! - [`cli`]: flags and subcommands (clap), validated before anything is sent;
-//! - [`connect`]: which service listens where, eager connects, connection failures in words;
+//! - [`service`]: the services of a cluster and where each is expected; [`connect`]: eager
+//!   connects, connection failures in words;
 //! - [`error`]: the failures and their exit codes (2 usage, 1 everything else);
 //! - [`output`], [`table`], [`units`], [`names`]: JSON documents from our own serde structs, and
 //!   their fixed-width table forms;
@@ -23,6 +24,7 @@ pub mod ipam;
 pub mod names;
 pub mod output;
 pub mod peering;
+pub mod service;
 pub mod slice_file;
 pub mod status;
 pub mod table;

@@ -5,10 +5,10 @@ use trellis_api::pb::peering::broker_client::BrokerClient;
 use trellis_api::pb::peering::{PeerRequest, UnpeerRequest};
 
 use crate::cli::{Globals, PeerArgs, UnpeerArgs};
-use crate::connect::Service;
 use crate::error::CtlError;
 use crate::identity::{AddressesView, IdentityView};
 use crate::output::Report;
+use crate::service::Service;
 use crate::table::fields;
 
 /// The outcome of `peer`: who the remote is and what it advertised.

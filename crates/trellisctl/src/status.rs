@@ -27,11 +27,11 @@ use trellis_api::peers::Condition;
 use trellis_runtime::client::TracedChannel;
 
 use crate::cli::Globals;
-use crate::connect::{Service, Target};
 use crate::error::CtlError;
 use crate::identity::{AddressesView, IdentityView, id_or_empty};
 use crate::names;
 use crate::output::Report;
+use crate::service::{Service, Target};
 use crate::table::{Table, fields, section};
 use crate::units::{age_seconds, ago, bytes, millis, millis_text, rfc3339};
 

@@ -6,9 +6,9 @@ use trellis_api::pb::peering::broker_client::BrokerClient;
 use trellis_api::pb::peering::{GetTokenRequest, RotateTokenRequest};
 
 use crate::cli::{Globals, TokenArgs};
-use crate::connect::Service;
 use crate::error::CtlError;
 use crate::output::Report;
+use crate::service::Service;
 use crate::units::rfc3339;
 
 /// The token. The table form is the token alone, for `$(trellisctl token)`.

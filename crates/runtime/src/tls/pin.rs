@@ -9,7 +9,10 @@ use std::fmt;
 use rustls::pki_types::{CertificateDer, UnixTime};
 use trellis_error::{Error, Result};
 
-use super::{PinnedCa, TrustStore, ca_cluster_id_der, verify_chain};
+use super::identity::ca_cluster_id_der;
+use super::pem::parse_certs;
+use super::trust::{PinnedCa, TrustStore};
+use super::verification::verify_chain;
 
 /// The SHA-256 of a CA's SubjectPublicKeyInfo.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -69,7 +72,7 @@ impl CaCertHash {
 
     /// The hash of the CA certificate in `pem`.
     pub fn of_pem(pem: &str) -> Result<Self> {
-        let certs = super::parse_certs("ca_certificate", pem)?;
+        let certs = parse_certs("ca_certificate", pem)?;
         Self::of_der(certs[0].as_ref())
     }
 
@@ -120,5 +123,41 @@ impl fmt::Display for CaCertHash {
 impl fmt::Debug for CaCertHash {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "CaCertHash({self})")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::tls::ClusterCa;
+
+    #[test]
+    fn a_ca_cert_hash_is_the_sha256_of_the_spki_and_parses_back() {
+        let ca = ClusterCa::generate("hub").expect("CA");
+        let hash = CaCertHash::of_pem(ca.cert_pem()).expect("hash");
+        let key = rcgen::KeyPair::from_pem(&ca.key_pem()).expect("key");
+        let spki = rcgen::PublicKeyData::subject_public_key_info(&key);
+        let expected = ring::digest::digest(&ring::digest::SHA256, &spki);
+        let hex: String = expected
+            .as_ref()
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect();
+        assert_eq!(hash.to_string(), format!("sha256:{hex}"));
+        assert_eq!(
+            CaCertHash::parse("ca_cert_hash", &hash.to_string()).expect("parses"),
+            hash
+        );
+        for bad in [
+            "",
+            "sha256:",
+            "md5:00",
+            "sha256:zz",
+            &format!("sha1:{hex}"),
+            &hex,
+        ] {
+            let err = CaCertHash::parse("ca_cert_hash", bad).expect_err(bad);
+            assert!(err.to_string().contains("ca_cert_hash"), "{err}");
+        }
     }
 }

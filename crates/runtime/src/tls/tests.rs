@@ -1,13 +1,26 @@
 //! Real TLS handshakes over loopback: the peer listener's accept loop on one side, a rustls
 //! client (or a tonic channel) on the other.
 
+use std::io;
+use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
+use rustls::CertificateError;
+use rustls::pki_types::pem::PemObject as _;
+use rustls::pki_types::{PrivateKeyDer, ServerName, UnixTime};
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::net::{TcpListener, TcpStream};
 use tokio_stream::StreamExt as _;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::transport::server::Connected as _;
 
+use super::pem::parse_certs;
+use super::verification::{algorithms, provider};
+use super::verifiers::PeerServerVerifier;
 use super::*;
+use crate::client::Timeouts;
+use crate::metrics::Metrics;
 
 struct Cluster {
     ca: ClusterCa,
@@ -275,22 +288,6 @@ async fn renewal_swaps_the_certificate_for_new_connections() {
         .expect_err("not from our CA");
 }
 
-#[test]
-fn a_ca_survives_its_pem_files_and_keeps_issuing() {
-    let ca = ClusterCa::generate("leaf-a").expect("CA");
-    let loaded = ClusterCa::load("leaf-a", ca.cert_pem(), &ca.key_pem()).expect("loads");
-    let cert = loaded.issue("ipam").expect("issues");
-    PeerTls::new("leaf-a", ca.cert_pem(), &cert.cert_pem, cert.key_pem()).expect("valid");
-    // The wrong key for the certificate is caught at load time.
-    let other = ClusterCa::generate("leaf-a").expect("CA");
-    ClusterCa::load("leaf-a", ca.cert_pem(), &other.key_pem()).expect_err("mismatch");
-    // A CA naming another cluster cannot be pinned for this one.
-    PinnedCa::from_pem("leaf-b", ca.cert_pem()).expect_err("names leaf-a");
-    // Debug output carries no key material.
-    let shown = format!("{ca:?} {cert:?}");
-    assert!(!shown.contains("PRIVATE KEY"), "{shown}");
-}
-
 #[tokio::test]
 async fn renewed_files_are_picked_up_without_a_restart() {
     let hub = cluster("hub", "broker");
@@ -371,48 +368,6 @@ async fn a_tool_verifies_the_server_against_the_given_ca_and_presents_its_certif
     let wrong = ToolTls::new(leaf.ca.cert_pem(), None).expect("tool");
     let refused = exchange(addr, wrong.config.clone(), &mut accepted).await;
     assert!(refused.is_err(), "{refused:?}");
-}
-
-#[test]
-fn a_tool_needs_a_trellis_ca_and_a_matching_key() {
-    let hub = cluster("hub", "ipam");
-    let other = hub.ca.issue("other").expect("cert");
-    // A service certificate names no cluster by itself (its SAN has a service part).
-    let err = ToolTls::new(&other.cert_pem, None).expect_err("not a CA of a cluster");
-    assert!(err.to_string().contains("ca_certificate"), "{err}");
-    let issued = hub.ca.issue("trellisctl").expect("cert");
-    let err = ToolTls::new(hub.ca.cert_pem(), Some((&issued.cert_pem, other.key_pem())))
-        .expect_err("key of another certificate");
-    assert!(err.to_string().contains("tls key"), "{err}");
-}
-
-#[test]
-fn a_ca_cert_hash_is_the_sha256_of_the_spki_and_parses_back() {
-    let ca = ClusterCa::generate("hub").expect("CA");
-    let hash = CaCertHash::of_pem(ca.cert_pem()).expect("hash");
-    let spki = rcgen::PublicKeyData::subject_public_key_info(&ca.key);
-    let expected = ring::digest::digest(&ring::digest::SHA256, &spki);
-    let hex: String = expected
-        .as_ref()
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect();
-    assert_eq!(hash.to_string(), format!("sha256:{hex}"));
-    assert_eq!(
-        CaCertHash::parse("ca_cert_hash", &hash.to_string()).expect("parses"),
-        hash
-    );
-    for bad in [
-        "",
-        "sha256:",
-        "md5:00",
-        "sha256:zz",
-        &format!("sha1:{hex}"),
-        &hex,
-    ] {
-        let err = CaCertHash::parse("ca_cert_hash", bad).expect_err(bad);
-        assert!(err.to_string().contains("ca_cert_hash"), "{err}");
-    }
 }
 
 #[tokio::test]
