@@ -38,19 +38,19 @@
 //! The modules form layers, each using only modules listed before it (`tests/layering.rs`
 //! fails on an import cycle):
 //!
-//! 1. none of the others: `shutdown`, `supervise`, `telemetry`, `backoff`, `resync`,
+//! 1. none of the others (or only `shutdown`): `shutdown`, `supervise`, `telemetry`, `retry`, `resync`,
 //!    `log_limit`, `admission`, `exposition`, `reflection`, `cmd`, `allocator`;
 //! 2. `metrics`, `local_auth`, then `propagation`;
 //! 3. `client`, then what builds on its channels: `tls`, `batch`, `foreign_clusters`;
 //! 4. `config` (its flags load the TLS material, so it sits above `tls`) and `peer`;
-//! 5. `server` and `launch`, which put the rest together.
+//! 5. `server` and `launch`, which put the rest together, and `bootstrap`, the start-up
+//!    sequence on top of the server.
 //!
 //! Logs sit at the bottom so that everything can log: [`telemetry`] owns the log format its
 //! flag selects ([`config::LogFormat`] is a re-export).
 
 pub mod admission;
 pub mod allocator;
-pub mod backoff;
 pub mod batch;
 pub mod bootstrap;
 pub mod client;
