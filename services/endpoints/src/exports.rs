@@ -37,7 +37,8 @@ use trellis_store::{Compare, Op, Txn};
 
 use trellis_api::pb::ipam::{ClusterSubnets, ListClusterSubnetsRequest};
 
-use crate::core::{Endpoints, Path};
+use crate::core::Endpoints;
+use crate::core::translation::Path;
 use crate::model::{AddressType, Conditions, Endpoint, Slice};
 use crate::records::{
     EXPORT_PREFIX, ExportRecord, ExportSource, OUTGOING_PREFIX, OutgoingRecord, decode, encode,

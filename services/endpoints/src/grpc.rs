@@ -11,7 +11,8 @@ use trellis_api::{ClusterId, convert};
 use trellis_error::{Error, Result};
 use trellis_runtime::peer::{Authz, PeerMethods};
 
-use crate::core::{Endpoints, Translation};
+use crate::core::Endpoints;
+use crate::core::translation::Translation;
 use crate::exports::{ExportView, slice_of};
 use crate::model::{MAX_ENDPOINTS, Slice, dns_label, dns_subdomain, port};
 use crate::records::{ExportRecord, ExportSource, ExportedEndpoint, ReflectedRecord};

@@ -4,8 +4,10 @@
 //! - [`model`]: validated EndpointSlices;
 //! - [`remote`]: clients of the local IPAM and discovery, and of other clusters' IPAMs and
 //!   endpoints services, with timeouts and bounded retries;
-//! - [`core`]: translation per target (local NAT, target home, induced through the home
-//!   cluster's IPAM, hub path), reflected-slice storage, release of hub-path allocations;
+//! - [`core`]: the service, cut into [`core::outgoing`] (reflections this cluster records
+//!   and delivers), [`core::translation`] (translation per target: local NAT, target home,
+//!   induced through the home cluster's IPAM, hub path), `release` (release of hub-path
+//!   allocations) and [`core::reflected`] (reflected-slice storage, the target side);
 //! - [`exports`]: exported Services and the reconciler reflecting them to every peer;
 //! - [`kube_source`]: the Kubernetes export source (`ServiceExport` watchers);
 //! - [`imports`]: the Kubernetes import side (ServiceImport, derived Service, slices);

@@ -20,7 +20,8 @@ use trellis_runtime::peer::{Authz, PeerMethods};
 use trellis_runtime::tls::PeerIdentity;
 use trellis_runtime::{batch, telemetry};
 
-use crate::core::{Forwarder, OriginWait, Passthrough};
+use crate::core::relay::OriginWait;
+use crate::core::{Forwarder, Passthrough};
 use crate::records::{RelayRecord, RelayedStatus, State};
 
 /// The gRPC face of one [`Forwarder`].

@@ -3,8 +3,11 @@
 //! destination's status back, and relays withdrawals (thesis §5.3, §6.2.3; Trellis replaces
 //! Liqo's reflector between namespaces with this service).
 //!
-//! - [`core`]: accepting, persisting, delivering and retrying relays; `ends`: what a relay
-//!   needs to know of the clusters at its two ends;
+//! - [`core`]: accepting, persisting, delivering and retrying relays, cut into
+//!   [`core::relay`] (relays and statuses accepted), `withdrawal`, `delivery` (one attempt),
+//!   `ledger` (the stored records), [`core::schedule`] (the due queue and retry loop) and
+//!   `remote` (the ends and their brokers); `ends`: what a relay needs to know of the
+//!   clusters at its two ends;
 //! - [`records`]: what is stored (only relays in flight); [`migrate`]: moving records of an
 //!   earlier key layout on start;
 //! - [`metrics`]: relays by state, for Prometheus;
@@ -66,7 +69,7 @@ pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started
     let follower = core.clone();
     let stop = shutdown.clone();
     boot.spawn(async move { follower.follow_discovery(stop).await });
-    boot.spawn(core::retry_loop(core.clone(), shutdown));
+    boot.spawn(core::schedule::retry_loop(core.clone(), shutdown));
     Ok(boot.serve(routes, &[ForwarderServer::<ForwarderService>::NAME], core))
 }
 

@@ -1,0 +1,396 @@
+//! Translating a slice's addresses for one target cluster (DESIGN.md "Endpoint reflection",
+//! Listing 6.6 of the thesis): local NAT, the target's own address, the induced path through
+//! the home cluster's IPAM, or the hub path through our external CIDR. The route to each home
+//! cluster is decided once per reflection; an induced mapping that fails falls back to the
+//! hub path, which still gives the target an address it can use.
+
+use std::collections::HashMap;
+use std::net::IpAddr;
+use std::sync::Arc;
+
+use futures::stream::{self, StreamExt as _, TryStreamExt as _};
+use tokio::sync::{Mutex, OnceCell};
+use trellis_api::pb::endpoints as epb;
+use trellis_api::pb::ipam as ipb;
+use trellis_api::{ClusterId, ClusterIdentity};
+use trellis_error::{Error, Result};
+
+use super::{Endpoints, advertised};
+use crate::model::{AddressType, Slice};
+use crate::remote::local_error;
+
+/// Addresses translated concurrently within one slice: enough to hide loopback and LAN round
+/// trips, few enough not to flood the local IPAM.
+const TRANSLATE_CONCURRENCY: usize = 16;
+
+/// How an address was translated (the proto's TranslationPath).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Path {
+    LocalNat,
+    Induced,
+    HubExternal,
+    TargetHome,
+    Untranslated,
+}
+
+impl Path {
+    pub fn to_pb(self) -> epb::TranslationPath {
+        match self {
+            Self::LocalNat => epb::TranslationPath::LocalNat,
+            Self::Induced => epb::TranslationPath::Induced,
+            Self::HubExternal => epb::TranslationPath::HubExternal,
+            Self::TargetHome => epb::TranslationPath::TargetHome,
+            Self::Untranslated => epb::TranslationPath::Untranslated,
+        }
+    }
+}
+
+/// The translation of one address.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Translation {
+    pub original: String,
+    pub translated: String,
+    pub path: Path,
+    /// Where the endpoint runs; `None` for untranslated names.
+    pub home: Option<ClusterIdentity>,
+    pub detail: String,
+}
+
+/// Whether the induced path to one home cluster can be used, decided once per reflection.
+#[derive(Debug, Clone)]
+enum Route {
+    /// The home cluster's IPAM knows how the target addresses it.
+    Induced(trellis_api::pb::ipam::ipam_client::IpamClient<trellis_runtime::client::TracedChannel>),
+    /// Hub path, with the reason (empty when the home cluster simply has no induced peering
+    /// with the target).
+    Hub(String),
+}
+
+fn parse_ip(field: &str, what: &str, value: &str) -> Result<IpAddr> {
+    value
+        .parse()
+        .map_err(|_| Error::Internal(format!("{what} answered {value:?} for {field}, not an IP")))
+}
+
+impl Endpoints {
+    /// Translates every address of `slice` for `target`, a few addresses at a time; the route
+    /// to each home cluster is decided once.
+    pub(super) async fn translate(
+        &self,
+        target: &ClusterIdentity,
+        slice: &Slice,
+    ) -> Result<(Slice, Vec<Translation>)> {
+        let routes: Mutex<HashMap<ClusterId, Arc<OnceCell<Route>>>> = Mutex::new(HashMap::new());
+        let mut jobs = Vec::new();
+        for (e, endpoint) in slice.endpoints.iter().enumerate() {
+            for (a, address) in endpoint.addresses.iter().enumerate() {
+                jobs.push((e, a, address.clone()));
+            }
+        }
+        let translations: Vec<Translation> =
+            stream::iter(jobs.into_iter().map(|(e, a, address)| {
+                let routes = &routes;
+                async move {
+                    if slice.address_type == AddressType::Fqdn {
+                        return Ok(Translation {
+                            original: address.clone(),
+                            translated: address,
+                            path: Path::Untranslated,
+                            home: None,
+                            detail: String::new(),
+                        });
+                    }
+                    let field = format!("slice.endpoints[{e}].addresses[{a}]");
+                    let ip = trellis_api::wire::ip(&field, &address)?;
+                    self.translate_ip(target, &field, ip, routes).await
+                }
+            }))
+            .buffered(TRANSLATE_CONCURRENCY)
+            .try_collect()
+            .await?;
+        let mut translated = slice.clone();
+        let mut next = translations.iter();
+        for endpoint in &mut translated.endpoints {
+            for address in &mut endpoint.addresses {
+                if let Some(t) = next.next() {
+                    address.clone_from(&t.translated);
+                }
+            }
+        }
+        Ok((translated, translations))
+    }
+
+    /// One address (Listing 6.6).
+    async fn translate_ip(
+        &self,
+        target: &ClusterIdentity,
+        field: &str,
+        ip: IpAddr,
+        routes: &Mutex<HashMap<ClusterId, Arc<OnceCell<Route>>>>,
+    ) -> Result<Translation> {
+        let owner = self
+            .clients
+            .ipam()
+            .get_cluster_identity(ipb::GetClusterIdentityRequest { ip: ip.to_string() })
+            .await
+            .map_err(|s| address_error(field, s))?
+            .into_inner();
+        if owner.cluster_id.is_empty() {
+            let pod_cidr = self.pod_cidr().await?;
+            if !pod_cidr.contains(&ip) {
+                return Err(Error::FailedPrecondition(format!(
+                    "{field}: {ip} is neither in the local pod CIDR {pod_cidr} nor in any peer's pod CIDR as we address it"
+                )));
+            }
+            return self
+                .map_locally(target, field, ip, Some(self.local.clone()), String::new())
+                .await;
+        }
+        let home = ClusterIdentity::parse(
+            "cluster_id",
+            &owner.cluster_id,
+            "cluster_name",
+            &owner.cluster_name,
+        )
+        .map_err(|e| {
+            Error::Internal(format!(
+                "local ipam answered a malformed owner of {ip}: {e}"
+            ))
+        })?;
+        if home.id == target.id {
+            return self
+                .map_locally(target, field, ip, Some(home), String::new())
+                .await;
+        }
+        let cell = {
+            let mut map = routes.lock().await;
+            map.entry(home.id.clone()).or_default().clone()
+        };
+        let route = cell
+            .get_or_try_init(|| self.route_to(&home, target))
+            .await?
+            .clone();
+        let detail = match route {
+            Route::Hub(detail) => detail,
+            Route::Induced(remote) => {
+                match self.map_induced(remote, &home, target, field, ip).await {
+                    Ok(translated) => {
+                        return Ok(Translation {
+                            original: ip.to_string(),
+                            translated: translated.to_string(),
+                            path: Path::Induced,
+                            home: Some(home),
+                            detail: String::new(),
+                        });
+                    }
+                    Err(InducedFailure::Fatal(err)) => return Err(err),
+                    Err(InducedFailure::Fallback(detail)) => {
+                        tracing::warn!(home.id = %home.id, endpoint.ip = %ip, detail, "induced mapping failed, using the hub path");
+                        detail
+                    }
+                }
+            }
+        };
+        self.map_locally(target, field, ip, Some(home), detail)
+            .await
+    }
+
+    /// Whether addresses of `home` would take the induced path to `target` now (the export
+    /// reconciler's check that a translation still holds).
+    pub(crate) async fn induced_route(
+        &self,
+        home: &ClusterId,
+        target: &ClusterIdentity,
+    ) -> Result<bool> {
+        let home = ClusterIdentity {
+            id: home.clone(),
+            name: String::new(),
+        };
+        Ok(matches!(
+            self.route_to(&home, target).await?,
+            Route::Induced(_)
+        ))
+    }
+
+    /// Decides, once per home cluster and reflection, whether its IPAM can map for `target`.
+    async fn route_to(&self, home: &ClusterIdentity, target: &ClusterIdentity) -> Result<Route> {
+        let Some(fc) = self.clients.foreign_cluster(&home.id).await? else {
+            return Ok(Route::Hub(format!(
+                "cluster {} is not known to discovery",
+                home.id
+            )));
+        };
+        let address = advertised(&fc).map(|a| a.ipam.clone()).unwrap_or_default();
+        if address.is_empty() {
+            return Ok(Route::Hub(format!(
+                "cluster {} advertises no IPAM address",
+                home.id
+            )));
+        }
+        let remote = match self.clients.remote_ipam(&home.id, &address) {
+            Ok(remote) => remote,
+            Err(err) => {
+                return Ok(Route::Hub(format!(
+                    "IPAM address of cluster {} unusable: {err}",
+                    home.id
+                )));
+            }
+        };
+        let answer = self
+            .clients
+            .remote_ipam_call(|| {
+                let mut remote = remote.clone();
+                let request = ipb::DoesClusterMappingExistRequest {
+                    cluster_id: target.id.to_string(),
+                };
+                async move { remote.does_cluster_mapping_exist(request).await }
+            })
+            .await;
+        match answer {
+            Ok(answer) if answer.get_ref().exists => Ok(Route::Induced(remote)),
+            Ok(_) => Ok(Route::Hub(String::new())),
+            Err(status) => {
+                let detail = format!(
+                    "remote IPAM of cluster {} at {address} unreachable ({}: {}); hub path used",
+                    home.id,
+                    status.code(),
+                    status.message()
+                );
+                tracing::warn!(home.id = %home.id, detail, "remote ipam unavailable");
+                Ok(Route::Hub(detail))
+            }
+        }
+    }
+
+    /// The induced path: the home IP, mapped by the home cluster's IPAM for the target.
+    async fn map_induced(
+        &self,
+        remote: trellis_api::pb::ipam::ipam_client::IpamClient<
+            trellis_runtime::client::TracedChannel,
+        >,
+        home: &ClusterIdentity,
+        target: &ClusterIdentity,
+        field: &str,
+        ip: IpAddr,
+    ) -> std::result::Result<IpAddr, InducedFailure> {
+        let home_ip = self
+            .clients
+            .ipam()
+            .get_home_pod_ip(ipb::GetHomePodIpRequest {
+                cluster_id: home.id.to_string(),
+                ip: ip.to_string(),
+            })
+            .await
+            .map_err(|s| InducedFailure::Fatal(address_error(field, s)))?
+            .into_inner()
+            .home_ip;
+        let request = ipb::MapEndpointIpRequest {
+            cluster_id: target.id.to_string(),
+            ip: home_ip.clone(),
+            induced: true,
+        };
+        let answer = self
+            .clients
+            .remote_ipam_call(|| {
+                let mut remote = remote.clone();
+                let request = request.clone();
+                async move { remote.map_endpoint_ip(request).await }
+            })
+            .await
+            .map_err(|s| {
+                InducedFailure::Fallback(format!(
+                    "remote IPAM of cluster {} could not map home IP {home_ip} ({}: {}); hub path used",
+                    home.id,
+                    s.code(),
+                    s.message()
+                ))
+            })?
+            .into_inner();
+        if answer.path != i32::from(ipb::MappingPath::LocalNat) {
+            // The home IPAM must map through how the target addresses it; anything else
+            // would be an address the target cannot use.
+            return Err(InducedFailure::Fallback(format!(
+                "remote IPAM of cluster {} answered path {} for an induced mapping; hub path used",
+                home.id, answer.path
+            )));
+        }
+        let mapped = answer.ip.parse::<IpAddr>().map_err(|_| {
+            InducedFailure::Fallback(format!(
+                "remote IPAM of cluster {} answered {:?}, not an IP; hub path used",
+                home.id, answer.ip
+            ))
+        })?;
+        if mapped.is_ipv4() != ip.is_ipv4() {
+            return Err(InducedFailure::Fallback(format!(
+                "remote IPAM of cluster {} answered {mapped}, another address family; hub path used",
+                home.id
+            )));
+        }
+        Ok(mapped)
+    }
+
+    /// Local IPAM `MapEndpointIp(target, ip, induced=false)`: local NAT, target home or hub.
+    async fn map_locally(
+        &self,
+        target: &ClusterIdentity,
+        field: &str,
+        ip: IpAddr,
+        home: Option<ClusterIdentity>,
+        detail: String,
+    ) -> Result<Translation> {
+        let answer = self
+            .clients
+            .ipam()
+            .map_endpoint_ip(ipb::MapEndpointIpRequest {
+                cluster_id: target.id.to_string(),
+                ip: ip.to_string(),
+                induced: false,
+            })
+            .await
+            .map_err(|s| match s.code() {
+                tonic::Code::NotFound => Error::FailedPrecondition(format!(
+                    "{field}: the local IPAM cannot map {ip} for cluster {}: {}",
+                    target.id,
+                    s.message()
+                )),
+                _ => address_error(field, s),
+            })?
+            .into_inner();
+        let path = match ipb::MappingPath::try_from(answer.path) {
+            Ok(ipb::MappingPath::LocalNat) => Path::LocalNat,
+            Ok(ipb::MappingPath::Home) => Path::TargetHome,
+            Ok(ipb::MappingPath::External) => Path::HubExternal,
+            _ => {
+                return Err(Error::Internal(format!(
+                    "local ipam answered an unknown mapping path {} for {ip}",
+                    answer.path
+                )));
+            }
+        };
+        let translated = parse_ip(field, "local ipam", &answer.ip)?;
+        Ok(Translation {
+            original: ip.to_string(),
+            translated: translated.to_string(),
+            path,
+            home,
+            detail,
+        })
+    }
+}
+
+/// Why the induced path could not be used for one address.
+#[derive(Debug)]
+enum InducedFailure {
+    /// The hub path still gives a right address.
+    Fallback(String),
+    /// Our own state is inconsistent: fail the request.
+    Fatal(Error),
+}
+
+/// A failure of the local IPAM about one address: a refused address names the request field.
+fn address_error(field: &str, status: tonic::Status) -> Error {
+    match status.code() {
+        tonic::Code::InvalidArgument => Error::invalid(field, status.message().to_owned()),
+        _ => local_error("ipam", status),
+    }
+}
