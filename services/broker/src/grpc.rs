@@ -20,7 +20,8 @@ use trellis_runtime::batch;
 use trellis_runtime::peer::{Authz, PeerMethods};
 use trellis_runtime::tls::{CaCertHash, PeerIdentity};
 
-use crate::core::{Broker, Received};
+use crate::core::Broker;
+use crate::core::receive::Received;
 use crate::peering_id::PeeringId;
 use crate::records::{Decision, nc_name};
 use crate::{reconcile, token, watch};
@@ -358,8 +359,9 @@ impl BrokerApi for BrokerService {
         let out = self.core.outgoing(&destination.id).await?.ok_or_else(|| {
             Error::NotFound(format!("no network config towards {}", destination.id))
         })?;
-        crate::core::check_via(&destination.id, out.via.as_ref(), via.as_ref())?;
-        let Some(decision) = reconcile::decision_from_status(&out.spec, req.status.as_ref())?
+        crate::core::statuses::check_via(&destination.id, out.via.as_ref(), via.as_ref())?;
+        let Some(decision) =
+            reconcile::exchange::decision_from_status(&out.spec, req.status.as_ref())?
         else {
             return Err(Error::invalid("status.state", "must be PROCESSED or REJECTED").into());
         };
@@ -409,8 +411,8 @@ impl BrokerApi for BrokerService {
                 removed: false,
             }));
         };
-        crate::core::check_via(&origin.id, held.via.as_ref(), via.as_ref())?;
-        let removed = reconcile::withdrawn(&self.core, &origin.id).await?;
+        crate::core::statuses::check_via(&origin.id, held.via.as_ref(), via.as_ref())?;
+        let removed = reconcile::teardown::withdrawn(&self.core, &origin.id).await?;
         tracing::info!(remote.id = %origin.id, reason = req.reason, removed, "the remote withdrew its network config");
         Ok(Response::new(pb::WithdrawNetworkConfigResponse { removed }))
     }

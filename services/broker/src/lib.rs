@@ -2,8 +2,10 @@
 //! §3.4.1–3.4.2, §5.3, §6.2).
 //!
 //! - [`token`]: the peering token;
-//! - [`core`]: handshake, peering, unpeering, receiving NetworkConfigs and statuses;
-//! - [`reconcile`]: sending our NetworkConfigs, TunnelEndpoints, teardown;
+//! - [`core`]: the [`Broker`]: handshake, peering, unpeering, receiving NetworkConfigs and
+//!   statuses, the reconciler's lanes (one submodule each);
+//! - [`reconcile`]: scheduling passes, sending our NetworkConfigs, TunnelEndpoints, teardown
+//!   (one submodule each);
 //! - [`records`]: what is stored, under which keys;
 //! - [`watch`]: the TunnelEndpoint watch the gateway consumes;
 //! - [`remote`]: clients of the local services and of other clusters;

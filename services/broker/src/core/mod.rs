@@ -1,0 +1,159 @@
+//! The broker's domain operations: the token handshake, peering and unpeering, and receiving
+//! NetworkConfigs and their statuses. Sending NetworkConfigs and deriving TunnelEndpoints is
+//! the reconciler's job ([`crate::reconcile`]); operations here store what they learn and wake
+//! it.
+//!
+//! This file keeps the [`Broker`], its construction and the plain reads of what it stores. Its
+//! operations are `impl Broker` blocks in one submodule per kind of work, so that each can be
+//! read without the others:
+//!
+//! - [`lanes`]: the reconciler's two lanes, what each must look at next and how it is woken;
+//! - `view`: what the local discovery service says: our addresses and the peering view;
+//! - `handshake`: starting a peering, answering a remote's handshake or sending ours;
+//! - `peering`: a peering's bookkeeping (its lock, discovery record, pinned CA and ID) and
+//!   its end: unpeering, the notices that tell the remote, and a remote's notice to us;
+//! - [`receive`]: receiving a NetworkConfig: the checks, our NAT decision, storing it;
+//! - [`statuses`]: receiving a remote's decision on our NetworkConfig, and the `via` rule for
+//!   calls about a stored one.
+
+mod handshake;
+pub mod lanes;
+mod peering;
+pub mod receive;
+pub mod statuses;
+mod view;
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use trellis_api::model::WgKey;
+use trellis_api::net::AllowedRanges;
+use trellis_api::{ClusterId, ClusterIdentity};
+use trellis_error::{Error, Result};
+use trellis_runtime::foreign_clusters::ForeignClusters;
+use trellis_store::SharedStore;
+
+use self::lanes::LaneState;
+use crate::records::{
+    IN_PREFIX, IncomingNc, OUT_PREFIX, OutgoingNc, TUNNELS_PREFIX, TokenRecord, TunnelRecord,
+    decode, in_key, out_key,
+};
+use crate::remote::Clients;
+use crate::token;
+
+/// The broker of one cluster.
+#[derive(Debug)]
+pub struct Broker {
+    identity: ClusterIdentity,
+    store: SharedStore,
+    clients: Clients,
+    initial_token: Option<String>,
+    /// The reconciler's two lanes (full peers, induced peers): what each must look at next
+    /// and how to wake it (in memory only: a restart runs a full pass anyway).
+    lanes: [LaneState; 2],
+    /// One lock per remote, held while a peering with it starts or ends and while its
+    /// unpeering notice is acted on, so a notice is never sent about (or rolled forward over)
+    /// a peering that was started again in between.
+    peering_locks: Mutex<HashMap<ClusterId, Arc<tokio::sync::Mutex<()>>>>,
+    /// Where a peer's ranges, and its views of ours, may lie (`--allowed-remote-cidrs`).
+    allowed: AllowedRanges,
+    /// The local discovery service's records as its watch last delivered them (kept by the
+    /// reconciler's watch): what each received NetworkConfig is checked against first.
+    foreign_clusters: ForeignClusters,
+    /// Our gateway's WireGuard public key as last read, which no remote may announce as its own.
+    own_key: Mutex<Option<WgKey>>,
+}
+
+/// A local service's refusal as our error, naming what we asked it for; here because every
+/// submodule asks discovery, the IPAM or the gateway something.
+fn local(context: &str) -> impl Fn(tonic::Status) -> Error + '_ {
+    move |status| Error::from(status).context(context)
+}
+
+impl Broker {
+    pub fn new(
+        identity: ClusterIdentity,
+        store: SharedStore,
+        clients: Clients,
+        initial_token: Option<String>,
+    ) -> Self {
+        Self {
+            identity,
+            store,
+            clients,
+            initial_token,
+            lanes: [LaneState::new(), LaneState::new()],
+            peering_locks: Mutex::new(HashMap::new()),
+            allowed: AllowedRanges::default(),
+            foreign_clusters: ForeignClusters::new(),
+            own_key: Mutex::new(None),
+        }
+    }
+
+    /// Replaces the default ranges peers may use.
+    #[must_use]
+    pub fn with_allowed_remote_ranges(mut self, allowed: AllowedRanges) -> Self {
+        self.allowed = allowed;
+        self
+    }
+
+    pub fn identity(&self) -> &ClusterIdentity {
+        &self.identity
+    }
+
+    pub fn store(&self) -> &SharedStore {
+        &self.store
+    }
+
+    pub fn clients(&self) -> &Clients {
+        &self.clients
+    }
+
+    /// The token, created on first use.
+    pub async fn token(&self) -> Result<TokenRecord> {
+        token::current(&self.store, self.initial_token.as_deref()).await
+    }
+
+    /// Our NetworkConfig towards `remote`, if any.
+    pub async fn outgoing(&self, remote: &ClusterId) -> Result<Option<OutgoingNc>> {
+        let key = out_key(remote);
+        match self.store.get(&key).await? {
+            Some(kv) => Ok(Some(decode(&key, &kv.value)?)),
+            None => Ok(None),
+        }
+    }
+
+    /// The NetworkConfig `remote` sent us, if any.
+    pub async fn incoming(&self, remote: &ClusterId) -> Result<Option<IncomingNc>> {
+        let key = in_key(remote);
+        match self.store.get(&key).await? {
+            Some(kv) => Ok(Some(decode(&key, &kv.value)?)),
+            None => Ok(None),
+        }
+    }
+
+    /// The NetworkConfigs held, both directions.
+    pub async fn network_configs(&self) -> Result<(Vec<OutgoingNc>, Vec<IncomingNc>)> {
+        let outs = self.store.list(OUT_PREFIX).await?.kvs;
+        let ins = self.store.list(IN_PREFIX).await?.kvs;
+        Ok((
+            outs.iter()
+                .map(|kv| decode(&kv.key, &kv.value))
+                .collect::<Result<_>>()?,
+            ins.iter()
+                .map(|kv| decode(&kv.key, &kv.value))
+                .collect::<Result<_>>()?,
+        ))
+    }
+
+    /// The TunnelEndpoints with their store revisions, and the listing's revision.
+    pub async fn tunnels(&self) -> Result<(Vec<(TunnelRecord, i64)>, i64)> {
+        let listing = self.store.list(TUNNELS_PREFIX).await?;
+        let tunnels = listing
+            .kvs
+            .iter()
+            .map(|kv| Ok((decode(&kv.key, &kv.value)?, kv.mod_revision)))
+            .collect::<Result<_>>()?;
+        Ok((tunnels, listing.revision))
+    }
+}

@@ -1,0 +1,248 @@
+//! A peering's bookkeeping and its end. Starting and ending a peering both go through the
+//! per-remote lock, the record in the local discovery service, the CA pinned in our trust store
+//! and the stored peering ID; ending it is [`Broker::unpeer`] here, [`Broker::notified_unpeer`]
+//! when the remote ends it, and the unpeering notices in between, stored before anything
+//! changes so that a crash is rolled forward (ADR 0010).
+
+use std::sync::PoisonError;
+
+use trellis_api::convert::{addresses_to_pb, identity_to_pb};
+use trellis_api::model::Addresses;
+use trellis_api::pb::discovery::UpdatePeeringRequest;
+use trellis_api::pb::peering::NotifyUnpeerRequest;
+use trellis_api::peers::UNPEERED_REASON;
+use trellis_api::{ClusterId, ClusterIdentity};
+use trellis_error::{Error, Result};
+use trellis_runtime::tls::PinnedCa;
+
+use super::{Broker, local};
+use crate::peering_id::PeeringId;
+use crate::records::{PendingNotify, encode, notify_key, peering_key};
+
+impl Broker {
+    /// Serialises starting, ending and notifying the peering with `remote` (in this process;
+    /// the broker runs as one replica per cluster, and its Deployment is `Recreate` so that a
+    /// rollout never runs two).
+    pub(super) async fn lock_peering(
+        &self,
+        remote: &ClusterId,
+    ) -> tokio::sync::OwnedMutexGuard<()> {
+        let lock = self
+            .peering_locks
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .entry(remote.clone())
+            .or_default()
+            .clone();
+        lock.lock_owned().await
+    }
+
+    /// Pins (or, `None` on unpeering, unpins) a peer's CA in our own trust store at once; the
+    /// trust sync from discovery would do it a moment later.
+    pub(super) fn pin(&self, remote: &ClusterId, ca: Option<PinnedCa>) {
+        if let Some(tls) = self.clients.tls() {
+            match ca {
+                Some(ca) => {
+                    tls.trust().pin(ca);
+                }
+                None => {
+                    tls.trust().unpin(remote.as_str());
+                }
+            }
+        }
+    }
+
+    pub(super) async fn record_peering(
+        &self,
+        remote: &ClusterIdentity,
+        addresses: Option<&Addresses>,
+        peered: bool,
+        reason: &str,
+        ca: Option<&PinnedCa>,
+    ) -> Result<()> {
+        self.clients
+            .discovery()
+            .update_peering(UpdatePeeringRequest {
+                identity: Some(identity_to_pb(remote)),
+                peered,
+                addresses: addresses.map(addresses_to_pb),
+                outgoing_peering_enabled: peered,
+                incoming_peering_enabled: peered,
+                networking_enabled: peered,
+                reason: reason.to_owned(),
+                message: String::new(),
+                expected_revision: 0,
+                ca_certificate: ca.map(|c| c.pem().to_owned()).unwrap_or_default(),
+            })
+            .await
+            .map_err(local(
+                "recording the peering in the local discovery service",
+            ))?;
+        Ok(())
+    }
+
+    /// Ends the full peering with `id`: marks it unpeered (the reconciler tears down what was
+    /// built on it) and tells the remote, retrying later if it is unreachable.
+    #[tracing::instrument(skip(self))]
+    pub async fn unpeer(&self, id: &ClusterId) -> Result<bool> {
+        let _peering = self.lock_peering(id).await;
+        let peers = self.peers().await?;
+        let Some((remote, addresses, _)) = peers.full.get(id).cloned() else {
+            return Ok(false);
+        };
+        // Kept to reach the remote over mutual TLS once it is unpinned.
+        let ca_certificate = self
+            .clients
+            .tls()
+            .and_then(|t| t.trust().get(id.as_str()))
+            .map(|ca| ca.pem().to_owned())
+            .unwrap_or_default();
+        // The notice is the unpeering's intent and is written first: a crash after it is rolled
+        // forward by the reconciler ([`Broker::act_on_notice`]); a crash before it leaves the
+        // peering as it was.
+        let peering_id = self.peering_id(id).await?;
+        let pending = (!addresses.broker.is_empty()).then(|| PendingNotify {
+            remote: remote.clone(),
+            broker: addresses.broker.clone(),
+            reason: UNPEERED_REASON.into(),
+            ca_certificate,
+            peering_id,
+        });
+        if let Some(pending) = &pending {
+            self.store.put(&notify_key(id), encode(pending)?).await?;
+        }
+        self.end_peering(&remote).await?;
+        if let Some(pending) = &pending {
+            self.deliver_notify(pending).await;
+        }
+        tracing::info!(remote.id = %id, "unpeered");
+        self.wake();
+        Ok(true)
+    }
+
+    /// The ID of the current peering with `remote`, if it has one.
+    async fn peering_id(&self, remote: &ClusterId) -> Result<Option<PeeringId>> {
+        let key = peering_key(remote);
+        match self.store.get(&key).await? {
+            Some(kv) => Ok(Some(crate::records::decode(&key, &kv.value)?)),
+            None => Ok(None),
+        }
+    }
+
+    /// Keeps the ID of the peering with `remote` being recorded (forgets any older one when
+    /// the caller sent none, so that its notices end whatever peering there is).
+    pub(super) async fn keep_peering_id(
+        &self,
+        remote: &ClusterId,
+        id: Option<&PeeringId>,
+    ) -> Result<()> {
+        let key = peering_key(remote);
+        match id {
+            Some(id) => self.store.put(&key, encode(id)?).await.map(drop)?,
+            None => self.store.delete(&key).await.map(drop)?,
+        }
+        Ok(())
+    }
+
+    /// Our side of ending the peering with `remote`: discovery marks it unpeered (the
+    /// reconciler tears down what was built on it) and its CA is no longer trusted.
+    async fn end_peering(&self, remote: &ClusterIdentity) -> Result<()> {
+        self.record_peering(remote, None, false, UNPEERED_REASON, None)
+            .await?;
+        self.keep_peering_id(&remote.id, None).await?;
+        self.pin(&remote.id, None);
+        Ok(())
+    }
+
+    /// Acts on the stored unpeering notice for `remote` (the reconciler, for every notice):
+    /// completes our side if it is still peered (the broker died between writing the notice
+    /// and changing discovery), then delivers the notice. A notice a new peering cancelled in
+    /// the meantime is gone and nothing happens. Returns whether nothing is left to do.
+    pub async fn act_on_notice(&self, remote: &ClusterId) -> Result<bool> {
+        let _peering = self.lock_peering(remote).await;
+        let key = notify_key(remote);
+        let Some(kv) = self.store.get(&key).await? else {
+            return Ok(true);
+        };
+        let pending: PendingNotify = crate::records::decode(&key, &kv.value)?;
+        if self.peers_of(&[remote]).await?.is_full_peer(remote) {
+            tracing::info!(remote.id = %remote, "completing an unpeering interrupted before discovery heard of it");
+            self.end_peering(&pending.remote).await?;
+            self.wake();
+        }
+        Ok(self.deliver_notify(&pending).await)
+    }
+
+    /// Tries to deliver a pending unpeering notice; forgets it once acknowledged.
+    pub async fn deliver_notify(&self, pending: &PendingNotify) -> bool {
+        let sent = match self.clients.unpinned_broker(
+            &pending.broker,
+            &pending.remote.id,
+            &pending.ca_certificate,
+        ) {
+            Ok(mut client) => client
+                .notify_unpeer(NotifyUnpeerRequest {
+                    identity: Some(identity_to_pb(&self.identity)),
+                    reason: pending.reason.clone(),
+                    peering_id: pending
+                        .peering_id
+                        .as_ref()
+                        .map(ToString::to_string)
+                        .unwrap_or_default(),
+                })
+                .await
+                .map_err(Error::from),
+            Err(e) => Err(e),
+        };
+        match sent {
+            Ok(_) => {
+                if let Err(err) = self.store.delete(&notify_key(&pending.remote.id)).await {
+                    tracing::warn!(error = %err, "could not forget a delivered unpeering notice");
+                }
+                true
+            }
+            Err(err) => {
+                tracing::warn!(remote.id = %pending.remote.id, error = %err, "unpeering notice not delivered yet");
+                false
+            }
+        }
+    }
+
+    /// The remote `caller` unpeered us, ending the peering `ends` (`None`: whatever peering
+    /// there is). A notice for an earlier peering than ours changes nothing.
+    pub async fn notified_unpeer(
+        &self,
+        caller: &ClusterIdentity,
+        reason: &str,
+        ends: Option<&PeeringId>,
+    ) -> Result<bool> {
+        let _peering = self.lock_peering(&caller.id).await;
+        let peers = self.peers().await?;
+        if !peers.is_full_peer(&caller.id) {
+            return Ok(false);
+        }
+        if let (Some(ends), Some(current)) = (ends, self.peering_id(&caller.id).await?)
+            && *ends != current
+        {
+            tracing::warn!(remote.id = %caller.id, notice.peering_id = %ends, peering_id = %current, "ignoring an unpeering notice for an earlier peering");
+            return Ok(false);
+        }
+        self.record_peering(
+            caller,
+            None,
+            false,
+            if reason.is_empty() {
+                "RemoteUnpeered"
+            } else {
+                reason
+            },
+            None,
+        )
+        .await?;
+        self.keep_peering_id(&caller.id, None).await?;
+        self.pin(&caller.id, None);
+        tracing::info!(remote.id = %caller.id, reason, "the remote unpeered us");
+        self.wake();
+        Ok(true)
+    }
+}

@@ -1,0 +1,339 @@
+//! Receiving a NetworkConfig destined to us: who may send it, the checks on its ranges and its
+//! WireGuard key, our NAT decision from the IPAM, and storing it. A new incarnation of the
+//! remote's NetworkConfig also makes the next pass send ours again (ADR 0012).
+
+use std::sync::PoisonError;
+
+use trellis_api::ClusterId;
+use trellis_api::ClusterIdentity;
+use trellis_api::model::{NatView, NetworkSpec, WgKey};
+use trellis_api::pb::gateway::GetGatewayInfoRequest;
+use trellis_api::pb::ipam::{FreeSubnetsPerClusterRequest, GetSubnetsPerClusterRequest};
+use trellis_api::peers::Peers;
+use trellis_error::{Error, Result};
+use trellis_store::retry::Contention;
+use trellis_store::{Compare, Op, Txn};
+
+use super::lanes::Lane;
+use super::{Broker, local};
+use crate::records::{
+    Decision, IN_PREFIX, IncomingNc, OutgoingNc, decode, encode, in_key, out_key,
+};
+
+/// A NetworkConfig received from a remote, validated.
+#[derive(Debug, Clone)]
+pub struct Received {
+    pub origin: ClusterIdentity,
+    pub via: Option<ClusterIdentity>,
+    pub spec: NetworkSpec,
+    pub generation: i64,
+    /// The generation of our NetworkConfig the origin holds (0: none).
+    pub held_generation: i64,
+}
+
+/// The answer to a received NetworkConfig.
+#[derive(Debug, Clone)]
+pub struct Answer {
+    /// False when a higher generation is already held.
+    pub accepted: bool,
+    pub generation: i64,
+    pub decision: Decision,
+    /// The generation of our own NetworkConfig towards the origin (0: none yet), told to the
+    /// origin with the decision (ADR 0012).
+    pub receiver_generation: i64,
+}
+
+impl Broker {
+    /// Refuses a peer's spec whose ranges lie outside the allowed space.
+    pub fn check_remote_spec(&self, prefix: &str, spec: &NetworkSpec) -> Result<()> {
+        self.allowed
+            .check(&format!("{prefix}.pod_cidr"), spec.pod_cidr)?;
+        self.allowed
+            .check(&format!("{prefix}.external_cidr"), spec.external_cidr)
+    }
+
+    /// Receives a NetworkConfig destined to us, decides how we address its origin, stores both.
+    #[tracing::instrument(skip_all, fields(remote.id = %nc.origin.id, generation = nc.generation))]
+    pub async fn receive(&self, nc: Received) -> Result<Answer> {
+        self.check_remote_spec("network_config.spec", &nc.spec)?;
+        let ids = match &nc.via {
+            None => vec![&nc.origin.id],
+            Some(hub) => vec![&hub.id, &nc.origin.id],
+        };
+        self.check_peers(&ids, |peers| self.may_send(peers, &nc))
+            .await?;
+
+        let ours = self.outgoing(&nc.origin.id).await?;
+        let receiver_generation = ours.as_ref().map_or(0, |o| o.generation);
+        let key = in_key(&nc.origin.id);
+        let held = match self.store.get(&key).await? {
+            Some(kv) => Some((decode::<IncomingNc>(&key, &kv.value)?, kv.mod_revision)),
+            None => None,
+        };
+        if let Some((held, _)) = &held {
+            if held.generation > nc.generation {
+                return Ok(Answer {
+                    accepted: false,
+                    generation: held.generation,
+                    decision: held.decision.clone(),
+                    receiver_generation,
+                });
+            }
+            // A pending decision (no free range when we last tried) is made again: the
+            // sender re-submits exactly so that we look once more.
+            if held.generation == nc.generation
+                && held.spec == nc.spec
+                && held.via == nc.via
+                && !matches!(held.decision, Decision::Pending { .. })
+            {
+                return Ok(Answer {
+                    accepted: true,
+                    generation: held.generation,
+                    decision: held.decision.clone(),
+                    receiver_generation,
+                });
+            }
+        }
+
+        self.refuse_duplicate_key(&nc, ours.as_ref()).await?;
+        let decision = self.decide(&nc).await?;
+        if let Some((held, _)) = &held
+            && held.generation == nc.generation
+            && held.spec == nc.spec
+            && held.via == nc.via
+            && held.decision == decision
+        {
+            // Still pending for the same reason: nothing to write on each re-submission.
+            return Ok(Answer {
+                accepted: true,
+                generation: held.generation,
+                decision,
+                receiver_generation,
+            });
+        }
+        let record = IncomingNc {
+            remote: nc.origin.clone(),
+            via: nc.via.clone(),
+            spec: nc.spec,
+            generation: nc.generation,
+            decision: decision.clone(),
+        };
+        let revision = held.as_ref().map_or(0, |(_, r)| *r);
+        let committed = self
+            .store
+            .txn(Txn {
+                compares: vec![Compare::ModRevision {
+                    key: key.clone(),
+                    revision,
+                }],
+                success: vec![Op::Put {
+                    key,
+                    value: encode(&record)?,
+                    lease: None,
+                }],
+                failure: vec![],
+            })
+            .await?;
+        if !committed.succeeded {
+            return Err(Error::Aborted(format!(
+                "a concurrent NetworkConfig from {} arrived; retry",
+                nc.origin.id
+            )));
+        }
+        tracing::info!(remote.id = %nc.origin.id, via = ?nc.via.as_ref().map(|v| v.id.to_string()), "received a network config");
+        // A new incarnation of the remote's NC (generations are wall-clock seeded, ADR 0012)
+        // may come from a remote that lost our NC (a teardown, a withdrawal, a rebuilt store):
+        // forget the decision on ours so the next pass sends it again, unless the decision
+        // came from this very incarnation.
+        if held
+            .as_ref()
+            .is_none_or(|(h, _)| h.generation < nc.generation)
+        {
+            self.resend(&nc.origin.id, nc.generation, nc.held_generation)
+                .await?;
+        }
+        self.wake_for(&nc.origin.id, Lane::of_via(nc.via.as_ref()));
+        Ok(Answer {
+            accepted: true,
+            generation: nc.generation,
+            decision,
+            receiver_generation,
+        })
+    }
+
+    /// Remembers our gateway's WireGuard public key (the reconciler, whenever it reads it).
+    pub fn note_own_key(&self, key: WgKey) {
+        *self.own_key.lock().unwrap_or_else(PoisonError::into_inner) = Some(key);
+    }
+
+    /// Our gateway's WireGuard public key: the one our NetworkConfig to the origin carries, the
+    /// one last read, or the gateway's answer.
+    async fn own_key(&self, ours: Option<&OutgoingNc>) -> Result<WgKey> {
+        if let Some(out) = ours {
+            return Ok(out.spec.public_key);
+        }
+        let known = *self.own_key.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(key) = known {
+            return Ok(key);
+        }
+        let info = self
+            .clients
+            .gateway()
+            .get_gateway_info(GetGatewayInfoRequest {
+                cluster_id: String::new(),
+            })
+            .await
+            .map_err(local("asking the gateway for its public key"))?
+            .into_inner();
+        let key = WgKey::parse("public_key", &info.public_key).map_err(|e| {
+            Error::Internal(format!("the gateway answered an unusable public key: {e}"))
+        })?;
+        self.note_own_key(key);
+        Ok(key)
+    }
+
+    /// Refuses a NetworkConfig whose WireGuard key is ours or another remote's (issue 32). The
+    /// gateway's engine tells peers apart by their keys and refuses a key it already holds, so
+    /// of two remotes announcing one key, the one added second (in cluster-ID order, on every
+    /// pass after a restart) gets no tunnel: a peer could knock out another's tunnel by
+    /// announcing its key. A key's first holder keeps it: the newcomer is refused and nothing
+    /// is stored. Its own earlier NetworkConfig and refused ones do not count.
+    async fn refuse_duplicate_key(&self, nc: &Received, ours: Option<&OutgoingNc>) -> Result<()> {
+        let key = nc.spec.public_key;
+        if key == self.own_key(ours).await? {
+            tracing::warn!(remote.id = %nc.origin.id, "refused a network config announcing our own wireguard key");
+            return Err(Error::invalid(
+                "network_config.spec.public_key",
+                format!("is the WireGuard key of {}'s own gateway", self.identity.id),
+            ));
+        }
+        for kv in self.store.list(IN_PREFIX).await?.kvs {
+            let held: IncomingNc = decode(&kv.key, &kv.value)?;
+            if held.remote.id != nc.origin.id
+                && held.spec.public_key == key
+                && !matches!(held.decision, Decision::Rejected { .. })
+            {
+                tracing::warn!(remote.id = %nc.origin.id, holder = %held.remote.id, "refused a network config announcing another peer's wireguard key");
+                return Err(Error::AlreadyExists(format!(
+                    "network_config.spec.public_key: cluster {} already uses this WireGuard key \
+                     with {}; each peer needs its own",
+                    held.remote.id, self.identity.id
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether `peers` let `nc`'s origin send it to us: directly as a full peer, or through a
+    /// full peer that introduced it.
+    fn may_send(&self, peers: &Peers, nc: &Received) -> Result<()> {
+        match &nc.via {
+            None if !peers.is_full_peer(&nc.origin.id) => Err(Error::PermissionDenied(format!(
+                "cluster {} is not a full peer of {}",
+                nc.origin.id, self.identity.id
+            ))),
+            None => Ok(()),
+            Some(hub) if !peers.is_full_peer(&hub.id) => Err(Error::PermissionDenied(format!(
+                "the relaying hub {} is not a full peer of {}",
+                hub.id, self.identity.id
+            ))),
+            Some(hub) if !peers.introduced_by(&nc.origin.id, &hub.id) => {
+                Err(Error::FailedPrecondition(format!(
+                    "cluster {} has not (yet) been introduced to us by {}; retry later",
+                    nc.origin.id, hub.id
+                )))
+            }
+            Some(_) => Ok(()),
+        }
+    }
+
+    /// Clears the decision on our NC towards `remote`, so that the pass delivers it again;
+    /// not when the remote's incarnation that just sent generation `theirs` holds ours: it
+    /// decided on ours while its own NC was at `theirs`, or it says it holds our current
+    /// generation (`held`).
+    async fn resend(&self, remote: &ClusterId, theirs: i64, held: i64) -> Result<()> {
+        let key = out_key(remote);
+        let mut contention = Contention::on(&self.store, "re-sending our network config");
+        loop {
+            let Some(kv) = self.store.get(&key).await? else {
+                return Ok(());
+            };
+            let mut out: OutgoingNc = decode(&key, &kv.value)?;
+            if out.decision.is_none() {
+                return Ok(());
+            }
+            if out.receiver_generation == theirs || held == out.generation {
+                tracing::debug!(remote.id = %remote, "the remote's new network config comes from the incarnation that holds ours");
+                return Ok(());
+            }
+            out.decision = None;
+            let committed = self.replace_outgoing(&key, kv.mod_revision, &out).await?;
+            if committed {
+                tracing::info!(remote.id = %remote, "the remote sent a new incarnation: re-sending ours");
+                return Ok(());
+            }
+            contention.lost().await?;
+        }
+    }
+
+    /// Our NAT decision for a received spec, from the IPAM. A changed spec (a higher
+    /// generation with other CIDRs) frees the old mapping first.
+    async fn decide(&self, nc: &Received) -> Result<Decision> {
+        let request = GetSubnetsPerClusterRequest {
+            cluster_id: nc.origin.id.to_string(),
+            cluster_name: nc.origin.name.clone(),
+            pod_cidr: nc.spec.pod_cidr.to_string(),
+            external_cidr: nc.spec.external_cidr.to_string(),
+        };
+        let mut ipam = self.clients.ipam();
+        let answer = match ipam.get_subnets_per_cluster(request.clone()).await {
+            Err(status) if status.code() == tonic::Code::FailedPrecondition => {
+                tracing::info!(remote.id = %nc.origin.id, "the remote's CIDRs changed: remapping");
+                ipam.free_subnets_per_cluster(FreeSubnetsPerClusterRequest {
+                    cluster_id: nc.origin.id.to_string(),
+                })
+                .await
+                .map_err(local("freeing the remote's old mapping"))?;
+                ipam.get_subnets_per_cluster(request).await
+            }
+            other => other,
+        };
+        match answer {
+            Ok(answer) => {
+                let answer = answer.into_inner();
+                let status = trellis_api::pb::types::NetworkConfigStatus {
+                    pod_cidr_nat: answer.pod_cidr_nat,
+                    external_cidr_nat: answer.external_cidr_nat,
+                    ..Default::default()
+                };
+                let view = NatView::for_spec("ipam", &nc.spec, &status).map_err(|e| {
+                    Error::Internal(format!("the IPAM answered an unusable mapping: {e}"))
+                })?;
+                Ok(Decision::Processed {
+                    view,
+                    observed_generation: nc.generation,
+                })
+            }
+            // No free range to remap into passes when another peering frees one: the decision
+            // waits, and the sender's re-submissions make it again (ADR 0010).
+            Err(status) if status.code() == tonic::Code::ResourceExhausted => {
+                tracing::warn!(remote.id = %nc.origin.id, reason = status.message(), "cannot decide on a network config yet");
+                Ok(Decision::Pending {
+                    message: status.message().to_owned(),
+                    observed_generation: nc.generation,
+                })
+            }
+            // The spec itself is unusable: only a new spec is worth deciding again.
+            Err(status) if status.code() == tonic::Code::InvalidArgument => {
+                tracing::warn!(remote.id = %nc.origin.id, reason = status.message(), "rejected a network config");
+                Ok(Decision::Rejected {
+                    message: status.message().to_owned(),
+                    observed_generation: nc.generation,
+                })
+            }
+            Err(status) => {
+                Err(Error::from(status).context("asking the IPAM for the remote's mapping"))
+            }
+        }
+    }
+}
