@@ -1,0 +1,137 @@
+//! Handshakes, off the data path: the handshake thread (the receiving thread hands it every
+//! initiation and response through a bounded queue, so a flood of them cannot slow other
+//! peers' data), the per-source token buckets that hold each source to its share under load,
+//! starting a handshake with a peer, and the timer thread that drives every session's
+//! handshake retries, keepalives and rekeys.
+
+use std::collections::HashMap;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use defguard_boringtun::noise::TunnResult;
+
+use super::peers::Peer;
+use super::{BUF, RECV_TIMEOUT, Shared, TICK};
+
+/// Handshake messages per second (all peers together) before cookies are demanded, as
+/// boringtun's own device sets it.
+pub(super) const HANDSHAKE_RATE_LIMIT: u64 = 100;
+
+/// Handshake messages waiting for the handshake thread; more are dropped (kernel WireGuard
+/// queues 4096 per device; ours serves one gateway's peers, a few hundred at most).
+pub(super) const HANDSHAKE_QUEUE: usize = 1024;
+
+/// Under load, handshake messages per second one source address may send, and its burst: kernel
+/// WireGuard's `ratelimiter.c` values (20 packets/s, burst 5).
+const SOURCE_RATE: f64 = 20.0;
+const SOURCE_BURST: f64 = 5.0;
+
+/// Sources tracked at once under load; a new source beyond that is refused until old ones
+/// expire (the table of a spoofing flood must not grow without bound).
+const MAX_SOURCES: usize = 16_384;
+
+/// Handshake messages, one at a time, off the thread that carries every peer's data.
+pub(super) fn handshake_loop(
+    shared: &Shared,
+    queue: &std::sync::mpsc::Receiver<(SocketAddr, Vec<u8>)>,
+) {
+    let mut dst = vec![0u8; BUF];
+    while !shared.stop.load(Ordering::Relaxed) {
+        match queue.recv_timeout(RECV_TIMEOUT) {
+            Ok((from, datagram)) => shared.handle(from, &datagram, &mut dst),
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {}
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => return,
+        }
+    }
+}
+
+/// A token bucket per source address (IPv6 by /64, as kernel WireGuard groups them), consulted
+/// only under load.
+#[derive(Default)]
+pub(super) struct SourceBuckets {
+    buckets: HashMap<IpAddr, (f64, Instant)>,
+    swept: Option<Instant>,
+}
+
+impl SourceBuckets {
+    pub(super) fn allow(&mut self, source: IpAddr, now: Instant) -> bool {
+        let source = match source {
+            IpAddr::V6(v6) if v6.to_ipv4_mapped().is_none() => {
+                let bits = u128::from(v6) & !((1u128 << 64) - 1);
+                IpAddr::V6(Ipv6Addr::from(bits))
+            }
+            IpAddr::V6(v6) => IpAddr::V4(v6.to_ipv4_mapped().unwrap_or(Ipv4Addr::UNSPECIFIED)),
+            v4 => v4,
+        };
+        // A bucket refills in a quarter of a second; one untouched for a second is full and
+        // need not be kept.
+        if self
+            .swept
+            .is_none_or(|at| now.duration_since(at) >= Duration::from_secs(1))
+        {
+            self.buckets
+                .retain(|_, (_, at)| now.duration_since(*at) < Duration::from_secs(1));
+            self.swept = Some(now);
+        }
+        if !self.buckets.contains_key(&source) && self.buckets.len() >= MAX_SOURCES {
+            return false;
+        }
+        let (tokens, at) = self.buckets.entry(source).or_insert((SOURCE_BURST, now));
+        *tokens = (*tokens + now.duration_since(*at).as_secs_f64() * SOURCE_RATE).min(SOURCE_BURST);
+        *at = now;
+        if *tokens >= 1.0 {
+            *tokens -= 1.0;
+            true
+        } else {
+            false
+        }
+    }
+}
+
+impl Shared {
+    /// Starts a handshake with `peer` now.
+    pub(super) fn initiate(&self, peer: &Peer) {
+        self.initiate_to(peer, None);
+    }
+
+    /// Starts a handshake with `peer` now, sent to its endpoint and to `also`.
+    pub(super) fn initiate_to(&self, peer: &Peer, also: Option<SocketAddr>) {
+        let mut buf = [0u8; 256];
+        let result = peer.tunn().format_handshake_initiation(&mut buf, false);
+        if let TunnResult::WriteToNetwork(packet) = result {
+            self.send(packet, peer.endpoint());
+            if let Some(to) = also {
+                self.send(packet, to);
+            }
+        }
+    }
+}
+
+pub(super) fn timer_loop(shared: &Shared) {
+    let mut dst = vec![0u8; BUF];
+    let mut last_reset = Instant::now();
+    while !shared.stop.load(Ordering::Relaxed) {
+        std::thread::sleep(TICK);
+        #[cfg(test)]
+        assert!(
+            !shared.crash_timers.load(Ordering::Relaxed),
+            "the timer thread crashes, as the test asked"
+        );
+        if last_reset.elapsed() >= Duration::from_secs(1) {
+            shared.limiter.reset_count();
+            shared.handshakes.store(0, Ordering::Relaxed);
+            last_reset = Instant::now();
+        }
+        if shared.standby.load(Ordering::Relaxed) {
+            continue;
+        }
+        let peers = shared.all_peers();
+        for peer in peers {
+            let result = peer.tunn().update_timers(&mut dst);
+            if let TunnResult::WriteToNetwork(packet) = result {
+                shared.send(packet, peer.endpoint());
+            }
+        }
+    }
+}

@@ -1,0 +1,247 @@
+//! The peers table: every peer by its 24-bit index (what data, handshake responses and
+//! cookie replies name) and by its public key (what a handshake initiation names once
+//! decrypted), with the TUN interface, the session and the endpoint of each. Adding a peer
+//! creates its TUN and starts a handshake at once; updating one keeps its session where it
+//! can.
+
+use std::collections::HashMap;
+use std::io;
+use std::net::{IpAddr, SocketAddr};
+use std::os::fd::AsRawFd as _;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex, MutexGuard, RwLock};
+use std::time::SystemTime;
+
+use defguard_boringtun::device::tun::TunSocket;
+use defguard_boringtun::noise::Tunn;
+use defguard_boringtun::x25519::PublicKey;
+use ipnet::IpNet;
+use mio::unix::SourceFd;
+use mio::{Interest, Token};
+
+use super::{Engine, Shared, io_err};
+
+/// Peer indices are 24 bits: boringtun keeps the low 8 bits of a session index for itself.
+const INDEX_MASK: u32 = 0x00ff_ffff;
+
+/// What one peer is configured with (nothing secret: our private key is the engine's).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PeerConfig {
+    pub public_key: [u8; 32],
+    pub endpoint: SocketAddr,
+    pub allowed_ips: Vec<IpNet>,
+    /// Persistent keepalive in seconds, 0 for none.
+    pub keepalive: u16,
+}
+
+/// A peer's counters.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Counters {
+    pub last_handshake: Option<SystemTime>,
+    pub rx_bytes: u64,
+    pub tx_bytes: u64,
+    pub endpoint: Option<SocketAddr>,
+}
+
+pub(super) struct Peer {
+    pub(super) index: u32,
+    pub(super) name: String,
+    pub(super) public_key: [u8; 32],
+    pub(super) tun: TunSocket,
+    pub(super) tunn: Mutex<Tunn>,
+    /// Where the peer is now: the configured endpoint until an authenticated message came from
+    /// elsewhere (roaming).
+    pub(super) endpoint: RwLock<SocketAddr>,
+    /// The endpoint last configured: a reconfiguration with the same one keeps a roamed
+    /// endpoint (a remote gateway that failed over to its standby is where its handshake came
+    /// from, not where its NetworkConfig said).
+    pub(super) configured: Mutex<SocketAddr>,
+    pub(super) allowed_ips: RwLock<Vec<IpNet>>,
+    pub(super) keepalive: Mutex<u16>,
+}
+
+impl Peer {
+    pub(super) fn tunn(&self) -> MutexGuard<'_, Tunn> {
+        // A panic while holding the lock cannot leave the session half-updated in a way we
+        // could repair; keep going with what it holds.
+        self.tunn.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub(super) fn endpoint(&self) -> SocketAddr {
+        *self.endpoint.read().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub(super) fn allows(&self, source: IpAddr) -> bool {
+        self.allowed_ips
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .any(|net| net.contains(&source))
+    }
+}
+
+#[derive(Default)]
+pub(super) struct Peers {
+    pub(super) by_index: HashMap<u32, Arc<Peer>>,
+    pub(super) by_key: HashMap<[u8; 32], u32>,
+}
+
+impl Engine {
+    /// Creates the TUN interface `name` and the peer behind it; returns the peer's index.
+    /// Sends a handshake initiation at once: a restarted gateway must not wait for the peer's
+    /// rekey timers (15 s) before its tunnels carry traffic again.
+    pub fn add_peer(&self, name: &str, config: &PeerConfig) -> io::Result<u32> {
+        let shared = &self.shared;
+        let tun = TunSocket::new(name)
+            .and_then(TunSocket::set_non_blocking)
+            .map_err(|e| io_err(format!("creating tun interface {name}: {e:?}")))?;
+        let fd = tun.as_raw_fd();
+        let peer = {
+            let mut peers = shared.write_peers();
+            if let Some(other) = peers.by_key.get(&config.public_key) {
+                let other = peers.by_index.get(other).map(|p| p.name.clone());
+                return Err(io_err(format!(
+                    "the public key of {name} is already the key of {}",
+                    other.unwrap_or_default()
+                )));
+            }
+            let index = loop {
+                let candidate = shared.next_index.fetch_add(1, Ordering::Relaxed) & INDEX_MASK;
+                if !peers.by_index.contains_key(&candidate) {
+                    break candidate;
+                }
+            };
+            let peer = Arc::new(Peer {
+                index,
+                name: name.to_owned(),
+                public_key: config.public_key,
+                tun,
+                tunn: Mutex::new(shared.tunn(config, index)),
+                endpoint: RwLock::new(config.endpoint),
+                configured: Mutex::new(config.endpoint),
+                allowed_ips: RwLock::new(config.allowed_ips.clone()),
+                keepalive: Mutex::new(config.keepalive),
+            });
+            peers.by_index.insert(index, peer.clone());
+            peers.by_key.insert(config.public_key, index);
+            peer
+        };
+        // Registered after the peer is findable by index, so no readiness event finds nobody.
+        if let Err(err) = shared.registry.register(
+            &mut SourceFd(&fd),
+            Token(peer.index as usize),
+            Interest::READABLE,
+        ) {
+            self.remove_peer(peer.index);
+            return Err(err);
+        }
+        if !shared.standby.load(Ordering::Relaxed) {
+            shared.initiate(&peer);
+        }
+        Ok(peer.index)
+    }
+
+    /// Applies `config` to the peer `index`: endpoint and AllowedIPs change in place (the
+    /// session survives), a new keepalive starts a new session. A new public key is refused:
+    /// the key is the peer's identity in the demultiplexer, so such a peer is replaced.
+    pub fn update_peer(&self, index: u32, config: &PeerConfig) -> io::Result<()> {
+        let shared = &self.shared;
+        let Some(peer) = shared.peer(index) else {
+            return Err(io_err(format!("no peer with index {index}")));
+        };
+        if peer.public_key != config.public_key {
+            return Err(io_err(format!(
+                "the peer behind {} changed its public key",
+                peer.name
+            )));
+        }
+        let mut configured = peer.configured.lock().unwrap_or_else(|e| e.into_inner());
+        if *configured != config.endpoint {
+            *configured = config.endpoint;
+            *peer.endpoint.write().unwrap_or_else(|e| e.into_inner()) = config.endpoint;
+        }
+        drop(configured);
+        *peer.allowed_ips.write().unwrap_or_else(|e| e.into_inner()) = config.allowed_ips.clone();
+        let mut keepalive = peer.keepalive.lock().unwrap_or_else(|e| e.into_inner());
+        if *keepalive != config.keepalive {
+            *keepalive = config.keepalive;
+            *peer.tunn() = shared.tunn(config, index);
+            drop(keepalive);
+            if !shared.standby.load(Ordering::Relaxed) {
+                shared.initiate(&peer);
+            }
+        }
+        Ok(())
+    }
+
+    /// Removes the peer `index`; its TUN interface disappears once no thread holds it.
+    pub fn remove_peer(&self, index: u32) {
+        let removed = {
+            let mut peers = self.shared.write_peers();
+            let removed = peers.by_index.remove(&index);
+            if let Some(peer) = &removed {
+                peers.by_key.remove(&peer.public_key);
+            }
+            removed
+        };
+        if let Some(peer) = removed {
+            let fd = peer.tun.as_raw_fd();
+            let _ = self.shared.registry.deregister(&mut SourceFd(&fd));
+        }
+    }
+
+    /// The counters of the peer `index`.
+    pub fn counters(&self, index: u32) -> Option<Counters> {
+        let peer = self.shared.peer(index)?;
+        let (since, tx, rx, _, _) = peer.tunn().stats();
+        Some(Counters {
+            last_handshake: since.and_then(|d| SystemTime::now().checked_sub(d)),
+            rx_bytes: rx as u64,
+            tx_bytes: tx as u64,
+            endpoint: Some(peer.endpoint()),
+        })
+    }
+}
+
+impl Shared {
+    pub(super) fn write_peers(&self) -> std::sync::RwLockWriteGuard<'_, Peers> {
+        self.peers.write().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub(super) fn peer(&self, index: u32) -> Option<Arc<Peer>> {
+        self.peers
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .by_index
+            .get(&index)
+            .cloned()
+    }
+
+    /// Every peer, taken out of the lock (a pass over all of them must not hold it).
+    pub(super) fn all_peers(&self) -> Vec<Arc<Peer>> {
+        self.peers
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .by_index
+            .values()
+            .cloned()
+            .collect()
+    }
+
+    pub(super) fn peer_by_key(&self, key: &[u8; 32]) -> Option<Arc<Peer>> {
+        let peers = self.peers.read().unwrap_or_else(|e| e.into_inner());
+        let index = peers.by_key.get(key)?;
+        peers.by_index.get(index).cloned()
+    }
+
+    pub(super) fn tunn(&self, config: &PeerConfig, index: u32) -> Tunn {
+        Tunn::new(
+            self.secret.clone(),
+            PublicKey::from(config.public_key),
+            None,
+            (config.keepalive > 0).then_some(config.keepalive),
+            index,
+            Some(self.mac1_only.clone()),
+        )
+    }
+}

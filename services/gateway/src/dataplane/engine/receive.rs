@@ -1,0 +1,226 @@
+//! The receiving thread: datagrams from the socket (one per call, or batched with GRO),
+//! demultiplexed to their peer by the WireGuard message itself, checked, decrypted by the
+//! peer's session and written into its TUN. This is one direction's hot path: the loops, the
+//! demultiplexer and the session call stay together here.
+
+use std::io::{self, IoSliceMut};
+use std::net::{IpAddr, SocketAddr};
+use std::os::fd::AsFd as _;
+use std::sync::atomic::Ordering;
+use std::time::Instant;
+
+use defguard_boringtun::noise::handshake::parse_handshake_anon;
+use defguard_boringtun::noise::{Packet, TunnResult};
+use nix::poll::{PollFd, PollFlags, PollTimeout};
+use quinn_udp::{RecvMeta, UdpSocketState};
+
+use super::drops::DropReason;
+use super::handshakes::HANDSHAKE_RATE_LIMIT;
+use super::{BUF, RECV_TIMEOUT, Shared};
+
+impl Shared {
+    /// One datagram from the socket. Handshake initiations and responses go to the handshake
+    /// thread (dropped when its queue is full); data and cookie replies are handled here.
+    pub(super) fn receive(&self, from: SocketAddr, datagram: &[u8], dst: &mut [u8]) {
+        if self.standby.load(Ordering::Relaxed) {
+            return self.count(DropReason::Standby);
+        }
+        if matches!(datagram.first(), Some(1 | 2)) {
+            if self
+                .handshake_queue
+                .try_send((from, datagram.to_vec()))
+                .is_err()
+            {
+                self.count(DropReason::RateLimited);
+            }
+            return;
+        }
+        self.handle(from, datagram, dst);
+    }
+
+    /// One datagram: check it, find its peer, let the peer's session handle it.
+    pub(super) fn handle(&self, from: SocketAddr, datagram: &[u8], dst: &mut [u8]) {
+        let handshake = matches!(datagram.first(), Some(1 | 2));
+        let load = if handshake {
+            self.handshakes.fetch_add(1, Ordering::Relaxed) + 1
+        } else {
+            0
+        };
+        let packet = match self.limiter.verify_packet(Some(from.ip()), datagram, dst) {
+            Ok(packet) => packet,
+            Err(TunnResult::WriteToNetwork(cookie)) => {
+                self.send(cookie, from);
+                return;
+            }
+            Err(TunnResult::Err(err)) => return self.count(DropReason::of(&err)),
+            Err(_) => return self.count(DropReason::Other),
+        };
+        // Under load, a source with a valid cookie still gets only its share of our
+        // Diffie-Hellman work.
+        if load > HANDSHAKE_RATE_LIMIT
+            && !self
+                .sources
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .allow(from.ip(), Instant::now())
+        {
+            return self.count(DropReason::RateLimited);
+        }
+        let cookie_reply = matches!(packet, Packet::PacketCookieReply(_));
+        let peer = match &packet {
+            Packet::HandshakeInit(init) => {
+                match parse_handshake_anon(&self.secret, &self.public, init) {
+                    Ok(half) => self.peer_by_key(&half.peer_static_public),
+                    Err(_) => return self.count(DropReason::Decrypt),
+                }
+            }
+            Packet::HandshakeResponse(p) => self.peer(p.receiver_idx >> 8),
+            Packet::PacketCookieReply(p) => self.peer(p.receiver_idx >> 8),
+            Packet::PacketData(p) => self.peer(p.receiver_idx >> 8),
+        };
+        let Some(peer) = peer else {
+            return self.count(DropReason::UnknownPeer);
+        };
+        let mut tunn = peer.tunn();
+        let result = tunn.decapsulate(Some(from.ip()), datagram, dst);
+        // Only an authenticated message moves the peer's endpoint (WireGuard's roaming): data, a
+        // keepalive, a handshake this session completed. A cookie reply authenticates nobody,
+        // and neither does anything answered with one.
+        let authenticated = !cookie_reply
+            && match &result {
+                TunnResult::Err(_) => false,
+                TunnResult::WriteToNetwork(reply) => reply.first() != Some(&3),
+                _ => true,
+            };
+        match result {
+            TunnResult::Done => {}
+            TunnResult::Err(err) => {
+                drop(tunn);
+                return self.count(DropReason::of(&err));
+            }
+            TunnResult::WriteToNetwork(reply) => {
+                self.send(reply, from);
+                // Packets queued while the session was being established go out now.
+                let mut queued = [0u8; BUF];
+                while let TunnResult::WriteToNetwork(packet) =
+                    tunn.decapsulate(None, &[], &mut queued)
+                {
+                    self.send(packet, from);
+                }
+            }
+            TunnResult::WriteToTunnelV4(inner, source) => {
+                drop(tunn);
+                if !peer.allows(IpAddr::V4(source)) {
+                    return self.count(DropReason::SourceNotAllowed);
+                }
+                if peer.tun.write4(inner) == 0 {
+                    self.count(DropReason::TunWrite);
+                }
+            }
+            TunnResult::WriteToTunnelV6(inner, source) => {
+                drop(tunn);
+                if !peer.allows(IpAddr::V6(source)) {
+                    return self.count(DropReason::SourceNotAllowed);
+                }
+                if peer.tun.write6(inner) == 0 {
+                    self.count(DropReason::TunWrite);
+                }
+            }
+        }
+        // The peer is where this came from. A read lock first: this runs for every datagram,
+        // and the endpoint almost never changes.
+        if authenticated && peer.endpoint() != from {
+            *peer.endpoint.write().unwrap_or_else(|e| e.into_inner()) = from;
+        }
+    }
+}
+
+/// Canonical form of a datagram's source: IPv4 peers reach a dual-stack socket as mapped
+/// IPv6 addresses.
+fn canonical(addr: SocketAddr) -> SocketAddr {
+    match addr {
+        SocketAddr::V6(v6) => match v6.ip().to_ipv4_mapped() {
+            Some(v4) => SocketAddr::new(IpAddr::V4(v4), v6.port()),
+            None => addr,
+        },
+        v4 => v4,
+    }
+}
+
+pub(super) fn udp_loop(shared: &Shared) {
+    let mut src = vec![0u8; BUF];
+    let mut dst = vec![0u8; BUF];
+    while !shared.stop.load(Ordering::Relaxed) {
+        match shared.socket.recv_from(&mut src) {
+            Ok((n, from)) => {
+                let datagram = src.get(..n).unwrap_or_default();
+                shared.receive(canonical(from), datagram, &mut dst);
+            }
+            Err(err)
+                if matches!(
+                    err.kind(),
+                    io::ErrorKind::WouldBlock
+                        | io::ErrorKind::TimedOut
+                        | io::ErrorKind::Interrupted
+                ) => {}
+            Err(err) => {
+                // ICMP errors for earlier sends surface here (ECONNREFUSED); nothing to do.
+                tracing::trace!(error = %err, "receiving from the wireguard socket");
+            }
+        }
+    }
+}
+
+/// Datagrams of the batched socket: each of the `quinn_udp::BATCH_SIZE` buffers may hold up
+/// to 64 KiB of datagrams coalesced by GRO, `stride` bytes apart.
+pub(super) fn udp_loop_batched(shared: &Shared, state: &UdpSocketState) {
+    let slots = quinn_udp::BATCH_SIZE;
+    let mut bufs: Vec<Vec<u8>> = (0..slots).map(|_| vec![0u8; BUF]).collect();
+    let mut slices: Vec<IoSliceMut<'_>> = bufs.iter_mut().map(|b| IoSliceMut::new(b)).collect();
+    let mut meta = vec![RecvMeta::default(); slots];
+    let mut dst = vec![0u8; BUF];
+    let timeout = PollTimeout::try_from(RECV_TIMEOUT).unwrap_or(PollTimeout::NONE);
+    while !shared.stop.load(Ordering::Relaxed) {
+        match state.recv((&shared.socket).into(), &mut slices, &mut meta) {
+            Ok(n) => {
+                for (meta, buf) in meta.iter().zip(&slices).take(n) {
+                    let from = canonical(meta.addr);
+                    let stride = if meta.stride == 0 {
+                        meta.len
+                    } else {
+                        meta.stride
+                    };
+                    let data = buf.get(..meta.len).unwrap_or_default();
+                    for datagram in data.chunks(stride.max(1)) {
+                        shared.receive(from, datagram, &mut dst);
+                    }
+                }
+            }
+            Err(err) if err.kind() == io::ErrorKind::WouldBlock => {
+                let mut fds = [PollFd::new(shared.socket.as_fd(), PollFlags::POLLIN)];
+                let _ = nix::poll::poll(&mut fds, timeout);
+            }
+            Err(err) if err.kind() == io::ErrorKind::Interrupted => {}
+            Err(err) => {
+                // ICMP errors for earlier sends surface here (ECONNREFUSED); nothing to do.
+                tracing::trace!(error = %err, "receiving from the wireguard socket");
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mapped_sources_are_made_ipv4() {
+        let mapped: SocketAddr = "[::ffff:192.0.2.7]:51840".parse().expect("addr");
+        assert_eq!(
+            canonical(mapped),
+            "192.0.2.7:51840".parse::<SocketAddr>().expect("addr")
+        );
+        let v6: SocketAddr = "[2001:db8::1]:51840".parse().expect("addr");
+        assert_eq!(canonical(v6), v6);
+    }
+}

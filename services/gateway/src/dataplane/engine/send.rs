@@ -1,0 +1,179 @@
+//! The TUN thread and the socket's sending side: the thread waits on every TUN (`mio`,
+//! edge-triggered), encrypts what a TUN holds with the peer's session and sends it, on the
+//! batched socket in GSO sends ([`GsoBatch`]), else one datagram per call. Everything else
+//! that sends (handshakes, replies, timers) goes through [`Shared::send`] too. This is the
+//! other direction's hot path: the loop, the drains and the sends stay together here.
+
+use std::io;
+use std::net::{IpAddr, SocketAddr};
+use std::os::fd::AsFd as _;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use defguard_boringtun::noise::TunnResult;
+use mio::{Events, Poll};
+use nix::poll::{PollFd, PollFlags, PollTimeout};
+use quinn_udp::{Transmit, UdpSocketState};
+
+use super::gso::{DATA_OVERHEAD, GsoBatch, HANDSHAKE_INIT_LEN};
+use super::peers::Peer;
+use super::{BUF, Shared, TICK, WAKER};
+
+/// How long a sender waits for room in the socket's send buffer before it drops the datagram.
+const SEND_WAIT: Duration = Duration::from_millis(100);
+
+impl Shared {
+    /// `to` as the socket addresses it (IPv4 peers as mapped IPv6 on a dual-stack socket).
+    fn socket_addr(&self, to: SocketAddr) -> SocketAddr {
+        match (self.dual_stack, to) {
+            (true, SocketAddr::V4(v4)) => {
+                SocketAddr::new(IpAddr::V6(v4.ip().to_ipv6_mapped()), v4.port())
+            }
+            _ => to,
+        }
+    }
+
+    pub(super) fn send(&self, datagram: &[u8], to: SocketAddr) {
+        self.send_segments(datagram, datagram.len(), to);
+    }
+
+    /// Sends `contents`, consecutive datagrams of `segment` bytes (the last may be shorter),
+    /// to `to`: one UDP GSO send on the batched socket, one send per datagram otherwise.
+    fn send_segments(&self, contents: &[u8], segment: usize, to: SocketAddr) {
+        let to = self.socket_addr(to);
+        let Some(state) = &self.batched else {
+            for datagram in contents.chunks(segment.max(1)) {
+                if let Err(err) = self.socket.send_to(datagram, to) {
+                    tracing::trace!(%to, error = %err, "sending a wireguard datagram failed");
+                }
+            }
+            return;
+        };
+        let transmit = |contents: &[u8], segment: Option<usize>| {
+            let transmit = Transmit {
+                destination: to,
+                ecn: None,
+                contents,
+                segment_size: segment,
+                src_ip: None,
+            };
+            // The socket is non-blocking (recvmmsg must not wait for a full batch); a full
+            // send buffer waits here, as a blocking send would, so TCP inside the tunnel sees
+            // back-pressure rather than loss.
+            let deadline = Instant::now() + SEND_WAIT;
+            loop {
+                match state.try_send((&self.socket).into(), &transmit) {
+                    Err(err) if err.kind() == io::ErrorKind::WouldBlock => {
+                        if Instant::now() >= deadline {
+                            return Err(err);
+                        }
+                        let mut fds = [PollFd::new(self.socket.as_fd(), PollFlags::POLLOUT)];
+                        let _ = nix::poll::poll(&mut fds, PollTimeout::from(10u8));
+                    }
+                    other => return other,
+                }
+            }
+        };
+        let segment_size = (contents.len() > segment).then_some(segment);
+        match transmit(contents, segment_size) {
+            Ok(()) => {}
+            // A device without segmentation offload refuses GSO sends (quinn-udp then turns GSO
+            // off for good): send this batch one datagram at a time.
+            Err(err) if segment_size.is_some() && state.max_gso_segments() <= 1 => {
+                tracing::debug!(error = %err, "udp segmentation offload refused; sending datagrams singly");
+                for datagram in contents.chunks(segment) {
+                    if let Err(err) = transmit(datagram, None) {
+                        tracing::trace!(%to, error = %err, "sending a wireguard datagram failed");
+                    }
+                }
+            }
+            Err(err) => {
+                tracing::trace!(%to, error = %err, "sending wireguard datagrams failed");
+            }
+        }
+    }
+
+    /// The most datagrams one GSO send may carry.
+    fn gso_segments(&self) -> usize {
+        self.batched
+            .as_ref()
+            .map_or(1, UdpSocketState::max_gso_segments)
+            .max(1)
+    }
+
+    /// Everything a TUN has to read, encrypted into `batch` and sent to the peer in GSO
+    /// batches.
+    fn drain_batched(&self, peer: &Peer, src: &mut [u8], batch: &mut GsoBatch) {
+        let to = peer.endpoint();
+        let max_segments = self.gso_segments();
+        let mut send = |to: SocketAddr, contents: &[u8], segment: usize| {
+            self.send_segments(contents, segment, to)
+        };
+        // Edge-triggered: read until the TUN says it is empty.
+        while let Ok(packet) = peer.tun.read(src) {
+            let room = (packet.len() + DATA_OVERHEAD).max(HANDSHAKE_INIT_LEN);
+            let slot = batch.slot(to, room, max_segments, &mut send);
+            let result = peer.tunn().encapsulate(packet, slot);
+            match result {
+                TunnResult::WriteToNetwork(datagram) => {
+                    let len = datagram.len();
+                    batch.commit(len, &mut send);
+                }
+                TunnResult::Err(err) => {
+                    tracing::trace!(interface = %peer.name, error = ?err, "could not encapsulate")
+                }
+                _ => {}
+            }
+        }
+        batch.flush(&mut send);
+    }
+
+    /// Everything a TUN has to read: encrypt each packet and send it to the peer.
+    fn drain(&self, peer: &Peer, src: &mut [u8], dst: &mut [u8]) {
+        // Edge-triggered: read until the TUN says it is empty.
+        while let Ok(packet) = peer.tun.read(src) {
+            let result = peer.tunn().encapsulate(packet, dst);
+            match result {
+                TunnResult::WriteToNetwork(datagram) => self.send(datagram, peer.endpoint()),
+                TunnResult::Err(err) => {
+                    tracing::trace!(interface = %peer.name, error = ?err, "could not encapsulate")
+                }
+                _ => {}
+            }
+        }
+    }
+}
+
+pub(super) fn tun_loop(shared: &Shared, mut poll: Poll) {
+    let mut events = Events::with_capacity(256);
+    let mut src = vec![0u8; BUF];
+    let mut dst = vec![0u8; BUF];
+    let mut batch = GsoBatch::new();
+    while !shared.stop.load(Ordering::Relaxed) {
+        if let Err(err) = poll.poll(&mut events, None) {
+            if err.kind() != io::ErrorKind::Interrupted {
+                tracing::warn!(error = %err, "waiting for the tun interfaces failed");
+                std::thread::sleep(TICK);
+            }
+            continue;
+        }
+        for event in &events {
+            if event.token() == WAKER {
+                continue;
+            }
+            let Ok(index) = u32::try_from(event.token().0) else {
+                continue;
+            };
+            if let Some(peer) = shared.peer(index) {
+                if shared.standby.load(Ordering::Relaxed) {
+                    // Nothing leaves a standby: what the kernel routed into the TUN is dropped.
+                    while peer.tun.read(&mut src).is_ok() {}
+                } else if shared.batched.is_some() {
+                    shared.drain_batched(&peer, &mut src, &mut batch);
+                } else {
+                    shared.drain(&peer, &mut src, &mut dst);
+                }
+            }
+        }
+    }
+}
