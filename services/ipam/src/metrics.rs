@@ -15,7 +15,8 @@ use trellis_api::net::net_bounds;
 use trellis_runtime::metrics::prometheus_client::metrics::{family::Family, gauge::Gauge};
 use trellis_runtime::metrics::{Labels, Metrics};
 
-use crate::core::{Ipam, usable_hosts};
+use crate::core::Ipam;
+use crate::core::endpoints::usable_hosts;
 
 type FloatGauge = Gauge<f64, AtomicU64>;
 

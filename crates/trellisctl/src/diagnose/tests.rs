@@ -2,6 +2,7 @@ use std::time::{Duration, UNIX_EPOCH};
 
 use trellis_api::pb::gateway;
 
+use super::findings::replica_findings;
 use super::*;
 use crate::cli::OutputFormat;
 use crate::identity::AddressesView;

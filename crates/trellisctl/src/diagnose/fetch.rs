@@ -1,0 +1,98 @@
+//! What `diagnose` reads beyond `status`: the local IPAM (pools, remote records, external-CIDR
+//! mappings), the raw ForeignClusters (addresses and pinned CAs), and for each peer its
+//! advertised services' health and its IPAM's record of us.
+
+use trellis_api::pb::discovery::ListForeignClustersRequest;
+use trellis_api::pb::discovery::discovery_client::DiscoveryClient;
+use trellis_api::pb::ipam::ipam_client::IpamClient;
+use trellis_api::pb::ipam::{
+    GetLocalSubnetsRequest, ListClusterSubnetsRequest, ListEndpointMappingsRequest,
+};
+use trellis_api::pb::types;
+
+use super::{IpamState, PeerReport, advertised, fc_id};
+use crate::cli::Globals;
+use crate::error::CtlError;
+use crate::service::{Service, Target};
+use crate::status::fetch::probe;
+
+pub(super) async fn ipam_state(globals: &Globals) -> Result<IpamState, String> {
+    let target = globals.target(Service::Ipam);
+    let channel = globals.connect(&target).await.map_err(|e| e.to_string())?;
+    let mut client = IpamClient::new(channel);
+    let target = &target;
+    let rpc =
+        |name: &'static str| move |s: tonic::Status| CtlError::rpc(target, name, &s).to_string();
+    let local = client
+        .get_local_subnets(GetLocalSubnetsRequest {})
+        .await
+        .map_err(rpc("GetLocalSubnets"))?
+        .into_inner();
+    let clusters = client
+        .list_cluster_subnets(ListClusterSubnetsRequest {})
+        .await
+        .map_err(rpc("ListClusterSubnets"))?
+        .into_inner()
+        .clusters;
+    let mappings = client
+        .list_endpoint_mappings(ListEndpointMappingsRequest {})
+        .await
+        .map_err(rpc("ListEndpointMappings"))?
+        .into_inner()
+        .mappings;
+    Ok(IpamState {
+        pools: local.pools,
+        external_cidr: local.external_cidr,
+        clusters,
+        external_mappings: mappings.len(),
+    })
+}
+
+pub(super) async fn raw_foreign_clusters(globals: &Globals) -> Option<Vec<types::ForeignCluster>> {
+    let channel = globals
+        .connect(&globals.target(Service::Discovery))
+        .await
+        .ok()?;
+    DiscoveryClient::new(channel)
+        .list_foreign_clusters(ListForeignClustersRequest::default())
+        .await
+        .ok()
+        .map(|r| r.into_inner().foreign_clusters)
+}
+
+pub(super) async fn peer_report(
+    globals: &Globals,
+    local_id: Option<String>,
+    fc: types::ForeignCluster,
+) -> PeerReport {
+    let cluster_id = fc_id(&fc);
+    let probes = advertised(&fc)
+        .into_iter()
+        .map(|(service, address)| probe(Target { service, address }, globals));
+    let probed = futures::future::join_all(probes).await;
+    let mut record_of_us = Err("the peer advertises no IPAM".to_owned());
+    let mut services = Vec::new();
+    for (view, channel) in probed {
+        if view.service == Service::Ipam {
+            record_of_us = match channel {
+                Err(e) => Err(e.to_string()),
+                Ok(channel) => IpamClient::new(channel)
+                    .list_cluster_subnets(ListClusterSubnetsRequest {})
+                    .await
+                    .map(|r| {
+                        r.into_inner()
+                            .clusters
+                            .into_iter()
+                            .find(|c| Some(&c.cluster_id) == local_id.as_ref())
+                    })
+                    .map_err(|s| format!("{}: {}", crate::error::code_name(s.code()), s.message())),
+            };
+        }
+        services.push(view);
+    }
+    PeerReport {
+        cluster_id,
+        services,
+        record_of_us,
+    }
+}

@@ -1,0 +1,323 @@
+//! A remote cluster's ranges, both ways: how we address its pod and external CIDRs
+//! ([`Ipam::subnets_for`], remapped from the pools when they conflict) and how it addresses
+//! ours ([`Ipam::set_local_nat`]). The allocation table is cached per epoch ([`Allocated`]), so
+//! that a mapping does not list the whole table.
+
+use ipnet::IpNet;
+use trellis_api::{ClusterId, ClusterIdentity};
+use trellis_error::{Error, Result};
+use trellis_store::retry::Contention;
+use trellis_store::{Compare, Op, Txn};
+
+use super::{Ipam, Snapshot, put, unchanged};
+use crate::alloc::{conflicts, first_free};
+use crate::records::{
+    ClusterRecord, EPOCH_KEY, LocalNat, QuarantineRecord, RemoteView, cluster_key, encode,
+    freed_key, now_nanos, quarantine_key,
+};
+
+/// The NAT ranges of every mapped cluster as of one epoch revision: what a new allocation
+/// must avoid. Every change of them (an allocation, the end of a free) rewrites the epoch key,
+/// so while its revision is unchanged this is still the table; a moved epoch (another replica,
+/// a free) means one listing to rebuild it. This replica's own allocations update it in
+/// place. Without it every new mapping listed and decoded the whole table: O(n) per peer,
+/// O(n²) for a cluster joining a mesh of n.
+#[derive(Debug)]
+pub(super) struct Allocated {
+    epoch_revision: i64,
+    nat: std::collections::HashMap<ClusterId, [IpNet; 2]>,
+    /// The ranges of freed clusters, by cluster ID, with when they were freed (the epoch
+    /// moves with every free, so this too is current while the revision is).
+    quarantined: std::collections::HashMap<String, QuarantineRecord>,
+}
+
+impl Allocated {
+    pub(super) fn of(snapshot: &Snapshot) -> Self {
+        Self {
+            epoch_revision: snapshot.epoch_revision,
+            nat: snapshot
+                .records
+                .iter()
+                .filter_map(|(r, _)| {
+                    r.remote
+                        .map(|v| (r.id.clone(), [v.pod_cidr_nat, v.external_cidr_nat]))
+                })
+                .collect(),
+            quarantined: snapshot.quarantined.iter().cloned().collect(),
+        }
+    }
+
+    /// The ranges still in quarantine (freed less than `quarantine` ago) for a cluster other
+    /// than `id`.
+    fn quarantined_for(&self, id: &ClusterId, quarantine: std::time::Duration) -> Vec<IpNet> {
+        let limit = i64::try_from(quarantine.as_nanos()).unwrap_or(i64::MAX);
+        let now = now_nanos();
+        self.quarantined
+            .iter()
+            .filter(|(cluster, q)| {
+                cluster.as_str() != id.as_str() && now.saturating_sub(q.freed_nanos) < limit
+            })
+            .flat_map(|(_, q)| q.ranges.iter().copied())
+            .collect()
+    }
+}
+
+/// Where a pair of ranges could not be found: `(what, the wanted network)`.
+type Shortage = (&'static str, IpNet);
+
+impl Ipam {
+    fn pick(&self, wanted: IpNet, used: &[IpNet]) -> Option<IpNet> {
+        if conflicts(wanted, used) {
+            first_free(self.family(), wanted.prefix_len(), &self.local.pools, used)
+        } else {
+            Some(wanted)
+        }
+    }
+
+    /// Our views of a pod and an external CIDR, clear of `used` and of each other.
+    fn pick_pair(
+        &self,
+        pod_cidr: IpNet,
+        external_cidr: IpNet,
+        mut used: Vec<IpNet>,
+    ) -> std::result::Result<(IpNet, IpNet), Shortage> {
+        let pod_cidr_nat = self.pick(pod_cidr, &used).ok_or(("pod CIDR", pod_cidr))?;
+        used.push(pod_cidr_nat);
+        let external_cidr_nat = self
+            .pick(external_cidr, &used)
+            .ok_or(("external CIDR", external_cidr))?;
+        Ok((pod_cidr_nat, external_cidr_nat))
+    }
+
+    /// How we address `cluster`'s pod and external CIDRs: unchanged when free, otherwise the
+    /// first free range of the same prefix length in the pools. Idempotent.
+    #[tracing::instrument(skip(self, cluster), fields(cluster.id = %cluster.id))]
+    pub async fn subnets_for(
+        &self,
+        cluster: &ClusterIdentity,
+        pod_cidr: IpNet,
+        external_cidr: IpNet,
+    ) -> Result<RemoteView> {
+        let id = &cluster.id;
+        if conflicts(pod_cidr, &[external_cidr]) {
+            return Err(Error::invalid(
+                "external_cidr",
+                format!("{external_cidr} overlaps pod_cidr {pod_cidr}"),
+            ));
+        }
+        // A cluster we already map (the usual case: every resync asks again) is one point
+        // read; anything else takes the allocation path below, which re-reads and decides.
+        if let Some((rec, _)) = self.record(id).await?
+            && !rec.freeing
+            && let Some(view) = rec.remote
+            && view.pod_cidr == pod_cidr
+            && view.external_cidr == external_cidr
+        {
+            return Ok(view);
+        }
+        let mut allocated = self.allocating.lock().await;
+        let mut contention = Contention::on(&self.store, "allocating subnets");
+        loop {
+            let epoch_revision = self
+                .store
+                .get(EPOCH_KEY)
+                .await?
+                .map_or(0, |kv| kv.mod_revision);
+            let table = match allocated.take() {
+                Some(table) if table.epoch_revision == epoch_revision => table,
+                _ => Allocated::of(&self.snapshot().await?),
+            };
+            let table = allocated.insert(table);
+            let existing = self.record(id).await?;
+            if let Some((rec, _)) = &existing {
+                if rec.freeing {
+                    return Err(Error::FailedPrecondition(format!(
+                        "cluster {id} is being freed; retry when FreeSubnetsPerCluster completes"
+                    )));
+                }
+                if let Some(view) = rec.remote {
+                    if view.pod_cidr == pod_cidr && view.external_cidr == external_cidr {
+                        return Ok(view);
+                    }
+                    return Err(Error::FailedPrecondition(format!(
+                        "cluster {id} is already mapped for pod CIDR {} and external CIDR {}; \
+                         free it (FreeSubnetsPerCluster) before mapping {pod_cidr} and {external_cidr}",
+                        view.pod_cidr, view.external_cidr
+                    )));
+                }
+            }
+
+            let mut used = self.local.blocked();
+            used.extend(
+                table
+                    .nat
+                    .iter()
+                    .filter(|(cluster, _)| *cluster != id)
+                    .flat_map(|(_, ranges)| *ranges),
+            );
+            let exhausted = |what: &str, net: IpNet| {
+                Error::ResourceExhausted(format!(
+                    "no free /{} left in the pools ({}) for cluster {id}'s {what} {net}",
+                    net.prefix_len(),
+                    self.local
+                        .pools
+                        .iter()
+                        .map(ToString::to_string)
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ))
+            };
+            // Ranges of clusters freed a short while ago only when nothing else is free: a
+            // full pool must not refuse peers, and a quarantined range is no worse than the
+            // reuse it delays.
+            let quarantined = table.quarantined_for(id, self.local.quarantine);
+            let strict: Vec<IpNet> = used.iter().chain(&quarantined).copied().collect();
+            let (pod_cidr_nat, external_cidr_nat) =
+                match self.pick_pair(pod_cidr, external_cidr, strict) {
+                    Err(_) if !quarantined.is_empty() => {
+                        tracing::warn!(
+                            cluster.id = %id,
+                            quarantined = quarantined.len(),
+                            "no free range outside the quarantine of freed clusters: handing out a quarantined one"
+                        );
+                        self.pick_pair(pod_cidr, external_cidr, used)
+                    }
+                    picked => picked,
+                }
+                .map_err(|(what, net)| exhausted(what, net))?;
+            let view = RemoteView {
+                pod_cidr,
+                pod_cidr_nat,
+                external_cidr,
+                external_cidr_nat,
+            };
+
+            let (mut rec, revision) = match existing {
+                Some(found) => found,
+                None => (ClusterRecord::new(id.clone(), cluster.name.clone()), 0),
+            };
+            if !cluster.name.is_empty() {
+                rec.name.clone_from(&cluster.name);
+            }
+            rec.remote = Some(view);
+            let committed = self
+                .store
+                .txn(Txn {
+                    compares: vec![
+                        unchanged(EPOCH_KEY, table.epoch_revision),
+                        unchanged(cluster_key(id), revision),
+                    ],
+                    // A new mapping starts a new peering: the tombstone of an earlier free
+                    // goes, so this peering's SetLocalNat is accepted.
+                    success: vec![
+                        put(cluster_key(id), encode(&rec)?),
+                        put(EPOCH_KEY, Vec::new()),
+                        Op::delete(freed_key(id)),
+                        Op::delete(quarantine_key(id)),
+                    ],
+                    failure: vec![],
+                })
+                .await?;
+            if committed.succeeded {
+                // The transaction's revision is the epoch key's new mod revision.
+                table.epoch_revision = committed.revision;
+                table
+                    .nat
+                    .insert(id.clone(), [pod_cidr_nat, external_cidr_nat]);
+                table.quarantined.remove(id.as_str());
+                tracing::info!(
+                    cluster.id = %id,
+                    pod_cidr = %pod_cidr,
+                    pod_cidr_nat = %pod_cidr_nat,
+                    external_cidr = %external_cidr,
+                    external_cidr_nat = %external_cidr_nat,
+                    remapped = pod_cidr != pod_cidr_nat || external_cidr != external_cidr_nat,
+                    "mapped remote subnets"
+                );
+                return Ok(view);
+            }
+            contention.lost().await?;
+        }
+    }
+
+    /// Records how `cluster` addresses us. The ranges must have our prefix lengths: a remap
+    /// never changes the size of a network.
+    #[tracing::instrument(skip(self, cluster), fields(cluster.id = %cluster.id))]
+    pub async fn set_local_nat(
+        &self,
+        cluster: &ClusterIdentity,
+        pod_cidr: IpNet,
+        external_cidr: IpNet,
+    ) -> Result<()> {
+        let ours = &self.local.ranges;
+        for (field, theirs, mine) in [
+            ("pod_cidr", pod_cidr, ours.pod_cidr),
+            ("external_cidr", external_cidr, ours.external_cidr),
+        ] {
+            if theirs.prefix_len() != mine.prefix_len() {
+                return Err(Error::invalid(
+                    field,
+                    format!(
+                        "{theirs} is a /{} but ours ({mine}) is a /{}; a remap keeps the prefix length",
+                        theirs.prefix_len(),
+                        mine.prefix_len()
+                    ),
+                ));
+            }
+        }
+        let id = &cluster.id;
+        let nat = LocalNat {
+            pod_cidr,
+            external_cidr,
+        };
+        let mut contention = Contention::on(&self.store, "recording local NAT");
+        loop {
+            let (mut rec, revision) = match self.record(id).await? {
+                Some((rec, _)) if rec.freeing => {
+                    return Err(Error::FailedPrecondition(format!(
+                        "cluster {id} is being freed; retry when FreeSubnetsPerCluster completes"
+                    )));
+                }
+                Some(found) => found,
+                None => {
+                    // Without a record, this is either the first half of a new exchange (their
+                    // decision arrived before their NetworkConfig) or a late decision of a
+                    // peering already torn down: the tombstone tells them apart.
+                    if self.store.get(&freed_key(id)).await?.is_some() {
+                        return Err(Error::FailedPrecondition(format!(
+                            "cluster {id} was freed (FreeSubnetsPerCluster); a new peering maps \
+                             its subnets (GetSubnetsPerCluster) before SetLocalNat"
+                        )));
+                    }
+                    (ClusterRecord::new(id.clone(), cluster.name.clone()), 0)
+                }
+            };
+            let renamed = !cluster.name.is_empty() && rec.name != cluster.name;
+            if rec.local_nat == Some(nat) && !renamed {
+                return Ok(());
+            }
+            if renamed {
+                rec.name.clone_from(&cluster.name);
+            }
+            rec.local_nat = Some(nat);
+            let mut compares = vec![unchanged(cluster_key(id), revision)];
+            if revision == 0 {
+                // Creating the record: only while no free has happened since the check above.
+                compares.push(Compare::absent(freed_key(id)));
+            }
+            let committed = self
+                .store
+                .txn(Txn {
+                    compares,
+                    success: vec![put(cluster_key(id), encode(&rec)?)],
+                    failure: vec![],
+                })
+                .await?;
+            if committed.succeeded {
+                tracing::info!(cluster.id = %id, local_pod_cidr_nat = %pod_cidr, local_external_cidr_nat = %external_cidr, "recorded how the remote addresses us");
+                return Ok(());
+            }
+            contention.lost().await?;
+        }
+    }
+}

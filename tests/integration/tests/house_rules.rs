@@ -1,0 +1,265 @@
+//! The layout rules of the workspace (docs/adr/0001-service-and-crate-layout.md), checked on
+//! the tree itself so that drift fails a test instead of waiting for a review:
+//!
+//! - the folders show the floors: foundation crates in `crates/`, the services in
+//!   `services/`, tools in `tools/`, test support in `testing/`; nothing on a lower floor
+//!   depends on a higher one (a foundation or test-support crate never on a service or a
+//!   tool);
+//! - no production source file is over [`MAX_LINES`] lines;
+//! - a service core names no generated gRPC type: only the modules at a service's edge
+//!   ([`EDGE_MODULES`]) do, so retries and metrics attach at one seam.
+
+use std::collections::BTreeMap;
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+/// Longest production source file, in lines.
+const MAX_LINES: usize = 800;
+
+/// The modules of a service that may name generated gRPC types: its server side, its
+/// conversions and its clients of other services.
+const EDGE_MODULES: &[&str] = &["lib.rs", "main.rs", "grpc", "convert", "remote", "ports"];
+
+/// Service modules that still name generated gRPC types: the debt of domain ports (ADR 0001),
+/// listed so that it can only shrink. Remove a line when its module moves behind a port.
+const NOT_YET_BEHIND_PORTS: &[&str] = &[
+    "services/broker/src/core",
+    "services/broker/src/reconcile",
+    "services/broker/src/watch.rs",
+    "services/endpoints/src/core",
+    "services/endpoints/src/exports.rs",
+    "services/endpoints/src/imports.rs",
+    "services/endpoints/src/model.rs",
+    "services/forwarder/src/core",
+    "services/forwarder/src/ends.rs",
+    "services/forwarder/src/records.rs",
+    "services/gateway/src/dataplane/mod.rs",
+    "services/gateway/src/mappings.rs",
+    "services/gateway/src/source.rs",
+    "services/route/src/agent.rs",
+    "services/route/src/node.rs",
+    "services/route/src/plan.rs",
+];
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../..")
+        .canonicalize()
+        .expect("the workspace root")
+}
+
+/// A workspace floor, from the folder a package's manifest sits in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Floor {
+    Foundation,
+    TestSupport,
+    Service,
+    Tool,
+    /// The multi-process tests and the benchmarks: above everything.
+    Top,
+}
+
+fn floor_of(relative: &Path) -> Option<Floor> {
+    let first = relative.components().next()?.as_os_str().to_str()?;
+    Some(match first {
+        "crates" => Floor::Foundation,
+        "testing" => Floor::TestSupport,
+        "services" => Floor::Service,
+        "tools" => Floor::Tool,
+        "tests" | "bench" => Floor::Top,
+        _ => return None,
+    })
+}
+
+/// Every workspace package: name → (manifest directory relative to the root, names of the
+/// workspace packages it depends on, of any kind).
+fn packages(root: &Path) -> BTreeMap<String, (PathBuf, Vec<String>)> {
+    let out = Command::new(env!("CARGO"))
+        .args([
+            "metadata",
+            "--no-deps",
+            "--offline",
+            "--format-version",
+            "1",
+        ])
+        .current_dir(root)
+        .output()
+        .expect("cargo metadata runs");
+    assert!(
+        out.status.success(),
+        "cargo metadata: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let meta: serde_json::Value = serde_json::from_slice(&out.stdout).expect("metadata JSON");
+    let mut all = BTreeMap::new();
+    for package in meta["packages"].as_array().expect("packages") {
+        let name = package["name"].as_str().expect("name").to_owned();
+        let manifest = PathBuf::from(package["manifest_path"].as_str().expect("manifest"));
+        let dir = manifest
+            .parent()
+            .expect("a manifest's folder")
+            .strip_prefix(root)
+            .expect("inside the workspace")
+            .to_path_buf();
+        let deps = package["dependencies"]
+            .as_array()
+            .expect("dependencies")
+            .iter()
+            .filter(|d| d["path"].is_string())
+            .map(|d| d["name"].as_str().expect("dependency name").to_owned())
+            .collect();
+        all.insert(name, (dir, deps));
+    }
+    all
+}
+
+#[test]
+fn no_crate_depends_on_a_higher_floor_and_every_crate_sits_on_one() {
+    let root = root();
+    let packages = packages(&root);
+    assert!(packages.len() > 10, "found the workspace: {packages:?}");
+    let mut wrong = Vec::new();
+    for (name, (dir, deps)) in &packages {
+        let Some(floor) = floor_of(dir) else {
+            wrong.push(format!("{name} ({}) sits on no floor", dir.display()));
+            continue;
+        };
+        for dep in deps {
+            let Some((dep_dir, _)) = packages.get(dep) else {
+                continue;
+            };
+            let Some(dep_floor) = floor_of(dep_dir) else {
+                continue;
+            };
+            // Foundation and test support sit below the services; services never use
+            // each other or tools.
+            let allowed = match floor {
+                Floor::Foundation => dep_floor == Floor::Foundation,
+                Floor::TestSupport => dep_floor <= Floor::TestSupport,
+                Floor::Service => dep_floor <= Floor::TestSupport,
+                Floor::Tool | Floor::Top => true,
+            };
+            if !allowed {
+                wrong.push(format!(
+                    "{name} ({floor:?}, {}) depends on {dep} ({dep_floor:?})",
+                    dir.display()
+                ));
+            }
+        }
+    }
+    assert!(wrong.is_empty(), "layering:\n{}", wrong.join("\n"));
+}
+
+/// Every `*.rs` file below `dir`.
+fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
+    let Ok(entries) = fs::read_dir(dir) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let path = entry.path();
+        if path.is_dir() {
+            rust_files(&path, out);
+        } else if path.extension().is_some_and(|e| e == "rs") {
+            out.push(path);
+        }
+    }
+}
+
+/// The production sources of the foundation crates, services and tools: their `src/`, without
+/// test modules kept in files of their own.
+fn production_sources(root: &Path) -> Vec<PathBuf> {
+    let mut files = Vec::new();
+    for (_, (dir, _)) in packages(root) {
+        if !matches!(
+            floor_of(&dir),
+            Some(Floor::Foundation | Floor::Service | Floor::Tool)
+        ) {
+            continue;
+        }
+        rust_files(&root.join(&dir).join("src"), &mut files);
+    }
+    files.retain(|f| {
+        f.file_name().is_some_and(|n| n != "tests.rs")
+            && !f.components().any(|c| c.as_os_str() == "tests")
+    });
+    files.sort();
+    files
+}
+
+#[test]
+fn no_production_source_file_is_over_the_limit() {
+    let root = root();
+    let files = production_sources(&root);
+    assert!(
+        files
+            .iter()
+            .any(|f| f.ends_with("services/broker/src/lib.rs")),
+        "found the services' sources"
+    );
+    let long: Vec<String> = files
+        .iter()
+        .filter_map(|f| {
+            let lines = fs::read_to_string(f).expect("readable").lines().count();
+            (lines > MAX_LINES)
+                .then(|| format!("{}: {lines}", f.strip_prefix(&root).unwrap_or(f).display()))
+        })
+        .collect();
+    assert!(
+        long.is_empty(),
+        "over {MAX_LINES} lines: cut these along their seams:\n{}",
+        long.join("\n")
+    );
+}
+
+#[test]
+fn service_cores_name_no_generated_grpc_type() {
+    let root = root();
+    let mut files = Vec::new();
+    rust_files(&root.join("services"), &mut files);
+    let mut offending = Vec::new();
+    let mut still_listed = vec![false; NOT_YET_BEHIND_PORTS.len()];
+    for file in &files {
+        let relative = file.strip_prefix(&root).expect("inside").to_path_buf();
+        let text = relative.to_string_lossy().into_owned();
+        let Some(in_src) = text.split_once("/src/").map(|(_, rest)| rest.to_owned()) else {
+            continue; // tests and benches may use anything
+        };
+        let first = in_src.split('/').next().unwrap_or_default();
+        let module = first.strip_suffix(".rs").unwrap_or(first);
+        if EDGE_MODULES.contains(&first) || EDGE_MODULES.contains(&module) {
+            continue;
+        }
+        let source = fs::read_to_string(file).expect("readable");
+        let names_pb = source
+            .lines()
+            .filter(|l| !l.trim_start().starts_with("//"))
+            .any(|l| l.contains("pb::"));
+        if !names_pb {
+            continue;
+        }
+        match NOT_YET_BEHIND_PORTS
+            .iter()
+            .position(|debt| text == *debt || text.starts_with(&format!("{debt}/")))
+        {
+            Some(i) => still_listed[i] = true,
+            None => offending.push(text),
+        }
+    }
+    assert!(
+        offending.is_empty(),
+        "service cores naming generated gRPC types (call other services through a port in \
+         remote/ or ports/, convert in grpc or convert):\n{}",
+        offending.join("\n")
+    );
+    let paid: Vec<&str> = NOT_YET_BEHIND_PORTS
+        .iter()
+        .zip(&still_listed)
+        .filter(|(_, listed)| !**listed)
+        .map(|(debt, _)| *debt)
+        .collect();
+    assert!(
+        paid.is_empty(),
+        "no longer naming generated types: remove from NOT_YET_BEHIND_PORTS: {paid:?}"
+    );
+}
