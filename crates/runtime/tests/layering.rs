@@ -334,11 +334,12 @@ fn assert_layered(root_file: &Path, prefix: &str) -> Graph {
 }
 
 /// The `lib.rs` of the workspace crate in `crates/<name>`.
-fn lib_of(name: &str) -> PathBuf {
+/// The `lib.rs` of the crate at `relative`, from `crates/`.
+fn lib_of(relative: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
         .parent()
         .expect("crates/")
-        .join(name)
+        .join(relative)
         .join("src/lib.rs")
 }
 
@@ -355,7 +356,7 @@ fn the_runtime_modules_form_no_cycle() {
 
 #[test]
 fn the_trellisctl_modules_form_no_cycle() {
-    let graph = assert_layered(&lib_of("trellisctl"), "crate::");
+    let graph = assert_layered(&lib_of("tools/trellisctl"), "crate::");
     assert!(
         graph["cli"].contains("connect") && graph["error"].contains("service"),
         "cli's uses not found: {:?}",

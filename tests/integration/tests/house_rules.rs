@@ -1,10 +1,10 @@
 //! The layout rules of the workspace (docs/adr/0001-service-and-crate-layout.md), checked on
 //! the tree itself so that drift fails a test instead of waiting for a review:
 //!
-//! - the folders show the floors: foundation crates in `crates/`, the services in
-//!   `services/`, tools in `tools/`, test support in `testing/`; nothing on a lower floor
-//!   depends on a higher one (a foundation or test-support crate never on a service or a
-//!   tool);
+//! - the folders show the floors: foundation crates directly in `crates/`, test support in
+//!   `crates/testing/`, the services in `services/`, tools in `crates/tools/`; nothing on a
+//!   lower floor depends on a higher one (a foundation or test-support crate never on a
+//!   service or a tool, a service never on another service except to start it in its tests);
 //! - no production source file is over [`MAX_LINES`] lines;
 //! - a service core names no generated gRPC type: only the modules at a service's edge
 //!   ([`EDGE_MODULES`]) do, so retries and metrics attach at one seam.
@@ -61,20 +61,30 @@ enum Floor {
 }
 
 fn floor_of(relative: &Path) -> Option<Floor> {
-    let first = relative.components().next()?.as_os_str().to_str()?;
-    Some(match first {
-        "crates" => Floor::Foundation,
-        "testing" => Floor::TestSupport,
-        "services" => Floor::Service,
-        "tools" => Floor::Tool,
-        "tests" | "bench" => Floor::Top,
+    let parts: Vec<&str> = relative
+        .components()
+        .filter_map(|c| c.as_os_str().to_str())
+        .collect();
+    Some(match parts.as_slice() {
+        ["crates", "testing", _] => Floor::TestSupport,
+        ["crates", "tools", _] => Floor::Tool,
+        ["crates", _] => Floor::Foundation,
+        ["services", _] => Floor::Service,
+        ["tests", ..] | ["bench", ..] => Floor::Top,
         _ => return None,
     })
 }
 
-/// Every workspace package: name → (manifest directory relative to the root, names of the
-/// workspace packages it depends on, of any kind).
-fn packages(root: &Path) -> BTreeMap<String, (PathBuf, Vec<String>)> {
+/// A dependency on another workspace package, and whether only tests use it.
+#[derive(Debug)]
+struct Dep {
+    name: String,
+    dev: bool,
+}
+
+/// Every workspace package: name → (manifest directory relative to the root, the workspace
+/// packages it depends on).
+fn packages(root: &Path) -> BTreeMap<String, (PathBuf, Vec<Dep>)> {
     let out = Command::new(env!("CARGO"))
         .args([
             "metadata",
@@ -107,7 +117,10 @@ fn packages(root: &Path) -> BTreeMap<String, (PathBuf, Vec<String>)> {
             .expect("dependencies")
             .iter()
             .filter(|d| d["path"].is_string())
-            .map(|d| d["name"].as_str().expect("dependency name").to_owned())
+            .map(|d| Dep {
+                name: d["name"].as_str().expect("dependency name").to_owned(),
+                dev: d["kind"].as_str() == Some("dev"),
+            })
             .collect();
         all.insert(name, (dir, deps));
     }
@@ -125,19 +138,23 @@ fn no_crate_depends_on_a_higher_floor_and_every_crate_sits_on_one() {
             wrong.push(format!("{name} ({}) sits on no floor", dir.display()));
             continue;
         };
-        for dep in deps {
+        for Dep { name: dep, dev } in deps {
             let Some((dep_dir, _)) = packages.get(dep) else {
                 continue;
             };
             let Some(dep_floor) = floor_of(dep_dir) else {
                 continue;
             };
-            // Foundation and test support sit below the services; services never use
-            // each other or tools.
+            // Foundation and test support sit below the services; a service uses no other
+            // service or tool, except that its tests may start the services it calls.
             let allowed = match floor {
-                Floor::Foundation => dep_floor == Floor::Foundation,
+                Floor::Foundation => {
+                    dep_floor == Floor::Foundation || (*dev && dep_floor == Floor::TestSupport)
+                }
                 Floor::TestSupport => dep_floor <= Floor::TestSupport,
-                Floor::Service => dep_floor <= Floor::TestSupport,
+                Floor::Service => {
+                    dep_floor <= Floor::TestSupport || (*dev && dep_floor == Floor::Service)
+                }
                 Floor::Tool | Floor::Top => true,
             };
             if !allowed {

@@ -4,10 +4,11 @@ use std::env;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
-/// The workspace root (two levels above this crate), where `.tools/` and `scripts/` live.
+/// The workspace root (`crates/testing/testkit` is three levels below it), where `.tools/`
+/// and `scripts/` live.
 pub fn workspace_root() -> &'static Path {
     let manifest_dir = Path::new(env!("CARGO_MANIFEST_DIR"));
-    manifest_dir.ancestors().nth(2).unwrap_or(manifest_dir)
+    manifest_dir.ancestors().nth(3).unwrap_or(manifest_dir)
 }
 
 /// The executable `name` from `PATH`, else from `<workspace root>/.tools/bin/`.
