@@ -14,15 +14,13 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tokio::sync::mpsc;
-use trellis_api::pb::gateway::gateway_client::GatewayClient;
-use trellis_api::pb::gateway::{WatchRoutesRequest, WatchRoutesResponse};
 use trellis_runtime::Shutdown;
-use trellis_runtime::client::{Timeouts, local_channel};
 use trellis_runtime::local_auth::LocalToken;
 use trellis_runtime::retry::RetryPolicy;
 
 use crate::node;
 use crate::plan::{self, NodeSettings, Wanted};
+use crate::remote::{Received, RoutesStream};
 
 /// How often `--gateway` names are resolved again (a replica that appears is followed).
 const RESOLVE_EVERY: Duration = Duration::from_secs(5);
@@ -98,8 +96,8 @@ impl Agent {
     }
 }
 
-/// A message of one replica's stream.
-type Message = (String, WatchRoutesResponse);
+/// A message of one replica's stream: the replica's address and what it sent.
+type Message = (String, Received);
 
 /// Whether a message of epoch `epoch` is to be applied after one of `applied` was: the newest
 /// election wins, and among the messages of one epoch (the active's and its standbys', which
@@ -125,17 +123,17 @@ pub async fn run(agent: Arc<Agent>, shutdown: Shutdown) {
                     agent.reconcile(wanted).await;
                 }
             }
-            Some((from, message)) = rx.recv() => {
-                if !supersedes(message.epoch, applied) {
-                    tracing::debug!(gateway = %from, epoch = message.epoch, applied = ?applied, "ignoring a message of an older election");
+            Some((from, (epoch, update))) = rx.recv() => {
+                if !supersedes(epoch, applied) {
+                    tracing::debug!(gateway = %from, epoch, applied = ?applied, "ignoring a message of an older election");
                     continue;
                 }
-                match plan::plan(&agent.node, &message) {
+                match update.and_then(|update| plan::plan(&agent.node, &update)) {
                     Ok(wanted) => {
-                        if applied.is_some_and(|a| message.epoch > a) {
-                            tracing::info!(gateway = %from, epoch = message.epoch, gateway_node = %wanted.gateway_node, "following a newly elected gateway replica");
+                        if applied.is_some_and(|a| epoch > a) {
+                            tracing::info!(gateway = %from, epoch, gateway_node = %wanted.gateway_node, "following a newly elected gateway replica");
                         }
-                        applied = Some(message.epoch);
+                        applied = Some(epoch);
                         agent.reconcile(&wanted).await;
                         last = Some(wanted);
                     }
@@ -198,24 +196,13 @@ async fn follow(
     shutdown: Shutdown,
 ) {
     let mut backoff = FOLLOW_RETRY.backoff();
-    let request = || WatchRoutesRequest {
-        node_name: agent.node.name.clone(),
-    };
     loop {
-        let stream = async {
-            let channel = local_channel(
-                "--gateway",
-                &address,
-                Timeouts::default(),
-                &agent.local_token,
-                &agent.metrics,
-            )?;
-            let response = GatewayClient::new(channel)
-                .watch_routes(request())
-                .await
-                .map_err(|s| anyhow::anyhow!("WatchRoutes: {}", s.message()))?;
-            anyhow::Ok(response.into_inner())
-        };
+        let stream = RoutesStream::open(
+            &address,
+            &agent.node.name,
+            &agent.local_token,
+            &agent.metrics,
+        );
         let mut stream = tokio::select! {
             () = shutdown.cancelled() => return,
             stream = stream => match stream {
@@ -237,14 +224,14 @@ async fn follow(
         loop {
             tokio::select! {
                 () = shutdown.cancelled() => return,
-                message = stream.message() => match message {
-                    Ok(Some(message)) => {
+                message = stream.next() => match message {
+                    Some(message) => {
                         backoff.reset();
                         if tx.send((address.clone(), message)).await.is_err() {
                             return;
                         }
                     }
-                    Ok(None) | Err(_) => {
+                    None => {
                         tracing::info!(gateway = %address, "the gateway's stream ended; reconnecting");
                         break;
                     }

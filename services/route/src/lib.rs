@@ -3,7 +3,9 @@
 //! that pod traffic for remote clusters reaches the gateway node over a VXLAN overlay, and the
 //! replies of traffic the gateway DNATs to this node's pods find their way back (docs/adr/0016).
 //!
-//! - [`plan`]: the wanted state of a node from one message (pure);
+//! - [`remote`]: the port to the gateway: its `WatchRoutes` stream, converted to updates in the
+//!   agent's terms;
+//! - [`plan`]: the wanted state of a node from one update (pure);
 //! - [`node`]: reading and programming the node (VXLAN, routes, rp_filter, MSS clamp);
 //! - [`agent`]: the follow-and-reconcile loop;
 //! - [`grpc`]: the status RPC; [`config`]: the flags.
@@ -13,6 +15,7 @@ pub mod config;
 pub mod grpc;
 pub mod node;
 pub mod plan;
+pub mod remote;
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;

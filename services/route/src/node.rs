@@ -569,12 +569,12 @@ mod tests {
 
     #[test]
     fn only_the_gateway_node_accepts_the_overlay_from_the_whole_node_network() {
-        let message = |gateway: &str| trellis_api::pb::gateway::WatchRoutesResponse {
-            remote_prefixes: vec![],
-            gateway_node_name: gateway.into(),
-            gateway_node_ip: "10.9.0.1".into(),
-            tunnel_mtu: 1420,
+        let message = |gateway: &str| crate::remote::RoutesUpdate {
             epoch: 1,
+            gateway_node: gateway.into(),
+            gateway_ip: crate::remote::GatewayIp::V4("10.9.0.1".parse().expect("ip")),
+            remote_prefixes: BTreeSet::new(),
+            tunnel_mtu: Some(1420),
         };
         let node = settings(&["10.9.0.0/16"]);
         let other = plan::plan(&node, &message("n0")).expect("plans");

@@ -1,5 +1,5 @@
-//! What a node should look like, from one `WatchRoutes` message: pure, so every rule of the node
-//! path is unit-tested without root.
+//! What a node should look like, from one routes update of its gateway ([`RoutesUpdate`]):
+//! pure, so every rule of the node path is unit-tested without root.
 //!
 //! - Every node has the VXLAN device, with the overlay address 240.b.c.d/8 derived from its node
 //!   IP a.b.c.d (unique per node on one node network, outside every range the IPAM hands out).
@@ -14,11 +14,12 @@
 //!   the overlay's underlay included) away from it.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::net::{IpAddr, Ipv4Addr};
+use std::net::Ipv4Addr;
 
 use ipnet::Ipv4Net;
-use trellis_api::pb::gateway::WatchRoutesResponse;
 use trellis_error::{Error, Result};
+
+use crate::remote::{GatewayIp, RoutesUpdate};
 
 /// VXLAN's overhead over IPv4: outer IP 20 + UDP 8 + VXLAN 8 + inner Ethernet 14.
 pub const VXLAN_OVERHEAD: u32 = 50;
@@ -92,55 +93,33 @@ pub fn overlay_mac(ip: Ipv4Addr) -> String {
     format!("02:f0:{a:02x}:{b:02x}:{c:02x}:{d:02x}")
 }
 
-/// The wanted state for `node` after `message`; an error names the message field that is
-/// unusable (the gateway sent something this agent cannot apply: nothing is changed).
-pub fn plan(node: &NodeSettings, message: &WatchRoutesResponse) -> Result<Wanted> {
-    if message.gateway_node_name.is_empty() {
-        return Err(Error::invalid(
-            "gateway_node_name",
-            "is empty: the gateway runs without --node-name",
-        ));
-    }
-    let is_gateway_node = message.gateway_node_name == node.name;
-    let gateway_ip = match message.gateway_node_ip.parse::<IpAddr>() {
-        Ok(IpAddr::V4(ip)) => ip,
-        Ok(IpAddr::V6(_)) => {
-            return Err(Error::invalid(
-                "gateway_node_ip",
-                "is IPv6; the overlay is IPv4 only",
-            ));
-        }
-        Err(_) if is_gateway_node => node.ip,
-        Err(_) => {
+/// The wanted state for `node` after `update`; an error names the message field that is
+/// unusable here (the gateway sent something this agent cannot apply: nothing is changed).
+pub fn plan(node: &NodeSettings, update: &RoutesUpdate) -> Result<Wanted> {
+    let is_gateway_node = update.gateway_node == node.name;
+    let gateway_ip = match &update.gateway_ip {
+        GatewayIp::V4(ip) => *ip,
+        GatewayIp::Unusable(_) if is_gateway_node => node.ip,
+        GatewayIp::Unusable(text) => {
             return Err(Error::invalid(
                 "gateway_node_ip",
                 format!(
-                    "{:?} is not an IP address: the gateway runs without --node-ip, so no node \
-                     can reach it",
-                    message.gateway_node_ip
+                    "{text:?} is not an IP address: the gateway runs without --node-ip, so no node \
+                     can reach it"
                 ),
             ));
         }
     };
-    let mut prefixes = BTreeSet::new();
-    for (i, text) in message.remote_prefixes.iter().enumerate() {
-        let net: Ipv4Net = text.parse().map_err(|_| {
-            Error::invalid(
-                format!("remote_prefixes[{i}]"),
-                format!("{text:?} is not an IPv4 CIDR"),
-            )
-        })?;
-        prefixes.insert(net.trunc());
-    }
+    let prefixes = update.remote_prefixes.clone();
     let overlay_mtu = node.underlay_mtu.saturating_sub(VXLAN_OVERHEAD);
-    let route_mtu = match message.tunnel_mtu {
-        0 => overlay_mtu,
-        tunnel => tunnel.min(overlay_mtu),
+    let route_mtu = match update.tunnel_mtu {
+        None => overlay_mtu,
+        Some(tunnel) => tunnel.min(overlay_mtu),
     };
     let address = Ipv4Net::new(overlay_ip(node.ip), 8)
         .map_err(|e| Error::Internal(format!("overlay address: {e}")))?;
     Ok(Wanted {
-        gateway_node: message.gateway_node_name.clone(),
+        gateway_node: update.gateway_node.clone(),
         is_gateway_node,
         vxlan: Vxlan {
             id: node.vxlan_id,
@@ -255,13 +234,13 @@ mod tests {
         assert!(plan(&g, &message(&[])).expect("plans").vxlan.learning);
     }
 
-    fn message(prefixes: &[&str]) -> WatchRoutesResponse {
-        WatchRoutesResponse {
-            remote_prefixes: prefixes.iter().map(|p| (*p).to_owned()).collect(),
-            gateway_node_name: "n0".into(),
-            gateway_node_ip: "100.64.1.1".into(),
-            tunnel_mtu: 1420,
+    fn message(prefixes: &[&str]) -> RoutesUpdate {
+        RoutesUpdate {
             epoch: 1,
+            gateway_node: "n0".into(),
+            gateway_ip: GatewayIp::V4(Ipv4Addr::new(100, 64, 1, 1)),
+            remote_prefixes: prefixes.iter().map(|p| net(p).trunc()).collect(),
+            tunnel_mtu: Some(1420),
         }
     }
 
@@ -301,17 +280,12 @@ mod tests {
     }
 
     #[test]
-    fn unusable_messages_name_the_field_and_plan_nothing() {
-        let n = node("n1", [100, 64, 1, 2]);
-        let mut m = message(&["10.83.0.0/16", "nonsense"]);
-        let err = plan(&n, &m).expect_err("bad prefix");
-        assert!(err.to_string().contains("remote_prefixes[1]"), "{err}");
-        m = message(&[]);
-        m.gateway_node_ip = String::new();
-        let err = plan(&n, &m).expect_err("no gateway ip");
+    fn a_gateway_without_a_node_ip_is_unusable_except_on_its_own_node() {
+        let mut m = message(&[]);
+        m.gateway_ip = GatewayIp::Unusable(String::new());
+        let err = plan(&node("n1", [100, 64, 1, 2]), &m).expect_err("no gateway ip");
         assert!(err.to_string().contains("gateway_node_ip"), "{err}");
-        m.gateway_node_name = String::new();
-        let err = plan(&n, &m).expect_err("no gateway node");
-        assert!(err.to_string().contains("gateway_node_name"), "{err}");
+        let wanted = plan(&node("n0", [100, 64, 1, 1]), &m).expect("the gateway node itself");
+        assert!(wanted.is_gateway_node);
     }
 }

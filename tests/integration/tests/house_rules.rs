@@ -37,9 +37,6 @@ const NOT_YET_BEHIND_PORTS: &[&str] = &[
     "services/gateway/src/dataplane/mod.rs",
     "services/gateway/src/mappings.rs",
     "services/gateway/src/source.rs",
-    "services/route/src/agent.rs",
-    "services/route/src/node.rs",
-    "services/route/src/plan.rs",
 ];
 
 fn root() -> PathBuf {
