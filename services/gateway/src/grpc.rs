@@ -16,6 +16,7 @@ use trellis_api::pb::types as types_pb;
 use trellis_error::Error;
 
 use crate::core::{Gateway, RouteSet, State, TunnelStatus};
+use crate::dataplane::Mode;
 
 /// The gRPC face of one [`Gateway`].
 #[derive(Debug, Clone)]
@@ -85,7 +86,7 @@ impl GatewayApi for GatewayService {
         Ok(Response::new(pb::GetGatewayInfoResponse {
             endpoint: info.endpoint.to_string(),
             public_key: info.public_key.to_string(),
-            mode: info.mode.to_proto().into(),
+            mode: mode_to_proto(info.mode).into(),
             listen_port: u32::from(info.listen_port),
         }))
     }
@@ -170,5 +171,14 @@ fn route_set(routes: &RouteSet) -> pb::WatchRoutesResponse {
             .unwrap_or_default(),
         tunnel_mtu: routes.tunnel_mtu,
         epoch: routes.epoch,
+    }
+}
+
+/// The wire enum of a data-plane mode.
+fn mode_to_proto(mode: Mode) -> pb::WireguardMode {
+    match mode {
+        Mode::None => pb::WireguardMode::None,
+        Mode::Userspace => pb::WireguardMode::Userspace,
+        Mode::Kernel => pb::WireguardMode::Kernel,
     }
 }

@@ -7,8 +7,9 @@
 //! - [`names`]: interface names, connection marks and routing tables per peer;
 //! - [`dataplane`]: the userspace WireGuard engine (one UDP port for every peer), WireGuard
 //!   interfaces, routes, policy rules and nftables NAT (root only);
-//! - [`source`]: the broker's TunnelEndpoints, followed with a resumable watch;
-//! - [`mappings`]: the IPAM's external-CIDR endpoint mappings (hub-path DNAT), polled;
+//! - [`remote`]: the ports to the broker (its TunnelEndpoints, followed with a resumable watch)
+//!   and to the IPAM (its external-CIDR endpoint mappings, polled);
+//! - [`mappings`]: those mappings (hub-path DNAT) in the gateway's terms;
 //! - [`reconcile`]: the loop applying them; `tasks`: following the election, watching the
 //!   engine's threads;
 //! - [`replicas`]: the election of the cluster's active gateway among its replicas;
@@ -27,8 +28,8 @@ pub mod names;
 pub mod ports;
 pub mod reconcile;
 pub mod records;
+pub mod remote;
 pub mod replicas;
-pub mod source;
 mod tasks;
 
 use std::sync::Arc;
@@ -166,7 +167,7 @@ pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started
 
     let (desired_tx, desired_rx) = tokio::sync::watch::channel(None);
     if let Some(broker) = config.broker.clone() {
-        boot.spawn(source::run(
+        boot.spawn(remote::broker::run(
             broker,
             boot.local_token().clone(),
             boot.metrics().clone(),
@@ -179,7 +180,7 @@ pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started
     }
     let (mappings_tx, mappings_rx) = tokio::sync::watch::channel(None);
     if let Some(ipam) = config.ipam.clone() {
-        boot.spawn(mappings::run(
+        boot.spawn(remote::ipam::run(
             ipam,
             boot.local_token().clone(),
             boot.metrics().clone(),

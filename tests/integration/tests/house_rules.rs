@@ -34,9 +34,6 @@ const NOT_YET_BEHIND_PORTS: &[&str] = &[
     "services/forwarder/src/core",
     "services/forwarder/src/ends.rs",
     "services/forwarder/src/records.rs",
-    "services/gateway/src/dataplane/mod.rs",
-    "services/gateway/src/mappings.rs",
-    "services/gateway/src/source.rs",
 ];
 
 fn root() -> PathBuf {

@@ -20,7 +20,6 @@ use std::path::Path;
 
 use ipnet::IpNet;
 use trellis_api::model::TunnelEndpoint;
-use trellis_api::pb::gateway::WireguardMode;
 
 use crate::config::DataplaneFlag;
 use crate::mappings::HubMapping;
@@ -45,15 +44,6 @@ impl Mode {
             DataplaneFlag::Kernel => Self::Kernel,
             DataplaneFlag::Auto if Path::new("/sys/module/wireguard").exists() => Self::Kernel,
             DataplaneFlag::Auto => Self::Userspace,
-        }
-    }
-
-    /// The wire enum.
-    pub fn to_proto(self) -> WireguardMode {
-        match self {
-            Self::None => WireguardMode::None,
-            Self::Userspace => WireguardMode::Userspace,
-            Self::Kernel => WireguardMode::Kernel,
         }
     }
 }

@@ -1,4 +1,4 @@
-//! The gateway's input: the local broker's TunnelEndpoints, followed with
+//! The gateway's port to the local broker: its TunnelEndpoints, followed with
 //! `Broker.WatchTunnelEndpoints`. A watch from revision 0 delivers the current records as
 //! ADDED and a BOOKMARK, then changes; the follower publishes a complete desired set only at
 //! that BOOKMARK (so a half-received snapshot never removes tunnels) and after each live change,
