@@ -6,8 +6,9 @@
 //!    read once, then the store; bound before the store, because the metrics registry the
 //!    listeners bring is what the store and every channel record into ([`Bootstrap::bind`]
 //!    alone for a service without a store);
-//! 2. [`Bootstrap::load_tls`], [`Bootstrap::local_channel`]: mutual TLS for other clusters
-//!    and channels to the cluster's other services, counted in this service's metrics;
+//!    and mutual TLS for other clusters when the flags ask for it;
+//! 2. [`Bootstrap::local_channel`]: channels to the cluster's other services, counted in this
+//!    service's metrics;
 //! 3. [`Bootstrap::cluster_facing`]: the mutual-TLS listener, its trust sync and certificate
 //!    reloader (ADR 0014), and which methods other clusters may call on the plaintext port;
 //! 4. [`Bootstrap::spawn`]: background tasks, always spawned the runtime's way and supervised
@@ -75,18 +76,19 @@ impl Service {
     }
 }
 
-/// What a stateful service opens at start: its cluster's identity and its store.
+/// What a stateful service opens at start: its cluster's identity, its store, and mutual TLS
+/// for other clusters when its `--tls-*` flags ask for it.
 #[derive(Debug)]
 pub struct Opened {
     pub identity: ClusterIdentity,
     pub store: trellis_store::SharedStore,
+    pub tls: Option<PeerTls>,
 }
 
 /// A service being started: bound, not yet serving.
 #[derive(Debug)]
 pub struct Bootstrap {
     service: &'static str,
-    cluster_id: String,
     tls: Option<(PeerTls, PeerTlsConfig)>,
     server: GrpcServer,
     shutdown: Shutdown,
@@ -113,7 +115,6 @@ impl Bootstrap {
             .with_local_token(local_token.clone());
         Ok(Self {
             service: service.name,
-            cluster_id: base.cluster_id.clone(),
             tls: None,
             server,
             shutdown: shutdown.clone(),
@@ -123,25 +124,35 @@ impl Bootstrap {
         })
     }
 
-    /// [`Self::bind`], then the cluster's identity and the service's store (`--store`), whose
-    /// operations count in this service's metrics: what every stateful service starts with.
+    /// [`Self::bind`], then the cluster's identity, the service's store (`--store`), whose
+    /// operations count in this service's metrics, and the mutual-TLS setup of `tls` (the
+    /// service's `--tls-*` flags; `None` for a service that never faces other clusters), kept
+    /// for [`Self::cluster_facing`]: what every stateful service starts with.
     pub async fn open(
         service: Service,
         common: &CommonConfig,
+        tls: Option<&PeerTlsConfig>,
         shutdown: &Shutdown,
     ) -> anyhow::Result<(Self, Opened)> {
         let identity = common.identity()?;
-        let boot = Self::bind(service, common, shutdown).await?;
+        let mut boot = Self::bind(service, common, shutdown).await?;
         let store = common.open_store(boot.metrics()).await?;
-        Ok((boot, Opened { identity, store }))
-    }
-
-    /// The mutual-TLS setup for other clusters, when the `--tls-*` flags ask for one; kept
-    /// for [`Self::cluster_facing`].
-    pub fn load_tls(&mut self, config: &PeerTlsConfig) -> anyhow::Result<Option<PeerTls>> {
-        let tls = config.load(&self.cluster_id)?;
-        self.tls = tls.clone().map(|tls| (tls, config.clone()));
-        Ok(tls)
+        let tls = match tls {
+            Some(config) => {
+                let loaded = config.load(identity.id.as_str())?;
+                boot.tls = loaded.clone().map(|loaded| (loaded, config.clone()));
+                loaded
+            }
+            None => None,
+        };
+        Ok((
+            boot,
+            Opened {
+                identity,
+                store,
+                tls,
+            },
+        ))
     }
 
     /// A channel to another service of this cluster at `address` (named by the flag `field`
@@ -162,7 +173,7 @@ impl Bootstrap {
     }
 
     /// Makes the service cluster-facing for `methods` (ADR 0014). With TLS loaded
-    /// ([`Self::load_tls`]) and `--peer-listen` given: the mutual-TLS listener, a task keeping
+    /// ([`Self::open`]) and `--peer-listen` given: the mutual-TLS listener, a task keeping
     /// the pinned CAs equal to the full peers `discovery` reports (required then), a task
     /// reloading renewed certificate files, and authorization on. Either way, other clusters
     /// may call `methods` on the plaintext port without the local token (with TLS their
@@ -320,7 +331,7 @@ mod tests {
     async fn a_service_without_tls_has_no_peer_listener_and_a_task_that_returns_fails_it() {
         let flags = common(&["--cluster-id", "a", "--listen", "127.0.0.1:0"]);
         let shutdown = Shutdown::new();
-        let (mut boot, opened) = Bootstrap::open(Service::IPAM, &flags, &shutdown)
+        let (mut boot, opened) = Bootstrap::open(Service::IPAM, &flags, None, &shutdown)
             .await
             .expect("opens");
         assert_eq!(opened.identity.id.as_str(), "a");

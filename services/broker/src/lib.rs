@@ -44,13 +44,23 @@ pub type Started = trellis_runtime::Started<Broker>;
 
 /// Opens the store, binds, starts serving and reconciling.
 pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started> {
-    let common = &config.common;
     if let Some(initial) = &config.token {
         token::check_format("--token", initial)?;
     }
-    let (mut boot, Opened { identity, store }) =
-        Bootstrap::open(Service::BROKER, common, &shutdown).await?;
-    let tls = boot.load_tls(&config.tls)?;
+    let (
+        mut boot,
+        Opened {
+            identity,
+            store,
+            tls,
+        },
+    ) = Bootstrap::open(
+        Service::BROKER,
+        &config.common,
+        Some(&config.tls),
+        &shutdown,
+    )
+    .await?;
     let clients = Clients::new(
         &config.discovery,
         &config.ipam,

@@ -275,3 +275,17 @@ impl DiscoveryApi for DiscoveryService {
         }))
     }
 }
+
+/// The gRPC routes of the discovery service.
+pub fn routes(
+    core: Arc<Discovery>,
+    bookmark_every: Duration,
+    authz: Authz,
+) -> tonic::service::Routes {
+    tonic::service::Routes::new(
+        trellis_api::pb::discovery::discovery_server::DiscoveryServer::new(
+            DiscoveryService::with_authz(core, bookmark_every, authz),
+        )
+        .max_decoding_message_size(crate::MAX_REQUEST_BYTES),
+    )
+}

@@ -33,15 +33,14 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use tonic::server::NamedService;
-use tonic::service::Routes;
 use trellis_api::pb::discovery::discovery_server::DiscoveryServer;
 use trellis_runtime::client::Timeouts;
-use trellis_runtime::peer::Authz;
 use trellis_runtime::{Bootstrap, Opened, Service, Shutdown};
 
 pub use crate::config::Config;
 pub use crate::core::Discovery;
 use crate::grpc::DiscoveryService;
+pub use crate::grpc::routes;
 use crate::neighborhood::SenderTiming;
 
 /// Largest request accepted, in bytes. A Neighborhood of a few hundred peers with all their
@@ -51,24 +50,26 @@ pub const MAX_REQUEST_BYTES: usize = 1024 * 1024;
 /// First retry delay after a failed Neighborhood send.
 const RETRY_INITIAL: Duration = Duration::from_millis(200);
 
-/// The gRPC routes of the discovery service.
-pub fn routes(core: Arc<Discovery>, bookmark_every: Duration, authz: Authz) -> Routes {
-    Routes::new(
-        DiscoveryServer::new(DiscoveryService::with_authz(core, bookmark_every, authz))
-            .max_decoding_message_size(MAX_REQUEST_BYTES),
-    )
-}
-
 /// A running discovery service.
 pub type Started = trellis_runtime::Started<Discovery>;
 
 /// Opens the store, checks the identity against it, binds, starts serving and starts the
 /// background tasks (Neighborhood sender, DNS-SRV, mDNS).
 pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started> {
-    let common = &config.common;
-    let (mut boot, Opened { identity, store }) =
-        Bootstrap::open(Service::DISCOVERY, common, &shutdown).await?;
-    let tls = boot.load_tls(&config.tls)?;
+    let (
+        mut boot,
+        Opened {
+            identity,
+            store,
+            tls,
+        },
+    ) = Bootstrap::open(
+        Service::DISCOVERY,
+        &config.common,
+        Some(&config.tls),
+        &shutdown,
+    )
+    .await?;
     let addr = boot.addr();
     // The pinned CAs are this service's own full peers: the trust sync watches them through
     // our own plaintext listener, like every other service watches its discovery.

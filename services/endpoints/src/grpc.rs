@@ -285,3 +285,13 @@ impl EndpointMapper for EndpointsService {
         }))
     }
 }
+
+/// The gRPC routes of the endpoints service.
+pub fn routes(core: Arc<Endpoints>, authz: Authz) -> tonic::service::Routes {
+    tonic::service::Routes::new(
+        trellis_api::pb::endpoints::endpoint_mapper_server::EndpointMapperServer::new(
+            EndpointsService::with_authz(core, authz),
+        )
+        .max_decoding_message_size(crate::MAX_REQUEST_BYTES),
+    )
+}

@@ -35,28 +35,19 @@ use std::sync::Arc;
 
 use anyhow::Context as _;
 use tonic::server::NamedService;
-use tonic::service::Routes;
 use trellis_api::pb::endpoints::endpoint_mapper_server::EndpointMapperServer;
-use trellis_runtime::peer::Authz;
 use trellis_runtime::{Bootstrap, Opened, Service, Shutdown};
 
 pub use crate::config::Config;
 pub use crate::core::Endpoints;
 use crate::grpc::EndpointsService;
+pub use crate::grpc::routes;
 pub use crate::kube::KubeWriter;
 use crate::remote::{ClientSettings, Clients};
 
 /// Largest request accepted, in bytes: a slice of 1000 endpoints with long names and labels
 /// stays well below; anything bigger is refused by the transport.
 pub const MAX_REQUEST_BYTES: usize = 4 * 1024 * 1024;
-
-/// The gRPC routes of the endpoints service.
-pub fn routes(core: Arc<Endpoints>, authz: Authz) -> Routes {
-    Routes::new(
-        EndpointMapperServer::new(EndpointsService::with_authz(core, authz))
-            .max_decoding_message_size(MAX_REQUEST_BYTES),
-    )
-}
 
 /// A running endpoints server.
 pub type Started = trellis_runtime::Started<Endpoints>;
@@ -95,10 +86,20 @@ async fn start_inner(
     shutdown: Shutdown,
 ) -> anyhow::Result<Started> {
     let writer = writer.or_else(|| client.clone().map(KubeWriter::new));
-    let common = &config.common;
-    let (mut boot, Opened { identity, store }) =
-        Bootstrap::open(Service::ENDPOINTS, common, &shutdown).await?;
-    let tls = boot.load_tls(&config.tls)?;
+    let (
+        mut boot,
+        Opened {
+            identity,
+            store,
+            tls,
+        },
+    ) = Bootstrap::open(
+        Service::ENDPOINTS,
+        &config.common,
+        Some(&config.tls),
+        &shutdown,
+    )
+    .await?;
     let clients = Clients::new(ClientSettings {
         ipam: config.ipam.clone(),
         discovery: config.discovery.clone(),

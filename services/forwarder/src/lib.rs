@@ -41,10 +41,20 @@ pub type Started = trellis_runtime::Started<Forwarder>;
 
 /// Opens the store, binds, starts serving and retrying relays.
 pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started> {
-    let common = &config.common;
-    let (mut boot, Opened { identity, store }) =
-        Bootstrap::open(Service::FORWARDER, common, &shutdown).await?;
-    let tls = boot.load_tls(&config.tls)?;
+    let (
+        mut boot,
+        Opened {
+            identity,
+            store,
+            tls,
+        },
+    ) = Bootstrap::open(
+        Service::FORWARDER,
+        &config.common,
+        Some(&config.tls),
+        &shutdown,
+    )
+    .await?;
     let core = Arc::new(Forwarder::new(
         identity,
         store,

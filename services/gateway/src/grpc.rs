@@ -182,3 +182,11 @@ fn mode_to_proto(mode: Mode) -> pb::WireguardMode {
         Mode::Kernel => pb::WireguardMode::Kernel,
     }
 }
+
+/// The gRPC routes of the gateway service.
+pub fn routes(core: Arc<Gateway>) -> tonic::service::Routes {
+    tonic::service::Routes::new(
+        trellis_api::pb::gateway::gateway_server::GatewayServer::new(GatewayService::new(core))
+            .max_decoding_message_size(crate::MAX_REQUEST_BYTES),
+    )
+}

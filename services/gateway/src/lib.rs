@@ -36,7 +36,6 @@ use std::sync::Arc;
 
 use anyhow::Context as _;
 use tonic::server::NamedService;
-use tonic::service::Routes;
 use trellis_api::pb::gateway::gateway_server::GatewayServer;
 use trellis_runtime::{Bootstrap, Opened, Service, Shutdown};
 
@@ -48,18 +47,12 @@ use crate::dataplane::engine::Engine;
 use crate::dataplane::linux::Linux;
 use crate::dataplane::wireguard::Flavor;
 use crate::grpc::GatewayService;
+pub use crate::grpc::routes;
 use crate::keys::KeyPair;
 use crate::ports::PortPolicy;
 
 /// Largest request accepted, in bytes: gateway requests carry at most a cluster ID.
 pub const MAX_REQUEST_BYTES: usize = 16 * 1024;
-
-/// The gRPC routes of the gateway service.
-pub fn routes(core: Arc<Gateway>) -> Routes {
-    Routes::new(
-        GatewayServer::new(GatewayService::new(core)).max_decoding_message_size(MAX_REQUEST_BYTES),
-    )
-}
 
 /// A running gateway; its task finishes when the server and the reconciler have stopped (the
 /// data plane removed).
@@ -70,8 +63,12 @@ pub type Started = trellis_runtime::Started<Gateway>;
 pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started> {
     let common = &config.common;
     let endpoint_host = config.endpoint_host()?;
-    let (mut boot, Opened { identity, store }) =
-        Bootstrap::open(Service::GATEWAY, common, &shutdown).await?;
+    let (
+        mut boot,
+        Opened {
+            identity, store, ..
+        },
+    ) = Bootstrap::open(Service::GATEWAY, common, None, &shutdown).await?;
     let keys = KeyPair::load_or_create(&store)
         .await
         .context("loading the gateway key")?;

@@ -238,3 +238,11 @@ impl IpamApi for IpamService {
         }))
     }
 }
+
+/// The gRPC routes of the IPAM service.
+pub fn routes(core: Arc<Ipam>, authz: Authz) -> tonic::service::Routes {
+    tonic::service::Routes::new(
+        trellis_api::pb::ipam::ipam_server::IpamServer::new(IpamService::with_authz(core, authz))
+            .max_decoding_message_size(crate::MAX_REQUEST_BYTES),
+    )
+}

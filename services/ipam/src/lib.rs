@@ -21,27 +21,18 @@ use std::sync::Arc;
 
 use anyhow::Context as _;
 use tonic::server::NamedService;
-use tonic::service::Routes;
 use trellis_api::pb::ipam::ipam_server::IpamServer;
 use trellis_runtime::client::Timeouts;
-use trellis_runtime::peer::Authz;
 use trellis_runtime::{Bootstrap, Opened, Service, Shutdown};
 
 pub use crate::config::Config;
 pub use crate::core::Ipam;
 use crate::grpc::IpamService;
+pub use crate::grpc::routes;
 
 /// Largest request accepted, in bytes. IPAM requests are a few strings; anything bigger is
 /// an abuse and is refused by the transport before it reaches a handler.
 pub const MAX_REQUEST_BYTES: usize = 16 * 1024;
-
-/// The gRPC routes of the IPAM service.
-pub fn routes(core: Arc<Ipam>, authz: Authz) -> Routes {
-    Routes::new(
-        IpamServer::new(IpamService::with_authz(core, authz))
-            .max_decoding_message_size(MAX_REQUEST_BYTES),
-    )
-}
 
 /// A running IPAM server.
 pub type Started = trellis_runtime::Started<Ipam>;
@@ -49,10 +40,8 @@ pub type Started = trellis_runtime::Started<Ipam>;
 /// Opens the store, checks the configuration against it, binds and starts serving.
 pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started> {
     let local = config.local_subnets()?;
-    let common = &config.common;
-    let (mut boot, Opened { store, .. }) =
-        Bootstrap::open(Service::IPAM, common, &shutdown).await?;
-    let tls = boot.load_tls(&config.tls)?;
+    let (mut boot, Opened { store, tls, .. }) =
+        Bootstrap::open(Service::IPAM, &config.common, Some(&config.tls), &shutdown).await?;
     let core = Arc::new(Ipam::open(store, local).await.context("opening the IPAM")?);
     // Only TLS pins peers' CAs, which is all the IPAM asks of discovery.
     let discovery = config
