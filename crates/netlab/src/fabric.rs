@@ -13,7 +13,7 @@ use trellis_api::pb::endpoints::{
     TranslationPath,
 };
 use trellis_api::pb::ipam::ListClusterSubnetsRequest;
-use trellis_api::pb::peering::{GetTokenRequest, ListTunnelEndpointsRequest, PeerRequest};
+use trellis_api::pb::peering::ListTunnelEndpointsRequest;
 use trellis_api::pb::types::{ClusterIdentity, PeeringKind};
 
 use crate::cluster::{ClusterOptions, NsCluster, Service, StoreKind};
@@ -233,28 +233,7 @@ impl Fabric {
 
     /// Cluster `from` peers with `to` using `to`'s token.
     pub async fn peer(&self, from: usize, to: usize) -> anyhow::Result<()> {
-        let token = self.clusters[to]
-            .broker()?
-            .get_token(GetTokenRequest {})
-            .await
-            .context("GetToken")?
-            .into_inner()
-            .token;
-        self.clusters[from]
-            .broker()?
-            .peer(PeerRequest {
-                broker_address: self.clusters[to].addr(Service::Broker).to_string(),
-                token,
-                expected_cluster_id: self.clusters[to].id.clone(),
-                ca_cert_hash: String::new(),
-            })
-            .await
-            .with_context(|| {
-                format!(
-                    "{} peers with {}",
-                    self.clusters[from].id, self.clusters[to].id
-                )
-            })?;
+        trellis_testkit::peering::try_peer(&self.clusters[from], &self.clusters[to]).await?;
         Ok(())
     }
 

@@ -20,6 +20,7 @@ use trellis_api::pb::types::{
 use trellis_api::peers::Condition;
 use trellis_discovery::{Config, Started, start};
 use trellis_runtime::Shutdown;
+use trellis_testkit::peering::full_peering;
 
 struct Cluster {
     id: String,
@@ -95,17 +96,13 @@ async fn peer_with(on: &mut Cluster, id: &str, discovery: &str, peered: bool) {
         .update_peering(UpdatePeeringRequest {
             identity: ident(id),
             peered,
-            addresses: Some(ServiceAddresses {
-                discovery: discovery.into(),
-                ..Default::default()
-            }),
-            outgoing_peering_enabled: true,
-            incoming_peering_enabled: true,
-            networking_enabled: true,
-            reason: String::new(),
-            message: String::new(),
-            expected_revision: 0,
-            ca_certificate: String::new(),
+            ..full_peering(
+                ClusterIdentity::default(),
+                ServiceAddresses {
+                    discovery: discovery.into(),
+                    ..Default::default()
+                },
+            )
         })
         .await
         .expect("update peering");

@@ -16,8 +16,8 @@ use clap::Parser as _;
 use tokio::net::TcpListener;
 use tokio_stream::wrappers::TcpListenerStream;
 use trellis_api::ClusterIdentity;
+use trellis_api::pb::discovery::ListForeignClustersRequest;
 use trellis_api::pb::discovery::discovery_client::DiscoveryClient;
-use trellis_api::pb::discovery::{ListForeignClustersRequest, UpdatePeeringRequest};
 use trellis_api::pb::types as pb;
 use trellis_discovery::core::PeeringUpdate;
 use trellis_discovery::neighborhood::SenderTiming;
@@ -26,6 +26,7 @@ use trellis_discovery::{Config, Discovery, start};
 use trellis_runtime::Shutdown;
 use trellis_runtime::peer::Authz;
 use trellis_store::MemoryStore;
+use trellis_testkit::peering::full_peering;
 
 const HOUR: Duration = Duration::from_secs(3600);
 const LIMIT: Duration = Duration::from_secs(60);
@@ -144,24 +145,16 @@ async fn a_send_that_failed_is_retried_when_the_peer_speaks_not_after_its_backof
     // The leaf records the peering and, as every cluster does, sends the hub its own
     // (empty) Neighborhood: the hub's send follows at once, an hour early.
     leaf_client
-        .update_peering(UpdatePeeringRequest {
-            identity: Some(pb::ClusterIdentity {
+        .update_peering(full_peering(
+            pb::ClusterIdentity {
                 cluster_id: "hub".into(),
                 cluster_name: String::new(),
-            }),
-            peered: true,
-            addresses: Some(pb::ServiceAddresses {
+            },
+            pb::ServiceAddresses {
                 discovery: hub_addr.to_string(),
                 ..Default::default()
-            }),
-            outgoing_peering_enabled: true,
-            incoming_peering_enabled: true,
-            networking_enabled: true,
-            reason: String::new(),
-            message: String::new(),
-            expected_revision: 0,
-            ca_certificate: String::new(),
-        })
+            },
+        ))
         .await
         .expect("leaf records the hub");
     let deadline = Instant::now() + LIMIT;

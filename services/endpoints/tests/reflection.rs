@@ -507,19 +507,14 @@ async fn a_silent_remote_ipam_costs_a_bounded_time_and_takes_the_hub_path() {
     .await
     .expect("connects")
     .update_peering(trellis_api::pb::discovery::UpdatePeeringRequest {
-        identity: Some(a),
-        peered: true,
-        addresses: Some(trellis_api::pb::types::ServiceAddresses {
-            ipam: silent.local_addr().expect("addr").to_string(),
-            ..Default::default()
-        }),
-        outgoing_peering_enabled: true,
-        incoming_peering_enabled: true,
-        networking_enabled: true,
         reason: "HandshakeCompleted".into(),
-        message: String::new(),
-        expected_revision: 0,
-        ca_certificate: String::new(),
+        ..trellis_testkit::peering::full_peering(
+            a,
+            trellis_api::pb::types::ServiceAddresses {
+                ipam: silent.local_addr().expect("addr").to_string(),
+                ..Default::default()
+            },
+        )
     })
     .await
     .expect("re-peer");

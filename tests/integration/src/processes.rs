@@ -9,7 +9,6 @@
 //! Flags mirror [`crate::cluster::InProcessCluster`] (which has no endpoints service).
 
 use std::collections::BTreeMap;
-use std::fmt;
 use std::net::SocketAddr;
 use std::process::Command;
 
@@ -21,69 +20,13 @@ use trellis_api::pb::ipam::ipam_client::IpamClient;
 use trellis_api::pb::peering::broker_client::BrokerClient;
 use trellis_api::pb::peering::forwarder_client::ForwarderClient;
 use trellis_testkit::Etcd;
+/// The services a [`ProcessCluster`] runs: the lab's enum, one for every test.
+pub use trellis_testkit::Service;
 
 use crate::ServiceProcess;
 use crate::cluster::Services;
 use crate::cut::{Cut, Side};
 use crate::gate::Gate;
-
-/// One of the services a [`ProcessCluster`] runs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub enum Service {
-    Ipam,
-    Gateway,
-    Discovery,
-    Forwarder,
-    Broker,
-    Endpoints,
-}
-
-impl Service {
-    /// Every service, in start order (callees before their callers).
-    pub const ALL: [Service; 6] = [
-        Service::Ipam,
-        Service::Gateway,
-        Service::Discovery,
-        Service::Forwarder,
-        Service::Broker,
-        Service::Endpoints,
-    ];
-
-    /// Short name: `ipam`, `gateway`, ...
-    pub fn name(self) -> &'static str {
-        match self {
-            Service::Ipam => "ipam",
-            Service::Gateway => "gateway",
-            Service::Discovery => "discovery",
-            Service::Forwarder => "forwarder",
-            Service::Broker => "broker",
-            Service::Endpoints => "endpoints",
-        }
-    }
-
-    /// The binary, `trellis-<name>`.
-    pub fn binary(self) -> String {
-        format!("trellis-{}", self.name())
-    }
-
-    /// The gRPC service whose health says the process is ready.
-    pub fn grpc_service(self) -> &'static str {
-        match self {
-            Service::Ipam => "trellis.ipam.v1.Ipam",
-            Service::Gateway => "trellis.gateway.v1.Gateway",
-            Service::Discovery => "trellis.discovery.v1.Discovery",
-            Service::Forwarder => "trellis.peering.v1.Forwarder",
-            Service::Broker => "trellis.peering.v1.Broker",
-            Service::Endpoints => "trellis.endpoints.v1.EndpointMapper",
-        }
-    }
-}
-
-impl fmt::Display for Service {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
-    }
-}
 
 fn strings(list: &[&str]) -> Vec<String> {
     list.iter().map(|s| (*s).to_owned()).collect()

@@ -15,6 +15,7 @@ use trellis_api::pb::types::{
 };
 use trellis_api::peers::{Condition, UNPEERED_REASON};
 use trellis_integration::{ServiceProcess, free_addr};
+use trellis_testkit::peering::full_peering;
 use trellis_testkit::{Etcd, require_tool};
 
 const DISCOVERY: &str = "trellis.discovery.v1.Discovery";
@@ -61,27 +62,23 @@ async fn peer(on: &ServiceProcess, peer_id: &str, peer_addr: SocketAddr, peered:
     client(on)
         .await
         .update_peering(UpdatePeeringRequest {
-            identity: Some(ClusterIdentity {
-                cluster_id: peer_id.into(),
-                cluster_name: format!("cluster {peer_id}"),
-            }),
             peered,
-            addresses: Some(ServiceAddresses {
-                discovery: peer_addr.to_string(),
-                ..Default::default()
-            }),
-            outgoing_peering_enabled: true,
-            incoming_peering_enabled: true,
-            networking_enabled: true,
             reason: if peered {
                 "HandshakeCompleted"
             } else {
                 UNPEERED_REASON
             }
             .into(),
-            message: String::new(),
-            expected_revision: 0,
-            ca_certificate: String::new(),
+            ..full_peering(
+                ClusterIdentity {
+                    cluster_id: peer_id.into(),
+                    cluster_name: format!("cluster {peer_id}"),
+                },
+                ServiceAddresses {
+                    discovery: peer_addr.to_string(),
+                    ..Default::default()
+                },
+            )
         })
         .await
         .expect("update peering");
@@ -134,18 +131,21 @@ async fn wait_for(p: &ServiceProcess, active: &[&str], withdrawn: &[&str], what:
         .map(|id| ((*id).to_owned(), "b".to_owned()))
         .collect();
     let want_withdrawn: Vec<String> = withdrawn.iter().map(|s| (*s).to_owned()).collect();
-    let deadline = Instant::now() + PROPAGATION;
-    loop {
+    let waited = trellis_testkit::within(what, PROPAGATION, || async {
         let got = induced(p).await;
         if got.0 == want_active && got.1 == want_withdrawn {
-            return;
+            Ok(())
+        } else {
+            Err(format!("{got:?}"))
         }
-        assert!(
-            Instant::now() < deadline,
-            "{what}: have {got:?}, want active {want_active:?} withdrawn {want_withdrawn:?}\n{}",
+    })
+    .await;
+    if let Err(timed_out) = waited {
+        panic!(
+            "{what}: have {}, want active {want_active:?} withdrawn {want_withdrawn:?}\n{}",
+            timed_out.last.unwrap_or_default(),
             p.log_tail(30)
         );
-        tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
 

@@ -14,8 +14,7 @@ use trellis_api::pb::endpoints::{
     ListReflectedSlicesRequest, UnexportServiceRequest,
 };
 use trellis_api::pb::ipam::ListClusterSubnetsRequest;
-use trellis_api::pb::peering::{GetTokenRequest, PeerRequest};
-use trellis_integration::peering::host_at;
+use trellis_integration::peering::{host_at, peer};
 use trellis_integration::processes::{ProcessCluster, Service};
 
 const POD_CIDR: &str = "10.0.0.0/16";
@@ -139,26 +138,7 @@ async fn exports_and_imports_survive_kill_9_of_either_endpoints_service() {
     let (Some(mut b), Some(mut a)) = (b.expect("b starts"), a.expect("a starts")) else {
         return;
     };
-    let token = b
-        .broker()
-        .await
-        .expect("connects")
-        .get_token(GetTokenRequest {})
-        .await
-        .expect("token")
-        .into_inner()
-        .token;
-    a.broker()
-        .await
-        .expect("connects")
-        .peer(PeerRequest {
-            broker_address: b.services.broker.to_string(),
-            token,
-            expected_cluster_id: "hub-b".into(),
-            ca_cert_hash: String::new(),
-        })
-        .await
-        .expect("a peers with b");
+    peer(&a, &b).await;
 
     a.endpoints()
         .await
@@ -281,26 +261,7 @@ async fn an_exporter_that_lost_its_endpoints_store_still_updates_its_consumers()
     let (Some(b), Some(mut a)) = (b.expect("b starts"), a.expect("a starts")) else {
         return;
     };
-    let token = b
-        .broker()
-        .await
-        .expect("connects")
-        .get_token(GetTokenRequest {})
-        .await
-        .expect("token")
-        .into_inner()
-        .token;
-    a.broker()
-        .await
-        .expect("connects")
-        .peer(PeerRequest {
-            broker_address: b.services.broker.to_string(),
-            token,
-            expected_cluster_id: "hub-b".into(),
-            ca_cert_hash: String::new(),
-        })
-        .await
-        .expect("a peers with b");
+    peer(&a, &b).await;
     export_on(&a, &["10.0.0.7"]).await;
     let deadline = Instant::now() + LIMIT;
     while held(&b).await.unwrap_or_default().is_empty() {

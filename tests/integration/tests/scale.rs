@@ -94,21 +94,23 @@ async fn diagnose(hub: &InProcessCluster, leaves: &[InProcessCluster]) -> String
     report
 }
 
-async fn wait_until(
+/// Polls `done` until it holds; on timeout fails with a diagnosis of every cluster.
+async fn wait_until<F, Fut>(
     hub: &InProcessCluster,
     leaves: &[InProcessCluster],
     what: &str,
-    mut done: impl AsyncFnMut() -> bool,
-) {
-    let deadline = Instant::now() + LIMIT;
-    while !done().await {
-        if Instant::now() > deadline {
-            panic!(
-                "timed out after {LIMIT:?} waiting for {what}:\n{}",
-                diagnose(hub, leaves).await
-            );
-        }
-        tokio::time::sleep(Duration::from_millis(250)).await;
+    mut done: F,
+) where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = bool>,
+{
+    if let Err(timed_out) = trellis_testkit::within(what, LIMIT, || {
+        let done = done();
+        async move { done.await.then_some(()) }
+    })
+    .await
+    {
+        panic!("{timed_out}:\n{}", diagnose(hub, leaves).await);
     }
 }
 
@@ -153,7 +155,7 @@ async fn a_hub_and_twenty_leaves_converge_to_the_full_induced_mesh() {
         peered.expect("a leaf peers with the hub");
     }
     let expected = LEAVES * (LEAVES - 1);
-    wait_until(&hub, &leaves, "the full induced mesh", async || {
+    wait_until(&hub, &leaves, "the full induced mesh", || async {
         total_induced(&leaves).await == expected
     })
     .await;
@@ -186,7 +188,7 @@ async fn a_hub_and_twenty_leaves_converge_to_the_full_induced_mesh() {
         &hub,
         &leaves,
         "leaf-00's induced peerings withdrawn",
-        async || {
+        || async {
             for leaf in &leaves[1..] {
                 if induced_remotes(leaf).await.iter().any(|r| r == "leaf-00") {
                     return false;

@@ -17,6 +17,7 @@ use trellis_api::pb::ipam::ipam_client::IpamClient;
 use trellis_api::pb::ipam::{GetSubnetsPerClusterRequest, SetLocalNatRequest};
 use trellis_api::pb::types::{ClusterIdentity, ServiceAddresses};
 use trellis_runtime::Shutdown;
+use trellis_testkit::peering::full_peering;
 
 pub const POD_CIDR: &str = "10.0.0.0/16";
 
@@ -201,21 +202,16 @@ impl Cluster {
     pub async fn peer_with(&self, peer: &Cluster) {
         DiscoveryClient::new(channel(self.discovery).await)
             .update_peering(UpdatePeeringRequest {
-                identity: Some(peer.identity()),
-                peered: true,
-                addresses: Some(ServiceAddresses {
-                    discovery: peer.discovery.to_string(),
-                    ipam: peer.ipam.to_string(),
-                    endpoints: peer.endpoints.to_string(),
-                    ..Default::default()
-                }),
-                outgoing_peering_enabled: true,
-                incoming_peering_enabled: true,
-                networking_enabled: true,
                 reason: "HandshakeCompleted".into(),
-                message: String::new(),
-                expected_revision: 0,
-                ca_certificate: String::new(),
+                ..full_peering(
+                    peer.identity(),
+                    ServiceAddresses {
+                        discovery: peer.discovery.to_string(),
+                        ipam: peer.ipam.to_string(),
+                        endpoints: peer.endpoints.to_string(),
+                        ..Default::default()
+                    },
+                )
             })
             .await
             .expect("update peering");
