@@ -78,6 +78,29 @@ where
     }
 }
 
+/// Looks with `probe` until it answers `want`; panics naming `what`, the last answer and `want`
+/// once `limit` has passed. The shape of most waits: a state that must converge to a value.
+pub async fn eventually_eq<T, F, Fut>(what: &str, limit: Duration, want: T, mut probe: F)
+where
+    T: PartialEq + fmt::Debug,
+    F: FnMut() -> Fut,
+    Fut: Future<Output = T>,
+{
+    let want = &want;
+    eventually(what, limit, || {
+        let got = probe();
+        async move {
+            let got = got.await;
+            if got == *want {
+                Ok(())
+            } else {
+                Err(format!("still {got:?}, want {want:?}"))
+            }
+        }
+    })
+    .await;
+}
+
 /// [`eventually`] for a test that adds to the failure (log tails, a diagnosis) before it panics:
 /// returns the timeout instead of panicking with it.
 pub async fn within<T, O, F, Fut>(what: &str, limit: Duration, mut check: F) -> Result<T, TimedOut>
@@ -145,6 +168,12 @@ mod tests {
     #[should_panic(expected = "timed out after 1s waiting for nothing")]
     async fn eventually_panics_when_the_limit_passes() {
         eventually("nothing", Duration::from_secs(1), || async { None::<()> }).await;
+    }
+
+    #[tokio::test(start_paused = true)]
+    #[should_panic(expected = "waiting for two; last seen: still 1, want 2")]
+    async fn eventually_eq_reports_the_last_answer_and_the_wanted_one() {
+        eventually_eq("two", Duration::from_secs(1), 2, || async { 1 }).await;
     }
 
     #[tokio::test(start_paused = true)]

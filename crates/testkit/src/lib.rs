@@ -13,7 +13,7 @@
 //! - [`SilentRelay`]: a TCP relay a test turns silent (swallows everything, closes nothing), to
 //!   play a crashed node or a dropping partition on loopback;
 //! - [`spawn_tied`]: a child process killed when this process dies, however it dies;
-//! - [`eventually`] / [`within`]: the one poller every test waits with;
+//! - [`eventually`] / [`eventually_eq`] / [`within`]: the one poller every test waits with;
 //! - [`Service`]: the Trellis services a lab or a test starts as processes;
 //! - [`peering`]: one cluster peering with another ([`peering::peer`]), a discovery service told
 //!   of a full peer ([`peering::full_peering`]).
@@ -35,7 +35,7 @@ pub mod wireguard;
 
 pub use etcd::Etcd;
 pub use etcd_tls::EtcdTlsFiles;
-pub use eventually::{Observation, POLL, TimedOut, eventually, within};
+pub use eventually::{Observation, POLL, TimedOut, eventually, eventually_eq, within};
 pub use kube_fake::FakeApiServer;
 pub use ports::free_port;
 pub use service::Service;

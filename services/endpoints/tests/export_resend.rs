@@ -10,7 +10,7 @@ mod common;
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-use common::{Cluster, Fabric, at};
+use common::{Cluster, Fabric, at, until};
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use trellis_api::pb::endpoints::{
     ApplyReflectedSliceRequest, DeleteReflectedSliceRequest, Endpoint, EndpointConditions,
@@ -84,26 +84,6 @@ async fn addresses(cluster: &Cluster, source: &str) -> Option<Vec<String>> {
     })
 }
 
-async fn until<T, F, Fut>(what: &str, want: T, mut probe: F)
-where
-    T: PartialEq + std::fmt::Debug,
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = T>,
-{
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        let got = probe().await;
-        if got == want {
-            return;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "{what}: still {got:?}, want {want:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
-
 /// The sum of every sample of `name` whose labels contain each of `labels`, from the
 /// Prometheus text `/metrics` at `addr`.
 async fn metric(addr: Option<SocketAddr>, name: &str, labels: &[&str]) -> f64 {
@@ -168,19 +148,15 @@ async fn applies(cluster: &Cluster) -> f64 {
 
 /// Waits until `cluster` has been handed at least `n` more slices than `from`.
 async fn until_applies(what: &str, cluster: &Cluster, from: f64, n: f64) {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
+    trellis_testkit::eventually(what, common::LIMIT, || async {
         let now = applies(cluster).await;
         if now >= from + n {
-            return;
+            Ok(())
+        } else {
+            Err(format!("{} resends, want {n}", now - from))
         }
-        assert!(
-            Instant::now() < deadline,
-            "{what}: {} resends in 30 s, want {n}",
-            now - from
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    })
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -5,9 +5,9 @@
 
 mod common;
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use common::{Cluster, Fabric, at, view};
+use common::{Cluster, Fabric, at, until, view};
 use tonic::Code;
 use trellis_api::pb::endpoints::{
     EndpointPort, ExportServiceRequest, ExportedEndpoint, ListExportsRequest,
@@ -71,27 +71,6 @@ async fn imported(cluster: &Cluster, source: &str) -> Option<Vec<(String, bool)>
             })
             .collect(),
     )
-}
-
-/// Polls `probe` until it returns `want`, with a generous deadline.
-async fn until<T, F, Fut>(what: &str, want: T, mut probe: F)
-where
-    T: PartialEq + std::fmt::Debug,
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = T>,
-{
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        let got = probe().await;
-        if got == want {
-            return;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "{what}: still {got:?}, want {want:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
 }
 
 #[tokio::test]

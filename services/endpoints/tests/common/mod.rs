@@ -21,6 +21,20 @@ use trellis_testkit::peering::full_peering;
 
 pub const POD_CIDR: &str = "10.0.0.0/16";
 
+/// How long an endpoint test waits for a change to reach the clusters it should: generous, the
+/// services share two cores with the other tests.
+pub const LIMIT: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// Polls `probe` until it answers `want`, within [`LIMIT`].
+pub async fn until<T, F, Fut>(what: &str, want: T, probe: F)
+where
+    T: PartialEq + std::fmt::Debug,
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = T>,
+{
+    trellis_testkit::eventually_eq(what, LIMIT, want, probe).await;
+}
+
 /// One in-process cluster.
 #[derive(Debug)]
 pub struct Cluster {
