@@ -12,7 +12,9 @@ use anyhow::Context as _;
 use tonic::transport::Channel;
 use trellis_api::pb::discovery::UpdatePeeringRequest;
 use trellis_api::pb::peering::broker_client::BrokerClient;
-use trellis_api::pb::peering::{GetTokenRequest, PeerRequest, PeerResponse};
+use trellis_api::pb::peering::{
+    GetTokenRequest, PeerRequest, PeerResponse, UnpeerRequest, UnpeerResponse,
+};
 use trellis_api::pb::types::{ClusterIdentity, ServiceAddresses};
 
 /// A cluster whose broker a test can call and other clusters can peer with.
@@ -100,6 +102,20 @@ pub async fn peer(from: &impl Peerable, to: &impl Peerable) {
         answer.identity.map(|i| i.cluster_id).as_deref(),
         Some(to.cluster_id())
     );
+}
+
+/// `from` unpeers `remote` through its broker and returns the answer (whether there was a
+/// peering to end); panics if the call fails.
+pub async fn unpeer(from: &impl Peerable, remote: &str) -> UnpeerResponse {
+    from.broker_client()
+        .await
+        .expect("connects to the broker")
+        .unpeer(UnpeerRequest {
+            cluster_id: remote.to_owned(),
+        })
+        .await
+        .unwrap_or_else(|err| panic!("{} unpeers {remote}: {err:?}", from.cluster_id()))
+        .into_inner()
 }
 
 /// What a broker tells its discovery service once a handshake with `identity` completed: a

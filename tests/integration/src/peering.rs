@@ -19,7 +19,7 @@ use crate::cluster::InProcessCluster;
 use crate::processes::ProcessCluster;
 
 pub use trellis_testkit::eventually;
-pub use trellis_testkit::peering::{Peerable, peer, peer_with_token, token};
+pub use trellis_testkit::peering::{Peerable, peer, peer_with_token, token, unpeer};
 
 impl Peerable for InProcessCluster {
     fn cluster_id(&self) -> &str {

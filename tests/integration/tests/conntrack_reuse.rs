@@ -34,8 +34,8 @@ use std::time::{Duration, Instant};
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use trellis_api::pb::endpoints::TranslationPath;
-use trellis_api::pb::peering::UnpeerRequest;
 use trellis_api::pb::types::PeeringKind;
+use trellis_integration::peering::unpeer;
 use trellis_netlab::netns::{connect_in, exec, listen_in, udp_in};
 use trellis_netlab::{Fabric, FabricOptions, Service, StoreKind};
 
@@ -259,14 +259,7 @@ async fn a_freed_range_is_not_handed_to_the_next_peer_while_flows_towards_it_run
     let unpeer = |leaf: usize| {
         let fabric = &fabric;
         async move {
-            fabric.clusters[L]
-                .broker()
-                .expect("broker")
-                .unpeer(UnpeerRequest {
-                    cluster_id: fabric.clusters[leaf].id.clone(),
-                })
-                .await
-                .expect("Unpeer");
+            unpeer(&fabric.clusters[L], &fabric.clusters[leaf].id).await;
             // L's IPAM has freed the leaf's ranges once it no longer lists them.
             let started = Instant::now();
             while fabric.view(L, leaf, false).await.is_ok() {
@@ -438,14 +431,7 @@ async fn replies_of_a_removed_peer_never_enter_the_tunnel_of_the_peer_that_reuse
     assert_eq!(&buf, b"hello");
 
     // L unpeers the old peer; the new one gets the port, the mark and the table.
-    fabric.clusters[L]
-        .broker()
-        .expect("broker")
-        .unpeer(UnpeerRequest {
-            cluster_id: fabric.clusters[old].id.clone(),
-        })
-        .await
-        .expect("Unpeer");
+    unpeer(&fabric.clusters[L], &fabric.clusters[old].id).await;
     fabric
         .wait_tunnel_endpoints(
             L,
@@ -560,14 +546,7 @@ async fn a_hub_path_flow_never_follows_its_removed_mapping_into_the_next_peers_t
     let unpeer = |leaf: usize| {
         let fabric = &fabric;
         async move {
-            fabric.clusters[HUB]
-                .broker()
-                .expect("broker")
-                .unpeer(UnpeerRequest {
-                    cluster_id: fabric.clusters[leaf].id.clone(),
-                })
-                .await
-                .expect("Unpeer");
+            unpeer(&fabric.clusters[HUB], &fabric.clusters[leaf].id).await;
             let started = Instant::now();
             while fabric.view(HUB, leaf, false).await.is_ok() {
                 assert!(started.elapsed() < LIMIT, "L's IPAM keeps {leaf}'s mapping");

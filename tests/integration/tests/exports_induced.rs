@@ -14,9 +14,9 @@ use trellis_api::pb::endpoints::{
     EndpointPort, ExportServiceRequest, ExportedEndpoint, ListReflectedSlicesRequest,
     ReflectEndpointSliceRequest, UnexportServiceRequest,
 };
-use trellis_api::pb::peering::UnpeerRequest;
 use trellis_api::pb::types;
 use trellis_integration::cluster::InProcessCluster;
+use trellis_integration::peering::unpeer;
 use trellis_integration::peering::{eventually, host_at, peer, pod_view, tunnel_to, web_slice};
 
 const LIMIT: Duration = Duration::from_secs(60);
@@ -257,16 +257,7 @@ async fn a_leafs_export_reaches_the_other_leaf_directly_and_unpeering_removes_wh
     .await;
 
     // B unpeers A: B drops what A brought, C loses it through B, A drops what B brought.
-    let unpeered = b
-        .broker()
-        .await
-        .expect("connects")
-        .unpeer(UnpeerRequest {
-            cluster_id: "leaf-a".into(),
-        })
-        .await
-        .expect("unpeers")
-        .into_inner();
+    let unpeered = unpeer(&b, "leaf-a").await;
     assert!(unpeered.unpeered);
     until_held("B drops A's import", &b, "leaf-a", vec![]).await;
     until_held(

@@ -20,8 +20,8 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use trellis_api::pb::gateway::ListTunnelsRequest;
-use trellis_api::pb::peering::UnpeerRequest;
 use trellis_api::pb::types::PeeringKind;
+use trellis_integration::peering::unpeer;
 use trellis_integration::prom::{parse, parser_python, scrape_in};
 use trellis_netlab::netns::exec;
 use trellis_netlab::{Fabric, FabricOptions, Service};
@@ -113,14 +113,7 @@ async fn a_change_to_one_peer_reconfigures_that_peer_only() {
         tokio::time::sleep(Duration::from_secs(2)).await;
     };
 
-    fabric.clusters[H]
-        .broker()
-        .expect("hub broker")
-        .unpeer(UnpeerRequest {
-            cluster_id: "c".into(),
-        })
-        .await
-        .expect("the hub unpeers c");
+    unpeer(&fabric.clusters[H], "c").await;
     fabric
         .wait_tunnel_endpoints(
             A,

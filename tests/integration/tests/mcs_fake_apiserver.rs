@@ -23,10 +23,10 @@ use trellis_api::pb::endpoints::{
     EndpointPort, ExportServiceRequest, ExportedEndpoint, ListExportsRequest,
     UnexportServiceRequest,
 };
-use trellis_api::pb::peering::UnpeerRequest;
 use trellis_endpoints::kube::derived_service_name;
 use trellis_endpoints::mcs::ServiceExport;
 use trellis_integration::cluster::{InProcessCluster, Options};
+use trellis_integration::peering::unpeer;
 use trellis_integration::peering::{eventually, host_at, peer, pod_view, tunnel_to};
 use trellis_testkit::{Etcd, FakeApiServer};
 
@@ -517,17 +517,7 @@ async fn service_export_through_fake_api_servers_reaches_hub_and_induced_leaf_me
     // Exported again, then A is unpeered: everything A brought is gone from B and C.
     export(&a, 8080, &[("10.0.0.9", true)]).await;
     until("B imports A's web again", &b, &one_pod).await;
-    let unpeered = b
-        .cluster
-        .broker()
-        .await
-        .expect("connects")
-        .unpeer(UnpeerRequest {
-            cluster_id: "leaf-a".into(),
-        })
-        .await
-        .expect("unpeers")
-        .into_inner();
+    let unpeered = unpeer(&b.cluster, "leaf-a").await;
     assert!(unpeered.unpeered);
     until("B drops A's import after unpeering", &b, &absent()).await;
     until("C drops A's import after unpeering", &c, &absent()).await;

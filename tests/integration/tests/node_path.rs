@@ -15,9 +15,9 @@ use std::time::{Duration, Instant};
 
 use ipnet::Ipv4Net;
 use trellis_api::pb::gateway::ListTunnelsRequest;
-use trellis_api::pb::peering::UnpeerRequest;
 use trellis_api::pb::route::GetStatusRequest;
 use trellis_api::pb::route::route_client::RouteClient;
+use trellis_integration::peering::unpeer;
 use trellis_integration::prom::{parse, parser_python, scrape_in};
 use trellis_netlab::netns::{exec, ip};
 use trellis_netlab::topology::link_counters;
@@ -415,14 +415,7 @@ async fn killed_agents_and_gateways_recover_without_duplicates_and_unpeering_cle
         (A, fabric.view(A, C, false).await.expect("view").to_string()),
         (B, fabric.view(B, C, false).await.expect("view").to_string()),
     ];
-    fabric.clusters[C]
-        .broker()
-        .expect("broker")
-        .unpeer(UnpeerRequest {
-            cluster_id: fabric.clusters[B].id.clone(),
-        })
-        .await
-        .expect("unpeers");
+    unpeer(&fabric.clusters[C], &fabric.clusters[B].id).await;
     let deadline = Instant::now() + LIMIT;
     loop {
         let left: Vec<String> = c_views

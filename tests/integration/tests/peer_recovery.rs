@@ -5,8 +5,8 @@
 
 use std::time::Duration;
 
-use trellis_api::pb::peering::UnpeerRequest;
 use trellis_api::pb::types;
+use trellis_integration::peering::unpeer;
 use trellis_integration::peering::{eventually, no_tunnel_to, peer, tunnel_to};
 use trellis_integration::processes::{Options, ProcessCluster, Service};
 
@@ -50,14 +50,7 @@ async fn a_leaf_unpeered_and_re_peered_while_the_third_is_cut_off_gets_its_tunne
 
     // C is cut off from everyone; meanwhile the hub unpeers A and A peers again.
     c.partition(true);
-    b.broker()
-        .await
-        .expect("connects")
-        .unpeer(UnpeerRequest {
-            cluster_id: a.id.clone(),
-        })
-        .await
-        .expect("unpeers");
+    unpeer(&b, &a.id).await;
     eventually("A drops its tunnel to C", LIMIT, || async {
         no_tunnel_to(&a, &c.id).await
     })

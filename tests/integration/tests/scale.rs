@@ -7,11 +7,12 @@ use std::time::{Duration, Instant};
 use trellis_api::pb::peering::forwarder_client::ForwarderClient;
 use trellis_api::pb::peering::{
     GetTokenRequest, ListNetworkConfigsRequest, ListRelaysRequest, ListTunnelEndpointsRequest,
-    PeerRequest, UnpeerRequest,
+    PeerRequest,
 };
 use trellis_api::pb::types::PeeringKind;
 use trellis_integration::cluster::InProcessCluster;
 use trellis_integration::join_all;
+use trellis_integration::peering::unpeer;
 
 const LEAVES: usize = 20;
 const LIMIT: Duration = Duration::from_secs(120);
@@ -176,14 +177,7 @@ async fn a_hub_and_twenty_leaves_converge_to_the_full_induced_mesh() {
     }
 
     // The hub unpeers leaf-00: its 19 induced peerings go away on the others.
-    hub.broker()
-        .await
-        .expect("hub broker")
-        .unpeer(UnpeerRequest {
-            cluster_id: "leaf-00".into(),
-        })
-        .await
-        .expect("unpeers");
+    unpeer(&hub, "leaf-00").await;
     wait_until(
         &hub,
         &leaves,
