@@ -1,4 +1,4 @@
-//! Peering two clusters the way an operator does, and telling a discovery service that a
+//! Peering two clusters the way an operator does (and reading the tunnels that result), and telling a discovery service that a
 //! cluster is its peer the way a broker does: the calls every multi-cluster test and lab makes
 //! before what it tests.
 //!
@@ -13,9 +13,10 @@ use tonic::transport::Channel;
 use trellis_api::pb::discovery::UpdatePeeringRequest;
 use trellis_api::pb::peering::broker_client::BrokerClient;
 use trellis_api::pb::peering::{
-    GetTokenRequest, PeerRequest, PeerResponse, UnpeerRequest, UnpeerResponse,
+    GetTokenRequest, ListTunnelEndpointsRequest, PeerRequest, PeerResponse, UnpeerRequest,
+    UnpeerResponse,
 };
-use trellis_api::pb::types::{ClusterIdentity, ServiceAddresses};
+use trellis_api::pb::types::{ClusterIdentity, ServiceAddresses, TunnelEndpoint};
 
 /// A cluster whose broker a test can call and other clusters can peer with.
 pub trait Peerable: Sync {
@@ -116,6 +117,51 @@ pub async fn unpeer(from: &impl Peerable, remote: &str) -> UnpeerResponse {
         .await
         .unwrap_or_else(|err| panic!("{} unpeers {remote}: {err:?}", from.cluster_id()))
         .into_inner()
+}
+
+/// The cluster's TunnelEndpoints.
+pub async fn tunnels(cluster: &impl Peerable) -> anyhow::Result<Vec<TunnelEndpoint>> {
+    Ok(cluster
+        .broker_client()
+        .await?
+        .list_tunnel_endpoints(ListTunnelEndpointsRequest::default())
+        .await?
+        .into_inner()
+        .tunnel_endpoints)
+}
+
+/// The cluster's TunnelEndpoint towards `remote`; `None` also while its broker cannot be
+/// reached (callers poll through restarts). For waiting until a tunnel exists only: absence
+/// checks use [`no_tunnel_to`] or [`answered_tunnel_to`].
+pub async fn tunnel_to(cluster: &impl Peerable, remote: &str) -> Option<TunnelEndpoint> {
+    tunnels(cluster)
+        .await
+        .ok()?
+        .into_iter()
+        .find(|t| t.remote.as_ref().is_some_and(|r| r.cluster_id == remote))
+}
+
+/// The cluster's TunnelEndpoint towards `remote` as its broker answers; an error when the
+/// broker cannot be asked. What absence checks use: an unreachable broker must not read as "no
+/// tunnel".
+pub async fn answered_tunnel_to(
+    cluster: &impl Peerable,
+    remote: &str,
+) -> anyhow::Result<Option<TunnelEndpoint>> {
+    Ok(tunnels(cluster)
+        .await?
+        .into_iter()
+        .find(|t| t.remote.as_ref().is_some_and(|r| r.cluster_id == remote)))
+}
+
+/// `Some` once the cluster's broker answers that it holds no TunnelEndpoint towards `remote`;
+/// `None` while it holds one and while it cannot be reached (for [`crate::eventually`]: absence is
+/// proven by an answer, never by a failed call).
+pub async fn no_tunnel_to(cluster: &impl Peerable, remote: &str) -> Option<()> {
+    match answered_tunnel_to(cluster, remote).await {
+        Ok(None) => Some(()),
+        Ok(Some(_)) | Err(_) => None,
+    }
 }
 
 /// What a broker tells its discovery service once a handshake with `identity` completed: a

@@ -11,7 +11,6 @@ use ipnet::IpNet;
 use tonic::transport::Channel;
 use trellis_api::pb::endpoints::{AddressType, Endpoint, EndpointSlice};
 use trellis_api::pb::ipam::ListClusterSubnetsRequest;
-use trellis_api::pb::peering::ListTunnelEndpointsRequest;
 use trellis_api::pb::peering::broker_client::BrokerClient;
 use trellis_api::pb::types::{PeeringKind, TunnelEndpoint};
 
@@ -19,7 +18,10 @@ use crate::cluster::InProcessCluster;
 use crate::processes::ProcessCluster;
 
 pub use trellis_testkit::eventually;
-pub use trellis_testkit::peering::{Peerable, peer, peer_with_token, token, unpeer};
+pub use trellis_testkit::peering::{
+    Peerable, answered_tunnel_to, no_tunnel_to, peer, peer_with_token, token, tunnel_to, tunnels,
+    unpeer,
+};
 
 impl Peerable for InProcessCluster {
     fn cluster_id(&self) -> &str {
@@ -46,51 +48,6 @@ impl Peerable for ProcessCluster {
 
     fn broker_client(&self) -> impl Future<Output = anyhow::Result<BrokerClient<Channel>>> + Send {
         self.broker()
-    }
-}
-
-/// The cluster's TunnelEndpoints.
-pub async fn tunnels(cluster: &impl Peerable) -> anyhow::Result<Vec<TunnelEndpoint>> {
-    Ok(cluster
-        .broker_client()
-        .await?
-        .list_tunnel_endpoints(ListTunnelEndpointsRequest::default())
-        .await?
-        .into_inner()
-        .tunnel_endpoints)
-}
-
-/// The cluster's TunnelEndpoint towards `remote`; `None` also while its broker cannot be
-/// reached (callers poll through restarts). For waiting until a tunnel exists only: absence
-/// checks use [`no_tunnel_to`] or [`answered_tunnel_to`].
-pub async fn tunnel_to(cluster: &impl Peerable, remote: &str) -> Option<TunnelEndpoint> {
-    tunnels(cluster)
-        .await
-        .ok()?
-        .into_iter()
-        .find(|t| t.remote.as_ref().is_some_and(|r| r.cluster_id == remote))
-}
-
-/// The cluster's TunnelEndpoint towards `remote` as its broker answers; an error when the
-/// broker cannot be asked. What absence checks use: an unreachable broker must not read as "no
-/// tunnel".
-pub async fn answered_tunnel_to(
-    cluster: &impl Peerable,
-    remote: &str,
-) -> anyhow::Result<Option<TunnelEndpoint>> {
-    Ok(tunnels(cluster)
-        .await?
-        .into_iter()
-        .find(|t| t.remote.as_ref().is_some_and(|r| r.cluster_id == remote)))
-}
-
-/// `Some` once the cluster's broker answers that it holds no TunnelEndpoint towards `remote`;
-/// `None` while it holds one and while it cannot be reached (for [`eventually`]: absence is
-/// proven by an answer, never by a failed call).
-pub async fn no_tunnel_to(cluster: &impl Peerable, remote: &str) -> Option<()> {
-    match answered_tunnel_to(cluster, remote).await {
-        Ok(None) => Some(()),
-        Ok(Some(_)) | Err(_) => None,
     }
 }
 

@@ -499,31 +499,18 @@ impl ProcessCluster {
         Ok(BrokerClient::new(self.channel(Service::Broker).await?))
     }
 
-    /// Every TunnelEndpoint the broker lists; none while the broker cannot be reached (a
-    /// chaos test reads clusters whose broker may be down).
     /// The broker's TunnelEndpoints, or why it could not be asked: for checks that must not
     /// read an unreachable broker as "no tunnel".
     pub async fn try_tunnel_endpoints(
         &self,
     ) -> anyhow::Result<Vec<trellis_api::pb::types::TunnelEndpoint>> {
-        Ok(self
-            .broker()
-            .await?
-            .list_tunnel_endpoints(trellis_api::pb::peering::ListTunnelEndpointsRequest::default())
-            .await?
-            .into_inner()
-            .tunnel_endpoints)
+        crate::peering::tunnels(self).await
     }
 
+    /// Every TunnelEndpoint the broker lists; none while the broker cannot be reached (a
+    /// chaos test reads clusters whose broker may be down).
     pub async fn tunnel_endpoints(&self) -> Vec<trellis_api::pb::types::TunnelEndpoint> {
-        let Ok(mut broker) = self.broker().await else {
-            return Vec::new();
-        };
-        broker
-            .list_tunnel_endpoints(trellis_api::pb::peering::ListTunnelEndpointsRequest::default())
-            .await
-            .map(|r| r.into_inner().tunnel_endpoints)
-            .unwrap_or_default()
+        self.try_tunnel_endpoints().await.unwrap_or_default()
     }
 
     pub async fn forwarder(&self) -> anyhow::Result<ForwarderClient<Channel>> {

@@ -25,9 +25,8 @@ use trellis_api::pb::ipam::{
     ClusterSubnets, DoesClusterMappingExistRequest, ListClusterSubnetsRequest,
     MapEndpointIpRequest, MappingPath,
 };
-use trellis_api::pb::peering::ListTunnelEndpointsRequest;
 use trellis_api::pb::types::{ClusterIdentity, PeeringKind, TunnelEndpoint};
-use trellis_integration::peering::{peer, web_slice};
+use trellis_integration::peering::{self, peer, web_slice};
 use trellis_integration::processes::{Options, ProcessCluster};
 
 const POD_CIDR: &str = "10.0.0.0/16";
@@ -105,13 +104,9 @@ impl Mesh {
 }
 
 async fn tunnel(cluster: &ProcessCluster, remote: &str) -> Result<TunnelEndpoint, String> {
-    let mut broker = cluster.broker().await.map_err(|e| format!("{e:#}"))?;
-    let tunnels = broker
-        .list_tunnel_endpoints(ListTunnelEndpointsRequest::default())
+    let tunnels = peering::tunnels(cluster)
         .await
-        .map_err(|e| format!("{}: {e}", cluster.id))?
-        .into_inner()
-        .tunnel_endpoints;
+        .map_err(|e| format!("{}: {e:#}", cluster.id))?;
     tunnels
         .iter()
         .find(|t| t.remote.as_ref().is_some_and(|r| r.cluster_id == remote))

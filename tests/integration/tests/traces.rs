@@ -8,7 +8,6 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
-use trellis_api::pb::peering::ListTunnelEndpointsRequest;
 use trellis_integration::otlp::{OtlpReceiver, ReceivedSpan};
 use trellis_integration::peering::peer;
 use trellis_integration::processes::{Options, ProcessCluster};
@@ -16,19 +15,9 @@ use trellis_integration::processes::{Options, ProcessCluster};
 const LIMIT: Duration = Duration::from_secs(60);
 
 async fn has_tunnel(cluster: &ProcessCluster, remote: &str) -> bool {
-    let Ok(mut broker) = cluster.broker().await else {
-        return false;
-    };
-    broker
-        .list_tunnel_endpoints(ListTunnelEndpointsRequest::default())
+    trellis_integration::peering::tunnel_to(cluster, remote)
         .await
-        .map(|r| {
-            r.into_inner()
-                .tunnel_endpoints
-                .iter()
-                .any(|t| t.remote.as_ref().is_some_and(|r| r.cluster_id == remote))
-        })
-        .unwrap_or(false)
+        .is_some()
 }
 
 /// (service.name, trellis.cluster.id) of a span's process.

@@ -58,7 +58,6 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use ipnet::Ipv4Net;
-use trellis_api::pb::peering::ListTunnelEndpointsRequest;
 use trellis_api::pb::types::TunnelEndpoint;
 use trellis_gateway::keys::KeyPair;
 use trellis_netlab::netns::{exec, ip, listen_in};
@@ -111,16 +110,9 @@ async fn up() -> Fabric {
 /// `i`'s TunnelEndpoint for `j`.
 async fn tunnel_endpoint(fabric: &Fabric, i: usize, j: usize) -> TunnelEndpoint {
     let id = &fabric.clusters[j].id;
-    fabric.clusters[i]
-        .broker()
-        .expect("broker")
-        .list_tunnel_endpoints(ListTunnelEndpointsRequest::default())
+    trellis_integration::peering::answered_tunnel_to(&fabric.clusters[i], id)
         .await
         .expect("ListTunnelEndpoints")
-        .into_inner()
-        .tunnel_endpoints
-        .into_iter()
-        .find(|t| t.remote.as_ref().is_some_and(|r| &r.cluster_id == id))
         .unwrap_or_else(|| panic!("{i} has no tunnel endpoint for {id}"))
 }
 
