@@ -20,6 +20,7 @@ use tonic::transport::Channel;
 use trellis_api::pb::discovery::discovery_client::DiscoveryClient;
 use trellis_api::pb::endpoints::endpoint_mapper_client::EndpointMapperClient;
 use trellis_api::pb::gateway::gateway_client::GatewayClient;
+use trellis_api::pb::gateway::{ListTunnelsRequest, TunnelStatus};
 use trellis_api::pb::ipam::ipam_client::IpamClient;
 use trellis_api::pb::peering::broker_client::BrokerClient;
 use trellis_testkit::Etcd;
@@ -608,6 +609,16 @@ impl NsCluster {
 
     pub fn gateway(&self) -> anyhow::Result<GatewayClient<Channel>> {
         Ok(GatewayClient::new(self.channel(Service::Gateway)?))
+    }
+
+    /// The tunnels the cluster's gateway reports (`ListTunnels`), or why it could not be asked.
+    pub async fn gateway_tunnels(&self) -> anyhow::Result<Vec<TunnelStatus>> {
+        Ok(self
+            .gateway()?
+            .list_tunnels(ListTunnelsRequest {})
+            .await?
+            .into_inner()
+            .tunnels)
     }
 
     pub fn endpoints(&self) -> anyhow::Result<EndpointMapperClient<Channel>> {

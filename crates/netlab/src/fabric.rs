@@ -348,6 +348,20 @@ impl Fabric {
         Ok(te.remote_endpoint.clone())
     }
 
+    /// The address a pod of cluster `from` uses for `to`'s pod `pod_ip`: the same host bits in
+    /// `from`'s view of `to`'s pod CIDR.
+    pub async fn pod_address(
+        &self,
+        from: usize,
+        to: usize,
+        pod_ip: Ipv4Addr,
+    ) -> anyhow::Result<Ipv4Addr> {
+        let view = self.view(from, to, false).await?;
+        let site = &self.topology.sites[to];
+        let offset = u32::from(pod_ip) - u32::from(site.pod_cidr.network());
+        Ok(Ipv4Addr::from(u32::from(view.network()) + offset))
+    }
+
     /// How `viewer`'s IPAM addresses `remote`'s pod CIDR (or external CIDR).
     pub async fn view(
         &self,
@@ -513,5 +527,26 @@ impl Fabric {
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
+    }
+}
+
+/// Pings `to` from the namespace `pod_ns` until one answer or `bound`; whether it answered. For
+/// tests that expect a path to come back (or to stay gone) rather than measure how soon.
+pub async fn reaches(pod_ns: &str, to: Ipv4Addr, bound: Duration) -> bool {
+    let started = Instant::now();
+    loop {
+        let out = exec(
+            pod_ns,
+            "ping",
+            &["-n", "-c", "1", "-W", "1", &to.to_string()],
+        )
+        .expect("ping runs");
+        if out.status.success() {
+            return true;
+        }
+        if started.elapsed() > bound {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
     }
 }

@@ -378,6 +378,25 @@ impl ProcessCluster {
         Ok(trellis_store::open(&url).await?)
     }
 
+    /// Deletes every key of `service`'s store, as a rebuilt etcd would have lost them (the
+    /// service is down meanwhile); returns the keys it held, so a test can check there was
+    /// something to lose.
+    pub async fn wipe_store(&self, service: Service) -> Vec<String> {
+        let store = self.store(service).await.expect("opens the store");
+        let keys: Vec<String> = store
+            .list("")
+            .await
+            .expect("lists")
+            .kvs
+            .into_iter()
+            .map(|kv| kv.key)
+            .collect();
+        for key in &keys {
+            store.delete(key).await.expect("deletes");
+        }
+        keys
+    }
+
     /// The etcd `service` keeps its state in.
     pub fn etcd(&self, service: Service) -> anyhow::Result<&Etcd> {
         self.etcds

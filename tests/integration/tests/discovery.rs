@@ -14,6 +14,7 @@ use trellis_api::pb::types::{
     ClusterIdentity, ConditionStatus, ForeignCluster, PeeringKind, ServiceAddresses,
 };
 use trellis_api::peers::{Condition, UNPEERED_REASON};
+use trellis_integration::command::grpcurl;
 use trellis_integration::{ServiceProcess, free_addr};
 use trellis_testkit::peering::full_peering;
 use trellis_testkit::{Etcd, require_tool};
@@ -191,19 +192,6 @@ async fn hub_neighborhoods_reach_leaves_withdraw_on_unpeer_and_survive_sigkill()
     // The restarted a keeps working: d peers with the hub again and reappears on a.
     peer(&b, "d", d.addr(), true).await;
     wait_for(&a, &["c", "d"], &[], "a learns d again after the restart").await;
-}
-
-fn grpcurl(tool: &std::path::Path, args: &[&str]) -> String {
-    let out = Command::new(tool)
-        .args(args)
-        .output()
-        .expect("grpcurl runs");
-    assert!(
-        out.status.success(),
-        "grpcurl {args:?} failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8(out.stdout).expect("utf-8 output")
 }
 
 /// Kills the streaming grpcurl when the test ends, whatever happens.

@@ -304,19 +304,9 @@ async fn an_exporter_that_lost_its_endpoints_store_still_updates_its_consumers()
 
     // A's endpoints store is lost while the service is down: exports, reflections, all of it.
     a.kill9(Service::Endpoints).expect("kills");
-    let store = a.store(Service::Endpoints).await.expect("opens a's store");
-    let keys: Vec<String> = store
-        .list("")
-        .await
-        .expect("lists")
-        .kvs
-        .into_iter()
-        .map(|kv| kv.key)
-        .collect();
+    let keys = a.wipe_store(Service::Endpoints).await;
     assert!(!keys.is_empty(), "A's endpoints store held its export");
-    for key in &keys {
-        store.delete(key).await.expect("deletes");
-    }
+    let store = a.store(Service::Endpoints).await.expect("opens a's store");
     assert!(store.list("").await.expect("lists").kvs.is_empty());
     drop(store);
     a.restart(Service::Endpoints).await.expect("a restarts");

@@ -19,7 +19,6 @@ use std::net::SocketAddr;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use trellis_api::pb::gateway::ListTunnelsRequest;
 use trellis_api::pb::types::PeeringKind;
 use trellis_integration::peering::unpeer;
 use trellis_integration::prom::{parse, parser_python, scrape_in};
@@ -40,13 +39,9 @@ fn can_run(test: &str) -> bool {
 /// `(remote cluster ID, interface)` of every tunnel `i`'s gateway reports.
 async fn interfaces(fabric: &Fabric, i: usize) -> Vec<(String, String)> {
     let tunnels = fabric.clusters[i]
-        .gateway()
-        .expect("gateway client")
-        .list_tunnels(ListTunnelsRequest::default())
+        .gateway_tunnels()
         .await
-        .expect("ListTunnels")
-        .into_inner()
-        .tunnels;
+        .expect("ListTunnels");
     let mut out: Vec<(String, String)> = tunnels
         .into_iter()
         .filter_map(|t| Some((t.remote?.cluster_id, t.interface_name)))

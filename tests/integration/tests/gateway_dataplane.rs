@@ -29,7 +29,7 @@ use ipnet::Ipv4Net;
 use trellis_api::pb::endpoints::{
     ListReflectedSlicesRequest, TranslationPath, UnreflectEndpointSliceRequest,
 };
-use trellis_api::pb::gateway::{ListTunnelsRequest, TunnelState};
+use trellis_api::pb::gateway::TunnelState;
 use trellis_api::pb::ipam::ListEndpointMappingsRequest;
 use trellis_api::pb::types::{ClusterIdentity, PeeringKind};
 use trellis_integration::prom::{Sample, parse, parser_python, scrape_in};
@@ -392,13 +392,9 @@ async fn leaf_to_leaf_is_direct_with_the_real_control_plane_and_survives_the_hub
 
     // Status: A's tunnel to C is up with the traffic counted.
     let tunnels = fabric.fabric.clusters[A]
-        .gateway()
-        .expect("client")
-        .list_tunnels(ListTunnelsRequest {})
+        .gateway_tunnels()
         .await
-        .expect("list")
-        .into_inner()
-        .tunnels;
+        .expect("list");
     assert_eq!(tunnels.len(), 2, "{tunnels:?}");
     let to_c = tunnels
         .iter()
@@ -674,14 +670,7 @@ async fn gateway_endpoints_given_as_dns_names_are_resolved_by_the_remote_gateway
     assert_eq!(seen, host(c_view_a, 10).to_string(), "C's pod saw {seen}");
 
     // A's gateway sends to C's bridge address: the name resolved to it.
-    let tunnels = fabric.clusters[A]
-        .gateway()
-        .expect("client")
-        .list_tunnels(ListTunnelsRequest {})
-        .await
-        .expect("list")
-        .into_inner()
-        .tunnels;
+    let tunnels = fabric.clusters[A].gateway_tunnels().await.expect("list");
     let to_c = tunnels
         .iter()
         .find(|t| t.remote.as_ref().is_some_and(|r| r.cluster_id == "c"))

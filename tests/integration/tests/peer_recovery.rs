@@ -83,19 +83,8 @@ async fn a_broker_restarted_on_an_empty_store_gets_every_tunnel_back() {
 
     // A's broker loses its whole store (a rebuilt etcd) and comes back.
     a.kill9(Service::Broker).expect("kill");
-    let store = a.store(Service::Broker).await.expect("opens the store");
-    let keys: Vec<String> = store
-        .list("")
-        .await
-        .expect("lists")
-        .kvs
-        .into_iter()
-        .map(|kv| kv.key)
-        .collect();
+    let keys = a.wipe_store(Service::Broker).await;
     assert!(!keys.is_empty(), "the broker kept nothing?");
-    for key in &keys {
-        store.delete(key).await.expect("deletes");
-    }
     a.restart(Service::Broker).await.expect("restarts");
 
     induced_pair(&a, &c, "the induced tunnel back on both ends").await;

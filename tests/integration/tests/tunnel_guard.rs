@@ -60,7 +60,7 @@ use std::time::{Duration, Instant};
 use ipnet::Ipv4Net;
 use trellis_api::pb::types::TunnelEndpoint;
 use trellis_gateway::keys::KeyPair;
-use trellis_netlab::netns::{exec, ip, listen_in};
+use trellis_netlab::netns::{exec, ip, listen_in, nft_packets};
 use trellis_netlab::topology::{UPLINK, host, link_counters};
 use trellis_netlab::{Fabric, FabricOptions, Service, Site, StoreKind};
 
@@ -518,13 +518,7 @@ fn count_underlay(ns: &str, uplink_ip: Ipv4Addr, to: Ipv4Addr) {
 
 /// The packets the underlay counter of `ns` has seen.
 fn underlay_count(ns: &str) -> u64 {
-    let out = exec(ns, "nft", &["list", "table", "ip", UNDERLAY_COUNT]).expect("nft");
-    let text = String::from_utf8_lossy(&out.stdout);
-    text.split_whitespace()
-        .skip_while(|w| *w != "packets")
-        .nth(1)
-        .and_then(|n| n.parse().ok())
-        .unwrap_or_else(|| panic!("no counter in {text}"))
+    nft_packets(ns, &["table", "ip", UNDERLAY_COUNT])
 }
 
 /// Packets that left the underlay of `ns` towards (e) while `LEAK_PINGS` pings went from the
