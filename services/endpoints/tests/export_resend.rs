@@ -14,8 +14,7 @@ use common::{Cluster, Fabric, at, until};
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use trellis_api::pb::endpoints::{
     ApplyReflectedSliceRequest, DeleteReflectedSliceRequest, Endpoint, EndpointConditions,
-    EndpointPort, EndpointSlice, ExportServiceRequest, ExportedEndpoint,
-    ListReflectedSlicesRequest, ReflectedSlice,
+    EndpointPort, EndpointSlice, ExportServiceRequest, ExportedEndpoint, ReflectedSlice,
 };
 use trellis_api::pb::types::ClusterIdentity;
 
@@ -57,17 +56,7 @@ async fn start(id: &'static str, external: &'static str) -> Cluster {
 
 /// The one slice `cluster` holds from `source`, if any.
 async fn held(cluster: &Cluster, source: &str) -> Option<ReflectedSlice> {
-    let slices = cluster
-        .endpoints()
-        .await
-        .list_reflected_slices(ListReflectedSlicesRequest {
-            source_cluster_id: source.into(),
-            namespace: String::new(),
-        })
-        .await
-        .expect("lists")
-        .into_inner()
-        .reflected_slices;
+    let slices = common::reflected(&mut cluster.endpoints().await, source).await;
     assert!(slices.len() <= 1, "one export, one slice: {slices:?}");
     slices.into_iter().next()
 }

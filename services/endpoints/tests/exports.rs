@@ -10,8 +10,8 @@ use std::time::Duration;
 use common::{Cluster, Fabric, at, until, view};
 use tonic::Code;
 use trellis_api::pb::endpoints::{
-    EndpointPort, ExportServiceRequest, ExportedEndpoint, ListExportsRequest,
-    ListReflectedSlicesRequest, ReflectedSlice, UnexportServiceRequest,
+    EndpointPort, ExportServiceRequest, ExportedEndpoint, ListExportsRequest, ReflectedSlice,
+    UnexportServiceRequest,
 };
 
 fn request(endpoints: &[(String, bool)]) -> ExportServiceRequest {
@@ -34,17 +34,7 @@ fn request(endpoints: &[(String, bool)]) -> ExportServiceRequest {
 }
 
 async fn reflected_from(cluster: &Cluster, source: &str) -> Vec<ReflectedSlice> {
-    cluster
-        .endpoints()
-        .await
-        .list_reflected_slices(ListReflectedSlicesRequest {
-            source_cluster_id: source.into(),
-            namespace: String::new(),
-        })
-        .await
-        .expect("list reflected")
-        .into_inner()
-        .reflected_slices
+    common::reflected(&mut cluster.endpoints().await, source).await
 }
 
 /// (address, ready) of every endpoint of the one slice `source` reflected to `cluster`, or

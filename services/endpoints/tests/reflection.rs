@@ -9,9 +9,8 @@ use std::time::{Duration, Instant};
 use common::{Fabric, at};
 use tonic::Code;
 use trellis_api::pb::endpoints::{
-    AddressType, Endpoint, EndpointPort, EndpointSlice, ListReflectedSlicesRequest,
-    ReflectEndpointSliceRequest, ReflectEndpointSliceResponse, TranslationPath,
-    UnreflectEndpointSliceRequest,
+    AddressType, Endpoint, EndpointPort, EndpointSlice, ReflectEndpointSliceRequest,
+    ReflectEndpointSliceResponse, TranslationPath, UnreflectEndpointSliceRequest,
 };
 use trellis_api::pb::ipam::ListEndpointMappingsRequest;
 
@@ -280,12 +279,7 @@ async fn delivered_slices_are_stored_on_the_target_and_deleted_with_it() {
         .expect("reflects");
     assert!(response.delivered);
     let mut c = fabric.c.endpoints().await;
-    let held = c
-        .list_reflected_slices(ListReflectedSlicesRequest::default())
-        .await
-        .expect("lists")
-        .into_inner()
-        .reflected_slices;
+    let held = common::reflected(&mut c, "").await;
     assert_eq!(held.len(), 1);
     assert_eq!(
         held[0].source.as_ref().map(|s| s.cluster_id.as_str()),
@@ -309,12 +303,7 @@ async fn delivered_slices_are_stored_on_the_target_and_deleted_with_it() {
     )
     .await
     .expect("reflects again");
-    let held = c
-        .list_reflected_slices(ListReflectedSlicesRequest::default())
-        .await
-        .expect("lists")
-        .into_inner()
-        .reflected_slices;
+    let held = common::reflected(&mut c, "").await;
     assert!(held[0].generation > first);
     assert_eq!(held[0].slice.as_ref().map(|s| s.endpoints.len()), Some(2));
 
@@ -332,12 +321,7 @@ async fn delivered_slices_are_stored_on_the_target_and_deleted_with_it() {
         .expect("unreflects")
         .into_inner();
     assert!(gone.delivered);
-    let held = c
-        .list_reflected_slices(ListReflectedSlicesRequest::default())
-        .await
-        .expect("lists")
-        .into_inner()
-        .reflected_slices;
+    let held = common::reflected(&mut c, "").await;
     assert!(held.is_empty());
 }
 
@@ -483,12 +467,7 @@ async fn bad_input_is_refused_naming_the_field_and_nothing_is_stored() {
         .await
         .expect_err("refused");
     assert_eq!(status.code(), Code::PermissionDenied, "{status:?}");
-    let held = c
-        .list_reflected_slices(ListReflectedSlicesRequest::default())
-        .await
-        .expect("lists")
-        .into_inner()
-        .reflected_slices;
+    let held = common::reflected(&mut c, "").await;
     assert!(held.is_empty());
 }
 

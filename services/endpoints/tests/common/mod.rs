@@ -25,6 +25,23 @@ pub const POD_CIDR: &str = "10.0.0.0/16";
 /// services share two cores with the other tests.
 pub const LIMIT: std::time::Duration = std::time::Duration::from_secs(30);
 
+/// The slices the endpoints service behind `client` holds from `source` (every source when
+/// empty).
+pub async fn reflected(
+    client: &mut EndpointMapperClient<Channel>,
+    source: &str,
+) -> Vec<trellis_api::pb::endpoints::ReflectedSlice> {
+    client
+        .list_reflected_slices(trellis_api::pb::endpoints::ListReflectedSlicesRequest {
+            source_cluster_id: source.into(),
+            namespace: String::new(),
+        })
+        .await
+        .expect("lists reflected slices")
+        .into_inner()
+        .reflected_slices
+}
+
 /// Polls `probe` until it answers `want`, within [`LIMIT`].
 pub async fn until<T, F, Fut>(what: &str, want: T, probe: F)
 where
