@@ -14,7 +14,7 @@ use common::{Cluster, Fabric, at, until};
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use trellis_api::pb::endpoints::{
     ApplyReflectedSliceRequest, DeleteReflectedSliceRequest, Endpoint, EndpointConditions,
-    EndpointPort, EndpointSlice, ExportServiceRequest, ExportedEndpoint, ReflectedSlice,
+    EndpointPort, EndpointSlice, ExportServiceRequest, ReflectedSlice,
 };
 use trellis_api::pb::types::ClusterIdentity;
 
@@ -22,22 +22,8 @@ use trellis_api::pb::types::ClusterIdentity;
 const RESEND_MS: &str = "500";
 
 fn export(hosts: &[String]) -> ExportServiceRequest {
-    ExportServiceRequest {
-        namespace: "shop".into(),
-        name: "web".into(),
-        ports: vec![EndpointPort {
-            name: "http".into(),
-            port: Some(8080),
-            ..Default::default()
-        }],
-        endpoints: hosts
-            .iter()
-            .map(|address| ExportedEndpoint {
-                address: address.clone(),
-                ready: Some(true),
-            })
-            .collect(),
-    }
+    let ready: Vec<(String, bool)> = hosts.iter().map(|host| (host.clone(), true)).collect();
+    common::export_request("web", &ready)
 }
 
 async fn start(id: &'static str, external: &'static str) -> Cluster {

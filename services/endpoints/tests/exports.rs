@@ -10,27 +10,12 @@ use std::time::Duration;
 use common::{Cluster, Fabric, at, until, view};
 use tonic::Code;
 use trellis_api::pb::endpoints::{
-    EndpointPort, ExportServiceRequest, ExportedEndpoint, ListExportsRequest, ReflectedSlice,
+    ExportServiceRequest, ExportedEndpoint, ListExportsRequest, ReflectedSlice,
     UnexportServiceRequest,
 };
 
 fn request(endpoints: &[(String, bool)]) -> ExportServiceRequest {
-    ExportServiceRequest {
-        namespace: "shop".into(),
-        name: "web".into(),
-        ports: vec![EndpointPort {
-            name: "http".into(),
-            port: Some(8080),
-            ..Default::default()
-        }],
-        endpoints: endpoints
-            .iter()
-            .map(|(address, ready)| ExportedEndpoint {
-                address: address.clone(),
-                ready: Some(*ready),
-            })
-            .collect(),
-    }
+    common::export_request("web", endpoints)
 }
 
 async fn reflected_from(cluster: &Cluster, source: &str) -> Vec<ReflectedSlice> {

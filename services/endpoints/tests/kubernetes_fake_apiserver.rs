@@ -11,25 +11,13 @@ mod common;
 
 use common::{Cluster, Fabric, at, until};
 use serde_json::{Value, json};
-use trellis_api::pb::endpoints::{EndpointPort, ExportServiceRequest, ExportedEndpoint};
+use trellis_api::pb::endpoints::ExportServiceRequest;
 use trellis_api::pb::ipam::FreeSubnetsPerClusterRequest;
 use trellis_endpoints::kube::derived_service_name;
 use trellis_testkit::FakeApiServer;
 
 fn request(name: &str, address: String) -> ExportServiceRequest {
-    ExportServiceRequest {
-        namespace: "shop".into(),
-        name: name.into(),
-        ports: vec![EndpointPort {
-            name: "http".into(),
-            port: Some(8080),
-            ..Default::default()
-        }],
-        endpoints: vec![ExportedEndpoint {
-            address,
-            ready: Some(true),
-        }],
-    }
+    common::export_request(name, &[(address, true)])
 }
 
 /// (address, ready) of every endpoint of the imported slices attached to `service`'s derived
