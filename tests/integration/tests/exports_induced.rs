@@ -81,18 +81,7 @@ async fn held(cluster: &InProcessCluster, source: &str) -> Vec<Held> {
 
 /// Waits until `cluster` holds exactly `want` from `source`.
 async fn until_held(what: &str, cluster: &InProcessCluster, source: &str, want: Vec<Held>) {
-    let deadline = std::time::Instant::now() + LIMIT;
-    loop {
-        let got = held(cluster, source).await;
-        if got == want {
-            return;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "{what}: still {got:?}, want {want:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    trellis_testkit::eventually_eq(what, LIMIT, want, || held(cluster, source)).await;
 }
 
 fn slice(name: &str, service: &str, net: IpNet, hosts: &[(u32, bool)]) -> Held {

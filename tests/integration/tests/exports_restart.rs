@@ -16,6 +16,7 @@ use trellis_api::pb::endpoints::{
 use trellis_api::pb::ipam::ListClusterSubnetsRequest;
 use trellis_integration::peering::{host_at, peer};
 use trellis_integration::processes::{ProcessCluster, Service};
+use trellis_testkit::within;
 
 const POD_CIDR: &str = "10.0.0.0/16";
 const EXTERNAL_CIDR: &str = "10.201.0.0/16";
@@ -87,19 +88,17 @@ async fn until_held(
     b: &ProcessCluster,
     want: &[(String, Vec<String>)],
 ) {
-    let deadline = Instant::now() + LIMIT;
-    loop {
+    let waited = within(what, LIMIT, || async {
         let got = held(b).await;
         if got.as_deref() == Ok(want) {
-            return;
+            Ok(())
+        } else {
+            Err(format!("still {got:?}, want {want:?}"))
         }
-        assert!(
-            Instant::now() < deadline,
-            "{what}: still {got:?}, want {want:?}\n{}\n{}",
-            a.logs(25),
-            b.logs(25)
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
+    })
+    .await;
+    if let Err(timed_out) = waited {
+        panic!("{timed_out}\n{}\n{}", a.logs(25), b.logs(25));
     }
 }
 
@@ -147,21 +146,11 @@ async fn exports_and_imports_survive_kill_9_of_either_endpoints_service() {
         .await
         .expect("exports");
     // B's view of A's pods is known once A could translate for B.
-    let deadline = Instant::now() + LIMIT;
-    let first = loop {
-        if let Ok(got) = held(&b).await
-            && !got.is_empty()
-        {
-            break got;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "B never imported A's export\n{}\n{}",
-            a.logs(25),
-            b.logs(25)
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    };
+    let first = within("B to import A's export", LIMIT, || async {
+        held(&b).await.ok().filter(|got| !got.is_empty())
+    })
+    .await
+    .unwrap_or_else(|timed_out| panic!("{timed_out}\n{}\n{}", a.logs(25), b.logs(25)));
     let b_view_a: IpNet = b
         .ipam()
         .await
@@ -190,14 +179,15 @@ async fn exports_and_imports_survive_kill_9_of_either_endpoints_service() {
     a.kill9(Service::Endpoints).expect("kills");
     a.restart(Service::Endpoints).await.expect("a restarts");
     assert_eq!(exports_of(&a).await, vec![("web".to_owned(), 2)]);
-    let deadline = Instant::now() + LIMIT;
-    while generation(&b).await.is_none_or(|g| g <= before) {
-        assert!(
-            Instant::now() < deadline,
-            "A never re-sent after its restart\n{}",
-            a.logs(25)
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
+    let resent = within("A to re-send after its restart", LIMIT, || async {
+        generation(&b)
+            .await
+            .is_some_and(|g| g > before)
+            .then_some(())
+    })
+    .await;
+    if let Err(timed_out) = resent {
+        panic!("{timed_out}\n{}", a.logs(25));
     }
     assert_eq!(
         held(&b).await,
@@ -263,15 +253,12 @@ async fn an_exporter_that_lost_its_endpoints_store_still_updates_its_consumers()
     };
     peer(&a, &b).await;
     export_on(&a, &["10.0.0.7"]).await;
-    let deadline = Instant::now() + LIMIT;
-    while held(&b).await.unwrap_or_default().is_empty() {
-        assert!(
-            Instant::now() < deadline,
-            "B never imported A's export\n{}\n{}",
-            a.logs(25),
-            b.logs(25)
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
+    let imported = within("B to import A's export", LIMIT, || async {
+        (!held(&b).await.unwrap_or_default().is_empty()).then_some(())
+    })
+    .await;
+    if let Err(timed_out) = imported {
+        panic!("{timed_out}\n{}\n{}", a.logs(25), b.logs(25));
     }
     let b_view_a: IpNet = b
         .ipam()

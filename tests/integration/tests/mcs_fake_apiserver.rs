@@ -12,7 +12,7 @@
 //! Needs etcd; skips loudly without it (fails in CI).
 
 use std::collections::BTreeMap;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use ipnet::IpNet;
 use k8s_openapi::api::core::v1::Service;
@@ -281,18 +281,7 @@ fn at(net: IpNet, hosts: &[(u32, bool)]) -> Vec<(String, bool)> {
 }
 
 async fn until(what: &str, site: &Site, want: &Imported) {
-    let deadline = Instant::now() + LIMIT;
-    loop {
-        let got = imported(site);
-        if got == *want {
-            return;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "{what}: still {got:#?}, want {want:#?}"
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    trellis_testkit::eventually_eq(what, LIMIT, want.clone(), || async { imported(site) }).await;
 }
 
 /// (kind/name, uid) of every object in `site`'s API server namespace shop that Trellis
@@ -557,19 +546,12 @@ async fn the_service_import_carries_the_derived_service_cluster_ip_and_follows_i
         )
         .await
         .expect("deletes");
-    let deadline = Instant::now() + LIMIT;
-    let second = loop {
-        if let Some((again, ip)) = derived_service(&b)
-            && again != uid
-        {
-            break ip;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "the derived service never came back"
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    };
+    let second = eventually("the derived service to come back", LIMIT, || async {
+        derived_service(&b)
+            .filter(|(again, _)| *again != uid)
+            .map(|(_, ip)| ip)
+    })
+    .await;
     assert_ne!(second, first, "a new Service, a new cluster IP");
     until("B's ServiceImport follows the new cluster IP", &b, &want).await;
 }

@@ -44,14 +44,12 @@ async fn the_spans_of_one_induced_peering_share_a_trace_across_three_clusters() 
     let c = start("leaf-c").await.expect("c starts").expect("etcd");
     peer(&a, &b).await;
     peer(&c, &b).await;
-    let deadline = Instant::now() + LIMIT;
-    while !(has_tunnel(&a, "leaf-c").await && has_tunnel(&c, "leaf-a").await) {
-        assert!(
-            Instant::now() < deadline,
-            "the induced peering did not form:\n{}",
-            a.logs(20)
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
+    let formed = trellis_testkit::within("the induced peering", LIMIT, || async {
+        (has_tunnel(&a, "leaf-c").await && has_tunnel(&c, "leaf-a").await).then_some(())
+    })
+    .await;
+    if let Err(timed_out) = formed {
+        panic!("{timed_out}:\n{}", a.logs(20));
     }
 
     // The relay's spans identify the exchange; wait until the whole trace has arrived.
