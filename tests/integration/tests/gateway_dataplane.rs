@@ -207,31 +207,30 @@ impl Lab {
     /// Waits until gateway `i` holds exactly `expected` (nft marks, ip rules, interfaces); a
     /// duplicate never settles there and fails with the counts seen.
     async fn wait_counts(&self, i: usize, expected: (usize, usize, usize), what: &str) {
-        let deadline = Instant::now() + Duration::from_secs(20);
-        loop {
+        let counted = trellis_testkit::within(what, Duration::from_secs(20), || async {
             let seen = self.dataplane_counts(i);
             if seen == expected {
-                return;
+                Ok(())
+            } else {
+                Err(format!("still {seen:?}, expected {expected:?}"))
             }
-            assert!(
-                Instant::now() < deadline,
-                "{what}: still {seen:?}, expected {expected:?}\n{}",
-                self.ruleset(i)
-            );
-            tokio::time::sleep(Duration::from_millis(100)).await;
+        })
+        .await;
+        if let Err(timed_out) = counted {
+            panic!("{timed_out}\n{}", self.ruleset(i));
         }
     }
 
     async fn wait_ruleset(&self, i: usize, what: &str, check: impl Fn(&str) -> bool) {
-        let deadline = Instant::now() + Duration::from_secs(20);
-        loop {
+        trellis_testkit::eventually(what, Duration::from_secs(20), || async {
             let rules = self.ruleset(i);
             if check(&rules) {
-                return;
+                Ok(())
+            } else {
+                Err(format!("\n{rules}"))
             }
-            assert!(Instant::now() < deadline, "{what}:\n{rules}");
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
+        })
+        .await;
     }
 }
 

@@ -510,18 +510,16 @@ async fn a_gateway_moving_to_another_node_is_followed_by_every_node_and_by_the_p
     assert!(moved.iter().any(|t| t == "table ip trellis"), "{moved:?}");
     // The peers send to the new address.
     for peer in [B, C] {
-        let deadline = Instant::now() + LIMIT;
-        loop {
+        let what = format!("{} to send to {uplink}", fabric.clusters[peer].id);
+        let moved = trellis_testkit::within(&what, LIMIT, || async {
             match fabric.wireguard_endpoint(peer, A).await {
-                Ok(endpoint) if endpoint.ip() == std::net::IpAddr::V4(uplink) => break,
-                seen => assert!(
-                    Instant::now() < deadline,
-                    "{} still sends to {seen:?}\n{}",
-                    fabric.clusters[peer].id,
-                    fabric.logs()
-                ),
+                Ok(endpoint) if endpoint.ip() == std::net::IpAddr::V4(uplink) => Ok(()),
+                seen => Err(format!("{seen:?}")),
             }
-            tokio::time::sleep(Duration::from_millis(500)).await;
+        })
+        .await;
+        if let Err(timed_out) = moved {
+            panic!("{timed_out}\n{}", fabric.logs());
         }
     }
 }
@@ -653,16 +651,16 @@ async fn a_peer_range_on_the_node_network_is_remapped_or_refused_and_the_nodes_s
     }
     for (i, view) in [(A, a_view), (B, b_view)] {
         for node in &fabric.topology.sites[i].nodes[1..] {
-            let deadline = Instant::now() + LIMIT;
-            while !agent_prefixes(node).await.contains(&view.to_string()) {
-                assert!(
-                    Instant::now() < deadline,
-                    "{}/{} never received {view}\n{}",
-                    fabric.clusters[i].id,
-                    node.name,
-                    fabric.logs()
-                );
-                tokio::time::sleep(Duration::from_millis(500)).await;
+            let what = format!("{}/{} to receive {view}", fabric.clusters[i].id, node.name);
+            let received = trellis_testkit::within(&what, LIMIT, || async {
+                agent_prefixes(node)
+                    .await
+                    .contains(&view.to_string())
+                    .then_some(())
+            })
+            .await;
+            if let Err(timed_out) = received {
+                panic!("{timed_out}\n{}", fabric.logs());
             }
         }
     }

@@ -199,11 +199,12 @@ impl Impersonator {
             .spawn()
             .expect("wireguard-go");
         let process = Killed(process);
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while ip(&["-n", &ns, "link", "show", &device]).is_err() {
-            assert!(Instant::now() < deadline, "wireguard-go made no {device}");
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
+        trellis_testkit::eventually(
+            &format!("wireguard-go to make {device}"),
+            Duration::from_secs(10),
+            || async { ip(&["-n", &ns, "link", "show", &device]).ok() },
+        )
+        .await;
         let conf = tempfile::NamedTempFile::new().expect("conf");
         std::fs::write(
             conf.path(),
