@@ -8,7 +8,7 @@
 mod common;
 
 use std::net::SocketAddr;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use common::{Cluster, Fabric, at, until};
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
@@ -281,19 +281,23 @@ async fn a_consumer_holding_a_higher_generation_still_gets_the_exporters_changes
         .export_service(export(&[at(pods, 7)]))
         .await
         .expect("exports");
-    let deadline = Instant::now() + Duration::from_secs(10);
     let want = Some(vec![at(fabric.b_view_a.pod, 7)]);
-    loop {
-        let got = addresses(b, "a").await;
-        if got == want {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "B still holds {got:?} 10 s after A's export (generation {:?}), want {want:?}",
+    let followed =
+        trellis_testkit::within("B to hold A's export", Duration::from_secs(10), || async {
+            let got = addresses(b, "a").await;
+            if got == want {
+                Ok(())
+            } else {
+                Err(format!("{got:?}"))
+            }
+        })
+        .await;
+    if let Err(timed_out) = followed {
+        panic!(
+            "B still holds {} 10 s after A's export (generation {:?}), want {want:?}",
+            timed_out.last.unwrap_or_default(),
             held(b, "a").await.map(|r| r.generation)
         );
-        tokio::time::sleep(Duration::from_millis(100)).await;
     }
     assert!(held(b, "a").await.expect("held").generation > ahead);
 }
