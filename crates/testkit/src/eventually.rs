@@ -80,14 +80,32 @@ where
 
 /// Looks with `probe` until it answers `want`; panics naming `what`, the last answer and `want`
 /// once `limit` has passed. The shape of most waits: a state that must converge to a value.
-pub async fn eventually_eq<T, F, Fut>(what: &str, limit: Duration, want: T, mut probe: F)
+pub async fn eventually_eq<T, F, Fut>(what: &str, limit: Duration, want: T, probe: F)
+where
+    T: PartialEq + fmt::Debug,
+    F: FnMut() -> Fut,
+    Fut: Future<Output = T>,
+{
+    if let Err(timed_out) = within_eq(what, limit, want, probe).await {
+        panic!("{timed_out}");
+    }
+}
+
+/// [`eventually_eq`] for a test that adds to the failure before it panics: returns the timeout
+/// (its last observation the last answer and `want`) instead of panicking with it.
+pub async fn within_eq<T, F, Fut>(
+    what: &str,
+    limit: Duration,
+    want: T,
+    mut probe: F,
+) -> Result<(), TimedOut>
 where
     T: PartialEq + fmt::Debug,
     F: FnMut() -> Fut,
     Fut: Future<Output = T>,
 {
     let want = &want;
-    eventually(what, limit, || {
+    within(what, limit, || {
         let got = probe();
         async move {
             let got = got.await;
@@ -98,7 +116,7 @@ where
             }
         }
     })
-    .await;
+    .await
 }
 
 /// [`eventually`] for a test that adds to the failure (log tails, a diagnosis) before it panics:

@@ -13,8 +13,10 @@
 //! - [`SilentRelay`]: a TCP relay a test turns silent (swallows everything, closes nothing), to
 //!   play a crashed node or a dropping partition on loopback;
 //! - [`spawn_tied`]: a child process killed when this process dies, however it dies;
-//! - [`eventually`] / [`eventually_eq`] / [`within`]: the one poller every test waits with;
+//! - [`eventually`] / [`eventually_eq`] (and [`within`] / [`within_eq`], which return the
+//!   timeout instead of panicking): the one poller every test waits with;
 //! - [`Service`]: the Trellis services a lab or a test starts as processes;
+//! - [`exports::export_request`]: the service export the endpoint tests send;
 //! - [`peering`]: one cluster peering with another ([`peering::peer`]), a discovery service told
 //!   of a full peer ([`peering::full_peering`]).
 //!
@@ -23,6 +25,7 @@
 mod etcd;
 mod etcd_tls;
 mod eventually;
+pub mod exports;
 mod kube_fake;
 pub mod peering;
 mod ports;
@@ -35,7 +38,7 @@ pub mod wireguard;
 
 pub use etcd::Etcd;
 pub use etcd_tls::EtcdTlsFiles;
-pub use eventually::{Observation, POLL, TimedOut, eventually, eventually_eq, within};
+pub use eventually::{Observation, POLL, TimedOut, eventually, eventually_eq, within, within_eq};
 pub use kube_fake::FakeApiServer;
 pub use ports::free_port;
 pub use service::Service;

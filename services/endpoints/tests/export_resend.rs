@@ -23,7 +23,7 @@ const RESEND_MS: &str = "500";
 
 fn export(hosts: &[String]) -> ExportServiceRequest {
     let ready: Vec<(String, bool)> = hosts.iter().map(|host| (host.clone(), true)).collect();
-    common::export_request("web", &ready)
+    trellis_testkit::exports::export_request("shop", "web", &ready)
 }
 
 async fn start(id: &'static str, external: &'static str) -> Cluster {
@@ -282,22 +282,12 @@ async fn a_consumer_holding_a_higher_generation_still_gets_the_exporters_changes
         .await
         .expect("exports");
     let want = Some(vec![at(fabric.b_view_a.pod, 7)]);
+    let limit = Duration::from_secs(10);
     let followed =
-        trellis_testkit::within("B to hold A's export", Duration::from_secs(10), || async {
-            let got = addresses(b, "a").await;
-            if got == want {
-                Ok(())
-            } else {
-                Err(format!("{got:?}"))
-            }
-        })
-        .await;
-    if let Err(timed_out) = followed {
-        panic!(
-            "B still holds {} 10 s after A's export (generation {:?}), want {want:?}",
-            timed_out.last.unwrap_or_default(),
-            held(b, "a").await.map(|r| r.generation)
-        );
+        trellis_testkit::within_eq("B to hold A's export", limit, want, || addresses(b, "a"));
+    if let Err(timed_out) = followed.await {
+        let generation = held(b, "a").await.map(|r| r.generation);
+        panic!("{timed_out} (B's generation {generation:?})");
     }
     assert!(held(b, "a").await.expect("held").generation > ahead);
 }

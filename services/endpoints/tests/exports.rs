@@ -15,7 +15,7 @@ use trellis_api::pb::endpoints::{
 };
 
 fn request(endpoints: &[(String, bool)]) -> ExportServiceRequest {
-    common::export_request("web", endpoints)
+    trellis_testkit::exports::export_request("shop", "web", endpoints)
 }
 
 async fn reflected_from(cluster: &Cluster, source: &str) -> Vec<ReflectedSlice> {

@@ -17,7 +17,7 @@ use trellis_endpoints::kube::derived_service_name;
 use trellis_testkit::FakeApiServer;
 
 fn request(name: &str, address: String) -> ExportServiceRequest {
-    common::export_request(name, &[(address, true)])
+    trellis_testkit::exports::export_request("shop", name, &[(address, true)])
 }
 
 /// (address, ready) of every endpoint of the imported slices attached to `service`'s derived

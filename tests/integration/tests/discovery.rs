@@ -132,21 +132,10 @@ async fn wait_for(p: &ServiceProcess, active: &[&str], withdrawn: &[&str], what:
         .map(|id| ((*id).to_owned(), "b".to_owned()))
         .collect();
     let want_withdrawn: Vec<String> = withdrawn.iter().map(|s| (*s).to_owned()).collect();
-    let waited = trellis_testkit::within(what, PROPAGATION, || async {
-        let got = induced(p).await;
-        if got.0 == want_active && got.1 == want_withdrawn {
-            Ok(())
-        } else {
-            Err(format!("{got:?}"))
-        }
-    })
-    .await;
-    if let Err(timed_out) = waited {
-        panic!(
-            "{what}: have {}, want active {want_active:?} withdrawn {want_withdrawn:?}\n{}",
-            timed_out.last.unwrap_or_default(),
-            p.log_tail(30)
-        );
+    let want = (want_active, want_withdrawn);
+    if let Err(timed_out) = trellis_testkit::within_eq(what, PROPAGATION, want, || induced(p)).await
+    {
+        panic!("{timed_out}\n{}", p.log_tail(30));
     }
 }
 

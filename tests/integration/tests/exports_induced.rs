@@ -11,37 +11,18 @@ use std::time::Duration;
 
 use ipnet::IpNet;
 use trellis_api::pb::endpoints::{
-    EndpointPort, ExportServiceRequest, ExportedEndpoint, ListReflectedSlicesRequest,
-    ReflectEndpointSliceRequest, UnexportServiceRequest,
+    EndpointPort, ListReflectedSlicesRequest, ReflectEndpointSliceRequest, UnexportServiceRequest,
 };
 use trellis_api::pb::types;
 use trellis_integration::cluster::InProcessCluster;
 use trellis_integration::peering::unpeer;
 use trellis_integration::peering::{eventually, host_at, peer, pod_view, tunnel_to, web_slice};
+use trellis_testkit::exports::export_request;
 
 const LIMIT: Duration = Duration::from_secs(60);
 
 /// A held slice: (slice name, service name, [(address, ready)]).
 type Held = (String, String, Vec<(String, bool)>);
-
-fn export(namespace: &str, name: &str, endpoints: &[(String, bool)]) -> ExportServiceRequest {
-    ExportServiceRequest {
-        namespace: namespace.into(),
-        name: name.into(),
-        ports: vec![EndpointPort {
-            name: "http".into(),
-            port: Some(8080),
-            ..Default::default()
-        }],
-        endpoints: endpoints
-            .iter()
-            .map(|(address, ready)| ExportedEndpoint {
-                address: address.clone(),
-                ready: Some(*ready),
-            })
-            .collect(),
-    }
-}
 
 /// What `cluster` holds from `source`: (slice name, service name, [(address, ready)]), sorted.
 async fn held(cluster: &InProcessCluster, source: &str) -> Vec<Held> {
@@ -122,7 +103,7 @@ async fn a_leafs_export_reaches_the_other_leaf_directly_and_unpeering_removes_wh
     // A exports two pods of its own, one not ready yet.
     let mut a_mapper = a.endpoints().await.expect("connects");
     a_mapper
-        .export_service(export(
+        .export_service(export_request(
             "shop",
             "web",
             &[("10.0.0.7".into(), true), ("10.0.0.8".into(), false)],
@@ -154,7 +135,7 @@ async fn a_leafs_export_reaches_the_other_leaf_directly_and_unpeering_removes_wh
 
     // Scaling: one more pod, the other one ready now.
     a_mapper
-        .export_service(export(
+        .export_service(export_request(
             "shop",
             "web",
             &[
@@ -218,13 +199,13 @@ async fn a_leafs_export_reaches_the_other_leaf_directly_and_unpeering_removes_wh
     // Exported again by A, and B exports one of its own pods. C gets exactly those: B tried the
     // slice "evil.leaf-a" in the same pass as "web.leaf-a", before it.
     a_mapper
-        .export_service(export("shop", "web", &[("10.0.0.7".into(), true)]))
+        .export_service(export_request("shop", "web", &[("10.0.0.7".into(), true)]))
         .await
         .expect("exports");
     b.endpoints()
         .await
         .expect("connects")
-        .export_service(export("shop", "api", &[("10.0.0.5".into(), true)]))
+        .export_service(export_request("shop", "api", &[("10.0.0.5".into(), true)]))
         .await
         .expect("exports");
     until_held(

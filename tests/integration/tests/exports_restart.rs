@@ -16,7 +16,7 @@ use trellis_api::pb::endpoints::{
 use trellis_api::pb::ipam::ListClusterSubnetsRequest;
 use trellis_integration::peering::{host_at, peer};
 use trellis_integration::processes::{ProcessCluster, Service};
-use trellis_testkit::within;
+use trellis_testkit::{within, within_eq};
 
 const POD_CIDR: &str = "10.0.0.0/16";
 const EXTERNAL_CIDR: &str = "10.201.0.0/16";
@@ -301,23 +301,11 @@ async fn an_exporter_that_lost_its_endpoints_store_still_updates_its_consumers()
     // The exporter exports again, with other endpoints: B must follow within seconds.
     export_on(&a, &["10.0.0.9"]).await;
     let want = vec![("web".to_owned(), vec![host_at(b_view_a, 9)])];
-    let followed = within(
-        "B to follow A's new export",
-        Duration::from_secs(10),
-        || async {
-            let got = held(&b).await;
-            if got.as_deref() == Ok(&want[..]) {
-                Ok(())
-            } else {
-                Err(format!("{got:?}"))
-            }
-        },
-    )
-    .await;
-    if let Err(timed_out) = followed {
+    let limit = Duration::from_secs(10);
+    let followed = within_eq("B to follow A's new export", limit, Ok(want), || held(&b));
+    if let Err(timed_out) = followed.await {
         panic!(
-            "B still holds {} (generation {:?}, was {before} before A lost its store) 10 s after A's new export, want {want:?}\n{}",
-            timed_out.last.unwrap_or_default(),
+            "{timed_out} (generation {:?}, was {before} before A lost its store)\n{}",
             generation(&b).await,
             a.logs(25)
         );

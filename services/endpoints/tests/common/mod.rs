@@ -42,31 +42,6 @@ pub async fn reflected(
         .reflected_slices
 }
 
-/// The export of service `shop/<name>` (port `http` 8080) with `endpoints`, each
-/// `(address, ready)`.
-pub fn export_request(
-    name: &str,
-    endpoints: &[(String, bool)],
-) -> trellis_api::pb::endpoints::ExportServiceRequest {
-    use trellis_api::pb::endpoints::{EndpointPort, ExportServiceRequest, ExportedEndpoint};
-    ExportServiceRequest {
-        namespace: "shop".into(),
-        name: name.into(),
-        ports: vec![EndpointPort {
-            name: "http".into(),
-            port: Some(8080),
-            ..Default::default()
-        }],
-        endpoints: endpoints
-            .iter()
-            .map(|(address, ready)| ExportedEndpoint {
-                address: address.clone(),
-                ready: Some(*ready),
-            })
-            .collect(),
-    }
-}
-
 /// Polls `probe` until it answers `want`, within [`LIMIT`].
 pub async fn until<T, F, Fut>(what: &str, want: T, probe: F)
 where
