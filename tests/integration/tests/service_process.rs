@@ -12,24 +12,16 @@ const IPAM: &str = "trellis.ipam.v1.Ipam";
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_service_whose_port_was_taken_fails_to_start_even_if_the_taker_answers_health() {
     let addr = free_addr();
-    let mut first = ServiceProcess::start(
-        "trellis-ipam",
-        ipam_args(&addr.to_string(), "memory://", "first", &[]),
-        addr,
-        IPAM,
-    )
-    .await
-    .expect("the first IPAM starts");
+    let start = |cluster: &str| {
+        let args = ipam_args(&addr.to_string(), "memory://", cluster, &[]);
+        ServiceProcess::start("trellis-ipam", args, addr, IPAM)
+    };
+    let mut first = start("first").await.expect("the first IPAM starts");
 
     // Same binary, same port: the health check is answered SERVING by the first one.
-    let err = ServiceProcess::start(
-        "trellis-ipam",
-        ipam_args(&addr.to_string(), "memory://", "second", &[]),
-        addr,
-        IPAM,
-    )
-    .await
-    .expect_err("the second IPAM cannot listen");
+    let err = start("second")
+        .await
+        .expect_err("the second IPAM cannot listen");
     let text = format!("{err:#}");
     assert!(text.contains("cannot listen"), "{text}");
 
