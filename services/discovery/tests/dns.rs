@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 use std::net::{Ipv4Addr, SocketAddr};
 use std::str::FromStr as _;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use clap::Parser as _;
 use hickory_proto::op::{Header, ResponseCode};
@@ -170,23 +170,19 @@ async fn discovery(id: &str, extra: &[&str]) -> (Started, Guard) {
 /// Polls until cluster `id` on `home` has Discovered = `want` (None: no record).
 async fn wait_discovered(home: &Started, id: &str, want: Option<Status>) {
     let id = ClusterId::parse("cluster_id", id).expect("id");
-    let deadline = Instant::now() + Duration::from_secs(20);
-    loop {
-        let got = home
-            .core
-            .get(&id)
-            .await
-            .ok()
-            .and_then(|(r, _)| r.condition(Condition::Discovered).map(|c| c.status));
-        if got == want {
-            return;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "{id}: Discovered is {got:?}, want {want:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    trellis_testkit::eventually_eq(
+        &format!("{id}: Discovered"),
+        Duration::from_secs(20),
+        want,
+        || async {
+            home.core
+                .get(&id)
+                .await
+                .ok()
+                .and_then(|(r, _)| r.condition(Condition::Discovered).map(|c| c.status))
+        },
+    )
+    .await;
 }
 
 #[tokio::test]

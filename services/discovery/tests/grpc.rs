@@ -20,6 +20,7 @@ use trellis_api::pb::types::{
 use trellis_api::peers::Condition;
 use trellis_discovery::{Config, Started, start};
 use trellis_runtime::Shutdown;
+use trellis_testkit::peering::full_peering;
 
 struct Cluster {
     id: String,
@@ -95,17 +96,13 @@ async fn peer_with(on: &mut Cluster, id: &str, discovery: &str, peered: bool) {
         .update_peering(UpdatePeeringRequest {
             identity: ident(id),
             peered,
-            addresses: Some(ServiceAddresses {
-                discovery: discovery.into(),
-                ..Default::default()
-            }),
-            outgoing_peering_enabled: true,
-            incoming_peering_enabled: true,
-            networking_enabled: true,
-            reason: String::new(),
-            message: String::new(),
-            expected_revision: 0,
-            ca_certificate: String::new(),
+            ..full_peering(
+                ClusterIdentity::default(),
+                ServiceAddresses {
+                    discovery: discovery.into(),
+                    ..Default::default()
+                },
+            )
         })
         .await
         .expect("update peering");
@@ -156,18 +153,7 @@ async fn wait_induced(c: &Cluster, want: &[(&str, &str)], what: &str) {
         .iter()
         .map(|(a, b)| ((*a).to_owned(), (*b).to_owned()))
         .collect();
-    let deadline = Instant::now() + Duration::from_secs(20);
-    loop {
-        let got = induced(c).await;
-        if got == want {
-            return;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "timed out waiting for {what}: have {got:?}, want {want:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    trellis_testkit::eventually_eq(what, Duration::from_secs(20), want, || induced(c)).await;
 }
 
 fn neighborhood(
@@ -839,19 +825,12 @@ async fn withdrawn_records_are_collected_after_the_retention_and_live_ones_stay(
     // The hub drops d: a withdraws it, keeps the tombstone a while, then forgets it.
     peer_with(&mut b, "d", &d.started.addr.to_string(), false).await;
     wait_induced(&a, &[("c", "b")], "a withdraws d").await;
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        let listed = list(&a).await;
-        if ids(&listed) == ["b", "c"] {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "a still lists {:?}",
-            ids(&listed)
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    let forgotten = Duration::from_secs(30);
+    let want = vec!["b".into(), "c".into()];
+    trellis_testkit::eventually_eq("a to forget d", forgotten, want, || async {
+        ids(&list(&a).await)
+    })
+    .await;
 
     // a unpeers the hub: the hub's record and what it introduced are withdrawn, then go.
     peer_with(&mut a, "b", &hub_addr, false).await;
@@ -861,15 +840,10 @@ async fn withdrawn_records_are_collected_after_the_retention_and_live_ones_stay(
             && condition(fc, Condition::Withdrawn) == Some(ConditionStatus::True)),
         "the tombstone is kept for the retention first: {withdrawn:?}"
     );
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while !list(&a).await.is_empty() {
-        assert!(
-            Instant::now() < deadline,
-            "a still lists {:?}",
-            ids(&list(&a).await)
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    trellis_testkit::eventually_eq("a to forget b", forgotten, Vec::new(), || async {
+        ids(&list(&a).await)
+    })
+    .await;
     // Without the flag (the default retention) nothing is collected this fast.
     assert!(
         list(&b).await.iter().any(|fc| id_of(fc) == "d"),

@@ -10,14 +10,14 @@
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use clap::Parser as _;
 use tokio::net::TcpListener;
 use tokio_stream::wrappers::TcpListenerStream;
 use trellis_api::ClusterIdentity;
+use trellis_api::pb::discovery::ListForeignClustersRequest;
 use trellis_api::pb::discovery::discovery_client::DiscoveryClient;
-use trellis_api::pb::discovery::{ListForeignClustersRequest, UpdatePeeringRequest};
 use trellis_api::pb::types as pb;
 use trellis_discovery::core::PeeringUpdate;
 use trellis_discovery::neighborhood::SenderTiming;
@@ -26,6 +26,8 @@ use trellis_discovery::{Config, Discovery, start};
 use trellis_runtime::Shutdown;
 use trellis_runtime::peer::Authz;
 use trellis_store::MemoryStore;
+use trellis_testkit::eventually;
+use trellis_testkit::peering::full_peering;
 
 const HOUR: Duration = Duration::from_secs(3600);
 const LIMIT: Duration = Duration::from_secs(60);
@@ -133,58 +135,52 @@ async fn a_send_that_failed_is_retried_when_the_peer_speaks_not_after_its_backof
     .await;
     let (refusing, attempts) = slamming().await;
     record_peer(&hub, "leaf", &refusing.to_string()).await;
-    let deadline = Instant::now() + LIMIT;
-    while attempts.load(Ordering::SeqCst) == 0 {
-        assert!(Instant::now() < deadline, "the hub never tried the leaf");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    eventually("the hub to try the leaf", LIMIT, || async {
+        (attempts.load(Ordering::SeqCst) > 0).then_some(())
+    })
+    .await;
     // The leaf's real address; the hub's send is still in its backoff.
     record_peer(&hub, "leaf", &leaf.addr.to_string()).await;
 
     // The leaf records the peering and, as every cluster does, sends the hub its own
     // (empty) Neighborhood: the hub's send follows at once, an hour early.
     leaf_client
-        .update_peering(UpdatePeeringRequest {
-            identity: Some(pb::ClusterIdentity {
+        .update_peering(full_peering(
+            pb::ClusterIdentity {
                 cluster_id: "hub".into(),
                 cluster_name: String::new(),
-            }),
-            peered: true,
-            addresses: Some(pb::ServiceAddresses {
+            },
+            pb::ServiceAddresses {
                 discovery: hub_addr.to_string(),
                 ..Default::default()
-            }),
-            outgoing_peering_enabled: true,
-            incoming_peering_enabled: true,
-            networking_enabled: true,
-            reason: String::new(),
-            message: String::new(),
-            expected_revision: 0,
-            ca_certificate: String::new(),
-        })
+            },
+        ))
         .await
         .expect("leaf records the hub");
-    let deadline = Instant::now() + LIMIT;
-    loop {
-        let induced = leaf_client
-            .list_foreign_clusters(ListForeignClustersRequest {
-                kind: pb::PeeringKind::Induced as i32,
-            })
-            .await
-            .expect("lists")
-            .into_inner()
-            .foreign_clusters;
-        if induced.iter().any(|fc| {
-            fc.identity
-                .as_ref()
-                .is_some_and(|i| i.cluster_id == "leaf-a")
-        }) {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "the hub's Neighborhood never reached the leaf (still backing off?)"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    eventually(
+        "the hub's Neighborhood to reach the leaf (still backing off?)",
+        LIMIT,
+        || {
+            let mut leaf_client = leaf_client.clone();
+            async move {
+                let induced = leaf_client
+                    .list_foreign_clusters(ListForeignClustersRequest {
+                        kind: pb::PeeringKind::Induced as i32,
+                    })
+                    .await
+                    .expect("lists")
+                    .into_inner()
+                    .foreign_clusters;
+                induced
+                    .iter()
+                    .any(|fc| {
+                        fc.identity
+                            .as_ref()
+                            .is_some_and(|i| i.cluster_id == "leaf-a")
+                    })
+                    .then_some(())
+            }
+        },
+    )
+    .await;
 }

@@ -8,14 +8,13 @@
 mod common;
 
 use std::net::SocketAddr;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use common::{Cluster, Fabric, at};
+use common::{Cluster, Fabric, at, until};
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use trellis_api::pb::endpoints::{
     ApplyReflectedSliceRequest, DeleteReflectedSliceRequest, Endpoint, EndpointConditions,
-    EndpointPort, EndpointSlice, ExportServiceRequest, ExportedEndpoint,
-    ListReflectedSlicesRequest, ReflectedSlice,
+    EndpointPort, EndpointSlice, ExportServiceRequest, ReflectedSlice,
 };
 use trellis_api::pb::types::ClusterIdentity;
 
@@ -23,22 +22,8 @@ use trellis_api::pb::types::ClusterIdentity;
 const RESEND_MS: &str = "500";
 
 fn export(hosts: &[String]) -> ExportServiceRequest {
-    ExportServiceRequest {
-        namespace: "shop".into(),
-        name: "web".into(),
-        ports: vec![EndpointPort {
-            name: "http".into(),
-            port: Some(8080),
-            ..Default::default()
-        }],
-        endpoints: hosts
-            .iter()
-            .map(|address| ExportedEndpoint {
-                address: address.clone(),
-                ready: Some(true),
-            })
-            .collect(),
-    }
+    let ready: Vec<(String, bool)> = hosts.iter().map(|host| (host.clone(), true)).collect();
+    trellis_testkit::exports::export_request("shop", "web", &ready)
 }
 
 async fn start(id: &'static str, external: &'static str) -> Cluster {
@@ -57,17 +42,7 @@ async fn start(id: &'static str, external: &'static str) -> Cluster {
 
 /// The one slice `cluster` holds from `source`, if any.
 async fn held(cluster: &Cluster, source: &str) -> Option<ReflectedSlice> {
-    let slices = cluster
-        .endpoints()
-        .await
-        .list_reflected_slices(ListReflectedSlicesRequest {
-            source_cluster_id: source.into(),
-            namespace: String::new(),
-        })
-        .await
-        .expect("lists")
-        .into_inner()
-        .reflected_slices;
+    let slices = common::reflected(&mut cluster.endpoints().await, source).await;
     assert!(slices.len() <= 1, "one export, one slice: {slices:?}");
     slices.into_iter().next()
 }
@@ -82,26 +57,6 @@ async fn addresses(cluster: &Cluster, source: &str) -> Option<Vec<String>> {
             .flat_map(|e| e.addresses)
             .collect()
     })
-}
-
-async fn until<T, F, Fut>(what: &str, want: T, mut probe: F)
-where
-    T: PartialEq + std::fmt::Debug,
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = T>,
-{
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        let got = probe().await;
-        if got == want {
-            return;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "{what}: still {got:?}, want {want:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
 }
 
 /// The sum of every sample of `name` whose labels contain each of `labels`, from the
@@ -168,19 +123,15 @@ async fn applies(cluster: &Cluster) -> f64 {
 
 /// Waits until `cluster` has been handed at least `n` more slices than `from`.
 async fn until_applies(what: &str, cluster: &Cluster, from: f64, n: f64) {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
+    trellis_testkit::eventually(what, common::LIMIT, || async {
         let now = applies(cluster).await;
         if now >= from + n {
-            return;
+            Ok(())
+        } else {
+            Err(format!("{} resends, want {n}", now - from))
         }
-        assert!(
-            Instant::now() < deadline,
-            "{what}: {} resends in 30 s, want {n}",
-            now - from
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    })
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -330,19 +281,13 @@ async fn a_consumer_holding_a_higher_generation_still_gets_the_exporters_changes
         .export_service(export(&[at(pods, 7)]))
         .await
         .expect("exports");
-    let deadline = Instant::now() + Duration::from_secs(10);
     let want = Some(vec![at(fabric.b_view_a.pod, 7)]);
-    loop {
-        let got = addresses(b, "a").await;
-        if got == want {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "B still holds {got:?} 10 s after A's export (generation {:?}), want {want:?}",
-            held(b, "a").await.map(|r| r.generation)
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
+    let limit = Duration::from_secs(10);
+    let followed =
+        trellis_testkit::within_eq("B to hold A's export", limit, want, || addresses(b, "a"));
+    if let Err(timed_out) = followed.await {
+        let generation = held(b, "a").await.map(|r| r.generation);
+        panic!("{timed_out} (B's generation {generation:?})");
     }
     assert!(held(b, "a").await.expect("held").generation > ahead);
 }

@@ -5,46 +5,21 @@
 
 mod common;
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use common::{Cluster, Fabric, at, view};
+use common::{Cluster, Fabric, at, until, view};
 use tonic::Code;
 use trellis_api::pb::endpoints::{
-    EndpointPort, ExportServiceRequest, ExportedEndpoint, ListExportsRequest,
-    ListReflectedSlicesRequest, ReflectedSlice, UnexportServiceRequest,
+    ExportServiceRequest, ExportedEndpoint, ListExportsRequest, ReflectedSlice,
+    UnexportServiceRequest,
 };
 
 fn request(endpoints: &[(String, bool)]) -> ExportServiceRequest {
-    ExportServiceRequest {
-        namespace: "shop".into(),
-        name: "web".into(),
-        ports: vec![EndpointPort {
-            name: "http".into(),
-            port: Some(8080),
-            ..Default::default()
-        }],
-        endpoints: endpoints
-            .iter()
-            .map(|(address, ready)| ExportedEndpoint {
-                address: address.clone(),
-                ready: Some(*ready),
-            })
-            .collect(),
-    }
+    trellis_testkit::exports::export_request("shop", "web", endpoints)
 }
 
 async fn reflected_from(cluster: &Cluster, source: &str) -> Vec<ReflectedSlice> {
-    cluster
-        .endpoints()
-        .await
-        .list_reflected_slices(ListReflectedSlicesRequest {
-            source_cluster_id: source.into(),
-            namespace: String::new(),
-        })
-        .await
-        .expect("list reflected")
-        .into_inner()
-        .reflected_slices
+    common::reflected(&mut cluster.endpoints().await, source).await
 }
 
 /// (address, ready) of every endpoint of the one slice `source` reflected to `cluster`, or
@@ -71,27 +46,6 @@ async fn imported(cluster: &Cluster, source: &str) -> Option<Vec<(String, bool)>
             })
             .collect(),
     )
-}
-
-/// Polls `probe` until it returns `want`, with a generous deadline.
-async fn until<T, F, Fut>(what: &str, want: T, mut probe: F)
-where
-    T: PartialEq + std::fmt::Debug,
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = T>,
-{
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        let got = probe().await;
-        if got == want {
-            return;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "{what}: still {got:?}, want {want:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
 }
 
 #[tokio::test]

@@ -366,12 +366,7 @@ async fn apply_and_delete_propagate_to_kubernetes_through_the_service() {
         .expect_err("refused");
     assert_eq!(status.code(), Code::AlreadyExists, "{status:?}");
     let mut handle = api.await.expect("api task");
-    let held = client
-        .list_reflected_slices(pb::ListReflectedSlicesRequest::default())
-        .await
-        .expect("lists")
-        .into_inner()
-        .reflected_slices;
+    let held = common::reflected(&mut client, "").await;
     assert!(held.is_empty());
 
     // Free name: created, and the object name is recorded.
@@ -419,12 +414,7 @@ async fn apply_and_delete_propagate_to_kubernetes_through_the_service() {
         .into_inner();
     assert!(resent.applied);
     no_more_requests(&mut handle).await;
-    let held = client
-        .list_reflected_slices(pb::ListReflectedSlicesRequest::default())
-        .await
-        .expect("lists")
-        .into_inner()
-        .reflected_slices;
+    let held = common::reflected(&mut client, "").await;
     assert_eq!(held.len(), 1);
     assert_eq!(held[0].generation, 5);
     assert_eq!(held[0].object_name, name());
@@ -452,11 +442,6 @@ async fn apply_and_delete_propagate_to_kubernetes_through_the_service() {
         .into_inner();
     assert!(deleted.deleted);
     api.await.expect("api task");
-    let held = client
-        .list_reflected_slices(pb::ListReflectedSlicesRequest::default())
-        .await
-        .expect("lists")
-        .into_inner()
-        .reflected_slices;
+    let held = common::reflected(&mut client, "").await;
     assert!(held.is_empty());
 }

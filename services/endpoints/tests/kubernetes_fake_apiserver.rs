@@ -9,29 +9,15 @@
 
 mod common;
 
-use std::time::{Duration, Instant};
-
-use common::{Cluster, Fabric, at};
+use common::{Cluster, Fabric, at, until};
 use serde_json::{Value, json};
-use trellis_api::pb::endpoints::{EndpointPort, ExportServiceRequest, ExportedEndpoint};
+use trellis_api::pb::endpoints::ExportServiceRequest;
 use trellis_api::pb::ipam::FreeSubnetsPerClusterRequest;
 use trellis_endpoints::kube::derived_service_name;
 use trellis_testkit::FakeApiServer;
 
 fn request(name: &str, address: String) -> ExportServiceRequest {
-    ExportServiceRequest {
-        namespace: "shop".into(),
-        name: name.into(),
-        ports: vec![EndpointPort {
-            name: "http".into(),
-            port: Some(8080),
-            ..Default::default()
-        }],
-        endpoints: vec![ExportedEndpoint {
-            address,
-            ready: Some(true),
-        }],
-    }
+    trellis_testkit::exports::export_request("shop", name, &[(address, true)])
 }
 
 /// (address, ready) of every endpoint of the imported slices attached to `service`'s derived
@@ -52,21 +38,6 @@ fn imported(api: &FakeApiServer, service: &str) -> Vec<(String, bool)> {
         .collect();
     out.sort();
     out
-}
-
-async fn until<T: PartialEq + std::fmt::Debug>(what: &str, want: T, mut probe: impl FnMut() -> T) {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        let got = probe();
-        if got == want {
-            return;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "{what}: still {got:?}, want {want:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
 }
 
 #[tokio::test]
@@ -91,7 +62,7 @@ async fn an_endpoint_whose_home_becomes_unreachable_is_written_not_ready_fake_ap
     until(
         "ready over the induced peering",
         vec![(at(c_view_a.pod, 7), true)],
-        || imported(&api, "web"),
+        || async { imported(&api, "web") },
     )
     .await;
     // C's IPAM forgets A (the induced peering is torn down): the address C holds no longer
@@ -110,7 +81,7 @@ async fn an_endpoint_whose_home_becomes_unreachable_is_written_not_ready_fake_ap
     until(
         "not ready once A is unreachable",
         vec![(at(c_view_a.pod, 7), false)],
-        || imported(&api, "web"),
+        || async { imported(&api, "web") },
     )
     .await;
 }
@@ -145,11 +116,11 @@ async fn an_import_never_writes_into_a_local_service_of_the_same_name_fake_api_s
     until(
         "B imports A's trellis-ipam",
         vec![(at(b_view_a.pod, 9), true)],
-        || imported(&api, "trellis-ipam"),
+        || async { imported(&api, "trellis-ipam") },
     )
     .await;
     let derived = derived_service_name("shop", "trellis-ipam");
-    until("the derived service exists", true, || {
+    until("the derived service exists", true, || async {
         api.objects("v1", "services", "shop")
             .iter()
             .any(|s| s["metadata"]["name"] == derived.as_str())

@@ -9,9 +9,8 @@ use std::time::{Duration, Instant};
 use common::{Fabric, at};
 use tonic::Code;
 use trellis_api::pb::endpoints::{
-    AddressType, Endpoint, EndpointPort, EndpointSlice, ListReflectedSlicesRequest,
-    ReflectEndpointSliceRequest, ReflectEndpointSliceResponse, TranslationPath,
-    UnreflectEndpointSliceRequest,
+    AddressType, Endpoint, EndpointPort, EndpointSlice, ReflectEndpointSliceRequest,
+    ReflectEndpointSliceResponse, TranslationPath, UnreflectEndpointSliceRequest,
 };
 use trellis_api::pb::ipam::ListEndpointMappingsRequest;
 
@@ -280,12 +279,7 @@ async fn delivered_slices_are_stored_on_the_target_and_deleted_with_it() {
         .expect("reflects");
     assert!(response.delivered);
     let mut c = fabric.c.endpoints().await;
-    let held = c
-        .list_reflected_slices(ListReflectedSlicesRequest::default())
-        .await
-        .expect("lists")
-        .into_inner()
-        .reflected_slices;
+    let held = common::reflected(&mut c, "").await;
     assert_eq!(held.len(), 1);
     assert_eq!(
         held[0].source.as_ref().map(|s| s.cluster_id.as_str()),
@@ -309,12 +303,7 @@ async fn delivered_slices_are_stored_on_the_target_and_deleted_with_it() {
     )
     .await
     .expect("reflects again");
-    let held = c
-        .list_reflected_slices(ListReflectedSlicesRequest::default())
-        .await
-        .expect("lists")
-        .into_inner()
-        .reflected_slices;
+    let held = common::reflected(&mut c, "").await;
     assert!(held[0].generation > first);
     assert_eq!(held[0].slice.as_ref().map(|s| s.endpoints.len()), Some(2));
 
@@ -332,12 +321,7 @@ async fn delivered_slices_are_stored_on_the_target_and_deleted_with_it() {
         .expect("unreflects")
         .into_inner();
     assert!(gone.delivered);
-    let held = c
-        .list_reflected_slices(ListReflectedSlicesRequest::default())
-        .await
-        .expect("lists")
-        .into_inner()
-        .reflected_slices;
+    let held = common::reflected(&mut c, "").await;
     assert!(held.is_empty());
 }
 
@@ -483,12 +467,7 @@ async fn bad_input_is_refused_naming_the_field_and_nothing_is_stored() {
         .await
         .expect_err("refused");
     assert_eq!(status.code(), Code::PermissionDenied, "{status:?}");
-    let held = c
-        .list_reflected_slices(ListReflectedSlicesRequest::default())
-        .await
-        .expect("lists")
-        .into_inner()
-        .reflected_slices;
+    let held = common::reflected(&mut c, "").await;
     assert!(held.is_empty());
 }
 
@@ -507,19 +486,14 @@ async fn a_silent_remote_ipam_costs_a_bounded_time_and_takes_the_hub_path() {
     .await
     .expect("connects")
     .update_peering(trellis_api::pb::discovery::UpdatePeeringRequest {
-        identity: Some(a),
-        peered: true,
-        addresses: Some(trellis_api::pb::types::ServiceAddresses {
-            ipam: silent.local_addr().expect("addr").to_string(),
-            ..Default::default()
-        }),
-        outgoing_peering_enabled: true,
-        incoming_peering_enabled: true,
-        networking_enabled: true,
         reason: "HandshakeCompleted".into(),
-        message: String::new(),
-        expected_revision: 0,
-        ca_certificate: String::new(),
+        ..trellis_testkit::peering::full_peering(
+            a,
+            trellis_api::pb::types::ServiceAddresses {
+                ipam: silent.local_addr().expect("addr").to_string(),
+                ..Default::default()
+            },
+        )
     })
     .await
     .expect("re-peer");

@@ -32,7 +32,7 @@ use trellis_runtime::Shutdown;
 use trellis_runtime::peer::Authz;
 use trellis_store::metered::StoreMetrics;
 use trellis_store::{MemoryStore, SharedStore};
-use trellis_testkit::Etcd;
+use trellis_testkit::{Etcd, eventually};
 
 /// Runs each case on both backends, as `trellis_store::conformance_tests!` does.
 macro_rules! cases {
@@ -162,11 +162,15 @@ struct Introduction {
 impl Introduction {
     /// Waits until the first NetworkConfig (`what`) is held at the destination.
     async fn held(&self, what: &str) {
-        eventually(&format!("{what} to be held at the destination"), || async {
-            self.entered
-                .load(std::sync::atomic::Ordering::SeqCst)
-                .then_some(())
-        })
+        eventually(
+            &format!("{what} to be held at the destination"),
+            LIMIT,
+            || async {
+                self.entered
+                    .load(std::sync::atomic::Ordering::SeqCst)
+                    .then_some(())
+            },
+        )
         .await;
     }
 }
@@ -563,25 +567,6 @@ async fn blackhole(shutdown: &Shutdown) -> String {
     addr.to_string()
 }
 
-/// Polls `check` until it returns `Some`, failing with `what` after [`LIMIT`].
-async fn eventually<T, F, Fut>(what: &str, mut check: F) -> T
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = Option<T>>,
-{
-    let deadline = tokio::time::Instant::now() + LIMIT;
-    loop {
-        if let Some(found) = check().await {
-            return found;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "timed out after {LIMIT:?} waiting for {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
-
 /// A relay record as an older forwarder stored it.
 fn held(origin: &str, destination: &str, spec_n: u8, state: State) -> RelayRecord {
     let now = now_nanos();
@@ -703,6 +688,7 @@ async fn old_layout_relays_are_migrated_and_served(store: SharedStore) {
     hub.run_retries();
     eventually(
         "the migrated relay to be delivered and completed",
+        LIMIT,
         || async {
             let delivered = destination
                 .received()
@@ -765,6 +751,7 @@ async fn a_dead_destination_does_not_hold_up_the_others(store: SharedStore) {
 
     eventually(
         "every relay to a healthy destination to complete",
+        LIMIT,
         || async {
             let reported = origin.received().statuses;
             let all = healthy.iter().all(|(name, broker)| {
@@ -826,7 +813,7 @@ async fn failed_relays_are_collected_after_the_retention(store: SharedStore) {
     );
 
     hub.run_retries();
-    eventually("the failed relay to be collected", || async {
+    eventually("the failed relay to be collected", LIMIT, || async {
         let relays = hub.relays().await;
         if let Some(held) = relays.get(&pair) {
             assert_eq!(held.state, State::Failed);
@@ -878,7 +865,7 @@ async fn a_relay_refused_while_the_other_way_arrives_is_retried_at_once(store: S
     introduction.held("the retry of A→C").await;
     assert_eq!(hub.relay("c", "a", 2).await, State::Completed);
     introduction.release.notify_one();
-    eventually("A→C to be delivered", || async {
+    eventually("A→C to be delivered", LIMIT, || async {
         c.received()
             .submitted
             .contains(&("a".into(), "c".into(), 1))
@@ -900,7 +887,7 @@ async fn relays_are_authorized_from_the_watched_copy_which_never_refuses_alone(s
     hub.peer("c", &c_addr).await;
     hub.peer_with("mute", &a_addr, false).await;
     hub.follow_discovery();
-    eventually("the forwarder's copy to hold every peer", || async {
+    eventually("the forwarder's copy to hold every peer", LIMIT, || async {
         let copy = hub.forwarder.foreign_clusters();
         ["a", "c", "mute"]
             .iter()
@@ -931,7 +918,7 @@ async fn relays_are_authorized_from_the_watched_copy_which_never_refuses_alone(s
 
     // Networking turned on: the copy follows, and the relay goes through.
     hub.peer("mute", &a_addr).await;
-    eventually("the copy to see mute's networking", || async {
+    eventually("the copy to see mute's networking", LIMIT, || async {
         hub.forwarder
             .foreign_clusters()
             .cached("mute")
@@ -965,14 +952,14 @@ async fn an_origin_that_stopped_waiting_gets_the_status_reported(store: SharedSt
         .expect("relay accepted");
     assert_eq!(state, State::StatusPending, "not answered in the reply");
     assert!(status.is_some(), "the destination decided");
-    eventually("the status to be reported to the origin", || async {
+    eventually("the status to be reported to the origin", LIMIT, || async {
         a.received()
             .statuses
             .contains(&("a".into(), "c".into()))
             .then_some(())
     })
     .await;
-    eventually("the relay to complete", || async {
+    eventually("the relay to complete", LIMIT, || async {
         hub.relays().await.is_empty().then_some(())
     })
     .await;
@@ -1045,9 +1032,11 @@ async fn a_relay_answered_in_its_reply_reads_nothing_once_the_store_is_listed(st
     hub.run_retries();
     // Until the loop has listed the store, absence means nothing and a relay reads its keys.
     until_relays_read_nothing(&hub, &registry, "a", "c").await;
-    eventually("the held relay to be delivered and deleted", || async {
-        hub.relays().await.is_empty().then_some(())
-    })
+    eventually(
+        "the held relay to be delivered and deleted",
+        LIMIT,
+        || async { hub.relays().await.is_empty().then_some(()) },
+    )
     .await;
     assert!(
         a.received()
@@ -1118,7 +1107,7 @@ async fn until_relays_read_nothing(
     origin: &str,
     destination: &str,
 ) {
-    eventually("a relay that reads nothing", || async {
+    eventually("a relay that reads nothing", LIMIT, || async {
         let before = store_gets(registry);
         assert_eq!(hub.relay(origin, destination, 1).await, State::Completed);
         (store_gets(registry) == before).then_some(())
@@ -1181,15 +1170,19 @@ async fn an_origin_that_stops_waiting_is_answered_once_the_relay_is_stored(store
         State::Pending,
         "the first attempt was refused, to retry"
     );
-    eventually("the retried relay to reach C and its status A", || async {
-        (c.received()
-            .submitted
-            .contains(&("a".into(), "c".into(), 1))
-            && a.received().statuses.contains(&("a".into(), "c".into())))
-        .then_some(())
-    })
+    eventually(
+        "the retried relay to reach C and its status A",
+        LIMIT,
+        || async {
+            (c.received()
+                .submitted
+                .contains(&("a".into(), "c".into(), 1))
+                && a.received().statuses.contains(&("a".into(), "c".into())))
+            .then_some(())
+        },
+    )
     .await;
-    eventually("the relay to complete", || async {
+    eventually("the relay to complete", LIMIT, || async {
         hub.relays().await.is_empty().then_some(())
     })
     .await;
@@ -1255,6 +1248,7 @@ async fn a_withdrawal_during_a_first_attempt_is_not_undone_by_its_retry(store: S
     withdrawal.await.expect("joins").expect("withdrawn");
     eventually(
         "the withdrawal to reach C and the relay to be gone",
+        LIMIT,
         || async {
             (c.received().withdrawn.contains(&("a".into(), "c".into()))
                 && hub.relays().await.is_empty())
@@ -1293,7 +1287,7 @@ async fn a_relay_whose_caller_gave_up_does_not_hold_back_its_withdrawal(store: S
     .expect("the withdrawal is not held back by the cancelled attempt");
     withdrawal.expect("withdrawn");
     introduction.release.notify_one();
-    eventually("the withdrawal to reach C", || async {
+    eventually("the withdrawal to reach C", LIMIT, || async {
         c.received()
             .withdrawn
             .contains(&("a".into(), "c".into()))

@@ -19,23 +19,13 @@ use defguard_boringtun::noise::{Tunn, TunnResult};
 use defguard_boringtun::x25519::{PublicKey, StaticSecret};
 use trellis_gateway::dataplane::engine::{DropReason, Engine, PeerConfig};
 use trellis_gateway::keys::KeyPair;
-use trellis_netlab::netns::{Namespaces, in_netns, ip};
-use trellis_testkit::in_ci;
+use trellis_netlab::netns::{Namespaces, can_run, in_netns, ip};
 
 const PEERS: usize = 12;
 const ROUNDS: usize = 20;
 /// Datagrams per peer per round sent as one GSO batch (after one sent singly).
 const GSO_RUN: usize = 4;
 const DEADLINE: Duration = Duration::from_secs(30);
-
-fn can_run(test: &str) -> bool {
-    if !trellis_netlab::netns::is_root() {
-        assert!(!in_ci(), "{test} needs root, and CI runs as root");
-        eprintln!("SKIPPED: {test}: needs root (network namespaces, tun)");
-        return false;
-    }
-    true
-}
 
 /// A minimal IPv4/UDP packet from `src` to `dst` with `payload`, header checksum set.
 fn ipv4_udp(src: Ipv4Addr, dst: Ipv4Addr, payload: &[u8]) -> Vec<u8> {
@@ -246,7 +236,7 @@ fn no_drops(engine: &Engine) {
 #[test]
 fn an_interleaved_burst_for_many_peers_lands_each_datagram_in_its_own_tun() {
     let test = "an_interleaved_burst_for_many_peers_lands_each_datagram_in_its_own_tun";
-    if !can_run(test) {
+    if !can_run(test, &[]) {
         return;
     }
     let mut s = setup("r");
@@ -312,7 +302,7 @@ fn an_interleaved_burst_for_many_peers_lands_each_datagram_in_its_own_tun() {
 #[test]
 fn gso_batches_from_many_tuns_never_mix_destinations() {
     let test = "gso_batches_from_many_tuns_never_mix_destinations";
-    if !can_run(test) {
+    if !can_run(test, &[]) {
         return;
     }
     let mut s = setup("s");

@@ -19,20 +19,10 @@ use defguard_boringtun::noise::{Tunn, TunnResult};
 use defguard_boringtun::x25519::{PublicKey, StaticSecret};
 use trellis_gateway::dataplane::engine::{DropReason, Engine, PeerConfig};
 use trellis_gateway::keys::KeyPair;
-use trellis_netlab::netns::{Namespaces, in_netns, ip};
-use trellis_testkit::in_ci;
+use trellis_netlab::netns::{Namespaces, can_run, in_netns, ip};
 use trellis_testkit::wireguard::Forger;
 
 const DEADLINE: Duration = Duration::from_secs(20);
-
-fn can_run(test: &str) -> bool {
-    if !trellis_netlab::netns::is_root() {
-        assert!(!in_ci(), "{test} needs root, and CI runs as root");
-        eprintln!("SKIPPED: {test}: needs root (network namespaces, tun)");
-        return false;
-    }
-    true
-}
 
 /// An engine alone in a fresh namespace.
 struct Setup {
@@ -201,7 +191,7 @@ fn wait_rx(s: &Setup, peer: &Peer, expected: u64) {
 #[test]
 fn replayed_initiations_from_a_third_address_do_not_move_the_peer() {
     let test = "replayed_initiations_from_a_third_address_do_not_move_the_peer";
-    if !can_run(test) {
+    if !can_run(test, &[]) {
         return;
     }
     let s = setup("r");
@@ -270,7 +260,7 @@ fn replayed_initiations_from_a_third_address_do_not_move_the_peer() {
 #[test]
 fn a_flood_of_hostile_initiations_does_not_stop_a_peers_handshake() {
     let test = "a_flood_of_hostile_initiations_does_not_stop_a_peers_handshake";
-    if !can_run(test) {
+    if !can_run(test, &[]) {
         return;
     }
     let s = setup("f");
@@ -380,7 +370,7 @@ fn a_flood_of_hostile_initiations_does_not_stop_a_peers_handshake() {
 #[test]
 fn one_source_with_a_cookie_gets_a_bounded_share_of_handshake_work() {
     let test = "one_source_with_a_cookie_gets_a_bounded_share_of_handshake_work";
-    if !can_run(test) {
+    if !can_run(test, &[]) {
         return;
     }
     let s = setup("b");
@@ -494,7 +484,7 @@ impl Roaming {
 #[test]
 fn random_hostile_handshakes_never_move_an_endpoint_or_stop_a_peer() {
     let test = "random_hostile_handshakes_never_move_an_endpoint_or_stop_a_peer";
-    if !can_run(test) {
+    if !can_run(test, &[]) {
         return;
     }
     let (seed, mut rng) = trellis_testkit::rng::Rng::from_env();

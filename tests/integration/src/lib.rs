@@ -3,6 +3,7 @@
 //! same flags. Binaries are the ones `make test` builds before running the tests.
 
 pub mod cluster;
+pub mod command;
 pub mod cut;
 pub mod failover;
 pub mod gate;
@@ -33,6 +34,27 @@ use tonic_health::pb::{HealthCheckRequest, health_check_response::ServingStatus}
 /// Path of a workspace binary: `$TRELLIS_BIN_DIR` when set, else the one built next to the
 /// running test (`<target>/<profile>/<name>`).
 pub use trellis_netlab::bins::bin_path;
+
+/// The flags of a standalone `trellis-ipam` listening on `listen` with its state in `store`,
+/// as cluster `cluster` with pod CIDR 10.0.0.0/16 and external CIDR 10.201.0.0/16, then `extra`.
+pub fn ipam_args(listen: &str, store: &str, cluster: &str, extra: &[&str]) -> Vec<String> {
+    [
+        "--listen",
+        listen,
+        "--store",
+        store,
+        "--cluster-id",
+        cluster,
+        "--pod-cidr",
+        "10.0.0.0/16",
+        "--external-cidr",
+        "10.201.0.0/16",
+    ]
+    .iter()
+    .chain(extra)
+    .map(|s| (*s).to_owned())
+    .collect()
+}
 
 /// A service binary running as a child process, killed on drop.
 #[derive(Debug)]

@@ -1,53 +1,27 @@
 //! What every peering test does with a cluster, in-process or as processes: wait for a
 //! condition, read a broker's TunnelEndpoints, fetch a token, peer with another cluster, read
 //! how one cluster addresses another, build the slice the reflection tests push.
-//! One copy here instead of one per test file.
+//! One copy here instead of one per test file; the poller and the peering calls themselves are
+//! the test kit's, re-exported, which the namespace lab shares.
 
 use std::future::Future;
 use std::net::SocketAddr;
-use std::time::{Duration, Instant};
 
 use ipnet::IpNet;
 use tonic::transport::Channel;
 use trellis_api::pb::endpoints::{AddressType, Endpoint, EndpointSlice};
 use trellis_api::pb::ipam::ListClusterSubnetsRequest;
 use trellis_api::pb::peering::broker_client::BrokerClient;
-use trellis_api::pb::peering::{
-    GetTokenRequest, ListTunnelEndpointsRequest, PeerRequest, PeerResponse,
-};
 use trellis_api::pb::types::{PeeringKind, TunnelEndpoint};
 
 use crate::cluster::InProcessCluster;
 use crate::processes::ProcessCluster;
 
-/// Polls `check` every 50 ms until it yields a value; panics naming `what` after `limit`.
-pub async fn eventually<T, F, Fut>(what: &str, limit: Duration, mut check: F) -> T
-where
-    F: FnMut() -> Fut,
-    Fut: Future<Output = Option<T>>,
-{
-    let deadline = Instant::now() + limit;
-    loop {
-        if let Some(found) = check().await {
-            return found;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "timed out after {limit:?} waiting for {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
-
-/// A cluster whose broker a test can call and other clusters can peer with.
-pub trait Peerable: Sync {
-    /// The cluster ID.
-    fn cluster_id(&self) -> &str;
-    /// The broker address other clusters peer with (the peer listener when TLS is on).
-    fn peering_broker(&self) -> SocketAddr;
-    /// A client of the cluster's broker (its local listener).
-    fn broker_client(&self) -> impl Future<Output = anyhow::Result<BrokerClient<Channel>>> + Send;
-}
+pub use trellis_testkit::eventually;
+pub use trellis_testkit::peering::{
+    Peerable, answered_tunnel_to, no_tunnel_to, peer, peer_with_token, token, tunnel_to, tunnels,
+    unpeer,
+};
 
 impl Peerable for InProcessCluster {
     fn cluster_id(&self) -> &str {
@@ -75,101 +49,6 @@ impl Peerable for ProcessCluster {
     fn broker_client(&self) -> impl Future<Output = anyhow::Result<BrokerClient<Channel>>> + Send {
         self.broker()
     }
-}
-
-/// The cluster's TunnelEndpoints.
-pub async fn tunnels(cluster: &impl Peerable) -> anyhow::Result<Vec<TunnelEndpoint>> {
-    Ok(cluster
-        .broker_client()
-        .await?
-        .list_tunnel_endpoints(ListTunnelEndpointsRequest::default())
-        .await?
-        .into_inner()
-        .tunnel_endpoints)
-}
-
-/// The cluster's TunnelEndpoint towards `remote`; `None` also while its broker cannot be
-/// reached (callers poll through restarts). For waiting until a tunnel exists only: absence
-/// checks use [`no_tunnel_to`] or [`answered_tunnel_to`].
-pub async fn tunnel_to(cluster: &impl Peerable, remote: &str) -> Option<TunnelEndpoint> {
-    tunnels(cluster)
-        .await
-        .ok()?
-        .into_iter()
-        .find(|t| t.remote.as_ref().is_some_and(|r| r.cluster_id == remote))
-}
-
-/// The cluster's TunnelEndpoint towards `remote` as its broker answers; an error when the
-/// broker cannot be asked. What absence checks use: an unreachable broker must not read as "no
-/// tunnel".
-pub async fn answered_tunnel_to(
-    cluster: &impl Peerable,
-    remote: &str,
-) -> anyhow::Result<Option<TunnelEndpoint>> {
-    Ok(tunnels(cluster)
-        .await?
-        .into_iter()
-        .find(|t| t.remote.as_ref().is_some_and(|r| r.cluster_id == remote)))
-}
-
-/// `Some` once the cluster's broker answers that it holds no TunnelEndpoint towards `remote`;
-/// `None` while it holds one and while it cannot be reached (for [`eventually`]: absence is
-/// proven by an answer, never by a failed call).
-pub async fn no_tunnel_to(cluster: &impl Peerable, remote: &str) -> Option<()> {
-    match answered_tunnel_to(cluster, remote).await {
-        Ok(None) => Some(()),
-        Ok(Some(_)) | Err(_) => None,
-    }
-}
-
-/// The cluster's current peering token.
-pub async fn token(cluster: &impl Peerable) -> String {
-    cluster
-        .broker_client()
-        .await
-        .expect("connects to the broker")
-        .get_token(GetTokenRequest {})
-        .await
-        .expect("gets a token")
-        .into_inner()
-        .token
-}
-
-/// `from` asks its broker to peer with `to` using `token`, expecting `to`'s cluster ID.
-pub async fn peer_with_token(
-    from: &impl Peerable,
-    to: &impl Peerable,
-    token: String,
-) -> Result<PeerResponse, tonic::Status> {
-    from.broker_client()
-        .await
-        .expect("connects to the broker")
-        .peer(PeerRequest {
-            broker_address: to.peering_broker().to_string(),
-            token,
-            expected_cluster_id: to.cluster_id().to_string(),
-            ca_cert_hash: String::new(),
-        })
-        .await
-        .map(tonic::Response::into_inner)
-}
-
-/// `from` peers with `to` through `to`'s current token; panics if the peering is refused or
-/// answered by another cluster.
-pub async fn peer(from: &impl Peerable, to: &impl Peerable) {
-    let answer = peer_with_token(from, to, token(to).await)
-        .await
-        .unwrap_or_else(|err| {
-            panic!(
-                "{} peers with {}: {err:?}",
-                from.cluster_id(),
-                to.cluster_id()
-            )
-        });
-    assert_eq!(
-        answer.identity.map(|i| i.cluster_id).as_deref(),
-        Some(to.cluster_id())
-    );
 }
 
 /// How `viewer`'s IPAM addresses `remote`'s pod CIDR (after any remap); panics without one.

@@ -9,7 +9,6 @@
 //! Flags mirror [`crate::cluster::InProcessCluster`] (which has no endpoints service).
 
 use std::collections::BTreeMap;
-use std::fmt;
 use std::net::SocketAddr;
 use std::process::Command;
 
@@ -21,69 +20,13 @@ use trellis_api::pb::ipam::ipam_client::IpamClient;
 use trellis_api::pb::peering::broker_client::BrokerClient;
 use trellis_api::pb::peering::forwarder_client::ForwarderClient;
 use trellis_testkit::Etcd;
+/// The services a [`ProcessCluster`] runs: the lab's enum, one for every test.
+pub use trellis_testkit::Service;
 
 use crate::ServiceProcess;
 use crate::cluster::Services;
 use crate::cut::{Cut, Side};
 use crate::gate::Gate;
-
-/// One of the services a [`ProcessCluster`] runs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub enum Service {
-    Ipam,
-    Gateway,
-    Discovery,
-    Forwarder,
-    Broker,
-    Endpoints,
-}
-
-impl Service {
-    /// Every service, in start order (callees before their callers).
-    pub const ALL: [Service; 6] = [
-        Service::Ipam,
-        Service::Gateway,
-        Service::Discovery,
-        Service::Forwarder,
-        Service::Broker,
-        Service::Endpoints,
-    ];
-
-    /// Short name: `ipam`, `gateway`, ...
-    pub fn name(self) -> &'static str {
-        match self {
-            Service::Ipam => "ipam",
-            Service::Gateway => "gateway",
-            Service::Discovery => "discovery",
-            Service::Forwarder => "forwarder",
-            Service::Broker => "broker",
-            Service::Endpoints => "endpoints",
-        }
-    }
-
-    /// The binary, `trellis-<name>`.
-    pub fn binary(self) -> String {
-        format!("trellis-{}", self.name())
-    }
-
-    /// The gRPC service whose health says the process is ready.
-    pub fn grpc_service(self) -> &'static str {
-        match self {
-            Service::Ipam => "trellis.ipam.v1.Ipam",
-            Service::Gateway => "trellis.gateway.v1.Gateway",
-            Service::Discovery => "trellis.discovery.v1.Discovery",
-            Service::Forwarder => "trellis.peering.v1.Forwarder",
-            Service::Broker => "trellis.peering.v1.Broker",
-            Service::Endpoints => "trellis.endpoints.v1.EndpointMapper",
-        }
-    }
-}
-
-impl fmt::Display for Service {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
-    }
-}
 
 fn strings(list: &[&str]) -> Vec<String> {
     list.iter().map(|s| (*s).to_owned()).collect()
@@ -435,6 +378,25 @@ impl ProcessCluster {
         Ok(trellis_store::open(&url).await?)
     }
 
+    /// Deletes every key of `service`'s store, as a rebuilt etcd would have lost them (the
+    /// service is down meanwhile); returns the keys it held, so a test can check there was
+    /// something to lose.
+    pub async fn wipe_store(&self, service: Service) -> Vec<String> {
+        let store = self.store(service).await.expect("opens the store");
+        let keys: Vec<String> = store
+            .list("")
+            .await
+            .expect("lists")
+            .kvs
+            .into_iter()
+            .map(|kv| kv.key)
+            .collect();
+        for key in &keys {
+            store.delete(key).await.expect("deletes");
+        }
+        keys
+    }
+
     /// The etcd `service` keeps its state in.
     pub fn etcd(&self, service: Service) -> anyhow::Result<&Etcd> {
         self.etcds
@@ -556,31 +518,18 @@ impl ProcessCluster {
         Ok(BrokerClient::new(self.channel(Service::Broker).await?))
     }
 
-    /// Every TunnelEndpoint the broker lists; none while the broker cannot be reached (a
-    /// chaos test reads clusters whose broker may be down).
     /// The broker's TunnelEndpoints, or why it could not be asked: for checks that must not
     /// read an unreachable broker as "no tunnel".
     pub async fn try_tunnel_endpoints(
         &self,
     ) -> anyhow::Result<Vec<trellis_api::pb::types::TunnelEndpoint>> {
-        Ok(self
-            .broker()
-            .await?
-            .list_tunnel_endpoints(trellis_api::pb::peering::ListTunnelEndpointsRequest::default())
-            .await?
-            .into_inner()
-            .tunnel_endpoints)
+        crate::peering::tunnels(self).await
     }
 
+    /// Every TunnelEndpoint the broker lists; none while the broker cannot be reached (a
+    /// chaos test reads clusters whose broker may be down).
     pub async fn tunnel_endpoints(&self) -> Vec<trellis_api::pb::types::TunnelEndpoint> {
-        let Ok(mut broker) = self.broker().await else {
-            return Vec::new();
-        };
-        broker
-            .list_tunnel_endpoints(trellis_api::pb::peering::ListTunnelEndpointsRequest::default())
-            .await
-            .map(|r| r.into_inner().tunnel_endpoints)
-            .unwrap_or_default()
+        self.try_tunnel_endpoints().await.unwrap_or_default()
     }
 
     pub async fn forwarder(&self) -> anyhow::Result<ForwarderClient<Channel>> {

@@ -34,9 +34,9 @@ use std::time::{Duration, Instant};
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use trellis_api::pb::endpoints::TranslationPath;
-use trellis_api::pb::peering::UnpeerRequest;
 use trellis_api::pb::types::PeeringKind;
-use trellis_netlab::netns::{connect_in, exec, listen_in, udp_in};
+use trellis_integration::peering::unpeer;
+use trellis_netlab::netns::{connect_in, exec, listen_in, nft_packets, udp_in};
 use trellis_netlab::{Fabric, FabricOptions, Service, StoreKind};
 
 const OLD_OR_NEW: [usize; 2] = [0, 2];
@@ -52,21 +52,13 @@ fn can_run(test: &str) -> bool {
 
 /// The address `from`'s pod uses for `to`'s pod (as `Fabric::reach` computes it, for one pair).
 async fn address(fabric: &Fabric, from: usize, to: usize) -> Ipv4Addr {
-    let view = fabric.view(from, to, false).await.expect("view");
-    let site = &fabric.topology.sites[to];
-    let offset = u32::from(site.pod_ip) - u32::from(site.pod_cidr.network());
-    Ipv4Addr::from(u32::from(view.network()) + offset)
+    let pod = fabric.topology.sites[to].pod_ip;
+    fabric.pod_address(from, to, pod).await.expect("view")
 }
 
 /// The packet count of the rule counting what `L`'s pod sends into `interface` from our port.
 fn leaked(gw_ns: &str) -> u64 {
-    let out = exec(gw_ns, "nft", &["list", "chain", "ip", "leakcount", "post"]).expect("nft");
-    let text = String::from_utf8_lossy(&out.stdout);
-    text.split_whitespace()
-        .skip_while(|w| *w != "packets")
-        .nth(1)
-        .and_then(|n| n.parse().ok())
-        .unwrap_or_else(|| panic!("no counter in {text}"))
+    nft_packets(gw_ns, &["chain", "ip", "leakcount", "post"])
 }
 
 /// Loads `script` (a whole nftables table) into `ns`.
@@ -83,13 +75,7 @@ fn nft_load(ns: &str, script: &str) {
 
 /// The packet count of the one counter rule of `chain` in table `table` of `ns`.
 fn counted(ns: &str, table: &str, chain: &str) -> u64 {
-    let out = exec(ns, "nft", &["list", "chain", "ip", table, chain]).expect("nft");
-    let text = String::from_utf8_lossy(&out.stdout);
-    text.split_whitespace()
-        .skip_while(|w| *w != "packets")
-        .nth(1)
-        .and_then(|n| n.parse().ok())
-        .unwrap_or_else(|| panic!("no counter in {text}"))
+    nft_packets(ns, &["chain", "ip", table, chain])
 }
 
 /// Hub L with leaves X and Y, every pod CIDR 10.0.0.0/16, no induced peering between the
@@ -259,14 +245,7 @@ async fn a_freed_range_is_not_handed_to_the_next_peer_while_flows_towards_it_run
     let unpeer = |leaf: usize| {
         let fabric = &fabric;
         async move {
-            fabric.clusters[L]
-                .broker()
-                .expect("broker")
-                .unpeer(UnpeerRequest {
-                    cluster_id: fabric.clusters[leaf].id.clone(),
-                })
-                .await
-                .expect("Unpeer");
+            unpeer(&fabric.clusters[L], &fabric.clusters[leaf].id).await;
             // L's IPAM has freed the leaf's ranges once it no longer lists them.
             let started = Instant::now();
             while fabric.view(L, leaf, false).await.is_ok() {
@@ -438,14 +417,7 @@ async fn replies_of_a_removed_peer_never_enter_the_tunnel_of_the_peer_that_reuse
     assert_eq!(&buf, b"hello");
 
     // L unpeers the old peer; the new one gets the port, the mark and the table.
-    fabric.clusters[L]
-        .broker()
-        .expect("broker")
-        .unpeer(UnpeerRequest {
-            cluster_id: fabric.clusters[old].id.clone(),
-        })
-        .await
-        .expect("Unpeer");
+    unpeer(&fabric.clusters[L], &fabric.clusters[old].id).await;
     fabric
         .wait_tunnel_endpoints(
             L,
@@ -560,14 +532,7 @@ async fn a_hub_path_flow_never_follows_its_removed_mapping_into_the_next_peers_t
     let unpeer = |leaf: usize| {
         let fabric = &fabric;
         async move {
-            fabric.clusters[HUB]
-                .broker()
-                .expect("broker")
-                .unpeer(UnpeerRequest {
-                    cluster_id: fabric.clusters[leaf].id.clone(),
-                })
-                .await
-                .expect("Unpeer");
+            unpeer(&fabric.clusters[HUB], &fabric.clusters[leaf].id).await;
             let started = Instant::now();
             while fabric.view(HUB, leaf, false).await.is_ok() {
                 assert!(started.elapsed() < LIMIT, "L's IPAM keeps {leaf}'s mapping");

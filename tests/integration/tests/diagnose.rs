@@ -6,7 +6,7 @@
 //! Needs `cargo build --bins` first.
 
 use std::process::Output;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use serde_json::Value;
 use trellis_integration::lab::RunningLab;
@@ -52,18 +52,15 @@ async fn diagnose_until(
     what: &str,
     check: impl Fn(Option<i32>, &Value) -> bool,
 ) -> Value {
-    let deadline = Instant::now() + LIMIT;
-    loop {
+    trellis_testkit::eventually(what, LIMIT, || async {
         let (code, doc) = diagnose(flags).await;
         if check(code, &doc) {
-            return doc;
+            Ok(doc)
+        } else {
+            Err(format!("diagnose (exit {code:?}):\n{doc:#}"))
         }
-        assert!(
-            Instant::now() < deadline,
-            "timed out waiting for {what}; last diagnose (exit {code:?}):\n{doc:#}"
-        );
-        tokio::time::sleep(Duration::from_millis(500)).await;
-    }
+    })
+    .await
 }
 
 fn healthy(code: Option<i32>, doc: &Value) -> bool {
@@ -184,14 +181,13 @@ async fn peered_pair() -> Option<(ProcessCluster, ProcessCluster)> {
         .expect("leaf starts")
         .expect("etcd");
     peer(&leaf, &hub).await;
-    let deadline = Instant::now() + LIMIT;
-    while tunnel_to(&leaf, "hub").await.is_none() || tunnel_to(&hub, "leaf-a").await.is_none() {
-        assert!(
-            Instant::now() < deadline,
-            "the peering did not form:\n{}",
-            leaf.logs(20)
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
+    let formed = trellis_testkit::within("the peering", LIMIT, || async {
+        (tunnel_to(&leaf, "hub").await.is_some() && tunnel_to(&hub, "leaf-a").await.is_some())
+            .then_some(())
+    })
+    .await;
+    if let Err(timed_out) = formed {
+        panic!("{timed_out}:\n{}", leaf.logs(20));
     }
     diagnose_until(&process_flags(&leaf), "leaf-a to be healthy", healthy).await;
     Some((hub, leaf))

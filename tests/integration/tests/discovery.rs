@@ -14,7 +14,9 @@ use trellis_api::pb::types::{
     ClusterIdentity, ConditionStatus, ForeignCluster, PeeringKind, ServiceAddresses,
 };
 use trellis_api::peers::{Condition, UNPEERED_REASON};
+use trellis_integration::command::grpcurl;
 use trellis_integration::{ServiceProcess, free_addr};
+use trellis_testkit::peering::full_peering;
 use trellis_testkit::{Etcd, require_tool};
 
 const DISCOVERY: &str = "trellis.discovery.v1.Discovery";
@@ -61,27 +63,23 @@ async fn peer(on: &ServiceProcess, peer_id: &str, peer_addr: SocketAddr, peered:
     client(on)
         .await
         .update_peering(UpdatePeeringRequest {
-            identity: Some(ClusterIdentity {
-                cluster_id: peer_id.into(),
-                cluster_name: format!("cluster {peer_id}"),
-            }),
             peered,
-            addresses: Some(ServiceAddresses {
-                discovery: peer_addr.to_string(),
-                ..Default::default()
-            }),
-            outgoing_peering_enabled: true,
-            incoming_peering_enabled: true,
-            networking_enabled: true,
             reason: if peered {
                 "HandshakeCompleted"
             } else {
                 UNPEERED_REASON
             }
             .into(),
-            message: String::new(),
-            expected_revision: 0,
-            ca_certificate: String::new(),
+            ..full_peering(
+                ClusterIdentity {
+                    cluster_id: peer_id.into(),
+                    cluster_name: format!("cluster {peer_id}"),
+                },
+                ServiceAddresses {
+                    discovery: peer_addr.to_string(),
+                    ..Default::default()
+                },
+            )
         })
         .await
         .expect("update peering");
@@ -134,18 +132,10 @@ async fn wait_for(p: &ServiceProcess, active: &[&str], withdrawn: &[&str], what:
         .map(|id| ((*id).to_owned(), "b".to_owned()))
         .collect();
     let want_withdrawn: Vec<String> = withdrawn.iter().map(|s| (*s).to_owned()).collect();
-    let deadline = Instant::now() + PROPAGATION;
-    loop {
-        let got = induced(p).await;
-        if got.0 == want_active && got.1 == want_withdrawn {
-            return;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "{what}: have {got:?}, want active {want_active:?} withdrawn {want_withdrawn:?}\n{}",
-            p.log_tail(30)
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
+    let want = (want_active, want_withdrawn);
+    if let Err(timed_out) = trellis_testkit::within_eq(what, PROPAGATION, want, || induced(p)).await
+    {
+        panic!("{timed_out}\n{}", p.log_tail(30));
     }
 }
 
@@ -191,19 +181,6 @@ async fn hub_neighborhoods_reach_leaves_withdraw_on_unpeer_and_survive_sigkill()
     // The restarted a keeps working: d peers with the hub again and reappears on a.
     peer(&b, "d", d.addr(), true).await;
     wait_for(&a, &["c", "d"], &[], "a learns d again after the restart").await;
-}
-
-fn grpcurl(tool: &std::path::Path, args: &[&str]) -> String {
-    let out = Command::new(tool)
-        .args(args)
-        .output()
-        .expect("grpcurl runs");
-    assert!(
-        out.status.success(),
-        "grpcurl {args:?} failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8(out.stdout).expect("utf-8 output")
 }
 
 /// Kills the streaming grpcurl when the test ends, whatever happens.

@@ -14,7 +14,7 @@ use trellis_api::pb::discovery::*;
 use trellis_api::pb::types::{ConditionStatus, DiscoverySource, ForeignCluster};
 use trellis_api::peers::Condition;
 use trellis_integration::{ServiceProcess, bin_path};
-use trellis_testkit::{free_port, in_ci, require_tool};
+use trellis_testkit::{eventually, free_port, in_ci, require_tool};
 
 const DISCOVERY: &str = "trellis.discovery.v1.Discovery";
 
@@ -153,14 +153,12 @@ fn args(id: &str, listen: SocketAddr, interface: &str) -> Vec<String> {
 }
 
 async fn connect(addr: SocketAddr) -> DiscoveryClient<Channel> {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        if let Ok(client) = DiscoveryClient::connect(format!("http://{addr}")).await {
-            return client;
-        }
-        assert!(Instant::now() < deadline, "{addr} never answered");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    eventually(
+        &format!("{addr} to answer"),
+        Duration::from_secs(30),
+        || DiscoveryClient::connect(format!("http://{addr}")),
+    )
+    .await
 }
 
 fn discovered(fc: &ForeignCluster) -> Option<ConditionStatus> {
@@ -176,21 +174,20 @@ async fn wait_discovered(
     want: ConditionStatus,
     what: &str,
 ) -> ForeignCluster {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        let got = client
-            .get_foreign_cluster(GetForeignClusterRequest {
-                cluster_id: id.into(),
-            })
-            .await
-            .ok()
-            .and_then(|r| r.into_inner().foreign_cluster);
-        if let Some(fc) = got.filter(|fc| discovered(fc) == Some(want)) {
-            return fc;
+    eventually(what, Duration::from_secs(30), || {
+        let mut client = client.clone();
+        async move {
+            client
+                .get_foreign_cluster(GetForeignClusterRequest {
+                    cluster_id: id.into(),
+                })
+                .await
+                .ok()
+                .and_then(|r| r.into_inner().foreign_cluster)
+                .filter(|fc| discovered(fc) == Some(want))
         }
-        assert!(Instant::now() < deadline, "timed out: {what}");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    })
+    .await
 }
 
 #[tokio::test]

@@ -14,7 +14,7 @@
 
 use std::future::Future;
 use std::net::Ipv4Addr;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use ipnet::{IpNet, Ipv4Net};
 use trellis_api::pb::endpoints::{
@@ -25,9 +25,8 @@ use trellis_api::pb::ipam::{
     ClusterSubnets, DoesClusterMappingExistRequest, ListClusterSubnetsRequest,
     MapEndpointIpRequest, MappingPath,
 };
-use trellis_api::pb::peering::{GetTokenRequest, ListTunnelEndpointsRequest, PeerRequest};
 use trellis_api::pb::types::{ClusterIdentity, PeeringKind, TunnelEndpoint};
-use trellis_integration::peering::web_slice;
+use trellis_integration::peering::{self, peer, web_slice};
 use trellis_integration::processes::{Options, ProcessCluster};
 
 const POD_CIDR: &str = "10.0.0.0/16";
@@ -72,50 +71,21 @@ impl Mesh {
     }
 
     /// Polls `check` until it yields a value or [`LIMIT`] passes; on timeout fails with the
-    /// last observation and the services' log tails.
-    async fn eventually<T, F, Fut>(&self, what: &str, mut check: F) -> T
+    /// last observation (`Err`) and the services' log tails.
+    async fn eventually<T, F, Fut>(&self, what: &str, check: F) -> T
     where
         F: FnMut() -> Fut,
         Fut: Future<Output = Result<T, String>>,
     {
-        let deadline = Instant::now() + LIMIT;
-        loop {
-            match check().await {
-                Ok(found) => return found,
-                Err(last) => assert!(
-                    Instant::now() < deadline,
-                    "timed out after {LIMIT:?} waiting for {what}; last seen: {last}\n{}",
-                    self.logs()
-                ),
-            }
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
+        trellis_testkit::within(what, LIMIT, check)
+            .await
+            .unwrap_or_else(|timed_out| panic!("{timed_out}\n{}", self.logs()))
     }
 
     /// A and C peer with B through B's token, and every full tunnel is up.
     async fn peer_leaves_with_hub(&self) {
         for leaf in [&self.a, &self.c] {
-            let token = self
-                .b
-                .broker()
-                .await
-                .expect("connects")
-                .get_token(GetTokenRequest {})
-                .await
-                .expect("token")
-                .into_inner()
-                .token;
-            leaf.broker()
-                .await
-                .expect("connects")
-                .peer(PeerRequest {
-                    broker_address: self.b.services.broker.to_string(),
-                    token,
-                    expected_cluster_id: HUB.into(),
-                    ca_cert_hash: String::new(),
-                })
-                .await
-                .unwrap_or_else(|err| panic!("{} peers with {HUB}: {err:?}", leaf.id));
+            peer(leaf, &self.b).await;
         }
         for (local, remote) in [
             (&self.a, HUB),
@@ -134,13 +104,9 @@ impl Mesh {
 }
 
 async fn tunnel(cluster: &ProcessCluster, remote: &str) -> Result<TunnelEndpoint, String> {
-    let mut broker = cluster.broker().await.map_err(|e| format!("{e:#}"))?;
-    let tunnels = broker
-        .list_tunnel_endpoints(ListTunnelEndpointsRequest::default())
+    let tunnels = peering::tunnels(cluster)
         .await
-        .map_err(|e| format!("{}: {e}", cluster.id))?
-        .into_inner()
-        .tunnel_endpoints;
+        .map_err(|e| format!("{}: {e:#}", cluster.id))?;
     tunnels
         .iter()
         .find(|t| t.remote.as_ref().is_some_and(|r| r.cluster_id == remote))

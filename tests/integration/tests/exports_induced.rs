@@ -11,37 +11,18 @@ use std::time::Duration;
 
 use ipnet::IpNet;
 use trellis_api::pb::endpoints::{
-    EndpointPort, ExportServiceRequest, ExportedEndpoint, ListReflectedSlicesRequest,
-    ReflectEndpointSliceRequest, UnexportServiceRequest,
+    EndpointPort, ListReflectedSlicesRequest, ReflectEndpointSliceRequest, UnexportServiceRequest,
 };
-use trellis_api::pb::peering::UnpeerRequest;
 use trellis_api::pb::types;
 use trellis_integration::cluster::InProcessCluster;
+use trellis_integration::peering::unpeer;
 use trellis_integration::peering::{eventually, host_at, peer, pod_view, tunnel_to, web_slice};
+use trellis_testkit::exports::export_request;
 
 const LIMIT: Duration = Duration::from_secs(60);
 
 /// A held slice: (slice name, service name, [(address, ready)]).
 type Held = (String, String, Vec<(String, bool)>);
-
-fn export(namespace: &str, name: &str, endpoints: &[(String, bool)]) -> ExportServiceRequest {
-    ExportServiceRequest {
-        namespace: namespace.into(),
-        name: name.into(),
-        ports: vec![EndpointPort {
-            name: "http".into(),
-            port: Some(8080),
-            ..Default::default()
-        }],
-        endpoints: endpoints
-            .iter()
-            .map(|(address, ready)| ExportedEndpoint {
-                address: address.clone(),
-                ready: Some(*ready),
-            })
-            .collect(),
-    }
-}
 
 /// What `cluster` holds from `source`: (slice name, service name, [(address, ready)]), sorted.
 async fn held(cluster: &InProcessCluster, source: &str) -> Vec<Held> {
@@ -81,18 +62,7 @@ async fn held(cluster: &InProcessCluster, source: &str) -> Vec<Held> {
 
 /// Waits until `cluster` holds exactly `want` from `source`.
 async fn until_held(what: &str, cluster: &InProcessCluster, source: &str, want: Vec<Held>) {
-    let deadline = std::time::Instant::now() + LIMIT;
-    loop {
-        let got = held(cluster, source).await;
-        if got == want {
-            return;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "{what}: still {got:?}, want {want:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    trellis_testkit::eventually_eq(what, LIMIT, want, || held(cluster, source)).await;
 }
 
 fn slice(name: &str, service: &str, net: IpNet, hosts: &[(u32, bool)]) -> Held {
@@ -133,7 +103,7 @@ async fn a_leafs_export_reaches_the_other_leaf_directly_and_unpeering_removes_wh
     // A exports two pods of its own, one not ready yet.
     let mut a_mapper = a.endpoints().await.expect("connects");
     a_mapper
-        .export_service(export(
+        .export_service(export_request(
             "shop",
             "web",
             &[("10.0.0.7".into(), true), ("10.0.0.8".into(), false)],
@@ -165,7 +135,7 @@ async fn a_leafs_export_reaches_the_other_leaf_directly_and_unpeering_removes_wh
 
     // Scaling: one more pod, the other one ready now.
     a_mapper
-        .export_service(export(
+        .export_service(export_request(
             "shop",
             "web",
             &[
@@ -229,13 +199,13 @@ async fn a_leafs_export_reaches_the_other_leaf_directly_and_unpeering_removes_wh
     // Exported again by A, and B exports one of its own pods. C gets exactly those: B tried the
     // slice "evil.leaf-a" in the same pass as "web.leaf-a", before it.
     a_mapper
-        .export_service(export("shop", "web", &[("10.0.0.7".into(), true)]))
+        .export_service(export_request("shop", "web", &[("10.0.0.7".into(), true)]))
         .await
         .expect("exports");
     b.endpoints()
         .await
         .expect("connects")
-        .export_service(export("shop", "api", &[("10.0.0.5".into(), true)]))
+        .export_service(export_request("shop", "api", &[("10.0.0.5".into(), true)]))
         .await
         .expect("exports");
     until_held(
@@ -257,16 +227,7 @@ async fn a_leafs_export_reaches_the_other_leaf_directly_and_unpeering_removes_wh
     .await;
 
     // B unpeers A: B drops what A brought, C loses it through B, A drops what B brought.
-    let unpeered = b
-        .broker()
-        .await
-        .expect("connects")
-        .unpeer(UnpeerRequest {
-            cluster_id: "leaf-a".into(),
-        })
-        .await
-        .expect("unpeers")
-        .into_inner();
+    let unpeered = unpeer(&b, "leaf-a").await;
     assert!(unpeered.unpeered);
     until_held("B drops A's import", &b, "leaf-a", vec![]).await;
     until_held(

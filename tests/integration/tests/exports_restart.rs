@@ -6,7 +6,7 @@
 //! Needs etcd and the service binaries (`cargo build --workspace --bins`); skips loudly without
 //! etcd (fails in CI).
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use ipnet::IpNet;
 use trellis_api::pb::endpoints::{
@@ -14,9 +14,9 @@ use trellis_api::pb::endpoints::{
     ListReflectedSlicesRequest, UnexportServiceRequest,
 };
 use trellis_api::pb::ipam::ListClusterSubnetsRequest;
-use trellis_api::pb::peering::{GetTokenRequest, PeerRequest};
-use trellis_integration::peering::host_at;
+use trellis_integration::peering::{host_at, peer};
 use trellis_integration::processes::{ProcessCluster, Service};
+use trellis_testkit::{within, within_eq};
 
 const POD_CIDR: &str = "10.0.0.0/16";
 const EXTERNAL_CIDR: &str = "10.201.0.0/16";
@@ -88,19 +88,17 @@ async fn until_held(
     b: &ProcessCluster,
     want: &[(String, Vec<String>)],
 ) {
-    let deadline = Instant::now() + LIMIT;
-    loop {
+    let waited = within(what, LIMIT, || async {
         let got = held(b).await;
         if got.as_deref() == Ok(want) {
-            return;
+            Ok(())
+        } else {
+            Err(format!("still {got:?}, want {want:?}"))
         }
-        assert!(
-            Instant::now() < deadline,
-            "{what}: still {got:?}, want {want:?}\n{}\n{}",
-            a.logs(25),
-            b.logs(25)
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
+    })
+    .await;
+    if let Err(timed_out) = waited {
+        panic!("{timed_out}\n{}\n{}", a.logs(25), b.logs(25));
     }
 }
 
@@ -139,26 +137,7 @@ async fn exports_and_imports_survive_kill_9_of_either_endpoints_service() {
     let (Some(mut b), Some(mut a)) = (b.expect("b starts"), a.expect("a starts")) else {
         return;
     };
-    let token = b
-        .broker()
-        .await
-        .expect("connects")
-        .get_token(GetTokenRequest {})
-        .await
-        .expect("token")
-        .into_inner()
-        .token;
-    a.broker()
-        .await
-        .expect("connects")
-        .peer(PeerRequest {
-            broker_address: b.services.broker.to_string(),
-            token,
-            expected_cluster_id: "hub-b".into(),
-            ca_cert_hash: String::new(),
-        })
-        .await
-        .expect("a peers with b");
+    peer(&a, &b).await;
 
     a.endpoints()
         .await
@@ -167,21 +146,11 @@ async fn exports_and_imports_survive_kill_9_of_either_endpoints_service() {
         .await
         .expect("exports");
     // B's view of A's pods is known once A could translate for B.
-    let deadline = Instant::now() + LIMIT;
-    let first = loop {
-        if let Ok(got) = held(&b).await
-            && !got.is_empty()
-        {
-            break got;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "B never imported A's export\n{}\n{}",
-            a.logs(25),
-            b.logs(25)
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    };
+    let first = within("B to import A's export", LIMIT, || async {
+        held(&b).await.ok().filter(|got| !got.is_empty())
+    })
+    .await
+    .unwrap_or_else(|timed_out| panic!("{timed_out}\n{}\n{}", a.logs(25), b.logs(25)));
     let b_view_a: IpNet = b
         .ipam()
         .await
@@ -210,14 +179,15 @@ async fn exports_and_imports_survive_kill_9_of_either_endpoints_service() {
     a.kill9(Service::Endpoints).expect("kills");
     a.restart(Service::Endpoints).await.expect("a restarts");
     assert_eq!(exports_of(&a).await, vec![("web".to_owned(), 2)]);
-    let deadline = Instant::now() + LIMIT;
-    while generation(&b).await.is_none_or(|g| g <= before) {
-        assert!(
-            Instant::now() < deadline,
-            "A never re-sent after its restart\n{}",
-            a.logs(25)
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
+    let resent = within("A to re-send after its restart", LIMIT, || async {
+        generation(&b)
+            .await
+            .is_some_and(|g| g > before)
+            .then_some(())
+    })
+    .await;
+    if let Err(timed_out) = resent {
+        panic!("{timed_out}\n{}", a.logs(25));
     }
     assert_eq!(
         held(&b).await,
@@ -281,36 +251,14 @@ async fn an_exporter_that_lost_its_endpoints_store_still_updates_its_consumers()
     let (Some(b), Some(mut a)) = (b.expect("b starts"), a.expect("a starts")) else {
         return;
     };
-    let token = b
-        .broker()
-        .await
-        .expect("connects")
-        .get_token(GetTokenRequest {})
-        .await
-        .expect("token")
-        .into_inner()
-        .token;
-    a.broker()
-        .await
-        .expect("connects")
-        .peer(PeerRequest {
-            broker_address: b.services.broker.to_string(),
-            token,
-            expected_cluster_id: "hub-b".into(),
-            ca_cert_hash: String::new(),
-        })
-        .await
-        .expect("a peers with b");
+    peer(&a, &b).await;
     export_on(&a, &["10.0.0.7"]).await;
-    let deadline = Instant::now() + LIMIT;
-    while held(&b).await.unwrap_or_default().is_empty() {
-        assert!(
-            Instant::now() < deadline,
-            "B never imported A's export\n{}\n{}",
-            a.logs(25),
-            b.logs(25)
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
+    let imported = within("B to import A's export", LIMIT, || async {
+        (!held(&b).await.unwrap_or_default().is_empty()).then_some(())
+    })
+    .await;
+    if let Err(timed_out) = imported {
+        panic!("{timed_out}\n{}\n{}", a.logs(25), b.logs(25));
     }
     let b_view_a: IpNet = b
         .ipam()
@@ -343,19 +291,9 @@ async fn an_exporter_that_lost_its_endpoints_store_still_updates_its_consumers()
 
     // A's endpoints store is lost while the service is down: exports, reflections, all of it.
     a.kill9(Service::Endpoints).expect("kills");
-    let store = a.store(Service::Endpoints).await.expect("opens a's store");
-    let keys: Vec<String> = store
-        .list("")
-        .await
-        .expect("lists")
-        .kvs
-        .into_iter()
-        .map(|kv| kv.key)
-        .collect();
+    let keys = a.wipe_store(Service::Endpoints).await;
     assert!(!keys.is_empty(), "A's endpoints store held its export");
-    for key in &keys {
-        store.delete(key).await.expect("deletes");
-    }
+    let store = a.store(Service::Endpoints).await.expect("opens a's store");
     assert!(store.list("").await.expect("lists").kvs.is_empty());
     drop(store);
     a.restart(Service::Endpoints).await.expect("a restarts");
@@ -363,19 +301,14 @@ async fn an_exporter_that_lost_its_endpoints_store_still_updates_its_consumers()
     // The exporter exports again, with other endpoints: B must follow within seconds.
     export_on(&a, &["10.0.0.9"]).await;
     let want = vec![("web".to_owned(), vec![host_at(b_view_a, 9)])];
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let got = held(&b).await;
-        if got.as_deref() == Ok(&want[..]) {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "B still holds {got:?} (generation {:?}, was {before} before A lost its store) 10 s after A's new export, want {want:?}\n{}",
+    let limit = Duration::from_secs(10);
+    let followed = within_eq("B to follow A's new export", limit, Ok(want), || held(&b));
+    if let Err(timed_out) = followed.await {
+        panic!(
+            "{timed_out} (generation {:?}, was {before} before A lost its store)\n{}",
             generation(&b).await,
             a.logs(25)
         );
-        tokio::time::sleep(Duration::from_millis(200)).await;
     }
     assert!(
         generation(&b).await.is_some_and(|g| g > before),

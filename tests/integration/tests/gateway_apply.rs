@@ -19,9 +19,8 @@ use std::net::SocketAddr;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use trellis_api::pb::gateway::ListTunnelsRequest;
-use trellis_api::pb::peering::UnpeerRequest;
 use trellis_api::pb::types::PeeringKind;
+use trellis_integration::peering::unpeer;
 use trellis_integration::prom::{parse, parser_python, scrape_in};
 use trellis_netlab::netns::exec;
 use trellis_netlab::{Fabric, FabricOptions, Service};
@@ -40,13 +39,9 @@ fn can_run(test: &str) -> bool {
 /// `(remote cluster ID, interface)` of every tunnel `i`'s gateway reports.
 async fn interfaces(fabric: &Fabric, i: usize) -> Vec<(String, String)> {
     let tunnels = fabric.clusters[i]
-        .gateway()
-        .expect("gateway client")
-        .list_tunnels(ListTunnelsRequest::default())
+        .gateway_tunnels()
         .await
-        .expect("ListTunnels")
-        .into_inner()
-        .tunnels;
+        .expect("ListTunnels");
     let mut out: Vec<(String, String)> = tunnels
         .into_iter()
         .filter_map(|t| Some((t.remote?.cluster_id, t.interface_name)))
@@ -113,14 +108,7 @@ async fn a_change_to_one_peer_reconfigures_that_peer_only() {
         tokio::time::sleep(Duration::from_secs(2)).await;
     };
 
-    fabric.clusters[H]
-        .broker()
-        .expect("hub broker")
-        .unpeer(UnpeerRequest {
-            cluster_id: "c".into(),
-        })
-        .await
-        .expect("the hub unpeers c");
+    unpeer(&fabric.clusters[H], "c").await;
     fabric
         .wait_tunnel_endpoints(
             A,

@@ -29,7 +29,7 @@ use ipnet::Ipv4Net;
 use trellis_api::pb::endpoints::{
     ListReflectedSlicesRequest, TranslationPath, UnreflectEndpointSliceRequest,
 };
-use trellis_api::pb::gateway::{ListTunnelsRequest, TunnelState};
+use trellis_api::pb::gateway::TunnelState;
 use trellis_api::pb::ipam::ListEndpointMappingsRequest;
 use trellis_api::pb::types::{ClusterIdentity, PeeringKind};
 use trellis_integration::prom::{Sample, parse, parser_python, scrape_in};
@@ -207,31 +207,30 @@ impl Lab {
     /// Waits until gateway `i` holds exactly `expected` (nft marks, ip rules, interfaces); a
     /// duplicate never settles there and fails with the counts seen.
     async fn wait_counts(&self, i: usize, expected: (usize, usize, usize), what: &str) {
-        let deadline = Instant::now() + Duration::from_secs(20);
-        loop {
+        let counted = trellis_testkit::within(what, Duration::from_secs(20), || async {
             let seen = self.dataplane_counts(i);
             if seen == expected {
-                return;
+                Ok(())
+            } else {
+                Err(format!("still {seen:?}, expected {expected:?}"))
             }
-            assert!(
-                Instant::now() < deadline,
-                "{what}: still {seen:?}, expected {expected:?}\n{}",
-                self.ruleset(i)
-            );
-            tokio::time::sleep(Duration::from_millis(100)).await;
+        })
+        .await;
+        if let Err(timed_out) = counted {
+            panic!("{timed_out}\n{}", self.ruleset(i));
         }
     }
 
     async fn wait_ruleset(&self, i: usize, what: &str, check: impl Fn(&str) -> bool) {
-        let deadline = Instant::now() + Duration::from_secs(20);
-        loop {
+        trellis_testkit::eventually(what, Duration::from_secs(20), || async {
             let rules = self.ruleset(i);
             if check(&rules) {
-                return;
+                Ok(())
+            } else {
+                Err(format!("\n{rules}"))
             }
-            assert!(Instant::now() < deadline, "{what}:\n{rules}");
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
+        })
+        .await;
     }
 }
 
@@ -392,13 +391,9 @@ async fn leaf_to_leaf_is_direct_with_the_real_control_plane_and_survives_the_hub
 
     // Status: A's tunnel to C is up with the traffic counted.
     let tunnels = fabric.fabric.clusters[A]
-        .gateway()
-        .expect("client")
-        .list_tunnels(ListTunnelsRequest {})
+        .gateway_tunnels()
         .await
-        .expect("list")
-        .into_inner()
-        .tunnels;
+        .expect("list");
     assert_eq!(tunnels.len(), 2, "{tunnels:?}");
     let to_c = tunnels
         .iter()
@@ -674,14 +669,7 @@ async fn gateway_endpoints_given_as_dns_names_are_resolved_by_the_remote_gateway
     assert_eq!(seen, host(c_view_a, 10).to_string(), "C's pod saw {seen}");
 
     // A's gateway sends to C's bridge address: the name resolved to it.
-    let tunnels = fabric.clusters[A]
-        .gateway()
-        .expect("client")
-        .list_tunnels(ListTunnelsRequest {})
-        .await
-        .expect("list")
-        .into_inner()
-        .tunnels;
+    let tunnels = fabric.clusters[A].gateway_tunnels().await.expect("list");
     let to_c = tunnels
         .iter()
         .find(|t| t.remote.as_ref().is_some_and(|r| r.cluster_id == "c"))

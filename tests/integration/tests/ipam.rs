@@ -2,35 +2,18 @@
 //! and three replicas allocating concurrently on one etcd.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::net::{IpAddr, SocketAddr};
+use std::net::IpAddr;
 use std::process::Command;
 
 use ipnet::IpNet;
 use tonic::transport::Channel;
 use trellis_api::pb::ipam::ipam_client::IpamClient;
 use trellis_api::pb::ipam::*;
-use trellis_integration::{ServiceProcess, free_addr, join_all};
+use trellis_integration::command::grpcurl;
+use trellis_integration::{ServiceProcess, free_addr, ipam_args, join_all};
 use trellis_testkit::{Etcd, require_tool};
 
 const IPAM: &str = "trellis.ipam.v1.Ipam";
-
-fn ipam_args(etcd: &Etcd, addr: SocketAddr, cluster: &str) -> Vec<String> {
-    [
-        "--listen",
-        &addr.to_string(),
-        "--store",
-        &etcd.url("ipam"),
-        "--cluster-id",
-        cluster,
-        "--pod-cidr",
-        "10.0.0.0/16",
-        "--external-cidr",
-        "10.201.0.0/16",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect()
-}
 
 /// A peer whose pod and external CIDRs equal ours: it must be remapped.
 fn same_cidrs_as_ours(cluster_id: impl Into<String>) -> GetSubnetsPerClusterRequest {
@@ -44,26 +27,18 @@ fn same_cidrs_as_ours(cluster_id: impl Into<String>) -> GetSubnetsPerClusterRequ
 
 async fn start_ipam(etcd: &Etcd, cluster: &str) -> ServiceProcess {
     let addr = free_addr();
-    ServiceProcess::start("trellis-ipam", ipam_args(etcd, addr, cluster), addr, IPAM)
-        .await
-        .expect("trellis-ipam starts")
+    ServiceProcess::start(
+        "trellis-ipam",
+        ipam_args(&addr.to_string(), &etcd.url("ipam"), cluster, &[]),
+        addr,
+        IPAM,
+    )
+    .await
+    .expect("trellis-ipam starts")
 }
 
 async fn client(p: &ServiceProcess) -> IpamClient<Channel> {
     IpamClient::new(p.channel().await.expect("connects"))
-}
-
-fn grpcurl(tool: &std::path::Path, args: &[&str]) -> String {
-    let out = Command::new(tool)
-        .args(args)
-        .output()
-        .expect("grpcurl runs");
-    assert!(
-        out.status.success(),
-        "grpcurl {args:?} failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8(out.stdout).expect("utf-8 output")
 }
 
 fn json(text: &str) -> serde_json::Value {

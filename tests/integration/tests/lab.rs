@@ -9,6 +9,7 @@ use std::process::Command;
 use std::time::Duration;
 
 use trellis_integration::bin_path;
+use trellis_integration::command::succeeds;
 use trellis_integration::lab::RunningLab;
 use trellis_testkit::{require_tool, workspace_root};
 
@@ -188,15 +189,11 @@ fn make_demo_lab_answers_the_readme_grpcurl_commands_as_printed_and_stops_on_ctr
     );
     let mut outputs = Vec::new();
     for command in commands.lines().filter(|l| l.starts_with("grpcurl ")) {
-        let out = Command::new("bash")
-            .args(["-c", command])
-            .env("PATH", &path)
-            .output()
-            .expect("bash runs");
-        assert!(
-            out.status.success(),
-            "`{command}` failed: {}",
-            String::from_utf8_lossy(&out.stderr)
+        let out = succeeds(
+            Command::new("bash")
+                .args(["-c", command])
+                .env("PATH", &path),
+            &format!("`{command}`"),
         );
         outputs.push((command, String::from_utf8_lossy(&out.stdout).into_owned()));
     }

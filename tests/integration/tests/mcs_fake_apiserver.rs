@@ -12,7 +12,7 @@
 //! Needs etcd; skips loudly without it (fails in CI).
 
 use std::collections::BTreeMap;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use ipnet::IpNet;
 use k8s_openapi::api::core::v1::Service;
@@ -23,10 +23,10 @@ use trellis_api::pb::endpoints::{
     EndpointPort, ExportServiceRequest, ExportedEndpoint, ListExportsRequest,
     UnexportServiceRequest,
 };
-use trellis_api::pb::peering::UnpeerRequest;
 use trellis_endpoints::kube::derived_service_name;
 use trellis_endpoints::mcs::ServiceExport;
 use trellis_integration::cluster::{InProcessCluster, Options};
+use trellis_integration::peering::unpeer;
 use trellis_integration::peering::{eventually, host_at, peer, pod_view, tunnel_to};
 use trellis_testkit::{Etcd, FakeApiServer};
 
@@ -281,18 +281,7 @@ fn at(net: IpNet, hosts: &[(u32, bool)]) -> Vec<(String, bool)> {
 }
 
 async fn until(what: &str, site: &Site, want: &Imported) {
-    let deadline = Instant::now() + LIMIT;
-    loop {
-        let got = imported(site);
-        if got == *want {
-            return;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "{what}: still {got:#?}, want {want:#?}"
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    trellis_testkit::eventually_eq(what, LIMIT, want.clone(), || async { imported(site) }).await;
 }
 
 /// (kind/name, uid) of every object in `site`'s API server namespace shop that Trellis
@@ -517,17 +506,7 @@ async fn service_export_through_fake_api_servers_reaches_hub_and_induced_leaf_me
     // Exported again, then A is unpeered: everything A brought is gone from B and C.
     export(&a, 8080, &[("10.0.0.9", true)]).await;
     until("B imports A's web again", &b, &one_pod).await;
-    let unpeered = b
-        .cluster
-        .broker()
-        .await
-        .expect("connects")
-        .unpeer(UnpeerRequest {
-            cluster_id: "leaf-a".into(),
-        })
-        .await
-        .expect("unpeers")
-        .into_inner();
+    let unpeered = unpeer(&b.cluster, "leaf-a").await;
     assert!(unpeered.unpeered);
     until("B drops A's import after unpeering", &b, &absent()).await;
     until("C drops A's import after unpeering", &c, &absent()).await;
@@ -567,19 +546,12 @@ async fn the_service_import_carries_the_derived_service_cluster_ip_and_follows_i
         )
         .await
         .expect("deletes");
-    let deadline = Instant::now() + LIMIT;
-    let second = loop {
-        if let Some((again, ip)) = derived_service(&b)
-            && again != uid
-        {
-            break ip;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "the derived service never came back"
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    };
+    let second = eventually("the derived service to come back", LIMIT, || async {
+        derived_service(&b)
+            .filter(|(again, _)| *again != uid)
+            .map(|(_, ip)| ip)
+    })
+    .await;
     assert_ne!(second, first, "a new Service, a new cluster IP");
     until("B's ServiceImport follows the new cluster IP", &b, &want).await;
 }

@@ -32,6 +32,7 @@ use trellis_api::pb::ipam::ListClusterSubnetsRequest;
 use trellis_api::pb::peering::{ListRelaysRequest, UnpeerRequest, WithdrawNetworkConfigRequest};
 use trellis_api::pb::types;
 use trellis_integration::cut::Cut;
+use trellis_integration::peering::unpeer;
 use trellis_integration::peering::{expected_hub_mesh, nat_views_agree, peer, remote_id};
 use trellis_integration::processes::{Options, ProcessCluster, Service};
 use trellis_integration::rng::Rng;
@@ -434,15 +435,7 @@ async fn random_failures_unpeerings_and_partitions_always_converge_to_a_consiste
 
     // The last leaf leaves for good: every trace of it goes, on every side.
     let (gone, stay) = LEAVES.split_last().expect("leaves");
-    mesh.hub
-        .broker()
-        .await
-        .expect("connects")
-        .unpeer(UnpeerRequest {
-            cluster_id: (*gone).to_owned(),
-        })
-        .await
-        .expect("the hub unpeers the last leaf");
+    unpeer(&mesh.hub, gone).await;
     let log = vec![format!("unpeer {gone} by the hub, for good")];
     quiet(&mesh, stay, seed, ROUNDS + 1, &log).await;
 }

@@ -10,15 +10,16 @@
 //! Skipped (with a `SKIPPED:` line) when not root or without `ip`/`nft`/`ping`/`python3`; CI runs
 //! as root and fails instead. Heavy (27 processes): one at a time in the `netns` test group.
 
-use std::net::{Ipv4Addr, SocketAddr};
+use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use ipnet::Ipv4Net;
 use trellis_api::pb::gateway::ListTunnelsRequest;
-use trellis_api::pb::peering::UnpeerRequest;
 use trellis_api::pb::route::GetStatusRequest;
 use trellis_api::pb::route::route_client::RouteClient;
+use trellis_integration::peering::unpeer;
 use trellis_integration::prom::{parse, parser_python, scrape_in};
+use trellis_netlab::fabric::reaches;
 use trellis_netlab::netns::{exec, ip};
 use trellis_netlab::topology::link_counters;
 use trellis_netlab::{Fabric, FabricOptions, Service, StoreKind};
@@ -52,35 +53,6 @@ async fn up_with(store: StoreKind) -> Fabric {
         started.elapsed().as_millis()
     );
     fabric
-}
-
-/// The address a pod of cluster `from` uses for `to`'s pod `pod_ip`: the same host bits in
-/// `from`'s view of `to`'s pod CIDR.
-async fn address(fabric: &Fabric, from: usize, to: usize, pod_ip: Ipv4Addr) -> Ipv4Addr {
-    let view: Ipv4Net = fabric.view(from, to, false).await.expect("view");
-    let site = &fabric.topology.sites[to];
-    let offset = u32::from(pod_ip) - u32::from(site.pod_cidr.network());
-    Ipv4Addr::from(u32::from(view.network()) + offset)
-}
-
-/// Pings from `pod_ns` until one answer or `bound`; whether it answered.
-async fn reaches(pod_ns: &str, to: Ipv4Addr, bound: Duration) -> bool {
-    let started = Instant::now();
-    loop {
-        let out = exec(
-            pod_ns,
-            "ping",
-            &["-n", "-c", "1", "-W", "1", &to.to_string()],
-        )
-        .expect("ping runs");
-        if out.status.success() {
-            return true;
-        }
-        if started.elapsed() > bound {
-            return false;
-        }
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
 }
 
 /// Our routes (`proto 214`) in a namespace.
@@ -127,7 +99,7 @@ async fn pods_on_every_node_reach_every_remote_pod_and_leaf_traffic_skips_the_hu
         &fabric.topology.sites[A].nodes[1],
         &fabric.topology.sites[C].nodes[2],
     );
-    let target = address(&fabric, A, C, c2.pod_ip).await;
+    let target = fabric.pod_address(A, C, c2.pod_ip).await.expect("view");
     assert!(
         reaches(&a1.pod_ns, target, LIMIT).await,
         "A/n1 never reached C/n2 at {target}\n{}",
@@ -139,7 +111,10 @@ async fn pods_on_every_node_reach_every_remote_pod_and_leaf_traffic_skips_the_hu
         for to in [A, B, C].into_iter().filter(|t| *t != from) {
             for src in &fabric.topology.sites[from].nodes {
                 for dst in &fabric.topology.sites[to].nodes {
-                    let target = address(&fabric, from, to, dst.pod_ip).await;
+                    let target = fabric
+                        .pod_address(from, to, dst.pod_ip)
+                        .await
+                        .expect("view");
                     pairs += 1;
                     if !reaches(&src.pod_ns, target, Duration::from_secs(10)).await {
                         failed.push(format!(
@@ -180,7 +155,7 @@ async fn pods_on_every_node_reach_every_remote_pod_and_leaf_traffic_skips_the_hu
 
     // Leaf to leaf between non-gateway nodes goes A's n1 -> A's gateway -> C's gateway -> C's
     // n2, never through the hub: 300 KB of pings add next to nothing at B's uplink.
-    let target = address(&fabric, A, C, c2.pod_ip).await;
+    let target = fabric.pod_address(A, C, c2.pod_ip).await.expect("view");
     let hub_gw = &fabric.topology.sites[B].gw_ns;
     let before = link_counters(hub_gw, "wan").expect("counters");
     let out = exec(
@@ -348,7 +323,7 @@ async fn killed_agents_and_gateways_recover_without_duplicates_and_unpeering_cle
     let mut fabric = up().await;
     let a1 = fabric.topology.sites[A].nodes[1].clone();
     let c2 = fabric.topology.sites[C].nodes[2].clone();
-    let target = address(&fabric, A, C, c2.pod_ip).await;
+    let target = fabric.pod_address(A, C, c2.pod_ip).await.expect("view");
     assert!(
         reaches(&a1.pod_ns, target, LIMIT).await,
         "{}",
@@ -415,14 +390,7 @@ async fn killed_agents_and_gateways_recover_without_duplicates_and_unpeering_cle
         (A, fabric.view(A, C, false).await.expect("view").to_string()),
         (B, fabric.view(B, C, false).await.expect("view").to_string()),
     ];
-    fabric.clusters[C]
-        .broker()
-        .expect("broker")
-        .unpeer(UnpeerRequest {
-            cluster_id: fabric.clusters[B].id.clone(),
-        })
-        .await
-        .expect("unpeers");
+    unpeer(&fabric.clusters[C], &fabric.clusters[B].id).await;
     let deadline = Instant::now() + LIMIT;
     loop {
         let left: Vec<String> = c_views
@@ -466,7 +434,10 @@ async fn pairs_touching(fabric: &Fabric, i: usize, bound: Duration) -> Vec<Strin
             }
             for src in &fabric.topology.sites[from].nodes {
                 for dst in &fabric.topology.sites[to].nodes {
-                    let target = address(fabric, from, to, dst.pod_ip).await;
+                    let target = fabric
+                        .pod_address(from, to, dst.pod_ip)
+                        .await
+                        .expect("view");
                     if !reaches(&src.pod_ns, target, bound).await {
                         failed.push(format!(
                             "{}/{} -> {}/{} at {target}",
@@ -539,18 +510,16 @@ async fn a_gateway_moving_to_another_node_is_followed_by_every_node_and_by_the_p
     assert!(moved.iter().any(|t| t == "table ip trellis"), "{moved:?}");
     // The peers send to the new address.
     for peer in [B, C] {
-        let deadline = Instant::now() + LIMIT;
-        loop {
+        let what = format!("{} to send to {uplink}", fabric.clusters[peer].id);
+        let moved = trellis_testkit::within(&what, LIMIT, || async {
             match fabric.wireguard_endpoint(peer, A).await {
-                Ok(endpoint) if endpoint.ip() == std::net::IpAddr::V4(uplink) => break,
-                seen => assert!(
-                    Instant::now() < deadline,
-                    "{} still sends to {seen:?}\n{}",
-                    fabric.clusters[peer].id,
-                    fabric.logs()
-                ),
+                Ok(endpoint) if endpoint.ip() == std::net::IpAddr::V4(uplink) => Ok(()),
+                seen => Err(format!("{seen:?}")),
             }
-            tokio::time::sleep(Duration::from_millis(500)).await;
+        })
+        .await;
+        if let Err(timed_out) = moved {
+            panic!("{timed_out}\n{}", fabric.logs());
         }
     }
 }
@@ -682,16 +651,16 @@ async fn a_peer_range_on_the_node_network_is_remapped_or_refused_and_the_nodes_s
     }
     for (i, view) in [(A, a_view), (B, b_view)] {
         for node in &fabric.topology.sites[i].nodes[1..] {
-            let deadline = Instant::now() + LIMIT;
-            while !agent_prefixes(node).await.contains(&view.to_string()) {
-                assert!(
-                    Instant::now() < deadline,
-                    "{}/{} never received {view}\n{}",
-                    fabric.clusters[i].id,
-                    node.name,
-                    fabric.logs()
-                );
-                tokio::time::sleep(Duration::from_millis(500)).await;
+            let what = format!("{}/{} to receive {view}", fabric.clusters[i].id, node.name);
+            let received = trellis_testkit::within(&what, LIMIT, || async {
+                agent_prefixes(node)
+                    .await
+                    .contains(&view.to_string())
+                    .then_some(())
+            })
+            .await;
+            if let Err(timed_out) = received {
+                panic!("{timed_out}\n{}", fabric.logs());
             }
         }
     }
@@ -714,7 +683,10 @@ async fn a_peer_range_on_the_node_network_is_remapped_or_refused_and_the_nodes_s
     for (from, from_node, to, to_node) in [(B, 1, C, 2), (C, 1, B, 2), (A, 1, B, 2)] {
         let src = &fabric.topology.sites[from].nodes[from_node];
         let dst = &fabric.topology.sites[to].nodes[to_node];
-        let target = address(&fabric, from, to, dst.pod_ip).await;
+        let target = fabric
+            .pod_address(from, to, dst.pod_ip)
+            .await
+            .expect("view");
         assert!(
             reaches(&src.pod_ns, target, LIMIT).await,
             "{}/{} never reached {}/{} at {target}\n{}",
@@ -811,7 +783,7 @@ async fn a_pod_cannot_inject_packets_into_the_overlay() {
     let a = &fabric.topology.sites[A];
     let (a0, a1, a2) = (&a.nodes[0], &a.nodes[1], &a.nodes[2]);
     let c2 = &fabric.topology.sites[C].nodes[2];
-    let target = address(&fabric, A, C, c2.pod_ip).await;
+    let target = fabric.pod_address(A, C, c2.pod_ip).await.expect("view");
     assert!(
         reaches(&a1.pod_ns, target, LIMIT).await,
         "A/n1 never reached C/n2 at {target}\n{}",

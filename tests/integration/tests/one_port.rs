@@ -31,7 +31,7 @@ use std::time::{Duration, Instant};
 use defguard_boringtun::noise::{Tunn, TunnResult};
 use defguard_boringtun::x25519::{PublicKey, StaticSecret};
 use ipnet::Ipv4Net;
-use trellis_api::pb::gateway::{ListTunnelsRequest, TunnelState};
+use trellis_api::pb::gateway::TunnelState;
 use trellis_api::pb::types::PeeringKind;
 use trellis_integration::prom::{parse, parser_python, scrape_in};
 use trellis_netlab::netns::{exec, in_netns};
@@ -192,13 +192,9 @@ async fn twenty_peers_on_one_cidr_share_one_udp_port_survive_hostile_datagrams_a
         took.as_millis()
     );
     let tunnels = fabric.clusters[HUB]
-        .gateway()
-        .expect("gateway client")
-        .list_tunnels(ListTunnelsRequest::default())
+        .gateway_tunnels()
         .await
-        .expect("ListTunnels")
-        .into_inner()
-        .tunnels;
+        .expect("ListTunnels");
     assert_eq!(tunnels.len(), LEAVES);
     for t in &tunnels {
         assert_eq!(t.listen_port, u32::from(WIREGUARD_PORT), "{t:?}");

@@ -5,8 +5,8 @@
 
 use std::time::Duration;
 
-use trellis_api::pb::peering::UnpeerRequest;
 use trellis_api::pb::types;
+use trellis_integration::peering::unpeer;
 use trellis_integration::peering::{eventually, no_tunnel_to, peer, tunnel_to};
 use trellis_integration::processes::{Options, ProcessCluster, Service};
 
@@ -50,14 +50,7 @@ async fn a_leaf_unpeered_and_re_peered_while_the_third_is_cut_off_gets_its_tunne
 
     // C is cut off from everyone; meanwhile the hub unpeers A and A peers again.
     c.partition(true);
-    b.broker()
-        .await
-        .expect("connects")
-        .unpeer(UnpeerRequest {
-            cluster_id: a.id.clone(),
-        })
-        .await
-        .expect("unpeers");
+    unpeer(&b, &a.id).await;
     eventually("A drops its tunnel to C", LIMIT, || async {
         no_tunnel_to(&a, &c.id).await
     })
@@ -90,19 +83,8 @@ async fn a_broker_restarted_on_an_empty_store_gets_every_tunnel_back() {
 
     // A's broker loses its whole store (a rebuilt etcd) and comes back.
     a.kill9(Service::Broker).expect("kill");
-    let store = a.store(Service::Broker).await.expect("opens the store");
-    let keys: Vec<String> = store
-        .list("")
-        .await
-        .expect("lists")
-        .kvs
-        .into_iter()
-        .map(|kv| kv.key)
-        .collect();
+    let keys = a.wipe_store(Service::Broker).await;
     assert!(!keys.is_empty(), "the broker kept nothing?");
-    for key in &keys {
-        store.delete(key).await.expect("deletes");
-    }
     a.restart(Service::Broker).await.expect("restarts");
 
     induced_pair(&a, &c, "the induced tunnel back on both ends").await;

@@ -10,6 +10,7 @@ use trellis_api::pb::peering::*;
 use trellis_api::pb::types::{self as types};
 use trellis_api::peers::UNPEERED_REASON;
 use trellis_integration::cluster::InProcessCluster;
+use trellis_integration::peering::unpeer;
 use trellis_integration::peering::{
     Peerable, answered_tunnel_to, eventually, no_tunnel_to, peer_with_token, token, tunnel_to,
     tunnels,
@@ -83,16 +84,7 @@ async fn full_peering_remaps_identical_pod_cidrs_and_both_ends_agree() {
     assert_eq!(again.generation, a_to_b.generation);
 
     // Unpeering removes the tunnels and the IPAM mappings on both sides.
-    let unpeered = a
-        .broker()
-        .await
-        .expect("broker")
-        .unpeer(UnpeerRequest {
-            cluster_id: "hub-b".into(),
-        })
-        .await
-        .expect("unpeers")
-        .into_inner();
+    let unpeered = unpeer(&a, "hub-b").await;
     assert!(unpeered.unpeered);
     eventually("A's tunnels gone", LIMIT, || async {
         tunnels(&a).await.expect("lists").is_empty().then_some(())
@@ -114,16 +106,7 @@ async fn full_peering_remaps_identical_pod_cidrs_and_both_ends_agree() {
         listed.clusters.is_empty().then_some(())
     })
     .await;
-    let again = a
-        .broker()
-        .await
-        .expect("broker")
-        .unpeer(UnpeerRequest {
-            cluster_id: "hub-b".into(),
-        })
-        .await
-        .expect("idempotent")
-        .into_inner();
+    let again = unpeer(&a, "hub-b").await;
     assert!(!again.unpeered);
     a.stop().await;
     b.stop().await;
@@ -429,14 +412,7 @@ async fn leaves_of_a_hub_build_an_induced_peering_with_consistent_nat_views() {
     assert!(relays.is_empty());
 
     // B unpeers C: the induced peering between A and C is withdrawn on both leaves.
-    b.broker()
-        .await
-        .expect("broker")
-        .unpeer(UnpeerRequest {
-            cluster_id: "leaf-c".into(),
-        })
-        .await
-        .expect("unpeers");
+    unpeer(&b, "leaf-c").await;
     eventually("A's tunnel to C withdrawn", LIMIT, || async {
         no_tunnel_to(&a, "leaf-c").await
     })

@@ -12,7 +12,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::future::Future;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use ipnet::IpNet;
 use trellis_api::pb::discovery::ListForeignClustersRequest;
@@ -68,25 +68,14 @@ impl Mesh {
 
     /// Polls `check` until it yields a value or [`LIMIT`] passes; on timeout fails with the
     /// last observation (`Err`) and the services' log tails.
-    async fn eventually<T, F, Fut>(&self, what: &str, mut check: F) -> T
+    async fn eventually<T, F, Fut>(&self, what: &str, check: F) -> T
     where
         F: FnMut() -> Fut,
         Fut: Future<Output = Result<T, String>>,
     {
-        let deadline = Instant::now() + LIMIT;
-        loop {
-            match check().await {
-                Ok(found) => return found,
-                Err(last) => {
-                    assert!(
-                        Instant::now() < deadline,
-                        "timed out after {LIMIT:?} waiting for {what}; last seen: {last}\n{}",
-                        self.logs()
-                    );
-                }
-            }
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
+        trellis_testkit::within(what, LIMIT, check)
+            .await
+            .unwrap_or_else(|timed_out| panic!("{timed_out}\n{}", self.logs()))
     }
 }
 

@@ -12,7 +12,7 @@ use std::time::Duration;
 use tonic::Code;
 use trellis_api::pb::gateway::GetGatewayInfoRequest;
 use trellis_api::pb::ipam::{GetSubnetsPerClusterRequest, ListClusterSubnetsRequest};
-use trellis_api::pb::peering::{ListNetworkConfigsRequest, UnpeerRequest};
+use trellis_api::pb::peering::ListNetworkConfigsRequest;
 use trellis_api::pb::types::{self as types, NetworkConfig, TunnelEndpoint};
 use trellis_integration::cluster::{InProcessCluster, Options};
 use trellis_integration::peering::{self, answered_tunnel_to, eventually, peer, tunnel_to};
@@ -59,16 +59,7 @@ async fn mapped(
 }
 
 async fn unpeer(cluster: &impl peering::Peerable, remote: &str) {
-    let answer = cluster
-        .broker_client()
-        .await
-        .expect("connects to the broker")
-        .unpeer(UnpeerRequest {
-            cluster_id: remote.into(),
-        })
-        .await
-        .expect("unpeers")
-        .into_inner();
+    let answer = peering::unpeer(cluster, remote).await;
     assert!(
         answer.unpeered,
         "{} was peered with {remote}",

@@ -31,6 +31,7 @@ use trellis_api::pb::peering::*;
 use trellis_api::pb::types::{self as types};
 use trellis_api::peers::Condition;
 use trellis_integration::cluster::{InProcessCluster, Options};
+use trellis_integration::peering::unpeer;
 use trellis_integration::peering::{
     answered_tunnel_to, eventually, host_at, peer, pod_view, tunnel_to, web_slice,
 };
@@ -1027,16 +1028,7 @@ async fn a_changed_ca_for_a_peered_identity_is_refused_until_the_operator_unpeer
     assert!(answer.accepted);
 
     // The operator's explicit re-admission: unpeer A, then the new CA is accepted.
-    let unpeered = hub
-        .broker()
-        .await
-        .expect("connects")
-        .unpeer(UnpeerRequest {
-            cluster_id: "leaf-a".into(),
-        })
-        .await
-        .expect("unpeers")
-        .into_inner();
+    let unpeered = unpeer(&hub, "leaf-a").await;
     assert!(unpeered.unpeered);
     BrokerClient::new(anonymous)
         .handshake(takeover)
@@ -1144,16 +1136,7 @@ async fn a_token_holder_presenting_a_peered_clusters_own_ca_cannot_take_over_its
     assert_eq!(after.ca_certificate, a_tls.ca.cert_pem());
 
     // The peering ID the hub keeps is still the one A knows: A's notice ends the peering.
-    let unpeered = a
-        .broker()
-        .await
-        .expect("connects")
-        .unpeer(UnpeerRequest {
-            cluster_id: "hub".into(),
-        })
-        .await
-        .expect("A unpeers the hub")
-        .into_inner();
+    let unpeered = unpeer(&a, "hub").await;
     assert!(unpeered.unpeered);
     eventually("the hub honours A's unpeering notice", LIMIT, || async {
         (!full_record(&hub, "leaf-a").await.0).then_some(())

@@ -7,11 +7,12 @@ use std::time::{Duration, Instant};
 use trellis_api::pb::peering::forwarder_client::ForwarderClient;
 use trellis_api::pb::peering::{
     GetTokenRequest, ListNetworkConfigsRequest, ListRelaysRequest, ListTunnelEndpointsRequest,
-    PeerRequest, UnpeerRequest,
+    PeerRequest,
 };
 use trellis_api::pb::types::PeeringKind;
 use trellis_integration::cluster::InProcessCluster;
 use trellis_integration::join_all;
+use trellis_integration::peering::unpeer;
 
 const LEAVES: usize = 20;
 const LIMIT: Duration = Duration::from_secs(120);
@@ -94,21 +95,23 @@ async fn diagnose(hub: &InProcessCluster, leaves: &[InProcessCluster]) -> String
     report
 }
 
-async fn wait_until(
+/// Polls `done` until it holds; on timeout fails with a diagnosis of every cluster.
+async fn wait_until<F, Fut>(
     hub: &InProcessCluster,
     leaves: &[InProcessCluster],
     what: &str,
-    mut done: impl AsyncFnMut() -> bool,
-) {
-    let deadline = Instant::now() + LIMIT;
-    while !done().await {
-        if Instant::now() > deadline {
-            panic!(
-                "timed out after {LIMIT:?} waiting for {what}:\n{}",
-                diagnose(hub, leaves).await
-            );
-        }
-        tokio::time::sleep(Duration::from_millis(250)).await;
+    mut done: F,
+) where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = bool>,
+{
+    if let Err(timed_out) = trellis_testkit::within(what, LIMIT, || {
+        let done = done();
+        async move { done.await.then_some(()) }
+    })
+    .await
+    {
+        panic!("{timed_out}:\n{}", diagnose(hub, leaves).await);
     }
 }
 
@@ -153,7 +156,7 @@ async fn a_hub_and_twenty_leaves_converge_to_the_full_induced_mesh() {
         peered.expect("a leaf peers with the hub");
     }
     let expected = LEAVES * (LEAVES - 1);
-    wait_until(&hub, &leaves, "the full induced mesh", async || {
+    wait_until(&hub, &leaves, "the full induced mesh", || async {
         total_induced(&leaves).await == expected
     })
     .await;
@@ -174,19 +177,12 @@ async fn a_hub_and_twenty_leaves_converge_to_the_full_induced_mesh() {
     }
 
     // The hub unpeers leaf-00: its 19 induced peerings go away on the others.
-    hub.broker()
-        .await
-        .expect("hub broker")
-        .unpeer(UnpeerRequest {
-            cluster_id: "leaf-00".into(),
-        })
-        .await
-        .expect("unpeers");
+    unpeer(&hub, "leaf-00").await;
     wait_until(
         &hub,
         &leaves,
         "leaf-00's induced peerings withdrawn",
-        async || {
+        || async {
             for leaf in &leaves[1..] {
                 if induced_remotes(leaf).await.iter().any(|r| r == "leaf-00") {
                     return false;

@@ -5,39 +5,21 @@
 //!
 //! Needs the service binaries (`cargo build --workspace --bins`, which `make test` does first).
 
-use std::net::SocketAddr;
-
-use trellis_integration::{ServiceProcess, free_addr};
+use trellis_integration::{ServiceProcess, free_addr, ipam_args};
 
 const IPAM: &str = "trellis.ipam.v1.Ipam";
-
-fn ipam_args(addr: SocketAddr, cluster: &str) -> Vec<String> {
-    [
-        "--listen",
-        &addr.to_string(),
-        "--store",
-        "memory://",
-        "--cluster-id",
-        cluster,
-        "--pod-cidr",
-        "10.0.0.0/16",
-        "--external-cidr",
-        "10.201.0.0/16",
-    ]
-    .iter()
-    .map(|s| (*s).to_owned())
-    .collect()
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_service_whose_port_was_taken_fails_to_start_even_if_the_taker_answers_health() {
     let addr = free_addr();
-    let mut first = ServiceProcess::start("trellis-ipam", ipam_args(addr, "first"), addr, IPAM)
-        .await
-        .expect("the first IPAM starts");
+    let start = |cluster: &str| {
+        let args = ipam_args(&addr.to_string(), "memory://", cluster, &[]);
+        ServiceProcess::start("trellis-ipam", args, addr, IPAM)
+    };
+    let mut first = start("first").await.expect("the first IPAM starts");
 
     // Same binary, same port: the health check is answered SERVING by the first one.
-    let err = ServiceProcess::start("trellis-ipam", ipam_args(addr, "second"), addr, IPAM)
+    let err = start("second")
         .await
         .expect_err("the second IPAM cannot listen");
     let text = format!("{err:#}");

@@ -14,11 +14,9 @@
 //! Skipped (with a `SKIPPED:` line) when not root or without `ip`/`nft`/`ping`/`etcd`; CI runs
 //! as root and fails instead. Heavy: one at a time in the `heavy` test group.
 
-use std::net::Ipv4Addr;
 use std::time::{Duration, Instant};
 
-use ipnet::Ipv4Net;
-use trellis_netlab::netns::exec;
+use trellis_netlab::fabric::reaches;
 use trellis_netlab::partition::Partition;
 use trellis_netlab::{Fabric, FabricOptions, StoreKind};
 
@@ -29,35 +27,6 @@ const NODES: usize = 3;
 const LIMIT: Duration = Duration::from_secs(90);
 /// How soon after the move n2's pod must reach the remote pods again.
 const FOLLOWED_WITHIN: Duration = Duration::from_secs(60);
-
-/// The address a pod of cluster `from` uses for `to`'s pod `pod_ip`: the same host bits in
-/// `from`'s view of `to`'s pod CIDR.
-async fn address(fabric: &Fabric, from: usize, to: usize, pod_ip: Ipv4Addr) -> Ipv4Addr {
-    let view: Ipv4Net = fabric.view(from, to, false).await.expect("view");
-    let site = &fabric.topology.sites[to];
-    let offset = u32::from(pod_ip) - u32::from(site.pod_cidr.network());
-    Ipv4Addr::from(u32::from(view.network()) + offset)
-}
-
-/// Pings from `pod_ns` until one answer or `bound`; whether it answered.
-async fn reaches(pod_ns: &str, to: Ipv4Addr, bound: Duration) -> bool {
-    let started = Instant::now();
-    loop {
-        let out = exec(
-            pod_ns,
-            "ping",
-            &["-n", "-c", "1", "-W", "1", &to.to_string()],
-        )
-        .expect("ping runs");
-        if out.status.success() {
-            return true;
-        }
-        if started.elapsed() > bound {
-            return false;
-        }
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn pods_follow_a_gateway_that_moved_off_a_node_gone_silent() {
@@ -82,7 +51,10 @@ async fn pods_follow_a_gateway_that_moved_off_a_node_gone_silent() {
     let mut targets = Vec::new();
     for remote in [B, C] {
         let pod = fabric.topology.sites[remote].nodes[1].pod_ip;
-        targets.push((remote, address(&fabric, A, remote, pod).await));
+        targets.push((
+            remote,
+            fabric.pod_address(A, remote, pod).await.expect("view"),
+        ));
     }
     // Positive control: n2's pod reaches both remote pods through the gateway node n0.
     for (remote, target) in &targets {

@@ -7,29 +7,11 @@ use std::process::Command;
 
 use trellis_api::pb::ipam::GetSubnetsPerClusterRequest;
 use trellis_api::pb::ipam::ipam_client::IpamClient;
-use trellis_integration::{ServiceProcess, bin_path, free_addr};
+use trellis_integration::command::succeeds;
+use trellis_integration::{ServiceProcess, bin_path, free_addr, ipam_args};
 use trellis_testkit::Etcd;
 
 const IPAM: &str = "trellis.ipam.v1.Ipam";
-
-fn ipam_args(listen: &str, store: &str, extra: &[&str]) -> Vec<String> {
-    [
-        "--listen",
-        listen,
-        "--store",
-        store,
-        "--cluster-id",
-        "hub",
-        "--pod-cidr",
-        "10.0.0.0/16",
-        "--external-cidr",
-        "10.201.0.0/16",
-    ]
-    .iter()
-    .chain(extra)
-    .map(|s| (*s).to_owned())
-    .collect()
-}
 
 fn path(p: &std::path::Path) -> &str {
     p.to_str().expect("utf-8 temp path")
@@ -45,6 +27,7 @@ async fn a_service_runs_on_an_etcd_that_requires_client_certificates() {
     let args = ipam_args(
         &addr.to_string(),
         &etcd.url("ipam"),
+        "hub",
         &[
             "--store-ca-cert",
             path(&files.ca),
@@ -87,7 +70,7 @@ async fn remap(ipam: &ServiceProcess) -> trellis_api::pb::ipam::GetSubnetsPerClu
 fn fails_with(store: &str, extra: &[&str]) -> String {
     let binary = bin_path("trellis-ipam").expect("trellis-ipam is built");
     let output = Command::new(binary)
-        .args(ipam_args(&free_addr().to_string(), store, extra))
+        .args(ipam_args(&free_addr().to_string(), store, "hub", extra))
         .env("TRELLIS_LOG_FORMAT", "text")
         .output()
         .expect("runs");
@@ -156,16 +139,12 @@ async fn wrong_or_missing_etcd_credentials_fail_clearly_naming_the_flag() {
 /// Runs `etcdctl` against `etcd` with `args`.
 fn etcdctl(etcd: &Etcd, args: &[&str]) {
     let tool = trellis_testkit::tool_path("etcdctl").expect("etcdctl is installed with etcd");
-    let output = Command::new(tool)
-        .env("ETCDCTL_API", "3")
-        .arg(format!("--endpoints={}", etcd.endpoint()))
-        .args(args)
-        .output()
-        .expect("runs etcdctl");
-    assert!(
-        output.status.success(),
-        "etcdctl {args:?}: {}",
-        String::from_utf8_lossy(&output.stderr)
+    succeeds(
+        Command::new(tool)
+            .env("ETCDCTL_API", "3")
+            .arg(format!("--endpoints={}", etcd.endpoint()))
+            .args(args),
+        &format!("etcdctl {args:?}"),
     );
 }
 
@@ -186,6 +165,7 @@ async fn a_service_logs_in_to_an_etcd_with_authentication() {
             .args(ipam_args(
                 &free_addr().to_string(),
                 &url,
+                "hub",
                 &["--store-user", "root"],
             ))
             .env("TRELLIS_STORE_PASSWORD", "wrong")
@@ -204,7 +184,7 @@ async fn a_service_logs_in_to_an_etcd_with_authentication() {
     assert!(without.contains("--store-user"), "{without}");
 
     let addr = free_addr();
-    let args = ipam_args(&addr.to_string(), &url, &["--store-user", "root"]);
+    let args = ipam_args(&addr.to_string(), &url, "hub", &["--store-user", "root"]);
     let ipam = ServiceProcess::start_with_env(
         "trellis-ipam",
         args,

@@ -8,7 +8,6 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
-use trellis_api::pb::peering::ListTunnelEndpointsRequest;
 use trellis_integration::otlp::{OtlpReceiver, ReceivedSpan};
 use trellis_integration::peering::peer;
 use trellis_integration::processes::{Options, ProcessCluster};
@@ -16,19 +15,9 @@ use trellis_integration::processes::{Options, ProcessCluster};
 const LIMIT: Duration = Duration::from_secs(60);
 
 async fn has_tunnel(cluster: &ProcessCluster, remote: &str) -> bool {
-    let Ok(mut broker) = cluster.broker().await else {
-        return false;
-    };
-    broker
-        .list_tunnel_endpoints(ListTunnelEndpointsRequest::default())
+    trellis_integration::peering::tunnel_to(cluster, remote)
         .await
-        .map(|r| {
-            r.into_inner()
-                .tunnel_endpoints
-                .iter()
-                .any(|t| t.remote.as_ref().is_some_and(|r| r.cluster_id == remote))
-        })
-        .unwrap_or(false)
+        .is_some()
 }
 
 /// (service.name, trellis.cluster.id) of a span's process.
@@ -55,14 +44,12 @@ async fn the_spans_of_one_induced_peering_share_a_trace_across_three_clusters() 
     let c = start("leaf-c").await.expect("c starts").expect("etcd");
     peer(&a, &b).await;
     peer(&c, &b).await;
-    let deadline = Instant::now() + LIMIT;
-    while !(has_tunnel(&a, "leaf-c").await && has_tunnel(&c, "leaf-a").await) {
-        assert!(
-            Instant::now() < deadline,
-            "the induced peering did not form:\n{}",
-            a.logs(20)
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
+    let formed = trellis_testkit::within("the induced peering", LIMIT, || async {
+        (has_tunnel(&a, "leaf-c").await && has_tunnel(&c, "leaf-a").await).then_some(())
+    })
+    .await;
+    if let Err(timed_out) = formed {
+        panic!("{timed_out}:\n{}", a.logs(20));
     }
 
     // The relay's spans identify the exchange; wait until the whole trace has arrived.

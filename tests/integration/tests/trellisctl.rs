@@ -9,12 +9,13 @@
 
 use std::net::SocketAddr;
 use std::process::Output;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use ipnet::IpNet;
 use serde_json::Value;
 use trellis_api::peers::Condition;
 use trellis_integration::cluster::InProcessCluster;
+use trellis_testkit::eventually;
 
 const LIMIT: Duration = Duration::from_secs(60);
 
@@ -96,18 +97,15 @@ fn with<'a>(flags: &'a [String], args: &[&'a str]) -> Vec<&'a str> {
 
 /// Polls `status --output json` until `check` accepts it.
 async fn status_until(flags: &[String], what: &str, check: impl Fn(&Value) -> bool) -> Value {
-    let deadline = Instant::now() + LIMIT;
-    loop {
+    eventually(what, LIMIT, || async {
         let status = json(&with(flags, &["status"])).await;
         if check(&status) {
-            return status;
+            Ok(status)
+        } else {
+            Err(format!("status\n{status:#}"))
         }
-        assert!(
-            Instant::now() < deadline,
-            "timed out after {LIMIT:?} waiting for {what}; last status:\n{status:#}"
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    })
+    .await
 }
 
 /// The item of a JSON array whose `key` (a string, or an identity's `cluster_id`) is `id`.
@@ -491,15 +489,13 @@ async fn trellisctl_exports_a_service_that_the_peer_lists_as_an_import_and_unexp
     assert_eq!(exported["ports"][0]["port"], 8080);
     assert_eq!(exported["endpoints"][1]["address"], "10.0.9.10");
 
-    let deadline = Instant::now() + LIMIT;
-    let import = loop {
-        let slices = imports(&a_flags).await;
-        if let Some(slice) = slices.iter().find(|s| s["source"]["cluster_id"] == "hub") {
-            break slice.clone();
-        }
-        assert!(Instant::now() < deadline, "leaf-a never imported shop/web");
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    };
+    let import = eventually("leaf-a to import shop/web", LIMIT, || async {
+        imports(&a_flags)
+            .await
+            .into_iter()
+            .find(|s| s["source"]["cluster_id"] == "hub")
+    })
+    .await;
     // leaf-a imported it at the addresses it uses for the hub's pods (known to the hub once it
     // translated for leaf-a).
     let hub_ipam = json(&with(&hub_flags, &["ipam"])).await;
@@ -667,11 +663,10 @@ async fn trellisctl_exports_a_service_that_the_peer_lists_as_an_import_and_unexp
     assert_eq!(again, "shop/web was not exported\n");
     let listed = json(&with(&hub_flags, &["endpoints"])).await;
     assert_eq!(listed["exports"], Value::Array(vec![]));
-    let deadline = Instant::now() + LIMIT;
-    while !imports(&a_flags).await.is_empty() {
-        assert!(Instant::now() < deadline, "leaf-a still imports shop/web");
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    eventually("leaf-a to drop shop/web", LIMIT, || async {
+        imports(&a_flags).await.is_empty().then_some(())
+    })
+    .await;
 
     hub.stop().await;
     a.stop().await;
@@ -758,19 +753,15 @@ async fn trellisctl_calls_a_peer_listener_over_tls_with_a_peers_certificate() {
     // The hub's IPAM pins leaf-a's CA once its trust sync sees the peering in the hub's
     // discovery (one watch event after the handshake; the IPAM may have started before
     // discovery listened): until then the TLS handshake is refused.
-    let deadline = Instant::now() + LIMIT;
-    let mapped: Value = loop {
+    let mapped: Value = eventually("trellisctl over TLS to succeed", LIMIT, || async {
         let out = ctl(&args).await;
         if out.status.success() {
-            break serde_json::from_slice(&out.stdout).expect("json");
+            Ok(serde_json::from_slice(&out.stdout).expect("json"))
+        } else {
+            Err(text(&out.stderr))
         }
-        assert!(
-            Instant::now() < deadline,
-            "trellisctl over TLS kept failing: {}",
-            text(&out.stderr)
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    };
+    })
+    .await;
     assert_eq!(mapped["path"], "local_nat", "{mapped}");
     assert_eq!(mapped["mapped_ip"], at(&a_view_hub, "10.0.0.7"), "{mapped}");
 

@@ -58,10 +58,9 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use ipnet::Ipv4Net;
-use trellis_api::pb::peering::ListTunnelEndpointsRequest;
 use trellis_api::pb::types::TunnelEndpoint;
 use trellis_gateway::keys::KeyPair;
-use trellis_netlab::netns::{exec, ip, listen_in};
+use trellis_netlab::netns::{exec, ip, listen_in, nft_packets};
 use trellis_netlab::topology::{UPLINK, host, link_counters};
 use trellis_netlab::{Fabric, FabricOptions, Service, Site, StoreKind};
 
@@ -111,16 +110,9 @@ async fn up() -> Fabric {
 /// `i`'s TunnelEndpoint for `j`.
 async fn tunnel_endpoint(fabric: &Fabric, i: usize, j: usize) -> TunnelEndpoint {
     let id = &fabric.clusters[j].id;
-    fabric.clusters[i]
-        .broker()
-        .expect("broker")
-        .list_tunnel_endpoints(ListTunnelEndpointsRequest::default())
+    trellis_integration::peering::answered_tunnel_to(&fabric.clusters[i], id)
         .await
         .expect("ListTunnelEndpoints")
-        .into_inner()
-        .tunnel_endpoints
-        .into_iter()
-        .find(|t| t.remote.as_ref().is_some_and(|r| &r.cluster_id == id))
         .unwrap_or_else(|| panic!("{i} has no tunnel endpoint for {id}"))
 }
 
@@ -207,11 +199,12 @@ impl Impersonator {
             .spawn()
             .expect("wireguard-go");
         let process = Killed(process);
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while ip(&["-n", &ns, "link", "show", &device]).is_err() {
-            assert!(Instant::now() < deadline, "wireguard-go made no {device}");
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
+        trellis_testkit::eventually(
+            &format!("wireguard-go to make {device}"),
+            Duration::from_secs(10),
+            || async { ip(&["-n", &ns, "link", "show", &device]).ok() },
+        )
+        .await;
         let conf = tempfile::NamedTempFile::new().expect("conf");
         std::fs::write(
             conf.path(),
@@ -526,13 +519,7 @@ fn count_underlay(ns: &str, uplink_ip: Ipv4Addr, to: Ipv4Addr) {
 
 /// The packets the underlay counter of `ns` has seen.
 fn underlay_count(ns: &str) -> u64 {
-    let out = exec(ns, "nft", &["list", "table", "ip", UNDERLAY_COUNT]).expect("nft");
-    let text = String::from_utf8_lossy(&out.stdout);
-    text.split_whitespace()
-        .skip_while(|w| *w != "packets")
-        .nth(1)
-        .and_then(|n| n.parse().ok())
-        .unwrap_or_else(|| panic!("no counter in {text}"))
+    nft_packets(ns, &["table", "ip", UNDERLAY_COUNT])
 }
 
 /// Packets that left the underlay of `ns` towards (e) while `LEAK_PINGS` pings went from the

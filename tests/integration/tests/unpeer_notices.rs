@@ -6,10 +6,11 @@
 use std::time::Duration;
 
 use trellis_api::pb::discovery::ListForeignClustersRequest;
-use trellis_api::pb::peering::{NotifyUnpeerRequest, UnpeerRequest};
+use trellis_api::pb::peering::NotifyUnpeerRequest;
 use trellis_api::pb::types::{self as types, ConditionStatus};
 use trellis_api::peers::{Condition, UNPEERED_REASON};
 use trellis_broker::peering_id::PeeringId;
+use trellis_integration::peering::unpeer;
 use trellis_integration::peering::{eventually, no_tunnel_to, peer, tunnel_to};
 use trellis_integration::processes::{Options, ProcessCluster, Service};
 
@@ -77,16 +78,7 @@ async fn a_stale_unpeer_notice_does_not_undo_a_later_re_peering() {
 
     // b is cut off: a's unpeering notice cannot be delivered and stays pending.
     b.partition(true);
-    let unpeered = a
-        .broker()
-        .await
-        .expect("connects")
-        .unpeer(UnpeerRequest {
-            cluster_id: b.id.clone(),
-        })
-        .await
-        .expect("unpeers")
-        .into_inner();
+    let unpeered = unpeer(&a, &b.id).await;
     assert!(unpeered.unpeered, "{unpeered:?}");
     assert!(peered_with(&b, &a.id).await, "b never heard of it");
     // The operator peers them again (the handshake reaches b's broker on another path), then
@@ -185,14 +177,7 @@ async fn an_unpeer_notice_on_the_wire_when_a_new_peering_began_does_not_end_it()
 
     // The notice a sends when it unpeers b, as its store holds it while b is cut off.
     b.partition(true);
-    a.broker()
-        .await
-        .expect("connects")
-        .unpeer(UnpeerRequest {
-            cluster_id: b.id.clone(),
-        })
-        .await
-        .expect("unpeers");
+    unpeer(&a, &b.id).await;
     let store = a.store(Service::Broker).await.expect("opens the store");
     let b_id = trellis_api::ClusterId::parse("id", &b.id).expect("id");
     let key = trellis_broker::records::notify_key(&b_id);

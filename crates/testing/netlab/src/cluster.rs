@@ -20,96 +20,18 @@ use tonic::transport::Channel;
 use trellis_api::pb::discovery::discovery_client::DiscoveryClient;
 use trellis_api::pb::endpoints::endpoint_mapper_client::EndpointMapperClient;
 use trellis_api::pb::gateway::gateway_client::GatewayClient;
+use trellis_api::pb::gateway::{ListTunnelsRequest, TunnelStatus};
 use trellis_api::pb::ipam::ipam_client::IpamClient;
 use trellis_api::pb::peering::broker_client::BrokerClient;
 use trellis_testkit::Etcd;
+/// One of a cluster's services: the test kit's, which the process-cluster tests share.
+pub use trellis_testkit::Service;
+use trellis_testkit::peering::Peerable;
 
 use crate::bins::bin_path;
 use crate::netns::forward_into;
 use crate::process::NsProcess;
 use crate::topology::Site;
-
-/// One of a cluster's services.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub enum Service {
-    Ipam,
-    Gateway,
-    Discovery,
-    Forwarder,
-    Broker,
-    Endpoints,
-}
-
-impl Service {
-    /// Every service, in start order (callees before callers; the gateway retries its broker
-    /// watch until the broker is up).
-    pub const ALL: [Service; 6] = [
-        Service::Ipam,
-        Service::Gateway,
-        Service::Discovery,
-        Service::Forwarder,
-        Service::Broker,
-        Service::Endpoints,
-    ];
-
-    /// Short name: `ipam`, `gateway`, ...
-    pub fn name(self) -> &'static str {
-        match self {
-            Service::Ipam => "ipam",
-            Service::Gateway => "gateway",
-            Service::Discovery => "discovery",
-            Service::Forwarder => "forwarder",
-            Service::Broker => "broker",
-            Service::Endpoints => "endpoints",
-        }
-    }
-
-    /// The binary, `trellis-<name>`.
-    pub fn binary(self) -> String {
-        format!("trellis-{}", self.name())
-    }
-
-    /// The default port (DESIGN.md).
-    pub fn port(self) -> u16 {
-        match self {
-            Service::Discovery => 7101,
-            Service::Broker => 7102,
-            Service::Forwarder => 7103,
-            Service::Ipam => 7104,
-            Service::Endpoints => 7105,
-            Service::Gateway => 7106,
-        }
-    }
-
-    /// The gRPC service whose health says the process is ready.
-    pub fn grpc_service(self) -> &'static str {
-        match self {
-            Service::Ipam => "trellis.ipam.v1.Ipam",
-            Service::Gateway => "trellis.gateway.v1.Gateway",
-            Service::Discovery => "trellis.discovery.v1.Discovery",
-            Service::Forwarder => "trellis.peering.v1.Forwarder",
-            Service::Broker => "trellis.peering.v1.Broker",
-            Service::Endpoints => "trellis.endpoints.v1.EndpointMapper",
-        }
-    }
-
-    fn index(self) -> u16 {
-        match self {
-            Service::Ipam => 0,
-            Service::Gateway => 1,
-            Service::Discovery => 2,
-            Service::Forwarder => 3,
-            Service::Broker => 4,
-            Service::Endpoints => 5,
-        }
-    }
-}
-
-impl std::fmt::Display for Service {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.name())
-    }
-}
 
 /// Where the services keep their state.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -689,6 +611,16 @@ impl NsCluster {
         Ok(GatewayClient::new(self.channel(Service::Gateway)?))
     }
 
+    /// The tunnels the cluster's gateway reports (`ListTunnels`), or why it could not be asked.
+    pub async fn gateway_tunnels(&self) -> anyhow::Result<Vec<TunnelStatus>> {
+        Ok(self
+            .gateway()?
+            .list_tunnels(ListTunnelsRequest {})
+            .await?
+            .into_inner()
+            .tunnels)
+    }
+
     pub fn endpoints(&self) -> anyhow::Result<EndpointMapperClient<Channel>> {
         Ok(EndpointMapperClient::new(self.channel(Service::Endpoints)?))
     }
@@ -717,6 +649,22 @@ fn override_flags(args: &mut Vec<String>, extra: &[String]) {
         }
     }
     args.extend(extra.iter().cloned());
+}
+
+impl Peerable for NsCluster {
+    fn cluster_id(&self) -> &str {
+        &self.id
+    }
+
+    fn peering_broker(&self) -> SocketAddr {
+        self.addr(Service::Broker)
+    }
+
+    fn broker_client(
+        &self,
+    ) -> impl std::future::Future<Output = anyhow::Result<BrokerClient<Channel>>> + Send {
+        std::future::ready(self.broker())
+    }
 }
 
 #[cfg(test)]

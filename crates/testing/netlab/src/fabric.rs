@@ -13,7 +13,7 @@ use trellis_api::pb::endpoints::{
     TranslationPath,
 };
 use trellis_api::pb::ipam::ListClusterSubnetsRequest;
-use trellis_api::pb::peering::{GetTokenRequest, ListTunnelEndpointsRequest, PeerRequest};
+use trellis_api::pb::peering::ListTunnelEndpointsRequest;
 use trellis_api::pb::types::{ClusterIdentity, PeeringKind};
 
 use crate::cluster::{ClusterOptions, NsCluster, Service, StoreKind};
@@ -233,28 +233,7 @@ impl Fabric {
 
     /// Cluster `from` peers with `to` using `to`'s token.
     pub async fn peer(&self, from: usize, to: usize) -> anyhow::Result<()> {
-        let token = self.clusters[to]
-            .broker()?
-            .get_token(GetTokenRequest {})
-            .await
-            .context("GetToken")?
-            .into_inner()
-            .token;
-        self.clusters[from]
-            .broker()?
-            .peer(PeerRequest {
-                broker_address: self.clusters[to].addr(Service::Broker).to_string(),
-                token,
-                expected_cluster_id: self.clusters[to].id.clone(),
-                ca_cert_hash: String::new(),
-            })
-            .await
-            .with_context(|| {
-                format!(
-                    "{} peers with {}",
-                    self.clusters[from].id, self.clusters[to].id
-                )
-            })?;
+        trellis_testkit::peering::try_peer(&self.clusters[from], &self.clusters[to]).await?;
         Ok(())
     }
 
@@ -367,6 +346,20 @@ impl Fabric {
             .find(|t| t.remote.as_ref().is_some_and(|r| &r.cluster_id == id))
             .with_context(|| format!("{} has no tunnel endpoint for {id}", self.clusters[i].id))?;
         Ok(te.remote_endpoint.clone())
+    }
+
+    /// The address a pod of cluster `from` uses for `to`'s pod `pod_ip`: the same host bits in
+    /// `from`'s view of `to`'s pod CIDR.
+    pub async fn pod_address(
+        &self,
+        from: usize,
+        to: usize,
+        pod_ip: Ipv4Addr,
+    ) -> anyhow::Result<Ipv4Addr> {
+        let view = self.view(from, to, false).await?;
+        let site = &self.topology.sites[to];
+        let offset = u32::from(pod_ip) - u32::from(site.pod_cidr.network());
+        Ok(Ipv4Addr::from(u32::from(view.network()) + offset))
     }
 
     /// How `viewer`'s IPAM addresses `remote`'s pod CIDR (or external CIDR).
@@ -534,5 +527,26 @@ impl Fabric {
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
+    }
+}
+
+/// Pings `to` from the namespace `pod_ns` until one answer or `bound`; whether it answered. For
+/// tests that expect a path to come back (or to stay gone) rather than measure how soon.
+pub async fn reaches(pod_ns: &str, to: Ipv4Addr, bound: Duration) -> bool {
+    let started = Instant::now();
+    loop {
+        let out = exec(
+            pod_ns,
+            "ping",
+            &["-n", "-c", "1", "-W", "1", &to.to_string()],
+        )
+        .expect("ping runs");
+        if out.status.success() {
+            return true;
+        }
+        if started.elapsed() > bound {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
     }
 }

@@ -61,6 +61,21 @@ pub fn exec(ns: &str, program: &str, args: &[&str]) -> anyhow::Result<std::proce
         .with_context(|| format!("running {program} in {ns}"))
 }
 
+/// The packet count of the first counter `nft list <what>` shows inside namespace `ns` (a
+/// chain or table holding one counter rule); panics without one, as a test's count would be
+/// meaningless.
+pub fn nft_packets(ns: &str, what: &[&str]) -> u64 {
+    let mut args = vec!["list"];
+    args.extend_from_slice(what);
+    let out = exec(ns, "nft", &args).expect("nft");
+    let text = String::from_utf8_lossy(&out.stdout);
+    text.split_whitespace()
+        .skip_while(|w| *w != "packets")
+        .nth(1)
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no counter in {text}"))
+}
+
 /// Namespaces created by a test, deleted (with every interface and route in them) on drop.
 /// Processes running inside must be stopped before, or they keep a namespace alive.
 #[derive(Debug, Default)]

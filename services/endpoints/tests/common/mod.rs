@@ -17,8 +17,40 @@ use trellis_api::pb::ipam::ipam_client::IpamClient;
 use trellis_api::pb::ipam::{GetSubnetsPerClusterRequest, SetLocalNatRequest};
 use trellis_api::pb::types::{ClusterIdentity, ServiceAddresses};
 use trellis_runtime::Shutdown;
+use trellis_testkit::peering::full_peering;
 
 pub const POD_CIDR: &str = "10.0.0.0/16";
+
+/// How long an endpoint test waits for a change to reach the clusters it should: generous, the
+/// services share two cores with the other tests.
+pub const LIMIT: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// The slices the endpoints service behind `client` holds from `source` (every source when
+/// empty).
+pub async fn reflected(
+    client: &mut EndpointMapperClient<Channel>,
+    source: &str,
+) -> Vec<trellis_api::pb::endpoints::ReflectedSlice> {
+    client
+        .list_reflected_slices(trellis_api::pb::endpoints::ListReflectedSlicesRequest {
+            source_cluster_id: source.into(),
+            namespace: String::new(),
+        })
+        .await
+        .expect("lists reflected slices")
+        .into_inner()
+        .reflected_slices
+}
+
+/// Polls `probe` until it answers `want`, within [`LIMIT`].
+pub async fn until<T, F, Fut>(what: &str, want: T, probe: F)
+where
+    T: PartialEq + std::fmt::Debug,
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = T>,
+{
+    trellis_testkit::eventually_eq(what, LIMIT, want, probe).await;
+}
 
 /// One in-process cluster.
 #[derive(Debug)]
@@ -201,21 +233,16 @@ impl Cluster {
     pub async fn peer_with(&self, peer: &Cluster) {
         DiscoveryClient::new(channel(self.discovery).await)
             .update_peering(UpdatePeeringRequest {
-                identity: Some(peer.identity()),
-                peered: true,
-                addresses: Some(ServiceAddresses {
-                    discovery: peer.discovery.to_string(),
-                    ipam: peer.ipam.to_string(),
-                    endpoints: peer.endpoints.to_string(),
-                    ..Default::default()
-                }),
-                outgoing_peering_enabled: true,
-                incoming_peering_enabled: true,
-                networking_enabled: true,
                 reason: "HandshakeCompleted".into(),
-                message: String::new(),
-                expected_revision: 0,
-                ca_certificate: String::new(),
+                ..full_peering(
+                    peer.identity(),
+                    ServiceAddresses {
+                        discovery: peer.discovery.to_string(),
+                        ipam: peer.ipam.to_string(),
+                        endpoints: peer.endpoints.to_string(),
+                        ..Default::default()
+                    },
+                )
             })
             .await
             .expect("update peering");
