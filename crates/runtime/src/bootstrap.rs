@@ -128,12 +128,13 @@ impl Bootstrap {
     /// operations count in this service's metrics, and the mutual-TLS setup of `tls` (the
     /// service's `--tls-*` flags; `None` for a service that never faces other clusters), kept
     /// for [`Self::cluster_facing`]: what every stateful service starts with.
-    pub async fn open(
+    pub async fn open<'a>(
         service: Service,
         common: &CommonConfig,
-        tls: Option<&PeerTlsConfig>,
+        tls: impl Into<Option<&'a PeerTlsConfig>>,
         shutdown: &Shutdown,
     ) -> anyhow::Result<(Self, Opened)> {
+        let tls = tls.into();
         let identity = common.identity()?;
         let mut boot = Self::bind(service, common, shutdown).await?;
         let store = common.open_store(boot.metrics()).await?;

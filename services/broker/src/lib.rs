@@ -29,7 +29,7 @@ use anyhow::Context as _;
 use tonic::server::NamedService;
 use tonic::service::Routes;
 use trellis_api::pb::peering::broker_server::BrokerServer;
-use trellis_runtime::{Bootstrap, Opened, Service, Shutdown};
+use trellis_runtime::{Bootstrap, Service, Shutdown};
 
 pub use crate::config::Config;
 pub use crate::core::Broker;
@@ -47,20 +47,9 @@ pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started
     if let Some(initial) = &config.token {
         token::check_format("--token", initial)?;
     }
-    let (
-        mut boot,
-        Opened {
-            identity,
-            store,
-            tls,
-        },
-    ) = Bootstrap::open(
-        Service::BROKER,
-        &config.common,
-        Some(&config.tls),
-        &shutdown,
-    )
-    .await?;
+    let (mut boot, opened) =
+        Bootstrap::open(Service::BROKER, &config.common, &config.tls, &shutdown).await?;
+    let (identity, store, tls) = (opened.identity, opened.store, opened.tls);
     let clients = Clients::new(
         &config.discovery,
         &config.ipam,

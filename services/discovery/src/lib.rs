@@ -35,7 +35,7 @@ use anyhow::Context as _;
 use tonic::server::NamedService;
 use trellis_api::pb::discovery::discovery_server::DiscoveryServer;
 use trellis_runtime::client::Timeouts;
-use trellis_runtime::{Bootstrap, Opened, Service, Shutdown};
+use trellis_runtime::{Bootstrap, Service, Shutdown};
 
 pub use crate::config::Config;
 pub use crate::core::Discovery;
@@ -56,20 +56,9 @@ pub type Started = trellis_runtime::Started<Discovery>;
 /// Opens the store, checks the identity against it, binds, starts serving and starts the
 /// background tasks (Neighborhood sender, DNS-SRV, mDNS).
 pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started> {
-    let (
-        mut boot,
-        Opened {
-            identity,
-            store,
-            tls,
-        },
-    ) = Bootstrap::open(
-        Service::DISCOVERY,
-        &config.common,
-        Some(&config.tls),
-        &shutdown,
-    )
-    .await?;
+    let (mut boot, opened) =
+        Bootstrap::open(Service::DISCOVERY, &config.common, &config.tls, &shutdown).await?;
+    let (identity, store, tls) = (opened.identity, opened.store, opened.tls);
     let addr = boot.addr();
     // The pinned CAs are this service's own full peers: the trust sync watches them through
     // our own plaintext listener, like every other service watches its discovery.

@@ -36,7 +36,7 @@ use std::sync::Arc;
 use anyhow::Context as _;
 use tonic::server::NamedService;
 use trellis_api::pb::endpoints::endpoint_mapper_server::EndpointMapperServer;
-use trellis_runtime::{Bootstrap, Opened, Service, Shutdown};
+use trellis_runtime::{Bootstrap, Service, Shutdown};
 
 pub use crate::config::Config;
 pub use crate::core::Endpoints;
@@ -86,20 +86,9 @@ async fn start_inner(
     shutdown: Shutdown,
 ) -> anyhow::Result<Started> {
     let writer = writer.or_else(|| client.clone().map(KubeWriter::new));
-    let (
-        mut boot,
-        Opened {
-            identity,
-            store,
-            tls,
-        },
-    ) = Bootstrap::open(
-        Service::ENDPOINTS,
-        &config.common,
-        Some(&config.tls),
-        &shutdown,
-    )
-    .await?;
+    let (mut boot, opened) =
+        Bootstrap::open(Service::ENDPOINTS, &config.common, &config.tls, &shutdown).await?;
+    let (identity, store, tls) = (opened.identity, opened.store, opened.tls);
     let clients = Clients::new(ClientSettings {
         ipam: config.ipam.clone(),
         discovery: config.discovery.clone(),

@@ -27,7 +27,7 @@ use anyhow::Context as _;
 use tonic::server::NamedService;
 use tonic::service::Routes;
 use trellis_api::pb::peering::forwarder_server::ForwarderServer;
-use trellis_runtime::{Bootstrap, Opened, Service, Shutdown};
+use trellis_runtime::{Bootstrap, Service, Shutdown};
 
 pub use crate::config::Config;
 pub use crate::core::Forwarder;
@@ -41,20 +41,9 @@ pub type Started = trellis_runtime::Started<Forwarder>;
 
 /// Opens the store, binds, starts serving and retrying relays.
 pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started> {
-    let (
-        mut boot,
-        Opened {
-            identity,
-            store,
-            tls,
-        },
-    ) = Bootstrap::open(
-        Service::FORWARDER,
-        &config.common,
-        Some(&config.tls),
-        &shutdown,
-    )
-    .await?;
+    let (mut boot, opened) =
+        Bootstrap::open(Service::FORWARDER, &config.common, &config.tls, &shutdown).await?;
+    let (identity, store, tls) = (opened.identity, opened.store, opened.tls);
     let core = Arc::new(Forwarder::new(
         identity,
         store,

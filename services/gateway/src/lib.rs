@@ -37,7 +37,7 @@ use std::sync::Arc;
 use anyhow::Context as _;
 use tonic::server::NamedService;
 use trellis_api::pb::gateway::gateway_server::GatewayServer;
-use trellis_runtime::{Bootstrap, Opened, Service, Shutdown};
+use trellis_runtime::{Bootstrap, Service, Shutdown};
 
 pub use crate::config::Config;
 pub use crate::core::Gateway;
@@ -63,12 +63,8 @@ pub type Started = trellis_runtime::Started<Gateway>;
 pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started> {
     let common = &config.common;
     let endpoint_host = config.endpoint_host()?;
-    let (
-        mut boot,
-        Opened {
-            identity, store, ..
-        },
-    ) = Bootstrap::open(Service::GATEWAY, common, None, &shutdown).await?;
+    let (mut boot, opened) = Bootstrap::open(Service::GATEWAY, common, None, &shutdown).await?;
+    let (identity, store) = (opened.identity, opened.store);
     let keys = KeyPair::load_or_create(&store)
         .await
         .context("loading the gateway key")?;

@@ -23,7 +23,7 @@ use anyhow::Context as _;
 use tonic::server::NamedService;
 use trellis_api::pb::ipam::ipam_server::IpamServer;
 use trellis_runtime::client::Timeouts;
-use trellis_runtime::{Bootstrap, Opened, Service, Shutdown};
+use trellis_runtime::{Bootstrap, Service, Shutdown};
 
 pub use crate::config::Config;
 pub use crate::core::Ipam;
@@ -40,8 +40,9 @@ pub type Started = trellis_runtime::Started<Ipam>;
 /// Opens the store, checks the configuration against it, binds and starts serving.
 pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started> {
     let local = config.local_subnets()?;
-    let (mut boot, Opened { store, tls, .. }) =
-        Bootstrap::open(Service::IPAM, &config.common, Some(&config.tls), &shutdown).await?;
+    let (mut boot, opened) =
+        Bootstrap::open(Service::IPAM, &config.common, &config.tls, &shutdown).await?;
+    let (store, tls) = (opened.store, opened.tls);
     let core = Arc::new(Ipam::open(store, local).await.context("opening the IPAM")?);
     // Only TLS pins peers' CAs, which is all the IPAM asks of discovery.
     let discovery = config
