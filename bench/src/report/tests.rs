@@ -1,8 +1,13 @@
 //! Unit tests of the report generator: sample results in, tables, target verdicts (met and not
 //! met) and well-formed plots out.
 
-use serde_json::json;
+use std::collections::BTreeMap;
+use std::path::PathBuf;
 
+use serde_json::{Value, json};
+
+use super::mesh::runs_text;
+use super::schema::{MeshRun, MeshSize};
 use super::*;
 
 fn found(name: &str, value: Value) -> (String, Loaded) {

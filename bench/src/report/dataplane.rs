@@ -1,0 +1,277 @@
+//! The data plane section: leaf-to-leaf RTT induced against through the hub, tunnel throughput,
+//! the side-by-side comparison with wireguard-go, and their plots.
+
+use std::fmt::Write as _;
+use std::path::PathBuf;
+
+use super::format::{num, opt, run_line};
+use super::inputs::Inputs;
+use super::notes::note;
+use super::output::PLOT_DIR;
+use super::schema::{DataplaneDoc, Rtt, SideBySideDoc, parse};
+use crate::svg::{self, BarChart, Scale};
+
+pub(super) fn dataplane_section(
+    md: &mut String,
+    inputs: &Inputs,
+    files: &mut Vec<(PathBuf, String)>,
+) {
+    md.push_str(
+        "## Data plane: leaf↔leaf RTT, induced vs through the hub, and tunnel throughput\n\n",
+    );
+    let mut chart = BarChart {
+        title: "Leaf-to-leaf RTT: induced vs hub path".into(),
+        y_label: "ms".into(),
+        y_scale: Scale::Linear,
+        categories: vec!["induced (A→C)".into(), "hub (A→B→C)".into()],
+        series: vec![
+            ("emulated link RTT".into(), vec![None, None]),
+            ("measured median".into(), vec![None, None]),
+            ("reference".into(), vec![None, None]),
+        ],
+    };
+    let mut throughput_chart = BarChart {
+        title: "Tunnel throughput: Trellis vs wireguard-go (iperf3 TCP, median)".into(),
+        y_label: "Mbit/s".into(),
+        y_scale: Scale::Linear,
+        categories: vec!["1 stream".into(), "4 streams".into()],
+        series: vec![
+            ("Trellis".into(), vec![None, None]),
+            ("wireguard-go".into(), vec![None, None]),
+        ],
+    };
+    match parse::<DataplaneDoc>(inputs, "dataplane") {
+        Err(why) => {
+            let _ = writeln!(md, "Not measured: {why}.\n");
+        }
+        Ok(p) => {
+            let d = &p.doc;
+            let _ = writeln!(md, "{}\n", run_line(&p.path, &p.common));
+            md.push_str(&note(inputs, "dataplane"));
+            let _ = writeln!(
+                md,
+                "WireGuard: {}; build: {}; store: {}; link delays by: {}; {} pings per measurement.\n",
+                d.wireguard,
+                d.build,
+                d.store,
+                d.emulation.replace('_', " "),
+                d.samples
+                    .map_or("an unrecorded number of".into(), |s| s.to_string())
+            );
+            md.push_str(
+                "| path | emulated link RTT ms | median ms | p90 ms | min ms | max ms | lost |\n",
+            );
+            md.push_str("|---|---|---|---|---|---|---|\n");
+            let rows = [
+                (
+                    "induced (A→C direct)",
+                    d.rtt_induced.as_ref(),
+                    d.leaf_link_rtt_ms,
+                ),
+                (
+                    "hub (A→B→C, DNAT at B)",
+                    d.rtt_hub_path.as_ref(),
+                    2.0 * d.hub_link_rtt_ms,
+                ),
+                (
+                    "induced, no added delay",
+                    d.rtt_no_netem_tunnel.as_ref(),
+                    0.0,
+                ),
+                (
+                    "induced through 0 ms relays",
+                    d.rtt_through_zero_delay_relay.as_ref(),
+                    0.0,
+                ),
+                (
+                    "gateway to gateway, bare bridge path",
+                    d.rtt_no_netem_bare.as_ref(),
+                    0.0,
+                ),
+            ];
+            for (name, rtt, emulated) in rows {
+                let Some(r) = rtt else { continue };
+                let _ = writeln!(
+                    md,
+                    "| {name} | {} | {} | {} | {} | {} | {}/{} |",
+                    num(emulated, 0),
+                    num(r.median_ms, 3),
+                    num(r.p90_ms, 3),
+                    num(r.min_ms, 3),
+                    num(r.max_ms, 3),
+                    r.lost,
+                    r.samples as u32 + r.lost
+                );
+            }
+            md.push('\n');
+            if let Some(ratio) = d.ratio_hub_over_induced {
+                let _ = write!(md, "Ratio hub / induced: **{}**", num(ratio, 1));
+                if let (Some(ti), Some(th)) = (d.thesis_induced_ms, d.thesis_hub_ms) {
+                    let _ = write!(
+                        md,
+                        " (the published reference measurement of induced peering with the same link delays: {} ms induced, {} ms through the hub, ratio {})",
+                        num(ti, 0),
+                        num(th, 0),
+                        num(th / ti, 1)
+                    );
+                }
+                md.push_str(".\n\n");
+            }
+            if let Some(t) = &d.throughput {
+                md.push_str("| path (iperf3 TCP, one stream) | Mbit/s |\n|---|---|\n");
+                let _ = writeln!(
+                    md,
+                    "| A's pod → C's pod through the A–C tunnel | {} |\n| A's gateway → C's gateway, same veth path, no tunnel | {} |\n",
+                    num(t.tunnel_mbit_s, 0),
+                    num(t.bare_veth_mbit_s, 0)
+                );
+                let _ = writeln!(
+                    md,
+                    "The tunnel carries {} % of the bare path ({} s per iperf3 run).\n",
+                    num(100.0 * t.tunnel_fraction_of_bare, 1),
+                    t.seconds
+                );
+            }
+            if let Some(c) = &d.side_by_side {
+                side_by_side_table(md, c);
+                for (i, streams) in [1, 4].into_iter().enumerate() {
+                    if let Some(x) = c.at(streams) {
+                        throughput_chart.series[0].1[i] = x.trellis.median_mbit_s;
+                        throughput_chart.series[1].1[i] = x.wireguard_go.median_mbit_s;
+                    }
+                }
+            }
+            if let (Some(i), Some(h)) = (d.induced_ready_seconds, d.hub_ready_seconds) {
+                let _ = writeln!(
+                    md,
+                    "From starting the three clusters to the first answered ping: {} s (induced), {} s (hub path).\n",
+                    num(i, 1),
+                    num(h, 1)
+                );
+            }
+            chart.series[0].1 = vec![Some(d.leaf_link_rtt_ms), Some(2.0 * d.hub_link_rtt_ms)];
+            chart.series[1].1 = vec![
+                d.rtt_induced.as_ref().map(|r| r.median_ms),
+                d.rtt_hub_path.as_ref().map(|r| r.median_ms),
+            ];
+            chart.series[2].1 = vec![d.thesis_induced_ms, d.thesis_hub_ms];
+        }
+    }
+    md.push_str("![Leaf-to-leaf RTT](bench/dataplane-rtt.svg)\n\n");
+    md.push_str(
+        "![Tunnel throughput, Trellis vs wireguard-go](bench/dataplane-throughput.svg)\n\n",
+    );
+    md.push_str(&note(inputs, "dataplane-analysis"));
+    files.push((
+        PathBuf::from(PLOT_DIR).join("dataplane-rtt.svg"),
+        svg::bar_chart(&chart),
+    ));
+    files.push((
+        PathBuf::from(PLOT_DIR).join("dataplane-throughput.svg"),
+        svg::bar_chart(&throughput_chart),
+    ));
+}
+
+/// "median (min–max)" of a side, with `decimals`.
+fn median_spread(
+    median: Option<f64>,
+    min: Option<f64>,
+    max: Option<f64>,
+    decimals: usize,
+) -> String {
+    match (median, min, max) {
+        (Some(m), Some(lo), Some(hi)) => format!(
+            "{} ({}–{})",
+            num(m, decimals),
+            num(lo, decimals),
+            num(hi, decimals)
+        ),
+        (m, _, _) => opt(m, decimals),
+    }
+}
+
+/// The side-by-side comparison with wireguard-go: throughput and CPU per GB at 1 and 4
+/// streams, and RTT overhead over the underlay.
+fn side_by_side_table(md: &mut String, c: &SideBySideDoc) {
+    let _ = writeln!(
+        md,
+        "Side by side with {} (two more gateway namespaces of the same topology, configured with \
+         `wg set`; see the method above), {} round{} of {} s iperf3 runs, the tunnel measured \
+         first alternating by round. Median (smallest–largest) over the rounds; ratios of \
+         medians.\n",
+        if c.reference.is_empty() {
+            "wireguard-go"
+        } else {
+            c.reference.as_str()
+        },
+        c.rounds,
+        if c.rounds == 1 { "" } else { "s" },
+        c.iperf_seconds
+    );
+    md.push_str(
+        "| measure | Trellis | wireguard-go | Trellis / wireguard-go |\n|---|---|---|---|\n",
+    );
+    for x in &c.throughput {
+        let streams = format!(
+            "{} TCP stream{}",
+            x.streams,
+            if x.streams == 1 { "" } else { "s" }
+        );
+        let _ = writeln!(
+            md,
+            "| {streams}, Mbit/s | {} | {} | **{}** |",
+            median_spread(
+                x.trellis.median_mbit_s,
+                x.trellis.min_mbit_s,
+                x.trellis.max_mbit_s,
+                0
+            ),
+            median_spread(
+                x.wireguard_go.median_mbit_s,
+                x.wireguard_go.min_mbit_s,
+                x.wireguard_go.max_mbit_s,
+                0
+            ),
+            opt(x.ratio_mbit_s, 2)
+        );
+        let _ = writeln!(
+            md,
+            "| {streams}, tunnel CPU s per GB | {} | {} | {} |",
+            median_spread(
+                x.trellis.median_cpu_seconds_per_gb,
+                x.trellis.min_cpu_seconds_per_gb,
+                x.trellis.max_cpu_seconds_per_gb,
+                1
+            ),
+            median_spread(
+                x.wireguard_go.median_cpu_seconds_per_gb,
+                x.wireguard_go.min_cpu_seconds_per_gb,
+                x.wireguard_go.max_cpu_seconds_per_gb,
+                1
+            ),
+            opt(x.ratio_cpu_seconds_per_gb, 2)
+        );
+    }
+    if let (Some(t), Some(w)) = (&c.rtt_trellis, &c.rtt_wireguard_go) {
+        let med = |r: &Option<Rtt>| opt(r.as_ref().map(|r| r.median_ms), 3);
+        let _ = writeln!(
+            md,
+            "| RTT pod to pod through the tunnel, median ms | {} | {} | |",
+            med(&t.tunnel),
+            med(&w.tunnel)
+        );
+        let _ = writeln!(
+            md,
+            "| RTT gateway to gateway on the bridge (underlay), median ms | {} | {} | |",
+            med(&t.bare),
+            med(&w.bare)
+        );
+        let _ = writeln!(
+            md,
+            "| RTT overhead (tunnel − underlay), ms | **{}** | {} | |",
+            opt(t.overhead_ms, 3),
+            opt(w.overhead_ms, 3)
+        );
+    }
+    md.push('\n');
+}

@@ -1,0 +1,42 @@
+//! The endpoint reflection section (`ReflectEndpointSlice` over gRPC).
+
+use std::fmt::Write as _;
+
+use super::format::{compact, num, run_line};
+use super::inputs::Inputs;
+use super::notes::note;
+use super::schema::{EndpointsDoc, parse};
+
+pub(super) fn endpoints_section(md: &mut String, inputs: &Inputs) {
+    md.push_str("## Endpoint reflection (`ReflectEndpointSlice` over gRPC)\n\n");
+    match parse::<EndpointsDoc>(inputs, "endpoints") {
+        Err(why) => {
+            let _ = writeln!(md, "Not measured: {why}.\n");
+        }
+        Ok(p) => {
+            let _ = writeln!(md, "{}\n", run_line(&p.path, &p.common));
+            md.push_str(&note(inputs, "endpoints"));
+            if let Some(params) = &p.doc.parameters {
+                let _ = writeln!(md, "Parameters: `{}`.\n", compact(params));
+            }
+            md.push_str("| store | path | clients | endpoints per slice | endpoints/s | reflections/s | p50 ms | p99 ms | max ms |\n");
+            md.push_str("|---|---|---|---|---|---|---|---|---|\n");
+            for s in &p.doc.scenarios {
+                let _ = writeln!(
+                    md,
+                    "| {} | {} | {} | {} | {} | {} | {} | {} | {} |",
+                    s.store,
+                    s.path,
+                    s.concurrency,
+                    s.slice_size,
+                    num(s.endpoints_per_second, 0),
+                    num(s.ops_per_second, 1),
+                    num(s.p50_ms, 1),
+                    num(s.p99_ms, 1),
+                    num(s.max_ms, 1)
+                );
+            }
+            md.push('\n');
+        }
+    }
+}
