@@ -9,8 +9,7 @@
 //! plus a pod namespace, the gateways on one bridge. Latency per link is `tc netem` on each
 //! gateway's uplink, selected by the peer gateway's address (see [`trellis_netlab::netem`]):
 //! half of a link's delay in each direction, so a round trip across a link adds the link's
-//! delay: 180 ms per hub link (A–B, C–B) and 20 ms on the leaf link (A–C) by default, as in the
-//! thesis. The induced path A→C→A crosses the leaf link once each way (expected ≈ 20 ms); the
+//! delay: 180 ms per hub link (A–B, C–B) and 20 ms on the leaf link (A–C) by default. The induced path A→C→A crosses the leaf link once each way (expected ≈ 20 ms); the
 //! hub path A→B→C→B→A crosses both hub links (expected ≈ 360 ms).
 //!
 //! Scenarios:

@@ -1,4 +1,4 @@
-//! The peering model of DESIGN.md as validated domain types: what a NetworkConfig carries
+//! The peering model (docs/architecture.md) as validated domain types: what a NetworkConfig carries
 //! ([`NetworkSpec`], [`NatView`]), the gateway [`Endpoint`] and WireGuard key it advertises ([`WgKey`]), and the
 //! [`TunnelEndpoint`] a broker derives from two NetworkConfigs and a gateway consumes.
 //! Conversions from the protos validate and name the offending field with its path

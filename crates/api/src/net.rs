@@ -234,7 +234,7 @@ mod tests {
 
     #[test]
     fn translate_keeps_host_bits() {
-        // thesis §6.3: C remapped A's 10.1.0.0/24 to 10.3.3.0/24; 10.1.0.18 -> 10.3.3.18.
+        // C remapped A's 10.1.0.0/24 to 10.3.3.0/24; 10.1.0.18 -> 10.3.3.18.
         assert_eq!(
             translate(ip("10.1.0.18"), net("10.1.0.0/24"), net("10.3.3.0/24")),
             Some(ip("10.3.3.18"))

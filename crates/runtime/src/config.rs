@@ -369,7 +369,7 @@ impl<T: HasCommon> HasBase for T {
     }
 }
 
-/// Default ports of DESIGN.md.
+/// The services' default ports.
 pub mod ports {
     pub const DISCOVERY: u16 = 7101;
     pub const BROKER: u16 = 7102;

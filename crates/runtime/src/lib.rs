@@ -3,7 +3,7 @@
 //! - [`config`]: the common flags (`--listen`, `--store`, `--cluster-id`, ...) with their
 //!   `TRELLIS_*` environment variables;
 //! - [`telemetry`]: logs through `tracing`, spans exported over OTLP with the resource
-//!   attributes DESIGN.md fixes;
+//!   attributes docs/architecture.md lists;
 //! - [`propagation`]: W3C trace context carried across gRPC, server and client side;
 //! - [`bootstrap`]: the one start-up sequence of a service (listeners, identity, store,
 //!   cluster-facing listener, supervised tasks), ending in one generic [`Started`];

@@ -1,5 +1,4 @@
-//! `trellis-broker`: the peering broker of one Trellis cluster (DESIGN.md, thesis §3.2,
-//! §3.4.1–3.4.2, §5.3, §6.2).
+//! `trellis-broker`: the peering broker of one Trellis cluster (docs/architecture.md).
 //!
 //! - [`token`]: the peering token;
 //! - [`core`]: the [`Broker`]: handshake, peering, unpeering, receiving NetworkConfigs and

@@ -1,5 +1,5 @@
-//! `trellis-discovery`: the discovery service of one Trellis cluster (DESIGN.md, thesis §3.4.3,
-//! §5.1-5.2, §6.1; ADR 0006).
+//! `trellis-discovery`: the discovery service of one Trellis cluster (docs/architecture.md,
+//! ADR 0006).
 //!
 //! - [`records`]: what is stored, under which keys;
 //! - [`core`]: identity, ForeignClusters and received Neighborhoods, as optimistic

@@ -1,4 +1,4 @@
-//! The Neighborhood sender (thesis §5.2.1, ADR 0006): a reconciler that makes every full peer P
+//! The Neighborhood sender (ADR 0006): a reconciler that makes every full peer P
 //! with networking enabled hold "our other networked full peers, minus P".
 //!
 //! Desired state is computed from the `clusters/` records; what each peer acknowledged is in

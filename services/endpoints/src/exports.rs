@@ -1,4 +1,4 @@
-//! Exported Services (DESIGN.md "Services across clusters", ADR 0017): what this cluster
+//! Exported Services (ADR 0017): what this cluster
 //! exports, and the one reconciler that reflects exports to every networked full peer.
 //!
 //! An export is stored under `export/<namespace>/<name>` (it survives a restart). The

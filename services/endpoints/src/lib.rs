@@ -1,5 +1,5 @@
-//! `trellis-endpoints`: the endpoint-mapping service of one Trellis cluster (DESIGN.md
-//! "Endpoint reflection", thesis §4.2, §5.4, Listing 6.6).
+//! `trellis-endpoints`: the endpoint-mapping service of one Trellis cluster (docs/architecture.md,
+//! endpoint reflection).
 //!
 //! - [`model`]: validated EndpointSlices;
 //! - [`remote`]: clients of the local IPAM and discovery, and of other clusters' IPAMs and

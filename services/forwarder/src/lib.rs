@@ -1,7 +1,7 @@
 //! `trellis-forwarder`: the forwarding service of a hub cluster. It relays passthrough
 //! NetworkConfigs from one full peer to another (induced peers of each other), relays the
-//! destination's status back, and relays withdrawals (thesis §5.3, §6.2.3; Trellis replaces
-//! Liqo's reflector between namespaces with this service).
+//! destination's status back, and relays withdrawals (docs/architecture.md; this service stands where
+//! Liqo has a reflector between namespaces).
 //!
 //! - [`core`]: accepting, persisting, delivering and retrying relays, cut into
 //!   [`core::relay`] (relays and statuses accepted), `withdrawal`, `delivery` (one attempt),

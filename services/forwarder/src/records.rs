@@ -1,6 +1,6 @@
 //! What the forwarder keeps in its store: only relays still in flight. Completed relays are
 //! deleted, so a hub with n leaves holds at most the exchanges not yet acknowledged, not the
-//! n(n-1) passthrough NetworkConfigs of the thesis' design.
+//! n(n-1) passthrough NetworkConfigs of a design without a forwarder.
 //!
 //! | key | value |
 //! |---|---|

@@ -1,4 +1,4 @@
-//! `trellis-gateway`: the gateway of one Trellis cluster (DESIGN.md "Data plane"; ADRs 0007,
+//! `trellis-gateway`: the gateway of one Trellis cluster (docs/architecture.md "Data plane"; ADRs 0007,
 //! 0008, 0009). It runs inside whatever network namespace it is started in.
 //!
 //! - [`keys`]: the WireGuard key pair, generated once and kept in the store;

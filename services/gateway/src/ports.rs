@@ -45,7 +45,7 @@ impl PortRange {
         (first >= 1024 && first <= last).then_some(Self { first, last })
     }
 
-    /// The default range, starting at the WireGuard port of DESIGN.md.
+    /// The default range, starting at the default WireGuard port.
     pub fn default_range() -> Self {
         Self {
             first: WIREGUARD,

@@ -1,5 +1,5 @@
-//! `trellis-ipam`: the IPAM service of one Trellis cluster (DESIGN.md "IPAM RPCs", thesis
-//! §4.2, §5.3.3, §5.4, §6.4).
+//! `trellis-ipam`: the IPAM service of one Trellis cluster (docs/architecture.md,
+//! "IPAM").
 //!
 //! - [`subnets`]: the local ranges and pools, validated at start;
 //! - [`alloc`]: the pure remapping arithmetic;

@@ -10,7 +10,7 @@ use trellis_error::{Error, Result};
 /// How long a range freed with a cluster is kept from other clusters by default (ADR 0005).
 pub const DEFAULT_QUARANTINE: Duration = Duration::from_secs(600);
 
-/// The default remapping pools of DESIGN.md (the RFC 1918 ranges).
+/// The default remapping pools (the RFC 1918 ranges).
 pub const DEFAULT_POOLS: [&str; 3] = ["10.0.0.0/8", "192.168.0.0/16", "172.16.0.0/12"];
 
 /// The part of the local configuration that must never change under existing mappings; it is

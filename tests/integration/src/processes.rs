@@ -1,7 +1,7 @@
 //! A whole Trellis cluster as real processes: the `trellis-ipam`, `trellis-gateway` (control
 //! plane only, `--dataplane none`), `trellis-discovery`, `trellis-forwarder`, `trellis-broker`
 //! and `trellis-endpoints` (without Kubernetes access) binaries, each with **its own** etcd
-//! process (as in production, DESIGN.md), on loopback ports. Any service can be SIGKILLed and
+//! process (as in production), on loopback ports. Any service can be SIGKILLed and
 //! restarted by name, and each etcd can be read directly (with `etcdctl`) to check what the
 //! service stored.
 //!

@@ -374,7 +374,7 @@ async fn leaves_of_a_hub_build_an_induced_peering_with_consistent_nat_views() {
         assert_eq!(t.kind, types::PeeringKind::Induced as i32, "{t:?}");
         assert_eq!(t.via.as_ref().map(|v| v.cluster_id.as_str()), Some("hub-b"));
     }
-    // A's view of C is C's local NAT for A, and back (thesis §5.3.3, Fig. 5.7).
+    // A's view of C is C's local NAT for A, and back.
     assert_eq!(a_to_c.remote_pod_cidr_nat, c_to_a.local_pod_cidr_nat);
     assert_eq!(c_to_a.remote_pod_cidr_nat, a_to_c.local_pod_cidr_nat);
     assert_eq!(

@@ -1,5 +1,5 @@
 //! Induced peering with the real binaries, each service on its own real etcd (as in
-//! production, DESIGN.md): hub B peers with leaves A and C, all three with the same pod and
+//! production): hub B peers with leaves A and C, all three with the same pod and
 //! external CIDRs; A and C end with induced TunnelEndpoints for each other (relayed by B's
 //! forwarder), B with full ones for both, and the NAT views agree on both ends of every tunnel.
 //! The fault tests SIGKILL, during the induced exchange, B's forwarder and C's broker, then a
@@ -200,7 +200,7 @@ fn assert_consistent(all: &Tunnels) {
             _ => assert!(via.is_none_or(str::is_empty), "{local}→{remote}: {here:?}"),
         }
         // How `here` addresses `there` (its decision) is what `there` learned as its local NAT
-        // for `here` (thesis §5.3.3), for pod and external CIDRs.
+        // for `here`, for pod and external CIDRs.
         assert_eq!(
             here.remote_pod_cidr_nat, there.local_pod_cidr_nat,
             "{local}→{remote} pod NAT: {here:?} vs {there:?}"

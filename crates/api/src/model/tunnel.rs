@@ -1,5 +1,5 @@
 //! TunnelEndpoints: everything a gateway needs for the tunnel to one remote cluster, merged by
-//! the broker from the two NetworkConfigs of a pair (DESIGN.md "Model").
+//! the broker from the two NetworkConfigs of a pair (docs/architecture.md).
 
 use ipnet::IpNet;
 use trellis_error::{Error, Result};
@@ -59,7 +59,7 @@ pub struct TunnelEndpoint {
 
 impl TunnelEndpoint {
     /// The merge of the local NetworkConfig (with the remote's decision on it) and the remote
-    /// NetworkConfig (with ours), as in thesis §5.3.2.
+    /// NetworkConfig (with ours).
     pub fn merge(
         remote: ClusterIdentity,
         via: Option<ClusterIdentity>,

@@ -4,7 +4,7 @@
 //! control traffic (peering, NetworkConfigs, Neighborhoods, remote IPAM calls) crosses the
 //! internet bridge like the WireGuard packets do.
 //!
-//! Stores ([`StoreKind`]): one real etcd **per service** (the production shape, DESIGN.md) runs
+//! Stores ([`StoreKind`]): one real etcd **per service** (the production shape) runs
 //! on the host's loopback, reached from the namespace through a TCP forwarder on
 //! `127.0.0.1:2379+k` inside it ([`crate::netns::forward_into`]); or `memory://` for every
 //! service.
@@ -104,7 +104,7 @@ fn set_flags(args: &mut [String], flags: &[(&str, String)]) -> anyhow::Result<()
     Ok(())
 }
 
-/// The route agents' gRPC port (DESIGN.md).
+/// The route agents' gRPC port (`trellis_runtime::config::ports::ROUTE`).
 const ROUTE_PORT: u16 = 7107;
 
 /// A cluster's services running in its gateway namespace. Processes are killed, forwarders

@@ -1,6 +1,6 @@
 //! `trellis-netlab`: Trellis clusters in Linux network namespaces on one machine, for the
 //! data-plane tests (`tests/integration/tests/gateway_dataplane.rs`), `trellis-lab --dataplane
-//! netns` and the data-plane benchmark (DESIGN.md "Local topology for tests"). Root only.
+//! netns` and the data-plane benchmark (docs/architecture.md). Root only.
 //!
 //! - [`netns`]: creating and removing namespaces, running commands and opening sockets inside
 //!   them, forwarding a namespace's loopback port to the host (etcd);

@@ -6,7 +6,7 @@
 //! default class has no delay, plus one class per delayed peer with a `netem` child, selected by
 //! a `u32` filter on the peer's bridge address (`ip dst 192.0.2.N/32`). Both ends of a link do this, each with half
 //! the link's delay, so a round trip across a link adds exactly the configured delay (the
-//! thesis' "180 ms per hub link, 20 ms on the leaf link": an A→B→C→B→A round trip adds
+//! default "180 ms per hub link, 20 ms on the leaf link": an A→B→C→B→A round trip adds
 //! 2 × 180 ms, an A→C→A round trip 20 ms). WireGuard's UDP packets and the control plane's
 //! gRPC between the two gateways see the same delay, as on a real WAN link; traffic inside a
 //! namespace (pod to gateway) sees none.

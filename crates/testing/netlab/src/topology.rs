@@ -1,4 +1,4 @@
-//! The namespaces and links of a multi-cluster topology (DESIGN.md "Local topology for tests"):
+//! The namespaces and links of a multi-cluster topology (docs/architecture.md):
 //!
 //! ```text
 //!   pod ns of A            gateway ns of A                 "internet" ns

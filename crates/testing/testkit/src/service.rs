@@ -45,7 +45,7 @@ impl Service {
         format!("trellis-{}", self.name())
     }
 
-    /// The default port (DESIGN.md).
+    /// The default port (`trellis_runtime::config::ports`).
     pub fn port(self) -> u16 {
         match self {
             Service::Discovery => 7101,

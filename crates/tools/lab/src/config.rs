@@ -1,4 +1,4 @@
-//! Command line of `trellis-lab` (DESIGN.md "Lab and observability contract"). Every flag of
+//! Command line of `trellis-lab`. Every flag of
 //! `up` is also read from `TRELLIS_LAB_<FLAG>`.
 
 use std::path::PathBuf;

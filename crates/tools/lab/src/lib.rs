@@ -4,7 +4,7 @@
 //! leaves then build the full mesh among themselves through the hub's Neighborhood and
 //! forwarder. The lab shows progress while that happens, prints a summary and grpcurl
 //! commands, and keeps running until Ctrl-C. Scripts and benchmarks rely on its contract
-//! (DESIGN.md): `--until-converged`, `--topology-file`, `--no-induced`.
+//! (docs/architecture.md): `--until-converged`, `--topology-file`, `--no-induced`.
 //!
 //! - [`config`]: the command line;
 //! - [`plan`]: identities, CIDRs and ports, decided before anything starts;

@@ -54,7 +54,7 @@ impl PeerPorts {
         }
     }
 
-    /// Every address with its service name, in DESIGN.md's order.
+    /// Every address with its service name, in port order.
     pub fn named(&self) -> [(&'static str, SocketAddr); 5] {
         [
             ("discovery", self.discovery),
@@ -122,7 +122,7 @@ fn loopback(port: u16) -> SocketAddr {
 }
 
 impl Ports {
-    /// Cluster `index`'s ports from `base`: BASE+10·index+1 .. +6, in DESIGN.md's order.
+    /// Cluster `index`'s ports from `base`: BASE+10·index+1 .. +6, in port order.
     fn fixed(base: u16, index: u16) -> anyhow::Result<Self> {
         let first = u32::from(base) + 10 * u32::from(index);
         if first + 6 > u32::from(u16::MAX) {
@@ -156,7 +156,7 @@ impl Ports {
         }
     }
 
-    /// Every address with its service name, in DESIGN.md's order.
+    /// Every address with its service name, in port order.
     pub fn named(&self) -> [(&'static str, SocketAddr); 6] {
         [
             ("discovery", self.discovery),

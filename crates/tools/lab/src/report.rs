@@ -1,5 +1,5 @@
 //! What the lab shows and writes: the summary table, the NAT views, ready-to-paste grpcurl
-//! commands, and the topology file of DESIGN.md's lab contract.
+//! commands, and the topology file the lab writes for other tools.
 
 use std::fmt::Write as _;
 use std::path::Path;
@@ -191,7 +191,7 @@ pub fn grpcurl_commands(clusters: &[ClusterPlan]) -> String {
     out
 }
 
-/// The topology file (DESIGN.md "Lab and observability contract"); fields may be added, none
+/// The topology file (`--topology-file`, see the README); fields may be added, none
 /// renamed.
 #[derive(Debug, Serialize)]
 pub struct Topology {

@@ -22,7 +22,7 @@ use crate::service::{Service, Target};
 /// Operator CLI of Trellis: peers clusters and shows what the local cluster's services know.
 ///
 /// Every command talks to the gRPC services of ONE cluster (the local one), found at the
-/// addresses given by the global flags (defaults: the DESIGN.md ports on 127.0.0.1). Output is a
+/// addresses given by the global flags (defaults: the services' default ports on 127.0.0.1). Output is a
 /// human-readable table, or one JSON document with `--output json`. Exit codes: 0 success, 1 a
 /// service failed or could not be reached, 2 bad usage.
 #[derive(Debug, Clone, Parser)]

@@ -1,8 +1,8 @@
 //! The endpoints service's domain logic.
 //!
 //! Source side ([`Endpoints::reflect`], [`Endpoints::unreflect`]): translate every address of a
-//! slice for a target cluster following DESIGN.md "Endpoint reflection" and Listing 6.6 of the
-//! thesis, remember which addresses hold an allocation in our external CIDR for that target, and
+//! slice for a target cluster as docs/architecture.md describes endpoint reflection,
+//! remember which addresses hold an allocation in our external CIDR for that target, and
 //! release those that disappear. Target side ([`Endpoints::apply`], [`Endpoints::delete`]):
 //! store what a peer reflected to us (generation-checked) and, with Kubernetes access, write it.
 //! Store writes are compare-and-swap on the record's own revision, retried on contention.

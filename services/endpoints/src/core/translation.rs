@@ -1,5 +1,5 @@
-//! Translating a slice's addresses for one target cluster (DESIGN.md "Endpoint reflection",
-//! Listing 6.6 of the thesis): local NAT, the target's own address, the induced path through
+//! Translating a slice's addresses for one target cluster (docs/architecture.md, endpoint
+//! reflection): local NAT, the target's own address, the induced path through
 //! the home cluster's IPAM, or the hub path through our external CIDR. The route to each home
 //! cluster is decided once per reflection; an induced mapping that fails falls back to the
 //! hub path, which still gives the target an address it can use.
@@ -120,7 +120,7 @@ impl Endpoints {
         Ok((translated, translations))
     }
 
-    /// One address (Listing 6.6).
+    /// One address.
     async fn translate_ip(
         &self,
         target: &ClusterIdentity,

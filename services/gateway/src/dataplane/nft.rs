@@ -2,7 +2,7 @@
 //! that deletes and recreates it in one transaction: the ruleset is never half-applied, and
 //! applying it twice (or after a crash) never duplicates a rule.
 //!
-//! Per peer interface (DESIGN.md "Data plane", ADR 0008):
+//! Per peer interface (ADR 0008):
 //! - `pre_raw` and `out_raw` (before conntrack): every connection with the peer lives in the
 //!   peer's own conntrack zone (its slot). Peers with the same real pod CIDR often address us
 //!   alike too (every IPAM takes the first free range), so two peers' pods at one address send
