@@ -71,6 +71,7 @@ pub mod server;
 pub mod shutdown;
 pub mod supervise;
 pub mod telemetry;
+pub mod timer;
 pub mod tls;
 
 pub use bootstrap::{Bootstrap, Opened, Service, Started};

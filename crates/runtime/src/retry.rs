@@ -168,6 +168,12 @@ impl Backoff {
     pub fn reset(&mut self) {
         self.failures = 0;
     }
+
+    /// Waits [`Self::next_delay`]: the pause before the next attempt of a loop that retries by
+    /// itself (a watch to re-open). Race it with the shutdown.
+    pub async fn wait(&mut self) {
+        tokio::time::sleep(self.next_delay()).await;
+    }
 }
 
 /// When each key (a peer, a remote cluster) is due again after its failures, for a reconciler
@@ -391,6 +397,19 @@ mod tests {
     use super::*;
 
     const MS: Duration = Duration::from_millis(1);
+
+    #[tokio::test(start_paused = true)]
+    async fn wait_sleeps_the_next_delay_and_grows() {
+        let mut backoff = Backoff::new(100 * MS, 10_000 * MS);
+        let start = tokio::time::Instant::now();
+        backoff.wait().await;
+        let first = start.elapsed();
+        assert!(within(first, 100 * MS), "{first:?}");
+        let second_start = tokio::time::Instant::now();
+        backoff.wait().await;
+        let second = second_start.elapsed();
+        assert!(within(second, 200 * MS), "{second:?}");
+    }
 
     /// Whether `wait` is `base` plus at most a quarter of it.
     fn within(wait: Duration, base: Duration) -> bool {
