@@ -172,8 +172,15 @@ impl Backoff {
     /// Waits [`Self::next_delay`]: the pause before the next attempt of a loop that retries by
     /// itself (a watch to re-open). Race it with the shutdown.
     pub async fn wait(&mut self) {
-        tokio::time::sleep(self.next_delay()).await;
+        wait(self.next_delay()).await;
     }
+}
+
+/// Waits `delay`, a wait this module computed ([`Backoff::next_delay`],
+/// [`RetryPolicy::delay_after`]) that the caller wanted to log first. A service waits before a
+/// retry only through here or [`Backoff::wait`] (`services/clippy.toml` refuses a bare sleep).
+pub async fn wait(delay: Duration) {
+    tokio::time::sleep(delay).await;
 }
 
 /// When each key (a peer, a remote cluster) is due again after its failures, for a reconciler

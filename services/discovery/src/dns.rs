@@ -15,7 +15,7 @@ use hickory_resolver::TokioResolver;
 use hickory_resolver::config::{NameServerConfigGroup, ResolverConfig, ResolverOpts};
 use hickory_resolver::name_server::TokioConnectionProvider;
 use trellis_error::{Error, Result};
-use trellis_runtime::Shutdown;
+use trellis_runtime::{Shutdown, timer};
 
 use crate::core::Discovery;
 use crate::records::Mechanism;
@@ -85,7 +85,7 @@ pub async fn run(core: Arc<Discovery>, settings: DnsSettings, shutdown: Shutdown
         }
         tokio::select! {
             () = shutdown.cancelled() => return,
-            () = tokio::time::sleep(settings.refresh) => {}
+            () = timer::period(settings.refresh) => {}
         }
     }
 }

@@ -142,7 +142,7 @@ async fn serve(core: Arc<Discovery>, settings: MdnsSettings, shutdown: Shutdown)
     }
     // Say goodbye so the others notice at once rather than at expiry.
     let _ = daemon.unregister(&own);
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    trellis_runtime::timer::period(Duration::from_millis(200)).await;
     let _ = daemon.shutdown();
     Ok(())
 }

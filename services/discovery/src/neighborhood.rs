@@ -17,9 +17,9 @@ use futures::{FutureExt as _, StreamExt as _};
 use tokio::time::Instant;
 use trellis_api::ClusterId;
 use trellis_error::{Error, Result};
-use trellis_runtime::Shutdown;
 use trellis_runtime::resync::Resync;
 use trellis_runtime::retry::{KeyedBackoff, RetryPolicy};
+use trellis_runtime::{Shutdown, timer};
 
 use crate::core::{Discovery, Snapshot};
 use crate::records::{CLUSTERS_PREFIX, Neighbor, Outbox};
@@ -159,7 +159,7 @@ pub async fn run(core: Arc<Discovery>, timing: SenderTiming, shutdown: Shutdown)
         loop {
             tokio::select! {
                 () = shutdown.cancelled() => return,
-                () = tokio::time::sleep_until(wake) => break,
+                () = timer::until(wake) => break,
                 heard = core.heard() => {
                     // A peer we are backing off from just spoke to us as a peer: whatever it
                     // refused for not knowing us yet, it accepts now. Not a backoff matter.
@@ -186,7 +186,7 @@ pub async fn run(core: Arc<Discovery>, timing: SenderTiming, shutdown: Shutdown)
                     // for the rest of it, then take every event queued, not each with a pass.
                     tokio::select! {
                         () = shutdown.cancelled() => return,
-                        () = tokio::time::sleep(COALESCE) => {}
+                        () = timer::period(COALESCE) => {}
                     }
                     while let Some(stream) = changes.as_mut() {
                         match stream.next().now_or_never() {

@@ -24,7 +24,7 @@ pub async fn run(core: Arc<Discovery>, retention: Duration, shutdown: Shutdown) 
     loop {
         tokio::select! {
             () = shutdown.cancelled() => return,
-            () = tokio::time::sleep(period) => {}
+            () = trellis_runtime::timer::period(period) => {}
         }
         // A failed pass (store unavailable) is retried at the next period.
         if let Err(err) = core.collect_withdrawn(retention, now_nanos()).await {

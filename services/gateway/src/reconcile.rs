@@ -7,8 +7,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::sync::watch;
-use trellis_runtime::Shutdown;
+use tokio::time::Instant;
 use trellis_runtime::retry::RetryPolicy;
+use trellis_runtime::{Shutdown, timer};
 
 use crate::core::{Desired, Gateway};
 use crate::dataplane::linux::Pass;
@@ -29,7 +30,8 @@ pub async fn run(
     resync: Duration,
     shutdown: Shutdown,
 ) {
-    let mut wait = resync;
+    // The next repair pass: the resync, or sooner after a failure.
+    let mut due = Instant::now() + resync;
     let mut backoff = RETRY.backoff();
     let mut source_alive = true;
     let mut mappings_alive = true;
@@ -45,13 +47,13 @@ pub async fn run(
                 mappings_alive = changed.is_ok();
                 Pass::Changes
             }
-            () = tokio::time::sleep(wait) => Pass::Repair,
+            () = timer::until(due) => Pass::Repair,
             () = shutdown.cancelled() => break,
         };
         let current = desired.borrow_and_update().clone();
         let hub = mappings.borrow_and_update().clone().unwrap_or_default();
         let Some(current) = current else { continue };
-        wait = match core.apply_pass(&current, &hub, pass).await {
+        let wait = match core.apply_pass(&current, &hub, pass).await {
             Ok(0) => {
                 backoff.reset();
                 resync
@@ -65,6 +67,7 @@ pub async fn run(
                 backoff.next_delay()
             }
         };
+        due = Instant::now() + wait;
     }
     core.clear_dataplane().await;
     tracing::info!("data plane removed");

@@ -26,7 +26,7 @@ pub(crate) async fn follow_election(
             tracing::warn!(active, error = %err, "could not follow the election; retrying");
             tokio::select! {
                 () = shutdown.cancelled() => return,
-                () = tokio::time::sleep(backoff.next_delay()) => continue,
+                () = backoff.wait() => continue,
             }
         }
         backoff.reset();

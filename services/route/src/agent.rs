@@ -14,9 +14,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tokio::sync::mpsc;
-use trellis_runtime::Shutdown;
 use trellis_runtime::local_auth::LocalToken;
-use trellis_runtime::retry::RetryPolicy;
+use trellis_runtime::retry::{self, RetryPolicy};
+use trellis_runtime::{Shutdown, timer};
 
 use crate::node;
 use crate::plan::{self, NodeSettings, Wanted};
@@ -181,7 +181,7 @@ async fn discover(
         }
         tokio::select! {
             () = shutdown.cancelled() => return,
-            () = tokio::time::sleep(RESOLVE_EVERY) => {}
+            () = timer::period(RESOLVE_EVERY) => {}
         }
     }
 }
@@ -215,7 +215,7 @@ async fn follow(
                     }
                     tokio::select! {
                         () = shutdown.cancelled() => return,
-                        () = tokio::time::sleep(wait) => continue,
+                        () = retry::wait(wait) => continue,
                     }
                 }
             },
@@ -242,7 +242,7 @@ async fn follow(
         let wait = backoff.next_delay();
         tokio::select! {
             () = shutdown.cancelled() => return,
-            () = tokio::time::sleep(wait) => {}
+            () = retry::wait(wait) => {}
         }
     }
 }

@@ -18,7 +18,7 @@ use trellis_runtime::Shutdown;
 use trellis_runtime::client::{Timeouts, local_channel};
 use trellis_runtime::local_auth::LocalToken;
 use trellis_runtime::metrics::Metrics;
-use trellis_runtime::retry::RetryPolicy;
+use trellis_runtime::retry::{self, RetryPolicy};
 
 use crate::core::Desired;
 
@@ -199,7 +199,7 @@ pub async fn run(
             tracing::warn!(code = ?ended.code(), message = ended.message(), retry_ms = wait.as_millis() as u64, "tunnel endpoint watch interrupted");
         }
         tokio::select! {
-            () = tokio::time::sleep(wait) => {},
+            () = retry::wait(wait) => {},
             () = shutdown.cancelled() => return,
         }
     }

@@ -11,10 +11,10 @@ use std::time::Duration;
 use tokio::sync::watch;
 use trellis_api::ClusterId;
 use trellis_api::pb::ipam as ipam_pb;
-use trellis_runtime::Shutdown;
 use trellis_runtime::client::{Timeouts, local_channel};
 use trellis_runtime::local_auth::LocalToken;
 use trellis_runtime::metrics::Metrics;
+use trellis_runtime::{Shutdown, timer};
 
 use crate::mappings::{HubMapping, Mappings};
 
@@ -95,7 +95,7 @@ pub async fn run(
             }
         }
         tokio::select! {
-            () = tokio::time::sleep(interval) => {},
+            () = timer::period(interval) => {},
             () = shutdown.cancelled() => return,
         }
     }

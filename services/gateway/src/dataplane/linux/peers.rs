@@ -186,7 +186,7 @@ pub(super) async fn remove_device(device: Arc<Device>) {
             tracing::warn!(interface = %name, "interface still present after removal");
             return;
         }
-        tokio::time::sleep(Duration::from_millis(20)).await;
+        trellis_runtime::timer::period(Duration::from_millis(20)).await;
     }
 }
 
