@@ -6,10 +6,10 @@
 //! - [`reconcile`]: scheduling passes, sending our NetworkConfigs, TunnelEndpoints, teardown
 //!   (one submodule each);
 //! - [`records`]: what is stored, under which keys;
-//! - [`watch`]: the TunnelEndpoint watch the gateway consumes;
 //! - [`remote`]: clients of the local services and of other clusters;
 //! - [`metrics`]: TunnelEndpoints by peering kind, for Prometheus;
-//! - [`grpc`]: the thin gRPC layer; [`config`]: the flags.
+//! - [`grpc`]: the thin gRPC layer, with the TunnelEndpoint watch the gateway consumes;
+//!   [`config`]: the flags.
 
 pub mod config;
 pub mod core;
@@ -20,7 +20,6 @@ pub mod reconcile;
 pub mod records;
 pub mod remote;
 pub mod token;
-pub mod watch;
 
 use std::sync::Arc;
 
