@@ -6,10 +6,10 @@
 //! - [`reconcile`]: scheduling passes, sending our NetworkConfigs, TunnelEndpoints, teardown
 //!   (one submodule each);
 //! - [`records`]: what is stored, under which keys;
-//! - [`watch`]: the TunnelEndpoint watch the gateway consumes;
-//! - [`remote`]: clients of the local services and of other clusters;
+//! - [`remote`]: the ports to the local services and to other clusters, in domain terms;
 //! - [`metrics`]: TunnelEndpoints by peering kind, for Prometheus;
-//! - [`grpc`]: the thin gRPC layer; [`config`]: the flags.
+//! - [`grpc`]: the thin gRPC layer, with the TunnelEndpoint watch the gateway consumes;
+//!   [`config`]: the flags.
 
 pub mod config;
 pub mod core;
@@ -20,7 +20,6 @@ pub mod reconcile;
 pub mod records;
 pub mod remote;
 pub mod token;
-pub mod watch;
 
 use std::sync::Arc;
 
@@ -33,7 +32,7 @@ use trellis_runtime::{Bootstrap, Service, Shutdown};
 pub use crate::config::Config;
 pub use crate::core::Broker;
 use crate::grpc::BrokerService;
-use crate::remote::Clients;
+use crate::remote::Ports;
 
 /// Largest request accepted, in bytes: a NetworkConfig is a few hundred bytes.
 pub const MAX_REQUEST_BYTES: usize = 64 * 1024;
@@ -49,7 +48,7 @@ pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started
     let (mut boot, opened) =
         Bootstrap::open(Service::BROKER, &config.common, &config.tls, &shutdown).await?;
     let (identity, store, tls) = (opened.identity, opened.store, opened.tls);
-    let clients = Clients::new(
+    let ports = Ports::new(
         &config.discovery,
         &config.ipam,
         &config.gateway,
@@ -58,14 +57,14 @@ pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started
         boot.metrics(),
     )?;
     let core = Arc::new(
-        Broker::new(identity, store, clients, config.token.clone())
+        Broker::new(identity, store, ports, config.token.clone())
             .with_allowed_remote_ranges(config.allowed_remote_cidrs.clone()),
     );
     core.token()
         .await
         .context("initialising the peering token")?;
     let authz = boot
-        .cluster_facing(Some(core.clients().discovery_channel()), grpc::PEER_METHODS)
+        .cluster_facing(Some(core.ports().discovery().channel()), grpc::PEER_METHODS)
         .await?;
     metrics::register(boot.metrics(), &core);
     let routes = Routes::new(

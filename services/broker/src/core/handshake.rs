@@ -3,18 +3,16 @@
 //! ADR 0014). Both end in the same bookkeeping (`peering`): the discovery record, the pinned
 //! CA and the peering ID.
 
-use trellis_api::convert::{addresses_to_pb, identity_to_pb};
 use trellis_api::model::Addresses;
-use trellis_api::pb::discovery::GetForeignClusterRequest;
-use trellis_api::pb::peering::HandshakeRequest;
 use trellis_api::peers::{PEERED_REASON, Peers};
 use trellis_api::{ClusterId, ClusterIdentity};
 use trellis_error::{Error, Result};
 use trellis_runtime::tls::{CaCertHash, Caller, PinnedCa};
 
-use super::{Broker, local};
+use super::Broker;
 use crate::peering_id::PeeringId;
 use crate::records::notify_key;
+use crate::remote::peers::HandshakeOffer;
 use crate::token;
 
 impl Broker {
@@ -30,7 +28,7 @@ impl Broker {
     /// Checks a CA certificate a peer sent in the handshake (ADR 0014): with TLS on it is
     /// required, must name the peer and must not be ours. Returns what to pin.
     fn peer_ca(&self, field: &str, remote: &ClusterId, pem: &str) -> Result<Option<PinnedCa>> {
-        let Some(tls) = self.clients.tls() else {
+        let Some(tls) = self.ports.tls() else {
             return Ok(None);
         };
         if pem.is_empty() {
@@ -66,15 +64,7 @@ impl Broker {
         ca: &PinnedCa,
         caller: &Caller,
     ) -> Result<()> {
-        let request = GetForeignClusterRequest {
-            cluster_id: remote.to_string(),
-        };
-        let record = match self.clients.discovery().get_foreign_cluster(request).await {
-            Ok(answer) => answer.into_inner().foreign_cluster,
-            Err(status) if status.code() == tonic::Code::NotFound => None,
-            Err(status) => return Err(local("reading the foreign cluster")(status)),
-        };
-        let Some(record) = record else {
+        let Some(record) = self.ports.discovery().foreign_cluster(remote).await? else {
             return Ok(());
         };
         let peers = Peers::from_foreign_clusters(std::slice::from_ref(&record));
@@ -117,7 +107,7 @@ impl Broker {
 
     /// The hash peers pin our CA by (`None` without TLS).
     pub fn ca_cert_hash(&self) -> Option<String> {
-        self.clients
+        self.ports
             .tls()
             .and_then(|t| t.own_ca_hash().ok())
             .map(|h| h.to_string())
@@ -125,7 +115,7 @@ impl Broker {
 
     /// Our CA certificate for the handshake (empty without TLS).
     fn our_ca(&self) -> String {
-        self.clients
+        self.ports
             .tls()
             .map(|t| t.ca_pem().to_owned())
             .unwrap_or_default()
@@ -202,56 +192,33 @@ impl Broker {
                 "the local discovery service advertises no broker address; peers could not reach us".into(),
             ));
         }
+        // Already peered, the remote takes a new handshake only over mutual TLS from our
+        // certificate (`refuse_takeover`), and the server must chain to its pinned CA.
         let peered = self.peered_at(address, expected).await?;
-        let mut client = match (&peered, pin) {
-            // Already peered: the remote takes a new handshake only over mutual TLS from our
-            // certificate (`refuse_takeover`), and the server must chain to its pinned CA.
-            (Some(id), _) => self.clients.broker(address, id)?,
-            (None, Some(pin)) => self.clients.pinned_handshake_broker(address, pin)?,
-            (None, None) => {
-                if self.clients.tls().is_some() {
-                    tracing::warn!(remote = %address, "first contact is unpinned: the token goes to whoever answers at this address (pass ca_cert_hash, as `trellisctl token --join` prints it)");
-                }
-                self.clients.handshake_broker(address)?
-            }
-        };
         let peering_id = PeeringId::random();
-        let answer = client
-            .handshake(HandshakeRequest {
-                token: presented.to_owned(),
-                identity: Some(identity_to_pb(&self.identity)),
-                addresses: Some(addresses_to_pb(&ours)),
-                ca_certificate: self.our_ca(),
-                peering_id: peering_id.to_string(),
-            })
-            .await
-            .map_err(|status| {
-                if pin.is_some() && status.message().contains("pinned CA") {
-                    return Error::PermissionDenied(format!(
-                        "the broker at {address} does not present a certificate of the CA \
-                         pinned by ca_cert_hash; nothing was sent ({})",
-                        status.message()
-                    ));
-                }
-                if let Some(id) = &peered {
-                    return Error::from(status).context(format!(
-                        "handshake with {address} over mutual TLS (we are peered with {id}; a \
-                         remote whose CA changed must be unpeered here first)"
-                    ));
-                }
-                Error::from(status).context(format!("handshake with {address}"))
-            })?
-            .into_inner();
+        let our_ca = self.our_ca();
+        let answer = self
+            .ports
+            .peers()
+            .handshake(
+                address,
+                peered.as_ref(),
+                pin,
+                HandshakeOffer {
+                    token: presented,
+                    identity: &self.identity,
+                    addresses: &ours,
+                    ca_certificate: &our_ca,
+                    peering_id: &peering_id,
+                },
+            )
+            .await?;
         let unusable = |e: Error| {
             Error::FailedPrecondition(format!(
                 "the broker at {address} answered an unusable handshake: {e}"
             ))
         };
-        let remote = trellis_api::convert::identity_from_pb("identity", answer.identity.as_ref())
-            .map_err(unusable)?;
-        let addresses =
-            trellis_api::convert::addresses_from_pb("addresses", answer.addresses.as_ref())
-                .map_err(unusable)?;
+        let (remote, addresses) = (answer.identity, answer.addresses);
         if remote.id == self.identity.id {
             return Err(Error::FailedPrecondition(format!(
                 "the broker at {address} is our own"
@@ -292,7 +259,7 @@ impl Broker {
         address: &str,
         expected: Option<&ClusterId>,
     ) -> Result<Option<ClusterId>> {
-        let Some(tls) = self.clients.tls() else {
+        let Some(tls) = self.ports.tls() else {
             return Ok(None);
         };
         let peers = self.peers().await?;

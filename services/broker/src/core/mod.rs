@@ -30,7 +30,6 @@ use trellis_api::model::WgKey;
 use trellis_api::net::AllowedRanges;
 use trellis_api::{ClusterId, ClusterIdentity};
 use trellis_error::{Error, Result};
-use trellis_runtime::foreign_clusters::ForeignClusters;
 use trellis_store::SharedStore;
 
 use self::lanes::LaneState;
@@ -38,7 +37,7 @@ use crate::records::{
     IN_PREFIX, IncomingNc, OUT_PREFIX, OutgoingNc, TUNNELS_PREFIX, TokenRecord, TunnelRecord,
     decode, in_key, out_key,
 };
-use crate::remote::Clients;
+use crate::remote::Ports;
 use crate::token;
 
 /// The broker of one cluster.
@@ -46,7 +45,7 @@ use crate::token;
 pub struct Broker {
     identity: ClusterIdentity,
     store: SharedStore,
-    clients: Clients,
+    ports: Ports,
     initial_token: Option<String>,
     /// The reconciler's two lanes (full peers, induced peers): what each must look at next
     /// and how to wake it (in memory only: a restart runs a full pass anyway).
@@ -57,35 +56,31 @@ pub struct Broker {
     peering_locks: Mutex<HashMap<ClusterId, Arc<tokio::sync::Mutex<()>>>>,
     /// Where a peer's ranges, and its views of ours, may lie (`--allowed-remote-cidrs`).
     allowed: AllowedRanges,
-    /// The local discovery service's records as its watch last delivered them (kept by the
-    /// reconciler's watch): what each received NetworkConfig is checked against first.
-    foreign_clusters: ForeignClusters,
     /// Our gateway's WireGuard public key as last read, which no remote may announce as its own.
     own_key: Mutex<Option<WgKey>>,
 }
 
-/// A local service's refusal as our error, naming what we asked it for; here because every
-/// submodule asks discovery, the IPAM or the gateway something.
-fn local(context: &str) -> impl Fn(tonic::Status) -> Error + '_ {
-    move |status| Error::from(status).context(context)
+/// A local service's refusal, naming what we asked it for, for the ports' methods asked for
+/// different reasons.
+fn local(context: &str) -> impl Fn(Error) -> Error + '_ {
+    move |err| err.context(context)
 }
 
 impl Broker {
     pub fn new(
         identity: ClusterIdentity,
         store: SharedStore,
-        clients: Clients,
+        ports: Ports,
         initial_token: Option<String>,
     ) -> Self {
         Self {
             identity,
             store,
-            clients,
+            ports,
             initial_token,
             lanes: [LaneState::new(), LaneState::new()],
             peering_locks: Mutex::new(HashMap::new()),
             allowed: AllowedRanges::default(),
-            foreign_clusters: ForeignClusters::new(),
             own_key: Mutex::new(None),
         }
     }
@@ -105,8 +100,9 @@ impl Broker {
         &self.store
     }
 
-    pub fn clients(&self) -> &Clients {
-        &self.clients
+    /// The ports to the other services.
+    pub fn ports(&self) -> &Ports {
+        &self.ports
     }
 
     /// The token, created on first use.

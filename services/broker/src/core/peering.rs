@@ -6,16 +6,13 @@
 
 use std::sync::PoisonError;
 
-use trellis_api::convert::{addresses_to_pb, identity_to_pb};
 use trellis_api::model::Addresses;
-use trellis_api::pb::discovery::UpdatePeeringRequest;
-use trellis_api::pb::peering::NotifyUnpeerRequest;
 use trellis_api::peers::UNPEERED_REASON;
 use trellis_api::{ClusterId, ClusterIdentity};
-use trellis_error::{Error, Result};
+use trellis_error::Result;
 use trellis_runtime::tls::PinnedCa;
 
-use super::{Broker, local};
+use super::Broker;
 use crate::peering_id::PeeringId;
 use crate::records::{PendingNotify, encode, notify_key, peering_key};
 
@@ -40,7 +37,7 @@ impl Broker {
     /// Pins (or, `None` on unpeering, unpins) a peer's CA in our own trust store at once; the
     /// trust sync from discovery would do it a moment later.
     pub(super) fn pin(&self, remote: &ClusterId, ca: Option<PinnedCa>) {
-        if let Some(tls) = self.clients.tls() {
+        if let Some(tls) = self.ports.tls() {
             match ca {
                 Some(ca) => {
                     tls.trust().pin(ca);
@@ -60,25 +57,10 @@ impl Broker {
         reason: &str,
         ca: Option<&PinnedCa>,
     ) -> Result<()> {
-        self.clients
+        self.ports
             .discovery()
-            .update_peering(UpdatePeeringRequest {
-                identity: Some(identity_to_pb(remote)),
-                peered,
-                addresses: addresses.map(addresses_to_pb),
-                outgoing_peering_enabled: peered,
-                incoming_peering_enabled: peered,
-                networking_enabled: peered,
-                reason: reason.to_owned(),
-                message: String::new(),
-                expected_revision: 0,
-                ca_certificate: ca.map(|c| c.pem().to_owned()).unwrap_or_default(),
-            })
+            .update_peering(remote, addresses, peered, reason, ca)
             .await
-            .map_err(local(
-                "recording the peering in the local discovery service",
-            ))?;
-        Ok(())
     }
 
     /// Ends the full peering with `id`: marks it unpeered (the reconciler tears down what was
@@ -92,7 +74,7 @@ impl Broker {
         };
         // Kept to reach the remote over mutual TLS once it is unpinned.
         let ca_certificate = self
-            .clients
+            .ports
             .tls()
             .and_then(|t| t.trust().get(id.as_str()))
             .map(|ca| ca.pem().to_owned())
@@ -175,25 +157,11 @@ impl Broker {
 
     /// Tries to deliver a pending unpeering notice; forgets it once acknowledged.
     pub async fn deliver_notify(&self, pending: &PendingNotify) -> bool {
-        let sent = match self.clients.unpinned_broker(
-            &pending.broker,
-            &pending.remote.id,
-            &pending.ca_certificate,
-        ) {
-            Ok(mut client) => client
-                .notify_unpeer(NotifyUnpeerRequest {
-                    identity: Some(identity_to_pb(&self.identity)),
-                    reason: pending.reason.clone(),
-                    peering_id: pending
-                        .peering_id
-                        .as_ref()
-                        .map(ToString::to_string)
-                        .unwrap_or_default(),
-                })
-                .await
-                .map_err(Error::from),
-            Err(e) => Err(e),
-        };
+        let sent = self
+            .ports
+            .peers()
+            .notify_unpeer(&self.identity, pending)
+            .await;
         match sent {
             Ok(_) => {
                 if let Err(err) = self.store.delete(&notify_key(&pending.remote.id)).await {

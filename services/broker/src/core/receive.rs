@@ -6,9 +6,7 @@ use std::sync::PoisonError;
 
 use trellis_api::ClusterId;
 use trellis_api::ClusterIdentity;
-use trellis_api::model::{NatView, NetworkSpec, WgKey};
-use trellis_api::pb::gateway::GetGatewayInfoRequest;
-use trellis_api::pb::ipam::{FreeSubnetsPerClusterRequest, GetSubnetsPerClusterRequest};
+use trellis_api::model::{NetworkSpec, WgKey};
 use trellis_api::peers::Peers;
 use trellis_error::{Error, Result};
 use trellis_store::retry::Contention;
@@ -19,6 +17,7 @@ use super::{Broker, local};
 use crate::records::{
     Decision, IN_PREFIX, IncomingNc, OutgoingNc, decode, encode, in_key, out_key,
 };
+use crate::remote::ipam::Mapping;
 
 /// A NetworkConfig received from a remote, validated.
 #[derive(Debug, Clone)]
@@ -177,14 +176,11 @@ impl Broker {
             return Ok(key);
         }
         let info = self
-            .clients
+            .ports
             .gateway()
-            .get_gateway_info(GetGatewayInfoRequest {
-                cluster_id: String::new(),
-            })
+            .info(None)
             .await
-            .map_err(local("asking the gateway for its public key"))?
-            .into_inner();
+            .map_err(local("asking the gateway for its public key"))?;
         let key = WgKey::parse("public_key", &info.public_key).map_err(|e| {
             Error::Internal(format!("the gateway answered an unusable public key: {e}"))
         })?;
@@ -279,61 +275,42 @@ impl Broker {
     /// Our NAT decision for a received spec, from the IPAM. A changed spec (a higher
     /// generation with other CIDRs) frees the old mapping first.
     async fn decide(&self, nc: &Received) -> Result<Decision> {
-        let request = GetSubnetsPerClusterRequest {
-            cluster_id: nc.origin.id.to_string(),
-            cluster_name: nc.origin.name.clone(),
-            pod_cidr: nc.spec.pod_cidr.to_string(),
-            external_cidr: nc.spec.external_cidr.to_string(),
-        };
-        let mut ipam = self.clients.ipam();
-        let answer = match ipam.get_subnets_per_cluster(request.clone()).await {
-            Err(status) if status.code() == tonic::Code::FailedPrecondition => {
+        let ipam = self.ports.ipam();
+        let answer = match ipam.map_remote(&nc.origin, &nc.spec).await? {
+            Mapping::RangesChanged(_) => {
                 tracing::info!(remote.id = %nc.origin.id, "the remote's CIDRs changed: remapping");
-                ipam.free_subnets_per_cluster(FreeSubnetsPerClusterRequest {
-                    cluster_id: nc.origin.id.to_string(),
-                })
-                .await
-                .map_err(local("freeing the remote's old mapping"))?;
-                ipam.get_subnets_per_cluster(request).await
+                ipam.free_mapping(&nc.origin.id)
+                    .await
+                    .map_err(local("freeing the remote's old mapping"))?;
+                ipam.map_remote(&nc.origin, &nc.spec).await?
             }
             other => other,
         };
         match answer {
-            Ok(answer) => {
-                let answer = answer.into_inner();
-                let status = trellis_api::pb::types::NetworkConfigStatus {
-                    pod_cidr_nat: answer.pod_cidr_nat,
-                    external_cidr_nat: answer.external_cidr_nat,
-                    ..Default::default()
-                };
-                let view = NatView::for_spec("ipam", &nc.spec, &status).map_err(|e| {
-                    Error::Internal(format!("the IPAM answered an unusable mapping: {e}"))
-                })?;
-                Ok(Decision::Processed {
-                    view,
-                    observed_generation: nc.generation,
-                })
-            }
+            Mapping::Mapped(view) => Ok(Decision::Processed {
+                view,
+                observed_generation: nc.generation,
+            }),
             // No free range to remap into passes when another peering frees one: the decision
             // waits, and the sender's re-submissions make it again (ADR 0010).
-            Err(status) if status.code() == tonic::Code::ResourceExhausted => {
-                tracing::warn!(remote.id = %nc.origin.id, reason = status.message(), "cannot decide on a network config yet");
+            Mapping::Exhausted(message) => {
+                tracing::warn!(remote.id = %nc.origin.id, reason = message.as_str(), "cannot decide on a network config yet");
                 Ok(Decision::Pending {
-                    message: status.message().to_owned(),
+                    message,
                     observed_generation: nc.generation,
                 })
             }
             // The spec itself is unusable: only a new spec is worth deciding again.
-            Err(status) if status.code() == tonic::Code::InvalidArgument => {
-                tracing::warn!(remote.id = %nc.origin.id, reason = status.message(), "rejected a network config");
+            Mapping::Refused(message) => {
+                tracing::warn!(remote.id = %nc.origin.id, reason = message.as_str(), "rejected a network config");
                 Ok(Decision::Rejected {
-                    message: status.message().to_owned(),
+                    message,
                     observed_generation: nc.generation,
                 })
             }
-            Err(status) => {
-                Err(Error::from(status).context("asking the IPAM for the remote's mapping"))
-            }
+            // Freed a moment ago: the IPAM contradicts itself.
+            Mapping::RangesChanged(message) => Err(Error::FailedPrecondition(message)
+                .context("asking the IPAM for the remote's mapping")),
         }
     }
 }

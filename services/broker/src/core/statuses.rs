@@ -2,14 +2,13 @@
 //! the remote addresses us, and the `via` rule every call about a stored NetworkConfig is
 //! checked against (ADR 0012).
 
-use trellis_api::pb::ipam::SetLocalNatRequest;
 use trellis_api::{ClusterId, ClusterIdentity};
 use trellis_error::{Error, Result};
 use trellis_store::retry::Contention;
 use trellis_store::{Compare, Op, Txn};
 
+use super::Broker;
 use super::lanes::Lane;
-use super::{Broker, local};
 use crate::records::{Decision, OutgoingNc, decode, encode, out_key};
 
 impl Broker {
@@ -71,16 +70,10 @@ impl Broker {
                 return Ok(true);
             }
             if !known && let Decision::Processed { view, .. } = &decision {
-                self.clients
+                self.ports
                     .ipam()
-                    .set_local_nat(SetLocalNatRequest {
-                        cluster_id: remote.to_string(),
-                        cluster_name: out.remote.name.clone(),
-                        pod_cidr: view.pod_cidr_nat.to_string(),
-                        external_cidr: view.external_cidr_nat.to_string(),
-                    })
-                    .await
-                    .map_err(local("recording how the remote addresses us"))?;
+                    .set_local_nat(remote, &out.remote.name, view)
+                    .await?;
             }
             out.decision = Some(decision.clone());
             out.receiver_generation = receiver_generation;

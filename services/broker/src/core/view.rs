@@ -5,38 +5,23 @@
 
 use trellis_api::ClusterId;
 use trellis_api::model::Addresses;
-use trellis_api::pb::discovery::{GetIdentityRequest, ListForeignClustersRequest};
+use trellis_api::pb::types::ForeignCluster;
 use trellis_api::peers::Peers;
 use trellis_error::Result;
-use trellis_runtime::foreign_clusters::{self, ForeignClusters};
+use trellis_runtime::foreign_clusters::ForeignClusters;
 
-use super::{Broker, local};
+use super::Broker;
 
 impl Broker {
     /// The addresses this cluster advertises, as its discovery service knows them.
     pub async fn advertised(&self) -> Result<Addresses> {
-        let answer = self
-            .clients
-            .discovery()
-            .get_identity(GetIdentityRequest {})
-            .await
-            .map_err(local(
-                "asking the local discovery service for our addresses",
-            ))?
-            .into_inner();
-        trellis_api::convert::addresses_from_pb("addresses", answer.addresses.as_ref())
+        self.ports.discovery().advertised().await
     }
 
     /// The peering view of the local discovery service.
     pub async fn peers(&self) -> Result<Peers> {
-        let listing = self
-            .clients
-            .discovery()
-            .list_foreign_clusters(ListForeignClustersRequest { kind: 0 })
-            .await
-            .map_err(local("listing foreign clusters"))?
-            .into_inner();
-        Ok(Peers::from_foreign_clusters(&listing.foreign_clusters))
+        let listing = self.ports.discovery().foreign_clusters().await?;
+        Ok(Peers::from_foreign_clusters(&listing))
     }
 
     /// The peering view for a pass: from the watch-fed copy of discovery's records when it is
@@ -44,7 +29,7 @@ impl Broker {
     /// or freed because a cluster is absent from it is confirmed with [`Self::peers`] first.
     pub async fn view(&self) -> Result<Peers> {
         let cached = self
-            .foreign_clusters
+            .foreign_clusters()
             .with_records(|records| Peers::from_foreign_clusters(records.iter().copied()));
         match cached {
             Some(peers) => Ok(peers),
@@ -61,16 +46,13 @@ impl Broker {
     }
 
     /// The discovery records of `ids` (unknown ones are absent), one lookup each.
-    pub async fn foreign_clusters_of(
-        &self,
-        ids: &[&ClusterId],
-    ) -> Result<Vec<trellis_api::pb::types::ForeignCluster>> {
-        foreign_clusters::read(&self.clients.discovery_channel(), ids).await
+    pub async fn foreign_clusters_of(&self, ids: &[&ClusterId]) -> Result<Vec<ForeignCluster>> {
+        self.ports.discovery().read(ids).await
     }
 
     /// The watch-fed copy of discovery's records.
     pub fn foreign_clusters(&self) -> &ForeignClusters {
-        &self.foreign_clusters
+        self.ports.discovery().copy()
     }
 
     /// `check` on the peering view of `ids` from the watch-fed copy (records it lacks are read
@@ -81,11 +63,8 @@ impl Broker {
         ids: &[&ClusterId],
         check: impl Fn(&Peers) -> Result<T>,
     ) -> Result<T> {
-        if self.foreign_clusters.synced() {
-            let cached = self
-                .foreign_clusters
-                .lookup(&self.clients.discovery_channel(), ids, |_| true)
-                .await?;
+        if self.foreign_clusters().synced() {
+            let cached = self.ports.discovery().lookup(ids).await?;
             if let Ok(passed) = check(&Peers::from_foreign_clusters(&cached)) {
                 return Ok(passed);
             }

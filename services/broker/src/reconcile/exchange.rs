@@ -10,9 +10,6 @@ use tracing::Instrument as _;
 use trellis_api::ClusterId;
 use trellis_api::convert::identity_to_pb;
 use trellis_api::model::{NatView, NetworkSpec};
-use trellis_api::pb::gateway::GetGatewayInfoRequest;
-use trellis_api::pb::ipam::GetLocalSubnetsRequest;
-use trellis_api::pb::peering::{RelayRequest, SubmitNetworkConfigRequest};
 use trellis_api::pb::types as pb;
 use trellis_api::peers::{Remote, Route};
 use trellis_error::{Error, Result};
@@ -37,14 +34,11 @@ pub(super) struct GatewayBasics {
 
 pub(super) async fn gateway_basics(broker: &Broker) -> Result<GatewayBasics> {
     let info = broker
-        .clients()
+        .ports()
         .gateway()
-        .get_gateway_info(GetGatewayInfoRequest {
-            cluster_id: String::new(),
-        })
+        .info(None)
         .await
-        .map_err(|s| Error::from(s).context("asking the gateway for its endpoint"))?
-        .into_inner();
+        .map_err(|e| e.context("asking the gateway for its endpoint"))?;
     if let Ok(key) = trellis_api::model::WgKey::parse("public_key", &info.public_key) {
         broker.note_own_key(key);
     }
@@ -66,13 +60,7 @@ pub(super) async fn ensure_all(
     if remotes.is_empty() {
         return Ok(failed);
     }
-    let subnets = broker
-        .clients()
-        .ipam()
-        .get_local_subnets(GetLocalSubnetsRequest {})
-        .await
-        .map_err(|s| Error::from(s).context("reading the local subnets"))?
-        .into_inner();
+    let subnets = broker.ports().ipam().local_subnets().await?;
     let (pod, external) = (&subnets.pod_cidr, &subnets.external_cidr);
     // Each future is made when a slot frees. Made up front, every pass over 254 remotes held
     // 254 of them: 176 MiB of the 255-cluster in-process lab's peak heap (issue 17).
@@ -116,14 +104,11 @@ async fn local_spec(
     external: &str,
 ) -> Result<NetworkSpec> {
     let info = broker
-        .clients()
+        .ports()
         .gateway()
-        .get_gateway_info(GetGatewayInfoRequest {
-            cluster_id: remote.to_string(),
-        })
+        .info(Some(remote))
         .await
-        .map_err(|s| Error::from(s).context("asking the gateway for its endpoint"))?
-        .into_inner();
+        .map_err(|e| e.context("asking the gateway for its endpoint"))?;
     let wire = pb::NetworkConfigSpec {
         pod_cidr: pod.to_owned(),
         external_cidr: external.to_owned(),
@@ -304,34 +289,13 @@ async fn deliver(broker: &Broker, remote: &Remote, out: &OutgoingNc) -> Result<(
         held_generation,
     };
     let status = match &remote.route {
-        Route::Direct { broker: address } => {
-            broker
-                .clients()
-                .submitter(address, id)?
-                .call(SubmitNetworkConfigRequest {
-                    network_config: Some(nc),
-                })
-                .await
-                .map_err(|s| {
-                    Error::from(s).context(format!("submitting our network config to {id}"))
-                })?
-                .status
-        }
+        Route::Direct { broker: address } => broker.ports().peers().submit(address, id, nc).await?,
         Route::Relayed { forwarder, hub } => {
             broker
-                .clients()
-                .relayer(forwarder, &hub.id)?
-                .call(RelayRequest {
-                    network_config: Some(nc),
-                })
-                .await
-                .map_err(|s| {
-                    Error::from(s).context(format!(
-                        "relaying our network config to {id} through {}",
-                        hub.id
-                    ))
-                })?
-                .status
+                .ports()
+                .peers()
+                .relay(forwarder, &hub.id, id, nc)
+                .await?
         }
     };
     if let Some(decision) = decision_from_status(&out.spec, status.as_ref())? {

@@ -66,7 +66,7 @@ pub struct Unsettled {
 /// submodules' unit tests run passes and wake-ups against.
 #[cfg(test)]
 fn broker() -> Broker {
-    let clients = crate::remote::Clients::new(
+    let ports = crate::remote::Ports::new(
         "127.0.0.1:9",
         "127.0.0.1:9",
         "127.0.0.1:9",
@@ -80,7 +80,7 @@ fn broker() -> Broker {
     Broker::new(
         identity,
         Arc::new(trellis_store::MemoryStore::new()),
-        clients,
+        ports,
         None,
     )
 }

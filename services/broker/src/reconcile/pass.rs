@@ -156,12 +156,7 @@ async fn records_of(
     source: Source,
 ) -> Result<Vec<pb::ForeignCluster>> {
     match source {
-        Source::Copy => {
-            broker
-                .foreign_clusters()
-                .lookup(&broker.clients().discovery_channel(), ids, |_| true)
-                .await
-        }
+        Source::Copy => broker.ports().discovery().lookup(ids).await,
         Source::Fresh => broker.foreign_clusters_of(ids).await,
     }
 }
@@ -251,7 +246,6 @@ pub async fn pass_for(broker: &Broker, lane: Lane, ids: &BTreeSet<ClusterId>) ->
 mod tests {
     use trellis_api::ClusterIdentity;
     use trellis_api::model::NetworkSpec;
-    use trellis_api::pb::discovery::WatchForeignClustersResponse;
 
     use super::*;
     use crate::reconcile::broker;
@@ -288,21 +282,8 @@ mod tests {
 
     /// The broker's copy of discovery's records, synced to exactly `records`.
     fn copy_holds(broker: &Broker, records: Vec<pb::ForeignCluster>) {
-        let copy = broker.foreign_clusters();
-        copy.restart();
-        for fc in records {
-            copy.apply(&WatchForeignClustersResponse {
-                r#type: pb::WatchEventType::Added as i32,
-                foreign_cluster: Some(fc),
-                revision: 1,
-            });
-        }
-        copy.apply(&WatchForeignClustersResponse {
-            r#type: pb::WatchEventType::Bookmark as i32,
-            foreign_cluster: None,
-            revision: 1,
-        });
-        assert!(copy.synced());
+        broker.ports().discovery().stage(records);
+        assert!(broker.foreign_clusters().synced());
     }
 
     /// Passes read who is wanted from the watch-fed copy, which may lag discovery; a remote

@@ -9,10 +9,8 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 use trellis_api::ClusterId;
-use trellis_api::pb::discovery::WatchForeignClustersResponse;
 use trellis_api::pb::types as pb;
 use trellis_runtime::Shutdown;
-use trellis_runtime::foreign_clusters::Followed;
 use trellis_runtime::resync::Resync;
 use trellis_runtime::retry::{KeyedBackoff, RetryPolicy};
 
@@ -20,6 +18,7 @@ use super::Unsettled;
 use super::pass::{pass, pass_for};
 use crate::core::Broker;
 use crate::core::lanes::{Dirty, Lane};
+use crate::remote::discovery::{EventKind, Followed, ForeignClusterEvent};
 
 /// The waits before retrying after a failed delivery: 200 ms doubling to 10 s, per remote.
 const RETRY: RetryPolicy =
@@ -178,15 +177,12 @@ impl Retries {
 pub(super) async fn follow_discovery(broker: Arc<Broker>, shutdown: Shutdown) {
     let mut seen = HashMap::new();
     broker
-        .foreign_clusters()
-        .follow(
-            broker.clients().discovery_channel(),
-            shutdown,
-            |followed| match followed {
-                Followed::Restarted => seen.clear(),
-                Followed::Event(event) => wake_for_event(&broker, event, &mut seen),
-            },
-        )
+        .ports()
+        .discovery()
+        .follow(shutdown, |followed| match followed {
+            Followed::Restarted => seen.clear(),
+            Followed::Event(event) => wake_for_event(&broker, &event, &mut seen),
+        })
         .await;
 }
 
@@ -200,34 +196,29 @@ pub(super) async fn follow_discovery(broker: Arc<Broker>, shutdown: Shutdown) {
 /// reads of each record since this watch started, as a digest ([`relevant_digest`]).
 fn wake_for_event(
     broker: &Broker,
-    event: &WatchForeignClustersResponse,
+    event: &ForeignClusterEvent<'_>,
     seen: &mut HashMap<String, u64>,
 ) {
-    if let Some(fc) = event.foreign_cluster.as_ref()
-        && let Some(identity) = fc.identity.as_ref()
-        && event.r#type != pb::WatchEventType::Deleted as i32
+    if let Some(fc) = event.cluster
+        && let Some(id) = event.cluster_id()
+        && event.kind != EventKind::Deleted
     {
         let relevant = relevant_digest(fc);
-        if seen.get(&identity.cluster_id) == Some(&relevant) {
+        if seen.get(id) == Some(&relevant) {
             return;
         }
-        seen.insert(identity.cluster_id.clone(), relevant);
-    } else if let Some(identity) = event
-        .foreign_cluster
-        .as_ref()
-        .and_then(|fc| fc.identity.as_ref())
-    {
-        seen.remove(&identity.cluster_id);
+        seen.insert(id.to_owned(), relevant);
+    } else if let Some(id) = event.cluster_id() {
+        seen.remove(id);
     }
     let induced = event
-        .foreign_cluster
-        .as_ref()
+        .cluster
         .filter(|fc| fc.kind == pb::PeeringKind::Induced as i32)
-        .and_then(|fc| fc.identity.as_ref())
-        .and_then(|identity| ClusterId::parse("cluster_id", &identity.cluster_id).ok());
-    match (pb::WatchEventType::try_from(event.r#type), induced) {
-        (Ok(pb::WatchEventType::Bookmark), _) => {}
-        (Ok(pb::WatchEventType::Added | pb::WatchEventType::Modified), Some(id)) => {
+        .and(event.cluster_id())
+        .and_then(|id| ClusterId::parse("cluster_id", id).ok());
+    match (event.kind, induced) {
+        (EventKind::Bookmark, _) => {}
+        (EventKind::Added | EventKind::Modified, Some(id)) => {
             broker.wake_for(&id, Lane::Induced);
         }
         _ => broker.wake(),
@@ -280,32 +271,35 @@ mod tests {
         }
     }
 
-    fn induced(id: &str, hub: &str, generation: i64) -> WatchForeignClustersResponse {
-        WatchForeignClustersResponse {
-            r#type: pb::WatchEventType::Modified as i32,
-            foreign_cluster: Some(pb::ForeignCluster {
-                identity: Some(pb::ClusterIdentity {
-                    cluster_id: id.into(),
+    fn modified(fc: &pb::ForeignCluster) -> ForeignClusterEvent<'_> {
+        ForeignClusterEvent {
+            kind: EventKind::Modified,
+            cluster: Some(fc),
+        }
+    }
+
+    fn induced(id: &str, hub: &str, generation: i64) -> pb::ForeignCluster {
+        pb::ForeignCluster {
+            identity: Some(pb::ClusterIdentity {
+                cluster_id: id.into(),
+                cluster_name: String::new(),
+            }),
+            kind: pb::PeeringKind::Induced as i32,
+            induced: Some(pb::InducedPeering {
+                origin: Some(pb::ClusterIdentity {
+                    cluster_id: hub.into(),
                     cluster_name: String::new(),
                 }),
-                kind: pb::PeeringKind::Induced as i32,
-                induced: Some(pb::InducedPeering {
-                    origin: Some(pb::ClusterIdentity {
-                        cluster_id: hub.into(),
-                        cluster_name: String::new(),
-                    }),
-                    neighborhood_generation: generation,
-                    ..Default::default()
-                }),
-                conditions: vec![condition(
-                    trellis_api::peers::Condition::InducedPeering.as_str(),
-                    pb::ConditionStatus::True,
-                    &format!("generation {generation}"),
-                )],
-                revision: generation,
+                neighborhood_generation: generation,
                 ..Default::default()
             }),
+            conditions: vec![condition(
+                trellis_api::peers::Condition::InducedPeering.as_str(),
+                pb::ConditionStatus::True,
+                &format!("generation {generation}"),
+            )],
             revision: generation,
+            ..Default::default()
         }
     }
 
@@ -319,7 +313,7 @@ mod tests {
         let _ = broker.take_dirty(Lane::Full);
         let mut seen = HashMap::new();
 
-        wake_for_event(&broker, &induced("leaf-b", "hub", 10), &mut seen);
+        wake_for_event(&broker, &modified(&induced("leaf-b", "hub", 10)), &mut seen);
         let dirty = broker.take_dirty(Lane::Induced);
         assert!(!dirty.all);
         assert_eq!(
@@ -328,13 +322,21 @@ mod tests {
         );
 
         for generation in 11..20 {
-            wake_for_event(&broker, &induced("leaf-b", "hub", generation), &mut seen);
+            wake_for_event(
+                &broker,
+                &modified(&induced("leaf-b", "hub", generation)),
+                &mut seen,
+            );
         }
         let dirty = broker.take_dirty(Lane::Induced);
         assert!(!dirty.all && dirty.ids.is_empty(), "{dirty:?}");
 
         // Another origin changes the route: the remote is looked at again.
-        wake_for_event(&broker, &induced("leaf-b", "hub-2", 21), &mut seen);
+        wake_for_event(
+            &broker,
+            &modified(&induced("leaf-b", "hub-2", 21)),
+            &mut seen,
+        );
         assert_eq!(broker.take_dirty(Lane::Induced).ids.len(), 1);
         // Induced events are work for the induced lane only.
         let full = broker.take_dirty(Lane::Full);
@@ -342,11 +344,9 @@ mod tests {
 
         // A full record (a hub) may move every route it carries: everything is looked at.
         let mut hub = induced("hub", "x", 1);
-        if let Some(fc) = hub.foreign_cluster.as_mut() {
-            fc.kind = pb::PeeringKind::Full as i32;
-            fc.induced = None;
-        }
-        wake_for_event(&broker, &hub, &mut seen);
+        hub.kind = pb::PeeringKind::Full as i32;
+        hub.induced = None;
+        wake_for_event(&broker, &modified(&hub), &mut seen);
         assert!(broker.take_dirty(Lane::Full).all);
         assert!(broker.take_dirty(Lane::Induced).all);
     }

@@ -6,21 +6,15 @@
 use std::collections::BTreeSet;
 
 use trellis_api::ClusterId;
-use trellis_api::convert::identity_to_pb;
-use trellis_api::pb::ipam::{FreeSubnetsPerClusterRequest, ListClusterSubnetsRequest};
-use trellis_api::pb::peering::RelayWithdrawalRequest;
-use trellis_api::pb::types as pb;
 use trellis_api::peers::Peers;
-use trellis_error::{Error, Result};
+use trellis_error::Result;
 use trellis_store::{Op, Txn};
 
 use super::pass::holds;
 use super::tunnel::remove_tunnel;
 use crate::core::Broker;
 use crate::core::lanes::Lane;
-use crate::records::{
-    IncomingNc, OutgoingNc, decode, in_key, nc_name, out_key, tombstone_key, tunnel_key,
-};
+use crate::records::{IncomingNc, OutgoingNc, decode, in_key, out_key, tombstone_key, tunnel_key};
 
 /// Removes everything held for `id`, in an order that survives a failure at any step: the
 /// TunnelEndpoint first (leaving a tombstone for watchers), so the data plane drops the peer at
@@ -34,25 +28,12 @@ pub async fn teardown(broker: &Broker, id: &ClusterId, reason: &str) -> Result<(
     if let Some(kv) = store.get(&out_key(id)).await? {
         let out: OutgoingNc = decode(&out_key(id), &kv.value)?;
         if let (Some(hub), Some(forwarder)) = (&out.via, &out.forwarder) {
-            let request = RelayWithdrawalRequest {
-                network_config: Some(pb::NetworkConfigRef {
-                    name: nc_name(&broker.identity().id, id),
-                    origin: Some(identity_to_pb(broker.identity())),
-                    destination: Some(identity_to_pb(&out.remote)),
-                    via: Some(identity_to_pb(hub)),
-                }),
-                reason: reason.to_owned(),
-            };
-            if let Err(err) = async {
-                broker
-                    .clients()
-                    .forwarder(forwarder, &hub.id)?
-                    .relay_withdrawal(request)
-                    .await
-                    .map_err(Error::from)
-            }
-            .await
-            {
+            let withdrawn = broker
+                .ports()
+                .peers()
+                .relay_withdrawal(forwarder, hub, broker.identity(), &out.remote, reason)
+                .await;
+            if let Err(err) = withdrawn {
                 tracing::info!(remote.id = %id, hub.id = %hub.id, error = %err, "could not withdraw through the hub; the remote withdraws on its own");
             }
         }
@@ -64,15 +45,12 @@ pub async fn teardown(broker: &Broker, id: &ClusterId, reason: &str) -> Result<(
 }
 
 async fn free_mapping(broker: &Broker, id: &ClusterId) -> Result<bool> {
-    let answer = broker
-        .clients()
+    broker
+        .ports()
         .ipam()
-        .free_subnets_per_cluster(FreeSubnetsPerClusterRequest {
-            cluster_id: id.to_string(),
-        })
+        .free_mapping(id)
         .await
-        .map_err(|s| Error::from(s).context("freeing the remote's IPAM mapping"))?;
-    Ok(answer.into_inner().existed)
+        .map_err(|e| e.context("freeing the remote's IPAM mapping"))
 }
 
 /// The IPAM reconciliation against the peer set: frees the mappings of clusters we neither
@@ -120,18 +98,7 @@ pub(super) async fn free_orphaned_mappings(
 
 /// The remote clusters the IPAM holds a mapping for.
 pub(super) async fn mapped(broker: &Broker) -> Result<BTreeSet<ClusterId>> {
-    let listing = broker
-        .clients()
-        .ipam()
-        .list_cluster_subnets(ListClusterSubnetsRequest {})
-        .await
-        .map_err(|s| Error::from(s).context("listing the IPAM's mappings"))?
-        .into_inner();
-    Ok(listing
-        .clusters
-        .iter()
-        .filter_map(|c| ClusterId::parse("cluster_id", &c.cluster_id).ok())
-        .collect())
+    broker.ports().ipam().mapped().await
 }
 
 /// Deletes both NetworkConfigs and the TunnelEndpoint of `id` in one transaction.

@@ -1,5 +1,8 @@
 //! The `trellis.peering.v1.Broker` gRPC handlers: validate the request into domain values
-//! (errors name the field), call [`Broker`], map the answer back.
+//! (errors name the field), call [`Broker`], map the answer back. The TunnelEndpoint watch's
+//! server stream is built in [`watch`].
+
+pub mod watch;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -24,7 +27,7 @@ use crate::core::Broker;
 use crate::core::receive::Received;
 use crate::peering_id::PeeringId;
 use crate::records::{Decision, nc_name};
-use crate::{reconcile, token, watch};
+use crate::{reconcile, token};
 
 /// The gRPC face of one [`Broker`].
 #[derive(Debug, Clone)]

@@ -123,10 +123,10 @@ mod tests {
     use trellis_store::MemoryStore;
 
     use super::*;
-    use crate::remote::Clients;
+    use crate::remote::Ports;
 
     fn broker() -> Arc<Broker> {
-        let clients = Clients::new(
+        let ports = Ports::new(
             "127.0.0.1:9",
             "127.0.0.1:9",
             "127.0.0.1:9",
@@ -139,7 +139,7 @@ mod tests {
         Arc::new(Broker::new(
             identity,
             Arc::new(MemoryStore::new()),
-            clients,
+            ports,
             None,
         ))
     }
