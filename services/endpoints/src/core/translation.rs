@@ -10,7 +10,6 @@ use std::sync::Arc;
 
 use futures::stream::{self, StreamExt as _, TryStreamExt as _};
 use tokio::sync::{Mutex, OnceCell};
-use trellis_api::pb::endpoints as epb;
 use trellis_api::pb::ipam as ipb;
 use trellis_api::{ClusterId, ClusterIdentity};
 use trellis_error::{Error, Result};
@@ -31,18 +30,6 @@ pub enum Path {
     HubExternal,
     TargetHome,
     Untranslated,
-}
-
-impl Path {
-    pub fn to_pb(self) -> epb::TranslationPath {
-        match self {
-            Self::LocalNat => epb::TranslationPath::LocalNat,
-            Self::Induced => epb::TranslationPath::Induced,
-            Self::HubExternal => epb::TranslationPath::HubExternal,
-            Self::TargetHome => epb::TranslationPath::TargetHome,
-            Self::Untranslated => epb::TranslationPath::Untranslated,
-        }
-    }
 }
 
 /// The translation of one address.
