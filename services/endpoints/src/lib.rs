@@ -2,7 +2,7 @@
 //! endpoint reflection).
 //!
 //! - [`model`]: validated EndpointSlices; [`convert`]: their wire form;
-//! - [`remote`]: clients of the local IPAM and discovery, and of other clusters' IPAMs and
+//! - [`remote`]: the ports to the local IPAM and discovery, and to other clusters' IPAMs and
 //!   endpoints services, with timeouts and bounded retries;
 //! - [`core`]: the service, cut into [`core::outgoing`] (reflections this cluster records
 //!   and delivers), [`core::translation`] (translation per target: local NAT, target home,
