@@ -41,11 +41,6 @@ const NOT_YET_BEHIND_PORTS: &[&str] = &[
     "services/broker/src/core",
     "services/broker/src/reconcile",
     "services/broker/src/watch.rs",
-    "services/endpoints/src/core",
-    "services/endpoints/src/exports.rs",
-    "services/endpoints/src/imports.rs",
-    "services/endpoints/src/model.rs",
-    "services/forwarder/src/core",
 ];
 
 fn root() -> PathBuf {
