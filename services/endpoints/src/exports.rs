@@ -27,15 +27,12 @@ use std::net::IpAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use trellis_api::pb::discovery::ListForeignClustersRequest;
 use trellis_api::peers::is_networked_full_peer;
 use trellis_api::{ClusterId, ClusterIdentity, convert};
 use trellis_error::{Error, Result};
 use trellis_runtime::Shutdown;
 use trellis_store::retry::Contention;
 use trellis_store::{Compare, Op, Txn};
-
-use trellis_api::pb::ipam::{ClusterSubnets, ListClusterSubnetsRequest};
 
 use crate::core::Endpoints;
 use crate::core::translation::Path;
@@ -44,7 +41,7 @@ use crate::records::{
     EXPORT_PREFIX, ExportRecord, ExportSource, OUTGOING_PREFIX, OutgoingRecord, decode, encode,
     export_key,
 };
-use crate::remote::local_error;
+use crate::remote::ipam::ClusterSubnets;
 
 /// Label naming the cluster an exported slice comes from (the MCS API's label on imported
 /// slices). Set by the exporter; a slice in transit keeps it.
@@ -306,14 +303,7 @@ impl Endpoints {
 
     /// The networked full peers, from discovery.
     async fn export_targets(&self) -> Result<BTreeMap<ClusterId, ClusterIdentity>> {
-        let list = self
-            .clients
-            .discovery()
-            .list_foreign_clusters(ListForeignClustersRequest::default())
-            .await
-            .map_err(|s| local_error("discovery", s))?
-            .into_inner()
-            .foreign_clusters;
+        let list = self.clients.foreign_clusters().await?;
         Ok(list
             .iter()
             .filter(|fc| is_networked_full_peer(fc))
@@ -364,15 +354,7 @@ impl Endpoints {
     /// The local IPAM's records (how we address each peer and how each addresses us): what
     /// every translation depends on locally.
     async fn subnets(&self) -> Result<Arc<Vec<ClusterSubnets>>> {
-        Ok(Arc::new(
-            self.clients
-                .ipam()
-                .list_cluster_subnets(ListClusterSubnetsRequest {})
-                .await
-                .map_err(|s| local_error("ipam", s))?
-                .into_inner()
-                .clusters,
-        ))
+        Ok(Arc::new(self.clients.cluster_subnets().await?))
     }
 
     /// One reconciler pass: drop what a peer that is gone brought us, reflect every export

@@ -11,10 +11,11 @@ use trellis_api::{ClusterId, convert};
 use trellis_error::{Error, Result};
 use trellis_runtime::peer::{Authz, PeerMethods};
 
+use crate::convert::port;
 use crate::core::Endpoints;
 use crate::core::translation::Translation;
 use crate::exports::{ExportView, slice_of};
-use crate::model::{MAX_ENDPOINTS, Slice, dns_label, dns_subdomain, port};
+use crate::model::{MAX_ENDPOINTS, Slice, dns_label, dns_subdomain};
 use crate::records::{ExportRecord, ExportSource, ExportedEndpoint, ReflectedRecord};
 
 /// The gRPC face of one [`Endpoints`].

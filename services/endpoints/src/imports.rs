@@ -27,8 +27,6 @@ use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use kube::api::{Api, DeleteParams, ListParams, PostParams, Preconditions};
 use serde_json::{Value, json};
 use trellis_api::ClusterId;
-use trellis_api::pb::discovery::ListForeignClustersRequest;
-use trellis_api::pb::ipam::ListClusterSubnetsRequest;
 use trellis_api::pb::types::ForeignCluster;
 use trellis_api::peers::{is_introduced, is_networked_full_peer};
 use trellis_error::{Error, Result};
@@ -42,7 +40,6 @@ use crate::mcs::{
 };
 use crate::model::{MANAGED_BY, Port, Slice};
 use crate::records::ReflectedRecord;
-use crate::remote::local_error;
 
 /// Type of the ServiceImport condition reporting exporters that disagree on the ports.
 pub const CONFLICT_CONDITION: &str = "Conflict";
@@ -517,22 +514,8 @@ impl ImportWriter {
 impl Endpoints {
     /// What this cluster can reach now (see [`Reachability`]).
     pub async fn reachability(&self) -> Result<Reachability> {
-        let clusters = self
-            .clients
-            .ipam()
-            .list_cluster_subnets(ListClusterSubnetsRequest {})
-            .await
-            .map_err(|s| local_error("ipam", s))?
-            .into_inner()
-            .clusters;
-        let peers = self
-            .clients
-            .discovery()
-            .list_foreign_clusters(ListForeignClustersRequest::default())
-            .await
-            .map_err(|s| local_error("discovery", s))?
-            .into_inner()
-            .foreign_clusters;
+        let clusters = self.clients.cluster_subnets().await?;
+        let peers = self.clients.foreign_clusters().await?;
         let reachable = peers
             .iter()
             .filter(|fc| is_networked(fc))

@@ -1,8 +1,8 @@
 //! `trellis-endpoints`: the endpoint-mapping service of one Trellis cluster (docs/architecture.md,
 //! endpoint reflection).
 //!
-//! - [`model`]: validated EndpointSlices;
-//! - [`remote`]: clients of the local IPAM and discovery, and of other clusters' IPAMs and
+//! - [`model`]: validated EndpointSlices; [`convert`]: their wire form;
+//! - [`remote`]: the ports to the local IPAM and discovery, and to other clusters' IPAMs and
 //!   endpoints services, with timeouts and bounded retries;
 //! - [`core`]: the service, cut into [`core::outgoing`] (reflections this cluster records
 //!   and delivers), [`core::translation`] (translation per target: local NAT, target home,
@@ -19,6 +19,7 @@
 //! - [`config`]: the flags.
 
 pub mod config;
+pub mod convert;
 pub mod core;
 pub mod exports;
 pub mod grpc;

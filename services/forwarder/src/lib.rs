@@ -6,8 +6,9 @@
 //! - [`core`]: accepting, persisting, delivering and retrying relays, cut into
 //!   [`core::relay`] (relays and statuses accepted), `withdrawal`, `delivery` (one attempt),
 //!   `ledger` (the stored records), [`core::schedule`] (the due queue and retry loop) and
-//!   `remote` (the ends and their brokers); `ends`: what a relay needs to know of the
+//!   `peers` (the ends, as discovery knows them); `ends`: what a relay needs to know of the
 //!   clusters at its two ends;
+//! - `remote`: the port to the brokers at a relay's ends (submit, report a status, withdraw);
 //! - [`records`]: what is stored (only relays in flight); [`migrate`]: moving records of an
 //!   earlier key layout on start;
 //! - [`metrics`]: relays by state, for Prometheus;
@@ -20,6 +21,7 @@ pub mod grpc;
 pub mod metrics;
 pub mod migrate;
 pub mod records;
+mod remote;
 
 use std::sync::Arc;
 

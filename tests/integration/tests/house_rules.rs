@@ -35,16 +35,6 @@ const RPC_PACKAGES: &[&str] = &[
     "trellis",
 ];
 
-/// Service modules that still name an RPC package: the debt of domain ports (ADR 0001),
-/// listed so that it can only shrink. Remove a line when its module moves behind a port.
-const NOT_YET_BEHIND_PORTS: &[&str] = &[
-    "services/endpoints/src/core",
-    "services/endpoints/src/exports.rs",
-    "services/endpoints/src/imports.rs",
-    "services/endpoints/src/model.rs",
-    "services/forwarder/src/core",
-];
-
 fn root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("../..")
@@ -238,7 +228,6 @@ fn service_cores_name_no_generated_grpc_type() {
     let mut files = Vec::new();
     rust_files(&root.join("services"), &mut files);
     let mut offending = Vec::new();
-    let mut still_listed = vec![false; NOT_YET_BEHIND_PORTS.len()];
     for file in &files {
         let relative = file.strip_prefix(&root).expect("inside").to_path_buf();
         let text = relative.to_string_lossy().into_owned();
@@ -251,16 +240,8 @@ fn service_cores_name_no_generated_grpc_type() {
             continue;
         }
         let source = fs::read_to_string(file).expect("readable");
-        let names_pb = names_rpc_package(&source);
-        if !names_pb {
-            continue;
-        }
-        match NOT_YET_BEHIND_PORTS
-            .iter()
-            .position(|debt| text == *debt || text.starts_with(&format!("{debt}/")))
-        {
-            Some(i) => still_listed[i] = true,
-            None => offending.push(text),
+        if names_rpc_package(&source) {
+            offending.push(text);
         }
     }
     assert!(
@@ -268,16 +249,6 @@ fn service_cores_name_no_generated_grpc_type() {
         "service cores naming another service's generated gRPC types (call other services \
          through a port in remote, convert in grpc or convert):\n{}",
         offending.join("\n")
-    );
-    let paid: Vec<&str> = NOT_YET_BEHIND_PORTS
-        .iter()
-        .zip(&still_listed)
-        .filter(|(_, listed)| !**listed)
-        .map(|(debt, _)| *debt)
-        .collect();
-    assert!(
-        paid.is_empty(),
-        "no longer naming generated types: remove from NOT_YET_BEHIND_PORTS: {paid:?}"
     );
 }
 

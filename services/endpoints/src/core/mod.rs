@@ -22,7 +22,6 @@
 
 use ipnet::IpNet;
 use tokio::sync::OnceCell;
-use trellis_api::pb::ipam as ipb;
 use trellis_api::pb::types::{self as tpb, ForeignCluster};
 use trellis_api::peers::is_networked_full_peer;
 use trellis_api::{ClusterId, ClusterIdentity};
@@ -30,7 +29,7 @@ use trellis_error::{Error, Result};
 use trellis_store::{Compare, SharedStore};
 
 use crate::kube::KubeWriter;
-use crate::remote::{Clients, local_error};
+use crate::remote::Clients;
 
 pub mod outgoing;
 pub mod reflected;
@@ -107,21 +106,7 @@ impl Endpoints {
     /// The local pod CIDR, asked once from the local IPAM (it cannot change under a store).
     pub(crate) async fn pod_cidr(&self) -> Result<IpNet> {
         self.pod_cidr
-            .get_or_try_init(|| async {
-                let subnets = self
-                    .clients
-                    .ipam()
-                    .get_local_subnets(ipb::GetLocalSubnetsRequest {})
-                    .await
-                    .map_err(|s| local_error("ipam", s))?
-                    .into_inner();
-                subnets.pod_cidr.parse::<IpNet>().map_err(|_| {
-                    Error::Internal(format!(
-                        "local ipam answered pod CIDR {:?}",
-                        subnets.pod_cidr
-                    ))
-                })
-            })
+            .get_or_try_init(|| self.clients.local_pod_cidr())
             .await
             .copied()
     }

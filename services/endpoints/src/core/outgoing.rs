@@ -6,9 +6,8 @@
 
 use std::collections::BTreeSet;
 
-use trellis_api::pb::endpoints as epb;
 use trellis_api::pb::types::ForeignCluster;
-use trellis_api::{ClusterId, ClusterIdentity, convert};
+use trellis_api::{ClusterId, ClusterIdentity};
 use trellis_error::{Error, Result};
 use trellis_store::retry::Contention;
 use trellis_store::{Op, Txn};
@@ -279,14 +278,8 @@ impl Endpoints {
                 )));
             }
             self.clients
-                .remote_endpoints(&target.id, &address)?
-                .delete_reflected_slice(epb::DeleteReflectedSliceRequest {
-                    source: Some(convert::identity_to_pb(&self.local)),
-                    namespace: namespace.to_owned(),
-                    name: name.to_owned(),
-                })
-                .await
-                .map_err(|s| remote_error(&target.id, s))?;
+                .delete_reflected_slice(&target.id, &address, &self.local, namespace, name)
+                .await?;
             delivered = true;
         }
         tracing::info!(
@@ -321,31 +314,9 @@ impl Endpoints {
                 "cluster {target} advertises no endpoints service address"
             )));
         }
-        let answer = self
-            .clients
-            .remote_endpoints(target_id, &address)?
-            .apply_reflected_slice(epb::ApplyReflectedSliceRequest {
-                source: Some(convert::identity_to_pb(&self.local)),
-                slice: Some(slice.to_pb()),
-                generation,
-            })
+        self.clients
+            .apply_reflected_slice(target_id, &address, &self.local, slice, generation)
             .await
-            .map_err(|s| match s.code() {
-                tonic::Code::Unavailable
-                | tonic::Code::Cancelled
-                | tonic::Code::DeadlineExceeded => Error::Unavailable(format!(
-                    "endpoints service of cluster {target} unreachable: {}",
-                    s.message()
-                )),
-                _ => Error::from(s).context(format!("cluster {target} refused the slice")),
-            })?
-            .into_inner();
-        Ok(Applied {
-            applied: answer.applied,
-            // A target that does not say holds at least what it refused.
-            held: answer.held_generation.max(generation),
-            object_name: Some(answer.object_name).filter(|n| !n.is_empty()),
-        })
     }
 
     /// Every reflection this cluster records as source (for operators and tests).
@@ -357,18 +328,5 @@ impl Endpoints {
             .iter()
             .map(|kv| decode(&kv.key, &kv.value))
             .collect()
-    }
-}
-
-/// A failure of another cluster's endpoints service.
-fn remote_error(target: &ClusterId, status: tonic::Status) -> Error {
-    match status.code() {
-        tonic::Code::Unavailable | tonic::Code::Cancelled | tonic::Code::DeadlineExceeded => {
-            Error::Unavailable(format!(
-                "endpoints service of cluster {target} unreachable: {}",
-                status.message()
-            ))
-        }
-        _ => Error::from(status).context(format!("cluster {target}")),
     }
 }

@@ -5,12 +5,10 @@
 use std::collections::BTreeSet;
 
 use trellis_api::ClusterId;
-use trellis_api::pb::ipam as ipb;
 use trellis_error::Result;
 
 use super::Endpoints;
 use crate::records::{OutgoingRecord, decode, outgoing_target_prefix};
-use crate::remote::local_error;
 
 impl Endpoints {
     /// Releases the external-CIDR allocations of `originals` for `target`, except those another
@@ -40,19 +38,10 @@ impl Endpoints {
         }
         let mut released = 0;
         for ip in originals.into_iter().filter(|ip| !still_used.contains(ip)) {
-            let answer = self
-                .clients
-                .ipam()
-                .unmap_endpoint_ip(ipb::UnmapEndpointIpRequest {
-                    cluster_id: target.to_string(),
-                    ip: ip.clone(),
-                })
-                .await
-                .map_err(|s| local_error("ipam", s))?
-                .into_inner();
-            tracing::info!(endpoint.ip = %ip, target.id = %target, returned_to_pool = answer.released, "released hub-path endpoint mapping");
+            let returned = self.clients.unmap_endpoint_ip(target, &ip).await?;
+            tracing::info!(endpoint.ip = %ip, target.id = %target, returned_to_pool = returned, "released hub-path endpoint mapping");
             // The IPAM keeps the address while another target still uses it.
-            if answer.released {
+            if returned {
                 released += 1;
             }
         }

@@ -10,14 +10,12 @@ use std::sync::Arc;
 
 use futures::stream::{self, StreamExt as _, TryStreamExt as _};
 use tokio::sync::{Mutex, OnceCell};
-use trellis_api::pb::endpoints as epb;
-use trellis_api::pb::ipam as ipb;
 use trellis_api::{ClusterId, ClusterIdentity};
 use trellis_error::{Error, Result};
 
 use super::{Endpoints, advertised};
 use crate::model::{AddressType, Slice};
-use crate::remote::local_error;
+use crate::remote::ipam::{MappingPath, RemoteIpam};
 
 /// Addresses translated concurrently within one slice: enough to hide loopback and LAN round
 /// trips, few enough not to flood the local IPAM.
@@ -31,18 +29,6 @@ pub enum Path {
     HubExternal,
     TargetHome,
     Untranslated,
-}
-
-impl Path {
-    pub fn to_pb(self) -> epb::TranslationPath {
-        match self {
-            Self::LocalNat => epb::TranslationPath::LocalNat,
-            Self::Induced => epb::TranslationPath::Induced,
-            Self::HubExternal => epb::TranslationPath::HubExternal,
-            Self::TargetHome => epb::TranslationPath::TargetHome,
-            Self::Untranslated => epb::TranslationPath::Untranslated,
-        }
-    }
 }
 
 /// The translation of one address.
@@ -60,7 +46,7 @@ pub struct Translation {
 #[derive(Debug, Clone)]
 enum Route {
     /// The home cluster's IPAM knows how the target addresses it.
-    Induced(trellis_api::pb::ipam::ipam_client::IpamClient<trellis_runtime::client::TracedChannel>),
+    Induced(Box<RemoteIpam>),
     /// Hub path, with the reason (empty when the home cluster simply has no induced peering
     /// with the target).
     Hub(String),
@@ -128,14 +114,7 @@ impl Endpoints {
         ip: IpAddr,
         routes: &Mutex<HashMap<ClusterId, Arc<OnceCell<Route>>>>,
     ) -> Result<Translation> {
-        let owner = self
-            .clients
-            .ipam()
-            .get_cluster_identity(ipb::GetClusterIdentityRequest { ip: ip.to_string() })
-            .await
-            .map_err(|s| address_error(field, s))?
-            .into_inner();
-        if owner.cluster_id.is_empty() {
+        let Some(home) = self.clients.owner_of(field, ip).await? else {
             let pod_cidr = self.pod_cidr().await?;
             if !pod_cidr.contains(&ip) {
                 return Err(Error::FailedPrecondition(format!(
@@ -145,18 +124,7 @@ impl Endpoints {
             return self
                 .map_locally(target, field, ip, Some(self.local.clone()), String::new())
                 .await;
-        }
-        let home = ClusterIdentity::parse(
-            "cluster_id",
-            &owner.cluster_id,
-            "cluster_name",
-            &owner.cluster_name,
-        )
-        .map_err(|e| {
-            Error::Internal(format!(
-                "local ipam answered a malformed owner of {ip}: {e}"
-            ))
-        })?;
+        };
         if home.id == target.id {
             return self
                 .map_locally(target, field, ip, Some(home), String::new())
@@ -173,7 +141,7 @@ impl Endpoints {
         let detail = match route {
             Route::Hub(detail) => detail,
             Route::Induced(remote) => {
-                match self.map_induced(remote, &home, target, field, ip).await {
+                match self.map_induced(&remote, &home, target, field, ip).await {
                     Ok(translated) => {
                         return Ok(Translation {
                             original: ip.to_string(),
@@ -236,25 +204,13 @@ impl Endpoints {
                 )));
             }
         };
-        let answer = self
-            .clients
-            .remote_ipam_call(|| {
-                let mut remote = remote.clone();
-                let request = ipb::DoesClusterMappingExistRequest {
-                    cluster_id: target.id.to_string(),
-                };
-                async move { remote.does_cluster_mapping_exist(request).await }
-            })
-            .await;
-        match answer {
-            Ok(answer) if answer.get_ref().exists => Ok(Route::Induced(remote)),
-            Ok(_) => Ok(Route::Hub(String::new())),
-            Err(status) => {
+        match remote.has_mapping_for(&target.id).await {
+            Ok(true) => Ok(Route::Induced(Box::new(remote))),
+            Ok(false) => Ok(Route::Hub(String::new())),
+            Err(err) => {
                 let detail = format!(
-                    "remote IPAM of cluster {} at {address} unreachable ({}: {}); hub path used",
+                    "remote IPAM of cluster {} at {address} unreachable ({err}); hub path used",
                     home.id,
-                    status.code(),
-                    status.message()
                 );
                 tracing::warn!(home.id = %home.id, detail, "remote ipam unavailable");
                 Ok(Route::Hub(detail))
@@ -265,9 +221,7 @@ impl Endpoints {
     /// The induced path: the home IP, mapped by the home cluster's IPAM for the target.
     async fn map_induced(
         &self,
-        remote: trellis_api::pb::ipam::ipam_client::IpamClient<
-            trellis_runtime::client::TracedChannel,
-        >,
+        remote: &RemoteIpam,
         home: &ClusterIdentity,
         target: &ClusterIdentity,
         field: &str,
@@ -275,42 +229,23 @@ impl Endpoints {
     ) -> std::result::Result<IpAddr, InducedFailure> {
         let home_ip = self
             .clients
-            .ipam()
-            .get_home_pod_ip(ipb::GetHomePodIpRequest {
-                cluster_id: home.id.to_string(),
-                ip: ip.to_string(),
-            })
+            .home_pod_ip(field, &home.id, ip)
             .await
-            .map_err(|s| InducedFailure::Fatal(address_error(field, s)))?
-            .into_inner()
-            .home_ip;
-        let request = ipb::MapEndpointIpRequest {
-            cluster_id: target.id.to_string(),
-            ip: home_ip.clone(),
-            induced: true,
-        };
-        let answer = self
-            .clients
-            .remote_ipam_call(|| {
-                let mut remote = remote.clone();
-                let request = request.clone();
-                async move { remote.map_endpoint_ip(request).await }
-            })
+            .map_err(InducedFailure::Fatal)?;
+        let answer = remote
+            .map_induced(&target.id, &home_ip)
             .await
-            .map_err(|s| {
+            .map_err(|err| {
                 InducedFailure::Fallback(format!(
-                    "remote IPAM of cluster {} could not map home IP {home_ip} ({}: {}); hub path used",
+                    "remote IPAM of cluster {} could not map home IP {home_ip} ({err}); hub path used",
                     home.id,
-                    s.code(),
-                    s.message()
                 ))
-            })?
-            .into_inner();
-        if answer.path != i32::from(ipb::MappingPath::LocalNat) {
+            })?;
+        if answer.path != MappingPath::LocalNat {
             // The home IPAM must map through how the target addresses it; anything else
             // would be an address the target cannot use.
             return Err(InducedFailure::Fallback(format!(
-                "remote IPAM of cluster {} answered path {} for an induced mapping; hub path used",
+                "remote IPAM of cluster {} answered path {:?} for an induced mapping; hub path used",
                 home.id, answer.path
             )));
         }
@@ -338,32 +273,14 @@ impl Endpoints {
         home: Option<ClusterIdentity>,
         detail: String,
     ) -> Result<Translation> {
-        let answer = self
-            .clients
-            .ipam()
-            .map_endpoint_ip(ipb::MapEndpointIpRequest {
-                cluster_id: target.id.to_string(),
-                ip: ip.to_string(),
-                induced: false,
-            })
-            .await
-            .map_err(|s| match s.code() {
-                tonic::Code::NotFound => Error::FailedPrecondition(format!(
-                    "{field}: the local IPAM cannot map {ip} for cluster {}: {}",
-                    target.id,
-                    s.message()
-                )),
-                _ => address_error(field, s),
-            })?
-            .into_inner();
-        let path = match ipb::MappingPath::try_from(answer.path) {
-            Ok(ipb::MappingPath::LocalNat) => Path::LocalNat,
-            Ok(ipb::MappingPath::Home) => Path::TargetHome,
-            Ok(ipb::MappingPath::External) => Path::HubExternal,
-            _ => {
+        let answer = self.clients.map_endpoint_ip(field, &target.id, ip).await?;
+        let path = match answer.path {
+            MappingPath::LocalNat => Path::LocalNat,
+            MappingPath::Home => Path::TargetHome,
+            MappingPath::External => Path::HubExternal,
+            MappingPath::Unknown(path) => {
                 return Err(Error::Internal(format!(
-                    "local ipam answered an unknown mapping path {} for {ip}",
-                    answer.path
+                    "local ipam answered an unknown mapping path {path} for {ip}"
                 )));
             }
         };
@@ -385,12 +302,4 @@ enum InducedFailure {
     Fallback(String),
     /// Our own state is inconsistent: fail the request.
     Fatal(Error),
-}
-
-/// A failure of the local IPAM about one address: a refused address names the request field.
-fn address_error(field: &str, status: tonic::Status) -> Error {
-    match status.code() {
-        tonic::Code::InvalidArgument => Error::invalid(field, status.message().to_owned()),
-        _ => local_error("ipam", status),
-    }
 }

@@ -2,10 +2,7 @@
 //! status to the origin, or a withdrawal) and what its outcome leaves stored: nothing once
 //! answered, a failure for good, or the next attempt's time under the relay's backoff.
 
-use trellis_api::convert::identity_to_pb;
-use trellis_api::pb::peering::{ReportNetworkConfigStatusRequest, SubmitNetworkConfigRequest};
 use trellis_api::pb::types as pb;
-use trellis_api::peers::network_config_name;
 use trellis_error::{Error, Result};
 use trellis_runtime::retry::Retryable as _;
 
@@ -39,27 +36,8 @@ impl Forwarder {
             match record.state {
                 State::Pending | State::Delivered => {
                     let broker = peers.broker_of(&record.destination.id, "destination")?;
-                    let answer = self
-                        .submitter(&broker, &record.destination.id)?
-                        .call(SubmitNetworkConfigRequest {
-                            network_config: Some(pb::NetworkConfig {
-                                name: network_config_name(
-                                    &record.origin.id,
-                                    &record.destination.id,
-                                ),
-                                origin: Some(identity_to_pb(&record.origin)),
-                                destination: Some(identity_to_pb(&record.destination)),
-                                via: Some(identity_to_pb(&self.identity)),
-                                spec: Some(record.spec.to_proto()),
-                                status: None,
-                                generation: record.generation,
-                                update_time: None,
-                                held_generation: record.held_generation,
-                            }),
-                        })
-                        .await
-                        .map_err(Error::from)?;
-                    let decided = answer.status.filter(|s| {
+                    let answer = self.brokers.submit(&broker, &record).await?;
+                    let decided = answer.filter(|s| {
                         matches!(
                             pb::NetworkConfigState::try_from(s.state),
                             Ok(pb::NetworkConfigState::Processed
@@ -82,32 +60,16 @@ impl Forwarder {
                         .status
                         .clone()
                         .ok_or_else(|| Error::Internal("a status relay without a status".into()))?;
-                    self.broker(&broker, &record.origin.id)?
-                        .report_network_config_status(ReportNetworkConfigStatusRequest {
-                            network_config: Some(pb::NetworkConfigRef {
-                                name: network_config_name(
-                                    &record.origin.id,
-                                    &record.destination.id,
-                                ),
-                                origin: Some(identity_to_pb(&record.origin)),
-                                destination: Some(identity_to_pb(&record.destination)),
-                                via: Some(identity_to_pb(&self.identity)),
-                            }),
-                            status: Some(status.to_pb()),
-                        })
-                        .await
-                        .map_err(Error::from)?;
+                    self.brokers
+                        .report_status(&broker, &record.origin, &record.destination, &status)
+                        .await?;
                     Ok(None)
                 }
                 State::Withdrawing => {
                     let broker = peers.broker_of(&record.destination.id, "destination")?;
-                    self.send_withdrawal(
-                        &broker,
-                        &record.origin,
-                        &record.destination,
-                        &record.reason,
-                    )
-                    .await?;
+                    self.brokers
+                        .withdraw(&broker, &record.origin, &record.destination, &record.reason)
+                        .await?;
                     Ok(None)
                 }
                 State::Failed => Ok(Some(State::Failed)),

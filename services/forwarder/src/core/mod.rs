@@ -19,7 +19,9 @@
 //! - `delivery`: one delivery attempt and what its outcome leaves stored;
 //! - `ledger`: reading and writing relay records, and which keys may be stored at all;
 //! - [`schedule`]: the due queue and the retry loop working it;
-//! - `remote`: the clusters at a relay's two ends and the channels to their brokers.
+//! - `peers`: the clusters at a relay's two ends, and whether a relay between them is allowed.
+//!
+//! The brokers at the two ends are called through [`crate::remote::Brokers`].
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Mutex;
@@ -27,11 +29,9 @@ use std::time::Duration;
 
 use tokio::sync::Notify;
 use trellis_api::model::NetworkSpec;
-use trellis_api::pb::peering::{SubmitNetworkConfigRequest, SubmitNetworkConfigResponse};
 use trellis_api::{ClusterId, ClusterIdentity};
 use trellis_error::Result;
 use trellis_runtime::Shutdown;
-use trellis_runtime::batch::Batchers;
 use trellis_runtime::client::{Timeouts, TracedChannel, local_channel};
 use trellis_runtime::foreign_clusters::ForeignClusters;
 use trellis_runtime::metrics::Metrics;
@@ -40,11 +40,12 @@ use trellis_runtime::tls::PeerTls;
 use trellis_store::SharedStore;
 
 use crate::records::{RELAYS_PREFIX, RelayRecord, decode};
+use crate::remote::Brokers;
 
 mod delivery;
 mod ledger;
+mod peers;
 pub mod relay;
-mod remote;
 pub mod schedule;
 mod withdrawal;
 
@@ -114,14 +115,8 @@ pub struct Forwarder {
     /// The local discovery service's records, as its watch last delivered them
     /// ([`Forwarder::follow_discovery`]): what a relay is authorized against.
     foreign_clusters: ForeignClusters,
-    /// Mutual TLS towards other clusters (ADR 0014); plaintext when absent.
-    tls: Option<PeerTls>,
-    /// Broker channels by (address, cluster).
-    brokers: Mutex<HashMap<(String, String), TracedChannel>>,
-    /// Deliveries to each broker, batched (ADR 0012).
-    submitters: Batchers<SubmitNetworkConfigRequest, SubmitNetworkConfigResponse>,
-    /// The forwarder's registry: its channels' calls count there (`grpc_client_*`).
-    metrics: Metrics,
+    /// The brokers at the relays' ends, over mutual TLS (ADR 0014) when configured.
+    brokers: Brokers,
     delivery: Delivery,
     /// The retry loop's due queue.
     schedule: Mutex<Schedule>,
@@ -154,14 +149,11 @@ impl Forwarder {
         metrics: &Metrics,
     ) -> Result<Self> {
         Ok(Self {
-            identity,
-            store,
             discovery: local_channel("discovery", discovery, LOCAL, local_token, metrics)?,
             foreign_clusters: ForeignClusters::new(),
-            tls,
-            metrics: metrics.clone(),
-            brokers: Mutex::new(HashMap::new()),
-            submitters: Batchers::default(),
+            brokers: Brokers::new(identity.clone(), tls, DELIVERY, metrics),
+            identity,
+            store,
             delivery: Delivery {
                 concurrency: delivery.concurrency.max(1),
                 ..delivery

@@ -4,11 +4,7 @@
 //! destination being gone is often why the origin withdraws, and then nobody is told.
 
 use trellis_api::ClusterIdentity;
-use trellis_api::convert::identity_to_pb;
-use trellis_api::pb::peering::WithdrawNetworkConfigRequest;
-use trellis_api::pb::types as pb;
-use trellis_api::peers::network_config_name;
-use trellis_error::{Error, Result};
+use trellis_error::Result;
 use trellis_runtime::propagation::traceparent_of;
 use trellis_store::retry::Contention;
 
@@ -84,30 +80,9 @@ impl Forwarder {
     ) -> Result<State> {
         let peers = self.fresh_peers(&[&destination.id]).await?;
         let broker = peers.broker_of(&destination.id, "destination")?;
-        self.send_withdrawal(&broker, origin, destination, reason)
+        self.brokers
+            .withdraw(&broker, origin, destination, reason)
             .await?;
         Ok(State::Completed)
-    }
-
-    pub(super) async fn send_withdrawal(
-        &self,
-        broker: &str,
-        origin: &ClusterIdentity,
-        destination: &ClusterIdentity,
-        reason: &str,
-    ) -> Result<()> {
-        self.broker(broker, &destination.id)?
-            .withdraw_network_config(WithdrawNetworkConfigRequest {
-                network_config: Some(pb::NetworkConfigRef {
-                    name: network_config_name(&origin.id, &destination.id),
-                    origin: Some(identity_to_pb(origin)),
-                    destination: Some(identity_to_pb(destination)),
-                    via: Some(identity_to_pb(&self.identity)),
-                }),
-                reason: reason.to_owned(),
-            })
-            .await
-            .map_err(Error::from)?;
-        Ok(())
     }
 }
