@@ -3,8 +3,10 @@
 //! free-form note), the writing of a JSON result file, and the per-process measurements read
 //! from /proc, and the `wireguard-go` reference tunnel of the data-plane benchmark
 //! ([`wireguard_go`]). What the result files hold is [`results`], the one schema the
-//! benchmarks write and the report generator (`bench-report`, [`report`]) reads.
+//! benchmarks write and the report generator (`bench-report`, [`report`]) reads. The larger
+//! benchmarks' parts live in [`mesh`]; its binary keeps `main` and flags.
 
+pub mod mesh;
 pub mod proc;
 pub mod report;
 pub mod results;
