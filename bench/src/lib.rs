@@ -1,20 +1,27 @@
 //! Shared pieces of the benchmark binaries: a latency recorder, the description of the
 //! machine a run happened on, what identifies a run (date, git commit, quick or full, a
-//! free-form note), the JSON result file every benchmark writes, and the per-process
-//! measurements read from /proc, and the `wireguard-go` reference tunnel of the data-plane
-//! benchmark ([`wireguard_go`]). The report generator (`bench-report`) lives in [`report`].
+//! free-form note), the writing of a JSON result file, and the per-process measurements read
+//! from /proc, and the `wireguard-go` reference tunnel of the data-plane benchmark
+//! ([`wireguard_go`]). What the result files hold is [`results`], the one schema the
+//! benchmarks write and the report generator (`bench-report`, [`report`]) reads. The larger
+//! benchmarks' parts live in [`mesh`] and [`dataplane`]; their binaries keep `main` and flags.
 
+pub mod dataplane;
+pub mod mesh;
 pub mod proc;
 pub mod report;
+pub mod results;
 pub mod svg;
 pub mod wireguard_go;
+
+pub use results::{LatencySummary, Machine, RunInfo, RunKind};
 
 use std::path::Path;
 use std::time::Duration;
 
 use anyhow::Context as _;
 use hdrhistogram::Histogram;
-use serde::{Deserialize, Serialize};
+use serde::Serialize;
 
 /// Latencies of one scenario.
 #[derive(Debug)]
@@ -65,43 +72,6 @@ impl Recorder {
     }
 }
 
-/// Throughput and latency of one scenario.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct LatencySummary {
-    pub operations: u64,
-    pub wall_seconds: f64,
-    pub ops_per_second: f64,
-    pub p50_ms: f64,
-    pub p99_ms: f64,
-    pub max_ms: f64,
-}
-
-impl LatencySummary {
-    /// The median of each metric over `runs`, metric by metric (so the p99 is the median of the
-    /// runs' p99s); `None` for no runs.
-    pub fn median_of(runs: &[LatencySummary]) -> Option<LatencySummary> {
-        let m = |f: fn(&LatencySummary) -> f64| median(&runs.iter().map(f).collect::<Vec<_>>());
-        Some(LatencySummary {
-            operations: runs.first()?.operations,
-            wall_seconds: m(|r| r.wall_seconds)?,
-            ops_per_second: m(|r| r.ops_per_second)?,
-            p50_ms: m(|r| r.p50_ms)?,
-            p99_ms: m(|r| r.p99_ms)?,
-            max_ms: m(|r| r.max_ms)?,
-        })
-    }
-}
-
-/// The machine a result was measured on.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct Machine {
-    pub cpu_model: String,
-    pub cores: usize,
-    pub memory_gib: f64,
-    pub kernel: String,
-    pub etcd_version: String,
-}
-
 impl Machine {
     /// Reads /proc and asks etcd for its version.
     pub fn describe() -> Self {
@@ -147,16 +117,6 @@ impl Machine {
     }
 }
 
-/// Which suite a result belongs to.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
-#[serde(rename_all = "lowercase")]
-pub enum RunKind {
-    /// `make bench`: the sizes and repetitions the document is meant to report.
-    Full,
-    /// `make bench-quick`: smaller sizes, fewer requests and repetitions (under 5 minutes).
-    Quick,
-}
-
 /// Flags every benchmark binary shares (flattened into each one's arguments).
 #[derive(Debug, Clone, clap::Args)]
 pub struct RunArgs {
@@ -168,22 +128,6 @@ pub struct RunArgs {
     /// recorded in the JSON and shown in the document's machine section.
     #[arg(long, env = "TRELLIS_BENCH_NOTE", default_value = "")]
     pub note: String,
-}
-
-/// What identifies one run of one benchmark binary.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct RunInfo {
-    pub kind: RunKind,
-    /// When the run started, UTC, RFC 3339.
-    pub timestamp: String,
-    /// `git rev-parse HEAD` of the tree that was measured, with `+dirty` when it had
-    /// uncommitted changes; `unknown` outside a git checkout.
-    pub git_commit: String,
-    /// The 1-minute load average when the run started (other work on the machine).
-    pub load_average_1m: Option<f64>,
-    pub note: String,
-    /// The command line (program name and flags).
-    pub command: Vec<String>,
 }
 
 impl RunInfo {
@@ -203,9 +147,9 @@ impl RunInfo {
             })
             .collect();
         Self {
-            kind: args.run_kind,
-            timestamp: utc_now(),
-            git_commit: git_commit(),
+            kind: Some(args.run_kind),
+            timestamp: Some(utc_now()),
+            git_commit: Some(git_commit()),
             load_average_1m: std::fs::read_to_string("/proc/loadavg")
                 .ok()
                 .and_then(|l| l.split_whitespace().next()?.parse().ok()),

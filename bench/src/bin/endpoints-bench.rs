@@ -17,9 +17,8 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
-use clap::{Parser, ValueEnum};
+use clap::Parser;
 use ipnet::IpNet;
-use serde::Serialize;
 use tonic::transport::Channel;
 use trellis_api::pb::discovery::UpdatePeeringRequest;
 use trellis_api::pb::discovery::discovery_client::DiscoveryClient;
@@ -30,15 +29,9 @@ use trellis_api::pb::endpoints::{
 use trellis_api::pb::ipam::ipam_client::IpamClient;
 use trellis_api::pb::ipam::{GetSubnetsPerClusterRequest, SetLocalNatRequest};
 use trellis_api::pb::types::{ClusterIdentity, ServiceAddresses};
+use trellis_bench::results::{EndpointsParameters, EndpointsResult, EndpointsScenario, Store};
 use trellis_bench::{LatencySummary, Machine, Recorder, RunArgs, RunInfo, median, write_json};
 use trellis_runtime::Shutdown;
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize)]
-#[serde(rename_all = "lowercase")]
-enum StoreKind {
-    Memory,
-    Etcd,
-}
 
 /// Measures ReflectEndpointSlice over gRPC and writes a JSON result.
 #[derive(Debug, Parser)]
@@ -57,44 +50,12 @@ struct Args {
     repeats: usize,
     /// Stores to measure.
     #[arg(long, value_enum, value_delimiter = ',', default_values = ["memory", "etcd"])]
-    stores: Vec<StoreKind>,
+    stores: Vec<Store>,
     /// Where to write the JSON result.
     #[arg(long, default_value = "bench/results/endpoints.json")]
     out: PathBuf,
     #[command(flatten)]
     run: RunArgs,
-}
-
-#[derive(Debug, Serialize)]
-struct Parameters {
-    reflections: usize,
-    slice_size: usize,
-    concurrency: usize,
-    repeats: usize,
-}
-
-#[derive(Debug, Serialize)]
-struct Scenario {
-    store: StoreKind,
-    path: &'static str,
-    concurrency: usize,
-    slice_size: usize,
-    /// Median over the runs.
-    endpoints_per_second: f64,
-    /// Latency of one whole reflection (a slice of `slice_size` endpoints), medians over the
-    /// runs metric by metric.
-    #[serde(flatten)]
-    latency: LatencySummary,
-    runs: Vec<LatencySummary>,
-}
-
-#[derive(Debug, Serialize)]
-struct Report {
-    benchmark: &'static str,
-    run: RunInfo,
-    machine: Machine,
-    parameters: Parameters,
-    scenarios: Vec<Scenario>,
 }
 
 const POD_CIDR: &str = "10.0.0.0/16";
@@ -211,10 +172,10 @@ async fn run_scenario(
     Ok((summary, endpoints))
 }
 
-async fn measure(store: StoreKind, args: &Args) -> anyhow::Result<Vec<Scenario>> {
+async fn measure(store: Store, args: &Args) -> anyhow::Result<Vec<EndpointsScenario>> {
     let etcd = match store {
-        StoreKind::Etcd => Some(trellis_testkit::Etcd::start().context("starting etcd")?),
-        StoreKind::Memory => None,
+        Store::Etcd => Some(trellis_testkit::Etcd::start().context("starting etcd")?),
+        Store::Memory => None,
     };
     let url = |prefix: &str| {
         etcd.as_ref()
@@ -318,9 +279,9 @@ async fn measure(store: StoreKind, args: &Args) -> anyhow::Result<Vec<Scenario>>
             runs.push(latency);
             rates.push(endpoints_per_second);
         }
-        out.push(Scenario {
+        out.push(EndpointsScenario {
             store,
-            path,
+            path: path.into(),
             concurrency: args.concurrency,
             slice_size: args.slice_size,
             endpoints_per_second: median(&rates).context("--repeats must be at least 1")?,
@@ -347,16 +308,16 @@ async fn main() -> anyhow::Result<()> {
         );
         scenarios.extend(measure(*store, &args).await?);
     }
-    let report = Report {
-        benchmark: "endpoints_reflect_endpoint_slice",
-        run,
-        machine: Machine::describe(),
-        parameters: Parameters {
+    let report = EndpointsResult {
+        benchmark: "endpoints_reflect_endpoint_slice".into(),
+        run: Some(run),
+        machine: Some(Machine::describe()),
+        parameters: Some(EndpointsParameters {
             reflections: args.reflections,
             slice_size: args.slice_size,
             concurrency: args.concurrency,
             repeats: args.repeats,
-        },
+        }),
         scenarios,
     };
     write_json(&args.out, &report)?;

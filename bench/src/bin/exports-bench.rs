@@ -18,12 +18,12 @@ use std::time::{Duration, Instant};
 use anyhow::Context as _;
 use clap::Parser;
 use ipnet::IpNet;
-use serde::Serialize;
 use trellis_api::pb::endpoints::{
     EndpointPort, ExportServiceRequest, ExportedEndpoint, ListReflectedSlicesRequest,
 };
 use trellis_bench::proc::raise_nofile_limit;
-use trellis_bench::{LatencySummary, Machine, Recorder, RunArgs, RunInfo, median, write_json};
+use trellis_bench::results::{ExportsParameters, ExportsResult};
+use trellis_bench::{Machine, Recorder, RunArgs, RunInfo, median, write_json};
 use trellis_integration::cluster::InProcessCluster;
 use trellis_integration::peering::{host_at, peer, tunnel_to};
 
@@ -57,32 +57,6 @@ struct Args {
     out: PathBuf,
     #[command(flatten)]
     run: RunArgs,
-}
-
-#[derive(Debug, Serialize)]
-struct Parameters {
-    leaves: usize,
-    consumers: usize,
-    samples: usize,
-    bulk_endpoints: usize,
-    repeats: usize,
-    poll_ms: u64,
-}
-
-#[derive(Debug, Serialize)]
-struct Report {
-    benchmark: &'static str,
-    run: RunInfo,
-    machine: Machine,
-    parameters: Parameters,
-    /// Seconds from the first Peer call to the complete induced mesh.
-    mesh_seconds: f64,
-    /// Export change → changed slice at the induced consumer.
-    change_latency: LatencySummary,
-    /// Seconds until every consumer listed every endpoint of a bulk export, per repeat.
-    bulk_seconds: Vec<f64>,
-    /// Consumers × bulk endpoints / median bulk seconds.
-    reflected_endpoints_per_second: f64,
 }
 
 fn export(name: &str, pods: &[u32]) -> ExportServiceRequest {
@@ -231,20 +205,20 @@ async fn main() -> anyhow::Result<()> {
         bulk_seconds.push(slowest.as_secs_f64());
     }
     let med = median(&bulk_seconds).context("--repeats must be at least 1")?;
-    let report = Report {
-        benchmark: "endpoints_exports",
-        run,
-        machine: Machine::describe(),
-        parameters: Parameters {
+    let report = ExportsResult {
+        benchmark: "endpoints_exports".into(),
+        run: Some(run),
+        machine: Some(Machine::describe()),
+        parameters: Some(ExportsParameters {
             leaves: args.leaves,
             consumers: consumers.len(),
             samples: args.samples,
             bulk_endpoints: args.bulk_endpoints,
             repeats: args.repeats,
             poll_ms: args.poll_ms,
-        },
+        }),
         mesh_seconds,
-        change_latency,
+        change_latency: Some(change_latency),
         reflected_endpoints_per_second: (consumers.len() * args.bulk_endpoints) as f64 / med,
         bulk_seconds,
     };

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, bail, ensure};
 use clap::Parser;
-use serde::Serialize;
+use trellis_bench::results::{FailoverParameters, FailoverResult, Kill, Spread};
 use trellis_bench::{Machine, RunArgs, RunInfo, write_json};
 use trellis_integration::failover::{FLOWS, Flows, PORT, address, measured, python_in, the_active};
 use trellis_netlab::{Fabric, FabricOptions};
@@ -50,53 +50,6 @@ struct Args {
     out: PathBuf,
     #[command(flatten)]
     run: RunArgs,
-}
-
-#[derive(Debug, Serialize)]
-struct Parameters {
-    kills: usize,
-    clusters: usize,
-    nodes_per_cluster: usize,
-    replicas_per_cluster: usize,
-    connections_per_destination: usize,
-    pushed_per_destination: usize,
-    probe_interval_ms: u64,
-    before_ms: u64,
-    after_ms: u64,
-}
-
-#[derive(Debug, Serialize)]
-struct Kill {
-    /// The cluster whose active was killed.
-    cluster: &'static str,
-    takeover_ms: f64,
-    probe_gap_ms: f64,
-    tcp_broken: usize,
-    broken: Vec<String>,
-}
-
-#[derive(Debug, Serialize)]
-struct Spread {
-    p50: f64,
-    p99: f64,
-    max: f64,
-}
-
-#[derive(Debug, Serialize)]
-struct Report {
-    benchmark: &'static str,
-    run: RunInfo,
-    machine: Machine,
-    parameters: Parameters,
-    mesh_seconds: f64,
-    kills: Vec<Kill>,
-    takeover_ms: Spread,
-    probe_gap_ms: Spread,
-    /// TCP connections open across a kill, over all kills.
-    tcp_connections: usize,
-    /// Of those, broken (reset, closed, or silent), over all kills and per cluster killed.
-    tcp_broken: usize,
-    tcp_broken_by_cluster: std::collections::BTreeMap<&'static str, usize>,
 }
 
 /// The nearest-rank percentile `p` (0–1) of `values`: always a measured value.
@@ -211,7 +164,7 @@ async fn main() -> anyhow::Result<()> {
             m.broken.len()
         );
         kills.push(Kill {
-            cluster: CLUSTERS[cluster],
+            cluster: CLUSTERS[cluster].to_owned(),
             takeover_ms,
             probe_gap_ms: m.probe_gap_ms,
             tcp_broken: m.broken.len(),
@@ -226,13 +179,13 @@ async fn main() -> anyhow::Result<()> {
     let gaps: Vec<f64> = kills.iter().map(|k| k.probe_gap_ms).collect();
     let mut by_cluster = std::collections::BTreeMap::new();
     for k in &kills {
-        *by_cluster.entry(k.cluster).or_insert(0) += k.tcp_broken;
+        *by_cluster.entry(k.cluster.clone()).or_insert(0) += k.tcp_broken;
     }
-    let report = Report {
-        benchmark: "failover",
-        run,
-        machine: Machine::describe(),
-        parameters: Parameters {
+    let report = FailoverResult {
+        benchmark: "failover".into(),
+        run: Some(run),
+        machine: Some(Machine::describe()),
+        parameters: FailoverParameters {
             kills: args.kills,
             clusters: 3,
             nodes_per_cluster: 3,

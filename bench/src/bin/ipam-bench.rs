@@ -27,24 +27,19 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
-use clap::{Parser, ValueEnum};
+use clap::Parser;
 use ipnet::IpNet;
-use serde::Serialize;
 use tonic::transport::Channel;
 use trellis_api::pb::ipam::ipam_client::IpamClient;
 use trellis_api::pb::ipam::{
     FreeSubnetsPerClusterRequest, GetLocalSubnetsRequest, GetSubnetsPerClusterRequest,
     MapEndpointIpRequest, SetLocalNatRequest,
 };
+use trellis_bench::results::{
+    Consistency, IpamParameters, IpamResult, IpamScenario, MetricsOverhead, Store,
+};
 use trellis_bench::{LatencySummary, Machine, Recorder, RunArgs, RunInfo, write_json};
 use trellis_runtime::Shutdown;
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize)]
-#[serde(rename_all = "lowercase")]
-enum StoreKind {
-    Memory,
-    Etcd,
-}
 
 /// Measures the IPAM's MapEndpointIp and GetSubnetsPerCluster over gRPC and writes a JSON
 /// result (read by `bench-report`).
@@ -69,7 +64,7 @@ struct Args {
     repeats: usize,
     /// Stores to measure.
     #[arg(long, value_enum, value_delimiter = ',', default_values = ["memory", "etcd"])]
-    stores: Vec<StoreKind>,
+    stores: Vec<Store>,
     /// Numbers of IPAM replicas to measure with the etcd store (the memory store is always
     /// measured with one: it cannot be shared between servers).
     #[arg(long, value_delimiter = ',', default_values_t = [1usize, 3])]
@@ -87,81 +82,6 @@ struct Args {
     out: PathBuf,
     #[command(flatten)]
     run: RunArgs,
-}
-
-#[derive(Debug, Serialize)]
-struct Scenario {
-    store: StoreKind,
-    replicas: usize,
-    rpc: &'static str,
-    path: &'static str,
-    concurrency: usize,
-    /// Medians over the runs, metric by metric.
-    #[serde(flatten)]
-    latency: LatencySummary,
-    runs: Vec<LatencySummary>,
-}
-
-/// The outcome of the consistency check with several replicas.
-#[derive(Debug, Serialize)]
-struct Consistency {
-    store: StoreKind,
-    replicas: usize,
-    clients: usize,
-    endpoints_checked: usize,
-    clusters_checked: usize,
-    /// Endpoints for which two clients got different addresses.
-    endpoint_disagreements: usize,
-    /// Addresses handed to more than one endpoint.
-    shared_addresses: usize,
-    /// Clusters for which two clients got different ranges.
-    cluster_disagreements: usize,
-    /// Ranges handed to more than one cluster (or overlapping).
-    overlapping_ranges: usize,
-    /// Failed requests (errors are answers too: they are counted, not retried).
-    errors: usize,
-    /// Up to five examples of what went wrong.
-    examples: Vec<String>,
-    consistent: bool,
-}
-
-/// The metrics-overhead variant: the same scenario against an IPAM with and without metrics.
-#[derive(Debug, Serialize)]
-struct MetricsOverhead {
-    store: StoreKind,
-    rpc: &'static str,
-    path: &'static str,
-    concurrency: usize,
-    /// Medians over the runs, with the gRPC metrics layer recording every request.
-    with_metrics: LatencySummary,
-    /// Medians over the runs, with `--metrics-listen off` (no layer).
-    without_metrics: LatencySummary,
-    /// Requests/s with metrics divided by requests/s without, per pair of runs.
-    ratios: Vec<f64>,
-    /// The median of `ratios` (1.0: no overhead; 0.95: 5% fewer requests per second).
-    throughput_ratio: f64,
-}
-
-#[derive(Debug, Serialize)]
-struct Parameters {
-    requests: usize,
-    new_clusters: usize,
-    concurrency: usize,
-    repeats: usize,
-    replicas: Vec<usize>,
-    consistency_endpoints: usize,
-    metrics_repeats: usize,
-}
-
-#[derive(Debug, Serialize)]
-struct Report {
-    benchmark: &'static str,
-    run: RunInfo,
-    machine: Machine,
-    parameters: Parameters,
-    scenarios: Vec<Scenario>,
-    consistency: Vec<Consistency>,
-    metrics_overhead: Option<MetricsOverhead>,
 }
 
 const LEAF: &str = "leaf";
@@ -304,23 +224,23 @@ struct Servers {
     _etcd: Option<trellis_testkit::Etcd>,
 }
 
-async fn start_servers(store: StoreKind, replicas: usize) -> anyhow::Result<Servers> {
+async fn start_servers(store: Store, replicas: usize) -> anyhow::Result<Servers> {
     start_servers_with(store, replicas, false).await
 }
 
 /// Like [`start_servers`]; `metrics` serves `/metrics` on a free port (the gRPC metrics layer
 /// recording every request), otherwise `--metrics-listen off` (no layer).
 async fn start_servers_with(
-    store: StoreKind,
+    store: Store,
     replicas: usize,
     metrics: bool,
 ) -> anyhow::Result<Servers> {
     let etcd = match store {
-        StoreKind::Etcd => Some(
+        Store::Etcd => Some(
             trellis_testkit::Etcd::start()
                 .context("starting etcd (installed by `make setup`; `--stores memory` skips it)")?,
         ),
-        StoreKind::Memory => None,
+        Store::Memory => None,
     };
     let store_url = etcd
         .as_ref()
@@ -357,10 +277,10 @@ async fn start_servers_with(
 }
 
 async fn measure(
-    store: StoreKind,
+    store: Store,
     replicas: usize,
     args: &Args,
-) -> anyhow::Result<(Vec<Scenario>, Option<Consistency>)> {
+) -> anyhow::Result<(Vec<IpamScenario>, Option<Consistency>)> {
     let servers = start_servers(store, replicas).await?;
     let owner_pods = prepare(servers.addrs[0]).await?;
     let base = trellis_api::net::ip_to_u128(owner_pods.network());
@@ -451,11 +371,11 @@ async fn measure(
         .iter()
         .filter_map(|key| {
             let runs = runs.remove(key)?;
-            Some(Scenario {
+            Some(IpamScenario {
                 store,
                 replicas,
-                rpc: key.0,
-                path: key.1,
+                rpc: key.0.into(),
+                path: key.1.into(),
                 concurrency: args.concurrency,
                 latency: LatencySummary::median_of(&runs)?,
                 runs,
@@ -500,8 +420,8 @@ fn local_request(n: usize) -> Request {
 /// The metrics-overhead variant: one IPAM with metrics and one without, both on the memory
 /// store, the same local_nat scenario against each, alternating which runs first.
 async fn measure_metrics_overhead(args: &Args) -> anyhow::Result<MetricsOverhead> {
-    let with = start_servers_with(StoreKind::Memory, 1, true).await?;
-    let without = start_servers_with(StoreKind::Memory, 1, false).await?;
+    let with = start_servers_with(Store::Memory, 1, true).await?;
+    let without = start_servers_with(Store::Memory, 1, false).await?;
     prepare(with.addrs[0]).await?;
     prepare(without.addrs[0]).await?;
     let mut with_runs = Vec::new();
@@ -536,21 +456,22 @@ async fn measure_metrics_overhead(args: &Args) -> anyhow::Result<MetricsOverhead
         }
     }
     Ok(MetricsOverhead {
-        store: StoreKind::Memory,
-        rpc: "MapEndpointIp",
-        path: "local_nat",
+        store: Store::Memory,
+        rpc: "MapEndpointIp".into(),
+        path: "local_nat".into(),
         concurrency: args.concurrency,
         with_metrics: LatencySummary::median_of(&with_runs).context("no runs")?,
         without_metrics: LatencySummary::median_of(&without_runs).context("no runs")?,
         throughput_ratio: trellis_bench::median(&ratios).context("no runs")?,
         ratios,
+        run: None,
     })
 }
 
 /// Every client asks for the same fresh endpoints and the same new clusters at once, each
 /// through its replica (a different order per client, so they race on every one).
 async fn check_consistency(
-    store: StoreKind,
+    store: Store,
     replicas: &[SocketAddr],
     args: &Args,
     owner_ip: impl Fn(usize) -> IpAddr + Send + Sync + Clone + 'static,
@@ -702,8 +623,8 @@ async fn main() -> anyhow::Result<()> {
     for store in &args.stores {
         let replica_counts = match store {
             // One server owns a memory store; there is nothing to replicate.
-            StoreKind::Memory => vec![1],
-            StoreKind::Etcd => args.replicas.clone(),
+            Store::Memory => vec![1],
+            Store::Etcd => args.replicas.clone(),
         };
         for replicas in replica_counts {
             eprintln!(
@@ -736,19 +657,19 @@ async fn main() -> anyhow::Result<()> {
     } else {
         None
     };
-    let report = Report {
-        benchmark: "ipam",
-        run,
-        machine: Machine::describe(),
-        parameters: Parameters {
+    let report = IpamResult {
+        benchmark: "ipam".into(),
+        run: Some(run),
+        machine: Some(Machine::describe()),
+        parameters: Some(IpamParameters {
             requests: args.requests,
             new_clusters: args.new_clusters,
             concurrency: args.concurrency,
             repeats: args.repeats,
             replicas: args.replicas.clone(),
             consistency_endpoints: args.consistency_endpoints,
-            metrics_repeats: args.metrics_repeats,
-        },
+            metrics_repeats: Some(args.metrics_repeats),
+        }),
         scenarios,
         consistency,
         metrics_overhead,

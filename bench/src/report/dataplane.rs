@@ -8,7 +8,8 @@ use super::format::{num, opt, run_line};
 use super::inputs::Inputs;
 use super::notes::note;
 use super::output::PLOT_DIR;
-use super::schema::{DataplaneDoc, Rtt, SideBySideDoc, parse};
+use super::parse::parse;
+use crate::results::{DataplaneResult, Rtt, SideBySide};
 use crate::svg::{self, BarChart, Scale};
 
 pub(super) fn dataplane_section(
@@ -40,7 +41,7 @@ pub(super) fn dataplane_section(
             ("wireguard-go".into(), vec![None, None]),
         ],
     };
-    match parse::<DataplaneDoc>(inputs, "dataplane") {
+    match parse::<DataplaneResult>(inputs, "dataplane") {
         Err(why) => {
             let _ = writeln!(md, "Not measured: {why}.\n");
         }
@@ -54,7 +55,7 @@ pub(super) fn dataplane_section(
                 d.wireguard,
                 d.build,
                 d.store,
-                d.emulation.replace('_', " "),
+                d.emulation.as_str().replace('_', " "),
                 d.samples
                     .map_or("an unrecorded number of".into(), |s| s.to_string())
             );
@@ -66,12 +67,12 @@ pub(super) fn dataplane_section(
                 (
                     "induced (A→C direct)",
                     d.rtt_induced.as_ref(),
-                    d.leaf_link_rtt_ms,
+                    d.leaf_link_rtt_ms as f64,
                 ),
                 (
                     "hub (A→B→C, DNAT at B)",
                     d.rtt_hub_path.as_ref(),
-                    2.0 * d.hub_link_rtt_ms,
+                    2.0 * d.hub_link_rtt_ms as f64,
                 ),
                 (
                     "induced, no added delay",
@@ -149,7 +150,10 @@ pub(super) fn dataplane_section(
                     num(h, 1)
                 );
             }
-            chart.series[0].1 = vec![Some(d.leaf_link_rtt_ms), Some(2.0 * d.hub_link_rtt_ms)];
+            chart.series[0].1 = vec![
+                Some(d.leaf_link_rtt_ms as f64),
+                Some(2.0 * d.hub_link_rtt_ms as f64),
+            ];
             chart.series[1].1 = vec![
                 d.rtt_induced.as_ref().map(|r| r.median_ms),
                 d.rtt_hub_path.as_ref().map(|r| r.median_ms),
@@ -192,7 +196,7 @@ fn median_spread(
 
 /// The side-by-side comparison with wireguard-go: throughput and CPU per GB at 1 and 4
 /// streams, and RTT overhead over the underlay.
-fn side_by_side_table(md: &mut String, c: &SideBySideDoc) {
+fn side_by_side_table(md: &mut String, c: &SideBySide) {
     let _ = writeln!(
         md,
         "Side by side with {} (two more gateway namespaces of the same topology, configured with \
@@ -253,7 +257,7 @@ fn side_by_side_table(md: &mut String, c: &SideBySideDoc) {
         );
     }
     if let (Some(t), Some(w)) = (&c.rtt_trellis, &c.rtt_wireguard_go) {
-        let med = |r: &Option<Rtt>| opt(r.as_ref().map(|r| r.median_ms), 3);
+        let med = |r: &Rtt| num(r.median_ms, 3);
         let _ = writeln!(
             md,
             "| RTT pod to pod through the tunnel, median ms | {} | {} | |",
@@ -269,8 +273,8 @@ fn side_by_side_table(md: &mut String, c: &SideBySideDoc) {
         let _ = writeln!(
             md,
             "| RTT overhead (tunnel − underlay), ms | **{}** | {} | |",
-            opt(t.overhead_ms, 3),
-            opt(w.overhead_ms, 3)
+            num(t.overhead_ms, 3),
+            num(w.overhead_ms, 3)
         );
     }
     md.push('\n');

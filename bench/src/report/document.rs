@@ -19,8 +19,9 @@ use super::mesh_reference::mesh_reference_section;
 use super::node_path::node_path_section;
 use super::notes::note;
 use super::output::{DOC, Output};
-use super::schema::{MachineMeta, Parsed, parse};
+use super::parse::{Parsed, parse};
 use super::targets::targets;
+use crate::results::{Machine, RunKind};
 
 /// Generates the document and the plots from `inputs`.
 pub fn render(inputs: &Inputs) -> Output {
@@ -70,7 +71,7 @@ fn machine_section(md: &mut String, inputs: &Inputs) {
         "| benchmark | result | run | started (UTC) | commit | load avg at start | note |\n",
     );
     md.push_str("|---|---|---|---|---|---|---|\n");
-    let mut machines: Vec<(MachineMeta, Vec<&str>)> = Vec::new();
+    let mut machines: Vec<(Machine, Vec<&str>)> = Vec::new();
     for name in BENCHMARKS {
         match parse::<Value>(inputs, name) {
             Err(why) => {
@@ -82,7 +83,7 @@ fn machine_section(md: &mut String, inputs: &Inputs) {
                     md,
                     "| {name} | `{}` | {} | {} | {} | {} | {} |",
                     p.path,
-                    run.kind.as_deref().unwrap_or("not recorded"),
+                    run.kind.map_or("not recorded", RunKind::as_str),
                     run.timestamp.as_deref().unwrap_or("not recorded"),
                     run.git_commit
                         .as_deref()

@@ -5,11 +5,12 @@ use std::fmt::Write as _;
 use super::format::{compact, num, run_line};
 use super::inputs::Inputs;
 use super::notes::note;
-use super::schema::{EndpointsDoc, parse};
+use super::parse::parse;
+use crate::results::EndpointsResult;
 
 pub(super) fn endpoints_section(md: &mut String, inputs: &Inputs) {
     md.push_str("## Endpoint reflection (`ReflectEndpointSlice` over gRPC)\n\n");
-    match parse::<EndpointsDoc>(inputs, "endpoints") {
+    match parse::<EndpointsResult>(inputs, "endpoints") {
         Err(why) => {
             let _ = writeln!(md, "Not measured: {why}.\n");
         }
@@ -30,10 +31,10 @@ pub(super) fn endpoints_section(md: &mut String, inputs: &Inputs) {
                     s.concurrency,
                     s.slice_size,
                     num(s.endpoints_per_second, 0),
-                    num(s.ops_per_second, 1),
-                    num(s.p50_ms, 1),
-                    num(s.p99_ms, 1),
-                    num(s.max_ms, 1)
+                    num(s.latency.ops_per_second, 1),
+                    num(s.latency.p50_ms, 1),
+                    num(s.latency.p99_ms, 1),
+                    num(s.latency.max_ms, 1)
                 );
             }
             md.push('\n');

@@ -5,11 +5,11 @@ use std::fmt::Write as _;
 use super::document::opening;
 use super::format::{compact, num};
 use super::inputs::Inputs;
-use super::schema::ExportsDoc;
+use crate::results::ExportsResult;
 
 pub(super) fn exports_section(md: &mut String, inputs: &Inputs) {
     md.push_str("## Service exports across an induced mesh (`ExportService`)\n\n");
-    let Some(p) = opening::<ExportsDoc>(md, inputs, "exports") else {
+    let Some(p) = opening::<ExportsResult>(md, inputs, "exports") else {
         return;
     };
     let d = &p.doc;

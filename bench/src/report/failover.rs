@@ -5,15 +5,16 @@ use std::fmt::Write as _;
 use super::document::opening;
 use super::format::num;
 use super::inputs::Inputs;
-use super::schema::{FailoverDoc, FailoverKill, parse};
+use super::parse::parse;
 use super::targets::{Target, Verdict};
+use crate::results::{FailoverResult, Kill};
 
 /// Issue 33: the gateway failover's gap and the TCP connections it costs.
 pub(super) fn failover_targets(inputs: &Inputs) -> Vec<Target> {
     const GAP: &str = "gateway failover: largest 10 ms probe gap p50 under 0.5 s and p99 under \
                        2 s over at least 20 kills (issue 33)";
     const TCP: &str = "gateway failover: no established TCP connection lost (issue 33)";
-    let p = match parse::<FailoverDoc>(inputs, "failover") {
+    let p = match parse::<FailoverResult>(inputs, "failover") {
         Ok(p) => p,
         Err(why) => {
             return [GAP, TCP]
@@ -59,7 +60,7 @@ pub(super) fn failover_targets(inputs: &Inputs) -> Vec<Target> {
 
 pub(super) fn failover_section(md: &mut String, inputs: &Inputs) {
     md.push_str("## Gateway failover\n\n");
-    let Some(p) = opening::<FailoverDoc>(md, inputs, "failover") else {
+    let Some(p) = opening::<FailoverResult>(md, inputs, "failover") else {
         return;
     };
     let d = &p.doc;
@@ -96,7 +97,7 @@ pub(super) fn failover_section(md: &mut String, inputs: &Inputs) {
     clusters.sort_unstable();
     clusters.dedup();
     for c in clusters {
-        let of: Vec<&FailoverKill> = d.kills.iter().filter(|k| k.cluster == c).collect();
+        let of: Vec<&Kill> = d.kills.iter().filter(|k| k.cluster == c).collect();
         let gap = of.iter().map(|k| k.probe_gap_ms).fold(0.0, f64::max);
         let broken: usize = of.iter().map(|k| k.tcp_broken).sum();
         let _ = writeln!(md, "| {c} | {} | {} | {broken} |", of.len(), num(gap, 0));

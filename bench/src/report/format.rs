@@ -3,9 +3,9 @@
 
 use std::fmt::Write as _;
 
-use serde_json::Value;
+use serde::Serialize;
 
-use super::schema::Common;
+use crate::results::{Header, RunKind};
 
 /// A number with `decimals` decimals and thin grouping of thousands (as in the earlier
 /// hand-written tables: `49 788`).
@@ -55,13 +55,12 @@ pub(super) fn short_commit(c: &str) -> String {
 }
 
 /// "Run: quick, 2026-…, commit …, `path`." for a section.
-pub(super) fn run_line(path: &str, common: &Common) -> String {
+pub(super) fn run_line(path: &str, common: &Header) -> String {
     let run = common.run.clone().unwrap_or_default();
     let mut line = format!(
         "*Result: `{path}`; run: {}",
         run.kind
-            .as_deref()
-            .unwrap_or("full (written before runs were labelled)")
+            .map_or("full (written before runs were labelled)", RunKind::as_str)
     );
     match &run.timestamp {
         Some(t) => {
@@ -85,7 +84,10 @@ pub(super) fn run_line(path: &str, common: &Common) -> String {
     line
 }
 
-/// Parameters as one line of JSON.
-pub(super) fn compact(v: &Value) -> String {
-    serde_json::to_string(v).unwrap_or_default()
+/// Parameters as one line of JSON. Through a `Value`, so that the keys are ordered as they
+/// were when the report read the files as untyped JSON.
+pub(super) fn compact(v: &impl Serialize) -> String {
+    serde_json::to_value(v)
+        .and_then(|v| serde_json::to_string(&v))
+        .unwrap_or_default()
 }

@@ -8,12 +8,13 @@ use super::format::{compact, num, run_line};
 use super::inputs::Inputs;
 use super::notes::note;
 use super::output::PLOT_DIR;
-use super::schema::{IpamDoc, MetricsOverheadDoc, parse};
+use super::parse::parse;
+use crate::results::{IpamResult, MetricsOverhead, Store};
 use crate::svg::{self, BarChart, Scale};
 
 pub(super) fn ipam_section(md: &mut String, inputs: &Inputs, files: &mut Vec<(PathBuf, String)>) {
     md.push_str("## IPAM over gRPC\n\n");
-    let parsed = parse::<IpamDoc>(inputs, "ipam");
+    let parsed = parse::<IpamResult>(inputs, "ipam");
     let mut chart = BarChart {
         title: "IPAM latency over gRPC (median of runs)".into(),
         y_label: "ms (log scale)".into(),
@@ -43,11 +44,11 @@ pub(super) fn ipam_section(md: &mut String, inputs: &Inputs, files: &mut Vec<(Pa
                     s.path,
                     s.concurrency,
                     s.runs.len().max(1),
-                    num(s.operations as f64, 0),
-                    num(s.ops_per_second, 0),
-                    num(s.p50_ms, 3),
-                    num(s.p99_ms, 3),
-                    num(s.max_ms, 1)
+                    num(s.latency.operations as f64, 0),
+                    num(s.latency.ops_per_second, 0),
+                    num(s.latency.p50_ms, 3),
+                    num(s.latency.p99_ms, 3),
+                    num(s.latency.max_ms, 1)
                 );
                 chart.categories.push(format!(
                     "{}{} {}",
@@ -59,15 +60,15 @@ pub(super) fn ipam_section(md: &mut String, inputs: &Inputs, files: &mut Vec<(Pa
                     },
                     short_path(&s.path)
                 ));
-                chart.series[0].1.push(Some(s.p50_ms));
-                chart.series[1].1.push(Some(s.p99_ms));
+                chart.series[0].1.push(Some(s.latency.p50_ms));
+                chart.series[1].1.push(Some(s.latency.p99_ms));
             }
             md.push('\n');
             if !p
                 .doc
                 .scenarios
                 .iter()
-                .any(|s| s.store == "memory" && s.replicas > 1)
+                .any(|s| s.store == Store::Memory && s.replicas > 1)
             {
                 md.push_str(
                     "Replicas apply to etcd only: the memory store lives inside one server \
@@ -123,7 +124,7 @@ pub(super) fn ipam_section(md: &mut String, inputs: &Inputs, files: &mut Vec<(Pa
 
 /// The overhead of the Prometheus metrics on the hot path: the same scenario against an IPAM
 /// with and without the gRPC metrics layer, in the same run.
-fn metrics_overhead(md: &mut String, m: Option<&MetricsOverheadDoc>) {
+fn metrics_overhead(md: &mut String, m: Option<&MetricsOverhead>) {
     let Some(m) = m else {
         md.push_str("Overhead of the metrics: not measured in this run.\n\n");
         return;

@@ -8,8 +8,9 @@ use super::format::{compact, num, opt, opt_usize, run_line};
 use super::inputs::Inputs;
 use super::notes::note;
 use super::output::PLOT_DIR;
-use super::schema::{HubProcess, MeshDoc, MeshSize, StoreUse, parse};
+use super::parse::parse;
 use super::targets::{power_fit, tunnels};
+use crate::results::{HubProcess, MeshResult, MeshSize, StoreUse};
 use crate::svg::{self, LineChart, Scale, Series};
 
 pub(super) fn mesh_section(md: &mut String, inputs: &Inputs, files: &mut Vec<(PathBuf, String)>) {
@@ -24,7 +25,7 @@ pub(super) fn mesh_section(md: &mut String, inputs: &Inputs, files: &mut Vec<(Pa
     let mut by_leaves = Vec::new();
     let mut by_tunnels = Vec::new();
     for (name, label) in modes {
-        if let Ok(p) = parse::<MeshDoc>(inputs, name) {
+        if let Ok(p) = parse::<MeshResult>(inputs, name) {
             let pts: Vec<(usize, f64)> = p
                 .doc
                 .sizes
@@ -44,7 +45,7 @@ pub(super) fn mesh_section(md: &mut String, inputs: &Inputs, files: &mut Vec<(Pa
         }
     }
 
-    let parsed = parse::<MeshDoc>(inputs, "mesh");
+    let parsed = parse::<MeshResult>(inputs, "mesh");
     md.push_str("### In process\n\n");
     match &parsed {
         Err(why) => {
@@ -173,7 +174,7 @@ pub(super) fn mesh_section(md: &mut String, inputs: &Inputs, files: &mut Vec<(Pa
         ("mesh-etcd", "### Every service a process with its own etcd"),
     ] {
         let _ = writeln!(md, "{title}\n");
-        match parse::<MeshDoc>(inputs, name) {
+        match parse::<MeshResult>(inputs, name) {
             Err(why) => {
                 let _ = writeln!(md, "Not measured: {why}.\n");
             }
@@ -245,7 +246,7 @@ pub(super) fn runs_text(s: &MeshSize) -> String {
     s.runs
         .iter()
         .map(|r| {
-            let time = if r.converged == Some(false) {
+            let time = if !r.converged {
                 format!("> {}", num(r.seconds, 0))
             } else {
                 num(r.seconds, 3)

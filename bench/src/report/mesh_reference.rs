@@ -5,7 +5,8 @@ use std::fmt::Write as _;
 use super::format::{opt, run_line};
 use super::inputs::{Inputs, REFERENCES};
 use super::notes::note;
-use super::schema::{MeshDoc, MeshSize, parse};
+use super::parse::parse;
+use crate::results::{MeshResult, MeshSize};
 
 /// The mesh results next to the reference build's from the same run (ratio = this build /
 /// the reference: below 1 is faster or cheaper).
@@ -30,8 +31,8 @@ pub(super) fn mesh_reference_section(md: &mut String, inputs: &Inputs) {
 "
         );
         let (ours, theirs) = match (
-            parse::<MeshDoc>(inputs, name),
-            parse::<MeshDoc>(inputs, reference),
+            parse::<MeshResult>(inputs, name),
+            parse::<MeshResult>(inputs, reference),
         ) {
             (Ok(ours), Ok(theirs)) => (ours, theirs),
             (Err(why), _) | (_, Err(why)) => {

@@ -3,11 +3,12 @@
 
 use super::format::num;
 use super::inputs::Inputs;
-use super::schema::{MeshDoc, MeshSize, Parsed, parse};
+use super::parse::{Parsed, parse};
 use super::targets::{Target, Verdict};
+use crate::results::{MeshResult, MeshSize};
 
 pub(super) fn mesh_target_size(
-    mesh: &Result<Parsed<MeshDoc>, String>,
+    mesh: &Result<Parsed<MeshResult>, String>,
     leaves: usize,
 ) -> (String, Option<&MeshSize>) {
     match mesh {
@@ -57,9 +58,9 @@ struct ScaleTarget {
 /// Issue 17's targets, each with main's figure from the same run and the ratio.
 pub(super) fn scale_targets(
     inputs: &Inputs,
-    mesh: &Result<Parsed<MeshDoc>, String>,
+    mesh: &Result<Parsed<MeshResult>, String>,
 ) -> Vec<Target> {
-    let hub = parse::<MeshDoc>(inputs, "mesh-hub-processes");
+    let hub = parse::<MeshResult>(inputs, "mesh-hub-processes");
     let figures = [
         ScaleTarget {
             target: "1 hub + 254 leaves in process converge in under 30 s (issue 17)",
@@ -126,7 +127,7 @@ pub(super) fn scale_targets(
                     verdict: Verdict::NotMeasured,
                 };
             };
-            let reference = parse::<MeshDoc>(inputs, &format!("{}-main", f.doc));
+            let reference = parse::<MeshResult>(inputs, &format!("{}-main", f.doc));
             let main = match mesh_target_size(&reference, f.leaves) {
                 (_, Some(s)) => (f.value)(s),
                 _ => None,

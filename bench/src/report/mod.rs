@@ -25,7 +25,7 @@ mod mesh_targets;
 mod node_path;
 mod notes;
 mod output;
-mod schema;
+mod parse;
 mod targets;
 
 pub use document::render;

@@ -5,11 +5,11 @@ use std::fmt::Write as _;
 use super::document::opening;
 use super::format::num;
 use super::inputs::Inputs;
-use super::schema::NodePathDoc;
+use crate::results::NodePathResult;
 
 pub(super) fn node_path_section(md: &mut String, inputs: &Inputs) {
     md.push_str("## Data plane: pod to pod across non-gateway nodes (the node path)\n\n");
-    let Some(p) = opening::<NodePathDoc>(md, inputs, "dataplane-nodes") else {
+    let Some(p) = opening::<NodePathResult>(md, inputs, "dataplane-nodes") else {
         return;
     };
     let d = &p.doc;

@@ -7,7 +7,8 @@ use super::failover::failover_targets;
 use super::format::num;
 use super::inputs::Inputs;
 use super::mesh_targets::{mesh_target_size, not_converged_text, scale_targets};
-use super::schema::{DataplaneDoc, IpamDoc, IpamScenario, MeshDoc, parse};
+use super::parse::parse;
+use crate::results::{DataplaneResult, IpamResult, IpamScenario, MeshResult};
 
 /// Whether a target is met.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -60,7 +61,7 @@ pub fn power_fit(points: &[(f64, f64)]) -> Option<(f64, f64)> {
 /// Computes every target's verdict from the results.
 pub fn targets(inputs: &Inputs) -> Vec<Target> {
     let mut out = Vec::new();
-    let mesh = parse::<MeshDoc>(inputs, "mesh");
+    let mesh = parse::<MeshResult>(inputs, "mesh");
     let cores = mesh
         .as_ref()
         .ok()
@@ -189,7 +190,7 @@ pub fn targets(inputs: &Inputs) -> Vec<Target> {
     });
 
     // 4 and 5. IPAM p99.
-    let ipam = parse::<IpamDoc>(inputs, "ipam");
+    let ipam = parse::<IpamResult>(inputs, "ipam");
     for (store, limit, target) in [
         ("memory", 2.0, "IPAM p99 under 2 ms with the memory store"),
         ("etcd", 10.0, "IPAM p99 under 10 ms with etcd"),
@@ -205,9 +206,11 @@ pub fn targets(inputs: &Inputs) -> Vec<Target> {
                     .doc
                     .scenarios
                     .iter()
-                    .filter(|s| s.store == store)
+                    .filter(|s| s.store.as_str() == store)
                     .collect();
-                let worst = of_store.iter().max_by(|a, b| a.p99_ms.total_cmp(&b.p99_ms));
+                let worst = of_store
+                    .iter()
+                    .max_by(|a, b| a.latency.p99_ms.total_cmp(&b.latency.p99_ms));
                 match worst {
                     None => Target {
                         target,
@@ -217,7 +220,7 @@ pub fn targets(inputs: &Inputs) -> Vec<Target> {
                     Some(w) => {
                         let over: Vec<String> = of_store
                             .iter()
-                            .filter(|s| s.p99_ms >= limit)
+                            .filter(|s| s.latency.p99_ms >= limit)
                             .map(|s| scenario_name(s))
                             .collect();
                         Target {
@@ -225,14 +228,14 @@ pub fn targets(inputs: &Inputs) -> Vec<Target> {
                             measured: if over.is_empty() {
                                 format!(
                                     "worst p99 {} ms ({}) over {} scenarios",
-                                    num(w.p99_ms, 3),
+                                    num(w.latency.p99_ms, 3),
                                     scenario_name(w),
                                     of_store.len()
                                 )
                             } else {
                                 format!(
                                     "worst p99 {} ms ({}); at or over {} ms: {}",
-                                    num(w.p99_ms, 3),
+                                    num(w.latency.p99_ms, 3),
                                     scenario_name(w),
                                     num(limit, 0),
                                     over.join("; ")
@@ -251,7 +254,7 @@ pub fn targets(inputs: &Inputs) -> Vec<Target> {
     }
 
     // 6 and 7. Data plane.
-    let dp = parse::<DataplaneDoc>(inputs, "dataplane");
+    let dp = parse::<DataplaneResult>(inputs, "dataplane");
     let rtt_target = "induced leaf↔leaf RTT within 2 ms of the emulated link RTT";
     out.push(match &dp {
         Err(why) => Target {
@@ -266,13 +269,13 @@ pub fn targets(inputs: &Inputs) -> Vec<Target> {
                 verdict: Verdict::NotMeasured,
             },
             Some(r) => {
-                let over = r.median_ms - p.doc.leaf_link_rtt_ms;
+                let over = r.median_ms - p.doc.leaf_link_rtt_ms as f64;
                 let mut measured = format!(
                     "median {} ms for an emulated {} ms ({} ms above; link delays by {})",
                     num(r.median_ms, 1),
-                    num(p.doc.leaf_link_rtt_ms, 0),
+                    num(p.doc.leaf_link_rtt_ms as f64, 0),
                     num(over, 1),
-                    p.doc.emulation.replace('_', " ")
+                    p.doc.emulation.as_str().replace('_', " ")
                 );
                 if let (Some(relay), Some(bare)) = (
                     &p.doc.rtt_through_zero_delay_relay,
@@ -395,7 +398,7 @@ pub fn targets(inputs: &Inputs) -> Vec<Target> {
             measured: why.clone(),
             verdict: Verdict::NotMeasured,
         },
-        Ok(c) => match c.rtt_trellis.as_ref().and_then(|r| r.overhead_ms) {
+        Ok(c) => match c.rtt_trellis.as_ref().map(|r| r.overhead_ms) {
             None => Target {
                 target: overhead_target,
                 measured: "no RTT overhead recorded".into(),
@@ -403,7 +406,7 @@ pub fn targets(inputs: &Inputs) -> Vec<Target> {
             },
             Some(ms) => {
                 let mut measured = format!("{} ms", num(ms, 3));
-                if let Some(wg) = c.rtt_wireguard_go.as_ref().and_then(|r| r.overhead_ms) {
+                if let Some(wg) = c.rtt_wireguard_go.as_ref().map(|r| r.overhead_ms) {
                     let _ = write!(measured, " (wireguard-go: {} ms)", num(wg, 3));
                 }
                 Target {

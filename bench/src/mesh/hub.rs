@@ -1,0 +1,349 @@
+//! The hub of one run, by mode: its five services started here from the flags
+//! `InProcessCluster` gives them (stores kept reachable, so they can be sized), as child
+//! processes of the release binaries, or as a `ProcessCluster` on etcd.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+
+use anyhow::Context as _;
+use trellis_integration::ServiceProcess;
+use trellis_integration::processes::{ProcessCluster, Service};
+use trellis_runtime::Shutdown;
+use trellis_store::{SharedStore, StoreSize};
+
+use super::{EXTERNAL_CIDR, HUB_ID, POD_CIDR};
+use crate::proc::pid_listening_on;
+use crate::results::{HubStores, Mode, StoreUse};
+
+fn flags(list: &[&str]) -> Vec<String> {
+    list.iter().map(|s| (*s).to_owned()).collect()
+}
+
+/// The hub's service addresses (picked before binding: discovery advertises them first).
+#[derive(Debug, Clone, Copy)]
+struct HubAddrs {
+    discovery: SocketAddr,
+    broker: SocketAddr,
+    forwarder: SocketAddr,
+    ipam: SocketAddr,
+    gateway: SocketAddr,
+}
+
+impl HubAddrs {
+    fn pick() -> Self {
+        let free = trellis_integration::free_addr;
+        Self {
+            discovery: free(),
+            broker: free(),
+            forwarder: free(),
+            ipam: free(),
+            gateway: free(),
+        }
+    }
+}
+
+/// Hub services in start order (callees first), with their gRPC service for health checks.
+const HUB_SERVICES: [(&str, &str); 5] = [
+    ("ipam", "trellis.ipam.v1.Ipam"),
+    ("gateway", "trellis.gateway.v1.Gateway"),
+    ("discovery", "trellis.discovery.v1.Discovery"),
+    ("forwarder", "trellis.peering.v1.Forwarder"),
+    ("broker", "trellis.peering.v1.Broker"),
+];
+
+/// The flags of hub service `service` (those of `InProcessCluster`), without the program name.
+fn hub_flags(service: &str, a: &HubAddrs) -> Vec<String> {
+    let listen = listen_of(service, a);
+    let mut args = flags(&[
+        "--listen",
+        &listen.to_string(),
+        "--store",
+        "memory://",
+        "--cluster-id",
+        HUB_ID,
+        "--shutdown-grace",
+        "1",
+    ]);
+    args.extend(match service {
+        "ipam" => flags(&["--pod-cidr", POD_CIDR, "--external-cidr", EXTERNAL_CIDR]),
+        "gateway" => flags(&["--dataplane", "none", "--endpoint-address", "127.0.0.1"]),
+        "discovery" => flags(&[
+            "--advertise-discovery",
+            &a.discovery.to_string(),
+            "--advertise-broker",
+            &a.broker.to_string(),
+            "--advertise-forwarder",
+            &a.forwarder.to_string(),
+            "--advertise-ipam",
+            &a.ipam.to_string(),
+            "--advertise-gateway",
+            &a.gateway.to_string(),
+            "--neighborhood-resync",
+            "5",
+            "--neighborhood-retry-max",
+            "2",
+        ]),
+        "forwarder" => flags(&["--discovery", &a.discovery.to_string(), "--retry-max", "1"]),
+        _ => flags(&[
+            "--discovery",
+            &a.discovery.to_string(),
+            "--ipam",
+            &a.ipam.to_string(),
+            "--gateway",
+            &a.gateway.to_string(),
+            "--resync",
+            "2",
+        ]),
+    });
+    args
+}
+
+fn with_argv0(args: Vec<String>) -> Vec<String> {
+    std::iter::once("x".to_owned()).chain(args).collect()
+}
+
+/// The hub in this process: the five services of `InProcessCluster`, started with the same
+/// flags, whose stores stay reachable.
+pub(super) struct InProcessHub {
+    addrs: HubAddrs,
+    stores: [(&'static str, SharedStore); 5],
+    shutdown: Shutdown,
+    tasks: Vec<tokio::task::JoinHandle<anyhow::Result<()>>>,
+}
+
+impl InProcessHub {
+    async fn start_once(a: HubAddrs) -> anyhow::Result<Self> {
+        use clap::Parser as _;
+        let shutdown = Shutdown::new();
+        let stop_on_failure = shutdown.clone().drop_guard();
+        let mut tasks = Vec::new();
+        let f = |s: &str| with_argv0(hub_flags(s, &a));
+
+        let started = trellis_ipam::start(
+            trellis_ipam::Config::try_parse_from(f("ipam"))?,
+            shutdown.clone(),
+        )
+        .await
+        .context("ipam")?;
+        let ipam_store = started.core.store().clone();
+        tasks.push(started.task);
+        let started = trellis_gateway::start(
+            trellis_gateway::Config::try_parse_from(f("gateway"))?,
+            shutdown.clone(),
+        )
+        .await
+        .context("gateway")?;
+        let gateway_store = started.core.store().clone();
+        tasks.push(started.task);
+        let started = trellis_discovery::start(
+            trellis_discovery::Config::try_parse_from(f("discovery"))?,
+            shutdown.clone(),
+        )
+        .await
+        .context("discovery")?;
+        let discovery_store = started.core.store().clone();
+        tasks.push(started.task);
+        let started = trellis_forwarder::start(
+            trellis_forwarder::Config::try_parse_from(f("forwarder"))?,
+            shutdown.clone(),
+        )
+        .await
+        .context("forwarder")?;
+        let forwarder_store = started.core.store().clone();
+        tasks.push(started.task);
+        let started = trellis_broker::start(
+            trellis_broker::Config::try_parse_from(f("broker"))?,
+            shutdown.clone(),
+        )
+        .await
+        .context("broker")?;
+        let broker_store = started.core.store().clone();
+        tasks.push(started.task);
+
+        stop_on_failure.disarm();
+        Ok(Self {
+            addrs: a,
+            stores: [
+                ("discovery", discovery_store),
+                ("broker", broker_store),
+                ("forwarder", forwarder_store),
+                ("ipam", ipam_store),
+                ("gateway", gateway_store),
+            ],
+            shutdown,
+            tasks,
+        })
+    }
+
+    /// Every key of every service's store, counted.
+    pub(super) async fn stores(&self) -> anyhow::Result<HubStores> {
+        let mut out = HubStores::default();
+        for (service, store) in &self.stores {
+            let size = StoreUse::from(store.size("").await?);
+            out.total.keys += size.keys;
+            out.total.bytes += size.bytes;
+            match *service {
+                "discovery" => out.discovery = size,
+                "broker" => out.broker = size,
+                "forwarder" => out.forwarder = size,
+                "ipam" => out.ipam = size,
+                _ => out.gateway = size,
+            }
+        }
+        Ok(out)
+    }
+}
+
+/// The hub as five child processes of the release service binaries (memory stores).
+pub(super) struct ProcessHub {
+    addrs: HubAddrs,
+    processes: Vec<(&'static str, ServiceProcess)>,
+}
+
+impl ProcessHub {
+    async fn start_once(a: HubAddrs) -> anyhow::Result<Self> {
+        let mut processes = Vec::new();
+        for (service, grpc) in HUB_SERVICES {
+            // An absolute path: the binaries sit next to this one (target/<profile>/), not
+            // next to a test binary, where `ServiceProcess` looks for bare names.
+            let binary = trellis_netlab::bins::bin_path(&format!("trellis-{service}"))?;
+            let listen = listen_of(service, &a);
+            let process = ServiceProcess::start(
+                &binary.to_string_lossy(),
+                hub_flags(service, &a),
+                listen,
+                grpc,
+            )
+            .await
+            .with_context(|| format!("starting the hub's {service} process"))?;
+            processes.push((service, process));
+        }
+        Ok(Self {
+            addrs: a,
+            processes,
+        })
+    }
+}
+
+fn listen_of(service: &str, a: &HubAddrs) -> SocketAddr {
+    match service {
+        "ipam" => a.ipam,
+        "gateway" => a.gateway,
+        "discovery" => a.discovery,
+        "forwarder" => a.forwarder,
+        _ => a.broker,
+    }
+}
+
+/// The hub of one run, by mode.
+pub(super) enum Hub {
+    InProcess(InProcessHub),
+    Processes(ProcessHub),
+    Etcd(Box<ProcessCluster>),
+}
+
+impl Hub {
+    /// Ports are picked before binding: on a collision the whole hub starts again.
+    pub(super) async fn start(mode: Mode) -> anyhow::Result<Option<Self>> {
+        if mode.hub_on_etcd() {
+            return Ok(ProcessCluster::start(HUB_ID, POD_CIDR, EXTERNAL_CIDR)
+                .await?
+                .map(|c| Hub::Etcd(Box::new(c))));
+        }
+        let mut attempt = 0;
+        loop {
+            let a = HubAddrs::pick();
+            let started = match mode {
+                Mode::InProcess => InProcessHub::start_once(a).await.map(Hub::InProcess),
+                _ => ProcessHub::start_once(a).await.map(Hub::Processes),
+            };
+            match started {
+                Err(err) if attempt < 5 && port_taken(&err) => attempt += 1,
+                other => return other.map(Some),
+            }
+        }
+    }
+
+    pub(super) fn addr(&self, service: &str) -> SocketAddr {
+        match self {
+            Hub::InProcess(h) => listen_of(service, &h.addrs),
+            Hub::Processes(h) => listen_of(service, &h.addrs),
+            Hub::Etcd(c) => listen_of(
+                service,
+                &HubAddrs {
+                    discovery: c.services.discovery,
+                    broker: c.services.broker,
+                    forwarder: c.services.forwarder,
+                    ipam: c.services.ipam,
+                    gateway: c.services.gateway,
+                },
+            ),
+        }
+    }
+
+    /// The hub's processes by service name (none in process).
+    pub(super) fn pids(&self) -> anyhow::Result<Vec<(&'static str, u32)>> {
+        let services: Vec<&'static str> = match self {
+            Hub::InProcess(_) => return Ok(Vec::new()),
+            Hub::Processes(h) => h.processes.iter().map(|(s, _)| *s).collect(),
+            Hub::Etcd(_) => Service::ALL.iter().map(|s| s.name()).collect(),
+        };
+        services
+            .into_iter()
+            .map(|s| {
+                let addr = match self {
+                    Hub::Etcd(c) => Service::ALL
+                        .into_iter()
+                        .find(|x| x.name() == s)
+                        .map_or_else(|| self.addr(s), |x| c.addr(x)),
+                    _ => self.addr(s),
+                };
+                Ok((s, pid_listening_on(addr)?))
+            })
+            .collect()
+    }
+
+    /// Each hub etcd's revision (hub on etcd only): the number of write transactions so far.
+    pub(super) async fn etcd_revisions(
+        &self,
+    ) -> anyhow::Result<Option<BTreeMap<&'static str, i64>>> {
+        let Hub::Etcd(c) = self else {
+            return Ok(None);
+        };
+        let mut revisions = BTreeMap::new();
+        for service in Service::ALL {
+            // A prefix nothing is stored under: the answer is only the revision.
+            let listing = c.store(service).await?.list("mesh-bench-nothing/").await?;
+            revisions.insert(service.name(), listing.revision);
+        }
+        Ok(Some(revisions))
+    }
+
+    pub(super) async fn stop(self) {
+        match self {
+            Hub::InProcess(mut h) => {
+                h.shutdown.cancel();
+                for task in h.tasks.drain(..) {
+                    let _ = task.await;
+                }
+            }
+            // Dropping kills the processes (and etcds).
+            Hub::Processes(h) => drop(h),
+            Hub::Etcd(c) => drop(c),
+        }
+    }
+}
+
+fn port_taken(err: &anyhow::Error) -> bool {
+    let text = format!("{err:#}");
+    text.contains("cannot listen") || text.contains("Address already in use")
+}
+
+impl From<StoreSize> for StoreUse {
+    fn from(size: StoreSize) -> Self {
+        Self {
+            keys: size.keys,
+            bytes: size.bytes,
+        }
+    }
+}
