@@ -538,7 +538,7 @@ pub async fn run_reconciler(
         tokio::select! {
             () = shutdown.cancelled() => return,
             () = core.exports_changed.notified() => {}
-            () = tokio::time::sleep(resync) => {}
+            () = trellis_runtime::timer::period(resync) => {}
         }
     }
 }

@@ -614,7 +614,7 @@ pub async fn run_import_sync(
         tokio::select! {
             () = shutdown.cancelled() => return,
             () = core.imports_changed.notified() => {}
-            () = tokio::time::sleep(resync) => {}
+            () = trellis_runtime::timer::period(resync) => {}
         }
     }
 }

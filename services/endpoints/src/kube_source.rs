@@ -273,9 +273,9 @@ pub async fn run_export_source(
                 for error in batch.iter().flatten() {
                     tracing::warn!(error, "kubernetes watch failed; retrying with backoff");
                 }
-                tokio::time::sleep(SETTLE).await;
+                trellis_runtime::timer::period(SETTLE).await;
             }
-            () = tokio::time::sleep(resync) => {}
+            () = trellis_runtime::timer::period(resync) => {}
         }
     }
 }

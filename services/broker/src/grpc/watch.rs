@@ -116,6 +116,7 @@ fn out_of_range(err: Error) -> Status {
 }
 
 #[cfg(test)]
+#[allow(clippy::disallowed_methods)] // tests poll plainly: no retry policy is involved
 mod tests {
     use std::time::Duration;
 

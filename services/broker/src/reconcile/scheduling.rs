@@ -91,7 +91,7 @@ pub(super) async fn run_lane(
         tokio::select! {
             () = shutdown.cancelled() => return,
             () = wake.notified() => {}
-            () = tokio::time::sleep_until(wake_at) => {}
+            () = trellis_runtime::timer::until(wake_at) => {}
         }
     }
 }

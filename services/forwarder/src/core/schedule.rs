@@ -186,7 +186,7 @@ pub async fn retry_loop(forwarder: Arc<Forwarder>, shutdown: Shutdown) {
                 tracing::warn!(error = %err, "cannot read the relays; retrying");
                 tokio::select! {
                     () = shutdown.cancelled() => return,
-                    () = tokio::time::sleep(backoff.next_delay()) => {}
+                    () = backoff.wait() => {}
                 }
             }
         }
@@ -232,7 +232,7 @@ pub async fn retry_loop(forwarder: Arc<Forwarder>, shutdown: Shutdown) {
                     busy.remove(&cluster);
                 }
             }
-            () = tokio::time::sleep(wait) => {}
+            () = trellis_runtime::timer::until(tokio::time::Instant::now() + wait) => {}
         }
     }
 }
