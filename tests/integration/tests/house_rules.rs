@@ -260,13 +260,26 @@ fn service_cores_name_no_generated_grpc_type() {
     );
 }
 
-/// Whether production code in `source` (comments and the `#[cfg(test)]` tail left out) names
-/// a generated RPC package: `pb::ipam::…`, `pb::{ipam, …}`, or an alias such as
-/// `use trellis_api::pb::endpoints as pb`.
+/// Whether production code in `source` names a generated RPC package: `pb::ipam::…`,
+/// `pb::{ipam, …}`, or an alias such as `use trellis_api::pb::endpoints as pb`. Comments are
+/// left out, and so is test code: the inline `#[cfg(test)] mod … {` tail, and the one item
+/// after any other `#[cfg(test)]` (a `mod tests;` among the declarations hides nothing below
+/// it).
 fn names_rpc_package(source: &str) -> bool {
-    source
-        .lines()
-        .take_while(|l| l.trim() != "#[cfg(test)]")
+    let mut production = Vec::new();
+    let mut lines = source.lines().peekable();
+    while let Some(line) = lines.next() {
+        if line.trim() == "#[cfg(test)]" {
+            let next = lines.next().unwrap_or_default().trim();
+            if next.starts_with("mod ") && next.ends_with('{') {
+                break;
+            }
+            continue;
+        }
+        production.push(line);
+    }
+    production
+        .into_iter()
         .filter(|l| !l.trim_start().starts_with("//"))
         .any(|line| {
             line.match_indices("pb::").any(|(at, _)| {
@@ -305,5 +318,12 @@ fn the_rpc_package_check_sees_every_spelling() {
     assert!(!names_rpc_package("// pb::ipam::Request in a comment"));
     assert!(!names_rpc_package(
         "fn f() {}\n#[cfg(test)]\nmod tests { use trellis_api::pb::ipam; }"
+    ));
+    // A test module declared among the others hides only itself.
+    assert!(names_rpc_package(
+        "#[cfg(test)]\nmod tests;\nuse trellis_api::pb::ipam::Foo;"
+    ));
+    assert!(!names_rpc_package(
+        "#[cfg(test)]\nuse trellis_api::pb::ipam::Foo;\nfn f() {}"
     ));
 }
