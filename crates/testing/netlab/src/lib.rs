@@ -6,6 +6,8 @@
 //!   them, forwarding a namespace's loopback port to the host (etcd);
 //! - [`topology`]: the "internet" (a bridge in its own namespace) and, per cluster, a gateway
 //!   namespace on that bridge plus a pod namespace behind the gateway;
+//! - [`nat`]: NAT routers of four kinds between a site's gateway and the internet, for its
+//!   WireGuard datagrams only;
 //! - [`netem`]: `tc netem` delays per link between two gateways, where the kernel has netem;
 //! - [`relay`]: the same per-link delays with userspace UDP relays, where it has not;
 //! - [`partition`]: a silent partition (every frame dropped, nothing refused) between nodes;
@@ -25,6 +27,7 @@
 pub mod bins;
 pub mod cluster;
 pub mod fabric;
+pub mod nat;
 pub mod netem;
 pub mod netns;
 pub mod owner;
@@ -35,6 +38,7 @@ pub mod topology;
 
 pub use cluster::{ClusterOptions, NsCluster, Service, StoreKind};
 pub use fabric::{Fabric, FabricOptions, Reach};
+pub use nat::{NatKind, NatRouter};
 pub use topology::{Pod, Site, Topology};
 
 /// Whether this process may build topologies (root), and which tools it misses. Empty when

@@ -332,6 +332,11 @@ impl Topology {
     pub fn namespaces(&self) -> &Namespaces {
         &self.namespaces
     }
+
+    /// For what adds namespaces to a built topology (the NAT routers), so they go with it.
+    pub(crate) fn namespaces_mut(&mut self) -> &mut Namespaces {
+        &mut self.namespaces
+    }
 }
 
 fn wire(inet_ns: &str, site: &Site) -> anyhow::Result<()> {
