@@ -173,6 +173,7 @@ fn trellis(args: &Args, io: Io) -> anyhow::Result<()> {
             endpoint: format!("{}:{PORT}", UNDERLAY[1 - i]).parse()?,
             allowed_ips: vec![format!("{}/32", INNER[1 - i]).parse()?],
             keepalive: 0,
+            candidates: Vec::new(),
         };
         let engine = in_netns(NS[i], move || {
             let engine = Engine::start_with(PORT, private, io)?;

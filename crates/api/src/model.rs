@@ -14,7 +14,7 @@ pub use addresses::Addresses;
 pub use endpoint::{Endpoint, EndpointHost};
 pub use key::WgKey;
 pub use network::{NatView, NetworkSpec};
-pub use tunnel::{PeeringKind, TunnelEndpoint};
+pub use tunnel::{MAX_CANDIDATES, PeeringKind, TunnelEndpoint, candidate, candidates};
 
 /// `prefix.field`, or `field` alone at the top level.
 fn path(prefix: &str, field: &str) -> String {

@@ -56,6 +56,17 @@ pub struct Config {
     )]
     pub resync: u64,
 
+    /// Seconds between two refreshes of the induced peers' candidates: where the hubs that
+    /// introduced them see their gateways (their reflexive endpoints, for NAT traversal; ADR
+    /// 0025). 0 turns the refresh off.
+    #[arg(
+        long,
+        env = "TRELLIS_CANDIDATES_REFRESH",
+        value_name = "SECONDS",
+        default_value_t = 10
+    )]
+    pub candidates_refresh: u64,
+
     /// Comma-separated CIDRs a peer's pod and external CIDRs, and the ranges it addresses ours
     /// with, must lie in; anything else is refused (InvalidArgument naming the field), because
     /// those ranges are routed into its tunnel. The default is private and shared address
@@ -81,6 +92,7 @@ impl std::fmt::Debug for Config {
             .field("gateway", &self.gateway)
             .field("token", &self.token.as_ref().map(|_| "<redacted>"))
             .field("resync", &self.resync)
+            .field("candidates_refresh", &self.candidates_refresh)
             .field("allowed_remote_cidrs", &self.allowed_remote_cidrs)
             .finish()
     }

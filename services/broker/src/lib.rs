@@ -22,6 +22,7 @@ pub mod remote;
 pub mod token;
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use anyhow::Context as _;
 use tonic::server::NamedService;
@@ -71,6 +72,11 @@ pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started
         BrokerServer::new(BrokerService::with_authz(core.clone(), authz))
             .max_decoding_message_size(MAX_REQUEST_BYTES),
     );
+    boot.spawn(core::candidates::run(
+        core.clone(),
+        Duration::from_secs(config.candidates_refresh),
+        shutdown.clone(),
+    ));
     boot.spawn(reconcile::run(core.clone(), config.resync(), shutdown));
     Ok(boot.serve(routes, &[BrokerServer::<BrokerService>::NAME], core))
 }

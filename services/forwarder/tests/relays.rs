@@ -360,6 +360,12 @@ impl BrokerApi for FakeBroker {
     ) -> Result<Response<ppb::NotifyUnpeerResponse>, Status> {
         Err(Status::unimplemented("fake broker"))
     }
+    async fn get_observed_endpoints(
+        &self,
+        _: Request<ppb::GetObservedEndpointsRequest>,
+    ) -> Result<Response<ppb::GetObservedEndpointsResponse>, Status> {
+        Err(Status::unimplemented("fake broker"))
+    }
     async fn list_network_configs(
         &self,
         _: Request<ppb::ListNetworkConfigsRequest>,

@@ -181,6 +181,7 @@ fn setup(tag: &str) -> Setup {
             endpoint: socket.local_addr().expect("addr"),
             allowed_ips: vec!["10.200.0.0/24".parse().expect("net")],
             keepalive: 0,
+            candidates: Vec::new(),
         };
         let dev = format!("ebt{tag}{i}");
         // The TUN is created in the namespace of the thread that adds the peer.

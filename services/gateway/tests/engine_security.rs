@@ -79,6 +79,7 @@ impl Peer {
             endpoint: socket.local_addr().expect("addr"),
             allowed_ips: vec!["10.200.0.0/24".parse().expect("net")],
             keepalive: 0,
+            candidates: Vec::new(),
         };
         let (engine, d) = (s.engine.clone(), dev.to_owned());
         let index = in_netns(&s.ns, move || engine.add_peer(&d, &config)).expect("add peer");

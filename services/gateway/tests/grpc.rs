@@ -101,6 +101,7 @@ fn te(remote: &str, nat_octet: u8) -> TunnelEndpoint {
         },
         remote_endpoint: "192.0.2.9:51840".parse().expect("addr"),
         remote_public_key: WgKey::from_bytes([9; 32]),
+        remote_candidates: Vec::new(),
         generation: 1,
     }
 }

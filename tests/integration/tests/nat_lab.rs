@@ -66,7 +66,7 @@ async fn each_router_maps_and_filters_as_its_kind_says() {
         ));
         check(router.kind, router.public_ip.into(), &seen);
     }
-    println!("{table}");
+    eprintln!("{table}");
 }
 
 fn check(kind: NatKind, public: std::net::IpAddr, seen: &Behaviour) {

@@ -1,6 +1,8 @@
 //! TunnelEndpoints: everything a gateway needs for the tunnel to one remote cluster, merged by
 //! the broker from the two NetworkConfigs of a pair (docs/architecture.md).
 
+use std::net::SocketAddr;
+
 use ipnet::IpNet;
 use trellis_error::{Error, Result};
 
@@ -53,9 +55,17 @@ pub struct TunnelEndpoint {
     /// The remote gateway's WireGuard endpoint: an IP, or a DNS name the gateway resolves.
     pub remote_endpoint: Endpoint,
     pub remote_public_key: WgKey,
+    /// Other places the remote gateway may be reached: where the hub that introduced an
+    /// induced peer sees it (its reflexive endpoint). Written by the broker's candidate
+    /// refresh, not by the merge.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub remote_candidates: Vec<SocketAddr>,
     /// Bumped by the broker on every change.
     pub generation: i64,
 }
+
+/// At most this many candidates per TunnelEndpoint.
+pub const MAX_CANDIDATES: usize = 8;
 
 impl TunnelEndpoint {
     /// The merge of the local NetworkConfig (with the remote's decision on it) and the remote
@@ -84,6 +94,7 @@ impl TunnelEndpoint {
             remote_nat: theirs.1,
             remote_endpoint: theirs.0.endpoint.clone(),
             remote_public_key: theirs.0.public_key,
+            remote_candidates: Vec::new(),
             generation,
         }
     }
@@ -107,6 +118,11 @@ impl TunnelEndpoint {
             generation: self.generation,
             revision,
             update_time: None,
+            remote_candidates: self
+                .remote_candidates
+                .iter()
+                .map(ToString::to_string)
+                .collect(),
         }
     }
 
@@ -202,6 +218,8 @@ impl TunnelEndpoint {
             Endpoint::parse(&path(prefix, "remote_endpoint"), &te.remote_endpoint)?;
         let remote_public_key =
             WgKey::parse(&path(prefix, "remote_public_key"), &te.remote_public_key)?;
+        let remote_candidates =
+            candidates(&path(prefix, "remote_candidates"), &te.remote_candidates)?;
         Ok(Self {
             remote,
             kind,
@@ -214,9 +232,49 @@ impl TunnelEndpoint {
             remote_nat,
             remote_endpoint,
             remote_public_key,
+            remote_candidates,
             generation: te.generation,
         })
     }
+}
+
+/// Validates candidate endpoints: each a unicast `ip:port` with a port, at most
+/// [`MAX_CANDIDATES`].
+pub fn candidates(field: &str, texts: &[String]) -> Result<Vec<SocketAddr>> {
+    if texts.len() > MAX_CANDIDATES {
+        return Err(Error::invalid(
+            field,
+            format!("{} candidates, at most {MAX_CANDIDATES}", texts.len()),
+        ));
+    }
+    texts
+        .iter()
+        .enumerate()
+        .map(|(i, text)| candidate(&format!("{field}[{i}]"), text))
+        .collect()
+}
+
+/// One candidate endpoint: a unicast `ip:port` with a port.
+pub fn candidate(field: &str, text: &str) -> Result<SocketAddr> {
+    let addr: SocketAddr = text
+        .parse()
+        .map_err(|_| Error::invalid(field, format!("{text:?} is not ip:port")))?;
+    let ip = addr.ip();
+    if addr.port() == 0 || ip.is_unspecified() || ip.is_multicast() || ip.is_loopback() {
+        return Err(Error::invalid(
+            field,
+            format!("{text:?} is not a unicast address with a port"),
+        ));
+    }
+    if let std::net::IpAddr::V4(v4) = ip
+        && v4.is_broadcast()
+    {
+        return Err(Error::invalid(
+            field,
+            format!("{text:?} is a broadcast address"),
+        ));
+    }
+    Ok(addr)
 }
 
 #[cfg(test)]
@@ -269,7 +327,8 @@ mod tests {
 
     #[test]
     fn proto_round_trip_preserves_everything() {
-        let te = a_to_c();
+        let mut te = a_to_c();
+        te.remote_candidates = vec!["198.51.100.3:40002".parse().expect("addr")];
         let wire = te.to_proto(42);
         assert_eq!(wire.revision, 42);
         assert_eq!(
@@ -281,7 +340,19 @@ mod tests {
     #[test]
     fn inconsistent_records_are_refused_naming_the_field() {
         type Spoil = fn(&mut pb::TunnelEndpoint);
-        let cases: [(&str, Spoil); 5] = [
+        let cases: [(&str, Spoil); 9] = [
+            ("te.remote_candidates[0]", |t| {
+                t.remote_candidates = vec!["gw.example:51840".into()]
+            }),
+            ("te.remote_candidates[1]", |t| {
+                t.remote_candidates = vec!["192.0.2.3:1".into(), "192.0.2.3:0".into()]
+            }),
+            ("te.remote_candidates[0]", |t| {
+                t.remote_candidates = vec!["0.0.0.0:51840".into()]
+            }),
+            ("te.remote_candidates", |t| {
+                t.remote_candidates = vec!["192.0.2.3:51840".into(); MAX_CANDIDATES + 1]
+            }),
             ("te.via", |t| t.via = None),
             ("te.kind", |t| t.kind = 0),
             ("te.remote_pod_cidr_nat", |t| {

@@ -17,6 +17,7 @@ use trellis_api::pb::peering::ListTunnelEndpointsRequest;
 use trellis_api::pb::types::{ClusterIdentity, PeeringKind};
 
 use crate::cluster::{ClusterOptions, NsCluster, Service, StoreKind};
+use crate::nat::{NatKind, NatRouter};
 use crate::netns::exec;
 use crate::topology::{Pod, Topology, host};
 
@@ -56,7 +57,14 @@ pub struct FabricOptions {
     /// Gateway replicas per cluster (ADR 0023), on nodes 0..gateways: 1 or 2 (the topology
     /// gives each site one more uplink, on node 1). Needs nodes and etcd.
     pub gateways: usize,
+    /// The NAT in front of each cluster's WireGuard port, in `names` order ([`crate::nat`];
+    /// empty: none anywhere). A cluster behind one advertises its private address. The hub
+    /// must be reachable: `none`.
+    pub nat: Vec<NatKind>,
 }
+
+/// The gateway's WireGuard port (its default), the one a NAT router translates.
+pub const WIREGUARD_PORT: u16 = 51840;
 
 /// The DNS name cluster `id`'s gateway advertises with [`FabricOptions::endpoint_names`]
 /// (`.test`: reserved, never in real DNS, RFC 6761).
@@ -119,6 +127,7 @@ impl FabricOptions {
             unreserved: Vec::new(),
             endpoint_names: false,
             gateways: 1,
+            nat: Vec::new(),
         }
     }
 }
@@ -142,6 +151,8 @@ pub struct Fabric {
     pub topology: Topology,
     /// Index of the hub.
     pub hub: usize,
+    /// With [`FabricOptions::nat`]: each cluster's router (or its own uplink), by index.
+    pub routers: Vec<NatRouter>,
 }
 
 impl Fabric {
@@ -164,7 +175,17 @@ impl Fabric {
                 (n.as_str(), cidr.as_str())
             })
             .collect();
-        let topology = if options.nodes > 1 {
+        if !options.nat.is_empty()
+            && (options.nat.len() != options.names.len()
+                || options.nat.get(options.hub) != Some(&NatKind::None))
+        {
+            bail!(
+                "{} NAT kinds for {} clusters (one each, the hub's `none`)",
+                options.nat.len(),
+                options.names.len()
+            );
+        }
+        let mut topology = if options.nodes > 1 {
             let networks = options
                 .node_networks
                 .iter()
@@ -174,6 +195,10 @@ impl Fabric {
         } else {
             Topology::build(&sites)?
         };
+        let mut routers = Vec::new();
+        for (i, kind) in options.nat.iter().enumerate() {
+            routers.push(topology.add_nat(i, *kind, WIREGUARD_PORT)?);
+        }
         let hosts = if options.endpoint_names {
             let namespaces: Vec<&str> = topology.sites.iter().map(|s| s.gw_ns.as_str()).collect();
             let names: Vec<(String, Ipv4Addr)> = topology
@@ -206,6 +231,9 @@ impl Fabric {
             if options.endpoint_names {
                 o.endpoint_address = Some(endpoint_name(&options.names[i]));
             }
+            if let Some(router) = routers.get(i).filter(|r| r.kind != NatKind::None) {
+                o.endpoint_address = Some(router.private_ip.to_string());
+            }
             o.no_induced = i == options.hub && options.hub_no_induced;
             o.reserve_node_network = !options.unreserved.contains(&i);
             o.store = options.store;
@@ -222,6 +250,7 @@ impl Fabric {
             _hosts: hosts,
             topology,
             hub: options.hub,
+            routers,
         };
         for leaf in 0..fabric.clusters.len() {
             if leaf != fabric.hub {
@@ -271,17 +300,18 @@ impl Fabric {
         out
     }
 
-    /// Waits until `i`'s broker holds exactly the TunnelEndpoints `expected` (sorted by ID).
+    /// Waits until `i`'s broker holds exactly the TunnelEndpoints `expected` (in any order).
     pub async fn wait_tunnel_endpoints(
         &self,
         i: usize,
         expected: &[(&str, PeeringKind)],
         limit: Duration,
     ) -> anyhow::Result<Duration> {
-        let want: Vec<(String, PeeringKind)> = expected
+        let mut want: Vec<(String, PeeringKind)> = expected
             .iter()
             .map(|(id, kind)| ((*id).to_owned(), *kind))
             .collect();
+        want.sort_by(|a, b| a.0.cmp(&b.0));
         let started = Instant::now();
         loop {
             let seen = self.tunnel_endpoints(i).await;

@@ -163,7 +163,15 @@ impl Topology {
         let lan_ip = Ipv4Addr::new(198, 18, n, 1);
         let router = format!("tl{}-{}-nat", self.run, site.name);
         self.namespaces_mut().add(&router)?;
-        wire_router(&self.inet_ns, &site, &router, lan_ip, private_ip, public_ip, port)?;
+        wire_router(
+            &self.inet_ns,
+            &site,
+            &router,
+            lan_ip,
+            private_ip,
+            public_ip,
+            port,
+        )?;
         let rules = ruleset(kind, &site, private_ip, public_ip, port);
         nft(&router, &rules).with_context(|| format!("the {kind} router of {}", site.name))?;
         Ok(NatRouter {
@@ -212,7 +220,16 @@ fn wire_router(
             "netns",
             inet_ns,
         ],
-        vec!["-n", inet_ns, "link", "set", &bridge_port, "master", BRIDGE, "up"],
+        vec![
+            "-n",
+            inet_ns,
+            "link",
+            "set",
+            &bridge_port,
+            "master",
+            BRIDGE,
+            "up",
+        ],
         vec!["-n", router, "addr", "add", &public, "dev", UPLINK],
         vec!["-n", router, "link", "set", UPLINK, "up"],
         // The sites' uplinks are on the same bridge: on-link.
@@ -226,8 +243,19 @@ fn wire_router(
         vec!["-n", gw, "addr", "add", &private, "dev", NAT_LINK],
         vec!["-n", gw, "link", "set", NAT_LINK, "up"],
         vec![
-            "-n", gw, "route", "add", "default", "via", &lan_text, "dev", NAT_LINK, "src",
-            &private_text, "table", NAT_TABLE,
+            "-n",
+            gw,
+            "route",
+            "add",
+            "default",
+            "via",
+            &lan_text,
+            "dev",
+            NAT_LINK,
+            "src",
+            &private_text,
+            "table",
+            NAT_TABLE,
         ],
         vec![
             "-n",
@@ -285,7 +313,9 @@ fn ruleset(
             String::new(),
         ),
         NatKind::Easy => (
-            format!("oif \"{UPLINK}\" ip saddr {private_ip} udp sport {port} snat to {public_ip}:{easy_port}"),
+            format!(
+                "oif \"{UPLINK}\" ip saddr {private_ip} udp sport {port} snat to {public_ip}:{easy_port}"
+            ),
             format!(
                 "iif \"{UPLINK}\" ip daddr {public_ip} udp dport {easy_port} ip saddr @contacted dnat to {private_ip}:{port}"
             ),
@@ -357,18 +387,16 @@ impl NatRouter {
         };
         let first_socket = seen(first.0, first.1)?;
         let second_socket = seen(second.0, second.1)?;
-        let other_port = seen(
-            first.0,
-            SocketAddr::new(first.1.ip(), first_other_port),
-        )?;
+        let other_port = seen(first.0, SocketAddr::new(first.1.ip(), first_other_port))?;
         let stranger_socket = seen(stranger.0, stranger.1)?;
         let mut buf = [0u8; 64];
         let mut mapped = Vec::new();
         for (socket, at) in [(&first_socket, first.1), (&second_socket, second.1)] {
             client.send_to(b"where am i", at).await?;
-            let (_, from) = tokio::time::timeout(Duration::from_secs(2), socket.recv_from(&mut buf))
-                .await
-                .with_context(|| format!("{at} heard nothing from the gateway's port"))??;
+            let (_, from) =
+                tokio::time::timeout(Duration::from_secs(2), socket.recv_from(&mut buf))
+                    .await
+                    .with_context(|| format!("{at} heard nothing from the gateway's port"))??;
             mapped.push(from);
         }
         let mut passes = Vec::new();

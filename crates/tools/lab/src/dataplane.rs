@@ -121,6 +121,7 @@ pub(crate) async fn run(
         unreserved: Vec::new(),
         endpoint_names: false,
         gateways: usize::from(config.gateways),
+        nat: Vec::new(),
     };
     let clock = Instant::now();
     let fabric = tokio::select! {

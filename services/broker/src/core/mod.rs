@@ -7,6 +7,8 @@
 //! operations are `impl Broker` blocks in one submodule per kind of work, so that each can be
 //! read without the others:
 //!
+//! - [`candidates`]: NAT traversal: where a hub sees its leaves' gateways, and those
+//!   reflexive endpoints written into a leaf's induced TunnelEndpoints;
 //! - [`lanes`]: the reconciler's two lanes, what each must look at next and how it is woken;
 //! - `view`: what the local discovery service says: our addresses and the peering view;
 //! - `handshake`: starting a peering, answering a remote's handshake or sending ours;
@@ -16,6 +18,7 @@
 //! - [`statuses`]: receiving a remote's decision on our NetworkConfig, and the `via` rule for
 //!   calls about a stored one.
 
+pub mod candidates;
 mod handshake;
 pub mod lanes;
 mod peering;

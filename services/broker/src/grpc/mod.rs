@@ -94,6 +94,9 @@ impl BrokerService {
     }
 }
 
+/// At most this many IDs per GetObservedEndpoints call.
+const MAX_OBSERVED: usize = 1024;
+
 /// The methods the peer listener serves (ADR 0014).
 pub const PEER_METHODS: PeerMethods = PeerMethods {
     authenticated: &[
@@ -102,6 +105,7 @@ pub const PEER_METHODS: PeerMethods = PeerMethods {
         "/trellis.peering.v1.Broker/ReportNetworkConfigStatus",
         "/trellis.peering.v1.Broker/WithdrawNetworkConfig",
         "/trellis.peering.v1.Broker/NotifyUnpeer",
+        "/trellis.peering.v1.Broker/GetObservedEndpoints",
     ],
     anonymous: &["/trellis.peering.v1.Broker/Handshake"],
 };
@@ -436,6 +440,46 @@ impl BrokerApi for BrokerService {
             .notified_unpeer(&caller, &req.reason, ends.as_ref())
             .await?;
         Ok(Response::new(pb::NotifyUnpeerResponse { unpeered }))
+    }
+
+    async fn get_observed_endpoints(
+        &self,
+        request: Request<pb::GetObservedEndpointsRequest>,
+    ) -> Result<Response<pb::GetObservedEndpointsResponse>, Status> {
+        const RPC: &str = "GetObservedEndpoints";
+        let peer = self.authz.peer(&request, RPC)?;
+        let req = request.into_inner();
+        let requester = identity_from_pb("requester", req.requester.as_ref())?;
+        self.authz
+            .require(peer.as_ref(), RPC, "requester", requester.id.as_str())?;
+        if req.cluster_ids.len() > MAX_OBSERVED {
+            return Err(Error::invalid(
+                "cluster_ids",
+                format!("{} IDs, at most {MAX_OBSERVED}", req.cluster_ids.len()),
+            )
+            .into());
+        }
+        let ids = req
+            .cluster_ids
+            .iter()
+            .enumerate()
+            .map(|(i, id)| ClusterId::parse(&format!("cluster_ids[{i}]"), id))
+            .collect::<Result<Vec<_>>>()?;
+        let observed = self.core.observed_for(&requester, &ids).await?;
+        Ok(Response::new(pb::GetObservedEndpointsResponse {
+            observed: observed
+                .into_iter()
+                .map(|(id, seen)| pb::ObservedEndpoint {
+                    cluster_id: id.to_string(),
+                    endpoint: seen.endpoint.to_string(),
+                    last_handshake_time: Some(timestamp(
+                        seen.last_handshake
+                            .duration_since(std::time::UNIX_EPOCH)
+                            .map_or(0, |d| i64::try_from(d.as_nanos()).unwrap_or(i64::MAX)),
+                    )),
+                })
+                .collect(),
+        }))
     }
 
     async fn list_network_configs(

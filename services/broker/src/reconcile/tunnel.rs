@@ -41,13 +41,19 @@ pub(super) async fn write_tunnel(broker: &Broker, id: &ClusterId) -> Result<()> 
         None => None,
     };
     let generation = existing.as_ref().map_or(0, |(t, _)| t.generation) + 1;
-    let tunnel = TunnelEndpoint::merge(
+    let mut tunnel = TunnelEndpoint::merge(
         incoming.remote.clone(),
         out.via.clone(),
         (&out.spec, theirs_of_us),
         (&incoming.spec, ours_of_them),
         generation,
     );
+    // The candidates come from the hub (`core::candidates`), not from the NetworkConfigs.
+    if let Some((current, _)) = &existing
+        && current.via == tunnel.via
+    {
+        tunnel.remote_candidates = current.remote_candidates.clone();
+    }
     if let Some((current, _)) = &existing
         && (TunnelEndpoint {
             generation: current.generation,

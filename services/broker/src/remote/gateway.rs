@@ -1,8 +1,15 @@
-//! The port to the local gateway: the endpoint and WireGuard key our NetworkConfigs announce.
+//! The port to the local gateway: the endpoint and WireGuard key our NetworkConfigs announce,
+//! and where it sees our full peers' gateways (what a hub tells the leaves it introduced).
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime};
 
 use trellis_api::ClusterId;
-use trellis_api::pb::gateway::GetGatewayInfoRequest;
 use trellis_api::pb::gateway::gateway_client::GatewayClient;
+use trellis_api::pb::gateway::{GetGatewayInfoRequest, ListTunnelsRequest};
+use trellis_api::pb::types::PeeringKind;
 use trellis_error::Result;
 use trellis_runtime::client::TracedChannel;
 
@@ -15,15 +22,38 @@ pub struct GatewayInfo {
     pub public_key: String,
 }
 
+/// Where the gateway sees one full peer's gateway.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Observed {
+    pub endpoint: SocketAddr,
+    pub last_handshake: SystemTime,
+}
+
+/// Where the gateway sees each full peer.
+pub type ObservedPeers = HashMap<ClusterId, Observed>;
+
+/// An observation older than WireGuard's rekey window (180 s) is of a session that ended: the
+/// NAT mapping behind it may be gone.
+const FRESH: Duration = Duration::from_secs(180);
+
+/// How long one reading of the gateway's tunnels answers every hub request: leaves ask
+/// together, and the observations change at handshake pace.
+const OBSERVED_TTL: Duration = Duration::from_secs(1);
+
 /// The local gateway.
 #[derive(Debug)]
 pub struct Gateway {
     channel: TracedChannel,
+    /// The last reading of [`Gateway::observed`] and when it was taken.
+    observed: tokio::sync::Mutex<Option<(Instant, Arc<ObservedPeers>)>>,
 }
 
 impl Gateway {
     pub(super) fn new(channel: TracedChannel) -> Self {
-        Self { channel }
+        Self {
+            channel,
+            observed: tokio::sync::Mutex::new(None),
+        }
     }
 
     /// The gateway's endpoint and key towards `remote`, or in general (`None`: the key and
@@ -39,5 +69,50 @@ impl Gateway {
             endpoint: answer.endpoint,
             public_key: answer.public_key,
         })
+    }
+
+    /// Where the gateway sees each full peer it completed a handshake with recently: the
+    /// source of that peer's authenticated WireGuard packets. Read at most once a second.
+    pub async fn observed(&self) -> Result<Arc<ObservedPeers>> {
+        let mut cached = self.observed.lock().await;
+        if let Some((at, seen)) = cached.as_ref()
+            && at.elapsed() < OBSERVED_TTL
+        {
+            return Ok(seen.clone());
+        }
+        let seen = Arc::new(self.read_observed().await?);
+        *cached = Some((Instant::now(), seen.clone()));
+        Ok(seen)
+    }
+
+    async fn read_observed(&self) -> Result<ObservedPeers> {
+        let tunnels = GatewayClient::new(self.channel.clone())
+            .list_tunnels(ListTunnelsRequest {})
+            .await?
+            .into_inner()
+            .tunnels;
+        let now = SystemTime::now();
+        Ok(tunnels
+            .into_iter()
+            .filter(|t| t.kind == PeeringKind::Full as i32)
+            .filter_map(|t| {
+                let id = ClusterId::parse("remote.cluster_id", &t.remote?.cluster_id).ok()?;
+                let endpoint = t.remote_endpoint.parse().ok()?;
+                let at = t.last_handshake_time?;
+                let last_handshake = SystemTime::UNIX_EPOCH
+                    + Duration::new(
+                        u64::try_from(at.seconds).ok()?,
+                        u32::try_from(at.nanos).ok()?,
+                    );
+                let fresh = now.duration_since(last_handshake).unwrap_or_default() < FRESH;
+                fresh.then_some((
+                    id,
+                    Observed {
+                        endpoint,
+                        last_handshake,
+                    },
+                ))
+            })
+            .collect())
     }
 }

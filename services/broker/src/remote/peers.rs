@@ -5,6 +5,7 @@
 //! (address, expected cluster).
 
 use std::collections::HashMap;
+use std::net::SocketAddr;
 use std::sync::Mutex;
 use std::time::Duration;
 
@@ -13,8 +14,8 @@ use trellis_api::model::Addresses;
 use trellis_api::pb::peering::broker_client::BrokerClient;
 use trellis_api::pb::peering::forwarder_client::ForwarderClient;
 use trellis_api::pb::peering::{
-    HandshakeRequest, NotifyUnpeerRequest, RelayRequest, RelayResponse, RelayWithdrawalRequest,
-    SubmitNetworkConfigRequest, SubmitNetworkConfigResponse,
+    GetObservedEndpointsRequest, HandshakeRequest, NotifyUnpeerRequest, RelayRequest,
+    RelayResponse, RelayWithdrawalRequest, SubmitNetworkConfigRequest, SubmitNetworkConfigResponse,
 };
 use trellis_api::pb::types::{NetworkConfig, NetworkConfigRef, NetworkConfigStatus};
 use trellis_api::{ClusterId, ClusterIdentity};
@@ -168,6 +169,40 @@ impl PeerClusters {
             })
             .await?;
         Ok(())
+    }
+
+    /// Where the hub `hub` (its broker at `address`) sees the gateways of `ids`: one
+    /// `(cluster, endpoint)` per cluster it sees. Answers that do not parse are left out.
+    pub async fn observed_endpoints(
+        &self,
+        address: &str,
+        hub: &ClusterId,
+        requester: &ClusterIdentity,
+        ids: &[ClusterId],
+    ) -> Result<Vec<(ClusterId, SocketAddr)>> {
+        let answer = self
+            .broker(address, hub)?
+            .get_observed_endpoints(GetObservedEndpointsRequest {
+                requester: Some(identity_to_pb(requester)),
+                cluster_ids: ids.iter().map(ToString::to_string).collect(),
+            })
+            .await?
+            .into_inner();
+        Ok(answer
+            .observed
+            .into_iter()
+            .filter_map(|o| {
+                let id = ClusterId::parse("observed.cluster_id", &o.cluster_id).ok()?;
+                let endpoint = trellis_api::model::candidate("observed.endpoint", &o.endpoint);
+                match endpoint {
+                    Ok(endpoint) => Some((id, endpoint)),
+                    Err(err) => {
+                        tracing::warn!(hub = %hub, remote.id = %id, error = %err, "ignoring an unusable observed endpoint");
+                        None
+                    }
+                }
+            })
+            .collect())
     }
 
     /// Submits our NetworkConfig `nc` to the broker of the full peer `remote` at `address`,

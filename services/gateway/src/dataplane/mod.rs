@@ -231,6 +231,7 @@ mod tests {
                     "AQEBAQEBAQEBAQEBAQEBAQEBAQEBAQEBAQEBAQEBAQE=",
                 )
                 .expect("key"),
+                remote_candidates: Vec::new(),
                 generation: 1,
             },
             slot: 51841,

@@ -55,6 +55,9 @@ pub struct DeviceSpec {
     pub listen_port: u16,
     pub peer_key: WgKey,
     pub peer_endpoint: SocketAddr,
+    /// Other places the peer may be reached (the userspace engine probes them until the peer
+    /// answers; a kernel device has one endpoint and ignores them).
+    pub peer_candidates: Vec<SocketAddr>,
     pub allowed_ips: Vec<IpNet>,
     pub keepalive: u16,
     pub mtu: u32,
@@ -66,6 +69,7 @@ impl fmt::Debug for DeviceSpec {
             .field("name", &self.name)
             .field("listen_port", &self.listen_port)
             .field("peer_endpoint", &self.peer_endpoint)
+            .field("peer_candidates", &self.peer_candidates)
             .field("allowed_ips", &self.allowed_ips)
             .field("mtu", &self.mtu)
             .finish_non_exhaustive()
@@ -161,6 +165,7 @@ impl Device {
                     endpoint: spec.peer_endpoint,
                     allowed_ips: spec.allowed_ips.clone(),
                     keepalive: spec.keepalive,
+                    candidates: spec.peer_candidates.clone(),
                 };
                 match *index {
                     Some(i) => engine.update_peer(i, &config)?,

@@ -90,9 +90,57 @@ impl SourceBuckets {
 }
 
 impl Shared {
-    /// Starts a handshake with `peer` now.
+    /// Starts a handshake with `peer` now, sent to its endpoint and, until the peer was heard
+    /// from, to each of its candidates.
     pub(super) fn initiate(&self, peer: &Peer) {
-        self.initiate_to(peer, None);
+        self.initiate_everywhere(peer, false);
+    }
+
+    /// A handshake initiation to the endpoint and, unless confirmed, every candidate; `force`
+    /// makes a new one even while one is in flight (a probe).
+    fn initiate_everywhere(&self, peer: &Peer, force: bool) {
+        let mut buf = [0u8; 256];
+        let result = peer.tunn().format_handshake_initiation(&mut buf, force);
+        if let TunnResult::WriteToNetwork(packet) = result {
+            let endpoint = peer.endpoint();
+            self.send(packet, endpoint);
+            if !peer.confirmed.load(Ordering::Relaxed) {
+                for candidate in peer.candidates() {
+                    if candidate != endpoint {
+                        self.send(packet, candidate);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Probes a peer that has candidates and was not heard from yet: a new initiation to every
+    /// place every [`PROBE_FAST`] for the first [`PROBE_FAST_FOR`] (both ends of an induced
+    /// pair start within a second or two of each other, and each one's first datagram opens
+    /// its own NAT for the other's), then every [`PROBE_SLOW`].
+    fn probe(&self, peer: &Peer, now: Instant) {
+        if peer.confirmed.load(Ordering::Relaxed)
+            || peer
+                .candidates
+                .read()
+                .unwrap_or_else(|e| e.into_inner())
+                .is_empty()
+        {
+            return;
+        }
+        let mut probing = peer.probing.lock().unwrap_or_else(|e| e.into_inner());
+        let (began, last) = *probing;
+        let every = if now.duration_since(began) < PROBE_FAST_FOR {
+            PROBE_FAST
+        } else {
+            PROBE_SLOW
+        };
+        if now.duration_since(last) < every {
+            return;
+        }
+        probing.1 = now;
+        drop(probing);
+        self.initiate_everywhere(peer, true);
     }
 
     /// Starts a handshake with `peer` now, sent to its endpoint and to `also`.
@@ -107,6 +155,12 @@ impl Shared {
         }
     }
 }
+
+/// How often a peer with candidates is probed at first, and for how long.
+const PROBE_FAST: Duration = Duration::from_secs(1);
+const PROBE_FAST_FOR: Duration = Duration::from_secs(20);
+/// How often afterwards, until it answers.
+const PROBE_SLOW: Duration = Duration::from_secs(5);
 
 pub(super) fn timer_loop(shared: &Shared) {
     let mut dst = vec![0u8; BUF];
@@ -127,7 +181,9 @@ pub(super) fn timer_loop(shared: &Shared) {
             continue;
         }
         let peers = shared.all_peers();
+        let now = Instant::now();
         for peer in peers {
+            shared.probe(&peer, now);
             let result = peer.tunn().update_timers(&mut dst);
             if let TunnResult::WriteToNetwork(packet) = result {
                 shared.send(packet, peer.endpoint());

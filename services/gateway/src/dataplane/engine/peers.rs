@@ -8,9 +8,9 @@ use std::collections::HashMap;
 use std::io;
 use std::net::{IpAddr, SocketAddr};
 use std::os::fd::AsRawFd as _;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
-use std::time::SystemTime;
+use std::time::{Instant, SystemTime};
 
 use defguard_boringtun::device::tun::TunSocket;
 use defguard_boringtun::noise::Tunn;
@@ -32,6 +32,10 @@ pub struct PeerConfig {
     pub allowed_ips: Vec<IpNet>,
     /// Persistent keepalive in seconds, 0 for none.
     pub keepalive: u16,
+    /// Other places the peer may be reached (its reflexive endpoint behind a NAT, as a hub
+    /// sees it): until an authenticated message arrives, every handshake initiation goes to
+    /// the endpoint and to each of these, and whichever answers becomes the endpoint.
+    pub candidates: Vec<SocketAddr>,
 }
 
 /// A peer's counters.
@@ -58,6 +62,12 @@ pub(super) struct Peer {
     pub(super) configured: Mutex<SocketAddr>,
     pub(super) allowed_ips: RwLock<Vec<IpNet>>,
     pub(super) keepalive: Mutex<u16>,
+    pub(super) candidates: RwLock<Vec<SocketAddr>>,
+    /// Whether an authenticated message came from the peer since it was added (or its
+    /// candidates changed): until then the timer thread probes every candidate.
+    pub(super) confirmed: AtomicBool,
+    /// When the probing began and when the last probe went out ([`super::handshakes`]).
+    pub(super) probing: Mutex<(Instant, Instant)>,
 }
 
 impl Peer {
@@ -69,6 +79,13 @@ impl Peer {
 
     pub(super) fn endpoint(&self) -> SocketAddr {
         *self.endpoint.read().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub(super) fn candidates(&self) -> Vec<SocketAddr> {
+        self.candidates
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
     }
 
     pub(super) fn allows(&self, source: IpAddr) -> bool {
@@ -121,6 +138,9 @@ impl Engine {
                 configured: Mutex::new(config.endpoint),
                 allowed_ips: RwLock::new(config.allowed_ips.clone()),
                 keepalive: Mutex::new(config.keepalive),
+                candidates: RwLock::new(config.candidates.clone()),
+                confirmed: AtomicBool::new(false),
+                probing: Mutex::new((Instant::now(), Instant::now())),
             });
             peers.by_index.insert(index, peer.clone());
             peers.by_key.insert(config.public_key, index);
@@ -162,6 +182,20 @@ impl Engine {
         }
         drop(configured);
         *peer.allowed_ips.write().unwrap_or_else(|e| e.into_inner()) = config.allowed_ips.clone();
+        let new_candidates = {
+            let mut candidates = peer.candidates.write().unwrap_or_else(|e| e.into_inner());
+            let new = *candidates != config.candidates;
+            candidates.clone_from(&config.candidates);
+            new
+        };
+        if new_candidates && !peer.confirmed.load(Ordering::Relaxed) {
+            // A peer we have not heard from yet: try the new places at once.
+            *peer.probing.lock().unwrap_or_else(|e| e.into_inner()) =
+                (Instant::now(), Instant::now());
+            if !shared.standby.load(Ordering::Relaxed) {
+                shared.initiate(&peer);
+            }
+        }
         let mut keepalive = peer.keepalive.lock().unwrap_or_else(|e| e.into_inner());
         if *keepalive != config.keepalive {
             *keepalive = config.keepalive;

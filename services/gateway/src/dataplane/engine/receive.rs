@@ -132,6 +132,9 @@ impl Shared {
         if authenticated && peer.endpoint() != from {
             *peer.endpoint.write().unwrap_or_else(|e| e.into_inner()) = from;
         }
+        if authenticated && !peer.confirmed.load(Ordering::Relaxed) {
+            peer.confirmed.store(true, Ordering::Relaxed);
+        }
     }
 }
 

@@ -36,6 +36,7 @@ impl Engine {
                 endpoint: peer.endpoint(),
                 allowed_ips: Vec::new(),
                 keepalive,
+                candidates: peer.candidates(),
             };
             *peer.tunn() = shared.tunn(&config, peer.index);
             // Where the previous active last heard the peer may be out of date (the peer's

@@ -57,6 +57,7 @@ impl Linux {
             listen_port: plan.listen_port,
             peer_key: plan.endpoint.remote_public_key,
             peer_endpoint,
+            peer_candidates: plan.endpoint.remote_candidates.clone(),
             allowed_ips: plan.allowed_ips(),
             keepalive: self.keepalive,
             mtu: self.mtu,

@@ -1,0 +1,198 @@
+//! The broker's part in NAT traversal (ADR 0025). A hub tells the leaves it introduced where
+//! its gateway sees their induced peers' gateways: the source of their authenticated WireGuard
+//! packets, which a NAT in front of them chose (their reflexive endpoints). A leaf asks, per
+//! hub, for every induced peer that hub introduced, and writes the answers into those
+//! TunnelEndpoints as candidates beside the advertised endpoints; its gateway then sends its
+//! first handshakes to all of them at once.
+
+use std::collections::{BTreeMap, HashMap};
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use trellis_api::model::{PeeringKind, TunnelEndpoint};
+use trellis_api::{ClusterId, ClusterIdentity};
+use trellis_error::{Error, Result};
+use trellis_runtime::Shutdown;
+use trellis_store::{Compare, Op, Txn};
+
+use super::Broker;
+use crate::records::{TunnelRecord, decode, encode, tunnel_key};
+use crate::remote::gateway::Observed;
+
+impl Broker {
+    /// Where our gateway sees the gateways of `ids`, for the full peer `requester`: only for
+    /// clusters that are full peers of ours too (the pairs we introduce), never the requester
+    /// itself; clusters we do not see recently are left out.
+    pub async fn observed_for(
+        &self,
+        requester: &ClusterIdentity,
+        ids: &[ClusterId],
+    ) -> Result<Vec<(ClusterId, Observed)>> {
+        self.check_peers(&[&requester.id], |peers| {
+            if peers.is_full_peer(&requester.id) {
+                Ok(())
+            } else {
+                Err(Error::PermissionDenied(format!(
+                    "{} is not a full peer of this cluster",
+                    requester.id
+                )))
+            }
+        })
+        .await?;
+        let peers = self.view().await?;
+        let observed = self.ports.gateway().observed().await?;
+        Ok(ids
+            .iter()
+            .filter(|id| **id != requester.id && peers.is_full_peer(id))
+            .filter_map(|id| observed.get(id).map(|seen| (id.clone(), *seen)))
+            .collect())
+    }
+
+    /// One refresh: asks each hub where it sees the induced peers it introduced, and writes
+    /// what changed into their TunnelEndpoints. Returns how many changed. A hub that does not
+    /// answer leaves its peers' candidates as they were.
+    pub async fn refresh_candidates(&self) -> Result<usize> {
+        let (tunnels, _) = self.tunnels().await?;
+        let mut by_hub: BTreeMap<ClusterId, Vec<&TunnelRecord>> = BTreeMap::new();
+        for (tunnel, _) in &tunnels {
+            if let (PeeringKind::Induced, Some(hub)) = (tunnel.kind, &tunnel.via) {
+                by_hub.entry(hub.id.clone()).or_default().push(tunnel);
+            }
+        }
+        if by_hub.is_empty() {
+            return Ok(0);
+        }
+        let peers = self.view().await?;
+        let mut changed = 0;
+        for (hub, tunnels) in by_hub {
+            let Some((_, addresses, _)) = peers.full.get(&hub) else {
+                continue;
+            };
+            if addresses.broker.is_empty() {
+                continue;
+            }
+            let ids: Vec<ClusterId> = tunnels.iter().map(|t| t.remote.id.clone()).collect();
+            let seen: HashMap<ClusterId, SocketAddr> = match self
+                .ports
+                .peers()
+                .observed_endpoints(&addresses.broker, &hub, &self.identity, &ids)
+                .await
+            {
+                Ok(seen) => seen.into_iter().collect(),
+                Err(err) => {
+                    tracing::debug!(hub = %hub, error = %err, "the hub does not say where it sees our induced peers");
+                    continue;
+                }
+            };
+            for tunnel in tunnels {
+                let want = wanted(tunnel, seen.get(&tunnel.remote.id).copied());
+                if want != tunnel.remote_candidates
+                    && self.write_candidates(&tunnel.remote.id, &want).await?
+                {
+                    changed += 1;
+                }
+            }
+        }
+        Ok(changed)
+    }
+
+    /// Sets the candidates of `id`'s TunnelEndpoint (a new generation); false when it is gone,
+    /// already has them, or changed meanwhile (the next refresh looks again).
+    async fn write_candidates(&self, id: &ClusterId, want: &[SocketAddr]) -> Result<bool> {
+        let key = tunnel_key(id);
+        let Some(kv) = self.store.get(&key).await? else {
+            return Ok(false);
+        };
+        let mut tunnel: TunnelEndpoint = decode(&key, &kv.value)?;
+        if tunnel.remote_candidates == want {
+            return Ok(false);
+        }
+        tunnel.remote_candidates = want.to_vec();
+        tunnel.generation += 1;
+        let committed = self
+            .store
+            .txn(Txn {
+                compares: vec![Compare::ModRevision {
+                    key: key.clone(),
+                    revision: kv.mod_revision,
+                }],
+                success: vec![Op::Put {
+                    key,
+                    value: encode(&tunnel)?,
+                    lease: None,
+                }],
+                failure: vec![],
+            })
+            .await?;
+        if committed.succeeded {
+            tracing::info!(remote.id = %id, candidates = ?want, generation = tunnel.generation, "tunnel endpoint candidates");
+        }
+        Ok(committed.succeeded)
+    }
+}
+
+/// The candidates `tunnel` should carry when its hub sees the remote at `seen`: that endpoint,
+/// unless it is the advertised one already.
+fn wanted(tunnel: &TunnelRecord, seen: Option<SocketAddr>) -> Vec<SocketAddr> {
+    seen.filter(|ep| ep.to_string() != tunnel.remote_endpoint.to_string())
+        .into_iter()
+        .collect()
+}
+
+/// Refreshes the candidates every `every` until `shutdown` (never with a zero period: the
+/// task then only waits, since a service's task that ends stops the service).
+pub async fn run(broker: Arc<Broker>, every: Duration, shutdown: Shutdown) {
+    if every.is_zero() {
+        return shutdown.cancelled().await;
+    }
+    loop {
+        tokio::select! {
+            () = shutdown.cancelled() => return,
+            () = trellis_runtime::timer::period(every) => {}
+        }
+        if let Err(err) = broker.refresh_candidates().await {
+            tracing::warn!(error = %err, "refreshing the induced peers' candidates");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    use trellis_api::model::{NatView, NetworkSpec, WgKey};
+
+    fn induced_tunnel(endpoint: &str) -> TunnelEndpoint {
+        let spec = |endpoint: &str, key: u8| NetworkSpec {
+            pod_cidr: "10.0.0.0/16".parse().expect("net"),
+            external_cidr: "10.201.0.0/16".parse().expect("net"),
+            endpoint: endpoint.parse().expect("endpoint"),
+            public_key: WgKey::from_bytes([key; 32]),
+        };
+        let view = NatView {
+            pod_cidr_nat: "10.0.0.0/16".parse().expect("net"),
+            external_cidr_nat: "10.201.0.0/16".parse().expect("net"),
+        };
+        let identity = |id: &str| ClusterIdentity::parse("id", id, "name", id).expect("identity");
+        TunnelEndpoint::merge(
+            identity("c"),
+            Some(identity("b")),
+            (&spec("192.0.2.1:51840", 1), view),
+            (&spec(endpoint, 3), view),
+            1,
+        )
+    }
+
+    #[test]
+    fn the_advertised_endpoint_is_no_candidate() {
+        let mut tunnel = induced_tunnel("192.0.2.3:51840");
+        assert!(wanted(&tunnel, None).is_empty());
+        let same: SocketAddr = "192.0.2.3:51840".parse().expect("addr");
+        assert!(wanted(&tunnel, Some(same)).is_empty());
+        let mapped: SocketAddr = "198.51.100.3:40002".parse().expect("addr");
+        assert_eq!(wanted(&tunnel, Some(mapped)), vec![mapped]);
+        tunnel.remote_candidates = vec![mapped];
+        assert_eq!(wanted(&tunnel, Some(mapped)), tunnel.remote_candidates);
+    }
+}
