@@ -174,6 +174,8 @@ fn trellis(args: &Args, io: Io) -> anyhow::Result<()> {
             allowed_ips: vec![format!("{}/32", INNER[1 - i]).parse()?],
             keepalive: 0,
             candidates: Vec::new(),
+            relay_via: None,
+            relayable: false,
         };
         let engine = in_netns(NS[i], move || {
             let engine = Engine::start_with(PORT, private, io)?;

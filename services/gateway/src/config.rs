@@ -160,6 +160,27 @@ pub struct Config {
     )]
     pub persistent_keepalive: u16,
 
+    /// Do not relay: a hub relays the WireGuard datagrams of two of its full peers (leaves it
+    /// introduced to each other) that cannot reach each other directly, as behind two NATs
+    /// that each pick a new port per destination (ADR 0025). It forwards encrypted datagrams
+    /// and can read none of them. With this flag it forwards nothing, and such pairs stay
+    /// unreachable.
+    #[arg(long, env = "TRELLIS_NO_RELAY")]
+    pub no_relay: bool,
+
+    /// Datagrams a second that one pair of leaves may send through this gateway's relay
+    /// (bursts of a tenth of that); more are dropped and counted
+    /// (`trellis_gateway_dropped_datagrams_total{reason="relay_rate_limited"}`), without
+    /// touching other pairs.
+    #[arg(
+        long,
+        env = "TRELLIS_RELAY_RATE",
+        value_name = "DATAGRAMS",
+        default_value_t = 20_000,
+        value_parser = clap::value_parser!(u32).range(1..)
+    )]
+    pub relay_rate: u32,
+
     /// Name of the node this gateway runs on (in Kubernetes, the downward API's
     /// `spec.nodeName`), announced to the route agents (`WatchRoutes`) so every node knows
     /// where the gateway is. Defaults to the host name.

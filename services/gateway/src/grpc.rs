@@ -67,6 +67,12 @@ fn tunnel_status(t: TunnelStatus) -> pb::TunnelStatus {
         message: t.message,
         applied_generation: te.generation,
         listen_port: u32::from(t.plan.listen_port),
+        path: match (stats.last_handshake, stats.relayed) {
+            (None, _) => pb::TunnelPath::Unspecified,
+            (Some(_), false) => pb::TunnelPath::Direct,
+            (Some(_), true) => pb::TunnelPath::Relayed,
+        }
+        .into(),
     }
 }
 

@@ -43,7 +43,7 @@ pub use crate::config::Config;
 pub use crate::core::Gateway;
 use crate::core::Settings;
 use crate::dataplane::Mode;
-use crate::dataplane::engine::Engine;
+use crate::dataplane::engine::{Engine, RelayPolicy};
 use crate::dataplane::linux::Linux;
 use crate::dataplane::wireguard::Flavor;
 use crate::grpc::GatewayService;
@@ -107,6 +107,11 @@ pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started
     };
     if let Some(engine) = &engine {
         replicas.set_engine(engine.clone());
+        engine.set_relay_policy(RelayPolicy {
+            enabled: !config.no_relay,
+            rate: f64::from(config.relay_rate),
+            burst: (f64::from(config.relay_rate) / 10.0).max(1.0),
+        });
     }
     let shared_port = match &flavor {
         Some(Flavor::Userspace(engine)) => Some(engine.port()),

@@ -182,6 +182,8 @@ fn setup(tag: &str) -> Setup {
             allowed_ips: vec!["10.200.0.0/24".parse().expect("net")],
             keepalive: 0,
             candidates: Vec::new(),
+            relay_via: None,
+            relayable: false,
         };
         let dev = format!("ebt{tag}{i}");
         // The TUN is created in the namespace of the thread that adds the peer.

@@ -80,6 +80,8 @@ impl Peer {
             allowed_ips: vec!["10.200.0.0/24".parse().expect("net")],
             keepalive: 0,
             candidates: Vec::new(),
+            relay_via: None,
+            relayable: false,
         };
         let (engine, d) = (s.engine.clone(), dev.to_owned());
         let index = in_netns(&s.ns, move || engine.add_peer(&d, &config)).expect("add peer");

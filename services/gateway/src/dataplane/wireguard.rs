@@ -58,6 +58,10 @@ pub struct DeviceSpec {
     /// Other places the peer may be reached (the userspace engine probes them until the peer
     /// answers; a kernel device has one endpoint and ignores them).
     pub peer_candidates: Vec<SocketAddr>,
+    /// The hub the peer is relayed through when it cannot be reached directly, and whether we
+    /// relay for it (userspace only; ADR 0025).
+    pub relay_via: Option<WgKey>,
+    pub relayable: bool,
     pub allowed_ips: Vec<IpNet>,
     pub keepalive: u16,
     pub mtu: u32,
@@ -88,6 +92,8 @@ pub struct PeerStats {
     pub rx_packets: Option<u64>,
     pub tx_packets: Option<u64>,
     pub endpoint: Option<SocketAddr>,
+    /// Whether the peer's datagrams go through a hub's relay now (userspace only).
+    pub relayed: bool,
 }
 
 enum Inner {
@@ -166,6 +172,8 @@ impl Device {
                     allowed_ips: spec.allowed_ips.clone(),
                     keepalive: spec.keepalive,
                     candidates: spec.peer_candidates.clone(),
+                    relay_via: spec.relay_via.map(|k| *k.as_bytes()),
+                    relayable: spec.relayable,
                 };
                 match *index {
                     Some(i) => engine.update_peer(i, &config)?,
@@ -212,6 +220,7 @@ impl Device {
                     rx_packets: interface_counter(&self.name, "rx_packets"),
                     tx_packets: interface_counter(&self.name, "tx_packets"),
                     endpoint: counters.endpoint,
+                    relayed: counters.relayed,
                 });
             }
             Inner::Kernel(api) => api
@@ -229,6 +238,7 @@ impl Device {
                 rx_packets: interface_counter(&self.name, "rx_packets"),
                 tx_packets: interface_counter(&self.name, "tx_packets"),
                 endpoint: p.endpoint,
+                relayed: false,
             })
             .unwrap_or_default())
     }

@@ -36,11 +36,18 @@ pub enum DropReason {
     /// Received while this replica is a standby: only the active replica answers for the
     /// cluster's key (a remote still pointing here after a failover, or a probe).
     Standby,
+    /// A relay datagram this gateway does not relay or accept (ADR 0025): the relay is off,
+    /// its sender is not where an authenticated peer of ours is, either end is not a full peer
+    /// whose pair we introduced, or a relayed datagram comes from elsewhere than the hub that
+    /// relays the peer.
+    RelayRefused,
+    /// A relay datagram over its pair's rate.
+    RelayRateLimited,
 }
 
 impl DropReason {
     /// Every reason, in label order.
-    pub const ALL: [DropReason; 10] = [
+    pub const ALL: [DropReason; 12] = [
         Self::Malformed,
         Self::Mac,
         Self::UnknownPeer,
@@ -51,6 +58,8 @@ impl DropReason {
         Self::TunWrite,
         Self::Other,
         Self::Standby,
+        Self::RelayRefused,
+        Self::RelayRateLimited,
     ];
 
     /// The metric label.
@@ -66,6 +75,8 @@ impl DropReason {
             Self::TunWrite => "tun_write",
             Self::Other => "other",
             Self::Standby => "standby",
+            Self::RelayRefused => "relay_refused",
+            Self::RelayRateLimited => "relay_rate_limited",
         }
     }
 

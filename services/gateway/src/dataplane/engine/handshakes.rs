@@ -96,19 +96,28 @@ impl Shared {
         self.initiate_everywhere(peer, false);
     }
 
-    /// A handshake initiation to the endpoint and, unless confirmed, every candidate; `force`
-    /// makes a new one even while one is in flight (a probe).
+    /// A handshake initiation to the endpoint and, unless confirmed, every candidate, and
+    /// through the hub when the peer is relayed; `force` makes a new one even while one is in
+    /// flight (a probe).
     fn initiate_everywhere(&self, peer: &Peer, force: bool) {
         let mut buf = [0u8; 256];
         let result = peer.tunn().format_handshake_initiation(&mut buf, force);
         if let TunnResult::WriteToNetwork(packet) = result {
-            let endpoint = peer.endpoint();
-            self.send(packet, endpoint);
-            if !peer.confirmed.load(Ordering::Relaxed) {
-                for candidate in peer.candidates() {
-                    if candidate != endpoint {
-                        self.send(packet, candidate);
-                    }
+            self.send_direct(peer, packet);
+            if self.relayed(peer) {
+                self.send_through_hub(peer, packet);
+            }
+        }
+    }
+
+    /// `datagram` to the peer's endpoint and, unless confirmed, each of its candidates.
+    fn send_direct(&self, peer: &Peer, datagram: &[u8]) {
+        let endpoint = peer.endpoint();
+        self.send(datagram, endpoint);
+        if !peer.confirmed.load(Ordering::Relaxed) {
+            for candidate in peer.candidates() {
+                if candidate != endpoint {
+                    self.send(datagram, candidate);
                 }
             }
         }
@@ -118,14 +127,20 @@ impl Shared {
     /// place every [`PROBE_FAST`] for the first [`PROBE_FAST_FOR`] (both ends of an induced
     /// pair start within a second or two of each other, and each one's first datagram opens
     /// its own NAT for the other's), then every [`PROBE_SLOW`].
+    ///
+    /// A peer relayed through its hub with a session is probed with keepalives on its direct
+    /// path instead (a new handshake that only the direct path carries would never complete,
+    /// and WireGuard ends a session whose rekey keeps failing): the first one that arrives
+    /// makes the other end answer directly, which switches the pair back.
     fn probe(&self, peer: &Peer, now: Instant) {
-        if peer.confirmed.load(Ordering::Relaxed)
-            || peer
+        let relayed = self.relayed(peer);
+        let unheard = !peer.confirmed.load(Ordering::Relaxed)
+            && !peer
                 .candidates
                 .read()
                 .unwrap_or_else(|e| e.into_inner())
-                .is_empty()
-        {
+                .is_empty();
+        if !relayed && !unheard {
             return;
         }
         let mut probing = peer.probing.lock().unwrap_or_else(|e| e.into_inner());
@@ -138,9 +153,20 @@ impl Shared {
         if now.duration_since(last) < every {
             return;
         }
+        let session = peer.tunn().time_since_last_handshake().is_some();
+        if relayed && session && now.duration_since(last) < PROBE_SLOW {
+            return;
+        }
         probing.1 = now;
         drop(probing);
-        self.initiate_everywhere(peer, true);
+        if relayed && session {
+            let mut buf = [0u8; 64];
+            if let TunnResult::WriteToNetwork(keepalive) = peer.tunn().encapsulate(&[], &mut buf) {
+                self.send_direct(peer, keepalive);
+            }
+        } else {
+            self.initiate_everywhere(peer, true);
+        }
     }
 
     /// Starts a handshake with `peer` now, sent to its endpoint and to `also`.
@@ -186,7 +212,7 @@ pub(super) fn timer_loop(shared: &Shared) {
             shared.probe(&peer, now);
             let result = peer.tunn().update_timers(&mut dst);
             if let TunnResult::WriteToNetwork(packet) = result {
-                shared.send(packet, peer.endpoint());
+                shared.send_to_peer(&peer, packet);
             }
         }
     }

@@ -56,6 +56,8 @@
 //! - `gso`: [`GsoBatch`](gso::GsoBatch), the datagrams of one GSO send;
 //! - `handshakes`: the handshake thread, the per-source buckets under load, starting a
 //!   handshake, and the timer thread;
+//! - `relay`: relaying the datagrams of leaves that cannot reach each other through the hub
+//!   that introduced them, and choosing a peer's route (direct or through its hub);
 //! - `drops`: why datagrams are dropped ([`DropReason`]) and their counters.
 
 mod drops;
@@ -63,6 +65,7 @@ mod gso;
 mod handshakes;
 mod peers;
 mod receive;
+mod relay;
 mod send;
 mod standby;
 
@@ -85,6 +88,7 @@ use self::handshakes::{
 use self::peers::Peers;
 pub use self::peers::{Counters, PeerConfig};
 use self::receive::{udp_loop, udp_loop_batched};
+pub use self::relay::{DIRECT_STALE, RELAY_AFTER, RelayPolicy};
 use self::send::tun_loop;
 
 /// Buffers hold the largest UDP payload, so no datagram or TUN read is ever truncated.
@@ -144,6 +148,12 @@ struct Shared {
     /// ([`Engine::set_standby`]).
     standby: AtomicBool,
     next_index: AtomicU32,
+    /// Our own key's tag in relay headers.
+    tag: u64,
+    /// What [`Shared::now_ms`] counts from.
+    epoch: std::time::Instant,
+    relay_policy: RwLock<RelayPolicy>,
+    relay_buckets: Mutex<relay::PairBuckets>,
     dropped: [AtomicU64; DropReason::ALL.len()],
     /// Makes the timer thread panic: how the tests show a dead thread is noticed.
     #[cfg(test)]
@@ -236,6 +246,7 @@ impl Engine {
             .map(|d| d.subsec_nanos())
             .unwrap_or(1);
         let (handshake_queue, queued_handshakes) = std::sync::mpsc::sync_channel(HANDSHAKE_QUEUE);
+        let own_tag = relay::tag(public.as_bytes());
         let shared = Arc::new(Shared {
             socket,
             batched,
@@ -253,6 +264,10 @@ impl Engine {
             stop: AtomicBool::new(false),
             standby: AtomicBool::new(false),
             next_index: AtomicU32::new(seed),
+            tag: own_tag,
+            epoch: std::time::Instant::now(),
+            relay_policy: RwLock::new(RelayPolicy::default()),
+            relay_buckets: Mutex::new(relay::PairBuckets::default()),
             dropped: Default::default(),
             #[cfg(test)]
             crash_timers: AtomicBool::new(false),

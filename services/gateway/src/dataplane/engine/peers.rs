@@ -8,7 +8,7 @@ use std::collections::HashMap;
 use std::io;
 use std::net::{IpAddr, SocketAddr};
 use std::os::fd::AsRawFd as _;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::{Instant, SystemTime};
 
@@ -19,7 +19,7 @@ use ipnet::IpNet;
 use mio::unix::SourceFd;
 use mio::{Interest, Token};
 
-use super::{Engine, Shared, io_err};
+use super::{Engine, Shared, io_err, relay};
 
 /// Peer indices are 24 bits: boringtun keeps the low 8 bits of a session index for itself.
 const INDEX_MASK: u32 = 0x00ff_ffff;
@@ -36,6 +36,12 @@ pub struct PeerConfig {
     /// sees it): until an authenticated message arrives, every handshake initiation goes to
     /// the endpoint and to each of these, and whichever answers becomes the endpoint.
     pub candidates: Vec<SocketAddr>,
+    /// The public key of the hub this peer is relayed through when it cannot be reached
+    /// directly (an induced peer: the hub that introduced it, itself a peer of ours).
+    pub relay_via: Option<[u8; 32]>,
+    /// Whether we relay this peer's datagrams to our other relayable peers and theirs to it (a
+    /// full peer of a hub, whose pairs the hub introduced).
+    pub relayable: bool,
 }
 
 /// A peer's counters.
@@ -45,6 +51,8 @@ pub struct Counters {
     pub rx_bytes: u64,
     pub tx_bytes: u64,
     pub endpoint: Option<SocketAddr>,
+    /// Whether its datagrams go through a hub now.
+    pub relayed: bool,
 }
 
 pub(super) struct Peer {
@@ -68,6 +76,14 @@ pub(super) struct Peer {
     pub(super) confirmed: AtomicBool,
     /// When the probing began and when the last probe went out ([`super::handshakes`]).
     pub(super) probing: Mutex<(Instant, Instant)>,
+    /// Its key's tag in relay headers.
+    pub(super) tag: u64,
+    /// The hub it is relayed through, when it has one ([`PeerConfig::relay_via`]).
+    pub(super) relay_via: RwLock<Option<[u8; 32]>>,
+    pub(super) relayable: AtomicBool,
+    /// When an authenticated message last came from it directly (not through a hub), in the
+    /// engine's milliseconds ([`Shared::now_ms`]); 0 for never.
+    pub(super) direct_rx_ms: AtomicU64,
 }
 
 impl Peer {
@@ -101,6 +117,8 @@ impl Peer {
 pub(super) struct Peers {
     pub(super) by_index: HashMap<u32, Arc<Peer>>,
     pub(super) by_key: HashMap<[u8; 32], u32>,
+    /// By key tag, what relay headers name ([`super::relay`]).
+    pub(super) by_tag: HashMap<u64, u32>,
 }
 
 impl Engine {
@@ -141,9 +159,14 @@ impl Engine {
                 candidates: RwLock::new(config.candidates.clone()),
                 confirmed: AtomicBool::new(false),
                 probing: Mutex::new((Instant::now(), Instant::now())),
+                tag: relay::tag(&config.public_key),
+                relay_via: RwLock::new(config.relay_via),
+                relayable: AtomicBool::new(config.relayable),
+                direct_rx_ms: AtomicU64::new(0),
             });
             peers.by_index.insert(index, peer.clone());
             peers.by_key.insert(config.public_key, index);
+            peers.by_tag.insert(peer.tag, index);
             peer
         };
         // Registered after the peer is findable by index, so no readiness event finds nobody.
@@ -182,6 +205,8 @@ impl Engine {
         }
         drop(configured);
         *peer.allowed_ips.write().unwrap_or_else(|e| e.into_inner()) = config.allowed_ips.clone();
+        *peer.relay_via.write().unwrap_or_else(|e| e.into_inner()) = config.relay_via;
+        peer.relayable.store(config.relayable, Ordering::Relaxed);
         let new_candidates = {
             let mut candidates = peer.candidates.write().unwrap_or_else(|e| e.into_inner());
             let new = *candidates != config.candidates;
@@ -215,6 +240,9 @@ impl Engine {
             let removed = peers.by_index.remove(&index);
             if let Some(peer) = &removed {
                 peers.by_key.remove(&peer.public_key);
+                if peers.by_tag.get(&peer.tag) == Some(&index) {
+                    peers.by_tag.remove(&peer.tag);
+                }
             }
             removed
         };
@@ -233,6 +261,7 @@ impl Engine {
             rx_bytes: rx as u64,
             tx_bytes: tx as u64,
             endpoint: Some(peer.endpoint()),
+            relayed: self.shared.relayed(&peer),
         })
     }
 }
@@ -260,6 +289,12 @@ impl Shared {
             .values()
             .cloned()
             .collect()
+    }
+
+    pub(super) fn peer_by_tag(&self, tag: u64) -> Option<Arc<Peer>> {
+        let peers = self.peers.read().unwrap_or_else(|e| e.into_inner());
+        let index = peers.by_tag.get(&tag)?;
+        peers.by_index.get(index).cloned()
     }
 
     pub(super) fn peer_by_key(&self, key: &[u8; 32]) -> Option<Arc<Peer>> {

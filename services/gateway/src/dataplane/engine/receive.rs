@@ -16,7 +16,7 @@ use quinn_udp::{RecvMeta, UdpSocketState};
 
 use super::drops::DropReason;
 use super::handshakes::HANDSHAKE_RATE_LIMIT;
-use super::{BUF, RECV_TIMEOUT, Shared};
+use super::{BUF, RECV_TIMEOUT, Shared, relay};
 
 impl Shared {
     /// One datagram from the socket. Handshake initiations and responses go to the handshake
@@ -25,7 +25,15 @@ impl Shared {
         if self.standby.load(Ordering::Relaxed) {
             return self.count(DropReason::Standby);
         }
-        if matches!(datagram.first(), Some(1 | 2)) {
+        let handshake = match relay::parse(datagram) {
+            // Relayed to us: its WireGuard message decides; relayed onwards: the hub forwards.
+            Some((_, receiver, inner)) if receiver == self.tag => {
+                matches!(inner.first(), Some(1 | 2))
+            }
+            Some(_) => false,
+            None => matches!(datagram.first(), Some(1 | 2)),
+        };
+        if handshake {
             if self
                 .handshake_queue
                 .try_send((from, datagram.to_vec()))
@@ -38,8 +46,30 @@ impl Shared {
         self.handle(from, datagram, dst);
     }
 
-    /// One datagram: check it, find its peer, let the peer's session handle it.
+    /// One datagram: a relayed one forwarded or unwrapped, then checked, given to its peer's
+    /// session.
     pub(super) fn handle(&self, from: SocketAddr, datagram: &[u8], dst: &mut [u8]) {
+        if datagram.first() != Some(&relay::TYPE) {
+            return self.handle_message(from, datagram, dst, None);
+        }
+        match relay::parse(datagram) {
+            Some((sender, receiver, inner)) if receiver == self.tag => {
+                self.handle_message(from, inner, dst, Some(sender));
+            }
+            Some((sender, receiver, _)) => self.forward(from, sender, receiver, datagram),
+            None => self.count(DropReason::Malformed),
+        }
+    }
+
+    /// One WireGuard message: check it, find its peer, let the peer's session handle it.
+    /// `relayed` names the sender's tag when it came through a hub.
+    fn handle_message(
+        &self,
+        from: SocketAddr,
+        datagram: &[u8],
+        dst: &mut [u8],
+        relayed: Option<u64>,
+    ) {
         let handshake = matches!(datagram.first(), Some(1 | 2));
         let load = if handshake {
             self.handshakes.fetch_add(1, Ordering::Relaxed) + 1
@@ -49,7 +79,12 @@ impl Shared {
         let packet = match self.limiter.verify_packet(Some(from.ip()), datagram, dst) {
             Ok(packet) => packet,
             Err(TunnResult::WriteToNetwork(cookie)) => {
-                self.send(cookie, from);
+                match relayed {
+                    Some(sender) => {
+                        self.send_wrapped(&relay::header(self.tag, sender), cookie, from);
+                    }
+                    None => self.send(cookie, from),
+                }
                 return;
             }
             Err(TunnResult::Err(err)) => return self.count(DropReason::of(&err)),
@@ -81,6 +116,17 @@ impl Shared {
         let Some(peer) = peer else {
             return self.count(DropReason::UnknownPeer);
         };
+        if let Some(sender) = relayed
+            && !self.came_through_its_hub(&peer, sender, from)
+        {
+            return self.count(DropReason::RelayRefused);
+        }
+        // Answers go back the way the message came.
+        let answer = |packet: &[u8]| {
+            if relayed.is_none() || !self.send_through_hub(&peer, packet) {
+                self.send(packet, from);
+            }
+        };
         let mut tunn = peer.tunn();
         let result = tunn.decapsulate(Some(from.ip()), datagram, dst);
         // Only an authenticated message moves the peer's endpoint (WireGuard's roaming): data, a
@@ -99,13 +145,13 @@ impl Shared {
                 return self.count(DropReason::of(&err));
             }
             TunnResult::WriteToNetwork(reply) => {
-                self.send(reply, from);
+                answer(reply);
                 // Packets queued while the session was being established go out now.
                 let mut queued = [0u8; BUF];
                 while let TunnResult::WriteToNetwork(packet) =
                     tunn.decapsulate(None, &[], &mut queued)
                 {
-                    self.send(packet, from);
+                    answer(packet);
                 }
             }
             TunnResult::WriteToTunnelV4(inner, source) => {
@@ -127,12 +173,16 @@ impl Shared {
                 }
             }
         }
+        if !authenticated || relayed.is_some() {
+            return;
+        }
         // The peer is where this came from. A read lock first: this runs for every datagram,
         // and the endpoint almost never changes.
-        if authenticated && peer.endpoint() != from {
+        if peer.endpoint() != from {
             *peer.endpoint.write().unwrap_or_else(|e| e.into_inner()) = from;
         }
-        if authenticated && !peer.confirmed.load(Ordering::Relaxed) {
+        peer.direct_rx_ms.store(self.now_ms(), Ordering::Relaxed);
+        if !peer.confirmed.load(Ordering::Relaxed) {
             peer.confirmed.store(true, Ordering::Relaxed);
         }
     }

@@ -128,13 +128,14 @@ impl Shared {
         batch.flush(&mut send);
     }
 
-    /// Everything a TUN has to read: encrypt each packet and send it to the peer.
+    /// Everything a TUN has to read: encrypt each packet and send it to the peer (one datagram
+    /// per call: the per-datagram socket, and a peer relayed through its hub).
     fn drain(&self, peer: &Peer, src: &mut [u8], dst: &mut [u8]) {
         // Edge-triggered: read until the TUN says it is empty.
         while let Ok(packet) = peer.tun.read(src) {
             let result = peer.tunn().encapsulate(packet, dst);
             match result {
-                TunnResult::WriteToNetwork(datagram) => self.send(datagram, peer.endpoint()),
+                TunnResult::WriteToNetwork(datagram) => self.send_to_peer(peer, datagram),
                 TunnResult::Err(err) => {
                     tracing::trace!(interface = %peer.name, error = ?err, "could not encapsulate")
                 }
@@ -168,7 +169,7 @@ pub(super) fn tun_loop(shared: &Shared, mut poll: Poll) {
                 if shared.standby.load(Ordering::Relaxed) {
                     // Nothing leaves a standby: what the kernel routed into the TUN is dropped.
                     while peer.tun.read(&mut src).is_ok() {}
-                } else if shared.batched.is_some() {
+                } else if shared.batched.is_some() && !shared.relayed(&peer) {
                     shared.drain_batched(&peer, &mut src, &mut batch);
                 } else {
                     shared.drain(&peer, &mut src, &mut dst);

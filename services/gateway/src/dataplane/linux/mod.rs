@@ -45,6 +45,7 @@ use std::time::Duration;
 
 use ipnet::IpNet;
 use trellis_api::ClusterId;
+use trellis_api::model::{PeeringKind, WgKey};
 use trellis_runtime::metrics::Labels;
 use trellis_runtime::metrics::prometheus_client::metrics::family::Family;
 use trellis_runtime::metrics::prometheus_client::metrics::gauge::Gauge;
@@ -76,7 +77,7 @@ pub enum Pass {
 #[derive(Debug, Default)]
 struct Applied {
     /// Per peer, the plan and resolved endpoint its device and routes were configured with.
-    peers: BTreeMap<ClusterId, (PeerPlan, SocketAddr)>,
+    peers: BTreeMap<ClusterId, (PeerPlan, SocketAddr, Option<WgKey>)>,
     /// The nftables scripts last applied in full.
     nat: Option<String>,
     guard: Option<String>,
@@ -169,10 +170,26 @@ impl Linux {
         if pass == Pass::Repair {
             self.applied = Applied::default();
         }
+        // An induced peer is relayed, when it must be, through the hub that introduced it: a
+        // full peer of ours, whose key finds its session in the engine.
+        let hubs: BTreeMap<ClusterId, WgKey> = plans
+            .iter()
+            .filter(|p| p.endpoint.kind == PeeringKind::Full)
+            .map(|p| (p.endpoint.remote.id.clone(), p.endpoint.remote_public_key))
+            .collect();
         let mut results = BTreeMap::new();
         for plan in plans {
             let id = plan.endpoint.remote.id.clone();
-            let result = self.apply_peer(plan).await.map_err(|e| format!("{e:#}"));
+            let relay_via = plan
+                .endpoint
+                .via
+                .as_ref()
+                .and_then(|hub| hubs.get(&hub.id))
+                .copied();
+            let result = self
+                .apply_peer(plan, relay_via)
+                .await
+                .map_err(|e| format!("{e:#}"));
             if let Err(err) = &result {
                 tracing::warn!(peer = %id, interface = %plan.interface, error = %err, "tunnel not configured");
             }

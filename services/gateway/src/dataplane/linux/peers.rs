@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use ipnet::IpNet;
-use trellis_api::model::Endpoint;
+use trellis_api::model::{Endpoint, PeeringKind, WgKey};
 
 use super::Linux;
 use super::routes::refuse;
@@ -25,7 +25,11 @@ const LINK_GONE_TIMEOUT: Duration = Duration::from_secs(3);
 const RESOLVE_TIMEOUT: Duration = Duration::from_secs(5);
 
 impl Linux {
-    pub(super) async fn apply_peer(&mut self, plan: &PeerPlan) -> anyhow::Result<()> {
+    pub(super) async fn apply_peer(
+        &mut self,
+        plan: &PeerPlan,
+        relay_via: Option<WgKey>,
+    ) -> anyhow::Result<()> {
         let id = &plan.endpoint.remote.id;
         let mut created = false;
         let device = match self.devices.get(id) {
@@ -46,7 +50,7 @@ impl Linux {
             }
         };
         let peer_endpoint = resolve(&plan.endpoint.remote_endpoint).await?;
-        let done = (plan.clone(), peer_endpoint);
+        let done = (plan.clone(), peer_endpoint, relay_via);
         if !created && self.applied.peers.get(id) == Some(&done) {
             return Ok(());
         }
@@ -58,6 +62,8 @@ impl Linux {
             peer_key: plan.endpoint.remote_public_key,
             peer_endpoint,
             peer_candidates: plan.endpoint.remote_candidates.clone(),
+            relay_via,
+            relayable: plan.endpoint.kind == PeeringKind::Full,
             allowed_ips: plan.allowed_ips(),
             keepalive: self.keepalive,
             mtu: self.mtu,

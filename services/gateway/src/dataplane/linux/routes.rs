@@ -106,7 +106,7 @@ impl Linux {
             }
         }
         let mut batch = String::new();
-        for (id, (plan, _)) in &self.applied.peers {
+        for (id, (plan, _, _)) in &self.applied.peers {
             let refused = self.refused.get(id);
             for net in plan.routed() {
                 if refused.is_some_and(|r| r.contains(&net)) {
