@@ -10,152 +10,20 @@
 //! The peers are boringtun `Tunn` sessions driven by the test over real UDP sockets: the same
 //! protocol crate the engine uses, speaking to it across the kernel.
 
+mod common;
+
 use std::net::{Ipv4Addr, SocketAddr, UdpSocket};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use defguard_boringtun::noise::{Tunn, TunnResult};
+use defguard_boringtun::noise::TunnResult;
 use defguard_boringtun::x25519::{PublicKey, StaticSecret};
-use trellis_gateway::dataplane::engine::{DropReason, Engine, PeerConfig};
-use trellis_gateway::keys::KeyPair;
-use trellis_netlab::netns::{Namespaces, can_run, in_netns, ip};
+use trellis_gateway::dataplane::engine::DropReason;
+use trellis_netlab::netns::{can_run, ip};
 use trellis_testkit::wireguard::Forger;
 
-const DEADLINE: Duration = Duration::from_secs(20);
-
-/// An engine alone in a fresh namespace.
-struct Setup {
-    _namespaces: Namespaces,
-    ns: String,
-    engine: Arc<Engine>,
-    engine_addr: SocketAddr,
-    engine_public: [u8; 32],
-}
-
-fn setup(tag: &str) -> Setup {
-    let ns = format!("es{tag}{}", std::process::id());
-    let mut namespaces = Namespaces::default();
-    namespaces.add(&ns).expect("namespace");
-    let key = KeyPair::generate();
-    let engine_public: [u8; 32] = *key.public().as_bytes();
-    let private = key.private_bytes();
-    let engine = Arc::new(in_netns(&ns, move || Engine::start(0, private)).expect("engine"));
-    let engine_addr: SocketAddr = ([127, 0, 0, 1], engine.port()).into();
-    Setup {
-        _namespaces: namespaces,
-        ns,
-        engine,
-        engine_addr,
-        engine_public,
-    }
-}
-
-/// A socket in the namespace at `ip` (any 127/8 address: all of it is local on `lo`).
-fn socket(ns: &str, ip: Ipv4Addr) -> UdpSocket {
-    let socket = in_netns(ns, move || UdpSocket::bind((ip, 0))).expect("socket");
-    socket
-        .set_read_timeout(Some(Duration::from_millis(50)))
-        .expect("timeout");
-    socket
-}
-
-/// A peer of the engine: its session, its socket, its key.
-struct Peer {
-    tunn: Tunn,
-    socket: UdpSocket,
-    public: [u8; 32],
-    index: u32,
-    dev: String,
-}
-
-impl Peer {
-    /// Adds a peer at 127.0.0.1 to the engine (which starts a handshake with it at once).
-    fn add(s: &Setup, dev: &str) -> Self {
-        let key = KeyPair::generate();
-        let socket = socket(&s.ns, Ipv4Addr::LOCALHOST);
-        let config = PeerConfig {
-            public_key: *key.public().as_bytes(),
-            endpoint: socket.local_addr().expect("addr"),
-            allowed_ips: vec!["10.200.0.0/24".parse().expect("net")],
-            keepalive: 0,
-            candidates: Vec::new(),
-            relay_via: None,
-            relayable: false,
-        };
-        let (engine, d) = (s.engine.clone(), dev.to_owned());
-        let index = in_netns(&s.ns, move || engine.add_peer(&d, &config)).expect("add peer");
-        ip(&["-n", &s.ns, "link", "set", dev, "up"]).expect("tun up");
-        let tunn = Tunn::new(
-            StaticSecret::from(key.private_bytes()),
-            PublicKey::from(s.engine_public),
-            None,
-            None,
-            index.wrapping_add(1),
-            None,
-        );
-        Self {
-            tunn,
-            socket,
-            public: *key.public().as_bytes(),
-            index,
-            dev: dev.to_owned(),
-        }
-    }
-
-    fn addr(&self) -> SocketAddr {
-        self.socket.local_addr().expect("addr")
-    }
-
-    /// Receives and answers what the engine sends for up to `for_`; whether a data message
-    /// (the engine's confirming keepalive) arrived.
-    fn serve(&mut self, engine: SocketAddr, for_: Duration) -> bool {
-        let until = Instant::now() + for_;
-        let mut buf = vec![0u8; 65536];
-        let mut out = vec![0u8; 65536];
-        let mut got_data = false;
-        while Instant::now() < until {
-            if let TunnResult::WriteToNetwork(p) = self.tunn.update_timers(&mut out) {
-                self.socket.send_to(p, engine).expect("send");
-            }
-            let Ok((n, _)) = self.socket.recv_from(&mut buf) else {
-                continue;
-            };
-            got_data |= buf[0] == 4;
-            if let TunnResult::WriteToNetwork(reply) =
-                self.tunn.decapsulate(None, &buf[..n], &mut out)
-            {
-                self.socket.send_to(reply, engine).expect("reply");
-                let mut queued = vec![0u8; 65536];
-                while let TunnResult::WriteToNetwork(p) =
-                    self.tunn.decapsulate(None, &[], &mut queued)
-                {
-                    self.socket.send_to(p, engine).expect("queued");
-                }
-            }
-        }
-        got_data
-    }
-
-    /// Sends one data packet into the tunnel (an IPv4 header from an allowed source is enough
-    /// for the engine to write it into the TUN).
-    fn send_data(&mut self, engine: SocketAddr) {
-        let mut packet = vec![0u8; 28];
-        packet[0] = 0x45;
-        packet[2..4].copy_from_slice(&28u16.to_be_bytes());
-        packet[8] = 64;
-        packet[9] = 17;
-        packet[12..16].copy_from_slice(&[10, 200, 0, 2]);
-        packet[16..20].copy_from_slice(&[10, 200, 0, 1]);
-        let mut out = vec![0u8; 256];
-        match self.tunn.encapsulate(&packet, &mut out) {
-            TunnResult::WriteToNetwork(d) => {
-                self.socket.send_to(d, engine).expect("data");
-            }
-            other => panic!("no session to send data with: {other:?}"),
-        }
-    }
-}
+use common::{DEADLINE, Peer, Setup, dropped, setup, socket};
 
 fn rx_packets(ns: &str, dev: &str) -> u64 {
     let out = ip(&["-n", ns, "-s", "-j", "link", "show", dev]).expect("ip -s link");
@@ -163,14 +31,6 @@ fn rx_packets(ns: &str, dev: &str) -> u64 {
     json[0]["stats64"]["rx"]["packets"]
         .as_u64()
         .expect("rx packets")
-}
-
-fn dropped(engine: &Engine, reason: DropReason) -> u64 {
-    engine
-        .dropped()
-        .into_iter()
-        .find(|(r, _)| *r == reason)
-        .map_or(0, |(_, n)| n)
 }
 
 /// Waits until the peer's data reaches its TUN (`expected` packets in all), or panics.
