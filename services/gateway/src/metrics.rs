@@ -8,7 +8,9 @@
 //!
 //! With the userspace engine, `trellis_gateway_dropped_datagrams_total{reason}` counts the
 //! datagrams at the WireGuard port that were dropped (malformed, a bad MAC, for no peer, a
-//! replay, failed authentication, an inner source outside the peer's AllowedIPs).
+//! replay, failed authentication, an inner source outside the peer's AllowedIPs, a relay
+//! datagram refused or over its pair's rate), and `trellis_tunnel_path{path}` how many tunnels
+//! go direct and how many through a hub's relay.
 
 use std::sync::{Arc, Mutex};
 use std::time::SystemTime;
@@ -33,6 +35,8 @@ struct Sample {
     rx_packets: Option<u64>,
     tx_packets: Option<u64>,
     configurations: u64,
+    /// `direct` or `relayed` once the tunnel had a handshake.
+    path: Option<&'static str>,
 }
 
 impl Sample {
@@ -57,6 +61,9 @@ impl Sample {
             rx_packets: stats.rx_packets,
             tx_packets: stats.tx_packets,
             configurations: t.configurations,
+            path: stats
+                .last_handshake
+                .map(|_| if stats.relayed { "relayed" } else { "direct" }),
         }
     }
 }
@@ -162,6 +169,19 @@ impl Collector for TunnelCollector {
                     ConstCounter::new(n).encode(family.encode_family(&labels)?)?;
                 }
             }
+        }
+        let mut paths = encoder.encode_descriptor(
+            "trellis_tunnel_path",
+            "Tunnels by the path their datagrams take: straight to the remote gateway (direct) \
+             or through the hub that introduced the two clusters (relayed; ADR 0025)",
+            None,
+            ConstGauge::new(0i64).metric_type(),
+        )?;
+        for path in ["direct", "relayed"] {
+            let n = samples.iter().filter(|s| s.path == Some(path)).count();
+            let labels: Labels = vec![("path", path.to_owned())];
+            ConstGauge::new(i64::try_from(n).unwrap_or(i64::MAX))
+                .encode(paths.encode_family(&labels)?)?;
         }
         let mut state = encoder.encode_descriptor(
             "trellis_gateway_tunnel_state",

@@ -1241,3 +1241,78 @@ async fn without_tls_a_token_holder_can_re_handshake_as_a_peered_cluster() {
         cluster.stop().await;
     }
 }
+
+/// `Broker.GetObservedEndpoints` at the wire boundary: malformed requests are refused naming
+/// the field, a cluster that is no full peer is refused, and a full peer gets an answer (empty
+/// here: without a data plane the hub's gateway sees nobody). Nothing is stored either way.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn observed_endpoints_answer_full_peers_and_refuse_bad_requests_naming_the_field() {
+    let b = InProcessCluster::start("hub-b", "10.0.0.0/16", "10.201.0.0/16")
+        .await
+        .expect("b starts");
+    let a = InProcessCluster::start("leaf-a", "10.1.0.0/16", "10.201.0.0/16")
+        .await
+        .expect("a starts");
+    peer_with_token(&a, &b, token(&b).await)
+        .await
+        .expect("a peers with b");
+    eventually("B's tunnel to A", LIMIT, || tunnel_to(&b, "leaf-a")).await;
+    let mut client = broker_client::BrokerClient::connect(format!("http://{}", b.services.broker))
+        .await
+        .expect("connect");
+    let identity = |id: &str| {
+        Some(types::ClusterIdentity {
+            cluster_id: id.into(),
+            cluster_name: id.into(),
+        })
+    };
+    let ask = |requester, ids: Vec<String>| GetObservedEndpointsRequest {
+        requester,
+        cluster_ids: ids,
+    };
+    let cases = [
+        (
+            ask(None, vec!["leaf-a".into()]),
+            Code::InvalidArgument,
+            "requester",
+        ),
+        (
+            ask(
+                identity("leaf-a"),
+                vec!["leaf-c".into(), "Not An ID!".into()],
+            ),
+            Code::InvalidArgument,
+            "cluster_ids[1]",
+        ),
+        (
+            ask(identity("leaf-a"), vec!["leaf-c".into(); 1025]),
+            Code::InvalidArgument,
+            "cluster_ids",
+        ),
+        (
+            ask(identity("stranger"), vec!["leaf-a".into()]),
+            Code::PermissionDenied,
+            "stranger",
+        ),
+    ];
+    for (request, code, named) in cases {
+        let status = client
+            .get_observed_endpoints(request)
+            .await
+            .expect_err("refused");
+        assert_eq!(status.code(), code, "{status:?}");
+        assert!(status.message().contains(named), "{status:?} names {named}");
+    }
+    let answer = client
+        .get_observed_endpoints(ask(
+            identity("leaf-a"),
+            vec!["hub-b".into(), "leaf-a".into()],
+        ))
+        .await
+        .expect("a full peer is answered")
+        .into_inner();
+    assert!(answer.observed.is_empty(), "{answer:?}");
+    for cluster in [a, b] {
+        cluster.stop().await;
+    }
+}

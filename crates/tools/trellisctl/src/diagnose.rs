@@ -110,6 +110,8 @@ pub enum Check {
     /// A gateway replica that could not take over at once: not warm, silent, or without an
     /// active (ADR 0023).
     GatewayReplica,
+    /// An induced tunnel relayed through its hub because no direct path works (ADR 0025).
+    TunnelRelayed,
     /// A check could not run (e.g. a section could not be read).
     NotChecked,
 }
@@ -332,6 +334,7 @@ pub fn check_name(c: Check) -> &'static str {
         Check::PoolNearlyExhausted => "pool_nearly_exhausted",
         Check::CertificateExpiry => "certificate_expiry",
         Check::GatewayReplica => "gateway_replica",
+        Check::TunnelRelayed => "tunnel_relayed",
         Check::NotChecked => "not_checked",
     }
 }

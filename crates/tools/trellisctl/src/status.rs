@@ -167,6 +167,9 @@ pub struct TunnelView {
     pub message: String,
     pub interface_name: String,
     pub remote_endpoint: String,
+    /// `direct`, `relayed` (through the hub that introduced the pair), or empty before the
+    /// first handshake.
+    pub path: String,
     pub listen_port: u32,
     pub routed_cidrs: Vec<String>,
     pub last_handshake_time: Option<String>,

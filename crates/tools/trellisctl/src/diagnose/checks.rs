@@ -172,6 +172,28 @@ pub fn analyze(inputs: &Inputs) -> DiagnoseView {
                         )),
                         Some(_) => None,
                     };
+                    if stale.is_none() && t.path == "relayed" {
+                        out.push(finding(
+                            Severity::Warning,
+                            Check::TunnelRelayed,
+                            &local,
+                            Some(Service::Gateway),
+                            format!(
+                                "the tunnel to {remote} is relayed through the hub that \
+                                 introduced us: no direct WireGuard path works between the \
+                                 two gateways (tried {} and the hub's view of it)",
+                                t.remote_endpoint
+                            ),
+                            "typical when both clusters sit behind NATs that give each \
+                             destination its own port (endpoint-dependent mapping, as on \
+                             carrier-grade NAT or some cloud NAT gateways), or a firewall drops \
+                             UDP between them; traffic works but crosses the hub. For a direct \
+                             path, give one side a static (one-to-one) NAT or a port forward \
+                             of its WireGuard port, or a NAT with endpoint-independent mapping; \
+                             the pair switches back on its own once one works"
+                                .into(),
+                        ));
+                    }
                     if let Some(stale) = stale {
                         out.push(finding(
                             Severity::Error,

@@ -277,6 +277,32 @@ fn a_handshake_older_than_three_minutes_but_not_without_a_data_plane() {
 }
 
 #[test]
+fn a_relayed_tunnel_is_explained_as_a_warning() {
+    let mut inputs = healthy();
+    let mut relayed = hub_tunnel(Some(30), 2);
+    relayed.path = trellis_api::pb::gateway::TunnelPath::Relayed.into();
+    inputs.status.tunnels = Some(vec![TunnelView::from_pb(&relayed, now())]);
+    let view = analyze(&inputs);
+    assert_eq!(
+        checks(&view),
+        [(
+            Check::TunnelRelayed,
+            "leaf-a".into(),
+            Some(Service::Gateway)
+        )]
+    );
+    assert_eq!(view.findings[0].severity, Severity::Warning);
+    assert!(
+        view.findings[0].action.contains("endpoint-dependent"),
+        "{:?}",
+        view.findings
+    );
+    relayed.path = trellis_api::pb::gateway::TunnelPath::Direct.into();
+    inputs.status.tunnels = Some(vec![TunnelView::from_pb(&relayed, now())]);
+    assert!(analyze(&inputs).healthy);
+}
+
+#[test]
 fn nat_views_that_disagree_name_who_decided_what() {
     let mut inputs = healthy();
     if let Ok(Some(theirs)) = &mut inputs.peers[0].record_of_us {

@@ -104,6 +104,11 @@ impl TunnelView {
             message: t.message.clone(),
             interface_name: t.interface_name.clone(),
             remote_endpoint: t.remote_endpoint.clone(),
+            path: match gateway::TunnelPath::try_from(t.path) {
+                Ok(gateway::TunnelPath::Direct) => "direct".to_owned(),
+                Ok(gateway::TunnelPath::Relayed) => "relayed".to_owned(),
+                _ => String::new(),
+            },
             listen_port: t.listen_port,
             routed_cidrs: t.routed_cidrs.clone(),
             last_handshake_time: rfc3339(t.last_handshake_time.as_ref()),

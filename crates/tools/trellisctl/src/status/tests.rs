@@ -66,6 +66,7 @@ fn sample() -> StatusView {
         remote: ident("leaf-c"),
         kind: types::PeeringKind::Induced.into(),
         state: gateway::TunnelState::Up.into(),
+        path: gateway::TunnelPath::Relayed.into(),
         last_handshake_time: Some(prost_types::Timestamp {
             seconds: 988,
             nanos: 0,
@@ -121,7 +122,7 @@ fn table_shows_kinds_origins_nat_views_and_tunnel_health() {
         "10.0.0.0/16 -> 10.80.0.0/16",
         "10.201.0.0/16 (as is)",
         "10.81.0.0/16 / 10.202.0.0/16",
-        "leaf-c  induced  up     12s ago         2.0 KiB  10 B  1.50 ms",
+        "leaf-c  induced  up     relayed  12s ago         2.0 KiB  10 B  1.50 ms",
     ] {
         assert!(text.contains(expected), "missing {expected:?} in:\n{text}");
     }
@@ -169,6 +170,7 @@ fn json_tunnels_carry_times_and_latency() {
     let json = serde_json::to_value(sample()).expect("json");
     let tunnel = &json["tunnels"][0];
     assert_eq!(tunnel["state"], "up");
+    assert_eq!(tunnel["path"], "relayed");
     assert_eq!(tunnel["last_handshake_time"], "1970-01-01T00:16:28Z");
     assert_eq!(tunnel["last_handshake_age_seconds"], 12);
     assert_eq!(tunnel["latency_ms"], 1.5);
