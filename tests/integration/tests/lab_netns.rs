@@ -386,3 +386,49 @@ fn without_root_the_namespace_lab_refuses_clearly_and_creates_nothing() {
     );
     assert_eq!(netns_list(), before);
 }
+
+/// `--nat`: the lab puts each leaf behind the router kind the flag names (in turn), every pod
+/// still reaches every remote pod (`easy`-`hard` directly, `hard`-`hard` through the hub's
+/// relay), and nothing is left behind, routers included.
+#[test]
+fn the_namespace_lab_behind_nat_routers_reaches_every_pod_and_leaves_nothing_behind() {
+    let test = "the_namespace_lab_behind_nat_routers_reaches_every_pod_and_leaves_nothing_behind";
+    if !can_run(test) {
+        return;
+    }
+    let before = netns_list();
+    let started = Instant::now();
+    let (lab, printed) = RunningLab::start(
+        &[
+            "--dataplane",
+            "netns",
+            "--clusters",
+            "5",
+            "--nat",
+            "easy,hard",
+            "--same-pod-cidr",
+            "--timeout",
+            "120",
+        ],
+        Duration::from_secs(180),
+    );
+    eprintln!(
+        "measured: a hub and 4 leaves behind easy/hard/easy/hard routers, every pod pair answering, in {} ms",
+        started.elapsed().as_millis()
+    );
+    // 5 clusters x 1 pod: each pod reaches the 4 others.
+    assert!(printed.contains("all 20 pod pairs answered"), "{printed}");
+    let during = netns_list();
+    let routers: Vec<&String> = during
+        .difference(&before)
+        .filter(|ns| ns.ends_with("-nat"))
+        .collect();
+    assert_eq!(routers.len(), 4, "one router per leaf: {routers:?}");
+    assert!(lab.interrupt().success(), "the lab stops cleanly on Ctrl-C");
+    let after = netns_list();
+    assert!(
+        after.difference(&before).next().is_none(),
+        "left behind: {:?}",
+        after.difference(&before).collect::<Vec<_>>()
+    );
+}

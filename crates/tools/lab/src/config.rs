@@ -5,6 +5,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
+use trellis_netlab::NatKind;
 
 /// Runs a whole Trellis topology on this machine: cluster 0 is the hub, the others are leaves
 /// peered with it; with induced peering (the default) the leaves then build a full mesh among
@@ -107,6 +108,22 @@ pub struct UpConfig {
           value_parser = clap::value_parser!(u8).range(1..=2))]
     pub gateways: u8,
 
+    /// NAT routers in front of the leaves' gateways with `--dataplane netns`, one kind per leaf
+    /// in order, repeated when there are more leaves than kinds (the hub stays reachable):
+    /// `none`; `one-to-one` (static 1:1, ports kept); `easy` (one public port for every
+    /// destination, answers only from addresses it sent to); `hard` (a new random port per
+    /// destination, answers only to that port). Only the gateways' WireGuard datagrams cross
+    /// the routers. Each leaf advertises its private address; the hub tells the others where
+    /// it sees it, pairs punch through where they can, and `hard`-`hard` pairs are relayed by
+    /// the hub (ADR 0025). E.g. `--nat easy,hard`.
+    #[arg(
+        long,
+        env = "TRELLIS_LAB_NAT",
+        value_name = "KIND[,KIND...]",
+        value_delimiter = ','
+    )]
+    pub nat: Vec<NatKind>,
+
     /// Switch induced peering off on every cluster: leaves peer only with the hub, and
     /// leaf-to-leaf traffic would take the hub path.
     #[arg(long, env = "TRELLIS_LAB_NO_INDUCED")]
@@ -167,6 +184,20 @@ pub enum DataplaneKind {
 }
 
 impl UpConfig {
+    /// The NAT kind in front of each of `clusters` clusters' gateways (the hub, cluster 0, has
+    /// none); empty without `--nat`.
+    pub fn nat_kinds(&self, clusters: usize) -> Vec<NatKind> {
+        if self.nat.is_empty() {
+            return Vec::new();
+        }
+        (0..clusters)
+            .map(|i| match i {
+                0 => NatKind::None,
+                leaf => self.nat[(leaf - 1) % self.nat.len()],
+            })
+            .collect()
+    }
+
     /// The convergence deadline.
     pub fn timeout(&self) -> Duration {
         Duration::from_secs(self.timeout)
@@ -194,6 +225,12 @@ impl UpConfig {
                  (the replicas run on their own nodes and share the gateway's store)",
                 self.gateways,
                 self.gateways
+            );
+        }
+        if !self.nat.is_empty() && (self.dataplane != DataplaneKind::Netns || self.gateways > 1) {
+            anyhow::bail!(
+                "--nat needs --dataplane netns with one gateway per cluster (the routers sit in \
+                 front of node 0's gateway)"
             );
         }
         if self.dataplane == DataplaneKind::Netns && self.tls {
@@ -253,6 +290,28 @@ mod tests {
         assert!(c.same_pod_cidr && !c.induced() && c.until_converged);
         assert_eq!(c.store, StoreKind::Etcd);
         assert_eq!(c.topology_file, Some(PathBuf::from("/tmp/t.json")));
+    }
+
+    #[test]
+    fn nat_kinds_go_to_the_leaves_in_turn_and_need_namespaces() {
+        let c = up(&["--dataplane", "netns", "--nat", "easy,hard"]).expect("parses");
+        c.validate().expect("valid");
+        assert_eq!(
+            c.nat_kinds(4),
+            [NatKind::None, NatKind::Easy, NatKind::Hard, NatKind::Easy]
+        );
+        assert!(up(&[]).expect("parses").nat_kinds(3).is_empty());
+        let err = up(&["--nat", "easy"])
+            .expect("parses")
+            .validate()
+            .expect_err("refused");
+        assert!(err.to_string().contains("--nat needs"), "{err}");
+        let err = up(&["--dataplane", "netns", "--nat", "symmetric"]).expect_err("refused");
+        assert!(
+            err.to_string()
+                .contains("one of none, one-to-one, easy, hard"),
+            "{err}"
+        );
     }
 
     #[test]

@@ -111,17 +111,26 @@ pub(crate) async fn run(
             StoreKind::Memory => trellis_netlab::StoreKind::Memory,
             StoreKind::Etcd => trellis_netlab::StoreKind::EtcdPerService,
         },
-        extra_args: if config.induced() {
-            Vec::new()
-        } else {
-            vec![(Service::Discovery, vec!["--no-induced".to_owned()])]
+        extra_args: {
+            let mut extra = Vec::new();
+            if !config.induced() {
+                extra.push((Service::Discovery, vec!["--no-induced".to_owned()]));
+            }
+            if !config.nat.is_empty() {
+                // Leaves behind NAT learn where the hub sees each other within a second.
+                extra.push((
+                    Service::Broker,
+                    vec!["--candidates-refresh".to_owned(), "1".to_owned()],
+                ));
+            }
+            extra
         },
         nodes,
         node_networks: Vec::new(),
         unreserved: Vec::new(),
         endpoint_names: false,
         gateways: usize::from(config.gateways),
-        nat: Vec::new(),
+        nat: config.nat_kinds(plans.len()),
     };
     let clock = Instant::now();
     let fabric = tokio::select! {
