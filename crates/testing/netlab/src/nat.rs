@@ -363,7 +363,49 @@ fn nft(ns: &str, rules: &str) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The table [`NatRouter::cut`] adds.
+const CUT_TABLE: &str = "netlab-cut";
+
 impl NatRouter {
+    /// Silently drops every UDP datagram between this router's site and `other` (a public
+    /// address) in both directions, until [`NatRouter::mend`]: a direct path between two
+    /// leaves that dies while both still reach the hub.
+    pub fn cut(&self, other: Ipv4Addr) -> anyhow::Result<()> {
+        let ns = self
+            .ns
+            .as_deref()
+            .context("a site without a router has nothing to cut")?;
+        nft(
+            ns,
+            &format!(
+                "table ip {CUT_TABLE} {{
+  chain forwarded {{
+    type filter hook forward priority filter - 10;
+    ip saddr {other} meta l4proto udp drop
+    ip daddr {other} meta l4proto udp drop
+  }}
+}}
+"
+            ),
+        )
+    }
+
+    /// Removes what [`NatRouter::cut`] added.
+    pub fn mend(&self) -> anyhow::Result<()> {
+        let ns = self
+            .ns
+            .as_deref()
+            .context("a site without a router has nothing to mend")?;
+        let out = exec(ns, "nft", &["delete", "table", "ip", CUT_TABLE])?;
+        if !out.status.success() {
+            bail!(
+                "mending the cut in {ns}: {}",
+                String::from_utf8_lossy(&out.stderr).trim()
+            );
+        }
+        Ok(())
+    }
+
     /// Shows what the router does: a socket on the WireGuard port in the gateway namespace
     /// sends to `first` and `second` (UDP sockets at two other addresses, each answering with
     /// where it saw the sender); then `first`'s address from `first_other_port`, and

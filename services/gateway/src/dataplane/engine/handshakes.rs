@@ -154,9 +154,6 @@ impl Shared {
             return;
         }
         let session = peer.tunn().time_since_last_handshake().is_some();
-        if relayed && session && now.duration_since(last) < PROBE_SLOW {
-            return;
-        }
         probing.1 = now;
         drop(probing);
         if relayed && session {
@@ -209,7 +206,33 @@ pub(super) fn timer_loop(shared: &Shared) {
         let peers = shared.all_peers();
         let now = Instant::now();
         for peer in peers {
+            let relayed = shared.relayed(&peer);
+            if peer.was_relayed.swap(relayed, Ordering::Relaxed) != relayed {
+                tracing::info!(
+                    interface = %peer.name,
+                    path = if relayed { "relayed" } else { "direct" },
+                    endpoint = %peer.endpoint(),
+                    heard_directly_ms_ago = shared.now_ms().saturating_sub(peer.direct_rx_ms.load(Ordering::Relaxed)),
+                    "tunnel path changed"
+                );
+            }
+            if peer.greet.swap(false, Ordering::Relaxed) {
+                let mut buf = [0u8; 64];
+                if let TunnResult::WriteToNetwork(keepalive) =
+                    peer.tunn().encapsulate(&[], &mut buf)
+                {
+                    shared.send(keepalive, peer.endpoint());
+                }
+            }
             shared.probe(&peer, now);
+            if !shared.relayed(&peer) && shared.should_ask(&peer) {
+                // The peer answers a handshake at once: silence means the direct path is gone.
+                let mut buf = [0u8; 256];
+                let asked = peer.tunn().format_handshake_initiation(&mut buf, true);
+                if let TunnResult::WriteToNetwork(initiation) = asked {
+                    shared.send(initiation, peer.endpoint());
+                }
+            }
             let result = peer.tunn().update_timers(&mut dst);
             if let TunnResult::WriteToNetwork(packet) = result {
                 shared.send_to_peer(&peer, packet);

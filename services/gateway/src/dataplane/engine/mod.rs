@@ -88,7 +88,9 @@ use self::handshakes::{
 use self::peers::Peers;
 pub use self::peers::{Counters, PeerConfig};
 use self::receive::{udp_loop, udp_loop_batched};
-pub use self::relay::{DIRECT_STALE, RELAY_AFTER, RelayPolicy};
+pub use self::relay::{
+    ANSWER_WITHIN, ASK_EVERY, DIRECT_STALE, RELAY_AFTER, RelayPolicy, SUSPECT_AFTER,
+};
 use self::send::tun_loop;
 
 /// Buffers hold the largest UDP payload, so no datagram or TUN read is ever truncated.

@@ -84,6 +84,19 @@ pub(super) struct Peer {
     /// When an authenticated message last came from it directly (not through a hub), in the
     /// engine's milliseconds ([`Shared::now_ms`]); 0 for never.
     pub(super) direct_rx_ms: AtomicU64,
+    /// Since when data sent to it directly has gone unanswered (0: everything answered), and
+    /// when the last handshake that asks the direct path for an answer went out
+    /// ([`super::relay`]).
+    pub(super) unanswered_ms: AtomicU64,
+    pub(super) asked_ms: AtomicU64,
+    /// The route the timer thread last saw, to log when it changes.
+    pub(super) was_relayed: AtomicBool,
+    /// Set when a relayed peer is heard directly: the timer thread answers with a keepalive
+    /// on the direct path.
+    pub(super) greet: AtomicBool,
+    /// When the peer was added: a peer never heard directly is relayed [`super::RELAY_AFTER`]
+    /// after this, whatever candidates arrive later (those are probed from the relay).
+    pub(super) added: Instant,
 }
 
 impl Peer {
@@ -163,6 +176,11 @@ impl Engine {
                 relay_via: RwLock::new(config.relay_via),
                 relayable: AtomicBool::new(config.relayable),
                 direct_rx_ms: AtomicU64::new(0),
+                unanswered_ms: AtomicU64::new(0),
+                asked_ms: AtomicU64::new(0),
+                was_relayed: AtomicBool::new(false),
+                greet: AtomicBool::new(false),
+                added: Instant::now(),
             });
             peers.by_index.insert(index, peer.clone());
             peers.by_key.insert(config.public_key, index);

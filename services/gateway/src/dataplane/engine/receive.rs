@@ -121,6 +121,9 @@ impl Shared {
         {
             return self.count(DropReason::RelayRefused);
         }
+        // A peer we relay that is heard directly gets a keepalive back on that path, so that
+        // it hears us directly too and both ends leave the relay.
+        let was_relayed = relayed.is_none() && self.relayed(&peer);
         // Answers go back the way the message came.
         let answer = |packet: &[u8]| {
             if relayed.is_none() || !self.send_through_hub(&peer, packet) {
@@ -182,8 +185,14 @@ impl Shared {
             *peer.endpoint.write().unwrap_or_else(|e| e.into_inner()) = from;
         }
         peer.direct_rx_ms.store(self.now_ms(), Ordering::Relaxed);
+        if peer.unanswered_ms.load(Ordering::Relaxed) != 0 {
+            peer.unanswered_ms.store(0, Ordering::Relaxed);
+        }
         if !peer.confirmed.load(Ordering::Relaxed) {
             peer.confirmed.store(true, Ordering::Relaxed);
+        }
+        if was_relayed {
+            peer.greet.store(true, Ordering::Relaxed);
         }
     }
 }

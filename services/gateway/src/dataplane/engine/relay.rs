@@ -16,9 +16,11 @@
 //! - **A leaf** takes a relayed datagram only from the hub it relays that peer through, and
 //!   hands the WireGuard message inside to the peer's session as if it came directly; its
 //!   answers go back through the hub. A peer is relayed once it has not been heard from
-//!   directly for [`RELAY_AFTER`] since it was configured, or for [`DIRECT_STALE`] since it
-//!   last was; while relayed, its direct candidates are probed with keepalives, and the first
-//!   one heard directly switches the pair back.
+//!   directly for [`RELAY_AFTER`] since it was added, or for [`DIRECT_STALE`] since it
+//!   last was, or when data sent to it directly went unanswered for [`SUSPECT_AFTER`] and a
+//!   handshake sent directly to ask for an answer got none within [`ANSWER_WITHIN`]; while
+//!   relayed, its direct candidates are probed with keepalives, and the first one heard
+//!   directly switches the pair back.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -38,6 +40,15 @@ pub const RELAY_AFTER: Duration = Duration::from_secs(3);
 /// How long a peer may stay silent on its direct path before the relay takes over (the
 /// persistent keepalive, 25 s, keeps a working path fresher than this).
 pub const DIRECT_STALE: Duration = Duration::from_secs(30);
+
+/// How long data sent directly may go unanswered before a handshake asks the direct path for
+/// an answer (a one-way stream is answered by WireGuard's passive keepalive only after 10 s,
+/// so such a question comes every [`ASK_EVERY`] at most).
+pub const SUSPECT_AFTER: Duration = Duration::from_millis(500);
+/// How long that handshake's answer may take before the relay takes over.
+pub const ANSWER_WITHIN: Duration = Duration::from_secs(1);
+/// The least time between two such questions to one peer.
+pub const ASK_EVERY: Duration = Duration::from_secs(5);
 
 /// A public key's tag in relay headers: its first 8 bytes.
 pub(super) fn tag(key: &[u8; 32]) -> u64 {
@@ -132,16 +143,57 @@ impl Shared {
         let hub_key = (*peer.relay_via.read().unwrap_or_else(|e| e.into_inner()))?;
         let heard = peer.direct_rx_ms.load(Ordering::Relaxed);
         let stale = if heard == 0 {
-            let began = peer.probing.lock().unwrap_or_else(|e| e.into_inner()).0;
-            began.elapsed() >= RELAY_AFTER
+            peer.added.elapsed() >= RELAY_AFTER
         } else {
-            self.now_ms().saturating_sub(heard) > DIRECT_STALE.as_millis() as u64
+            let now = self.now_ms();
+            now.saturating_sub(heard) > DIRECT_STALE.as_millis() as u64
+                || self.direct_unanswered(peer, now)
         };
         if !stale {
             return None;
         }
         let hub = self.peer_by_key(&hub_key)?;
         Some((hub.endpoint(), header(self.tag, peer.tag)))
+    }
+
+    /// Whether the direct path to `peer` left a question unanswered: data went unanswered for
+    /// [`SUSPECT_AFTER`], a handshake then asked the direct path for an answer, and none came
+    /// within [`ANSWER_WITHIN`].
+    fn direct_unanswered(&self, peer: &Peer, now: u64) -> bool {
+        let since = peer.unanswered_ms.load(Ordering::Relaxed);
+        let asked = peer.asked_ms.load(Ordering::Relaxed);
+        since != 0 && asked > since && now.saturating_sub(asked) > ANSWER_WITHIN.as_millis() as u64
+    }
+
+    /// Data went to `peer` directly: from now on its path owes an answer (a peer's own data,
+    /// acknowledgement or keepalive).
+    pub(super) fn sent_data(&self, peer: &Peer) {
+        if peer
+            .relay_via
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_some()
+            && peer.unanswered_ms.load(Ordering::Relaxed) == 0
+        {
+            peer.unanswered_ms.store(self.now_ms(), Ordering::Relaxed);
+        }
+    }
+
+    /// Whether the timer thread should ask `peer`'s direct path for an answer now: data has
+    /// gone unanswered for [`SUSPECT_AFTER`], and no question was asked for [`ASK_EVERY`].
+    /// Marks the question asked.
+    pub(super) fn should_ask(&self, peer: &Peer) -> bool {
+        let since = peer.unanswered_ms.load(Ordering::Relaxed);
+        let asked = peer.asked_ms.load(Ordering::Relaxed);
+        let now = self.now_ms();
+        let due = since != 0
+            && asked <= since
+            && now.saturating_sub(since) > SUSPECT_AFTER.as_millis() as u64
+            && (asked == 0 || now.saturating_sub(asked) > ASK_EVERY.as_millis() as u64);
+        if due {
+            peer.asked_ms.store(now, Ordering::Relaxed);
+        }
+        due
     }
 
     /// Where `peer`'s datagrams go now.

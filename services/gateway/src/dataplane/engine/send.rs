@@ -109,6 +109,7 @@ impl Shared {
         let mut send = |to: SocketAddr, contents: &[u8], segment: usize| {
             self.send_segments(contents, segment, to)
         };
+        self.sent_data(peer);
         // Edge-triggered: read until the TUN says it is empty.
         while let Ok(packet) = peer.tun.read(src) {
             let room = (packet.len() + DATA_OVERHEAD).max(HANDSHAKE_INIT_LEN);
@@ -131,6 +132,9 @@ impl Shared {
     /// Everything a TUN has to read: encrypt each packet and send it to the peer (one datagram
     /// per call: the per-datagram socket, and a peer relayed through its hub).
     fn drain(&self, peer: &Peer, src: &mut [u8], dst: &mut [u8]) {
+        if !self.relayed(peer) {
+            self.sent_data(peer);
+        }
         // Edge-triggered: read until the TUN says it is empty.
         while let Ok(packet) = peer.tun.read(src) {
             let result = peer.tunn().encapsulate(packet, dst);

@@ -1,0 +1,172 @@
+//! A pair of leaves behind NAT switches between its direct path and the hub's relay while
+//! traffic runs (issue 36, ADR 0025), with real packets through real NAT routers.
+//!
+//! Hub `hub` (reachable) and leaves `a` and `c`, both behind `easy` routers, so their direct
+//! path works once each has sent to the other. Leaf A's router first drops every UDP datagram
+//! between A and C's public address ([`trellis_netlab::NatRouter::cut`]): the pair comes up
+//! relayed. Then, with two echoed TCP connections and a 10 ms UDP probe (echoed) running from
+//! A's pod to C's pod (`flows.py`):
+//!
+//! 1. **relay → direct**: the cut is mended; the pair's keepalive probes find the direct path
+//!    and both ends switch to it. No probe is lost, no connection breaks.
+//! 2. **direct → relay**: the direct path is cut again, silently; both ends notice that their
+//!    data goes unanswered, ask the direct path with a handshake, get no answer and move to
+//!    the relay. No connection breaks; the probes sent while the dead path was still in use
+//!    are lost, and the test prints how long that gap was.
+//!
+//! Skipped (with a `SKIPPED:` line) when not root or without `ip`/`nft`/`ping`/`python3`; CI
+//! runs as root and fails instead.
+
+use std::net::Ipv4Addr;
+use std::time::{Duration, Instant};
+
+use trellis_api::pb::gateway::{GetTunnelStatusRequest, TunnelPath};
+use trellis_integration::failover::{FLOWS, Flows, PORT, PodProcess, measured, python_in};
+use trellis_netlab::cluster::{Service, StoreKind};
+use trellis_netlab::{Fabric, FabricOptions, NatKind};
+
+const HUB: usize = 0;
+const A: usize = 1;
+const C: usize = 2;
+const LIMIT: Duration = Duration::from_secs(30);
+
+fn options() -> FabricOptions {
+    let mut o = FabricOptions::three_clusters();
+    o.names = ["hub", "a", "c"].map(str::to_owned).to_vec();
+    o.hub = HUB;
+    o.store = StoreKind::Memory;
+    o.nat = vec![NatKind::None, NatKind::Easy, NatKind::Easy];
+    o.extra_args = vec![(
+        Service::Broker,
+        vec!["--candidates-refresh".into(), "1".into()],
+    )];
+    o
+}
+
+/// The path `i`'s gateway uses for `j` now (UNSPECIFIED before a handshake).
+async fn path(fabric: &Fabric, i: usize, j: usize) -> TunnelPath {
+    let Ok(mut gateway) = fabric.clusters[i].gateway() else {
+        return TunnelPath::Unspecified;
+    };
+    let status = gateway
+        .get_tunnel_status(GetTunnelStatusRequest {
+            cluster_id: fabric.clusters[j].id.clone(),
+        })
+        .await
+        .ok()
+        .and_then(|r| r.into_inner().tunnel);
+    status
+        .and_then(|t| TunnelPath::try_from(t.path).ok())
+        .unwrap_or(TunnelPath::Unspecified)
+}
+
+/// Waits until both ends use `want`; how long that took.
+async fn both(fabric: &Fabric, want: TunnelPath) -> Duration {
+    let started = Instant::now();
+    loop {
+        if path(fabric, A, C).await == want && path(fabric, C, A).await == want {
+            return started.elapsed();
+        }
+        assert!(
+            started.elapsed() < LIMIT,
+            "the pair never became {want:?}: A {:?}, C {:?}\n{}",
+            path(fabric, A, C).await,
+            path(fabric, C, A).await,
+            fabric.logs()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Sent and received probes of a flows summary's UDP target.
+fn probes(summary: &serde_json::Value) -> (u64, u64) {
+    summary
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|t| t["target"].as_str().is_some_and(|n| n.starts_with("udp:")))
+        .map(|t| {
+            (
+                t["sent"].as_u64().unwrap_or(0),
+                t["received"].as_u64().unwrap_or(0),
+            )
+        })
+        .unwrap_or_default()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pair_moves_between_the_relay_and_its_direct_path_without_breaking_a_connection() {
+    let test = "a_pair_moves_between_the_relay_and_its_direct_path_without_breaking_a_connection";
+    if !trellis_netlab::netns::can_run(test, &["ip", "nft", "ping", "python3"]) {
+        return;
+    }
+    let fabric = Fabric::up(options()).await.expect("fabric");
+    let (router_a, c_public) = (fabric.routers[A].clone(), fabric.routers[C].public_ip);
+    router_a.cut(c_public).expect("cut");
+    fabric.wait_mesh(LIMIT).await.expect("mesh");
+    let relayed_in = both(&fabric, TunnelPath::Relayed).await;
+
+    let dir = tempfile::tempdir().expect("tempdir");
+    let script = dir.path().join("flows.py");
+    std::fs::write(&script, FLOWS).expect("script written");
+    let c_pod = fabric.topology.sites[C].pod_ip;
+    let to_c: Ipv4Addr = fabric.pod_address(A, C, c_pod).await.expect("address");
+    let _server: PodProcess = python_in(
+        &fabric.topology.sites[C].pod_ns,
+        &script,
+        &["serve".into(), PORT.to_string()],
+    )
+    .expect("server");
+    assert!(
+        trellis_netlab::fabric::reaches(&fabric.topology.sites[A].pod_ns, to_c, LIMIT).await,
+        "A's pod does not reach C's through the relay\n{}",
+        fabric.logs()
+    );
+    let targets = [format!("tcp:{to_c}:{PORT}:2"), format!("udp:{to_c}:{PORT}")];
+    let a_pod = fabric.topology.sites[A].pod_ns.clone();
+
+    // 1. relay -> direct.
+    let flows = Flows::start(&a_pod, &script, dir.path(), "up", &targets).expect("flows");
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    router_a.mend().expect("mend");
+    let direct_in = both(&fabric, TunnelPath::Direct).await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let summary = flows.stop().expect("flows stop");
+    let m = measured(&summary);
+    let (sent, received) = probes(&summary);
+    eprintln!(
+        "measured: relayed after {relayed_in:?}; relay -> direct in {direct_in:?}, probes {received}/{sent}, longest probe gap {:.0} ms",
+        m.probe_gap_ms
+    );
+    assert!(m.broken.is_empty(), "broken: {:?}", m.broken);
+    assert!(
+        sent > 100 && received + 1 >= sent,
+        "probes lost switching to the direct path: {received} of {sent}"
+    );
+    assert!(
+        m.probe_gap_ms < 100.0,
+        "the probe stalled switching to the direct path: {} ms",
+        m.probe_gap_ms
+    );
+
+    // 2. direct -> relay.
+    let flows = Flows::start(&a_pod, &script, dir.path(), "down", &targets).expect("flows");
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    router_a.cut(c_public).expect("cut again");
+    let relayed_again = both(&fabric, TunnelPath::Relayed).await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let summary = flows.stop().expect("flows stop");
+    let m = measured(&summary);
+    let (sent, received) = probes(&summary);
+    eprintln!(
+        "measured: direct -> relay in {relayed_again:?}, probes {received}/{sent}, longest probe gap {:.0} ms",
+        m.probe_gap_ms
+    );
+    assert!(m.broken.is_empty(), "broken: {:?}", m.broken);
+    assert!(m.silent.is_empty(), "silent: {:?}", m.silent);
+    assert!(
+        m.probe_gap_ms < 10_000.0,
+        "the relay took over too late: a probe gap of {} ms",
+        m.probe_gap_ms
+    );
+}
