@@ -112,18 +112,11 @@ impl Broker {
         tunnel.generation += 1;
         let committed = self
             .store
-            .txn(Txn {
-                compares: vec![Compare::ModRevision {
-                    key: key.clone(),
-                    revision: kv.mod_revision,
-                }],
-                success: vec![Op::Put {
-                    key,
-                    value: encode(&tunnel)?,
-                    lease: None,
-                }],
-                failure: vec![],
-            })
+            .txn(
+                Txn::new()
+                    .when(Compare::mod_revision(key.clone(), kv.mod_revision))
+                    .then(Op::put(key, encode(&tunnel)?)),
+            )
             .await?;
         if committed.succeeded {
             tracing::info!(remote.id = %id, candidates = ?want, generation = tunnel.generation, "tunnel endpoint candidates");
