@@ -24,7 +24,7 @@ use std::net::{IpAddr, SocketAddr};
 use std::time::{Duration, Instant};
 
 use trellis_api::pb::gateway::{GetTunnelStatusRequest, TunnelPath};
-use trellis_netlab::cluster::{Service, StoreKind};
+use trellis_netlab::cluster::StoreKind;
 use trellis_netlab::{Fabric, FabricOptions, NatKind};
 
 const A_SIDE: [&str; 4] = ["an", "a1", "ae", "ah"];
@@ -43,10 +43,8 @@ fn options() -> FabricOptions {
         .chain(NatKind::ALL)
         .chain(NatKind::ALL)
         .collect();
-    o.extra_args = vec![(
-        Service::Broker,
-        vec!["--candidates-refresh".into(), "1".into()],
-    )];
+    // The brokers' default candidates refresh: a new induced TunnelEndpoint asks its hub at
+    // once, then every second for a while.
     o
 }
 

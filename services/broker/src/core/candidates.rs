@@ -133,16 +133,38 @@ fn wanted(tunnel: &TunnelRecord, seen: Option<SocketAddr>) -> Vec<SocketAddr> {
         .collect()
 }
 
-/// Refreshes the candidates every `every` until `shutdown` (never with a zero period: the
-/// task then only waits, since a service's task that ends stops the service).
+/// After a new induced TunnelEndpoint, how often and how long the candidates are refreshed
+/// faster than the period: the hub may not have heard the new peer yet.
+const SOON: Duration = Duration::from_secs(1);
+const SOON_FOR: Duration = Duration::from_secs(30);
+
+impl Broker {
+    /// A new induced TunnelEndpoint wants its candidates: refresh now, then every [`SOON`] for
+    /// [`SOON_FOR`].
+    pub fn wake_candidates(&self) {
+        self.candidates_due.notify_one();
+    }
+}
+
+/// Refreshes the candidates every `every` until `shutdown`, and at once (then every second for
+/// a while) when a new induced TunnelEndpoint is written. Never with a zero period: the task
+/// then only waits, since a service's task that ends stops the service.
 pub async fn run(broker: Arc<Broker>, every: Duration, shutdown: Shutdown) {
     if every.is_zero() {
         return shutdown.cancelled().await;
     }
+    let mut soon_until: Option<tokio::time::Instant> = None;
     loop {
+        let wait = match soon_until {
+            Some(until) if tokio::time::Instant::now() < until => every.min(SOON),
+            _ => every,
+        };
         tokio::select! {
             () = shutdown.cancelled() => return,
-            () = trellis_runtime::timer::period(every) => {}
+            () = trellis_runtime::timer::period(wait) => {}
+            () = broker.candidates_due.notified() => {
+                soon_until = Some(tokio::time::Instant::now() + SOON_FOR);
+            }
         }
         if let Err(err) = broker.refresh_candidates().await {
             tracing::warn!(error = %err, "refreshing the induced peers' candidates");

@@ -61,6 +61,9 @@ pub struct Broker {
     allowed: AllowedRanges,
     /// Our gateway's WireGuard public key as last read, which no remote may announce as its own.
     own_key: Mutex<Option<WgKey>>,
+    /// Woken when a new induced TunnelEndpoint is written: its candidates are wanted now
+    /// ([`candidates`]).
+    candidates_due: tokio::sync::Notify,
 }
 
 /// A local service's refusal, naming what we asked it for, for the ports' methods asked for
@@ -85,6 +88,7 @@ impl Broker {
             peering_locks: Mutex::new(HashMap::new()),
             allowed: AllowedRanges::default(),
             own_key: Mutex::new(None),
+            candidates_due: tokio::sync::Notify::new(),
         }
     }
 

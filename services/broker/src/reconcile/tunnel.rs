@@ -85,6 +85,9 @@ pub(super) async fn write_tunnel(broker: &Broker, id: &ClusterId) -> Result<()> 
             generation,
             "tunnel endpoint ready"
         );
+        if tunnel.via.is_some() && tunnel.remote_candidates.is_empty() {
+            broker.wake_candidates();
+        }
     }
     Ok(())
 }
