@@ -397,18 +397,22 @@ fn the_namespace_lab_behind_nat_routers_reaches_every_pod_and_leaves_nothing_beh
         return;
     }
     let before = netns_list();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("topology.json");
     let started = Instant::now();
     let (lab, printed) = RunningLab::start(
         &[
-            "--dataplane",
-            "netns",
-            "--clusters",
-            "5",
-            "--nat",
-            "easy,hard",
-            "--same-pod-cidr",
-            "--timeout",
-            "120",
+            "--dataplane".as_ref(),
+            "netns".as_ref(),
+            "--clusters".as_ref(),
+            "5".as_ref(),
+            "--nat".as_ref(),
+            "easy,hard".as_ref(),
+            "--same-pod-cidr".as_ref(),
+            "--timeout".as_ref(),
+            "120".as_ref(),
+            "--topology-file".as_ref(),
+            path.as_os_str(),
         ],
         Duration::from_secs(180),
     );
@@ -424,6 +428,20 @@ fn the_namespace_lab_behind_nat_routers_reaches_every_pod_and_leaves_nothing_beh
         .filter(|ns| ns.ends_with("-nat"))
         .collect();
     assert_eq!(routers.len(), 4, "one router per leaf: {routers:?}");
+    let topology: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).expect("topology file"))
+            .expect("json");
+    let kinds: Vec<&str> = topology["clusters"]
+        .as_array()
+        .expect("clusters")
+        .iter()
+        .map(|c| c["nat"]["kind"].as_str().unwrap_or("?"))
+        .collect();
+    assert_eq!(
+        kinds,
+        ["none", "easy", "hard", "easy", "hard"],
+        "{topology}"
+    );
     assert!(lab.interrupt().success(), "the lab stops cleanly on Ctrl-C");
     let after = netns_list();
     assert!(

@@ -22,7 +22,9 @@ use crate::check;
 use crate::config::{StoreKind, UpConfig};
 use crate::mesh::{self, Brokers, Expected};
 use crate::plan::{self, ClusterPlan};
-use crate::report::{self, Reach, Topology, TopologyGateway, TopologyNode, TopologyPod};
+use crate::report::{
+    self, Reach, Topology, TopologyGateway, TopologyNat, TopologyNode, TopologyPod,
+};
 
 /// Clusters the namespace lab builds at most: each is 6 service processes plus a route agent
 /// per node (and with `--store etcd` six etcds), far more than the control-plane lab's
@@ -304,6 +306,12 @@ fn topology(
     for (cluster, site) in topology.clusters.iter_mut().zip(&fabric.topology.sites) {
         let pods = site.pods();
         cluster.gateway_netns = Some(site.gw_ns.clone());
+        cluster.nat = fabric.routers.get(site.index).map(|r| TopologyNat {
+            kind: r.kind.to_string(),
+            netns: r.ns.clone(),
+            private_ip: r.private_ip.to_string(),
+            public_ip: r.public_ip.to_string(),
+        });
         cluster.pod_netns = pods.first().map(|p| p.netns.clone());
         cluster.pod_ip = pods.first().map(|p| p.ip.to_string());
         cluster.nodes = if site.nodes.is_empty() {

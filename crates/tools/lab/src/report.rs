@@ -232,6 +232,23 @@ pub struct TopologyCluster {
     /// With `--dataplane netns`: every gateway replica (ADR 0023).
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub gateways: Vec<TopologyGateway>,
+    /// With `--nat`: the router in front of the cluster's gateway (ADR 0025).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub nat: Option<TopologyNat>,
+}
+
+/// The NAT router in front of a `--nat` cluster's gateway.
+#[derive(Debug, Serialize, serde::Deserialize)]
+pub struct TopologyNat {
+    /// `none`, `one-to-one`, `easy` or `hard`.
+    pub kind: String,
+    /// The router's namespace (absent for `none`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub netns: Option<String>,
+    /// The address the gateway advertises (its private one behind a router).
+    pub private_ip: String,
+    /// Where the rest of the fabric sees it.
+    pub public_ip: String,
 }
 
 /// A gateway replica of a `--dataplane netns` cluster.
@@ -345,6 +362,7 @@ impl Topology {
                 nodes: Vec::new(),
                 pods: Vec::new(),
                 gateways: Vec::new(),
+                nat: None,
             })
             .collect();
         Self {
