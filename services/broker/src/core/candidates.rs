@@ -128,7 +128,7 @@ impl Broker {
 /// The candidates `tunnel` should carry when its hub sees the remote at `seen`: that endpoint,
 /// unless it is the advertised one already.
 fn wanted(tunnel: &TunnelRecord, seen: Option<SocketAddr>) -> Vec<SocketAddr> {
-    seen.filter(|ep| ep.to_string() != tunnel.remote_endpoint.to_string())
+    seen.filter(|ep| tunnel.remote_endpoint.socket_addr() != Some(*ep))
         .into_iter()
         .collect()
 }

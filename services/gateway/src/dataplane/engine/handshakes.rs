@@ -4,13 +4,13 @@
 //! starting a handshake with a peer, and the timer thread that drives every session's
 //! handshake retries, keepalives and rekeys.
 
-use std::collections::HashMap;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use defguard_boringtun::noise::TunnResult;
 
+use super::buckets::TokenBuckets;
 use super::peers::Peer;
 use super::{BUF, RECV_TIMEOUT, Shared, TICK};
 
@@ -48,10 +48,12 @@ pub(super) fn handshake_loop(
 
 /// A token bucket per source address (IPv6 by /64, as kernel WireGuard groups them), consulted
 /// only under load.
-#[derive(Default)]
-pub(super) struct SourceBuckets {
-    buckets: HashMap<IpAddr, (f64, Instant)>,
-    swept: Option<Instant>,
+pub(super) struct SourceBuckets(TokenBuckets<IpAddr>);
+
+impl Default for SourceBuckets {
+    fn default() -> Self {
+        Self(TokenBuckets::new(MAX_SOURCES))
+    }
 }
 
 impl SourceBuckets {
@@ -64,28 +66,7 @@ impl SourceBuckets {
             IpAddr::V6(v6) => IpAddr::V4(v6.to_ipv4_mapped().unwrap_or(Ipv4Addr::UNSPECIFIED)),
             v4 => v4,
         };
-        // A bucket refills in a quarter of a second; one untouched for a second is full and
-        // need not be kept.
-        if self
-            .swept
-            .is_none_or(|at| now.duration_since(at) >= Duration::from_secs(1))
-        {
-            self.buckets
-                .retain(|_, (_, at)| now.duration_since(*at) < Duration::from_secs(1));
-            self.swept = Some(now);
-        }
-        if !self.buckets.contains_key(&source) && self.buckets.len() >= MAX_SOURCES {
-            return false;
-        }
-        let (tokens, at) = self.buckets.entry(source).or_insert((SOURCE_BURST, now));
-        *tokens = (*tokens + now.duration_since(*at).as_secs_f64() * SOURCE_RATE).min(SOURCE_BURST);
-        *at = now;
-        if *tokens >= 1.0 {
-            *tokens -= 1.0;
-            true
-        } else {
-            false
-        }
+        self.0.allow(source, SOURCE_RATE, SOURCE_BURST, now)
     }
 }
 
@@ -132,8 +113,7 @@ impl Shared {
     /// path instead (a new handshake that only the direct path carries would never complete,
     /// and WireGuard ends a session whose rekey keeps failing): the first one that arrives
     /// makes the other end answer directly, which switches the pair back.
-    fn probe(&self, peer: &Peer, now: Instant) {
-        let relayed = self.relayed(peer);
+    fn probe(&self, peer: &Peer, relayed: bool, now: Instant) {
         let unheard = !peer.confirmed.load(Ordering::Relaxed)
             && !peer
                 .candidates
@@ -224,8 +204,8 @@ pub(super) fn timer_loop(shared: &Shared) {
                     shared.send(keepalive, peer.endpoint());
                 }
             }
-            shared.probe(&peer, now);
-            if !shared.relayed(&peer) && shared.should_ask(&peer) {
+            shared.probe(&peer, relayed, now);
+            if !relayed && shared.should_ask(&peer) {
                 // The peer answers a handshake at once: silence means the direct path is gone.
                 let mut buf = [0u8; 256];
                 let asked = peer.tunn().format_handshake_initiation(&mut buf, true);

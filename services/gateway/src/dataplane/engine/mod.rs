@@ -58,8 +58,10 @@
 //!   handshake, and the timer thread;
 //! - `relay`: relaying the datagrams of leaves that cannot reach each other through the hub
 //!   that introduced them, and choosing a peer's route (direct or through its hub);
+//! - `buckets`: the token buckets by key (handshake sources under load, relayed pairs);
 //! - `drops`: why datagrams are dropped ([`DropReason`]) and their counters.
 
+mod buckets;
 mod drops;
 mod gso;
 mod handshakes;
@@ -155,7 +157,7 @@ struct Shared {
     /// What [`Shared::now_ms`] counts from.
     epoch: std::time::Instant,
     relay_policy: RwLock<RelayPolicy>,
-    relay_buckets: Mutex<relay::PairBuckets>,
+    relay_buckets: Mutex<buckets::TokenBuckets<(u64, u64)>>,
     dropped: [AtomicU64; DropReason::ALL.len()],
     /// Makes the timer thread panic: how the tests show a dead thread is noticed.
     #[cfg(test)]
@@ -269,7 +271,7 @@ impl Engine {
             tag: own_tag,
             epoch: std::time::Instant::now(),
             relay_policy: RwLock::new(RelayPolicy::default()),
-            relay_buckets: Mutex::new(relay::PairBuckets::default()),
+            relay_buckets: Mutex::new(buckets::TokenBuckets::new(relay::MAX_PAIRS)),
             dropped: Default::default(),
             #[cfg(test)]
             crash_timers: AtomicBool::new(false),

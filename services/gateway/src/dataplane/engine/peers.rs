@@ -71,8 +71,8 @@ pub(super) struct Peer {
     pub(super) allowed_ips: RwLock<Vec<IpNet>>,
     pub(super) keepalive: Mutex<u16>,
     pub(super) candidates: RwLock<Vec<SocketAddr>>,
-    /// Whether an authenticated message came from the peer since it was added (or its
-    /// candidates changed): until then the timer thread probes every candidate.
+    /// Whether an authenticated message came from the peer directly since it was added: until
+    /// then the timer thread probes every candidate.
     pub(super) confirmed: AtomicBool,
     /// When the probing began and when the last probe went out ([`super::handshakes`]).
     pub(super) probing: Mutex<(Instant, Instant)>,

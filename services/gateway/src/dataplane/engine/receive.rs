@@ -122,8 +122,9 @@ impl Shared {
             return self.count(DropReason::RelayRefused);
         }
         // A peer we relay that is heard directly gets a keepalive back on that path, so that
-        // it hears us directly too and both ends leave the relay.
-        let was_relayed = relayed.is_none() && self.relayed(&peer);
+        // it hears us directly too and both ends leave the relay (the route as the timer
+        // thread last saw it: this runs for every datagram).
+        let was_relayed = relayed.is_none() && peer.was_relayed.load(Ordering::Relaxed);
         // Answers go back the way the message came.
         let answer = |packet: &[u8]| {
             if relayed.is_none() || !self.send_through_hub(&peer, packet) {
