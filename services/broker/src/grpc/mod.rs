@@ -472,11 +472,7 @@ impl BrokerApi for BrokerService {
                 .map(|(id, seen)| pb::ObservedEndpoint {
                     cluster_id: id.to_string(),
                     endpoint: seen.endpoint.to_string(),
-                    last_handshake_time: Some(timestamp(
-                        seen.last_handshake
-                            .duration_since(std::time::UNIX_EPOCH)
-                            .map_or(0, |d| i64::try_from(d.as_nanos()).unwrap_or(i64::MAX)),
-                    )),
+                    last_handshake_time: Some(prost_types::Timestamp::from(seen.last_handshake)),
                 })
                 .collect(),
         }))

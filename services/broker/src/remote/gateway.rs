@@ -98,12 +98,7 @@ impl Gateway {
             .filter_map(|t| {
                 let id = ClusterId::parse("remote.cluster_id", &t.remote?.cluster_id).ok()?;
                 let endpoint = t.remote_endpoint.parse().ok()?;
-                let at = t.last_handshake_time?;
-                let last_handshake = SystemTime::UNIX_EPOCH
-                    + Duration::new(
-                        u64::try_from(at.seconds).ok()?,
-                        u32::try_from(at.nanos).ok()?,
-                    );
+                let last_handshake = SystemTime::try_from(t.last_handshake_time?).ok()?;
                 let fresh = now.duration_since(last_handshake).unwrap_or_default() < FRESH;
                 fresh.then_some((
                     id,
