@@ -279,6 +279,12 @@ impl Gateway {
             .unwrap_or_default()
     }
 
+    /// Datagrams the userspace engine resent through a hub after a tunnel moved to the relay
+    /// (`None` without the engine).
+    pub fn resent_datagrams(&self) -> Option<u64> {
+        self.engine.as_ref().map(|e| e.resent())
+    }
+
     /// The interface name of the tunnel to `peer`.
     pub fn interface_name(&self, peer: &ClusterId) -> String {
         names::interface_name(

@@ -9,8 +9,10 @@
 //! With the userspace engine, `trellis_gateway_dropped_datagrams_total{reason}` counts the
 //! datagrams at the WireGuard port that were dropped (malformed, a bad MAC, for no peer, a
 //! replay, failed authentication, an inner source outside the peer's AllowedIPs, a relay
-//! datagram refused or over its pair's rate), and `trellis_tunnel_path{path}` how many tunnels
-//! go direct and how many through a hub's relay.
+//! datagram refused or over its pair's rate, a resent copy already had), `trellis_tunnel_path{path}`
+//! how many tunnels go direct and how many through a hub's relay, and
+//! `trellis_gateway_resent_datagrams_total` what was resent through a hub when a tunnel's
+//! direct path died.
 
 use std::sync::{Arc, Mutex};
 use std::time::SystemTime;
@@ -168,6 +170,17 @@ impl Collector for TunnelCollector {
                     let labels: Labels = vec![("reason", reason.label().to_owned())];
                     ConstCounter::new(n).encode(family.encode_family(&labels)?)?;
                 }
+            }
+            if let Some(resent) = core.resent_datagrams() {
+                let family = encoder.encode_descriptor(
+                    "trellis_gateway_resent_datagrams",
+                    "Datagrams sent straight to a remote gateway in the seconds before its tunnel \
+                     moved to the hub's relay, sent again through the hub (what the dead path \
+                     may have lost; the receiver drops copies it already has as relay_duplicate)",
+                    None,
+                    ConstCounter::new(0u64).metric_type(),
+                )?;
+                ConstCounter::new(resent).encode(family)?;
             }
         }
         let mut paths = encoder.encode_descriptor(

@@ -68,6 +68,18 @@ impl Peer {
 
     /// Adds a peer at `at`, one the engine relays for when `relayable`.
     pub(crate) fn add_at(s: &Setup, dev: &str, at: Ipv4Addr, relayable: bool) -> Self {
+        Self::add_relayed(s, dev, at, relayable, None)
+    }
+
+    /// [`Peer::add_at`] for a peer the engine relays through the hub `relay_via` when its
+    /// direct path fails.
+    pub(crate) fn add_relayed(
+        s: &Setup,
+        dev: &str,
+        at: Ipv4Addr,
+        relayable: bool,
+        relay_via: Option<[u8; 32]>,
+    ) -> Self {
         let key = KeyPair::generate();
         let socket = socket(&s.ns, at);
         let config = PeerConfig {
@@ -76,7 +88,7 @@ impl Peer {
             allowed_ips: vec!["10.200.0.0/24".parse().expect("net")],
             keepalive: 0,
             candidates: Vec::new(),
-            relay_via: None,
+            relay_via,
             relayable,
         };
         let (engine, d) = (s.engine.clone(), dev.to_owned());

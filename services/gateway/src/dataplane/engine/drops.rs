@@ -43,11 +43,16 @@ pub enum DropReason {
     RelayRefused,
     /// A relay datagram over its pair's rate.
     RelayRateLimited,
+    /// A relayed datagram whose counter was already seen or is out of the window: a copy
+    /// resent through the hub after a switch to the relay of one that had arrived directly
+    /// ([`super::resend`]), expected around every switch (a replay on the direct path counts as
+    /// `replay`).
+    RelayDuplicate,
 }
 
 impl DropReason {
     /// Every reason, in label order.
-    pub const ALL: [DropReason; 12] = [
+    pub const ALL: [DropReason; 13] = [
         Self::Malformed,
         Self::Mac,
         Self::UnknownPeer,
@@ -60,6 +65,7 @@ impl DropReason {
         Self::Standby,
         Self::RelayRefused,
         Self::RelayRateLimited,
+        Self::RelayDuplicate,
     ];
 
     /// The metric label.
@@ -77,6 +83,7 @@ impl DropReason {
             Self::Standby => "standby",
             Self::RelayRefused => "relay_refused",
             Self::RelayRateLimited => "relay_rate_limited",
+            Self::RelayDuplicate => "relay_duplicate",
         }
     }
 
@@ -97,6 +104,11 @@ impl DropReason {
 }
 
 impl Engine {
+    /// Datagrams resent through a hub so far, after switches to the relay.
+    pub fn resent(&self) -> u64 {
+        self.shared.resent.load(Ordering::Relaxed)
+    }
+
     /// Datagrams dropped so far, by reason.
     pub fn dropped(&self) -> Vec<(DropReason, u64)> {
         DropReason::ALL

@@ -188,13 +188,22 @@ pub(super) fn timer_loop(shared: &Shared) {
         for peer in peers {
             let relayed = shared.relayed(&peer);
             if peer.was_relayed.swap(relayed, Ordering::Relaxed) != relayed {
+                // What the dead path swallowed goes again, the way that works now.
+                let resent = if relayed {
+                    shared.resend_through_hub(&peer)
+                } else {
+                    0
+                };
                 tracing::info!(
                     interface = %peer.name,
                     path = if relayed { "relayed" } else { "direct" },
                     endpoint = %peer.endpoint(),
                     heard_directly_ms_ago = shared.now_ms().saturating_sub(peer.direct_rx_ms.load(Ordering::Relaxed)),
+                    resent,
                     "tunnel path changed"
                 );
+            } else {
+                shared.forget_old_sends(&peer);
             }
             if peer.greet.swap(false, Ordering::Relaxed) {
                 let mut buf = [0u8; 64];

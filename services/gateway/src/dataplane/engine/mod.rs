@@ -58,6 +58,8 @@
 //!   handshake, and the timer thread;
 //! - `relay`: relaying the datagrams of leaves that cannot reach each other through the hub
 //!   that introduced them, and choosing a peer's route (direct or through its hub);
+//! - `resend`: the data datagrams lately sent directly to a peer with a relay, resent through
+//!   the hub when its direct path dies, so a switch to the relay loses nothing;
 //! - `buckets`: the token buckets by key (handshake sources under load, relayed pairs);
 //! - `drops`: why datagrams are dropped ([`DropReason`]) and their counters.
 
@@ -68,6 +70,7 @@ mod handshakes;
 mod peers;
 mod receive;
 mod relay;
+mod resend;
 mod send;
 mod standby;
 
@@ -93,6 +96,7 @@ use self::receive::{udp_loop, udp_loop_batched};
 pub use self::relay::{
     ANSWER_WITHIN, ASK_EVERY, DIRECT_STALE, RELAY_AFTER, RelayPolicy, SUSPECT_AFTER,
 };
+pub use self::resend::RESEND_AGE;
 use self::send::tun_loop;
 
 /// Buffers hold the largest UDP payload, so no datagram or TUN read is ever truncated.
@@ -158,6 +162,8 @@ struct Shared {
     epoch: std::time::Instant,
     relay_policy: RwLock<RelayPolicy>,
     relay_buckets: Mutex<buckets::TokenBuckets<(u64, u64)>>,
+    /// Datagrams resent through a hub after a switch to the relay ([`resend`]).
+    resent: AtomicU64,
     dropped: [AtomicU64; DropReason::ALL.len()],
     /// Makes the timer thread panic: how the tests show a dead thread is noticed.
     #[cfg(test)]
@@ -272,6 +278,7 @@ impl Engine {
             epoch: std::time::Instant::now(),
             relay_policy: RwLock::new(RelayPolicy::default()),
             relay_buckets: Mutex::new(buckets::TokenBuckets::new(relay::MAX_PAIRS)),
+            resent: AtomicU64::new(0),
             dropped: Default::default(),
             #[cfg(test)]
             crash_timers: AtomicBool::new(false),

@@ -19,7 +19,7 @@ use ipnet::IpNet;
 use mio::unix::SourceFd;
 use mio::{Interest, Token};
 
-use super::{Engine, Shared, io_err, relay};
+use super::{Engine, Shared, io_err, relay, resend};
 
 /// Peer indices are 24 bits: boringtun keeps the low 8 bits of a session index for itself.
 const INDEX_MASK: u32 = 0x00ff_ffff;
@@ -84,6 +84,9 @@ pub(super) struct Peer {
     /// When an authenticated message last came from it directly (not through a hub), in the
     /// engine's milliseconds ([`Shared::now_ms`]); 0 for never.
     pub(super) direct_rx_ms: AtomicU64,
+    /// When an authenticated message last came from it through its hub: later than
+    /// [`Self::direct_rx_ms`], the peer has moved to the relay, and we follow.
+    pub(super) relayed_rx_ms: AtomicU64,
     /// Since when data sent to it directly has gone unanswered (0: everything answered), and
     /// when the last handshake that asks the direct path for an answer went out
     /// ([`super::relay`]).
@@ -97,6 +100,9 @@ pub(super) struct Peer {
     /// When the peer was added: a peer never heard directly is relayed [`super::RELAY_AFTER`]
     /// after this, whatever candidates arrive later (those are probed from the relay).
     pub(super) added: Instant,
+    /// Data datagrams lately sent directly, resent through the hub when the route moves there
+    /// ([`super::resend`]).
+    pub(super) sent: Mutex<resend::Sent>,
 }
 
 impl Peer {
@@ -176,11 +182,13 @@ impl Engine {
                 relay_via: RwLock::new(config.relay_via),
                 relayable: AtomicBool::new(config.relayable),
                 direct_rx_ms: AtomicU64::new(0),
+                relayed_rx_ms: AtomicU64::new(0),
                 unanswered_ms: AtomicU64::new(0),
                 asked_ms: AtomicU64::new(0),
                 was_relayed: AtomicBool::new(false),
                 greet: AtomicBool::new(false),
                 added: Instant::now(),
+                sent: Mutex::default(),
             });
             peers.by_index.insert(index, peer.clone());
             peers.by_key.insert(config.public_key, index);

@@ -146,7 +146,11 @@ impl Shared {
             TunnResult::Done => {}
             TunnResult::Err(err) => {
                 drop(tunn);
-                return self.count(DropReason::of(&err));
+                let reason = match DropReason::of(&err) {
+                    DropReason::Replay if relayed.is_some() => DropReason::RelayDuplicate,
+                    reason => reason,
+                };
+                return self.count(reason);
             }
             TunnResult::WriteToNetwork(reply) => {
                 answer(reply);
@@ -177,7 +181,12 @@ impl Shared {
                 }
             }
         }
-        if !authenticated || relayed.is_some() {
+        if !authenticated {
+            return;
+        }
+        if relayed.is_some() {
+            // The peer sends through the hub: it found its direct path dead, so we follow.
+            peer.relayed_rx_ms.store(self.now_ms(), Ordering::Relaxed);
             return;
         }
         // The peer is where this came from. A read lock first: this runs for every datagram,

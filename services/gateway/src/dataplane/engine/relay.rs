@@ -18,9 +18,12 @@
 //!   answers go back through the hub. A peer is relayed once it has not been heard from
 //!   directly for [`RELAY_AFTER`] since it was added, or for [`DIRECT_STALE`] since it
 //!   last was, or when data sent to it directly went unanswered for [`SUSPECT_AFTER`] and a
-//!   handshake sent directly to ask for an answer got none within [`ANSWER_WITHIN`]; while
-//!   relayed, its direct candidates are probed with keepalives, and the first one heard
-//!   directly switches the pair back.
+//!   handshake sent directly to ask for an answer got none within [`ANSWER_WITHIN`], or
+//!   when it was last heard through the hub (it found the direct path dead first: we follow,
+//!   so our answers do not wait for our own timers to find the same). While relayed, its
+//!   direct candidates are probed with keepalives, and the first one heard directly switches
+//!   the pair back. What went directly while the path was dying is resent through the hub
+//!   ([`super::resend`]), so neither switch loses a datagram.
 
 use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
@@ -124,13 +127,17 @@ impl Shared {
     fn relay_route(&self, peer: &Peer) -> Option<(SocketAddr, [u8; HEADER])> {
         let hub_key = (*peer.relay_via.read().unwrap_or_else(|e| e.into_inner()))?;
         let heard = peer.direct_rx_ms.load(Ordering::Relaxed);
-        let stale = if heard == 0 {
-            peer.added.elapsed() >= RELAY_AFTER
-        } else {
-            let now = self.now_ms();
-            now.saturating_sub(heard) > DIRECT_STALE.as_millis() as u64
-                || self.direct_unanswered(peer, now)
-        };
+        // Heard through the hub since it was last heard directly: it found the direct path
+        // dead first, and we follow.
+        let followed = peer.relayed_rx_ms.load(Ordering::Relaxed) > heard;
+        let stale = followed
+            || if heard == 0 {
+                peer.added.elapsed() >= RELAY_AFTER
+            } else {
+                let now = self.now_ms();
+                now.saturating_sub(heard) > DIRECT_STALE.as_millis() as u64
+                    || self.direct_unanswered(peer, now)
+            };
         if !stale {
             return None;
         }

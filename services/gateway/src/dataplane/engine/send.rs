@@ -17,6 +17,7 @@ use quinn_udp::{Transmit, UdpSocketState};
 
 use super::gso::{DATA_OVERHEAD, GsoBatch, HANDSHAKE_INIT_LEN};
 use super::peers::Peer;
+use super::relay::Route;
 use super::{BUF, Shared, TICK, WAKER};
 
 /// How long a sender waits for room in the socket's send buffer before it drops the datagram.
@@ -110,6 +111,7 @@ impl Shared {
             self.send_segments(contents, segment, to)
         };
         self.sent_data(peer);
+        let kept = peer.has_relay().then(|| self.now_ms());
         // Edge-triggered: read until the TUN says it is empty.
         while let Ok(packet) = peer.tun.read(src) {
             let room = (packet.len() + DATA_OVERHEAD).max(HANDSHAKE_INIT_LEN);
@@ -117,6 +119,9 @@ impl Shared {
             let result = peer.tunn().encapsulate(packet, slot);
             match result {
                 TunnResult::WriteToNetwork(datagram) => {
+                    if let Some(now) = kept {
+                        peer.keep_sent(now, datagram);
+                    }
                     let len = datagram.len();
                     batch.commit(len, &mut send);
                 }
@@ -132,14 +137,25 @@ impl Shared {
     /// Everything a TUN has to read: encrypt each packet and send it to the peer (one datagram
     /// per call: the per-datagram socket, and a peer relayed through its hub).
     fn drain(&self, peer: &Peer, src: &mut [u8], dst: &mut [u8]) {
-        if !self.relayed(peer) {
+        let route = self.route(peer);
+        let direct = matches!(route, Route::Direct(_));
+        if direct {
             self.sent_data(peer);
         }
+        let kept = (direct && peer.has_relay()).then(|| self.now_ms());
         // Edge-triggered: read until the TUN says it is empty.
         while let Ok(packet) = peer.tun.read(src) {
             let result = peer.tunn().encapsulate(packet, dst);
             match result {
-                TunnResult::WriteToNetwork(datagram) => self.send_to_peer(peer, datagram),
+                TunnResult::WriteToNetwork(datagram) => {
+                    if let Some(now) = kept {
+                        peer.keep_sent(now, datagram);
+                    }
+                    match &route {
+                        Route::Direct(to) => self.send(datagram, *to),
+                        Route::Relayed(hub, header) => self.send_wrapped(header, datagram, *hub),
+                    }
+                }
                 TunnResult::Err(err) => {
                     tracing::trace!(interface = %peer.name, error = ?err, "could not encapsulate")
                 }

@@ -1,0 +1,330 @@
+//! A leaf's engine moves a peer to the hub's relay without losing a datagram (ADR 0025), with
+//! real datagrams in a network namespace (root only; skipped loudly elsewhere, never in CI).
+//!
+//! The engine is leaf A. Its peers are boringtun sessions driven by the test over real UDP
+//! sockets: `hub`, and `c`, an induced peer relayed through `hub` when its direct path fails.
+//! A socket in the namespace sends a numbered datagram into C's TUN every 10 ms; the test plays
+//! C (answering directly while its path lives) and the hub (unwrapping what the engine relays
+//! to C and handing it to C's session). Then C's direct path dies silently: C hears nothing
+//! and says nothing. The engine must notice, move C to the relay, and resend through the hub
+//! what the dead path swallowed, so C ends up with every number.
+
+mod common;
+
+use std::collections::BTreeSet;
+use std::net::{Ipv4Addr, SocketAddr, UdpSocket};
+use std::time::{Duration, Instant};
+
+use common::{Peer, Setup, dropped, setup};
+use defguard_boringtun::noise::TunnResult;
+use trellis_gateway::dataplane::engine::DropReason;
+use trellis_netlab::netns::{can_run, in_netns, ip};
+
+const EVERY: Duration = Duration::from_millis(10);
+
+/// A relay header from the key `from` to the key `to` (tags: first 8 bytes).
+fn wrap(from: &[u8; 32], to: &[u8; 32], datagram: &[u8]) -> Vec<u8> {
+    let mut d = vec![0x80, 0, 0, 0];
+    d.extend_from_slice(&from[..8]);
+    d.extend_from_slice(&to[..8]);
+    d.extend_from_slice(datagram);
+    d
+}
+
+/// The test's side of everything: C, the hub, and the numbered datagrams C received.
+struct World {
+    s: Setup,
+    hub: Peer,
+    c: Peer,
+    c_index: u32,
+    sender: UdpSocket,
+    sent: u32,
+    got: BTreeSet<u32>,
+    /// Whether C's direct path lives: C reads and answers its socket.
+    direct: bool,
+}
+
+impl World {
+    /// C's session takes `datagram` (from the engine, directly or unwrapped by the hub);
+    /// `reply_via_hub` says which way C's answers go.
+    fn c_takes(&mut self, datagram: &[u8], reply_via_hub: bool) {
+        let mut out = vec![0u8; 65536];
+        match self.c.tunn.decapsulate(None, datagram, &mut out) {
+            TunnResult::WriteToTunnelV4(inner, _) => {
+                if inner.len() >= 32 && inner[9] == 17 {
+                    let n = u32::from_be_bytes(inner[28..32].try_into().expect("4 bytes"));
+                    self.got.insert(n);
+                }
+                if !reply_via_hub {
+                    // C's own data: the engine hears C on the direct path.
+                    self.c.send_data(self.s.engine_addr);
+                }
+            }
+            TunnResult::WriteToNetwork(reply) => {
+                let reply = reply.to_vec();
+                if reply_via_hub {
+                    let wrapped = wrap(&self.c.public, &self.s.engine_public, &reply);
+                    self.hub
+                        .socket
+                        .send_to(&wrapped, self.s.engine_addr)
+                        .expect("relay");
+                } else {
+                    self.c
+                        .socket
+                        .send_to(&reply, self.s.engine_addr)
+                        .expect("reply");
+                }
+            }
+            _ => {}
+        }
+    }
+
+    /// Sends the next numbered datagram when due and serves both sockets for `for_`.
+    fn run(&mut self, for_: Duration, sending: bool) {
+        let until = Instant::now() + for_;
+        let mut next = Instant::now();
+        let mut buf = vec![0u8; 65536];
+        let to: SocketAddr = (Ipv4Addr::new(10, 201, 0, 1), 9).into();
+        while Instant::now() < until {
+            if sending && Instant::now() >= next {
+                let mut payload = self.sent.to_be_bytes().to_vec();
+                payload.resize(100, 0);
+                self.sender.send_to(&payload, to).expect("send");
+                self.sent += 1;
+                next += EVERY;
+            }
+            let mut idle = true;
+            while let Ok((n, _)) = self.c.socket.recv_from(&mut buf) {
+                idle = false;
+                if self.direct {
+                    let datagram = buf[..n].to_vec();
+                    self.c_takes(&datagram, false);
+                }
+            }
+            if self.direct {
+                let mut out = vec![0u8; 256];
+                if let TunnResult::WriteToNetwork(p) = self.c.tunn.update_timers(&mut out) {
+                    self.c.socket.send_to(p, self.s.engine_addr).expect("timer");
+                }
+            }
+            while let Ok((n, _)) = self.hub.socket.recv_from(&mut buf) {
+                idle = false;
+                let datagram = buf[..n].to_vec();
+                if datagram[0] == 0x80
+                    && datagram.len() > 20
+                    && datagram[12..20] == self.c.public[..8]
+                {
+                    self.c_takes(&datagram[20..], true);
+                } else {
+                    // The hub's own session with the engine.
+                    let mut out = vec![0u8; 65536];
+                    if let TunnResult::WriteToNetwork(reply) =
+                        self.hub.tunn.decapsulate(None, &datagram, &mut out)
+                    {
+                        self.hub
+                            .socket
+                            .send_to(reply, self.s.engine_addr)
+                            .expect("hub reply");
+                    }
+                }
+            }
+            if idle {
+                std::thread::sleep(Duration::from_micros(500));
+            }
+        }
+    }
+
+    fn relayed(&self) -> bool {
+        self.s
+            .engine
+            .counters(self.c_index)
+            .is_some_and(|c| c.relayed)
+    }
+}
+
+#[test]
+fn a_peer_whose_direct_path_dies_gets_every_datagram_through_the_hub() {
+    let test = "a_peer_whose_direct_path_dies_gets_every_datagram_through_the_hub";
+    if !can_run(test, &[]) {
+        return;
+    }
+    let s = setup("r");
+    let mut hub = Peer::add_at(&s, "rsh", Ipv4Addr::new(127, 0, 0, 21), false);
+    assert!(
+        hub.handshake(s.engine_addr, common::DEADLINE),
+        "no handshake with the hub"
+    );
+    let mut c = Peer::add_relayed(
+        &s,
+        "rsc",
+        Ipv4Addr::new(127, 0, 0, 22),
+        false,
+        Some(hub.public),
+    );
+    assert!(
+        c.handshake(s.engine_addr, common::DEADLINE),
+        "no handshake with C"
+    );
+    for socket in [&hub.socket, &c.socket] {
+        // Both are drained each round without waiting (a read timeout rounds up to the
+        // kernel's tick, too slow for a burst).
+        socket.set_nonblocking(true).expect("non-blocking");
+        // The resend arrives as one burst (the engine's own socket asks for as much).
+        socket2::SockRef::from(socket)
+            .set_recv_buffer_size(4 << 20)
+            .expect("receive buffer");
+    }
+    let ns = s.ns.clone();
+    ip(&["-n", &ns, "route", "add", "10.201.0.0/24", "dev", "rsc"]).expect("route");
+    ip(&["-n", &ns, "addr", "add", "10.202.0.1/32", "dev", "lo"]).expect("source address");
+    let sender = in_netns(&ns, || UdpSocket::bind("10.202.0.1:0")).expect("sender");
+    let c_index = c.index;
+    let mut w = World {
+        s,
+        hub,
+        c,
+        c_index,
+        sender,
+        sent: 0,
+        got: BTreeSet::new(),
+        direct: true,
+    };
+
+    // The direct path lives: everything arrives directly, nothing is relayed.
+    w.run(Duration::from_secs(1), true);
+    assert!(!w.relayed(), "C is relayed while its direct path works");
+    assert_eq!(
+        w.got.len() as u32,
+        w.sent,
+        "numbers lost on a working direct path"
+    );
+
+    // A copy, through the hub, of what C already sent directly is dropped as a duplicate (what
+    // a resend after a switch looks like at the receiver), and moves nothing.
+    let mut out = vec![0u8; 256];
+    let mut packet = vec![0u8; 28];
+    packet[0] = 0x45;
+    packet[2..4].copy_from_slice(&28u16.to_be_bytes());
+    packet[8] = 64;
+    packet[9] = 17;
+    packet[12..16].copy_from_slice(&[10, 200, 0, 2]);
+    packet[16..20].copy_from_slice(&[10, 200, 0, 1]);
+    let TunnResult::WriteToNetwork(datagram) = w.c.tunn.encapsulate(&packet, &mut out) else {
+        panic!("C has no session");
+    };
+    let datagram = datagram.to_vec();
+    let duplicates = dropped(&w.s.engine, DropReason::RelayDuplicate);
+    w.c.socket
+        .send_to(&datagram, w.s.engine_addr)
+        .expect("direct");
+    std::thread::sleep(Duration::from_millis(50));
+    let copy = wrap(&w.c.public, &w.s.engine_public, &datagram);
+    w.hub.socket.send_to(&copy, w.s.engine_addr).expect("copy");
+    w.run(Duration::from_millis(300), false);
+    assert_eq!(
+        dropped(&w.s.engine, DropReason::RelayDuplicate) - duplicates,
+        1,
+        "the copy is counted as a relay duplicate: {:?}",
+        w.s.engine.dropped()
+    );
+    assert!(
+        !w.relayed(),
+        "a duplicate through the hub moved C to the relay"
+    );
+
+    // The direct path dies silently while numbers keep coming.
+    w.direct = false;
+    let cut_at = w.sent;
+    let started = Instant::now();
+    while !w.relayed() {
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "C never moved to the relay"
+        );
+        w.run(Duration::from_millis(50), true);
+    }
+    let switched_in = started.elapsed();
+    // A while on the relay, then the stragglers.
+    w.run(Duration::from_secs(1), true);
+    w.run(Duration::from_millis(500), false);
+    let missing: Vec<u32> = (0..w.sent).filter(|n| !w.got.contains(n)).collect();
+    let resent = w.s.engine.resent();
+    eprintln!(
+        "measured: relayed {switched_in:?} after the cut; {} sent ({} after the cut), {resent} resent through the hub, missing {missing:?}",
+        w.sent,
+        w.sent - cut_at
+    );
+    assert!(
+        missing.is_empty(),
+        "numbers lost switching to the relay: {missing:?}"
+    );
+    assert!(
+        resent >= u64::from((w.sent - cut_at) / 2),
+        "too little resent to cover the dead path: {resent}"
+    );
+
+    // C speaks through the hub from now on; an engine whose direct data to C was still being
+    // answered would follow C onto the relay at once (its peer found the path dead first).
+    assert!(
+        w.relayed(),
+        "C left the relay with its direct path still dead"
+    );
+}
+
+#[test]
+fn a_peer_heard_through_its_hub_is_followed_onto_the_relay_at_once() {
+    let test = "a_peer_heard_through_its_hub_is_followed_onto_the_relay_at_once";
+    if !can_run(test, &[]) {
+        return;
+    }
+    let s: Setup = setup("f");
+    let mut hub = Peer::add_at(&s, "rfh", Ipv4Addr::new(127, 0, 0, 31), false);
+    assert!(
+        hub.handshake(s.engine_addr, common::DEADLINE),
+        "no handshake with the hub"
+    );
+    let mut c = Peer::add_relayed(
+        &s,
+        "rfc",
+        Ipv4Addr::new(127, 0, 0, 32),
+        false,
+        Some(hub.public),
+    );
+    assert!(
+        c.handshake(s.engine_addr, common::DEADLINE),
+        "no handshake with C"
+    );
+    let c_index = c.index;
+    let relayed = |s: &Setup| s.engine.counters(c_index).is_some_and(|c| c.relayed);
+    assert!(!relayed(&s), "C is relayed though heard directly");
+
+    // C's data through the hub: the engine routes C through the hub from then on, without
+    // waiting for its own timers to find the direct path dead.
+    let mut out = vec![0u8; 256];
+    let TunnResult::WriteToNetwork(keepalive) = c.tunn.encapsulate(&[], &mut out) else {
+        panic!("C has no session");
+    };
+    let wrapped = wrap(&c.public, &s.engine_public, keepalive);
+    hub.socket
+        .send_to(&wrapped, s.engine_addr)
+        .expect("relayed");
+    let started = Instant::now();
+    while !relayed(&s) {
+        assert!(
+            started.elapsed() < Duration::from_secs(1),
+            "the engine did not follow C onto the relay"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+
+    // C heard directly again: the engine goes back to the direct path.
+    c.send_data(s.engine_addr);
+    let started = Instant::now();
+    while relayed(&s) {
+        assert!(
+            started.elapsed() < Duration::from_secs(1),
+            "the engine stayed on the relay though C speaks directly"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
