@@ -1,6 +1,7 @@
 //! `trellis-broker`: the peering broker of one Trellis cluster (docs/architecture.md).
 //!
-//! - [`token`]: the peering token;
+//! - [`token`]: the peering token; [`join_tokens`]: join tokens, which expire and can be
+//!   revoked;
 //! - [`core`]: the [`Broker`]: handshake, peering, unpeering, receiving NetworkConfigs and
 //!   statuses, the reconciler's lanes (one submodule each);
 //! - [`reconcile`]: scheduling passes, sending our NetworkConfigs, TunnelEndpoints, teardown
@@ -14,6 +15,7 @@
 pub mod config;
 pub mod core;
 pub mod grpc;
+pub mod join_tokens;
 pub mod metrics;
 pub mod peering_id;
 pub mod reconcile;

@@ -9,6 +9,7 @@
 //! | `tunnel-tombstones/<remote>` | the last content of a deleted TunnelEndpoint (for watches) |
 //! | `notify/<remote>` | [`PendingNotify`]: an unpeering not yet acknowledged by the remote |
 //! | `peering/<remote>` | the [`PeeringId`] of the current full peering with the remote |
+//! | `join-tokens/<id>` | [`JoinTokenRecord`](crate::join_tokens::JoinTokenRecord): a join token's secret hash and expiry |
 
 use serde::{Deserialize, Serialize};
 use trellis_api::model::{NatView, NetworkSpec, TunnelEndpoint};
@@ -23,6 +24,7 @@ pub const TUNNELS_PREFIX: &str = "tunnels/";
 pub const TOMBSTONES_PREFIX: &str = "tunnel-tombstones/";
 pub const NOTIFY_PREFIX: &str = "notify/";
 pub const PEERING_PREFIX: &str = "peering/";
+pub const JOIN_TOKENS_PREFIX: &str = "join-tokens/";
 
 /// Store key of the ID of the current full peering with `remote`.
 pub fn peering_key(remote: &ClusterId) -> String {

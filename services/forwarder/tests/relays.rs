@@ -242,6 +242,24 @@ impl BrokerApi for FakeBroker {
     ) -> Result<Response<ppb::RotateTokenResponse>, Status> {
         Err(Status::unimplemented("fake broker"))
     }
+    async fn create_join_token(
+        &self,
+        _: Request<ppb::CreateJoinTokenRequest>,
+    ) -> Result<Response<ppb::CreateJoinTokenResponse>, Status> {
+        Err(Status::unimplemented("fake broker"))
+    }
+    async fn list_join_tokens(
+        &self,
+        _: Request<ppb::ListJoinTokensRequest>,
+    ) -> Result<Response<ppb::ListJoinTokensResponse>, Status> {
+        Err(Status::unimplemented("fake broker"))
+    }
+    async fn revoke_join_token(
+        &self,
+        _: Request<ppb::RevokeJoinTokenRequest>,
+    ) -> Result<Response<ppb::RevokeJoinTokenResponse>, Status> {
+        Err(Status::unimplemented("fake broker"))
+    }
     async fn peer(
         &self,
         _: Request<ppb::PeerRequest>,

@@ -17,7 +17,8 @@ use trellis_api::pb::ipam::ipam_client::IpamClient;
 use trellis_api::pb::ipam::{FreeSubnetsPerClusterRequest, ListClusterSubnetsRequest};
 use trellis_api::pb::peering::broker_client::BrokerClient;
 use trellis_api::pb::peering::{
-    GetTokenRequest, ListTunnelEndpointsRequest, PeerRequest, RotateTokenRequest, UnpeerRequest,
+    CreateJoinTokenRequest, GetTokenRequest, ListTunnelEndpointsRequest, PeerRequest,
+    RotateTokenRequest, UnpeerRequest,
 };
 use trellis_integration::peering::{eventually, tunnel_to};
 use trellis_integration::processes::{Options, ProcessCluster, Service};
@@ -110,6 +111,12 @@ async fn without_the_local_token_intra_cluster_calls_are_refused_and_change_noth
                 .rotate_token(RotateTokenRequest { grace_period: None })
                 .await,
             "RotateToken without the hub's local token",
+        );
+        refused(
+            broker
+                .create_join_token(CreateJoinTokenRequest::default())
+                .await,
+            "CreateJoinToken without the hub's local token",
         );
     }
     assert_eq!(

@@ -124,7 +124,29 @@ async fn a_wrong_token_is_permission_denied_and_stores_nothing_on_either_side() 
         .await
         .expect_err("refused");
     assert_eq!(err.code(), Code::PermissionDenied, "{err:?}");
-    for cluster in [&a, &b] {
+    nothing_stored(&[&a, &b]).await;
+    // A rotated token: the old one keeps working only during the grace period.
+    let old = token(&b).await;
+    b.broker()
+        .await
+        .expect("broker")
+        .rotate_token(RotateTokenRequest { grace_period: None })
+        .await
+        .expect("rotates");
+    let err = peer_with_token(&a, &b, old)
+        .await
+        .expect_err("old token refused");
+    assert_eq!(err.code(), Code::PermissionDenied);
+    peer_with_token(&a, &b, token(&b).await)
+        .await
+        .expect("new token accepted");
+    a.stop().await;
+    b.stop().await;
+}
+
+/// Neither cluster knows a foreign cluster or holds a NetworkConfig.
+async fn nothing_stored(clusters: &[&InProcessCluster]) {
+    for cluster in clusters {
         let listed = cluster
             .discovery()
             .await
@@ -150,21 +172,111 @@ async fn a_wrong_token_is_permission_denied_and_stores_nothing_on_either_side() 
             .expect("lists");
         assert!(ncs.into_inner().network_configs.is_empty());
     }
-    // A rotated token: the old one keeps working only during the grace period.
-    let old = token(&b).await;
-    b.broker()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn join_tokens_expire_and_are_revoked_and_a_refused_one_stores_nothing() {
+    let a = InProcessCluster::start("leaf-a", "10.0.0.0/16", "10.201.0.0/16")
         .await
-        .expect("broker")
-        .rotate_token(RotateTokenRequest { grace_period: None })
+        .expect("a starts");
+    let b = InProcessCluster::start("hub-b", "10.1.0.0/16", "10.202.0.0/16")
         .await
-        .expect("rotates");
-    let err = peer_with_token(&a, &b, old)
+        .expect("b starts");
+    let mut broker = b.broker().await.expect("broker");
+    let create = |ttl_secs: i64, description: &str| CreateJoinTokenRequest {
+        ttl: Some(prost_types::Duration {
+            seconds: ttl_secs,
+            nanos: 0,
+        }),
+        description: description.into(),
+    };
+
+    // Expired: refused, and the message says so.
+    let short = broker
+        .create_join_token(create(1, "expires at once"))
         .await
-        .expect_err("old token refused");
-    assert_eq!(err.code(), Code::PermissionDenied);
-    peer_with_token(&a, &b, token(&b).await)
+        .expect("created")
+        .into_inner();
+    let short_id = short.join_token.as_ref().expect("metadata").id.clone();
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let err = peer_with_token(&a, &b, short.token.clone())
         .await
-        .expect("new token accepted");
+        .expect_err("an expired join token is refused");
+    assert_eq!(err.code(), Code::PermissionDenied, "{err:?}");
+    assert!(
+        err.message().contains(&short_id) && err.message().contains("expired at"),
+        "{err:?}"
+    );
+
+    // Revoked: refused from then on.
+    let revoked = broker
+        .create_join_token(create(3600, "revoked"))
+        .await
+        .expect("created")
+        .into_inner();
+    let revoked_id = revoked.join_token.as_ref().expect("metadata").id.clone();
+    let answer = broker
+        .revoke_join_token(RevokeJoinTokenRequest {
+            id: revoked_id.clone(),
+        })
+        .await
+        .expect("revokes")
+        .into_inner();
+    assert!(answer.revoked);
+    let err = peer_with_token(&a, &b, revoked.token)
+        .await
+        .expect_err("a revoked join token is refused");
+    assert_eq!(err.code(), Code::PermissionDenied, "{err:?}");
+    assert!(err.message().contains("revoked"), "{err:?}");
+    nothing_stored(&[&a, &b]).await;
+
+    // The list shows the expired one (kept to say it expired), not the revoked one; no secret.
+    let listed = broker
+        .list_join_tokens(ListJoinTokensRequest {})
+        .await
+        .expect("lists")
+        .into_inner();
+    let ids: Vec<&str> = listed.join_tokens.iter().map(|t| t.id.as_str()).collect();
+    assert_eq!(ids, vec![short_id.as_str()]);
+    assert_eq!(listed.join_tokens[0].description, "expires at once");
+
+    // Bad requests name the field and create nothing.
+    for (request, field) in [
+        (create(0, ""), "ttl"),
+        (create(400 * 86_400, ""), "ttl"),
+        (create(60, &"x".repeat(300)), "description"),
+    ] {
+        let err = broker
+            .create_join_token(request)
+            .await
+            .expect_err("refused");
+        assert_eq!(err.code(), Code::InvalidArgument, "{err:?}");
+        assert!(err.message().contains(field), "{err:?}");
+    }
+    let err = broker
+        .revoke_join_token(RevokeJoinTokenRequest {
+            id: "NOT-AN-ID".into(),
+        })
+        .await
+        .expect_err("refused");
+    assert!(err.message().contains("id"), "{err:?}");
+    let still = broker
+        .list_join_tokens(ListJoinTokensRequest {})
+        .await
+        .expect("lists")
+        .into_inner();
+    assert_eq!(still.join_tokens.len(), 1);
+
+    // A live join token peers.
+    let live = broker
+        .create_join_token(create(3600, "leaf-a"))
+        .await
+        .expect("created")
+        .into_inner();
+    peer_with_token(&a, &b, live.token)
+        .await
+        .expect("a live join token is accepted");
+    eventually("A's tunnel to B", LIMIT, || tunnel_to(&a, "hub-b")).await;
     a.stop().await;
     b.stop().await;
 }

@@ -207,13 +207,53 @@ async fn an_operator_builds_and_inspects_an_induced_mesh_with_trellisctl() {
     ))
     .await;
     assert!(peered.starts_with("peered with hub at "), "{peered}");
+    // leaf-c joins with a join token: it expires, it is listed, it can be revoked.
+    let join = json(&with(
+        &hub_flags,
+        &[
+            "token",
+            "--join",
+            "--ttl",
+            "1h",
+            "--description",
+            "for leaf-c",
+        ],
+    ))
+    .await;
+    let join_token = join["token"].as_str().expect("a join token").to_owned();
+    assert_ne!(join_token, token);
+    assert!(
+        join["join"].as_str().is_some_and(
+            |c| c.starts_with("trellisctl peer --remote-broker ") && c.contains(&join_token)
+        ),
+        "{join}"
+    );
+    let join_id = join["join_token_id"].as_str().expect("an id").to_owned();
+    assert!(join_token.starts_with(&format!("{join_id}.")), "{join}");
+    let listed = json(&with(&hub_flags, &["token", "--list"])).await;
+    assert_eq!(listed["join_tokens"][0]["id"], join_id.as_str());
+    assert_eq!(listed["join_tokens"][0]["description"], "for leaf-c");
+    assert!(
+        !listed.to_string().contains(&join_token),
+        "the list shows a secret: {listed}"
+    );
     let peered = json(&with(
         &c_flags,
-        &["peer", "--remote-broker", &hub_broker, "--token", token],
+        &[
+            "peer",
+            "--remote-broker",
+            &hub_broker,
+            "--token",
+            &join_token,
+        ],
     ))
     .await;
     assert_eq!(peered["identity"]["cluster_id"], "hub");
     assert_eq!(peered["addresses"]["broker"], hub_broker);
+    let revoked = ok(&with(&hub_flags, &["token", "--revoke", &join_id])).await;
+    assert_eq!(revoked, format!("revoked join token {join_id}\n"));
+    let listed = json(&with(&hub_flags, &["token", "--list"])).await;
+    assert_eq!(listed["join_tokens"], serde_json::json!([]));
 
     // status: the hub sees both leaves as full peers...
     let hub_status = status_until(&hub_flags, "the hub to see both leaves full", |s| {

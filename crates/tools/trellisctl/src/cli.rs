@@ -302,11 +302,32 @@ pub struct TokenArgs {
     #[arg(long, value_name = "SECONDS", requires = "rotate", default_value_t = 0)]
     pub grace: u64,
 
-    /// Print the whole command a new cluster runs to join this one: `trellisctl peer
-    /// --remote-broker ADDR --token TOKEN --ca-cert-hash sha256:HEX`, with the broker address
-    /// this cluster advertises and, with mutual TLS, the hash that pins its CA at first contact.
+    /// Create a join token (Broker.CreateJoinToken: accepted until --ttl passes or it is
+    /// revoked) and print the whole command a new cluster runs to join this one with it:
+    /// `trellisctl peer --remote-broker ADDR --token TOKEN --ca-cert-hash sha256:HEX`, with the
+    /// broker address this cluster advertises and, with mutual TLS, the hash that pins its CA
+    /// at first contact. Each call creates a new token.
     #[arg(long, conflicts_with = "rotate")]
     pub join: bool,
+
+    /// With --join: how long the join token is accepted, as a number with a unit: `90s`,
+    /// `30m`, `1h`, `7d` (1 second to 365 days; default 24h).
+    #[arg(long, value_name = "DURATION", requires = "join", value_parser = ttl_arg)]
+    pub ttl: Option<Duration>,
+
+    /// With --join: what the join token is for, shown by --list (e.g. the joining cluster).
+    #[arg(long, value_name = "TEXT", requires = "join")]
+    pub description: Option<String>,
+
+    /// List the join tokens (Broker.ListJoinTokens): id, when each expires, what it is for.
+    /// Secrets are never shown again.
+    #[arg(long, conflicts_with_all = ["rotate", "join", "revoke"])]
+    pub list: bool,
+
+    /// Revoke the join token with this id (the part before the dot; Broker.RevokeJoinToken):
+    /// refused at every handshake from now on. Existing peerings are unaffected.
+    #[arg(long, value_name = "ID", conflicts_with_all = ["rotate", "join"])]
+    pub revoke: Option<String>,
 }
 
 /// Flags of `peer`.
@@ -449,6 +470,28 @@ fn reason(error: &trellis_api::Error) -> String {
     }
 }
 
+/// A join token's time to live: a whole number and one unit of `s`, `m`, `h`, `d`.
+fn ttl_arg(value: &str) -> Result<Duration, String> {
+    let value = value.trim();
+    let split = value.len().saturating_sub(1);
+    let (number, unit) = value.split_at(split);
+    let unit_secs = match unit {
+        "s" => 1,
+        "m" => 60,
+        "h" => 3600,
+        "d" => 86_400,
+        _ => return Err(format!("{value:?} needs a unit: s, m, h or d (e.g. 1h)")),
+    };
+    let n: u64 = number
+        .parse()
+        .map_err(|_| format!("{value:?} is not a whole number followed by s, m, h or d"))?;
+    let secs = n
+        .checked_mul(unit_secs)
+        .filter(|s| (1..=365 * 86_400).contains(s))
+        .ok_or_else(|| format!("{value} is out of range (1 second to 365 days)"))?;
+    Ok(Duration::from_secs(secs))
+}
+
 /// Whole seconds or fractions, more than 0 and at most an hour.
 fn timeout_arg(value: &str) -> Result<Duration, String> {
     let seconds: f64 = value
@@ -539,10 +582,27 @@ mod tests {
                 "--ip",
             ),
             (&["token", "--grace", "5"][..], "--rotate"),
+            (&["token", "--ttl", "1h"][..], "--join"),
+            (&["token", "--join", "--ttl", "1"][..], "--ttl"),
+            (&["token", "--join", "--ttl", "0s"][..], "--ttl"),
+            (&["token", "--join", "--ttl", "400d"][..], "--ttl"),
+            (&["token", "--join", "--ttl", "1w"][..], "--ttl"),
+            (&["token", "--list", "--join"][..], "--list"),
         ] {
             let err = parse(args).expect_err("refused");
             assert_eq!(err.exit_code(), 2, "{args:?}");
             assert!(err.to_string().contains(flag), "{args:?}: {err}");
+        }
+    }
+
+    #[test]
+    fn join_token_lifetimes_take_a_unit() {
+        for (text, secs) in [("90s", 90), ("30m", 1800), ("1h", 3600), ("7d", 604_800)] {
+            let cli = parse(&["token", "--join", "--ttl", text]).expect("parses");
+            let Command::Token(args) = cli.command else {
+                panic!("not token");
+            };
+            assert_eq!(args.ttl, Some(Duration::from_secs(secs)), "{text}");
         }
     }
 

@@ -1,14 +1,20 @@
 //! `trellisctl token`: the broker's peering token (Broker.GetToken), or a new one
-//! (Broker.RotateToken with `--rotate`).
+//! (Broker.RotateToken with `--rotate`); join tokens, which expire and can be revoked: a new
+//! one with the command that joins with it (`--join [--ttl]`, Broker.CreateJoinToken), the
+//! list (`--list`), a revocation (`--revoke ID`).
 
 use serde::Serialize;
 use trellis_api::pb::peering::broker_client::BrokerClient;
-use trellis_api::pb::peering::{GetTokenRequest, RotateTokenRequest};
+use trellis_api::pb::peering::{
+    CreateJoinTokenRequest, GetTokenRequest, JoinToken, ListJoinTokensRequest,
+    RevokeJoinTokenRequest, RotateTokenRequest,
+};
 
 use crate::cli::{Globals, TokenArgs};
 use crate::error::CtlError;
 use crate::output::Report;
 use crate::service::Service;
+use crate::table::Table;
 use crate::units::rfc3339;
 
 /// The token. The table form is the token alone, for `$(trellisctl token)`.
@@ -26,6 +32,66 @@ pub struct TokenView {
     pub ca_cert_hash: Option<String>,
     /// With `--join`: the command a joining cluster runs.
     pub join: Option<String>,
+    /// With `--join`: the join token's id and when it expires.
+    pub join_token_id: Option<String>,
+    pub expire_time: Option<String>,
+}
+
+/// A join token as `--list` shows it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct JoinTokenView {
+    pub id: String,
+    pub create_time: Option<String>,
+    pub expire_time: Option<String>,
+    pub description: String,
+}
+
+impl From<&JoinToken> for JoinTokenView {
+    fn from(t: &JoinToken) -> Self {
+        Self {
+            id: t.id.clone(),
+            create_time: rfc3339(t.create_time.as_ref()),
+            expire_time: rfc3339(t.expire_time.as_ref()),
+            description: t.description.clone(),
+        }
+    }
+}
+
+/// What `token` printed: the token, the join tokens, or a revocation.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(untagged)]
+pub enum TokenOutput {
+    Token(TokenView),
+    List { join_tokens: Vec<JoinTokenView> },
+    Revoked { id: String, revoked: bool },
+}
+
+impl Report for TokenOutput {
+    fn table(&self) -> String {
+        match self {
+            Self::Token(view) => view.table(),
+            Self::List { join_tokens } => {
+                let mut table = Table::new(&["ID", "EXPIRES", "CREATED", "DESCRIPTION"]);
+                for t in join_tokens {
+                    table.row([
+                        t.id.clone(),
+                        t.expire_time.clone().unwrap_or_default(),
+                        t.create_time.clone().unwrap_or_default(),
+                        t.description.clone(),
+                    ]);
+                }
+                if table.is_empty() {
+                    "no join tokens\n".into()
+                } else {
+                    table.render()
+                }
+            }
+            Self::Revoked { id, revoked: true } => format!("revoked join token {id}\n"),
+            Self::Revoked { id, revoked: false } => {
+                format!("no join token {id} (already revoked or expired long ago)\n")
+            }
+        }
+    }
 }
 
 impl Report for TokenView {
@@ -47,9 +113,33 @@ fn join_command(broker: &str, token: &str, hash: Option<&str>) -> String {
 }
 
 /// Runs `token`.
-pub async fn run(globals: &Globals, args: &TokenArgs) -> Result<TokenView, CtlError> {
+pub async fn run(globals: &Globals, args: &TokenArgs) -> Result<TokenOutput, CtlError> {
     let target = globals.target(Service::Broker);
     let mut broker = BrokerClient::new(globals.connect(&target).await?);
+    if args.list {
+        let reply = broker
+            .list_join_tokens(ListJoinTokensRequest {})
+            .await
+            .map_err(|s| CtlError::rpc(&target, "ListJoinTokens", &s))?
+            .into_inner();
+        return Ok(TokenOutput::List {
+            join_tokens: reply.join_tokens.iter().map(JoinTokenView::from).collect(),
+        });
+    }
+    if let Some(id) = &args.revoke {
+        let reply = broker
+            .revoke_join_token(RevokeJoinTokenRequest { id: id.clone() })
+            .await
+            .map_err(|s| CtlError::rpc(&target, "RevokeJoinToken", &s))?
+            .into_inner();
+        return Ok(TokenOutput::Revoked {
+            id: id
+                .split_once('.')
+                .map_or(id.as_str(), |(id, _)| id)
+                .to_owned(),
+            revoked: reply.revoked,
+        });
+    }
     if args.rotate {
         let grace = prost_types::Duration {
             seconds: i64::try_from(args.grace).unwrap_or(i64::MAX),
@@ -62,46 +152,68 @@ pub async fn run(globals: &Globals, args: &TokenArgs) -> Result<TokenView, CtlEr
             .await
             .map_err(|s| CtlError::rpc(&target, "RotateToken", &s))?
             .into_inner();
-        Ok(TokenView {
+        return Ok(TokenOutput::Token(TokenView {
             token: reply.token,
             create_time: None,
             rotated: true,
             previous_token_expire_time: rfc3339(reply.previous_token_expire_time.as_ref()),
             ca_cert_hash: None,
             join: None,
-        })
-    } else {
-        let reply = broker
-            .get_token(GetTokenRequest {})
-            .await
-            .map_err(|s| CtlError::rpc(&target, "GetToken", &s))?
-            .into_inner();
-        let ca_cert_hash = (!reply.ca_cert_hash.is_empty()).then_some(reply.ca_cert_hash);
-        let join = if args.join {
-            if reply.advertised_broker.is_empty() {
-                return Err(CtlError::Failed(
-                    "--join: this cluster advertises no broker address (discovery's \
-                     --advertise-broker), so no other cluster could reach it"
-                        .into(),
-                ));
-            }
-            Some(join_command(
-                &reply.advertised_broker,
-                &reply.token,
-                ca_cert_hash.as_deref(),
-            ))
-        } else {
-            None
-        };
-        Ok(TokenView {
+            join_token_id: None,
+            expire_time: None,
+        }));
+    }
+    let reply = broker
+        .get_token(GetTokenRequest {})
+        .await
+        .map_err(|s| CtlError::rpc(&target, "GetToken", &s))?
+        .into_inner();
+    let ca_cert_hash = (!reply.ca_cert_hash.is_empty()).then_some(reply.ca_cert_hash);
+    if !args.join {
+        return Ok(TokenOutput::Token(TokenView {
             token: reply.token,
             create_time: rfc3339(reply.create_time.as_ref()),
             rotated: false,
             previous_token_expire_time: None,
             ca_cert_hash,
-            join,
-        })
+            join: None,
+            join_token_id: None,
+            expire_time: None,
+        }));
     }
+    if reply.advertised_broker.is_empty() {
+        return Err(CtlError::Failed(
+            "--join: this cluster advertises no broker address (discovery's \
+             --advertise-broker), so no other cluster could reach it"
+                .into(),
+        ));
+    }
+    let created = broker
+        .create_join_token(CreateJoinTokenRequest {
+            ttl: args.ttl.map(|d| prost_types::Duration {
+                seconds: i64::try_from(d.as_secs()).unwrap_or(i64::MAX),
+                nanos: 0,
+            }),
+            description: args.description.clone().unwrap_or_default(),
+        })
+        .await
+        .map_err(|s| CtlError::rpc(&target, "CreateJoinToken", &s))?
+        .into_inner();
+    let made = created.join_token.unwrap_or_default();
+    Ok(TokenOutput::Token(TokenView {
+        join: Some(join_command(
+            &reply.advertised_broker,
+            &created.token,
+            ca_cert_hash.as_deref(),
+        )),
+        token: created.token,
+        create_time: rfc3339(made.create_time.as_ref()),
+        rotated: false,
+        previous_token_expire_time: None,
+        ca_cert_hash,
+        join_token_id: Some(made.id),
+        expire_time: rfc3339(made.expire_time.as_ref()),
+    }))
 }
 
 #[cfg(test)]
@@ -119,6 +231,8 @@ mod tests {
             previous_token_expire_time: None,
             ca_cert_hash: None,
             join: None,
+            join_token_id: None,
+            expire_time: None,
         };
         assert_eq!(
             render(&view, OutputFormat::Table).expect("renders"),
@@ -131,7 +245,8 @@ mod tests {
             json,
             serde_json::json!({"token": "abc", "create_time": "2025-01-01T00:00:00Z",
                                "rotated": false, "previous_token_expire_time": null,
-                               "ca_cert_hash": null, "join": null})
+                               "ca_cert_hash": null, "join": null,
+                               "join_token_id": null, "expire_time": null})
         );
     }
 }

@@ -10,6 +10,7 @@ use trellis_error::{Error, Result};
 use trellis_runtime::tls::{CaCertHash, Caller, PinnedCa};
 
 use super::Broker;
+use crate::join_tokens::{self, Verdict};
 use crate::peering_id::PeeringId;
 use crate::records::notify_key;
 use crate::remote::peers::HandshakeOffer;
@@ -136,10 +137,21 @@ impl Broker {
     ) -> Result<(ClusterIdentity, Addresses, String)> {
         let token = self.token().await?;
         if !token::accepts(&token, presented) {
-            tracing::warn!(remote.id = %caller.id, "refused a handshake with a wrong or expired token");
-            return Err(Error::PermissionDenied(
-                "the peering token is wrong or expired".into(),
-            ));
+            match join_tokens::check(&self.store, presented).await? {
+                Verdict::Accepted { id } => {
+                    tracing::info!(remote.id = %caller.id, join_token.id = %id, "a join token authenticates a handshake");
+                }
+                Verdict::Refused(why) => {
+                    tracing::warn!(remote.id = %caller.id, reason = %why, "refused a handshake with a join token");
+                    return Err(Error::PermissionDenied(why));
+                }
+                Verdict::NotAJoinToken => {
+                    tracing::warn!(remote.id = %caller.id, "refused a handshake with a wrong or expired token");
+                    return Err(Error::PermissionDenied(
+                        "the peering token is wrong or expired".into(),
+                    ));
+                }
+            }
         }
         if caller.id == self.identity.id {
             return Err(Error::invalid(

@@ -27,7 +27,7 @@ use crate::core::Broker;
 use crate::core::receive::Received;
 use crate::peering_id::PeeringId;
 use crate::records::{Decision, nc_name};
-use crate::{reconcile, token};
+use crate::{join_tokens, reconcile, token};
 
 /// The gRPC face of one [`Broker`].
 #[derive(Debug, Clone)]
@@ -196,6 +196,15 @@ fn check_pair(
     Ok(())
 }
 
+fn join_token_to_pb(token: &join_tokens::JoinToken) -> pb::JoinToken {
+    pb::JoinToken {
+        id: token.id.clone(),
+        create_time: Some(timestamp(token.record.created_nanos)),
+        expire_time: Some(timestamp(token.record.expires_nanos)),
+        description: token.record.description.clone(),
+    }
+}
+
 #[tonic::async_trait]
 impl BrokerApi for BrokerService {
     async fn get_token(
@@ -239,6 +248,46 @@ impl BrokerApi for BrokerService {
                 .map(|_| timestamp(token.previous_expires_nanos)),
             token: token.current,
         }))
+    }
+
+    async fn create_join_token(
+        &self,
+        request: Request<pb::CreateJoinTokenRequest>,
+    ) -> Result<Response<pb::CreateJoinTokenResponse>, Status> {
+        let req = request.into_inner();
+        let requested = req
+            .ttl
+            .map(|d| {
+                Duration::try_from(d)
+                    .map_err(|_| Error::invalid("ttl", "must be a positive duration"))
+            })
+            .transpose()?;
+        let ttl = join_tokens::ttl("ttl", requested)?;
+        let description = join_tokens::description("description", &req.description)?;
+        let (token, made) = join_tokens::create(self.core.store(), ttl, description).await?;
+        Ok(Response::new(pb::CreateJoinTokenResponse {
+            token,
+            join_token: Some(join_token_to_pb(&made)),
+        }))
+    }
+
+    async fn list_join_tokens(
+        &self,
+        _request: Request<pb::ListJoinTokensRequest>,
+    ) -> Result<Response<pb::ListJoinTokensResponse>, Status> {
+        let tokens = join_tokens::list(self.core.store()).await?;
+        Ok(Response::new(pb::ListJoinTokensResponse {
+            join_tokens: tokens.iter().map(join_token_to_pb).collect(),
+        }))
+    }
+
+    async fn revoke_join_token(
+        &self,
+        request: Request<pb::RevokeJoinTokenRequest>,
+    ) -> Result<Response<pb::RevokeJoinTokenResponse>, Status> {
+        let id = join_tokens::parse_id("id", &request.into_inner().id)?;
+        let revoked = join_tokens::revoke(self.core.store(), &id).await?;
+        Ok(Response::new(pb::RevokeJoinTokenResponse { revoked }))
     }
 
     async fn peer(
