@@ -32,7 +32,7 @@ use crate::peer::{Authz, PeerMethods};
 use crate::server::{GrpcServer, PeerListener};
 use crate::shutdown::Shutdown;
 use crate::supervise::Fault;
-use crate::tls::PeerTls;
+use crate::tls::{ExpiryCollector, PeerTls};
 
 impl BaseConfig {
     /// The local cluster's identity from `--cluster-id` and `--cluster-name`; errors name
@@ -141,6 +141,10 @@ impl Bootstrap {
         let tls = match tls {
             Some(config) => {
                 let loaded = config.load(identity.id.as_str())?;
+                if let Some(tls) = &loaded {
+                    boot.metrics()
+                        .register_collector(ExpiryCollector::new(service.name, tls.clone()));
+                }
                 boot.tls = loaded.clone().map(|loaded| (loaded, config.clone()));
                 loaded
             }

@@ -9,7 +9,8 @@
 //!   contact; `verifiers`: the rustls verifiers built on both;
 //! - `ca`: [`ClusterCa`], a cluster's CA and the service certificates it issues;
 //! - `peer_tls`: [`PeerTls`], a service's own certificate (re-read when its files change) plus
-//!   the trust store;
+//!   the trust store; `expiry`: when its certificates stop being valid, as a metric
+//!   ([`ExpiryCollector`]);
 //! - `listener`: the peer listener's server configuration and accept loop ([`incoming`]),
 //!   whose connections carry the verified caller ([`PeerConnectInfo`], [`caller`]) into every
 //!   request;
@@ -24,6 +25,7 @@
 mod ca;
 mod channel;
 mod endpoint;
+mod expiry;
 mod identity;
 mod listener;
 mod peer_tls;
@@ -40,6 +42,7 @@ pub use channel::{
     pinned_handshake_channel,
 };
 pub use endpoint::TlsEndpoint;
+pub use expiry::{EXPIRY_METRIC, ExpiryCollector, not_after};
 pub use identity::{PeerIdentity, URI_PREFIX, ca_cluster_id, cluster_uri, service_uri};
 pub use listener::{Caller, PeerConnectInfo, PeerStream, caller, caller_of, incoming};
 pub use peer_tls::{PeerTls, TlsFiles};

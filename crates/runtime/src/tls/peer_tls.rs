@@ -35,6 +35,11 @@ impl OwnCert {
     fn get(&self) -> Option<Arc<CertifiedKey>> {
         self.current.read().ok().map(|c| c.clone())
     }
+
+    /// The DER of the certificate in use (the chain's first).
+    pub(super) fn current_leaf(&self) -> Option<Vec<u8>> {
+        self.get()?.cert.first().map(|c| c.as_ref().to_vec())
+    }
 }
 
 impl ResolvesServerCert for OwnCert {
@@ -211,6 +216,11 @@ impl PeerTls {
     /// configurations.
     pub(super) fn own_cert(&self) -> &Arc<OwnCert> {
         &self.inner.own
+    }
+
+    /// Our cluster's CA certificate (DER).
+    pub(super) fn own_ca_der(&self) -> &[u8] {
+        self.inner.own_ca.der.as_ref()
     }
 
     /// Replaces our certificate and key (renewal): new connections present the new one, open

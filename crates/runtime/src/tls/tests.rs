@@ -446,3 +446,61 @@ async fn a_watch_over_mutual_tls_through_a_network_gone_silent_ends() {
         Ok(_) => {}
     }
 }
+
+#[tokio::test]
+async fn the_expiry_of_the_certificates_in_use_is_a_metric_and_follows_a_renewal() {
+    let leaf = cluster("leaf-a", "broker");
+    let now = SystemTime::now();
+    let issue = |not_after: SystemTime| {
+        leaf.ca
+            .issue_with(&IssueOptions {
+                service: "broker".into(),
+                cluster_id: "leaf-a".into(),
+                not_before: now - Duration::from_secs(60),
+                not_after,
+            })
+            .expect("issues")
+    };
+    let secs = |t: SystemTime| {
+        t.duration_since(SystemTime::UNIX_EPOCH)
+            .expect("after the epoch")
+            .as_secs()
+    };
+    let first_end = now + Duration::from_secs(3 * 86_400);
+    let first = issue(first_end);
+    leaf.tls
+        .renew(&first.cert_pem, first.key_pem())
+        .expect("renews");
+    // What the certificate says, to the second.
+    let der = parse_certs("cert", &first.cert_pem).expect("pem");
+    assert_eq!(not_after(der[0].as_ref()).map(secs), Some(secs(first_end)));
+    // Not a certificate: no answer, no panic.
+    for garbage in [&b""[..], b"\x30\x03\x02\x01\x00", &[0xff; 64]] {
+        assert_eq!(not_after(garbage), None);
+    }
+
+    let metrics = Metrics::new();
+    metrics.register_collector(ExpiryCollector::new("broker", leaf.tls.clone()));
+    let value = |text: &str, kind: &str| -> Option<u64> {
+        let prefix = format!("{EXPIRY_METRIC}{{service=\"broker\",kind=\"{kind}\"}} ");
+        text.lines()
+            .find_map(|l| l.strip_prefix(&prefix))
+            .and_then(|v| v.trim().parse().ok())
+    };
+    let text = metrics.render().await;
+    assert_eq!(value(&text, "service"), Some(secs(first_end)), "{text}");
+    let ca_end = value(&text, "ca").expect("the CA's expiry");
+    assert!(
+        ca_end > secs(now) + 300 * 86_400,
+        "the CA expires soon: {ca_end}"
+    );
+
+    // A renewal shows at the next scrape.
+    let second_end = now + Duration::from_secs(6 * 86_400);
+    let second = issue(second_end);
+    leaf.tls
+        .renew(&second.cert_pem, second.key_pem())
+        .expect("renews");
+    let text = metrics.render().await;
+    assert_eq!(value(&text, "service"), Some(secs(second_end)), "{text}");
+}

@@ -1,0 +1,102 @@
+//! When a service's certificates stop being valid, for operators before it bites:
+//! `trellis_tls_certificate_expiry_timestamp_seconds{service,kind}` on every service with
+//! mutual TLS, `kind` being `service` (its own certificate, which renewal replaces) or `ca` (its
+//! cluster's CA). Read from the certificates in use at every scrape, so a renewed certificate
+//! shows at once.
+
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric as _};
+use prometheus_client::metrics::gauge::ConstGauge;
+
+use super::peer_tls::PeerTls;
+
+/// The metric's name.
+pub const EXPIRY_METRIC: &str = "trellis_tls_certificate_expiry_timestamp_seconds";
+
+/// The end of a DER certificate's validity (`notAfter`); `None` when it is no certificate.
+pub fn not_after(der: &[u8]) -> Option<SystemTime> {
+    let seconds = yasna::parse_der(der, |r| {
+        r.read_sequence(|r| {
+            let not_after = r.next().read_sequence(|r| {
+                // version [0] EXPLICIT (absent in v1), serialNumber, signature, issuer.
+                r.read_optional(|r| r.read_tagged(yasna::Tag::context(0), |r| r.read_i64()))?;
+                for _ in 0..3 {
+                    r.next().read_der()?;
+                }
+                let not_after = r.next().read_sequence(|r| {
+                    r.next().read_der()?;
+                    let r = r.next();
+                    if r.lookahead_tag()? == yasna::tags::TAG_UTCTIME {
+                        Ok(r.read_utctime()?.datetime().unix_timestamp())
+                    } else {
+                        Ok(r.read_generalized_time()?.datetime().unix_timestamp())
+                    }
+                })?;
+                // The rest of the TBSCertificate: subject, key, extensions.
+                while r.read_optional(|r| r.read_der())?.is_some() {}
+                Ok(not_after)
+            })?;
+            // signatureAlgorithm, signatureValue.
+            while r.read_optional(|r| r.read_der())?.is_some() {}
+            Ok(not_after)
+        })
+    })
+    .ok()?;
+    let seconds = u64::try_from(seconds).ok()?;
+    UNIX_EPOCH.checked_add(Duration::from_secs(seconds))
+}
+
+impl PeerTls {
+    /// `(kind, notAfter)` of the certificates in use: `service`, then `ca`.
+    pub fn expiries(&self) -> Vec<(&'static str, SystemTime)> {
+        let mut out = Vec::new();
+        if let Some(leaf) = self.own_cert().current_leaf()
+            && let Some(at) = not_after(&leaf)
+        {
+            out.push(("service", at));
+        }
+        if let Some(at) = not_after(self.own_ca_der()) {
+            out.push(("ca", at));
+        }
+        out
+    }
+}
+
+/// The expiry gauge of one service's certificates.
+#[derive(Debug)]
+pub struct ExpiryCollector {
+    service: &'static str,
+    tls: PeerTls,
+}
+
+impl ExpiryCollector {
+    pub fn new(service: &'static str, tls: PeerTls) -> Self {
+        Self { service, tls }
+    }
+}
+
+impl Collector for ExpiryCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder<'_>) -> std::fmt::Result {
+        let expiries = self.tls.expiries();
+        if expiries.is_empty() {
+            return Ok(());
+        }
+        let mut family = encoder.encode_descriptor(
+            EXPIRY_METRIC,
+            "When the certificate stops being valid (its notAfter), seconds since the epoch: \
+             kind=service is this service's own certificate, kind=ca its cluster's CA",
+            None,
+            ConstGauge::new(0i64).metric_type(),
+        )?;
+        for (kind, at) in expiries {
+            let seconds = at
+                .duration_since(UNIX_EPOCH)
+                .map_or(0, |d| i64::try_from(d.as_secs()).unwrap_or(i64::MAX));
+            let labels = [("service", self.service), ("kind", kind)];
+            ConstGauge::new(seconds).encode(family.encode_family(&labels)?)?;
+        }
+        Ok(())
+    }
+}
