@@ -10,7 +10,10 @@ use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric as _};
 use prometheus_client::metrics::gauge::ConstGauge;
 
+use trellis_error::{Error, Result};
+
 use super::peer_tls::PeerTls;
+use super::pem::parse_certs;
 
 /// The metric's name.
 pub const EXPIRY_METRIC: &str = "trellis_tls_certificate_expiry_timestamp_seconds";
@@ -46,6 +49,16 @@ pub fn not_after(der: &[u8]) -> Option<SystemTime> {
     .ok()?;
     let seconds = u64::try_from(seconds).ok()?;
     UNIX_EPOCH.checked_add(Duration::from_secs(seconds))
+}
+
+/// The end of the validity of the first certificate in `pem` (what `diagnose` reads of a
+/// pinned peer CA); the error says what is wrong with it.
+pub fn pem_not_after(pem: &str) -> Result<SystemTime> {
+    let certs = parse_certs("certificate", pem)?;
+    certs
+        .first()
+        .and_then(|der| not_after(der.as_ref()))
+        .ok_or_else(|| Error::invalid("certificate", "is no X.509 certificate with a validity"))
 }
 
 impl PeerTls {
@@ -98,5 +111,42 @@ impl Collector for ExpiryCollector {
             ConstGauge::new(seconds).encode(family.encode_family(&labels)?)?;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::tls::{ClusterCa, IssueOptions};
+
+    #[test]
+    fn reads_the_expiry_of_certificates_in_both_time_forms() {
+        let ca = ClusterCa::generate("hub").expect("ca");
+        // After 2049 a certificate's time is a GeneralizedTime, before it a UTCTime.
+        for secs in [4_102_444_800u64, 1_800_000_000] {
+            let wanted = UNIX_EPOCH + Duration::from_secs(secs);
+            let issued = ca
+                .issue_with(&IssueOptions {
+                    service: "broker".into(),
+                    cluster_id: "hub".into(),
+                    not_before: UNIX_EPOCH + Duration::from_secs(1_700_000_000),
+                    not_after: wanted,
+                })
+                .expect("issued");
+            assert_eq!(pem_not_after(&issued.cert_pem).expect("parsed"), wanted);
+        }
+        assert!(pem_not_after(ca.cert_pem()).expect("ca parsed") > SystemTime::now());
+    }
+
+    #[test]
+    fn garbage_is_an_error_not_a_panic() {
+        for pem in [
+            "",
+            "-----BEGIN CERTIFICATE-----\n!!!\n-----END CERTIFICATE-----",
+            "-----BEGIN CERTIFICATE-----\nMAA=\n-----END CERTIFICATE-----",
+            "-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----",
+        ] {
+            assert!(pem_not_after(pem).is_err(), "{pem:?}");
+        }
     }
 }

@@ -42,7 +42,7 @@ pub use channel::{
     pinned_handshake_channel,
 };
 pub use endpoint::TlsEndpoint;
-pub use expiry::{EXPIRY_METRIC, ExpiryCollector, not_after};
+pub use expiry::{EXPIRY_METRIC, ExpiryCollector, not_after, pem_not_after};
 pub use identity::{PeerIdentity, URI_PREFIX, ca_cluster_id, cluster_uri, service_uri};
 pub use listener::{Caller, PeerConnectInfo, PeerStream, caller, caller_of, incoming};
 pub use peer_tls::{PeerTls, TlsFiles};

@@ -6,14 +6,13 @@
 //! - [`error`]: the failures and their exit codes (2 usage, 1 everything else);
 //! - [`output`], [`table`], [`units`], [`names`]: JSON documents from our own serde structs, and
 //!   their fixed-width table forms;
-//! - one module per command: [`token`], [`peering`] (`peer`, `unpeer`), [`status`], [`diagnose`] (with
-//!   [`certificate`]), [`ipam`],
+//! - one module per command: [`token`], [`peering`] (`peer`, `unpeer`), [`status`], [`diagnose`],
+//!   [`ipam`],
 //!   [`endpoints`] (with [`slice_file`] for `endpoints reflect --file`); [`identity`] holds the
 //!   views they share.
 //!
 //! [`run`] is the whole program; `main.rs` only calls it.
 
-pub mod certificate;
 pub mod cli;
 pub mod connect;
 pub mod diagnose;

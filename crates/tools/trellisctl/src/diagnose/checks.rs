@@ -10,7 +10,6 @@ use super::findings::{expiry_finding, nat_findings, pool_findings, replica_findi
 use super::{
     Check, Checked, DiagnoseView, HANDSHAKE_STALE, Inputs, Severity, fc_id, finding, live_peers,
 };
-use crate::certificate;
 use crate::service::Service;
 use crate::status::{self, ServiceHealthView};
 
@@ -309,7 +308,7 @@ pub fn analyze(inputs: &Inputs) -> DiagnoseView {
         }
         checked.certificates += 1;
         let id = fc_id(fc);
-        match certificate::not_after(pem) {
+        match trellis_runtime::tls::pem_not_after(pem) {
             Ok(not_after) => {
                 if let Some(f) = expiry_finding(&local, &id, not_after, inputs.now) {
                     out.push(f);

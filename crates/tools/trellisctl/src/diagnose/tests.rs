@@ -389,7 +389,7 @@ fn a_pinned_ca_close_to_expiry() {
     assert!(analyze(&inputs).healthy);
     assert_eq!(analyze(&inputs).checked.certificates, 1);
     // Ten days before it expires, and after.
-    let expiry = crate::certificate::not_after(ca.cert_pem()).expect("parses");
+    let expiry = trellis_runtime::tls::pem_not_after(ca.cert_pem()).expect("parses");
     inputs.now = expiry - Duration::from_secs(10 * 86_400);
     let view = analyze(&inputs);
     assert_eq!(checks(&view)[0].0, Check::CertificateExpiry);
