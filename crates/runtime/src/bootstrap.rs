@@ -140,7 +140,7 @@ impl Bootstrap {
         let store = common.open_store(boot.metrics()).await?;
         let tls = match tls {
             Some(config) => {
-                let loaded = config.load(identity.id.as_str())?;
+                let loaded = config.load(identity.id.as_str(), service.name)?;
                 if let Some(tls) = &loaded {
                     boot.metrics()
                         .register_collector(ExpiryCollector::new(service.name, tls.clone()));
@@ -201,7 +201,12 @@ impl Bootstrap {
         };
         let trust_sync =
             crate::peer::spawn_trust_sync(discovery, tls.trust().clone(), self.shutdown.clone());
-        let reloader = tls.spawn_reloader(config.reload_period(), self.shutdown.clone());
+        let reloader = match config.managed(tls.cluster_id(), self.service) {
+            Some(managed) => {
+                managed.spawn_renewer(tls.clone(), config.reload_period(), self.shutdown.clone())
+            }
+            None => tls.spawn_reloader(config.reload_period(), self.shutdown.clone()),
+        };
         let peer = PeerListener::bind(listen, tls.clone(), methods).await?;
         let authz = Authz::on(tls.trust().clone());
         self.background.extend([trust_sync, reloader]);

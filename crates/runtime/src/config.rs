@@ -2,7 +2,7 @@
 //! config struct embeds [`CommonConfig`] with `#[command(flatten)]`.
 
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::Context as _;
@@ -224,14 +224,34 @@ impl StoreAuthConfig {
 /// cluster), and calls other clusters over mutual TLS.
 #[derive(Debug, Clone, Default, Args)]
 pub struct PeerTlsConfig {
-    /// Address of the mutual-TLS listener for other clusters. Requires the three --tls-* files.
+    /// Address of the mutual-TLS listener for other clusters. Requires --tls-dir, or the three
+    /// files --tls-ca-cert, --tls-cert and --tls-key.
+    #[arg(long, env = "TRELLIS_PEER_LISTEN", value_name = "HOST:PORT")]
+    pub peer_listen: Option<SocketAddr>,
+
+    /// A directory the cluster's services share, where Trellis keeps the cluster's CA (created
+    /// by the first service to start) and each service's certificate, issued from it at start
+    /// and renewed when a third of --tls-cert-lifetime is left, without a restart. Instead of
+    /// the three --tls-* files.
     #[arg(
         long,
-        env = "TRELLIS_PEER_LISTEN",
-        value_name = "HOST:PORT",
-        requires_all = ["tls_ca_cert", "tls_cert", "tls_key"]
+        env = "TRELLIS_TLS_DIR",
+        value_name = "DIR",
+        requires = "peer_listen",
+        conflicts_with_all = ["tls_ca_cert", "tls_cert", "tls_key"]
     )]
-    pub peer_listen: Option<SocketAddr>,
+    pub tls_dir: Option<PathBuf>,
+
+    /// With --tls-dir: how long each certificate Trellis issues is valid, in seconds (default
+    /// 7 days; renewed when a third is left).
+    #[arg(
+        long,
+        env = "TRELLIS_TLS_CERT_LIFETIME",
+        value_name = "SECONDS",
+        default_value_t = 7 * 24 * 3600,
+        value_parser = clap::value_parser!(u64).range(3..)
+    )]
+    pub tls_cert_lifetime: u64,
 
     /// This cluster's CA certificate (PEM): sent to peers at the handshake, and what our own
     /// certificate must chain to.
@@ -273,11 +293,42 @@ pub struct PeerTlsConfig {
 }
 
 impl PeerTlsConfig {
-    /// The TLS setup, when the flags ask for one.
-    pub fn load(&self, cluster_id: &str) -> anyhow::Result<Option<crate::tls::PeerTls>> {
+    /// The certificates Trellis manages for `service`, with --tls-dir.
+    pub fn managed(&self, cluster_id: &str, service: &str) -> Option<crate::tls::ManagedTls> {
+        self.tls_dir.as_deref().map(|dir| {
+            crate::tls::ManagedTls::new(
+                dir,
+                cluster_id,
+                service,
+                Duration::from_secs(self.tls_cert_lifetime),
+            )
+        })
+    }
+
+    /// The TLS setup of `service`, when the flags ask for one (with --tls-dir, the CA and the
+    /// certificate are made first when missing or due).
+    pub fn load(
+        &self,
+        cluster_id: &str,
+        service: &str,
+    ) -> anyhow::Result<Option<crate::tls::PeerTls>> {
+        if let Some(managed) = self.managed(cluster_id, service) {
+            let files = managed.prepare().with_context(|| {
+                format!(
+                    "--tls-dir {}",
+                    self.tls_dir.as_deref().unwrap_or(Path::new("")).display()
+                )
+            })?;
+            return crate::tls::PeerTls::from_files(cluster_id, &files).map(Some);
+        }
         let (Some(ca_cert), Some(cert), Some(key)) =
             (&self.tls_ca_cert, &self.tls_cert, &self.tls_key)
         else {
+            if self.peer_listen.is_some() {
+                anyhow::bail!(
+                    "--peer-listen needs --tls-dir, or all of --tls-ca-cert, --tls-cert and --tls-key"
+                );
+            }
             return Ok(None);
         };
         let files = crate::tls::TlsFiles {

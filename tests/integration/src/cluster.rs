@@ -71,8 +71,30 @@ impl ClusterTls {
     }
 
     /// The TLS flags of `service` listening for peers on `listen`: a fresh certificate in
-    /// files.
-    fn flags(&self, service: &str, listen: SocketAddr) -> anyhow::Result<Vec<String>> {
+    /// files, or with `managed` seconds of lifetime, the CA in a `--tls-dir` where the service
+    /// issues and renews its own.
+    fn flags(
+        &self,
+        service: &str,
+        listen: SocketAddr,
+        managed: Option<u64>,
+    ) -> anyhow::Result<Vec<String>> {
+        if let Some(lifetime) = managed {
+            let ca = self.dir.path().join("managed").join("ca");
+            std::fs::create_dir_all(&ca)?;
+            std::fs::write(ca.join("ca.pem"), self.ca.cert_pem())?;
+            std::fs::write(ca.join("ca-key.pem"), self.ca.key_pem())?;
+            return Ok(vec![
+                "--peer-listen".into(),
+                listen.to_string(),
+                "--tls-dir".into(),
+                self.dir.path().join("managed").display().to_string(),
+                "--tls-cert-lifetime".into(),
+                lifetime.to_string(),
+                "--tls-reload".into(),
+                "1".into(),
+            ]);
+        }
         let cert = self.ca.issue(service)?;
         let path = |name: String| self.dir.path().join(name);
         std::fs::write(path("ca.pem".into()), self.ca.cert_pem())?;
@@ -89,6 +111,12 @@ impl ClusterTls {
             "--tls-key".into(),
             text(format!("{service}-key.pem")),
         ])
+    }
+
+    /// Where the services keep the certificates they issue themselves (`--tls-dir`, with
+    /// [`Options::managed_cert_lifetime`]).
+    pub fn managed_dir(&self) -> std::path::PathBuf {
+        self.dir.path().join("managed")
     }
 
     /// A client identity of this cluster (a fresh certificate for `service`) that trusts the
@@ -128,6 +156,9 @@ pub struct Options {
     pub induced: bool,
     /// Mutual TLS between clusters ([`InProcessCluster::start_tls`]).
     pub tls: bool,
+    /// With `tls`: the services' certificates are Trellis's own (`--tls-dir`, the CA made by
+    /// the test so that peers can pin it), valid this many seconds and renewed by the services.
+    pub managed_cert_lifetime: Option<u64>,
     /// The endpoints service too.
     pub endpoints: bool,
     /// Appended to the IPAM's flags.
@@ -155,6 +186,7 @@ impl Default for Options {
         Self {
             induced: true,
             tls: false,
+            managed_cert_lifetime: None,
             endpoints: false,
             ipam_flags: Vec::new(),
             gateway_flags: Vec::new(),
@@ -285,7 +317,7 @@ impl InProcessCluster {
         ]));
         if let Some(tls) = &tls {
             ipam.extend(args(&["--discovery", &services.discovery.to_string()]));
-            ipam.extend(tls.flags("ipam", tls.ipam)?);
+            ipam.extend(tls.flags("ipam", tls.ipam, options.managed_cert_lifetime)?);
         }
         ipam.extend(options.ipam_flags.iter().cloned());
         let ipam = trellis_ipam::start(
@@ -346,7 +378,11 @@ impl InProcessCluster {
         }
         discovery.extend(options.discovery_flags.iter().cloned());
         if let Some(tls) = &tls {
-            discovery.extend(tls.flags("discovery", tls.discovery)?);
+            discovery.extend(tls.flags(
+                "discovery",
+                tls.discovery,
+                options.managed_cert_lifetime,
+            )?);
         }
         let discovery = trellis_discovery::start(
             trellis_discovery::Config::try_parse_from(discovery)?,
@@ -364,7 +400,11 @@ impl InProcessCluster {
             "1",
         ]));
         if let Some(tls) = &tls {
-            forwarder.extend(tls.flags("forwarder", tls.forwarder)?);
+            forwarder.extend(tls.flags(
+                "forwarder",
+                tls.forwarder,
+                options.managed_cert_lifetime,
+            )?);
         }
         let forwarder = trellis_forwarder::start(
             trellis_forwarder::Config::try_parse_from(forwarder)?,
@@ -386,7 +426,7 @@ impl InProcessCluster {
             "2",
         ]));
         if let Some(tls) = &tls {
-            broker.extend(tls.flags("broker", tls.broker)?);
+            broker.extend(tls.flags("broker", tls.broker, options.managed_cert_lifetime)?);
         }
         broker.extend(options.broker_flags.iter().cloned());
         let broker = trellis_broker::start(
@@ -419,7 +459,11 @@ impl InProcessCluster {
                 ]));
             }
             if let Some(tls) = &tls {
-                endpoints.extend(tls.flags("endpoints", tls.endpoints)?);
+                endpoints.extend(tls.flags(
+                    "endpoints",
+                    tls.endpoints,
+                    options.managed_cert_lifetime,
+                )?);
             }
             let stop = shutdown.child_token();
             let started = trellis_endpoints::start(

@@ -10,7 +10,8 @@
 //! - `ca`: [`ClusterCa`], a cluster's CA and the service certificates it issues;
 //! - `peer_tls`: [`PeerTls`], a service's own certificate (re-read when its files change) plus
 //!   the trust store; `expiry`: when its certificates stop being valid, as a metric
-//!   ([`ExpiryCollector`]);
+//!   ([`ExpiryCollector`]); `managed`: [`ManagedTls`], the CA and certificates Trellis makes
+//!   and renews for itself in a directory (`--tls-dir`);
 //! - `listener`: the peer listener's server configuration and accept loop ([`incoming`]),
 //!   whose connections carry the verified caller ([`PeerConnectInfo`], [`caller`]) into every
 //!   request;
@@ -28,6 +29,7 @@ mod endpoint;
 mod expiry;
 mod identity;
 mod listener;
+mod managed;
 mod peer_tls;
 mod pem;
 mod pin;
@@ -45,6 +47,7 @@ pub use endpoint::TlsEndpoint;
 pub use expiry::{EXPIRY_METRIC, ExpiryCollector, not_after, pem_not_after};
 pub use identity::{PeerIdentity, URI_PREFIX, ca_cluster_id, cluster_uri, service_uri};
 pub use listener::{Caller, PeerConnectInfo, PeerStream, caller, caller_of, incoming};
+pub use managed::{MANAGED_CERT_LIFETIME, ManagedTls};
 pub use peer_tls::{PeerTls, TlsFiles};
 pub use pem::fingerprint;
 pub use pin::CaCertHash;
