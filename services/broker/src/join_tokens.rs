@@ -16,6 +16,7 @@ use trellis_error::{Error, Result};
 use trellis_store::{Compare, Op, SharedStore, Txn};
 
 use crate::records::{JOIN_TOKENS_PREFIX, decode, encode, now_nanos};
+use crate::token::same;
 
 /// How long a join token lives unless asked otherwise (kubeadm's default).
 pub const DEFAULT_TTL: Duration = Duration::from_secs(24 * 3600);
@@ -70,15 +71,6 @@ fn random_text(len: usize) -> String {
 fn sha256_hex(secret: &str) -> String {
     let digest = ring::digest::digest(&ring::digest::SHA256, secret.as_bytes());
     digest.as_ref().iter().map(|b| format!("{b:02x}")).collect()
-}
-
-/// Equality that takes the same time wherever the first difference is.
-fn same(a: &str, b: &str) -> bool {
-    a.len() == b.len()
-        && a.bytes()
-            .zip(b.bytes())
-            .fold(0u8, |acc, (x, y)| acc | (x ^ y))
-            == 0
 }
 
 fn key(id: &str) -> String {

@@ -21,7 +21,7 @@ pub fn generate() -> String {
 }
 
 /// Equality that takes the same time wherever the first difference is.
-fn same(a: &str, b: &str) -> bool {
+pub(crate) fn same(a: &str, b: &str) -> bool {
     a.len() == b.len()
         && a.bytes()
             .zip(b.bytes())

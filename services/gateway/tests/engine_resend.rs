@@ -201,18 +201,7 @@ fn a_peer_whose_direct_path_dies_gets_every_datagram_through_the_hub() {
 
     // A copy, through the hub, of what C already sent directly is dropped as a duplicate (what
     // a resend after a switch looks like at the receiver), and moves nothing.
-    let mut out = vec![0u8; 256];
-    let mut packet = vec![0u8; 28];
-    packet[0] = 0x45;
-    packet[2..4].copy_from_slice(&28u16.to_be_bytes());
-    packet[8] = 64;
-    packet[9] = 17;
-    packet[12..16].copy_from_slice(&[10, 200, 0, 2]);
-    packet[16..20].copy_from_slice(&[10, 200, 0, 1]);
-    let TunnResult::WriteToNetwork(datagram) = w.c.tunn.encapsulate(&packet, &mut out) else {
-        panic!("C has no session");
-    };
-    let datagram = datagram.to_vec();
+    let datagram = w.c.seal_data();
     let duplicates = dropped(&w.s.engine, DropReason::RelayDuplicate);
     w.c.socket
         .send_to(&datagram, w.s.engine_addr)

@@ -157,9 +157,9 @@ impl Peer {
         got_data
     }
 
-    /// Sends one data packet into the tunnel (an IPv4 header from an allowed source is enough
-    /// for the engine to write it into the TUN).
-    pub(crate) fn send_data(&mut self, engine: SocketAddr) {
+    /// One data datagram of this session (an IPv4 header from an allowed source is enough for
+    /// the engine to write it into the TUN), not sent.
+    pub(crate) fn seal_data(&mut self) -> Vec<u8> {
         let mut packet = vec![0u8; 28];
         packet[0] = 0x45;
         packet[2..4].copy_from_slice(&28u16.to_be_bytes());
@@ -169,11 +169,15 @@ impl Peer {
         packet[16..20].copy_from_slice(&[10, 200, 0, 1]);
         let mut out = vec![0u8; 256];
         match self.tunn.encapsulate(&packet, &mut out) {
-            TunnResult::WriteToNetwork(d) => {
-                self.socket.send_to(d, engine).expect("data");
-            }
+            TunnResult::WriteToNetwork(d) => d.to_vec(),
             other => panic!("no session to send data with: {other:?}"),
         }
+    }
+
+    /// Sends one data packet into the tunnel ([`Peer::seal_data`]).
+    pub(crate) fn send_data(&mut self, engine: SocketAddr) {
+        let datagram = self.seal_data();
+        self.socket.send_to(&datagram, engine).expect("data");
     }
 }
 
