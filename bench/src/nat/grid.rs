@@ -284,6 +284,29 @@ async fn handshake_at(fabric: &Fabric, i: usize, j: usize) -> Option<f64> {
     Some(at.seconds as f64 + f64::from(at.nanos) / 1e9)
 }
 
+/// The handshake initiations cluster `i`'s gateway dropped for coming from a key it had no peer
+/// for yet (`trellis_gateway_dropped_datagrams_total{reason="unknown_peer"}`, scraped from its
+/// default metrics port inside its namespace); `None` when the scrape failed.
+fn unknown_peer_drops(fabric: &Fabric, i: usize) -> Option<f64> {
+    const SCRAPE: &str = "import urllib.request; \
+        print(urllib.request.urlopen('http://127.0.0.1:9106/metrics', timeout=5).read().decode())";
+    let out =
+        trellis_netlab::netns::exec(&fabric.clusters[i].ns, "python3", &["-c", SCRAPE]).ok()?;
+    if !out.status.success() {
+        return None;
+    }
+    let text = String::from_utf8_lossy(&out.stdout);
+    let counts: Vec<f64> = text
+        .lines()
+        .filter(|l| {
+            l.starts_with("trellis_gateway_dropped_datagrams_total{")
+                && l.contains("reason=\"unknown_peer\"")
+        })
+        .filter_map(|l| l.split_whitespace().last()?.parse().ok())
+        .collect();
+    (!counts.is_empty()).then(|| counts.iter().sum())
+}
+
 /// Every pair's path, asked again for up to `limit` while any is not settled (the gateways'
 /// status follows their counters a little behind the packets).
 async fn settled_paths(
@@ -428,6 +451,7 @@ pub async fn repeat(settings: &Settings, r: usize) -> anyhow::Result<NatRepeat> 
     let paths_by_pair = settled_paths(&fabric, &pairs, Duration::from_secs(10)).await;
     // The hub's session with each leaf: no rekey is due within the first two minutes of a
     // session, so its last handshake is its first one here.
+    let hub_unknown_peer_drops = unknown_peer_drops(&fabric, fabric.hub);
     let mut leaf_times = Vec::new();
     for &i in &leaves {
         leaf_times.push(LeafTimes {
@@ -511,6 +535,7 @@ pub async fn repeat(settings: &Settings, r: usize) -> anyhow::Result<NatRepeat> 
         mesh_seconds,
         grid_seconds,
         leaves: leaf_times,
+        hub_unknown_peer_drops,
         pairs: samples,
         paths,
     })

@@ -137,6 +137,7 @@ mod tests {
             mesh_seconds: 1.0,
             grid_seconds: 1.0,
             leaves: Vec::new(),
+            hub_unknown_peer_drops: None,
             pairs,
             paths: Vec::new(),
         };

@@ -9,6 +9,7 @@ use super::format::{num, opt};
 use super::inputs::Inputs;
 use super::parse::parse;
 use super::targets::{Target, Verdict};
+use crate::median;
 use crate::results::{NatCell, NatResult};
 
 /// Issue 36's target: within 3 s, p95, in every cell meant to be direct.
@@ -170,16 +171,33 @@ pub(super) fn nat_section(md: &mut String, inputs: &Inputs) {
     );
 
     md.push_str(
-        "| fabric | clusters started s | induced mesh s | last pair's first packet s |\n|---|---|---|---|\n",
+        "| fabric | clusters started s | induced mesh s | last pair's first packet s | a leaf's \
+         first handshake with the hub after its `Peer` call, no NAT: median / max s | behind a \
+         NAT: median / max s | initiations the hub dropped from keys it had no peer for |\n\
+         |---|---|---|---|---|---|---|\n",
     );
     for r in &d.repeats {
+        let delays = |nat: bool| -> Vec<f64> {
+            r.leaves
+                .iter()
+                .filter(|l| (l.kind != "none") == nat)
+                .filter_map(|l| Some((l.hub_handshake_at_ms? - l.peered_at_ms?) / 1000.0))
+                .collect()
+        };
+        let spread = |v: Vec<f64>| match (median(&v), v.iter().copied().reduce(f64::max)) {
+            (Some(m), Some(x)) => format!("{} / {}", num(m, 1), num(x, 1)),
+            _ => "—".to_owned(),
+        };
         let _ = writeln!(
             md,
-            "| {} | {} | {} | {} |",
+            "| {} | {} | {} | {} | {} | {} | {} |",
             r.repeat + 1,
             num(r.setup_seconds, 1),
             num(r.mesh_seconds, 1),
-            num(r.grid_seconds, 1)
+            num(r.grid_seconds, 1),
+            spread(delays(false)),
+            spread(delays(true)),
+            opt(r.hub_unknown_peer_drops, 0),
         );
     }
     md.push('\n');

@@ -616,7 +616,13 @@ fn nat(direct_p95: f64, unreached: usize) -> Value {
         "paths": [path("direct", "easy", "easy", 812.0), path("relayed", "hard", "hard", 190.0),
                   path("hub", "easy", "none", 905.0)],
         "repeats": [{"repeat": 0, "setup_seconds": 12.5, "mesh_seconds": 4.25,
-                     "grid_seconds": 7.75, "pairs": [pair], "paths": []}],
+                     "grid_seconds": 7.75, "hub_unknown_peer_drops": 6.0,
+                     "leaves": [
+                         {"name": "n1", "kind": "none", "peered_at_ms": 500.0, "hub_handshake_at_ms": 900.0},
+                         {"name": "e1", "kind": "easy", "peered_at_ms": 800.0, "hub_handshake_at_ms": 5900.0},
+                         {"name": "h1", "kind": "hard", "peered_at_ms": 1100.0, "hub_handshake_at_ms": 1300.0},
+                     ],
+                     "pairs": [pair], "paths": []}],
     })
 }
 
@@ -692,7 +698,10 @@ fn nat_section_shows_every_cell_the_verdict_and_the_paths() {
         "{section}"
     );
     assert!(section.contains("**not met**"), "{section}");
-    assert!(section.contains("| 1 | 12.5 | 4.2 | 7.8 |"), "{section}");
+    assert!(
+        section.contains("| 1 | 12.5 | 4.2 | 7.8 | 0.4 / 0.4 | 5.1 / 5.1 | 6 |"),
+        "{section}"
+    );
     assert!(
         section.contains(
             "| relayed | hard → hard | relayed (3) | 600 of 600 | 0.412 | 1.500 | 190 | 190, 200, 180 | 7.2 |"

@@ -88,6 +88,11 @@ pub struct NatRepeat {
     /// Each leaf's peering with the hub.
     #[serde(default)]
     pub leaves: Vec<LeafTimes>,
+    /// Handshake initiations the hub's gateway dropped for coming from a key it had no peer
+    /// for yet (a leaf that handshakes before the hub applied its TunnelEndpoint), read after
+    /// the grid; `None` when its metrics could not be read.
+    #[serde(default)]
+    pub hub_unknown_peer_drops: Option<f64>,
     /// Leaf pairs (unordered), each timed once.
     pub pairs: Vec<PairSample>,
     /// The RTT and throughput measurements of this fabric.
