@@ -235,16 +235,17 @@ fn arrival(summaries: &BTreeMap<String, ProbeSummary>, from: &str, to: &str) -> 
 }
 
 /// The path `i`'s gateway reports for its tunnel to `j`: `direct`, `relayed`, `none` (no
-/// tunnel or no handshake yet) or `unknown`.
+/// tunnel or no handshake yet), `unknown`, or `unanswered` (the gateway did not answer within
+/// 2 s).
 pub(super) async fn path_of(fabric: &Fabric, i: usize, j: usize) -> &'static str {
     let Ok(mut gateway) = fabric.clusters[i].gateway() else {
-        return "none";
+        return "unanswered";
     };
     let asked = gateway.get_tunnel_status(GetTunnelStatusRequest {
         cluster_id: fabric.clusters[j].id.clone(),
     });
     let Ok(Ok(answer)) = tokio::time::timeout(Duration::from_secs(2), asked).await else {
-        return "none";
+        return "unanswered";
     };
     let Some(tunnel) = answer.into_inner().tunnel else {
         return "none";

@@ -140,8 +140,9 @@ pub struct PairSample {
     pub lost_after_first: u64,
     /// The longest gap between replies after the first, in either direction, in milliseconds.
     pub max_gap_after_first_ms: f64,
-    /// `direct`, `relayed`, `mixed` (the two gateways disagree) or `none` (no handshake), as the
-    /// gateways' GetTunnelStatus said once the probes had stopped.
+    /// `direct`, `relayed`, `none` (no handshake) or `mixed (a's/c's)` when the two gateways
+    /// disagree (either may also be `unanswered`: no answer within 2 s), as the gateways'
+    /// GetTunnelStatus said once the probes had stopped.
     pub path: String,
 }
 
