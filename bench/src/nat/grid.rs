@@ -43,6 +43,8 @@ fn wall() -> f64 {
 struct Tunnels {
     /// (leaf index, remote cluster ID) → wall-clock seconds.
     at: BTreeMap<(usize, String), f64>,
+    /// The same for the first version carrying candidates (where the hub sees the remote).
+    candidates_at: BTreeMap<(usize, String), f64>,
     /// Leaves whose watch has delivered its snapshot.
     watching: BTreeSet<usize>,
     /// Streams that ended and were opened again (their events in between arrive late).
@@ -75,6 +77,11 @@ async fn follow(i: usize, client: BrokerClient<Channel>, seen: Arc<Mutex<Tunnels
                             && let Some(remote) = te.remote.as_ref()
                         {
                             s.at.entry((i, remote.cluster_id.clone())).or_insert(at);
+                            if !te.remote_candidates.is_empty() {
+                                s.candidates_at
+                                    .entry((i, remote.cluster_id.clone()))
+                                    .or_insert(at);
+                            }
                         }
                     }
                     _ => {}
@@ -285,10 +292,10 @@ async fn handshake_at(fabric: &Fabric, i: usize, j: usize) -> Option<f64> {
     Some(at.seconds as f64 + f64::from(at.nanos) / 1e9)
 }
 
-/// The handshake initiations cluster `i`'s gateway dropped for coming from a key it had no peer
-/// for yet (`trellis_gateway_dropped_datagrams_total{reason="unknown_peer"}`, scraped from its
-/// default metrics port inside its namespace); `None` when the scrape failed.
-fn unknown_peer_drops(fabric: &Fabric, i: usize) -> Option<f64> {
+/// The datagrams cluster `i`'s gateway dropped at its WireGuard port, by reason, the ones with
+/// any (`trellis_gateway_dropped_datagrams_total{reason}`, scraped from its default metrics
+/// port inside its namespace); `None` when the scrape failed.
+fn gateway_drops(fabric: &Fabric, i: usize) -> Option<BTreeMap<String, f64>> {
     const SCRAPE: &str = "import urllib.request; \
         print(urllib.request.urlopen('http://127.0.0.1:9106/metrics', timeout=5).read().decode())";
     let out =
@@ -297,15 +304,26 @@ fn unknown_peer_drops(fabric: &Fabric, i: usize) -> Option<f64> {
         return None;
     }
     let text = String::from_utf8_lossy(&out.stdout);
-    let counts: Vec<f64> = text
-        .lines()
-        .filter(|l| {
-            l.starts_with("trellis_gateway_dropped_datagrams_total{")
-                && l.contains("reason=\"unknown_peer\"")
-        })
-        .filter_map(|l| l.split_whitespace().last()?.parse().ok())
-        .collect();
-    (!counts.is_empty()).then(|| counts.iter().sum())
+    let mut drops = BTreeMap::new();
+    for line in text.lines() {
+        let Some(labels) = line.strip_prefix("trellis_gateway_dropped_datagrams_total{") else {
+            continue;
+        };
+        let reason = labels
+            .split("reason=\"")
+            .nth(1)
+            .and_then(|r| r.split('"').next());
+        let count = line
+            .split_whitespace()
+            .last()
+            .and_then(|c| c.parse::<f64>().ok());
+        if let (Some(reason), Some(count)) = (reason, count)
+            && count > 0.0
+        {
+            *drops.entry(reason.to_owned()).or_insert(0.0) += count;
+        }
+    }
+    Some(drops)
 }
 
 /// Every pair's path, asked again for up to `limit` while any is not settled (the gateways'
@@ -439,9 +457,9 @@ pub async fn repeat(settings: &Settings, r: usize) -> anyhow::Result<NatRepeat> 
     for w in &watches {
         w.abort();
     }
-    let (tunnel_at, restarts) = seen
+    let (tunnel_at, candidates_at, restarts) = seen
         .lock()
-        .map(|s| (s.at.clone(), s.restarts))
+        .map(|s| (s.at.clone(), s.candidates_at.clone(), s.restarts))
         .unwrap_or_default();
     if restarts > 0 {
         eprintln!(
@@ -452,7 +470,16 @@ pub async fn repeat(settings: &Settings, r: usize) -> anyhow::Result<NatRepeat> 
     let paths_by_pair = settled_paths(&fabric, &pairs, Duration::from_secs(10)).await;
     // The hub's session with each leaf: no rekey is due within the first two minutes of a
     // session, so its last handshake is its first one here.
-    let hub_unknown_peer_drops = unknown_peer_drops(&fabric, fabric.hub);
+    // Every gateway's drops so far: the grid is what they saw (nothing else has run yet).
+    let mut drops = BTreeMap::new();
+    for (i, name) in names.iter().enumerate() {
+        if let Some(d) = gateway_drops(&fabric, i) {
+            drops.insert(name.clone(), d);
+        }
+    }
+    let hub_unknown_peer_drops = drops
+        .get(&names[fabric.hub])
+        .map(|d| d.get("unknown_peer").copied().unwrap_or(0.0));
     let mut leaf_times = Vec::new();
     for &i in &leaves {
         leaf_times.push(LeafTimes {
@@ -472,6 +499,10 @@ pub async fn repeat(settings: &Settings, r: usize) -> anyhow::Result<NatRepeat> 
         let a_tunnel = tunnel_at.get(&(a, cn.to_owned())).copied();
         let c_tunnel = tunnel_at.get(&(c, an.to_owned())).copied();
         let t0 = [a_tunnel, c_tunnel].into_iter().flatten().reduce(f64::min);
+        let (a_candidates, c_candidates) = (
+            candidates_at.get(&(a, cn.to_owned())).copied(),
+            candidates_at.get(&(c, an.to_owned())).copied(),
+        );
         let (to_c, to_a) = (arrival(&summaries, an, cn), arrival(&summaries, cn, an));
         let (first_packet, direction) = match (to_c, to_a) {
             (Some(x), Some(y)) if y < x => (Some(y), Some("c>a")),
@@ -495,6 +526,8 @@ pub async fn repeat(settings: &Settings, r: usize) -> anyhow::Result<NatRepeat> 
             c_kind: kinds[c].as_str().to_owned(),
             a_tunnel_at_ms: ms(a_tunnel),
             c_tunnel_at_ms: ms(c_tunnel),
+            a_candidates_at_ms: ms(a_candidates),
+            c_candidates_at_ms: ms(c_candidates),
             first_packet_at_ms: ms(first_packet),
             first_direction: direction.map(str::to_owned),
             first_echo_at_ms: ms(first_echo),
@@ -537,6 +570,7 @@ pub async fn repeat(settings: &Settings, r: usize) -> anyhow::Result<NatRepeat> 
         grid_seconds,
         leaves: leaf_times,
         hub_unknown_peer_drops,
+        gateway_drops: drops,
         pairs: samples,
         paths,
     })

@@ -117,6 +117,8 @@ mod tests {
             c_kind: c.into(),
             a_tunnel_at_ms: Some(100.0),
             c_tunnel_at_ms: Some(120.0),
+            a_candidates_at_ms: None,
+            c_candidates_at_ms: None,
             first_packet_at_ms: first.map(|f| f + 100.0),
             first_direction: Some("a>c".into()),
             first_echo_at_ms: first.map(|f| f + 101.0),
@@ -138,6 +140,7 @@ mod tests {
             grid_seconds: 1.0,
             leaves: Vec::new(),
             hub_unknown_peer_drops: None,
+            gateway_drops: BTreeMap::new(),
             pairs,
             paths: Vec::new(),
         };

@@ -10,7 +10,7 @@ use super::inputs::Inputs;
 use super::parse::parse;
 use super::targets::{Target, Verdict};
 use crate::median;
-use crate::results::{NatCell, NatResult};
+use crate::results::{NatCell, NatResult, PairSample};
 
 /// Issue 36's target: within 3 s, p95, in every cell meant to be direct.
 const TARGET: &str = "NAT traversal: first pod-to-pod packet within 3 s of the induced \
@@ -130,10 +130,11 @@ pub(super) fn nat_section(md: &mut String, inputs: &Inputs) {
     );
     md.push_str(
         "| cell (A × C) | pairs | never through | t1 − t0 p50 ms | p95 ms | max ms | first echo p95 ms \
-         | probes lost after the first reply | path |\n|---|---|---|---|---|---|---|---|---|\n",
+         | candidates written, p50 ms after t0 | probes lost after the first reply | path |\n\
+         |---|---|---|---|---|---|---|---|---|---|\n",
     );
     for c in &d.cells {
-        let (sent, lost) = d
+        let pairs: Vec<&PairSample> = d
             .repeats
             .iter()
             .flat_map(|r| &r.pairs)
@@ -141,9 +142,26 @@ pub(super) fn nat_section(md: &mut String, inputs: &Inputs) {
                 (p.a_kind == c.a_kind && p.c_kind == c.c_kind)
                     || (p.a_kind == c.c_kind && p.c_kind == c.a_kind)
             })
-            .fold((0, 0), |(s, l), p| {
-                (s + p.sent_after_first, l + p.lost_after_first)
-            });
+            .collect();
+        let (sent, lost) = pairs.iter().fold((0, 0), |(s, l), p| {
+            (s + p.sent_after_first, l + p.lost_after_first)
+        });
+        // The later of the pair's two TunnelEndpoints to carry candidates (a remote without
+        // NAT gets none), after t0.
+        let candidates: Vec<f64> = pairs
+            .iter()
+            .filter_map(|p| {
+                let t0 = [p.a_tunnel_at_ms, p.c_tunnel_at_ms]
+                    .into_iter()
+                    .flatten()
+                    .reduce(f64::min)?;
+                let last = [p.a_candidates_at_ms, p.c_candidates_at_ms]
+                    .into_iter()
+                    .flatten()
+                    .reduce(f64::max)?;
+                Some(last - t0)
+            })
+            .collect();
         let first = c.first_packet_ms.as_ref();
         let path = if c.path == "mixed" {
             let counts: Vec<String> = c.paths.iter().map(|(k, n)| format!("{n} {k}")).collect();
@@ -153,7 +171,7 @@ pub(super) fn nat_section(md: &mut String, inputs: &Inputs) {
         };
         let _ = writeln!(
             md,
-            "| {} | {} | {} | {} | {} | {} | {} | {lost} of {sent} | {path} |",
+            "| {} | {} | {} | {} | {} | {} | {} | {} | {lost} of {sent} | {path} |",
             cell_name(c),
             c.samples,
             c.unreached,
@@ -161,6 +179,7 @@ pub(super) fn nat_section(md: &mut String, inputs: &Inputs) {
             opt(first.map(|f| f.p95), 0),
             opt(first.map(|f| f.max), 0),
             opt(c.first_echo_ms.as_ref().map(|f| f.p95), 0),
+            opt(median(&candidates), 0),
         );
     }
     let (measured, v) = verdict(&d.cells);

@@ -590,7 +590,8 @@ fn nat(direct_p95: f64, unreached: usize) -> Value {
         }
     }
     let pair = json!({"a": "e1", "c": "h1", "a_kind": "easy", "c_kind": "hard",
-        "a_tunnel_at_ms": 900.0, "c_tunnel_at_ms": 950.0, "first_packet_at_ms": 1300.0,
+        "a_tunnel_at_ms": 900.0, "c_tunnel_at_ms": 950.0, "a_candidates_at_ms": 1100.0,
+        "first_packet_at_ms": 1300.0,
         "first_direction": "a>c", "first_echo_at_ms": 1301.0, "first_packet_ms": 400.0,
         "first_echo_ms": 401.0, "sent_after_first": 50, "lost_after_first": 2,
         "max_gap_after_first_ms": 210.0, "path": "direct"});
@@ -686,15 +687,18 @@ fn nat_section_shows_every_cell_the_verdict_and_the_paths() {
         "{section}"
     );
     assert!(
-        section.contains("| easy × hard | 9 | 0 | 1200 | 2400 | 2410 | 2401 | 2 of 50 | direct |"),
+        section.contains(
+            "| easy × hard | 9 | 0 | 1200 | 2400 | 2410 | 2401 | 200 | 2 of 50 | direct |"
+        ),
         "{section}"
     );
     assert!(
-        section.contains("| hard × hard | 9 | 0 | 1950 | 3900 | 3910 | 3901 | 0 of 0 | relayed |"),
+        section
+            .contains("| hard × hard | 9 | 0 | 1950 | 3900 | 3910 | 3901 | — | 0 of 0 | relayed |"),
         "{section}"
     );
     assert!(
-        section.contains("| none × hard | 9 | 2 | 1200 | 2400 | 2410 | 2401 | 0 of 0 | mixed (7 direct, 2 none) |"),
+        section.contains("| none × hard | 9 | 2 | 1200 | 2400 | 2410 | 2401 | — | 0 of 0 | mixed (7 direct, 2 none) |"),
         "{section}"
     );
     assert!(section.contains("**not met**"), "{section}");

@@ -93,6 +93,10 @@ pub struct NatRepeat {
     /// the grid; `None` when its metrics could not be read.
     #[serde(default)]
     pub hub_unknown_peer_drops: Option<f64>,
+    /// Every gateway's dropped datagrams at its WireGuard port by reason, read after the grid
+    /// (before the path measurements), by cluster; only the reasons with any.
+    #[serde(default)]
+    pub gateway_drops: BTreeMap<String, BTreeMap<String, f64>>,
     /// Leaf pairs (unordered), each timed once.
     pub pairs: Vec<PairSample>,
     /// The RTT and throughput measurements of this fabric.
@@ -125,6 +129,12 @@ pub struct PairSample {
     /// it), and `c`'s for `a`.
     pub a_tunnel_at_ms: Option<f64>,
     pub c_tunnel_at_ms: Option<f64>,
+    /// When each of those TunnelEndpoints first carried candidates (where the hub sees the
+    /// remote; only a remote behind a NAT gets any), as the watch saw them.
+    #[serde(default)]
+    pub a_candidates_at_ms: Option<f64>,
+    #[serde(default)]
+    pub c_candidates_at_ms: Option<f64>,
     /// The first pod-to-pod probe to arrive, in either direction (the receiver's clock).
     pub first_packet_at_ms: Option<f64>,
     /// Which way it went: `a>c` or `c>a`.
