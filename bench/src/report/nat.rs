@@ -192,8 +192,9 @@ pub(super) fn nat_section(md: &mut String, inputs: &Inputs) {
     md.push_str(
         "| fabric | clusters started s | induced mesh s | last pair's first packet s | a leaf's \
          first handshake with the hub after its `Peer` call, no NAT: median / max s | behind a \
-         NAT: median / max s | initiations the hub dropped from keys it had no peer for |\n\
-         |---|---|---|---|---|---|---|\n",
+         NAT: median / max s | initiations the hub dropped from keys it had no peer for | \
+         datagrams the leaves' gateways dropped: unknown peer / other |\n\
+         |---|---|---|---|---|---|---|---|\n",
     );
     for r in &d.repeats {
         let delays = |nat: bool| -> Vec<f64> {
@@ -207,9 +208,25 @@ pub(super) fn nat_section(md: &mut String, inputs: &Inputs) {
             (Some(m), Some(x)) => format!("{} / {}", num(m, 1), num(x, 1)),
             _ => "—".to_owned(),
         };
+        let leaf_drops = |reason: &str| -> f64 {
+            r.gateway_drops
+                .iter()
+                .filter(|(cluster, _)| r.leaves.iter().any(|l| &l.name == *cluster))
+                .filter_map(|(_, d)| d.get(reason))
+                .sum()
+        };
+        let leaf_drops = if r.gateway_drops.is_empty() {
+            "—".to_owned()
+        } else {
+            format!(
+                "{} / {}",
+                num(leaf_drops("unknown_peer"), 0),
+                num(leaf_drops("other"), 0)
+            )
+        };
         let _ = writeln!(
             md,
-            "| {} | {} | {} | {} | {} | {} | {} |",
+            "| {} | {} | {} | {} | {} | {} | {} | {leaf_drops} |",
             r.repeat + 1,
             num(r.setup_seconds, 1),
             num(r.mesh_seconds, 1),

@@ -618,6 +618,9 @@ fn nat(direct_p95: f64, unreached: usize) -> Value {
                   path("hub", "easy", "none", 905.0)],
         "repeats": [{"repeat": 0, "setup_seconds": 12.5, "mesh_seconds": 4.25,
                      "grid_seconds": 7.75, "hub_unknown_peer_drops": 6.0,
+                     "gateway_drops": {"hub": {"unknown_peer": 6.0},
+                                       "e1": {"unknown_peer": 1200.0, "other": 30.0},
+                                       "h1": {"unknown_peer": 34.0, "replay": 2.0}},
                      "leaves": [
                          {"name": "n1", "kind": "none", "peered_at_ms": 500.0, "hub_handshake_at_ms": 900.0},
                          {"name": "e1", "kind": "easy", "peered_at_ms": 800.0, "hub_handshake_at_ms": 5900.0},
@@ -703,7 +706,7 @@ fn nat_section_shows_every_cell_the_verdict_and_the_paths() {
     );
     assert!(section.contains("**not met**"), "{section}");
     assert!(
-        section.contains("| 1 | 12.5 | 4.2 | 7.8 | 0.4 / 0.4 | 5.1 / 5.1 | 6 |"),
+        section.contains("| 1 | 12.5 | 4.2 | 7.8 | 0.4 / 0.4 | 5.1 / 5.1 | 6 | 1234 / 30 |"),
         "{section}"
     );
     assert!(
