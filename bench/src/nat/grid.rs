@@ -295,7 +295,7 @@ async fn handshake_at(fabric: &Fabric, i: usize, j: usize) -> Option<f64> {
 /// The datagrams cluster `i`'s gateway dropped at its WireGuard port, by reason, the ones with
 /// any (`trellis_gateway_dropped_datagrams_total{reason}`, scraped from its default metrics
 /// port inside its namespace); `None` when the scrape failed.
-fn gateway_drops(fabric: &Fabric, i: usize) -> Option<BTreeMap<String, f64>> {
+pub(super) fn gateway_drops(fabric: &Fabric, i: usize) -> Option<BTreeMap<String, f64>> {
     const SCRAPE: &str = "import urllib.request; \
         print(urllib.request.urlopen('http://127.0.0.1:9106/metrics', timeout=5).read().decode())";
     let out =

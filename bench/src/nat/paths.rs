@@ -8,7 +8,7 @@ use trellis_netlab::topology::ping_rtts;
 use trellis_netlab::{Fabric, NatKind, Service};
 
 use super::Settings;
-use super::grid::{leaf, pair_path};
+use super::grid::{gateway_drops, leaf, pair_path};
 use crate::dataplane::probe::iperf;
 use crate::results::PathMeasure;
 
@@ -45,6 +45,7 @@ pub(super) async fn measure(
         }
         let sites = &fabric.topology.sites;
         let (from_ns, to_ip) = (sites[from].pod_ns.clone(), sites[to].pod_ip);
+        let hub_before = gateway_drops(fabric, fabric.hub);
         let (pings, interval) = (settings.pings, settings.ping_interval);
         let rtts_ms = tokio::task::spawn_blocking(move || {
             // One warm-up ping (ARP, a handshake if one is due), then the samples.
@@ -63,6 +64,16 @@ pub(super) async fn measure(
         )
         .await;
         let path_seen = pair_path(fabric, from, to).await;
+        // What the hub dropped meanwhile (relayed datagrams over the pair's rate, above all).
+        let hub_drops = match (hub_before, gateway_drops(fabric, fabric.hub)) {
+            (Some(before), Some(after)) => after
+                .into_iter()
+                .map(|(reason, n)| (n - before.get(&reason).copied().unwrap_or(0.0), reason))
+                .filter(|(n, _)| *n > 0.0)
+                .map(|(n, reason)| (reason, n))
+                .collect(),
+            _ => Default::default(),
+        };
         let m = PathMeasure {
             name: name.to_owned(),
             from: names[from].clone(),
@@ -74,6 +85,7 @@ pub(super) async fn measure(
             transfer_error: transfer.as_ref().err().map(|e| format!("{e:#}")),
             transfer: transfer.ok(),
             rtts_ms,
+            hub_drops,
         };
         eprintln!(
             "nat-bench: {} {} -> {} ({}): {} of {} pings answered, median {} ms; {}",

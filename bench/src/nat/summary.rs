@@ -84,8 +84,12 @@ pub fn path_summaries(repeats: &[NatRepeat]) -> Vec<PathSummary> {
                 .filter_map(|m| m.transfer.as_ref()?.cpu_seconds_per_gb)
                 .collect();
             let mut paths_seen = BTreeMap::new();
+            let mut hub_drops = BTreeMap::new();
             for m in &of {
                 *paths_seen.entry(m.path_seen.clone()).or_insert(0) += 1;
+                for (reason, n) in &m.hub_drops {
+                    *hub_drops.entry(reason.clone()).or_insert(0.0) += n;
+                }
             }
             PathSummary {
                 name,
@@ -98,6 +102,7 @@ pub fn path_summaries(repeats: &[NatRepeat]) -> Vec<PathSummary> {
                 rtt_p99_ms: percentile(&rtts, 0.99),
                 median_mbit_s: median(&mbit_s),
                 median_cpu_seconds_per_gb: median(&cpu),
+                hub_drops,
                 mbit_s,
             }
         })

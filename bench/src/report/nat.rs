@@ -248,8 +248,8 @@ pub(super) fn nat_section(md: &mut String, inputs: &Inputs) {
     );
     md.push_str(
         "| path | NAT kinds | gateways reported | pings answered | RTT p50 ms | RTT p99 ms \
-         | Mbit/s (median) | Mbit/s per fabric | CPU s per GB (3 gateways) |\n\
-         |---|---|---|---|---|---|---|---|---|\n",
+         | Mbit/s (median) | Mbit/s per fabric | CPU s per GB (3 gateways) | datagrams the hub \
+         dropped meanwhile |\n|---|---|---|---|---|---|---|---|---|---|\n",
     );
     for s in &d.paths {
         let to = if s.name == "hub" {
@@ -263,9 +263,14 @@ pub(super) fn nat_section(md: &mut String, inputs: &Inputs) {
             .map(|(k, n)| format!("{k} ({n})"))
             .collect();
         let per: Vec<String> = s.mbit_s.iter().map(|m| num(*m, 0)).collect();
+        let dropped: Vec<String> = s
+            .hub_drops
+            .iter()
+            .map(|(reason, n)| format!("{} {}", num(*n, 0), reason.replace('_', " ")))
+            .collect();
         let _ = writeln!(
             md,
-            "| {} | {} → {to} | {} | {} of {} | {} | {} | {} | {} | {} |",
+            "| {} | {} → {to} | {} | {} of {} | {} | {} | {} | {} | {} | {} |",
             s.name,
             s.from_kind,
             seen.join(", "),
@@ -280,6 +285,11 @@ pub(super) fn nat_section(md: &mut String, inputs: &Inputs) {
                 per.join(", ")
             },
             opt(s.median_cpu_seconds_per_gb, 1),
+            if dropped.is_empty() {
+                "none".to_owned()
+            } else {
+                dropped.join(", ")
+            },
         );
     }
     md.push('\n');

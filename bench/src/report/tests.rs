@@ -604,7 +604,8 @@ fn nat(direct_p95: f64, unreached: usize) -> Value {
         json!({"name": name, "from_kind": from, "to_kind": to, "paths_seen": {seen: 3},
                "pings_sent": 600, "pings_answered": 600, "rtt_p50_ms": 0.412, "rtt_p99_ms": 1.5,
                "mbit_s": [mbit, mbit + 10.0, mbit - 10.0], "median_mbit_s": mbit,
-               "median_cpu_seconds_per_gb": 7.25})
+               "median_cpu_seconds_per_gb": 7.25,
+               "hub_drops": if name == "relayed" { json!({"relay_rate_limited": 1500.0}) } else { json!({}) }})
     };
     json!({
         "benchmark": "nat",
@@ -711,7 +712,7 @@ fn nat_section_shows_every_cell_the_verdict_and_the_paths() {
     );
     assert!(
         section.contains(
-            "| relayed | hard → hard | relayed (3) | 600 of 600 | 0.412 | 1.500 | 190 | 190, 200, 180 | 7.2 |"
+            "| relayed | hard → hard | relayed (3) | 600 of 600 | 0.412 | 1.500 | 190 | 190, 200, 180 | 7.2 | 1500 relay rate limited |"
         ),
         "{section}"
     );

@@ -176,6 +176,11 @@ pub struct PathMeasure {
     /// Why there is no transfer, when iperf3 failed.
     #[serde(default)]
     pub transfer_error: Option<String>,
+    /// What the hub's gateway dropped during this path's pings and iperf3 run, by reason (e.g.
+    /// `relay_rate_limited`: relayed datagrams over the pair's `--relay-rate`); only the reasons
+    /// with any.
+    #[serde(default)]
+    pub hub_drops: BTreeMap<String, f64>,
 }
 
 /// One path over every repeat.
@@ -196,4 +201,7 @@ pub struct PathSummary {
     pub median_mbit_s: Option<f64>,
     /// Median over the repeats of the CPU seconds per 10^9 bytes (three gateways).
     pub median_cpu_seconds_per_gb: Option<f64>,
+    /// The hub's drops during this path's measurements, summed over the repeats, by reason.
+    #[serde(default)]
+    pub hub_drops: BTreeMap<String, f64>,
 }
