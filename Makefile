@@ -8,7 +8,7 @@ export PATH := $(ROOT)/.tools/bin:$(HOME)/.cargo/bin:$(PATH)
 export CARGO_TARGET_DIR ?= $(HOME)/.cache/trellis/target
 export CARGO_TERM_COLOR ?= never
 
-.PHONY: demo setup test fmt-check clippy lint-proto validate-deploy build nextest fmt bench bench-quick bench-report bench-ipam bench-mesh bench-endpoints bench-exports bench-dataplane bench-failover clean
+.PHONY: demo setup test fmt-check clippy lint-proto validate-deploy build nextest fmt bench bench-quick bench-report bench-ipam bench-mesh bench-endpoints bench-exports bench-dataplane bench-failover bench-nat clean
 
 setup:
 	bash scripts/setup.sh
@@ -89,6 +89,13 @@ bench-failover: setup
 	cargo build --release --locked --bins -p trellis-ipam -p trellis-discovery -p trellis-broker \
 		-p trellis-forwarder -p trellis-gateway -p trellis-endpoints -p trellis-route
 	cargo run --release --locked -p trellis-bench --bin failover-bench -- --out bench/results/failover.json
+
+# Root only: a hub and leaves behind every kind of NAT router, timed from induced peering to the
+# first pod-to-pod packet, and relayed paths against direct ones (issue 36, ADR 0025).
+bench-nat: setup
+	cargo build --release --locked --bins -p trellis-ipam -p trellis-discovery -p trellis-broker \
+		-p trellis-forwarder -p trellis-gateway -p trellis-endpoints -p trellis-route
+	cargo run --release --locked -p trellis-bench --bin nat-bench -- --out bench/results/nat.json
 
 clean:
 	cargo clean

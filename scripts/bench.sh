@@ -114,6 +114,7 @@ if [ "$kind" = quick ]; then
   dataplane=(--samples 10 --iperf-seconds 3 --rounds 2 --out "$out/dataplane.json")
   nodes=(--scenario node-path --samples 10 --iperf-seconds 3 --out "$out/dataplane-nodes.json")
   failover=(--kills 6 --connections 5 --out "$out/failover.json")
+  nat=(--leaves-per-kind 2 --repeats 1 --pings 100 --iperf-seconds 3 --out "$out/nat.json")
 else
   run ipam-bench --out "$out/ipam.json"
   mesh=(--mode in-process --leaves 2,5,10,20,50,100,254 --repeats 3 --timeout 180
@@ -133,6 +134,7 @@ else
   dataplane=(--out "$out/dataplane.json")
   nodes=(--scenario node-path --out "$out/dataplane-nodes.json")
   failover=(--out "$out/failover.json")
+  nat=(--out "$out/nat.json")
 fi
 
 # The data plane needs root (network namespaces, nftables, tc), iperf3, and wireguard-go with wg
@@ -161,6 +163,20 @@ if ((${#missing[@]})); then
   log "previous failover result and says which run it is from. Run \`sudo make bench\` for it."
 else
   run failover-bench "${failover[@]}"
+fi
+
+# NAT traversal: root (network namespaces, the NAT routers' nftables), python3 for the probes,
+# iperf3 for the relayed and direct throughput.
+missing=()
+[ "$(id -u)" -eq 0 ] || missing+=("root")
+for tool in ip nft ping python3 iperf3; do
+  command -v "$tool" >/dev/null 2>&1 || missing+=("$tool")
+done
+if ((${#missing[@]})); then
+  log "nat-bench SKIPPED: it needs ${missing[*]}. docs/benchmarks.md keeps showing the"
+  log "previous NAT result and says which run it is from. Run \`sudo make bench\` for it."
+else
+  run nat-bench "${nat[@]}"
 fi
 
 log "regenerating docs/benchmarks.md and docs/bench/*.svg"

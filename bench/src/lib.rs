@@ -4,10 +4,12 @@
 //! from /proc, and the `wireguard-go` reference tunnel of the data-plane benchmark
 //! ([`wireguard_go`]). What the result files hold is [`results`], the one schema the
 //! benchmarks write and the report generator (`bench-report`, [`report`]) reads. The larger
-//! benchmarks' parts live in [`mesh`] and [`dataplane`]; their binaries keep `main` and flags.
+//! benchmarks' parts live in [`mesh`], [`dataplane`] and [`nat`]; their binaries keep `main` and
+//! flags.
 
 pub mod dataplane;
 pub mod mesh;
+pub mod nat;
 pub mod proc;
 pub mod report;
 pub mod results;

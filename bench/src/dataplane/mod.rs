@@ -13,7 +13,7 @@ use crate::results::Store;
 mod leaf_to_leaf;
 mod links;
 mod node_path;
-mod probe;
+pub(crate) mod probe;
 mod side_by_side;
 
 pub use leaf_to_leaf::leaf_to_leaf;

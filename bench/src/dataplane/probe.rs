@@ -47,7 +47,7 @@ fn cpu_seconds(pids: &[u32]) -> anyhow::Result<f64> {
 /// iperf3 TCP with `streams` parallel streams from `client_ns` to a one-shot server in
 /// `server_ns` bound to `server_ip`, reading the CPU time of the tunnel processes `pids` around
 /// the client's run.
-pub(super) async fn iperf(
+pub(crate) async fn iperf(
     client_ns: &str,
     server_ns: &str,
     server_ip: Ipv4Addr,

@@ -16,6 +16,7 @@ use super::inputs::{BENCHMARKS, Inputs};
 use super::ipam::ipam_section;
 use super::mesh::mesh_section;
 use super::mesh_reference::mesh_reference_section;
+use super::nat::nat_section;
 use super::node_path::node_path_section;
 use super::notes::note;
 use super::output::{DOC, Output};
@@ -57,6 +58,7 @@ pub fn render(inputs: &Inputs) -> Output {
     dataplane_section(&mut md, inputs, &mut files);
     node_path_section(&mut md, inputs);
     failover_section(&mut md, inputs);
+    nat_section(&mut md, inputs);
     md.push_str(&note(inputs, "outro"));
     while md.ends_with("\n\n") {
         md.pop();

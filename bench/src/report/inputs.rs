@@ -8,7 +8,7 @@ use anyhow::Context as _;
 use serde_json::Value;
 
 /// The benchmarks, by result file name (`<name>.json`).
-pub const BENCHMARKS: [&str; 10] = [
+pub const BENCHMARKS: [&str; 11] = [
     "ipam",
     "mesh",
     "mesh-hub-processes",
@@ -19,6 +19,7 @@ pub const BENCHMARKS: [&str; 10] = [
     "dataplane",
     "dataplane-nodes",
     "failover",
+    "nat",
 ];
 
 /// Earlier measurements kept for the notes' "what changed" sections (full results only).

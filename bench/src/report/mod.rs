@@ -22,6 +22,7 @@ mod ipam;
 mod mesh;
 mod mesh_reference;
 mod mesh_targets;
+mod nat;
 mod node_path;
 mod notes;
 mod output;

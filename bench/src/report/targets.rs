@@ -1,4 +1,4 @@
-//! The targets table: each target of issues 9, 17, 18 and 33 and its verdict, computed from the
+//! The targets table: each target of issues 9, 17, 18, 33 and 36 and its verdict, computed from the
 //! results every time the document is generated.
 
 use std::fmt::Write as _;
@@ -7,6 +7,7 @@ use super::failover::failover_targets;
 use super::format::num;
 use super::inputs::Inputs;
 use super::mesh_targets::{mesh_target_size, not_converged_text, scale_targets};
+use super::nat::nat_targets;
 use super::parse::parse;
 use crate::results::{DataplaneResult, IpamResult, IpamScenario, MeshResult};
 
@@ -425,6 +426,7 @@ pub fn targets(inputs: &Inputs) -> Vec<Target> {
     // run.
     out.extend(scale_targets(inputs, &mesh));
     out.extend(failover_targets(inputs));
+    out.extend(nat_targets(inputs));
     out
 }
 

@@ -12,6 +12,7 @@ mod failover;
 mod ipam;
 mod latency;
 mod mesh;
+mod nat;
 mod run;
 
 pub use dataplane::{
@@ -26,6 +27,10 @@ pub use latency::LatencySummary;
 pub use mesh::{
     HubProcess, HubStores, MeshParameters, MeshResult, MeshRun, MeshSize, Mode, SizeStatus,
     StoreUse,
+};
+pub use nat::{
+    LeafTimes, NatCell, NatParameters, NatRepeat, NatResult, PairSample, PathMeasure, PathSummary,
+    Percentiles,
 };
 pub use run::{Header, Machine, RunInfo, RunKind};
 

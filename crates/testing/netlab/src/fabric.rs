@@ -159,6 +159,15 @@ impl Fabric {
     /// Builds the topology, starts every cluster (concurrently) and peers each leaf with the
     /// hub. Returns once the `Peer` calls succeeded; tunnels come up asynchronously.
     pub async fn up(options: FabricOptions) -> anyhow::Result<Self> {
+        let fabric = Self::start(options).await?;
+        fabric.peer_leaves().await?;
+        Ok(fabric)
+    }
+
+    /// [`Fabric::up`] without the peering: the topology and every cluster, none peered yet.
+    /// For what must be in place before the first peering exists (a benchmark's probes and
+    /// watches); [`Fabric::peer_leaves`] then peers them.
+    pub async fn start(options: FabricOptions) -> anyhow::Result<Self> {
         if !options.pod_cidrs.is_empty() && options.pod_cidrs.len() != options.names.len() {
             bail!(
                 "{} pod CIDRs for {} clusters",
@@ -245,19 +254,23 @@ impl Fabric {
         for started in futures::future::join_all(starting).await {
             clusters.push(started?);
         }
-        let fabric = Self {
+        Ok(Self {
             clusters,
             _hosts: hosts,
             topology,
             hub: options.hub,
             routers,
-        };
-        for leaf in 0..fabric.clusters.len() {
-            if leaf != fabric.hub {
-                fabric.peer(leaf, fabric.hub).await?;
+        })
+    }
+
+    /// Peers each leaf with the hub, in index order; returns once the `Peer` calls succeeded.
+    pub async fn peer_leaves(&self) -> anyhow::Result<()> {
+        for leaf in 0..self.clusters.len() {
+            if leaf != self.hub {
+                self.peer(leaf, self.hub).await?;
             }
         }
-        Ok(fabric)
+        Ok(())
     }
 
     /// Cluster `from` peers with `to` using `to`'s token.
