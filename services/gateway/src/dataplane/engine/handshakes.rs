@@ -104,32 +104,36 @@ impl Shared {
         }
     }
 
-    /// Probes a peer that has candidates and was not heard from yet: a new initiation to every
-    /// place every [`PROBE_FAST`] for the first [`PROBE_FAST_FOR`] (both ends of an induced
-    /// pair start within a second or two of each other, and each one's first datagram opens
-    /// its own NAT for the other's), then every [`PROBE_SLOW`].
+    /// Probes a peer that was not heard from yet: a new initiation to every place every
+    /// [`PROBE_FAST`] for the first [`PROBE_FAST_FOR`], then, for a peer with candidates, every
+    /// [`PROBE_SLOW`]. Both ends of an induced pair start within a second or two of each other,
+    /// and each one's first datagram opens its own NAT for the other's. A leaf behind a NAT
+    /// and its hub are the same race: the hub drops the leaf's first initiation when it has
+    /// not added the leaf yet, and cannot reach the leaf's private address itself, so without
+    /// this the leaf would wait for WireGuard's own retry (5 s) and every induced pair of that
+    /// leaf with it (the hub learns the leaf's reflexive endpoint from that handshake).
     ///
     /// A peer relayed through its hub with a session is probed with keepalives on its direct
     /// path instead (a new handshake that only the direct path carries would never complete,
     /// and WireGuard ends a session whose rekey keeps failing): the first one that arrives
     /// makes the other end answer directly, which switches the pair back.
     fn probe(&self, peer: &Peer, relayed: bool, now: Instant) {
+        let mut probing = peer.probing.lock().unwrap_or_else(|e| e.into_inner());
+        let (began, last) = *probing;
+        let fast = now.duration_since(began) < PROBE_FAST_FOR;
+        // Past the fast phase, a peer without candidates is left to WireGuard's own retries:
+        // it has one place only, and the peer there may simply be down.
         let unheard = !peer.confirmed.load(Ordering::Relaxed)
-            && !peer
-                .candidates
-                .read()
-                .unwrap_or_else(|e| e.into_inner())
-                .is_empty();
+            && (fast
+                || !peer
+                    .candidates
+                    .read()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .is_empty());
         if !relayed && !unheard {
             return;
         }
-        let mut probing = peer.probing.lock().unwrap_or_else(|e| e.into_inner());
-        let (began, last) = *probing;
-        let every = if now.duration_since(began) < PROBE_FAST_FOR {
-            PROBE_FAST
-        } else {
-            PROBE_SLOW
-        };
+        let every = if fast { PROBE_FAST } else { PROBE_SLOW };
         if now.duration_since(last) < every {
             return;
         }
@@ -159,10 +163,10 @@ impl Shared {
     }
 }
 
-/// How often a peer with candidates is probed at first, and for how long.
+/// How often a peer not heard from yet is probed at first, and for how long.
 const PROBE_FAST: Duration = Duration::from_secs(1);
 const PROBE_FAST_FOR: Duration = Duration::from_secs(20);
-/// How often afterwards, until it answers.
+/// How often a peer with candidates is probed afterwards, until it answers.
 const PROBE_SLOW: Duration = Duration::from_secs(5);
 
 pub(super) fn timer_loop(shared: &Shared) {
