@@ -191,6 +191,7 @@ async fn measure(store: Store, args: &Args) -> anyhow::Result<Vec<EndpointsScena
             store,
             "--cluster-id".into(),
             id.into(),
+            trellis_testkit::PLAINTEXT_PEERING.into(),
         ]
     };
     let mut clusters = Vec::new();

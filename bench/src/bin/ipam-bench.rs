@@ -255,6 +255,7 @@ async fn start_servers_with(
             "127.0.0.1:0",
             "--store",
             &store_url,
+            "--insecure-plaintext-peering",
             "--cluster-id",
             "hub",
             "--pod-cidr",

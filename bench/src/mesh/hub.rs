@@ -59,6 +59,7 @@ fn hub_flags(service: &str, a: &HubAddrs) -> Vec<String> {
         &listen.to_string(),
         "--store",
         "memory://",
+        "--insecure-plaintext-peering",
         "--cluster-id",
         HUB_ID,
         "--shutdown-grace",

@@ -20,6 +20,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context as _;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
 use tokio::task::JoinHandle;
 use tonic::service::Routes;
 use trellis_api::ClusterIdentity;
@@ -85,6 +87,31 @@ pub struct Opened {
     pub tls: Option<PeerTls>,
 }
 
+/// The metric saying whether `service` serves other clusters in plaintext, and at every start
+/// the warning when it does (a plaintext fabric must never go unnoticed).
+fn plaintext_peering(metrics: &Metrics, service: &'static str, plaintext: bool) {
+    if plaintext {
+        tracing::warn!(
+            service,
+            "other clusters are served and called in plaintext (--insecure-plaintext-peering): \
+             anyone who reaches the cluster-facing ports can claim to be any peer"
+        );
+    }
+    let gauge = Family::<Vec<(&'static str, &'static str)>, Gauge>::default();
+    gauge
+        .get_or_create(&vec![("service", service)])
+        .set(i64::from(plaintext));
+    metrics.register(
+        PLAINTEXT_PEERING_METRIC,
+        "1 when the service serves and calls other clusters without mutual TLS \
+         (--insecure-plaintext-peering), else 0",
+        gauge,
+    );
+}
+
+/// The name of the gauge [`plaintext_peering`] registers.
+pub const PLAINTEXT_PEERING_METRIC: &str = "trellis_insecure_plaintext_peering";
+
 /// A service being started: bound, not yet serving.
 #[derive(Debug)]
 pub struct Bootstrap {
@@ -145,6 +172,7 @@ impl Bootstrap {
                     boot.metrics()
                         .register_collector(ExpiryCollector::new(service.name, tls.clone()));
                 }
+                plaintext_peering(boot.metrics(), service.name, loaded.is_none());
                 boot.tls = loaded.clone().map(|loaded| (loaded, config.clone()));
                 loaded
             }
@@ -323,6 +351,71 @@ mod tests {
         let mut all = vec!["test", "--store", "memory://", "--metrics-listen", "off"];
         all.extend_from_slice(args);
         Flags::try_parse_from(all).expect("flags").common
+    }
+
+    #[derive(Parser)]
+    struct TlsFlags {
+        #[command(flatten)]
+        tls: PeerTlsConfig,
+    }
+
+    fn tls(args: &[&str]) -> PeerTlsConfig {
+        let mut all = vec!["test"];
+        all.extend_from_slice(args);
+        TlsFlags::try_parse_from(all).expect("flags").tls
+    }
+
+    #[tokio::test]
+    async fn a_cluster_facing_service_without_tls_refuses_to_start_unless_plaintext_is_asked_for() {
+        let flags = common(&["--cluster-id", "a", "--listen", "127.0.0.1:0"]);
+        let shutdown = Shutdown::new();
+        let err = Bootstrap::open(Service::BROKER, &flags, &tls(&[]), &shutdown)
+            .await
+            .expect_err("no TLS and no --insecure-plaintext-peering");
+        let text = format!("{err:#}");
+        assert!(
+            text.contains("--tls-dir") && text.contains("--insecure-plaintext-peering"),
+            "the error says what to give: {text}"
+        );
+
+        let plaintext = tls(&["--insecure-plaintext-peering"]);
+        let (boot, opened) = Bootstrap::open(Service::BROKER, &flags, &plaintext, &shutdown)
+            .await
+            .expect("plaintext when asked for");
+        assert!(opened.tls.is_none());
+        let metrics = boot.metrics().render().await;
+        assert!(
+            metrics.contains(&format!(
+                "{PLAINTEXT_PEERING_METRIC}{{service=\"broker\"}} 1"
+            )),
+            "{metrics}"
+        );
+
+        let dir = tempfile::tempdir().expect("dir");
+        let dir = dir.path().to_str().expect("utf-8");
+        let secure = tls(&["--peer-listen", "127.0.0.1:0", "--tls-dir", dir]);
+        let (boot, opened) = Bootstrap::open(Service::BROKER, &flags, &secure, &shutdown)
+            .await
+            .expect("mutual TLS");
+        assert!(opened.tls.is_some());
+        let metrics = boot.metrics().render().await;
+        assert!(
+            metrics.contains(&format!(
+                "{PLAINTEXT_PEERING_METRIC}{{service=\"broker\"}} 0"
+            )),
+            "{metrics}"
+        );
+
+        let both = TlsFlags::try_parse_from([
+            "test",
+            "--insecure-plaintext-peering",
+            "--peer-listen",
+            "127.0.0.1:0",
+        ]);
+        assert!(
+            both.is_err(),
+            "plaintext and a TLS listener at once is refused"
+        );
     }
 
     #[test]

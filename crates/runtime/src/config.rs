@@ -218,12 +218,25 @@ impl StoreAuthConfig {
     }
 }
 
-/// Mutual TLS towards other clusters (ADR 0014), off unless given. A service with these flags
-/// serves its cluster-facing RPCs on `--peer-listen` over mutual TLS (what discovery should
-/// advertise to peers), refuses them on the plaintext `--listen` (keep that one inside the
-/// cluster), and calls other clusters over mutual TLS.
+/// Mutual TLS towards other clusters (ADR 0014), required unless plaintext is asked for. A
+/// service with these flags serves its cluster-facing RPCs on `--peer-listen` over mutual TLS
+/// (what discovery should advertise to peers), refuses them on the plaintext `--listen` (keep
+/// that one inside the cluster), and calls other clusters over mutual TLS.
 #[derive(Debug, Clone, Default, Args)]
 pub struct PeerTlsConfig {
+    /// Serve other clusters' calls on the plaintext --listen port and call theirs in
+    /// plaintext, without mutual TLS: anyone who reaches the port can claim to be any peer.
+    /// Only for a closed network (a lab, a test). Warned about at every start, shown by
+    /// `trellisctl status` and `trellisctl diagnose`, and exported as
+    /// trellis_insecure_plaintext_peering. Without it a service refuses to start unless
+    /// --peer-listen with --tls-dir (or the three --tls-* files) is given.
+    #[arg(
+        long,
+        env = "TRELLIS_INSECURE_PLAINTEXT_PEERING",
+        conflicts_with_all = ["peer_listen", "tls_dir", "tls_ca_cert", "tls_cert", "tls_key"]
+    )]
+    pub insecure_plaintext_peering: bool,
+
     /// Address of the mutual-TLS listener for other clusters. Requires --tls-dir, or the three
     /// files --tls-ca-cert, --tls-cert and --tls-key.
     #[arg(long, env = "TRELLIS_PEER_LISTEN", value_name = "HOST:PORT")]
@@ -305,8 +318,8 @@ impl PeerTlsConfig {
         })
     }
 
-    /// The TLS setup of `service`, when the flags ask for one (with --tls-dir, the CA and the
-    /// certificate are made first when missing or due).
+    /// The TLS setup of `service` (with --tls-dir, the CA and the certificate are made first
+    /// when missing or due); `None` only with --insecure-plaintext-peering.
     pub fn load(
         &self,
         cluster_id: &str,
@@ -327,6 +340,15 @@ impl PeerTlsConfig {
             if self.peer_listen.is_some() {
                 anyhow::bail!(
                     "--peer-listen needs --tls-dir, or all of --tls-ca-cert, --tls-cert and --tls-key"
+                );
+            }
+            if !self.insecure_plaintext_peering {
+                anyhow::bail!(
+                    "other clusters' calls need mutual TLS: give --peer-listen HOST:PORT with \
+                     --tls-dir DIR (a CA and certificates made and renewed for you), or with \
+                     --tls-ca-cert, --tls-cert and --tls-key; --insecure-plaintext-peering \
+                     serves them in plaintext instead, where anyone who reaches the port can \
+                     claim to be any peer"
                 );
             }
             return Ok(None);

@@ -87,6 +87,8 @@ impl DiscoveryApi for DiscoveryService {
         Ok(Response::new(pb::GetIdentityResponse {
             identity: Some(identity_to_pb(self.core.identity())),
             addresses: Some(addresses_to_pb(self.core.advertised())),
+            // The service starts without TLS only when plaintext was asked for.
+            plaintext_peering: self.core.tls().is_none(),
         }))
     }
 

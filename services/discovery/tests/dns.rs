@@ -151,6 +151,7 @@ async fn discovery(id: &str, extra: &[&str]) -> (Started, Guard) {
         "trellis-discovery",
         "--store",
         "memory://",
+        "--insecure-plaintext-peering",
         "--cluster-id",
         id,
         "--listen",

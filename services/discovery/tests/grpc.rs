@@ -53,6 +53,7 @@ async fn cluster_with(id: &str, listen: &str, extra: &[&str]) -> Cluster {
         "trellis-discovery",
         "--store",
         "memory://",
+        "--insecure-plaintext-peering",
         "--cluster-id",
         id,
         "--listen",

@@ -114,6 +114,7 @@ async fn a_send_that_failed_is_retried_when_the_peer_speaks_not_after_its_backof
         "trellis-discovery",
         "--store",
         "memory://",
+        "--insecure-plaintext-peering",
         "--cluster-id",
         "leaf",
         "--listen",

@@ -24,6 +24,7 @@ async fn serve() -> Server {
         "127.0.0.1:0",
         "--store",
         "memory://",
+        "--insecure-plaintext-peering",
         "--cluster-id",
         "hub",
         "--pod-cidr",

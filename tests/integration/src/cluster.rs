@@ -318,6 +318,8 @@ impl InProcessCluster {
         if let Some(tls) = &tls {
             ipam.extend(args(&["--discovery", &services.discovery.to_string()]));
             ipam.extend(tls.flags("ipam", tls.ipam, options.managed_cert_lifetime)?);
+        } else {
+            ipam.push(trellis_testkit::PLAINTEXT_PEERING.into());
         }
         ipam.extend(options.ipam_flags.iter().cloned());
         let ipam = trellis_ipam::start(
@@ -383,6 +385,8 @@ impl InProcessCluster {
                 tls.discovery,
                 options.managed_cert_lifetime,
             )?);
+        } else {
+            discovery.push(trellis_testkit::PLAINTEXT_PEERING.into());
         }
         let discovery = trellis_discovery::start(
             trellis_discovery::Config::try_parse_from(discovery)?,
@@ -405,6 +409,8 @@ impl InProcessCluster {
                 tls.forwarder,
                 options.managed_cert_lifetime,
             )?);
+        } else {
+            forwarder.push(trellis_testkit::PLAINTEXT_PEERING.into());
         }
         let forwarder = trellis_forwarder::start(
             trellis_forwarder::Config::try_parse_from(forwarder)?,
@@ -427,6 +433,8 @@ impl InProcessCluster {
         ]));
         if let Some(tls) = &tls {
             broker.extend(tls.flags("broker", tls.broker, options.managed_cert_lifetime)?);
+        } else {
+            broker.push(trellis_testkit::PLAINTEXT_PEERING.into());
         }
         broker.extend(options.broker_flags.iter().cloned());
         let broker = trellis_broker::start(
@@ -464,6 +472,8 @@ impl InProcessCluster {
                     tls.endpoints,
                     options.managed_cert_lifetime,
                 )?);
+            } else {
+                endpoints.push(trellis_testkit::PLAINTEXT_PEERING.into());
             }
             let stop = shutdown.child_token();
             let started = trellis_endpoints::start(

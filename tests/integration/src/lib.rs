@@ -36,9 +36,11 @@ use tonic_health::pb::{HealthCheckRequest, health_check_response::ServingStatus}
 pub use trellis_netlab::bins::bin_path;
 
 /// The flags of a standalone `trellis-ipam` listening on `listen` with its state in `store`,
-/// as cluster `cluster` with pod CIDR 10.0.0.0/16 and external CIDR 10.201.0.0/16, then `extra`.
+/// as cluster `cluster` with pod CIDR 10.0.0.0/16 and external CIDR 10.201.0.0/16, serving
+/// other clusters in plaintext (no TLS), then `extra`.
 pub fn ipam_args(listen: &str, store: &str, cluster: &str, extra: &[&str]) -> Vec<String> {
     [
+        trellis_testkit::PLAINTEXT_PEERING,
         "--listen",
         listen,
         "--store",

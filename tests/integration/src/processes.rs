@@ -368,6 +368,10 @@ impl ProcessCluster {
                 &s.discovery.to_string(),
             ]),
         });
+        if service.faces_other_clusters() {
+            // These clusters peer on a closed loopback network, in plaintext.
+            args.push(trellis_testkit::PLAINTEXT_PEERING.to_owned());
+        }
         Ok(args)
     }
 

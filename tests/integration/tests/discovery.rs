@@ -32,6 +32,7 @@ async fn start_discovery(etcd: &Etcd, cluster: &str) -> ServiceProcess {
         &addr.to_string(),
         "--store",
         &etcd.url(&format!("discovery-{cluster}")),
+        "--insecure-plaintext-peering",
         "--cluster-id",
         cluster,
         "--cluster-name",

@@ -141,6 +141,7 @@ fn args(id: &str, listen: SocketAddr, interface: &str) -> Vec<String> {
         &listen.to_string(),
         "--store",
         "memory://",
+        "--insecure-plaintext-peering",
         "--cluster-id",
         id,
         "--mdns",

@@ -392,6 +392,7 @@ fn bad_configuration_exits_with_a_message_naming_the_problem() {
             .args([
                 "--listen",
                 "127.0.0.1:0",
+                "--insecure-plaintext-peering",
                 "--cluster-id",
                 "hub",
                 "--pod-cidr",
@@ -431,6 +432,7 @@ async fn spans_reach_an_otlp_collector_with_resource_attributes_and_the_callers_
         &addr.to_string(),
         "--store",
         "memory://",
+        "--insecure-plaintext-peering",
         "--cluster-id",
         "hub-1",
         "--cluster-name",

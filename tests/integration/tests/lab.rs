@@ -1,8 +1,9 @@
 //! `trellis-lab`, the README's main command, run as the real binary: the default 3-cluster
 //! lab (what `make demo` starts) answers the README's grpcurl commands exactly as printed and
 //! stops cleanly on Ctrl-C; `--clusters 10 --same-pod-cidr` converges to 9·8 induced tunnels
-//! among the leaves; `--no-induced` keeps the leaves apart; `--tls` forms the mesh over
-//! mutual TLS; `--store etcd` runs on real etcd.
+//! among the leaves; `--no-induced` keeps the leaves apart; the mesh forms over mutual TLS
+//! with no certificate prepared, unless `--insecure-plaintext-peering` asks for plaintext;
+//! `--store etcd` runs on real etcd.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -106,23 +107,30 @@ fn without_induced_peering_leaves_only_peer_with_the_hub() {
         "--clusters",
         "4",
         "--no-induced",
+        "--insecure-plaintext-peering",
         "--topology-file",
         path.to_str().expect("utf-8 path"),
     ]);
-    assert!(stdout.contains("induced peering off"), "{stdout}");
+    assert!(
+        stdout.contains("induced peering off, PLAINTEXT between clusters"),
+        "{stdout}"
+    );
     let t = topology(&path);
     assert_eq!(tunnels(&t, "full").len(), 2 * 3);
     assert!(tunnels(&t, "induced").is_empty());
+    // Plaintext: the clusters reach each other on the only listeners there are.
+    for c in t["clusters"].as_array().expect("clusters") {
+        assert!(c.get("peer_services").is_none(), "{c}");
+    }
 }
 
 #[test]
-fn with_tls_the_mesh_forms_over_mutual_tls() {
+fn by_default_the_mesh_forms_over_mutual_tls_with_no_certificate_prepared() {
     let (_dir, path) = temp_file("topology.json");
     let stdout = until_converged(&[
         "--clusters",
         "3",
         "--same-pod-cidr",
-        "--tls",
         "--topology-file",
         path.to_str().expect("utf-8 path"),
     ]);

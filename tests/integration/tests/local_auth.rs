@@ -259,6 +259,7 @@ async fn by_default_the_plaintext_port_is_bound_to_loopback_only() {
         [
             "--store",
             "memory://",
+            "--insecure-plaintext-peering",
             "--cluster-id",
             "hub",
             "--pod-cidr",

@@ -141,6 +141,7 @@ async fn twenty_peers_on_one_cidr_share_one_udp_port_survive_hostile_datagrams_a
         endpoint_names: false,
         gateways: 1,
         nat: Vec::new(),
+        tls: false,
     };
     let started = Instant::now();
     let mut fabric = Fabric::up(options).await.expect("fabric up");

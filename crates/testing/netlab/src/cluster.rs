@@ -24,6 +24,7 @@ use trellis_api::pb::gateway::{ListTunnelsRequest, TunnelStatus};
 use trellis_api::pb::ipam::ipam_client::IpamClient;
 use trellis_api::pb::peering::broker_client::BrokerClient;
 use trellis_testkit::Etcd;
+use trellis_testkit::PLAINTEXT_PEERING;
 /// One of a cluster's services: the test kit's, which the process-cluster tests share.
 pub use trellis_testkit::Service;
 use trellis_testkit::peering::Peerable;
@@ -66,6 +67,11 @@ pub struct ClusterOptions {
     /// binary and store as the gateway of node 0, on that node (which needs an uplink of its
     /// own, [`crate::Topology::add_node_uplink`]). Needs etcd: replicas share the store.
     pub standby_gateways: Vec<(usize, std::net::Ipv4Addr)>,
+    /// Mutual TLS between clusters: each cluster-facing service also listens for other
+    /// clusters on its port + 10, discovery advertises those, and the services make and renew
+    /// their certificates in a directory of the cluster (`--tls-dir`). Off: plaintext
+    /// (`--insecure-plaintext-peering`).
+    pub tls: bool,
 }
 
 impl ClusterOptions {
@@ -81,6 +87,7 @@ impl ClusterOptions {
             endpoint_address: None,
             reserve_node_network: true,
             standby_gateways: Vec::new(),
+            tls: false,
         }
     }
 }
@@ -129,6 +136,9 @@ pub struct NsCluster {
     /// What the cluster was started with (a moved gateway keeps its flags).
     options: ClusterOptions,
 }
+
+/// A service's mutual-TLS port is its gRPC port + 10, as in the kustomize manifests.
+const PEER_PORT_OFFSET: u16 = 10;
 
 impl NsCluster {
     /// Starts the stores and the six services of `options.id` in `site`'s gateway namespace,
@@ -406,8 +416,19 @@ impl NsCluster {
         SocketAddr::new(self.ip, service.port())
     }
 
+    /// Where `service` takes calls from other clusters: its mutual-TLS listener with
+    /// [`ClusterOptions::tls`] (the gateway has none), else its only one.
+    pub fn facing_addr(&self, service: Service) -> SocketAddr {
+        if self.options.tls && service.faces_other_clusters() {
+            SocketAddr::new(self.ip, service.port() + PEER_PORT_OFFSET)
+        } else {
+            self.addr(service)
+        }
+    }
+
     fn args(&self, service: Service, site: &Site, options: &ClusterOptions) -> Vec<String> {
         let at = |s: Service| self.addr(s).to_string();
+        let facing = |s: Service| self.facing_addr(s).to_string();
         let store = match options.store {
             StoreKind::Memory => "memory://".to_owned(),
             StoreKind::EtcdPerService => format!(
@@ -469,15 +490,15 @@ impl NsCluster {
             Service::Discovery => {
                 let mut d = strings(&[
                     "--advertise-discovery",
-                    &at(Service::Discovery),
+                    &facing(Service::Discovery),
                     "--advertise-broker",
-                    &at(Service::Broker),
+                    &facing(Service::Broker),
                     "--advertise-forwarder",
-                    &at(Service::Forwarder),
+                    &facing(Service::Forwarder),
                     "--advertise-ipam",
-                    &at(Service::Ipam),
+                    &facing(Service::Ipam),
                     "--advertise-endpoints",
-                    &at(Service::Endpoints),
+                    &facing(Service::Endpoints),
                     "--advertise-gateway",
                     &at(Service::Gateway),
                     "--neighborhood-resync",
@@ -510,6 +531,21 @@ impl NsCluster {
                 &at(Service::Discovery),
             ]),
         });
+        if service.faces_other_clusters() && options.tls {
+            args.extend(strings(&[
+                "--peer-listen",
+                &facing(service),
+                "--tls-dir",
+                &self.logs.path().join("tls").display().to_string(),
+            ]));
+            if service == Service::Ipam {
+                // Discovery keeps the pinned CAs the IPAM's listener trusts.
+                args.extend(strings(&["--discovery", &at(Service::Discovery)]));
+            }
+        } else if service.faces_other_clusters() {
+            // The lab's clusters peer across its own namespaces, in plaintext.
+            args.push(PLAINTEXT_PEERING.to_owned());
+        }
         for (s, extra) in &options.extra_args {
             if *s == service {
                 override_flags(&mut args, extra);
@@ -657,7 +693,7 @@ impl Peerable for NsCluster {
     }
 
     fn peering_broker(&self) -> SocketAddr {
-        self.addr(Service::Broker)
+        self.facing_addr(Service::Broker)
     }
 
     fn broker_client(

@@ -61,6 +61,8 @@ pub struct FabricOptions {
     /// empty: none anywhere). A cluster behind one advertises its private address. The hub
     /// must be reachable: `none`.
     pub nat: Vec<NatKind>,
+    /// Mutual TLS between the clusters ([`ClusterOptions::tls`]); off: plaintext.
+    pub tls: bool,
 }
 
 /// The gateway's WireGuard port (its default), the one a NAT router translates.
@@ -128,6 +130,7 @@ impl FabricOptions {
             endpoint_names: false,
             gateways: 1,
             nat: Vec::new(),
+            tls: false,
         }
     }
 }
@@ -248,6 +251,7 @@ impl Fabric {
             o.store = options.store;
             o.extra_args = options.extra_args.clone();
             o.standby_gateways = second_uplinks[i].map(|ip| (1, ip)).into_iter().collect();
+            o.tls = options.tls;
             NsCluster::start(site, o)
         });
         let mut clusters = Vec::with_capacity(options.names.len());

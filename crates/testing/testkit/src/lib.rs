@@ -41,7 +41,7 @@ pub use etcd_tls::EtcdTlsFiles;
 pub use eventually::{Observation, POLL, TimedOut, eventually, eventually_eq, within, within_eq};
 pub use kube_fake::FakeApiServer;
 pub use ports::free_port;
-pub use service::Service;
+pub use service::{PLAINTEXT_PEERING, Service};
 pub use silent::SilentRelay;
 pub use tied::spawn_tied;
 pub use tools::{in_ci, require_tool, tool_path, workspace_root};

@@ -5,6 +5,10 @@
 
 use std::fmt;
 
+/// The flag that lets a cluster-facing service serve other clusters without mutual TLS
+/// (`trellis_runtime::config::PeerTlsConfig`), for tests and labs that peer in plaintext.
+pub const PLAINTEXT_PEERING: &str = "--insecure-plaintext-peering";
+
 /// One of a cluster's services.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Service {
@@ -38,6 +42,12 @@ impl Service {
             Service::Broker => "broker",
             Service::Endpoints => "endpoints",
         }
+    }
+
+    /// Whether other clusters call it (all but the gateway): it starts with mutual TLS, or
+    /// with [`PLAINTEXT_PEERING`] where a test or lab peers in plaintext.
+    pub fn faces_other_clusters(self) -> bool {
+        self != Service::Gateway
     }
 
     /// The binary, `trellis-<name>`.

@@ -2,12 +2,12 @@
 //! its own gRPC server on its own loopback port and its own store (an embedded memory store,
 //! or a dedicated etcd process). Services talk to each other only through gRPC, exactly as
 //! separate processes would; running them in one process is what lets a laptop hold 255
-//! clusters (ADR 0013). With `--tls` each cluster gets a CA of its own and every cluster-facing
-//! service a certificate and a mutual-TLS peer listener (ADR 0014). With
+//! clusters (ADR 0013). With mutual TLS (the default) each cluster's services share a
+//! certificate directory where they make the cluster's CA and their own certificates, and
+//! every cluster-facing service gets a mutual-TLS peer listener (ADR 0014, 0026). With
 //! `OTEL_EXPORTER_OTLP_ENDPOINT` set each service also gets a tracer of its own, with its
 //! binary's name and its cluster as the resource, so a lab's traces read like the processes'.
 
-use std::fmt;
 use std::future::Future;
 use std::net::SocketAddr;
 
@@ -17,8 +17,7 @@ use tokio::task::JoinHandle;
 use tracing::instrument::WithSubscriber as _;
 use trellis_runtime::Shutdown;
 use trellis_runtime::telemetry::{self, ServiceIdentity, Telemetry};
-use trellis_runtime::tls::ClusterCa;
-use trellis_testkit::Etcd;
+use trellis_testkit::{Etcd, PLAINTEXT_PEERING};
 
 use crate::config::StoreKind;
 use crate::plan::ClusterPlan;
@@ -31,50 +30,30 @@ pub struct Options {
     pub induced: bool,
 }
 
-/// With `--tls`: the cluster's CA (generated at start) and its services' certificates, in a
-/// directory removed with the cluster.
+/// With mutual TLS (the default): the directory the cluster's services share (`--tls-dir`),
+/// where the first to start makes the cluster's CA and each issues and renews its own
+/// certificate, as in a real deployment; removed with the cluster.
+#[derive(Debug)]
 struct Certificates {
-    ca: ClusterCa,
     dir: tempfile::TempDir,
-}
-
-impl fmt::Debug for Certificates {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Certificates")
-            .field("ca", &self.ca)
-            .field("dir", &self.dir.path())
-            .finish()
-    }
 }
 
 impl Certificates {
     fn new(cluster_id: &str) -> anyhow::Result<Self> {
-        let ca = ClusterCa::generate(cluster_id)?;
         let dir = tempfile::Builder::new()
             .prefix(&format!("trellis-lab-{cluster_id}-"))
             .tempdir()?;
-        std::fs::write(dir.path().join("ca.pem"), ca.cert_pem())?;
-        Ok(Self { ca, dir })
+        Ok(Self { dir })
     }
 
-    /// The flags of `service` serving other clusters on `listen`: a certificate of its own,
-    /// written next to the CA.
-    fn flags(&self, service: &str, listen: SocketAddr) -> anyhow::Result<Vec<String>> {
-        let issued = self.ca.issue(service)?;
-        let path = |name: &str| self.dir.path().join(name);
-        std::fs::write(path(&format!("{service}.pem")), &issued.cert_pem)?;
-        std::fs::write(path(&format!("{service}-key.pem")), issued.key_pem())?;
-        let text = |name: &str| path(name).display().to_string();
-        Ok(vec![
+    /// The flags of a service serving other clusters on `listen`.
+    fn flags(&self, listen: SocketAddr) -> Vec<String> {
+        vec![
             "--peer-listen".into(),
             listen.to_string(),
-            "--tls-ca-cert".into(),
-            text("ca.pem"),
-            "--tls-cert".into(),
-            text(&format!("{service}.pem")),
-            "--tls-key".into(),
-            text(&format!("{service}-key.pem")),
-        ])
+            "--tls-dir".into(),
+            self.dir.path().display().to_string(),
+        ]
     }
 }
 
@@ -169,11 +148,11 @@ impl LabCluster {
             .peer
             .map(|_| Certificates::new(&plan.id))
             .transpose()
-            .context("generating the cluster's CA and certificates")?;
-        // Each service's TLS flags (and, for those that need it, where discovery is).
+            .context("making the directory of the cluster's certificates")?;
+        // Each cluster-facing service's TLS flags, or plaintext when asked for.
         let tls = |service: &str| -> anyhow::Result<Vec<String>> {
             let (Some(certs), Some(peer)) = (&certificates, &plan.peer) else {
-                return Ok(Vec::new());
+                return Ok(vec![PLAINTEXT_PEERING.to_owned()]);
             };
             let listen = peer
                 .named()
@@ -181,7 +160,7 @@ impl LabCluster {
                 .find(|(name, _)| *name == service)
                 .map(|(_, addr)| addr)
                 .with_context(|| format!("no peer port for {service}"))?;
-            certs.flags(service, listen)
+            Ok(certs.flags(listen))
         };
 
         let mut ipam = common("trellis-ipam", p.ipam, store("ipam")?);
@@ -192,9 +171,10 @@ impl LabCluster {
             &plan.external_cidr.to_string(),
         ]));
         if plan.peer.is_some() {
+            // Discovery keeps the pinned CAs the IPAM's listener trusts.
             ipam.extend(args(&["--discovery", &p.discovery.to_string()]));
-            ipam.extend(tls("ipam")?);
         }
+        ipam.extend(tls("ipam")?);
         let ipam = traced(
             "trellis-ipam",
             &plan.id,

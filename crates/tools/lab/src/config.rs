@@ -146,12 +146,14 @@ pub struct UpConfig {
           value_parser = clap::value_parser!(u64).range(1..))]
     pub timeout: u64,
 
-    /// Mutual TLS between clusters (ADR 0014): each cluster gets its own CA, every
-    /// cluster-facing service a certificate and a peer listener on a free port (listed as
-    /// `peer_services` in the topology file); peering pins the CAs, and the mesh forms over
-    /// mutual TLS. The plaintext listeners (and the printed grpcurl commands) stay as they are.
-    #[arg(long, env = "TRELLIS_LAB_TLS")]
-    pub tls: bool,
+    /// Peer in plaintext, without mutual TLS between clusters. By default each cluster's
+    /// services share a certificate directory (`--tls-dir`: the first makes the cluster's CA,
+    /// each issues and renews its own certificate), every cluster-facing service also listens
+    /// for other clusters on a mutual-TLS peer port (listed as `peer_services` in the topology
+    /// file), peering pins the hub's CA, and the mesh forms over mutual TLS. The plaintext
+    /// listeners (and the printed grpcurl commands) are there either way.
+    #[arg(long, env = "TRELLIS_LAB_INSECURE_PLAINTEXT_PEERING")]
+    pub insecure_plaintext_peering: bool,
 
     /// First port of the lab: cluster i's services listen on BASE+10·i+1 (discovery) to
     /// BASE+10·i+6 (gateway), so the hub gets the default ports 7101-7106 and the printed
@@ -203,6 +205,11 @@ impl UpConfig {
         Duration::from_secs(self.timeout)
     }
 
+    /// Whether the clusters peer over mutual TLS (the default).
+    pub fn tls(&self) -> bool {
+        !self.insecure_plaintext_peering
+    }
+
     /// Whether the leaves are expected to peer with each other.
     pub fn induced(&self) -> bool {
         !self.no_induced
@@ -231,11 +238,6 @@ impl UpConfig {
             anyhow::bail!(
                 "--nat needs --dataplane netns with one gateway per cluster (the routers sit in \
                  front of node 0's gateway)"
-            );
-        }
-        if self.dataplane == DataplaneKind::Netns && self.tls {
-            anyhow::bail!(
-                "--tls is not available with --dataplane netns yet; use one or the other"
             );
         }
         Ok(())

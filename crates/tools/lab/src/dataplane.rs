@@ -133,6 +133,7 @@ pub(crate) async fn run(
         endpoint_names: false,
         gateways: usize::from(config.gateways),
         nat: config.nat_kinds(plans.len()),
+        tls: config.tls(),
     };
     let clock = Instant::now();
     let fabric = tokio::select! {

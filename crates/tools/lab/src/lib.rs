@@ -132,7 +132,7 @@ pub async fn run(config: UpConfig, shutdown: Shutdown, out: &mut dyn Write) -> a
         config.clusters,
         config.same_pod_cidr,
         config.base_port,
-        config.tls,
+        config.tls(),
     )?;
     progress.say(format_args!(
         "starting {} clusters (a hub and {} leaves), {} services with {} stores{}",
@@ -143,11 +143,11 @@ pub async fn run(config: UpConfig, shutdown: Shutdown, out: &mut dyn Write) -> a
             StoreKind::Memory => "memory",
             StoreKind::Etcd => "etcd",
         },
-        match (config.induced(), config.tls) {
-            (true, false) => "",
+        match (config.induced(), config.tls()) {
             (true, true) => ", mutual TLS between clusters",
-            (false, false) => ", induced peering off",
+            (true, false) => ", PLAINTEXT between clusters (--insecure-plaintext-peering)",
             (false, true) => ", induced peering off, mutual TLS between clusters",
+            (false, false) => ", induced peering off, PLAINTEXT between clusters",
         },
     ));
     // The lab's own token: cancelled on Ctrl-C, or by us once `--until-converged` is done.

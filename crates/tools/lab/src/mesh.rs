@@ -50,11 +50,11 @@ pub async fn peer_leaves(
         .await
         .context("asking the hub's broker for its token")?
         .into_inner();
-    // With --tls the leaves pin the hub's CA before first contact, as a join command does.
+    // With mutual TLS the leaves pin the hub's CA before first contact, as a join command does.
     let (token, ca_cert_hash) = (answer.token, answer.ca_cert_hash);
     let leaves: Vec<_> = clusters.iter().filter(|c| c.role == Role::Leaf).collect();
     let total = leaves.len();
-    // With --tls the leaves handshake with the hub's peer listener.
+    // With mutual TLS the leaves handshake with the hub's peer listener.
     let hub_broker = hub.facing_broker().to_string();
     let mut done = 0;
     let mut results = futures::stream::iter(leaves.into_iter().map(|leaf| {

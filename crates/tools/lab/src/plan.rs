@@ -29,9 +29,9 @@ pub struct Ports {
     pub gateway: SocketAddr,
 }
 
-/// With `--tls`: where a cluster's cluster-facing services take calls from other clusters
-/// (their mutual-TLS peer listeners, ADR 0014). Always free ports: the fixed layout has no
-/// room for five more per cluster.
+/// With mutual TLS (the default): where a cluster's cluster-facing services take calls from
+/// other clusters (their mutual-TLS peer listeners, ADR 0014). Always free ports: the fixed
+/// layout has no room for five more per cluster.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PeerPorts {
     pub discovery: SocketAddr,
@@ -75,7 +75,7 @@ pub struct ClusterPlan {
     pub pod_cidr: Ipv4Net,
     pub external_cidr: Ipv4Net,
     pub ports: Ports,
-    /// The peer listeners, with `--tls`.
+    /// The peer listeners, with mutual TLS (the default).
     pub peer: Option<PeerPorts>,
     /// The services' `/metrics` listeners (`--metrics-listen`): always free ports, the fixed
     /// layout has no room for six more per cluster.
@@ -83,7 +83,7 @@ pub struct ClusterPlan {
 }
 
 impl ClusterPlan {
-    /// What discovery advertises to other clusters: each service's peer listener with `--tls`
+    /// What discovery advertises to other clusters: each service's peer listener with mutual TLS (the default)
     /// (the gateway has none), else its only listener.
     pub fn advertised(&self) -> [(&'static str, SocketAddr); 6] {
         let mut named = self.ports.named();

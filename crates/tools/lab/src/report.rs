@@ -210,7 +210,7 @@ pub struct TopologyCluster {
     pub pod_cidr: String,
     pub external_cidr: String,
     pub services: std::collections::BTreeMap<&'static str, String>,
-    /// With `--tls`: the mutual-TLS peer listeners of the cluster-facing services.
+    /// The mutual-TLS peer listeners of the cluster-facing services (none in plaintext).
     #[serde(skip_serializing_if = "std::collections::BTreeMap::is_empty")]
     pub peer_services: std::collections::BTreeMap<&'static str, String>,
     /// Each service's Prometheus `/metrics` listener.

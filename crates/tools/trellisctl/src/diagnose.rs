@@ -112,6 +112,8 @@ pub enum Check {
     GatewayReplica,
     /// An induced tunnel relayed through its hub because no direct path works (ADR 0025).
     TunnelRelayed,
+    /// The cluster serves and calls other clusters without mutual TLS.
+    PlaintextPeering,
     /// A check could not run (e.g. a section could not be read).
     NotChecked,
 }
@@ -335,6 +337,7 @@ pub fn check_name(c: Check) -> &'static str {
         Check::CertificateExpiry => "certificate_expiry",
         Check::GatewayReplica => "gateway_replica",
         Check::TunnelRelayed => "tunnel_relayed",
+        Check::PlaintextPeering => "plaintext_peering",
         Check::NotChecked => "not_checked",
     }
 }

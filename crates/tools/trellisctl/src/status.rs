@@ -69,6 +69,9 @@ pub struct LocalIdentityView {
     pub cluster_id: String,
     pub cluster_name: String,
     pub addresses: AddressesView,
+    /// Whether other clusters are served and called without mutual TLS
+    /// (`--insecure-plaintext-peering`).
+    pub plaintext_peering: bool,
 }
 
 /// One condition of a ForeignCluster.

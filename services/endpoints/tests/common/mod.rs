@@ -86,6 +86,7 @@ fn common(id: &str, listen: &str) -> Vec<String> {
         listen,
         "--store",
         "memory://",
+        "--insecure-plaintext-peering",
         "--cluster-id",
         id,
         "--shutdown-grace",

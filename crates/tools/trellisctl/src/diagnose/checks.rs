@@ -74,6 +74,26 @@ pub fn analyze(inputs: &Inputs) -> DiagnoseView {
         }
     }
 
+    if status
+        .identity
+        .as_ref()
+        .is_some_and(|i| i.plaintext_peering)
+    {
+        out.push(finding(
+            Severity::Warning,
+            Check::PlaintextPeering,
+            &local,
+            Some(Service::Discovery),
+            "other clusters are served and called in plaintext (--insecure-plaintext-peering): \
+             anyone who reaches the cluster-facing ports can claim to be any peer"
+                .to_owned(),
+            "drop --insecure-plaintext-peering and give every cluster-facing service \
+             --peer-listen with --tls-dir (certificates made and renewed for you), then peer \
+             again with the CA hash `trellisctl token` prints"
+                .to_owned(),
+        ));
+    }
+
     // Gateway replicas (ADR 0023): every one must be able to take over at once.
     if let Some(replica) = status.gateway.as_ref().and_then(|g| g.replica.as_ref()) {
         out.extend(replica_findings(&local, replica));

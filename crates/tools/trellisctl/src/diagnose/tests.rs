@@ -121,6 +121,7 @@ fn healthy() -> Inputs {
                 cluster_id: "leaf-a".into(),
                 cluster_name: "leaf-a".into(),
                 addresses: AddressesView::default(),
+                plaintext_peering: false,
             }),
             foreign_clusters: Some(vec![ForeignClusterView::from_pb(&hub_fc())]),
             tunnel_endpoints: Some(vec![TunnelEndpointView::from_pb(&hub_te())]),
@@ -300,6 +301,29 @@ fn a_relayed_tunnel_is_explained_as_a_warning() {
     relayed.path = trellis_api::pb::gateway::TunnelPath::Direct.into();
     inputs.status.tunnels = Some(vec![TunnelView::from_pb(&relayed, now())]);
     assert!(analyze(&inputs).healthy);
+}
+
+#[test]
+fn plaintext_peering_is_a_warning_that_says_how_to_turn_tls_on() {
+    let mut inputs = healthy();
+    if let Some(identity) = inputs.status.identity.as_mut() {
+        identity.plaintext_peering = true;
+    }
+    let view = analyze(&inputs);
+    assert_eq!(
+        checks(&view),
+        [(
+            Check::PlaintextPeering,
+            "leaf-a".into(),
+            Some(Service::Discovery)
+        )]
+    );
+    assert_eq!(view.findings[0].severity, Severity::Warning);
+    assert!(
+        view.findings[0].action.contains("--tls-dir"),
+        "{:?}",
+        view.findings
+    );
 }
 
 #[test]

@@ -90,6 +90,7 @@ pub(super) async fn identity(
         cluster_id: id.cluster_id,
         cluster_name: id.cluster_name,
         addresses: AddressesView::from_pb(reply.addresses.as_ref()),
+        plaintext_peering: reply.plaintext_peering,
     })
 }
 

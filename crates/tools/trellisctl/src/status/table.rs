@@ -84,6 +84,16 @@ impl StatusView {
         let mut pairs = vec![
             ("cluster id", identity.cluster_id.clone()),
             ("cluster name", identity.cluster_name.clone()),
+            (
+                "peering",
+                if identity.plaintext_peering {
+                    "PLAINTEXT (--insecure-plaintext-peering: anyone who reaches the ports can \
+                     claim to be any peer)"
+                        .to_owned()
+                } else {
+                    "mutual TLS".to_owned()
+                },
+            ),
         ];
         pairs.extend(
             identity

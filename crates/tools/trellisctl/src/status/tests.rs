@@ -99,6 +99,7 @@ fn sample() -> StatusView {
             cluster_id: "leaf-a".into(),
             cluster_name: "leaf-a".into(),
             addresses: AddressesView::default(),
+            plaintext_peering: false,
         }),
         foreign_clusters: Some(vec![
             ForeignClusterView::from_pb(&full),
