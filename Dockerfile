@@ -31,11 +31,15 @@ RUN --mount=type=cache,target=/usr/local/cargo/registry \
 FROM debian:bookworm-slim
 # nftables and iproute2: the gateway drives `nft` and `ip`; conntrack: it flushes a removed
 # peer's connections; ca-certificates for TLS clients.
+# /var/lib/trellis/tls is where docker-compose.yml mounts each cluster's TLS volume (--tls-dir):
+# a new named volume takes the owner and mode of the image's directory, so the services (not
+# root) can create the cluster's CA in it, and only they can read it.
 RUN apt-get update \
  && apt-get install -y --no-install-recommends nftables iproute2 conntrack ca-certificates \
  && rm -rf /var/lib/apt/lists/* \
  && groupadd --system --gid 65532 trellis \
- && useradd --system --uid 65532 --gid 65532 --no-create-home --shell /usr/sbin/nologin trellis
+ && useradd --system --uid 65532 --gid 65532 --no-create-home --shell /usr/sbin/nologin trellis \
+ && install -d -o 65532 -g 65532 -m 0700 /var/lib/trellis/tls
 COPY --from=builder /out/ /usr/local/bin/
 # Non-root by default; only the gateway runs as root (with NET_ADMIN), see docker-compose.yml.
 USER 65532:65532

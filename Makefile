@@ -24,8 +24,9 @@ lint-proto:
 	buf build -o /dev/null
 
 # docker-compose.yml against the compose-spec schema, every kustomize overlay rendered and
-# validated strictly against the Kubernetes schemas (offline). Flag consistency with the
-# binaries is tests/integration/tests/deploy_flags.rs.
+# validated strictly against the Kubernetes schemas (its cert-manager resources against
+# scripts/cert-manager-v1-subset.schema.json), offline. Flag consistency with the binaries is
+# tests/integration/tests/deploy_flags.rs.
 validate-deploy:
 	bash scripts/validate-deploy.sh
 

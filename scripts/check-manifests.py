@@ -3,7 +3,13 @@
 
 - no container or init container is `privileged: true`;
 - every workload (Deployment, StatefulSet, DaemonSet) is selected by a NetworkPolicy, and every
-  port a policy names exists on the pods it selects (a typo would silently admit nothing).
+  port a policy names exists on the pods it selects (a typo would silently admit nothing);
+- cert-manager Certificates (components/cert-manager) name the overlay's cluster
+  (TRELLIS_CLUSTER_ID of ConfigMap trellis-cluster) and, for a service's Secret
+  trellis-tls-<service>, that service, with server and client auth; each comes from an Issuer of
+  the overlay; and every trellis-tls-* Secret a workload mounts is written by one of them. A
+  certificate for another cluster or service passes every schema and would only show once the
+  services run.
 
 Usage: check-manifests.py RENDERED.yaml      (exit 1 listing each problem)
        check-manifests.py --self-test        (the checks reject a bad overlay)
@@ -64,6 +70,69 @@ def problems(objects):
     return found
 
 
+SPIFFE_PREFIX = "spiffe://trellis/cluster/"
+TLS_SECRET_PREFIX = "trellis-tls-"
+
+
+def is_cert_manager(obj, kind):
+    group = str(obj.get("apiVersion", "")).split("/")[0]
+    return group == "cert-manager.io" and obj.get("kind") == kind
+
+
+def certificate_problems(objects):
+    certificates = [o for o in objects if is_cert_manager(o, "Certificate")]
+    if not certificates:
+        return []
+    found = []
+    cluster = next(
+        (
+            (o.get("data") or {}).get("TRELLIS_CLUSTER_ID")
+            for o in objects
+            if o.get("kind") == "ConfigMap"
+            and o["metadata"]["name"].startswith("trellis-cluster")
+            and "TRELLIS_CLUSTER_ID" in (o.get("data") or {})
+        ),
+        None,
+    )
+    if cluster is None:
+        return ["Certificates, but no ConfigMap trellis-cluster with TRELLIS_CLUSTER_ID to name"]
+    issuers = {o["metadata"]["name"] for o in objects if is_cert_manager(o, "Issuer")}
+    written = set()
+    for cert in certificates:
+        origin = f"Certificate/{cert['metadata']['name']}"
+        spec = cert.get("spec") or {}
+        uris = spec.get("uris") or []
+        usages = spec.get("usages") or []
+        secret = spec.get("secretName", "")
+        written.add(secret)
+        ref = spec.get("issuerRef") or {}
+        if ref.get("kind", "Issuer") == "Issuer" and ref.get("name") not in issuers:
+            found.append(f"{origin}: issuer {ref.get('name')!r} is no Issuer of the overlay")
+        if spec.get("isCA"):
+            want = SPIFFE_PREFIX + cluster
+            if want not in uris:
+                found.append(f"{origin}: a CA of cluster {cluster} must name {want}, not {uris}")
+        elif secret.startswith(TLS_SECRET_PREFIX):
+            want = SPIFFE_PREFIX + cluster + "/" + secret[len(TLS_SECRET_PREFIX):]
+            if want not in uris:
+                found.append(f"{origin}: writes {secret}, so must name {want}, not {uris}")
+            for usage in ("server auth", "client auth"):
+                if usage not in usages:
+                    found.append(f"{origin}: needs usage {usage!r}")
+    for obj in objects:
+        template = pod_spec(obj)
+        if template is None:
+            continue
+        for volume in (template.get("spec") or {}).get("volumes") or []:
+            secret = (volume.get("secret") or {}).get("secretName", "")
+            if secret.startswith(TLS_SECRET_PREFIX) and secret not in written:
+                found.append(
+                    f"{obj['kind']}/{obj['metadata']['name']}: mounts {secret}, "
+                    "which no Certificate writes"
+                )
+    return found
+
+
 def self_test():
     bad = list(
         yaml.safe_load_all(
@@ -84,6 +153,33 @@ spec:
     metadata: {labels: {app: closed}}
     spec:
       containers: [{name: main, ports: [{name: grpc, containerPort: 1}]}]
+      volumes: [{name: tls, secret: {secretName: trellis-tls-ipam}}]
+---
+kind: ConfigMap
+metadata: {name: trellis-cluster-5f2k8}
+data: {TRELLIS_CLUSTER_ID: hub}
+---
+apiVersion: cert-manager.io/v1
+kind: Issuer
+metadata: {name: trellis-ca}
+---
+apiVersion: cert-manager.io/v1
+kind: Certificate
+metadata: {name: trellis-ca}
+spec: {isCA: true, secretName: trellis-ca, uris: [spiffe://trellis/cluster/leaf-a],
+       issuerRef: {name: trellis-ca}}
+---
+apiVersion: cert-manager.io/v1
+kind: Certificate
+metadata: {name: trellis-tls-broker}
+spec: {secretName: trellis-tls-broker, uris: [spiffe://trellis/cluster/hub/forwarder],
+       usages: [server auth], issuerRef: {name: trellis-ca-typo, kind: Issuer}}
+---
+apiVersion: cert-manager.io/v1
+kind: Certificate
+metadata: {name: trellis-tls-forwarder}
+spec: {secretName: trellis-tls-forwarder, uris: [spiffe://trellis/cluster/hub/forwarder],
+       usages: [server auth, client auth], issuerRef: {name: trellis-ca}}
 ---
 kind: NetworkPolicy
 metadata: {name: closed}
@@ -93,11 +189,18 @@ spec:
 """
         )
     )
-    found = problems(bad)
+    found = problems(bad) + certificate_problems(bad)
     expected = [
         "Deployment/open: container init is privileged",
         "Deployment/open: no NetworkPolicy selects its pods",
         "NetworkPolicy/closed: port 'grcp' is not a port of Deployment/closed",
+        "Certificate/trellis-ca: a CA of cluster hub must name spiffe://trellis/cluster/hub, "
+        "not ['spiffe://trellis/cluster/leaf-a']",
+        "Certificate/trellis-tls-broker: issuer 'trellis-ca-typo' is no Issuer of the overlay",
+        "Certificate/trellis-tls-broker: writes trellis-tls-broker, so must name "
+        "spiffe://trellis/cluster/hub/broker, not ['spiffe://trellis/cluster/hub/forwarder']",
+        "Certificate/trellis-tls-broker: needs usage 'client auth'",
+        "Deployment/closed: mounts trellis-tls-ipam, which no Certificate writes",
     ]
     if found != expected:
         sys.exit(f"check-manifests self-test: expected {expected}, got {found}")
@@ -109,7 +212,7 @@ def main():
         return
     with open(sys.argv[1]) as f:
         objects = [o for o in yaml.safe_load_all(f) if o]
-    found = problems(objects)
+    found = problems(objects) + certificate_problems(objects)
     if found:
         sys.exit("\n".join(found))
 

@@ -5,7 +5,11 @@
 #   - every kustomize overlay, rendered with `kubectl kustomize`, strictly against the
 #     Kubernetes OpenAPI schemas bundled in kubernetes-validate (unknown fields are errors, and
 #     so is a kind it has no schema for), and by scripts/check-manifests.py: no privileged
-#     container, a NetworkPolicy for every workload, and only ports that exist in the policies.
+#     container, a NetworkPolicy for every workload, only ports that exist in the policies, and
+#     cert-manager certificates that name the overlay's cluster and service;
+#   - the overlays' cert-manager.io resources (components/cert-manager), which are CRDs that
+#     kubernetes-validate has no schema for, against scripts/cert-manager-v1-subset.schema.json
+#     instead (a hand-written subset of cert-manager's schema, as strict about unknown fields).
 # Fails on the first invalid file. KUBERNETES_VERSIONS (default "1.30.0 latest") lists the
 # versions the manifests are checked against; "latest" is the newest one kubernetes-validate
 # bundles. That flag/env consistency with the binaries is checked by
@@ -67,8 +71,39 @@ for dir in "${overlays[@]}"; do
   rendered="$tmp/$name.yaml"
   kubectl kustomize "$dir" >"$rendered" 2>"$tmp/$name.err" \
     || fail "kubectl kustomize $dir:"$'\n'"$(cat "$tmp/$name.err")"
+  # cert-manager.io resources go to a file each for check-jsonschema (which reads one document
+  # per file), the others, as rendered, to the file kubernetes-validate reads.
+  core="$tmp/$name.core.yaml"
+  certs="$tmp/$name.cert-manager"
+  mkdir -p "$certs"
+  python3 - "$rendered" "$core" "$certs" <<'PY' || fail "$dir: cannot split the rendered resources"
+import re, sys, yaml
+rendered, core, certs = sys.argv[1:]
+rest, n = [], 0
+for text in re.split(r"(?m)^---\n", open(rendered).read()):
+    doc = yaml.safe_load(text)
+    if not doc:
+        continue
+    if str(doc.get("apiVersion", "")).split("/")[0] == "cert-manager.io":
+        n += 1
+        meta = doc.get("metadata") or {}
+        with open(f"{certs}/{n:03d}-{doc.get('kind')}-{meta.get('name')}.yaml", "w") as f:
+            f.write(text)
+    else:
+        rest.append(text)
+with open(core, "w") as f:
+    f.write("---\n".join(rest))
+PY
+  cert_files=("$certs"/*.yaml)
+  cert_note=""
+  if [ -e "${cert_files[0]}" ]; then
+    out=$(check-jsonschema --schemafile scripts/cert-manager-v1-subset.schema.json "${cert_files[@]}" 2>&1) \
+      || fail "$dir: cert-manager.io resources do not match scripts/cert-manager-v1-subset.schema.json:"$'\n'"$out"
+    cert_kinds=$(cat "${cert_files[@]}" | grep -E '^kind: ' | sort | uniq -c | awk '{printf "%s%s %s", sep, $1, $3; sep=", "}')
+    cert_note="; ${#cert_files[@]} cert-manager.io resources valid against scripts/cert-manager-v1-subset.schema.json: $cert_kinds"
+  fi
   rc=0
-  report=$(kubernetes-validate --strict "${version_args[@]}" "$rendered" 2>&1) || rc=$?
+  report=$(kubernetes-validate --strict "${version_args[@]}" "$core" 2>&1) || rc=$?
   # ERROR: invalid resource; WARN: no schema for a kind (a typo'd kind or apiVersion);
   # FATAL: unsupported Kubernetes version. kubernetes-validate exits 0 on WARN.
   problems=$(grep -vE '^INFO ' <<<"$report" || true)
@@ -76,12 +111,12 @@ for dir in "${overlays[@]}"; do
     fail "$dir (kubernetes-validate exit $rc):"$'\n'"${problems:-$report}"
   fi
   out=$(python3 scripts/check-manifests.py "$rendered" 2>&1) \
-    || fail "$dir (no privileged containers, a NetworkPolicy for every workload):"$'\n'"$out"
+    || fail "$dir (no privileged containers, a NetworkPolicy for every workload, certificates for this cluster):"$'\n'"$out"
   checked=$(grep -c '^INFO ' <<<"$report" || true)
-  resources=$(grep -cE '^kind: ' "$rendered" || true)
+  resources=$(grep -cE '^kind: ' "$core" || true)
   [ "$checked" -gt 0 ] && [ "$resources" -gt 0 ] || fail "$dir: kubernetes-validate checked no resource"
-  kinds=$(grep -E '^kind: ' "$rendered" | sort | uniq -c | awk '{printf "%s%s %s", sep, $1, $3; sep=", "}')
+  kinds=$(grep -E '^kind: ' "$core" | sort | uniq -c | awk '{printf "%s%s %s", sep, $1, $3; sep=", "}')
   against=$(sed -n 's/.* against version \([0-9.]*\)$/\1/p' <<<"$report" | sort -uV | paste -sd' ' -)
-  log "$dir: $resources resources valid (--strict; Kubernetes $against): $kinds"
+  log "$dir: $resources resources valid (--strict; Kubernetes $against): $kinds$cert_note"
 done
 log "ok"
