@@ -1143,3 +1143,213 @@ async fn a_token_holder_presenting_a_peered_clusters_own_ca_cannot_take_over_its
     })
     .await;
 }
+
+/// Who calls the hub's cluster-facing RPCs in
+/// [`every_cluster_facing_rpc_refuses_no_certificate_an_unpinned_ca_and_an_expired_certificate`].
+#[derive(Debug, Clone, Copy)]
+enum Caller {
+    /// Leaf A's own valid certificate: the control, which reaches the handlers.
+    Valid,
+    /// No client certificate at all.
+    Anonymous,
+    /// A certificate naming leaf A from a CA the hub never pinned (someone else's CA).
+    UnpinnedCa,
+    /// Leaf A's pinned CA, but the certificate has expired.
+    Expired,
+}
+
+/// Leaf A's identity from `ca`, valid from `not_before` to `not_after`, trusting `hub`.
+fn as_leaf_a(
+    ca: &trellis_runtime::tls::ClusterCa,
+    hub: &InProcessCluster,
+    not_before: std::time::SystemTime,
+    not_after: std::time::SystemTime,
+) -> PeerTls {
+    let cert = ca
+        .issue_with(&trellis_runtime::tls::IssueOptions {
+            service: "broker".into(),
+            cluster_id: "leaf-a".into(),
+            not_before,
+            not_after,
+        })
+        .expect("issues");
+    let tls =
+        PeerTls::new("leaf-a", ca.cert_pem(), &cert.cert_pem, cert.key_pem()).expect("an identity");
+    let hub_ca = hub.tls.as_ref().expect("tls").ca.cert_pem();
+    tls.trust()
+        .pin(trellis_runtime::tls::PinnedCa::from_pem("hub", hub_ca).expect("pins"));
+    tls
+}
+
+/// Calls `service`'s cluster-facing RPC at the hub's peer listener `at` as `caller`: the
+/// control sends an empty request (refused by the handler's validation, so it proves the call
+/// got through the TLS and the authorization layers); the others a well-formed request that
+/// speaks for leaf A and would change the hub's state if it were taken.
+async fn call_as(
+    caller: Caller,
+    tls: &PeerTls,
+    service: &str,
+    at: std::net::SocketAddr,
+) -> Result<(), tonic::Status> {
+    let channel = match caller {
+        Caller::Anonymous => handshake_channel(
+            tls,
+            "test",
+            &at.to_string(),
+            Timeouts::default(),
+            &Metrics::new(),
+        )
+        .expect("channel"),
+        _ => channel(tls, at, "hub"),
+    };
+    let valid = matches!(caller, Caller::Valid);
+    match service {
+        "discovery" => DiscoveryClient::new(channel)
+            .publish_neighborhood(if valid {
+                PublishNeighborhoodRequest::default()
+            } else {
+                forged_neighborhood("leaf-a", "hub")
+            })
+            .await
+            .map(drop),
+        "broker" => BrokerClient::new(channel)
+            .submit_network_config(SubmitNetworkConfigRequest {
+                network_config: (!valid).then(|| nc("leaf-a", "hub", None, 1 << 40)),
+            })
+            .await
+            .map(drop),
+        "forwarder" => ForwarderClient::new(channel)
+            .relay(RelayRequest {
+                network_config: (!valid).then(|| nc("leaf-a", "leaf-c", Some("hub"), 1 << 40)),
+            })
+            .await
+            .map(drop),
+        "ipam" => IpamClient::new(channel)
+            .map_endpoint_ip(if valid {
+                MapEndpointIpRequest::default()
+            } else {
+                induced_map("leaf-a", "10.0.0.10")
+            })
+            .await
+            .map(drop),
+        "endpoints" => EndpointMapperClient::new(channel)
+            .apply_reflected_slice(if valid {
+                ApplyReflectedSliceRequest::default()
+            } else {
+                apply("leaf-a", "10.0.0.10")
+            })
+            .await
+            .map(drop),
+        other => panic!("no cluster-facing RPC chosen for {other}"),
+    }
+}
+
+/// What the hub holds that the refused calls would change.
+async fn hub_state(
+    hub: &InProcessCluster,
+) -> (
+    Vec<types::NetworkConfig>,
+    Vec<String>,
+    Vec<EndpointMapping>,
+    Vec<ReflectedSlice>,
+) {
+    (
+        network_configs(hub).await,
+        known(hub).await,
+        endpoint_mappings(hub).await,
+        reflected(hub).await,
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_cluster_facing_rpc_refuses_no_certificate_an_unpinned_ca_and_an_expired_certificate()
+{
+    use std::time::SystemTime;
+    let hub = start("hub").await;
+    let a = start("leaf-a").await;
+    peer(&a, &hub).await;
+    eventually("A's tunnel to the hub", LIMIT, || tunnel_to(&a, "hub")).await;
+    let hub_tls = hub.tls.as_ref().expect("tls");
+    let a_ca = &a.tls.as_ref().expect("tls").ca;
+    let now = SystemTime::now();
+    let hour = Duration::from_secs(3600);
+    let valid = as_leaf_a(a_ca, &hub, now - hour, now + hour);
+    let stranger = trellis_runtime::tls::ClusterCa::generate("leaf-a").expect("a CA");
+    let unpinned = as_leaf_a(&stranger, &hub, now - hour, now + hour);
+    // Nothing makes an expired identity (PeerTls refuses one): this one expires in a moment.
+    let expires = now + Duration::from_secs(2);
+    let expired = as_leaf_a(a_ca, &hub, now - hour, expires);
+    while SystemTime::now() < expires + Duration::from_secs(1) {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+
+    let before = hub_state(&hub).await;
+    let services = [
+        ("discovery", hub_tls.discovery),
+        ("broker", hub_tls.broker),
+        ("forwarder", hub_tls.forwarder),
+        ("ipam", hub_tls.ipam),
+        ("endpoints", hub_tls.endpoints),
+    ];
+    let mut table = Vec::new();
+    for (service, at) in services {
+        // The control: leaf A's valid certificate reaches the handler, which refuses the empty
+        // request for what it is.
+        let err = call_as(Caller::Valid, &valid, service, at)
+            .await
+            .expect_err("an empty request");
+        assert_eq!(
+            err.code(),
+            Code::InvalidArgument,
+            "{service}: a valid certificate must reach the handler: {err:?}"
+        );
+        for (caller, tls) in [
+            (Caller::Anonymous, &valid),
+            (Caller::UnpinnedCa, &unpinned),
+            (Caller::Expired, &expired),
+        ] {
+            let err = call_as(caller, tls, service, at)
+                .await
+                .expect_err("refused");
+            // Refused at the TLS handshake (the transport fails), or, on a listener that also
+            // serves anonymous callers (the broker's handshake, discovery's identity), by the
+            // authorization layer before any handler runs.
+            let at_tls = matches!(
+                err.code(),
+                Code::Unavailable | Code::Unknown | Code::Cancelled
+            );
+            let by_authz = matches!(caller, Caller::Anonymous)
+                && matches!(err.code(), Code::PermissionDenied | Code::Unauthenticated);
+            assert!(
+                at_tls || by_authz,
+                "{service} as {caller:?}: not refused before the handler: {err:?}"
+            );
+            if matches!(caller, Caller::UnpinnedCa | Caller::Expired) {
+                refused_by_tls_for(&err, caller);
+            }
+            table.push(format!("{service:<10} {caller:<11?} {:?}", err.code()));
+        }
+    }
+    eprintln!("refusals:\n{}", table.join("\n"));
+    assert_eq!(
+        hub_state(&hub).await,
+        before,
+        "a refused call changed the hub's state"
+    );
+}
+
+/// [`refused_by_tls`], also accepting the alert each caller's certificate gets: a chain whose
+/// signature does not verify against the pinned CA of the name it claims (`DecryptError`, as
+/// rustls reports a bad signature), an expired one (`CertificateExpired`).
+fn refused_by_tls_for(err: &tonic::Status, caller: Caller) {
+    let shown = format!("{err:?}");
+    let alert = match caller {
+        Caller::UnpinnedCa => "DecryptError",
+        Caller::Expired => "CertificateExpired",
+        Caller::Valid | Caller::Anonymous => "",
+    };
+    if !alert.is_empty() && shown.contains(alert) {
+        return;
+    }
+    refused_by_tls(err);
+}
