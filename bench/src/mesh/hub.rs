@@ -59,12 +59,14 @@ fn hub_flags(service: &str, a: &HubAddrs) -> Vec<String> {
         &listen.to_string(),
         "--store",
         "memory://",
-        "--insecure-plaintext-peering",
         "--cluster-id",
         HUB_ID,
         "--shutdown-grace",
         "1",
     ]);
+    if service != "gateway" {
+        args.push(trellis_testkit::PLAINTEXT_PEERING.to_owned());
+    }
     args.extend(match service {
         "ipam" => flags(&["--pod-cidr", POD_CIDR, "--external-cidr", EXTERNAL_CIDR]),
         "gateway" => flags(&["--dataplane", "none", "--endpoint-address", "127.0.0.1"]),

@@ -103,7 +103,7 @@ impl Authz {
             return Ok(None);
         };
         match caller(request) {
-            Caller::Peer(peer) if trust.is_pinned(&peer.cluster_id, &peer.ca_fingerprint) => {
+            Caller::Peer(peer) if trust.admits(&peer.cluster_id, &peer.ca_fingerprint) => {
                 Ok(Some(peer))
             }
             Caller::Peer(peer) => {

@@ -378,6 +378,18 @@ impl BrokerApi for FakeBroker {
     ) -> Result<Response<ppb::NotifyUnpeerResponse>, Status> {
         Err(Status::unimplemented("fake broker"))
     }
+    async fn update_peer_ca(
+        &self,
+        _: Request<ppb::UpdatePeerCaRequest>,
+    ) -> Result<Response<ppb::UpdatePeerCaResponse>, Status> {
+        Err(Status::unimplemented("fake broker"))
+    }
+    async fn announce_ca(
+        &self,
+        _: Request<ppb::AnnounceCaRequest>,
+    ) -> Result<Response<ppb::AnnounceCaResponse>, Status> {
+        Err(Status::unimplemented("fake broker"))
+    }
     async fn get_observed_endpoints(
         &self,
         _: Request<ppb::GetObservedEndpointsRequest>,

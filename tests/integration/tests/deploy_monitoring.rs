@@ -3,8 +3,9 @@
 //! skipped loudly):
 //!
 //! - the alerting rules (`deploy/prometheus/trellis-alerts.yaml`) load, and their unit tests
-//!   (`trellis-alerts.test.yaml`: a certificate 6 days from expiry warns after 10 minutes, one
-//!   half a day from expiry is critical at once, a CA a year away is quiet) pass;
+//!   (`trellis-alerts.test.yaml`: a 7-day certificate with 5 days left is quiet, one with less
+//!   than a quarter of its lifetime left warns after 10 minutes, one with less than a tenth is
+//!   critical at once; a CA 20 days from expiry warns, 3 days is critical, a year is quiet) pass;
 //! - every query of the Grafana dashboard (`deploy/grafana/trellis.json`) is valid PromQL: each
 //!   is loaded by `promtool` as a recording rule.
 

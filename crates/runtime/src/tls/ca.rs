@@ -162,6 +162,11 @@ impl ClusterCa {
         &self.cluster_id
     }
 
+    /// The CA certificate's SHA-256 fingerprint (hex), as a pinned CA shows it.
+    pub fn fingerprint(&self) -> String {
+        fingerprint(&self.cert_der)
+    }
+
     /// The CA certificate, PEM: what peers pin.
     pub fn cert_pem(&self) -> &str {
         &self.cert_pem
@@ -170,6 +175,21 @@ impl ClusterCa {
     /// The CA's private key, PEM. A secret: only the issuing tool needs it.
     pub fn key_pem(&self) -> String {
         self.key.serialize_pem()
+    }
+
+    /// The next CA of this cluster, and a certificate of it signed by this one (a cross
+    /// certificate, PEM): served after a service's own certificate, it lets a peer that still
+    /// pins this CA verify certificates of the next one, so the cluster can switch to the next
+    /// CA at once and tell its peers afterwards (ADR 0027). Both CAs have the same name: only
+    /// the key and the validity differ, and a CA loaded from its files issues alike.
+    pub fn next(&self) -> Result<(Self, String)> {
+        let next = Self::generate(&self.cluster_id)?;
+        let issuer = Issuer::from_params(&self.params, &self.key);
+        let cross = next
+            .params
+            .signed_by(&next.key, &issuer)
+            .map_err(rcgen_error("cross-signing the next CA"))?;
+        Ok((next, cross.pem()))
     }
 
     /// A certificate for `service` of this cluster, valid [`SERVICE_CERT_LIFETIME`].

@@ -1,8 +1,10 @@
 //! When a service's certificates stop being valid, for operators before it bites:
 //! `trellis_tls_certificate_expiry_timestamp_seconds{service,kind}` on every service with
 //! mutual TLS, `kind` being `service` (its own certificate, which renewal replaces) or `ca` (its
-//! cluster's CA). Read from the certificates in use at every scrape, so a renewed certificate
-//! shows at once.
+//! cluster's CA), and `trellis_tls_certificate_not_before_timestamp_seconds{service,kind}`,
+//! when each became valid: with both, an alert can tell a renewal that is overdue from a short
+//! lifetime (a 7-day certificate always has less than 7 days left). Read from the certificates
+//! in use at every scrape, so a renewed certificate shows at once.
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -15,12 +17,18 @@ use trellis_error::{Error, Result};
 use super::peer_tls::PeerTls;
 use super::pem::parse_certs;
 
-/// The metric's name.
+/// The metrics' names.
 pub const EXPIRY_METRIC: &str = "trellis_tls_certificate_expiry_timestamp_seconds";
+pub const NOT_BEFORE_METRIC: &str = "trellis_tls_certificate_not_before_timestamp_seconds";
 
 /// The end of a DER certificate's validity (`notAfter`); `None` when it is no certificate.
 pub fn not_after(der: &[u8]) -> Option<SystemTime> {
-    let seconds = yasna::parse_der(der, |r| {
+    validity(der).map(|(_, end)| end)
+}
+
+/// A DER certificate's validity, `(notBefore, notAfter)`; `None` when it is no certificate.
+pub fn validity(der: &[u8]) -> Option<(SystemTime, SystemTime)> {
+    let (from, to) = yasna::parse_der(der, |r| {
         r.read_sequence(|r| {
             let not_after = r.next().read_sequence(|r| {
                 // version [0] EXPLICIT (absent in v1), serialNumber, signature, issuer.
@@ -29,13 +37,14 @@ pub fn not_after(der: &[u8]) -> Option<SystemTime> {
                     r.next().read_der()?;
                 }
                 let not_after = r.next().read_sequence(|r| {
-                    r.next().read_der()?;
-                    let r = r.next();
-                    if r.lookahead_tag()? == yasna::tags::TAG_UTCTIME {
-                        Ok(r.read_utctime()?.datetime().unix_timestamp())
-                    } else {
-                        Ok(r.read_generalized_time()?.datetime().unix_timestamp())
-                    }
+                    let time = |r: yasna::BERReader<'_, '_>| {
+                        if r.lookahead_tag()? == yasna::tags::TAG_UTCTIME {
+                            Ok(r.read_utctime()?.datetime().unix_timestamp())
+                        } else {
+                            Ok(r.read_generalized_time()?.datetime().unix_timestamp())
+                        }
+                    };
+                    Ok((time(r.next())?, time(r.next())?))
                 })?;
                 // The rest of the TBSCertificate: subject, key, extensions.
                 while r.read_optional(|r| r.read_der())?.is_some() {}
@@ -47,8 +56,9 @@ pub fn not_after(der: &[u8]) -> Option<SystemTime> {
         })
     })
     .ok()?;
-    let seconds = u64::try_from(seconds).ok()?;
-    UNIX_EPOCH.checked_add(Duration::from_secs(seconds))
+    let at =
+        |seconds: i64| UNIX_EPOCH.checked_add(Duration::from_secs(u64::try_from(seconds).ok()?));
+    Some((at(from)?, at(to)?))
 }
 
 /// The end of the validity of the first certificate in `pem` (what `diagnose` reads of a
@@ -64,17 +74,30 @@ pub fn pem_not_after(pem: &str) -> Result<SystemTime> {
 impl PeerTls {
     /// `(kind, notAfter)` of the certificates in use: `service`, then `ca`.
     pub fn expiries(&self) -> Vec<(&'static str, SystemTime)> {
+        self.validities()
+            .into_iter()
+            .map(|(kind, (_, end))| (kind, end))
+            .collect()
+    }
+
+    /// `(kind, (notBefore, notAfter))` of the certificates in use: `service`, then `ca`.
+    pub fn validities(&self) -> Vec<(&'static str, (SystemTime, SystemTime))> {
         let mut out = Vec::new();
         if let Some(leaf) = self.own_cert().current_leaf()
-            && let Some(at) = not_after(&leaf)
+            && let Some(valid) = validity(&leaf)
         {
-            out.push(("service", at));
+            out.push(("service", valid));
         }
-        if let Some(at) = not_after(self.own_ca_der()) {
-            out.push(("ca", at));
+        if let Some(valid) = validity(&self.own_ca_der()) {
+            out.push(("ca", valid));
         }
         out
     }
+}
+
+fn epoch_seconds(at: SystemTime) -> i64 {
+    at.duration_since(UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_secs()).unwrap_or(i64::MAX))
 }
 
 /// The expiry gauge of one service's certificates.
@@ -92,23 +115,31 @@ impl ExpiryCollector {
 
 impl Collector for ExpiryCollector {
     fn encode(&self, mut encoder: DescriptorEncoder<'_>) -> std::fmt::Result {
-        let expiries = self.tls.expiries();
-        if expiries.is_empty() {
+        let validities = self.tls.validities();
+        if validities.is_empty() {
             return Ok(());
         }
-        let mut family = encoder.encode_descriptor(
-            EXPIRY_METRIC,
-            "When the certificate stops being valid (its notAfter), seconds since the epoch: \
-             kind=service is this service's own certificate, kind=ca its cluster's CA",
-            None,
-            ConstGauge::new(0i64).metric_type(),
-        )?;
-        for (kind, at) in expiries {
-            let seconds = at
-                .duration_since(UNIX_EPOCH)
-                .map_or(0, |d| i64::try_from(d.as_secs()).unwrap_or(i64::MAX));
-            let labels = [("service", self.service), ("kind", kind)];
-            ConstGauge::new(seconds).encode(family.encode_family(&labels)?)?;
+        for (name, help, end) in [
+            (
+                EXPIRY_METRIC,
+                "When the certificate stops being valid (its notAfter), seconds since the \
+                 epoch: kind=service is this service's own certificate, kind=ca its cluster's CA",
+                true,
+            ),
+            (
+                NOT_BEFORE_METRIC,
+                "When the certificate became valid (its notBefore), seconds since the epoch: \
+                 with the expiry, its lifetime and how much of it is left",
+                false,
+            ),
+        ] {
+            let mut family =
+                encoder.encode_descriptor(name, help, None, ConstGauge::new(0i64).metric_type())?;
+            for (kind, (from, to)) in &validities {
+                let labels = [("service", self.service), ("kind", kind)];
+                let at = if end { *to } else { *from };
+                ConstGauge::new(epoch_seconds(at)).encode(family.encode_family(&labels)?)?;
+            }
         }
         Ok(())
     }
@@ -134,6 +165,11 @@ mod tests {
                 })
                 .expect("issued");
             assert_eq!(pem_not_after(&issued.cert_pem).expect("parsed"), wanted);
+            let der = parse_certs("certificate", &issued.cert_pem).expect("pem");
+            assert_eq!(
+                validity(der[0].as_ref()).expect("validity"),
+                (UNIX_EPOCH + Duration::from_secs(1_700_000_000), wanted)
+            );
         }
         assert!(pem_not_after(ca.cert_pem()).expect("ca parsed") > SystemTime::now());
     }

@@ -44,10 +44,12 @@ pub use channel::{
     pinned_handshake_channel,
 };
 pub use endpoint::TlsEndpoint;
-pub use expiry::{EXPIRY_METRIC, ExpiryCollector, not_after, pem_not_after};
+pub use expiry::{
+    EXPIRY_METRIC, ExpiryCollector, NOT_BEFORE_METRIC, not_after, pem_not_after, validity,
+};
 pub use identity::{PeerIdentity, URI_PREFIX, ca_cluster_id, cluster_uri, service_uri};
 pub use listener::{Caller, PeerConnectInfo, PeerStream, caller, caller_of, incoming};
-pub use managed::{MANAGED_CERT_LIFETIME, ManagedTls};
+pub use managed::{MANAGED_CERT_LIFETIME, ManagedTls, Rotation, announced, rotate_ca};
 pub use peer_tls::{PeerTls, TlsFiles};
 pub use pem::fingerprint;
 pub use pin::CaCertHash;

@@ -79,13 +79,26 @@ fn modified(path: &Path) -> Option<SystemTime> {
     std::fs::metadata(path).and_then(|m| m.modified()).ok()
 }
 
+impl TlsFiles {
+    /// When each file last changed: CA, certificate, key.
+    fn modified(&self) -> [Option<SystemTime>; 3] {
+        [
+            modified(&self.ca_cert),
+            modified(&self.cert),
+            modified(&self.key),
+        ]
+    }
+}
+
 struct Inner {
     cluster_id: String,
-    own_ca: PinnedCa,
+    /// Our cluster's CA: replaced by a reload when the cluster moved to its next CA.
+    own_ca: RwLock<PinnedCa>,
     own: Arc<OwnCert>,
     trust: TrustStore,
     files: Option<TlsFiles>,
-    loaded: RwLock<(Option<SystemTime>, Option<SystemTime>)>,
+    /// Modification times of the CA, certificate and key files last loaded.
+    loaded: RwLock<[Option<SystemTime>; 3]>,
 }
 
 /// A service's mutual-TLS setup towards other clusters: its cluster's CA certificate, its own
@@ -99,7 +112,7 @@ impl fmt::Debug for PeerTls {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("PeerTls")
             .field("cluster_id", &self.inner.cluster_id)
-            .field("ca.sha256", &self.inner.own_ca.fingerprint)
+            .field("ca.sha256", &self.own_ca().fingerprint)
             .field("pinned", &self.inner.trust)
             .finish_non_exhaustive()
     }
@@ -164,13 +177,13 @@ impl PeerTls {
         Ok(Self {
             inner: Arc::new(Inner {
                 cluster_id: cluster_id.to_owned(),
-                own_ca,
+                own_ca: RwLock::new(own_ca),
                 own: Arc::new(OwnCert {
                     current: RwLock::new(Arc::new(certified)),
                 }),
                 trust: TrustStore::default(),
                 files: None,
-                loaded: RwLock::new((None, None)),
+                loaded: RwLock::new([None; 3]),
             }),
         })
     }
@@ -187,13 +200,13 @@ impl PeerTls {
         Ok(Self {
             inner: Arc::new(Inner {
                 cluster_id: cluster_id.to_owned(),
-                own_ca,
+                own_ca: RwLock::new(own_ca),
                 own: Arc::new(OwnCert {
                     current: RwLock::new(Arc::new(certified)),
                 }),
                 trust: TrustStore::default(),
                 files: Some(files.clone()),
-                loaded: RwLock::new((modified(&files.cert), modified(&files.key))),
+                loaded: RwLock::new(files.modified()),
             }),
         })
     }
@@ -202,9 +215,18 @@ impl PeerTls {
         &self.inner.cluster_id
     }
 
+    /// Our cluster's CA, as last loaded.
+    fn own_ca(&self) -> PinnedCa {
+        self.inner
+            .own_ca
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
+    }
+
     /// Our cluster's CA certificate (PEM), sent to peers at the handshake.
-    pub fn ca_pem(&self) -> &str {
-        &self.inner.own_ca.pem
+    pub fn ca_pem(&self) -> String {
+        self.own_ca().pem
     }
 
     /// The pinned peers.
@@ -219,19 +241,27 @@ impl PeerTls {
     }
 
     /// Our cluster's CA certificate (DER).
-    pub(super) fn own_ca_der(&self) -> &[u8] {
-        self.inner.own_ca.der.as_ref()
+    pub(super) fn own_ca_der(&self) -> Vec<u8> {
+        self.own_ca().der.as_ref().to_vec()
     }
 
     /// Replaces our certificate and key (renewal): new connections present the new one, open
     /// connections keep theirs.
     pub fn renew(&self, cert_pem: &str, key_pem: &str) -> Result<()> {
-        let certified = certified_key(
-            &self.inner.cluster_id,
-            &self.inner.own_ca,
-            cert_pem,
-            key_pem,
-        )?;
+        self.renew_with(self.own_ca(), cert_pem, key_pem)
+    }
+
+    /// [`Self::renew`] with `ca` as our CA from now on (the cluster moved to its next CA): the
+    /// certificate must chain to it, or nothing changes.
+    fn renew_with(&self, ca: PinnedCa, cert_pem: &str, key_pem: &str) -> Result<()> {
+        let certified = certified_key(&self.inner.cluster_id, &ca, cert_pem, key_pem)?;
+        let moved = self.own_ca().fingerprint != ca.fingerprint;
+        if moved {
+            tracing::info!(ca.sha256 = %ca.fingerprint, "this cluster's CA changed: certificates of the new one from now on");
+        }
+        if let Ok(mut own) = self.inner.own_ca.write() {
+            *own = ca;
+        }
         if let Ok(mut current) = self.inner.own.current.write() {
             *current = Arc::new(certified);
         }
@@ -239,20 +269,23 @@ impl PeerTls {
         Ok(())
     }
 
-    /// Re-reads the certificate and key files when their modification times changed. True when
-    /// a new certificate is in use. A broken new pair keeps the old one (and says why).
+    /// Re-reads the CA, certificate and key files when their modification times changed. True
+    /// when a new certificate is in use. A broken new set keeps the old one (and says why).
     pub fn reload(&self) -> anyhow::Result<bool> {
         let Some(files) = &self.inner.files else {
             return Ok(false);
         };
-        let now = (modified(&files.cert), modified(&files.key));
+        let now = files.modified();
         let unchanged = self.inner.loaded.read().is_ok_and(|l| *l == now);
         if unchanged {
             return Ok(false);
         }
+        let ca = read(&files.ca_cert, "CA certificate")?;
+        let ca = PinnedCa::from_pem(&self.inner.cluster_id, &ca)
+            .map_err(|e| anyhow::anyhow!("{}: {e}", files.ca_cert.display()))?;
         let cert = read(&files.cert, "certificate")?;
         let key = read(&files.key, "private key")?;
-        self.renew(&cert, &key)?;
+        self.renew_with(ca, &cert, &key)?;
         if let Ok(mut loaded) = self.inner.loaded.write() {
             *loaded = now;
         }
@@ -284,6 +317,6 @@ impl PeerTls {
 
     /// The hash of this cluster's CA, what a join command pins.
     pub fn own_ca_hash(&self) -> Result<CaCertHash> {
-        CaCertHash::of_der(self.inner.own_ca.der.as_ref())
+        CaCertHash::of_der(self.own_ca().der.as_ref())
     }
 }

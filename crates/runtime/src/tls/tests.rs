@@ -481,14 +481,20 @@ async fn the_expiry_of_the_certificates_in_use_is_a_metric_and_follows_a_renewal
 
     let metrics = Metrics::new();
     metrics.register_collector(ExpiryCollector::new("broker", leaf.tls.clone()));
-    let value = |text: &str, kind: &str| -> Option<u64> {
-        let prefix = format!("{EXPIRY_METRIC}{{service=\"broker\",kind=\"{kind}\"}} ");
+    let metric = |name: &str, text: &str, kind: &str| -> Option<u64> {
+        let prefix = format!("{name}{{service=\"broker\",kind=\"{kind}\"}} ");
         text.lines()
             .find_map(|l| l.strip_prefix(&prefix))
             .and_then(|v| v.trim().parse().ok())
     };
+    let value = |text: &str, kind: &str| metric(EXPIRY_METRIC, text, kind);
     let text = metrics.render().await;
     assert_eq!(value(&text, "service"), Some(secs(first_end)), "{text}");
+    assert_eq!(
+        metric(NOT_BEFORE_METRIC, &text, "service"),
+        Some(secs(now - Duration::from_secs(60))),
+        "{text}"
+    );
     let ca_end = value(&text, "ca").expect("the CA's expiry");
     assert!(
         ca_end > secs(now) + 300 * 86_400,
@@ -503,4 +509,29 @@ async fn the_expiry_of_the_certificates_in_use_is_a_metric_and_follows_a_renewal
         .expect("renews");
     let text = metrics.render().await;
     assert_eq!(value(&text, "service"), Some(secs(second_end)), "{text}");
+}
+
+#[test]
+fn a_peer_that_moved_to_a_new_ca_keeps_its_open_connections_until_unpinned() {
+    let store = TrustStore::default();
+    let first = ClusterCa::generate("leaf-a").expect("CA");
+    let (next, _) = first.next().expect("next CA");
+    let pinned = |ca: &ClusterCa| PinnedCa::from_pem("leaf-a", ca.cert_pem()).expect("pin");
+    store.pin(pinned(&first));
+    assert!(store.admits("leaf-a", &first.fingerprint()));
+    assert!(!store.admits("leaf-a", &next.fingerprint()));
+    // The move: the new CA is pinned; connections authenticated by the old one stay admitted,
+    // new ones must chain to the new one (the verifier sees only what is pinned).
+    store.replace([pinned(&next)]);
+    assert!(store.is_pinned("leaf-a", &next.fingerprint()));
+    assert!(!store.is_pinned("leaf-a", &first.fingerprint()));
+    assert!(store.admits("leaf-a", &first.fingerprint()));
+    assert_eq!(store.snapshot().len(), 1, "one CA per peer is pinned");
+    // Unpeered: nothing of it is admitted any more.
+    assert!(store.unpin("leaf-a"));
+    assert!(!store.admits("leaf-a", &first.fingerprint()));
+    assert!(!store.admits("leaf-a", &next.fingerprint()));
+    // Pinned again (a new peering): only its CA of now.
+    store.pin(pinned(&next));
+    assert!(!store.admits("leaf-a", &first.fingerprint()));
 }

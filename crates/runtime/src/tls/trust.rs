@@ -93,10 +93,20 @@ impl PinnedCa {
 
 /// The pinned CAs of the peers, by cluster ID. Clones share the set; verifiers read it at
 /// every TLS handshake, so pinning and unpinning apply to the next connection.
+///
+/// A peer that moved to a new CA (ADR 0027) is pinned with the new one only, so new
+/// connections must chain to it; connections it opened before, authenticated by the CA it
+/// moved from, stay admitted until they close ([`TrustStore::admits`]), as connections keep
+/// their session across a certificate renewal. Unpinning the peer forgets both.
 #[derive(Clone, Default)]
 pub struct TrustStore {
     pinned: Arc<RwLock<BTreeMap<String, Arc<PinnedCa>>>>,
+    /// Per peer, the fingerprints of the CAs it moved away from while pinned (the last few).
+    moved_from: Arc<RwLock<BTreeMap<String, Vec<String>>>>,
 }
+
+/// How many CAs a peer moved away from are remembered.
+const MOVED_FROM: usize = 4;
 
 impl fmt::Debug for TrustStore {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -118,7 +128,9 @@ impl TrustStore {
             .is_none_or(|held| held.fingerprint != ca.fingerprint);
         if changed {
             tracing::info!(remote.id = %ca.cluster_id, ca.sha256 = %ca.fingerprint, "pinned a peer's CA");
-            pinned.insert(ca.cluster_id.clone(), Arc::new(ca));
+            if let Some(held) = pinned.insert(ca.cluster_id.clone(), Arc::new(ca)) {
+                self.moved(&held);
+            }
         }
         changed
     }
@@ -130,8 +142,23 @@ impl TrustStore {
         }
     }
 
+    /// Remembers that `from`'s cluster moved away from it.
+    fn moved(&self, from: &PinnedCa) {
+        if let Ok(mut moved) = self.moved_from.write() {
+            let list = moved.entry(from.cluster_id.clone()).or_default();
+            list.retain(|f| *f != from.fingerprint);
+            list.push(from.fingerprint.clone());
+            if list.len() > MOVED_FROM {
+                list.remove(0);
+            }
+        }
+    }
+
     /// Forgets cluster `id`'s CA: its certificates are refused from now on.
     pub fn unpin(&self, id: &str) -> bool {
+        if let Ok(mut moved) = self.moved_from.write() {
+            moved.remove(id);
+        }
         let removed = self
             .pinned
             .write()
@@ -150,16 +177,22 @@ impl TrustStore {
             .collect();
         if let Ok(mut pinned) = self.pinned.write() {
             for (id, ca) in &next {
-                if pinned
-                    .get(id)
-                    .is_none_or(|h| h.fingerprint != ca.fingerprint)
-                {
-                    tracing::info!(remote.id = %id, ca.sha256 = %ca.fingerprint, "pinned a peer's CA");
+                match pinned.get(id) {
+                    Some(held) if held.fingerprint == ca.fingerprint => {}
+                    held => {
+                        tracing::info!(remote.id = %id, ca.sha256 = %ca.fingerprint, "pinned a peer's CA");
+                        if let Some(held) = held {
+                            self.moved(held);
+                        }
+                    }
                 }
             }
             for id in pinned.keys() {
                 if !next.contains_key(id) {
                     tracing::info!(remote.id = %id, "unpinned a peer's CA");
+                    if let Ok(mut moved) = self.moved_from.write() {
+                        moved.remove(id);
+                    }
                 }
             }
             *pinned = next;
@@ -174,6 +207,20 @@ impl TrustStore {
     /// Whether `id` is still pinned with the CA of fingerprint `fingerprint`.
     pub fn is_pinned(&self, id: &str, fingerprint: &str) -> bool {
         self.get(id).is_some_and(|ca| ca.fingerprint == fingerprint)
+    }
+
+    /// Whether a connection authenticated as `id` by the CA of fingerprint `fingerprint` may
+    /// still call: `id` is pinned with that CA, or moved from it to the one pinned now (a
+    /// connection opened before the move). Never after `id` was unpinned.
+    pub fn admits(&self, id: &str, fingerprint: &str) -> bool {
+        if self.get(id).is_none() {
+            return false;
+        }
+        self.is_pinned(id, fingerprint)
+            || self.moved_from.read().is_ok_and(|m| {
+                m.get(id)
+                    .is_some_and(|l| l.iter().any(|f| f == fingerprint))
+            })
     }
 
     /// Every pinned CA.

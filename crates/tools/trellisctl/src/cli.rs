@@ -238,6 +238,58 @@ pub enum Command {
     /// Stop exporting a Service (EndpointMapper.UnexportService): every peer loses it. Succeeds,
     /// saying so, when it was not exported.
     Unexport(UnexportArgs),
+
+    /// The cluster's CA in the directory its services share (--tls-dir): create it, or move
+    /// the cluster to a new one while it is peered.
+    Certs(CertsArgs),
+}
+
+/// Arguments of `certs`.
+#[derive(Debug, Clone, Args)]
+pub struct CertsArgs {
+    #[command(subcommand)]
+    pub action: CertsAction,
+}
+
+/// What `certs` does.
+#[derive(Debug, Clone, Subcommand)]
+pub enum CertsAction {
+    /// Create the cluster's CA in DIR/ca/ unless there is one (what the first service to start
+    /// would do), and print its fingerprint and the hash a join command pins.
+    Init(CertsDirArgs),
+
+    /// Move the cluster to a new CA while it is peered, without interrupting anything: the
+    /// new CA replaces the current one in DIR (with a certificate of it signed by the current
+    /// one, which the services serve so that peers still pinning the old CA verify them); once
+    /// every service in DIR has a certificate of the new CA, the broker announces it to every
+    /// full peer (Broker.AnnounceCa), which pins it in place of the old one. Waits, with
+    /// progress on stderr, up to --wait; run it again to go on after an interruption or a
+    /// peer that did not answer. Exit code 1 while a peer does not pin the new CA.
+    RotateCa(RotateCaArgs),
+}
+
+/// The directory of `certs`.
+#[derive(Debug, Clone, Args)]
+pub struct CertsDirArgs {
+    /// The directory the cluster's services share (their --tls-dir).
+    #[arg(long, env = "TRELLIS_TLS_DIR", value_name = "DIR")]
+    pub tls_dir: std::path::PathBuf,
+
+    /// The cluster's ID (what its CA names); default: what the local discovery service says.
+    #[arg(long, env = "TRELLIS_CLUSTER_ID", value_name = "ID")]
+    pub cluster_id: Option<String>,
+}
+
+/// Arguments of `certs rotate-ca`.
+#[derive(Debug, Clone, Args)]
+pub struct RotateCaArgs {
+    #[command(flatten)]
+    pub dir: CertsDirArgs,
+
+    /// How long to wait for the services to move to the new CA and the peers to pin it, as a
+    /// number with a unit (`90s`, `10m`; default 5m).
+    #[arg(long, value_name = "DURATION", default_value = "5m", value_parser = ttl_arg)]
+    pub wait: Duration,
 }
 
 /// Flags of `status`.

@@ -13,6 +13,7 @@
 //!
 //! [`run`] is the whole program; `main.rs` only calls it.
 
+pub mod certs;
 pub mod cli;
 pub mod connect;
 pub mod diagnose;
@@ -106,6 +107,21 @@ pub async fn execute(cli: &Cli) -> Result<(), CtlError> {
                     view.findings.len(),
                     if view.findings.len() == 1 { "" } else { "s" }
                 )));
+            }
+            Ok(())
+        }
+        Command::Certs(args) => {
+            let output = certs::run(globals, args).await?;
+            emit(&output, format)?;
+            if let certs::CertsOutput::Rotated(view) = &output {
+                let waiting = view.peers.iter().filter(|p| !p.pinned).count();
+                if waiting > 0 {
+                    return Err(CtlError::Failed(format!(
+                        "{waiting} peer{} do not pin the new CA yet (they verify through the \
+                         cross certificate meanwhile); run the command again to go on",
+                        if waiting == 1 { "" } else { "s" }
+                    )));
+                }
             }
             Ok(())
         }

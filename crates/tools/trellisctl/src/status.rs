@@ -101,6 +101,9 @@ pub struct ForeignClusterView {
     pub peered: bool,
     /// For full records: whether networking with it is enabled.
     pub networking_enabled: Option<bool>,
+    /// For full records with mutual TLS: SHA-256 fingerprint (hex) of the CA pinned for it,
+    /// the one its certificates must chain to (it changes when the peer moves to a new CA).
+    pub pinned_ca_sha256: Option<String>,
     pub conditions: Vec<ConditionView>,
     pub update_time: Option<String>,
 }

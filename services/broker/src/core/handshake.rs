@@ -7,7 +7,7 @@ use trellis_api::model::Addresses;
 use trellis_api::peers::{PEERED_REASON, Peers};
 use trellis_api::{ClusterId, ClusterIdentity};
 use trellis_error::{Error, Result};
-use trellis_runtime::tls::{CaCertHash, Caller, PinnedCa};
+use trellis_runtime::tls::{CaCertHash, Caller, PeerTls, PinnedCa};
 
 use super::Broker;
 use crate::join_tokens::{self, Verdict};
@@ -43,7 +43,7 @@ impl Broker {
         }
         let ca = PinnedCa::from_pem(remote.as_str(), pem)
             .map_err(|e| Error::invalid(field, e.to_string()))?;
-        let ours = PinnedCa::from_pem(self.identity.id.as_str(), tls.ca_pem())?;
+        let ours = PinnedCa::from_pem(self.identity.id.as_str(), &tls.ca_pem())?;
         if ca.fingerprint() == ours.fingerprint() {
             return Err(Error::invalid(field, "is this cluster's own CA"));
         }
@@ -116,10 +116,7 @@ impl Broker {
 
     /// Our CA certificate for the handshake (empty without TLS).
     fn our_ca(&self) -> String {
-        self.ports
-            .tls()
-            .map(|t| t.ca_pem().to_owned())
-            .unwrap_or_default()
+        self.ports.tls().map(PeerTls::ca_pem).unwrap_or_default()
     }
 
     /// Answers a remote's handshake: checks the token, records the caller as a full peer,

@@ -7,6 +7,7 @@
 //! operations are `impl Broker` blocks in one submodule per kind of work, so that each can be
 //! read without the others:
 //!
+//! - `ca_moves`: a peer's CA replaced by its next one, and ours announced to the peers;
 //! - [`candidates`]: NAT traversal: where a hub sees its leaves' gateways, and those
 //!   reflexive endpoints written into a leaf's induced TunnelEndpoints;
 //! - [`lanes`]: the reconciler's two lanes, what each must look at next and how it is woken;
@@ -18,6 +19,7 @@
 //! - [`statuses`]: receiving a remote's decision on our NetworkConfig, and the `via` rule for
 //!   calls about a stored one.
 
+mod ca_moves;
 pub mod candidates;
 mod handshake;
 pub mod lanes;

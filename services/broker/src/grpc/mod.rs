@@ -97,6 +97,9 @@ impl BrokerService {
 /// At most this many IDs per GetObservedEndpoints call.
 const MAX_OBSERVED: usize = 1024;
 
+/// Far above what one CA certificate takes, far below what would cost us to parse.
+const MAX_CA_PEM: usize = 16 * 1024;
+
 /// The methods the peer listener serves (ADR 0014).
 pub const PEER_METHODS: PeerMethods = PeerMethods {
     authenticated: &[
@@ -105,6 +108,7 @@ pub const PEER_METHODS: PeerMethods = PeerMethods {
         "/trellis.peering.v1.Broker/ReportNetworkConfigStatus",
         "/trellis.peering.v1.Broker/WithdrawNetworkConfig",
         "/trellis.peering.v1.Broker/NotifyUnpeer",
+        "/trellis.peering.v1.Broker/UpdatePeerCa",
         "/trellis.peering.v1.Broker/GetObservedEndpoints",
     ],
     anonymous: &["/trellis.peering.v1.Broker/Handshake"],
@@ -489,6 +493,46 @@ impl BrokerApi for BrokerService {
             .notified_unpeer(&caller, &req.reason, ends.as_ref())
             .await?;
         Ok(Response::new(pb::NotifyUnpeerResponse { unpeered }))
+    }
+
+    async fn update_peer_ca(
+        &self,
+        request: Request<pb::UpdatePeerCaRequest>,
+    ) -> Result<Response<pb::UpdatePeerCaResponse>, Status> {
+        const RPC: &str = "UpdatePeerCa";
+        let peer = self.authz.peer(&request, RPC)?;
+        let req = request.into_inner();
+        let caller = identity_from_pb("identity", req.identity.as_ref())?;
+        self.authz
+            .require(peer.as_ref(), RPC, "identity", caller.id.as_str())?;
+        if req.ca_certificate.len() > MAX_CA_PEM {
+            return Err(Error::invalid(
+                "ca_certificate",
+                format!("is longer than {MAX_CA_PEM} bytes"),
+            )
+            .into());
+        }
+        let changed = self
+            .core
+            .update_peer_ca(&caller, &req.ca_certificate)
+            .await?;
+        Ok(Response::new(pb::UpdatePeerCaResponse { changed }))
+    }
+
+    async fn announce_ca(
+        &self,
+        _request: Request<pb::AnnounceCaRequest>,
+    ) -> Result<Response<pb::AnnounceCaResponse>, Status> {
+        let (ca_sha256, answers) = self.core.announce_ca().await?;
+        let peers = answers
+            .into_iter()
+            .map(|(peer, answer)| pb::CaAnnouncement {
+                peer: Some(identity_to_pb(&peer)),
+                pinned: answer.is_ok(),
+                error: answer.err().map(|e| e.to_string()).unwrap_or_default(),
+            })
+            .collect();
+        Ok(Response::new(pb::AnnounceCaResponse { ca_sha256, peers }))
     }
 
     async fn get_observed_endpoints(

@@ -16,6 +16,7 @@ use trellis_api::pb::peering::forwarder_client::ForwarderClient;
 use trellis_api::pb::peering::{
     GetObservedEndpointsRequest, HandshakeRequest, NotifyUnpeerRequest, RelayRequest,
     RelayResponse, RelayWithdrawalRequest, SubmitNetworkConfigRequest, SubmitNetworkConfigResponse,
+    UpdatePeerCaRequest,
 };
 use trellis_api::pb::types::{NetworkConfig, NetworkConfigRef, NetworkConfigStatus};
 use trellis_api::{ClusterId, ClusterIdentity};
@@ -169,6 +170,25 @@ impl PeerClusters {
             })
             .await?;
         Ok(())
+    }
+
+    /// Tells the full peer `id` (its broker at `address`) that our CA is `ca_certificate` from
+    /// now on; whether its pin changed.
+    pub async fn update_peer_ca(
+        &self,
+        address: &str,
+        id: &ClusterId,
+        ours: &ClusterIdentity,
+        ca_certificate: &str,
+    ) -> Result<bool> {
+        let answer = self
+            .broker(address, id)?
+            .update_peer_ca(UpdatePeerCaRequest {
+                identity: Some(identity_to_pb(ours)),
+                ca_certificate: ca_certificate.to_owned(),
+            })
+            .await?;
+        Ok(answer.into_inner().changed)
     }
 
     /// Where the hub `hub` (its broker at `address`) sees the gateways of `ids`: one

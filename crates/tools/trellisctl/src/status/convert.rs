@@ -57,6 +57,17 @@ impl ForeignClusterView {
         let peered = conditions
             .iter()
             .any(|c| c.kind == Condition::Peered.as_str() && c.status == "True");
+        let pinned_ca_sha256 = fc
+            .full
+            .as_ref()
+            .filter(|f| !f.ca_certificate.is_empty())
+            .map(|f| {
+                trellis_runtime::tls::PinnedCa::from_pem(&identity.cluster_id, &f.ca_certificate)
+                    .map_or_else(
+                        |e| format!("unreadable: {e}"),
+                        |ca| ca.fingerprint().to_owned(),
+                    )
+            });
         Self {
             cluster_id: identity.cluster_id,
             cluster_name: identity.cluster_name,
@@ -68,6 +79,7 @@ impl ForeignClusterView {
             discovery_source: names::discovery_source(fc.discovery_source),
             peered,
             networking_enabled: fc.full.as_ref().map(|f| f.networking_enabled),
+            pinned_ca_sha256,
             conditions,
             update_time: rfc3339(fc.update_time.as_ref()),
         }

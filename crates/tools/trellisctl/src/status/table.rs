@@ -117,6 +117,7 @@ impl StatusView {
             "ORIGIN",
             "SOURCE",
             "PEERED",
+            "PINNED CA",
             "CONDITIONS",
         ]);
         for fc in rows {
@@ -132,6 +133,10 @@ impl StatusView {
                 id_or_empty(fc.origin.as_ref()),
                 fc.discovery_source.clone(),
                 if fc.peered { "yes" } else { "no" }.into(),
+                // Enough of the fingerprint to tell two CAs apart at a glance.
+                fc.pinned_ca_sha256
+                    .as_deref()
+                    .map_or_else(String::new, |f| f.chars().take(16).collect()),
                 conditions.join(","),
             ]);
         }

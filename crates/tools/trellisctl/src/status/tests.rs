@@ -28,6 +28,7 @@ fn sample() -> StatusView {
         kind: types::PeeringKind::Full.into(),
         full: Some(types::FullPeering {
             networking_enabled: true,
+            ca_certificate: HUB_CA.with(|ca| ca.cert_pem().to_owned()),
             ..Default::default()
         }),
         conditions: vec![condition(Condition::Peered, types::ConditionStatus::True)],
@@ -112,14 +113,26 @@ fn sample() -> StatusView {
     }
 }
 
+thread_local! {
+    /// The hub's CA, pinned in the sample's full peering.
+    static HUB_CA: trellis_runtime::tls::ClusterCa =
+        trellis_runtime::tls::ClusterCa::generate("hub").expect("a CA");
+}
+
 #[test]
 fn table_shows_kinds_origins_nat_views_and_tunnel_health() {
     let text = sample().table();
+    let pinned = HUB_CA.with(trellis_runtime::tls::ClusterCa::fingerprint);
+    let hub_row = format!(
+        "hub      hub     full     -       peering       yes     {}  Peered=True",
+        &pinned[..16]
+    );
     for expected in [
         "endpoints  127.0.0.1:7105  unreachable  connection refused",
         "cluster id    leaf-a",
-        "hub      hub     full     -       peering       yes     Peered=True",
-        "leaf-c   leaf-c  induced  hub     neighborhood  no      InducedPeering=True",
+        "peering       mutual TLS",
+        &hub_row,
+        "leaf-c   leaf-c  induced  hub     neighborhood  no      -                 InducedPeering=True",
         "10.0.0.0/16 -> 10.80.0.0/16",
         "10.201.0.0/16 (as is)",
         "10.81.0.0/16 / 10.202.0.0/16",

@@ -1,0 +1,319 @@
+//! A cluster moves to a new CA while peered (ADR 0027), in process, driven by the real
+//! `trellisctl certs rotate-ca`: the hub of two leaves (certificates Trellis makes for itself,
+//! `--tls-dir`) replaces its CA while the leaves' induced mesh stands and two streams of calls
+//! run over mutual TLS, 100 a second each, a new connection (a new TLS handshake) every 20
+//! calls: leaf A calling the hub's broker, trusting what leaf A's discovery pins for the hub
+//! (as leaf A's own services do), and the hub's broker identity (its certificate files as the
+//! hub's broker serves them) calling leaf A's broker. No call may fail. Afterwards both leaves
+//! pin the new CA, a certificate of the old CA is refused, and the mesh is whole.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use tonic::Code;
+use trellis_api::pb::discovery::GetForeignClusterRequest;
+use trellis_api::pb::peering::GetObservedEndpointsRequest;
+use trellis_api::pb::peering::broker_client::BrokerClient;
+use trellis_api::pb::types;
+use trellis_integration::cluster::{InProcessCluster, Options};
+use trellis_integration::peering::{eventually, peer, tunnel_to};
+use trellis_runtime::client::Timeouts;
+use trellis_runtime::metrics::Metrics;
+use trellis_runtime::tls::{ClusterCa, PeerTls, PinnedCa, peer_channel};
+
+const EVERY: Duration = Duration::from_millis(10);
+const LIMIT: Duration = Duration::from_secs(40);
+
+fn identity(id: &str) -> types::ClusterIdentity {
+    types::ClusterIdentity {
+        cluster_id: id.into(),
+        cluster_name: id.into(),
+    }
+}
+
+/// The CA `of`'s discovery pins for `remote` (PEM).
+async fn pinned(of: &InProcessCluster, remote: &str) -> String {
+    of.discovery()
+        .await
+        .expect("connects")
+        .get_foreign_cluster(GetForeignClusterRequest {
+            cluster_id: remote.into(),
+        })
+        .await
+        .expect("known")
+        .into_inner()
+        .foreign_cluster
+        .and_then(|fc| fc.full)
+        .map(|full| full.ca_certificate)
+        .unwrap_or_default()
+}
+
+/// Calls `GetObservedEndpoints` of the broker at `at` (cluster `callee`) as `caller` every
+/// [`EVERY`] until `stop`, a new connection every 20 calls, `refresh` run before each new
+/// connection (what a service's trust sync and certificate reload do meanwhile); the number of
+/// calls and the failures.
+async fn calls(
+    caller: &'static str,
+    callee: &'static str,
+    at: std::net::SocketAddr,
+    mut tls: impl FnMut() -> PeerTls,
+    stop: Arc<AtomicBool>,
+) -> (u32, Vec<String>) {
+    let started = Instant::now();
+    let (mut made, mut failed) = (0u32, Vec::new());
+    let mut next = Instant::now();
+    let mut client = None;
+    while !stop.load(Ordering::Relaxed) {
+        if made % 20 == 0 {
+            let channel = peer_channel(
+                &tls(),
+                "test",
+                &at.to_string(),
+                Some(callee),
+                Timeouts::default(),
+                &Metrics::new(),
+            )
+            .expect("channel");
+            client = Some(BrokerClient::new(channel));
+        }
+        let answer = client
+            .as_mut()
+            .expect("connected")
+            .get_observed_endpoints(GetObservedEndpointsRequest {
+                requester: Some(identity(caller)),
+                cluster_ids: vec![caller.into()],
+            })
+            .await;
+        if let Err(status) = answer {
+            failed.push(format!(
+                "{caller} -> {callee} at {:.2} s: {status:?}",
+                started.elapsed().as_secs_f64()
+            ));
+        }
+        made += 1;
+        next += EVERY;
+        tokio::time::sleep_until(next.into()).await;
+    }
+    (made, failed)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_hub_moves_to_a_new_ca_while_peered_and_the_old_one_is_refused_afterwards() {
+    let options = Options {
+        tls: true,
+        endpoints: true,
+        managed_cert_lifetime: Some(3600),
+        ..Options::default()
+    };
+    let start = |id: &'static str| {
+        InProcessCluster::start_with(id, "10.0.0.0/16", "10.201.0.0/16", options.clone())
+    };
+    let hub = start("hub").await.expect("the hub starts");
+    let a = start("leaf-a").await.expect("leaf A starts");
+    let c = start("leaf-c").await.expect("leaf C starts");
+    peer(&a, &hub).await;
+    peer(&c, &hub).await;
+    eventually("A's induced tunnel to C", LIMIT, || tunnel_to(&a, "leaf-c")).await;
+
+    let hub_tls = hub.tls.as_ref().expect("tls");
+    let dir = hub_tls.managed_dir();
+    let read = |path: &str| std::fs::read_to_string(dir.join(path)).expect("readable");
+    let old_ca = ClusterCa::load("hub", &read("ca/ca.pem"), &read("ca/ca-key.pem")).expect("CA");
+    let before = pinned(&a, "hub").await;
+    assert_eq!(
+        before,
+        old_ca.cert_pem(),
+        "A pinned the hub's CA at the handshake"
+    );
+
+    // Leaf A calling the hub, trusting what leaf A's discovery pins for it now.
+    let a_tls = a.tls.as_ref().expect("tls");
+    let as_a = a_tls.client("broker", &[&hub]).expect("A's identity");
+    let a_discovery = a.discovery().await.expect("connects");
+    let pins = Arc::new(std::sync::Mutex::new(before.clone()));
+    let follow = {
+        let pins = pins.clone();
+        let stop = Arc::new(AtomicBool::new(false));
+        let watching = stop.clone();
+        let task = tokio::spawn(async move {
+            let mut discovery = a_discovery;
+            while !watching.load(Ordering::Relaxed) {
+                if let Ok(answer) = discovery
+                    .get_foreign_cluster(GetForeignClusterRequest {
+                        cluster_id: "hub".into(),
+                    })
+                    .await
+                    && let Some(full) = answer.into_inner().foreign_cluster.and_then(|f| f.full)
+                {
+                    *pins.lock().expect("lock") = full.ca_certificate;
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        });
+        (stop, task)
+    };
+    let stop = Arc::new(AtomicBool::new(false));
+    let a_to_hub = tokio::spawn(calls(
+        "leaf-a",
+        "hub",
+        hub_tls.broker,
+        {
+            let pins = pins.clone();
+            move || {
+                let pem = pins.lock().expect("lock").clone();
+                as_a.trust()
+                    .pin(PinnedCa::from_pem("hub", &pem).expect("a CA"));
+                as_a.clone()
+            }
+        },
+        stop.clone(),
+    ));
+    // The hub's broker calling leaf A: its certificate files as the broker serves them.
+    // Between the new CA and the broker's new certificate, the files do not match: the broker
+    // keeps its current identity then, and so does this.
+    let a_ca = a_tls.ca.cert_pem().to_owned();
+    let hub_dir = dir.clone();
+    let mut last: Option<PeerTls> = None;
+    let hub_to_a = tokio::spawn(calls(
+        "hub",
+        "leaf-a",
+        a_tls.broker,
+        move || {
+            let read = |path: &str| std::fs::read_to_string(hub_dir.join(path)).unwrap_or_default();
+            let loaded = PeerTls::new(
+                "hub",
+                &read("ca/ca.pem"),
+                &read("broker/cert.pem"),
+                &read("broker/key.pem"),
+            );
+            if let Ok(tls) = loaded {
+                tls.trust()
+                    .pin(PinnedCa::from_pem("leaf-a", &a_ca).expect("A's CA"));
+                last = Some(tls);
+            }
+            last.clone().expect("the hub broker's identity")
+        },
+        stop.clone(),
+    ));
+
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let bin = trellis_integration::bin_path("trellisctl").expect("trellisctl is built");
+    let rotated = tokio::process::Command::new(bin)
+        .args([
+            "--broker",
+            &hub.services.broker.to_string(),
+            "--output",
+            "json",
+            "certs",
+            "rotate-ca",
+            "--tls-dir",
+            &dir.display().to_string(),
+            "--cluster-id",
+            "hub",
+            "--wait",
+            "60s",
+        ])
+        .output()
+        .await
+        .expect("trellisctl runs");
+    let stdout = String::from_utf8_lossy(&rotated.stdout);
+    let stderr = String::from_utf8_lossy(&rotated.stderr);
+    assert!(
+        rotated.status.success(),
+        "rotate-ca failed:\n{stdout}\n{stderr}"
+    );
+    eprintln!("rotate-ca said:\n{stderr}{stdout}");
+    let view: serde_json::Value = serde_json::from_str(&stdout).expect("JSON");
+    let new_ca = read("ca/ca.pem");
+    let new_fingerprint = PinnedCa::from_pem("hub", &new_ca)
+        .expect("the new CA")
+        .fingerprint()
+        .to_owned();
+    assert_eq!(view["ca_sha256"], new_fingerprint.as_str());
+    assert_ne!(new_ca, old_ca.cert_pem(), "the CA changed");
+    let services: Vec<&str> = view["services"]
+        .as_array()
+        .expect("services")
+        .iter()
+        .filter_map(|s| s.as_str())
+        .collect();
+    assert_eq!(
+        services,
+        ["broker", "discovery", "endpoints", "forwarder", "ipam"],
+        "every cluster-facing service moved"
+    );
+    for peer in view["peers"].as_array().expect("peers") {
+        assert_eq!(peer["pinned"], true, "{peer}");
+    }
+    // Calls go on after the announcement, over new connections.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    stop.store(true, Ordering::Relaxed);
+    let (a_calls, a_failed) = a_to_hub.await.expect("A's calls");
+    let (hub_calls, hub_failed) = hub_to_a.await.expect("the hub's calls");
+    follow.0.store(true, Ordering::Relaxed);
+    follow.1.await.expect("follows");
+    eprintln!(
+        "measured: leaf A -> hub {a_calls} calls, {} failed; hub -> leaf A {hub_calls} calls, {} failed",
+        a_failed.len(),
+        hub_failed.len()
+    );
+    assert!(
+        a_calls >= 300 && hub_calls >= 300,
+        "{a_calls}, {hub_calls} calls"
+    );
+    assert!(a_failed.is_empty(), "failed: {a_failed:#?}");
+    assert!(hub_failed.is_empty(), "failed: {hub_failed:#?}");
+
+    // Both leaves pin the new CA, and refuse a certificate of the old one.
+    for leaf in [&a, &c] {
+        assert_eq!(
+            pinned(leaf, "hub").await,
+            new_ca,
+            "{} pins the new CA",
+            leaf.id
+        );
+    }
+    let stale = old_ca.issue("broker").expect("a certificate of the old CA");
+    let as_old = PeerTls::new("hub", old_ca.cert_pem(), &stale.cert_pem, stale.key_pem())
+        .expect("an identity of the old CA");
+    as_old
+        .trust()
+        .pin(PinnedCa::from_pem("leaf-a", a_tls.ca.cert_pem()).expect("A's CA"));
+    let err = BrokerClient::new(
+        peer_channel(
+            &as_old,
+            "test",
+            &a_tls.broker.to_string(),
+            Some("leaf-a"),
+            Timeouts::default(),
+            &Metrics::new(),
+        )
+        .expect("channel"),
+    )
+    .get_observed_endpoints(GetObservedEndpointsRequest {
+        requester: Some(identity("hub")),
+        cluster_ids: vec!["hub".into()],
+    })
+    .await
+    .expect_err("the old CA is refused");
+    assert!(
+        matches!(
+            err.code(),
+            Code::Unavailable | Code::Unknown | Code::Cancelled
+        ),
+        "refused at the TLS handshake: {err:?}"
+    );
+
+    // The mesh stands: full and induced tunnels, and the leaves still talk to the hub.
+    for (from, to) in [(&a, "hub"), (&c, "hub"), (&a, "leaf-c"), (&c, "leaf-a")] {
+        assert!(
+            tunnel_to(from, to).await.is_some(),
+            "{} lost its tunnel to {to}",
+            from.id
+        );
+    }
+    c.stop().await;
+    a.stop().await;
+    hub.stop().await;
+}
