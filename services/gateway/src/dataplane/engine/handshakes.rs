@@ -79,15 +79,24 @@ impl Shared {
 
     /// A handshake initiation to the endpoint and, unless confirmed, every candidate, and
     /// through the hub when the peer is relayed; `force` makes a new one even while one is in
-    /// flight (a probe).
+    /// flight (a probe). Without `force`, while one is in flight, that one goes again (new
+    /// candidates must hear it now, not at the next probe).
     fn initiate_everywhere(&self, peer: &Peer, force: bool) {
         let mut buf = [0u8; 256];
-        let result = peer.tunn().format_handshake_initiation(&mut buf, force);
-        if let TunnResult::WriteToNetwork(packet) = result {
-            self.send_direct(peer, packet);
-            if self.relayed(peer) {
-                self.send_through_hub(peer, packet);
+        let fresh = match peer.tunn().format_handshake_initiation(&mut buf, force) {
+            TunnResult::WriteToNetwork(packet) => {
+                let packet = packet.to_vec();
+                *peer.initiation.lock().unwrap_or_else(|e| e.into_inner()) = Some(packet.clone());
+                Some(packet)
             }
+            _ => None,
+        };
+        let Some(packet) = fresh.or_else(|| peer.pending_initiation()) else {
+            return;
+        };
+        self.send_direct(peer, &packet);
+        if self.relayed(peer) {
+            self.send_through_hub(peer, &packet);
         }
     }
 
@@ -135,6 +144,18 @@ impl Shared {
         }
         let every = if fast { PROBE_FAST } else { PROBE_SLOW };
         if now.duration_since(last) < every {
+            // Between two new initiations, the one in flight goes again every tick while the
+            // probing is new: a NAT in front of the peer drops our first copies until the peer
+            // has sent towards us, and a hub drops them until it has added us. The same bytes
+            // make no new handshake state, so an answer that takes longer than a tick still
+            // completes the handshake (a new initiation every tick would not, over a long
+            // round trip).
+            if !relayed && unheard && now.duration_since(began) < RESEND_FOR {
+                drop(probing);
+                if let Some(packet) = peer.pending_initiation() {
+                    self.send_direct(peer, &packet);
+                }
+            }
             return;
         }
         let session = peer.tunn().time_since_last_handshake().is_some();
@@ -165,6 +186,8 @@ impl Shared {
 
 /// How often a peer not heard from yet is probed at first, and for how long.
 const PROBE_FAST: Duration = Duration::from_secs(1);
+/// For how long after the probing began the initiation in flight is sent again every tick.
+const RESEND_FOR: Duration = Duration::from_secs(5);
 const PROBE_FAST_FOR: Duration = Duration::from_secs(20);
 /// How often a peer with candidates is probed afterwards, until it answers.
 const PROBE_SLOW: Duration = Duration::from_secs(5);

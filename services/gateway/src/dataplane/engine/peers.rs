@@ -103,6 +103,9 @@ pub(super) struct Peer {
     /// Data datagrams lately sent directly, resent through the hub when the route moves there
     /// ([`super::resend`]).
     pub(super) sent: Mutex<resend::Sent>,
+    /// The last handshake initiation we made for it, sent again while it may be in flight
+    /// ([`super::handshakes`]).
+    pub(super) initiation: Mutex<Option<Vec<u8>>>,
 }
 
 impl Peer {
@@ -114,6 +117,18 @@ impl Peer {
 
     pub(super) fn endpoint(&self) -> SocketAddr {
         *self.endpoint.read().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The initiation of the handshake in flight, if any: none once the peer was heard from
+    /// directly.
+    pub(super) fn pending_initiation(&self) -> Option<Vec<u8>> {
+        if self.confirmed.load(Ordering::Relaxed) {
+            return None;
+        }
+        self.initiation
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
     }
 
     pub(super) fn candidates(&self) -> Vec<SocketAddr> {
@@ -189,6 +204,7 @@ impl Engine {
                 greet: AtomicBool::new(false),
                 added: Instant::now(),
                 sent: Mutex::default(),
+                initiation: Mutex::new(None),
             });
             peers.by_index.insert(index, peer.clone());
             peers.by_key.insert(config.public_key, index);
