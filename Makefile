@@ -8,7 +8,7 @@ export PATH := $(ROOT)/.tools/bin:$(HOME)/.cargo/bin:$(PATH)
 export CARGO_TARGET_DIR ?= $(HOME)/.cache/trellis/target
 export CARGO_TERM_COLOR ?= never
 
-.PHONY: demo setup test fmt-check clippy lint-proto validate-deploy build nextest fmt bench bench-quick bench-report bench-ipam bench-mesh bench-endpoints bench-exports bench-dataplane bench-failover bench-nat clean
+.PHONY: demo setup test fmt-check clippy lint-proto validate-deploy build nextest fmt bench bench-quick bench-report bench-ipam bench-mesh bench-endpoints bench-exports bench-dataplane bench-failover bench-nat bench-tls clean
 
 setup:
 	bash scripts/setup.sh
@@ -90,6 +90,11 @@ bench-failover: setup
 	cargo build --release --locked --bins -p trellis-ipam -p trellis-discovery -p trellis-broker \
 		-p trellis-forwarder -p trellis-gateway -p trellis-endpoints -p trellis-route
 	cargo run --release --locked -p trellis-bench --bin failover-bench -- --out bench/results/failover.json
+
+# The induced mesh's setup at 100 leaves with mutual TLS against plaintext, alternately in one
+# run: what secure by default costs (issue 37).
+bench-tls: setup
+	cargo run --release --locked -p trellis-bench --bin tls-bench -- --out bench/results/tls.json
 
 # Root only: a hub and leaves behind every kind of NAT router, timed from induced peering to the
 # first pod-to-pod packet, and relayed paths against direct ones (issue 36, ADR 0025).

@@ -108,6 +108,7 @@ if [ "$kind" = quick ]; then
     --out "$out/mesh-hub-etcd.json"
   run mesh-bench --mode etcd-processes --leaves 2 --repeats 2 --timeout 60 \
     --out "$out/mesh-etcd.json"
+  run tls-bench --leaves 10 --repeats 2 --timeout 60 --out "$out/tls.json"
   run endpoints-bench --reflections 80 --repeats 3 --out "$out/endpoints.json"
   run exports-bench --leaves 5 --samples 20 --bulk-endpoints 200 --repeats 2 \
     --out "$out/exports.json"
@@ -129,6 +130,7 @@ else
     --out "$out/mesh-hub-etcd.json"
   run mesh-bench --mode etcd-processes --leaves 2,5 --repeats 3 --timeout 300 \
     --out "$out/mesh-etcd.json"
+  run tls-bench --out "$out/tls.json"
   run endpoints-bench --out "$out/endpoints.json"
   run exports-bench --out "$out/exports.json"
   dataplane=(--out "$out/dataplane.json")

@@ -20,17 +20,30 @@ fn flags(list: &[&str]) -> Vec<String> {
 }
 
 /// The hub's service addresses (picked before binding: discovery advertises them first).
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 struct HubAddrs {
     discovery: SocketAddr,
     broker: SocketAddr,
     forwarder: SocketAddr,
     ipam: SocketAddr,
     gateway: SocketAddr,
+    /// With mutual TLS: the cluster-facing services' peer listeners.
+    tls: Option<HubTls>,
+}
+
+/// The hub's mutual TLS: where other clusters call its cluster-facing services, and the
+/// directory its services make the cluster's CA and their certificates in.
+#[derive(Debug, Clone)]
+struct HubTls {
+    discovery: SocketAddr,
+    broker: SocketAddr,
+    forwarder: SocketAddr,
+    ipam: SocketAddr,
+    dir: std::path::PathBuf,
 }
 
 impl HubAddrs {
-    fn pick() -> Self {
+    fn pick(tls_dir: Option<&std::path::Path>) -> Self {
         let free = trellis_integration::free_addr;
         Self {
             discovery: free(),
@@ -38,6 +51,24 @@ impl HubAddrs {
             forwarder: free(),
             ipam: free(),
             gateway: free(),
+            tls: tls_dir.map(|dir| HubTls {
+                discovery: free(),
+                broker: free(),
+                forwarder: free(),
+                ipam: free(),
+                dir: dir.to_owned(),
+            }),
+        }
+    }
+
+    /// Where other clusters reach `service`: its peer listener with TLS.
+    fn facing(&self, service: &str) -> SocketAddr {
+        match (&self.tls, service) {
+            (Some(t), "discovery") => t.discovery,
+            (Some(t), "broker") => t.broker,
+            (Some(t), "forwarder") => t.forwarder,
+            (Some(t), "ipam") => t.ipam,
+            _ => listen_of(service, self),
         }
     }
 }
@@ -64,21 +95,34 @@ fn hub_flags(service: &str, a: &HubAddrs) -> Vec<String> {
         "--shutdown-grace",
         "1",
     ]);
-    if service != "gateway" {
-        args.push(trellis_testkit::PLAINTEXT_PEERING.to_owned());
+    match &a.tls {
+        _ if service == "gateway" => {}
+        None => args.push(trellis_testkit::PLAINTEXT_PEERING.to_owned()),
+        Some(tls) => {
+            args.extend(flags(&[
+                "--peer-listen",
+                &a.facing(service).to_string(),
+                "--tls-dir",
+                &tls.dir.display().to_string(),
+            ]));
+            if service == "ipam" {
+                // Discovery keeps the pinned CAs the IPAM's peer listener trusts.
+                args.extend(flags(&["--discovery", &a.discovery.to_string()]));
+            }
+        }
     }
     args.extend(match service {
         "ipam" => flags(&["--pod-cidr", POD_CIDR, "--external-cidr", EXTERNAL_CIDR]),
         "gateway" => flags(&["--dataplane", "none", "--endpoint-address", "127.0.0.1"]),
         "discovery" => flags(&[
             "--advertise-discovery",
-            &a.discovery.to_string(),
+            &a.facing("discovery").to_string(),
             "--advertise-broker",
-            &a.broker.to_string(),
+            &a.facing("broker").to_string(),
             "--advertise-forwarder",
-            &a.forwarder.to_string(),
+            &a.facing("forwarder").to_string(),
             "--advertise-ipam",
-            &a.ipam.to_string(),
+            &a.facing("ipam").to_string(),
             "--advertise-gateway",
             &a.gateway.to_string(),
             "--neighborhood-resync",
@@ -109,13 +153,15 @@ fn with_argv0(args: Vec<String>) -> Vec<String> {
 /// flags, whose stores stay reachable.
 pub(super) struct InProcessHub {
     addrs: HubAddrs,
+    /// With mutual TLS: the services' certificate directory, removed with the hub.
+    _tls_dir: Option<tempfile::TempDir>,
     stores: [(&'static str, SharedStore); 5],
     shutdown: Shutdown,
     tasks: Vec<tokio::task::JoinHandle<anyhow::Result<()>>>,
 }
 
 impl InProcessHub {
-    async fn start_once(a: HubAddrs) -> anyhow::Result<Self> {
+    async fn start_once(a: HubAddrs, tls_dir: Option<tempfile::TempDir>) -> anyhow::Result<Self> {
         use clap::Parser as _;
         let shutdown = Shutdown::new();
         let stop_on_failure = shutdown.clone().drop_guard();
@@ -166,6 +212,7 @@ impl InProcessHub {
         stop_on_failure.disarm();
         Ok(Self {
             addrs: a,
+            _tls_dir: tls_dir,
             stores: [
                 ("discovery", discovery_store),
                 ("broker", broker_store),
@@ -255,10 +302,20 @@ impl Hub {
         }
         let mut attempt = 0;
         loop {
-            let a = HubAddrs::pick();
             let started = match mode {
-                Mode::InProcess => InProcessHub::start_once(a).await.map(Hub::InProcess),
-                _ => ProcessHub::start_once(a).await.map(Hub::Processes),
+                Mode::InProcess => InProcessHub::start_once(HubAddrs::pick(None), None)
+                    .await
+                    .map(Hub::InProcess),
+                Mode::InProcessTls => {
+                    let dir = tempfile::tempdir()?;
+                    let a = HubAddrs::pick(Some(dir.path()));
+                    InProcessHub::start_once(a, Some(dir))
+                        .await
+                        .map(Hub::InProcess)
+                }
+                _ => ProcessHub::start_once(HubAddrs::pick(None))
+                    .await
+                    .map(Hub::Processes),
             };
             match started {
                 Err(err) if attempt < 5 && port_taken(&err) => attempt += 1,
@@ -279,8 +336,17 @@ impl Hub {
                     forwarder: c.services.forwarder,
                     ipam: c.services.ipam,
                     gateway: c.services.gateway,
+                    tls: None,
                 },
             ),
+        }
+    }
+
+    /// The broker address the leaves peer with: its peer listener with mutual TLS.
+    pub(super) fn peering_broker(&self) -> SocketAddr {
+        match self {
+            Hub::InProcess(h) => h.addrs.facing("broker"),
+            _ => self.addr("broker"),
         }
     }
 

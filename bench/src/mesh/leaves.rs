@@ -52,6 +52,7 @@ impl Leaves {
                 for i in 0..n {
                     let options = trellis_integration::cluster::Options {
                         discovery_flags: leaf_discovery_flags(),
+                        tls: mode == Mode::InProcessTls,
                         ..Default::default()
                     };
                     out.push(

@@ -37,11 +37,12 @@ pub(super) async fn measure(
     leaves: usize,
     timeout: Duration,
 ) -> anyhow::Result<Outcome> {
-    let token = BrokerClient::new(channel(hub.addr("broker")).await?)
+    // With mutual TLS, the leaves pin the hub's CA at first contact, as a join command does.
+    let answer = BrokerClient::new(channel(hub.addr("broker")).await?)
         .get_token(GetTokenRequest {})
         .await?
-        .into_inner()
-        .token;
+        .into_inner();
+    let (token, ca_cert_hash) = (answer.token, answer.ca_cert_hash);
     let brokers = clusters.brokers();
     let expected = leaves * (leaves - 1);
     let pids = hub.pids()?;
@@ -65,10 +66,10 @@ pub(super) async fn measure(
         for broker in &brokers {
             let mut broker = BrokerClient::new(channel(*broker).await?);
             let request = PeerRequest {
-                broker_address: hub.addr("broker").to_string(),
+                broker_address: hub.peering_broker().to_string(),
                 token: token.clone(),
                 expected_cluster_id: HUB_ID.into(),
-                ca_cert_hash: String::new(),
+                ca_cert_hash: ca_cert_hash.clone(),
             };
             // With hundreds of clusters on two cores a leaf's own services can be too slow to
             // answer its broker in time (UNAVAILABLE); an operator would run the command again,

@@ -32,6 +32,7 @@ impl Mode {
     pub fn default_out(self) -> &'static str {
         match self {
             Mode::InProcess => "bench/results/mesh.json",
+            Mode::InProcessTls => "bench/results/mesh-tls.json",
             Mode::HubProcesses => "bench/results/mesh-hub-processes.json",
             Mode::HubEtcd => "bench/results/mesh-hub-etcd.json",
             Mode::EtcdProcesses => "bench/results/mesh-etcd.json",

@@ -22,6 +22,7 @@ use super::notes::note;
 use super::output::{DOC, Output};
 use super::parse::{Parsed, parse};
 use super::targets::targets;
+use super::tls::tls_section;
 use crate::results::{Machine, RunKind};
 
 /// Generates the document and the plots from `inputs`.
@@ -59,6 +60,7 @@ pub fn render(inputs: &Inputs) -> Output {
     node_path_section(&mut md, inputs);
     failover_section(&mut md, inputs);
     nat_section(&mut md, inputs);
+    tls_section(&mut md, inputs);
     md.push_str(&note(inputs, "outro"));
     while md.ends_with("\n\n") {
         md.pop();

@@ -8,7 +8,7 @@ use anyhow::Context as _;
 use serde_json::Value;
 
 /// The benchmarks, by result file name (`<name>.json`).
-pub const BENCHMARKS: [&str; 11] = [
+pub const BENCHMARKS: [&str; 12] = [
     "ipam",
     "mesh",
     "mesh-hub-processes",
@@ -20,6 +20,7 @@ pub const BENCHMARKS: [&str; 11] = [
     "dataplane-nodes",
     "failover",
     "nat",
+    "tls",
 ];
 
 /// Earlier measurements kept for the notes' "what changed" sections (full results only).

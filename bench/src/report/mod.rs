@@ -28,6 +28,7 @@ mod notes;
 mod output;
 mod parse;
 mod targets;
+mod tls;
 
 pub use document::render;
 pub use format::num;

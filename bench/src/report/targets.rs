@@ -9,6 +9,7 @@ use super::inputs::Inputs;
 use super::mesh_targets::{mesh_target_size, not_converged_text, scale_targets};
 use super::nat::nat_targets;
 use super::parse::parse;
+use super::tls::tls_targets;
 use crate::results::{DataplaneResult, IpamResult, IpamScenario, MeshResult};
 
 /// Whether a target is met.
@@ -427,6 +428,7 @@ pub fn targets(inputs: &Inputs) -> Vec<Target> {
     out.extend(scale_targets(inputs, &mesh));
     out.extend(failover_targets(inputs));
     out.extend(nat_targets(inputs));
+    out.extend(tls_targets(inputs));
     out
 }
 

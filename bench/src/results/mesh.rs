@@ -13,6 +13,10 @@ use super::{Machine, RunInfo};
 pub enum Mode {
     /// Every service of every cluster in this process, memory stores.
     InProcess,
+    /// The same with mutual TLS between the clusters, as by default: every cluster-facing
+    /// service on a peer listener, the hub's certificates made by its services (`--tls-dir`),
+    /// the leaves pinning the hub's CA at first contact.
+    InProcessTls,
     /// The hub's services as child processes (release binaries, memory stores), leaves in
     /// this process: the hub's CPU time and peak memory are measured.
     HubProcesses,

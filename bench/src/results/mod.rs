@@ -14,6 +14,7 @@ mod latency;
 mod mesh;
 mod nat;
 mod run;
+mod tls;
 
 pub use dataplane::{
     Comparison, DataplaneResult, Emulation, NodePathResult, Rtt, RttOverhead, Side, SideBySide,
@@ -33,6 +34,7 @@ pub use nat::{
     Percentiles,
 };
 pub use run::{Header, Machine, RunInfo, RunKind};
+pub use tls::{TlsParameters, TlsResult};
 
 use serde::{Deserialize, Serialize};
 
