@@ -416,6 +416,12 @@ impl NsCluster {
         SocketAddr::new(self.ip, service.port())
     }
 
+    /// With [`ClusterOptions::tls`]: the directory the services make the cluster's CA and
+    /// their certificates in (`--tls-dir`).
+    pub fn tls_dir(&self) -> Option<PathBuf> {
+        self.options.tls.then(|| self.logs.path().join("tls"))
+    }
+
     /// Where `service` takes calls from other clusters: its mutual-TLS listener with
     /// [`ClusterOptions::tls`] (the gateway has none), else its only one.
     pub fn facing_addr(&self, service: Service) -> SocketAddr {
@@ -537,6 +543,9 @@ impl NsCluster {
                 &facing(service),
                 "--tls-dir",
                 &self.logs.path().join("tls").display().to_string(),
+                // A new CA (`trellisctl certs rotate-ca`) is taken within a second.
+                "--tls-reload",
+                "1",
             ]));
             if service == Service::Ipam {
                 // Discovery keeps the pinned CAs the IPAM's listener trusts.
