@@ -305,6 +305,48 @@ async fn the_hub_moves_to_a_new_ca_while_peered_and_the_old_one_is_refused_after
         "refused at the TLS handshake: {err:?}"
     );
 
+    // `diagnose --tls-dir` reads the hub's certificates there: every service's is of the new
+    // CA, in time, and the move was announced.
+    let s = &hub.services;
+    let diagnosed = tokio::process::Command::new(
+        trellis_integration::bin_path("trellisctl").expect("trellisctl is built"),
+    )
+    .args([
+        "--discovery",
+        &s.discovery.to_string(),
+        "--broker",
+        &s.broker.to_string(),
+        "--forwarder",
+        &s.forwarder.to_string(),
+        "--ipam",
+        &s.ipam.to_string(),
+        "--gateway",
+        &s.gateway.to_string(),
+        "--endpoints",
+        &s.endpoints.to_string(),
+        "--output",
+        "json",
+        "diagnose",
+        "--tls-dir",
+        &dir.display().to_string(),
+    ])
+    .output()
+    .await
+    .expect("trellisctl runs");
+    let report: serde_json::Value =
+        serde_json::from_slice(&diagnosed.stdout).expect("diagnose prints JSON");
+    let own: Vec<&serde_json::Value> = report["findings"]
+        .as_array()
+        .expect("findings")
+        .iter()
+        .filter(|f| f["check"] == "own_certificate" || f["check"] == "not_checked")
+        .collect();
+    assert!(own.is_empty(), "{own:#?}");
+    assert!(
+        report["checked"]["certificates"].as_u64().unwrap_or(0) >= 6,
+        "the CA and five services' certificates: {report}"
+    );
+
     // The mesh stands: full and induced tunnels, and the leaves still talk to the hub.
     for (from, to) in [(&a, "hub"), (&c, "hub"), (&a, "leaf-c"), (&c, "leaf-a")] {
         assert!(

@@ -64,10 +64,16 @@ pub fn validity(der: &[u8]) -> Option<(SystemTime, SystemTime)> {
 /// The end of the validity of the first certificate in `pem` (what `diagnose` reads of a
 /// pinned peer CA); the error says what is wrong with it.
 pub fn pem_not_after(pem: &str) -> Result<SystemTime> {
+    pem_validity(pem).map(|(_, end)| end)
+}
+
+/// The validity of the first certificate in `pem`, `(notBefore, notAfter)`; the error says
+/// what is wrong with it.
+pub fn pem_validity(pem: &str) -> Result<(SystemTime, SystemTime)> {
     let certs = parse_certs("certificate", pem)?;
     certs
         .first()
-        .and_then(|der| not_after(der.as_ref()))
+        .and_then(|der| validity(der.as_ref()))
         .ok_or_else(|| Error::invalid("certificate", "is no X.509 certificate with a validity"))
 }
 

@@ -45,7 +45,8 @@ pub use channel::{
 };
 pub use endpoint::TlsEndpoint;
 pub use expiry::{
-    EXPIRY_METRIC, ExpiryCollector, NOT_BEFORE_METRIC, not_after, pem_not_after, validity,
+    EXPIRY_METRIC, ExpiryCollector, NOT_BEFORE_METRIC, not_after, pem_not_after, pem_validity,
+    validity,
 };
 pub use identity::{PeerIdentity, URI_PREFIX, ca_cluster_id, cluster_uri, service_uri};
 pub use listener::{Caller, PeerConnectInfo, PeerStream, caller, caller_of, incoming};

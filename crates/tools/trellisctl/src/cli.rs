@@ -217,9 +217,12 @@ pub enum Command {
     /// peered ForeignCluster without a TunnelEndpoint; a TunnelEndpoint the gateway has not
     /// applied (no tunnel, or an older generation); a tunnel without a WireGuard handshake for
     /// more than 3 minutes; NAT views that disagree with the peer's IPAM; a remap pool or the
-    /// external CIDR at least 90% used; a pinned peer CA certificate expiring within 30 days.
-    /// Exit code 0 only when nothing was found, 1 otherwise.
-    Diagnose,
+    /// external CIDR at least 90% used; a pinned peer CA certificate expiring within 30 days;
+    /// other clusters served in plaintext; with --tls-dir, this cluster's own CA expiring
+    /// within 30 days, a service certificate with less than a quarter of its lifetime left (its
+    /// renewal is overdue) or still of the CA before a move, and a move to a new CA not yet
+    /// announced to every peer. Exit code 0 only when nothing was found, 1 otherwise.
+    Diagnose(DiagnoseArgs),
 
     /// Show the IPAM: local subnets, how every remote cluster is addressed (and addresses us),
     /// and the external-CIDR endpoint mappings. `ipam map` translates one endpoint IP.
@@ -290,6 +293,15 @@ pub struct RotateCaArgs {
     /// number with a unit (`90s`, `10m`; default 5m).
     #[arg(long, value_name = "DURATION", default_value = "5m", value_parser = ttl_arg)]
     pub wait: Duration,
+}
+
+/// Flags of `diagnose`.
+#[derive(Debug, Clone, Default, Args)]
+pub struct DiagnoseArgs {
+    /// The directory this cluster's services share (their --tls-dir): also check the
+    /// certificates Trellis made there.
+    #[arg(long, env = "TRELLIS_TLS_DIR", value_name = "DIR")]
+    pub tls_dir: Option<std::path::PathBuf>,
 }
 
 /// Flags of `status`.

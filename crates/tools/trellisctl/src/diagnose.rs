@@ -112,6 +112,9 @@ pub enum Check {
     GatewayReplica,
     /// An induced tunnel relayed through its hub because no direct path works (ADR 0025).
     TunnelRelayed,
+    /// A certificate of this cluster's own (`--tls-dir`) not renewed in time, or still of the
+    /// CA before a move, or a move to a new CA not announced to every peer (ADR 0026, 0027).
+    OwnCertificate,
     /// The cluster serves and calls other clusters without mutual TLS.
     PlaintextPeering,
     /// A check could not run (e.g. a section could not be read).
@@ -156,11 +159,35 @@ pub struct IpamState {
 #[derive(Debug, Clone)]
 pub struct Inputs {
     pub status: StatusView,
+    /// With `--tls-dir`: the certificates Trellis made for this cluster there.
+    pub own: Option<Result<OwnCertificates, String>>,
     /// Raw ForeignClusters (for addresses and pinned CA certificates); `None` if unreadable.
     pub foreign_clusters: Option<Vec<types::ForeignCluster>>,
     pub ipam: Result<IpamState, String>,
     pub peers: Vec<PeerReport>,
     pub now: SystemTime,
+}
+
+/// What `--tls-dir` holds: the cluster's CA and each service's certificate.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OwnCertificates {
+    pub dir: String,
+    /// The CA's validity end.
+    pub ca_not_after: SystemTime,
+    /// Each service with a certificate there, by name.
+    pub services: Vec<OwnCertificate>,
+    /// A move to a new CA not yet announced to every peer (`certs rotate-ca` left its marker).
+    pub move_unannounced: bool,
+}
+
+/// One service's certificate in `--tls-dir`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OwnCertificate {
+    pub service: String,
+    pub not_before: SystemTime,
+    pub not_after: SystemTime,
+    /// Whether it chains to the CA in the directory (false: issued by the CA before a move).
+    pub of_current_ca: bool,
 }
 
 fn finding(
@@ -228,13 +255,21 @@ pub fn advertised(fc: &types::ForeignCluster) -> Vec<(Service, String)> {
 }
 
 /// Runs `diagnose`.
-pub async fn run(globals: &Globals, now: SystemTime) -> DiagnoseView {
+pub async fn run(
+    globals: &Globals,
+    tls_dir: Option<&std::path::Path>,
+    now: SystemTime,
+) -> DiagnoseView {
     let (status, foreign_clusters, ipam) = tokio::join!(
         Box::pin(status::run(globals, now)),
         raw_foreign_clusters(globals),
         ipam_state(globals),
     );
     let local_id = status.identity.as_ref().map(|i| i.cluster_id.clone());
+    let own = tls_dir.map(|dir| match &local_id {
+        Some(id) => fetch::own_certificates(dir, id),
+        None => Err("the cluster's ID is unknown (its discovery service did not answer)".into()),
+    });
     let mut peers: BTreeMap<String, types::ForeignCluster> = BTreeMap::new();
     if let Some(fcs) = &foreign_clusters {
         let with_te: BTreeSet<String> = status
@@ -259,6 +294,7 @@ pub async fn run(globals: &Globals, now: SystemTime) -> DiagnoseView {
     .await;
     analyze(&Inputs {
         status,
+        own,
         foreign_clusters,
         ipam,
         peers: reports,
@@ -338,6 +374,7 @@ pub fn check_name(c: Check) -> &'static str {
         Check::GatewayReplica => "gateway_replica",
         Check::TunnelRelayed => "tunnel_relayed",
         Check::PlaintextPeering => "plaintext_peering",
+        Check::OwnCertificate => "own_certificate",
         Check::NotChecked => "not_checked",
     }
 }

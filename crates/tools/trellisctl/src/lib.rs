@@ -98,8 +98,13 @@ pub async fn execute(cli: &Cli) -> Result<(), CtlError> {
             }
             Ok(())
         }
-        Command::Diagnose => {
-            let view = Box::pin(diagnose::run(globals, SystemTime::now())).await;
+        Command::Diagnose(args) => {
+            let view = Box::pin(diagnose::run(
+                globals,
+                args.tls_dir.as_deref(),
+                SystemTime::now(),
+            ))
+            .await;
             emit(&view, format)?;
             if !view.healthy {
                 return Err(CtlError::Failed(format!(

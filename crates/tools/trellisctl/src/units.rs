@@ -44,12 +44,20 @@ pub fn age_seconds(ts: Option<&prost_types::Timestamp>, now: SystemTime) -> Opti
 
 /// "12s ago", "4m ago", "3h ago", "2d ago"; "never" for `None`.
 pub fn ago(seconds: Option<u64>) -> String {
-    match seconds {
-        None => "never".into(),
-        Some(s) if s < 60 => format!("{s}s ago"),
-        Some(s) if s < 3600 => format!("{}m ago", s / 60),
-        Some(s) if s < 86_400 => format!("{}h ago", s / 3600),
-        Some(s) => format!("{}d ago", s / 86_400),
+    seconds.map_or_else(|| "never".into(), |s| format!("{} ago", span(s)))
+}
+
+/// "12s", "4m", "3h", "2d": a duration to its largest whole unit.
+pub fn duration(d: std::time::Duration) -> String {
+    span(d.as_secs())
+}
+
+fn span(s: u64) -> String {
+    match s {
+        s if s < 60 => format!("{s}s"),
+        s if s < 3600 => format!("{}m", s / 60),
+        s if s < 86_400 => format!("{}h", s / 3600),
+        s => format!("{}d", s / 86_400),
     }
 }
 

@@ -6,7 +6,9 @@ use std::collections::{BTreeMap, BTreeSet};
 use trellis_api::pb::types;
 use trellis_api::peers::is_withdrawn;
 
-use super::findings::{expiry_finding, nat_findings, pool_findings, replica_findings};
+use super::findings::{
+    expiry_finding, nat_findings, own_findings, pool_findings, replica_findings,
+};
 use super::{
     Check, Checked, DiagnoseView, HANDSHAKE_STALE, Inputs, Severity, fc_id, finding, live_peers,
 };
@@ -92,6 +94,23 @@ pub fn analyze(inputs: &Inputs) -> DiagnoseView {
              again with the CA hash `trellisctl token` prints"
                 .to_owned(),
         ));
+    }
+
+    // This cluster's own certificates, with --tls-dir.
+    match &inputs.own {
+        None => {}
+        Some(Ok(own)) => {
+            checked.certificates += 1 + own.services.len();
+            out.extend(own_findings(&local, own, inputs.now));
+        }
+        Some(Err(why)) => out.push(finding(
+            Severity::Warning,
+            Check::NotChecked,
+            &local,
+            None,
+            format!("this cluster's certificates could not be checked: {why}"),
+            "give --tls-dir the directory the services use (their --tls-dir)".into(),
+        )),
     }
 
     // Gateway replicas (ADR 0023): every one must be able to take over at once.

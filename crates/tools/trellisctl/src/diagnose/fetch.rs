@@ -10,7 +10,7 @@ use trellis_api::pb::ipam::{
 };
 use trellis_api::pb::types;
 
-use super::{IpamState, PeerReport, advertised, fc_id};
+use super::{IpamState, OwnCertificate, OwnCertificates, PeerReport, advertised, fc_id};
 use crate::cli::Globals;
 use crate::error::CtlError;
 use crate::service::{Service, Target};
@@ -95,4 +95,43 @@ pub(super) async fn peer_report(
         services,
         record_of_us,
     }
+}
+
+/// What the managed directory `dir` of cluster `id` holds: the CA's end, each service's
+/// certificate, and whether a move to a new CA is still to be announced.
+pub(super) fn own_certificates(dir: &std::path::Path, id: &str) -> Result<OwnCertificates, String> {
+    let read = |path: &std::path::Path| {
+        std::fs::read_to_string(path).map_err(|e| format!("cannot read {}: {e}", path.display()))
+    };
+    let ca_dir = dir.join("ca");
+    let ca = read(&ca_dir.join("ca.pem"))?;
+    let ca_not_after = trellis_runtime::tls::pem_not_after(&ca)
+        .map_err(|e| format!("{}: {e}", ca_dir.join("ca.pem").display()))?;
+    let entries =
+        std::fs::read_dir(dir).map_err(|e| format!("cannot list {}: {e}", dir.display()))?;
+    let mut services = Vec::new();
+    for entry in entries.flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let cert_path = entry.path().join("cert.pem");
+        if name.starts_with("ca") || !cert_path.exists() {
+            continue;
+        }
+        let cert = read(&cert_path)?;
+        let key = read(&entry.path().join("key.pem")).unwrap_or_default();
+        let (not_before, not_after) = trellis_runtime::tls::pem_validity(&cert)
+            .map_err(|e| format!("{}: {e}", cert_path.display()))?;
+        services.push(OwnCertificate {
+            service: name,
+            not_before,
+            not_after,
+            of_current_ca: trellis_runtime::tls::PeerTls::new(id, &ca, &cert, &key).is_ok(),
+        });
+    }
+    services.sort_by(|a, b| a.service.cmp(&b.service));
+    Ok(OwnCertificates {
+        dir: dir.display().to_string(),
+        ca_not_after,
+        services,
+        move_unannounced: ca_dir.join("announcing").exists(),
+    })
 }

@@ -1,13 +1,16 @@
 //! The checks with reasoning of their own, each a pure function returning its findings:
-//! gateway replicas that could not take over at once, certificates close to expiry, remap pools
-//! and the external CIDR nearly full, and NAT views that disagree across a peering.
+//! gateway replicas that could not take over at once, certificates close to expiry (the peers'
+//! pinned CAs, and this cluster's own with `--tls-dir`), remap pools and the external CIDR
+//! nearly full, and NAT views that disagree across a peering.
 
 use std::time::SystemTime;
 
 use ipnet::IpNet;
 use trellis_api::pb::ipam as ipam_pb;
 
-use super::{Check, EXPIRY_WARNING, Finding, IpamState, NEARLY_FULL, Severity, finding};
+use super::{
+    Check, EXPIRY_WARNING, Finding, IpamState, NEARLY_FULL, OwnCertificates, Severity, finding,
+};
 use crate::service::Service;
 
 /// A heartbeat older than this means the replica could not be followed or take over.
@@ -259,4 +262,122 @@ pub(super) fn nat_findings(
         ));
     }
     out
+}
+
+/// This cluster's own certificates (`--tls-dir`): the CA near its end, a service certificate
+/// whose renewal is overdue (less than a quarter of its lifetime left: renewal happens at a
+/// third) or that is still of the CA before a move, and a move not announced to every peer.
+pub(super) fn own_findings(local: &str, own: &OwnCertificates, now: SystemTime) -> Vec<Finding> {
+    let mut out = Vec::new();
+    if let Some(f) = own_ca_finding(local, own, now) {
+        out.push(f);
+    }
+    for cert in &own.services {
+        let binary = format!("trellis-{}", cert.service);
+        let lifetime = cert
+            .not_after
+            .duration_since(cert.not_before)
+            .unwrap_or_default();
+        match cert.not_after.duration_since(now) {
+            Err(_) => out.push(finding(
+                Severity::Error,
+                Check::OwnCertificate,
+                local,
+                None,
+                format!(
+                    "the certificate of {binary} in {} has expired: peers refuse its calls",
+                    own.dir
+                ),
+                format!(
+                    "check that {binary} runs with --tls-dir {} and can write there; a restart \
+                     issues a new certificate",
+                    own.dir
+                ),
+            )),
+            Ok(left) if left < lifetime / 4 => out.push(finding(
+                Severity::Warning,
+                Check::OwnCertificate,
+                local,
+                None,
+                format!(
+                    "the certificate of {binary} in {} has {} of its {} left and was not renewed \
+                     (renewal happens when a third is left)",
+                    own.dir,
+                    crate::units::duration(left),
+                    crate::units::duration(lifetime)
+                ),
+                format!(
+                    "check {binary}'s log for renewal errors and that it runs with --tls-dir {}",
+                    own.dir
+                ),
+            )),
+            Ok(_) => {}
+        }
+        if !cert.of_current_ca {
+            out.push(finding(
+                Severity::Warning,
+                Check::OwnCertificate,
+                local,
+                None,
+                format!(
+                    "the certificate of {binary} in {} is not of the cluster's CA there (it is \
+                     of the CA before a move, or of another): {binary} has not renewed since",
+                    own.dir
+                ),
+                format!(
+                    "check that {binary} runs with --tls-dir {}; it renews within --tls-reload \
+                     seconds of a move",
+                    own.dir
+                ),
+            ));
+        }
+    }
+    if own.move_unannounced {
+        out.push(finding(
+            Severity::Warning,
+            Check::OwnCertificate,
+            local,
+            Some(Service::Broker),
+            "the move to the cluster's new CA has not reached every peer yet (they verify its \
+             certificates through the cross certificate meanwhile)"
+                .to_owned(),
+            format!(
+                "run `trellisctl certs rotate-ca --tls-dir {}` again: it goes on with this move",
+                own.dir
+            ),
+        ));
+    }
+    out
+}
+
+fn own_ca_finding(local: &str, own: &OwnCertificates, now: SystemTime) -> Option<Finding> {
+    let when = crate::units::rfc3339(Some(&prost_types::Timestamp::from(own.ca_not_after)))
+        .unwrap_or_else(|| "an unreadable date".into());
+    let action = format!(
+        "move the cluster to a new CA while peered: `trellisctl certs rotate-ca --tls-dir {}`",
+        own.dir
+    );
+    match own.ca_not_after.duration_since(now) {
+        Err(_) => Some(finding(
+            Severity::Error,
+            Check::CertificateExpiry,
+            local,
+            None,
+            format!("this cluster's CA in {} expired on {when}", own.dir),
+            action,
+        )),
+        Ok(left) if left < EXPIRY_WARNING => Some(finding(
+            Severity::Warning,
+            Check::CertificateExpiry,
+            local,
+            None,
+            format!(
+                "this cluster's CA in {} expires on {when}, in {} days",
+                own.dir,
+                left.as_secs() / 86_400
+            ),
+            action,
+        )),
+        Ok(_) => None,
+    }
 }

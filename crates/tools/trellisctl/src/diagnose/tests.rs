@@ -115,6 +115,7 @@ fn records() -> (ipam_pb::ClusterSubnets, ipam_pb::ClusterSubnets) {
 fn healthy() -> Inputs {
     let (ours, theirs) = records();
     Inputs {
+        own: None,
         status: StatusView {
             services: Service::ALL.iter().map(|s| serving(*s)).collect(),
             identity: Some(LocalIdentityView {
@@ -493,4 +494,102 @@ fn a_standby_that_is_not_warm_or_silent_and_a_missing_active_are_findings() {
         ..replica
     };
     assert!(replica_findings("leaf-a", &healthy).is_empty());
+}
+
+fn own(services: Vec<OwnCertificate>, ca_days: u64, unannounced: bool) -> OwnCertificates {
+    OwnCertificates {
+        dir: "/var/lib/trellis/tls".into(),
+        ca_not_after: now() + Duration::from_secs(ca_days * 86_400),
+        services,
+        move_unannounced: unannounced,
+    }
+}
+
+fn cert(
+    service: &str,
+    issued_hours_ago: u64,
+    lifetime_hours: u64,
+    current: bool,
+) -> OwnCertificate {
+    let not_before = now() - Duration::from_secs(issued_hours_ago * 3600);
+    OwnCertificate {
+        service: service.into(),
+        not_before,
+        not_after: not_before + Duration::from_secs(lifetime_hours * 3600),
+        of_current_ca: current,
+    }
+}
+
+#[test]
+fn own_certificates_overdue_of_an_old_ca_or_an_unannounced_move_are_findings() {
+    let mut inputs = healthy();
+    // A 7-day certificate 2 days in, with a CA years away: nothing to say.
+    inputs.own = Some(Ok(own(vec![cert("broker", 48, 168, true)], 3650, false)));
+    let view = analyze(&inputs);
+    assert!(view.healthy, "{:#?}", view.findings);
+    assert_eq!(view.checked.certificates, 2, "the CA and the broker's");
+
+    inputs.own = Some(Ok(own(
+        vec![
+            // 6 of 7 days gone: renewal (at a third left) is overdue.
+            cert("broker", 144, 168, true),
+            // Expired.
+            cert("ipam", 200, 168, true),
+            // Fresh, but of the CA before a move.
+            cert("forwarder", 1, 168, false),
+        ],
+        20,
+        true,
+    )));
+    let view = analyze(&inputs);
+    let found: Vec<(Severity, Check, String)> = view
+        .findings
+        .iter()
+        .map(|f| (f.severity, f.check, f.problem.clone()))
+        .collect();
+    let has = |severity: Severity, check: Check, text: &str| {
+        found
+            .iter()
+            .any(|(s, c, p)| *s == severity && *c == check && p.contains(text))
+    };
+    assert!(
+        has(Severity::Error, Check::OwnCertificate, "trellis-ipam"),
+        "{found:#?}"
+    );
+    assert!(
+        has(Severity::Warning, Check::OwnCertificate, "trellis-broker"),
+        "{found:#?}"
+    );
+    assert!(
+        has(
+            Severity::Warning,
+            Check::OwnCertificate,
+            "trellis-forwarder"
+        ),
+        "{found:#?}"
+    );
+    assert!(
+        has(
+            Severity::Warning,
+            Check::OwnCertificate,
+            "not reached every peer"
+        ),
+        "{found:#?}"
+    );
+    assert!(
+        has(Severity::Warning, Check::CertificateExpiry, "in 20 days"),
+        "{found:#?}"
+    );
+    assert_eq!(found.len(), 5, "{found:#?}");
+    assert!(
+        view.findings.iter().any(|f| f
+            .action
+            .contains("certs rotate-ca --tls-dir /var/lib/trellis/tls")),
+        "{:#?}",
+        view.findings
+    );
+
+    inputs.own = Some(Err("cannot read /nowhere/ca/ca.pem".into()));
+    let view = analyze(&inputs);
+    assert_eq!(checks(&view), [(Check::NotChecked, "leaf-a".into(), None)]);
 }
