@@ -41,7 +41,7 @@ fn the_alerting_rules_load_and_their_unit_tests_pass() {
     let dir = deploy().join("prometheus");
     let (ok, text) = promtool(&["check", "rules", "trellis-alerts.yaml"], &dir);
     assert!(ok, "promtool check rules: {text}");
-    assert!(text.contains("2 rules found"), "{text}");
+    assert!(text.contains("4 rules found"), "{text}");
     let (ok, text) = promtool(&["test", "rules", "trellis-alerts.test.yaml"], &dir);
     assert!(ok, "promtool test rules: {text}");
 }

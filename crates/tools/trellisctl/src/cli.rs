@@ -125,7 +125,20 @@ fn read_file(flag: &str, path: &std::path::Path) -> Result<String, CtlError> {
         .map_err(|e| CtlError::Usage(format!("{flag}: cannot read {}: {e}", path.display())))
 }
 
+/// A connected channel as the commands call through it: traced, with `token` when given.
+pub fn traced(channel: tonic::transport::Channel, token: LocalToken) -> TracedChannel {
+    InterceptedService::new(
+        MeteredChannel::unmetered(channel),
+        TraceInterceptor::with_local_token(token),
+    )
+}
+
 impl Globals {
+    /// Whether the flags ask for TLS (`--tls-ca-cert`).
+    pub fn has_tls(&self) -> bool {
+        self.tls_ca_cert.is_some()
+    }
+
     /// The TLS setup the flags ask for, read from the files (a usage error names the flag).
     pub fn tls(&self) -> Result<Option<ToolTls>, CtlError> {
         let Some(ca) = &self.tls_ca_cert else {
@@ -157,10 +170,7 @@ impl Globals {
             _ => LocalToken::off(),
         };
         let channel = crate::connect::connect(target, tls.as_ref(), self.timeout).await?;
-        Ok(InterceptedService::new(
-            MeteredChannel::unmetered(channel),
-            TraceInterceptor::with_local_token(token),
-        ))
+        Ok(traced(channel, token))
     }
 
     /// Where `service` listens, as configured.

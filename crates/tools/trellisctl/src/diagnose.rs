@@ -142,8 +142,10 @@ pub struct PeerReport {
     pub cluster_id: String,
     /// Health of each service the peer advertises.
     pub services: Vec<ServiceHealthView>,
-    /// The peer IPAM's record of us; `Err` says why it could not be read.
-    pub record_of_us: Result<Option<ipam_pb::ClusterSubnets>, String>,
+    /// The peer IPAM's record of us; `Err` says why it could not be read; `None` when it was
+    /// not asked: the peer serves other clusters over mutual TLS, where its records are not
+    /// served (they are intra-cluster), so its NAT views cannot be compared from here.
+    pub record_of_us: Option<Result<Option<ipam_pb::ClusterSubnets>, String>>,
 }
 
 /// What the local IPAM answered.
@@ -286,10 +288,14 @@ pub async fn run(
             }
         }
     }
+    let local_tls = status
+        .identity
+        .as_ref()
+        .is_some_and(|i| !i.plaintext_peering);
     let reports = futures::future::join_all(
         peers
             .into_values()
-            .map(|fc| peer_report(globals, local_id.clone(), fc)),
+            .map(|fc| peer_report(globals, local_id.clone(), local_tls, fc)),
     )
     .await;
     analyze(&Inputs {

@@ -305,7 +305,8 @@ pub fn analyze(inputs: &Inputs) -> DiagnoseView {
         }
         let ours = ipam.and_then(|i| i.clusters.iter().find(|c| c.cluster_id == peer.cluster_id));
         match (&peer.record_of_us, ours) {
-            (Ok(theirs), Some(ours)) => {
+            (None, _) => {}
+            (Some(Ok(theirs)), Some(ours)) => {
                 out.extend(nat_findings(
                     &local,
                     &peer.cluster_id,
@@ -313,7 +314,7 @@ pub fn analyze(inputs: &Inputs) -> DiagnoseView {
                     theirs.as_ref(),
                 ));
             }
-            (Err(why), _) => {
+            (Some(Err(why)), _) => {
                 let ipam_down = peer
                     .services
                     .iter()
@@ -333,7 +334,7 @@ pub fn analyze(inputs: &Inputs) -> DiagnoseView {
                     ));
                 }
             }
-            (Ok(_), None) => {}
+            (Some(Ok(_)), None) => {}
         }
     }
 

@@ -14,7 +14,8 @@ use super::{IpamState, OwnCertificate, OwnCertificates, PeerReport, advertised, 
 use crate::cli::Globals;
 use crate::error::CtlError;
 use crate::service::{Service, Target};
-use crate::status::fetch::probe;
+use crate::status::fetch::{probe, probe_over};
+use trellis_runtime::tls::ToolTls;
 
 pub(super) async fn ipam_state(globals: &Globals) -> Result<IpamState, String> {
     let target = globals.target(Service::Ipam);
@@ -63,18 +64,52 @@ pub(super) async fn raw_foreign_clusters(globals: &Globals) -> Option<Vec<types:
 pub(super) async fn peer_report(
     globals: &Globals,
     local_id: Option<String>,
+    local_tls: bool,
     fc: types::ForeignCluster,
 ) -> PeerReport {
     let cluster_id = fc_id(&fc);
-    let probes = advertised(&fc)
-        .into_iter()
-        .map(|(service, address)| probe(Target { service, address }, globals));
+    // A peer pinned with its CA serves other clusters over mutual TLS only. Without TLS flags
+    // of our own, its services' health is read over TLS as a tool reads it (no client
+    // certificate: health is served to anyone), its server checked against the CA pinned.
+    let pinned = fc
+        .full
+        .as_ref()
+        .map(|f| f.ca_certificate.clone())
+        .filter(|pem| !pem.trim().is_empty());
+    let over_tls = match (&pinned, globals.has_tls()) {
+        (Some(pem), false) => Some(ToolTls::new(pem, None).map_err(|e| e.to_string())),
+        // An induced peer of a cluster with mutual TLS: it too listens over TLS, and we pin no
+        // CA for it (the peering is the hub's), so nothing here can tell its servers from
+        // anyone's. Not asked; diagnose in that cluster sees it.
+        (None, false) if local_tls => {
+            return PeerReport {
+                cluster_id,
+                services: Vec::new(),
+                record_of_us: None,
+            };
+        }
+        _ => None,
+    };
+    let probes = advertised(&fc).into_iter().map(|(service, address)| {
+        let target = Target { service, address };
+        let over_tls = over_tls.clone();
+        async move {
+            match over_tls {
+                None => probe(target, globals).await,
+                Some(tls) => probe_over(target, tls, globals.timeout).await,
+            }
+        }
+    });
     let probed = futures::future::join_all(probes).await;
-    let mut record_of_us = Err("the peer advertises no IPAM".to_owned());
+    let mut record_of_us = Some(Err("the peer advertises no IPAM".to_owned()));
+    if over_tls.is_some() {
+        // Its records of other clusters are intra-cluster: not served over TLS.
+        record_of_us = None;
+    }
     let mut services = Vec::new();
     for (view, channel) in probed {
-        if view.service == Service::Ipam {
-            record_of_us = match channel {
+        if view.service == Service::Ipam && over_tls.is_none() {
+            record_of_us = Some(match channel {
                 Err(e) => Err(e.to_string()),
                 Ok(channel) => IpamClient::new(channel)
                     .list_cluster_subnets(ListClusterSubnetsRequest {})
@@ -86,7 +121,7 @@ pub(super) async fn peer_report(
                             .find(|c| Some(&c.cluster_id) == local_id.as_ref())
                     })
                     .map_err(|s| format!("{}: {}", crate::error::code_name(s.code()), s.message())),
-            };
+            });
         }
         services.push(view);
     }

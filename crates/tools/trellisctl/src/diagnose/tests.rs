@@ -148,7 +148,7 @@ fn healthy() -> Inputs {
                 address: "127.0.0.1:8104".into(),
                 ..serving(Service::Ipam)
             }],
-            record_of_us: Ok(Some(theirs)),
+            record_of_us: Some(Ok(Some(theirs))),
         }],
         now: now(),
     }
@@ -330,7 +330,7 @@ fn plaintext_peering_is_a_warning_that_says_how_to_turn_tls_on() {
 #[test]
 fn nat_views_that_disagree_name_who_decided_what() {
     let mut inputs = healthy();
-    if let Ok(Some(theirs)) = &mut inputs.peers[0].record_of_us {
+    if let Some(Ok(Some(theirs))) = &mut inputs.peers[0].record_of_us {
         theirs.remote_pod_cidr_nat = "10.99.0.0/16".into();
     }
     let view = analyze(&inputs);
@@ -345,7 +345,7 @@ fn nat_views_that_disagree_name_who_decided_what() {
         "{problem}"
     );
     // The peer has no record of us at all.
-    inputs.peers[0].record_of_us = Ok(None);
+    inputs.peers[0].record_of_us = Some(Ok(None));
     assert_eq!(checks(&analyze(&inputs))[0].0, Check::NatViewMismatch);
 }
 
@@ -354,7 +354,7 @@ fn a_down_peer_service_is_named_and_its_views_not_compared() {
     let mut inputs = healthy();
     inputs.peers[0].services[0].health = "unreachable".into();
     inputs.peers[0].services[0].error = Some("connection refused".into());
-    inputs.peers[0].record_of_us = Err("connection refused".into());
+    inputs.peers[0].record_of_us = Some(Err("connection refused".into()));
     let view = analyze(&inputs);
     assert_eq!(
         checks(&view),
@@ -426,7 +426,7 @@ fn a_pinned_ca_close_to_expiry() {
 #[test]
 fn a_tampered_learned_view_on_the_peer_names_our_decision() {
     let mut inputs = healthy();
-    if let Ok(Some(theirs)) = &mut inputs.peers[0].record_of_us {
+    if let Some(Ok(Some(theirs))) = &mut inputs.peers[0].record_of_us {
         theirs.local_pod_cidr_nat = "10.98.0.0/16".into();
     }
     let view = analyze(&inputs);

@@ -31,13 +31,51 @@ pub(super) type Connected = Result<TracedChannel, CtlError>;
 
 /// Connects to `target` and asks its health; also returns the channel for further calls.
 pub(crate) async fn probe(target: Target, globals: &Globals) -> (ServiceHealthView, Connected) {
-    let mut view = ServiceHealthView {
+    let view = ServiceHealthView {
         service: target.service,
         address: target.address.clone(),
         health: "unreachable".into(),
         error: None,
     };
-    let channel = match globals.connect(&target).await {
+    let connected = globals.connect(&target).await;
+    check(target, view, connected).await
+}
+
+/// [`probe`] over TLS as `tls` says (a peer's service, checked against the CA pinned for it),
+/// whatever the flags say; `tls` is the error when the pinned CA is unusable.
+pub(crate) async fn probe_over(
+    target: Target,
+    tls: Result<trellis_runtime::tls::ToolTls, String>,
+    timeout: std::time::Duration,
+) -> (ServiceHealthView, Connected) {
+    let view = ServiceHealthView {
+        service: target.service,
+        address: target.address.clone(),
+        health: "unreachable".into(),
+        error: None,
+    };
+    let connected = match tls {
+        Err(err) => Err(CtlError::Unreachable {
+            service: target.service,
+            address: target.address.clone(),
+            reason: format!("the CA pinned for this peer is unusable: {err}"),
+        }),
+        Ok(tls) => crate::connect::connect(&target, Some(&tls), timeout)
+            .await
+            .map(|channel| {
+                crate::cli::traced(channel, trellis_runtime::local_auth::LocalToken::off())
+            }),
+    };
+    check(target, view, connected).await
+}
+
+/// The health of `target` through `connected`.
+async fn check(
+    target: Target,
+    mut view: ServiceHealthView,
+    connected: Connected,
+) -> (ServiceHealthView, Connected) {
+    let channel = match connected {
         Ok(channel) => channel,
         Err(err) => {
             view.error = Some(match &err {
