@@ -726,3 +726,43 @@ fn nat_section_shows_every_cell_the_verdict_and_the_paths() {
         "{md}"
     );
 }
+
+#[test]
+fn the_tls_section_shows_each_run_and_the_ratio_of_the_medians() {
+    let doc = json!({
+        "benchmark": "mesh_setup_tls_against_plaintext",
+        "run": run("full", "2026-11-28T04:07:02Z"),
+        "machine": machine(),
+        "parameters": {"leaves": 100, "repeats": 2, "timeout_seconds": 300},
+        "plaintext": [{"seconds": 2.0, "converged": true}, {"seconds": 3.0, "converged": true}],
+        "tls": [{"seconds": 2.6, "converged": true}, {"seconds": 300.0, "converged": false}],
+        "plaintext_median_seconds": 2.5,
+        "tls_median_seconds": 2.6,
+        "ratio": 1.04
+    });
+    let i = inputs(vec![found("tls", doc)]);
+    let target = targets(&i)
+        .into_iter()
+        .find(|t| t.target.contains("(issue 37)"))
+        .expect("the TLS target");
+    assert_eq!(target.verdict, Verdict::Met);
+    assert!(
+        target.measured.contains("ratio 1.04"),
+        "{}",
+        target.measured
+    );
+    let md = &render(&i).files[0].1;
+    assert!(md.contains("| 2 | 3.000 | not converged (300 s) |"), "{md}");
+    assert!(md.contains("medians: **1.04**"), "{md}");
+    // Fewer than 100 leaves is not the measurement the issue asks for.
+    let small = json!({
+        "parameters": {"leaves": 10, "repeats": 1, "timeout_seconds": 60},
+        "plaintext": [], "tls": [], "ratio": 1.1
+    });
+    let i = inputs(vec![found("tls", small)]);
+    let target = targets(&i)
+        .into_iter()
+        .find(|t| t.target.contains("(issue 37)"))
+        .expect("the TLS target");
+    assert_eq!(target.verdict, Verdict::NotMeasured);
+}
