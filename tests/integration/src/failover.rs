@@ -204,3 +204,19 @@ mod tests {
         assert_eq!(m.silent, vec!["udp:10.3.2.10:7500"]);
     }
 }
+
+/// Sent and received probes of a flows summary's UDP target.
+pub fn udp_probes(summary: &serde_json::Value) -> (u64, u64) {
+    summary
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|t| t["target"].as_str().is_some_and(|n| n.starts_with("udp:")))
+        .map(|t| {
+            (
+                t["sent"].as_u64().unwrap_or(0),
+                t["received"].as_u64().unwrap_or(0),
+            )
+        })
+        .unwrap_or_default()
+}

@@ -368,7 +368,9 @@ async fn the_hub_moves_to_a_new_ca_while_peered_and_the_old_one_is_refused_after
 /// runs as root and fails instead.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pods_ping_across_an_induced_tunnel_while_the_hub_moves_to_a_new_ca() {
-    use trellis_integration::failover::{FLOWS, Flows, PORT, PodProcess, measured, python_in};
+    use trellis_integration::failover::{
+        FLOWS, Flows, PORT, PodProcess, measured, python_in, udp_probes,
+    };
     use trellis_netlab::cluster::StoreKind;
     use trellis_netlab::{Fabric, FabricOptions};
 
@@ -468,18 +470,7 @@ async fn pods_ping_across_an_induced_tunnel_while_the_hub_moves_to_a_new_ca() {
     tokio::time::sleep(Duration::from_secs(2)).await;
     let summary = flows.stop().expect("flows stop");
     let m = measured(&summary);
-    let (sent, received) = summary
-        .as_array()
-        .into_iter()
-        .flatten()
-        .find(|t| t["target"].as_str().is_some_and(|n| n.starts_with("udp:")))
-        .map(|t| {
-            (
-                t["sent"].as_u64().unwrap_or(0),
-                t["received"].as_u64().unwrap_or(0),
-            )
-        })
-        .unwrap_or_default();
+    let (sent, received) = udp_probes(&summary);
     eprintln!(
         "measured: probes {received}/{sent} across the CA move, longest probe gap {:.0} ms",
         m.probe_gap_ms

@@ -22,7 +22,9 @@ use std::net::Ipv4Addr;
 use std::time::{Duration, Instant};
 
 use trellis_api::pb::gateway::{GetTunnelStatusRequest, TunnelPath};
-use trellis_integration::failover::{FLOWS, Flows, PORT, PodProcess, measured, python_in};
+use trellis_integration::failover::{
+    FLOWS, Flows, PORT, PodProcess, measured, python_in, udp_probes,
+};
 use trellis_netlab::cluster::{Service, StoreKind};
 use trellis_netlab::{Fabric, FabricOptions, NatKind};
 
@@ -79,22 +81,6 @@ async fn both(fabric: &Fabric, want: TunnelPath) -> Duration {
     }
 }
 
-/// Sent and received probes of a flows summary's UDP target.
-fn probes(summary: &serde_json::Value) -> (u64, u64) {
-    summary
-        .as_array()
-        .into_iter()
-        .flatten()
-        .find(|t| t["target"].as_str().is_some_and(|n| n.starts_with("udp:")))
-        .map(|t| {
-            (
-                t["sent"].as_u64().unwrap_or(0),
-                t["received"].as_u64().unwrap_or(0),
-            )
-        })
-        .unwrap_or_default()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_pair_moves_between_the_relay_and_its_direct_path_without_breaking_a_connection() {
     let test = "a_pair_moves_between_the_relay_and_its_direct_path_without_breaking_a_connection";
@@ -134,7 +120,7 @@ async fn a_pair_moves_between_the_relay_and_its_direct_path_without_breaking_a_c
     tokio::time::sleep(Duration::from_secs(2)).await;
     let summary = flows.stop().expect("flows stop");
     let m = measured(&summary);
-    let (sent, received) = probes(&summary);
+    let (sent, received) = udp_probes(&summary);
     eprintln!(
         "measured: relayed after {relayed_in:?}; relay -> direct in {direct_in:?}, probes {received}/{sent}, longest probe gap {:.0} ms",
         m.probe_gap_ms
@@ -158,7 +144,7 @@ async fn a_pair_moves_between_the_relay_and_its_direct_path_without_breaking_a_c
     tokio::time::sleep(Duration::from_secs(2)).await;
     let summary = flows.stop().expect("flows stop");
     let m = measured(&summary);
-    let (sent, received) = probes(&summary);
+    let (sent, received) = udp_probes(&summary);
     eprintln!(
         "measured: direct -> relay in {relayed_again:?}, probes {received}/{sent}, longest probe gap {:.0} ms",
         m.probe_gap_ms
