@@ -187,6 +187,22 @@ pub fn measured(summary: &serde_json::Value) -> Measured {
     out
 }
 
+/// Sent and received probes of a flows summary's UDP target.
+pub fn udp_probes(summary: &serde_json::Value) -> (u64, u64) {
+    summary
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|t| t["target"].as_str().is_some_and(|n| n.starts_with("udp:")))
+        .map(|t| {
+            (
+                t["sent"].as_u64().unwrap_or(0),
+                t["received"].as_u64().unwrap_or(0),
+            )
+        })
+        .unwrap_or_default()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -203,20 +219,4 @@ mod tests {
         assert!((m.probe_gap_ms - 510.0).abs() < f64::EPSILON, "{m:?}");
         assert_eq!(m.silent, vec!["udp:10.3.2.10:7500"]);
     }
-}
-
-/// Sent and received probes of a flows summary's UDP target.
-pub fn udp_probes(summary: &serde_json::Value) -> (u64, u64) {
-    summary
-        .as_array()
-        .into_iter()
-        .flatten()
-        .find(|t| t["target"].as_str().is_some_and(|n| n.starts_with("udp:")))
-        .map(|t| {
-            (
-                t["sent"].as_u64().unwrap_or(0),
-                t["received"].as_u64().unwrap_or(0),
-            )
-        })
-        .unwrap_or_default()
 }
