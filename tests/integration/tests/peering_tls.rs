@@ -1244,6 +1244,38 @@ async fn call_as(
     }
 }
 
+/// Calls `path` at `at` with an empty message as `caller`, whatever the method's types (an
+/// empty message decodes as any of them).
+async fn raw_call(
+    caller: Caller,
+    tls: &PeerTls,
+    at: std::net::SocketAddr,
+    path: &'static str,
+) -> Result<(), tonic::Status> {
+    let channel = match caller {
+        Caller::Anonymous => handshake_channel(
+            tls,
+            "test",
+            &at.to_string(),
+            Timeouts::default(),
+            &Metrics::new(),
+        )
+        .expect("channel"),
+        _ => channel(tls, at, "hub"),
+    };
+    let mut grpc = tonic::client::Grpc::new(channel);
+    grpc.ready()
+        .await
+        .map_err(|e| tonic::Status::unavailable(e.to_string()))?;
+    grpc.unary(
+        tonic::Request::new(()),
+        http::uri::PathAndQuery::from_static(path),
+        tonic_prost::ProstCodec::<(), ()>::default(),
+    )
+    .await
+    .map(drop)
+}
+
 /// What the hub holds that the refused calls would change.
 async fn hub_state(
     hub: &InProcessCluster,
@@ -1330,6 +1362,65 @@ async fn every_cluster_facing_rpc_refuses_no_certificate_an_unpinned_ca_and_an_e
             table.push(format!("{service:<10} {caller:<11?} {:?}", err.code()));
         }
     }
+    // Beyond one RPC per service: every cluster-facing method of every service, called with an
+    // empty message by each refused caller, is refused before a handler sees it.
+    let every: [(&str, std::net::SocketAddr, &[&str]); 5] = [
+        (
+            "discovery",
+            hub_tls.discovery,
+            trellis_discovery::grpc::PEER_METHODS.authenticated,
+        ),
+        (
+            "broker",
+            hub_tls.broker,
+            trellis_broker::grpc::PEER_METHODS.authenticated,
+        ),
+        (
+            "forwarder",
+            hub_tls.forwarder,
+            trellis_forwarder::grpc::PEER_METHODS.authenticated,
+        ),
+        (
+            "ipam",
+            hub_tls.ipam,
+            trellis_ipam::grpc::PEER_METHODS.authenticated,
+        ),
+        (
+            "endpoints",
+            hub_tls.endpoints,
+            trellis_endpoints::grpc::PEER_METHODS.authenticated,
+        ),
+    ];
+    let mut methods = 0;
+    for (service, at, paths) in every {
+        for path in paths {
+            methods += 1;
+            // The control: leaf A's valid certificate gets past TLS (the handler answers).
+            if let Err(err) = raw_call(Caller::Valid, &valid, at, path).await {
+                assert!(
+                    !matches!(
+                        err.code(),
+                        Code::Unavailable | Code::Unknown | Code::Cancelled
+                    ),
+                    "{service} {path} with a valid certificate: {err:?}"
+                );
+            }
+            for (caller, tls) in [
+                (Caller::Anonymous, &valid),
+                (Caller::UnpinnedCa, &unpinned),
+                (Caller::Expired, &expired),
+            ] {
+                let err = raw_call(caller, tls, at, path).await.expect_err("refused");
+                let refused = matches!(
+                    err.code(),
+                    Code::Unavailable | Code::Unknown | Code::Cancelled
+                ) || (matches!(caller, Caller::Anonymous)
+                    && err.code() == Code::PermissionDenied);
+                assert!(refused, "{service} {path} as {caller:?}: {err:?}");
+            }
+        }
+    }
+    assert!(methods >= 12, "only {methods} cluster-facing methods");
     eprintln!("refusals:\n{}", table.join("\n"));
     assert_eq!(
         hub_state(&hub).await,
