@@ -30,9 +30,10 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use anyhow::Context as _;
 use clap::Parser;
-use trellis_bench::mesh::{Mode, hold, print_table, reexec_from_deps, run, run_alone, summarize};
+use trellis_bench::mesh::{
+    Mode, hold, one_run_to, print_table, reexec_from_deps, run_alone, summarize,
+};
 use trellis_bench::proc::raise_nofile_limit;
 use trellis_bench::results::{MeshParameters, MeshResult, MeshSize, SizeStatus};
 use trellis_bench::{Machine, RunArgs, RunInfo, write_json};
@@ -103,10 +104,7 @@ async fn main() -> anyhow::Result<()> {
         .unwrap_or_else(|| PathBuf::from(args.mode.default_out()));
     let timeout = Duration::from_secs(args.timeout);
     if let Some(leaves) = args.one_run {
-        let outcome = run(args.mode, leaves, timeout).await?;
-        std::fs::write(&out, serde_json::to_vec(&outcome)?)
-            .with_context(|| format!("writing {}", out.display()))?;
-        return Ok(());
+        return one_run_to(args.mode, leaves, timeout, &out).await;
     }
     let run_info = RunInfo::start(&args.run);
     // Written again after every size, so a run stopped midway keeps the sizes it measured.

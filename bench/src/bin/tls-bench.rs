@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use clap::Parser;
-use trellis_bench::mesh::{Mode, run, run_alone};
+use trellis_bench::mesh::{Mode, one_run_to, run_alone};
 use trellis_bench::proc::raise_nofile_limit;
 use trellis_bench::results::{MeshRun, TlsParameters, TlsResult};
 use trellis_bench::{Machine, RunArgs, RunInfo, median, write_json};
@@ -78,10 +78,7 @@ async fn main() -> anyhow::Result<()> {
     }
     let timeout = Duration::from_secs(args.timeout);
     if let Some(leaves) = args.one_run {
-        let outcome = run(args.mode, leaves, timeout).await?;
-        std::fs::write(&args.out, serde_json::to_vec(&outcome)?)
-            .with_context(|| format!("writing {}", args.out.display()))?;
-        return Ok(());
+        return one_run_to(args.mode, leaves, timeout, &args.out).await;
     }
     let mut result = TlsResult {
         benchmark: "mesh_setup_tls_against_plaintext".into(),

@@ -18,7 +18,7 @@ mod run;
 mod summary;
 mod tallies;
 
-pub use run::{Held, Outcome, reexec_from_deps, run, run_alone};
+pub use run::{Held, Outcome, one_run_to, reexec_from_deps, run, run_alone};
 pub use summary::{hold, print_table, summarize};
 
 const HUB_ID: &str = "hub";

@@ -56,6 +56,19 @@ pub async fn run(mode: Mode, leaves: usize, timeout: Duration) -> anyhow::Result
     Ok(Some(outcome))
 }
 
+/// What a binary does with `--one-run N --out FILE` ([`run_alone`] asks for it): one run,
+/// its outcome written to `out`.
+pub async fn one_run_to(
+    mode: Mode,
+    leaves: usize,
+    timeout: Duration,
+    out: &std::path::Path,
+) -> anyhow::Result<()> {
+    let outcome = run(mode, leaves, timeout).await?;
+    std::fs::write(out, serde_json::to_vec(&outcome)?)
+        .with_context(|| format!("writing {}", out.display()))
+}
+
 /// One run in a process of its own: this binary with `--one-run`. In one process, a run's
 /// peak RSS included what the allocator kept of the runs before it (the 254-leaf runs read
 /// 2.6 GB where one run alone peaks at 1.4 GB), and a run's CPU what their tasks still did.

@@ -187,6 +187,55 @@ pub fn measured(summary: &serde_json::Value) -> Measured {
     out
 }
 
+/// A flows server in the pod of cluster `to`, and what the pod of cluster `from` probes it
+/// with: two echoed TCP connections and the 10 ms UDP probe, at the address `from` uses for
+/// `to`'s pod (the script is written to `dir`).
+#[derive(Debug)]
+pub struct PodPair {
+    pub server: PodProcess,
+    pub script: PathBuf,
+    /// The namespace of `from`'s pod, where [`Flows::start`] runs.
+    pub from_pod: String,
+    pub targets: Vec<String>,
+}
+
+impl PodPair {
+    /// Starts the server and waits until `from`'s pod reaches `to`'s, for at most `limit`.
+    pub async fn start(
+        fabric: &Fabric,
+        from: usize,
+        to: usize,
+        dir: &Path,
+        limit: Duration,
+    ) -> anyhow::Result<Self> {
+        let script = dir.join("flows.py");
+        std::fs::write(&script, FLOWS).context("writing the flows script")?;
+        let to_pod = fabric.topology.sites[to].pod_ip;
+        let address = fabric.pod_address(from, to, to_pod).await?;
+        let server = python_in(
+            &fabric.topology.sites[to].pod_ns,
+            &script,
+            &["serve".into(), PORT.to_string()],
+        )?;
+        let from_pod = fabric.topology.sites[from].pod_ns.clone();
+        if !trellis_netlab::fabric::reaches(&from_pod, address, limit).await {
+            bail!(
+                "the pod of cluster {from} does not reach cluster {to}'s at {address}\n{}",
+                fabric.logs()
+            );
+        }
+        Ok(Self {
+            server,
+            script,
+            from_pod,
+            targets: vec![
+                format!("tcp:{address}:{PORT}:2"),
+                format!("udp:{address}:{PORT}"),
+            ],
+        })
+    }
+}
+
 /// Sent and received probes of a flows summary's UDP target.
 pub fn udp_probes(summary: &serde_json::Value) -> (u64, u64) {
     summary

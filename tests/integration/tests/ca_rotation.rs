@@ -98,6 +98,37 @@ async fn calls(
     (made, failed)
 }
 
+/// The hub's broker identity with a fresh certificate of `ca`, trusting leaf A's CA.
+fn as_hub(ca: &ClusterCa, leaf_a_ca: &str) -> PeerTls {
+    let cert = ca.issue("broker").expect("a certificate");
+    let tls = PeerTls::new("hub", ca.cert_pem(), &cert.cert_pem, cert.key_pem())
+        .expect("an identity of the hub");
+    tls.trust()
+        .pin(PinnedCa::from_pem("leaf-a", leaf_a_ca).expect("A's CA"));
+    tls
+}
+
+/// One `GetObservedEndpoints` call as the hub, over a new connection to leaf A's broker at `at`.
+async fn observe_from(tls: &PeerTls, at: std::net::SocketAddr) -> Result<(), tonic::Status> {
+    BrokerClient::new(
+        peer_channel(
+            tls,
+            "test",
+            &at.to_string(),
+            Some("leaf-a"),
+            Timeouts::default(),
+            &Metrics::new(),
+        )
+        .expect("channel"),
+    )
+    .get_observed_endpoints(GetObservedEndpointsRequest {
+        requester: Some(identity("hub")),
+        cluster_ids: vec!["hub".into()],
+    })
+    .await
+    .map(drop)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_hub_moves_to_a_new_ca_while_peered_and_the_old_one_is_refused_afterwards() {
     let options = Options {
@@ -274,29 +305,13 @@ async fn the_hub_moves_to_a_new_ca_while_peered_and_the_old_one_is_refused_after
             leaf.id
         );
     }
-    let stale = old_ca.issue("broker").expect("a certificate of the old CA");
-    let as_old = PeerTls::new("hub", old_ca.cert_pem(), &stale.cert_pem, stale.key_pem())
-        .expect("an identity of the old CA");
-    as_old
-        .trust()
-        .pin(PinnedCa::from_pem("leaf-a", a_tls.ca.cert_pem()).expect("A's CA"));
-    let err = BrokerClient::new(
-        peer_channel(
-            &as_old,
-            "test",
-            &a_tls.broker.to_string(),
-            Some("leaf-a"),
-            Timeouts::default(),
-            &Metrics::new(),
-        )
-        .expect("channel"),
-    )
-    .get_observed_endpoints(GetObservedEndpointsRequest {
-        requester: Some(identity("hub")),
-        cluster_ids: vec!["hub".into()],
-    })
-    .await
-    .expect_err("the old CA is refused");
+    // A certificate of the old CA is refused by leaf A's broker, where one of the new CA (no
+    // cross certificate needed any more) is taken at the same moment.
+    let new_ca_key = read("ca/ca-key.pem");
+    let new_ca_of_hub = ClusterCa::load("hub", &new_ca, &new_ca_key).expect("the new CA");
+    let err = observe_from(&as_hub(&old_ca, a_tls.ca.cert_pem()), a_tls.broker)
+        .await
+        .expect_err("the old CA is refused");
     assert!(
         matches!(
             err.code(),
@@ -304,6 +319,9 @@ async fn the_hub_moves_to_a_new_ca_while_peered_and_the_old_one_is_refused_after
         ),
         "refused at the TLS handshake: {err:?}"
     );
+    observe_from(&as_hub(&new_ca_of_hub, a_tls.ca.cert_pem()), a_tls.broker)
+        .await
+        .expect("a certificate of the new CA is taken");
 
     // `diagnose --tls-dir` reads the hub's certificates there: every service's is of the new
     // CA, in time, and the move was announced.
@@ -368,9 +386,7 @@ async fn the_hub_moves_to_a_new_ca_while_peered_and_the_old_one_is_refused_after
 /// runs as root and fails instead.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pods_ping_across_an_induced_tunnel_while_the_hub_moves_to_a_new_ca() {
-    use trellis_integration::failover::{
-        FLOWS, Flows, PORT, PodProcess, measured, python_in, udp_probes,
-    };
+    use trellis_integration::failover::{Flows, PodPair, measured, udp_probes};
     use trellis_netlab::cluster::StoreKind;
     use trellis_netlab::{Fabric, FabricOptions};
 
@@ -414,28 +430,15 @@ async fn pods_ping_across_an_induced_tunnel_while_the_hub_moves_to_a_new_ca() {
     assert_eq!(pinned_by(A).await, old, "A pinned the hub's CA");
 
     let work = tempfile::tempdir().expect("tempdir");
-    let script = work.path().join("flows.py");
-    std::fs::write(&script, FLOWS).expect("script written");
-    let c_pod = fabric.topology.sites[C].pod_ip;
-    let to_c = fabric.pod_address(A, C, c_pod).await.expect("address");
-    let _server: PodProcess = python_in(
-        &fabric.topology.sites[C].pod_ns,
-        &script,
-        &["serve".into(), PORT.to_string()],
-    )
-    .expect("server");
-    assert!(
-        trellis_netlab::fabric::reaches(&fabric.topology.sites[A].pod_ns, to_c, LIMIT).await,
-        "A's pod does not reach C's\n{}",
-        fabric.logs()
-    );
-    let targets = [format!("tcp:{to_c}:{PORT}:2"), format!("udp:{to_c}:{PORT}")];
+    let pair = PodPair::start(&fabric, A, C, work.path(), LIMIT)
+        .await
+        .expect("A's pod reaches C's");
     let flows = Flows::start(
-        &fabric.topology.sites[A].pod_ns,
-        &script,
+        &pair.from_pod,
+        &pair.script,
         work.path(),
         "rotation",
-        &targets,
+        &pair.targets,
     )
     .expect("flows");
     tokio::time::sleep(Duration::from_secs(2)).await;
@@ -485,4 +488,106 @@ async fn pods_ping_across_an_induced_tunnel_while_the_hub_moves_to_a_new_ca() {
     for leaf in [A, C] {
         assert_eq!(pinned_by(leaf).await, new, "leaf {leaf} pins the new CA");
     }
+}
+
+/// `UpdatePeerCa` and `AnnounceCa` refuse what they must, clearly, and change nothing: a CA that
+/// is no certificate, one naming another cluster, one far too long, a caller speaking for
+/// another cluster; and both RPCs on a cluster without TLS. The well-formed call next to them
+/// is taken (the positive control), and pins what it says.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bad_peer_ca_is_refused_naming_the_field_and_nothing_changes() {
+    use trellis_api::pb::peering::{AnnounceCaRequest, UpdatePeerCaRequest};
+
+    let hub = InProcessCluster::start_tls("hub", "10.0.0.0/16", "10.201.0.0/16")
+        .await
+        .expect("the hub starts");
+    let a = InProcessCluster::start_tls("leaf-a", "10.0.0.0/16", "10.202.0.0/16")
+        .await
+        .expect("leaf A starts");
+    peer(&a, &hub).await;
+    let hub_tls = hub.tls.as_ref().expect("tls");
+    let a_tls = a.tls.as_ref().expect("tls");
+    let as_a = a_tls.client("broker", &[&hub]).expect("A's identity");
+    let mut broker = BrokerClient::new(
+        peer_channel(
+            &as_a,
+            "test",
+            &hub_tls.broker.to_string(),
+            Some("hub"),
+            Timeouts::default(),
+            &Metrics::new(),
+        )
+        .expect("channel"),
+    );
+    let before = pinned(&hub, "leaf-a").await;
+    assert_eq!(before, a_tls.ca.cert_pem(), "the hub pinned A's CA");
+    let update = |id: &str, pem: String| UpdatePeerCaRequest {
+        identity: Some(identity(id)),
+        ca_certificate: pem,
+    };
+    let other = ClusterCa::generate("leaf-c").expect("a CA of another cluster");
+    for (what, request, code, names) in [
+        (
+            "no certificate",
+            update("leaf-a", "not a certificate".into()),
+            Code::InvalidArgument,
+            "ca_certificate",
+        ),
+        (
+            "a CA of another cluster",
+            update("leaf-a", other.cert_pem().to_owned()),
+            Code::InvalidArgument,
+            "ca_certificate",
+        ),
+        (
+            "far too long",
+            update("leaf-a", "x".repeat(20 * 1024)),
+            Code::InvalidArgument,
+            "ca_certificate",
+        ),
+        (
+            "speaking for another cluster",
+            update("leaf-c", other.cert_pem().to_owned()),
+            Code::PermissionDenied,
+            "leaf-a",
+        ),
+    ] {
+        let err = broker.update_peer_ca(request).await.expect_err(what);
+        assert_eq!(err.code(), code, "{what}: {err:?}");
+        assert!(err.message().contains(names), "{what}: {err:?}");
+        assert_eq!(
+            pinned(&hub, "leaf-a").await,
+            before,
+            "{what} changed the pin"
+        );
+    }
+    // The control: A's own next CA is taken and pinned.
+    let (next, _) = a_tls.ca.next().expect("A's next CA");
+    let taken = broker
+        .update_peer_ca(update("leaf-a", next.cert_pem().to_owned()))
+        .await
+        .expect("A's own new CA")
+        .into_inner();
+    assert!(taken.changed);
+    assert_eq!(pinned(&hub, "leaf-a").await, next.cert_pem());
+
+    // Without TLS there is no CA to announce or pin.
+    let plain = InProcessCluster::start("plain", "10.0.0.0/16", "10.203.0.0/16")
+        .await
+        .expect("a plaintext cluster starts");
+    let mut local = plain.broker().await.expect("connects");
+    let err = local
+        .announce_ca(AnnounceCaRequest {})
+        .await
+        .expect_err("no TLS");
+    assert_eq!(err.code(), Code::FailedPrecondition, "{err:?}");
+    assert!(err.message().contains("mutual TLS"), "{err:?}");
+    let err = local
+        .update_peer_ca(update("leaf-a", next.cert_pem().to_owned()))
+        .await
+        .expect_err("no TLS");
+    assert_eq!(err.code(), Code::FailedPrecondition, "{err:?}");
+    plain.stop().await;
+    a.stop().await;
+    hub.stop().await;
 }

@@ -18,13 +18,10 @@
 //! Skipped (with a `SKIPPED:` line) when not root or without `ip`/`nft`/`ping`/`python3`; CI
 //! runs as root and fails instead.
 
-use std::net::Ipv4Addr;
 use std::time::{Duration, Instant};
 
 use trellis_api::pb::gateway::{GetTunnelStatusRequest, TunnelPath};
-use trellis_integration::failover::{
-    FLOWS, Flows, PORT, PodProcess, measured, python_in, udp_probes,
-};
+use trellis_integration::failover::{Flows, PodPair, measured, udp_probes};
 use trellis_netlab::cluster::{Service, StoreKind};
 use trellis_netlab::{Fabric, FabricOptions, NatKind};
 
@@ -94,26 +91,14 @@ async fn a_pair_moves_between_the_relay_and_its_direct_path_without_breaking_a_c
     let relayed_in = both(&fabric, TunnelPath::Relayed).await;
 
     let dir = tempfile::tempdir().expect("tempdir");
-    let script = dir.path().join("flows.py");
-    std::fs::write(&script, FLOWS).expect("script written");
-    let c_pod = fabric.topology.sites[C].pod_ip;
-    let to_c: Ipv4Addr = fabric.pod_address(A, C, c_pod).await.expect("address");
-    let _server: PodProcess = python_in(
-        &fabric.topology.sites[C].pod_ns,
-        &script,
-        &["serve".into(), PORT.to_string()],
-    )
-    .expect("server");
-    assert!(
-        trellis_netlab::fabric::reaches(&fabric.topology.sites[A].pod_ns, to_c, LIMIT).await,
-        "A's pod does not reach C's through the relay\n{}",
-        fabric.logs()
-    );
-    let targets = [format!("tcp:{to_c}:{PORT}:2"), format!("udp:{to_c}:{PORT}")];
-    let a_pod = fabric.topology.sites[A].pod_ns.clone();
+    // Through the relay at first.
+    let pair = PodPair::start(&fabric, A, C, dir.path(), LIMIT)
+        .await
+        .expect("A's pod reaches C's");
+    let (script, targets, a_pod) = (&pair.script, &pair.targets, &pair.from_pod);
 
     // 1. relay -> direct.
-    let flows = Flows::start(&a_pod, &script, dir.path(), "up", &targets).expect("flows");
+    let flows = Flows::start(a_pod, script, dir.path(), "up", targets).expect("flows");
     tokio::time::sleep(Duration::from_secs(2)).await;
     router_a.mend().expect("mend");
     let direct_in = both(&fabric, TunnelPath::Direct).await;
@@ -137,7 +122,7 @@ async fn a_pair_moves_between_the_relay_and_its_direct_path_without_breaking_a_c
     );
 
     // 2. direct -> relay.
-    let flows = Flows::start(&a_pod, &script, dir.path(), "down", &targets).expect("flows");
+    let flows = Flows::start(a_pod, script, dir.path(), "down", targets).expect("flows");
     tokio::time::sleep(Duration::from_secs(2)).await;
     router_a.cut(c_public).expect("cut again");
     let relayed_again = both(&fabric, TunnelPath::Relayed).await;
