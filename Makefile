@@ -8,7 +8,7 @@ export PATH := $(ROOT)/.tools/bin:$(HOME)/.cargo/bin:$(PATH)
 export CARGO_TARGET_DIR ?= $(HOME)/.cache/trellis/target
 export CARGO_TERM_COLOR ?= never
 
-.PHONY: demo setup test fmt-check clippy lint-proto validate-deploy build nextest fmt bench bench-quick bench-report bench-ipam bench-mesh bench-endpoints bench-exports bench-dataplane bench-failover bench-nat bench-tls clean
+.PHONY: demo setup test fmt-check clippy lint-proto validate-deploy build nextest fmt bench bench-quick bench-report bench-ipam bench-mesh bench-endpoints bench-exports bench-dataplane bench-failover bench-nat bench-tls bench-lab clean
 
 setup:
 	bash scripts/setup.sh
@@ -95,6 +95,13 @@ bench-failover: setup
 # run: what secure by default costs (issue 37).
 bench-tls: setup
 	cargo run --release --locked -p trellis-bench --bin tls-bench -- --out bench/results/tls.json
+
+# `trellis-lab up --clusters 255 --same-pod-cidr --until-converged` against mesh-bench at 254
+# leaves, alternately in one run: whether the benchmark's numbers are what the lab's user sees
+# (issue 34).
+bench-lab: setup
+	cargo build --release --locked -p trellis-lab --bin trellis-lab
+	cargo run --release --locked -p trellis-bench --bin lab-bench -- --out bench/results/lab.json
 
 # Root only: a hub and leaves behind every kind of NAT router, timed from induced peering to the
 # first pod-to-pod packet, and relayed paths against direct ones (issue 36, ADR 0025).

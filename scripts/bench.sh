@@ -25,11 +25,12 @@ mkdir -p "$out"
 log() { printf 'bench: %s\n' "$*" >&2; }
 
 # The service binaries are started as processes by mesh-bench (hub-processes and etcd modes) and
-# dataplane-bench: build them together with the benchmarks, in release mode.
+# dataplane-bench: build them together with the benchmarks, in release mode. lab-bench runs the
+# trellis-lab binary.
 log "building the benchmarks and the service binaries (release)"
 cargo build --release --locked -p trellis-bench --bins \
   -p trellis-ipam -p trellis-discovery -p trellis-broker -p trellis-forwarder \
-  -p trellis-gateway -p trellis-endpoints -p trellis-route
+  -p trellis-gateway -p trellis-endpoints -p trellis-route -p trellis-lab
 bin="$(cargo metadata --format-version 1 --no-deps | python3 -c 'import json,sys; print(json.load(sys.stdin)["target_directory"])')/release"
 
 failed=()
@@ -109,6 +110,7 @@ if [ "$kind" = quick ]; then
   run mesh-bench --mode etcd-processes --leaves 2 --repeats 2 --timeout 60 \
     --out "$out/mesh-etcd.json"
   run tls-bench --leaves 10 --repeats 2 --timeout 60 --out "$out/tls.json"
+  run lab-bench --leaves 10 --repeats 2 --timeout 60 --out "$out/lab.json"
   run endpoints-bench --reflections 80 --repeats 3 --out "$out/endpoints.json"
   run exports-bench --leaves 5 --samples 20 --bulk-endpoints 200 --repeats 2 \
     --out "$out/exports.json"
@@ -131,6 +133,7 @@ else
   run mesh-bench --mode etcd-processes --leaves 2,5 --repeats 3 --timeout 300 \
     --out "$out/mesh-etcd.json"
   run tls-bench --out "$out/tls.json"
+  run lab-bench --out "$out/lab.json"
   run endpoints-bench --out "$out/endpoints.json"
   run exports-bench --out "$out/exports.json"
   dataplane=(--out "$out/dataplane.json")

@@ -14,6 +14,7 @@ use super::failover::failover_section;
 use super::format::{num, opt, run_line, short_commit};
 use super::inputs::{BENCHMARKS, Inputs};
 use super::ipam::ipam_section;
+use super::lab::lab_section;
 use super::mesh::mesh_section;
 use super::mesh_reference::mesh_reference_section;
 use super::nat::nat_section;
@@ -61,6 +62,7 @@ pub fn render(inputs: &Inputs) -> Output {
     failover_section(&mut md, inputs);
     nat_section(&mut md, inputs);
     tls_section(&mut md, inputs);
+    lab_section(&mut md, inputs);
     md.push_str(&note(inputs, "outro"));
     while md.ends_with("\n\n") {
         md.pop();

@@ -8,7 +8,7 @@ use anyhow::Context as _;
 use serde_json::Value;
 
 /// The benchmarks, by result file name (`<name>.json`).
-pub const BENCHMARKS: [&str; 12] = [
+pub const BENCHMARKS: [&str; 13] = [
     "ipam",
     "mesh",
     "mesh-hub-processes",
@@ -21,6 +21,7 @@ pub const BENCHMARKS: [&str; 12] = [
     "failover",
     "nat",
     "tls",
+    "lab",
 ];
 
 /// Earlier measurements kept for the notes' "what changed" sections (full results only).

@@ -19,6 +19,7 @@ mod failover;
 mod format;
 mod inputs;
 mod ipam;
+mod lab;
 mod mesh;
 mod mesh_reference;
 mod mesh_targets;

@@ -6,6 +6,7 @@ use std::fmt::Write as _;
 use super::failover::failover_targets;
 use super::format::num;
 use super::inputs::Inputs;
+use super::lab::lab_targets;
 use super::mesh_targets::{mesh_target_size, not_converged_text, scale_targets};
 use super::nat::nat_targets;
 use super::parse::parse;
@@ -429,6 +430,7 @@ pub fn targets(inputs: &Inputs) -> Vec<Target> {
     out.extend(failover_targets(inputs));
     out.extend(nat_targets(inputs));
     out.extend(tls_targets(inputs));
+    out.extend(lab_targets(inputs));
     out
 }
 

@@ -251,6 +251,7 @@ fn scale_targets_compare_with_main() {
             !t.target.contains("(issue 33)")
                 && !t.target.contains("(issue 36)")
                 && !t.target.contains("(issue 37)")
+                && !t.target.contains("(issue 34)")
         })
         .map(|t| (t.measured.as_str(), t.verdict.clone()))
         .collect();
@@ -765,4 +766,52 @@ fn the_tls_section_shows_each_run_and_the_ratio_of_the_medians() {
         .find(|t| t.target.contains("(issue 37)"))
         .expect("the TLS target");
     assert_eq!(target.verdict, Verdict::NotMeasured);
+}
+
+#[test]
+fn the_lab_section_shows_each_run_and_judges_both_ratios_against_the_bound() {
+    let doc = |ratio: f64, full_ratio: f64| {
+        json!({
+            "benchmark": "lab_against_mesh_bench",
+            "run": run("full", "2026-11-28T06:21:35Z"),
+            "machine": machine(),
+            "parameters": {"leaves": 254, "repeats": 2, "timeout_seconds": 300,
+                           "lab_command": ["trellis-lab", "up", "--clusters", "255"]},
+            "bench": [{"seconds": 25.0, "converged": true, "full_tunnels_seconds": 9.0},
+                      {"seconds": 26.0, "converged": true, "full_tunnels_seconds": 9.5}],
+            "lab": [{"seconds": 28.0, "converged": true, "full_tunnels_seconds": 10.0,
+                     "process_cpu_seconds": 60.5, "wall_seconds": 31.0},
+                    {"seconds": 300.0, "converged": false, "wall_seconds": 300.0}],
+            "bench_median_seconds": 26.0,
+            "lab_median_seconds": 28.0,
+            "bench_full_median_seconds": 9.5,
+            "lab_full_median_seconds": 10.0,
+            "ratio": ratio,
+            "full_ratio": full_ratio
+        })
+    };
+    let verdicts = |i| -> Vec<Verdict> {
+        targets(i)
+            .into_iter()
+            .filter(|t| t.target.contains("(issue 34)"))
+            .map(|t| t.verdict)
+            .collect()
+    };
+    let i = inputs(vec![found("lab", doc(1.08, 1.05))]);
+    assert_eq!(verdicts(&i), [Verdict::Met, Verdict::Met]);
+    let md = &render(&i).files[0].1;
+    assert!(
+        md.contains("| 1 | 25.000 | 28.000 | 9.000 | 10.000 | 60.5 |"),
+        "{md}"
+    );
+    assert!(
+        md.contains("| 2 | 26.000 | not converged (300 s) |"),
+        "{md}"
+    );
+    assert!(md.contains("setup **1.08**, full tunnels **1.05**"), "{md}");
+    // Over the bound, either ratio.
+    let i = inputs(vec![found("lab", doc(1.08, 1.31))]);
+    assert_eq!(verdicts(&i), [Verdict::Met, Verdict::NotMet]);
+    let i = inputs(vec![found("lab", doc(1.21, 1.0))]);
+    assert_eq!(verdicts(&i), [Verdict::NotMet, Verdict::Met]);
 }

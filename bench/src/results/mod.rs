@@ -10,6 +10,7 @@ mod endpoints;
 mod exports;
 mod failover;
 mod ipam;
+mod lab;
 mod latency;
 mod mesh;
 mod nat;
@@ -24,6 +25,7 @@ pub use endpoints::{EndpointsParameters, EndpointsResult, EndpointsScenario};
 pub use exports::{ExportsParameters, ExportsResult};
 pub use failover::{FailoverParameters, FailoverResult, Kill, Spread};
 pub use ipam::{Consistency, IpamParameters, IpamResult, IpamScenario, MetricsOverhead};
+pub use lab::{LabParameters, LabResult, LabRun};
 pub use latency::LatencySummary;
 pub use mesh::{
     HubProcess, HubStores, MeshParameters, MeshResult, MeshRun, MeshSize, Mode, SizeStatus,

@@ -32,7 +32,7 @@ use crate::replicas::{self, Replicas, View};
 const HANDSHAKE_FRESH: Duration = Duration::from_secs(180);
 
 /// The desired TunnelEndpoints, by remote cluster.
-pub type Desired = BTreeMap<ClusterId, TunnelEndpoint>;
+pub type Desired = BTreeMap<ClusterId, std::sync::Arc<TunnelEndpoint>>;
 
 /// What GetGatewayInfo answers.
 #[derive(Debug, Clone)]
@@ -308,16 +308,39 @@ impl Gateway {
     /// included, is applied. `pass` says whether the data plane applies only what changed
     /// since the last pass or checks everything.
     pub async fn apply_pass(&self, desired: &Desired, hub: &Mappings, pass: Pass) -> Result<usize> {
+        // A Changes pass takes the slots of the peers applied last time, unchanged and without
+        // error, from memory: at a mesh of n peers forming, the store reads and listings of
+        // every peer on every change made each gateway's work grow as n² (a 255-cluster lab
+        // spent about a fifth of its time there). A Repair pass checks every slot in the
+        // store, and everything that a Changes pass skips.
+        let previous = match pass {
+            Pass::Changes => self.applied.lock().map(|a| a.clone()).unwrap_or_default(),
+            Pass::Repair => BTreeMap::new(),
+        };
+        let removed = previous.is_empty() || previous.keys().any(|id| !desired.contains_key(id));
         // Releases first: the slot a removed peer frees may be the one a new peer waits for,
         // and a peer short of a slot must never keep a removed one's tunnel up.
         let keep: BTreeSet<ClusterId> = desired.keys().cloned().collect();
-        ports::release_tunnels_except(&self.store, &keep).await?;
+        let released = if removed {
+            ports::release_tunnels_except(&self.store, &keep)
+                .await?
+                .len()
+        } else {
+            0
+        };
         let mut plans = Vec::with_capacity(desired.len());
         let mut unslotted = Vec::new();
         let mut results: BTreeMap<ClusterId, std::result::Result<(), String>> = BTreeMap::new();
         for (id, te) in desired {
             if id == &self.settings.identity.id {
                 tracing::warn!(peer = %id, "ignoring a tunnel endpoint for our own cluster");
+                continue;
+            }
+            if let Some(last) = previous.get(id)
+                && last.result.is_ok()
+                && last.plan.endpoint == *te
+            {
+                plans.push(last.plan.clone());
                 continue;
             }
             let slot = match ports::bind_tunnel(
@@ -366,10 +389,12 @@ impl Gateway {
             Some(dp) => results.extend(dp.lock().await.apply(&v4, hub, pass).await),
             None => results.extend(v4.iter().map(|p| (p.endpoint.remote.id.clone(), Ok(())))),
         }
-        ports::release_unused(&self.store, self.settings.ports.unused_grace).await?;
-        // After the data plane removed the released peers: none of their connections is
-        // marked again once flushed.
-        self.flush_freed().await?;
+        if pass == Pass::Repair || released > 0 {
+            ports::release_unused(&self.store, self.settings.ports.unused_grace).await?;
+            // After the data plane removed the released peers: none of their connections is
+            // marked again once flushed.
+            self.flush_freed().await?;
+        }
         let prefixes: BTreeSet<IpNet> = v4.iter().flat_map(PeerPlan::routed).collect();
         self.routes.send_if_modified(|routes| {
             let prefixes: Vec<IpNet> = prefixes.into_iter().collect();

@@ -277,7 +277,11 @@ async fn removing_a_tunnel_releases_its_port_but_not_a_pending_one() {
     let id = |s: &str| trellis_api::ClusterId::parse("cluster_id", s).expect("id");
     // d asked for its endpoint (NetworkConfig exchange under way) but has no tunnel yet.
     assert_eq!(g.info(Some(&id("d"))).await.expect("d").listen_port, 40000);
-    let desired: BTreeMap<_, _> = [(id("b"), te("b", 80)), (id("c"), te("c", 83))].into();
+    let desired: BTreeMap<_, _> = [
+        (id("b"), std::sync::Arc::new(te("b", 80))),
+        (id("c"), std::sync::Arc::new(te("c", 83))),
+    ]
+    .into();
     assert_eq!(g.apply(&desired, &Vec::new()).await.expect("applied"), 0);
     let tunnels = g.tunnels().await;
     assert_eq!(tunnels.len(), 2);
@@ -290,7 +294,7 @@ async fn removing_a_tunnel_releases_its_port_but_not_a_pending_one() {
     );
     assert_eq!(tunnels[1].plan.interface, g.interface_name(&id("c")));
 
-    let only_c: BTreeMap<_, _> = [(id("c"), te("c", 83))].into();
+    let only_c: BTreeMap<_, _> = [(id("c"), std::sync::Arc::new(te("c", 83)))].into();
     g.apply(&only_c, &Vec::new()).await.expect("applied");
     assert!(g.tunnel(&id("b")).await.is_none());
     // b's port is free again, but quarantined (its mark may still be on connections): a port
@@ -326,12 +330,12 @@ async fn a_peer_without_a_slot_does_not_hold_back_removals_and_gets_the_freed_sl
             .map(ToString::to_string)
             .collect()
     };
-    let only_b: BTreeMap<_, _> = [(id("b"), te("b", 80))].into();
+    let only_b: BTreeMap<_, _> = [(id("b"), std::sync::Arc::new(te("b", 80)))].into();
     assert_eq!(g.apply(&only_b, &Vec::new()).await.expect("applied"), 0);
     assert_eq!(g.tunnel(&id("b")).await.expect("b").plan.slot, 40000);
     assert_eq!(prefixes(), ["10.80.0.0/16", "10.81.0.0/16"]);
 
-    let only_c: BTreeMap<_, _> = [(id("c"), te("c", 83))].into();
+    let only_c: BTreeMap<_, _> = [(id("c"), std::sync::Arc::new(te("c", 83)))].into();
     let published = std::time::Instant::now();
     let failed = g
         .apply(&only_c, &Vec::new())
@@ -400,7 +404,7 @@ async fn ports_without_a_tunnel_return_after_the_grace_period_and_bound_ones_sta
         matches!(err, trellis_error::Error::ResourceExhausted(_)),
         "{err}"
     );
-    let desired: BTreeMap<_, _> = [(id("b"), te("b", 80))].into();
+    let desired: BTreeMap<_, _> = [(id("b"), std::sync::Arc::new(te("b", 80)))].into();
     g.apply(&desired, &Vec::new()).await.expect("applied");
 
     tokio::time::sleep(grace * 2).await;
@@ -457,7 +461,11 @@ async fn watch_routes_streams_every_peers_prefixes_and_the_gateway_node() {
     );
 
     let id = |s: &str| trellis_api::ClusterId::parse("cluster_id", s).expect("id");
-    let both: BTreeMap<_, _> = [(id("b"), te("b", 80)), (id("c"), te("c", 83))].into();
+    let both: BTreeMap<_, _> = [
+        (id("b"), std::sync::Arc::new(te("b", 80))),
+        (id("c"), std::sync::Arc::new(te("c", 83))),
+    ]
+    .into();
     server
         .core
         .apply(&both, &Vec::new())
@@ -472,7 +480,7 @@ async fn watch_routes_streams_every_peers_prefixes_and_the_gateway_node() {
             "10.84.0.0/16"
         ]
     );
-    let only_c: BTreeMap<_, _> = [(id("c"), te("c", 83))].into();
+    let only_c: BTreeMap<_, _> = [(id("c"), std::sync::Arc::new(te("c", 83)))].into();
     server
         .core
         .apply(&only_c, &Vec::new())
@@ -507,4 +515,138 @@ async fn next(stream: &mut tonic::Streaming<WatchRoutesResponse>) -> WatchRoutes
         .expect("a message in time")
         .expect("stream ok")
         .expect("stream open")
+}
+
+/// A memory store that counts the reads made of it.
+#[derive(Debug, Default)]
+struct Reads {
+    inner: trellis_store::MemoryStore,
+    reads: std::sync::atomic::AtomicU64,
+}
+
+impl Reads {
+    fn read(&self) {
+        self.reads.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+#[async_trait::async_trait]
+impl trellis_store::Store for Reads {
+    async fn get(
+        &self,
+        key: &str,
+    ) -> Result<Option<trellis_store::KeyValue>, trellis_store::StoreError> {
+        self.read();
+        self.inner.get(key).await
+    }
+    async fn list(
+        &self,
+        prefix: &str,
+    ) -> Result<trellis_store::Listing, trellis_store::StoreError> {
+        self.read();
+        self.inner.list(prefix).await
+    }
+    async fn put(
+        &self,
+        key: &str,
+        value: Vec<u8>,
+    ) -> Result<trellis_store::Revision, trellis_store::StoreError> {
+        self.inner.put(key, value).await
+    }
+    async fn delete(&self, key: &str) -> Result<bool, trellis_store::StoreError> {
+        self.inner.delete(key).await
+    }
+    async fn txn(
+        &self,
+        txn: trellis_store::Txn,
+    ) -> Result<trellis_store::TxnOutcome, trellis_store::StoreError> {
+        self.inner.txn(txn).await
+    }
+    async fn watch(
+        &self,
+        prefix: &str,
+        start: Option<trellis_store::Revision>,
+    ) -> Result<trellis_store::WatchStream, trellis_store::StoreError> {
+        self.inner.watch(prefix, start).await
+    }
+    async fn grant_lease(
+        &self,
+        ttl: std::time::Duration,
+    ) -> Result<trellis_store::LeaseId, trellis_store::StoreError> {
+        self.inner.grant_lease(ttl).await
+    }
+    async fn keep_alive(
+        &self,
+        lease: trellis_store::LeaseId,
+    ) -> Result<(), trellis_store::StoreError> {
+        self.inner.keep_alive(lease).await
+    }
+    async fn revoke_lease(
+        &self,
+        lease: trellis_store::LeaseId,
+    ) -> Result<(), trellis_store::StoreError> {
+        self.inner.revoke_lease(lease).await
+    }
+    async fn put_with_lease(
+        &self,
+        key: &str,
+        value: Vec<u8>,
+        lease: trellis_store::LeaseId,
+    ) -> Result<trellis_store::Revision, trellis_store::StoreError> {
+        self.inner.put_with_lease(key, value, lease).await
+    }
+}
+
+/// A change pass (what the reconciler runs on every change of the desired set) touches the
+/// store for the peers that changed only; a repair pass checks every slot. At a mesh of n
+/// peers forming, one store read per peer per change made each gateway's work grow as n².
+#[tokio::test]
+async fn a_change_pass_reads_the_slots_of_changed_peers_only() {
+    use trellis_gateway::dataplane::linux::Pass;
+    let counted = Arc::new(Reads::default());
+    let store: SharedStore = counted.clone();
+    let keys = KeyPair::load_or_create(&store).await.expect("key");
+    let g = gateway(store, keys, PortRange::new(40000, 40099).expect("range"));
+    let id = |s: &str| trellis_api::ClusterId::parse("cluster_id", s).expect("id");
+    let mut desired: BTreeMap<_, _> = (0..20u8)
+        .map(|i| {
+            let name = format!("p{i}");
+            (id(&name), Arc::new(te(&name, 80)))
+        })
+        .collect();
+    assert_eq!(
+        g.apply_pass(&desired, &Vec::new(), Pass::Changes)
+            .await
+            .expect("applied"),
+        0
+    );
+    let reads = || counted.reads.load(std::sync::atomic::Ordering::SeqCst);
+    let before = reads();
+    desired.insert(id("new"), Arc::new(te("new", 81)));
+    g.apply_pass(&desired, &Vec::new(), Pass::Changes)
+        .await
+        .expect("applied");
+    let change = reads() - before;
+    assert_eq!(g.tunnels().await.len(), 21, "every peer applied");
+    assert!(
+        change <= 4,
+        "a change pass for one new peer among 21 read the store {change} times"
+    );
+    // Positive control: a repair pass reads every peer's slot.
+    let before = reads();
+    g.apply_pass(&desired, &Vec::new(), Pass::Repair)
+        .await
+        .expect("applied");
+    let repair = reads() - before;
+    assert!(
+        repair >= 21,
+        "a repair pass read the store only {repair} times"
+    );
+    // Removing a peer in a change pass still releases its port.
+    desired.remove(&id("p0"));
+    g.apply_pass(&desired, &Vec::new(), Pass::Changes)
+        .await
+        .expect("applied");
+    assert!(g.tunnel(&id("p0")).await.is_none());
+    assert_eq!(g.tunnels().await.len(), 20);
 }

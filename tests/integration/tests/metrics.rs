@@ -178,7 +178,15 @@ async fn every_lab_service_serves_prometheus_metrics_and_domain_gauges_match_the
             );
         }
 
-        // The broker answered the lab's ListTunnelEndpoints: counted with method and code.
+        // The broker answers a ListTunnelEndpoints (the lab follows the brokers with watches):
+        // counted with method and code.
+        let grpc = cluster["services"]["broker"].as_str().expect("broker");
+        BrokerClient::connect(format!("http://{grpc}"))
+            .await
+            .expect("broker connects")
+            .list_tunnel_endpoints(ListTunnelEndpointsRequest::default())
+            .await
+            .expect("lists");
         let broker_addr = metrics["broker"].as_str().expect("addr");
         let samples = parse(&python, &scrape(broker_addr));
         let handled = samples

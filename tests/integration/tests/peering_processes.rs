@@ -160,6 +160,24 @@ async fn converged(mesh: &Mesh) -> Tunnels {
         }
     })
     .await;
+    // A drained relay means the destination answered; the answer reaches the sender's broker
+    // a moment later (its status on the sender's NetworkConfig).
+    mesh.eventually(
+        "every NetworkConfig's decision to reach its sender",
+        || async {
+            for cluster in mesh.all() {
+                for nc in network_configs(cluster).await? {
+                    if nc.status.as_ref().map(|s| s.state)
+                        != Some(types::NetworkConfigState::Processed as i32)
+                    {
+                        return Err(format!("{}: {} not processed yet", cluster.id, nc.name));
+                    }
+                }
+            }
+            Ok(())
+        },
+    )
+    .await;
     // A snapshot taken after every exchange completed.
     let mut all = Tunnels::new();
     for cluster in mesh.all() {

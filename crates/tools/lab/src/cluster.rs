@@ -98,14 +98,34 @@ async fn traced<F: Future>(
 
 impl LabCluster {
     /// Starts every service of `plan`. On failure the services already started are stopped
-    /// again (through a child of `shutdown`).
+    /// again (through a child of `shutdown`), and have let go of their ports when this returns:
+    /// a start retried on the same fixed ports would otherwise find them still bound.
     pub async fn start(
         plan: ClusterPlan,
         options: Options,
         shutdown: &Shutdown,
     ) -> anyhow::Result<Self> {
         let own = shutdown.child_token();
-        let stop_on_failure = own.clone().drop_guard();
+        let mut started = Vec::new();
+        match Self::start_services(plan, options, &own, &mut started).await {
+            Ok(cluster) => Ok(cluster),
+            Err(err) => {
+                own.cancel();
+                for task in started {
+                    let _ = task.await;
+                }
+                Err(err)
+            }
+        }
+    }
+
+    /// [`Self::start`]'s services, each task in `tasks` as soon as it runs.
+    async fn start_services(
+        plan: ClusterPlan,
+        options: Options,
+        own: &Shutdown,
+        tasks: &mut Vec<JoinHandle<anyhow::Result<()>>>,
+    ) -> anyhow::Result<Self> {
         let mut etcds = Vec::new();
         let mut store = |service: &str| -> anyhow::Result<String> {
             match options.store {
@@ -142,7 +162,6 @@ impl LabCluster {
             a.extend(["--store".to_owned(), store]);
             a
         };
-        let mut tasks = Vec::new();
         let mut tracers = Vec::new();
         let certificates = plan
             .peer
@@ -310,10 +329,9 @@ impl LabCluster {
         .context("endpoints")?;
         tasks.push(endpoints.task);
 
-        stop_on_failure.disarm();
         Ok(Self {
             plan,
-            tasks,
+            tasks: std::mem::take(tasks),
             etcds,
             tracers,
             _certificates: certificates,

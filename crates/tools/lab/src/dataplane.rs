@@ -200,14 +200,15 @@ async fn converge(
     );
     let expected = Expected::new(plans, config.induced());
     let clock = Instant::now();
-    let converged = mesh::converge(&brokers, &expected, config.timeout(), |p| {
+    let following = mesh::Following::start(&brokers, &expected);
+    let converged = following.converge(config.timeout(), |p| {
         progress.say(format_args!(
             "tunnels: full {}/{}, induced {}/{}",
             p.full, p.full_wanted, p.induced, p.induced_wanted
         ));
     });
     let snapshot = tokio::select! {
-        result = converged => result?,
+        result = converged => result?.snapshot,
         () = lab.cancelled() => bail!("interrupted before the mesh converged"),
     };
     progress.say(format_args!(

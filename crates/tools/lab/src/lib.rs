@@ -46,6 +46,10 @@ use crate::report::Topology;
 /// processes).
 const START_CONCURRENCY: usize = 8;
 
+/// How long the lab waits for every broker's tunnel watch to open before peering (they are all
+/// listening by then; this only bounds a broker that does not answer).
+const WATCH_LIMIT: std::time::Duration = std::time::Duration::from_secs(30);
+
 /// Free-port collisions tolerated per cluster with `--base-port 0`.
 const START_ATTEMPTS: usize = 5;
 
@@ -208,6 +212,10 @@ async fn form_mesh(
     lab: &Shutdown,
 ) -> anyhow::Result<()> {
     let expected = Expected::new(plans, config.induced());
+    // Every broker is followed from before the first Peer request, so that each tunnel is seen
+    // when it is written.
+    let following = mesh::Following::start(&mesh::Brokers::on_loopback(plans)?, &expected);
+    following.all_watching(WATCH_LIMIT).await;
     let clock = Instant::now();
     let leaves = plans.len() - 1;
     let step = (leaves / 10).max(1);
@@ -220,19 +228,25 @@ async fn form_mesh(
         result = peered => result?,
         () = lab.cancelled() => bail!("interrupted while peering"),
     }
-    let brokers = mesh::Brokers::on_loopback(plans)?;
-    let converged = mesh::converge(&brokers, &expected, config.timeout(), |p| {
+    let converged = following.converge(config.timeout(), |p| {
         progress.say(format_args!(
             "tunnels: full {}/{}, induced {}/{}",
             p.full, p.full_wanted, p.induced, p.induced_wanted
         ));
     });
-    let snapshot = tokio::select! {
+    let converged = tokio::select! {
         result = converged => result?,
         () = lab.cancelled() => bail!("interrupted before the mesh converged"),
     };
     let elapsed = clock.elapsed();
+    let snapshot = converged.snapshot;
     let totals = expected.progress(&snapshot);
+    if let Some(full) = converged.full_at {
+        progress.say(format_args!(
+            "every full tunnel was up {:.2}s after the first Peer request",
+            full.saturating_duration_since(clock).as_secs_f64()
+        ));
+    }
     progress.say(format_args!(
         "converged in {:.2}s: {} clusters, {} full and {} induced tunnels",
         elapsed.as_secs_f64(),
@@ -272,13 +286,15 @@ async fn start_all(
                     Err(err)
                         if attempt < START_ATTEMPTS
                             && format!("{err:#}").contains("cannot listen")
-                            && (free_ports || format!("{err:#}").contains("(metrics)")) =>
+                            && (free_ports
+                                || format!("{err:#}").contains("(metrics)")
+                                || format!("{err:#}").contains("(peer listener)")) =>
                     {
                         attempt += 1;
                         plan = if free_ports {
                             plan.with_free_ports()
                         } else {
-                            plan.with_free_metrics_ports()
+                            plan.with_other_free_ports()
                         };
                     }
                     other => {

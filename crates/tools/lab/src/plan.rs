@@ -102,16 +102,17 @@ impl ClusterPlan {
         self.peer.map_or(self.ports.broker, |p| p.broker)
     }
 
-    /// New free ports after losing a port race (peer listeners too).
+    /// New free ports after losing a port race (peer listeners and metrics too).
     pub fn with_free_ports(mut self) -> Self {
         self.ports = Ports::free();
-        self.peer = self.peer.map(|_| PeerPorts::free());
-        self.with_free_metrics_ports()
+        self.with_other_free_ports()
     }
 
-    /// The same plan with other free ports for the metrics listeners only (they are free ports
-    /// even with a fixed `--base-port`, so another program may take one before it is bound).
-    pub fn with_free_metrics_ports(mut self) -> Self {
+    /// The same plan with other free ports for the listeners that take free ports even with a
+    /// fixed `--base-port` (metrics and peer listeners), since another program may take one
+    /// before it is bound.
+    pub fn with_other_free_ports(mut self) -> Self {
+        self.peer = self.peer.map(|_| PeerPorts::free());
         self.metrics = Ports::free();
         self
     }

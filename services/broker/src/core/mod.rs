@@ -66,6 +66,9 @@ pub struct Broker {
     /// Woken when a new induced TunnelEndpoint is written: its candidates are wanted now
     /// ([`candidates`]).
     candidates_due: tokio::sync::Notify,
+    /// The WireGuard keys of the NetworkConfigs held, by store key, as decoded at a revision
+    /// (see [`receive`]'s duplicate-key check).
+    held_keys: Mutex<HashMap<String, receive::HeldKey>>,
 }
 
 /// A local service's refusal, naming what we asked it for, for the ports' methods asked for
@@ -90,6 +93,7 @@ impl Broker {
             peering_locks: Mutex::new(HashMap::new()),
             allowed: AllowedRanges::default(),
             own_key: Mutex::new(None),
+            held_keys: Mutex::new(HashMap::new()),
             candidates_due: tokio::sync::Notify::new(),
         }
     }

@@ -51,7 +51,7 @@ impl Mode {
 /// Everything needed to build the tunnel to one peer.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PeerPlan {
-    pub endpoint: TunnelEndpoint,
+    pub endpoint: std::sync::Arc<TunnelEndpoint>,
     /// The peer's slot: a number unique among our peers, persisted in the store, that is its
     /// connection mark and routing table (and, in kernel mode, its listen port).
     pub slot: u16,
@@ -209,7 +209,7 @@ mod tests {
 
     fn plan(remote: &str) -> PeerPlan {
         PeerPlan {
-            endpoint: TunnelEndpoint {
+            endpoint: std::sync::Arc::new(TunnelEndpoint {
                 remote: ClusterIdentity::parse("id", remote, "name", remote).expect("id"),
                 kind: PeeringKind::Full,
                 via: None,
@@ -233,7 +233,7 @@ mod tests {
                 .expect("key"),
                 remote_candidates: Vec::new(),
                 generation: 1,
-            },
+            }),
             slot: 51841,
             listen_port: 51840,
             interface: "tg01234567".into(),

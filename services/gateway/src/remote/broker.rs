@@ -8,6 +8,7 @@
 
 use std::time::Duration;
 
+use futures::FutureExt as _;
 use tokio::sync::watch;
 use tonic::Code;
 use trellis_api::ClusterId;
@@ -25,6 +26,9 @@ use crate::core::Desired;
 /// The waits after a failed or ended watch: 200 ms doubling to 5 s.
 const RETRY: RetryPolicy =
     RetryPolicy::exponential(Duration::from_millis(200), Duration::from_secs(5));
+
+/// How long after start an unreachable broker is only logged at info (see [`run`]).
+const START_GRACE: Duration = Duration::from_secs(30);
 
 /// The state of a watch consumer, independent of the transport.
 #[derive(Debug, Default)]
@@ -58,14 +62,14 @@ impl Follower {
     }
 
     /// Applies one event; returns the new desired set when it should be published.
-    pub fn on_event(&mut self, event: &peering::WatchTunnelEndpointsResponse) -> Option<Desired> {
+    pub fn on_event(&mut self, event: &peering::WatchTunnelEndpointsResponse) -> Option<&Desired> {
         let kind = WatchEventType::try_from(event.r#type).unwrap_or(WatchEventType::Unspecified);
         if kind == WatchEventType::Bookmark {
             self.revision = event.revision;
             if !self.synced {
                 self.synced = true;
                 self.current = std::mem::take(&mut self.snapshot);
-                return Some(self.current.clone());
+                return Some(&self.current);
             }
             return None;
         }
@@ -78,7 +82,7 @@ impl Follower {
                         } else {
                             &mut self.snapshot
                         };
-                        target.insert(te.remote.id.clone(), te);
+                        target.insert(te.remote.id.clone(), std::sync::Arc::new(te));
                         true
                     }
                     Err(err) => {
@@ -122,7 +126,7 @@ impl Follower {
         };
         if self.synced {
             self.revision = event.revision;
-            return changed.then(|| self.current.clone());
+            return changed.then_some(&self.current);
         }
         None
     }
@@ -155,6 +159,10 @@ pub async fn run(
     let mut client = peering::broker_client::BrokerClient::new(channel);
     let mut follower = Follower::default();
     let mut backoff = RETRY.backoff();
+    // A gateway usually starts before its broker (the broker calls it): until the first watch
+    // opens, and for a grace period, an unreachable broker is expected, not worth a warning.
+    let started = std::time::Instant::now();
+    let mut watched = false;
     loop {
         follower.on_stream_start();
         let start_revision = follower.resume_from();
@@ -165,6 +173,7 @@ pub async fn run(
         };
         let ended = match opened {
             Ok(response) => {
+                watched = true;
                 tracing::info!(broker = %broker, start_revision, "watching tunnel endpoints");
                 let mut stream = response.into_inner();
                 loop {
@@ -172,20 +181,44 @@ pub async fn run(
                         next = stream.message() => next,
                         () = shutdown.cancelled() => return,
                     };
-                    match next {
-                        Ok(Some(event)) => {
-                            backoff.reset();
-                            if let Some(set) = follower.on_event(&event) {
-                                tracing::info!(
-                                    tunnels = set.len(),
-                                    revision = event.revision,
-                                    "desired tunnels changed"
-                                );
-                                desired.send_replace(Some(set));
-                            }
-                        }
+                    let mut event = match next {
+                        Ok(Some(event)) => event,
                         Ok(None) => break tonic::Status::unavailable("the broker ended the watch"),
                         Err(status) => break status,
+                    };
+                    backoff.reset();
+                    // Every event already received is applied before the set is published:
+                    // one copy of the set per burst, not one per event (at a mesh of n peers
+                    // forming, copies per event made the following cost n²).
+                    let mut changed = false;
+                    let mut ended = None;
+                    loop {
+                        changed |= follower.on_event(&event).is_some();
+                        match stream.message().now_or_never() {
+                            Some(Ok(Some(next))) => event = next,
+                            Some(Ok(None)) => {
+                                ended =
+                                    Some(tonic::Status::unavailable("the broker ended the watch"));
+                                break;
+                            }
+                            Some(Err(status)) => {
+                                ended = Some(status);
+                                break;
+                            }
+                            None => break,
+                        }
+                    }
+                    if changed {
+                        let set = follower.current.clone();
+                        tracing::info!(
+                            tunnels = set.len(),
+                            revision = follower.revision,
+                            "desired tunnels changed"
+                        );
+                        desired.send_replace(Some(set));
+                    }
+                    if let Some(status) = ended {
+                        break status;
                     }
                 }
             }
@@ -195,6 +228,8 @@ pub async fn run(
         if ended.code() == Code::OutOfRange {
             tracing::info!("broker history compacted; taking a new snapshot");
             follower.restart();
+        } else if !watched && started.elapsed() < START_GRACE {
+            tracing::info!(code = ?ended.code(), message = ended.message(), retry_ms = wait.as_millis() as u64, "broker not answering yet; waiting for it");
         } else {
             tracing::warn!(code = ?ended.code(), message = ended.message(), retry_ms = wait.as_millis() as u64, "tunnel endpoint watch interrupted");
         }
