@@ -18,6 +18,7 @@
 //! # Ok(()) }
 //! ```
 
+pub mod counted;
 mod error;
 mod etcd;
 mod kv;

@@ -517,93 +517,15 @@ async fn next(stream: &mut tonic::Streaming<WatchRoutesResponse>) -> WatchRoutes
         .expect("stream open")
 }
 
-/// A memory store that counts the reads made of it.
-#[derive(Debug, Default)]
-struct Reads {
-    inner: trellis_store::MemoryStore,
-    reads: std::sync::atomic::AtomicU64,
-}
-
-impl Reads {
-    fn read(&self) {
-        self.reads.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-    }
-}
-
-#[async_trait::async_trait]
-impl trellis_store::Store for Reads {
-    async fn get(
-        &self,
-        key: &str,
-    ) -> Result<Option<trellis_store::KeyValue>, trellis_store::StoreError> {
-        self.read();
-        self.inner.get(key).await
-    }
-    async fn list(
-        &self,
-        prefix: &str,
-    ) -> Result<trellis_store::Listing, trellis_store::StoreError> {
-        self.read();
-        self.inner.list(prefix).await
-    }
-    async fn put(
-        &self,
-        key: &str,
-        value: Vec<u8>,
-    ) -> Result<trellis_store::Revision, trellis_store::StoreError> {
-        self.inner.put(key, value).await
-    }
-    async fn delete(&self, key: &str) -> Result<bool, trellis_store::StoreError> {
-        self.inner.delete(key).await
-    }
-    async fn txn(
-        &self,
-        txn: trellis_store::Txn,
-    ) -> Result<trellis_store::TxnOutcome, trellis_store::StoreError> {
-        self.inner.txn(txn).await
-    }
-    async fn watch(
-        &self,
-        prefix: &str,
-        start: Option<trellis_store::Revision>,
-    ) -> Result<trellis_store::WatchStream, trellis_store::StoreError> {
-        self.inner.watch(prefix, start).await
-    }
-    async fn grant_lease(
-        &self,
-        ttl: std::time::Duration,
-    ) -> Result<trellis_store::LeaseId, trellis_store::StoreError> {
-        self.inner.grant_lease(ttl).await
-    }
-    async fn keep_alive(
-        &self,
-        lease: trellis_store::LeaseId,
-    ) -> Result<(), trellis_store::StoreError> {
-        self.inner.keep_alive(lease).await
-    }
-    async fn revoke_lease(
-        &self,
-        lease: trellis_store::LeaseId,
-    ) -> Result<(), trellis_store::StoreError> {
-        self.inner.revoke_lease(lease).await
-    }
-    async fn put_with_lease(
-        &self,
-        key: &str,
-        value: Vec<u8>,
-        lease: trellis_store::LeaseId,
-    ) -> Result<trellis_store::Revision, trellis_store::StoreError> {
-        self.inner.put_with_lease(key, value, lease).await
-    }
-}
-
 /// A change pass (what the reconciler runs on every change of the desired set) touches the
 /// store for the peers that changed only; a repair pass checks every slot. At a mesh of n
 /// peers forming, one store read per peer per change made each gateway's work grow as n².
 #[tokio::test]
 async fn a_change_pass_reads_the_slots_of_changed_peers_only() {
     use trellis_gateway::dataplane::linux::Pass;
-    let counted = Arc::new(Reads::default());
+    let counted = Arc::new(trellis_store::counted::Counted::new(Arc::new(
+        trellis_store::MemoryStore::new(),
+    )));
     let store: SharedStore = counted.clone();
     let keys = KeyPair::load_or_create(&store).await.expect("key");
     let g = gateway(store, keys, PortRange::new(40000, 40099).expect("range"));
@@ -620,7 +542,7 @@ async fn a_change_pass_reads_the_slots_of_changed_peers_only() {
             .expect("applied"),
         0
     );
-    let reads = || counted.reads.load(std::sync::atomic::Ordering::SeqCst);
+    let reads = || counted.reads();
     let before = reads();
     desired.insert(id("new"), Arc::new(te("new", 81)));
     g.apply_pass(&desired, &Vec::new(), Pass::Changes)

@@ -60,6 +60,8 @@ pub struct Ipam {
     /// allocators in one process would mostly lose the epoch race to each other and retry
     /// with backoff.
     allocating: tokio::sync::Mutex<Option<Allocated>>,
+    /// GetSubnetsPerCluster requests waiting for the next allocation pass (see `ranges`).
+    waiting: std::sync::Mutex<Vec<ranges::Wanted>>,
 }
 
 /// A consistent view of the allocation table.
@@ -124,6 +126,7 @@ impl Ipam {
             store,
             local,
             allocating: tokio::sync::Mutex::new(None),
+            waiting: std::sync::Mutex::new(Vec::new()),
         };
         ipam.finish_interrupted_frees().await?;
         Ok(ipam)

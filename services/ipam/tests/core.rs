@@ -449,6 +449,67 @@ async fn concurrent_allocations_on_one_store_never_collide() {
     }
 }
 
+/// Concurrent new peers are allocated in passes, each one transaction: 16 at once take far
+/// fewer commits than 16 (one at a time, each waited for the others' store round trips; on
+/// etcd each commit is a write to disk). The same new cluster asked twice at once gets one
+/// allocation, and every range is distinct.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_new_peers_are_committed_together() {
+    let counted = Arc::new(trellis_store::counted::Counted::new(Arc::new(
+        MemoryStore::new(),
+    )));
+    let store: SharedStore = counted.clone();
+    let ipam = Arc::new(
+        Ipam::open(store, local(&["10.0.0.0/8"]))
+            .await
+            .expect("opens"),
+    );
+    let before = counted.writes();
+    let start = Arc::new(tokio::sync::Barrier::new(17));
+    let mut tasks = Vec::new();
+    for n in 0..17 {
+        let (ipam, start) = (ipam.clone(), start.clone());
+        // c0 twice: two requests for one new cluster.
+        let name = format!("c{}", n.min(16) % 16);
+        tasks.push(tokio::spawn(async move {
+            start.wait().await;
+            ipam.subnets_for(&cluster(&name), net("10.0.0.0/16"), net("10.201.0.0/16"))
+                .await
+                .map(|view| (name, view))
+        }));
+    }
+    let mut views = std::collections::BTreeMap::new();
+    for t in tasks {
+        let (name, view) = t.await.expect("joins").expect("maps");
+        if let Some(first) = views.insert(name.clone(), view) {
+            assert_eq!(first, view, "{name} asked twice got two allocations");
+        }
+    }
+    assert_eq!(views.len(), 16);
+    let commits = counted.writes() - before;
+    assert!(
+        commits <= 8,
+        "16 concurrent new peers took {commits} commits (one each would be 16)"
+    );
+    let nets: Vec<IpNet> = views
+        .values()
+        .flat_map(|v| [v.pod_cidr_nat, v.external_cidr_nat])
+        .collect();
+    for (i, x) in nets.iter().enumerate() {
+        for y in &nets[i + 1..] {
+            assert!(!overlaps(*x, *y), "{x} overlaps {y}");
+        }
+    }
+    // What was committed is what was answered.
+    for (name, view) in &views {
+        let again = ipam
+            .subnets_for(&cluster(name), net("10.0.0.0/16"), net("10.201.0.0/16"))
+            .await
+            .expect("maps");
+        assert_eq!(&again, view, "{name}");
+    }
+}
+
 #[derive(Debug, Clone)]
 enum Step {
     Get {

@@ -1,0 +1,121 @@
+//! A store that counts what is asked of it: reads (gets and listings), writes (puts, deletes
+//! and transactions) and retried transactions. For tests and benchmarks that bound how much
+//! store work an operation does, so that a quadratic path cannot come back unnoticed.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use crate::{
+    KeyValue, LeaseId, Listing, Revision, SharedStore, Store, StoreError, StoreSize, Txn,
+    TxnOutcome, WatchStream,
+};
+
+/// Counts the calls made through it to `inner`.
+#[derive(Debug)]
+pub struct Counted {
+    inner: SharedStore,
+    reads: AtomicU64,
+    writes: AtomicU64,
+    retries: AtomicU64,
+}
+
+impl Counted {
+    pub fn new(inner: SharedStore) -> Self {
+        Self {
+            inner,
+            reads: AtomicU64::new(0),
+            writes: AtomicU64::new(0),
+            retries: AtomicU64::new(0),
+        }
+    }
+
+    /// Gets and listings so far.
+    pub fn reads(&self) -> u64 {
+        self.reads.load(Ordering::SeqCst)
+    }
+
+    /// Puts, deletes and transactions so far.
+    pub fn writes(&self) -> u64 {
+        self.writes.load(Ordering::SeqCst)
+    }
+
+    /// Transactions retried after a lost race so far.
+    pub fn retries(&self) -> u64 {
+        self.retries.load(Ordering::SeqCst)
+    }
+
+    fn read(&self) {
+        self.reads.fetch_add(1, Ordering::SeqCst);
+    }
+
+    fn write(&self) {
+        self.writes.fetch_add(1, Ordering::SeqCst);
+    }
+}
+
+#[async_trait::async_trait]
+impl Store for Counted {
+    async fn get(&self, key: &str) -> Result<Option<KeyValue>, StoreError> {
+        self.read();
+        self.inner.get(key).await
+    }
+
+    async fn list(&self, prefix: &str) -> Result<Listing, StoreError> {
+        self.read();
+        self.inner.list(prefix).await
+    }
+
+    async fn size(&self, prefix: &str) -> Result<StoreSize, StoreError> {
+        self.inner.size(prefix).await
+    }
+
+    async fn put(&self, key: &str, value: Vec<u8>) -> Result<Revision, StoreError> {
+        self.write();
+        self.inner.put(key, value).await
+    }
+
+    async fn delete(&self, key: &str) -> Result<bool, StoreError> {
+        self.write();
+        self.inner.delete(key).await
+    }
+
+    async fn txn(&self, txn: Txn) -> Result<TxnOutcome, StoreError> {
+        self.write();
+        self.inner.txn(txn).await
+    }
+
+    async fn watch(
+        &self,
+        prefix: &str,
+        start: Option<Revision>,
+    ) -> Result<WatchStream, StoreError> {
+        self.inner.watch(prefix, start).await
+    }
+
+    async fn grant_lease(&self, ttl: Duration) -> Result<LeaseId, StoreError> {
+        self.inner.grant_lease(ttl).await
+    }
+
+    async fn keep_alive(&self, lease: LeaseId) -> Result<(), StoreError> {
+        self.inner.keep_alive(lease).await
+    }
+
+    async fn revoke_lease(&self, lease: LeaseId) -> Result<(), StoreError> {
+        self.inner.revoke_lease(lease).await
+    }
+
+    async fn put_with_lease(
+        &self,
+        key: &str,
+        value: Vec<u8>,
+        lease: LeaseId,
+    ) -> Result<Revision, StoreError> {
+        self.write();
+        self.inner.put_with_lease(key, value, lease).await
+    }
+
+    fn retried(&self) {
+        self.retries.fetch_add(1, Ordering::SeqCst);
+        self.inner.retried();
+    }
+}
