@@ -10,13 +10,14 @@ use crate::{
     TxnOutcome, WatchStream,
 };
 
-/// Counts the calls made through it to `inner`.
+/// Counts the calls made through it to `inner`; writes can be held back ([`Counted::hold`]).
 #[derive(Debug)]
 pub struct Counted {
     inner: SharedStore,
     reads: AtomicU64,
     writes: AtomicU64,
     retries: AtomicU64,
+    gate: tokio::sync::RwLock<()>,
 }
 
 impl Counted {
@@ -26,7 +27,14 @@ impl Counted {
             reads: AtomicU64::new(0),
             writes: AtomicU64::new(0),
             retries: AtomicU64::new(0),
+            gate: tokio::sync::RwLock::new(()),
         }
+    }
+
+    /// Holds every write back (counted, then waiting) until the guard is dropped: lets a test
+    /// line up concurrent operations behind one that is writing.
+    pub async fn hold(&self) -> tokio::sync::RwLockWriteGuard<'_, ()> {
+        self.gate.write().await
     }
 
     /// Gets and listings so far.
@@ -71,16 +79,19 @@ impl Store for Counted {
 
     async fn put(&self, key: &str, value: Vec<u8>) -> Result<Revision, StoreError> {
         self.write();
+        let _open = self.gate.read().await;
         self.inner.put(key, value).await
     }
 
     async fn delete(&self, key: &str) -> Result<bool, StoreError> {
         self.write();
+        let _open = self.gate.read().await;
         self.inner.delete(key).await
     }
 
     async fn txn(&self, txn: Txn) -> Result<TxnOutcome, StoreError> {
         self.write();
+        let _open = self.gate.read().await;
         self.inner.txn(txn).await
     }
 
@@ -111,6 +122,7 @@ impl Store for Counted {
         lease: LeaseId,
     ) -> Result<Revision, StoreError> {
         self.write();
+        let _open = self.gate.read().await;
         self.inner.put_with_lease(key, value, lease).await
     }
 
