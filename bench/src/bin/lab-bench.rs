@@ -1,12 +1,16 @@
 //! The lab against the benchmark (issue 34): `trellis-lab up --clusters N+1 --same-pod-cidr
 //! --until-converged`, the command a user, a demo or a CI script runs, against `mesh-bench
-//! --mode in-process-tls` with N leaves, alternately, `--repeats` times each, every run in a
-//! process of its own. Both run mutual TLS between the clusters (the lab's default). The lab's
-//! times are the ones it prints: "converged in S s" and "every full tunnel was up S s after
-//! the first Peer request", both counted from its first Peer request, as mesh-bench counts.
-//! The ratio of the medians, taken in the same run on the same machine, says whether the
-//! benchmark's numbers are what the lab's user sees. The lab binary is looked for next to
-//! this one (`cargo build --release -p trellis-lab`), or at `--lab`.
+//! --mode lab` with N leaves, which starts the very clusters the lab starts (six services each,
+//! gateways following their brokers, `/metrics` served) with the lab's own code, and against
+//! `mesh-bench --mode in-process-tls`, whose clusters run five services and neither. Each kind
+//! runs `--repeats` times, alternating, every run in a process of its own; all use mutual TLS
+//! between the clusters (the lab's default). The lab's times are the ones it prints:
+//! "converged in S s" and "every full tunnel was up S s after the first Peer request", both
+//! counted from its first Peer request, as mesh-bench counts. Two ratios of medians, taken in
+//! the same run on the same machine: the lab over mesh-bench on the same clusters (what the
+//! lab's own driving costs: progress, topology file, peering), and mesh-bench's lab clusters
+//! over its five-service ones (what complete clusters cost). The lab binary is looked for next
+//! to this one (`cargo build --release -p trellis-lab`), or at `--lab`.
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -18,14 +22,14 @@ use trellis_bench::proc::raise_nofile_limit;
 use trellis_bench::results::{LabParameters, LabResult, LabRun, MeshRun};
 use trellis_bench::{Machine, RunArgs, RunInfo, median, write_json};
 
-/// Measures `trellis-lab up` against mesh-bench's in-process mesh and writes a JSON result
-/// (read by `bench-report`).
+/// Measures `trellis-lab up` against mesh-bench on the same clusters and on five-service ones,
+/// and writes a JSON result (read by `bench-report`).
 #[derive(Debug, Parser)]
 struct Args {
     /// Leaves of the hub (the lab runs one cluster more: the hub).
     #[arg(long, default_value_t = 254)]
     leaves: usize,
-    /// Runs of each kind (benchmark, lab), alternating.
+    /// Runs of each kind (mesh-bench's two modes, the lab), alternating.
     #[arg(long, default_value_t = 3)]
     repeats: usize,
     /// Give up on one run after this many seconds (recorded as not converged).
@@ -181,8 +185,10 @@ async fn main() -> anyhow::Result<()> {
             lab_command: std::iter::once("trellis-lab".to_owned())
                 .chain(command.iter().cloned())
                 .collect(),
+            bench_mode: Some(Mode::Lab),
         },
         bench: Vec::new(),
+        bare: Vec::new(),
         lab: Vec::new(),
         bench_median_seconds: None,
         lab_median_seconds: None,
@@ -190,25 +196,34 @@ async fn main() -> anyhow::Result<()> {
         lab_full_median_seconds: None,
         ratio: None,
         full_ratio: None,
+        bare_median_seconds: None,
+        bare_full_median_seconds: None,
+        complete_cost: None,
     };
     for repeat in 0..args.repeats {
-        let outcome = run_alone(Mode::InProcessTls, args.leaves, args.timeout)
-            .await?
-            .context("an in-process run needs nothing installed")?;
-        eprintln!(
-            "lab-bench: run {}, mesh-bench, 1 hub + {} leaves: {} after {:.3} s (full tunnels {:.3} s)",
-            repeat + 1,
-            args.leaves,
-            if outcome.run.converged {
-                "converged"
-            } else {
-                "NOT converged"
-            },
-            outcome.run.seconds,
-            outcome.run.full_tunnels_seconds.unwrap_or(f64::NAN),
-        );
-        result.bench.push(outcome.run);
-        write_json(&args.out, &result)?;
+        for (mode, name) in [(Mode::InProcessTls, "five-service"), (Mode::Lab, "lab")] {
+            let outcome = run_alone(mode, args.leaves, args.timeout)
+                .await?
+                .context("an in-process run needs nothing installed")?;
+            eprintln!(
+                "lab-bench: run {}, mesh-bench on {name} clusters, 1 hub + {} leaves: {} after \
+                 {:.3} s (full tunnels {:.3} s)",
+                repeat + 1,
+                args.leaves,
+                if outcome.run.converged {
+                    "converged"
+                } else {
+                    "NOT converged"
+                },
+                outcome.run.seconds,
+                outcome.run.full_tunnels_seconds.unwrap_or(f64::NAN),
+            );
+            match mode {
+                Mode::Lab => result.bench.push(outcome.run),
+                _ => result.bare.push(outcome.run),
+            }
+            write_json(&args.out, &result)?;
+        }
         let run = lab_run(&lab, &command, args.timeout).await?;
         eprintln!(
             "lab-bench: run {}, trellis-lab, {} clusters: {} after {:.3} s (full tunnels {:.3} s)",
@@ -225,27 +240,39 @@ async fn main() -> anyhow::Result<()> {
         result.lab.push(run);
         write_json(&args.out, &result)?;
     }
-    let converged_bench = || result.bench.iter().filter(|r| r.converged);
+    let converged = |runs: &[MeshRun]| -> (Option<f64>, Option<f64>) {
+        let runs = || runs.iter().filter(|r| r.converged);
+        (
+            median_of(runs().map(|r| Some(r.seconds))),
+            median_of(runs().map(|r| r.full_tunnels_seconds)),
+        )
+    };
+    (
+        result.bench_median_seconds,
+        result.bench_full_median_seconds,
+    ) = converged(&result.bench);
+    (result.bare_median_seconds, result.bare_full_median_seconds) = converged(&result.bare);
     let converged_lab = || result.lab.iter().filter(|r| r.converged);
-    result.bench_median_seconds = median_of(converged_bench().map(|r| Some(r.seconds)));
     result.lab_median_seconds = median_of(converged_lab().map(|r| Some(r.seconds)));
-    result.bench_full_median_seconds =
-        median_of(converged_bench().map(|r: &MeshRun| r.full_tunnels_seconds));
     result.lab_full_median_seconds = median_of(converged_lab().map(|r| r.full_tunnels_seconds));
     result.ratio = ratio(result.lab_median_seconds, result.bench_median_seconds);
     result.full_ratio = ratio(
         result.lab_full_median_seconds,
         result.bench_full_median_seconds,
     );
+    result.complete_cost = ratio(result.bench_median_seconds, result.bare_median_seconds);
     write_json(&args.out, &result)?;
     let shown = |v: Option<f64>, digits: usize| {
         v.map_or_else(|| "none".to_owned(), |v| format!("{v:.digits$}"))
     };
     eprintln!(
-        "lab-bench: {} leaves, medians: setup mesh-bench {} s, lab {} s (ratio {}); full tunnels \
+        "lab-bench: {} leaves, medians: setup mesh-bench {} s on the lab's clusters ({} s on \
+         five-service ones: complete clusters cost {}), lab {} s (ratio {}); full tunnels \
          mesh-bench {} s, lab {} s (ratio {})",
         args.leaves,
         shown(result.bench_median_seconds, 3),
+        shown(result.bare_median_seconds, 3),
+        shown(result.complete_cost, 2),
         shown(result.lab_median_seconds, 3),
         shown(result.ratio, 2),
         shown(result.bench_full_median_seconds, 3),

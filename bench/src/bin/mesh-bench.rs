@@ -5,7 +5,7 @@
 //! was found, a 254-leaf run stalled near 28 % of its induced tunnels for that reason alone:
 //! each end had mapped about half of the others, in its own order). The clock starts
 //! when the leaves send their Peer requests to the hub and stops when every leaf holds an
-//! induced TunnelEndpoint for every other leaf (n·(n-1) in total). Three modes (`--mode`):
+//! induced TunnelEndpoint for every other leaf (n·(n-1) in total). The modes (`--mode`):
 //!
 //! - **in-process** (default): every cluster's five services in this process with memory
 //!   stores (leaves are `trellis_integration::cluster::InProcessCluster`s; the hub is started
@@ -21,6 +21,11 @@
 //!   254 leaves (issue 17);
 //! - **etcd-processes**: hub and leaves as `ProcessCluster`s, every service a process with its
 //!   own etcd; small n only. The hub's CPU, memory, etcd keys and writes are read as above.
+//! - **lab**: the clusters `trellis-lab up --same-pod-cidr` runs, started by the lab's own code
+//!   in this process: six services each (the endpoints service too), mutual TLS with the
+//!   certificates the services make, gateways following their brokers, `/metrics` served. What
+//!   a complete cluster costs over the in-process modes' five services shows next to
+//!   **in-process-tls** (`lab-bench` runs both).
 //!
 //! A run that does not converge within `--timeout` is recorded (with how many induced
 //! TunnelEndpoints existed) and the larger sizes are skipped, unless `--keep-going`.

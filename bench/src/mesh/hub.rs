@@ -11,6 +11,7 @@ use trellis_integration::processes::{ProcessCluster, Service};
 use trellis_runtime::Shutdown;
 use trellis_store::{SharedStore, StoreSize};
 
+use super::lab::LabClusters;
 use super::{EXTERNAL_CIDR, HUB_ID, POD_CIDR};
 use crate::proc::pid_listening_on;
 use crate::results::{HubStores, Mode, StoreUse};
@@ -290,6 +291,7 @@ pub(super) enum Hub {
     InProcess(InProcessHub),
     Processes(ProcessHub),
     Etcd(Box<ProcessCluster>),
+    Lab(LabClusters),
 }
 
 impl Hub {
@@ -299,6 +301,11 @@ impl Hub {
             return Ok(ProcessCluster::start(HUB_ID, POD_CIDR, EXTERNAL_CIDR)
                 .await?
                 .map(|c| Hub::Etcd(Box::new(c))));
+        }
+        if mode == Mode::Lab {
+            // The lab's cluster 0: its plan does not depend on the number of leaves.
+            let hub = LabClusters::plan(1)?.into_iter().take(1).collect();
+            return Ok(Some(Hub::Lab(Box::pin(LabClusters::start(hub)).await?)));
         }
         let mut attempt = 0;
         loop {
@@ -328,6 +335,7 @@ impl Hub {
         match self {
             Hub::InProcess(h) => listen_of(service, &h.addrs),
             Hub::Processes(h) => listen_of(service, &h.addrs),
+            Hub::Lab(h) => h.addr(service),
             Hub::Etcd(c) => listen_of(
                 service,
                 &HubAddrs {
@@ -346,6 +354,7 @@ impl Hub {
     pub(super) fn peering_broker(&self) -> SocketAddr {
         match self {
             Hub::InProcess(h) => h.addrs.facing("broker"),
+            Hub::Lab(h) => h.facing_broker(),
             _ => self.addr("broker"),
         }
     }
@@ -353,7 +362,7 @@ impl Hub {
     /// The hub's processes by service name (none in process).
     pub(super) fn pids(&self) -> anyhow::Result<Vec<(&'static str, u32)>> {
         let services: Vec<&'static str> = match self {
-            Hub::InProcess(_) => return Ok(Vec::new()),
+            Hub::InProcess(_) | Hub::Lab(_) => return Ok(Vec::new()),
             Hub::Processes(h) => h.processes.iter().map(|(s, _)| *s).collect(),
             Hub::Etcd(_) => Service::ALL.iter().map(|s| s.name()).collect(),
         };
@@ -396,6 +405,7 @@ impl Hub {
                     let _ = task.await;
                 }
             }
+            Hub::Lab(h) => h.stop().await,
             // Dropping kills the processes (and etcds).
             Hub::Processes(h) => drop(h),
             Hub::Etcd(c) => drop(c),

@@ -1,11 +1,12 @@
-//! The leaves of one run, by mode: `InProcessCluster`s, or `ProcessCluster`s on etcd, all with
-//! the same pod CIDR and each with an external /24 of its own.
+//! The leaves of one run, by mode: `InProcessCluster`s, `ProcessCluster`s on etcd, or the lab's
+//! clusters, all with the same pod CIDR and each with an external /24 of its own.
 
 use std::net::SocketAddr;
 
 use trellis_integration::cluster::InProcessCluster;
 use trellis_integration::processes::ProcessCluster;
 
+use super::lab::LabClusters;
 use super::{Mode, POD_CIDR};
 
 /// Discovery's flags on every leaf, as the lab gives them: a leaf of an N-leaf hub is
@@ -24,6 +25,7 @@ fn leaf_external(i: usize) -> String {
 pub(super) enum Leaves {
     InProcess(Vec<InProcessCluster>),
     Etcd(Vec<ProcessCluster>),
+    Lab(LabClusters),
 }
 
 impl Leaves {
@@ -46,6 +48,11 @@ impl Leaves {
                     out.push(c);
                 }
                 Leaves::Etcd(out)
+            }
+            Mode::Lab => {
+                // Clusters 1 to n of the lab's plan (cluster 0 is the hub, started apart).
+                let leaves = LabClusters::plan(n)?.into_iter().skip(1).collect();
+                Leaves::Lab(Box::pin(LabClusters::start(leaves)).await?)
             }
             _ => {
                 let mut out = Vec::with_capacity(n);
@@ -74,6 +81,7 @@ impl Leaves {
         match self {
             Leaves::InProcess(l) => l.iter().map(|c| c.services.broker).collect(),
             Leaves::Etcd(l) => l.iter().map(|c| c.services.broker).collect(),
+            Leaves::Lab(l) => l.plans().map(|p| p.ports.broker).collect(),
         }
     }
 
@@ -85,6 +93,7 @@ impl Leaves {
                 }
             }
             Leaves::Etcd(l) => drop(l),
+            Leaves::Lab(l) => l.stop().await,
         }
     }
 }

@@ -12,6 +12,7 @@ use tonic::transport::Channel;
 pub use crate::results::Mode;
 
 mod hub;
+mod lab;
 mod leaves;
 mod measure;
 mod run;
@@ -36,6 +37,7 @@ impl Mode {
             Mode::HubProcesses => "bench/results/mesh-hub-processes.json",
             Mode::HubEtcd => "bench/results/mesh-hub-etcd.json",
             Mode::EtcdProcesses => "bench/results/mesh-etcd.json",
+            Mode::Lab => "bench/results/mesh-lab.json",
         }
     }
 

@@ -64,7 +64,7 @@ pub async fn one_run_to(
     timeout: Duration,
     out: &std::path::Path,
 ) -> anyhow::Result<()> {
-    let outcome = run(mode, leaves, timeout).await?;
+    let outcome = Box::pin(run(mode, leaves, timeout)).await?;
     std::fs::write(out, serde_json::to_vec(&outcome)?)
         .with_context(|| format!("writing {}", out.display()))
 }

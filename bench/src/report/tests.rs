@@ -769,6 +769,58 @@ fn the_tls_section_shows_each_run_and_the_ratio_of_the_medians() {
 }
 
 #[test]
+fn the_lab_section_shows_the_five_service_runs_and_what_complete_clusters_cost() {
+    let doc = json!({
+        "benchmark": "lab_against_mesh_bench",
+        "run": run("full", "2026-11-28T09:30:00Z"),
+        "machine": machine(),
+        "parameters": {"leaves": 254, "repeats": 1, "timeout_seconds": 300,
+                       "lab_command": ["trellis-lab", "up"], "bench_mode": "lab"},
+        "bench": [{"seconds": 30.0, "converged": true, "full_tunnels_seconds": 10.0}],
+        "bare": [{"seconds": 24.0, "converged": true, "full_tunnels_seconds": 8.0}],
+        "lab": [{"seconds": 27.0, "converged": true, "full_tunnels_seconds": 9.0,
+                 "wall_seconds": 40.0}],
+        "bench_median_seconds": 30.0,
+        "bare_median_seconds": 24.0,
+        "lab_median_seconds": 27.0,
+        "bench_full_median_seconds": 10.0,
+        "bare_full_median_seconds": 8.0,
+        "lab_full_median_seconds": 9.0,
+        "ratio": 0.9,
+        "full_ratio": 0.9,
+        "complete_cost": 1.25
+    });
+    let i = inputs(vec![found("lab", doc)]);
+    let md = &render(&i).files[0].1;
+    assert!(
+        md.contains(
+            "mesh-bench ran `--mode lab` (the lab's own clusters) and `--mode in-process-tls`"
+        ),
+        "{md}"
+    );
+    assert!(
+        md.contains("| run | mesh-bench five-service s | mesh-bench s | lab s |"),
+        "{md}"
+    );
+    assert!(
+        md.contains("| 1 | 24.000 | 30.000 | 27.000 | 10.000 | 9.000 | n/a |"),
+        "{md}"
+    );
+    assert!(
+        md.contains("| **median** | **24.000** | **30.000** | **27.000** |"),
+        "{md}"
+    );
+    assert!(
+        md.contains("five-service ones, mesh-bench's setup medians: **1.25**"),
+        "{md}"
+    );
+    assert!(
+        md.contains("five-service clusters: setup **1.12**, full tunnels **1.12**"),
+        "{md}"
+    );
+}
+
+#[test]
 fn the_lab_section_shows_each_run_and_judges_both_ratios_against_the_bound() {
     let doc = |ratio: f64, full_ratio: f64| {
         json!({

@@ -24,6 +24,10 @@ pub enum Mode {
     HubEtcd,
     /// Hub and leaves as processes, each service with its own etcd (small n).
     EtcdProcesses,
+    /// The clusters `trellis-lab up --same-pod-cidr` runs, started by the lab's own code in this
+    /// process: six services each with mutual TLS, gateways following their brokers, metrics
+    /// served. The hub is the lab's cluster 0.
+    Lab,
 }
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]

@@ -270,8 +270,8 @@ async fn form_mesh(
 }
 
 /// Starts every cluster; with free ports, a cluster that lost a port race starts again on new
-/// ones.
-async fn start_all(
+/// ones. Public so that `mesh-bench --mode lab` measures the clusters the lab runs.
+pub async fn start_all(
     plans: Vec<ClusterPlan>,
     options: Options,
     lab: &Shutdown,
