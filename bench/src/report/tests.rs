@@ -845,7 +845,7 @@ fn the_lab_section_shows_each_run_and_judges_both_ratios_against_the_bound() {
     let verdicts = |i| -> Vec<Verdict> {
         targets(i)
             .into_iter()
-            .filter(|t| t.target.contains("(issue 34)"))
+            .filter(|t| t.target.contains("(issue 34)") && !t.target.starts_with("IPAM"))
             .map(|t| t.verdict)
             .collect()
     };
@@ -866,4 +866,40 @@ fn the_lab_section_shows_each_run_and_judges_both_ratios_against_the_bound() {
     assert_eq!(verdicts(&i), [Verdict::Met, Verdict::NotMet]);
     let i = inputs(vec![found("lab", doc(1.21, 1.0))]);
     assert_eq!(verdicts(&i), [Verdict::NotMet, Verdict::Met]);
+}
+
+#[test]
+fn the_proposed_ipam_target_compares_each_etcd_p99_with_a_point_read_of_as_many_replicas() {
+    let s = |replicas: usize, path: &str, p99: f64| {
+        json!({"store": "etcd", "replicas": replicas, "rpc": "GetSubnetsPerCluster", "path": path,
+               "concurrency": 16, "operations": 1000, "ops_per_second": 1.0, "p50_ms": 1.0,
+               "p99_ms": p99, "max_ms": p99, "runs": []})
+    };
+    let doc = |remap3: f64| {
+        json!({"benchmark": "ipam", "run": run("full", "2026-11-28T02:00:00Z"), "machine": machine(),
+               "scenarios": [s(1, "known_cluster", 5.0), s(1, "new_cluster_remap", 14.0),
+                             s(3, "known_cluster", 6.0), s(3, "new_cluster_remap", remap3)]})
+    };
+    let verdict = |i: &Inputs| {
+        targets(i)
+            .into_iter()
+            .find(|t| t.target.contains("proposed (issue 34)"))
+            .expect("the proposed IPAM target")
+    };
+    // 14/5 = 2.8 and 17.4/6 = 2.9: within 3×, the worst named.
+    let t = verdict(&inputs(vec![found("ipam", doc(17.4))]));
+    assert_eq!(t.verdict, Verdict::Met, "{}", t.measured);
+    assert!(
+        t.measured.starts_with("worst 2.9× (etcd, 3 replicas"),
+        "{}",
+        t.measured
+    );
+    // 90/6 = 15: not met, although 90 ms against 5 ms of another replica count would be 18.
+    let t = verdict(&inputs(vec![found("ipam", doc(90.0))]));
+    assert_eq!(t.verdict, Verdict::NotMet);
+    assert!(
+        t.measured.contains("p99 90.000 ms against 6.000 ms"),
+        "{}",
+        t.measured
+    );
 }
