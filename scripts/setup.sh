@@ -27,6 +27,8 @@ declare -A want=(
   [conntrack]=conntrack
   # The metrics test checks every exposition with Prometheus's own linter.
   [promtool]=prometheus
+  # The clusterset DNS tests ask the endpoints service's DNS server with a real resolver.
+  [dig]=bind9-dnsutils
 )
 missing=()
 for bin in "${!want[@]}"; do

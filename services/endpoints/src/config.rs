@@ -81,6 +81,35 @@ pub struct Config {
         requires = "kubernetes"
     )]
     pub kubeconfig: Option<std::path::PathBuf>,
+
+    /// Serve `clusterset.local` DNS for the Services this cluster imports on this address, UDP
+    /// and TCP (e.g. 0.0.0.0:53, what the cluster DNS forwards the zone to); off without it.
+    #[arg(long, env = "TRELLIS_DNS_LISTEN", value_name = "HOST:PORT")]
+    pub dns_listen: Option<std::net::SocketAddr>,
+
+    /// The zone --dns-listen answers for.
+    #[arg(long, env = "TRELLIS_DNS_DOMAIN", value_name = "DOMAIN", default_value = "clusterset.local", value_parser = dns_domain_arg)]
+    pub dns_domain: hickory_proto::rr::Name,
+
+    /// TTL of the DNS answers (and of cached negative answers), in seconds: how long a
+    /// resolver may keep an answer after the import changed.
+    #[arg(
+        long,
+        env = "TRELLIS_DNS_TTL",
+        value_name = "SECONDS",
+        default_value_t = 5
+    )]
+    pub dns_ttl: u32,
+}
+
+fn dns_domain_arg(value: &str) -> Result<hickory_proto::rr::Name, String> {
+    let mut name = hickory_proto::rr::Name::from_ascii(value)
+        .map_err(|e| format!("{value:?} is not a domain name: {e}"))?;
+    if name.is_root() {
+        return Err("the zone cannot be the root".to_owned());
+    }
+    name.set_fqdn(true);
+    Ok(name)
 }
 
 impl HasCommon for Config {

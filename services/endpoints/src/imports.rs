@@ -60,6 +60,11 @@ fn is_networked(fc: &ForeignCluster) -> bool {
 }
 
 impl Reachability {
+    /// `ranges` (how we address each cluster) of which the `reachable` clusters' count.
+    pub fn new(ranges: Vec<(IpNet, ClusterId)>, reachable: BTreeSet<ClusterId>) -> Self {
+        Self { ranges, reachable }
+    }
+
     /// Whether `address` belongs to a cluster we have a networked peering with.
     pub fn reaches(&self, address: &str) -> bool {
         let Ok(ip) = address.parse::<IpAddr>() else {
@@ -85,7 +90,7 @@ impl Reachability {
 }
 
 /// The cluster whose export a reflected slice is: its origin label, else its source.
-fn origin_of(record: &ReflectedRecord) -> String {
+pub(crate) fn origin_of(record: &ReflectedRecord) -> String {
     record
         .slice
         .labels
@@ -569,6 +574,25 @@ impl Endpoints {
                 tracing::warn!(source.id = %record.source.id, namespace = %record.slice.namespace, name = %record.slice.name, error = %err, "writing an imported endpointslice failed; retrying on the next pass");
             }
         }
+        // What clusterset DNS answers: every import whose derived Service has IPs this pass
+        // (one whose write failed keeps the IPs it had).
+        let mut known = self
+            .clusterset_ips
+            .lock()
+            .ok()
+            .and_then(|held| held.clone())
+            .unwrap_or_default();
+        known.retain(|key, _| imports.contains_key(key));
+        for (key, service_ips) in &ips {
+            known.insert(
+                key.clone(),
+                service_ips
+                    .iter()
+                    .filter_map(|ip| ip.parse().ok())
+                    .collect(),
+            );
+        }
+        self.set_clusterset_ips(known);
         for (key, import) in &imports {
             // Without the derived Service's IPs this pass the ServiceImport waits for the next
             // one rather than losing the IPs it has.

@@ -13,6 +13,7 @@
 //! - [`imports`]: the Kubernetes import side (ServiceImport, derived Service, slices);
 //! - [`mcs`]: the Multi-Cluster Services API objects;
 //! - [`kube`]: the Kubernetes EndpointSlice writer;
+//! - [`dns`]: `clusterset.local` DNS answered from the imports (`--dns-listen`);
 //! - [`records`]: what is stored, under which keys;
 //! - [`metrics`]: slices imported and exported, for Prometheus;
 //! - [`grpc`]: the thin gRPC layer;
@@ -21,6 +22,7 @@
 pub mod config;
 pub mod convert;
 pub mod core;
+pub mod dns;
 pub mod exports;
 pub mod grpc;
 pub mod imports;
@@ -127,8 +129,12 @@ async fn start_inner(
             core.clone(),
             imports::ImportWriter::new(client),
             exports::RESYNC,
-            shutdown,
+            shutdown.clone(),
         ));
+    }
+    if let Some(listen) = config.dns_listen {
+        // Boxed: the server's bind would otherwise grow every caller's start-up future.
+        Box::pin(start_dns(&mut boot, &core, &config, listen, &shutdown)).await?;
     }
     let routes = routes(core.clone(), authz);
     Ok(boot.serve(
@@ -136,6 +142,33 @@ async fn start_inner(
         &[EndpointMapperServer::<EndpointsService>::NAME],
         core,
     ))
+}
+
+/// Binds the clusterset DNS server on `listen` and starts it and the zone builder.
+async fn start_dns(
+    boot: &mut Bootstrap,
+    core: &Arc<Endpoints>,
+    config: &Config,
+    listen: std::net::SocketAddr,
+    shutdown: &Shutdown,
+) -> anyhow::Result<()> {
+    let dns_metrics = dns::DnsMetrics::register(boot.metrics());
+    let (zone, view) = tokio::sync::watch::channel(None);
+    let server = dns::DnsServer::bind(listen, view, dns_metrics.clone()).await?;
+    tracing::info!(address = %server.local_addr(), zone = %config.dns_domain, "serving clusterset dns");
+    boot.spawn(server.serve(shutdown.clone()));
+    boot.spawn(dns::run_zone(
+        core.clone(),
+        dns::ZoneSettings {
+            origin: config.dns_domain.clone(),
+            ttl: config.dns_ttl,
+        },
+        zone,
+        dns_metrics,
+        exports::RESYNC,
+        shutdown.clone(),
+    ));
+    Ok(())
 }
 
 /// Runs the endpoints service until `shutdown`.

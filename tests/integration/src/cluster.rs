@@ -179,6 +179,8 @@ pub struct Options {
     pub broker_flags: Vec<String>,
     /// Appended to discovery's flags.
     pub discovery_flags: Vec<String>,
+    /// Appended to the endpoints service's flags (with `endpoints`).
+    pub endpoints_flags: Vec<String>,
 }
 
 impl Default for Options {
@@ -196,6 +198,7 @@ impl Default for Options {
             advertise_forwarder: None,
             broker_flags: Vec::new(),
             discovery_flags: Vec::new(),
+            endpoints_flags: Vec::new(),
         }
     }
 }
@@ -265,7 +268,7 @@ impl InProcessCluster {
         trellis_runtime::allocator::tune();
         let mut attempt = 0;
         loop {
-            match Self::start_once(id, pod_cidr, external_cidr, &options).await {
+            match Box::pin(Self::start_once(id, pod_cidr, external_cidr, &options)).await {
                 Err(err) if attempt < 5 && format!("{err:#}").contains("cannot listen") => {
                     attempt += 1;
                 }
@@ -475,6 +478,7 @@ impl InProcessCluster {
             } else {
                 endpoints.push(trellis_testkit::PLAINTEXT_PEERING.into());
             }
+            endpoints.extend(options.endpoints_flags.iter().cloned());
             let stop = shutdown.child_token();
             let started = trellis_endpoints::start(
                 trellis_endpoints::Config::try_parse_from(&endpoints)?,

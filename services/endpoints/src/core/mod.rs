@@ -36,6 +36,9 @@ pub mod reflected;
 mod release;
 pub mod translation;
 
+/// Clusterset IPs by imported Service (namespace, name).
+pub type ClustersetIps = std::collections::BTreeMap<(String, String), Vec<std::net::IpAddr>>;
+
 /// The endpoints service of one cluster.
 #[derive(Debug)]
 pub struct Endpoints {
@@ -48,6 +51,13 @@ pub struct Endpoints {
     pub(crate) exports_changed: tokio::sync::Notify,
     /// Wakes the import side ([`crate::imports`]) when an import changes.
     pub(crate) imports_changed: tokio::sync::Notify,
+    /// Counts changes of what the clusterset zone is built from (imports, clusterset IPs):
+    /// the DNS zone ([`crate::dns`]) is rebuilt after each.
+    pub(crate) zone_changed: tokio::sync::watch::Sender<u64>,
+    /// The clusterset IPs of the imports, by (namespace, name), as the Kubernetes import side
+    /// last wrote them (the derived Services' cluster IPs); `None` until its first pass, and
+    /// always without Kubernetes.
+    pub(crate) clusterset_ips: std::sync::Mutex<Option<ClustersetIps>>,
     /// Whether imports are written with unreachable endpoints marked not ready (set when the
     /// whole Kubernetes import side runs, [`crate::imports`]).
     mark_readiness: bool,
@@ -82,6 +92,8 @@ impl Endpoints {
             pod_cidr: OnceCell::new(),
             exports_changed: tokio::sync::Notify::new(),
             imports_changed: tokio::sync::Notify::new(),
+            zone_changed: tokio::sync::watch::Sender::new(0),
+            clusterset_ips: std::sync::Mutex::new(None),
             mark_readiness: false,
         }
     }
@@ -91,6 +103,27 @@ impl Endpoints {
     pub fn with_readiness_marking(mut self) -> Self {
         self.mark_readiness = true;
         self
+    }
+
+    /// Wakes the import side and the DNS zone after an import changed.
+    pub(crate) fn imports_changed(&self) {
+        self.imports_changed.notify_one();
+        self.zone_changed.send_modify(|n| *n = n.wrapping_add(1));
+    }
+
+    /// Records the clusterset IPs the import side wrote; the zone is rebuilt when they changed.
+    pub(crate) fn set_clusterset_ips(&self, ips: ClustersetIps) {
+        let changed = match self.clusterset_ips.lock() {
+            Ok(mut held) => {
+                let changed = held.as_ref() != Some(&ips);
+                *held = Some(ips);
+                changed
+            }
+            Err(_) => false,
+        };
+        if changed {
+            self.zone_changed.send_modify(|n| *n = n.wrapping_add(1));
+        }
     }
 
     /// The EndpointSlice writer, with Kubernetes access.

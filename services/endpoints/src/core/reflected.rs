@@ -104,7 +104,7 @@ impl Endpoints {
                 );
                 // An export we pass on to our other peers may have changed.
                 self.exports_changed.notify_one();
-                self.imports_changed.notify_one();
+                self.imports_changed();
                 return Ok(Applied {
                     applied: true,
                     held: generation,
@@ -158,7 +158,7 @@ impl Endpoints {
                 tracing::info!(source.id = %source.id, namespace, name, "deleted reflected slice");
                 // An export in transit through us may have gone with it.
                 self.exports_changed.notify_one();
-                self.imports_changed.notify_one();
+                self.imports_changed();
                 return Ok(true);
             }
             contention.lost().await?;

@@ -1,0 +1,234 @@
+//! `clusterset.local` DNS asked with a real resolver client (Debian's `dig`), over UDP and TCP:
+//! hub B and leaves A and C in process with their endpoints services, C's serving the zone
+//! (`--dns-listen`). A Service A exports becomes a name at C that answers the addresses C uses
+//! to reach A's ready pods directly (the induced peering), with SRV records whose targets
+//! resolve too; an unexported name is NXDOMAIN, a name outside the zone is refused, and
+//! garbage datagrams do not stop the server answering.
+
+use std::net::{SocketAddr, UdpSocket};
+use std::process::Command;
+use std::time::Duration;
+
+use ipnet::IpNet;
+use trellis_api::pb::endpoints::UnexportServiceRequest;
+use trellis_integration::cluster::{InProcessCluster, Options};
+use trellis_integration::peering::{eventually, host_at, peer, tunnel_to};
+use trellis_testkit::exports::export_request;
+
+const LIMIT: Duration = Duration::from_secs(60);
+const NAME: &str = "web.shop.svc.clusterset.local.";
+
+/// One answer as `dig` printed it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Dig {
+    /// The response code (`NOERROR`, `NXDOMAIN`, ...).
+    status: String,
+    /// The answer section's record data, sorted (`10.0.0.7`, `0 100 8080 target.`).
+    answers: Vec<String>,
+    /// The authority section's record types (the SOA of a negative answer).
+    authority: Vec<String>,
+}
+
+/// Asks `server` for `name` `qtype` with `dig`, over TCP with `tcp`.
+fn dig(dig: &std::path::Path, server: SocketAddr, name: &str, qtype: &str, tcp: bool) -> Dig {
+    let mut command = Command::new(dig);
+    command.args([
+        &format!("@{}", server.ip()),
+        "-p",
+        &server.port().to_string(),
+        "+tries=1",
+        "+time=2",
+        "+noall",
+        "+comments",
+        "+answer",
+        "+authority",
+        name,
+        qtype,
+    ]);
+    if tcp {
+        command.arg("+tcp");
+    }
+    let output = command.output().expect("dig runs");
+    let text = String::from_utf8_lossy(&output.stdout).into_owned();
+    let status = text
+        .lines()
+        .find_map(|l| l.split("status: ").nth(1))
+        .and_then(|rest| rest.split(',').next())
+        .unwrap_or("NO ANSWER")
+        .to_owned();
+    let mut answers = Vec::new();
+    let mut authority = Vec::new();
+    let mut section = "";
+    for line in text.lines() {
+        if let Some(rest) = line.strip_prefix(";; ") {
+            section = rest.split(' ').next().unwrap_or("");
+            continue;
+        }
+        if line.is_empty() || line.starts_with(';') {
+            continue;
+        }
+        // name ttl class type rdata...
+        let fields: Vec<&str> = line.split_whitespace().collect();
+        if fields.len() < 5 {
+            continue;
+        }
+        match section {
+            "ANSWER" => answers.push(fields[4..].join(" ")),
+            "AUTHORITY" => authority.push(fields[3].to_owned()),
+            _ => {}
+        }
+    }
+    answers.sort();
+    Dig {
+        status,
+        answers,
+        authority,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_exported_service_resolves_at_an_induced_consumer_by_name_and_goes_with_its_export() {
+    let Some(dig_bin) = trellis_testkit::require_tool("dig") else {
+        return;
+    };
+    let dns = SocketAddr::from(([127, 0, 0, 1], trellis_testkit::free_port()));
+    let b = InProcessCluster::start_with_endpoints("hub-b", "10.0.0.0/16", "10.201.0.0/16")
+        .await
+        .expect("b starts");
+    let a = InProcessCluster::start_with_endpoints("leaf-a", "10.0.0.0/16", "10.201.0.0/16")
+        .await
+        .expect("a starts");
+    let c = InProcessCluster::start_with(
+        "leaf-c",
+        "10.0.0.0/16",
+        "10.201.0.0/16",
+        Options {
+            endpoints: true,
+            endpoints_flags: vec![
+                "--dns-listen".into(),
+                dns.to_string(),
+                "--dns-ttl".into(),
+                "1".into(),
+            ],
+            ..Options::default()
+        },
+    )
+    .await
+    .expect("c starts");
+    peer(&a, &b).await;
+    peer(&c, &b).await;
+    let c_to_a = eventually("C's induced tunnel to A", LIMIT, || tunnel_to(&c, "leaf-a")).await;
+    let c_view_a: IpNet = c_to_a.remote_pod_cidr_nat.parse().expect("cidr");
+    let ask = |name: &str, qtype: &str, tcp: bool| {
+        let (bin, name, qtype) = (dig_bin.clone(), name.to_owned(), qtype.to_owned());
+        async move {
+            tokio::task::spawn_blocking(move || dig(&bin, dns, &name, &qtype, tcp))
+                .await
+                .expect("dig task")
+        }
+    };
+
+    // Nothing exported yet: the name does not exist, and the negative answer carries the SOA.
+    let nothing = eventually("C's zone is built", LIMIT, || async {
+        let d = ask(NAME, "A", false).await;
+        (d.status != "SERVFAIL").then_some(d)
+    })
+    .await;
+    assert_eq!(nothing.status, "NXDOMAIN", "{nothing:?}");
+    assert_eq!(nothing.authority, ["SOA"], "{nothing:?}");
+
+    // A exports two pods, one not ready: C answers the ready one, at its direct view of A.
+    let mut a_mapper = a.endpoints().await.expect("connects");
+    a_mapper
+        .export_service(export_request(
+            "shop",
+            "web",
+            &[("10.0.0.7".into(), true), ("10.0.0.8".into(), false)],
+        ))
+        .await
+        .expect("exports");
+    let pod = host_at(c_view_a, 7);
+    trellis_testkit::eventually_eq(
+        "the name answers A's ready pod as C reaches it",
+        LIMIT,
+        vec![pod.clone()],
+        || async { ask(NAME, "A", false).await.answers },
+    )
+    .await;
+    let over_tcp = ask(NAME, "A", true).await;
+    assert_eq!(
+        (over_tcp.status.as_str(), over_tcp.answers.clone()),
+        ("NOERROR", vec![pod.clone()])
+    );
+    let upper = ask("WEB.SHOP.svc.ClusterSet.Local.", "A", false).await;
+    assert_eq!(
+        upper.answers,
+        vec![pod.clone()],
+        "names are case-insensitive"
+    );
+
+    // SRV: the port, and a target that resolves to the pod.
+    let target = format!("{}.leaf-a.{NAME}", pod.replace('.', "-"));
+    let srv = ask(NAME, "SRV", false).await;
+    assert_eq!(srv.answers, vec![format!("0 100 8080 {target}")], "{srv:?}");
+    let named = ask(&format!("_http._tcp.{NAME}"), "SRV", true).await;
+    assert_eq!(named.answers, srv.answers);
+    assert_eq!(ask(&target, "A", false).await.answers, vec![pod.clone()]);
+
+    // An IPv4-only service has no AAAA (NODATA, not NXDOMAIN); other zones are refused.
+    let aaaa = ask(NAME, "AAAA", false).await;
+    assert_eq!(
+        (aaaa.status.as_str(), aaaa.answers.len()),
+        ("NOERROR", 0),
+        "{aaaa:?}"
+    );
+    assert_eq!(
+        ask("db.shop.svc.clusterset.local.", "A", false)
+            .await
+            .status,
+        "NXDOMAIN"
+    );
+    assert_eq!(
+        ask("web.shop.svc.cluster.local.", "A", false).await.status,
+        "REFUSED"
+    );
+
+    // Garbage and an oversized datagram are dropped or refused; the server keeps answering.
+    let socket = UdpSocket::bind("127.0.0.1:0").expect("binds");
+    for datagram in [vec![0xffu8; 3], vec![0x42; 12], vec![0u8; 65_000]] {
+        let _ = socket.send_to(&datagram, dns);
+    }
+    assert_eq!(ask(NAME, "A", false).await.answers, vec![pod.clone()]);
+
+    // The pod that was not ready becomes ready: both answer.
+    a_mapper
+        .export_service(export_request(
+            "shop",
+            "web",
+            &[("10.0.0.7".into(), true), ("10.0.0.8".into(), true)],
+        ))
+        .await
+        .expect("exports");
+    let mut both = vec![pod.clone(), host_at(c_view_a, 8)];
+    both.sort();
+    trellis_testkit::eventually_eq("the name follows readiness", LIMIT, both, || async {
+        ask(NAME, "A", false).await.answers
+    })
+    .await;
+
+    // Unexported: the name goes.
+    a_mapper
+        .unexport_service(UnexportServiceRequest {
+            namespace: "shop".into(),
+            name: "web".into(),
+        })
+        .await
+        .expect("unexports");
+    trellis_testkit::eventually_eq(
+        "the name goes with the export",
+        LIMIT,
+        "NXDOMAIN".to_owned(),
+        || async { ask(NAME, "A", false).await.status },
+    )
+    .await;
+}
