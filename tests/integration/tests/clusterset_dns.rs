@@ -27,10 +27,22 @@ struct Dig {
     answers: Vec<String>,
     /// The authority section's record types (the SOA of a negative answer).
     authority: Vec<String>,
+    /// The header's flags (`qr aa`, `qr aa tc` when truncated).
+    flags: String,
 }
 
-/// Asks `server` for `name` `qtype` with `dig`, over TCP with `tcp`.
-fn dig(dig: &std::path::Path, server: SocketAddr, name: &str, qtype: &str, tcp: bool) -> Dig {
+/// How `dig` asks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Over {
+    /// UDP, again over TCP when the answer is truncated (what resolvers do).
+    Udp,
+    Tcp,
+    /// UDP only, a truncated answer kept as it is.
+    UdpOnly,
+}
+
+/// Asks `server` for `name` `qtype` with `dig`.
+fn dig(dig: &std::path::Path, server: SocketAddr, name: &str, qtype: &str, over: Over) -> Dig {
     let mut command = Command::new(dig);
     command.args([
         &format!("@{}", server.ip()),
@@ -45,8 +57,14 @@ fn dig(dig: &std::path::Path, server: SocketAddr, name: &str, qtype: &str, tcp: 
         name,
         qtype,
     ]);
-    if tcp {
-        command.arg("+tcp");
+    match over {
+        Over::Udp => {}
+        Over::Tcp => {
+            command.arg("+tcp");
+        }
+        Over::UdpOnly => {
+            command.arg("+ignore");
+        }
     }
     let output = command.output().expect("dig runs");
     let text = String::from_utf8_lossy(&output.stdout).into_owned();
@@ -79,10 +97,17 @@ fn dig(dig: &std::path::Path, server: SocketAddr, name: &str, qtype: &str, tcp: 
         }
     }
     answers.sort();
+    let flags = text
+        .lines()
+        .find_map(|l| l.split("flags: ").nth(1))
+        .and_then(|rest| rest.split(';').next())
+        .unwrap_or("")
+        .to_owned();
     Dig {
         status,
         answers,
         authority,
+        flags,
     }
 }
 
@@ -119,13 +144,16 @@ async fn an_exported_service_resolves_at_an_induced_consumer_by_name_and_goes_wi
     peer(&c, &b).await;
     let c_to_a = eventually("C's induced tunnel to A", LIMIT, || tunnel_to(&c, "leaf-a")).await;
     let c_view_a: IpNet = c_to_a.remote_pod_cidr_nat.parse().expect("cidr");
-    let ask = |name: &str, qtype: &str, tcp: bool| {
+    let ask_over = |name: &str, qtype: &str, over: Over| {
         let (bin, name, qtype) = (dig_bin.clone(), name.to_owned(), qtype.to_owned());
         async move {
-            tokio::task::spawn_blocking(move || dig(&bin, dns, &name, &qtype, tcp))
+            tokio::task::spawn_blocking(move || dig(&bin, dns, &name, &qtype, over))
                 .await
                 .expect("dig task")
         }
+    };
+    let ask = |name: &str, qtype: &str, tcp: bool| {
+        ask_over(name, qtype, if tcp { Over::Tcp } else { Over::Udp })
     };
 
     // Nothing exported yet: the name does not exist, and the negative answer carries the SOA.
@@ -215,6 +243,26 @@ async fn an_exported_service_resolves_at_an_induced_consumer_by_name_and_goes_wi
         ask(NAME, "A", false).await.answers
     })
     .await;
+
+    // Scaled to 150 pods: the UDP answer (1232 bytes at most) is truncated, and a resolver
+    // that asks again over TCP gets them all.
+    let many: Vec<(String, bool)> = (10..160).map(|h| (format!("10.0.0.{h}"), true)).collect();
+    a_mapper
+        .export_service(export_request("shop", "web", &many))
+        .await
+        .expect("exports");
+    let mut all: Vec<String> = (10..160).map(|h| host_at(c_view_a, h)).collect();
+    all.sort();
+    trellis_testkit::eventually_eq("150 pods answer", LIMIT, all, || async {
+        ask(NAME, "A", false).await.answers
+    })
+    .await;
+    let truncated = ask_over(NAME, "A", Over::UdpOnly).await;
+    assert!(
+        truncated.flags.split(' ').any(|f| f == "tc"),
+        "{truncated:?}"
+    );
+    assert!(truncated.answers.len() < 150, "{truncated:?}");
 
     // Unexported: the name goes.
     a_mapper
