@@ -52,8 +52,9 @@ const LEAVES: [&str; 10] = [
     "leaf-10",
 ];
 /// Generous: a deadline for convergence (and for the storm's peerings), not a performance
-/// assertion.
-const CONVERGE: Duration = Duration::from_secs(480);
+/// assertion. Well under nextest's limit for this test (480 s in .config/nextest.toml), so that
+/// a mesh that does not converge fails with what is still wrong rather than a bare timeout.
+const CONVERGE: Duration = Duration::from_secs(200);
 /// How long a leaf stays cut from the hub.
 const CUT: Duration = Duration::from_secs(20);
 /// Group IDs of the clusters' processes: the hub's, then one per leaf.

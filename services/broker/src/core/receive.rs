@@ -80,8 +80,15 @@ impl Broker {
             None => vec![&nc.origin.id],
             Some(hub) => vec![&hub.id, &nc.origin.id],
         };
-        self.check_peers(&ids, |peers| self.may_send(peers, &nc))
-            .await?;
+        self.check_peers(&ids, |peers| {
+            may_send(
+                &self.identity.id,
+                peers,
+                &nc.origin.id,
+                nc.via.as_ref().map(|v| &v.id),
+            )
+        })
+        .await?;
 
         let ours = self.outgoing(&nc.origin.id).await?;
         let receiver_generation = ours.as_ref().map_or(0, |o| o.generation);
@@ -258,29 +265,6 @@ impl Broker {
         Ok(())
     }
 
-    /// Whether `peers` let `nc`'s origin send it to us: directly as a full peer, or through a
-    /// full peer that introduced it.
-    fn may_send(&self, peers: &Peers, nc: &Received) -> Result<()> {
-        match &nc.via {
-            None if !peers.is_full_peer(&nc.origin.id) => Err(Error::PermissionDenied(format!(
-                "cluster {} is not a full peer of {}",
-                nc.origin.id, self.identity.id
-            ))),
-            None => Ok(()),
-            Some(hub) if !peers.is_full_peer(&hub.id) => Err(Error::PermissionDenied(format!(
-                "the relaying hub {} is not a full peer of {}",
-                hub.id, self.identity.id
-            ))),
-            Some(hub) if !peers.introduced_by(&nc.origin.id, &hub.id) => {
-                Err(Error::FailedPrecondition(format!(
-                    "cluster {} has not (yet) been introduced to us by {}; retry later",
-                    nc.origin.id, hub.id
-                )))
-            }
-            Some(_) => Ok(()),
-        }
-    }
-
     /// Clears the decision on our NC towards `remote`, so that the pass delivers it again;
     /// not when the remote's incarnation that just sent generation `theirs` holds ours: it
     /// decided on ours while its own NC was at `theirs`, or it says it holds our current
@@ -350,5 +334,58 @@ impl Broker {
             Mapping::RangesChanged(message) => Err(Error::FailedPrecondition(message)
                 .context("asking the IPAM for the remote's mapping")),
         }
+    }
+}
+
+/// Whether `peers` let `origin` send us (`us`) a NetworkConfig: directly as a full peer, or
+/// `via` a full peer that introduced it. A relaying hub we do not hold as a full peer is
+/// refused for now, not for good: during a peering storm the hub may relay as soon as it holds
+/// us, before our side of the peering is recorded (or while our discovery's store is down), and
+/// a relay refused for good stayed failed at the hub although the peering completed a moment
+/// later. A hub that never becomes our full peer only makes its forwarder retry.
+fn may_send(
+    us: &ClusterId,
+    peers: &Peers,
+    origin: &ClusterId,
+    via: Option<&ClusterId>,
+) -> Result<()> {
+    match via {
+        None if !peers.is_full_peer(origin) => Err(Error::PermissionDenied(format!(
+            "cluster {origin} is not a full peer of {us}"
+        ))),
+        None => Ok(()),
+        Some(hub) if !peers.is_full_peer(hub) => Err(Error::FailedPrecondition(format!(
+            "the relaying hub {hub} is not (yet) a full peer of {us}; retry later"
+        ))),
+        Some(hub) if !peers.introduced_by(origin, hub) => Err(Error::FailedPrecondition(format!(
+            "cluster {origin} has not (yet) been introduced to us by {hub}; retry later"
+        ))),
+        Some(_) => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use trellis_runtime::retry::Retryable as _;
+
+    #[test]
+    fn a_stranger_is_refused_for_good_but_a_hub_not_yet_peered_only_for_now() {
+        let id = |s: &str| ClusterId::parse("id", s).expect("id");
+        let (us, leaf, hub) = (id("leaf-2"), id("leaf-1"), id("hub"));
+        let none = Peers::default();
+        let direct = may_send(&us, &none, &leaf, None).expect_err("not a peer");
+        assert!(matches!(direct, Error::PermissionDenied(_)), "{direct}");
+        assert!(direct.is_permanent());
+        let relayed = may_send(&us, &none, &leaf, Some(&hub)).expect_err("hub not peered yet");
+        assert!(matches!(relayed, Error::FailedPrecondition(_)), "{relayed}");
+        assert!(
+            !relayed.is_permanent(),
+            "the hub's forwarder must retry, not give up: {relayed}"
+        );
+        assert!(
+            relayed.to_string().contains("relaying hub hub"),
+            "{relayed}"
+        );
     }
 }
