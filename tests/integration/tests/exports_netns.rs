@@ -4,7 +4,10 @@
 //! exported through leaf-1's endpoints service. A pod of leaf-2 fetches a 1 MiB file at the
 //! address leaf-2's import lists, which lies in leaf-2's induced view of leaf-1 (the direct
 //! tunnel, not the hub: the hub's gateway namespace sees almost none of those bytes), and a pod
-//! of the hub fetches it at the hub's import. `trellisctl unexport` then removes both imports.
+//! of the hub fetches it at the hub's import. The leaf-2 pod also resolves
+//! `web.shop.svc.clusterset.local` with `dig` at its cluster's DNS (the topology's
+//! `services.dns`) to that address. `trellisctl unexport` then removes both imports, and the
+//! name.
 //!
 //! trellisctl runs in each cluster's gateway namespace, where an operator on the gateway node
 //! reaches the services. Skipped (with a `SKIPPED:` line) when not root or without
@@ -129,6 +132,44 @@ fn fetch(ns: &str, address: &str) -> Result<usize, String> {
 }
 
 /// Whether `address` lies in `cidr` (IPv4).
+/// `web.shop.svc.clusterset.local` A asked with `dig` from network namespace `ns` at `dns`
+/// (`host:port`): the response code and the addresses.
+fn resolve(ns: &str, dns: &str) -> (String, Vec<String>) {
+    let dig = trellis_testkit::require_tool("dig").expect("dig (scripts/setup.sh installs it)");
+    let (host, port) = dns.rsplit_once(':').expect("host:port");
+    let output = Command::new("ip")
+        .args(["netns", "exec", ns])
+        .arg(dig)
+        .args([
+            &format!("@{host}"),
+            "-p",
+            port,
+            "+tries=1",
+            "+time=2",
+            "+noall",
+            "+comments",
+            "+answer",
+            "web.shop.svc.clusterset.local",
+            "A",
+        ])
+        .output()
+        .expect("dig runs");
+    let text = String::from_utf8_lossy(&output.stdout);
+    let status = text
+        .lines()
+        .find_map(|l| l.split("status: ").nth(1))
+        .and_then(|rest| rest.split(',').next())
+        .unwrap_or("NO ANSWER")
+        .to_owned();
+    let mut addresses: Vec<String> = text
+        .lines()
+        .filter(|l| !l.starts_with(';') && !l.is_empty())
+        .filter_map(|l| l.split_whitespace().nth(4).map(str::to_owned))
+        .collect();
+    addresses.sort();
+    (status, addresses)
+}
+
 fn contains(cidr: &str, address: &str) -> bool {
     let net: ipnet::Ipv4Net = cidr.parse().expect("cidr");
     net.contains(&address.parse::<std::net::Ipv4Addr>().expect("address"))
@@ -238,6 +279,13 @@ fn an_exported_http_service_is_fetched_by_the_induced_leaf_directly_and_by_the_h
 
     // A pod of leaf-2 on its second node fetches it, around the hub.
     let client2 = str_of(&leaf2["pods"][1], "netns");
+    // The pod resolves the name at its cluster's DNS (the topology's services.dns).
+    let dns = str_of(&leaf2["services"], "dns");
+    assert_eq!(
+        resolve(client2, dns),
+        ("NOERROR".to_owned(), vec![at_leaf2.clone()]),
+        "web.shop.svc.clusterset.local from a pod of leaf-2"
+    );
     let hub_ns = str_of(hub, "gateway_netns");
     let before = rx_bytes(hub_ns);
     let started = Instant::now();
@@ -282,5 +330,11 @@ fn an_exported_http_service_is_fetched_by_the_induced_leaf_directly_and_by_the_h
         "measured: both imports gone {} ms after unexport",
         started.elapsed().as_millis()
     );
+    // The name went with the import (within the DNS rebuild and the 5 s TTL at most).
+    let started = Instant::now();
+    while resolve(client2, dns).0 != "NXDOMAIN" {
+        assert!(started.elapsed() < LIMIT, "the name outlived the unexport");
+        std::thread::sleep(Duration::from_millis(200));
+    }
     assert!(lab.interrupt().success());
 }

@@ -224,6 +224,42 @@ fn make_demo_lab_answers_the_readme_grpcurl_commands_as_printed_and_stops_on_ctr
         "leaf-2 reaches leaf-1's pod through its remap of leaf-1's identical CIDR: {ip}"
     );
 
+    // The export and the name, as printed: leaf-2's DNS answers the address MapEndpointIp gave.
+    if require_tool("dig").is_some() {
+        let trellisctl = bin_path("trellisctl").expect("trellisctl built");
+        let path = format!("{}:{path}", trellisctl.parent().expect("dir").display());
+        let line = |prefix: &str| {
+            commands
+                .lines()
+                .find(|l| l.starts_with(prefix))
+                .unwrap_or_else(|| panic!("the README runs {prefix}"))
+                .to_owned()
+        };
+        succeeds(
+            Command::new("bash")
+                .args(["-c", &line("trellisctl ")])
+                .env("PATH", &path),
+            "the README's trellisctl export",
+        );
+        let dig = line("dig ");
+        let started = std::time::Instant::now();
+        loop {
+            let out = Command::new("bash")
+                .args(["-c", &dig])
+                .output()
+                .expect("dig runs");
+            let answer = String::from_utf8_lossy(&out.stdout).trim().to_owned();
+            if answer == ip {
+                break;
+            }
+            assert!(
+                started.elapsed() < Duration::from_secs(30),
+                "`{dig}` answered {answer:?}, not the exported pod {ip}"
+            );
+            std::thread::sleep(Duration::from_millis(300));
+        }
+    }
+
     // Ctrl-C stops everything and frees the ports.
     let status = lab.interrupt();
     assert!(status.success(), "{status}");

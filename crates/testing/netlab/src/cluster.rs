@@ -140,6 +140,9 @@ pub struct NsCluster {
 /// A service's mutual-TLS port is its gRPC port + 10, as in the kustomize manifests.
 const PEER_PORT_OFFSET: u16 = 10;
 
+/// The clusterset DNS port of every cluster (the services run as root in their namespace).
+pub const DNS_PORT: u16 = 53;
+
 impl NsCluster {
     /// Starts the stores and the six services of `options.id` in `site`'s gateway namespace,
     /// each waited for until its health check says SERVING.
@@ -416,6 +419,12 @@ impl NsCluster {
         SocketAddr::new(self.ip, service.port())
     }
 
+    /// Where the cluster's endpoints service answers `clusterset.local` DNS (UDP and TCP): port
+    /// 53 of its services' address, which every pod of the cluster reaches.
+    pub fn dns_addr(&self) -> SocketAddr {
+        SocketAddr::new(self.ip, DNS_PORT)
+    }
+
     /// With [`ClusterOptions::tls`]: the directory the services make the cluster's CA and
     /// their certificates in (`--tls-dir`).
     pub fn tls_dir(&self) -> Option<PathBuf> {
@@ -535,6 +544,8 @@ impl NsCluster {
                 &at(Service::Ipam),
                 "--discovery",
                 &at(Service::Discovery),
+                "--dns-listen",
+                &self.dns_addr().to_string(),
             ]),
         });
         if service.faces_other_clusters() && options.tls {

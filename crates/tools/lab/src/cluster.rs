@@ -314,6 +314,8 @@ impl LabCluster {
             &p.ipam.to_string(),
             "--discovery",
             &p.discovery.to_string(),
+            "--dns-listen",
+            &plan.dns.to_string(),
         ]));
         endpoints.extend(tls("endpoints")?);
         let endpoints = traced(

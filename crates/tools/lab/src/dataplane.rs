@@ -156,6 +156,7 @@ pub(crate) async fn run(
             endpoints: at(Service::Endpoints),
             gateway: at(Service::Gateway),
         };
+        plan.dns = cluster.dns_addr();
     }
     let result = converge(config, &plans, &fabric, progress, lab).await;
     let result = match result {

@@ -288,6 +288,7 @@ pub async fn start_all(
                             && format!("{err:#}").contains("cannot listen")
                             && (free_ports
                                 || format!("{err:#}").contains("(metrics)")
+                                || format!("{err:#}").contains("(dns, ")
                                 || format!("{err:#}").contains("(peer listener)")) =>
                     {
                         attempt += 1;

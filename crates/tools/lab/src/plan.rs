@@ -80,6 +80,9 @@ pub struct ClusterPlan {
     /// The services' `/metrics` listeners (`--metrics-listen`): always free ports, the fixed
     /// layout has no room for six more per cluster.
     pub metrics: Ports,
+    /// Where the endpoints service answers `clusterset.local` DNS (`--dns-listen`, UDP and
+    /// TCP): BASE+10·index+7 with a fixed `--base-port`, else a free port.
+    pub dns: SocketAddr,
 }
 
 impl ClusterPlan {
@@ -114,6 +117,7 @@ impl ClusterPlan {
     pub fn with_other_free_ports(mut self) -> Self {
         self.peer = self.peer.map(|_| PeerPorts::free());
         self.metrics = Ports::free();
+        self.dns = loopback(trellis_testkit::free_port());
         self
     }
 }
@@ -126,7 +130,8 @@ impl Ports {
     /// Cluster `index`'s ports from `base`: BASE+10·index+1 .. +6, in port order.
     fn fixed(base: u16, index: u16) -> anyhow::Result<Self> {
         let first = u32::from(base) + 10 * u32::from(index);
-        if first + 6 > u32::from(u16::MAX) {
+        // The sixth service's port, and the DNS port after it (see `ClusterPlan::dns`).
+        if first + 7 > u32::from(u16::MAX) {
             bail!(
                 "--base-port {base} leaves no room for cluster {index}'s ports (they would pass \
                  65535); use a lower base port or 0 for free ports"
@@ -201,6 +206,15 @@ pub fn plan(
                 },
                 peer: tls.then(PeerPorts::free),
                 metrics: Ports::free(),
+                // Next to the six services in the fixed layout (BASE+10·index+7), so that the
+                // README's `dig` works as printed; free otherwise.
+                dns: if base_port == 0 {
+                    loopback(trellis_testkit::free_port())
+                } else {
+                    loopback(u16::try_from(
+                        u32::from(base_port) + 10 * u32::from(index) + 7,
+                    )?)
+                },
             })
         })
         .collect()

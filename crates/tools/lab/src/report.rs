@@ -188,6 +188,22 @@ pub fn grpcurl_commands(clusters: &[ClusterPlan]) -> String {
         "grpcurl -plaintext -d '{{\"cluster_id\": \"{}\", \"ip\": \"{pod}\"}}' {} trellis.ipam.v1.Ipam/MapEndpointIp",
         other.id, leaf.ports.ipam
     );
+    let _ = writeln!(
+        out,
+        "# export that pod from {} and resolve it by name at {}'s clusterset DNS (needs dig):",
+        leaf.id, other.id
+    );
+    let _ = writeln!(
+        out,
+        "trellisctl --endpoints {} export web --namespace shop --port 8080 --endpoint {pod}",
+        leaf.ports.endpoints
+    );
+    let _ = writeln!(
+        out,
+        "dig @{} -p {} +short web.shop.svc.clusterset.local",
+        other.dns.ip(),
+        other.dns.port()
+    );
     out
 }
 
@@ -209,6 +225,8 @@ pub struct TopologyCluster {
     pub role: Role,
     pub pod_cidr: String,
     pub external_cidr: String,
+    /// Where each service listens, and `dns`: where the cluster's `clusterset.local` DNS
+    /// answers (UDP and TCP; with `--dataplane netns`, an address its pods reach).
     pub services: std::collections::BTreeMap<&'static str, String>,
     /// The mutual-TLS peer listeners of the cluster-facing services (none in plaintext).
     #[serde(skip_serializing_if = "std::collections::BTreeMap::is_empty")]
@@ -320,6 +338,7 @@ impl Topology {
                     .ports
                     .named()
                     .into_iter()
+                    .chain([("dns", c.dns)])
                     .map(|(name, addr)| (name, addr.to_string()))
                     .collect(),
                 peer_services: c

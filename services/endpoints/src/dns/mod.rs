@@ -51,6 +51,11 @@ impl Endpoints {
             None
         };
         let records = self.list(None, None).await?;
+        if records.is_empty() {
+            // Nothing imported: no reason to ask the IPAM and discovery every resync (a
+            // 255-cluster lab would make 500 such calls every 2 s for nothing).
+            return Ok(Some(Vec::new()));
+        }
         let reach = self.reachability().await?;
         let mut services = zone::services(
             &records,
