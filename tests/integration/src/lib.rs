@@ -5,6 +5,7 @@
 pub mod cluster;
 pub mod command;
 pub mod cut;
+pub mod dns;
 pub mod failover;
 pub mod gate;
 pub mod lab;

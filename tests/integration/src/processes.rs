@@ -64,6 +64,8 @@ pub struct Options {
     pub gid: Option<u32>,
     /// Appended to discovery's flags.
     pub discovery_flags: Vec<String>,
+    /// Appended to the endpoints service's flags.
+    pub endpoints_flags: Vec<String>,
 }
 
 impl Default for Options {
@@ -76,6 +78,7 @@ impl Default for Options {
             gateway_follows_broker: false,
             gid: None,
             discovery_flags: Vec::new(),
+            endpoints_flags: Vec::new(),
         }
     }
 }
@@ -361,12 +364,16 @@ impl ProcessCluster {
                 "--resync",
                 "2",
             ]),
-            Service::Endpoints => strings(&[
-                "--ipam",
-                &s.ipam.to_string(),
-                "--discovery",
-                &s.discovery.to_string(),
-            ]),
+            Service::Endpoints => {
+                let mut e = strings(&[
+                    "--ipam",
+                    &s.ipam.to_string(),
+                    "--discovery",
+                    &s.discovery.to_string(),
+                ]);
+                e.extend(self.options.endpoints_flags.iter().cloned());
+                e
+            }
         });
         if service.faces_other_clusters() {
             // These clusters peer on a closed loopback network, in plaintext.

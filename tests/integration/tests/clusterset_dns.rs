@@ -6,110 +6,17 @@
 //! garbage datagrams do not stop the server answering.
 
 use std::net::{SocketAddr, UdpSocket};
-use std::process::Command;
 use std::time::Duration;
 
 use ipnet::IpNet;
 use trellis_api::pb::endpoints::UnexportServiceRequest;
 use trellis_integration::cluster::{InProcessCluster, Options};
+use trellis_integration::dns::{Over, dig};
 use trellis_integration::peering::{eventually, host_at, peer, tunnel_to};
 use trellis_testkit::exports::export_request;
 
 const LIMIT: Duration = Duration::from_secs(60);
 const NAME: &str = "web.shop.svc.clusterset.local.";
-
-/// One answer as `dig` printed it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-struct Dig {
-    /// The response code (`NOERROR`, `NXDOMAIN`, ...).
-    status: String,
-    /// The answer section's record data, sorted (`10.0.0.7`, `0 100 8080 target.`).
-    answers: Vec<String>,
-    /// The authority section's record types (the SOA of a negative answer).
-    authority: Vec<String>,
-    /// The header's flags (`qr aa`, `qr aa tc` when truncated).
-    flags: String,
-}
-
-/// How `dig` asks.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Over {
-    /// UDP, again over TCP when the answer is truncated (what resolvers do).
-    Udp,
-    Tcp,
-    /// UDP only, a truncated answer kept as it is.
-    UdpOnly,
-}
-
-/// Asks `server` for `name` `qtype` with `dig`.
-fn dig(dig: &std::path::Path, server: SocketAddr, name: &str, qtype: &str, over: Over) -> Dig {
-    let mut command = Command::new(dig);
-    command.args([
-        &format!("@{}", server.ip()),
-        "-p",
-        &server.port().to_string(),
-        "+tries=1",
-        "+time=2",
-        "+noall",
-        "+comments",
-        "+answer",
-        "+authority",
-        name,
-        qtype,
-    ]);
-    match over {
-        Over::Udp => {}
-        Over::Tcp => {
-            command.arg("+tcp");
-        }
-        Over::UdpOnly => {
-            command.arg("+ignore");
-        }
-    }
-    let output = command.output().expect("dig runs");
-    let text = String::from_utf8_lossy(&output.stdout).into_owned();
-    let status = text
-        .lines()
-        .find_map(|l| l.split("status: ").nth(1))
-        .and_then(|rest| rest.split(',').next())
-        .unwrap_or("NO ANSWER")
-        .to_owned();
-    let mut answers = Vec::new();
-    let mut authority = Vec::new();
-    let mut section = "";
-    for line in text.lines() {
-        if let Some(rest) = line.strip_prefix(";; ") {
-            section = rest.split(' ').next().unwrap_or("");
-            continue;
-        }
-        if line.is_empty() || line.starts_with(';') {
-            continue;
-        }
-        // name ttl class type rdata...
-        let fields: Vec<&str> = line.split_whitespace().collect();
-        if fields.len() < 5 {
-            continue;
-        }
-        match section {
-            "ANSWER" => answers.push(fields[4..].join(" ")),
-            "AUTHORITY" => authority.push(fields[3].to_owned()),
-            _ => {}
-        }
-    }
-    answers.sort();
-    let flags = text
-        .lines()
-        .find_map(|l| l.split("flags: ").nth(1))
-        .and_then(|rest| rest.split(';').next())
-        .unwrap_or("")
-        .to_owned();
-    Dig {
-        status,
-        answers,
-        authority,
-        flags,
-    }
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_exported_service_resolves_at_an_induced_consumer_by_name_and_goes_with_its_export() {
@@ -147,7 +54,7 @@ async fn an_exported_service_resolves_at_an_induced_consumer_by_name_and_goes_wi
     let ask_over = |name: &str, qtype: &str, over: Over| {
         let (bin, name, qtype) = (dig_bin.clone(), name.to_owned(), qtype.to_owned());
         async move {
-            tokio::task::spawn_blocking(move || dig(&bin, dns, &name, &qtype, over))
+            tokio::task::spawn_blocking(move || dig(&bin, None, dns, &name, &qtype, over))
                 .await
                 .expect("dig task")
         }
@@ -277,6 +184,123 @@ async fn an_exported_service_resolves_at_an_induced_consumer_by_name_and_goes_wi
         LIMIT,
         "NXDOMAIN".to_owned(),
         || async { ask(NAME, "A", false).await.status },
+    )
+    .await;
+}
+
+/// The same answers, then kill -9 of the consumer's endpoints service (the DNS server with it)
+/// while a resolver keeps asking: every answer it gets is the right one or none, answers resume
+/// once the service is back, and an export withdrawn while it was down is gone from the zone
+/// it rebuilds (nothing stale), all with real processes on real etcds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn answers_resume_after_kill_9_of_the_dns_and_nothing_stale_is_answered() {
+    use trellis_integration::processes::{Options as ProcessOptions, ProcessCluster, Service};
+    let (Some(dig_bin), Some(_)) = (
+        trellis_testkit::require_tool("dig"),
+        trellis_testkit::require_tool("etcd"),
+    ) else {
+        return;
+    };
+    let dns = SocketAddr::from(([127, 0, 0, 1], trellis_testkit::free_port()));
+    let consumer = ProcessOptions {
+        endpoints_flags: vec![
+            "--dns-listen".into(),
+            dns.to_string(),
+            "--dns-ttl".into(),
+            "1".into(),
+        ],
+        ..ProcessOptions::default()
+    };
+    let (b, a, c) = tokio::join!(
+        ProcessCluster::start("hub-b", "10.0.0.0/16", "10.201.0.0/16"),
+        ProcessCluster::start("leaf-a", "10.0.0.0/16", "10.201.0.0/16"),
+        ProcessCluster::start_with("leaf-c", "10.0.0.0/16", "10.201.0.0/16", consumer),
+    );
+    let (b, a, mut c) = (
+        b.expect("b starts").expect("etcd"),
+        a.expect("a starts").expect("etcd"),
+        c.expect("c starts").expect("etcd"),
+    );
+    peer(&a, &b).await;
+    peer(&c, &b).await;
+    let c_to_a = eventually("C's induced tunnel to A", LIMIT, || tunnel_to(&c, "leaf-a")).await;
+    let pod = host_at(c_to_a.remote_pod_cidr_nat.parse().expect("cidr"), 7);
+    let ask = || {
+        let bin = dig_bin.clone();
+        async move {
+            tokio::task::spawn_blocking(move || dig(&bin, None, dns, NAME, "A", Over::Udp))
+                .await
+                .expect("dig task")
+        }
+    };
+    let mut a_mapper = a.endpoints().await.expect("connects");
+    a_mapper
+        .export_service(export_request("shop", "web", &[("10.0.0.7".into(), true)]))
+        .await
+        .expect("exports");
+    trellis_testkit::eventually_eq("C answers A's pod", LIMIT, vec![pod.clone()], || async {
+        ask().await.answers
+    })
+    .await;
+
+    // A resolver asking every 100 ms through the kill and the restart.
+    let stop = trellis_runtime::Shutdown::new();
+    let asking = {
+        let (stop, bin) = (stop.clone(), dig_bin.clone());
+        tokio::spawn(async move {
+            let mut seen = Vec::new();
+            while !stop.is_cancelled() {
+                let bin = bin.clone();
+                let d =
+                    tokio::task::spawn_blocking(move || dig(&bin, None, dns, NAME, "A", Over::Udp))
+                        .await
+                        .expect("dig task");
+                seen.push((d.status, d.answers));
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            seen
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    c.kill9(Service::Endpoints).expect("kill -9");
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    c.restart(Service::Endpoints).await.expect("restarts");
+    trellis_testkit::eventually_eq("answers resume", LIMIT, vec![pod.clone()], || async {
+        ask().await.answers
+    })
+    .await;
+    stop.cancel();
+    let seen = asking.await.expect("the resolver task");
+    let unanswered = seen
+        .iter()
+        .filter(|(status, _)| status == "NO ANSWER")
+        .count();
+    assert!(unanswered > 0, "the kill was not seen: {seen:?}");
+    for (status, answers) in &seen {
+        assert!(
+            status == "NO ANSWER"
+                || status == "SERVFAIL"
+                || (status == "NOERROR" && *answers == [pod.clone()]),
+            "a wrong answer around the restart: {status} {answers:?}"
+        );
+    }
+
+    // Withdrawn while C's DNS is down: after the restart the name is gone, not answered from
+    // what the dead process knew.
+    c.kill9(Service::Endpoints).expect("kill -9");
+    a_mapper
+        .unexport_service(UnexportServiceRequest {
+            namespace: "shop".into(),
+            name: "web".into(),
+        })
+        .await
+        .expect("unexports");
+    c.restart(Service::Endpoints).await.expect("restarts");
+    trellis_testkit::eventually_eq(
+        "the withdrawn name is gone after the restart",
+        LIMIT,
+        "NXDOMAIN".to_owned(),
+        || async { ask().await.status },
     )
     .await;
 }

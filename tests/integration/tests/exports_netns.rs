@@ -136,38 +136,16 @@ fn fetch(ns: &str, address: &str) -> Result<usize, String> {
 /// (`host:port`): the response code and the addresses.
 fn resolve(ns: &str, dns: &str) -> (String, Vec<String>) {
     let dig = trellis_testkit::require_tool("dig").expect("dig (scripts/setup.sh installs it)");
-    let (host, port) = dns.rsplit_once(':').expect("host:port");
-    let output = Command::new("ip")
-        .args(["netns", "exec", ns])
-        .arg(dig)
-        .args([
-            &format!("@{host}"),
-            "-p",
-            port,
-            "+tries=1",
-            "+time=2",
-            "+noall",
-            "+comments",
-            "+answer",
-            "web.shop.svc.clusterset.local",
-            "A",
-        ])
-        .output()
-        .expect("dig runs");
-    let text = String::from_utf8_lossy(&output.stdout);
-    let status = text
-        .lines()
-        .find_map(|l| l.split("status: ").nth(1))
-        .and_then(|rest| rest.split(',').next())
-        .unwrap_or("NO ANSWER")
-        .to_owned();
-    let mut addresses: Vec<String> = text
-        .lines()
-        .filter(|l| !l.starts_with(';') && !l.is_empty())
-        .filter_map(|l| l.split_whitespace().nth(4).map(str::to_owned))
-        .collect();
-    addresses.sort();
-    (status, addresses)
+    let server = dns.parse().expect("host:port");
+    let answer = trellis_integration::dns::dig(
+        &dig,
+        Some(ns),
+        server,
+        "web.shop.svc.clusterset.local",
+        "A",
+        trellis_integration::dns::Over::Udp,
+    );
+    (answer.status, answer.answers)
 }
 
 fn contains(cidr: &str, address: &str) -> bool {
