@@ -18,6 +18,38 @@ use trellis_testkit::exports::export_request;
 const LIMIT: Duration = Duration::from_secs(60);
 const NAME: &str = "web.shop.svc.clusterset.local.";
 
+/// Sends `n` A queries for [`NAME`] to `server` without waiting, then counts the answers that
+/// arrive within a second of the last; returns (sent, answered).
+fn flood(server: SocketAddr, n: u16) -> (usize, usize) {
+    use hickory_proto::op::{Message, MessageType, OpCode, Query};
+    use hickory_proto::rr::{Name, RecordType};
+    let socket = UdpSocket::bind("127.0.0.1:0").expect("binds");
+    socket
+        .set_read_timeout(Some(Duration::from_millis(1000)))
+        .expect("timeout");
+    let name = Name::from_ascii(NAME).expect("name");
+    let mut sent = 0;
+    for id in 0..n {
+        let mut query = Message::new();
+        query
+            .set_id(id)
+            .set_message_type(MessageType::Query)
+            .set_op_code(OpCode::Query)
+            .set_recursion_desired(true)
+            .add_query(Query::query(name.clone(), RecordType::A));
+        let bytes = query.to_vec().expect("encodes");
+        if socket.send_to(&bytes, server).is_ok() {
+            sent += 1;
+        }
+    }
+    let mut answered = 0;
+    let mut buf = [0u8; 4096];
+    while socket.recv_from(&mut buf).is_ok() {
+        answered += 1;
+    }
+    (sent, answered)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_exported_service_resolves_at_an_induced_consumer_by_name_and_goes_with_its_export() {
     let Some(dig_bin) = trellis_testkit::require_tool("dig") else {
@@ -134,6 +166,16 @@ async fn an_exported_service_resolves_at_an_induced_consumer_by_name_and_goes_wi
         let _ = socket.send_to(&datagram, dns);
     }
     assert_eq!(ask(NAME, "A", false).await.answers, vec![pod.clone()]);
+
+    // A flood: 20,000 queries as fast as one socket sends them, no waiting for answers. The
+    // server answers what it can (the rest is dropped), and afterwards answers as before.
+    let (sent, answered) = tokio::task::spawn_blocking(move || flood(dns, 20_000))
+        .await
+        .expect("flood task");
+    eprintln!("measured: flood of {sent} queries, {answered} answers received");
+    assert!(answered > 0, "no answer during the flood");
+    assert_eq!(ask(NAME, "A", false).await.answers, vec![pod.clone()]);
+    assert_eq!(ask(NAME, "SRV", true).await.status, "NOERROR");
 
     // The pod that was not ready becomes ready: both answer.
     a_mapper
