@@ -234,6 +234,14 @@ pub fn median(values: &[f64]) -> Option<f64> {
     sorted.get(sorted.len() / 2).copied()
 }
 
+/// `a / b`; none when either is missing or `b` is not positive.
+pub fn ratio(a: Option<f64>, b: Option<f64>) -> Option<f64> {
+    match (a, b) {
+        (Some(a), Some(b)) if b > 0.0 => Some(a / b),
+        _ => None,
+    }
+}
+
 /// Writes `value` as pretty JSON to `path`, creating its directory.
 pub fn write_json(path: &Path, value: &impl Serialize) -> anyhow::Result<()> {
     if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {

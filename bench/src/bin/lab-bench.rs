@@ -20,7 +20,7 @@ use clap::Parser;
 use trellis_bench::mesh::{Mode, one_run_to, run_alone};
 use trellis_bench::proc::raise_nofile_limit;
 use trellis_bench::results::{LabParameters, LabResult, LabRun, MeshRun};
-use trellis_bench::{Machine, RunArgs, RunInfo, median, write_json};
+use trellis_bench::{Machine, RunArgs, RunInfo, median, ratio, write_json};
 
 /// Measures `trellis-lab up` against mesh-bench on the same clusters and on five-service ones,
 /// and writes a JSON result (read by `bench-report`).
@@ -118,13 +118,6 @@ async fn lab_run(
 
 fn median_of(values: impl Iterator<Item = Option<f64>>) -> Option<f64> {
     median(&values.flatten().collect::<Vec<_>>())
-}
-
-fn ratio(a: Option<f64>, b: Option<f64>) -> Option<f64> {
-    match (a, b) {
-        (Some(a), Some(b)) if b > 0.0 => Some(a / b),
-        _ => None,
-    }
 }
 
 #[tokio::main]

@@ -7,6 +7,7 @@ use trellis_netlab::topology::ping_rtts;
 
 use super::Settings;
 use super::probe::iperf;
+use crate::ratio;
 use crate::results::{Comparison, Rtt, RttOverhead, Side, SideBySide, Transfer, finite};
 
 /// Median, smallest and largest of `v` (NaN for none).
@@ -22,11 +23,6 @@ fn spread(mut v: Vec<f64>) -> (f64, f64, f64) {
         f64::midpoint(v[n / 2 - 1], v[n / 2])
     };
     (median, v[0], v[n - 1])
-}
-
-/// `ours / theirs`; none when either side has no median.
-fn ratio(ours: Option<f64>, theirs: Option<f64>) -> Option<f64> {
-    Some(ours? / theirs?)
 }
 
 impl Side {

@@ -168,16 +168,12 @@ pub(super) fn lab_section(md: &mut String, inputs: &Inputs) {
             opt(d.bare_median_seconds),
             opt(d.bench_full_median_seconds),
             opt(d.bare_full_median_seconds),
-            ratio(over(d.lab_median_seconds, d.bare_median_seconds)),
-            ratio(over(d.lab_full_median_seconds, d.bare_full_median_seconds)),
+            ratio(crate::ratio(d.lab_median_seconds, d.bare_median_seconds)),
+            ratio(crate::ratio(
+                d.lab_full_median_seconds,
+                d.bare_full_median_seconds,
+            )),
         );
-    }
-}
-
-fn over(a: Option<f64>, b: Option<f64>) -> Option<f64> {
-    match (a, b) {
-        (Some(a), Some(b)) if b > 0.0 => Some(a / b),
-        _ => None,
     }
 }
 

@@ -10,6 +10,7 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use hickory_proto::op::{Edns, Header, MessageType, OpCode, ResponseCode};
+use hickory_proto::rr::Record;
 use hickory_server::ServerFuture;
 use hickory_server::authority::MessageResponseBuilder;
 use hickory_server::server::{Request, RequestHandler, ResponseHandler, ResponseInfo};
@@ -36,28 +37,30 @@ struct Handler {
 }
 
 impl Handler {
-    /// The response code and the answer and authority records for `request`.
-    fn respond(&self, request: &Request) -> (ResponseCode, Vec<hickory_proto::rr::Record>, bool) {
+    /// The response code, the answer records, and the SOA for a negative answer, all from one
+    /// zone (a rebuild between two reads could otherwise pair them from different zones).
+    fn respond(&self, request: &Request) -> (ResponseCode, Vec<Record>, Option<Record>) {
         let header = request.header();
         if header.message_type() != MessageType::Query {
-            return (ResponseCode::FormErr, Vec::new(), false);
+            return (ResponseCode::FormErr, Vec::new(), None);
         }
         if header.op_code() != OpCode::Query {
-            return (ResponseCode::NotImp, Vec::new(), false);
+            return (ResponseCode::NotImp, Vec::new(), None);
         }
         let Ok(info) = request.request_info() else {
-            return (ResponseCode::FormErr, Vec::new(), false);
+            return (ResponseCode::FormErr, Vec::new(), None);
         };
         let Some(zone) = self.zone.borrow().clone() else {
-            return (ResponseCode::ServFail, Vec::new(), false);
+            return (ResponseCode::ServFail, Vec::new(), None);
         };
+        // Negative answers carry the SOA, whose minimum tells resolvers how long to cache them.
         match zone.answer(info.query.name(), info.query.query_type()) {
-            Answer::Records(records) => {
-                let negative = records.is_empty();
-                (ResponseCode::NoError, records, negative)
+            Answer::Records(records) if records.is_empty() => {
+                (ResponseCode::NoError, records, Some(zone.soa().clone()))
             }
-            Answer::NxDomain => (ResponseCode::NXDomain, Vec::new(), true),
-            Answer::Refused => (ResponseCode::Refused, Vec::new(), false),
+            Answer::Records(records) => (ResponseCode::NoError, records, None),
+            Answer::NxDomain => (ResponseCode::NXDomain, Vec::new(), Some(zone.soa().clone())),
+            Answer::Refused => (ResponseCode::Refused, Vec::new(), None),
         }
     }
 }
@@ -69,7 +72,7 @@ impl RequestHandler for Handler {
         request: &Request,
         mut response: R,
     ) -> ResponseInfo {
-        let (code, answers, negative) = self.respond(request);
+        let (code, answers, soa) = self.respond(request);
         self.metrics.answered(code);
         let mut header = Header::response_from_request(request.header());
         header.set_authoritative(matches!(
@@ -78,16 +81,6 @@ impl RequestHandler for Handler {
         ));
         header.set_recursion_available(false);
         header.set_response_code(code);
-        // Negative answers carry the SOA, whose minimum tells resolvers how long to cache them.
-        let soa: Vec<_> = if negative {
-            self.zone
-                .borrow()
-                .as_ref()
-                .map(|z| vec![z.soa().clone()])
-                .unwrap_or_default()
-        } else {
-            Vec::new()
-        };
         let mut builder = MessageResponseBuilder::from_message_request(request);
         if let Some(edns) = request.edns() {
             let mut ours = Edns::new();

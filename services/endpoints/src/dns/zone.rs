@@ -23,7 +23,7 @@ use std::net::IpAddr;
 use hickory_proto::rr::rdata::{A, AAAA, SOA, SRV};
 use hickory_proto::rr::{LowerName, Name, RData, Record, RecordType};
 
-use crate::imports::{Reachability, origin_of};
+use crate::imports::{Reachability, merge, origin_of};
 use crate::model::{AddressType, Port, Protocol};
 use crate::records::ReflectedRecord;
 
@@ -56,29 +56,30 @@ pub fn services(
     reach: &Reachability,
     clusterset_ips: &BTreeMap<(String, String), Vec<IpAddr>>,
 ) -> Vec<ZoneService> {
-    let mut by_key: BTreeMap<(String, String), ZoneService> = BTreeMap::new();
-    // Each exporter's ports; the first exporter's (by cluster ID) are the Service's, as for the
-    // ServiceImport (crate::imports::merge).
-    let mut ports: BTreeMap<(String, String), BTreeMap<String, Vec<Port>>> = BTreeMap::new();
+    // The Service's ports are the ServiceImport's: the first exporter's when they disagree.
+    let mut by_key: BTreeMap<(String, String), ZoneService> = merge(records)
+        .into_iter()
+        .map(|(key, import)| {
+            let service = ZoneService {
+                namespace: import.namespace,
+                name: import.name,
+                clusterset_ips: clusterset_ips.get(&key).cloned().unwrap_or_default(),
+                ports: import.ports,
+                endpoints: Vec::new(),
+            };
+            (key, service)
+        })
+        .collect();
     for record in records {
         let slice = reach.mark(&record.slice);
-        let key = (slice.namespace.clone(), slice.service_name.clone());
-        let cluster = origin_of(record);
-        ports
-            .entry(key.clone())
-            .or_default()
-            .entry(cluster.clone())
-            .or_insert_with(|| slice.ports.clone());
-        let service = by_key.entry(key.clone()).or_insert_with(|| ZoneService {
-            namespace: key.0.clone(),
-            name: key.1.clone(),
-            clusterset_ips: clusterset_ips.get(&key).cloned().unwrap_or_default(),
-            ports: Vec::new(),
-            endpoints: Vec::new(),
-        });
         if slice.address_type == AddressType::Fqdn {
             continue;
         }
+        let key = (slice.namespace.clone(), slice.service_name.clone());
+        let Some(service) = by_key.get_mut(&key) else {
+            continue;
+        };
+        let cluster = origin_of(record);
         for endpoint in &slice.endpoints {
             if endpoint.conditions.ready == Some(false) {
                 continue;
@@ -95,12 +96,8 @@ pub fn services(
         }
     }
     by_key
-        .into_iter()
-        .map(|(key, mut service)| {
-            service.ports = ports
-                .get(&key)
-                .and_then(|p| p.values().next().cloned())
-                .unwrap_or_default();
+        .into_values()
+        .map(|mut service| {
             service.endpoints.sort();
             service.endpoints.dedup();
             service
