@@ -125,6 +125,7 @@ fn slice(worker: usize, addresses: Vec<String>) -> EndpointSlice {
             .collect(),
         ports: vec![],
         labels: Default::default(),
+        service: None,
     }
 }
 

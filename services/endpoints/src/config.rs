@@ -66,7 +66,7 @@ pub struct Config {
 
     /// Connect this service to Kubernetes (the in-cluster service account, `KUBECONFIG`, or
     /// --kubeconfig): export every Service named by a `ServiceExport`
-    /// (multicluster.x-k8s.io/v1alpha1) with its EndpointSlices, and write what peers export
+    /// (multicluster.x-k8s.io/v1beta1) with its EndpointSlices, and write what peers export
     /// to us as a `ServiceImport`, a derived Service and EndpointSlices. Without it exports come
     /// only from `ExportService` and imports are only stored.
     #[arg(long, env = "TRELLIS_KUBERNETES")]

@@ -8,9 +8,15 @@ use trellis_error::{Error, Result};
 
 use crate::core::translation::Path;
 use crate::model::{
-    AddressType, Conditions, Endpoint, MAX_ENDPOINTS, MAX_PORTS, Port, Protocol, Slice, address,
-    dns_label, dns_subdomain, labels, optional_text,
+    AddressType, Conditions, Endpoint, ExportedService, MAX_ENDPOINTS, MAX_LABELS, MAX_PORTS, Port,
+    Protocol, ServiceType, Slice, address, dns_label, dns_subdomain, is_label_key, is_label_value,
+    labels, optional_text,
 };
+
+/// Longest annotation value carried onto a ServiceImport, and the longest all of them together
+/// (Kubernetes refuses an object whose annotations exceed 256 KiB).
+const MAX_ANNOTATION_VALUE: usize = 64 * 1024;
+const MAX_ANNOTATIONS_TOTAL: usize = 128 * 1024;
 
 impl Path {
     /// The API's TranslationPath.
@@ -105,6 +111,242 @@ pub(crate) fn port(field: &str, value: &pb::EndpointPort) -> Result<Port> {
     })
 }
 
+/// One of `allowed` (empty is unset).
+fn one_of(field: &str, value: &str, allowed: &[&str]) -> Result<Option<String>> {
+    if value.is_empty() {
+        return Ok(None);
+    }
+    if allowed.contains(&value) {
+        return Ok(Some(value.to_owned()));
+    }
+    Err(Error::invalid(
+        field,
+        format!(
+            "{:?} is not one of {}",
+            trellis_api::ident::clip(value),
+            allowed.join(", ")
+        ),
+    ))
+}
+
+/// Keys Trellis sets on a ServiceImport itself, which an exporter may not ask for.
+fn reserved_import_key(key: &str) -> bool {
+    key == crate::mcs::MANAGED_BY_LABEL
+        || key == crate::mcs::DERIVED_SERVICE_ANNOTATION
+        || key.starts_with(crate::model::TRELLIS_LABEL_PREFIX)
+}
+
+fn exported_labels(
+    field: &str,
+    value: &std::collections::HashMap<String, String>,
+) -> Result<std::collections::BTreeMap<String, String>> {
+    if let Some(key) = value.keys().find(|k| reserved_import_key(k)) {
+        return Err(Error::invalid(
+            field,
+            format!("{key:?} is set by Trellis itself and may not be exported"),
+        ));
+    }
+    let mut out = std::collections::BTreeMap::new();
+    if value.len() > MAX_LABELS {
+        return Err(Error::invalid(
+            field,
+            format!("has {} labels; at most {MAX_LABELS}", value.len()),
+        ));
+    }
+    for (key, val) in value {
+        if !is_label_key(key) {
+            return Err(Error::invalid(
+                field,
+                format!(
+                    "{:?} is not a valid label key",
+                    trellis_api::ident::clip(key)
+                ),
+            ));
+        }
+        if !is_label_value(val) {
+            return Err(Error::invalid(
+                format!("{field}[{key}]"),
+                format!(
+                    "{:?} is not a valid label value",
+                    trellis_api::ident::clip(val)
+                ),
+            ));
+        }
+        out.insert(key.clone(), val.clone());
+    }
+    Ok(out)
+}
+
+fn exported_annotations(
+    field: &str,
+    value: &std::collections::HashMap<String, String>,
+) -> Result<std::collections::BTreeMap<String, String>> {
+    if let Some(key) = value.keys().find(|k| reserved_import_key(k)) {
+        return Err(Error::invalid(
+            field,
+            format!("{key:?} is set by Trellis itself and may not be exported"),
+        ));
+    }
+    let mut total = 0;
+    let mut out = std::collections::BTreeMap::new();
+    for (key, val) in value {
+        if !is_label_key(key) {
+            return Err(Error::invalid(
+                field,
+                format!(
+                    "{:?} is not a valid annotation key",
+                    trellis_api::ident::clip(key)
+                ),
+            ));
+        }
+        if val.len() > MAX_ANNOTATION_VALUE {
+            return Err(Error::invalid(
+                format!("{field}[{key}]"),
+                format!("is {} bytes; at most {MAX_ANNOTATION_VALUE}", val.len()),
+            ));
+        }
+        total += key.len() + val.len();
+        out.insert(key.clone(), val.clone());
+    }
+    if total > MAX_ANNOTATIONS_TOTAL {
+        return Err(Error::invalid(
+            field,
+            format!("holds {total} bytes; at most {MAX_ANNOTATIONS_TOTAL} together"),
+        ));
+    }
+    Ok(out)
+}
+
+impl ExportedService {
+    /// Validates what an exporter says of its Service at `field` (e.g. `slice.service`).
+    pub fn from_pb(field: &str, value: &pb::ExportedService) -> Result<Self> {
+        let service_type = match pb::ServiceType::try_from(value.r#type) {
+            Ok(pb::ServiceType::Unspecified | pb::ServiceType::ClusterSetIp) => {
+                ServiceType::ClusterSetIp
+            }
+            Ok(pb::ServiceType::Headless) => ServiceType::Headless,
+            Err(_) => {
+                return Err(Error::invalid(
+                    format!("{field}.type"),
+                    format!("{} is not a known service type", value.r#type),
+                ));
+            }
+        };
+        if value.ports.len() > MAX_PORTS {
+            return Err(Error::invalid(
+                format!("{field}.ports"),
+                format!("has {} ports; at most {MAX_PORTS}", value.ports.len()),
+            ));
+        }
+        let ports = value
+            .ports
+            .iter()
+            .enumerate()
+            .map(|(i, p)| port(&format!("{field}.ports[{i}]"), p))
+            .collect::<Result<Vec<_>>>()?;
+        if let Some(t) = value.session_affinity_timeout_seconds
+            && !(1..=86_400).contains(&t)
+        {
+            return Err(Error::invalid(
+                format!("{field}.session_affinity_timeout_seconds"),
+                format!("{t} is not in 1-86400"),
+            ));
+        }
+        if value.ip_families.len() > 2 {
+            return Err(Error::invalid(
+                format!("{field}.ip_families"),
+                "has more than two families",
+            ));
+        }
+        let ip_families = value
+            .ip_families
+            .iter()
+            .enumerate()
+            .map(|(i, f)| {
+                one_of(&format!("{field}.ip_families[{i}]"), f, &["IPv4", "IPv6"])?
+                    .ok_or_else(|| Error::invalid(format!("{field}.ip_families[{i}]"), "is empty"))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let traffic_distribution = optional_text(
+            &format!("{field}.traffic_distribution"),
+            &value.traffic_distribution,
+            63,
+        )?;
+        if let Some(td) = &traffic_distribution
+            && !is_label_key(td)
+        {
+            return Err(Error::invalid(
+                format!("{field}.traffic_distribution"),
+                format!("{:?} is not a valid value", trellis_api::ident::clip(td)),
+            ));
+        }
+        Ok(Self {
+            service_type,
+            ports,
+            session_affinity: one_of(
+                &format!("{field}.session_affinity"),
+                &value.session_affinity,
+                &["None", "ClientIP"],
+            )?,
+            session_affinity_timeout_seconds: value.session_affinity_timeout_seconds,
+            internal_traffic_policy: one_of(
+                &format!("{field}.internal_traffic_policy"),
+                &value.internal_traffic_policy,
+                &["Cluster", "Local"],
+            )?,
+            traffic_distribution,
+            ip_families,
+            exported_labels: exported_labels(
+                &format!("{field}.exported_labels"),
+                &value.exported_labels,
+            )?,
+            exported_annotations: exported_annotations(
+                &format!("{field}.exported_annotations"),
+                &value.exported_annotations,
+            )?,
+            exported_at_nanos: value.exported_at.as_ref().map_or(0, |t| {
+                t.seconds
+                    .saturating_mul(1_000_000_000)
+                    .saturating_add(i64::from(t.nanos))
+            }),
+        })
+    }
+
+    /// The proto form.
+    pub fn to_pb(&self) -> pb::ExportedService {
+        pb::ExportedService {
+            r#type: match self.service_type {
+                ServiceType::ClusterSetIp => pb::ServiceType::ClusterSetIp,
+                ServiceType::Headless => pb::ServiceType::Headless,
+            }
+            .into(),
+            ports: self.ports.iter().map(port_to_pb).collect(),
+            session_affinity: self.session_affinity.clone().unwrap_or_default(),
+            session_affinity_timeout_seconds: self.session_affinity_timeout_seconds,
+            internal_traffic_policy: self.internal_traffic_policy.clone().unwrap_or_default(),
+            traffic_distribution: self.traffic_distribution.clone().unwrap_or_default(),
+            ip_families: self.ip_families.clone(),
+            exported_labels: self.exported_labels.clone().into_iter().collect(),
+            exported_annotations: self.exported_annotations.clone().into_iter().collect(),
+            exported_at: Some(trellis_api::convert::timestamp(self.exported_at_nanos)),
+        }
+    }
+}
+
+fn port_to_pb(p: &Port) -> pb::EndpointPort {
+    pb::EndpointPort {
+        name: p.name.clone().unwrap_or_default(),
+        port: p.port,
+        protocol: match p.protocol {
+            Protocol::Tcp => pb::Protocol::Tcp,
+            Protocol::Udp => pb::Protocol::Udp,
+            Protocol::Sctp => pb::Protocol::Sctp,
+        }
+        .into(),
+        app_protocol: p.app_protocol.clone().unwrap_or_default(),
+    }
+}
+
 impl Slice {
     /// Validates a slice at `field` (e.g. `slice`); absent counts as empty.
     pub fn from_pb(field: &str, value: Option<&pb::EndpointSlice>) -> Result<Self> {
@@ -165,6 +407,11 @@ impl Slice {
             endpoints,
             ports,
             labels: labels(&format!("{field}.labels"), &value.labels)?,
+            service: value
+                .service
+                .as_ref()
+                .map(|s| ExportedService::from_pb(&format!("{field}.service"), s))
+                .transpose()?,
         })
     }
 
@@ -195,22 +442,9 @@ impl Slice {
                     zone: e.zone.clone().unwrap_or_default(),
                 })
                 .collect(),
-            ports: self
-                .ports
-                .iter()
-                .map(|p| pb::EndpointPort {
-                    name: p.name.clone().unwrap_or_default(),
-                    port: p.port,
-                    protocol: match p.protocol {
-                        Protocol::Tcp => pb::Protocol::Tcp,
-                        Protocol::Udp => pb::Protocol::Udp,
-                        Protocol::Sctp => pb::Protocol::Sctp,
-                    }
-                    .into(),
-                    app_protocol: p.app_protocol.clone().unwrap_or_default(),
-                })
-                .collect(),
+            ports: self.ports.iter().map(port_to_pb).collect(),
             labels: self.labels.clone().into_iter().collect(),
+            service: self.service.as_ref().map(ExportedService::to_pb),
         }
     }
 }
@@ -236,6 +470,7 @@ mod tests {
                 ..Default::default()
             }],
             labels: Default::default(),
+            service: None,
         }
     }
 

@@ -111,13 +111,14 @@ pub fn slice_of(export: &ExportRecord) -> Slice {
                     serving: Some(e.ready),
                     terminating: None,
                 },
-                hostname: None,
+                hostname: e.hostname.clone(),
                 node_name: None,
                 zone: None,
             })
             .collect(),
         ports: export.ports.clone(),
         labels: BTreeMap::new(),
+        service: export.service.clone(),
     }
 }
 
@@ -135,7 +136,10 @@ fn refuse_takeover(held: &ExportRecord, by: ExportSource) -> Result<()> {
 
 /// Same content (everything but the update time).
 fn same_export(a: &ExportRecord, b: &ExportRecord) -> bool {
-    a.ports == b.ports && a.endpoints == b.endpoints && a.source == b.source
+    a.ports == b.ports
+        && a.endpoints == b.endpoints
+        && a.source == b.source
+        && a.service == b.service
 }
 
 /// `outgoing/<target>/<namespace>/<name>` → (namespace, name).
@@ -203,6 +207,8 @@ impl Endpoints {
             "exported service"
         );
         self.exports_changed.notify_one();
+        // An exporting cluster imports its own export too.
+        self.imports_changed();
         Ok(export)
     }
 
@@ -246,6 +252,9 @@ impl Endpoints {
         };
         tracing::info!(removed, "unexported service");
         self.exports_changed.notify_one();
+        if removed {
+            self.imports_changed();
+        }
         Ok(removed)
     }
 

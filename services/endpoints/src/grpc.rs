@@ -130,6 +130,7 @@ fn export_from_pb(req: &pb::ExportServiceRequest) -> Result<ExportRecord> {
         endpoints.push(ExportedEndpoint {
             address: ip.to_string(),
             ready: e.ready.unwrap_or(true),
+            hostname: None,
         });
     }
     Ok(ExportRecord {
@@ -139,6 +140,7 @@ fn export_from_pb(req: &pb::ExportServiceRequest) -> Result<ExportRecord> {
         endpoints,
         update_time_nanos: 0,
         source: ExportSource::Grpc,
+        service: None,
     })
 }
 

@@ -38,7 +38,7 @@ use crate::kube::{SOURCE_CLUSTER_ANNOTATION, SOURCE_SLICE_ANNOTATION, derived_se
 use crate::mcs::{
     DERIVED_SERVICE_ANNOTATION, IMPORT_ANNOTATION, IMPORTED_SERVICE_LABEL, ServiceImport,
 };
-use crate::model::{MANAGED_BY, Port, Slice};
+use crate::model::{ExportedService, MANAGED_BY, Port, ServiceType, Slice};
 use crate::records::ReflectedRecord;
 
 /// Type of the ServiceImport condition reporting exporters that disagree on the ports.
@@ -99,17 +99,122 @@ pub(crate) fn origin_of(record: &ReflectedRecord) -> String {
         .unwrap_or_else(|| record.source.id.to_string())
 }
 
-/// One imported Service, merged over every slice reflected for it.
+/// What one exporting cluster says of the Service: its slices' [`ExportedService`], or for
+/// slices without one (gRPC exports, slices reflected by hand) a ClusterSetIP Service of the
+/// slice's ports, ordered after every exporter that says when it began.
+fn exported_service(record: &ReflectedRecord) -> ExportedService {
+    let mut service = record
+        .slice
+        .service
+        .clone()
+        .unwrap_or_else(|| ExportedService {
+            ports: record.slice.ports.clone(),
+            exported_at_nanos: i64::MAX,
+            ..ExportedService::default()
+        });
+    service.ports = normalized(&service.ports);
+    service
+}
+
+/// Why exporters of one Service disagree (the MCS `Conflict` condition's reasons), in the
+/// order the condition names the first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum ConflictKind {
+    Port,
+    Type,
+    SessionAffinity,
+    SessionAffinityConfig,
+    InternalTrafficPolicy,
+    TrafficDistribution,
+    Labels,
+    Annotations,
+}
+
+impl ConflictKind {
+    /// The condition's reason.
+    pub fn reason(self) -> &'static str {
+        match self {
+            Self::Port => "PortConflict",
+            Self::Type => "TypeConflict",
+            Self::SessionAffinity => "SessionAffinityConflict",
+            Self::SessionAffinityConfig => "SessionAffinityConfigConflict",
+            Self::InternalTrafficPolicy => "InternalTrafficPolicyConflict",
+            Self::TrafficDistribution => "TrafficDistributionConflict",
+            Self::Labels => "LabelsConflict",
+            Self::Annotations => "AnnotationsConflict",
+        }
+    }
+
+    fn what(self) -> &'static str {
+        match self {
+            Self::Port => "ports",
+            Self::Type => "type",
+            Self::SessionAffinity => "session affinity",
+            Self::SessionAffinityConfig => "session affinity timeout",
+            Self::InternalTrafficPolicy => "internal traffic policy",
+            Self::TrafficDistribution => "traffic distribution",
+            Self::Labels => "exported labels",
+            Self::Annotations => "exported annotations",
+        }
+    }
+}
+
+/// Where `other` disagrees with `first` (unset and the Kubernetes default are the same).
+fn disagreements(first: &ExportedService, other: &ExportedService) -> BTreeSet<ConflictKind> {
+    let affinity =
+        |s: &ExportedService| s.session_affinity.clone().unwrap_or_else(|| "None".into());
+    let policy = |s: &ExportedService| {
+        s.internal_traffic_policy
+            .clone()
+            .unwrap_or_else(|| "Cluster".into())
+    };
+    let mut out = BTreeSet::new();
+    if first.ports != other.ports {
+        out.insert(ConflictKind::Port);
+    }
+    if first.service_type != other.service_type {
+        out.insert(ConflictKind::Type);
+    }
+    if affinity(first) != affinity(other) {
+        out.insert(ConflictKind::SessionAffinity);
+    } else if first.session_affinity_timeout_seconds != other.session_affinity_timeout_seconds {
+        out.insert(ConflictKind::SessionAffinityConfig);
+    }
+    if policy(first) != policy(other) {
+        out.insert(ConflictKind::InternalTrafficPolicy);
+    }
+    if first.traffic_distribution != other.traffic_distribution {
+        out.insert(ConflictKind::TrafficDistribution);
+    }
+    if first.exported_labels != other.exported_labels {
+        out.insert(ConflictKind::Labels);
+    }
+    if first.exported_annotations != other.exported_annotations {
+        out.insert(ConflictKind::Annotations);
+    }
+    out
+}
+
+/// One imported Service, merged over every exporting cluster (the MCS rules): the first
+/// exporter (earliest export, then cluster ID) gives the type, affinity, policies, labels and
+/// annotations; the ports are the union by name, the first exporter's where a name is exported
+/// at different numbers; any disagreement is a conflict every exporter's ServiceExport reports.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Import {
     pub namespace: String,
     pub name: String,
-    /// The ports of the import (the first exporter's, by cluster ID, when they disagree).
-    pub ports: Vec<Port>,
+    /// The first exporter's view of the Service, with [`ExportedService::ports`] the union.
+    pub service: ExportedService,
     /// The exporting clusters, sorted.
     pub clusters: Vec<String>,
-    /// Exporters whose ports differ from [`Self::ports`]; empty without conflict.
-    pub conflicting: Vec<String>,
+    /// The first exporter.
+    pub first: String,
+    /// Exporters that disagree with the first, and on what; empty without conflict.
+    pub conflicts: BTreeMap<String, BTreeSet<ConflictKind>>,
+    /// Per exporter, the names of the ports it exports at another number or protocol than the
+    /// import: its endpoints are left out of those ports, so a port reaches only the clusters
+    /// that serve it as the import says.
+    excluded_ports: BTreeMap<String, BTreeSet<Option<String>>>,
 }
 
 /// Ports compared as a set: order does not make two exports differ.
@@ -121,7 +226,8 @@ fn normalized(ports: &[Port]) -> Vec<Port> {
 
 /// Groups reflected slices into imports by (namespace, Service name).
 pub fn merge(records: &[ReflectedRecord]) -> BTreeMap<(String, String), Import> {
-    let mut by_service: BTreeMap<(String, String), BTreeMap<String, Vec<Port>>> = BTreeMap::new();
+    let mut by_service: BTreeMap<(String, String), BTreeMap<String, ExportedService>> =
+        BTreeMap::new();
     for record in records {
         by_service
             .entry((
@@ -130,25 +236,49 @@ pub fn merge(records: &[ReflectedRecord]) -> BTreeMap<(String, String), Import> 
             ))
             .or_default()
             .entry(origin_of(record))
-            .or_insert_with(|| normalized(&record.slice.ports));
+            .or_insert_with(|| exported_service(record));
     }
     by_service
         .into_iter()
-        .map(|((namespace, name), exporters)| {
-            let ports = exporters.values().next().cloned().unwrap_or_default();
-            let conflicting = exporters
-                .iter()
-                .filter(|(_, p)| **p != ports)
-                .map(|(c, _)| c.clone())
-                .collect();
+        .filter_map(|((namespace, name), exporters)| {
+            let mut order: Vec<(&String, &ExportedService)> = exporters.iter().collect();
+            order.sort_by_key(|(cluster, s)| (s.exported_at_nanos, (*cluster).clone()));
+            let (first, winner) = *order.first()?;
+            let mut union: BTreeMap<Option<String>, Port> = BTreeMap::new();
+            let mut excluded_ports: BTreeMap<String, BTreeSet<Option<String>>> = BTreeMap::new();
+            let mut conflicts = BTreeMap::new();
+            for (cluster, service) in &order {
+                for port in &service.ports {
+                    match union.get(&port.name) {
+                        None => {
+                            union.insert(port.name.clone(), port.clone());
+                        }
+                        Some(held) if held.port != port.port || held.protocol != port.protocol => {
+                            excluded_ports
+                                .entry((*cluster).clone())
+                                .or_default()
+                                .insert(port.name.clone());
+                        }
+                        Some(_) => {}
+                    }
+                }
+                let disagree = disagreements(winner, service);
+                if !disagree.is_empty() {
+                    conflicts.insert((*cluster).clone(), disagree);
+                }
+            }
+            let mut service = winner.clone();
+            service.ports = union.into_values().collect();
             let import = Import {
                 namespace: namespace.clone(),
                 name: name.clone(),
-                ports,
+                service,
                 clusters: exporters.keys().cloned().collect(),
-                conflicting,
+                first: first.clone(),
+                conflicts,
+                excluded_ports,
             };
-            ((namespace, name), import)
+            Some(((namespace, name), import))
         })
         .collect()
 }
@@ -199,61 +329,99 @@ fn now_rfc3339() -> String {
     k8s_openapi::jiff::Timestamp::now().to_string()
 }
 
+/// The address families of `ips`, in order (what a ServiceImport's `ipFamilies` says).
+fn families(ips: &[String]) -> Vec<&'static str> {
+    ips.iter()
+        .filter_map(|ip| ip.parse::<IpAddr>().ok())
+        .map(|ip| if ip.is_ipv4() { "IPv4" } else { "IPv6" })
+        .collect()
+}
+
 impl Import {
     fn derived(&self) -> String {
         derived_service_name(&self.namespace, &self.name)
     }
 
-    /// The ServiceImport's spec: `ips` is the derived Service's cluster IP, what
-    /// `clusterset.local` DNS answers for the import (left out while it is not known).
+    /// Whether the import has no clusterset IP.
+    pub fn is_headless(&self) -> bool {
+        self.service.service_type == ServiceType::Headless
+    }
+
+    /// `record`'s slice as the import serves it: without the ports its exporter exports at
+    /// another number than the import (a port reaches only the clusters serving it as named).
+    pub fn slice_for(&self, record: &ReflectedRecord) -> Slice {
+        let mut slice = record.slice.clone();
+        if let Some(excluded) = self.excluded_ports.get(&origin_of(record)) {
+            slice.ports.retain(|p| !excluded.contains(&p.name));
+        }
+        slice
+    }
+
+    /// The ServiceImport's spec: `ips` is the derived Service's cluster IPs, what
+    /// `clusterset.local` DNS answers for the import (none for a headless one, and left out
+    /// while not known).
     fn spec(&self, ips: &[String]) -> Value {
-        let mut spec = json!({"type": "ClusterSetIP", "ports": service_ports(&self.ports)});
-        if !ips.is_empty() {
+        let service = &self.service;
+        let mut spec = json!({
+            "type": service.service_type.as_mcs(),
+            "ports": service_ports(&service.ports),
+        });
+        if self.is_headless() {
+            if !service.ip_families.is_empty() {
+                spec["ipFamilies"] = json!(service.ip_families);
+            }
+        } else if !ips.is_empty() {
             spec["ips"] = json!(ips);
+            spec["ipFamilies"] = json!(families(ips));
+        }
+        if let Some(affinity) = &service.session_affinity {
+            spec["sessionAffinity"] = json!(affinity);
+        }
+        if let Some(timeout) = service.session_affinity_timeout_seconds {
+            spec["sessionAffinityConfig"] = json!({"clientIP": {"timeoutSeconds": timeout}});
+        }
+        if let Some(policy) = &service.internal_traffic_policy {
+            spec["internalTrafficPolicy"] = json!(policy);
+        }
+        if let Some(distribution) = &service.traffic_distribution {
+            spec["trafficDistribution"] = json!(distribution);
         }
         spec
     }
 
-    /// The Conflict condition (without its transition time).
-    fn condition(&self) -> Value {
-        if self.conflicting.is_empty() {
-            json!({"type": CONFLICT_CONDITION, "status": "False", "reason": "NoConflict",
-                   "message": "every exporting cluster exports the same ports"})
-        } else {
-            json!({"type": CONFLICT_CONDITION, "status": "True", "reason": "PortConflict",
-                   "message": format!(
-                       "clusters {} export {}/{} with other ports than cluster {}; the import uses cluster {}'s",
-                       self.conflicting.join(", "), self.namespace, self.name,
-                       self.clusters.first().map_or("", String::as_str),
-                       self.clusters.first().map_or("", String::as_str))})
-        }
+    /// The Conflict condition (without its transition time), on the ServiceImport and on the
+    /// ServiceExport of every exporting cluster.
+    pub fn condition(&self) -> Value {
+        let kinds: BTreeSet<ConflictKind> = self.conflicts.values().flatten().copied().collect();
+        let Some(first_kind) = kinds.first() else {
+            return json!({"type": CONFLICT_CONDITION, "status": "False", "reason": "NoConflicts",
+                          "message": "every exporting cluster exports the Service alike"});
+        };
+        let detail: Vec<String> = self
+            .conflicts
+            .iter()
+            .map(|(cluster, kinds)| {
+                let what: Vec<&str> = kinds.iter().map(|k| k.what()).collect();
+                format!("{cluster} ({})", what.join(", "))
+            })
+            .collect();
+        json!({"type": CONFLICT_CONDITION, "status": "True", "reason": first_kind.reason(),
+               "message": format!(
+                   "{}/{}: clusters {} export it unlike cluster {}, the first exporter, whose export the import follows",
+                   self.namespace, self.name, detail.join("; "), self.first)})
     }
 
-    /// The status, keeping `held`'s transition time when the condition did not change.
+    /// The ServiceImport's status, keeping `held`'s transition time when the condition did
+    /// not change.
     fn status(&self, held: &Value) -> Value {
-        let mut condition = self.condition();
-        let previous = held
-            .get("conditions")
-            .and_then(Value::as_array)
-            .and_then(|c| c.iter().find(|c| c["type"] == CONFLICT_CONDITION));
-        let time = match previous {
-            Some(p)
-                if p["status"] == condition["status"]
-                    && p["reason"] == condition["reason"]
-                    && p["message"] == condition["message"] =>
-            {
-                p["lastTransitionTime"].clone()
-            }
-            _ => json!(now_rfc3339()),
-        };
-        condition["lastTransitionTime"] = time;
         json!({
             "clusters": self.clusters.iter().map(|c| json!({"cluster": c})).collect::<Vec<_>>(),
-            "conditions": [condition],
+            "conditions": [with_transition_time(self.condition(), held)],
         })
     }
 
-    /// The derived Service: selector-less, ClusterIP, the import's ports.
+    /// The derived Service: selector-less, the import's ports, headless for a headless import,
+    /// with the import's affinity and policies (kube-proxy applies them to the clusterset IP).
     fn service(&self) -> core_v1::Service {
         let mut meta = managed_meta(&self.namespace, &self.derived());
         if let Some(labels) = meta.labels.as_mut() {
@@ -263,12 +431,15 @@ impl Import {
             IMPORT_ANNOTATION.to_owned(),
             format!("{}/{}", self.namespace, self.name),
         )]));
+        let service = &self.service;
         core_v1::Service {
             metadata: meta,
             spec: Some(core_v1::ServiceSpec {
                 type_: Some("ClusterIP".to_owned()),
+                cluster_ip: self.is_headless().then(|| "None".to_owned()),
                 ports: Some(
-                    self.ports
+                    service
+                        .ports
                         .iter()
                         .map(|p| core_v1::ServicePort {
                             name: p.name.clone(),
@@ -280,11 +451,42 @@ impl Import {
                         })
                         .collect(),
                 ),
+                session_affinity: service.session_affinity.clone(),
+                session_affinity_config: service.session_affinity_timeout_seconds.map(|t| {
+                    core_v1::SessionAffinityConfig {
+                        client_ip: Some(core_v1::ClientIPConfig {
+                            timeout_seconds: Some(t),
+                        }),
+                    }
+                }),
+                internal_traffic_policy: service.internal_traffic_policy.clone(),
+                traffic_distribution: service.traffic_distribution.clone(),
                 ..core_v1::ServiceSpec::default()
             }),
             status: None,
         }
     }
+}
+
+/// `condition` with `held`'s transition time for a condition of its type with the same status,
+/// reason and message, and now otherwise (`held` is a status with `conditions`).
+pub(crate) fn with_transition_time(mut condition: Value, held: &Value) -> Value {
+    let previous = held
+        .get("conditions")
+        .and_then(Value::as_array)
+        .and_then(|c| c.iter().find(|c| c["type"] == condition["type"]));
+    let time = match previous {
+        Some(p)
+            if p["status"] == condition["status"]
+                && p["reason"] == condition["reason"]
+                && p["message"] == condition["message"] =>
+        {
+            p["lastTransitionTime"].clone()
+        }
+        _ => json!(now_rfc3339()),
+    };
+    condition["lastTransitionTime"] = time;
+    condition
 }
 
 /// The cluster IPs of a Service (none for a headless one, or before the API server assigned
@@ -360,9 +562,30 @@ impl ImportWriter {
                 }
                 let held_spec = held.spec.clone().unwrap_or_default();
                 let want = desired.spec.clone().unwrap_or_default();
-                if held_spec.ports == want.ports && held.metadata.labels == desired.metadata.labels
+                let headless =
+                    |spec: &core_v1::ServiceSpec| spec.cluster_ip.as_deref() == Some("None");
+                if held.metadata.labels == desired.metadata.labels
+                    && held_spec.ports == want.ports
+                    && held_spec.session_affinity == want.session_affinity
+                    && held_spec.session_affinity_config == want.session_affinity_config
+                    && held_spec.internal_traffic_policy == want.internal_traffic_policy
+                    && held_spec.traffic_distribution == want.traffic_distribution
+                    && headless(&held_spec) == headless(&want)
                 {
                     return Ok(cluster_ips(&held));
+                }
+                if headless(&held_spec) != headless(&want) {
+                    // clusterIP is immutable: the Service is replaced (the first exporter
+                    // changed from or to a headless one).
+                    api.delete(&name, &exact(&held.metadata))
+                        .await
+                        .map_err(|e| kube_error(&what, e))?;
+                    let created = api
+                        .create(&PostParams::default(), &desired)
+                        .await
+                        .map_err(|e| kube_error(&what, e))?;
+                    tracing::info!(namespace = %import.namespace, service = %name, headless = import.is_headless(), "replaced derived service");
+                    return Ok(cluster_ips(&created));
                 }
                 let mut update = desired;
                 update.metadata.resource_version = held.metadata.resource_version.clone();
@@ -388,10 +611,16 @@ impl ImportWriter {
         let api: Api<ServiceImport> = Api::namespaced(self.client.clone(), &import.namespace);
         let what = format!("serviceimport {}/{}", import.namespace, import.name);
         let mut meta = managed_meta(&import.namespace, &import.name);
-        meta.annotations = Some(BTreeMap::from([(
-            DERIVED_SERVICE_ANNOTATION.to_owned(),
-            import.derived(),
-        )]));
+        // The labels and annotations the first exporter's ServiceExport asks for, and only
+        // those (never the Service's own).
+        if let Some(labels) = meta.labels.as_mut() {
+            for (key, value) in &import.service.exported_labels {
+                labels.entry(key.clone()).or_insert_with(|| value.clone());
+            }
+        }
+        let mut annotations = import.service.exported_annotations.clone();
+        annotations.insert(DERIVED_SERVICE_ANNOTATION.to_owned(), import.derived());
+        meta.annotations = Some(annotations);
         let desired = ServiceImport::new(meta, import.spec(ips));
         let held = match api
             .get_opt(&import.name)
@@ -409,7 +638,8 @@ impl ImportWriter {
             }
             Some(held)
                 if held.spec != desired.spec
-                    || held.metadata.annotations != desired.metadata.annotations =>
+                    || held.metadata.annotations != desired.metadata.annotations
+                    || held.metadata.labels != desired.metadata.labels =>
             {
                 let mut update = desired.clone();
                 update.metadata.resource_version = held.metadata.resource_version.clone();
@@ -427,7 +657,7 @@ impl ImportWriter {
             api.replace_status(&import.name, &PostParams::default(), &update)
                 .await
                 .map_err(|e| kube_error(&what, e))?;
-            tracing::info!(namespace = %import.namespace, name = %import.name, clusters = ?import.clusters, conflicting = ?import.conflicting, "wrote serviceimport");
+            tracing::info!(namespace = %import.namespace, name = %import.name, clusters = ?import.clusters, conflicting = ?import.conflicts.keys().collect::<Vec<_>>(), "wrote serviceimport");
         }
         Ok(())
     }
@@ -517,17 +747,40 @@ impl ImportWriter {
 }
 
 impl Endpoints {
+    /// What this cluster imports: every slice peers reflected to us and, as the MCS API has
+    /// it (an exporting cluster imports its own export too), the slice of each of our own
+    /// exports, from us.
+    pub async fn import_records(&self) -> Result<Vec<ReflectedRecord>> {
+        let mut records = self.list(None, None).await?;
+        for export in self.stored_exports().await? {
+            let mut slice = crate::exports::slice_of(&export);
+            slice
+                .labels
+                .insert(ORIGIN_LABEL.to_owned(), self.local().id.to_string());
+            records.push(ReflectedRecord {
+                source: self.local().clone(),
+                slice,
+                generation: 0,
+                object_name: None,
+                update_time_nanos: export.update_time_nanos,
+            });
+        }
+        Ok(records)
+    }
+
     /// What this cluster can reach now (see [`Reachability`]).
     pub async fn reachability(&self) -> Result<Reachability> {
         let clusters = self.clients.cluster_subnets().await?;
         let peers = self.clients.foreign_clusters().await?;
-        let reachable = peers
+        let mut reachable: BTreeSet<ClusterId> = peers
             .iter()
             .filter(|fc| is_networked(fc))
             .filter_map(|fc| fc.identity.as_ref())
             .filter_map(|i| ClusterId::parse("cluster_id", &i.cluster_id).ok())
             .collect();
-        let mut ranges = Vec::new();
+        // Our own exports' endpoints are our pods.
+        reachable.insert(self.local().id.clone());
+        let mut ranges = vec![(self.pod_cidr().await?, self.local().id.clone())];
         for c in clusters {
             let Ok(id) = ClusterId::parse("cluster_id", &c.cluster_id) else {
                 continue;
@@ -549,7 +802,7 @@ impl Endpoints {
         let Some(slices) = self.writer() else {
             return Ok(0);
         };
-        let records = self.list(None, None).await?;
+        let records = self.import_records().await?;
         let reach = self.reachability().await?;
         let imports = merge(&records);
         let mut failed = 0;
@@ -566,8 +819,15 @@ impl Endpoints {
             }
         }
         for record in &records {
+            let key = (
+                record.slice.namespace.clone(),
+                record.slice.service_name.clone(),
+            );
+            let Some(import) = imports.get(&key) else {
+                continue;
+            };
             if let Err(err) = slices
-                .apply(&record.source, &reach.mark(&record.slice))
+                .apply(&record.source, &reach.mark(&import.slice_for(record)))
                 .await
             {
                 failed += 1;
@@ -674,6 +934,7 @@ mod tests {
                     app_protocol: None,
                 }],
                 labels: BTreeMap::from([(ORIGIN_LABEL.to_owned(), origin.to_owned())]),
+                service: None,
             },
             generation: 1,
             object_name: None,
@@ -681,18 +942,106 @@ mod tests {
         }
     }
 
+    fn port(name: &str, number: i32) -> Port {
+        Port {
+            name: Some(name.into()),
+            port: Some(number),
+            protocol: Protocol::Tcp,
+            app_protocol: None,
+        }
+    }
+
+    /// `origin`'s export of shop/web, begun at `at`, with Service ports `ports`.
+    fn exported(origin: &str, at: i64, ports: Vec<Port>) -> ReflectedRecord {
+        let mut r = record("b", origin, 80);
+        r.slice.ports = ports.clone();
+        r.slice.service = Some(ExportedService {
+            ports,
+            exported_at_nanos: at,
+            ..ExportedService::default()
+        });
+        r
+    }
+
+    fn web(imports: &BTreeMap<(String, String), Import>) -> &Import {
+        &imports[&("shop".to_owned(), "web".to_owned())]
+    }
+
     #[test]
     fn exports_of_one_service_merge_and_port_conflicts_are_named() {
         let agree = merge(&[record("b", "a", 80), record("b", "c", 80)]);
-        let web = &agree[&("shop".to_owned(), "web".to_owned())];
-        assert_eq!(web.clusters, vec!["a", "c"]);
-        assert!(web.conflicting.is_empty());
-        assert_eq!(web.condition()["status"], "False");
+        let import = web(&agree);
+        assert_eq!(import.clusters, vec!["a", "c"]);
+        assert!(import.conflicts.is_empty());
+        assert_eq!(import.condition()["status"], "False");
         let disagree = merge(&[record("b", "a", 80), record("b", "c", 8080)]);
-        let web = &disagree[&("shop".to_owned(), "web".to_owned())];
-        assert_eq!(web.ports[0].port, Some(80), "the first cluster's ports");
-        assert_eq!(web.conflicting, vec!["c"]);
-        assert_eq!(web.condition()["reason"], "PortConflict");
+        let import = web(&disagree);
+        assert_eq!(
+            import.service.ports,
+            vec![port("http", 80)],
+            "without export times, the first cluster by ID wins"
+        );
+        assert_eq!(import.conflicts.keys().collect::<Vec<_>>(), vec!["c"]);
+        assert_eq!(import.condition()["status"], "True");
+        assert_eq!(import.condition()["reason"], "PortConflict");
+    }
+
+    #[test]
+    fn ports_are_the_union_and_the_first_exporter_wins_a_name() {
+        // z exported first although its ID sorts last.
+        let imports = merge(&[
+            exported("a", 20, vec![port("tcp", 43), port("stcp", 142)]),
+            exported("z", 10, vec![port("tcp", 42), port("udp", 42)]),
+        ]);
+        let import = web(&imports);
+        assert_eq!(import.first, "z");
+        assert_eq!(
+            import.service.ports,
+            vec![port("stcp", 142), port("tcp", 42), port("udp", 42)]
+        );
+        assert_eq!(import.condition()["reason"], "PortConflict");
+        // a's endpoints leave the port it serves at another number, keep the others.
+        let a = exported("a", 20, vec![port("tcp", 43), port("stcp", 142)]);
+        let served: Vec<_> = import
+            .slice_for(&a)
+            .ports
+            .into_iter()
+            .map(|p| p.name)
+            .collect();
+        assert_eq!(served, vec![Some("stcp".to_owned())]);
+        let z = exported("z", 10, vec![port("tcp", 42), port("udp", 42)]);
+        assert_eq!(import.slice_for(&z).ports.len(), 2);
+    }
+
+    #[test]
+    fn type_affinity_and_labels_follow_the_first_exporter() {
+        let mut first = exported("c", 10, vec![port("tcp", 42)]);
+        let mut second = exported("a", 20, vec![port("tcp", 42)]);
+        if let (Some(f), Some(s)) = (first.slice.service.as_mut(), second.slice.service.as_mut()) {
+            f.session_affinity = Some("ClientIP".into());
+            f.exported_labels.insert("tier".into(), "web".into());
+            s.service_type = ServiceType::Headless;
+            s.exported_labels.insert("tier".into(), "db".into());
+        }
+        let imports = merge(&[second, first]);
+        let import = web(&imports);
+        assert!(!import.is_headless());
+        assert_eq!(import.service.session_affinity.as_deref(), Some("ClientIP"));
+        assert_eq!(import.service.exported_labels["tier"], "web");
+        let kinds: Vec<_> = import.conflicts["a"].iter().copied().collect();
+        assert_eq!(
+            kinds,
+            vec![
+                ConflictKind::Type,
+                ConflictKind::SessionAffinity,
+                ConflictKind::Labels
+            ]
+        );
+        assert_eq!(import.condition()["reason"], "TypeConflict");
+        let spec = import.spec(&["10.96.0.9".to_owned()]);
+        assert_eq!(spec["type"], "ClusterSetIP");
+        assert_eq!(spec["ipFamilies"], json!(["IPv4"]));
+        assert_eq!(spec["sessionAffinity"], "ClientIP");
     }
 
     #[test]

@@ -11,9 +11,19 @@
 //!   `kubernetes.io/service-name`, not the ones Trellis writes for imports) that is in our pod
 //!   CIDR, ready unless the slice says `ready: false`.
 //!
-//! Deleting the `ServiceExport` or the Service withdraws the export. Each watcher event
-//! triggers a pass over the watchers' caches; an export whose content did not change is not
-//! written again ([`Endpoints::export`]).
+//! The export also carries what the Service says beyond its endpoints ([`ExportedService`]:
+//! ClusterSetIP or Headless, the Service's own port numbers, session affinity, traffic
+//! policies, IP families, the labels and annotations the ServiceExport's `exportedLabels` and
+//! `exportedAnnotations` ask for, and the ServiceExport's creation time, by which the first
+//! exporter wins). An ExternalName Service, or a missing one, is not exported.
+//!
+//! Every ServiceExport gets a status: `Valid` (False with `NoService`, `InvalidServiceType` or
+//! `InvalidServiceExport` when nothing is exported) and `Conflict` (whether the exporters of the
+//! Service, as this cluster sees them, disagree; [`crate::imports::merge`]).
+//!
+//! Deleting the `ServiceExport` or the Service withdraws the export. Each watcher event, and
+//! each change of what this cluster imports, triggers a pass over the watchers' caches; an
+//! export whose content did not change is not written again ([`Endpoints::export`]).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
@@ -25,15 +35,21 @@ use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use kube::api::Api;
+use kube::api::PostParams;
 use kube::runtime::reflector::reflector as reflect;
 use kube::runtime::reflector::{self, Store};
 use kube::runtime::{WatchStreamExt as _, watcher};
+use serde_json::{Value, json};
+use trellis_error::Error;
 use trellis_error::Result;
 use trellis_runtime::Shutdown;
 
 use crate::core::Endpoints;
-use crate::mcs::ServiceExport;
-use crate::model::{MANAGED_BY, MANAGED_BY_LABEL, Port, Protocol, SERVICE_NAME_LABEL};
+use crate::imports::{merge, with_transition_time};
+use crate::mcs::{ServiceExport, VALID_CONDITION};
+use crate::model::{
+    ExportedService, MANAGED_BY, MANAGED_BY_LABEL, Port, Protocol, SERVICE_NAME_LABEL, ServiceType,
+};
 use crate::records::{ExportRecord, ExportSource, ExportedEndpoint};
 
 /// Pause after an event before a pass, so a burst (a Deployment scaling) costs one pass.
@@ -64,23 +80,113 @@ fn label<'a>(slice: &'a EndpointSlice, key: &str) -> Option<&'a str> {
         .map(String::as_str)
 }
 
-/// The export of Service `service` with `slices` (those of the Service), keeping addresses in
-/// `pod_cidr`. `None` when the Service has no port.
+/// Why a ServiceExport exports nothing (its `Valid` condition is False with this reason).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Invalid {
+    pub reason: &'static str,
+    pub message: String,
+}
+
+fn invalid(reason: &'static str, message: String) -> Invalid {
+    Invalid { reason, message }
+}
+
+/// The string map at `spec.<key>` of a ServiceExport.
+fn spec_map(export: &ServiceExport, key: &str) -> std::collections::HashMap<String, String> {
+    export
+        .spec
+        .get(key)
+        .and_then(Value::as_object)
+        .map(|m| {
+            m.iter()
+                .map(|(k, v)| (k.clone(), v.as_str().unwrap_or_default().to_owned()))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// What `service` says beyond its endpoints, with what `export` asks to carry over, checked as
+/// a peer will check it (so a peer never refuses what we send).
+fn exported_service(export: &ServiceExport, service: &Service) -> Result<ExportedService, Invalid> {
+    let spec = service.spec.clone().unwrap_or_default();
+    let ports = spec
+        .ports
+        .iter()
+        .flatten()
+        .map(|p| Port {
+            name: p.name.clone().filter(|n| !n.is_empty()),
+            port: Some(p.port),
+            protocol: protocol(p.protocol.as_deref()),
+            app_protocol: p.app_protocol.clone(),
+        })
+        .collect();
+    let exported_at_nanos = export
+        .metadata
+        .creation_timestamp
+        .as_ref()
+        .map_or(0, |t| i64::try_from(t.0.as_nanosecond()).unwrap_or(0));
+    let wanted = ExportedService {
+        service_type: if spec.cluster_ip.as_deref() == Some("None") {
+            ServiceType::Headless
+        } else {
+            ServiceType::ClusterSetIp
+        },
+        ports,
+        session_affinity: spec.session_affinity.clone(),
+        session_affinity_timeout_seconds: spec
+            .session_affinity_config
+            .as_ref()
+            .and_then(|c| c.client_ip.as_ref())
+            .and_then(|c| c.timeout_seconds),
+        internal_traffic_policy: spec.internal_traffic_policy.clone(),
+        traffic_distribution: spec.traffic_distribution.clone(),
+        ip_families: spec.ip_families.clone().unwrap_or_default(),
+        exported_labels: spec_map(export, "exportedLabels").into_iter().collect(),
+        exported_annotations: spec_map(export, "exportedAnnotations")
+            .into_iter()
+            .collect(),
+        exported_at_nanos,
+    };
+    let wire = wanted.to_pb();
+    let checked = ExportedService::from_pb("service", &wire).map_err(|err| {
+        invalid(
+            "InvalidServiceExport",
+            format!("the ServiceExport or its Service cannot be exported: {err}"),
+        )
+    })?;
+    // from_pb reads the timestamp back; everything else must have survived unchanged.
+    Ok(checked)
+}
+
+/// The export `export` (a ServiceExport) makes of Service `service` with `slices` (those of
+/// the Service), keeping addresses in `pod_cidr`; or why it makes none.
 pub fn export_of(
+    export: &ServiceExport,
     service: &Service,
     slices: &[&EndpointSlice],
     pod_cidr: ipnet::IpNet,
-) -> Option<ExportRecord> {
-    let namespace = service.metadata.namespace.clone()?;
-    let name = service.metadata.name.clone()?;
+) -> Result<ExportRecord, Invalid> {
+    let (Some(namespace), Some(name)) = (
+        service.metadata.namespace.clone(),
+        service.metadata.name.clone(),
+    ) else {
+        return Err(invalid("NoService", "the Service has no name".into()));
+    };
+    let spec = service.spec.clone().unwrap_or_default();
+    if spec.type_.as_deref() == Some("ExternalName") {
+        return Err(invalid(
+            "InvalidServiceType",
+            format!(
+                "{namespace}/{name} is an ExternalName Service, which cannot be exported (it has neither endpoints nor a cluster IP)"
+            ),
+        ));
+    }
     let slice_ports: BTreeMap<String, i32> = slices
         .iter()
         .flat_map(|s| s.ports.iter().flatten())
         .filter_map(|p| Some((p.name.clone().unwrap_or_default(), p.port?)))
         .collect();
-    let ports: Vec<Port> = service
-        .spec
-        .as_ref()?
+    let ports: Vec<Port> = spec
         .ports
         .iter()
         .flatten()
@@ -103,8 +209,12 @@ pub fn export_of(
         })
         .collect();
     if ports.is_empty() {
-        return None;
+        return Err(invalid(
+            "InvalidServiceType",
+            format!("{namespace}/{name} has no ports"),
+        ));
     }
+    let service_info = exported_service(export, service)?;
     let mut seen = BTreeSet::new();
     let mut endpoints = Vec::new();
     for slice in slices {
@@ -128,24 +238,32 @@ pub fn export_of(
                 endpoints.push(ExportedEndpoint {
                     address: ip.to_string(),
                     ready,
+                    hostname: endpoint
+                        .hostname
+                        .clone()
+                        .filter(|h| crate::model::dns_label("hostname", h).is_ok()),
                 });
             }
         }
     }
     endpoints.sort_by(|a, b| a.address.cmp(&b.address));
-    Some(ExportRecord {
+    Ok(ExportRecord {
         namespace,
         name,
         ports,
         endpoints,
         update_time_nanos: 0,
         source: ExportSource::Kubernetes,
+        service: Some(service_info),
     })
 }
 
+/// What one ServiceExport makes: an export, or why none.
+pub type Verdict = Result<ExportRecord, Invalid>;
+
 impl Caches {
-    /// Every export the caches describe, by (namespace, name).
-    pub fn desired(&self, pod_cidr: ipnet::IpNet) -> BTreeMap<(String, String), ExportRecord> {
+    /// What every ServiceExport the caches hold makes, by (namespace, name).
+    pub fn desired(&self, pod_cidr: ipnet::IpNet) -> BTreeMap<(String, String), Verdict> {
         let slices = self.slices.state();
         let mut out = BTreeMap::new();
         for export in self.exports.state() {
@@ -162,6 +280,13 @@ impl Caches {
                 s.metadata.namespace.as_deref() == Some(namespace.as_str())
                     && s.metadata.name.as_deref() == Some(name.as_str())
             }) else {
+                out.insert(
+                    (namespace.clone(), name.clone()),
+                    Err(invalid(
+                        "NoService",
+                        format!("there is no Service {namespace}/{name} to export"),
+                    )),
+                );
                 continue;
             };
             let own: Vec<&EndpointSlice> = slices
@@ -173,23 +298,88 @@ impl Caches {
                         && label(s, MANAGED_BY_LABEL) != Some(MANAGED_BY)
                 })
                 .collect();
-            if let Some(record) = export_of(&service, &own, pod_cidr) {
-                out.insert((namespace, name), record);
-            }
+            out.insert(
+                (namespace, name),
+                export_of(&export, &service, &own, pod_cidr),
+            );
         }
         out
     }
+
+    /// The cached ServiceExport `namespace/name`.
+    fn export(&self, namespace: &str, name: &str) -> Option<Arc<ServiceExport>> {
+        self.exports.state().into_iter().find(|e| {
+            e.metadata.namespace.as_deref() == Some(namespace)
+                && e.metadata.name.as_deref() == Some(name)
+        })
+    }
+}
+
+/// The `Valid` condition of a ServiceExport with `verdict`.
+fn valid_condition(verdict: &Verdict) -> Value {
+    match verdict {
+        Ok(_) => json!({"type": VALID_CONDITION, "status": "True", "reason": "Valid",
+                        "message": "the Service is exported to every peer"}),
+        Err(why) => json!({"type": VALID_CONDITION, "status": "False", "reason": why.reason,
+                           "message": why.message}),
+    }
+}
+
+/// Writes `conditions` into `export`'s status (other condition types kept; a condition's
+/// transition time kept while it says the same); nothing when they already stand.
+async fn write_export_status(
+    client: &kube::Client,
+    export: &ServiceExport,
+    conditions: Vec<Value>,
+) -> Result<bool> {
+    let held = export.status.get("conditions").and_then(Value::as_array);
+    let same = |wanted: &Value| {
+        held.into_iter().flatten().any(|c| {
+            c["type"] == wanted["type"]
+                && c["status"] == wanted["status"]
+                && c["reason"] == wanted["reason"]
+                && c["message"] == wanted["message"]
+        })
+    };
+    if conditions.iter().all(same) {
+        return Ok(false);
+    }
+    let (Some(namespace), Some(name)) = (&export.metadata.namespace, &export.metadata.name) else {
+        return Ok(false);
+    };
+    let mut written: Vec<Value> = held
+        .into_iter()
+        .flatten()
+        .filter(|c| !conditions.iter().any(|w| w["type"] == c["type"]))
+        .cloned()
+        .collect();
+    written.extend(
+        conditions
+            .into_iter()
+            .map(|c| with_transition_time(c, &export.status)),
+    );
+    let mut update = export.clone();
+    update.status = json!({"conditions": written});
+    let api: Api<ServiceExport> = Api::namespaced(client.clone(), namespace);
+    api.replace_status(name, &PostParams::default(), &update)
+        .await
+        .map_err(|e| {
+            Error::Unavailable(format!(
+                "writing the status of serviceexport {namespace}/{name}: {e}"
+            ))
+        })?;
+    Ok(true)
 }
 
 impl Endpoints {
     /// One pass of the Kubernetes export source: every export the caches describe stored
     /// (unchanged ones are not rewritten), every Kubernetes export they no longer describe
     /// removed. Returns how many steps failed.
-    pub async fn sync_kube_exports(&self, caches: &Caches) -> Result<usize> {
+    pub async fn sync_kube_exports(&self, client: &kube::Client, caches: &Caches) -> Result<usize> {
         let pod_cidr = self.pod_cidr().await?;
         let desired = caches.desired(pod_cidr);
         let mut failed = 0;
-        for record in desired.values() {
+        for record in desired.values().flatten() {
             if let Err(err) = self.export(record.clone()).await {
                 failed += 1;
                 tracing::warn!(namespace = %record.namespace, name = %record.name, error = %err, "exporting from a serviceexport failed; retrying on the next pass");
@@ -197,13 +387,40 @@ impl Endpoints {
         }
         for held in self.stored_exports().await? {
             if held.source == ExportSource::Kubernetes
-                && !desired.contains_key(&(held.namespace.clone(), held.name.clone()))
+                && !matches!(
+                    desired.get(&(held.namespace.clone(), held.name.clone())),
+                    Some(Ok(_))
+                )
                 && let Err(err) = self
                     .unexport(&held.namespace, &held.name, ExportSource::Kubernetes)
                     .await
             {
                 failed += 1;
                 tracing::warn!(namespace = %held.namespace, name = %held.name, error = %err, "withdrawing a serviceexport failed; retrying on the next pass");
+            }
+        }
+        // Each ServiceExport says whether it is valid and whether the exporters of its
+        // Service agree (as this cluster sees them: its own export and the peers').
+        let imports = merge(&self.import_records().await?);
+        for (key, verdict) in &desired {
+            let Some(export) = caches.export(&key.0, &key.1) else {
+                continue;
+            };
+            let mut conditions = vec![valid_condition(verdict)];
+            if verdict.is_ok()
+                && let Some(import) = imports.get(key)
+            {
+                conditions.push(import.condition());
+            }
+            match write_export_status(client, &export, conditions).await {
+                Ok(true) => {
+                    tracing::info!(namespace = %key.0, name = %key.1, valid = verdict.is_ok(), "wrote serviceexport status");
+                }
+                Ok(false) => {}
+                Err(err) => {
+                    failed += 1;
+                    tracing::warn!(namespace = %key.0, name = %key.1, error = %err, "writing a serviceexport status failed; retrying on the next pass");
+                }
             }
         }
         Ok(failed)
@@ -230,7 +447,7 @@ pub async fn run_export_source(
             .default_backoff()
             .map(|e| e.err().map(|e| e.to_string()))
             .boxed(),
-        reflect(w3, watcher(Api::all(client), config()))
+        reflect(w3, watcher(Api::all(client.clone()), config()))
             .default_backoff()
             .map(|e| e.err().map(|e| e.to_string()))
             .boxed(),
@@ -260,8 +477,12 @@ pub async fn run_export_source(
         }
     }
     tracing::info!("kubernetes export source ready");
+    // Imports changing (a peer's export of the same Service) change our ServiceExports'
+    // Conflict condition.
+    let mut imports = core.zone_changed.subscribe();
     loop {
-        match core.sync_kube_exports(&caches).await {
+        imports.mark_unchanged();
+        match core.sync_kube_exports(&client, &caches).await {
             Ok(0) => {}
             Ok(failed) => tracing::debug!(failed, "kubernetes export pass had failures"),
             Err(err) => tracing::warn!(error = %err, "kubernetes export pass failed"),
@@ -275,6 +496,7 @@ pub async fn run_export_source(
                 }
                 trellis_runtime::timer::period(SETTLE).await;
             }
+            _ = imports.changed() => {}
             () = trellis_runtime::timer::period(resync) => {}
         }
     }

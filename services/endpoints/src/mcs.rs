@@ -1,5 +1,5 @@
 //! The Kubernetes Multi-Cluster Services API objects Trellis reads and writes
-//! (`multicluster.x-k8s.io/v1alpha1`): `ServiceExport` (read: a Service to export) and
+//! (`multicluster.x-k8s.io/v1beta1`, ADR 0029): `ServiceExport` (read: a Service to export) and
 //! `ServiceImport` (written: what this cluster imports). Declared by hand as [`kube::Resource`]s
 //! (the workspace's kube has no `derive` feature); `spec` and `status` stay JSON, Trellis
 //! builds and reads them in [`crate::imports`] and [`crate::kube_source`].
@@ -14,7 +14,9 @@ use serde_json::Value;
 /// The MCS API group.
 pub const GROUP: &str = "multicluster.x-k8s.io";
 /// The MCS API version Trellis speaks.
-pub const VERSION: &str = "v1alpha1";
+pub const VERSION: &str = "v1beta1";
+/// ServiceExport condition: whether the ServiceExport exports its Service.
+pub const VALID_CONDITION: &str = "Valid";
 /// Label on imported EndpointSlices and derived Services: the imported Service's name (MCS).
 pub const IMPORTED_SERVICE_LABEL: &str = "multicluster.kubernetes.io/service-name";
 /// Annotation on a ServiceImport naming the Service Trellis derived for it.
@@ -27,7 +29,7 @@ pub const IMPORT_ANNOTATION: &str = "trellis.io/service-import";
 
 macro_rules! mcs_resource {
     ($name:ident, $kind:literal, $plural:literal) => {
-        #[doc = concat!("A `", $kind, "` (multicluster.x-k8s.io/v1alpha1).")]
+        #[doc = concat!("A `", $kind, "` (multicluster.x-k8s.io/v1beta1).")]
         #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
         pub struct $name {
             #[serde(rename = "apiVersion", default)]

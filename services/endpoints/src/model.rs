@@ -108,6 +108,56 @@ pub struct Slice {
     pub endpoints: Vec<Endpoint>,
     pub ports: Vec<Port>,
     pub labels: BTreeMap<String, String>,
+    /// What the exporting cluster's Service says beyond its endpoints; set on the slices the
+    /// export reconciler reflects (absent on slices reflected by hand, and in records stored
+    /// before it existed).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub service: Option<ExportedService>,
+}
+
+/// The MCS ServiceImport's type.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+pub enum ServiceType {
+    /// Reached through a clusterset IP.
+    #[default]
+    ClusterSetIp,
+    /// No clusterset IP: names answer the endpoints (a Service with `clusterIP: None`).
+    Headless,
+}
+
+impl ServiceType {
+    /// The ServiceImport's spelling.
+    pub fn as_mcs(self) -> &'static str {
+        match self {
+            Self::ClusterSetIp => "ClusterSetIP",
+            Self::Headless => "Headless",
+        }
+    }
+}
+
+/// What an exported Service says beyond its endpoints, as the MCS API carries it from every
+/// exporting cluster into the ServiceImport: where exporters disagree the first exporter
+/// (earliest [`Self::exported_at_nanos`], then cluster ID) wins and every ServiceExport
+/// reports the conflict.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ExportedService {
+    pub service_type: ServiceType,
+    /// The Service's ports, numbered as the Service exposes them (the slice's ports are the
+    /// endpoints' own numbers).
+    pub ports: Vec<Port>,
+    /// `None` or `ClientIP`; `None` when unset.
+    pub session_affinity: Option<String>,
+    pub session_affinity_timeout_seconds: Option<i32>,
+    /// `Cluster` or `Local`.
+    pub internal_traffic_policy: Option<String>,
+    pub traffic_distribution: Option<String>,
+    /// `IPv4` and/or `IPv6`, in the Service's order.
+    pub ip_families: Vec<String>,
+    /// The labels and annotations the ServiceExport asks to carry onto the ServiceImport.
+    pub exported_labels: BTreeMap<String, String>,
+    pub exported_annotations: BTreeMap<String, String>,
+    /// When the export began (the ServiceExport's creation): the first exporter wins.
+    pub exported_at_nanos: i64,
 }
 
 pub(crate) fn optional_text(field: &str, value: &str, max: usize) -> Result<Option<String>> {

@@ -81,6 +81,9 @@ pub struct ExportedEndpoint {
     /// As this cluster addresses it (inside our pod CIDR).
     pub address: String,
     pub ready: bool,
+    /// The pod's hostname (a StatefulSet's), which names it under the clusterset zone.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hostname: Option<String>,
 }
 
 /// Where an export comes from (ADR 0017: Kubernetes wins over gRPC for the same name).
@@ -105,6 +108,10 @@ pub struct ExportRecord {
     /// Who wrote it; records stored before the Kubernetes source existed are gRPC ones.
     #[serde(default)]
     pub source: ExportSource,
+    /// What the Service says beyond its endpoints (type, Service ports, affinity, ...), from a
+    /// ServiceExport; `None` for a gRPC export (a ClusterSetIP Service of [`Self::ports`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub service: Option<crate::model::ExportedService>,
 }
 
 pub use trellis_store::record::{decode, encode};

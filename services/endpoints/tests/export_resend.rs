@@ -267,6 +267,7 @@ async fn a_consumer_holding_a_higher_generation_still_gets_the_exporters_changes
                     "a".to_owned(),
                 )]
                 .into(),
+                service: None,
             }),
             generation: ahead,
         })

@@ -61,6 +61,7 @@ fn slice_pb(addresses: &[&str]) -> pb::EndpointSlice {
             ..Default::default()
         }],
         labels: [("app".to_owned(), "web".to_owned())].into(),
+        service: None,
     }
 }
 

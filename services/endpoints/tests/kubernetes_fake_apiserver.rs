@@ -143,7 +143,7 @@ async fn an_import_never_writes_into_a_local_service_of_the_same_name_fake_api_s
             .all(|s| s["metadata"]["labels"]["kubernetes.io/service-name"] != "trellis-ipam")
     );
     let import = api
-        .objects("multicluster.x-k8s.io/v1alpha1", "serviceimports", "shop")
+        .objects("multicluster.x-k8s.io/v1beta1", "serviceimports", "shop")
         .into_iter()
         .find(|o| o["metadata"]["name"] == "trellis-ipam")
         .expect("a serviceimport");

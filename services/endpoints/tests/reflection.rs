@@ -33,6 +33,7 @@ fn slice(name: &str, addresses: Vec<String>) -> EndpointSlice {
             ..Default::default()
         }],
         labels: Default::default(),
+        service: None,
     }
 }
 

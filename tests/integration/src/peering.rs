@@ -92,6 +92,7 @@ pub fn web_slice(address: String) -> EndpointSlice {
         }],
         ports: vec![],
         labels: Default::default(),
+        service: None,
     }
 }
 

@@ -133,12 +133,20 @@ fn service_export() -> ServiceExport {
     )
 }
 
-/// Exports shop/web from `site` with the given Service port/targetPort and endpoints.
+/// The port of the exported Service shop/web.
+const SERVICE_PORT: i64 = 80;
+
+/// Exports shop/web from `site` with Service port 80, the given targetPort and endpoints.
 async fn export(site: &Site, port: i32, endpoints: &[(&str, bool)]) {
+    export_at(site, 80, port, endpoints).await;
+}
+
+/// Exports shop/web from `site` with the given Service port, targetPort and endpoints.
+async fn export_at(site: &Site, service_port: i32, port: i32, endpoints: &[(&str, bool)]) {
     let client = client(&site.api).await;
     put(
         &Api::<Service>::namespaced(client.clone(), "shop"),
-        service(80, port),
+        service(service_port, port),
     )
     .await;
     put(
@@ -180,7 +188,7 @@ fn imported(site: &Site) -> Imported {
     let derived = derived_service_name("shop", "web");
     let import = site
         .api
-        .objects("multicluster.x-k8s.io/v1alpha1", "serviceimports", "shop")
+        .objects("multicluster.x-k8s.io/v1beta1", "serviceimports", "shop")
         .into_iter()
         .find(|o| o["metadata"]["name"] == "web");
     let ports = |list: &Value| {
@@ -252,13 +260,15 @@ fn imported(site: &Site) -> Imported {
     }
 }
 
-fn present(clusters: &[&str], port: i64, slices: Vec<(&str, Vec<(String, bool)>)>) -> Imported {
+/// The import of shop/web by `clusters`: the Service's port (80) on the ServiceImport and the
+/// derived Service (the endpoints' own port is the slices').
+fn present(clusters: &[&str], slices: Vec<(&str, Vec<(String, bool)>)>) -> Imported {
     Imported {
         clusters: Some(clusters.iter().map(|c| (*c).to_owned()).collect()),
-        import_ports: Some(vec![port]),
+        import_ports: Some(vec![SERVICE_PORT]),
         conflict: Some("False".into()),
         ips: Some(Ips::ClusterIp),
-        service_ports: Some(vec![port]),
+        service_ports: Some(vec![SERVICE_PORT]),
         slices: slices.into_iter().map(|(c, e)| (c.to_owned(), e)).collect(),
     }
 }
@@ -289,7 +299,7 @@ async fn until(what: &str, site: &Site, want: &Imported) {
 fn trellis_objects(site: &Site) -> BTreeMap<String, String> {
     let mut out = BTreeMap::new();
     for (gv, resource) in [
-        ("multicluster.x-k8s.io/v1alpha1", "serviceimports"),
+        ("multicluster.x-k8s.io/v1beta1", "serviceimports"),
         ("v1", "services"),
         ("discovery.k8s.io/v1", "endpointslices"),
     ] {
@@ -342,7 +352,6 @@ async fn service_export_through_fake_api_servers_reaches_hub_and_induced_leaf_me
         &b,
         &present(
             &["leaf-a"],
-            8080,
             vec![("leaf-a", at(b_view_a, &[(7, true), (8, false)]))],
         ),
     )
@@ -352,7 +361,6 @@ async fn service_export_through_fake_api_servers_reaches_hub_and_induced_leaf_me
         &c,
         &present(
             &["leaf-a"],
-            8080,
             vec![("leaf-a", at(c_view_a, &[(7, true), (8, false)]))],
         ),
     )
@@ -416,32 +424,31 @@ async fn service_export_through_fake_api_servers_reaches_hub_and_induced_leaf_me
         &c,
         &present(
             &["leaf-a"],
-            8080,
             vec![("leaf-a", at(c_view_a, &[(7, true), (8, true), (9, true)]))],
         ),
     )
     .await;
     export(&a, 8080, &[("10.0.0.9", true)]).await;
-    let one_pod = present(
-        &["leaf-a"],
-        8080,
-        vec![("leaf-a", at(b_view_a, &[(9, true)]))],
-    );
+    let one_pod = present(&["leaf-a"], vec![("leaf-a", at(b_view_a, &[(9, true)]))]);
     until("B follows the scale-down", &b, &one_pod).await;
 
     // C exports the same Service: B's import merges both clusters' endpoints.
     export(&c, 8080, &[("10.0.0.20", true)]).await;
     let merged = present(
         &["leaf-a", "leaf-c"],
-        8080,
         vec![
             ("leaf-a", at(b_view_a, &[(9, true)])),
             ("leaf-c", at(b_view_c, &[(20, true)])),
         ],
     );
     until("B merges A's and C's web", &b, &merged).await;
-    // C's port differs: reported, not merged; the import keeps the first cluster's ports.
+    // C's endpoints listen elsewhere: no conflict (each cluster's slices carry their own
+    // port), the import unchanged.
     export(&c, 9090, &[("10.0.0.20", true)]).await;
+    until("B merges C's other target port", &b, &merged).await;
+    // C's Service port differs: reported, and the import keeps the first exporter's port
+    // (A's); C's endpoints leave it.
+    export_at(&c, 81, 8080, &[("10.0.0.20", true)]).await;
     let mut conflict = merged.clone();
     conflict.conflict = Some("True".into());
     until("B reports the port conflict", &b, &conflict).await;
@@ -465,13 +472,17 @@ async fn service_export_through_fake_api_servers_reaches_hub_and_induced_leaf_me
         before,
         "same objects after the restarts"
     );
+    // C exports web too, and an exporting cluster imports its own export (MCS): its own
+    // pod, as it addresses it.
     until(
         "C after the restarts",
         &c,
         &present(
-            &["leaf-a"],
-            8080,
-            vec![("leaf-a", at(c_view_a, &[(9, true)]))],
+            &["leaf-a", "leaf-c"],
+            vec![
+                ("leaf-a", at(c_view_a, &[(9, true)])),
+                ("leaf-c", vec![("10.0.0.20".to_owned(), true)]),
+            ],
         ),
     )
     .await;
@@ -491,7 +502,6 @@ async fn service_export_through_fake_api_servers_reaches_hub_and_induced_leaf_me
         &b,
         &present(
             &["leaf-a"],
-            8080,
             vec![("leaf-a", at(b_view_a, &[(9, true), (10, true)]))],
         ),
     )
@@ -525,11 +535,7 @@ async fn the_service_import_carries_the_derived_service_cluster_ip_and_follows_i
     eventually("B's tunnel to A", LIMIT, || tunnel_to(&b.cluster, "leaf-a")).await;
     let b_view_a = pod_view(&b.cluster, "leaf-a").await;
     export(&a, 8080, &[("10.0.0.7", true)]).await;
-    let want = present(
-        &["leaf-a"],
-        8080,
-        vec![("leaf-a", at(b_view_a, &[(7, true)]))],
-    );
+    let want = present(&["leaf-a"], vec![("leaf-a", at(b_view_a, &[(7, true)]))]);
     until("B imports A's web with its cluster IP", &b, &want).await;
     let (uid, first) = derived_service(&b).expect("the derived service exists");
     assert!(

@@ -471,6 +471,7 @@ impl Fabric {
                     }],
                     ports: vec![],
                     labels: Default::default(),
+                    service: None,
                 }),
                 deliver: true,
             })

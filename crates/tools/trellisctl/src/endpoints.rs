@@ -482,6 +482,7 @@ mod tests {
                 app_protocol: String::new(),
             }],
             labels: Default::default(),
+            service: None,
         }
     }
 

@@ -150,6 +150,7 @@ pub fn parse(text: &str) -> Result<pb::EndpointSlice, String> {
             .collect(),
         ports,
         labels,
+        service: None,
     })
 }
 

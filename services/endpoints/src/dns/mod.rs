@@ -50,7 +50,7 @@ impl Endpoints {
         } else {
             None
         };
-        let records = self.list(None, None).await?;
+        let records = self.import_records().await?;
         if records.is_empty() {
             // Nothing imported: no reason to ask the IPAM and discovery every resync (a
             // 255-cluster lab would make 500 such calls every 2 s for nothing).
@@ -63,10 +63,13 @@ impl Endpoints {
             &clusterset_ips.clone().unwrap_or_default(),
         );
         if let Some(ips) = &clusterset_ips {
-            // With Kubernetes every import has a ClusterSetIP; one without its IP yet waits.
+            // With Kubernetes a ClusterSetIP import is answered by its clusterset IP: one
+            // without it yet waits.
             services.retain(|s| {
-                ips.get(&(s.namespace.clone(), s.name.clone()))
-                    .is_some_and(|i| !i.is_empty())
+                s.headless
+                    || ips
+                        .get(&(s.namespace.clone(), s.name.clone()))
+                        .is_some_and(|i| !i.is_empty())
             });
         }
         Ok(Some(services))

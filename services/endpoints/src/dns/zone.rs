@@ -32,7 +32,9 @@ use crate::records::ReflectedRecord;
 pub struct ZoneService {
     pub namespace: String,
     pub name: String,
-    /// The ServiceImport's clusterset IPs; empty: answer the endpoints (headless).
+    /// A headless import: names answer the endpoints.
+    pub headless: bool,
+    /// The ServiceImport's clusterset IPs; empty: answer the endpoints (as headless).
     pub clusterset_ips: Vec<IpAddr>,
     pub ports: Vec<Port>,
     /// Ready endpoints this cluster can reach, over every exporting cluster.
@@ -60,11 +62,17 @@ pub fn services(
     let mut by_key: BTreeMap<(String, String), ZoneService> = merge(records)
         .into_iter()
         .map(|(key, import)| {
+            let headless = import.is_headless();
             let service = ZoneService {
                 namespace: import.namespace,
                 name: import.name,
-                clusterset_ips: clusterset_ips.get(&key).cloned().unwrap_or_default(),
-                ports: import.ports,
+                headless,
+                clusterset_ips: if headless {
+                    Vec::new()
+                } else {
+                    clusterset_ips.get(&key).cloned().unwrap_or_default()
+                },
+                ports: import.service.ports,
                 endpoints: Vec::new(),
             };
             (key, service)
@@ -375,6 +383,7 @@ mod tests {
                     app_protocol: None,
                 }],
                 labels: BTreeMap::from([(ORIGIN_LABEL.to_owned(), origin.to_owned())]),
+                service: None,
             },
             generation: 1,
             object_name: None,
