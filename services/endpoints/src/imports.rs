@@ -38,7 +38,7 @@ use crate::kube::{SOURCE_CLUSTER_ANNOTATION, SOURCE_SLICE_ANNOTATION, derived_se
 use crate::mcs::{
     DERIVED_SERVICE_ANNOTATION, IMPORT_ANNOTATION, IMPORTED_SERVICE_LABEL, ServiceImport,
 };
-use crate::model::{ExportedService, MANAGED_BY, Port, ServiceType, Slice};
+use crate::model::{AddressType, ExportedService, MANAGED_BY, Port, ServiceType, Slice};
 use crate::records::ReflectedRecord;
 
 /// Type of the ServiceImport condition reporting exporters that disagree on the ports.
@@ -215,6 +215,9 @@ pub struct Import {
     /// import: its endpoints are left out of those ports, so a port reaches only the clusters
     /// that serve it as the import says.
     excluded_ports: BTreeMap<String, BTreeSet<Option<String>>>,
+    /// The address families of the exporters' slices (`IPv4` first): a headless import's
+    /// `ipFamilies` when the first exporter's Service does not say.
+    slice_families: Vec<&'static str>,
 }
 
 /// Ports compared as a set: order does not make two exports differ.
@@ -228,7 +231,17 @@ fn normalized(ports: &[Port]) -> Vec<Port> {
 pub fn merge(records: &[ReflectedRecord]) -> BTreeMap<(String, String), Import> {
     let mut by_service: BTreeMap<(String, String), BTreeMap<String, ExportedService>> =
         BTreeMap::new();
+    let mut slice_families: BTreeMap<(String, String), BTreeSet<&'static str>> = BTreeMap::new();
     for record in records {
+        if record.slice.address_type != AddressType::Fqdn {
+            slice_families
+                .entry((
+                    record.slice.namespace.clone(),
+                    record.slice.service_name.clone(),
+                ))
+                .or_default()
+                .insert(record.slice.address_type.as_k8s());
+        }
         by_service
             .entry((
                 record.slice.namespace.clone(),
@@ -269,7 +282,11 @@ pub fn merge(records: &[ReflectedRecord]) -> BTreeMap<(String, String), Import> 
             }
             let mut service = winner.clone();
             service.ports = union.into_values().collect();
+            let families = slice_families
+                .remove(&(namespace.clone(), name.clone()))
+                .unwrap_or_default();
             let import = Import {
+                slice_families: families.into_iter().collect(),
                 namespace: namespace.clone(),
                 name: name.clone(),
                 service,
@@ -369,6 +386,8 @@ impl Import {
         if self.is_headless() {
             if !service.ip_families.is_empty() {
                 spec["ipFamilies"] = json!(service.ip_families);
+            } else if !self.slice_families.is_empty() {
+                spec["ipFamilies"] = json!(self.slice_families);
             }
         } else if !ips.is_empty() {
             spec["ips"] = json!(ips);

@@ -9,6 +9,7 @@ pub mod dns;
 pub mod failover;
 pub mod gate;
 pub mod lab;
+pub mod mcs;
 pub mod otlp;
 pub mod peering;
 pub mod processes;
