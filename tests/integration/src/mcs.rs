@@ -428,6 +428,28 @@ impl Clusterset {
             .collect()
     }
 
+    /// The ports of member `i`'s MCS EndpointSlices of `hello` by source cluster, as
+    /// kube-proxy would match them to the ServiceImport's (derived Service's) ports by name:
+    /// {cluster: [(port name, endpoint port)]}, sorted.
+    pub fn slice_ports(&self, i: usize) -> BTreeMap<String, Vec<(String, i64)>> {
+        let mut out: BTreeMap<String, Vec<(String, i64)>> = BTreeMap::new();
+        for slice in self.mcs_slices(i) {
+            let cluster = slice["metadata"]["labels"]["multicluster.kubernetes.io/source-cluster"]
+                .as_str()
+                .unwrap_or_default()
+                .to_owned();
+            let ports = out.entry(cluster).or_default();
+            for p in slice["ports"].as_array().into_iter().flatten() {
+                ports.push((
+                    p["name"].as_str().unwrap_or_default().to_owned(),
+                    p["port"].as_i64().unwrap_or_default(),
+                ));
+            }
+            ports.sort();
+        }
+        out
+    }
+
     /// Waits (the suite's 60 s) until member `i` holds MCS EndpointSlices that `verify`
     /// accepts (each of them).
     pub async fn await_mcs_slices(&self, i: usize, verify: impl Fn(&Value) -> bool) -> Vec<Value> {

@@ -598,3 +598,99 @@ async fn a_dns_srv_query_of_the_clusterset_local_domain_for_a_headless_service_s
         }
     }
 }
+
+// connectivity.go: S23-S25 send packets by name in the netns lab (mcs_connectivity.rs). S26
+// and S27 route one port of a clusterset IP to some exporters only, which is kube-proxy's
+// work on the derived Service and the MCS EndpointSlices (no kube-proxy can run here): what
+// Trellis owes them is checked here, on every cluster: the import's ports, and each
+// exporter's slices carrying exactly the ports that exporter serves as the import says, so
+// kube-proxy (matching Service and EndpointSlice ports by name) sends a port only there.
+
+/// `(name, port)` pairs.
+fn named(ports: &[(&str, i64)]) -> Vec<(String, i64)> {
+    ports.iter().map(|(n, p)| ((*n).to_owned(), *p)).collect()
+}
+
+/// S26 (Optional, Connectivity, ClusterIP, StrictPortConflict): "Connectivity to exported
+/// services with same port name but different port numbers on each cluster should only route
+/// traffic to the cluster that exposes the port" (routing part: see above).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn exported_services_with_same_port_name_but_different_port_numbers_should_only_route_traffic_to_the_cluster_that_exposes_the_port()
+ {
+    let Some(set) = Clusterset::start().await else {
+        return;
+    };
+    set.deploy(0, hello_service(), &deployment(1)).await;
+    let mut second = hello_service();
+    second["spec"]["ports"] =
+        json!([{"name": "tcp", "port": 4242, "targetPort": 42, "protocol": "TCP"}]);
+    set.second_exporter(hello_export(), second, hello_export())
+        .await;
+    let want_ports = vec![
+        ("tcp".to_owned(), "TCP".to_owned(), 42, None),
+        ("udp".to_owned(), "UDP".to_owned(), 42, None),
+    ];
+    for i in 0..2 {
+        set.await_import(i, "cluster-0's port 42", |imp| {
+            mcs_ports(&imp["spec"]["ports"]) == want_ports
+        })
+        .await;
+        // Port tcp (42) reaches cluster-0's pods only: cluster-1's slice serves none of the
+        // import's ports.
+        let want = std::collections::BTreeMap::from([
+            ("cluster-0".to_owned(), named(&[("tcp", 42), ("udp", 42)])),
+            ("cluster-1".to_owned(), Vec::new()),
+        ]);
+        let start = std::time::Instant::now();
+        while set.slice_ports(i) != want {
+            assert!(
+                start.elapsed() < trellis_integration::mcs::SLICE_BUDGET,
+                "cluster-{i}: slice ports {:?}, want {want:?}",
+                set.slice_ports(i)
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        }
+    }
+}
+
+/// S27 (Optional, Connectivity, ClusterIP, StrictPortConflict): "Connectivity to exported
+/// services with different port name on each cluster should route traffic to each port only to
+/// the cluster that exposes it" (routing part: see above).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn exported_services_with_different_port_name_on_each_cluster_should_route_traffic_to_each_port_only_to_the_cluster_that_exposes_it()
+ {
+    let Some(set) = Clusterset::start().await else {
+        return;
+    };
+    set.deploy(0, hello_service(), &deployment(1)).await;
+    let mut second = hello_service();
+    second["spec"]["ports"] =
+        json!([{"name": "tcp2", "port": 4242, "targetPort": 42, "protocol": "TCP"}]);
+    set.second_exporter(hello_export(), second, hello_export())
+        .await;
+    let want_ports = vec![
+        ("tcp".to_owned(), "TCP".to_owned(), 42, None),
+        ("tcp2".to_owned(), "TCP".to_owned(), 4242, None),
+        ("udp".to_owned(), "UDP".to_owned(), 42, None),
+    ];
+    for i in 0..2 {
+        set.await_import(i, "both clusters' ports", |imp| {
+            mcs_ports(&imp["spec"]["ports"]) == want_ports
+        })
+        .await;
+        // 42 (tcp) reaches cluster-0's pods, 4242 (tcp2) cluster-1's, at their port 42.
+        let want = std::collections::BTreeMap::from([
+            ("cluster-0".to_owned(), named(&[("tcp", 42), ("udp", 42)])),
+            ("cluster-1".to_owned(), named(&[("tcp2", 42)])),
+        ]);
+        let start = std::time::Instant::now();
+        while set.slice_ports(i) != want {
+            assert!(
+                start.elapsed() < trellis_integration::mcs::SLICE_BUDGET,
+                "cluster-{i}: slice ports {:?}, want {want:?}",
+                set.slice_ports(i)
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        }
+    }
+}
