@@ -488,6 +488,85 @@ mod tests {
         assert_eq!(parsed, again);
     }
 
+    fn service() -> pb::ExportedService {
+        pb::ExportedService {
+            r#type: pb::ServiceType::Headless.into(),
+            ports: vec![pb::EndpointPort {
+                name: "tcp".into(),
+                port: Some(42),
+                ..Default::default()
+            }],
+            session_affinity: "ClientIP".into(),
+            session_affinity_timeout_seconds: Some(10),
+            internal_traffic_policy: "Cluster".into(),
+            traffic_distribution: "PreferClose".into(),
+            ip_families: vec!["IPv4".into()],
+            exported_labels: [("tier".to_owned(), "web".to_owned())].into(),
+            exported_annotations: [("note".to_owned(), "any text at all".to_owned())].into(),
+            exported_at: Some(trellis_api::convert::timestamp(1_700_000_000_123_456_789)),
+        }
+    }
+
+    #[test]
+    fn the_exported_service_round_trips_and_bad_fields_are_named() {
+        let mut s = slice();
+        s.service = Some(service());
+        let parsed = Slice::from_pb("slice", Some(&s)).expect("valid");
+        let info = parsed.service.clone().expect("carried");
+        assert_eq!(info.service_type, ServiceType::Headless);
+        assert_eq!(info.exported_at_nanos, 1_700_000_000_123_456_789);
+        assert_eq!(
+            Slice::from_pb("slice", Some(&parsed.to_pb())).expect("valid"),
+            parsed
+        );
+        let bad: Vec<(&str, fn(&mut pb::ExportedService))> = vec![
+            ("slice.service.type", |e| e.r#type = 9),
+            ("slice.service.ports[0].port", |e| e.ports[0].port = Some(0)),
+            ("slice.service.session_affinity", |e| {
+                e.session_affinity = "Sticky".into();
+            }),
+            ("slice.service.session_affinity_timeout_seconds", |e| {
+                e.session_affinity_timeout_seconds = Some(86_401);
+            }),
+            ("slice.service.internal_traffic_policy", |e| {
+                e.internal_traffic_policy = "Node".into();
+            }),
+            ("slice.service.traffic_distribution", |e| {
+                e.traffic_distribution = "no spaces please".into();
+            }),
+            ("slice.service.ip_families[0]", |e| {
+                e.ip_families = vec!["IPv5".into()];
+            }),
+            ("slice.service.ip_families", |e| {
+                e.ip_families = vec!["IPv4".into(), "IPv6".into(), "IPv4".into()];
+            }),
+            ("slice.service.exported_labels", |e| {
+                e.exported_labels =
+                    [("app.kubernetes.io/managed-by".to_owned(), "me".to_owned())].into();
+            }),
+            ("slice.service.exported_labels[tier]", |e| {
+                e.exported_labels = [("tier".to_owned(), "not a value!".to_owned())].into();
+            }),
+            ("slice.service.exported_annotations", |e| {
+                e.exported_annotations = [("bad key!".to_owned(), String::new())].into();
+            }),
+            ("slice.service.exported_annotations[big]", |e| {
+                e.exported_annotations = [("big".to_owned(), "x".repeat(70_000))].into();
+            }),
+        ];
+        for (field, spoil) in bad {
+            let mut e = service();
+            spoil(&mut e);
+            let mut s = slice();
+            s.service = Some(e);
+            assert_eq!(
+                field_of(Slice::from_pb("slice", Some(&s))),
+                field,
+                "{field}"
+            );
+        }
+    }
+
     #[test]
     fn errors_name_the_field_path() {
         let mut s = slice();

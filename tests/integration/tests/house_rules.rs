@@ -10,7 +10,9 @@
 //!   and responses): only the modules at a service's edge ([`EDGE_MODULES`]) do, so retries
 //!   and metrics attach at one seam. The shared resource model (`trellis.types.v1`: cluster
 //!   identities, ForeignClusters, NetworkConfigs, TunnelEndpoints, conditions) is what the
-//!   services store and exchange unchanged, and cores may hold it (ADR 0001).
+//!   services store and exchange unchanged, and cores may hold it (ADR 0001);
+//! - docs/mcs-conformance.md names one test per MCS conformance spec, and every test of the
+//!   conformance modules is one of them.
 
 use std::collections::BTreeMap;
 use std::fs;
@@ -326,4 +328,49 @@ fn the_rpc_package_check_sees_every_spelling() {
     assert!(!names_rpc_package(
         "#[cfg(test)]\nuse trellis_api::pb::ipam::Foo;\nfn f() {}"
     ));
+}
+
+/// The test functions of `file` (under tests/integration/tests): the names after `fn` on the
+/// line after a `#[test]` or `#[tokio::test...]` attribute.
+fn test_functions(file: &str) -> Vec<String> {
+    let text = fs::read_to_string(root().join("tests/integration/tests").join(file))
+        .unwrap_or_else(|e| panic!("{file}: {e}"));
+    let lines: Vec<&str> = text.lines().collect();
+    lines
+        .windows(2)
+        .filter(|w| w[0].starts_with("#[test]") || w[0].starts_with("#[tokio::test"))
+        .filter_map(|w| {
+            let rest = w[1].trim_start_matches("async ").strip_prefix("fn ")?;
+            Some(rest.split('(').next()?.to_owned())
+        })
+        .collect()
+}
+
+/// docs/mcs-conformance.md lists each of the suite's 27 specs once, and names every test of
+/// the conformance modules as the spec's test: a spec test added, renamed or removed fails
+/// here until the table says so.
+#[test]
+fn the_mcs_conformance_table_names_every_spec_and_its_test() {
+    let table = fs::read_to_string(root().join("docs/mcs-conformance.md")).expect("the table");
+    let rows: Vec<&str> = table.lines().filter(|l| l.starts_with("| S")).collect();
+    let specs: Vec<String> = rows
+        .iter()
+        .filter_map(|r| r.split('|').nth(1).map(|c| c.trim().to_owned()))
+        .collect();
+    let want: Vec<String> = (1..=27).map(|n| format!("S{n}")).collect();
+    assert_eq!(specs, want, "one row per spec, in order");
+    let mut tests = Vec::new();
+    for module in ["mcs_conformance", "mcs_connectivity"] {
+        for name in test_functions(&format!("{module}.rs")) {
+            tests.push(format!("`{module}::{name}`"));
+        }
+    }
+    assert_eq!(tests.len(), 27, "one test per spec: {tests:#?}");
+    for test in &tests {
+        assert_eq!(
+            rows.iter().filter(|r| r.contains(test.as_str())).count(),
+            1,
+            "{test} is not the test of exactly one spec in docs/mcs-conformance.md"
+        );
+    }
 }
