@@ -519,7 +519,8 @@ mod tests {
             Slice::from_pb("slice", Some(&parsed.to_pb())).expect("valid"),
             parsed
         );
-        let bad: Vec<(&str, fn(&mut pb::ExportedService))> = vec![
+        type Spoil = fn(&mut pb::ExportedService);
+        let bad: Vec<(&str, Spoil)> = vec![
             ("slice.service.type", |e| e.r#type = 9),
             ("slice.service.ports[0].port", |e| e.ports[0].port = Some(0)),
             ("slice.service.session_affinity", |e| {
