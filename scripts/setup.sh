@@ -29,6 +29,8 @@ declare -A want=(
   [promtool]=prometheus
   # The clusterset DNS tests ask the endpoints service's DNS server with a real resolver.
   [dig]=bind9-dnsutils
+  # The exports benchmark puts a peer DNS server (dnsmasq, no service) under the same load.
+  [dnsmasq]=dnsmasq-base
 )
 missing=()
 for bin in "${!want[@]}"; do

@@ -8,6 +8,7 @@
 //! flags.
 
 pub mod dataplane;
+pub mod dns;
 pub mod mesh;
 pub mod nat;
 pub mod proc;

@@ -10,8 +10,18 @@
 //!   each repeat) and the clock runs until every consumer lists all of them; endpoints
 //!   reflected per second = consumers × endpoints / time.
 //!
-//! Consumers are polled (ListReflectedSlices) every `--poll-ms`, which bounds the resolution.
+//! - **export → name** (issue 38): leaf 0 exports a new Service (one pod) and the clock runs
+//!   until leaf 1's `clusterset.local` DNS answers its name with an address; p50/p99 over
+//!   `--dns-samples`;
+//! - **DNS under load**: `--dns-clients` resolvers ask leaf 1's DNS for one of those names back
+//!   to back for `--dns-seconds`, alternating `--dns-rounds` times with the same load on
+//!   dnsmasq (Debian's, answering the same name from its command line): answered queries per
+//!   second and latency of each, medians over the rounds.
+//!
+//! Consumers are polled (ListReflectedSlices, or the DNS) every `--poll-ms`, which bounds the
+//! resolution.
 
+use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
@@ -21,10 +31,12 @@ use ipnet::IpNet;
 use trellis_api::pb::endpoints::{
     EndpointPort, ExportServiceRequest, ExportedEndpoint, ListReflectedSlicesRequest,
 };
+use trellis_bench::dns::{self, Dnsmasq};
 use trellis_bench::proc::raise_nofile_limit;
+use trellis_bench::results::{DnsLoad, LatencySummary};
 use trellis_bench::results::{ExportsParameters, ExportsResult};
 use trellis_bench::{Machine, Recorder, RunArgs, RunInfo, median, write_json};
-use trellis_integration::cluster::InProcessCluster;
+use trellis_integration::cluster::{InProcessCluster, Options};
 use trellis_integration::peering::{host_at, peer, tunnel_to};
 
 const POD_CIDR: &str = "10.0.0.0/16";
@@ -52,6 +64,18 @@ struct Args {
     /// Seconds to wait for the mesh, and for each change to arrive.
     #[arg(long, default_value_t = 120)]
     timeout: u64,
+    /// New exports timed until their name resolves at the induced consumer.
+    #[arg(long, default_value_t = 50)]
+    dns_samples: usize,
+    /// Concurrent resolvers of the DNS load.
+    #[arg(long, default_value_t = 8)]
+    dns_clients: usize,
+    /// Seconds of each DNS load round.
+    #[arg(long, default_value_t = 5.0)]
+    dns_seconds: f64,
+    /// DNS load rounds on each server, alternating; medians are reported.
+    #[arg(long, default_value_t = 3)]
+    dns_rounds: usize,
     /// Where to write the JSON result.
     #[arg(long, default_value = "bench/results/exports.json")]
     out: PathBuf,
@@ -122,6 +146,71 @@ async fn arrival(
     }
 }
 
+/// `dns-<k>.shop.svc.clusterset.local.`
+fn dns_name(k: usize) -> String {
+    format!("dns-{k}.{NAMESPACE}.svc.clusterset.local.")
+}
+
+/// Times `--dns-samples` new exports of leaf 0 until their names resolve at `dns`.
+async fn resolvable(
+    client: &mut trellis_api::pb::endpoints::endpoint_mapper_client::EndpointMapperClient<
+        tonic::transport::Channel,
+    >,
+    induced: &InProcessCluster,
+    dns: SocketAddr,
+    args: &Args,
+) -> anyhow::Result<(LatencySummary, LatencySummary)> {
+    let mut named = Recorder::new();
+    let mut stored = Recorder::new();
+    let timed = Instant::now();
+    for k in 0..args.dns_samples {
+        let service = format!("dns-{k}");
+        let name = dns_name(k);
+        let pod = 5000 + u32::try_from(k)?;
+        let sent = Instant::now();
+        client.export_service(export(&service, &[pod])).await?;
+        let mut reflected = None;
+        loop {
+            if reflected.is_none() && listed(induced, &service).await? == Some(1) {
+                reflected = Some(sent.elapsed());
+            }
+            if reflected.is_some() && !dns::resolve(dns, &name).await?.is_empty() {
+                break;
+            }
+            anyhow::ensure!(
+                sent.elapsed() < Duration::from_secs(args.timeout),
+                "{name} never resolved at the induced consumer"
+            );
+            tokio::time::sleep(Duration::from_millis(args.poll_ms)).await;
+        }
+        named.record(sent.elapsed());
+        stored.record(reflected.unwrap_or_default());
+    }
+    let (named, stored) = (
+        named.summary(timed.elapsed()),
+        stored.summary(timed.elapsed()),
+    );
+    eprintln!(
+        "exports-bench: export -> name at the induced consumer p50 {:.1} ms, p99 {:.1} ms (slice stored there: p50 {:.1} ms, p99 {:.1} ms)",
+        named.p50_ms, named.p99_ms, stored.p50_ms, stored.p99_ms
+    );
+    Ok((named, stored))
+}
+
+/// The rounds of one server as one load: latency metrics' medians, counts summed.
+fn median_load(rounds: &[DnsLoad]) -> Option<DnsLoad> {
+    let first = rounds.first()?;
+    let latencies: Vec<LatencySummary> = rounds.iter().map(|r| r.latency.clone()).collect();
+    Some(DnsLoad {
+        server: first.server.clone(),
+        clients: first.clients,
+        seconds: rounds.iter().map(|r| r.seconds).sum(),
+        sent: rounds.iter().map(|r| r.sent).sum(),
+        unanswered: rounds.iter().map(|r| r.unanswered).sum(),
+        latency: LatencySummary::median_of(&latencies)?,
+    })
+}
+
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
@@ -134,10 +223,21 @@ async fn main() -> anyhow::Result<()> {
         args.leaves, args.samples, args.repeats, args.bulk_endpoints
     );
     let hub = InProcessCluster::start_with_endpoints("hub", POD_CIDR, EXTERNAL_CIDR).await?;
+    // Leaf 1, the induced consumer, serves clusterset.local.
+    let dns_addr = SocketAddr::from(([127, 0, 0, 1], trellis_testkit::free_port()));
     let mut leaves = Vec::with_capacity(args.leaves);
     for i in 0..args.leaves {
+        let options = Options {
+            endpoints: true,
+            endpoints_flags: if i == 1 {
+                vec!["--dns-listen".into(), dns_addr.to_string()]
+            } else {
+                Vec::new()
+            },
+            ..Options::default()
+        };
         leaves.push(
-            InProcessCluster::start_with_endpoints(&format!("leaf-{i}"), POD_CIDR, EXTERNAL_CIDR)
+            InProcessCluster::start_with(&format!("leaf-{i}"), POD_CIDR, EXTERNAL_CIDR, options)
                 .await?,
         );
     }
@@ -205,6 +305,49 @@ async fn main() -> anyhow::Result<()> {
         bulk_seconds.push(slowest.as_secs_f64());
     }
     let med = median(&bulk_seconds).context("--repeats must be at least 1")?;
+
+    // Export -> name at the induced consumer, then its DNS under load next to dnsmasq's.
+    let (dns_resolvable, dns_reflected, dns_load, dns_peer) = if args.dns_samples == 0 {
+        (None, None, None, None)
+    } else {
+        let (resolvable, reflected) = resolvable(&mut client, induced, dns_addr, &args).await?;
+        let name = dns_name(0);
+        let answer = dns::resolve(dns_addr, &name).await?;
+        let address = *answer.first().context("the first DNS export resolves")?;
+        let peer = Dnsmasq::start(&name, address).await?;
+        let mut ours = Vec::new();
+        let mut theirs = Vec::new();
+        for _ in 0..args.dns_rounds {
+            ours.push(
+                dns::load(
+                    "trellis",
+                    dns_addr,
+                    &name,
+                    args.dns_clients,
+                    args.dns_seconds,
+                )
+                .await?,
+            );
+            if let Some(peer) = &peer {
+                theirs.push(
+                    dns::load(
+                        &peer.version,
+                        peer.addr,
+                        &name,
+                        args.dns_clients,
+                        args.dns_seconds,
+                    )
+                    .await?,
+                );
+            }
+        }
+        (
+            Some(resolvable),
+            Some(reflected),
+            median_load(&ours),
+            median_load(&theirs),
+        )
+    };
     let report = ExportsResult {
         benchmark: "endpoints_exports".into(),
         run: Some(run),
@@ -216,11 +359,19 @@ async fn main() -> anyhow::Result<()> {
             bulk_endpoints: args.bulk_endpoints,
             repeats: args.repeats,
             poll_ms: args.poll_ms,
+            dns_samples: args.dns_samples,
+            dns_clients: args.dns_clients,
+            dns_seconds: args.dns_seconds,
+            dns_rounds: args.dns_rounds,
         }),
         mesh_seconds,
         change_latency: Some(change_latency),
         reflected_endpoints_per_second: (consumers.len() * args.bulk_endpoints) as f64 / med,
         bulk_seconds,
+        dns_resolvable,
+        dns_reflected,
+        dns: dns_load,
+        dns_peer,
     };
     write_json(&args.out, &report)?;
     eprintln!(

@@ -3,6 +3,7 @@
 
 use std::fmt::Write as _;
 
+use super::exports::dns_targets;
 use super::failover::failover_targets;
 use super::format::num;
 use super::inputs::Inputs;
@@ -431,6 +432,7 @@ pub fn targets(inputs: &Inputs) -> Vec<Target> {
     out.extend(nat_targets(inputs));
     out.extend(tls_targets(inputs));
     out.extend(lab_targets(inputs));
+    out.extend(dns_targets(inputs));
     out.push(ipam_relative_target(&parse::<IpamResult>(inputs, "ipam")));
     out
 }

@@ -252,6 +252,7 @@ fn scale_targets_compare_with_main() {
                 && !t.target.contains("(issue 36)")
                 && !t.target.contains("(issue 37)")
                 && !t.target.contains("(issue 34)")
+                && !t.target.contains("(issue 38)")
         })
         .map(|t| (t.measured.as_str(), t.verdict.clone()))
         .collect();
@@ -902,4 +903,32 @@ fn the_proposed_ipam_target_compares_each_etcd_p99_with_a_point_read_of_as_many_
         "{}",
         t.measured
     );
+}
+
+#[test]
+fn the_dns_target_reads_the_exports_result() {
+    let doc = |p99: f64| {
+        json!({"benchmark": "endpoints_exports", "run": run("full", "2026-11-28T12:00:00Z"),
+               "machine": machine(),
+               "dns_resolvable": {"operations": 50, "p50_ms": 20.0, "p99_ms": p99}})
+    };
+    let verdict = |p99: f64| {
+        targets(&inputs(vec![found("exports", doc(p99))]))
+            .into_iter()
+            .find(|t| t.target.contains("(issue 38)"))
+            .map(|t| (t.measured, t.verdict))
+    };
+    assert_eq!(
+        verdict(35.0),
+        Some((
+            "p99 35.0 ms over 50 exports (p50 20.0 ms)".to_owned(),
+            Verdict::Met
+        ))
+    );
+    assert_eq!(verdict(2500.0).map(|v| v.1), Some(Verdict::NotMet));
+    let none = targets(&inputs(vec![]))
+        .into_iter()
+        .find(|t| t.target.contains("(issue 38)"))
+        .map(|t| t.verdict);
+    assert_eq!(none, Some(Verdict::NotMeasured));
 }

@@ -22,7 +22,7 @@ pub use dataplane::{
     Throughput, Transfer,
 };
 pub use endpoints::{EndpointsParameters, EndpointsResult, EndpointsScenario};
-pub use exports::{ExportsParameters, ExportsResult};
+pub use exports::{DnsLoad, ExportsParameters, ExportsResult};
 pub use failover::{FailoverParameters, FailoverResult, Kill, Spread};
 pub use ipam::{Consistency, IpamParameters, IpamResult, IpamScenario, MetricsOverhead};
 pub use lab::{LabParameters, LabResult, LabRun};
