@@ -34,14 +34,12 @@ use futures::{StreamExt as _, stream};
 use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
-use kube::api::Api;
-use kube::api::PostParams;
+use kube::api::{Api, PostParams};
 use kube::runtime::reflector::reflector as reflect;
 use kube::runtime::reflector::{self, Store};
 use kube::runtime::{WatchStreamExt as _, watcher};
 use serde_json::{Value, json};
-use trellis_error::Error;
-use trellis_error::Result;
+use trellis_error::{Error, Result};
 use trellis_runtime::Shutdown;
 
 use crate::core::Endpoints;
@@ -147,15 +145,12 @@ fn exported_service(export: &ServiceExport, service: &Service) -> Result<Exporte
             .collect(),
         exported_at_nanos,
     };
-    let wire = wanted.to_pb();
-    let checked = ExportedService::from_pb("service", &wire).map_err(|err| {
+    ExportedService::from_pb("service", &wanted.to_pb()).map_err(|err| {
         invalid(
             "InvalidServiceExport",
             format!("the ServiceExport or its Service cannot be exported: {err}"),
         )
-    })?;
-    // from_pb reads the timestamp back; everything else must have survived unchanged.
-    Ok(checked)
+    })
 }
 
 /// The export `export` (a ServiceExport) makes of Service `service` with `slices` (those of
@@ -499,5 +494,83 @@ pub async fn run_export_source(
             _ = imports.changed() => {}
             () = trellis_runtime::timer::period(resync) => {}
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn object<T: serde::de::DeserializeOwned>(value: Value) -> T {
+        serde_json::from_value(value).expect("an object")
+    }
+
+    fn export(spec: Value) -> ServiceExport {
+        object(json!({"metadata": {"name": "web", "namespace": "shop",
+                                   "creationTimestamp": "2026-11-28T12:00:01Z"},
+                      "spec": spec}))
+    }
+
+    fn service(spec: Value) -> Service {
+        object(json!({"metadata": {"name": "web", "namespace": "shop"}, "spec": spec}))
+    }
+
+    fn slice() -> EndpointSlice {
+        object(json!({"metadata": {"name": "web-1", "namespace": "shop"},
+                      "addressType": "IPv4",
+                      "ports": [{"name": "http", "port": 8080}],
+                      "endpoints": [{"addresses": ["10.0.0.7"], "hostname": "web-0"}]}))
+    }
+
+    fn cidr() -> ipnet::IpNet {
+        "10.0.0.0/16".parse().expect("cidr")
+    }
+
+    #[test]
+    fn a_service_export_carries_what_the_service_says_beyond_its_endpoints() {
+        let svc = service(json!({
+            "clusterIP": "None",
+            "ports": [{"name": "http", "port": 80, "targetPort": 8080}],
+            "sessionAffinity": "ClientIP",
+            "sessionAffinityConfig": {"clientIP": {"timeoutSeconds": 30}},
+            "ipFamilies": ["IPv4"],
+        }));
+        let slice = slice();
+        let record = export_of(
+            &export(json!({"exportedLabels": {"tier": "web"}})),
+            &svc,
+            &[&slice],
+            cidr(),
+        )
+        .expect("exported");
+        assert_eq!(record.ports[0].port, Some(8080), "the endpoints' port");
+        assert_eq!(record.endpoints[0].hostname.as_deref(), Some("web-0"));
+        let info = record.service.expect("carried");
+        assert_eq!(info.service_type, ServiceType::Headless);
+        assert_eq!(info.ports[0].port, Some(80), "the Service's own port");
+        assert_eq!(info.session_affinity_timeout_seconds, Some(30));
+        assert_eq!(info.exported_labels["tier"], "web");
+        assert_eq!(info.exported_at_nanos, 1_795_867_201_000_000_000);
+    }
+
+    #[test]
+    fn what_cannot_be_exported_says_why() {
+        let slice = slice();
+        let external = service(json!({"type": "ExternalName", "externalName": "example.com"}));
+        let why = export_of(&export(json!({})), &external, &[&slice], cidr()).expect_err("no");
+        assert_eq!(why.reason, "InvalidServiceType");
+        let portless = service(json!({}));
+        let why = export_of(&export(json!({})), &portless, &[&slice], cidr()).expect_err("no");
+        assert_eq!(why.reason, "InvalidServiceType");
+        let svc = service(json!({"ports": [{"name": "http", "port": 80}]}));
+        let reserved = export(json!({"exportedLabels": {"app.kubernetes.io/managed-by": "me"}}));
+        let why = export_of(&reserved, &svc, &[&slice], cidr()).expect_err("no");
+        assert_eq!(why.reason, "InvalidServiceExport");
+        assert!(why.message.contains("exported_labels"), "{}", why.message);
+        assert_eq!(
+            valid_condition(&Err(why))["status"],
+            "False",
+            "the ServiceExport says so"
+        );
     }
 }

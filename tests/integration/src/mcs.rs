@@ -126,9 +126,14 @@ pub fn stateful_set(n: u32) -> Vec<Pod> {
         .collect()
 }
 
-async fn member(index: usize) -> Option<Member> {
+async fn member(index: usize, dual_stack: bool) -> Option<Member> {
     let etcd = Etcd::start_or_skip()?;
-    let api = FakeApiServer::start().await.expect("fake api server");
+    let api = if dual_stack {
+        FakeApiServer::start_dual_stack().await
+    } else {
+        FakeApiServer::start().await
+    }
+    .expect("fake api server");
     let id = format!("cluster-{index}");
     let dns = SocketAddr::from(([127, 0, 0, 1], trellis_testkit::free_port()));
     let pods = format!("10.{}.0.0/16", 10 + index * 10);
@@ -165,6 +170,16 @@ impl Clusterset {
     /// Two members, peered both ways with their tunnels up, and a fresh namespace; `None`
     /// (skipped loudly) without etcd or `dig`.
     pub async fn start() -> Option<Self> {
+        Self::start_with(false).await
+    }
+
+    /// [`Self::start`] with dual-stack API servers (a Service asking for both families gets an
+    /// IPv6 cluster IP too; the pods stay IPv4).
+    pub async fn start_dual_stack() -> Option<Self> {
+        Self::start_with(true).await
+    }
+
+    async fn start_with(dual_stack: bool) -> Option<Self> {
         let dig = trellis_testkit::require_tool("dig")?;
         // The suite's random namespace; the clock's nanoseconds are random enough here.
         let nanos = std::time::SystemTime::now()
@@ -172,8 +187,8 @@ impl Clusterset {
             .map_or(0, |d| d.subsec_nanos());
         let namespace = format!("mcs-conformance-{nanos}");
         // The suite creates the namespace on every cluster; the fake has every namespace.
-        let c0 = member(0).await?;
-        let c1 = member(1).await?;
+        let c0 = member(0, dual_stack).await?;
+        let c1 = member(1, dual_stack).await?;
         peer(&c0.cluster, &c1.cluster).await;
         let limit = Duration::from_secs(60);
         eventually("cluster-0's tunnel to cluster-1", limit, || {

@@ -346,3 +346,46 @@ async fn answers_resume_after_kill_9_of_the_dns_and_nothing_stale_is_answered() 
     )
     .await;
 }
+
+/// On the Kubernetes path, in dual-stack clusters: a Service exported with both families gets a
+/// clusterset IP per family in every cluster (the derived Service asks for both), in order in
+/// the ServiceImport's `ips` and `ipFamilies`, and the name answers each: A the IPv4 one, AAAA
+/// the IPv6 one (asked with dig; the API servers are fakes, dual-stack).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dual_stack_import_has_a_clusterset_ip_per_family_answered_as_a_and_aaaa() {
+    use trellis_integration::mcs::{Clusterset, deployment, hello_export, hello_service};
+    let Some(set) = Clusterset::start_dual_stack().await else {
+        return;
+    };
+    let stored = set.deploy(0, hello_service(), &deployment(1)).await;
+    assert_eq!(
+        stored["spec"]["ipFamilies"],
+        serde_json::json!(["IPv4", "IPv6"]),
+        "the exported Service is dual-stack: {stored:#}"
+    );
+    set.export(0, hello_export()).await;
+    for i in 0..2 {
+        let import = set
+            .await_import(i, "one clusterset IP per family", |imp| {
+                imp["spec"]["ips"]
+                    .as_array()
+                    .is_some_and(|ips| ips.len() == 2)
+            })
+            .await;
+        assert_eq!(
+            import["spec"]["ipFamilies"],
+            serde_json::json!(["IPv4", "IPv6"]),
+            "{import:#}"
+        );
+        let ips: Vec<String> = import["spec"]["ips"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|ip| ip.as_str().map(str::to_owned))
+            .collect();
+        assert!(ips[0].parse::<std::net::Ipv4Addr>().is_ok(), "{ips:?}");
+        assert!(ips[1].parse::<std::net::Ipv6Addr>().is_ok(), "{ips:?}");
+        set.await_answers(i, &set.fqdn(), "A", &ips[..1]).await;
+        set.await_answers(i, &set.fqdn(), "AAAA", &ips[1..]).await;
+    }
+}

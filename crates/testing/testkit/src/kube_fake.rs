@@ -16,10 +16,11 @@
 //!   Status; `timeoutSeconds` ends the stream;
 //! - one monotonic resourceVersion for every object, `uid`, `creationTimestamp`, `generation`;
 //! - a core `Service` created without `spec.clusterIP` (and not `ExternalName` or headless
-//!   `None`) gets one, with `spec.clusterIPs`, from [`FakeApiServer::SERVICE_CIDR`], as the real API server's
-//!   allocator does: never reused, so a Service deleted and created again gets another IP. A PUT
-//!   that leaves them out keeps the assigned ones; one that changes them is refused with 422
-//!   (the field is immutable).
+//!   `None`) gets one, with `spec.clusterIPs` and `spec.ipFamilies`, from `10.96.0.0/12`, as the
+//!   real API server's allocator does: never reused, so a Service deleted and created again gets
+//!   another IP. In a dual-stack fake ([`FakeApiServer::start_dual_stack`]) a Service asking for
+//!   both families gets an IPv6 one too. A PUT that leaves them out keeps the assigned ones; one
+//!   that changes them is refused with 422 (the field is immutable).
 //!
 //! Not modelled: authentication and authorization, admission (defaulting, validation, webhooks),
 //! field selectors (400), server-side apply and PATCH (405), discovery (`/api`, `/apis`: 404;
@@ -50,6 +51,8 @@ const HISTORY: usize = 10_000;
 const SERVICE_CIDR: &str = "10.96.0.0/12";
 const FIRST_SERVICE_IP: u32 = u32::from_be_bytes([10, 96, 0, 1]);
 const SERVICE_IPS: u32 = 1 << 20;
+/// A dual-stack cluster's IPv6 cluster IPs: `fd00:10:96::/108`.
+const FIRST_SERVICE_IP6: u128 = 0xfd00_0010_0096_0000_0000_0000_0000_0000;
 
 /// (group/version, resource, namespace or "", name).
 type Key = (String, String, String, String);
@@ -73,6 +76,8 @@ struct State {
     requests: u64,
     /// Cluster IPs handed out so far.
     service_ips: u32,
+    /// A dual-stack cluster: a Service asking for both families gets an IPv6 cluster IP too.
+    dual_stack: bool,
 }
 
 /// Whether `target` is the core Services resource (not its `/status`).
@@ -109,8 +114,22 @@ impl State {
         if !object["spec"].is_object() {
             object["spec"] = json!({});
         }
+        let policy = object
+            .pointer("/spec/ipFamilyPolicy")
+            .and_then(Value::as_str)
+            .unwrap_or("SingleStack");
+        let (ips, families) = if self.dual_stack && policy != "SingleStack" {
+            let v6 = std::net::Ipv6Addr::from(FIRST_SERVICE_IP6 + u128::from(self.service_ips));
+            (json!([ip, v6.to_string()]), json!(["IPv4", "IPv6"]))
+        } else {
+            (json!([ip]), json!(["IPv4"]))
+        };
         object["spec"]["clusterIP"] = json!(ip);
-        object["spec"]["clusterIPs"] = json!([ip]);
+        object["spec"]["clusterIPs"] = ips;
+        object["spec"]["ipFamilies"] = families;
+        if object.pointer("/spec/ipFamilyPolicy").is_none() {
+            object["spec"]["ipFamilyPolicy"] = json!("SingleStack");
+        }
         None
     }
 }
@@ -688,13 +707,27 @@ impl FakeApiServer {
 
     /// Starts a fake API server on a free loopback port.
     pub async fn start() -> anyhow::Result<Self> {
+        Self::start_with(false).await
+    }
+
+    /// A dual-stack cluster's: a Service whose `ipFamilyPolicy` is `PreferDualStack` or
+    /// `RequireDualStack` gets an IPv4 and an IPv6 cluster IP (`fd00:10:96::/108`), as a
+    /// dual-stack API server gives it; others one IPv4 address.
+    pub async fn start_dual_stack() -> anyhow::Result<Self> {
+        Self::start_with(true).await
+    }
+
+    async fn start_with(dual_stack: bool) -> anyhow::Result<Self> {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
             .await
             .context("binding the fake API server")?;
         let addr = listener.local_addr()?;
         let (events, _) = broadcast::channel(HISTORY);
         let shared = Arc::new(Shared {
-            state: Mutex::new(State::default()),
+            state: Mutex::new(State {
+                dual_stack,
+                ..State::default()
+            }),
             events,
         });
         let handler = {

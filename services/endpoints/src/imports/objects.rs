@@ -163,6 +163,12 @@ impl Import {
                 }),
                 internal_traffic_policy: service.internal_traffic_policy.clone(),
                 traffic_distribution: service.traffic_distribution.clone(),
+                // One clusterset IP per family the exported Service has: a dual-stack export
+                // asks a dual-stack cluster for both (a single-stack cluster gives one).
+                ip_families: (!self.is_headless() && service.ip_families.len() == 2)
+                    .then(|| service.ip_families.clone()),
+                ip_family_policy: (!self.is_headless() && service.ip_families.len() == 2)
+                    .then(|| "PreferDualStack".to_owned()),
                 ..core_v1::ServiceSpec::default()
             }),
             status: None,
@@ -272,6 +278,8 @@ impl ImportWriter {
                     && held_spec.session_affinity_config == want.session_affinity_config
                     && held_spec.internal_traffic_policy == want.internal_traffic_policy
                     && held_spec.traffic_distribution == want.traffic_distribution
+                    && (want.ip_family_policy.is_none()
+                        || held_spec.ip_family_policy == want.ip_family_policy)
                     && headless(&held_spec) == headless(&want)
                 {
                     return Ok(cluster_ips(&held));
