@@ -52,7 +52,13 @@ pub async fn run(
         };
         let current = desired.borrow_and_update().clone();
         let hub = mappings.borrow_and_update().clone().unwrap_or_default();
-        let Some(current) = current else { continue };
+        let Some(current) = current else {
+            // Nothing to repair before the first desired set: the next timer is a resync away.
+            // (Leaving `due` in the past made every later turn of this loop a Repair that
+            // returned at once: a gateway without its broker spun a core.)
+            due = Instant::now() + resync;
+            continue;
+        };
         let wait = match core.apply_pass(&current, &hub, pass).await {
             Ok(0) => {
                 backoff.reset();
