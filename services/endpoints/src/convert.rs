@@ -8,9 +8,9 @@ use trellis_error::{Error, Result};
 
 use crate::core::translation::Path;
 use crate::model::{
-    AddressType, Conditions, Endpoint, ExportedService, MAX_ENDPOINTS, MAX_LABELS, MAX_PORTS, Port,
-    Protocol, ServiceType, Slice, address, dns_label, dns_subdomain, is_label_key, is_label_value,
-    labels, optional_text,
+    AddressType, Conditions, Endpoint, ExportedService, MAX_ENDPOINTS, MAX_PORTS, Port, Protocol,
+    ServiceType, Slice, address, checked_labels, dns_label, dns_subdomain, is_label_key, labels,
+    optional_text,
 };
 
 /// Longest annotation value carried onto a ServiceImport, and the longest all of them together
@@ -136,47 +136,6 @@ fn reserved_import_key(key: &str) -> bool {
         || key.starts_with(crate::model::TRELLIS_LABEL_PREFIX)
 }
 
-fn exported_labels(
-    field: &str,
-    value: &std::collections::HashMap<String, String>,
-) -> Result<std::collections::BTreeMap<String, String>> {
-    if let Some(key) = value.keys().find(|k| reserved_import_key(k)) {
-        return Err(Error::invalid(
-            field,
-            format!("{key:?} is set by Trellis itself and may not be exported"),
-        ));
-    }
-    let mut out = std::collections::BTreeMap::new();
-    if value.len() > MAX_LABELS {
-        return Err(Error::invalid(
-            field,
-            format!("has {} labels; at most {MAX_LABELS}", value.len()),
-        ));
-    }
-    for (key, val) in value {
-        if !is_label_key(key) {
-            return Err(Error::invalid(
-                field,
-                format!(
-                    "{:?} is not a valid label key",
-                    trellis_api::ident::clip(key)
-                ),
-            ));
-        }
-        if !is_label_value(val) {
-            return Err(Error::invalid(
-                format!("{field}[{key}]"),
-                format!(
-                    "{:?} is not a valid label value",
-                    trellis_api::ident::clip(val)
-                ),
-            ));
-        }
-        out.insert(key.clone(), val.clone());
-    }
-    Ok(out)
-}
-
 fn exported_annotations(
     field: &str,
     value: &std::collections::HashMap<String, String>,
@@ -296,9 +255,10 @@ impl ExportedService {
             )?,
             traffic_distribution,
             ip_families,
-            exported_labels: exported_labels(
+            exported_labels: checked_labels(
                 &format!("{field}.exported_labels"),
                 &value.exported_labels,
+                reserved_import_key,
             )?,
             exported_annotations: exported_annotations(
                 &format!("{field}.exported_annotations"),

@@ -196,6 +196,20 @@ pub(crate) fn labels(
     field: &str,
     value: &std::collections::HashMap<String, String>,
 ) -> Result<BTreeMap<String, String>> {
+    checked_labels(field, value, |key| {
+        key == MANAGED_BY_LABEL
+            || key == SERVICE_NAME_LABEL
+            || key.starts_with(TRELLIS_LABEL_PREFIX)
+    })
+}
+
+/// Labels at `field`: at most [`MAX_LABELS`], each key and value valid Kubernetes label syntax,
+/// none of the keys `reserved` says Trellis sets itself.
+pub(crate) fn checked_labels(
+    field: &str,
+    value: &std::collections::HashMap<String, String>,
+    reserved: impl Fn(&str) -> bool,
+) -> Result<BTreeMap<String, String>> {
     if value.len() > MAX_LABELS {
         return Err(Error::invalid(
             field,
@@ -213,10 +227,7 @@ pub(crate) fn labels(
                 format!("{:?} is not a valid label key", clip(key)),
             ));
         }
-        if key == MANAGED_BY_LABEL
-            || key == SERVICE_NAME_LABEL
-            || key.starts_with(TRELLIS_LABEL_PREFIX)
-        {
+        if reserved(key) {
             return Err(Error::invalid(
                 field,
                 format!("{key:?} is set by Trellis itself and may not be given"),

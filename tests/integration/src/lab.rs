@@ -1,5 +1,7 @@
 //! `trellis-lab up` as a child process that keeps running: started, followed until it says it
-//! runs, interrupted like Ctrl-C, and killed if a test fails before stopping it.
+//! runs, interrupted like Ctrl-C, and killed if a test fails before stopping it; and what the
+//! tests of a running netns lab do with its topology file: read its fields, run `trellisctl`
+//! where an operator would, keep helper processes only as long as the test.
 
 use std::ffi::OsStr;
 use std::io::{BufRead as _, BufReader};
@@ -75,4 +77,33 @@ impl Drop for RunningLab {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+}
+
+/// The string `key` of a topology file object; panics naming what is missing.
+pub fn str_of<'a>(v: &'a serde_json::Value, key: &str) -> &'a str {
+    v[key].as_str().unwrap_or_else(|| panic!("{key} in {v}"))
+}
+
+/// A child process (a server in a pod namespace) killed on drop.
+#[derive(Debug)]
+pub struct Killed(pub Child);
+
+impl Drop for Killed {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// `trellisctl <args>` against `cluster`'s services (a topology file cluster), from its
+/// gateway namespace, where an operator on the gateway node reaches them.
+pub fn trellisctl(cluster: &serde_json::Value, args: &[&str]) -> std::process::Output {
+    let ctl = crate::bin_path("trellisctl").expect("trellisctl is built");
+    Command::new("ip")
+        .args(["netns", "exec", str_of(cluster, "gateway_netns")])
+        .arg(ctl)
+        .args(["--endpoints", str_of(&cluster["services"], "endpoints")])
+        .args(args)
+        .output()
+        .expect("trellisctl runs")
 }

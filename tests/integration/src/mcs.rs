@@ -533,6 +533,16 @@ pub fn mcs_ports(ports: &Value) -> Vec<(String, String, i64, Option<String>)> {
     out
 }
 
+/// A ServiceImport's clusterset IPs (`spec.ips`), in order.
+pub fn clusterset_ips(import: &Value) -> Vec<String> {
+    import["spec"]["ips"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|ip| ip.as_str().map(str::to_owned))
+        .collect()
+}
+
 /// A string map of an object (labels, annotations).
 pub fn string_map(value: &Value) -> BTreeMap<String, String> {
     value

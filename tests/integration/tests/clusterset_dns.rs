@@ -353,7 +353,9 @@ async fn answers_resume_after_kill_9_of_the_dns_and_nothing_stale_is_answered() 
 /// the IPv6 one (asked with dig; the API servers are fakes, dual-stack).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dual_stack_import_has_a_clusterset_ip_per_family_answered_as_a_and_aaaa() {
-    use trellis_integration::mcs::{Clusterset, deployment, hello_export, hello_service};
+    use trellis_integration::mcs::{
+        Clusterset, clusterset_ips, deployment, hello_export, hello_service,
+    };
     let Some(set) = Clusterset::start_dual_stack().await else {
         return;
     };
@@ -377,12 +379,7 @@ async fn a_dual_stack_import_has_a_clusterset_ip_per_family_answered_as_a_and_aa
             serde_json::json!(["IPv4", "IPv6"]),
             "{import:#}"
         );
-        let ips: Vec<String> = import["spec"]["ips"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .filter_map(|ip| ip.as_str().map(str::to_owned))
-            .collect();
+        let ips = clusterset_ips(&import);
         assert!(ips[0].parse::<std::net::Ipv4Addr>().is_ok(), "{ips:?}");
         assert!(ips[1].parse::<std::net::Ipv6Addr>().is_ok(), "{ips:?}");
         set.await_answers(i, &set.fqdn(), "A", &ips[..1]).await;

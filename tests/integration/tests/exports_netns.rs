@@ -13,12 +13,11 @@
 //! reaches the services. Skipped (with a `SKIPPED:` line) when not root or without
 //! `ip`/`nft`/`ping`/`python3`; CI runs as root and fails instead. Heavy: one at a time.
 
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
-use trellis_integration::bin_path;
-use trellis_integration::lab::RunningLab;
+use trellis_integration::lab::{Killed, RunningLab, str_of, trellisctl};
 
 const PORT: u16 = 8080;
 const BLOB: usize = 1 << 20;
@@ -26,33 +25,6 @@ const LIMIT: Duration = Duration::from_secs(60);
 
 fn can_run(test: &str) -> bool {
     trellis_netlab::netns::can_run(test, &["ip", "nft", "ping", "python3"])
-}
-
-fn str_of<'a>(v: &'a Value, key: &str) -> &'a str {
-    v[key].as_str().unwrap_or_else(|| panic!("{key} in {v}"))
-}
-
-/// A child process killed on drop.
-struct Killed(Child);
-
-impl Drop for Killed {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-/// `trellisctl <args>` against `cluster`'s services, from its gateway namespace.
-fn trellisctl(cluster: &Value, args: &[&str]) -> Output {
-    let ctl = bin_path("trellisctl").expect("trellisctl is built");
-    let endpoints = str_of(&cluster["services"], "endpoints");
-    Command::new("ip")
-        .args(["netns", "exec", str_of(cluster, "gateway_netns")])
-        .arg(ctl)
-        .args(["--endpoints", endpoints])
-        .args(args)
-        .output()
-        .expect("trellisctl runs")
 }
 
 /// The addresses `cluster` imported for Service `name` (its reflected slices of it).

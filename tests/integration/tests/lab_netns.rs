@@ -15,7 +15,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use trellis_integration::bin_path;
-use trellis_integration::lab::RunningLab;
+use trellis_integration::lab::{RunningLab, str_of};
 use trellis_testkit::require_tool;
 
 fn can_run(test: &str) -> bool {
@@ -50,10 +50,6 @@ fn check(path: &Path) -> (bool, String) {
             String::from_utf8_lossy(&out.stderr)
         ),
     )
-}
-
-fn str_of<'a>(v: &'a serde_json::Value, key: &str) -> &'a str {
-    v[key].as_str().unwrap_or_else(|| panic!("{key} in {v}"))
 }
 
 #[test]

@@ -14,7 +14,8 @@ use std::net::IpAddr;
 
 use serde_json::{Value, json};
 use trellis_integration::mcs::{
-    Clusterset, HELLO, deployment, hello_export, hello_service, mcs_ports, stateful_set, string_map,
+    Clusterset, HELLO, clusterset_ips, deployment, hello_export, hello_service, mcs_ports,
+    stateful_set, string_map,
 };
 
 /// The suite's BeforeEach and JustBeforeEach of a single-exporter spec: cluster 0 deploys
@@ -431,12 +432,7 @@ async fn a_dns_lookup_of_the_clusterset_local_domain_for_a_cluster_ip_service_sh
                     .is_some_and(|ips| !ips.is_empty())
             })
             .await;
-        let ips: Vec<String> = import["spec"]["ips"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .filter_map(|ip| ip.as_str().map(str::to_owned))
-            .collect();
+        let ips = clusterset_ips(&import);
         set.await_answers(i, &set.fqdn(), "A", &ips).await;
     }
 }
@@ -472,12 +468,7 @@ async fn dns_lookups_of_the_cluster_local_domain_for_a_cluster_ip_service_should
         .await_import(0, "clusterset IPs", |i| i["spec"]["ips"].is_array())
         .await;
     // The zone is served (the clusterset name answers) before the other zone is asked.
-    let ips: Vec<String> = import["spec"]["ips"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .filter_map(|ip| ip.as_str().map(str::to_owned))
-        .collect();
+    let ips = clusterset_ips(&import);
     set.await_answers(0, &set.fqdn(), "A", &ips).await;
     let local = format!("{HELLO}.{}.svc.cluster.local.", set.namespace);
     let answer = set.dig(0, &local, "A").await;
@@ -611,36 +602,35 @@ fn named(ports: &[(&str, i64)]) -> Vec<(String, i64)> {
     ports.iter().map(|(n, p)| ((*n).to_owned(), *p)).collect()
 }
 
-/// S26 (Optional, Connectivity, ClusterIP, StrictPortConflict): "Connectivity to exported
-/// services with same port name but different port numbers on each cluster should only route
-/// traffic to the cluster that exposes the port" (routing part: see above).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn exported_services_with_same_port_name_but_different_port_numbers_should_only_route_traffic_to_the_cluster_that_exposes_the_port()
- {
+/// The two-cluster driver with cluster 1's Service ports `second`, then, in each cluster: the
+/// ServiceImport's ports are `import_ports` and each exporter's MCS EndpointSlices carry
+/// `slice_ports` (by source cluster), within the suite's budgets.
+async fn strict_ports(
+    second: Value,
+    import_ports: &[(&str, &str, i64)],
+    slice_ports: &[(&str, &[(&str, i64)])],
+) {
     let Some(set) = Clusterset::start().await else {
         return;
     };
     set.deploy(0, hello_service(), &deployment(1)).await;
-    let mut second = hello_service();
-    second["spec"]["ports"] =
-        json!([{"name": "tcp", "port": 4242, "targetPort": 42, "protocol": "TCP"}]);
-    set.second_exporter(hello_export(), second, hello_export())
+    let mut service = hello_service();
+    service["spec"]["ports"] = second;
+    set.second_exporter(hello_export(), service, hello_export())
         .await;
-    let want_ports = vec![
-        ("tcp".to_owned(), "TCP".to_owned(), 42, None),
-        ("udp".to_owned(), "UDP".to_owned(), 42, None),
-    ];
+    let want_ports: Vec<_> = import_ports
+        .iter()
+        .map(|(n, p, port)| ((*n).to_owned(), (*p).to_owned(), *port, None))
+        .collect();
+    let want: std::collections::BTreeMap<String, Vec<(String, i64)>> = slice_ports
+        .iter()
+        .map(|(cluster, ports)| ((*cluster).to_owned(), named(ports)))
+        .collect();
     for i in 0..2 {
-        set.await_import(i, "cluster-0's port 42", |imp| {
+        set.await_import(i, "the import's ports", |imp| {
             mcs_ports(&imp["spec"]["ports"]) == want_ports
         })
         .await;
-        // Port tcp (42) reaches cluster-0's pods only: cluster-1's slice serves none of the
-        // import's ports.
-        let want = std::collections::BTreeMap::from([
-            ("cluster-0".to_owned(), named(&[("tcp", 42), ("udp", 42)])),
-            ("cluster-1".to_owned(), Vec::new()),
-        ]);
         let start = std::time::Instant::now();
         while set.slice_ports(i) != want {
             assert!(
@@ -653,44 +643,42 @@ async fn exported_services_with_same_port_name_but_different_port_numbers_should
     }
 }
 
+/// S26 (Optional, Connectivity, ClusterIP, StrictPortConflict): "Connectivity to exported
+/// services with same port name but different port numbers on each cluster should only route
+/// traffic to the cluster that exposes the port" (routing part: see above). Port tcp (42)
+/// reaches cluster 0's pods only: cluster 1's slice serves none of the import's ports.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn exported_services_with_same_port_name_but_different_port_numbers_should_only_route_traffic_to_the_cluster_that_exposes_the_port()
+ {
+    strict_ports(
+        json!([{"name": "tcp", "port": 4242, "targetPort": 42, "protocol": "TCP"}]),
+        &[("tcp", "TCP", 42), ("udp", "UDP", 42)],
+        &[
+            ("cluster-0", &[("tcp", 42), ("udp", 42)]),
+            ("cluster-1", &[]),
+        ],
+    )
+    .await;
+}
+
 /// S27 (Optional, Connectivity, ClusterIP, StrictPortConflict): "Connectivity to exported
 /// services with different port name on each cluster should route traffic to each port only to
-/// the cluster that exposes it" (routing part: see above).
+/// the cluster that exposes it" (routing part: see above). 42 (tcp) reaches cluster 0's pods,
+/// 4242 (tcp2) cluster 1's, at their port 42.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn exported_services_with_different_port_name_on_each_cluster_should_route_traffic_to_each_port_only_to_the_cluster_that_exposes_it()
  {
-    let Some(set) = Clusterset::start().await else {
-        return;
-    };
-    set.deploy(0, hello_service(), &deployment(1)).await;
-    let mut second = hello_service();
-    second["spec"]["ports"] =
-        json!([{"name": "tcp2", "port": 4242, "targetPort": 42, "protocol": "TCP"}]);
-    set.second_exporter(hello_export(), second, hello_export())
-        .await;
-    let want_ports = vec![
-        ("tcp".to_owned(), "TCP".to_owned(), 42, None),
-        ("tcp2".to_owned(), "TCP".to_owned(), 4242, None),
-        ("udp".to_owned(), "UDP".to_owned(), 42, None),
-    ];
-    for i in 0..2 {
-        set.await_import(i, "both clusters' ports", |imp| {
-            mcs_ports(&imp["spec"]["ports"]) == want_ports
-        })
-        .await;
-        // 42 (tcp) reaches cluster-0's pods, 4242 (tcp2) cluster-1's, at their port 42.
-        let want = std::collections::BTreeMap::from([
-            ("cluster-0".to_owned(), named(&[("tcp", 42), ("udp", 42)])),
-            ("cluster-1".to_owned(), named(&[("tcp2", 42)])),
-        ]);
-        let start = std::time::Instant::now();
-        while set.slice_ports(i) != want {
-            assert!(
-                start.elapsed() < trellis_integration::mcs::SLICE_BUDGET,
-                "cluster-{i}: slice ports {:?}, want {want:?}",
-                set.slice_ports(i)
-            );
-            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
-        }
-    }
+    strict_ports(
+        json!([{"name": "tcp2", "port": 4242, "targetPort": 42, "protocol": "TCP"}]),
+        &[
+            ("tcp", "TCP", 42),
+            ("tcp2", "TCP", 4242),
+            ("udp", "UDP", 42),
+        ],
+        &[
+            ("cluster-0", &[("tcp", 42), ("udp", 42)]),
+            ("cluster-1", &[("tcp2", 42)]),
+        ],
+    )
+    .await;
 }

@@ -12,12 +12,11 @@
 //! Skipped (with a `SKIPPED:` line) when not root or without `ip`/`nft`/`nc`/`python3`; CI
 //! runs as root and fails instead. Heavy: one lab per spec.
 
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
-use trellis_integration::bin_path;
-use trellis_integration::lab::RunningLab;
+use trellis_integration::lab::{self, Killed, RunningLab, str_of};
 
 /// The suite's budget for one passing probe (20 s, a probe a second); the strict specs want
 /// ten in a row within ten times that.
@@ -26,20 +25,6 @@ const NAMESPACE: &str = "mcs-conformance-netns";
 
 fn can_run(test: &str) -> bool {
     trellis_netlab::netns::can_run(test, &["ip", "nft", "nc", "python3"])
-}
-
-fn str_of<'a>(v: &'a Value, key: &str) -> &'a str {
-    v[key].as_str().unwrap_or_else(|| panic!("{key} in {v}"))
-}
-
-/// A child process killed on drop.
-struct Killed(Child);
-
-impl Drop for Killed {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
 }
 
 /// `/etc/netns/<pod>/resolv.conf` naming the cluster's DNS, removed on drop.
@@ -170,22 +155,14 @@ fn hello(cluster: &Value) -> (Killed, String) {
     (Killed(child), ip)
 }
 
-/// `trellisctl <args>` against `cluster`'s services, from its gateway namespace.
-fn trellisctl(cluster: &Value, args: &[&str]) -> Output {
-    let ctl = bin_path("trellisctl").expect("trellisctl is built");
-    let out = Command::new("ip")
-        .args(["netns", "exec", str_of(cluster, "gateway_netns")])
-        .arg(ctl)
-        .args(["--endpoints", str_of(&cluster["services"], "endpoints")])
-        .args(args)
-        .output()
-        .expect("trellisctl runs");
+/// `trellisctl <args>` against `cluster`, which must succeed.
+fn trellisctl(cluster: &Value, args: &[&str]) {
+    let out = lab::trellisctl(cluster, args);
     assert!(
         out.status.success(),
         "trellisctl {args:?}: {}",
         String::from_utf8_lossy(&out.stderr)
     );
-    out
 }
 
 /// Exports `hello` (port 42) from `cluster` with its pod at `ip`.
