@@ -78,6 +78,21 @@ fn endpoint(field: &str, kind: AddressType, value: &pb::Endpoint) -> Result<Endp
     })
 }
 
+/// The ports at `field` (at most [`MAX_PORTS`]).
+fn ports(field: &str, value: &[pb::EndpointPort]) -> Result<Vec<Port>> {
+    if value.len() > MAX_PORTS {
+        return Err(Error::invalid(
+            field,
+            format!("has {} ports; at most {MAX_PORTS}", value.len()),
+        ));
+    }
+    value
+        .iter()
+        .enumerate()
+        .map(|(i, p)| port(&format!("{field}[{i}]"), p))
+        .collect()
+}
+
 pub(crate) fn port(field: &str, value: &pb::EndpointPort) -> Result<Port> {
     let name = if value.name.is_empty() {
         None
@@ -191,18 +206,7 @@ impl ExportedService {
                 ));
             }
         };
-        if value.ports.len() > MAX_PORTS {
-            return Err(Error::invalid(
-                format!("{field}.ports"),
-                format!("has {} ports; at most {MAX_PORTS}", value.ports.len()),
-            ));
-        }
-        let ports = value
-            .ports
-            .iter()
-            .enumerate()
-            .map(|(i, p)| port(&format!("{field}.ports[{i}]"), p))
-            .collect::<Result<Vec<_>>>()?;
+        let ports = ports(&format!("{field}.ports"), &value.ports)?;
         if let Some(t) = value.session_affinity_timeout_seconds
             && !(1..=86_400).contains(&t)
         {
@@ -341,24 +345,13 @@ impl Slice {
                 ),
             ));
         }
-        if value.ports.len() > MAX_PORTS {
-            return Err(Error::invalid(
-                format!("{field}.ports"),
-                format!("has {} ports; at most {MAX_PORTS}", value.ports.len()),
-            ));
-        }
         let endpoints = value
             .endpoints
             .iter()
             .enumerate()
             .map(|(i, e)| endpoint(&format!("{field}.endpoints[{i}]"), address_type, e))
             .collect::<Result<Vec<_>>>()?;
-        let ports = value
-            .ports
-            .iter()
-            .enumerate()
-            .map(|(i, p)| port(&format!("{field}.ports[{i}]"), p))
-            .collect::<Result<Vec<_>>>()?;
+        let ports = ports(&format!("{field}.ports"), &value.ports)?;
         Ok(Self {
             namespace,
             name,
