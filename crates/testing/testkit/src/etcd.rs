@@ -22,6 +22,50 @@ const READY_TIMEOUT: Duration = Duration::from_secs(20);
 /// [`free_port`] releasing it and etcd binding it.
 const START_ATTEMPTS: usize = 3;
 
+/// Prefix of every etcd's temporary directory.
+const DIR_PREFIX: &str = "trellis-etcd-";
+
+/// The file in an etcd's directory naming the process that owns it (the test process).
+const OWNER_FILE: &str = "owner.pid";
+
+/// A directory without an owner file is an orphan once it is this old.
+const UNOWNED_AGE: Duration = Duration::from_secs(24 * 3600);
+
+/// Removes the etcd directories under `tmp` whose owning process is gone: a test process
+/// killed (a timeout, SIGKILL) never runs the drop that removes its directory, and each holds
+/// about 120 MB of preallocated WAL; hundreds of them once filled this machine's disk. A
+/// directory of a live process, or of unknown owner and younger than [`UNOWNED_AGE`], stays.
+/// Returns how many were removed.
+fn sweep_orphaned_dirs(tmp: &std::path::Path) -> usize {
+    let Ok(entries) = fs::read_dir(tmp) else {
+        return 0;
+    };
+    let mut removed = 0;
+    for entry in entries.flatten() {
+        let path = entry.path();
+        let ours = entry.file_name().to_string_lossy().starts_with(DIR_PREFIX);
+        if !ours || !path.is_dir() {
+            continue;
+        }
+        let owner = fs::read_to_string(path.join(OWNER_FILE))
+            .ok()
+            .and_then(|p| p.trim().parse::<u32>().ok());
+        let orphan = match owner {
+            Some(pid) => !std::path::Path::new(&format!("/proc/{pid}")).exists(),
+            None => entry
+                .metadata()
+                .and_then(|m| m.modified())
+                .ok()
+                .and_then(|t| t.elapsed().ok())
+                .is_some_and(|age| age > UNOWNED_AGE),
+        };
+        if orphan && fs::remove_dir_all(&path).is_ok() {
+            removed += 1;
+        }
+    }
+    removed
+}
+
 /// A running etcd: a single-node cluster on two free loopback ports with its data in a
 /// temporary directory. Killed (and the directory removed) on drop.
 ///
@@ -80,14 +124,24 @@ impl Etcd {
     fn start_with(tls: bool) -> anyhow::Result<Self> {
         let binary = tool_path("etcd")
             .context("etcd not found on PATH or in .tools/bin (scripts/setup.sh installs it)")?;
+        static SWEPT: std::sync::Once = std::sync::Once::new();
+        SWEPT.call_once(|| {
+            let removed = sweep_orphaned_dirs(&env::temp_dir());
+            if removed > 0 {
+                eprintln!("removed {removed} etcd directories of test processes that are gone");
+            }
+        });
         let mut failures = Vec::new();
         for _ in 0..START_ATTEMPTS {
+            let dir = tempfile::Builder::new()
+                .prefix(DIR_PREFIX)
+                .tempdir()
+                .context("creating etcd's temporary directory")?;
+            fs::write(dir.path().join(OWNER_FILE), std::process::id().to_string())
+                .context("writing the owner of etcd's temporary directory")?;
             let mut etcd = Self {
                 binary: binary.clone(),
-                dir: tempfile::Builder::new()
-                    .prefix("trellis-etcd-")
-                    .tempdir()
-                    .context("creating etcd's temporary directory")?,
+                dir,
                 client_port: free_port(),
                 peer_port: free_port(),
                 child: None,
@@ -329,6 +383,34 @@ pub(crate) fn http_request(port: u16, method: &str, path: &str, body: &str) -> O
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn directories_of_processes_that_are_gone_are_swept_and_live_ones_kept() {
+        let tmp = tempfile::tempdir().expect("tempdir");
+        let gone = {
+            let mut child = std::process::Command::new("true")
+                .spawn()
+                .expect("true runs");
+            let pid = child.id();
+            child.wait().expect("exits");
+            pid
+        };
+        let dir = |name: &str, owner: Option<u32>| {
+            let path = tmp.path().join(name);
+            fs::create_dir(&path).expect("dir");
+            if let Some(pid) = owner {
+                fs::write(path.join(OWNER_FILE), pid.to_string()).expect("owner");
+            }
+            path
+        };
+        let orphan = dir("trellis-etcd-orphan", Some(gone));
+        let live = dir("trellis-etcd-live", Some(std::process::id()));
+        let young = dir("trellis-etcd-young", None);
+        let other = dir("someone-else", Some(gone));
+        assert_eq!(sweep_orphaned_dirs(tmp.path()), 1);
+        assert!(!orphan.exists());
+        assert!(live.exists() && young.exists() && other.exists());
+    }
+
     use super::*;
 
     /// base64 of "trellis" and "works", for etcd's JSON gateway.
