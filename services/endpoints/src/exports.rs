@@ -258,6 +258,16 @@ impl Endpoints {
         Ok(removed)
     }
 
+    /// The slice one of our exports is reflected (and imported here) as: [`slice_of`] labelled
+    /// with us as its origin.
+    pub(crate) fn own_slice(&self, export: &ExportRecord) -> Slice {
+        let mut slice = slice_of(export);
+        slice
+            .labels
+            .insert(ORIGIN_LABEL.to_owned(), self.local().id.to_string());
+        slice
+    }
+
     /// Every stored export (both sources).
     pub(crate) async fn stored_exports(&self) -> Result<Vec<ExportRecord>> {
         self.store
@@ -332,10 +342,7 @@ impl Endpoints {
     ) -> Result<BTreeMap<(ClusterId, String, String), Slice>> {
         let mut desired = BTreeMap::new();
         for export in self.stored_exports().await? {
-            let mut slice = slice_of(&export);
-            slice
-                .labels
-                .insert(ORIGIN_LABEL.to_owned(), self.local().id.to_string());
+            let slice = self.own_slice(&export);
             for target in targets.keys() {
                 desired.insert(
                     (target.clone(), slice.namespace.clone(), slice.name.clone()),

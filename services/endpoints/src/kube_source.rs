@@ -396,6 +396,11 @@ impl Endpoints {
         }
         // Each ServiceExport says whether it is valid and whether the exporters of its
         // Service agree (as this cluster sees them: its own export and the peers').
+        if desired.is_empty() {
+            // No ServiceExport: no status to write, no reason to read the imports (this pass
+            // also runs after every import change).
+            return Ok(failed);
+        }
         let imports = merge(&self.import_records().await?);
         for (key, verdict) in &desired {
             let Some(export) = caches.export(&key.0, &key.1) else {

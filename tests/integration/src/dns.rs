@@ -6,6 +6,17 @@ use std::net::SocketAddr;
 use std::path::Path;
 use std::process::Command;
 
+/// The endpoints service flags that serve `clusterset.local` on `addr` with a 1 s TTL, so a
+/// test's resolver never holds an answer for long.
+pub fn serving_flags(addr: SocketAddr) -> Vec<String> {
+    vec![
+        "--dns-listen".into(),
+        addr.to_string(),
+        "--dns-ttl".into(),
+        "1".into(),
+    ]
+}
+
 /// One answer as `dig` printed it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Dig {

@@ -24,7 +24,7 @@ use serde_json::{Value, json};
 use trellis_testkit::{Etcd, FakeApiServer};
 
 use crate::cluster::{InProcessCluster, Options};
-use crate::dns::{Dig, Over, dig};
+use crate::dns::{Dig, Over, dig, serving_flags};
 use crate::peering::{eventually, host_at, peer, tunnel_to};
 
 /// The suite's budget for a ServiceImport (or a ServiceExport condition) to appear or go.
@@ -141,12 +141,7 @@ async fn member(index: usize, dual_stack: bool) -> Option<Member> {
         endpoints: true,
         endpoints_store: Some(etcd.url(&format!("/{id}/endpoints"))),
         kubeconfig: Some(api.kubeconfig()),
-        endpoints_flags: vec![
-            "--dns-listen".into(),
-            dns.to_string(),
-            "--dns-ttl".into(),
-            "1".into(),
-        ],
+        endpoints_flags: serving_flags(dns),
         ..Options::default()
     };
     let external = format!("10.{}.0.0/16", 200 + index);

@@ -11,7 +11,7 @@ use std::time::Duration;
 use ipnet::IpNet;
 use trellis_api::pb::endpoints::UnexportServiceRequest;
 use trellis_integration::cluster::{InProcessCluster, Options};
-use trellis_integration::dns::{Over, dig};
+use trellis_integration::dns::{Over, dig, serving_flags};
 use trellis_integration::peering::{eventually, host_at, peer, tunnel_to};
 use trellis_testkit::exports::export_request;
 
@@ -68,12 +68,7 @@ async fn an_exported_service_resolves_at_an_induced_consumer_by_name_and_goes_wi
         "10.201.0.0/16",
         Options {
             endpoints: true,
-            endpoints_flags: vec![
-                "--dns-listen".into(),
-                dns.to_string(),
-                "--dns-ttl".into(),
-                "1".into(),
-            ],
+            endpoints_flags: serving_flags(dns),
             ..Options::default()
         },
     )
@@ -245,12 +240,7 @@ async fn answers_resume_after_kill_9_of_the_dns_and_nothing_stale_is_answered() 
     };
     let dns = SocketAddr::from(([127, 0, 0, 1], trellis_testkit::free_port()));
     let consumer = ProcessOptions {
-        endpoints_flags: vec![
-            "--dns-listen".into(),
-            dns.to_string(),
-            "--dns-ttl".into(),
-            "1".into(),
-        ],
+        endpoints_flags: serving_flags(dns),
         ..ProcessOptions::default()
     };
     let (b, a, c) = tokio::join!(

@@ -6,7 +6,7 @@
 //! EndpointSlice controller would) and its endpoints service on a real etcd, serving
 //! `clusterset.local` DNS that the DNS specs ask with Debian's `dig`. Cluster 0 exports, as in
 //! the suite. `docs/mcs-conformance.md` lists every spec with its test and result; the
-//! connectivity specs run in the netns lab (`exports_netns`).
+//! connectivity specs S23-S25 run in the netns lab (`mcs_connectivity.rs`).
 //!
 //! Needs etcd and dig; skips loudly without them (fails in CI).
 

@@ -145,31 +145,26 @@ fn normalized(ports: &[Port]) -> Vec<Port> {
 
 /// Groups reflected slices into imports by (namespace, Service name).
 pub fn merge(records: &[ReflectedRecord]) -> BTreeMap<(String, String), Import> {
-    let mut by_service: BTreeMap<(String, String), BTreeMap<String, ExportedService>> =
-        BTreeMap::new();
-    let mut slice_families: BTreeMap<(String, String), BTreeSet<&'static str>> = BTreeMap::new();
+    // Per Service: each exporter's view of it, and the address families of its slices.
+    type Exporters = (BTreeMap<String, ExportedService>, BTreeSet<&'static str>);
+    let mut by_service: BTreeMap<(String, String), Exporters> = BTreeMap::new();
     for record in records {
-        if record.slice.address_type != AddressType::Fqdn {
-            slice_families
-                .entry((
-                    record.slice.namespace.clone(),
-                    record.slice.service_name.clone(),
-                ))
-                .or_default()
-                .insert(record.slice.address_type.as_k8s());
-        }
-        by_service
+        let (exporters, families) = by_service
             .entry((
                 record.slice.namespace.clone(),
                 record.slice.service_name.clone(),
             ))
-            .or_default()
+            .or_default();
+        exporters
             .entry(origin_of(record))
             .or_insert_with(|| exported_service(record));
+        if record.slice.address_type != AddressType::Fqdn {
+            families.insert(record.slice.address_type.as_k8s());
+        }
     }
     by_service
         .into_iter()
-        .filter_map(|((namespace, name), exporters)| {
+        .filter_map(|((namespace, name), (exporters, families))| {
             let mut order: Vec<(&String, &ExportedService)> = exporters.iter().collect();
             order.sort_by_key(|(cluster, s)| (s.exported_at_nanos, (*cluster).clone()));
             let (first, winner) = *order.first()?;
@@ -198,9 +193,6 @@ pub fn merge(records: &[ReflectedRecord]) -> BTreeMap<(String, String), Import> 
             }
             let mut service = winner.clone();
             service.ports = union.into_values().collect();
-            let families = slice_families
-                .remove(&(namespace.clone(), name.clone()))
-                .unwrap_or_default();
             let import = Import {
                 slice_families: families.into_iter().collect(),
                 namespace: namespace.clone(),

@@ -107,13 +107,9 @@ impl Endpoints {
     pub async fn import_records(&self) -> Result<Vec<ReflectedRecord>> {
         let mut records = self.list(None, None).await?;
         for export in self.stored_exports().await? {
-            let mut slice = crate::exports::slice_of(&export);
-            slice
-                .labels
-                .insert(ORIGIN_LABEL.to_owned(), self.local().id.to_string());
             records.push(ReflectedRecord {
                 source: self.local().clone(),
-                slice,
+                slice: self.own_slice(&export),
                 generation: 0,
                 object_name: None,
                 update_time_nanos: export.update_time_nanos,
