@@ -397,6 +397,24 @@ impl Hub {
         Ok(Some(revisions))
     }
 
+    /// The hub's counters (hub on etcd only), summed over its processes, from each one's
+    /// `/metrics`: store transactions retried after a lost compare-and-swap, changes its store
+    /// watches delivered, and relay deliveries the forwarder scheduled again.
+    pub(super) fn counters(&self) -> Option<HubCounters> {
+        let Hub::Etcd(c) = self else {
+            return None;
+        };
+        let mut total = HubCounters::default();
+        for service in Service::ALL {
+            let addr = c.metrics_addr(service)?;
+            let text = trellis_integration::prom::scrape(&addr.to_string());
+            total.store_retries += counter(&text, "trellis_store_transaction_retries_total");
+            total.watch_events += counter(&text, "trellis_store_watch_events_total");
+            total.relay_retries += counter(&text, "trellis_forwarder_relay_retries_total");
+        }
+        Some(total)
+    }
+
     pub(super) async fn stop(self) {
         match self {
             Hub::InProcess(mut h) => {
@@ -424,5 +442,50 @@ impl From<StoreSize> for StoreUse {
             keys: size.keys,
             bytes: size.bytes,
         }
+    }
+}
+
+/// Counters of the hub's processes, summed (see [`Hub::counters`]).
+#[derive(Debug, Clone, Copy, Default)]
+pub(super) struct HubCounters {
+    pub(super) store_retries: f64,
+    pub(super) watch_events: f64,
+    pub(super) relay_retries: f64,
+}
+
+impl std::ops::Sub for HubCounters {
+    type Output = Self;
+
+    fn sub(self, before: Self) -> Self {
+        Self {
+            store_retries: self.store_retries - before.store_retries,
+            watch_events: self.watch_events - before.watch_events,
+            relay_retries: self.relay_retries - before.relay_retries,
+        }
+    }
+}
+
+/// The sum of every sample of counter `name` (each label set) in an exposition.
+fn counter(text: &str, name: &str) -> f64 {
+    text.lines()
+        .filter(|line| !line.starts_with('#'))
+        .filter_map(|line| {
+            let (series, value) = line.rsplit_once(' ')?;
+            let series_name = series.split('{').next()?;
+            (series_name == name).then(|| value.parse::<f64>().ok())?
+        })
+        .sum()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::counter;
+
+    #[test]
+    fn a_counter_sums_its_label_sets_and_nothing_else() {
+        let text =
+            "# TYPE a counter\na_total{x=\"1\"} 2\na_total{x=\"2\"} 3.5\na_total_b 7\nb_total 1\n";
+        assert_eq!(counter(text, "a_total"), 5.5);
+        assert_eq!(counter(text, "missing_total"), 0.0);
     }
 }

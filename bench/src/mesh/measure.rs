@@ -48,6 +48,7 @@ pub(super) async fn measure(
     let pids = hub.pids()?;
     let before = read_usage(&pids)?;
     let revisions_before = hub.etcd_revisions().await?;
+    let counters_before = hub.counters();
 
     // Every broker's tunnels are followed from before the first Peer request (index
     // `brokers.len()` is the hub).
@@ -138,6 +139,11 @@ pub(super) async fn measure(
         result?;
     let elapsed = started.elapsed();
     let after = read_usage(&pids)?;
+    let counters = hub
+        .counters()
+        .zip(counters_before)
+        .map(|(after, before)| after - before);
+    let per_induced = |n: f64| (converged).then(|| n / expected as f64);
     let hub_etcd_writes = match (revisions_before, hub.etcd_revisions().await?) {
         (Some(before), Some(after)) => Some(
             after
@@ -183,6 +189,9 @@ pub(super) async fn measure(
             .filter(|_| converged)
             .map(|w| w.values().sum::<i64>() as f64 / expected as f64),
         hub_etcd_writes,
+        hub_store_retries_per_induced_tunnel: counters.and_then(|c| per_induced(c.store_retries)),
+        hub_watch_events_per_induced_tunnel: counters.and_then(|c| per_induced(c.watch_events)),
+        hub_relay_retries_per_induced_tunnel: counters.and_then(|c| per_induced(c.relay_retries)),
         process_peak_rss_kib: None,
         process_cpu_seconds: None,
     };

@@ -46,18 +46,23 @@ pub fn summarize(size: &mut MeshSize, peaks: &[f64]) {
     size.median_process_cpu_seconds = of(|r| r.process_cpu_seconds);
     size.median_hub_cpu_ms_per_induced_tunnel = of(|r| r.hub_cpu_ms_per_induced_tunnel);
     size.median_hub_etcd_writes_per_induced_tunnel = of(|r| r.hub_etcd_writes_per_induced_tunnel);
+    size.median_hub_store_retries_per_induced_tunnel =
+        of(|r| r.hub_store_retries_per_induced_tunnel);
+    size.median_hub_watch_events_per_induced_tunnel = of(|r| r.hub_watch_events_per_induced_tunnel);
+    size.median_hub_relay_retries_per_induced_tunnel =
+        of(|r| r.hub_relay_retries_per_induced_tunnel);
 }
 
 /// The summary of every size on stderr, as a Markdown table.
 pub fn print_table(sizes: &[MeshSize]) {
     eprintln!(
-        "| leaves | status | induced TEs | median s | full tunnels s | 90→100 % share | hub CPU s | hub CPU ms / induced TE | hub peak RSS MiB | hub etcd writes / induced TE |"
+        "| leaves | status | induced TEs | median s | full tunnels s | 90→100 % share | hub CPU s | hub CPU ms / induced TE | hub peak RSS MiB | hub etcd writes / induced TE | store retries / TE | watch events / TE | relay retries / TE |"
     );
-    eprintln!("|---|---|---|---|---|---|---|---|---|---|");
+    eprintln!("|---|---|---|---|---|---|---|---|---|---|---|---|---|");
     for s in sizes {
         let opt = |v: Option<f64>, d: usize| v.map_or("-".into(), |v| format!("{v:.d$}"));
         eprintln!(
-            "| {} | {:?} | {} | {} | {} | {} | {} | {} | {} | {} |",
+            "| {} | {:?} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
             s.leaves,
             s.status,
             s.induced_tunnel_endpoints,
@@ -67,7 +72,10 @@ pub fn print_table(sizes: &[MeshSize]) {
             opt(s.hub_cpu_seconds_during_setup, 2),
             opt(s.median_hub_cpu_ms_per_induced_tunnel, 3),
             opt(s.hub_peak_rss_kib_total.map(|k| k as f64 / 1024.0), 1),
-            opt(s.median_hub_etcd_writes_per_induced_tunnel, 2)
+            opt(s.median_hub_etcd_writes_per_induced_tunnel, 2),
+            opt(s.median_hub_store_retries_per_induced_tunnel, 3),
+            opt(s.median_hub_watch_events_per_induced_tunnel, 2),
+            opt(s.median_hub_relay_retries_per_induced_tunnel, 3)
         );
     }
 }

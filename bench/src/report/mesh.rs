@@ -187,8 +187,8 @@ pub(super) fn mesh_section(md: &mut String, inputs: &Inputs, files: &mut Vec<(Pa
                 if p.doc.mode.is_none() {
                     md.push_str("(The result does not name its mode.)\n\n");
                 }
-                md.push_str("| leaves | status | median s | runs (s) | hub CPU s during setup | hub CPU ms per induced tunnel | hub CPU s per process during setup | hub peak RSS MiB (sum) | peak RSS MiB per process | hub etcd keys | hub etcd writes per induced tunnel |\n");
-                md.push_str("|---|---|---|---|---|---|---|---|---|---|---|\n");
+                md.push_str("| leaves | status | median s | runs (s) | hub CPU s during setup | hub CPU ms per induced tunnel | hub CPU s per process during setup | hub peak RSS MiB (sum) | peak RSS MiB per process | hub etcd keys | hub etcd writes per induced tunnel | hub store retries, watch events, relay retries per induced tunnel |\n");
+                md.push_str("|---|---|---|---|---|---|---|---|---|---|---|---|\n");
                 for s in &p.doc.sizes {
                     let per = |f: &dyn Fn(&HubProcess) -> String| {
                         s.hub_processes.as_ref().map_or("—".into(), |ps| {
@@ -200,7 +200,7 @@ pub(super) fn mesh_section(md: &mut String, inputs: &Inputs, files: &mut Vec<(Pa
                     };
                     let _ = writeln!(
                         md,
-                        "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
+                        "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
                         s.leaves,
                         status_text(s),
                         opt(s.converged_median(), 3),
@@ -216,7 +216,15 @@ pub(super) fn mesh_section(md: &mut String, inputs: &Inputs, files: &mut Vec<(Pa
                                 .collect::<Vec<_>>()
                                 .join(", ")
                         }),
-                        opt(s.median_hub_etcd_writes_per_induced_tunnel, 2)
+                        opt(s.median_hub_etcd_writes_per_induced_tunnel, 2),
+                        match (
+                            s.median_hub_store_retries_per_induced_tunnel,
+                            s.median_hub_watch_events_per_induced_tunnel,
+                            s.median_hub_relay_retries_per_induced_tunnel,
+                        ) {
+                            (Some(r), Some(w), Some(f)) => format!("{r:.3}, {w:.2}, {f:.3}"),
+                            _ => "—".into(),
+                        }
                     );
                 }
                 md.push('\n');

@@ -125,6 +125,15 @@ pub struct MeshRun {
     /// All of them per induced TunnelEndpoint (n·(n-1)).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub hub_etcd_writes_per_induced_tunnel: Option<f64>,
+    /// From the hub's processes' `/metrics` over the same span, per induced TunnelEndpoint
+    /// (hub on etcd only): store transactions retried after a lost compare-and-swap, changes
+    /// their store watches delivered, and relay deliveries the forwarder scheduled again.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hub_store_retries_per_induced_tunnel: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hub_watch_events_per_induced_tunnel: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hub_relay_retries_per_induced_tunnel: Option<f64>,
     /// This benchmark process over the run, from before the hub started until it was stopped:
     /// its peak RSS (VmHWM, reset at the start), KiB, and its CPU seconds (user + system). In
     /// process that is every cluster; otherwise the leaves and the harness.
@@ -206,6 +215,12 @@ pub struct MeshSize {
     pub median_hub_cpu_ms_per_induced_tunnel: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub median_hub_etcd_writes_per_induced_tunnel: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub median_hub_store_retries_per_induced_tunnel: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub median_hub_watch_events_per_induced_tunnel: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub median_hub_relay_retries_per_induced_tunnel: Option<f64>,
     /// The benchmark process (in process: every cluster): peak RSS and CPU seconds per run.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub median_process_peak_rss_kib: Option<u64>,

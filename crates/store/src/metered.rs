@@ -1,7 +1,8 @@
 //! Store metrics (issue 19, ADR 0018): a decorator around any [`Store`] that records every
 //! operation's latency (`trellis_store_operation_seconds{operation}`) and failures
 //! (`trellis_store_errors_total{operation,kind}`), and counts the compare-and-swap races
-//! [`crate::retry::Contention`] retries (`trellis_store_transaction_retries_total`).
+//! [`crate::retry::Contention`] retries (`trellis_store_transaction_retries_total`) and the
+//! events its watches deliver (`trellis_store_watch_events_total`).
 //!
 //! Written once here, applied where `trellis_runtime` opens a service's store, so every
 //! service gets them without code of its own. Labels are the trait's method names and the
@@ -41,6 +42,7 @@ pub struct StoreMetrics {
     seconds: Family<OperationLabel, Histogram, LatencyBuckets>,
     errors: Family<ErrorLabels, Counter>,
     retries: Counter,
+    watch_events: Counter,
 }
 
 impl Default for StoreMetrics {
@@ -49,12 +51,13 @@ impl Default for StoreMetrics {
             seconds: Family::new_with_constructor(LatencyBuckets),
             errors: Family::default(),
             retries: Counter::default(),
+            watch_events: Counter::default(),
         }
     }
 }
 
 impl StoreMetrics {
-    /// Registers the three families in `registry` (a service's own, ADR 0018).
+    /// Registers the four families in `registry` (a service's own, ADR 0018).
     pub fn register(&self, registry: &mut Registry) {
         registry.register(
             "trellis_store_operation_seconds",
@@ -71,6 +74,16 @@ impl StoreMetrics {
             "Compare-and-swap transactions retried because a concurrent writer won the race",
             self.retries.clone(),
         );
+        registry.register(
+            "trellis_store_watch_events",
+            "Changes the store's watches delivered (each put or delete, to each watch)",
+            self.watch_events.clone(),
+        );
+    }
+
+    /// How many changes the watches delivered so far.
+    pub fn watch_events(&self) -> u64 {
+        self.watch_events.get()
     }
 
     /// How many lost races were retried so far.
@@ -180,10 +193,11 @@ impl Store for MeteredStore {
         // A watch that fails later (compacted, etcd gone) ends with an error item: counted
         // too, under the same operation.
         let metrics = self.metrics.clone();
-        Ok(Box::pin(stream.inspect(move |item| {
-            if let Err(err) = item {
-                metrics.error("watch", err);
+        Ok(Box::pin(stream.inspect(move |item| match item {
+            Ok(_) => {
+                metrics.watch_events.inc();
             }
+            Err(err) => metrics.error("watch", err),
         })))
     }
 
@@ -347,6 +361,29 @@ mod tests {
             );
         }
         assert_eq!(metrics.errors("txn", "unavailable"), 0);
+    }
+
+    #[tokio::test]
+    async fn each_change_a_watch_delivers_is_counted() {
+        let metrics = StoreMetrics::default();
+        let store = metered(Arc::new(MemoryStore::new()), &metrics);
+        let mut one = store.watch("a/", None).await.expect("watch");
+        let mut two = store.watch("", None).await.expect("watch");
+        store.put("a/1", b"x".to_vec()).await.expect("put");
+        store.delete("a/1").await.expect("delete");
+        store.put("b/1", b"y".to_vec()).await.expect("put");
+        for _ in 0..2 {
+            one.next().await.expect("event").expect("ok");
+        }
+        for _ in 0..3 {
+            two.next().await.expect("event").expect("ok");
+        }
+        // Two events to the first watch, three to the second.
+        assert_eq!(metrics.watch_events(), 5);
+        assert_eq!(
+            sample(&text(&metrics), "trellis_store_watch_events_total"),
+            Some(5.0)
+        );
     }
 
     #[tokio::test]

@@ -1,7 +1,8 @@
 //! The forwarder's Prometheus metrics (issue 19): `trellis_forwarder_relays{state}`, the relays
 //! it holds by state (pending, delivered, status_pending, failed, withdrawing; completed relays
 //! are deleted, so what is counted is what is in flight or failed), read from the store at
-//! every scrape: the same set `ListRelays` returns.
+//! every scrape: the same set `ListRelays` returns; and `trellis_forwarder_relay_retries_total`,
+//! the delivery attempts that failed and were scheduled again.
 
 use std::sync::Arc;
 
@@ -26,6 +27,11 @@ pub fn register(metrics: &Metrics, core: &Arc<Forwarder>) {
         "trellis_forwarder_relays",
         "Relays the forwarder holds (in flight or failed), by state",
         relays.clone(),
+    );
+    metrics.register(
+        "trellis_forwarder_relay_retries",
+        "Relay delivery attempts that failed and were scheduled again",
+        core.retried().clone(),
     );
     let core = core.clone();
     metrics.on_scrape(move || {

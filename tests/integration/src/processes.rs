@@ -95,6 +95,9 @@ pub struct ProcessCluster {
     etcds: BTreeMap<Service, Etcd>,
     /// With [`Options::gated`]: the addresses other clusters are given, by service.
     gates: BTreeMap<Service, Gate>,
+    /// Where each service serves `/metrics` (its own port: the default ones are shared by
+    /// every cluster on the host).
+    metrics: BTreeMap<Service, SocketAddr>,
 }
 
 impl ProcessCluster {
@@ -202,6 +205,10 @@ impl ProcessCluster {
             processes: BTreeMap::new(),
             etcds,
             gates,
+            metrics: Service::ALL
+                .iter()
+                .map(|&service| (service, crate::free_addr()))
+                .collect(),
         };
         for service in Service::ALL {
             let args = this.args(service, pod_cidr, external_cidr)?;
@@ -245,6 +252,11 @@ impl ProcessCluster {
             Service::Broker => s.broker,
             Service::Endpoints => self.services.endpoints,
         }
+    }
+
+    /// Where `service` serves `/metrics`.
+    pub fn metrics_addr(&self, service: Service) -> Option<SocketAddr> {
+        self.metrics.get(&service).copied()
     }
 
     /// Where other clusters reach `service`: its gate with [`Options::gated`], else the
@@ -316,6 +328,9 @@ impl ProcessCluster {
             "--shutdown-grace",
             "1",
         ]);
+        if let Some(metrics) = self.metrics_addr(service) {
+            args.extend(strings(&["--metrics-listen", &metrics.to_string()]));
+        }
         args.extend(match service {
             Service::Ipam => strings(&["--pod-cidr", pod_cidr, "--external-cidr", external_cidr]),
             Service::Gateway => {

@@ -10,7 +10,10 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
+use tokio::time::Instant;
+
 use trellis_api::model::{PeeringKind, TunnelEndpoint};
+use trellis_api::peers::Peers;
 use trellis_api::{ClusterId, ClusterIdentity};
 use trellis_error::{Error, Result};
 use trellis_runtime::Shutdown;
@@ -63,7 +66,10 @@ impl Broker {
         if by_hub.is_empty() {
             return Ok(0);
         }
-        let peers = self.view().await?;
+        // Only the hubs' records: a whole view per refresh cost a leaf with hundreds of peers
+        // more than everything else the refresh does.
+        let hubs: Vec<&ClusterId> = by_hub.keys().collect();
+        let peers = Peers::from_foreign_clusters(&self.ports.discovery().lookup(&hubs).await?);
         let mut changed = 0;
         for (hub, tunnels) in by_hub {
             let Some((_, addresses, _)) = peers.full.get(&hub) else {
@@ -146,29 +152,56 @@ impl Broker {
     }
 }
 
-/// Refreshes the candidates every `every` until `shutdown`, and at once (then every second for
-/// a while) when a new induced TunnelEndpoint is written. Never with a zero period: the task
-/// then only waits, since a service's task that ends stops the service.
+/// Refreshes the candidates every `every` until `shutdown`, and soon (then every [`SOON`] for
+/// [`SOON_FOR`]) after a new induced TunnelEndpoint is written. Never with a zero period: the
+/// task then only waits, since a service's task that ends stops the service.
 pub async fn run(broker: Arc<Broker>, every: Duration, shutdown: Shutdown) {
     if every.is_zero() {
         return shutdown.cancelled().await;
     }
-    let mut soon_until: Option<tokio::time::Instant> = None;
-    loop {
-        let wait = match soon_until {
-            Some(until) if tokio::time::Instant::now() < until => every.min(SOON),
-            _ => every,
-        };
-        tokio::select! {
-            () = shutdown.cancelled() => return,
-            () = trellis_runtime::timer::period(wait) => {}
-            () = broker.candidates_due.notified() => {
-                soon_until = Some(tokio::time::Instant::now() + SOON_FOR);
-            }
-        }
+    let refresh = || async {
         if let Err(err) = broker.refresh_candidates().await {
             tracing::warn!(error = %err, "refreshing the induced peers' candidates");
         }
+    };
+    schedule(every, &broker.candidates_due, &shutdown, refresh).await;
+}
+
+/// When [`run`] refreshes: after `every`, or [`SOON`] after the last refresh while a wake on
+/// `due` is under [`SOON_FOR`] old. A wake never refreshes sooner than [`SOON`] after the last
+/// refresh: while a mesh sets up, induced TunnelEndpoints arrive by the hundred, and a refresh
+/// for each (every tunnel read, the hub asked about every peer) made the work per leaf grow
+/// with the square of its peers.
+async fn schedule<F, Fut>(
+    every: Duration,
+    due: &tokio::sync::Notify,
+    shutdown: &Shutdown,
+    refresh: F,
+) where
+    F: Fn() -> Fut,
+    Fut: std::future::Future<Output = ()>,
+{
+    let mut soon_until: Option<Instant> = None;
+    let mut last = Instant::now();
+    loop {
+        let soon = soon_until.is_some_and(|until| Instant::now() < until);
+        let next = last + if soon { every.min(SOON) } else { every };
+        tokio::select! {
+            () = shutdown.cancelled() => return,
+            () = trellis_runtime::timer::until(next) => {}
+            () = due.notified() => {
+                soon_until = Some(Instant::now() + SOON_FOR);
+                let at = last + SOON;
+                if at > Instant::now() {
+                    tokio::select! {
+                        () = shutdown.cancelled() => return,
+                        () = trellis_runtime::timer::until(at) => {}
+                    }
+                }
+            }
+        }
+        refresh().await;
+        last = Instant::now();
     }
 }
 
@@ -197,6 +230,59 @@ mod tests {
             (&spec(endpoint, 3), view),
             1,
         )
+    }
+
+    /// Counts the refreshes [`schedule`] makes while `wakes` wakes arrive, one every `gap`.
+    async fn refreshes_under(every: Duration, wakes: u32, gap: Duration, then: Duration) -> usize {
+        let due = tokio::sync::Notify::new();
+        let shutdown = Shutdown::new();
+        let count = std::sync::atomic::AtomicUsize::new(0);
+        let refresh = || async {
+            count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        };
+        let waker = async {
+            for _ in 0..wakes {
+                trellis_runtime::timer::period(gap).await;
+                due.notify_one();
+            }
+            trellis_runtime::timer::period(then).await;
+            shutdown.cancel();
+        };
+        tokio::join!(schedule(every, &due, &shutdown, refresh), waker);
+        count.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_burst_of_new_tunnels_refreshes_once_a_second() {
+        // 300 new tunnels in 3 s (one every 10 ms), then quiet for 10 s: a refresh per second
+        // during the burst and for SOON_FOR after the last wake, not one per tunnel.
+        let every = Duration::from_secs(300);
+        let refreshes = refreshes_under(
+            every,
+            300,
+            Duration::from_millis(10),
+            Duration::from_secs(10),
+        )
+        .await;
+        assert!((10..=14).contains(&refreshes), "{refreshes} refreshes");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn without_wakes_it_refreshes_at_its_period_and_a_wake_is_soon() {
+        let every = Duration::from_secs(5);
+        assert_eq!(
+            refreshes_under(every, 0, Duration::ZERO, Duration::from_secs(21)).await,
+            4
+        );
+        // One wake after 2 s (3 s since the last refresh): refreshed at once, then each second.
+        let refreshes = refreshes_under(
+            every,
+            1,
+            Duration::from_secs(2),
+            Duration::from_millis(2500),
+        )
+        .await;
+        assert_eq!(refreshes, 3);
     }
 
     #[test]

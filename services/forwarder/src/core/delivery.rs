@@ -125,6 +125,7 @@ impl Forwarder {
                 Some(record)
             }
             Err(err) => {
+                self.retried.inc();
                 record.attempts += 1;
                 record.last_error = err.to_string();
                 record.next_attempt_nanos = if expedited {

@@ -35,6 +35,7 @@ use trellis_runtime::Shutdown;
 use trellis_runtime::client::{Timeouts, TracedChannel, local_channel};
 use trellis_runtime::foreign_clusters::ForeignClusters;
 use trellis_runtime::metrics::Metrics;
+use trellis_runtime::metrics::prometheus_client::metrics::counter::Counter;
 use trellis_runtime::retry::RetryPolicy;
 use trellis_runtime::tls::PeerTls;
 use trellis_store::SharedStore;
@@ -136,6 +137,8 @@ pub struct Forwarder {
     /// Which relays may be stored ([`MaybeStored`]): accepting a relay known to be absent, the
     /// usual case, reads nothing.
     maybe_stored: Mutex<MaybeStored>,
+    /// Attempts that failed and were scheduled again (`trellis_forwarder_relay_retries_total`).
+    retried: Counter,
 }
 
 impl Forwarder {
@@ -164,11 +167,17 @@ impl Forwarder {
             unstored: Mutex::new(HashMap::new()),
             unstored_end: Notify::new(),
             maybe_stored: Mutex::new(MaybeStored::default()),
+            retried: Counter::default(),
         })
     }
 
     pub fn identity(&self) -> &ClusterIdentity {
         &self.identity
+    }
+
+    /// The delivery attempts that failed and were scheduled again, so far.
+    pub fn retried(&self) -> &Counter {
+        &self.retried
     }
 
     /// The store the forwarder keeps its relays in.
