@@ -30,12 +30,17 @@ pub const HISTORY: &str = "history";
 /// Mesh benchmarks also run, in the same `make bench` run, against the reference build (the
 /// `main` branch, with this run's benchmark harness; see `scripts/bench.sh`): (result, the
 /// reference's result, label). The document shows them side by side as ratios.
-pub const REFERENCES: [(&str, &str, &str); 2] = [
+pub const REFERENCES: [(&str, &str, &str); 3] = [
     ("mesh", "mesh-main", "in process (memory)"),
     (
         "mesh-hub-processes",
         "mesh-hub-processes-main",
         "hub processes (memory)",
+    ),
+    (
+        "mesh-hub-etcd",
+        "mesh-hub-etcd-main",
+        "hub processes on etcd",
     ),
 ];
 

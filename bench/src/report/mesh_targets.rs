@@ -1,5 +1,5 @@
-//! The mesh's targets: a mesh size's figure or why it is missing, and issue 17's figures each
-//! beside main's from the same run.
+//! The mesh's targets: a mesh size's figure or why it is missing, and the figures of issues 17
+//! and 40 each beside main's from the same run.
 
 use super::format::num;
 use super::inputs::Inputs;
@@ -55,12 +55,25 @@ struct ScaleTarget {
     met: fn(f64) -> bool,
 }
 
-/// Issue 17's targets, each with main's figure from the same run and the ratio.
+/// The spread of a size's converged runs: the slowest over the fastest.
+fn spread(s: &MeshSize) -> Option<f64> {
+    let runs: Vec<f64> = s
+        .runs
+        .iter()
+        .filter(|r| r.converged)
+        .map(|r| r.seconds)
+        .collect();
+    let (min, max) = runs
+        .iter()
+        .fold((f64::MAX, 0.0f64), |(lo, hi), &v| (lo.min(v), hi.max(v)));
+    (runs.len() >= 3 && min > 0.0).then(|| max / min)
+}
+
+/// The targets of issues 17 and 40, each with main's figure from the same run and the ratio.
 pub(super) fn scale_targets(
     inputs: &Inputs,
     mesh: &Result<Parsed<MeshResult>, String>,
 ) -> Vec<Target> {
-    let hub = parse::<MeshResult>(inputs, "mesh-hub-processes");
     let figures = [
         ScaleTarget {
             target: "1 hub + 254 leaves in process converge in under 30 s (issue 17)",
@@ -114,11 +127,49 @@ pub(super) fn scale_targets(
             },
             met: |v| v < 1.5,
         },
+        ScaleTarget {
+            target: "1 hub on etcd + 254 leaves converge in under 15 s, the median of three runs (issue 40)",
+            doc: "mesh-hub-etcd",
+            leaves: 254,
+            unit: " s",
+            value: MeshSize::converged_median,
+            met: |v| v < 15.0,
+        },
+        ScaleTarget {
+            target: "1 hub on etcd + 254 leaves: the slowest of three runs under 1.3× the fastest (issue 40)",
+            doc: "mesh-hub-etcd",
+            leaves: 254,
+            unit: "×",
+            value: spread,
+            met: |v| v < 1.3,
+        },
+        ScaleTarget {
+            target: "hub on etcd: hub CPU per induced tunnel under 0.2 ms at 254 leaves (issue 40)",
+            doc: "mesh-hub-etcd",
+            leaves: 254,
+            unit: " ms",
+            value: |s| s.median_hub_cpu_ms_per_induced_tunnel,
+            met: |v| v < 0.2,
+        },
+        ScaleTarget {
+            target: "hub on etcd: etcd writes per induced tunnel under 1.5 at 254 leaves (issue 40)",
+            doc: "mesh-hub-etcd",
+            leaves: 254,
+            unit: "",
+            value: |s| s.median_hub_etcd_writes_per_induced_tunnel,
+            met: |v| v < 1.5,
+        },
     ];
     figures
         .into_iter()
         .map(|f| {
-            let doc = if f.doc == "mesh" { mesh } else { &hub };
+            let other;
+            let doc = if f.doc == "mesh" {
+                mesh
+            } else {
+                other = parse::<MeshResult>(inputs, f.doc);
+                &other
+            };
             let (why, size) = mesh_target_size(doc, f.leaves);
             let Some(value) = size.and_then(f.value) else {
                 return Target {

@@ -253,6 +253,7 @@ fn scale_targets_compare_with_main() {
                 && !t.target.contains("(issue 37)")
                 && !t.target.contains("(issue 34)")
                 && !t.target.contains("(issue 38)")
+                && !t.target.contains("(issue 40)")
         })
         .map(|t| (t.measured.as_str(), t.verdict.clone()))
         .collect();
@@ -281,6 +282,58 @@ fn scale_targets_compare_with_main() {
                 Verdict::Met
             ),
         ]
+    );
+}
+
+/// Issue 40's figures: the hub on etcd at 254 leaves, the spread of three runs, and main's
+/// figures from the same run.
+#[test]
+fn hub_on_etcd_targets_show_the_spread_and_main() {
+    let size = |runs: &[f64], cpu: f64, writes: f64| {
+        let median = runs[runs.len() / 2];
+        json!({"leaves": 254, "induced_tunnel_endpoints": 64262, "status": "converged",
+               "runs": runs.iter().map(|s| json!({"seconds": s, "converged": true})).collect::<Vec<_>>(),
+               "median_seconds": median, "median_hub_cpu_ms_per_induced_tunnel": cpu,
+               "median_hub_etcd_writes_per_induced_tunnel": writes})
+    };
+    let doc = |size: Value| {
+        json!({"benchmark": "induced_mesh_setup", "mode": "hub_etcd",
+               "run": run("full", "2026-11-28T01:00:00Z"), "machine": machine(), "sizes": [size]})
+    };
+    let i = inputs(vec![
+        found("mesh-hub-etcd", doc(size(&[12.0, 14.0, 15.0], 0.15, 0.2))),
+        found(
+            "mesh-hub-etcd-main",
+            doc(size(&[30.0, 40.0, 50.0], 0.3, 0.4)),
+        ),
+    ]);
+    let all = targets(&i);
+    let issue40: Vec<(&str, Verdict)> = all
+        .iter()
+        .filter(|t| t.target.contains("(issue 40)"))
+        .map(|t| (t.measured.as_str(), t.verdict.clone()))
+        .collect();
+    assert_eq!(
+        issue40,
+        vec![
+            (
+                "14.000 s; main in the same run 40.000 s (ratio 0.35)",
+                Verdict::Met
+            ),
+            (
+                "1.250×; main in the same run 1.667× (ratio 0.75)",
+                Verdict::Met
+            ),
+            (
+                "0.150 ms; main in the same run 0.300 ms (ratio 0.50)",
+                Verdict::Met
+            ),
+            (
+                "0.200; main in the same run 0.400 (ratio 0.50)",
+                Verdict::Met
+            ),
+        ],
+        "{issue40:?}"
     );
 }
 
