@@ -36,6 +36,7 @@ macro_rules! conformance_tests {
             get_missing_then_put_then_get,
             versions_and_revisions_increase,
             list_by_prefix_is_sorted_and_scoped,
+            list_revisions_matches_the_listing_without_values,
             size_counts_keys_and_values_under_the_prefix,
             delete_reports_whether_the_key_existed,
             txn_success_branch_is_atomic,
@@ -186,6 +187,34 @@ pub async fn list_by_prefix_is_sorted_and_scoped(store: SharedStore) {
     let listing = store.list("zz/").await.expect("list");
     assert!(listing.kvs.is_empty());
     assert_eq!(listing.revision, last);
+}
+
+/// `list_revisions` names the same keys as `list`, each with the revision it last changed at,
+/// as of the same store revision; it follows updates and deletes and keeps to its prefix.
+pub async fn list_revisions_matches_the_listing_without_values(store: SharedStore) {
+    for key in ["r/2", "r/1", "rr/1", "r/3"] {
+        put(&store, key, "first").await;
+    }
+    put(&store, "r/1", "second").await;
+    store.delete("r/3").await.expect("delete");
+    let last = put(&store, "q", "outside").await;
+
+    let listing = store.list("r/").await.expect("list");
+    let revisions = store.list_revisions("r/").await.expect("list revisions");
+    assert_eq!(keys(&listing.kvs), ["r/1", "r/2"]);
+    let expected: Vec<(String, Revision)> = listing
+        .kvs
+        .iter()
+        .map(|kv| (kv.key.clone(), kv.mod_revision))
+        .collect();
+    assert_eq!(revisions.keys, expected);
+    assert_eq!(revisions.revision, last);
+    // The updated key's revision is its update's, not its creation's.
+    assert!(revisions.keys[0].1 > revisions.keys[1].1);
+
+    let empty = store.list_revisions("zz/").await.expect("list revisions");
+    assert!(empty.keys.is_empty());
+    assert_eq!(empty.revision, last);
 }
 
 /// `size` counts the keys under the prefix and the bytes of their keys and values.

@@ -6,8 +6,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use crate::{
-    KeyValue, LeaseId, Listing, Revision, SharedStore, Store, StoreError, StoreSize, Txn,
-    TxnOutcome, WatchStream,
+    KeyValue, LeaseId, Listing, Revision, RevisionListing, SharedStore, Store, StoreError,
+    StoreSize, Txn, TxnOutcome, WatchStream,
 };
 
 /// Counts the calls made through it to `inner`; writes can be held back ([`Counted::hold`]).
@@ -71,6 +71,11 @@ impl Store for Counted {
     async fn list(&self, prefix: &str) -> Result<Listing, StoreError> {
         self.read();
         self.inner.list(prefix).await
+    }
+
+    async fn list_revisions(&self, prefix: &str) -> Result<RevisionListing, StoreError> {
+        self.read();
+        self.inner.list_revisions(prefix).await
     }
 
     async fn size(&self, prefix: &str) -> Result<StoreSize, StoreError> {

@@ -44,6 +44,29 @@ pub struct Listing {
     pub revision: Revision,
 }
 
+/// The keys under a prefix and the revision each was last changed at, without their values,
+/// as of one revision (see [`Store::list_revisions`](crate::Store::list_revisions)).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RevisionListing {
+    /// (key, mod revision), sorted by key.
+    pub keys: Vec<(String, Revision)>,
+    /// The store revision the listing was taken at.
+    pub revision: Revision,
+}
+
+impl From<Listing> for RevisionListing {
+    fn from(listing: Listing) -> Self {
+        Self {
+            keys: listing
+                .kvs
+                .into_iter()
+                .map(|kv| (kv.key, kv.mod_revision))
+                .collect(),
+            revision: listing.revision,
+        }
+    }
+}
+
 /// How much a store holds under a prefix (see [`Store::size`](crate::Store::size)).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct StoreSize {

@@ -38,7 +38,7 @@ use std::time::Duration;
 
 pub use error::StoreError;
 pub use etcd::{EtcdAuth, EtcdStore, EtcdTls};
-pub use kv::{KeyValue, LeaseId, Listing, Revision, StoreSize};
+pub use kv::{KeyValue, LeaseId, Listing, Revision, RevisionListing, StoreSize};
 pub use memory::MemoryStore;
 pub use txn::{Compare, MAX_TXN_OPS, Op, Txn, TxnOutcome};
 pub use url::StoreUrl;
@@ -60,6 +60,13 @@ pub trait Store: Send + Sync + std::fmt::Debug + 'static {
     /// Every key starting with `prefix` (`""` lists the whole store), sorted by key, as of one
     /// revision.
     async fn list(&self, prefix: &str) -> Result<Listing, StoreError>;
+
+    /// Every key starting with `prefix` with the revision it last changed at, without values,
+    /// sorted by key, as of one revision: for a caller that keeps decoded records and only
+    /// needs to see which changed (a listing copies every value).
+    async fn list_revisions(&self, prefix: &str) -> Result<RevisionListing, StoreError> {
+        Ok(self.list(prefix).await?.into())
+    }
 
     /// How many keys and bytes (keys plus values) are stored under `prefix` (`""`: the whole
     /// store), as of one revision. Lists every key under the prefix: meant for benchmarks and

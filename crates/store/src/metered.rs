@@ -17,8 +17,8 @@ use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 
 use crate::{
-    KeyValue, LeaseId, Listing, Revision, SharedStore, Store, StoreError, StoreSize, Txn,
-    TxnOutcome, WatchStream,
+    KeyValue, LeaseId, Listing, Revision, RevisionListing, SharedStore, Store, StoreError,
+    StoreSize, Txn, TxnOutcome, WatchStream,
 };
 
 /// The latency buckets of every Trellis histogram (gRPC server and client, store): 100 µs to
@@ -166,6 +166,11 @@ impl Store for MeteredStore {
 
     async fn list(&self, prefix: &str) -> Result<Listing, StoreError> {
         self.timed("list", self.inner.list(prefix)).await
+    }
+
+    async fn list_revisions(&self, prefix: &str) -> Result<RevisionListing, StoreError> {
+        self.timed("list_revisions", self.inner.list_revisions(prefix))
+            .await
     }
 
     async fn size(&self, prefix: &str) -> Result<StoreSize, StoreError> {

@@ -13,7 +13,7 @@ use etcd_client::{Client, CompareOp, ConnectOptions, GetOptions, PutOptions, Txn
 
 use crate::Store;
 use crate::error::StoreError;
-use crate::kv::{KeyValue, LeaseId, Listing, Revision};
+use crate::kv::{KeyValue, LeaseId, Listing, Revision, RevisionListing};
 use crate::txn::{Compare, Op, Txn, TxnOutcome};
 use crate::watch::WatchStream;
 use errors::{from_etcd, header_revision, is_compacted, request, request_raw};
@@ -145,11 +145,13 @@ impl EtcdStore {
         Ok(store)
     }
 
-    /// One consistent listing, paged at the revision of the first page.
+    /// One consistent listing, paged at the revision of the first page; with `keys_only`, the
+    /// values are left empty (etcd sends none).
     async fn list_at_one_revision(
         &self,
         start: &[u8],
         end: &[u8],
+        keys_only: bool,
     ) -> Result<Result<Listing, etcd_client::Error>, StoreError> {
         let mut kv = self.client.kv_client();
         let mut from = start.to_vec();
@@ -159,6 +161,9 @@ impl EtcdStore {
             let mut options = GetOptions::new().with_range(end).with_limit(LIST_PAGE);
             if revision > 0 {
                 options = options.with_revision(revision);
+            }
+            if keys_only {
+                options = options.with_keys_only();
             }
             let page = match request_raw("list", kv.get(from, Some(options))).await? {
                 Ok(page) => page,
@@ -177,6 +182,27 @@ impl EtcdStore {
                     from.push(0);
                 }
                 _ => return Ok(Ok(Listing { kvs, revision })),
+            }
+        }
+    }
+
+    /// [`Store::list`], or with `keys_only` the same without values: restarted when etcd
+    /// compacts under a paged listing.
+    async fn list_with(&self, prefix: &str, keys_only: bool) -> Result<Listing, StoreError> {
+        let (start, end) = self.keys.range(prefix);
+        let mut attempt = 1;
+        loop {
+            match self.list_at_one_revision(&start, &end, keys_only).await? {
+                Ok(listing) => return Ok(listing),
+                Err(err) if is_compacted(&err) && attempt < LIST_ATTEMPTS => {
+                    tracing::debug!(
+                        prefix,
+                        attempt,
+                        "etcd compacted under a paged listing; restarting it"
+                    );
+                    attempt += 1;
+                }
+                Err(err) => return Err(from_etcd("list", err, None)),
             }
         }
     }
@@ -215,22 +241,11 @@ impl Store for EtcdStore {
     }
 
     async fn list(&self, prefix: &str) -> Result<Listing, StoreError> {
-        let (start, end) = self.keys.range(prefix);
-        let mut attempt = 1;
-        loop {
-            match self.list_at_one_revision(&start, &end).await? {
-                Ok(listing) => return Ok(listing),
-                Err(err) if is_compacted(&err) && attempt < LIST_ATTEMPTS => {
-                    tracing::debug!(
-                        prefix,
-                        attempt,
-                        "etcd compacted under a paged listing; restarting it"
-                    );
-                    attempt += 1;
-                }
-                Err(err) => return Err(from_etcd("list", err, None)),
-            }
-        }
+        self.list_with(prefix, false).await
+    }
+
+    async fn list_revisions(&self, prefix: &str) -> Result<RevisionListing, StoreError> {
+        Ok(self.list_with(prefix, true).await?.into())
     }
 
     async fn put(&self, key: &str, value: Vec<u8>) -> Result<Revision, StoreError> {

@@ -12,7 +12,7 @@ use tokio::time::Instant;
 
 use crate::Store;
 use crate::error::StoreError;
-use crate::kv::{KeyValue, LeaseId, Listing, Revision};
+use crate::kv::{KeyValue, LeaseId, Listing, Revision, RevisionListing};
 use crate::txn::{Op, Txn, TxnOutcome};
 use crate::watch::WatchStream;
 use state::{Batch, State};
@@ -132,6 +132,12 @@ impl Store for MemoryStore {
 
     async fn list(&self, prefix: &str) -> Result<Listing, StoreError> {
         Ok(self.shared.with_state(|state, _| state.list(prefix)))
+    }
+
+    async fn list_revisions(&self, prefix: &str) -> Result<RevisionListing, StoreError> {
+        Ok(self
+            .shared
+            .with_state(|state, _| state.list_revisions(prefix)))
     }
 
     async fn put(&self, key: &str, value: Vec<u8>) -> Result<Revision, StoreError> {

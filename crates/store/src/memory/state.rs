@@ -12,7 +12,7 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use crate::error::StoreError;
-use crate::kv::{KeyValue, LeaseId, Listing, Revision};
+use crate::kv::{KeyValue, LeaseId, Listing, Revision, RevisionListing};
 use crate::txn::{self, Compare, Op, Txn, TxnOutcome};
 use crate::watch::WatchEvent;
 
@@ -108,6 +108,19 @@ impl State {
             .collect();
         Listing {
             kvs,
+            revision: self.revision,
+        }
+    }
+
+    pub(super) fn list_revisions(&self, prefix: &str) -> RevisionListing {
+        let keys = self
+            .kvs
+            .range::<str, _>((Bound::Included(prefix), Bound::Unbounded))
+            .take_while(|(key, _)| key.starts_with(prefix))
+            .map(|(key, entry)| (key.clone(), entry.mod_revision))
+            .collect();
+        RevisionListing {
+            keys,
             revision: self.revision,
         }
     }

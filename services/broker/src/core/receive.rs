@@ -2,7 +2,6 @@
 //! WireGuard key, our NAT decision from the IPAM, and storing it. A new incarnation of the
 //! remote's NetworkConfig also makes the next pass send ours again (ADR 0012).
 
-use std::collections::HashMap;
 use std::sync::PoisonError;
 
 use trellis_api::ClusterId;
@@ -231,24 +230,57 @@ impl Broker {
                 format!("is the WireGuard key of {}'s own gateway", self.identity.id),
             ));
         }
-        // The listing is the truth; only the decoding of records unchanged since the last
-        // check is saved. Decoding every held NetworkConfig on every one received made a
-        // leaf's share of an n-leaf mesh cost n² decodes (15 % of a 255-cluster lab's CPU).
-        let listing = self.store.list(IN_PREFIX).await?;
+        // The listing is the truth; only records changed since the last check are read and
+        // decoded, and the listing carries no values. Reading and decoding every held
+        // NetworkConfig on every one received made a leaf's share of an n-leaf mesh cost n²
+        // decodes (15 % of a 255-cluster lab's CPU); copying every value to list them, 8 % of
+        // a 254-leaf hub's leaves.
+        let listing = self.store.list_revisions(IN_PREFIX).await?;
+        let changed: Vec<&String> = {
+            let memo = self
+                .held_keys
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner);
+            listing
+                .keys
+                .iter()
+                .filter(|(k, revision)| memo.get(k).is_none_or(|h| h.revision != *revision))
+                .map(|(k, _)| k)
+                .collect()
+        };
+        let mut fresh = Vec::with_capacity(changed.len());
+        for k in changed {
+            // `None`: gone since the listing.
+            let held = match self.store.get(k).await? {
+                Some(kv) => Some(HeldKey::of(
+                    &decode::<IncomingNc>(&kv.key, &kv.value)?,
+                    kv.mod_revision,
+                )),
+                None => None,
+            };
+            fresh.push((k.clone(), held));
+        }
         let holder = {
             let mut memo = self
                 .held_keys
                 .lock()
                 .unwrap_or_else(PoisonError::into_inner);
-            let mut current = HashMap::with_capacity(listing.kvs.len());
-            for kv in listing.kvs {
-                let held = match memo.remove(&kv.key) {
-                    Some(held) if held.revision == kv.mod_revision => held,
-                    _ => HeldKey::of(&decode::<IncomingNc>(&kv.key, &kv.value)?, kv.mod_revision),
+            for (k, held) in fresh {
+                match held {
+                    Some(held) => memo.insert(k, held),
+                    None => memo.remove(&k),
                 };
-                current.insert(kv.key, held);
             }
-            *memo = current;
+            let listed = listing
+                .keys
+                .iter()
+                .filter(|(k, _)| memo.contains_key(k))
+                .count();
+            if memo.len() > listed {
+                let keep: std::collections::HashSet<&str> =
+                    listing.keys.iter().map(|(k, _)| k.as_str()).collect();
+                memo.retain(|k, _| keep.contains(k.as_str()));
+            }
             memo.values()
                 .filter(|held| held.remote != nc.origin.id && held.key == key && !held.rejected)
                 .map(|held| held.remote.clone())
