@@ -28,7 +28,7 @@ use trellis_store::{Compare, Op, SharedStore, Txn};
 
 use crate::records::{
     Addresses, CLUSTERS_PREFIX, ForeignClusterRecord, IDENTITY_KEY, Kind, LocalIdentity, Neighbor,
-    cluster_key, decode, encode,
+    RecordHead, cluster_key, decode, encode,
 };
 
 /// A record with the store revision of its last change.
@@ -237,6 +237,27 @@ impl Discovery {
         })
     }
 
+    /// [`Self::snapshot`] of the records the neighborhood sender acts on: full peers' and those
+    /// `also` names (former peers it owes a withdrawal); every other record is decoded only as
+    /// far as its ID and kind. A leaf of an n-leaf hub holds n-1 induced records, and a pass
+    /// that decoded them all made its neighborhood sender cost O(n) per change.
+    pub async fn sender_snapshot(&self, also: impl Fn(&ClusterId) -> bool) -> Result<Snapshot> {
+        let listing = self.store.list(CLUSTERS_PREFIX).await?;
+        let mut records = BTreeMap::new();
+        for kv in listing.kvs {
+            let head: RecordHead = decode(&kv.key, &kv.value)?;
+            if head.kind != Kind::Full && !also(&head.identity.id) {
+                continue;
+            }
+            let record: ForeignClusterRecord = decode(&kv.key, &kv.value)?;
+            records.insert(record.identity.id.clone(), (record, kv.mod_revision));
+        }
+        Ok(Snapshot {
+            records,
+            revision: listing.revision,
+        })
+    }
+
     /// One record; NOT_FOUND when unknown.
     pub async fn get(&self, id: &ClusterId) -> Result<Versioned> {
         self.find(id)
@@ -261,5 +282,67 @@ impl Discovery {
             .filter(|(r, _)| kind.is_none_or(|k| r.kind == k))
             .collect();
         Ok((records, snapshot.revision))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use trellis_store::MemoryStore;
+
+    use super::*;
+    use crate::records::Source;
+
+    fn identity(id: &str) -> ClusterIdentity {
+        ClusterIdentity::parse("id", id, "name", "").expect("identity")
+    }
+
+    #[tokio::test]
+    async fn the_sender_snapshot_holds_full_peers_and_those_asked_for_only() {
+        let store: SharedStore = Arc::new(MemoryStore::new());
+        let core = Discovery::open(store.clone(), identity("me"), Addresses::default())
+            .await
+            .expect("opens");
+        let mut former =
+            ForeignClusterRecord::new(identity("former"), Kind::Induced, Source::Neighborhood);
+        former.previous_kind = Some(Kind::Full);
+        let records = [
+            ForeignClusterRecord::new(identity("hub"), Kind::Full, Source::Manual),
+            ForeignClusterRecord::new(identity("leaf-1"), Kind::Induced, Source::Neighborhood),
+            ForeignClusterRecord::new(identity("leaf-2"), Kind::Induced, Source::Neighborhood),
+            former,
+        ];
+        for record in &records {
+            let key = cluster_key(&record.identity.id);
+            store
+                .put(&key, encode(record).expect("encodes"))
+                .await
+                .expect("put");
+        }
+        let leaf_2 = ClusterId::parse("id", "leaf-2").expect("id");
+        let snapshot = core
+            .sender_snapshot(|id| *id == leaf_2)
+            .await
+            .expect("snapshot");
+        let ids: Vec<&str> = snapshot.records.keys().map(ClusterId::as_str).collect();
+        assert_eq!(ids, ["hub", "leaf-2"]);
+        let whole = core.snapshot().await.expect("snapshot");
+        assert_eq!(whole.revision, snapshot.revision);
+        assert_eq!(whole.records.len(), 4);
+        // What the records say in full, the snapshot holds in full.
+        let hub = ClusterId::parse("id", "hub").expect("id");
+        assert_eq!(snapshot.records[&hub].0, whole.records[&hub].0);
+        // The sender's watch filter reads the kinds alone.
+        for (record, concerns) in records.iter().zip([true, false, false, true]) {
+            let head: RecordHead = decode("k", &encode(record).expect("encodes")).expect("decodes");
+            assert_eq!(
+                head.full_now_or_before(),
+                concerns,
+                "{}",
+                record.identity.id
+            );
+            assert_eq!(head.identity.id, record.identity.id);
+        }
     }
 }

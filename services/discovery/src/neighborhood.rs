@@ -224,15 +224,8 @@ pub const COALESCE: Duration = Duration::from_millis(100);
 fn concerns_sender(event: &trellis_store::WatchEvent) -> bool {
     match event {
         trellis_store::WatchEvent::Put(kv) => {
-            match trellis_store::record::decode::<crate::records::ForeignClusterRecord>(
-                &kv.key, &kv.value,
-            ) {
-                Ok(record) => {
-                    record.kind == crate::records::Kind::Full
-                        || record.previous_kind == Some(crate::records::Kind::Full)
-                }
-                Err(_) => true,
-            }
+            trellis_store::record::decode::<crate::records::RecordHead>(&kv.key, &kv.value)
+                .map_or(true, |head| head.full_now_or_before())
         }
         trellis_store::WatchEvent::Delete { .. } => true,
     }
@@ -305,8 +298,10 @@ impl Desired {
 }
 
 async fn pass(core: &Arc<Discovery>, resync: bool, retries: &mut Retries) -> Result<()> {
-    let snapshot = core.snapshot().await?;
+    // Outboxes first: their peers' records are read in full even when no longer full peers'
+    // (only this loop writes outboxes).
     let mut outboxes = core.outboxes().await?;
+    let snapshot = core.sender_snapshot(|id| outboxes.contains_key(id)).await?;
     let now = Instant::now();
     let mut jobs = Vec::new();
     let next_generation = |ob: Option<&(Outbox, i64)>| {

@@ -50,6 +50,30 @@ pub struct LocalIdentity {
     pub identity: ClusterIdentity,
 }
 
+/// The parts of a record the neighborhood sender looks at before the rest: whose it is and
+/// its kinds. Decoding only these skips an induced peer's peering and certificate, most of
+/// what a hub's or a leaf's records hold.
+#[derive(Debug, Deserialize)]
+pub struct RecordHead {
+    pub identity: HeadIdentity,
+    pub kind: Kind,
+    #[serde(default)]
+    pub previous_kind: Option<Kind>,
+}
+
+/// A record's identity, by ID alone (see [`RecordHead`]).
+#[derive(Debug, Deserialize)]
+pub struct HeadIdentity {
+    pub id: ClusterId,
+}
+
+impl RecordHead {
+    /// Whether the record is or was a full peer's: the neighborhood sender's concern.
+    pub fn full_now_or_before(&self) -> bool {
+        self.kind == Kind::Full || self.previous_kind == Some(Kind::Full)
+    }
+}
+
 /// Full or induced (types.proto `PeeringKind`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Kind {
