@@ -77,6 +77,9 @@ async fn an_exported_service_resolves_at_an_induced_consumer_by_name_and_goes_wi
     peer(&a, &b).await;
     peer(&c, &b).await;
     let c_to_a = eventually("C's induced tunnel to A", LIMIT, || tunnel_to(&c, "leaf-a")).await;
+    // And A's to C: the hub translates A's export for C directly only once A holds its side of
+    // the induced peering; before that it takes the hub path until the next resend.
+    eventually("A's induced tunnel to C", LIMIT, || tunnel_to(&a, "leaf-c")).await;
     let c_view_a: IpNet = c_to_a.remote_pod_cidr_nat.parse().expect("cidr");
     let ask_over = |name: &str, qtype: &str, over: Over| {
         let (bin, name, qtype) = (dig_bin.clone(), name.to_owned(), qtype.to_owned());
@@ -256,6 +259,9 @@ async fn answers_resume_after_kill_9_of_the_dns_and_nothing_stale_is_answered() 
     peer(&a, &b).await;
     peer(&c, &b).await;
     let c_to_a = eventually("C's induced tunnel to A", LIMIT, || tunnel_to(&c, "leaf-a")).await;
+    // And A's to C: the hub translates A's export for C directly only once A holds its side of
+    // the induced peering; before that it takes the hub path until the next resend.
+    eventually("A's induced tunnel to C", LIMIT, || tunnel_to(&a, "leaf-c")).await;
     let pod = host_at(c_to_a.remote_pod_cidr_nat.parse().expect("cidr"), 7);
     let ask = || {
         let bin = dig_bin.clone();
