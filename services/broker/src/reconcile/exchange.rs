@@ -24,19 +24,30 @@ use crate::records::{Decision, OutgoingNc, decode, encode, nc_name, out_key, tun
 /// so one slow remote must not hold up the others.
 const CONCURRENCY: usize = 16;
 
-/// The gateway's key and address, the same for every remote: a settled exchange whose
-/// NetworkConfig still carries them needs no per-remote question on a periodic pass.
+/// The gateway's key and address, the same for every remote: a NetworkConfig that still
+/// carries them needs no per-remote question (the port the gateway gave that remote stays
+/// its own until the remote is torn down).
 pub(super) struct GatewayBasics {
     public_key: String,
     /// The host of the gateway's endpoint (an IP or a DNS name; the port is per remote).
     endpoint_host: Option<trellis_api::model::EndpointHost>,
 }
 
-pub(super) async fn gateway_basics(broker: &Broker) -> Result<GatewayBasics> {
+impl GatewayBasics {
+    /// Whether `spec` still carries the gateway's key and host.
+    fn carried_by(&self, spec: &NetworkSpec) -> bool {
+        spec.public_key.to_string() == self.public_key
+            && self.endpoint_host.as_ref() == Some(spec.endpoint.host())
+    }
+}
+
+/// The gateway's key and host: read now for a periodic pass (`fresh`), otherwise as read within
+/// the last second.
+pub(super) async fn gateway_basics(broker: &Broker, fresh: bool) -> Result<GatewayBasics> {
     let info = broker
         .ports()
         .gateway()
-        .info(None)
+        .general(fresh)
         .await
         .map_err(|e| e.context("asking the gateway for its endpoint"))?;
     if let Ok(key) = trellis_api::model::WgKey::parse("public_key", &info.public_key) {
@@ -50,45 +61,66 @@ pub(super) async fn gateway_basics(broker: &Broker) -> Result<GatewayBasics> {
     })
 }
 
+/// What kind of pass runs [`ensure_all`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum PassKind {
+    /// The periodic resync over a whole lane: settled exchanges are taken on trust.
+    Periodic,
+    /// A pass over remotes something happened to: each gets the whole look.
+    Woken,
+}
+
 /// Runs [`ensure`] for `remotes`, [`CONCURRENCY`] at a time; returns those that failed.
 pub(super) async fn ensure_all(
     broker: &Broker,
     remotes: Vec<&Remote>,
-    basics: Option<&GatewayBasics>,
+    kind: PassKind,
 ) -> Result<BTreeSet<ClusterId>> {
     let mut failed = BTreeSet::new();
     if remotes.is_empty() {
         return Ok(failed);
     }
+    let basics = gateway_basics(broker, kind == PassKind::Periodic).await?;
     let subnets = broker.ports().ipam().local_subnets().await?;
-    let (pod, external) = (&subnets.pod_cidr, &subnets.external_cidr);
+    let pass = Pass {
+        pod: &subnets.pod_cidr,
+        external: &subnets.external_cidr,
+        basics: &basics,
+        kind,
+    };
     // Each future is made when a slot frees. Made up front, every pass over 254 remotes held
     // 254 of them: 176 MiB of the 255-cluster in-process lab's peak heap (issue 17).
     let mut waiting = remotes.into_iter();
     let mut running = futures::stream::FuturesUnordered::new();
     for remote in waiting.by_ref().take(CONCURRENCY) {
-        running.push(ensure_one(broker, remote, pod, external, basics));
+        running.push(ensure_one(broker, remote, &pass));
     }
     while let Some(result) = running.next().await {
         if let Err(id) = result {
             failed.insert(id);
         }
         if let Some(remote) = waiting.next() {
-            running.push(ensure_one(broker, remote, pod, external, basics));
+            running.push(ensure_one(broker, remote, &pass));
         }
     }
     Ok(failed)
+}
+
+/// What every remote of one pass shares: the local CIDRs, the gateway's basics, the kind.
+struct Pass<'a> {
+    pod: &'a str,
+    external: &'a str,
+    basics: &'a GatewayBasics,
+    kind: PassKind,
 }
 
 /// [`ensure`], its failure logged and reduced to the remote's ID.
 async fn ensure_one(
     broker: &Broker,
     remote: &Remote,
-    pod: &str,
-    external: &str,
-    basics: Option<&GatewayBasics>,
+    pass: &Pass<'_>,
 ) -> std::result::Result<(), ClusterId> {
-    ensure(broker, remote, pod, external, basics)
+    ensure(broker, remote, pass)
         .await
         .map_err(|err| {
             tracing::warn!(remote.id = %remote.identity.id, error = %err, "network config exchange incomplete");
@@ -96,25 +128,35 @@ async fn ensure_one(
         })
 }
 
-/// Our spec for `remote`: the local CIDRs and the gateway's endpoint and key for that peer.
+/// Our spec for `remote`: the local CIDRs and the gateway's endpoint and key for that peer,
+/// those of `current` (our NetworkConfig to it) while they still carry the gateway's key and
+/// host, or else the gateway's answer. Asking the gateway on every look made a leaf's share of
+/// an induced mesh about three calls per remote, the most frequent call of the 254-leaf
+/// benchmark.
 async fn local_spec(
     broker: &Broker,
     remote: &ClusterId,
-    pod: &str,
-    external: &str,
+    pass: &Pass<'_>,
+    current: Option<&NetworkSpec>,
 ) -> Result<NetworkSpec> {
-    let info = broker
-        .ports()
-        .gateway()
-        .info(Some(remote))
-        .await
-        .map_err(|e| e.context("asking the gateway for its endpoint"))?;
-    let wire = pb::NetworkConfigSpec {
-        pod_cidr: pod.to_owned(),
-        external_cidr: external.to_owned(),
-        endpoint: info.endpoint,
-        public_key: info.public_key,
+    let mut wire = match current.filter(|spec| pass.basics.carried_by(spec)) {
+        Some(spec) => spec.to_proto(),
+        None => {
+            let info = broker
+                .ports()
+                .gateway()
+                .info(Some(remote))
+                .await
+                .map_err(|e| e.context("asking the gateway for its endpoint"))?;
+            pb::NetworkConfigSpec {
+                endpoint: info.endpoint,
+                public_key: info.public_key,
+                ..Default::default()
+            }
+        }
     };
+    pass.pod.clone_into(&mut wire.pod_cidr);
+    pass.external.clone_into(&mut wire.external_cidr);
     NetworkSpec::from_proto("local", Some(&wire)).map_err(|e| {
         Error::Internal(format!(
             "the local IPAM or gateway answered unusable parameters: {e}"
@@ -148,16 +190,10 @@ pub fn decision_from_status(
 /// from the stored traceparent, so one peering setup is one trace across passes, processes
 /// and clusters; settled exchanges add nothing to it on later resyncs.
 ///
-/// With `basics` (a periodic pass), a settled exchange whose NetworkConfig still carries the
-/// gateway's key and address is left alone: anything that changes it for one remote (its new
-/// NetworkConfig, its decision, discovery) wakes a pass for that remote.
-async fn ensure(
-    broker: &Broker,
-    remote: &Remote,
-    pod: &str,
-    external: &str,
-    basics: Option<&GatewayBasics>,
-) -> Result<()> {
+/// On a periodic pass, a settled exchange whose NetworkConfig still carries the gateway's key
+/// and address is left alone: anything that changes it for one remote (its new NetworkConfig,
+/// its decision, discovery) wakes a pass for that remote.
+async fn ensure(broker: &Broker, remote: &Remote, pass: &Pass<'_>) -> Result<()> {
     let id = &remote.identity.id;
     let key = out_key(id);
     let existing = match broker.store().get(&key).await? {
@@ -170,17 +206,16 @@ async fn ensure(
         }
         None => true,
     };
-    if let (false, Some((out, _)), Some(basics)) = (unfinished, &existing, basics) {
-        let same_gateway = out.spec.public_key.to_string() == basics.public_key
-            && basics.endpoint_host.as_ref() == Some(out.spec.endpoint.host());
+    if let (false, Some((out, _)), PassKind::Periodic) = (unfinished, &existing, pass.kind) {
+        let same_gateway = pass.basics.carried_by(&out.spec);
         let forwarder = match &remote.route {
             Route::Direct { .. } => None,
             Route::Relayed { forwarder, .. } => Some(forwarder.as_str()),
         };
         let same_route = out.via.as_ref() == remote.via()
             && out.forwarder.as_deref() == forwarder
-            && out.spec.pod_cidr.to_string() == pod
-            && out.spec.external_cidr.to_string() == external;
+            && out.spec.pod_cidr.to_string() == pass.pod
+            && out.spec.external_cidr.to_string() == pass.external;
         if same_gateway && same_route {
             return Ok(());
         }
@@ -192,7 +227,7 @@ async fn ensure(
     } else {
         tracing::Span::none()
     };
-    exchange(broker, remote, pod, external, existing)
+    exchange(broker, remote, pass, existing)
         .instrument(span)
         .await
 }
@@ -200,13 +235,13 @@ async fn ensure(
 async fn exchange(
     broker: &Broker,
     remote: &Remote,
-    pod: &str,
-    external: &str,
+    pass: &Pass<'_>,
     existing: Option<(OutgoingNc, i64)>,
 ) -> Result<()> {
     let id = &remote.identity.id;
     let key = out_key(id);
-    let spec = local_spec(broker, id, pod, external).await?;
+    let current = existing.as_ref().map(|(out, _)| &out.spec);
+    let spec = local_spec(broker, id, pass, current).await?;
     let forwarder = match &remote.route {
         Route::Direct { .. } => None,
         Route::Relayed { forwarder, .. } => Some(forwarder.clone()),
@@ -313,4 +348,72 @@ async fn deliver(broker: &Broker, remote: &Remote, out: &OutgoingNc) -> Result<(
         )));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::reconcile::broker;
+
+    const KEY: &str = "AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA=";
+
+    fn spec(endpoint: &str) -> NetworkSpec {
+        NetworkSpec::from_proto(
+            "spec",
+            Some(&pb::NetworkConfigSpec {
+                pod_cidr: "10.0.0.0/16".into(),
+                external_cidr: "10.1.0.0/16".into(),
+                endpoint: endpoint.into(),
+                public_key: KEY.into(),
+            }),
+        )
+        .expect("spec")
+    }
+
+    fn basics(host: &str) -> GatewayBasics {
+        GatewayBasics {
+            public_key: KEY.into(),
+            endpoint_host: trellis_api::model::Endpoint::parse("endpoint", &format!("{host}:1"))
+                .ok()
+                .map(|e| e.host().clone()),
+        }
+    }
+
+    /// Our NetworkConfig that still carries the gateway's key and host keeps its endpoint (the
+    /// port the gateway gave that remote) without a question to the gateway, which here never
+    /// answers; the CIDRs are the pass's. Once the host moved (a gateway failover, say), the
+    /// gateway is asked.
+    #[tokio::test]
+    async fn a_spec_still_carrying_the_gateways_key_and_host_is_kept_without_asking() {
+        let broker = broker();
+        let remote = ClusterId::parse("id", "leaf-b").expect("id");
+        let current = spec("192.0.2.1:51830");
+        let same = basics("192.0.2.1");
+        let pass = Pass {
+            pod: "10.2.0.0/16",
+            external: "10.3.0.0/16",
+            basics: &same,
+            kind: PassKind::Woken,
+        };
+        let kept = local_spec(&broker, &remote, &pass, Some(&current))
+            .await
+            .expect("kept without the gateway");
+        assert_eq!(kept.endpoint, current.endpoint);
+        assert_eq!(kept.public_key, current.public_key);
+        assert_eq!(kept.pod_cidr.to_string(), "10.2.0.0/16");
+        assert_eq!(kept.external_cidr.to_string(), "10.3.0.0/16");
+
+        let moved = basics("192.0.2.2");
+        let pass = Pass {
+            basics: &moved,
+            ..pass
+        };
+        let asked = local_spec(&broker, &remote, &pass, Some(&current)).await;
+        assert!(asked.is_err(), "the gateway was not asked: {asked:?}");
+        let first = local_spec(&broker, &remote, &pass, None).await;
+        assert!(
+            first.is_err(),
+            "a first spec without the gateway: {first:?}"
+        );
+    }
 }

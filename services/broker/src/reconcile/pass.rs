@@ -11,7 +11,7 @@ use trellis_api::peers::{Peers, Remote};
 use trellis_error::Result;
 
 use super::Unsettled;
-use super::exchange::{ensure_all, gateway_basics};
+use super::exchange::{PassKind, ensure_all};
 use super::teardown::{free_orphaned_mappings, mapped, teardown};
 use crate::core::Broker;
 use crate::core::lanes::Lane;
@@ -80,8 +80,7 @@ pub async fn pass(broker: &Broker, lane: Lane) -> Result<Unsettled> {
         .filter(|remote| Lane::of_route(&remote.route) == lane)
         .collect();
     if !mine.is_empty() {
-        let basics = gateway_basics(broker).await?;
-        unsettled.ids = ensure_all(broker, mine, Some(&basics)).await?;
+        unsettled.ids = ensure_all(broker, mine, PassKind::Periodic).await?;
     }
 
     let mut unwanted = Vec::new();
@@ -212,7 +211,7 @@ pub async fn pass_for(broker: &Broker, lane: Lane, ids: &BTreeSet<ClusterId>) ->
     }
     let mut unsettled = Unsettled {
         all: false,
-        ids: ensure_all(broker, mine, None).await?,
+        ids: ensure_all(broker, mine, PassKind::Woken).await?,
     };
     let unwanted: BTreeSet<ClusterId> = held
         .iter()

@@ -40,12 +40,19 @@ const FRESH: Duration = Duration::from_secs(180);
 /// together, and the observations change at handshake pace.
 const OBSERVED_TTL: Duration = Duration::from_secs(1);
 
+/// How long one reading of the gateway's general answer (its key and the host of its endpoint,
+/// the same for every remote) stands for the passes events wake: a leaf introduced to 253
+/// induced peers runs hundreds of such passes within seconds.
+const GENERAL_TTL: Duration = Duration::from_secs(1);
+
 /// The local gateway.
 #[derive(Debug)]
 pub struct Gateway {
     channel: TracedChannel,
     /// The last reading of [`Gateway::observed`] and when it was taken.
     observed: tokio::sync::Mutex<Option<(Instant, Arc<ObservedPeers>)>>,
+    /// The last reading of [`Gateway::general`] and when it was taken.
+    general: tokio::sync::Mutex<Option<(Instant, GatewayInfo)>>,
 }
 
 impl Gateway {
@@ -53,7 +60,23 @@ impl Gateway {
         Self {
             channel,
             observed: tokio::sync::Mutex::new(None),
+            general: tokio::sync::Mutex::new(None),
         }
+    }
+
+    /// The gateway's general answer ([`Gateway::info`] for no remote): read now when `fresh`,
+    /// otherwise at most once per [`GENERAL_TTL`].
+    pub async fn general(&self, fresh: bool) -> Result<GatewayInfo> {
+        let mut cached = self.general.lock().await;
+        if let Some((at, info)) = cached.as_ref()
+            && !fresh
+            && at.elapsed() < GENERAL_TTL
+        {
+            return Ok(info.clone());
+        }
+        let info = self.info(None).await?;
+        *cached = Some((Instant::now(), info.clone()));
+        Ok(info)
     }
 
     /// The gateway's endpoint and key towards `remote`, or in general (`None`: the key and
