@@ -78,6 +78,8 @@ struct Inner<Req, Resp> {
     filled: Notify,
     batch: SendBatch<Req, Resp>,
     one: SendOne<Req, Resp>,
+    /// The least time between two batches ([`SPACING`] unless made [`Batcher::unspaced`]).
+    spacing: Duration,
     /// The server answered the batch RPC UNIMPLEMENTED (an older version): unary from then on.
     unary_only: AtomicBool,
 }
@@ -106,6 +108,17 @@ impl<Req, Resp> std::fmt::Debug for Batcher<Req, Resp> {
 impl<Req: Send + 'static, Resp: Send + 'static> Batcher<Req, Resp> {
     /// A batcher sending through `batch`, and through `one` for lone requests.
     pub fn new(batch: SendBatch<Req, Resp>, one: SendOne<Req, Resp>) -> Self {
+        Self::spaced(batch, one, SPACING)
+    }
+
+    /// A batcher whose next batch leaves as soon as the previous one is answered, carrying what
+    /// arrived meanwhile: for a service of the same cluster, whose answers take no network
+    /// round trip, so that waiting to fill a batch would cost more than it saves.
+    pub fn unspaced(batch: SendBatch<Req, Resp>, one: SendOne<Req, Resp>) -> Self {
+        Self::spaced(batch, one, Duration::ZERO)
+    }
+
+    fn spaced(batch: SendBatch<Req, Resp>, one: SendOne<Req, Resp>, spacing: Duration) -> Self {
         Self {
             inner: Arc::new(Inner {
                 queue: Mutex::new(Queue {
@@ -116,6 +129,7 @@ impl<Req: Send + 'static, Resp: Send + 'static> Batcher<Req, Resp> {
                 filled: Notify::new(),
                 batch,
                 one,
+                spacing,
                 unary_only: AtomicBool::new(false),
             }),
         }
@@ -164,7 +178,7 @@ async fn send_while_waiting<Req: Send + 'static, Resp: Send + 'static>(
             };
             queue
                 .last_sent
-                .map(|last| last + SPACING)
+                .map(|last| last + inner.spacing)
                 .filter(|due| *due > Instant::now() && queue.waiting.len() < FILL)
         };
         if let Some(due) = due {
@@ -314,7 +328,7 @@ pub fn submit_results(
 }
 
 /// The per-item results of a batch response; `split` opens one result's `oneof`.
-fn unpack<R, T>(
+pub fn unpack<R, T>(
     results: Vec<R>,
     split: impl Fn(R) -> Option<Result<T, ItemError>>,
 ) -> Vec<Result<T, Status>> {
@@ -431,9 +445,19 @@ mod tests {
         gate: Arc<tokio::sync::Semaphore>,
         batch_rpc: bool,
     ) -> Batcher<u32, u32> {
+        echo_spaced(sizes, gate, batch_rpc, SPACING)
+    }
+
+    /// [`echo`] with `spacing` between batches.
+    fn echo_spaced(
+        sizes: Arc<Mutex<Vec<usize>>>,
+        gate: Arc<tokio::sync::Semaphore>,
+        batch_rpc: bool,
+        spacing: Duration,
+    ) -> Batcher<u32, u32> {
         let batch_sizes = sizes.clone();
         let batch_gate = gate.clone();
-        Batcher::new(
+        Batcher::spaced(
             Box::new(move |requests: Vec<u32>| {
                 let sizes = batch_sizes.clone();
                 let gate = batch_gate.clone();
@@ -467,7 +491,37 @@ mod tests {
                     Ok(request * 10)
                 })
             }),
+            spacing,
         )
+    }
+
+    /// An unspaced batcher (a service of the same cluster) sends what arrived while a call was
+    /// in flight as soon as that call is answered, without waiting for [`SPACING`].
+    #[tokio::test(start_paused = true)]
+    async fn an_unspaced_batcher_sends_the_next_batch_when_the_previous_is_answered() {
+        let sizes = Arc::new(Mutex::new(Vec::new()));
+        let gate = Arc::new(tokio::sync::Semaphore::new(0));
+        let batcher = echo_spaced(sizes.clone(), gate.clone(), true, Duration::ZERO);
+        let start = Instant::now();
+        let mut calls = vec![spawn_call(&batcher, 1)];
+        // The first call leaves alone and waits at the gate; three more queue meanwhile.
+        for _ in 0..10 {
+            tokio::task::yield_now().await;
+        }
+        calls.extend((2..=4).map(|i| spawn_call(&batcher, i)));
+        for _ in 0..10 {
+            tokio::task::yield_now().await;
+        }
+        gate.add_permits(1_000);
+        for (i, call) in (1..=4).zip(calls) {
+            assert_eq!(call.await.expect("the call task"), i * 10);
+        }
+        assert_eq!(*sizes.lock().expect("the test's lock"), vec![1, 3]);
+        assert!(
+            start.elapsed() < SPACING,
+            "the second batch waited for the spacing: {:?}",
+            start.elapsed()
+        );
     }
 
     #[tokio::test]

@@ -7,9 +7,13 @@ use std::sync::Arc;
 use ipnet::IpNet;
 use tonic::{Request, Response, Status};
 use trellis_api::pb::ipam::ipam_server::Ipam as IpamApi;
-use trellis_api::pb::ipam::{self as pb, MappingPath as PbPath};
+use trellis_api::pb::ipam::{
+    self as pb, MappingPath as PbPath, get_subnets_per_cluster_result as subnets_result,
+    set_local_nat_result as local_nat_result,
+};
 use trellis_api::{ClusterId, ClusterIdentity, wire};
 use trellis_error::{Error, Result};
+use trellis_runtime::batch;
 use trellis_runtime::peer::{Authz, PeerMethods};
 
 use crate::core::{Ipam, MappingPath};
@@ -50,6 +54,30 @@ impl IpamService {
     fn ip(&self, value: &str) -> Result<IpAddr> {
         wire::require_family_ip("ip", wire::ip("ip", value)?, self.core.family())
     }
+
+    /// One GetSubnetsPerCluster, alone or as an item of a batch.
+    async fn subnets_one(
+        &self,
+        req: pb::GetSubnetsPerClusterRequest,
+    ) -> Result<pb::GetSubnetsPerClusterResponse> {
+        let cluster = cluster(&req.cluster_id, &req.cluster_name)?;
+        let pod = self.cidr("pod_cidr", &req.pod_cidr)?;
+        let external = self.cidr("external_cidr", &req.external_cidr)?;
+        let view = self.core.subnets_for(&cluster, pod, external).await?;
+        Ok(pb::GetSubnetsPerClusterResponse {
+            pod_cidr_nat: view.pod_cidr_nat.to_string(),
+            external_cidr_nat: view.external_cidr_nat.to_string(),
+        })
+    }
+
+    /// One SetLocalNat, alone or as an item of a batch.
+    async fn local_nat_one(&self, req: pb::SetLocalNatRequest) -> Result<pb::SetLocalNatResponse> {
+        let cluster = cluster(&req.cluster_id, &req.cluster_name)?;
+        let pod = self.cidr("pod_cidr", &req.pod_cidr)?;
+        let external = self.cidr("external_cidr", &req.external_cidr)?;
+        self.core.set_local_nat(&cluster, pod, external).await?;
+        Ok(pb::SetLocalNatResponse {})
+    }
 }
 
 fn cluster_id(value: &str) -> Result<ClusterId> {
@@ -83,27 +111,64 @@ impl IpamApi for IpamService {
         &self,
         request: Request<pb::GetSubnetsPerClusterRequest>,
     ) -> Result<Response<pb::GetSubnetsPerClusterResponse>, Status> {
-        let req = request.into_inner();
-        let cluster = cluster(&req.cluster_id, &req.cluster_name)?;
-        let pod = self.cidr("pod_cidr", &req.pod_cidr)?;
-        let external = self.cidr("external_cidr", &req.external_cidr)?;
-        let view = self.core.subnets_for(&cluster, pod, external).await?;
-        Ok(Response::new(pb::GetSubnetsPerClusterResponse {
-            pod_cidr_nat: view.pod_cidr_nat.to_string(),
-            external_cidr_nat: view.external_cidr_nat.to_string(),
-        }))
+        Ok(Response::new(self.subnets_one(request.into_inner()).await?))
     }
 
     async fn set_local_nat(
         &self,
         request: Request<pb::SetLocalNatRequest>,
     ) -> Result<Response<pb::SetLocalNatResponse>, Status> {
-        let req = request.into_inner();
-        let cluster = cluster(&req.cluster_id, &req.cluster_name)?;
-        let pod = self.cidr("pod_cidr", &req.pod_cidr)?;
-        let external = self.cidr("external_cidr", &req.external_cidr)?;
-        self.core.set_local_nat(&cluster, pod, external).await?;
-        Ok(Response::new(pb::SetLocalNatResponse {}))
+        Ok(Response::new(
+            self.local_nat_one(request.into_inner()).await?,
+        ))
+    }
+
+    async fn get_subnets_per_cluster_batch(
+        &self,
+        request: Request<pb::GetSubnetsPerClusterBatchRequest>,
+    ) -> Result<Response<pb::GetSubnetsPerClusterBatchResponse>, Status> {
+        let requests = request.into_inner().requests;
+        batch::check_len(requests.len())?;
+        let results = batch::serve(requests, |item| async move {
+            self.subnets_one(item).await.map_err(Status::from)
+        })
+        .await;
+        Ok(Response::new(pb::GetSubnetsPerClusterBatchResponse {
+            results: results
+                .into_iter()
+                .map(|r| pb::GetSubnetsPerClusterResult {
+                    result: Some(match r {
+                        Ok(response) => subnets_result::Result::Response(response),
+                        Err(status) => subnets_result::Result::Error(batch::to_item_error(&status)),
+                    }),
+                })
+                .collect(),
+        }))
+    }
+
+    async fn set_local_nat_batch(
+        &self,
+        request: Request<pb::SetLocalNatBatchRequest>,
+    ) -> Result<Response<pb::SetLocalNatBatchResponse>, Status> {
+        let requests = request.into_inner().requests;
+        batch::check_len(requests.len())?;
+        let results = batch::serve(requests, |item| async move {
+            self.local_nat_one(item).await.map_err(Status::from)
+        })
+        .await;
+        Ok(Response::new(pb::SetLocalNatBatchResponse {
+            results: results
+                .into_iter()
+                .map(|r| pb::SetLocalNatResult {
+                    result: Some(match r {
+                        Ok(response) => local_nat_result::Result::Response(response),
+                        Err(status) => {
+                            local_nat_result::Result::Error(batch::to_item_error(&status))
+                        }
+                    }),
+                })
+                .collect(),
+        }))
     }
 
     async fn free_subnets_per_cluster(

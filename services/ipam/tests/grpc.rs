@@ -392,3 +392,109 @@ async fn a_set_local_nat_after_a_free_is_failed_precondition_and_stores_nothing(
     assert!(state(c).await.0.clusters.is_empty());
     s.shutdown.cancel();
 }
+
+/// The batch RPCs answer each item as its unary call would, in order; one item's error (a bad
+/// CIDR, a late SetLocalNat) is its own and the other items take effect; more than 256 items
+/// are refused as a whole, naming `requests`, and change nothing.
+#[tokio::test]
+async fn batch_items_are_answered_as_their_unary_calls_each_on_its_own() {
+    use get_subnets_per_cluster_result::Result as Mapped;
+    use set_local_nat_result::Result as Recorded;
+    let mut s = serve().await;
+    let c = &mut s.client;
+    let lone = c
+        .get_subnets_per_cluster(subnets("lone", "10.0.0.0/16", "192.168.9.0/24"))
+        .await
+        .expect("maps")
+        .into_inner();
+    let results = c
+        .get_subnets_per_cluster_batch(GetSubnetsPerClusterBatchRequest {
+            requests: vec![
+                subnets("a", "10.0.0.0/16", "192.168.1.0/24"),
+                subnets("bad", "not-a-cidr", "192.168.2.0/24"),
+                subnets("lone", "10.0.0.0/16", "192.168.9.0/24"),
+            ],
+        })
+        .await
+        .expect("a batch")
+        .into_inner()
+        .results;
+    assert_eq!(results.len(), 3);
+    let Some(Mapped::Response(a)) = &results[0].result else {
+        panic!("item 0: {:?}", results[0]);
+    };
+    assert_ne!(
+        a.pod_cidr_nat, "10.0.0.0/16",
+        "the overlapping pod CIDR is remapped"
+    );
+    match &results[1].result {
+        Some(Mapped::Error(e)) => {
+            assert_eq!(e.code, Code::InvalidArgument as i32);
+            assert!(e.message.contains("pod_cidr"), "{e:?}");
+        }
+        other => panic!("item 1: {other:?}"),
+    }
+    assert_eq!(
+        results[2].result,
+        Some(Mapped::Response(lone)),
+        "idempotent like the unary call"
+    );
+
+    c.free_subnets_per_cluster(FreeSubnetsPerClusterRequest {
+        cluster_id: "lone".into(),
+    })
+    .await
+    .expect("frees");
+    let nat = |id: &str| SetLocalNatRequest {
+        cluster_id: id.into(),
+        cluster_name: String::new(),
+        pod_cidr: "10.80.0.0/16".into(),
+        external_cidr: "10.81.0.0/16".into(),
+    };
+    let results = c
+        .set_local_nat_batch(SetLocalNatBatchRequest {
+            requests: vec![nat("a"), nat("lone")],
+        })
+        .await
+        .expect("a batch")
+        .into_inner()
+        .results;
+    assert!(
+        matches!(results[0].result, Some(Recorded::Response(_))),
+        "{results:?}"
+    );
+    match &results[1].result {
+        Some(Recorded::Error(e)) => {
+            assert_eq!(e.code, Code::FailedPrecondition as i32);
+            assert!(e.message.contains("lone"), "{e:?}");
+        }
+        other => panic!("item 1: {other:?}"),
+    }
+    let listed = state(c).await.0.clusters;
+    let a = listed
+        .iter()
+        .find(|r| r.cluster_id == "a")
+        .expect("a is held");
+    assert_eq!(a.local_pod_cidr_nat, "10.80.0.0/16");
+    assert!(listed.iter().all(|r| r.cluster_id != "lone"), "{listed:?}");
+
+    let before = state(c).await;
+    let many = (0..257)
+        .map(|i| subnets(&format!("c{i}"), "10.9.0.0/16", "192.168.3.0/24"))
+        .collect();
+    expect_code(
+        c.get_subnets_per_cluster_batch(GetSubnetsPerClusterBatchRequest { requests: many })
+            .await,
+        Code::InvalidArgument,
+        "requests",
+    );
+    let many = (0..257).map(|i| nat(&format!("c{i}"))).collect();
+    expect_code(
+        c.set_local_nat_batch(SetLocalNatBatchRequest { requests: many })
+            .await,
+        Code::InvalidArgument,
+        "requests",
+    );
+    assert_eq!(state(c).await, before, "a refused batch changed something");
+    s.shutdown.cancel();
+}

@@ -1,18 +1,26 @@
 //! The port to the local IPAM: the ranges this cluster uses, the mappings of remote clusters'
 //! ranges into ours (our decision on a NetworkConfig we receive), and how each remote
 //! addresses us (its decision on ours).
+//!
+//! The two calls made once per remote, mapping its ranges and recording how it addresses us,
+//! go through batchers: a broker receiving a hub's batch of NetworkConfigs, or hearing the
+//! decisions of many induced peers, asks in a few calls instead of one per remote (they were
+//! most of a leaf's calls in a 254-leaf mesh).
 
 use std::collections::BTreeSet;
 
 use trellis_api::model::{NatView, NetworkSpec};
 use trellis_api::pb::ipam::ipam_client::IpamClient;
 use trellis_api::pb::ipam::{
-    FreeSubnetsPerClusterRequest, GetLocalSubnetsRequest, GetSubnetsPerClusterRequest,
-    ListClusterSubnetsRequest, SetLocalNatRequest,
+    FreeSubnetsPerClusterRequest, GetLocalSubnetsRequest, GetSubnetsPerClusterBatchRequest,
+    GetSubnetsPerClusterRequest, GetSubnetsPerClusterResponse, ListClusterSubnetsRequest,
+    SetLocalNatBatchRequest, SetLocalNatRequest, SetLocalNatResponse,
+    get_subnets_per_cluster_result, set_local_nat_result,
 };
 use trellis_api::pb::types::NetworkConfigStatus;
 use trellis_api::{ClusterId, ClusterIdentity};
 use trellis_error::{Error, Result};
+use trellis_runtime::batch::{Batcher, unpack};
 use trellis_runtime::client::TracedChannel;
 
 /// The ranges this cluster uses, as the IPAM spells them (they go into our NetworkConfigs as
@@ -41,11 +49,71 @@ pub enum Mapping {
 #[derive(Debug)]
 pub struct Ipam {
     channel: TracedChannel,
+    mapper: Batcher<GetSubnetsPerClusterRequest, GetSubnetsPerClusterResponse>,
+    nat: Batcher<SetLocalNatRequest, SetLocalNatResponse>,
 }
 
 impl Ipam {
     pub(super) fn new(channel: TracedChannel) -> Self {
-        Self { channel }
+        let (one, batch) = (
+            IpamClient::new(channel.clone()),
+            IpamClient::new(channel.clone()),
+        );
+        let mapper = Batcher::unspaced(
+            Box::new(move |requests| {
+                let mut client = batch.clone();
+                Box::pin(async move {
+                    let results = client
+                        .get_subnets_per_cluster_batch(GetSubnetsPerClusterBatchRequest {
+                            requests,
+                        })
+                        .await?
+                        .into_inner()
+                        .results;
+                    Ok(unpack(results, |r| match r.result? {
+                        get_subnets_per_cluster_result::Result::Response(response) => {
+                            Some(Ok(response))
+                        }
+                        get_subnets_per_cluster_result::Result::Error(error) => Some(Err(error)),
+                    }))
+                })
+            }),
+            Box::new(move |request| {
+                let mut client = one.clone();
+                Box::pin(
+                    async move { Ok(client.get_subnets_per_cluster(request).await?.into_inner()) },
+                )
+            }),
+        );
+        let (one, batch) = (
+            IpamClient::new(channel.clone()),
+            IpamClient::new(channel.clone()),
+        );
+        let nat = Batcher::unspaced(
+            Box::new(move |requests| {
+                let mut client = batch.clone();
+                Box::pin(async move {
+                    let results = client
+                        .set_local_nat_batch(SetLocalNatBatchRequest { requests })
+                        .await?
+                        .into_inner()
+                        .results;
+                    Ok(unpack(results, |r| match r.result? {
+                        set_local_nat_result::Result::Response(response) => Some(Ok(response)),
+                        set_local_nat_result::Result::Error(error) => Some(Err(error)),
+                    }))
+                })
+            }),
+            Box::new(move |request| {
+                let mut client = one.clone();
+                Box::pin(async move { Ok(client.set_local_nat(request).await?.into_inner()) })
+            }),
+        );
+        Self {
+            channel,
+            mapper,
+            nat,
+        }
     }
 
     fn client(&self) -> IpamClient<TracedChannel> {
@@ -78,9 +146,8 @@ impl Ipam {
             pod_cidr: spec.pod_cidr.to_string(),
             external_cidr: spec.external_cidr.to_string(),
         };
-        match self.client().get_subnets_per_cluster(request).await {
+        match self.mapper.call(request).await {
             Ok(answer) => {
-                let answer = answer.into_inner();
                 let status = NetworkConfigStatus {
                     pod_cidr_nat: answer.pod_cidr_nat,
                     external_cidr_nat: answer.external_cidr_nat,
@@ -133,8 +200,8 @@ impl Ipam {
 
     /// Records how the remote `id` (named `name`) addresses our ranges.
     pub async fn set_local_nat(&self, id: &ClusterId, name: &str, view: &NatView) -> Result<()> {
-        self.client()
-            .set_local_nat(SetLocalNatRequest {
+        self.nat
+            .call(SetLocalNatRequest {
                 cluster_id: id.to_string(),
                 cluster_name: name.to_owned(),
                 pod_cidr: view.pod_cidr_nat.to_string(),
