@@ -9,6 +9,8 @@ use trellis_runtime::config::HasCommon;
 use trellis_runtime::config::PeerTlsConfig;
 use trellis_runtime::config::address_arg;
 
+use crate::core::DEFAULT_RESYNC;
+
 /// The peering broker of one Trellis cluster: token handshake with full peers, NetworkConfig
 /// exchange (directly, or relayed by a hub's forwarder for induced peers), TunnelEndpoints for
 /// the gateway, and unpeering.
@@ -52,7 +54,7 @@ pub struct Config {
         long,
         env = "TRELLIS_RESYNC",
         value_name = "SECONDS",
-        default_value_t = 10
+        default_value_t = DEFAULT_RESYNC.as_secs()
     )]
     pub resync: u64,
 

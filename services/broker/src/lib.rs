@@ -61,7 +61,8 @@ pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started
     )?;
     let core = Arc::new(
         Broker::new(identity, store, ports, config.token.clone())
-            .with_allowed_remote_ranges(config.allowed_remote_cidrs.clone()),
+            .with_allowed_remote_ranges(config.allowed_remote_cidrs.clone())
+            .with_resync(config.resync()),
     );
     core.token()
         .await

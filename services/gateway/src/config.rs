@@ -90,9 +90,11 @@ pub struct Config {
     pub wireguard_ports: PortRange,
 
     /// How long a port handed out by GetGatewayInfo for a peer that has no applied tunnel is
-    /// kept after the last request for it, in seconds. The broker asks again at least once per
-    /// resync while it still works on the exchange; after that the port goes back to
-    /// `--wireguard-ports` (a rejected or abandoned peering, a made-up cluster ID).
+    /// kept after the last request for it, in seconds. GetGatewayInfo tells the broker, which
+    /// asks again every quarter of it (at its next look at the exchange, at most a resync
+    /// later) while it still works on the exchange; keep it above twice the broker's
+    /// `--resync`. After that the port goes back to `--wireguard-ports` (a rejected or
+    /// abandoned peering, a made-up cluster ID).
     #[arg(
         long,
         env = "TRELLIS_UNUSED_PORT_GRACE",

@@ -41,6 +41,8 @@ pub struct GatewayInfo {
     pub public_key: trellis_api::model::WgKey,
     pub mode: Mode,
     pub listen_port: u16,
+    /// How long a port without an applied tunnel is kept after the last request for it.
+    pub unused_port_grace: std::time::Duration,
 }
 
 /// A tunnel's lifecycle state (the proto's TunnelState).
@@ -262,6 +264,7 @@ impl Gateway {
             public_key: self.keys.public(),
             mode: self.mode,
             listen_port: port,
+            unused_port_grace: self.settings.ports.unused_grace,
         })
     }
 

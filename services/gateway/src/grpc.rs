@@ -94,6 +94,8 @@ impl GatewayApi for GatewayService {
             public_key: info.public_key.to_string(),
             mode: mode_to_proto(info.mode).into(),
             listen_port: u32::from(info.listen_port),
+            unused_port_grace_seconds: u32::try_from(info.unused_port_grace.as_secs())
+                .unwrap_or(u32::MAX),
         }))
     }
 

@@ -327,8 +327,8 @@ pub async fn allocate(
 /// Releases the ports of peers without an applied tunnel that nobody asked for during `grace`:
 /// exchanges that were rejected or abandoned, induced peers withdrawn before their tunnel,
 /// made-up cluster IDs. The broker asks for the port of every exchange it is still working
-/// on at least once per resync, far more often than any sensible grace period. Returns the
-/// released peers.
+/// on every quarter of the grace period (GetGatewayInfo tells it), at its next look, at most a
+/// resync later. Returns the released peers.
 pub async fn release_unused(store: &SharedStore, grace: Duration) -> Result<Vec<(ClusterId, u16)>> {
     let listing = store.list(PEERS_PREFIX).await?;
     let now = now_nanos();

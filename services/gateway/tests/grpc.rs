@@ -123,6 +123,12 @@ async fn each_peer_gets_its_own_stable_port_and_the_shared_key() {
     );
     let base = info(&mut s.client, "").await.expect("base");
     assert_eq!(base.listen_port, 40000);
+    // The grace period of ports without a tunnel, which callers renew within (ADR 0007).
+    assert_eq!(base.unused_port_grace_seconds, 600);
+    let s = serve(&["--unused-port-grace", "90"]).await;
+    let mut client = s.client.clone();
+    let said = info(&mut client, "b").await.expect("b");
+    assert_eq!(said.unused_port_grace_seconds, 90);
 }
 
 #[tokio::test]

@@ -30,6 +30,7 @@ mod view;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use trellis_api::model::WgKey;
 use trellis_api::net::AllowedRanges;
@@ -43,6 +44,9 @@ use crate::records::{
     decode, in_key, out_key,
 };
 use crate::remote::Ports;
+
+/// The reconciler's resync period unless set (`--resync`'s default).
+pub const DEFAULT_RESYNC: Duration = Duration::from_secs(10);
 use crate::token;
 
 /// The broker of one cluster.
@@ -61,6 +65,8 @@ pub struct Broker {
     peering_locks: Mutex<HashMap<ClusterId, Arc<tokio::sync::Mutex<()>>>>,
     /// Where a peer's ranges, and its views of ours, may lie (`--allowed-remote-cidrs`).
     allowed: AllowedRanges,
+    /// The reconciler's resync period (`--resync`).
+    resync: Duration,
     /// Our gateway's WireGuard public key as last read, which no remote may announce as its own.
     own_key: Mutex<Option<WgKey>>,
     /// Woken when a new induced TunnelEndpoint is written: its candidates are wanted now
@@ -92,6 +98,7 @@ impl Broker {
             lanes: [LaneState::new(), LaneState::new()],
             peering_locks: Mutex::new(HashMap::new()),
             allowed: AllowedRanges::default(),
+            resync: DEFAULT_RESYNC,
             own_key: Mutex::new(None),
             held_keys: Mutex::new(HashMap::new()),
             candidates_due: tokio::sync::Notify::new(),
@@ -103,6 +110,18 @@ impl Broker {
     pub fn with_allowed_remote_ranges(mut self, allowed: AllowedRanges) -> Self {
         self.allowed = allowed;
         self
+    }
+
+    /// Sets the reconciler's resync period (the default is `--resync`'s).
+    #[must_use]
+    pub fn with_resync(mut self, resync: Duration) -> Self {
+        self.resync = resync;
+        self
+    }
+
+    /// The reconciler's resync period.
+    pub fn resync(&self) -> Duration {
+        self.resync
     }
 
     pub fn identity(&self) -> &ClusterIdentity {

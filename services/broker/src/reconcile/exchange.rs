@@ -4,6 +4,7 @@
 //! through the hub's forwarder), and then the TunnelEndpoint ([`super::tunnel`]).
 
 use std::collections::BTreeSet;
+use std::time::Duration;
 
 use futures::StreamExt as _;
 use tracing::Instrument as _;
@@ -26,11 +27,17 @@ const CONCURRENCY: usize = 16;
 
 /// The gateway's key and address, the same for every remote: a NetworkConfig that still
 /// carries them needs no per-remote question (the port the gateway gave that remote stays
-/// its own until the remote is torn down).
+/// its own until the remote is torn down) as long as the port stays reserved.
 pub(super) struct GatewayBasics {
     public_key: String,
     /// The host of the gateway's endpoint (an IP or a DNS name; the port is per remote).
     endpoint_host: Option<trellis_api::model::EndpointHost>,
+    /// How often to ask again for the port of a remote whose exchange is still under way: the
+    /// gateway releases a port without a tunnel nobody asked for during its grace period and
+    /// renews the reservation only when it is a quarter of that old (ADR 0007), so asking every
+    /// quarter keeps at least half of it in hand. A gateway that does not say its grace period
+    /// is asked once per resync, as it was promised.
+    reask: Duration,
 }
 
 impl GatewayBasics {
@@ -58,7 +65,13 @@ pub(super) async fn gateway_basics(broker: &Broker, fresh: bool) -> Result<Gatew
         endpoint_host: trellis_api::model::Endpoint::parse("endpoint", &info.endpoint)
             .ok()
             .map(|e| e.host().clone()),
+        reask: reask_period(info.unused_port_grace, broker.resync()),
     })
+}
+
+/// [`GatewayBasics::reask`] from the gateway's grace period, if it says one.
+fn reask_period(unused_port_grace: Option<Duration>, resync: Duration) -> Duration {
+    unused_port_grace.map_or(resync, |grace| grace / 4)
 }
 
 /// What kind of pass runs [`ensure_all`].
@@ -128,23 +141,26 @@ async fn ensure_one(
         })
 }
 
-/// Our spec for `remote`: the local CIDRs and the gateway's endpoint and key for that peer,
-/// those of `current` (our NetworkConfig to it) while they still carry the gateway's key and
-/// host, or else the gateway's answer. Asking the gateway on every look made a leaf's share of
-/// an induced mesh about three calls per remote, the most frequent call of the 254-leaf
-/// benchmark.
+/// Our spec for `remote`: the local CIDRs and the gateway's endpoint and key for that peer.
+/// Those of `current` (our NetworkConfig to it) are kept while they carry the gateway's key and
+/// host and the gateway was asked for this remote lately enough to keep its port reserved
+/// ([`GatewayBasics::reask`]); otherwise the gateway is asked. Asking on every
+/// look made a leaf's share of an induced mesh about three calls per remote, the most frequent
+/// call of the 254-leaf benchmark.
 async fn local_spec(
     broker: &Broker,
     remote: &ClusterId,
     pass: &Pass<'_>,
     current: Option<&NetworkSpec>,
 ) -> Result<NetworkSpec> {
-    let mut wire = match current.filter(|spec| pass.basics.carried_by(spec)) {
+    let gateway = broker.ports().gateway();
+    let kept = current.filter(|spec| {
+        pass.basics.carried_by(spec) && gateway.asked_within(remote, pass.basics.reask)
+    });
+    let mut wire = match kept {
         Some(spec) => spec.to_proto(),
         None => {
-            let info = broker
-                .ports()
-                .gateway()
+            let info = gateway
                 .info(Some(remote))
                 .await
                 .map_err(|e| e.context("asking the gateway for its endpoint"))?;
@@ -372,6 +388,7 @@ mod tests {
 
     fn basics(host: &str) -> GatewayBasics {
         GatewayBasics {
+            reask: Duration::from_secs(60),
             public_key: KEY.into(),
             endpoint_host: trellis_api::model::Endpoint::parse("endpoint", &format!("{host}:1"))
                 .ok()
@@ -379,10 +396,27 @@ mod tests {
         }
     }
 
+    /// A port is asked for again within a quarter of the gateway's grace period, or once per
+    /// resync when the gateway does not say it.
+    #[test]
+    fn ports_are_asked_for_again_within_a_quarter_of_the_grace_period() {
+        let resync = Duration::from_secs(10);
+        assert_eq!(
+            reask_period(Some(Duration::from_secs(600)), resync),
+            Duration::from_secs(150)
+        );
+        assert_eq!(
+            reask_period(Some(Duration::from_secs(2)), resync),
+            Duration::from_millis(500)
+        );
+        assert_eq!(reask_period(None, resync), resync);
+    }
+
     /// Our NetworkConfig that still carries the gateway's key and host keeps its endpoint (the
     /// port the gateway gave that remote) without a question to the gateway, which here never
-    /// answers; the CIDRs are the pass's. Once the host moved (a gateway failover, say), the
-    /// gateway is asked.
+    /// answers, while the gateway was asked for that remote lately; the CIDRs are the pass's.
+    /// Once the host moved (a gateway failover, say), or the last question is older than the
+    /// re-ask period (asking keeps the port reserved), the gateway is asked.
     #[tokio::test]
     async fn a_spec_still_carrying_the_gateways_key_and_host_is_kept_without_asking() {
         let broker = broker();
@@ -395,6 +429,13 @@ mod tests {
             basics: &same,
             kind: PassKind::Woken,
         };
+        let never_asked = local_spec(&broker, &remote, &pass, Some(&current)).await;
+        assert!(
+            never_asked.is_err(),
+            "kept a port never asked for: {never_asked:?}"
+        );
+
+        broker.ports().gateway().note_asked(&remote);
         let kept = local_spec(&broker, &remote, &pass, Some(&current))
             .await
             .expect("kept without the gateway");
@@ -404,16 +445,28 @@ mod tests {
         assert_eq!(kept.external_cidr.to_string(), "10.3.0.0/16");
 
         let moved = basics("192.0.2.2");
-        let pass = Pass {
+        let moved_pass = Pass {
             basics: &moved,
             ..pass
         };
-        let asked = local_spec(&broker, &remote, &pass, Some(&current)).await;
+        let asked = local_spec(&broker, &remote, &moved_pass, Some(&current)).await;
         assert!(asked.is_err(), "the gateway was not asked: {asked:?}");
         let first = local_spec(&broker, &remote, &pass, None).await;
         assert!(
             first.is_err(),
             "a first spec without the gateway: {first:?}"
+        );
+
+        let mut due = basics("192.0.2.1");
+        due.reask = Duration::ZERO;
+        let due_pass = Pass {
+            basics: &due,
+            ..pass
+        };
+        let stale = local_spec(&broker, &remote, &due_pass, Some(&current)).await;
+        assert!(
+            stale.is_err(),
+            "a question a resync old was not renewed: {stale:?}"
         );
     }
 }

@@ -20,6 +20,9 @@ pub struct GatewayInfo {
     /// `host:port`; the port may differ per remote.
     pub endpoint: String,
     pub public_key: String,
+    /// How long the gateway keeps a port without a tunnel after the last request for it
+    /// (`None` from a gateway that does not say).
+    pub unused_port_grace: Option<Duration>,
 }
 
 /// Where the gateway sees one full peer's gateway.
@@ -53,7 +56,23 @@ pub struct Gateway {
     observed: tokio::sync::Mutex<Option<(Instant, Arc<ObservedPeers>)>>,
     /// The last reading of [`Gateway::general`] and when it was taken.
     general: tokio::sync::Mutex<Option<(Instant, GatewayInfo)>>,
+    /// When the gateway last answered for each remote.
+    asked: std::sync::Mutex<Asked>,
 }
+
+/// When the gateway last answered [`Gateway::info`] for each remote. Asking keeps the port of a
+/// remote without a tunnel reserved: the gateway releases one nobody asked for during its grace
+/// period (ADR 0007).
+#[derive(Debug, Default)]
+struct Asked {
+    at: HashMap<ClusterId, Instant>,
+    /// The size above which entries older than [`FORGET_ASKED`] are dropped (doubling, so that
+    /// dropping costs little per answer).
+    prune_above: usize,
+}
+
+/// How long an answer is remembered: far longer than any resync period.
+const FORGET_ASKED: Duration = Duration::from_secs(3600);
 
 impl Gateway {
     pub(super) fn new(channel: TracedChannel) -> Self {
@@ -61,6 +80,32 @@ impl Gateway {
             channel,
             observed: tokio::sync::Mutex::new(None),
             general: tokio::sync::Mutex::new(None),
+            asked: std::sync::Mutex::new(Asked::default()),
+        }
+    }
+
+    /// Whether the gateway answered for `remote` within `window`.
+    pub fn asked_within(&self, remote: &ClusterId, window: Duration) -> bool {
+        self.asked
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .at
+            .get(remote)
+            .is_some_and(|at| at.elapsed() < window)
+    }
+
+    pub(crate) fn note_asked(&self, remote: &ClusterId) {
+        let mut asked = self
+            .asked
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let now = Instant::now();
+        asked.at.insert(remote.clone(), now);
+        if asked.at.len() > asked.prune_above {
+            asked
+                .at
+                .retain(|_, at| now.duration_since(*at) < FORGET_ASKED);
+            asked.prune_above = (2 * asked.at.len()).max(1024);
         }
     }
 
@@ -88,9 +133,14 @@ impl Gateway {
             })
             .await?
             .into_inner();
+        if let Some(remote) = remote {
+            self.note_asked(remote);
+        }
         Ok(GatewayInfo {
             endpoint: answer.endpoint,
             public_key: answer.public_key,
+            unused_port_grace: (answer.unused_port_grace_seconds > 0)
+                .then(|| Duration::from_secs(answer.unused_port_grace_seconds.into())),
         })
     }
 
