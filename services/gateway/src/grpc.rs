@@ -11,9 +11,10 @@ use tokio_stream::wrappers::WatchStream;
 use tonic::{Request, Response, Status};
 use trellis_api::ClusterId;
 use trellis_api::pb::gateway::gateway_server::Gateway as GatewayApi;
-use trellis_api::pb::gateway::{self as pb, TunnelState};
+use trellis_api::pb::gateway::{self as pb, TunnelState, get_gateway_info_result as info_result};
 use trellis_api::pb::types as types_pb;
 use trellis_error::Error;
+use trellis_runtime::batch;
 
 use crate::core::{Gateway, RouteSet, State, TunnelStatus};
 use crate::dataplane::Mode;
@@ -25,6 +26,27 @@ pub struct GatewayService {
 }
 
 impl GatewayService {
+    /// One GetGatewayInfo, alone or as an item of a batch.
+    async fn info_one(
+        &self,
+        req: pb::GetGatewayInfoRequest,
+    ) -> trellis_error::Result<pb::GetGatewayInfoResponse> {
+        let peer = if req.cluster_id.is_empty() {
+            None
+        } else {
+            Some(ClusterId::parse("cluster_id", &req.cluster_id)?)
+        };
+        let info = self.core.info(peer.as_ref()).await?;
+        Ok(pb::GetGatewayInfoResponse {
+            endpoint: info.endpoint.to_string(),
+            public_key: info.public_key.to_string(),
+            mode: mode_to_proto(info.mode).into(),
+            listen_port: u32::from(info.listen_port),
+            unused_port_grace_seconds: u32::try_from(info.unused_port_grace.as_secs())
+                .unwrap_or(u32::MAX),
+        })
+    }
+
     pub fn new(core: Arc<Gateway>) -> Self {
         Self { core }
     }
@@ -82,20 +104,29 @@ impl GatewayApi for GatewayService {
         &self,
         request: Request<pb::GetGatewayInfoRequest>,
     ) -> Result<Response<pb::GetGatewayInfoResponse>, Status> {
-        let req = request.into_inner();
-        let peer = if req.cluster_id.is_empty() {
-            None
-        } else {
-            Some(ClusterId::parse("cluster_id", &req.cluster_id)?)
-        };
-        let info = self.core.info(peer.as_ref()).await?;
-        Ok(Response::new(pb::GetGatewayInfoResponse {
-            endpoint: info.endpoint.to_string(),
-            public_key: info.public_key.to_string(),
-            mode: mode_to_proto(info.mode).into(),
-            listen_port: u32::from(info.listen_port),
-            unused_port_grace_seconds: u32::try_from(info.unused_port_grace.as_secs())
-                .unwrap_or(u32::MAX),
+        Ok(Response::new(self.info_one(request.into_inner()).await?))
+    }
+
+    async fn get_gateway_info_batch(
+        &self,
+        request: Request<pb::GetGatewayInfoBatchRequest>,
+    ) -> Result<Response<pb::GetGatewayInfoBatchResponse>, Status> {
+        let requests = request.into_inner().requests;
+        batch::check_len(requests.len())?;
+        let results = batch::serve(requests, |item| async move {
+            self.info_one(item).await.map_err(Status::from)
+        })
+        .await;
+        Ok(Response::new(pb::GetGatewayInfoBatchResponse {
+            results: results
+                .into_iter()
+                .map(|r| pb::GetGatewayInfoResult {
+                    result: Some(match r {
+                        Ok(response) => info_result::Result::Response(response),
+                        Err(status) => info_result::Result::Error(batch::to_item_error(&status)),
+                    }),
+                })
+                .collect(),
         }))
     }
 

@@ -153,6 +153,63 @@ async fn a_dns_name_endpoint_is_published_with_each_peers_port() {
     assert_eq!(parsed.endpoint.to_string(), b.endpoint);
 }
 
+/// GetGatewayInfoBatch answers each item as its GetGatewayInfo would, in order (a peer keeps
+/// the port it was given alone); a bad cluster ID is that item's own InvalidArgument; more than
+/// 256 items are refused as a whole, naming `requests`, and allocate nothing.
+#[tokio::test]
+async fn batch_items_are_answered_as_their_unary_calls_each_on_its_own() {
+    use get_gateway_info_result::Result as Answer;
+    let mut s = serve(&["--wireguard-ports", "40000-40009"]).await;
+    let b = info(&mut s.client, "b").await.expect("b");
+    let ask = |id: &str| GetGatewayInfoRequest {
+        cluster_id: id.into(),
+    };
+    let results = s
+        .client
+        .get_gateway_info_batch(GetGatewayInfoBatchRequest {
+            requests: vec![ask("c"), ask("no spaces"), ask("b"), ask("")],
+        })
+        .await
+        .expect("a batch")
+        .into_inner()
+        .results;
+    assert_eq!(results.len(), 4);
+    let Some(Answer::Response(c)) = &results[0].result else {
+        panic!("item 0: {:?}", results[0]);
+    };
+    assert_eq!(c.endpoint, "127.0.0.1:40001");
+    match &results[1].result {
+        Some(Answer::Error(e)) => {
+            assert_eq!(e.code, Code::InvalidArgument as i32);
+            assert!(e.message.contains("cluster_id"), "{e:?}");
+        }
+        other => panic!("item 1: {other:?}"),
+    }
+    assert_eq!(
+        results[2].result,
+        Some(Answer::Response(b)),
+        "b keeps its port"
+    );
+    let Some(Answer::Response(base)) = &results[3].result else {
+        panic!("item 3: {:?}", results[3]);
+    };
+    assert_eq!(base.listen_port, 40000);
+
+    let many = (0..257).map(|i| ask(&format!("p{i}"))).collect();
+    let err = s
+        .client
+        .get_gateway_info_batch(GetGatewayInfoBatchRequest { requests: many })
+        .await
+        .expect_err("too many");
+    assert_eq!(err.code(), Code::InvalidArgument);
+    assert!(err.message().contains("requests"), "{}", err.message());
+    assert_eq!(
+        info(&mut s.client, "d").await.expect("d").endpoint,
+        "127.0.0.1:40002",
+        "the refused batch allocated a port"
+    );
+}
+
 #[tokio::test]
 async fn bad_cluster_ids_are_refused_naming_the_field() {
     let mut s = serve(&[]).await;

@@ -8,9 +8,13 @@ use std::time::{Duration, Instant, SystemTime};
 
 use trellis_api::ClusterId;
 use trellis_api::pb::gateway::gateway_client::GatewayClient;
-use trellis_api::pb::gateway::{GetGatewayInfoRequest, ListTunnelsRequest};
+use trellis_api::pb::gateway::{
+    GetGatewayInfoBatchRequest, GetGatewayInfoRequest, GetGatewayInfoResponse, ListTunnelsRequest,
+    get_gateway_info_result,
+};
 use trellis_api::pb::types::PeeringKind;
 use trellis_error::Result;
+use trellis_runtime::batch::{Batcher, unpack};
 use trellis_runtime::client::TracedChannel;
 
 /// The gateway's endpoint and public key as it spells them: they go into our NetworkConfigs
@@ -52,6 +56,8 @@ const GENERAL_TTL: Duration = Duration::from_secs(1);
 #[derive(Debug)]
 pub struct Gateway {
     channel: TracedChannel,
+    /// GetGatewayInfo, batched: a pass starting many exchanges asks for their ports together.
+    infos: Batcher<GetGatewayInfoRequest, GetGatewayInfoResponse>,
     /// The last reading of [`Gateway::observed`] and when it was taken.
     observed: tokio::sync::Mutex<Option<(Instant, Arc<ObservedPeers>)>>,
     /// The last reading of [`Gateway::general`] and when it was taken.
@@ -76,8 +82,33 @@ const FORGET_ASKED: Duration = Duration::from_secs(3600);
 
 impl Gateway {
     pub(super) fn new(channel: TracedChannel) -> Self {
+        let (one, batch) = (
+            GatewayClient::new(channel.clone()),
+            GatewayClient::new(channel.clone()),
+        );
+        let infos = Batcher::unspaced(
+            Box::new(move |requests| {
+                let mut client = batch.clone();
+                Box::pin(async move {
+                    let results = client
+                        .get_gateway_info_batch(GetGatewayInfoBatchRequest { requests })
+                        .await?
+                        .into_inner()
+                        .results;
+                    Ok(unpack(results, |r| match r.result? {
+                        get_gateway_info_result::Result::Response(response) => Some(Ok(response)),
+                        get_gateway_info_result::Result::Error(error) => Some(Err(error)),
+                    }))
+                })
+            }),
+            Box::new(move |request| {
+                let mut client = one.clone();
+                Box::pin(async move { Ok(client.get_gateway_info(request).await?.into_inner()) })
+            }),
+        );
         Self {
             channel,
+            infos,
             observed: tokio::sync::Mutex::new(None),
             general: tokio::sync::Mutex::new(None),
             asked: std::sync::Mutex::new(Asked::default()),
@@ -127,12 +158,12 @@ impl Gateway {
     /// The gateway's endpoint and key towards `remote`, or in general (`None`: the key and
     /// the endpoint's host are the same for every remote).
     pub async fn info(&self, remote: Option<&ClusterId>) -> Result<GatewayInfo> {
-        let answer = GatewayClient::new(self.channel.clone())
-            .get_gateway_info(GetGatewayInfoRequest {
+        let answer = self
+            .infos
+            .call(GetGatewayInfoRequest {
                 cluster_id: remote.map(ToString::to_string).unwrap_or_default(),
             })
-            .await?
-            .into_inner();
+            .await?;
         if let Some(remote) = remote {
             self.note_asked(remote);
         }
