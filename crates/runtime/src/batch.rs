@@ -328,7 +328,7 @@ pub fn submit_results(
 }
 
 /// The per-item results of a batch response; `split` opens one result's `oneof`.
-pub fn unpack<R, T>(
+fn unpack<R, T>(
     results: Vec<R>,
     split: impl Fn(R) -> Option<Result<T, ItemError>>,
 ) -> Vec<Result<T, Status>> {
@@ -413,6 +413,59 @@ where
         .collect::<futures::stream::FuturesOrdered<_>>()
         .collect()
         .await
+}
+
+/// A whole batch RPC on the server side: refuses more than [`MAX_ITEMS`] items, handles every
+/// item with `handle` as its unary call would be, concurrently, and wraps each outcome with
+/// `pack` (the response's per-item `oneof`), in order.
+pub async fn serve_packed<Req, Resp, E, R, F, Fut>(
+    items: Vec<Req>,
+    handle: F,
+    pack: impl Fn(Result<Resp, ItemError>) -> R,
+) -> Result<Vec<R>, Status>
+where
+    F: Fn(Req) -> Fut,
+    Fut: Future<Output = Result<Resp, E>>,
+    Status: From<E>,
+{
+    check_len(items.len())?;
+    let results = serve(items, |item| {
+        let call = handle(item);
+        async move { call.await.map_err(Status::from) }
+    })
+    .await;
+    Ok(results
+        .into_iter()
+        .map(|r| pack(r.map_err(|status| to_item_error(&status))))
+        .collect())
+}
+
+/// One call of a client `C` (a generated gRPC client, cheap to clone).
+pub type ClientCall<C, Req, Resp> = fn(C, Req) -> BoxFuture<'static, Result<Resp, Status>>;
+
+/// An [`Batcher::unspaced`] batcher over `client` for a service of the same cluster: `one`
+/// makes the unary call, `batch` the batch call (its per-item results), and `open` opens one
+/// result's `oneof` (`None` when empty).
+pub fn unspaced_over<C, Req, Resp, R>(
+    client: C,
+    one: ClientCall<C, Req, Resp>,
+    batch: ClientCall<C, Vec<Req>, Vec<R>>,
+    open: fn(R) -> Option<Result<Resp, ItemError>>,
+) -> Batcher<Req, Resp>
+where
+    C: Clone + Send + Sync + 'static,
+    Req: Send + 'static,
+    Resp: Send + 'static,
+    R: Send + 'static,
+{
+    let batch_client = client.clone();
+    Batcher::unspaced(
+        Box::new(move |requests| {
+            let call = batch(batch_client.clone(), requests);
+            Box::pin(async move { Ok(unpack(call.await?, open)) })
+        }),
+        Box::new(move |request| one(client.clone(), request)),
+    )
 }
 
 /// An item's error as it travels in a batch response.

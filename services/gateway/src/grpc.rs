@@ -111,23 +111,17 @@ impl GatewayApi for GatewayService {
         &self,
         request: Request<pb::GetGatewayInfoBatchRequest>,
     ) -> Result<Response<pb::GetGatewayInfoBatchResponse>, Status> {
-        let requests = request.into_inner().requests;
-        batch::check_len(requests.len())?;
-        let results = batch::serve(requests, |item| async move {
-            self.info_one(item).await.map_err(Status::from)
-        })
-        .await;
-        Ok(Response::new(pb::GetGatewayInfoBatchResponse {
-            results: results
-                .into_iter()
-                .map(|r| pb::GetGatewayInfoResult {
-                    result: Some(match r {
-                        Ok(response) => info_result::Result::Response(response),
-                        Err(status) => info_result::Result::Error(batch::to_item_error(&status)),
-                    }),
-                })
-                .collect(),
-        }))
+        let results = batch::serve_packed(
+            request.into_inner().requests,
+            |item| self.info_one(item),
+            |r| pb::GetGatewayInfoResult {
+                result: Some(
+                    r.map_or_else(info_result::Result::Error, info_result::Result::Response),
+                ),
+            },
+        )
+        .await?;
+        Ok(Response::new(pb::GetGatewayInfoBatchResponse { results }))
     }
 
     async fn list_tunnels(

@@ -127,22 +127,19 @@ impl IpamApi for IpamService {
         &self,
         request: Request<pb::GetSubnetsPerClusterBatchRequest>,
     ) -> Result<Response<pb::GetSubnetsPerClusterBatchResponse>, Status> {
-        let requests = request.into_inner().requests;
-        batch::check_len(requests.len())?;
-        let results = batch::serve(requests, |item| async move {
-            self.subnets_one(item).await.map_err(Status::from)
-        })
-        .await;
+        let results = batch::serve_packed(
+            request.into_inner().requests,
+            |item| self.subnets_one(item),
+            |r| pb::GetSubnetsPerClusterResult {
+                result: Some(r.map_or_else(
+                    subnets_result::Result::Error,
+                    subnets_result::Result::Response,
+                )),
+            },
+        )
+        .await?;
         Ok(Response::new(pb::GetSubnetsPerClusterBatchResponse {
-            results: results
-                .into_iter()
-                .map(|r| pb::GetSubnetsPerClusterResult {
-                    result: Some(match r {
-                        Ok(response) => subnets_result::Result::Response(response),
-                        Err(status) => subnets_result::Result::Error(batch::to_item_error(&status)),
-                    }),
-                })
-                .collect(),
+            results,
         }))
     }
 
@@ -150,25 +147,18 @@ impl IpamApi for IpamService {
         &self,
         request: Request<pb::SetLocalNatBatchRequest>,
     ) -> Result<Response<pb::SetLocalNatBatchResponse>, Status> {
-        let requests = request.into_inner().requests;
-        batch::check_len(requests.len())?;
-        let results = batch::serve(requests, |item| async move {
-            self.local_nat_one(item).await.map_err(Status::from)
-        })
-        .await;
-        Ok(Response::new(pb::SetLocalNatBatchResponse {
-            results: results
-                .into_iter()
-                .map(|r| pb::SetLocalNatResult {
-                    result: Some(match r {
-                        Ok(response) => local_nat_result::Result::Response(response),
-                        Err(status) => {
-                            local_nat_result::Result::Error(batch::to_item_error(&status))
-                        }
-                    }),
-                })
-                .collect(),
-        }))
+        let results = batch::serve_packed(
+            request.into_inner().requests,
+            |item| self.local_nat_one(item),
+            |r| pb::SetLocalNatResult {
+                result: Some(r.map_or_else(
+                    local_nat_result::Result::Error,
+                    local_nat_result::Result::Response,
+                )),
+            },
+        )
+        .await?;
+        Ok(Response::new(pb::SetLocalNatBatchResponse { results }))
     }
 
     async fn free_subnets_per_cluster(

@@ -14,7 +14,7 @@ use trellis_api::pb::gateway::{
 };
 use trellis_api::pb::types::PeeringKind;
 use trellis_error::Result;
-use trellis_runtime::batch::{Batcher, unpack};
+use trellis_runtime::batch::{self, Batcher};
 use trellis_runtime::client::TracedChannel;
 
 /// The gateway's endpoint and public key as it spells them: they go into our NetworkConfigs
@@ -82,29 +82,25 @@ const FORGET_ASKED: Duration = Duration::from_secs(3600);
 
 impl Gateway {
     pub(super) fn new(channel: TracedChannel) -> Self {
-        let (one, batch) = (
+        let infos = batch::unspaced_over(
             GatewayClient::new(channel.clone()),
-            GatewayClient::new(channel.clone()),
-        );
-        let infos = Batcher::unspaced(
-            Box::new(move |requests| {
-                let mut client = batch.clone();
+            |mut client, request| {
+                Box::pin(async move { Ok(client.get_gateway_info(request).await?.into_inner()) })
+            },
+            |mut client, requests| {
                 Box::pin(async move {
-                    let results = client
-                        .get_gateway_info_batch(GetGatewayInfoBatchRequest { requests })
+                    let batch = GetGatewayInfoBatchRequest { requests };
+                    Ok(client
+                        .get_gateway_info_batch(batch)
                         .await?
                         .into_inner()
-                        .results;
-                    Ok(unpack(results, |r| match r.result? {
-                        get_gateway_info_result::Result::Response(response) => Some(Ok(response)),
-                        get_gateway_info_result::Result::Error(error) => Some(Err(error)),
-                    }))
+                        .results)
                 })
-            }),
-            Box::new(move |request| {
-                let mut client = one.clone();
-                Box::pin(async move { Ok(client.get_gateway_info(request).await?.into_inner()) })
-            }),
+            },
+            |r| match r.result? {
+                get_gateway_info_result::Result::Response(response) => Some(Ok(response)),
+                get_gateway_info_result::Result::Error(error) => Some(Err(error)),
+            },
         );
         Self {
             channel,

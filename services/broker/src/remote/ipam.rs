@@ -20,7 +20,7 @@ use trellis_api::pb::ipam::{
 use trellis_api::pb::types::NetworkConfigStatus;
 use trellis_api::{ClusterId, ClusterIdentity};
 use trellis_error::{Error, Result};
-use trellis_runtime::batch::{Batcher, unpack};
+use trellis_runtime::batch::{self, Batcher};
 use trellis_runtime::client::TracedChannel;
 
 /// The ranges this cluster uses, as the IPAM spells them (they go into our NetworkConfigs as
@@ -55,59 +55,47 @@ pub struct Ipam {
 
 impl Ipam {
     pub(super) fn new(channel: TracedChannel) -> Self {
-        let (one, batch) = (
+        let mapper = batch::unspaced_over(
             IpamClient::new(channel.clone()),
-            IpamClient::new(channel.clone()),
-        );
-        let mapper = Batcher::unspaced(
-            Box::new(move |requests| {
-                let mut client = batch.clone();
-                Box::pin(async move {
-                    let results = client
-                        .get_subnets_per_cluster_batch(GetSubnetsPerClusterBatchRequest {
-                            requests,
-                        })
-                        .await?
-                        .into_inner()
-                        .results;
-                    Ok(unpack(results, |r| match r.result? {
-                        get_subnets_per_cluster_result::Result::Response(response) => {
-                            Some(Ok(response))
-                        }
-                        get_subnets_per_cluster_result::Result::Error(error) => Some(Err(error)),
-                    }))
-                })
-            }),
-            Box::new(move |request| {
-                let mut client = one.clone();
+            |mut client, request| {
                 Box::pin(
                     async move { Ok(client.get_subnets_per_cluster(request).await?.into_inner()) },
                 )
-            }),
-        );
-        let (one, batch) = (
-            IpamClient::new(channel.clone()),
-            IpamClient::new(channel.clone()),
-        );
-        let nat = Batcher::unspaced(
-            Box::new(move |requests| {
-                let mut client = batch.clone();
+            },
+            |mut client, requests| {
                 Box::pin(async move {
-                    let results = client
-                        .set_local_nat_batch(SetLocalNatBatchRequest { requests })
+                    let batch = GetSubnetsPerClusterBatchRequest { requests };
+                    Ok(client
+                        .get_subnets_per_cluster_batch(batch)
                         .await?
                         .into_inner()
-                        .results;
-                    Ok(unpack(results, |r| match r.result? {
-                        set_local_nat_result::Result::Response(response) => Some(Ok(response)),
-                        set_local_nat_result::Result::Error(error) => Some(Err(error)),
-                    }))
+                        .results)
                 })
-            }),
-            Box::new(move |request| {
-                let mut client = one.clone();
+            },
+            |r| match r.result? {
+                get_subnets_per_cluster_result::Result::Response(response) => Some(Ok(response)),
+                get_subnets_per_cluster_result::Result::Error(error) => Some(Err(error)),
+            },
+        );
+        let nat = batch::unspaced_over(
+            IpamClient::new(channel.clone()),
+            |mut client, request| {
                 Box::pin(async move { Ok(client.set_local_nat(request).await?.into_inner()) })
-            }),
+            },
+            |mut client, requests| {
+                Box::pin(async move {
+                    let batch = SetLocalNatBatchRequest { requests };
+                    Ok(client
+                        .set_local_nat_batch(batch)
+                        .await?
+                        .into_inner()
+                        .results)
+                })
+            },
+            |r| match r.result? {
+                set_local_nat_result::Result::Response(response) => Some(Ok(response)),
+                set_local_nat_result::Result::Error(error) => Some(Err(error)),
+            },
         );
         Self {
             channel,
