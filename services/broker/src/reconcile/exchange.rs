@@ -36,7 +36,7 @@ pub(super) struct GatewayBasics {
     /// gateway releases a port without a tunnel nobody asked for during its grace period and
     /// renews the reservation only when it is a quarter of that old (ADR 0007), so asking every
     /// quarter keeps at least half of it in hand. A gateway that does not say its grace period
-    /// is asked once per resync, as it was promised.
+    /// is asked once per resync, as ADR 0007 has it.
     reask: Duration,
 }
 
