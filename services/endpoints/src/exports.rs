@@ -21,6 +21,13 @@
 //! records of the target and the origin (one listing per resend pass) or, for an export in transit, whether the induced path
 //! from its origin to the target exists (one remote IPAM call per origin and target). Then it
 //! translates again.
+//!
+//! A slice in transit that took the hub path because the induced path from its origin to the
+//! target did not exist yet (their induced peering still under way when the target joined or
+//! the origin exported) is looked at on every pass while it is younger than one resend period,
+//! not only at the next resend: once the induced path exists it is translated again, so the
+//! target moves to the direct address within a pass of the path coming up rather than after up
+//! to a whole resend period (60 s by default) on the hub path.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::net::IpAddr;
@@ -72,6 +79,8 @@ pub struct Delivery {
     /// Whether an address took the induced path (a slice in transit from an induced peer of the
     /// target).
     induced: bool,
+    /// When it was translated.
+    at: tokio::time::Instant,
 }
 
 /// What the reconciler last delivered, per (target, namespace, name): a pass skips slices the
@@ -382,6 +391,7 @@ impl Endpoints {
         &self,
         delivered: &mut Delivered,
         resend: bool,
+        resend_period: Duration,
     ) -> Result<usize> {
         // Imports listed before the peers are read: an import is stored only while its source
         // is a peer, so one stored after a stale read of the peers cannot be dropped here.
@@ -446,29 +456,53 @@ impl Endpoints {
             else {
                 continue;
             };
+            // A recheck keeps its delivery's age, so a translation that still takes the hub
+            // path does not extend the window.
+            let mut since = None;
             if let Some(held) = delivered.get(&key)
                 && held.slice == slice
             {
-                if !resend {
+                let in_transit = home != self.local().id;
+                let awaiting_path =
+                    in_transit && !held.induced && held.at.elapsed() < resend_period;
+                if !resend && !awaiting_path {
                     continue;
+                }
+                let induced = if in_transit {
+                    match induced_routes.get(&(home.clone(), target.id.clone())) {
+                        Some(induced) => *induced,
+                        None => {
+                            let induced = match self.induced_route(&home, target).await {
+                                Ok(induced) => induced,
+                                // Between resends an origin's IPAM that does not answer leaves
+                                // the hub path in place; a resend fails as before.
+                                Err(err) if !resend => {
+                                    tracing::debug!(origin.id = %home, target.id = %target.id, error = %err, "cannot tell yet whether the induced path is up");
+                                    false
+                                }
+                                Err(err) => return Err(err),
+                            };
+                            induced_routes.insert((home.clone(), target.id.clone()), induced);
+                            induced
+                        }
+                    }
+                } else {
+                    false
+                };
+                if !resend {
+                    if !induced {
+                        // Still no induced path: the hub path stands until the next pass.
+                        continue;
+                    }
+                    since = Some(held.at);
                 }
                 let current = match &subnets {
                     Some(s) => s.clone(),
                     None => subnets.insert(self.subnets().await?).clone(),
                 };
-                let induced = if home == self.local().id {
-                    false
-                } else {
-                    match induced_routes.get(&(home.clone(), target.id.clone())) {
-                        Some(induced) => *induced,
-                        None => {
-                            let induced = self.induced_route(&home, target).await?;
-                            induced_routes.insert((home.clone(), target.id.clone()), induced);
-                            induced
-                        }
-                    }
-                };
-                if held.subnets == relevant(&current, &target.id, &home) && held.induced == induced
+                if resend
+                    && held.subnets == relevant(&current, &target.id, &home)
+                    && held.induced == induced
                 {
                     match self
                         .redeliver(target, &held.translated, held.generation)
@@ -508,6 +542,7 @@ impl Endpoints {
                             generation: reflected.generation,
                             subnets,
                             induced,
+                            at: since.unwrap_or_else(tokio::time::Instant::now),
                         },
                     );
                 }
@@ -558,7 +593,10 @@ pub async fn run_reconciler(
         if resend_now {
             last_resend = tokio::time::Instant::now();
         }
-        if let Err(err) = core.reconcile_exports(&mut delivered, resend_now).await {
+        if let Err(err) = core
+            .reconcile_exports(&mut delivered, resend_now, resend)
+            .await
+        {
             tracing::warn!(error = %err, "export reconciler pass failed");
         }
         tokio::select! {

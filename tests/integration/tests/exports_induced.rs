@@ -14,7 +14,8 @@ use trellis_api::pb::endpoints::{
     EndpointPort, ListReflectedSlicesRequest, ReflectEndpointSliceRequest, UnexportServiceRequest,
 };
 use trellis_api::pb::types;
-use trellis_integration::cluster::InProcessCluster;
+use trellis_integration::cluster::{InProcessCluster, Options};
+use trellis_integration::gate::Hold;
 use trellis_integration::peering::unpeer;
 use trellis_integration::peering::{eventually, host_at, peer, pod_view, tunnel_to, web_slice};
 use trellis_testkit::exports::export_request;
@@ -247,4 +248,62 @@ async fn a_leafs_export_reaches_the_other_leaf_directly_and_unpeering_removes_wh
     a.stop().await;
     b.stop().await;
     c.stop().await;
+}
+
+/// A leaf's export the hub passes on before the induced path from that leaf to the other one is
+/// up (here every relay through the hub is held, so their induced peering waits) takes the hub
+/// path; once the path is up the other leaf gets the direct address within a few passes, not at
+/// the export's next resend (60 s after the hub's endpoints service started).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_export_passed_on_before_the_induced_path_moves_to_it_once_the_path_is_up() {
+    let relays = Hold::start().await.expect("relay hold");
+    let b = InProcessCluster::start_with(
+        "hub-b",
+        "10.0.0.0/16",
+        "10.201.0.0/16",
+        Options {
+            endpoints: true,
+            advertise_forwarder: Some(relays.addr),
+            ..Options::default()
+        },
+    )
+    .await
+    .expect("b starts");
+    let a = InProcessCluster::start_with_endpoints("leaf-a", "10.0.0.0/16", "10.201.0.0/16")
+        .await
+        .expect("a starts");
+    let c = InProcessCluster::start_with_endpoints("leaf-c", "10.0.0.0/16", "10.201.0.0/16")
+        .await
+        .expect("c starts");
+    peer(&a, &b).await;
+    peer(&c, &b).await;
+    eventually("B's tunnel to A", LIMIT, || tunnel_to(&b, "leaf-a")).await;
+    eventually("B's tunnel to C", LIMIT, || tunnel_to(&b, "leaf-c")).await;
+    a.endpoints()
+        .await
+        .expect("connects")
+        .export_service(export_request("shop", "web", &[("10.0.0.7".into(), true)]))
+        .await
+        .expect("exports");
+    let on_hub_path = eventually("C gets A's export through B", LIMIT, || async {
+        held(&c, "hub-b").await.into_iter().next()
+    })
+    .await;
+
+    relays.release(b.services.forwarder);
+    let c_to_a = eventually("C's induced tunnel to A", LIMIT, || tunnel_to(&c, "leaf-a")).await;
+    eventually("A's induced tunnel to C", LIMIT, || tunnel_to(&a, "leaf-c")).await;
+    let c_view_a: IpNet = c_to_a.remote_pod_cidr_nat.parse().expect("cidr");
+    let first: std::net::IpAddr = on_hub_path.2[0].0.parse().expect("an address");
+    assert!(
+        !c_view_a.contains(&first),
+        "{first} was already the direct address ({c_view_a}) while relays were held"
+    );
+    trellis_testkit::eventually_eq(
+        "C moves to its direct view of A well before the next resend",
+        Duration::from_secs(20),
+        vec![slice("web.leaf-a", "web", c_view_a, &[(7, true)])],
+        || held(&c, "hub-b"),
+    )
+    .await;
 }
