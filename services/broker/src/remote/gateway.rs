@@ -2,6 +2,7 @@
 //! and where it sees our full peers' gateways (what a hub tells the leaves it introduced).
 
 use std::collections::HashMap;
+use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
@@ -58,10 +59,10 @@ pub struct Gateway {
     channel: TracedChannel,
     /// GetGatewayInfo, batched: a pass starting many exchanges asks for their ports together.
     infos: Batcher<GetGatewayInfoRequest, GetGatewayInfoResponse>,
-    /// The last reading of [`Gateway::observed`] and when it was taken.
-    observed: tokio::sync::Mutex<Option<(Instant, Arc<ObservedPeers>)>>,
-    /// The last reading of [`Gateway::general`] and when it was taken.
-    general: tokio::sync::Mutex<Option<(Instant, GatewayInfo)>>,
+    /// The last reading of [`Gateway::observed`].
+    observed: Recent<Arc<ObservedPeers>>,
+    /// The last reading of [`Gateway::general`].
+    general: Recent<GatewayInfo>,
     /// When the gateway last answered for each remote.
     asked: std::sync::Mutex<Asked>,
 }
@@ -79,6 +80,37 @@ struct Asked {
 
 /// How long an answer is remembered: far longer than any resync period.
 const FORGET_ASKED: Duration = Duration::from_secs(3600);
+
+/// The last reading of something the gateway answers, and when it was taken: callers within
+/// its time to live share it (one of them reads while the others wait).
+#[derive(Debug)]
+struct Recent<T> {
+    ttl: Duration,
+    last: tokio::sync::Mutex<Option<(Instant, T)>>,
+}
+
+impl<T: Clone> Recent<T> {
+    fn new(ttl: Duration) -> Self {
+        Self {
+            ttl,
+            last: tokio::sync::Mutex::new(None),
+        }
+    }
+
+    /// The last reading while younger than the time to live (and not `fresh`), or `read`'s.
+    async fn get(&self, fresh: bool, read: impl Future<Output = Result<T>>) -> Result<T> {
+        let mut last = self.last.lock().await;
+        if let Some((at, value)) = last.as_ref()
+            && !fresh
+            && at.elapsed() < self.ttl
+        {
+            return Ok(value.clone());
+        }
+        let value = read.await?;
+        *last = Some((Instant::now(), value.clone()));
+        Ok(value)
+    }
+}
 
 impl Gateway {
     pub(super) fn new(channel: TracedChannel) -> Self {
@@ -105,8 +137,8 @@ impl Gateway {
         Self {
             channel,
             infos,
-            observed: tokio::sync::Mutex::new(None),
-            general: tokio::sync::Mutex::new(None),
+            observed: Recent::new(OBSERVED_TTL),
+            general: Recent::new(GENERAL_TTL),
             asked: std::sync::Mutex::new(Asked::default()),
         }
     }
@@ -139,16 +171,7 @@ impl Gateway {
     /// The gateway's general answer ([`Gateway::info`] for no remote): read now when `fresh`,
     /// otherwise at most once per [`GENERAL_TTL`].
     pub async fn general(&self, fresh: bool) -> Result<GatewayInfo> {
-        let mut cached = self.general.lock().await;
-        if let Some((at, info)) = cached.as_ref()
-            && !fresh
-            && at.elapsed() < GENERAL_TTL
-        {
-            return Ok(info.clone());
-        }
-        let info = self.info(None).await?;
-        *cached = Some((Instant::now(), info.clone()));
-        Ok(info)
+        self.general.get(fresh, self.info(None)).await
     }
 
     /// The gateway's endpoint and key towards `remote`, or in general (`None`: the key and
@@ -174,15 +197,8 @@ impl Gateway {
     /// Where the gateway sees each full peer it completed a handshake with recently: the
     /// source of that peer's authenticated WireGuard packets. Read at most once a second.
     pub async fn observed(&self) -> Result<Arc<ObservedPeers>> {
-        let mut cached = self.observed.lock().await;
-        if let Some((at, seen)) = cached.as_ref()
-            && at.elapsed() < OBSERVED_TTL
-        {
-            return Ok(seen.clone());
-        }
-        let seen = Arc::new(self.read_observed().await?);
-        *cached = Some((Instant::now(), seen.clone()));
-        Ok(seen)
+        let read = async { Ok(Arc::new(self.read_observed().await?)) };
+        self.observed.get(false, read).await
     }
 
     async fn read_observed(&self) -> Result<ObservedPeers> {
@@ -209,5 +225,27 @@ impl Gateway {
                 ))
             })
             .collect())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicU32, Ordering};
+
+    use super::*;
+
+    /// Readings within the time to live are shared; `fresh`, or an expired one, reads again.
+    #[tokio::test]
+    async fn a_recent_reading_is_shared_until_it_expires_or_a_fresh_one_is_asked_for() {
+        let reads = AtomicU32::new(0);
+        let read = || async { Ok(reads.fetch_add(1, Ordering::SeqCst) + 1) };
+        let kept = Recent::new(Duration::from_secs(3600));
+        assert_eq!(kept.get(false, read()).await.expect("read"), 1);
+        assert_eq!(kept.get(false, read()).await.expect("shared"), 1);
+        assert_eq!(kept.get(true, read()).await.expect("fresh"), 2);
+        assert_eq!(kept.get(false, read()).await.expect("shared"), 2);
+        let expired = Recent::new(Duration::ZERO);
+        assert_eq!(expired.get(false, read()).await.expect("read"), 3);
+        assert_eq!(expired.get(false, read()).await.expect("expired"), 4);
     }
 }
