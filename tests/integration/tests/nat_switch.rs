@@ -8,7 +8,8 @@
 //! A's pod to C's pod (`flows.py`):
 //!
 //! 1. **relay → direct**: the cut is mended; the pair's keepalive probes find the direct path
-//!    and both ends switch to it. No probe is lost, no connection breaks.
+//!    and both ends switch to it. No probe is lost, no connection breaks, and no probe waits
+//!    as long as the engine's fallback to the relay would take (a switch made too early).
 //! 2. **direct → relay**: the direct path is cut again, silently; both ends notice that their
 //!    data goes unanswered, ask the direct path with a handshake, get no answer and move to
 //!    the relay, resending through the hub what went into the dead path. No probe is lost
@@ -21,6 +22,7 @@
 use std::time::{Duration, Instant};
 
 use trellis_api::pb::gateway::{GetTunnelStatusRequest, TunnelPath};
+use trellis_gateway::dataplane::engine::SUSPECT_AFTER;
 use trellis_integration::failover::{Flows, PodPair, measured, udp_probes};
 use trellis_netlab::cluster::{Service, StoreKind};
 use trellis_netlab::{Fabric, FabricOptions, NatKind};
@@ -29,6 +31,9 @@ const HUB: usize = 0;
 const A: usize = 1;
 const C: usize = 2;
 const LIMIT: Duration = Duration::from_secs(30);
+/// The longest probe gap allowed while moving to the direct path: under the engine's
+/// fallback to the relay, which a premature switch would set off.
+const SWITCH_GAP_MAX: Duration = SUSPECT_AFTER.saturating_sub(Duration::from_millis(100));
 
 fn options() -> FabricOptions {
     let mut o = FabricOptions::three_clusters();
@@ -58,6 +63,18 @@ async fn path(fabric: &Fabric, i: usize, j: usize) -> TunnelPath {
     status
         .and_then(|t| TunnelPath::try_from(t.path).ok())
         .unwrap_or(TunnelPath::Unspecified)
+}
+
+/// Every probe gap over 100 ms of a flows summary, as `[seconds since the flows began, ms]`.
+fn gaps(summary: &serde_json::Value) -> String {
+    let all: Vec<String> = summary
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|t| t.get("gaps"))
+        .map(|g| g.to_string())
+        .collect();
+    all.join(" ")
 }
 
 /// Waits until both ends use `want`; how long that took.
@@ -98,8 +115,10 @@ async fn a_pair_moves_between_the_relay_and_its_direct_path_without_breaking_a_c
     let (script, targets, a_pod) = (&pair.script, &pair.targets, &pair.from_pod);
 
     // 1. relay -> direct.
+    let flows_began = Instant::now();
     let flows = Flows::start(a_pod, script, dir.path(), "up", targets).expect("flows");
     tokio::time::sleep(Duration::from_secs(2)).await;
+    let mended_at = flows_began.elapsed().as_secs_f64();
     router_a.mend().expect("mend");
     let direct_in = both(&fabric, TunnelPath::Direct).await;
     tokio::time::sleep(Duration::from_secs(2)).await;
@@ -115,10 +134,15 @@ async fn a_pair_moves_between_the_relay_and_its_direct_path_without_breaking_a_c
         sent > 100 && received + 1 >= sent,
         "probes lost switching to the direct path: {received} of {sent}"
     );
+    // A switch made before the direct path answers is caught by the engine's own fallback:
+    // unanswered for SUSPECT_AFTER, then back to the relay with a resend, nothing lost but a
+    // gap of at least that long. Below it, a gap is the scheduling of a loaded 2-core machine
+    // (the debug build's processes and Python's), which is not what this test is about.
     assert!(
-        m.probe_gap_ms < 100.0,
-        "the probe stalled switching to the direct path: {} ms",
-        m.probe_gap_ms
+        m.probe_gap_ms < SWITCH_GAP_MAX.as_secs_f64() * 1000.0,
+        "the probe stalled switching to the direct path: {} ms (mended at {mended_at:.3} s; gaps over 100 ms [at s, ms]: {})",
+        m.probe_gap_ms,
+        gaps(&summary)
     );
 
     // 2. direct -> relay.
