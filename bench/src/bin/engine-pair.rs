@@ -6,7 +6,9 @@
 //! one peer, the other namespace. `trellis`: this process runs one [`Engine`] per namespace
 //! (its threads enter the namespace); `wireguard-go`: one `wireguard-go` process per namespace,
 //! configured with `wg`; `trellis-unbatched`: the engine with one syscall per datagram
-//! ([`Io::PerDatagram`], the engine before batched I/O). iperf3 TCP over the tunnel, one stream and `--streams` streams, and the
+//! ([`Io::PerDatagram`], the engine before batched I/O); `trellis-no-offload`: the engine with
+//! its TUN interfaces opened without the kernel's offloads (one packet per read and write, the
+//! engine before ADR 0030). iperf3 TCP over the tunnel, one stream and `--streams` streams, and the
 //! CPU seconds the implementation used per GB moved. No NAT, no nftables, no policy routing:
 //! the gateway's full path is what `dataplane-bench` measures; this is the engine's ceiling.
 
@@ -16,7 +18,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, bail};
 use clap::Parser;
-use trellis_gateway::dataplane::engine::{Engine, Io, PeerConfig};
+use trellis_gateway::dataplane::engine::{Engine, Io, Options, PeerConfig};
 use trellis_gateway::keys::KeyPair;
 use trellis_netlab::netns::{Namespaces, exec, in_netns, ip};
 
@@ -28,11 +30,12 @@ struct Args {
     /// Parallel streams of the multi-stream run.
     #[arg(long, default_value_t = 4)]
     streams: u32,
-    /// Which implementations to run (`trellis`, `trellis-unbatched`, `wireguard-go`).
+    /// Which implementations to run (`trellis`, `trellis-no-offload`, `trellis-unbatched`,
+    /// `wireguard-go`).
     #[arg(
         long,
         value_delimiter = ',',
-        default_value = "trellis,trellis-unbatched,wireguard-go"
+        default_value = "trellis,trellis-no-offload,trellis-unbatched,wireguard-go"
     )]
     only: Vec<String>,
 }
@@ -163,7 +166,7 @@ fn measure(label: &str, args: &Args, cpu: &dyn Fn() -> f64) -> anyhow::Result<()
     Ok(())
 }
 
-fn trellis(args: &Args, io: Io) -> anyhow::Result<()> {
+fn trellis(args: &Args, options: Options) -> anyhow::Result<()> {
     let keys = [KeyPair::generate(), KeyPair::generate()];
     let mut engines = Vec::new();
     for i in 0..2 {
@@ -178,7 +181,7 @@ fn trellis(args: &Args, io: Io) -> anyhow::Result<()> {
             relayable: false,
         };
         let engine = in_netns(NS[i], move || {
-            let engine = Engine::start_with(PORT, private, io)?;
+            let engine = Engine::start_with(PORT, private, options)?;
             engine.add_peer(DEV[i], &config)?;
             Ok(Arc::new(engine))
         })?;
@@ -186,9 +189,15 @@ fn trellis(args: &Args, io: Io) -> anyhow::Result<()> {
         engines.push(engine);
     }
     let pid = std::process::id();
-    let label = match io {
-        Io::Batched => "trellis engine",
-        Io::PerDatagram => "trellis engine, unbatched",
+    let label = match options {
+        Options {
+            io: Io::PerDatagram,
+            ..
+        } => "trellis engine, unbatched",
+        Options {
+            tun_offload: false, ..
+        } => "trellis engine, without tun offloads",
+        _ => "trellis engine",
     };
     measure(label, args, &|| cpu_seconds(pid))
 }
@@ -266,8 +275,22 @@ fn main() -> anyhow::Result<()> {
         let _server = iperf_server(())?;
         std::thread::sleep(Duration::from_millis(300));
         match which.as_str() {
-            "trellis" => trellis(&args, Io::Batched)?,
-            "trellis-unbatched" => trellis(&args, Io::PerDatagram)?,
+            "trellis" => trellis(&args, Options::default())?,
+            "trellis-no-offload" => trellis(
+                &args,
+                Options {
+                    tun_offload: false,
+                    ..Options::default()
+                },
+            )?,
+            // The engine as first built: one system call per datagram and per packet.
+            "trellis-unbatched" => trellis(
+                &args,
+                Options {
+                    io: Io::PerDatagram,
+                    tun_offload: false,
+                },
+            )?,
             "wireguard-go" => wireguard_go(&args)?,
             other => bail!("unknown implementation {other}"),
         }

@@ -116,6 +116,15 @@ pub struct Config {
     )]
     pub port_quarantine: u64,
 
+    /// Opens the userspace data plane's interfaces without the kernel's offloads: one packet
+    /// per read and per write, as on a kernel without them. By default each interface takes
+    /// TCP (and, on Linux 6.2 and later, UDP) super-packets of up to 64 KiB from the kernel and
+    /// gets coalesced ones back, which moves the same traffic with far fewer system calls; a
+    /// kernel that refuses them gets the fallback anyway. For measurements and for ruling the
+    /// offloads out when a flow misbehaves.
+    #[arg(long, env = "TRELLIS_NO_TUN_OFFLOAD")]
+    pub no_tun_offload: bool,
+
     /// Which WireGuard implementation to drive, or `none` for no data plane at all.
     #[arg(long, env = "TRELLIS_DATAPLANE", value_enum, default_value_t = DataplaneFlag::Auto)]
     pub dataplane: DataplaneFlag,

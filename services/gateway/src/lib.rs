@@ -43,7 +43,7 @@ pub use crate::config::Config;
 pub use crate::core::Gateway;
 use crate::core::Settings;
 use crate::dataplane::Mode;
-use crate::dataplane::engine::{Engine, RelayPolicy};
+use crate::dataplane::engine::{self, Engine, RelayPolicy};
 use crate::dataplane::linux::Linux;
 use crate::dataplane::wireguard::Flavor;
 use crate::grpc::GatewayService;
@@ -93,10 +93,15 @@ pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started
         Mode::Userspace => {
             let port = config.wireguard_port;
             let private = keys.private_bytes();
-            let engine = tokio::task::spawn_blocking(move || Engine::start(port, private))
-                .await
-                .context("engine start task")?
-                .context("starting the userspace wireguard engine")?;
+            let options = engine::Options {
+                tun_offload: !config.no_tun_offload,
+                ..engine::Options::default()
+            };
+            let engine =
+                tokio::task::spawn_blocking(move || Engine::start_with(port, private, options))
+                    .await
+                    .context("engine start task")?
+                    .context("starting the userspace wireguard engine")?;
             Some(Flavor::Userspace(Arc::new(engine)))
         }
         Mode::Kernel => Some(Flavor::Kernel),

@@ -29,8 +29,12 @@ pub enum DropReason {
     /// A handshake message refused under load: its source sent more than its share, or the
     /// handshake queue was full.
     RateLimited,
-    /// Decrypted, but the TUN interface would not take it (its queue full).
+    /// Decrypted, but the TUN interface would not take it (its queue full). With offloads,
+    /// one count is one write of gathered packets with a failure in it.
     TunWrite,
+    /// Not a datagram: a super-packet read from a TUN interface that could not be split into
+    /// segments, its virtio-net header not describing it (ADR 0030).
+    TunRead,
     /// Any other refusal by the protocol (no session for the index, unexpected message).
     Other,
     /// Received while this replica is a standby: only the active replica answers for the
@@ -52,7 +56,7 @@ pub enum DropReason {
 
 impl DropReason {
     /// Every reason, in label order.
-    pub const ALL: [DropReason; 13] = [
+    pub const ALL: [DropReason; 14] = [
         Self::Malformed,
         Self::Mac,
         Self::UnknownPeer,
@@ -61,6 +65,7 @@ impl DropReason {
         Self::SourceNotAllowed,
         Self::RateLimited,
         Self::TunWrite,
+        Self::TunRead,
         Self::Other,
         Self::Standby,
         Self::RelayRefused,
@@ -79,6 +84,7 @@ impl DropReason {
             Self::SourceNotAllowed => "source_not_allowed",
             Self::RateLimited => "rate_limited",
             Self::TunWrite => "tun_write",
+            Self::TunRead => "tun_read",
             Self::Other => "other",
             Self::Standby => "standby",
             Self::RelayRefused => "relay_refused",

@@ -12,6 +12,7 @@ use defguard_boringtun::noise::TunnResult;
 
 use super::buckets::TokenBuckets;
 use super::peers::Peer;
+use super::receive::Sink;
 use super::{BUF, RECV_TIMEOUT, Shared, TICK};
 
 /// Handshake messages per second (all peers together) before cookies are demanded, as
@@ -36,10 +37,13 @@ pub(super) fn handshake_loop(
     shared: &Shared,
     queue: &std::sync::mpsc::Receiver<(SocketAddr, Vec<u8>)>,
 ) {
-    let mut dst = vec![0u8; BUF];
+    let mut sink = Sink::new(1);
     while !shared.stop.load(Ordering::Relaxed) {
         match queue.recv_timeout(RECV_TIMEOUT) {
-            Ok((from, datagram)) => shared.handle(from, &datagram, &mut dst),
+            Ok((from, datagram)) => {
+                shared.handle(from, &datagram, &mut sink);
+                sink.flush(shared);
+            }
             Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {}
             Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => return,
         }

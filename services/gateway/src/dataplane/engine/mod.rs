@@ -41,6 +41,11 @@
 //! [`Io::PerDatagram`] keeps the first engine's one-syscall-per-datagram path, so the two can
 //! be measured side by side (`engine-pair`).
 //!
+//! The TUN interfaces carry super-packets where the kernel offers it (ADR 0030): a read may
+//! return up to 64 KiB of one TCP (or UDP) flow, which is split into its segments before they
+//! are encrypted, and the packets decrypted for one peer are gathered and coalesced per flow
+//! before they are written. [`Options::tun_offload`] turns this off.
+//!
 //! This module holds the engine and what its threads share, their construction and their
 //! end; the rest is cut along the engine's seams, each hot path kept in one module with the
 //! loop that drives it:
@@ -54,6 +59,8 @@
 //! - `send`: the TUN thread, encrypting what the TUNs hold and sending it, singly or in GSO
 //!   sends;
 //! - `gso`: [`GsoBatch`](gso::GsoBatch), the datagrams of one GSO send;
+//! - `tun`: a peer's TUN interface with the kernel's offloads, the reader that splits
+//!   super-packets and the writer that coalesces what is written;
 //! - `handshakes`: the handshake thread, the per-source buckets under load, starting a
 //!   handshake, and the timer thread;
 //! - `relay`: relaying the datagrams of leaves that cannot reach each other through the hub
@@ -73,6 +80,7 @@ mod relay;
 mod resend;
 mod send;
 mod standby;
+mod tun;
 
 use std::io;
 use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr, UdpSocket};
@@ -114,6 +122,24 @@ const RECV_TIMEOUT: Duration = Duration::from_millis(200);
 
 /// The batched socket's receive and send buffers (see [`Engine::start_with`]).
 const SOCKET_BUFFER: usize = 4 << 20;
+
+/// How the engine moves packets through its socket and its TUN interfaces.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Options {
+    pub io: Io,
+    /// Opens the TUN interfaces with the kernel's offloads (TSO/USO super-packets, GRO writes)
+    /// where the kernel takes them (ADR 0030); off, one packet per read and write.
+    pub tun_offload: bool,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Self {
+            io: Io::Batched,
+            tun_offload: true,
+        }
+    }
+}
 
 /// How the engine moves datagrams through its socket.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -164,6 +190,8 @@ struct Shared {
     relay_buckets: Mutex<buckets::TokenBuckets<(u64, u64)>>,
     /// Datagrams resent through a hub after a switch to the relay ([`resend`]).
     resent: AtomicU64,
+    /// Whether new TUN interfaces are opened with offloads ([`Options::tun_offload`]).
+    tun_offload: bool,
     dropped: [AtomicU64; DropReason::ALL.len()],
     /// Makes the timer thread panic: how the tests show a dead thread is noticed.
     #[cfg(test)]
@@ -201,13 +229,15 @@ fn bind(port: u16) -> io::Result<(UdpSocket, bool)> {
 }
 
 impl Engine {
-    /// Binds UDP `port` (0: any free port) and starts the threads, with batched I/O.
+    /// Binds UDP `port` (0: any free port) and starts the threads, with batched I/O and TUN
+    /// offloads.
     pub fn start(port: u16, private_key: [u8; 32]) -> io::Result<Self> {
-        Self::start_with(port, private_key, Io::Batched)
+        Self::start_with(port, private_key, Options::default())
     }
 
-    /// [`Engine::start`] with the socket path `io`.
-    pub fn start_with(port: u16, private_key: [u8; 32], io: Io) -> io::Result<Self> {
+    /// [`Engine::start`] with `options`.
+    pub fn start_with(port: u16, private_key: [u8; 32], options: Options) -> io::Result<Self> {
+        let Options { io, tun_offload } = options;
         let (socket, dual_stack) =
             bind(port).map_err(|e| io_err(format!("binding the wireguard port {port}: {e}")))?;
         let batched = match io {
@@ -279,6 +309,7 @@ impl Engine {
             relay_policy: RwLock::new(RelayPolicy::default()),
             relay_buckets: Mutex::new(buckets::TokenBuckets::new(relay::MAX_PAIRS)),
             resent: AtomicU64::new(0),
+            tun_offload,
             dropped: Default::default(),
             #[cfg(test)]
             crash_timers: AtomicBool::new(false),
@@ -311,6 +342,7 @@ impl Engine {
             port,
             dual_stack,
             ?io,
+            tun_offload,
             "userspace wireguard engine listening"
         );
         Ok(Self {
@@ -359,7 +391,11 @@ mod tests {
     /// restarted); one stopped by the engine's own shutdown is not.
     #[test]
     fn a_thread_that_dies_is_named_as_stopped() {
-        let engine = Engine::start_with(0, [7; 32], Io::PerDatagram).expect("engine starts");
+        let options = Options {
+            io: Io::PerDatagram,
+            ..Options::default()
+        };
+        let engine = Engine::start_with(0, [7; 32], options).expect("engine starts");
         assert!(engine.stopped_threads().is_empty());
         engine.shared.crash_timers.store(true, Ordering::Relaxed);
         let deadline = Instant::now() + Duration::from_secs(10);

@@ -7,18 +7,17 @@
 use std::collections::HashMap;
 use std::io;
 use std::net::{IpAddr, SocketAddr};
-use std::os::fd::AsRawFd as _;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::{Instant, SystemTime};
 
-use defguard_boringtun::device::tun::TunSocket;
 use defguard_boringtun::noise::Tunn;
 use defguard_boringtun::x25519::PublicKey;
 use ipnet::IpNet;
 use mio::unix::SourceFd;
 use mio::{Interest, Token};
 
+use super::tun::Tun;
 use super::{Engine, Shared, io_err, relay, resend};
 
 /// Peer indices are 24 bits: boringtun keeps the low 8 bits of a session index for itself.
@@ -59,7 +58,7 @@ pub(super) struct Peer {
     pub(super) index: u32,
     pub(super) name: String,
     pub(super) public_key: [u8; 32],
-    pub(super) tun: TunSocket,
+    pub(super) tun: Tun,
     pub(super) tunn: Mutex<Tunn>,
     /// Where the peer is now: the configured endpoint until an authenticated message came from
     /// elsewhere (roaming).
@@ -161,10 +160,9 @@ impl Engine {
     /// rekey timers (15 s) before its tunnels carry traffic again.
     pub fn add_peer(&self, name: &str, config: &PeerConfig) -> io::Result<u32> {
         let shared = &self.shared;
-        let tun = TunSocket::new(name)
-            .and_then(TunSocket::set_non_blocking)
-            .map_err(|e| io_err(format!("creating tun interface {name}: {e:?}")))?;
-        let fd = tun.as_raw_fd();
+        let tun = Tun::open(name, shared.tun_offload)
+            .map_err(|e| io_err(format!("creating tun interface {name}: {e}")))?;
+        let fd = tun.fd();
         let peer = {
             let mut peers = shared.write_peers();
             if let Some(other) = peers.by_key.get(&config.public_key) {
@@ -289,7 +287,7 @@ impl Engine {
             removed
         };
         if let Some(peer) = removed {
-            let fd = peer.tun.as_raw_fd();
+            let fd = peer.tun.fd();
             let _ = self.shared.registry.deregister(&mut SourceFd(&fd));
         }
     }

@@ -16,12 +16,13 @@ use quinn_udp::{RecvMeta, UdpSocketState};
 
 use super::drops::DropReason;
 use super::handshakes::HANDSHAKE_RATE_LIMIT;
+use super::tun::{WRITE_BATCH, Writer};
 use super::{BUF, RECV_TIMEOUT, Shared, relay};
 
 impl Shared {
     /// One datagram from the socket. Handshake initiations and responses go to the handshake
     /// thread (dropped when its queue is full); data and cookie replies are handled here.
-    pub(super) fn receive(&self, from: SocketAddr, datagram: &[u8], dst: &mut [u8]) {
+    pub(super) fn receive(&self, from: SocketAddr, datagram: &[u8], sink: &mut Sink) {
         if self.standby.load(Ordering::Relaxed) {
             return self.count(DropReason::Standby);
         }
@@ -43,18 +44,18 @@ impl Shared {
             }
             return;
         }
-        self.handle(from, datagram, dst);
+        self.handle(from, datagram, sink);
     }
 
     /// One datagram: a relayed one forwarded or unwrapped, then checked, given to its peer's
     /// session.
-    pub(super) fn handle(&self, from: SocketAddr, datagram: &[u8], dst: &mut [u8]) {
+    pub(super) fn handle(&self, from: SocketAddr, datagram: &[u8], sink: &mut Sink) {
         if datagram.first() != Some(&relay::TYPE) {
-            return self.handle_message(from, datagram, dst, None);
+            return self.handle_message(from, datagram, sink, None);
         }
         match relay::parse(datagram) {
             Some((sender, receiver, inner)) if receiver == self.tag => {
-                self.handle_message(from, inner, dst, Some(sender));
+                self.handle_message(from, inner, sink, Some(sender));
             }
             Some((sender, receiver, _)) => self.forward(from, sender, receiver, datagram),
             None => self.count(DropReason::Malformed),
@@ -67,9 +68,10 @@ impl Shared {
         &self,
         from: SocketAddr,
         datagram: &[u8],
-        dst: &mut [u8],
+        sink: &mut Sink,
         relayed: Option<u64>,
     ) {
+        let Sink { dst, writer } = sink;
         let handshake = matches!(datagram.first(), Some(1 | 2));
         let load = if handshake {
             self.handshakes.fetch_add(1, Ordering::Relaxed) + 1
@@ -167,18 +169,14 @@ impl Shared {
                 if !peer.allows(IpAddr::V4(source)) {
                     return self.count(DropReason::SourceNotAllowed);
                 }
-                if peer.tun.write4(inner) == 0 {
-                    self.count(DropReason::TunWrite);
-                }
+                writer.push(self, &peer, inner);
             }
             TunnResult::WriteToTunnelV6(inner, source) => {
                 drop(tunn);
                 if !peer.allows(IpAddr::V6(source)) {
                     return self.count(DropReason::SourceNotAllowed);
                 }
-                if peer.tun.write6(inner) == 0 {
-                    self.count(DropReason::TunWrite);
-                }
+                writer.push(self, &peer, inner);
             }
         }
         if !authenticated {
@@ -207,6 +205,28 @@ impl Shared {
     }
 }
 
+/// What a receiving thread decrypts into: a scratch buffer, and the packets gathered for a
+/// TUN interface ([`Writer`]).
+pub(super) struct Sink {
+    dst: Vec<u8>,
+    writer: Writer,
+}
+
+impl Sink {
+    /// A sink gathering at most `batch` packets before writing them.
+    pub(super) fn new(batch: usize) -> Self {
+        Self {
+            dst: vec![0; BUF],
+            writer: Writer::new(batch),
+        }
+    }
+
+    /// Writes what was gathered.
+    pub(super) fn flush(&mut self, shared: &Shared) {
+        self.writer.flush(shared);
+    }
+}
+
 /// Canonical form of a datagram's source: IPv4 peers reach a dual-stack socket as mapped
 /// IPv6 addresses.
 fn canonical(addr: SocketAddr) -> SocketAddr {
@@ -221,12 +241,14 @@ fn canonical(addr: SocketAddr) -> SocketAddr {
 
 pub(super) fn udp_loop(shared: &Shared) {
     let mut src = vec![0u8; BUF];
-    let mut dst = vec![0u8; BUF];
+    // One datagram per call: nothing to gather.
+    let mut sink = Sink::new(1);
     while !shared.stop.load(Ordering::Relaxed) {
         match shared.socket.recv_from(&mut src) {
             Ok((n, from)) => {
                 let datagram = src.get(..n).unwrap_or_default();
-                shared.receive(canonical(from), datagram, &mut dst);
+                shared.receive(canonical(from), datagram, &mut sink);
+                sink.flush(shared);
             }
             Err(err)
                 if matches!(
@@ -250,7 +272,7 @@ pub(super) fn udp_loop_batched(shared: &Shared, state: &UdpSocketState) {
     let mut bufs: Vec<Vec<u8>> = (0..slots).map(|_| vec![0u8; BUF]).collect();
     let mut slices: Vec<IoSliceMut<'_>> = bufs.iter_mut().map(|b| IoSliceMut::new(b)).collect();
     let mut meta = vec![RecvMeta::default(); slots];
-    let mut dst = vec![0u8; BUF];
+    let mut sink = Sink::new(WRITE_BATCH);
     let timeout = PollTimeout::try_from(RECV_TIMEOUT).unwrap_or(PollTimeout::NONE);
     while !shared.stop.load(Ordering::Relaxed) {
         match state.recv((&shared.socket).into(), &mut slices, &mut meta) {
@@ -264,9 +286,11 @@ pub(super) fn udp_loop_batched(shared: &Shared, state: &UdpSocketState) {
                     };
                     let data = buf.get(..meta.len).unwrap_or_default();
                     for datagram in data.chunks(stride.max(1)) {
-                        shared.receive(from, datagram, &mut dst);
+                        shared.receive(from, datagram, &mut sink);
                     }
                 }
+                // Nothing waits for the next datagrams: they may be a while.
+                sink.flush(shared);
             }
             Err(err) if err.kind() == io::ErrorKind::WouldBlock => {
                 let mut fds = [PollFd::new(shared.socket.as_fd(), PollFlags::POLLIN)];

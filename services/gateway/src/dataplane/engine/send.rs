@@ -1,5 +1,6 @@
 //! The TUN thread and the socket's sending side: the thread waits on every TUN (`mio`,
-//! edge-triggered), encrypts what a TUN holds with the peer's session and sends it, on the
+//! edge-triggered), encrypts what a TUN holds (super-packets split into their segments) with
+//! the peer's session and sends it, on the
 //! batched socket in GSO sends ([`GsoBatch`]), else one datagram per call. Everything else
 //! that sends (handshakes, replies, timers) goes through [`Shared::send`] too. This is the
 //! other direction's hot path: the loop, the drains and the sends stay together here.
@@ -15,9 +16,11 @@ use mio::{Events, Poll};
 use nix::poll::{PollFd, PollFlags, PollTimeout};
 use quinn_udp::{Transmit, UdpSocketState};
 
+use super::drops::DropReason;
 use super::gso::{DATA_OVERHEAD, GsoBatch, HANDSHAKE_INIT_LEN};
 use super::peers::Peer;
 use super::relay::Route;
+use super::tun::{Read, Reader};
 use super::{BUF, Shared, TICK, WAKER};
 
 /// How long a sender waits for room in the socket's send buffer before it drops the datagram.
@@ -102,9 +105,25 @@ impl Shared {
             .max(1)
     }
 
+    /// Calls `each` with every packet `peer`'s TUN has to read now, super-packets split into
+    /// their segments; a super-packet that cannot be split is dropped and counted.
+    fn read_all(&self, peer: &Peer, reader: &mut Reader, mut each: impl FnMut(&[u8])) {
+        // Edge-triggered: read until the TUN says it is empty.
+        loop {
+            match peer.tun.read(reader) {
+                Read::Packets(n) => (0..n).for_each(|i| each(reader.packet(i))),
+                Read::Empty => return,
+                Read::Malformed(err) => {
+                    tracing::debug!(interface = %peer.name, error = %err, "dropped a super-packet from the tun interface");
+                    self.count(DropReason::TunRead);
+                }
+            }
+        }
+    }
+
     /// Everything a TUN has to read, encrypted into `batch` and sent to the peer in GSO
     /// batches.
-    fn drain_batched(&self, peer: &Peer, src: &mut [u8], batch: &mut GsoBatch) {
+    fn drain_batched(&self, peer: &Peer, reader: &mut Reader, batch: &mut GsoBatch) {
         let to = peer.endpoint();
         let max_segments = self.gso_segments();
         let mut send = |to: SocketAddr, contents: &[u8], segment: usize| {
@@ -112,8 +131,7 @@ impl Shared {
         };
         self.sent_data(peer);
         let kept = peer.has_relay().then(|| self.now_ms());
-        // Edge-triggered: read until the TUN says it is empty.
-        while let Ok(packet) = peer.tun.read(src) {
+        self.read_all(peer, reader, |packet| {
             let room = (packet.len() + DATA_OVERHEAD).max(HANDSHAKE_INIT_LEN);
             let slot = batch.slot(to, room, max_segments, &mut send);
             let result = peer.tunn().encapsulate(packet, slot);
@@ -130,21 +148,20 @@ impl Shared {
                 }
                 _ => {}
             }
-        }
+        });
         batch.flush(&mut send);
     }
 
     /// Everything a TUN has to read: encrypt each packet and send it to the peer (one datagram
     /// per call: the per-datagram socket, and a peer relayed through its hub).
-    fn drain(&self, peer: &Peer, src: &mut [u8], dst: &mut [u8]) {
+    fn drain(&self, peer: &Peer, reader: &mut Reader, dst: &mut [u8]) {
         let route = self.route(peer);
         let direct = matches!(route, Route::Direct(_));
         if direct {
             self.sent_data(peer);
         }
         let kept = (direct && peer.has_relay()).then(|| self.now_ms());
-        // Edge-triggered: read until the TUN says it is empty.
-        while let Ok(packet) = peer.tun.read(src) {
+        self.read_all(peer, reader, |packet| {
             let result = peer.tunn().encapsulate(packet, dst);
             match result {
                 TunnResult::WriteToNetwork(datagram) => {
@@ -161,13 +178,13 @@ impl Shared {
                 }
                 _ => {}
             }
-        }
+        });
     }
 }
 
 pub(super) fn tun_loop(shared: &Shared, mut poll: Poll) {
     let mut events = Events::with_capacity(256);
-    let mut src = vec![0u8; BUF];
+    let mut reader = Reader::new();
     let mut dst = vec![0u8; BUF];
     let mut batch = GsoBatch::new();
     while !shared.stop.load(Ordering::Relaxed) {
@@ -188,11 +205,11 @@ pub(super) fn tun_loop(shared: &Shared, mut poll: Poll) {
             if let Some(peer) = shared.peer(index) {
                 if shared.standby.load(Ordering::Relaxed) {
                     // Nothing leaves a standby: what the kernel routed into the TUN is dropped.
-                    while peer.tun.read(&mut src).is_ok() {}
+                    while !matches!(peer.tun.read(&mut reader), Read::Empty) {}
                 } else if shared.batched.is_some() && !shared.relayed(&peer) {
-                    shared.drain_batched(&peer, &mut src, &mut batch);
+                    shared.drain_batched(&peer, &mut reader, &mut batch);
                 } else {
-                    shared.drain(&peer, &mut src, &mut dst);
+                    shared.drain(&peer, &mut reader, &mut dst);
                 }
             }
         }
