@@ -77,8 +77,10 @@ bench-endpoints: setup
 bench-exports: setup
 	cargo run --release --locked -p trellis-bench --bin exports-bench -- --out bench/results/exports.json
 
-# Root only; the service binaries it starts are built in release mode first.
+# Root only; the service binaries it starts are built in release mode first, and GotaTun's
+# device is installed for the side by side.
 bench-dataplane: setup
+	bash scripts/install-gotatun.sh
 	cargo build --release --locked --bins -p trellis-ipam -p trellis-discovery -p trellis-broker \
 		-p trellis-forwarder -p trellis-gateway -p trellis-endpoints -p trellis-route
 	cargo run --release --locked -p trellis-bench --bin dataplane-bench -- --out bench/results/dataplane.json

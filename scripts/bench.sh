@@ -145,17 +145,18 @@ else
   nat=(--out "$out/nat.json")
 fi
 
-# The data plane needs root (network namespaces, nftables, tc), iperf3, and wireguard-go with wg
-# (the reference tunnel it is compared with).
+# The data plane needs root (network namespaces, nftables, tc), iperf3, sockperf, and wireguard-go
+# with wg (the reference tunnel it is compared with).
 missing=()
 [ "$(id -u)" -eq 0 ] || missing+=("root")
-for tool in ip tc nft ping iperf3 wireguard-go wg; do
+for tool in ip tc nft ping iperf3 sockperf wireguard-go wg; do
   command -v "$tool" >/dev/null 2>&1 || missing+=("$tool")
 done
 if ((${#missing[@]})); then
   log "dataplane-bench SKIPPED: it needs ${missing[*]}. docs/benchmarks.md keeps showing the"
   log "previous data-plane result and says which run it is from. Run \`sudo make bench\` for it."
 else
+  bash scripts/install-gotatun.sh || log "gotatun-cli could not be installed; dataplane-bench says GotaTun was not measured"
   run dataplane-bench "${dataplane[@]}"
   run dataplane-bench "${nodes[@]}"
 fi

@@ -18,6 +18,8 @@ declare -A want=(
   [nft]=nftables
   [ip]=iproute2
   [iperf3]=iperf3
+  # The data-plane benchmark's request/response (TCP ping-pong with every round trip logged).
+  [sockperf]=sockperf
   [ping]=iputils-ping
   [nc]=netcat-openbsd
   # The tunnel-guard test impersonates a peer with an independent userspace WireGuard.

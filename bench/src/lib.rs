@@ -1,8 +1,8 @@
 //! Shared pieces of the benchmark binaries: a latency recorder, the description of the
 //! machine a run happened on, what identifies a run (date, git commit, quick or full, a
 //! free-form note), the writing of a JSON result file, and the per-process measurements read
-//! from /proc, and the `wireguard-go` reference tunnel of the data-plane benchmark
-//! ([`wireguard_go`]). What the result files hold is [`results`], the one schema the
+//! from /proc, and the reference tunnels of the data-plane benchmark, wireguard-go and GotaTun
+//! ([`reference`]). What the result files hold is [`results`], the one schema the
 //! benchmarks write and the report generator (`bench-report`, [`report`]) reads. The larger
 //! benchmarks' parts live in [`mesh`], [`dataplane`] and [`nat`]; their binaries keep `main` and
 //! flags.
@@ -12,10 +12,10 @@ pub mod dns;
 pub mod mesh;
 pub mod nat;
 pub mod proc;
+pub mod reference;
 pub mod report;
 pub mod results;
 pub mod svg;
-pub mod wireguard_go;
 
 pub use results::{LatencySummary, Machine, RunInfo, RunKind};
 

@@ -19,8 +19,10 @@
 //!   (A's gateway to C's gateway: veth, bridge, veth). Side by side with the reference, Debian's
 //!   `wireguard-go` between two more gateway namespaces of the same topology
 //!   ([`trellis_bench::wireguard_go`]), alternating in rounds: iperf3 at 1 and 4 TCP streams,
-//!   CPU seconds of the tunnel processes (both ends) per GB of payload, and RTT overhead
-//!   (tunnel RTT minus the underlay's, pinged in the same round).
+//!   CPU seconds of the tunnel processes (both ends) per GB of payload, RTT overhead (tunnel
+//!   RTT minus the underlay's, pinged in the same round), and request/response (sockperf
+//!   ping-pong, 64-byte TCP messages, 1 and 4 connections: transactions per second and
+//!   p50/p99/p99.9 round trips) through each tunnel and on its underlay.
 //! - **hub**: B's discovery with `--no-induced`: A and C only peer with B; B reflects C's pod to
 //!   A through B's external CIDR (hub-path DNAT at B); A's pod pings that address.
 //!
@@ -63,13 +65,18 @@ struct Args {
     /// Round-trip delay added by the leaf link (A–C), in milliseconds.
     #[arg(long, default_value_t = 20)]
     leaf_link_ms: u64,
-    /// Rounds of the side-by-side comparison with wireguard-go (each: RTT, then iperf3 at 1 and
-    /// 4 streams, through both tunnels in turns); medians and spread over the rounds.
+    /// Rounds of the side-by-side comparison with wireguard-go (each: RTT, request/response at 1
+    /// and 4 connections, then iperf3 at 1 and 4 streams, through both tunnels in turns);
+    /// medians and spread over the rounds.
     #[arg(long, default_value_t = 3)]
     rounds: u32,
     /// Duration of each iperf3 run, in seconds.
     #[arg(long, default_value_t = 10)]
     iperf_seconds: u32,
+    /// Duration of each request/response run (sockperf ping-pong), in seconds; sockperf leaves
+    /// its first 400 ms (warm-up) out.
+    #[arg(long, default_value_t = 5)]
+    rr_seconds: u32,
     /// Where the services keep their state.
     #[arg(long, value_enum, default_value_t = Store::Memory)]
     store: Store,
@@ -90,6 +97,7 @@ async fn main() -> anyhow::Result<()> {
         leaf_link_ms: args.leaf_link_ms,
         rounds: args.rounds,
         iperf_seconds: args.iperf_seconds,
+        rr_seconds: args.rr_seconds,
         store: args.store,
     };
     if args.scenario == Scenario::NodePath {
@@ -111,7 +119,16 @@ async fn main() -> anyhow::Result<()> {
         );
         return Ok(());
     }
-    let mut tools = vec!["ip", "tc", "nft", "ping", "iperf3", "wireguard-go", "wg"];
+    let mut tools = vec![
+        "ip",
+        "tc",
+        "nft",
+        "ping",
+        "iperf3",
+        "sockperf",
+        "wireguard-go",
+        "wg",
+    ];
     if args.store == Store::Etcd {
         tools.push("etcd");
     }

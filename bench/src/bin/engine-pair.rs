@@ -9,7 +9,8 @@
 //! ([`Io::PerDatagram`], the engine before batched I/O); `trellis-no-offload`: the engine with
 //! its TUN interfaces opened without the kernel's offloads (one packet per read and write, the
 //! engine before ADR 0030). iperf3 TCP over the tunnel, one stream and `--streams` streams, and the
-//! CPU seconds the implementation used per GB moved. No NAT, no nftables, no policy routing:
+//! CPU seconds the implementation used per GB moved, then request/response (sockperf
+//! ping-pong) at one and `--streams` connections. No NAT, no nftables, no policy routing:
 //! the gateway's full path is what `dataplane-bench` measures; this is the engine's ceiling.
 
 use std::process::{Child, Command, Stdio};
@@ -18,6 +19,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, bail};
 use clap::Parser;
+use trellis_bench::dataplane::rr::tcp_rr;
+use trellis_bench::results::RequestResponse;
 use trellis_gateway::dataplane::engine::{Engine, Io, Options, PeerConfig};
 use trellis_gateway::keys::KeyPair;
 use trellis_netlab::netns::{Namespaces, exec, in_netns, ip};
@@ -27,9 +30,14 @@ struct Args {
     /// Seconds per iperf3 run.
     #[arg(long, default_value_t = 10)]
     seconds: u32,
-    /// Parallel streams of the multi-stream run.
+    /// Parallel streams of the multi-stream run, and connections of the second
+    /// request/response run.
     #[arg(long, default_value_t = 4)]
     streams: u32,
+    /// Seconds per request/response run (sockperf ping-pong, 64-byte TCP messages, one
+    /// connection and `--streams` connections); 0 skips them.
+    #[arg(long, default_value_t = 5)]
+    rr_seconds: u32,
     /// Which implementations to run (`trellis`, `trellis-no-offload`, `trellis-unbatched`,
     /// `wireguard-go`).
     #[arg(
@@ -162,6 +170,26 @@ fn measure(label: &str, args: &Args, cpu: &dyn Fn() -> f64) -> anyhow::Result<()
             "{label}: {streams} stream(s): {mbps:.0} Mbit/s, {:.1} CPU s/GB",
             used / (bytes / 1e9)
         );
+    }
+    if args.rr_seconds > 0 {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?;
+        for connections in [1, u16::try_from(args.streams).unwrap_or(u16::MAX)] {
+            let (to, at) = (INNER[1].parse()?, INNER[1].parse()?);
+            let run =
+                runtime.block_on(tcp_rr(NS[0], NS[1], to, at, args.rr_seconds, connections))?;
+            let rr = RequestResponse::of(vec![run]);
+            let us = |v: Option<f64>| v.unwrap_or(f64::NAN);
+            eprintln!(
+                "{label}: request/response, {connections} connection(s): {:.0}/s, p50 {:.0} µs, \
+                 p99 {:.0} µs, p99.9 {:.0} µs",
+                us(rr.median_per_s),
+                us(rr.p50_us),
+                us(rr.p99_us),
+                us(rr.p999_us)
+            );
+        }
     }
     Ok(())
 }

@@ -14,8 +14,8 @@ use super::links::{delays, emulate};
 use super::probe::{iperf, rtt};
 use super::side_by_side::{TunnelPath, side_by_side};
 use super::{A, B, C, LIMIT, Settings, WIREGUARD, build, options};
+use crate::reference::{Reference, ReferencePair};
 use crate::results::{DataplaneResult, Emulation, Machine, Rtt, RunInfo, SideBySide, Throughput};
-use crate::wireguard_go::WireguardGoPair;
 
 /// What the induced scenario measured.
 struct Induced {
@@ -46,8 +46,21 @@ async fn induced(settings: &Settings, emulation: Emulation) -> anyhow::Result<In
     let ready = started.elapsed().as_secs_f64();
     eprintln!("dataplane-bench: induced path up at {address} after {ready:.1} s");
     let sites = &fabric.topology.sites;
-    let wg = WireguardGoPair::up(LIMIT).await?;
+    let wg = ReferencePair::up(Reference::WireguardGo, LIMIT).await?;
     eprintln!("dataplane-bench: wireguard-go reference tunnel up");
+    let gota = if trellis_netlab::missing_prerequisites(&[Reference::GotaTun.program()]).is_empty()
+    {
+        let pair = ReferencePair::up(Reference::GotaTun, LIMIT).await?;
+        eprintln!("dataplane-bench: gotatun reference tunnel up");
+        Some(pair)
+    } else {
+        eprintln!(
+            "dataplane-bench: GotaTun NOT MEASURED: no {} on PATH \
+             (`bash scripts/install-gotatun.sh` installs it)",
+            Reference::GotaTun.program()
+        );
+        None
+    };
     let mut pids = Vec::new();
     for i in [A, C] {
         pids.push(
@@ -64,25 +77,19 @@ async fn induced(settings: &Settings, emulation: Emulation) -> anyhow::Result<In
         to_pod_ip: sites[C].pod_ip,
         to_pod_at: address,
         from_gw_ns: &sites[A].gw_ns,
+        to_gw_ns: &sites[C].gw_ns,
         to_gw_ip: sites[C].uplink_ip,
         pids,
     };
-    let wg_sites = &wg.topology.sites;
-    let theirs = TunnelPath {
-        name: "wireguard-go",
-        from_pod_ns: &wg_sites[0].pod_ns,
-        to_pod_ns: &wg_sites[1].pod_ns,
-        to_pod_ip: wg_sites[1].pod_ip,
-        to_pod_at: wg_sites[1].pod_ip,
-        from_gw_ns: &wg_sites[0].gw_ns,
-        to_gw_ip: wg_sites[1].uplink_ip,
-        pids: wg.pids(),
-    };
-    let compared = side_by_side(settings, &ours, &theirs).await?;
-    drop(wg);
+    let theirs = reference_path(&wg);
+    let gota_path = gota.as_ref().map(reference_path);
+    let compared = side_by_side(settings, &ours, &theirs, gota_path.as_ref()).await?;
+    drop((theirs, gota_path));
+    drop((wg, gota));
     for (name, r) in [
         ("trellis", &compared.rtt_trellis),
         ("wireguard-go", &compared.rtt_wireguard_go),
+        ("gotatun", &compared.rtt_gotatun),
     ] {
         let Some(r) = r else { continue };
         eprintln!(
@@ -235,4 +242,20 @@ pub async fn leaf_to_leaf(
         hub_ready_seconds: Some(hub_ready),
         side_by_side: Some(compared),
     })
+}
+
+/// A reference pair's tunnel, pod 0 to pod 1 (no NAT: the pod is reached at its own address).
+fn reference_path(pair: &ReferencePair) -> TunnelPath<'_> {
+    let sites = &pair.topology.sites;
+    TunnelPath {
+        name: pair.reference.name(),
+        from_pod_ns: &sites[0].pod_ns,
+        to_pod_ns: &sites[1].pod_ns,
+        to_pod_ip: sites[1].pod_ip,
+        to_pod_at: sites[1].pod_ip,
+        from_gw_ns: &sites[0].gw_ns,
+        to_gw_ns: &sites[1].gw_ns,
+        to_gw_ip: sites[1].uplink_ip,
+        pids: pair.pids(),
+    }
 }

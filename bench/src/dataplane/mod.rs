@@ -1,5 +1,6 @@
 //! The parts of `dataplane-bench` (the binary's doc describes the topology and the
-//! scenarios): the link delays ([`links`]), ping and iperf3 ([`probe`]), the side by side with
+//! scenarios): the link delays ([`links`]), ping and iperf3 ([`probe`]), request/response with
+//! sockperf ([`rr`]), the side by side with
 //! wireguard-go ([`side_by_side`]), the leaf-to-leaf scenarios ([`leaf_to_leaf`]) and the node
 //! path ([`node_path`]). What it writes is [`crate::results::DataplaneResult`] and
 //! [`crate::results::NodePathResult`].
@@ -14,6 +15,7 @@ mod leaf_to_leaf;
 mod links;
 mod node_path;
 pub(crate) mod probe;
+pub mod rr;
 mod side_by_side;
 
 pub use leaf_to_leaf::leaf_to_leaf;
@@ -37,6 +39,8 @@ pub struct Settings {
     pub rounds: u32,
     /// Duration of each iperf3 run, in seconds.
     pub iperf_seconds: u32,
+    /// Duration of each request/response run, in seconds.
+    pub rr_seconds: u32,
     /// Where the services keep their state.
     pub store: Store,
 }

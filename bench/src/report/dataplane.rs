@@ -9,7 +9,7 @@ use super::inputs::Inputs;
 use super::notes::note;
 use super::output::PLOT_DIR;
 use super::parse::parse;
-use crate::results::{DataplaneResult, Rtt, SideBySide};
+use crate::results::{DataplaneResult, RequestResponse, RttOverhead, Side, SideBySide};
 use crate::svg::{self, BarChart, Scale};
 
 pub(super) fn dataplane_section(
@@ -135,6 +135,7 @@ pub(super) fn dataplane_section(
             }
             if let Some(c) = &d.side_by_side {
                 side_by_side_table(md, c);
+                request_response_table(md, c);
                 for (i, streams) in [1, 4].into_iter().enumerate() {
                     if let Some(x) = c.at(streams) {
                         throughput_chart.series[0].1[i] = x.trellis.median_mbit_s;
@@ -194,27 +195,55 @@ fn median_spread(
     }
 }
 
-/// The side-by-side comparison with wireguard-go: throughput and CPU per GB at 1 and 4
-/// streams, and RTT overhead over the underlay.
+/// The side-by-side comparison with wireguard-go (and GotaTun where it was measured):
+/// throughput and CPU per GB at 1 and 4 streams, and RTT overhead over the underlay.
 fn side_by_side_table(md: &mut String, c: &SideBySide) {
+    let gota = c.throughput.iter().any(|x| x.gotatun.is_some()) || c.rtt_gotatun.is_some();
     let _ = writeln!(
         md,
-        "Side by side with {} (two more gateway namespaces of the same topology, configured with \
-         `wg set`; see the method above), {} round{} of {} s iperf3 runs, the tunnel measured \
-         first alternating by round. Median (smallest–largest) over the rounds; ratios of \
-         medians.\n",
+        "Side by side with {}{} (two more gateway namespaces of the same topology for each, \
+         configured with `wg set`; see the method above), {} round{} of {} s iperf3 runs, which \
+         tunnel goes first rotating by round. Median (smallest–largest) over the rounds; ratios \
+         of medians.\n",
         if c.reference.is_empty() {
             "wireguard-go"
         } else {
             c.reference.as_str()
         },
+        c.gotatun_reference
+            .as_ref()
+            .map_or(String::new(), |g| format!(" and GotaTun's device ({g})")),
         c.rounds,
         if c.rounds == 1 { "" } else { "s" },
         c.iperf_seconds
     );
-    md.push_str(
-        "| measure | Trellis | wireguard-go | Trellis / wireguard-go |\n|---|---|---|---|\n",
-    );
+    if gota {
+        md.push_str(
+            "| measure | Trellis | wireguard-go | Trellis / wireguard-go | GotaTun | Trellis / GotaTun |\n\
+             |---|---|---|---|---|---|\n",
+        );
+    } else {
+        md.push_str(
+            "| measure | Trellis | wireguard-go | Trellis / wireguard-go |\n|---|---|---|---|\n",
+        );
+    }
+    let gota_cells =
+        |side: Option<&Side>, ours: Option<f64>, pick: fn(&Side) -> [Option<f64>; 3], decimals| {
+            if !gota {
+                return String::new();
+            }
+            match side {
+                None => " — | — |".to_owned(),
+                Some(g) => {
+                    let [m, lo, hi] = pick(g);
+                    format!(
+                        " {} | {} |",
+                        median_spread(m, lo, hi, decimals),
+                        opt(crate::ratio(ours, m), 2)
+                    )
+                }
+            }
+        };
     for x in &c.throughput {
         let streams = format!(
             "{} TCP stream{}",
@@ -223,7 +252,7 @@ fn side_by_side_table(md: &mut String, c: &SideBySide) {
         );
         let _ = writeln!(
             md,
-            "| {streams}, Mbit/s | {} | {} | **{}** |",
+            "| {streams}, Mbit/s | {} | {} | **{}** |{}",
             median_spread(
                 x.trellis.median_mbit_s,
                 x.trellis.min_mbit_s,
@@ -236,11 +265,17 @@ fn side_by_side_table(md: &mut String, c: &SideBySide) {
                 x.wireguard_go.max_mbit_s,
                 0
             ),
-            opt(x.ratio_mbit_s, 2)
+            opt(x.ratio_mbit_s, 2),
+            gota_cells(
+                x.gotatun.as_ref(),
+                x.trellis.median_mbit_s,
+                |g| [g.median_mbit_s, g.min_mbit_s, g.max_mbit_s],
+                0
+            )
         );
         let _ = writeln!(
             md,
-            "| {streams}, tunnel CPU s per GB | {} | {} | {} |",
+            "| {streams}, tunnel CPU s per GB | {} | {} | {} |{}",
             median_spread(
                 x.trellis.median_cpu_seconds_per_gb,
                 x.trellis.min_cpu_seconds_per_gb,
@@ -253,29 +288,116 @@ fn side_by_side_table(md: &mut String, c: &SideBySide) {
                 x.wireguard_go.max_cpu_seconds_per_gb,
                 1
             ),
-            opt(x.ratio_cpu_seconds_per_gb, 2)
+            opt(x.ratio_cpu_seconds_per_gb, 2),
+            gota_cells(
+                x.gotatun.as_ref(),
+                x.trellis.median_cpu_seconds_per_gb,
+                |g| [
+                    g.median_cpu_seconds_per_gb,
+                    g.min_cpu_seconds_per_gb,
+                    g.max_cpu_seconds_per_gb
+                ],
+                1
+            )
         );
     }
     if let (Some(t), Some(w)) = (&c.rtt_trellis, &c.rtt_wireguard_go) {
-        let med = |r: &Rtt| num(r.median_ms, 3);
+        let g = c.rtt_gotatun.as_ref();
+        let extra = |f: &dyn Fn(&RttOverhead) -> String| match (gota, g) {
+            (false, _) => String::new(),
+            (true, None) => " — | |".to_owned(),
+            (true, Some(g)) => format!(" {} | |", f(g)),
+        };
+        let tunnel = |r: &RttOverhead| num(r.tunnel.median_ms, 3);
+        let bare = |r: &RttOverhead| num(r.bare.median_ms, 3);
+        let overhead = |r: &RttOverhead| num(r.overhead_ms, 3);
         let _ = writeln!(
             md,
-            "| RTT pod to pod through the tunnel, median ms | {} | {} | |",
-            med(&t.tunnel),
-            med(&w.tunnel)
+            "| RTT pod to pod through the tunnel, median ms | {} | {} | |{}",
+            tunnel(t),
+            tunnel(w),
+            extra(&tunnel)
         );
         let _ = writeln!(
             md,
-            "| RTT gateway to gateway on the bridge (underlay), median ms | {} | {} | |",
-            med(&t.bare),
-            med(&w.bare)
+            "| RTT gateway to gateway on the bridge (underlay), median ms | {} | {} | |{}",
+            bare(t),
+            bare(w),
+            extra(&bare)
         );
         let _ = writeln!(
             md,
-            "| RTT overhead (tunnel − underlay), ms | **{}** | {} | |",
-            num(t.overhead_ms, 3),
-            num(w.overhead_ms, 3)
+            "| RTT overhead (tunnel − underlay), ms | **{}** | {} | |{}",
+            overhead(t),
+            overhead(w),
+            extra(&overhead)
         );
     }
     md.push('\n');
+}
+
+/// Request/response through every tunnel and on its underlay, at 1 and 4 connections.
+fn request_response_table(md: &mut String, c: &SideBySide) {
+    if c.request_response.is_empty() {
+        return;
+    }
+    let _ = writeln!(
+        md,
+        "Request/response (sockperf ping-pong: a 64-byte TCP request, answered by a 64-byte \
+         response before the next is sent; one client and one server per connection), {} s per \
+         run in the same rounds, pod to pod through each tunnel and gateway to gateway on its \
+         underlay. Transactions per second: median over the rounds, all connections together; \
+         round-trip percentiles over every transaction of every round.\n",
+        c.rr_seconds
+    );
+    md.push_str(
+        "| path | connections | transactions/s | p50 µs | p99 µs | p99.9 µs | round trips |\n\
+         |---|---|---|---|---|---|---|\n",
+    );
+    for x in &c.request_response {
+        for (name, r) in [
+            ("Trellis tunnel", &x.trellis.tunnel),
+            ("Trellis's underlay", &x.trellis.underlay),
+            ("wireguard-go tunnel", &x.wireguard_go.tunnel),
+            ("wireguard-go's underlay", &x.wireguard_go.underlay),
+        ]
+        .into_iter()
+        .chain(x.gotatun.iter().flat_map(|g| {
+            [
+                ("GotaTun tunnel", &g.tunnel),
+                ("GotaTun's underlay", &g.underlay),
+            ]
+        })) {
+            let _ = writeln!(
+                md,
+                "| {name} | {} | {} | {} | {} | {} | {} |",
+                x.connections,
+                opt(r.median_per_s, 0),
+                opt(r.p50_us, 0),
+                opt(r.p99_us, 0),
+                opt(r.p999_us, 0),
+                num(r.samples as f64, 0)
+            );
+        }
+    }
+    md.push('\n');
+    for x in &c.request_response {
+        let ratio =
+            |a: &RequestResponse, b: &RequestResponse| crate::ratio(a.median_per_s, b.median_per_s);
+        let _ = writeln!(
+            md,
+            "{} connection{}: Trellis's tunnel ×{} its underlay's transactions per second \
+             (wireguard-go's ×{}), ×{} wireguard-go's{}.\n",
+            x.connections,
+            if x.connections == 1 { "" } else { "s" },
+            opt(ratio(&x.trellis.tunnel, &x.trellis.underlay), 2),
+            opt(ratio(&x.wireguard_go.tunnel, &x.wireguard_go.underlay), 2),
+            opt(ratio(&x.trellis.tunnel, &x.wireguard_go.tunnel), 2),
+            x.gotatun.as_ref().map_or(String::new(), |g| format!(
+                " and ×{} GotaTun's (its own ×{} its underlay's)",
+                opt(ratio(&x.trellis.tunnel, &g.tunnel), 2),
+                opt(ratio(&g.tunnel, &g.underlay), 2)
+            ))
+        );
+    }
 }

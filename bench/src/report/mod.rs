@@ -12,6 +12,7 @@
 use std::path::Path;
 
 mod dataplane;
+mod dataplane_targets;
 mod document;
 mod endpoints;
 mod exports;

@@ -1,8 +1,9 @@
-//! The targets table: each target of issues 9, 17, 18, 33 and 36 and its verdict, computed from the
-//! results every time the document is generated.
+//! The targets table: each target of issues 9, 17, 18, 33, 36 and 39 and its verdict, computed
+//! from the results every time the document is generated.
 
 use std::fmt::Write as _;
 
+use super::dataplane_targets::dataplane_targets;
 use super::exports::dns_targets;
 use super::failover::failover_targets;
 use super::format::num;
@@ -427,6 +428,7 @@ pub fn targets(inputs: &Inputs) -> Vec<Target> {
     });
     // Issue 17: the induced mesh at the hub's full scale, each figure beside main's in the same
     // run.
+    out.extend(dataplane_targets(inputs));
     out.extend(scale_targets(inputs, &mesh));
     out.extend(failover_targets(inputs));
     out.extend(nat_targets(inputs));

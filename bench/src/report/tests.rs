@@ -254,6 +254,7 @@ fn scale_targets_compare_with_main() {
                 && !t.target.contains("(issue 34)")
                 && !t.target.contains("(issue 38)")
                 && !t.target.contains("(issue 40)")
+                && !t.target.contains("(issue 39)")
         })
         .map(|t| (t.measured.as_str(), t.verdict.clone()))
         .collect();
@@ -984,4 +985,95 @@ fn the_dns_target_reads_the_exports_result() {
         .find(|t| t.target.contains("(issue 38)"))
         .map(|t| t.verdict);
     assert_eq!(none, Some(Verdict::NotMeasured));
+}
+
+/// Request/response of one path: `per_s` transactions a second, p99 `p99` µs.
+fn rr(per_s: f64, p99: f64) -> Value {
+    json!({"runs_per_s": [per_s, per_s], "median_per_s": per_s, "samples": 1000,
+           "p50_us": p99 / 3.0, "p99_us": p99, "p999_us": 2.0 * p99})
+}
+
+#[test]
+fn issue_39_targets_read_the_comparison_request_response_and_the_node_path() {
+    // Trellis 400 Mbit/s of a 1,000 Mbit/s bare path, 4× wireguard-go, 10 CPU s per GB (more
+    // than half of the baseline), 0.15 ms of RTT overhead.
+    let mut dp = dataplane_vs_wireguard_go(21.5, 400.0, (100.0, 300.0), 0.15);
+    let path = |t: Value, u: Value| json!({"tunnel": t, "underlay": u});
+    dp["side_by_side"]["rr_seconds"] = json!(5);
+    dp["side_by_side"]["request_response"] = json!([
+        {"connections": 1, "trellis": path(rr(5000.0, 300.0), rr(20000.0, 80.0)),
+         "wireguard_go": path(rr(2500.0, 600.0), rr(19000.0, 90.0)),
+         "gotatun": path(rr(4000.0, 450.0), rr(21000.0, 70.0))},
+        {"connections": 4, "trellis": path(rr(9000.0, 900.0), rr(40000.0, 200.0)),
+         "wireguard_go": path(rr(6000.0, 1500.0), rr(38000.0, 210.0))},
+    ]);
+    dp["side_by_side"]["gotatun_reference"] = json!("gotatun-cli 0.10.2");
+    dp["side_by_side"]["throughput"][0]["gotatun"] = json!({"runs": [{}], "median_mbit_s": 200.0,
+        "min_mbit_s": 190.0, "max_mbit_s": 210.0, "median_cpu_seconds_per_gb": 15.0,
+        "min_cpu_seconds_per_gb": 14.0, "max_cpu_seconds_per_gb": 16.0});
+    let nodes = json!({"benchmark": "dataplane_node_path", "machine": machine(), "store": "memory",
+                       "throughput_ratio": 0.85});
+    let i = inputs(vec![
+        found("dataplane", dp),
+        found("dataplane-nodes", nodes),
+    ]);
+    let t: Vec<Target> = targets(&i)
+        .into_iter()
+        .filter(|t| t.target.contains("(issue 39)"))
+        .collect();
+    let got: Vec<(&str, Verdict)> = t
+        .iter()
+        .map(|t| (t.measured.as_str(), t.verdict.clone()))
+        .collect();
+    assert_eq!(
+        got,
+        vec![
+            ("×4.00", Verdict::Met),
+            ("400 of 1000 Mbit/s: 40.0 %", Verdict::Met),
+            ("500 Mbit/s at 4 streams, 400 at 1 (medians)", Verdict::Met),
+            (
+                "1 stream(s): 10.00 s per GB; 4 stream(s): 10.00 s per GB",
+                Verdict::NotMet
+            ),
+            (
+                "1 conn.: Trellis 5000/s, p99 300 µs; underlay 20 000/s, p99 80 µs; \
+                 wireguard-go 2500/s, p99 600 µs — 4 conn.: Trellis 9000/s, p99 900 µs; \
+                 underlay 40 000/s, p99 200 µs; wireguard-go 6000/s, p99 1500 µs",
+                Verdict::Met
+            ),
+            ("0.150 ms (wireguard-go: 0.500 ms)", Verdict::Met),
+            ("×0.85", Verdict::Met),
+        ]
+    );
+    let doc = &render(&i).files[0].1;
+    for row in [
+        "| 1 TCP stream, Mbit/s | 400 (390–410) | 100 (90–110) | **4.00** | 200 (190–210) | 2.00 |",
+        "| 4 TCP streams, Mbit/s | 500 (490–510) | 300 (290–310) | **1.67** | — | — |",
+        "| Trellis tunnel | 1 | 5000 | 100 | 300 | 600 | 1000 |",
+        "| GotaTun's underlay | 1 | 21 000 | 23 | 70 | 140 | 1000 |",
+        "| wireguard-go tunnel | 4 | 6000 | 500 | 1500 | 3000 | 1000 |",
+        "1 connection: Trellis's tunnel ×0.25 its underlay's transactions per second \
+         (wireguard-go's ×0.13), ×2.00 wireguard-go's and ×1.25 GotaTun's (its own ×0.19 its \
+         underlay's).",
+    ] {
+        assert!(doc.contains(row), "no `{row}` in:\n{doc}");
+    }
+    assert!(
+        !doc.contains("| GotaTun tunnel | 4 |"),
+        "GotaTun was not measured at 4"
+    );
+
+    // Without the new measurements every issue-39 row says so instead of guessing.
+    let old = inputs(vec![found("dataplane", dataplane(21.0, 300.0))]);
+    let t: Vec<Target> = targets(&old)
+        .into_iter()
+        .filter(|t| t.target.contains("(issue 39)"))
+        .collect();
+    assert_eq!(t[4].verdict, Verdict::NotMeasured, "{}", t[4].measured);
+    assert_eq!(t[6].verdict, Verdict::NotMeasured, "{}", t[6].measured);
+    assert!(
+        t[6].measured.contains("dataplane-nodes"),
+        "{}",
+        t[6].measured
+    );
 }

@@ -85,6 +85,8 @@ pub struct Comparison {
     pub streams: u32,
     pub trellis: Side,
     pub wireguard_go: Side,
+    /// Absent where GotaTun was not measured.
+    pub gotatun: Option<Side>,
     /// Trellis median / wireguard-go median (above 1: Trellis moves more).
     pub ratio_mbit_s: Option<f64>,
     /// Trellis median / wireguard-go median (below 1: Trellis spends less CPU per GB).
@@ -101,6 +103,40 @@ pub struct RttOverhead {
     pub overhead_ms: f64,
 }
 
+/// Request/response over one path at one connection count (sockperf ping-pong, 64-byte
+/// TCP messages), pooled over the rounds; none where nothing was measured.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(default)]
+pub struct RequestResponse {
+    /// Transactions per second of each run, all connections together, in run order.
+    pub runs_per_s: Vec<f64>,
+    pub median_per_s: Option<f64>,
+    /// Round trips measured, every transaction of every run.
+    pub samples: usize,
+    /// Round-trip time percentiles over every transaction, microseconds.
+    pub p50_us: Option<f64>,
+    pub p99_us: Option<f64>,
+    pub p999_us: Option<f64>,
+}
+
+/// A tunnel's request/response, pod to pod through it, and its underlay's, gateway to gateway.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(default)]
+pub struct RrPath {
+    pub tunnel: RequestResponse,
+    pub underlay: RequestResponse,
+}
+
+/// Trellis against wireguard-go at one connection count, request/response.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(default)]
+pub struct RrComparison {
+    pub connections: u32,
+    pub trellis: RrPath,
+    pub wireguard_go: RrPath,
+    pub gotatun: Option<RrPath>,
+}
+
 /// Trellis's tunnel and wireguard-go's, measured in turns in one run.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 #[serde(default)]
@@ -114,11 +150,23 @@ pub struct SideBySide {
     /// Absent in results from before the RTT was part of the comparison.
     pub rtt_trellis: Option<RttOverhead>,
     pub rtt_wireguard_go: Option<RttOverhead>,
+    /// `gotatun-cli --version`'s first line and its RTT; absent where GotaTun was not measured.
+    pub gotatun_reference: Option<String>,
+    pub rtt_gotatun: Option<RttOverhead>,
+    /// Seconds per request/response run; 0 (and no comparisons) in results from before it.
+    pub rr_seconds: u32,
+    pub request_response: Vec<RrComparison>,
 }
 
 impl SideBySide {
     pub fn at(&self, streams: u32) -> Option<&Comparison> {
         self.throughput.iter().find(|c| c.streams == streams)
+    }
+
+    pub fn rr_at(&self, connections: u32) -> Option<&RrComparison> {
+        self.request_response
+            .iter()
+            .find(|c| c.connections == connections)
     }
 }
 

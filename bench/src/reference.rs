@@ -1,8 +1,10 @@
-//! The reference tunnel `dataplane-bench` compares Trellis's data plane with: Debian's
-//! `wireguard-go` (the userspace WireGuard the WireGuard authors maintain) between two gateway
-//! namespaces built by the same [`Topology`] code as Trellis's clusters (pod namespace, gateway
-//! namespace, uplink on a bridge), configured by hand with `wg set` and plain routes. **Root
-//! only.**
+//! The reference tunnels `dataplane-bench` compares Trellis's data plane with, each between two
+//! gateway namespaces built by the same [`Topology`] code as Trellis's clusters (pod namespace,
+//! gateway namespace, uplink on a bridge), configured by hand with `wg set` and plain routes:
+//! Debian's `wireguard-go` (the userspace WireGuard the WireGuard authors maintain) and
+//! `gotatun` (crate `gotatun-cli`), the device of GotaTun (Mullvad's continuation of
+//! boringtun, the other crypto core a Rust engine could build on). Both speak the same
+//! configuration protocol, so one harness runs either. **Root only.**
 //!
 //! The two sites get distinct pod CIDRs (10.1.0.0/16 and 10.2.0.0/16): the reference is the
 //! tunnel alone, without Trellis's remapping NAT, so the comparison charges Trellis for its NAT.
@@ -21,10 +23,72 @@ const PORT: u16 = 51820;
 /// The tunnel MTU Trellis's gateways use too.
 const MTU: &str = "1420";
 
-/// Two gateway namespaces joined by a `wireguard-go` tunnel; the processes are killed and the
+/// A userspace WireGuard run as a reference: a process per gateway that makes its TUN and
+/// takes its configuration from `wg set`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reference {
+    WireguardGo,
+    GotaTun,
+}
+
+impl Reference {
+    /// The name the results and the report use.
+    pub fn name(self) -> &'static str {
+        match self {
+            Reference::WireguardGo => "wireguard-go",
+            Reference::GotaTun => "gotatun",
+        }
+    }
+
+    /// The program to run (on `PATH`).
+    pub fn program(self) -> &'static str {
+        match self {
+            Reference::WireguardGo => "wireguard-go",
+            // The `gotatun-cli` crate's executable.
+            Reference::GotaTun => "gotatun",
+        }
+    }
+
+    /// A prefix for the interfaces, so both pairs can be up at once.
+    fn prefix(self) -> &'static str {
+        match self {
+            Reference::WireguardGo => "wg",
+            Reference::GotaTun => "gt",
+        }
+    }
+
+    /// The arguments that run the device for interface `name` in the foreground.
+    fn args(self, name: &str) -> Vec<String> {
+        match self {
+            Reference::WireguardGo => vec!["-f".into(), name.into()],
+            // Dropping privileges would leave it unable to reconfigure the interface.
+            Reference::GotaTun => {
+                vec!["-f".into(), "--disable-drop-privileges".into(), name.into()]
+            }
+        }
+    }
+
+    /// The first line of `<program> --version` (e.g. `wireguard-go v0.0.20220316`).
+    pub fn version(self) -> anyhow::Result<String> {
+        let out = Command::new(self.program())
+            .arg("--version")
+            .output()
+            .with_context(|| format!("running {} --version", self.program()))?;
+        Ok(String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .next()
+            .map_or_else(
+                || format!("{} (unknown version)", self.program()),
+                |l| l.trim().to_owned(),
+            ))
+    }
+}
+
+/// Two gateway namespaces joined by a reference tunnel; the processes are killed and the
 /// namespaces deleted on drop.
 #[derive(Debug)]
-pub struct WireguardGoPair {
+pub struct ReferencePair {
+    pub reference: Reference,
     // Dropped first: the processes must be gone before the namespaces are deleted.
     devices: Vec<Device>,
     /// Sites 0 and 1; the tunnel carries pod 0 ↔ pod 1.
@@ -64,31 +128,22 @@ fn run(ns: &str, program: &str, args: &[&str]) -> anyhow::Result<String> {
     Ok(String::from_utf8_lossy(&out.stdout).trim().to_owned())
 }
 
-/// The first line of `wireguard-go --version` (e.g. `wireguard-go v0.0.20220316`).
-pub fn version() -> anyhow::Result<String> {
-    let out = Command::new("wireguard-go")
-        .arg("--version")
-        .output()
-        .context("running wireguard-go --version")?;
-    Ok(String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .next()
-        .unwrap_or("wireguard-go (unknown version)")
-        .trim()
-        .to_owned())
-}
-
-impl WireguardGoPair {
-    /// Builds the two sites, starts one `wireguard-go` per gateway namespace, keys and peers
-    /// them, routes each pod CIDR through the tunnel, and waits until pod 0 pings pod 1.
-    pub async fn up(limit: Duration) -> anyhow::Result<Self> {
-        let topology = Topology::build(&[("wga", "10.1.0.0/16"), ("wgc", "10.2.0.0/16")])?;
+impl ReferencePair {
+    /// Builds the two sites, starts one device per gateway namespace, keys and peers them,
+    /// routes each pod CIDR through the tunnel, and waits until pod 0 pings pod 1.
+    pub async fn up(reference: Reference, limit: Duration) -> anyhow::Result<Self> {
+        let p = reference.prefix();
+        let topology = Topology::build(&[
+            (&format!("{p}a"), "10.1.0.0/16"),
+            (&format!("{p}c"), "10.2.0.0/16"),
+        ])?;
         let mut this = Self {
+            reference,
             devices: Vec::new(),
             topology,
         };
         for site in this.topology.sites.clone() {
-            let device = start_device(&this.topology.run, &site).await?;
+            let device = start_device(reference, &this.topology.run, &site).await?;
             this.devices.push(device);
         }
         let mut public = Vec::new();
@@ -143,13 +198,16 @@ impl WireguardGoPair {
         let deadline = Instant::now() + limit;
         while trellis_netlab::topology::ping_rtts(&from, to, 1, 0.2)?.is_empty() {
             if Instant::now() > deadline {
-                bail!("pod 0 never reached pod 1 through wireguard-go within {limit:?}");
+                bail!(
+                    "pod 0 never reached pod 1 through {} within {limit:?}",
+                    reference.name()
+                );
             }
         }
         Ok(this)
     }
 
-    /// The operating-system process IDs of the two `wireguard-go` processes.
+    /// The operating-system process IDs of the two devices' processes.
     pub fn pids(&self) -> Vec<u32> {
         self.devices.iter().map(|d| d.process.id()).collect()
     }
@@ -165,21 +223,22 @@ impl WireguardGoPair {
     }
 }
 
-/// Starts `wireguard-go` in the foreground in `site`'s gateway namespace and waits for its
-/// interface.
-async fn start_device(run: &str, site: &Site) -> anyhow::Result<Device> {
+/// Starts `reference`'s device in the foreground in `site`'s gateway namespace and waits for
+/// its interface and its control socket.
+async fn start_device(reference: Reference, run: &str, site: &Site) -> anyhow::Result<Device> {
     // Interface names are at most 15 bytes, and the control socket is named after the
     // interface host-wide: the run ID keeps concurrent runs apart.
-    let name = format!("wg{run}{}", site.index);
+    let name = format!("{}{run}{}", reference.prefix(), site.index);
     let process = Command::new("ip")
-        .args(["netns", "exec", &site.gw_ns, "wireguard-go", "-f", &name])
+        .args(["netns", "exec", &site.gw_ns, reference.program()])
+        .args(reference.args(&name))
         // Older wireguard-go releases refuse to run on Linux without it.
         .env("WG_I_PREFER_BUGGY_USERSPACE_TO_POLISHED_KMOD", "1")
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
-        .context("starting wireguard-go")?;
+        .with_context(|| format!("starting {}", reference.program()))?;
     let device = Device {
         ns: site.gw_ns.clone(),
         name,
@@ -191,7 +250,12 @@ async fn start_device(run: &str, site: &Site) -> anyhow::Result<Device> {
         || !std::path::Path::new(&format!("/var/run/wireguard/{}.sock", device.name)).exists()
     {
         if Instant::now() > deadline {
-            bail!("wireguard-go made no {} in {}", device.name, device.ns);
+            bail!(
+                "{} made no {} in {}",
+                reference.program(),
+                device.name,
+                device.ns
+            );
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
