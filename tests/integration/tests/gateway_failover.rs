@@ -37,6 +37,9 @@ const PUSHED: usize = 5;
 /// How long a standby may take to say it is active after the kill (generous: the target is
 /// under 2 s, this bound only catches a takeover that never comes).
 const TAKEOVER: Duration = Duration::from_secs(10);
+/// The longest gap between probe answers while nothing fails over (store outage, standby
+/// restart), in milliseconds.
+const QUIET_GAP_MS: f64 = 500.0;
 
 fn can_run(test: &str) -> bool {
     trellis_netlab::netns::can_run(test, &["ip", "nft", "ping", "python3"])
@@ -356,9 +359,13 @@ async fn a_store_outage_and_a_standby_restart_lose_no_probe_and_never_make_two_a
                 "measured: {} probes lost of {sent}, longest gap {gap:.0} ms",
                 sent - received
             );
-            // The last probes may still be on their way when the flows stop.
+            // The last probes may still be on their way when the flows stop. The gap bound is
+            // far below what a pause of the active would cost (the outage lasts a minute, a
+            // takeover seconds) and above the machine's own hiccups: on a loaded CI machine
+            // every probe target saw 170-200 ms at the moment the standby was killed (its
+            // process and interfaces torn down on the same 2 cores), with no probe lost.
             assert!(
-                sent - received <= 3 && gap < 200.0,
+                sent - received <= 3 && gap < QUIET_GAP_MS,
                 "probes lost: {} of {sent}, longest gap {gap} ms\n{}",
                 sent - received,
                 fabric.logs()
