@@ -4,7 +4,7 @@
 
 use super::format::{num, opt};
 use super::inputs::Inputs;
-use super::parse::parse;
+use super::parse::{Parsed, parse};
 use super::targets::{Target, Verdict};
 use crate::results::{DataplaneResult, NodePathResult, RequestResponse};
 
@@ -42,25 +42,7 @@ pub(super) fn dataplane_targets(inputs: &Inputs) -> Vec<Target> {
             .as_ref()
             .ok_or_else(|| format!("no side-by-side comparison in `{}`", p.path))
     });
-    let bare = match &dp {
-        Err(why) => not_measured(BARE, why),
-        Ok(p) => match &p.doc.throughput {
-            Some(t) if t.bare_veth_mbit_s > 0.0 => {
-                let fraction = t.tunnel_mbit_s / t.bare_veth_mbit_s;
-                Target {
-                    target: BARE,
-                    measured: format!(
-                        "{} of {} Mbit/s: {} %",
-                        num(t.tunnel_mbit_s, 0),
-                        num(t.bare_veth_mbit_s, 0),
-                        num(100.0 * fraction, 1)
-                    ),
-                    verdict: met(fraction >= 0.15),
-                }
-            }
-            _ => not_measured(BARE, "no throughput against the bare path"),
-        },
-    };
+    let bare = bare_path_target(BARE, &dp, 0.15);
     match &sbs {
         Err(why) => {
             out.push(not_measured(WG_RATIO, why));
@@ -145,6 +127,44 @@ pub(super) fn dataplane_targets(inputs: &Inputs) -> Vec<Target> {
         },
     });
     out
+}
+
+/// `target`: the tunnel's one-stream throughput at least `min` of the bare veth path's.
+pub(super) fn bare_path_target(
+    target: &'static str,
+    dp: &Result<Parsed<DataplaneResult>, String>,
+    min: f64,
+) -> Target {
+    let p = match dp {
+        Err(why) => {
+            return Target {
+                target,
+                measured: why.clone(),
+                verdict: Verdict::NotMeasured,
+            };
+        }
+        Ok(p) => p,
+    };
+    match &p.doc.throughput {
+        Some(t) if t.bare_veth_mbit_s > 0.0 => {
+            let fraction = t.tunnel_mbit_s / t.bare_veth_mbit_s;
+            Target {
+                target,
+                measured: format!(
+                    "{} of {} Mbit/s: {} %",
+                    num(t.tunnel_mbit_s, 0),
+                    num(t.bare_veth_mbit_s, 0),
+                    num(100.0 * fraction, 1)
+                ),
+                verdict: met(fraction >= min),
+            }
+        }
+        _ => Target {
+            target,
+            measured: format!("no throughput in `{}`", p.path),
+            verdict: Verdict::NotMeasured,
+        },
+    }
 }
 
 /// Met when both connection counts have transactions per second and a p99 for all four paths.

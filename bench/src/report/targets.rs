@@ -3,7 +3,7 @@
 
 use std::fmt::Write as _;
 
-use super::dataplane_targets::dataplane_targets;
+use super::dataplane_targets::{bare_path_target, dataplane_targets};
 use super::exports::dns_targets;
 use super::failover::failover_targets;
 use super::format::num;
@@ -306,38 +306,11 @@ pub fn targets(inputs: &Inputs) -> Vec<Target> {
             }
         },
     });
-    let tp_target = "userspace tunnel throughput at least 30 % of the bare veth path";
-    out.push(match &dp {
-        Err(why) => Target {
-            target: tp_target,
-            measured: why.clone(),
-            verdict: Verdict::NotMeasured,
-        },
-        Ok(p) => match &p.doc.throughput {
-            Some(t) if t.bare_veth_mbit_s > 0.0 => {
-                let fraction = t.tunnel_mbit_s / t.bare_veth_mbit_s;
-                Target {
-                    target: tp_target,
-                    measured: format!(
-                        "{} of {} Mbit/s: {} %",
-                        num(t.tunnel_mbit_s, 0),
-                        num(t.bare_veth_mbit_s, 0),
-                        num(100.0 * fraction, 1)
-                    ),
-                    verdict: if fraction >= 0.30 {
-                        Verdict::Met
-                    } else {
-                        Verdict::NotMet
-                    },
-                }
-            }
-            _ => Target {
-                target: tp_target,
-                measured: format!("no throughput in `{}`", p.path),
-                verdict: Verdict::NotMeasured,
-            },
-        },
-    });
+    out.push(bare_path_target(
+        "userspace tunnel throughput at least 30 % of the bare veth path",
+        &dp,
+        0.30,
+    ));
 
     // 8 and 9 (issue 18). Against wireguard-go in the same run.
     let sbs = dp.as_ref().map_err(Clone::clone).and_then(|p| {
