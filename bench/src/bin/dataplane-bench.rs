@@ -75,7 +75,7 @@ struct Args {
     iperf_seconds: u32,
     /// Duration of each request/response run (sockperf ping-pong), in seconds; sockperf leaves
     /// its first 400 ms (warm-up) out.
-    #[arg(long, default_value_t = 5)]
+    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..))]
     rr_seconds: u32,
     /// Where the services keep their state.
     #[arg(long, value_enum, default_value_t = Store::Memory)]

@@ -84,7 +84,6 @@ async fn induced(settings: &Settings, emulation: Emulation) -> anyhow::Result<In
     let theirs = reference_path(&wg);
     let gota_path = gota.as_ref().map(reference_path);
     let compared = side_by_side(settings, &ours, &theirs, gota_path.as_ref()).await?;
-    drop((theirs, gota_path));
     drop((wg, gota));
     for (name, r) in [
         ("trellis", &compared.rtt_trellis),

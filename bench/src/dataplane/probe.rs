@@ -8,6 +8,7 @@ use anyhow::{Context as _, bail};
 use trellis_netlab::netns::exec;
 use trellis_netlab::topology::ping_rtts;
 
+use super::rr::quantile;
 use crate::results::{Rtt, Transfer};
 
 impl Rtt {
@@ -16,10 +17,7 @@ impl Rtt {
             bail!("no ping was answered");
         }
         rtts.sort_by(f64::total_cmp);
-        let at = |q: f64| {
-            let i = ((rtts.len() as f64 - 1.0) * q).round() as usize;
-            rtts[i.min(rtts.len() - 1)]
-        };
+        let at = |q: f64| quantile(&rtts, q).unwrap_or(f64::NAN);
         Ok(Self {
             samples: rtts.len(),
             lost: sent.saturating_sub(u32::try_from(rtts.len()).unwrap_or(u32::MAX)),

@@ -1,6 +1,7 @@
 //! Trellis's A–C tunnel against the reference pairs (wireguard-go, and GotaTun where it is
-//! installed), measured in turns in the same run: RTT over the underlay's, request/response at 1 and 4 connections next to the
-//! underlay's, and iperf3 at 1 and 4 streams with CPU seconds per GB.
+//! installed), measured in turns in the same run: RTT over the underlay's, request/response at
+//! 1 and 4 connections next to the underlay's, and iperf3 at 1 and 4 streams with CPU seconds
+//! per GB.
 
 use std::net::Ipv4Addr;
 
