@@ -10,7 +10,9 @@
 //! its TUN interfaces opened without the kernel's offloads (one packet per read and write, the
 //! engine before ADR 0030). iperf3 TCP over the tunnel, one stream and `--streams` streams, and the
 //! CPU seconds the implementation used per GB moved, then request/response (sockperf
-//! ping-pong) at one and `--streams` connections. No NAT, no nftables, no policy routing:
+//! ping-pong) at one and `--streams` connections, and ping's round trip through the tunnel
+//! against the veth beneath it. `trellis-no-busy-poll`: the engine with its threads sleeping as
+//! soon as they run out of packets (the engine before its busy polling). No NAT, no nftables, no policy routing:
 //! the gateway's full path is what `dataplane-bench` measures; this is the engine's ceiling.
 
 use std::process::{Child, Command, Stdio};
@@ -19,11 +21,12 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, bail};
 use clap::Parser;
-use trellis_bench::dataplane::rr::tcp_rr;
+use trellis_bench::dataplane::rr::{quantile, tcp_rr};
 use trellis_bench::results::RequestResponse;
 use trellis_gateway::dataplane::engine::{Engine, Io, Options, PeerConfig};
 use trellis_gateway::keys::KeyPair;
 use trellis_netlab::netns::{Namespaces, exec, in_netns, ip};
+use trellis_netlab::topology::ping_rtts;
 
 #[derive(Debug, Parser)]
 struct Args {
@@ -38,12 +41,19 @@ struct Args {
     /// connection and `--streams` connections); 0 skips them.
     #[arg(long, default_value_t = 5)]
     rr_seconds: u32,
-    /// Which implementations to run (`trellis`, `trellis-no-offload`, `trellis-unbatched`,
-    /// `wireguard-go`).
+    /// Pings through the tunnel and on the veth beneath it; 0 skips them.
+    #[arg(long, default_value_t = 25)]
+    pings: u32,
+    /// Seconds between pings (`dataplane-bench` sends them 0.2 s apart; ping refuses less than
+    /// 0.002).
+    #[arg(long, default_value_t = 0.2)]
+    ping_interval: f64,
+    /// Which implementations to run, in this order, repeats allowed (`trellis`,
+    /// `trellis-no-offload`, `trellis-no-busy-poll`, `trellis-unbatched`, `wireguard-go`).
     #[arg(
         long,
         value_delimiter = ',',
-        default_value = "trellis,trellis-no-offload,trellis-unbatched,wireguard-go"
+        default_value = "trellis,trellis-no-offload,trellis-no-busy-poll,trellis-unbatched,wireguard-go"
     )]
     only: Vec<String>,
 }
@@ -171,6 +181,19 @@ fn measure(label: &str, args: &Args, cpu: &dyn Fn() -> f64) -> anyhow::Result<()
             used / (bytes / 1e9)
         );
     }
+    if args.pings > 0 {
+        let median = |target: &str| -> anyhow::Result<f64> {
+            let mut rtts = ping_rtts(NS[0], target.parse()?, args.pings, args.ping_interval)?;
+            rtts.sort_by(f64::total_cmp);
+            quantile(&rtts, 0.5).context("no ping was answered")
+        };
+        let (tunnel, bare) = (median(INNER[1])?, median(UNDERLAY[1])?);
+        eprintln!(
+            "{label}: ping median {tunnel:.3} ms through the tunnel, {bare:.3} ms on the veth: \
+             overhead {:.3} ms",
+            tunnel - bare
+        );
+    }
     if args.rr_seconds > 0 {
         let runtime = tokio::runtime::Builder::new_current_thread()
             .enable_all()
@@ -225,6 +248,7 @@ fn trellis(args: &Args, options: Options) -> anyhow::Result<()> {
         Options {
             tun_offload: false, ..
         } => "trellis engine, without tun offloads",
+        Options { busy_poll, .. } if busy_poll.is_zero() => "trellis engine, without busy polling",
         _ => "trellis engine",
     };
     measure(label, args, &|| cpu_seconds(pid))
@@ -311,12 +335,20 @@ fn main() -> anyhow::Result<()> {
                     ..Options::default()
                 },
             )?,
+            "trellis-no-busy-poll" => trellis(
+                &args,
+                Options {
+                    busy_poll: Duration::ZERO,
+                    ..Options::default()
+                },
+            )?,
             // The engine as first built: one system call per datagram and per packet.
             "trellis-unbatched" => trellis(
                 &args,
                 Options {
                     io: Io::PerDatagram,
                     tun_offload: false,
+                    busy_poll: Duration::ZERO,
                 },
             )?,
             "wireguard-go" => wireguard_go(&args)?,

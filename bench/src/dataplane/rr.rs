@@ -172,7 +172,7 @@ impl RequestResponse {
 }
 
 /// The `q` quantile of sorted `v` (nearest rank), none for none.
-pub(super) fn quantile(v: &[f64], q: f64) -> Option<f64> {
+pub fn quantile(v: &[f64], q: f64) -> Option<f64> {
     let last = v.len().checked_sub(1)?;
     v.get(((last as f64 * q).round() as usize).min(last))
         .copied()

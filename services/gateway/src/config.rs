@@ -125,6 +125,21 @@ pub struct Config {
     #[arg(long, env = "TRELLIS_NO_TUN_OFFLOAD")]
     pub no_tun_offload: bool,
 
+    /// How long, in microseconds, the userspace data plane's sending and receiving threads keep
+    /// polling after their last packet before they sleep; 0 sleeps at once. On a virtual
+    /// machine, waking a thread on an idle (halted) vCPU costs tens to hundreds of
+    /// microseconds, and a round trip through two gateways wakes four threads: polling briefly
+    /// keeps the vCPU running, at the price of CPU while traffic flows (never at idle). The
+    /// default is the window Linux's guest halt polling uses.
+    #[arg(
+        long,
+        env = "TRELLIS_BUSY_POLL_US",
+        value_name = "MICROSECONDS",
+        default_value_t = crate::dataplane::engine::BUSY_POLL_US,
+        value_parser = clap::value_parser!(u64).range(0..=10_000)
+    )]
+    pub busy_poll_us: u64,
+
     /// Which WireGuard implementation to drive, or `none` for no data plane at all.
     #[arg(long, env = "TRELLIS_DATAPLANE", value_enum, default_value_t = DataplaneFlag::Auto)]
     pub dataplane: DataplaneFlag,

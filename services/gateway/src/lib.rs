@@ -33,6 +33,7 @@ pub mod replicas;
 mod tasks;
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use anyhow::Context as _;
 use tonic::server::NamedService;
@@ -95,6 +96,7 @@ pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started
             let private = keys.private_bytes();
             let options = engine::Options {
                 tun_offload: !config.no_tun_offload,
+                busy_poll: Duration::from_micros(config.busy_poll_us),
                 ..engine::Options::default()
             };
             let engine =

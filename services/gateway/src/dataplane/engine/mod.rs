@@ -67,10 +67,12 @@
 //!   that introduced them, and choosing a peer's route (direct or through its hub);
 //! - `resend`: the data datagrams lately sent directly to a peer with a relay, resent through
 //!   the hub when its direct path dies, so a switch to the relay loses nothing;
+//! - `busy`: how long a hot thread keeps polling after its last packet before it sleeps;
 //! - `buckets`: the token buckets by key (handshake sources under load, relayed pairs);
 //! - `drops`: why datagrams are dropped ([`DropReason`]) and their counters.
 
 mod buckets;
+mod busy;
 mod drops;
 mod gso;
 mod handshakes;
@@ -94,6 +96,7 @@ use defguard_boringtun::x25519::{PublicKey, StaticSecret};
 use mio::{Poll, Token, Waker};
 use quinn_udp::UdpSocketState;
 
+pub use self::busy::BUSY_POLL_US;
 pub use self::drops::DropReason;
 use self::handshakes::{
     HANDSHAKE_QUEUE, HANDSHAKE_RATE_LIMIT, SourceBuckets, handshake_loop, timer_loop,
@@ -130,6 +133,9 @@ pub struct Options {
     /// Opens the TUN interfaces with the kernel's offloads (TSO/USO super-packets, GRO writes)
     /// where the kernel takes them (ADR 0030); off, one packet per read and write.
     pub tun_offload: bool,
+    /// How long the sending and receiving threads keep polling after their last packet before
+    /// they sleep (`busy`); zero sleeps at once.
+    pub busy_poll: Duration,
 }
 
 impl Default for Options {
@@ -137,6 +143,7 @@ impl Default for Options {
         Self {
             io: Io::Batched,
             tun_offload: true,
+            busy_poll: Duration::from_micros(BUSY_POLL_US),
         }
     }
 }
@@ -192,6 +199,8 @@ struct Shared {
     resent: AtomicU64,
     /// Whether new TUN interfaces are opened with offloads ([`Options::tun_offload`]).
     tun_offload: bool,
+    /// The hot threads' busy-polling window ([`Options::busy_poll`]).
+    busy_poll: Duration,
     dropped: [AtomicU64; DropReason::ALL.len()],
     /// Makes the timer thread panic: how the tests show a dead thread is noticed.
     #[cfg(test)]
@@ -237,7 +246,11 @@ impl Engine {
 
     /// [`Engine::start`] with `options`.
     pub fn start_with(port: u16, private_key: [u8; 32], options: Options) -> io::Result<Self> {
-        let Options { io, tun_offload } = options;
+        let Options {
+            io,
+            tun_offload,
+            busy_poll,
+        } = options;
         let (socket, dual_stack) =
             bind(port).map_err(|e| io_err(format!("binding the wireguard port {port}: {e}")))?;
         let batched = match io {
@@ -310,6 +323,7 @@ impl Engine {
             relay_buckets: Mutex::new(buckets::TokenBuckets::new(relay::MAX_PAIRS)),
             resent: AtomicU64::new(0),
             tun_offload,
+            busy_poll,
             dropped: Default::default(),
             #[cfg(test)]
             crash_timers: AtomicBool::new(false),
@@ -343,6 +357,7 @@ impl Engine {
             dual_stack,
             ?io,
             tun_offload,
+            busy_poll_us = busy_poll.as_micros(),
             "userspace wireguard engine listening"
         );
         Ok(Self {

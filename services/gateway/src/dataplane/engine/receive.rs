@@ -14,6 +14,7 @@ use defguard_boringtun::noise::{Packet, TunnResult};
 use nix::poll::{PollFd, PollFlags, PollTimeout};
 use quinn_udp::{RecvMeta, UdpSocketState};
 
+use super::busy::BusyPoll;
 use super::drops::DropReason;
 use super::handshakes::HANDSHAKE_RATE_LIMIT;
 use super::tun::{WRITE_BATCH, Writer};
@@ -274,9 +275,11 @@ pub(super) fn udp_loop_batched(shared: &Shared, state: &UdpSocketState) {
     let mut meta = vec![RecvMeta::default(); slots];
     let mut sink = Sink::new(WRITE_BATCH);
     let timeout = PollTimeout::try_from(RECV_TIMEOUT).unwrap_or(PollTimeout::NONE);
+    let mut busy = BusyPoll::new(shared.busy_poll);
     while !shared.stop.load(Ordering::Relaxed) {
         match state.recv((&shared.socket).into(), &mut slices, &mut meta) {
             Ok(n) => {
+                busy.handled();
                 for (meta, buf) in meta.iter().zip(&slices).take(n) {
                     let from = canonical(meta.addr);
                     let stride = if meta.stride == 0 {
@@ -292,6 +295,7 @@ pub(super) fn udp_loop_batched(shared: &Shared, state: &UdpSocketState) {
                 // Nothing waits for the next datagrams: they may be a while.
                 sink.flush(shared);
             }
+            Err(err) if err.kind() == io::ErrorKind::WouldBlock && busy.spin() => {}
             Err(err) if err.kind() == io::ErrorKind::WouldBlock => {
                 let mut fds = [PollFd::new(shared.socket.as_fd(), PollFlags::POLLIN)];
                 let _ = nix::poll::poll(&mut fds, timeout);

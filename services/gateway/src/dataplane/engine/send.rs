@@ -16,6 +16,7 @@ use mio::{Events, Poll};
 use nix::poll::{PollFd, PollFlags, PollTimeout};
 use quinn_udp::{Transmit, UdpSocketState};
 
+use super::busy::BusyPoll;
 use super::drops::DropReason;
 use super::gso::{DATA_OVERHEAD, GsoBatch, HANDSHAKE_INIT_LEN};
 use super::peers::Peer;
@@ -187,8 +188,11 @@ pub(super) fn tun_loop(shared: &Shared, mut poll: Poll) {
     let mut reader = Reader::new();
     let mut dst = vec![0u8; BUF];
     let mut batch = GsoBatch::new();
+    let mut busy = BusyPoll::new(shared.busy_poll);
     while !shared.stop.load(Ordering::Relaxed) {
-        if let Err(err) = poll.poll(&mut events, None) {
+        // Within the busy-polling window, epoll is asked without waiting.
+        let timeout = busy.spin().then_some(Duration::ZERO);
+        if let Err(err) = poll.poll(&mut events, timeout) {
             if err.kind() != io::ErrorKind::Interrupted {
                 tracing::warn!(error = %err, "waiting for the tun interfaces failed");
                 std::thread::sleep(TICK);
@@ -203,6 +207,7 @@ pub(super) fn tun_loop(shared: &Shared, mut poll: Poll) {
                 continue;
             };
             if let Some(peer) = shared.peer(index) {
+                busy.handled();
                 if shared.standby.load(Ordering::Relaxed) {
                     // Nothing leaves a standby: what the kernel routed into the TUN is dropped.
                     while !matches!(peer.tun.read(&mut reader), Read::Empty) {}
