@@ -108,7 +108,7 @@ pub use self::relay::{
     ANSWER_WITHIN, ASK_EVERY, DIRECT_STALE, RELAY_AFTER, RelayPolicy, SUSPECT_AFTER,
 };
 pub use self::resend::RESEND_AGE;
-use self::send::tun_loop;
+use self::send::{Outbound, tun_loop};
 
 /// Buffers hold the largest UDP payload, so no datagram or TUN read is ever truncated.
 const BUF: usize = 1 << 16;
@@ -182,6 +182,8 @@ struct Shared {
     /// Handshake messages for the handshake thread.
     handshake_queue: std::sync::mpsc::SyncSender<(SocketAddr, Vec<u8>)>,
     peers: RwLock<Peers>,
+    /// The sending buffers, held by whichever thread drains a TUN ([`Outbound`]).
+    outbound: Mutex<Outbound>,
     registry: mio::Registry,
     waker: Waker,
     stop: AtomicBool,
@@ -197,6 +199,8 @@ struct Shared {
     relay_buckets: Mutex<buckets::TokenBuckets<(u64, u64)>>,
     /// Datagrams resent through a hub after a switch to the relay ([`resend`]).
     resent: AtomicU64,
+    /// Packets a receiving thread sent itself ([`Engine::answered_at_once`]).
+    answered: AtomicU64,
     /// Whether new TUN interfaces are opened with offloads ([`Options::tun_offload`]).
     tun_offload: bool,
     /// The hot threads' busy-polling window ([`Options::busy_poll`]).
@@ -312,6 +316,7 @@ impl Engine {
             secret,
             public,
             peers: RwLock::new(Peers::default()),
+            outbound: Mutex::new(Outbound::new()),
             registry,
             waker,
             stop: AtomicBool::new(false),
@@ -322,6 +327,7 @@ impl Engine {
             relay_policy: RwLock::new(RelayPolicy::default()),
             relay_buckets: Mutex::new(buckets::TokenBuckets::new(relay::MAX_PAIRS)),
             resent: AtomicU64::new(0),
+            answered: AtomicU64::new(0),
             tun_offload,
             busy_poll,
             dropped: Default::default(),

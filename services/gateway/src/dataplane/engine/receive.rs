@@ -6,6 +6,7 @@
 use std::io::{self, IoSliceMut};
 use std::net::{IpAddr, SocketAddr};
 use std::os::fd::AsFd as _;
+use std::sync::TryLockError;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
@@ -18,7 +19,7 @@ use super::busy::BusyPoll;
 use super::drops::DropReason;
 use super::handshakes::HANDSHAKE_RATE_LIMIT;
 use super::tun::{WRITE_BATCH, Writer};
-use super::{BUF, RECV_TIMEOUT, Shared, relay};
+use super::{BUF, Engine, RECV_TIMEOUT, Shared, relay};
 
 impl Shared {
     /// One datagram from the socket. Handshake initiations and responses go to the handshake
@@ -222,9 +223,33 @@ impl Sink {
         }
     }
 
-    /// Writes what was gathered.
+    /// Writes what was gathered, then sends what the kernel answered at once.
+    ///
+    /// What the kernel's stack answers while a packet is written into a TUN (an ICMP echo
+    /// reply, a TCP acknowledgement, anything a pod answers in the same softirq) is in the TUN
+    /// when the write returns. Waking the TUN thread for it would cost a wake-up on another
+    /// vCPU, the dearest step of a round trip on a virtual machine; this thread is awake, so it
+    /// sends the answer itself, unless the TUN thread is draining already (it then takes this
+    /// TUN in turn: epoll told it too).
     pub(super) fn flush(&mut self, shared: &Shared) {
         self.writer.flush(shared);
+        for peer in self.writer.take_written() {
+            let mut out = match shared.outbound.try_lock() {
+                Ok(out) => out,
+                Err(TryLockError::Poisoned(poisoned)) => poisoned.into_inner(),
+                Err(TryLockError::WouldBlock) => continue,
+            };
+            let sent = shared.drain_tun(&peer, &mut out);
+            shared.answered.fetch_add(sent as u64, Ordering::Relaxed);
+        }
+    }
+}
+
+impl Engine {
+    /// Packets the receiving threads sent themselves so far, because the kernel had answered
+    /// what they wrote into a TUN before the write returned ([`Sink::flush`]).
+    pub fn answered_at_once(&self) -> u64 {
+        self.shared.answered.load(Ordering::Relaxed)
     }
 }
 

@@ -107,13 +107,18 @@ impl Shared {
     }
 
     /// Calls `each` with every packet `peer`'s TUN has to read now, super-packets split into
-    /// their segments; a super-packet that cannot be split is dropped and counted.
-    fn read_all(&self, peer: &Peer, reader: &mut Reader, mut each: impl FnMut(&[u8])) {
+    /// their segments; a super-packet that cannot be split is dropped and counted. Returns how
+    /// many packets there were.
+    fn read_all(&self, peer: &Peer, reader: &mut Reader, mut each: impl FnMut(&[u8])) -> usize {
+        let mut read = 0;
         // Edge-triggered: read until the TUN says it is empty.
         loop {
             match peer.tun.read(reader) {
-                Read::Packets(n) => (0..n).for_each(|i| each(reader.packet(i))),
-                Read::Empty => return,
+                Read::Packets(n) => {
+                    (0..n).for_each(|i| each(reader.packet(i)));
+                    read += n;
+                }
+                Read::Empty => return read,
                 Read::Malformed(err) => {
                     tracing::debug!(interface = %peer.name, error = %err, "dropped a super-packet from the tun interface");
                     self.count(DropReason::TunRead);
@@ -124,7 +129,7 @@ impl Shared {
 
     /// Everything a TUN has to read, encrypted into `batch` and sent to the peer in GSO
     /// batches.
-    fn drain_batched(&self, peer: &Peer, reader: &mut Reader, batch: &mut GsoBatch) {
+    fn drain_batched(&self, peer: &Peer, reader: &mut Reader, batch: &mut GsoBatch) -> usize {
         let to = peer.endpoint();
         let max_segments = self.gso_segments();
         let mut send = |to: SocketAddr, contents: &[u8], segment: usize| {
@@ -132,7 +137,7 @@ impl Shared {
         };
         self.sent_data(peer);
         let kept = peer.has_relay().then(|| self.now_ms());
-        self.read_all(peer, reader, |packet| {
+        let read = self.read_all(peer, reader, |packet| {
             let room = (packet.len() + DATA_OVERHEAD).max(HANDSHAKE_INIT_LEN);
             let slot = batch.slot(to, room, max_segments, &mut send);
             let result = peer.tunn().encapsulate(packet, slot);
@@ -151,11 +156,12 @@ impl Shared {
             }
         });
         batch.flush(&mut send);
+        read
     }
 
     /// Everything a TUN has to read: encrypt each packet and send it to the peer (one datagram
     /// per call: the per-datagram socket, and a peer relayed through its hub).
-    fn drain(&self, peer: &Peer, reader: &mut Reader, dst: &mut [u8]) {
+    fn drain(&self, peer: &Peer, reader: &mut Reader, dst: &mut [u8]) -> usize {
         let route = self.route(peer);
         let direct = matches!(route, Route::Direct(_));
         if direct {
@@ -179,15 +185,48 @@ impl Shared {
                 }
                 _ => {}
             }
-        });
+        })
+    }
+}
+
+/// What sending needs besides the socket: the buffers a TUN is read into and encrypted from.
+/// One per engine, behind a lock: whichever thread drains a TUN holds it for the whole drain,
+/// so the packets of one TUN leave in the order they were read.
+pub(super) struct Outbound {
+    reader: Reader,
+    batch: GsoBatch,
+    dst: Vec<u8>,
+}
+
+impl Outbound {
+    pub(super) fn new() -> Self {
+        Self {
+            reader: Reader::new(),
+            batch: GsoBatch::new(),
+            dst: vec![0u8; BUF],
+        }
+    }
+}
+
+impl Shared {
+    /// Everything `peer`'s TUN holds now: encrypted and sent (how many packets is returned),
+    /// or dropped by a standby.
+    pub(super) fn drain_tun(&self, peer: &Peer, out: &mut Outbound) -> usize {
+        let Outbound { reader, batch, dst } = out;
+        if self.standby.load(Ordering::Relaxed) {
+            // Nothing leaves a standby: what the kernel routed into the TUN is dropped.
+            while !matches!(peer.tun.read(reader), Read::Empty) {}
+            0
+        } else if self.batched.is_some() && !self.relayed(peer) {
+            self.drain_batched(peer, reader, batch)
+        } else {
+            self.drain(peer, reader, dst)
+        }
     }
 }
 
 pub(super) fn tun_loop(shared: &Shared, mut poll: Poll) {
     let mut events = Events::with_capacity(256);
-    let mut reader = Reader::new();
-    let mut dst = vec![0u8; BUF];
-    let mut batch = GsoBatch::new();
     let mut busy = BusyPoll::new(shared.busy_poll);
     while !shared.stop.load(Ordering::Relaxed) {
         // Within the busy-polling window, epoll is asked without waiting.
@@ -208,14 +247,8 @@ pub(super) fn tun_loop(shared: &Shared, mut poll: Poll) {
             };
             if let Some(peer) = shared.peer(index) {
                 busy.handled();
-                if shared.standby.load(Ordering::Relaxed) {
-                    // Nothing leaves a standby: what the kernel routed into the TUN is dropped.
-                    while !matches!(peer.tun.read(&mut reader), Read::Empty) {}
-                } else if shared.batched.is_some() && !shared.relayed(&peer) {
-                    shared.drain_batched(&peer, &mut reader, &mut batch);
-                } else {
-                    shared.drain(&peer, &mut reader, &mut dst);
-                }
+                let mut out = shared.outbound.lock().unwrap_or_else(|e| e.into_inner());
+                shared.drain_tun(&peer, &mut out);
             }
         }
     }

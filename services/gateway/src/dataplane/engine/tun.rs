@@ -151,6 +151,8 @@ pub(super) struct Writer {
     capacity: usize,
     peer: Option<Arc<Peer>>,
     gro: GROTable,
+    /// The peers written to since [`Writer::take_written`] last asked.
+    written: Vec<Arc<Peer>>,
 }
 
 impl Writer {
@@ -162,6 +164,7 @@ impl Writer {
             capacity: capacity.max(1),
             peer: None,
             gro: GROTable::default(),
+            written: Vec::new(),
         }
     }
 
@@ -207,5 +210,13 @@ impl Writer {
             tracing::trace!(interface = %peer.name, error = %err, "writing into the tun interface failed");
             shared.count(DropReason::TunWrite);
         }
+        if !self.written.iter().any(|p| Arc::ptr_eq(p, &peer)) {
+            self.written.push(peer);
+        }
+    }
+
+    /// The peers written to since the last call, each once.
+    pub(super) fn take_written(&mut self) -> impl Iterator<Item = Arc<Peer>> + '_ {
+        self.written.drain(..)
     }
 }
