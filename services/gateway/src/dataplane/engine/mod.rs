@@ -22,6 +22,11 @@
 //! and writes into the TUNs, one waits on every TUN (`mio`) and sends to the socket, one runs
 //! the WireGuard timers (handshake retries, keepalives, rekeys) four times a second, and one
 //! handles handshake messages, which the receiving thread hands over through a bounded queue.
+//! Latency is the number of wake-ups (ADR 0032): the two hot threads keep polling for a short
+//! window after their last packet before they sleep (`busy`), and what the kernel answers
+//! while the receiving thread writes into a TUN (an echo reply, an acknowledgement) is sent by
+//! that thread at once; the sending buffers sit behind one lock, so whichever thread drains a
+//! TUN sends its packets in order.
 //!
 //! Handshakes are where an attacker who knows public keys can make us work (every member of a
 //! fabric learns every gateway's key from the NetworkConfigs), so they get the defences of
