@@ -9,7 +9,8 @@ numbers, checking their order: after a failover only the server's side speaks fi
 udp:IP:PORT (a datagram every 10 ms). Runs until the file STOP exists, then writes a JSON
 summary to RESULT: per target, the connections broken (reset, closed, an echo that does not
 match, or a push connection silent for 3 s at the end) and the longest time without an echo;
-per probe, every gap over 100 ms as [seconds since the start, milliseconds].
+per probe, every gap over 100 ms as [seconds since the start, milliseconds]. Probes still on
+their way when STOP appears get a second to come back before the unanswered count as lost.
 """
 
 import json
@@ -22,6 +23,8 @@ import time
 TCP_EVERY = 0.05
 UDP_EVERY = 0.01
 PUSH_SILENT = 3.0
+# How long the probes sent just before the stop may take to come back.
+DRAIN = 1.0
 
 
 def serve(port):
@@ -204,6 +207,7 @@ def run(result_path, stop_path, targets):
                 except OSError:
                     pass
     now = time.monotonic()
+    drain_probes(sel, probes, conns, now + DRAIN)
     for c in conns:
         stall = max(c.max_stall, now - c.last_echo)
         c.entry["max_gap_ms"] = max(c.entry["max_gap_ms"], stall * 1000)
@@ -220,6 +224,27 @@ def run(result_path, stop_path, targets):
         e["received"] = p["received"]
     with open(result_path, "w") as f:
         json.dump(summary, f)
+
+
+def drain_probes(sel, probes, conns, deadline):
+    """Counts the answers to probes still on their way at the stop, until `deadline` or until
+    every probe is answered. Gaps end at the stop: nothing is sent any more."""
+    for c in conns:
+        try:
+            sel.unregister(c.sock)
+        except (KeyError, ValueError):
+            pass
+    while any(p["received"] < p["seq"] for p in probes):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return
+        for key, _ in sel.select(left):
+            try:
+                while True:
+                    key.data["sock"].recv(2048)
+                    key.data["received"] += 1
+            except OSError:
+                pass
 
 
 if __name__ == "__main__":

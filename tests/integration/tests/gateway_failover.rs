@@ -359,7 +359,8 @@ async fn a_store_outage_and_a_standby_restart_lose_no_probe_and_never_make_two_a
                 "measured: {} probes lost of {sent}, longest gap {gap:.0} ms",
                 sent - received
             );
-            // The last probes may still be on their way when the flows stop. The gap bound is
+            // The flows wait a second for the probes still on their way when they stop; one
+            // may still be dropped by a machine this loaded. The gap bound is
             // far below what a pause of the active would cost (the outage lasts a minute, a
             // takeover seconds) and above the machine's own hiccups: on a loaded CI machine
             // every probe target saw 170-200 ms at the moment the standby was killed (its
