@@ -15,6 +15,7 @@ use std::net::{Ipv4Addr, SocketAddr, UdpSocket};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use defguard_boringtun::noise::errors::WireGuardError;
 use defguard_boringtun::noise::{Tunn, TunnResult};
 use defguard_boringtun::x25519::{PublicKey, StaticSecret};
 use trellis_gateway::dataplane::engine::{DropReason, Engine, PeerConfig};
@@ -74,6 +75,12 @@ impl Remote {
                 None
             }
             TunnResult::WriteToTunnelV4(inner, _) => Some(inner.to_vec()),
+            // Until a peer is heard from, the engine sends the initiation in flight again every
+            // timer tick, the same bytes (a NAT may drop the first copies). The remotes are
+            // established one after the other, so on a loaded machine several copies wait in a
+            // remote's socket; once it has answered one, the next is a replay, which a responder
+            // refuses and drops, as WireGuard's do.
+            TunnResult::Err(WireGuardError::WrongTai64nTimestamp) => None,
             TunnResult::Err(err) => panic!("a datagram this peer cannot decapsulate: {err:?}"),
             _ => None,
         }

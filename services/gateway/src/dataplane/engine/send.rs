@@ -1,9 +1,11 @@
 //! The TUN thread and the socket's sending side: the thread waits on every TUN (`mio`,
 //! edge-triggered), encrypts what a TUN holds (super-packets split into their segments) with
-//! the peer's session and sends it, on the
-//! batched socket in GSO sends ([`GsoBatch`]), else one datagram per call. Everything else
-//! that sends (handshakes, replies, timers) goes through [`Shared::send`] too. This is the
-//! other direction's hot path: the loop, the drains and the sends stay together here.
+//! the peer's session and sends it, on the batched socket in GSO sends ([`GsoBatch`]), else
+//! one datagram per call. A receiving thread drains a TUN the same way ([`Shared::drain_tun`])
+//! when the kernel answered what it wrote there; the sending buffers ([`Outbound`]) are one set
+//! behind a lock, held for a whole drain. Everything else that sends (handshakes, replies,
+//! timers) goes through [`Shared::send`] too. This is the other direction's hot path: the loop,
+//! the drains and the sends stay together here.
 
 use std::io;
 use std::net::{IpAddr, SocketAddr};
