@@ -11,9 +11,10 @@
 //! engine before ADR 0030). iperf3 TCP over the tunnel, one stream and `--streams` streams, and the
 //! CPU seconds the implementation used per GB moved, then request/response (sockperf
 //! ping-pong) at one and `--streams` connections, and ping's round trip through the tunnel
-//! against the veth beneath it. `trellis-no-busy-poll`: the engine with its threads sleeping as
-//! soon as they run out of packets (the engine before its busy polling). No NAT, no nftables, no policy routing:
-//! the gateway's full path is what `dataplane-bench` measures; this is the engine's ceiling.
+//! against the veth beneath it. `trellis-busy-poll`: the engine with its threads polling for
+//! [`BUSY_POLL_US`] after their last packet (ADR 0032, opt-in). No NAT, no nftables, no policy
+//! routing: the gateway's full path is what `dataplane-bench` measures; this is the engine's
+//! ceiling.
 
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
@@ -23,7 +24,7 @@ use anyhow::{Context as _, bail};
 use clap::Parser;
 use trellis_bench::dataplane::rr::{quantile, tcp_rr};
 use trellis_bench::results::RequestResponse;
-use trellis_gateway::dataplane::engine::{Engine, Io, Options, PeerConfig};
+use trellis_gateway::dataplane::engine::{BUSY_POLL_US, Engine, Io, Options, PeerConfig};
 use trellis_gateway::keys::KeyPair;
 use trellis_netlab::netns::{Namespaces, exec, in_netns, ip};
 use trellis_netlab::topology::ping_rtts;
@@ -49,11 +50,11 @@ struct Args {
     #[arg(long, default_value_t = 0.2)]
     ping_interval: f64,
     /// Which implementations to run, in this order, repeats allowed (`trellis`,
-    /// `trellis-no-offload`, `trellis-no-busy-poll`, `trellis-unbatched`, `wireguard-go`).
+    /// `trellis-no-offload`, `trellis-busy-poll`, `trellis-unbatched`, `wireguard-go`).
     #[arg(
         long,
         value_delimiter = ',',
-        default_value = "trellis,trellis-no-offload,trellis-no-busy-poll,trellis-unbatched,wireguard-go"
+        default_value = "trellis,trellis-no-offload,trellis-busy-poll,trellis-unbatched,wireguard-go"
     )]
     only: Vec<String>,
 }
@@ -248,7 +249,7 @@ fn trellis(args: &Args, options: Options) -> anyhow::Result<()> {
         Options {
             tun_offload: false, ..
         } => "trellis engine, without tun offloads",
-        Options { busy_poll, .. } if busy_poll.is_zero() => "trellis engine, without busy polling",
+        Options { busy_poll, .. } if !busy_poll.is_zero() => "trellis engine, busy polling",
         _ => "trellis engine",
     };
     measure(label, args, &|| cpu_seconds(pid))
@@ -335,10 +336,10 @@ fn main() -> anyhow::Result<()> {
                     ..Options::default()
                 },
             )?,
-            "trellis-no-busy-poll" => trellis(
+            "trellis-busy-poll" => trellis(
                 &args,
                 Options {
-                    busy_poll: Duration::ZERO,
+                    busy_poll: Duration::from_micros(BUSY_POLL_US),
                     ..Options::default()
                 },
             )?,
@@ -348,7 +349,7 @@ fn main() -> anyhow::Result<()> {
                 Options {
                     io: Io::PerDatagram,
                     tun_offload: false,
-                    busy_poll: Duration::ZERO,
+                    ..Options::default()
                 },
             )?,
             "wireguard-go" => wireguard_go(&args)?,

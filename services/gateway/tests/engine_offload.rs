@@ -18,7 +18,7 @@ use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream, UdpSocket};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use trellis_gateway::dataplane::engine::{Engine, Options, PeerConfig};
+use trellis_gateway::dataplane::engine::{BUSY_POLL_US, Engine, Options, PeerConfig};
 use trellis_gateway::keys::KeyPair;
 use trellis_netlab::netns::{Namespaces, can_run, exec, in_netns, ip};
 
@@ -328,7 +328,13 @@ fn every_kind_of_traffic_crosses_offloaded_tuns_intact_in_super_packets() {
     ) {
         return;
     }
-    let pair = Pair::up("on", Options::default());
+    // With busy polling on (the gateway's opt-in, ADR 0032): its threads' polling paths carry
+    // every kind of traffic here too.
+    let options = Options {
+        busy_poll: Duration::from_micros(BUSY_POLL_US),
+        ..Options::default()
+    };
+    let pair = Pair::up("on", options);
     let (read, written, segments) = all_traffic(&pair);
     eprintln!(
         "measured: {segments} segments at least: {read} read from the tun, {written} written"

@@ -14,8 +14,9 @@
 
 use std::time::{Duration, Instant};
 
-/// How long, in microseconds, a hot thread polls after its last packet by default: the guest
-/// halt-polling window Linux uses on KVM (`guest_halt_poll_ns`, 200 µs).
+/// The window ADR 0032 measured, in microseconds, and the one to start from when turning busy
+/// polling on: the guest halt-polling window Linux uses on KVM (`guest_halt_poll_ns`, 200 µs).
+/// Busy polling is off unless asked for ([`Options::busy_poll`](super::Options::busy_poll)).
 pub const BUSY_POLL_US: u64 = 200;
 
 /// One thread's polling window.

@@ -22,11 +22,11 @@
 //! and writes into the TUNs, one waits on every TUN (`mio`) and sends to the socket, one runs
 //! the WireGuard timers (handshake retries, keepalives, rekeys) four times a second, and one
 //! handles handshake messages, which the receiving thread hands over through a bounded queue.
-//! Latency is the number of wake-ups (ADR 0032): the two hot threads keep polling for a short
-//! window after their last packet before they sleep (`busy`), and what the kernel answers
-//! while the receiving thread writes into a TUN (an echo reply, an acknowledgement) is sent by
-//! that thread at once; the sending buffers sit behind one lock, so whichever thread drains a
-//! TUN sends its packets in order.
+//! Latency is the number of wake-ups (ADR 0032): the two hot threads can keep polling for a
+//! short window after their last packet before they sleep (`busy`, opt-in), and what the
+//! kernel answers while the receiving thread writes into a TUN (an echo reply, an
+//! acknowledgement) is sent by that thread at once; the sending buffers sit behind one lock,
+//! so whichever thread drains a TUN sends its packets in order.
 //!
 //! Handshakes are where an attacker who knows public keys can make us work (every member of a
 //! fabric learns every gateway's key from the NetworkConfigs), so they get the defences of
@@ -139,7 +139,8 @@ pub struct Options {
     /// where the kernel takes them (ADR 0030); off, one packet per read and write.
     pub tun_offload: bool,
     /// How long the sending and receiving threads keep polling after their last packet before
-    /// they sleep (`busy`); zero sleeps at once.
+    /// they sleep (`busy`); zero, the default, sleeps at once ([`BUSY_POLL_US`] is where to
+    /// start when latency matters more than CPU).
     pub busy_poll: Duration,
 }
 
@@ -148,7 +149,7 @@ impl Default for Options {
         Self {
             io: Io::Batched,
             tun_offload: true,
-            busy_poll: Duration::from_micros(BUSY_POLL_US),
+            busy_poll: Duration::ZERO,
         }
     }
 }
