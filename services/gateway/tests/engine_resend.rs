@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 
 use common::{Peer, Setup, dropped, setup};
 use defguard_boringtun::noise::TunnResult;
-use trellis_gateway::dataplane::engine::DropReason;
+use trellis_gateway::dataplane::engine::{DropReason, SUSPECT_AFTER};
 use trellis_netlab::netns::{can_run, in_netns, ip};
 
 const EVERY: Duration = Duration::from_millis(10);
@@ -316,4 +316,59 @@ fn a_peer_heard_through_its_hub_is_followed_onto_the_relay_at_once() {
         );
         std::thread::sleep(Duration::from_millis(5));
     }
+}
+
+/// Only data the engine sends makes the direct path owe an answer: a peer that talks to a TUN
+/// which says nothing back is never asked with a handshake, however long it pauses. (The
+/// receiving thread drains the TUN it just wrote, for the kernel's answers; an empty drain
+/// once marked the path as owing one, so every pause over `SUSPECT_AFTER` after C's data
+/// cost a handshake, and the next real question waited `ASK_EVERY` behind it: a path that
+/// died then went unnoticed for longer than the resend covers.)
+#[test]
+fn a_peer_heard_with_nothing_to_answer_is_never_asked_for_an_answer() {
+    let test = "a_peer_heard_with_nothing_to_answer_is_never_asked_for_an_answer";
+    if !can_run(test, &[]) {
+        return;
+    }
+    let s: Setup = setup("q");
+    let mut hub = Peer::add_at(&s, "rqh", Ipv4Addr::new(127, 0, 0, 41), false);
+    assert!(
+        hub.handshake(s.engine_addr, common::DEADLINE),
+        "no handshake with the hub"
+    );
+    let mut c = Peer::add_relayed(
+        &s,
+        "rqc",
+        Ipv4Addr::new(127, 0, 0, 42),
+        false,
+        Some(hub.public),
+    );
+    assert!(
+        c.handshake(s.engine_addr, common::DEADLINE),
+        "no handshake with C"
+    );
+    let c_index = c.index;
+    let received = |s: &Setup| s.engine.counters(c_index).map_or(0, |k| k.rx_bytes);
+    let before = received(&s);
+
+    // C's packets go to an address nobody has: the kernel drops them and answers nothing.
+    let mut initiations = 0;
+    let mut buf = vec![0u8; 65536];
+    for _ in 0..4 {
+        c.send_data(s.engine_addr);
+        let until = Instant::now() + SUSPECT_AFTER + Duration::from_millis(400);
+        while Instant::now() < until {
+            if let Ok((n, _)) = c.socket.recv_from(&mut buf) {
+                initiations += usize::from(n > 0 && buf[0] == 1);
+            }
+        }
+    }
+    assert!(
+        received(&s) > before,
+        "C's packets did not reach the engine"
+    );
+    assert_eq!(
+        initiations, 0,
+        "the engine asked C's direct path for an answer though it sent C nothing"
+    );
 }

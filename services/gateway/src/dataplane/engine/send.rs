@@ -129,6 +129,17 @@ impl Shared {
         }
     }
 
+    /// Marks `peer`'s direct path as owing an answer when the first packet of a drain is read,
+    /// before it goes (marked after, an answer faster than this thread would be overwritten by
+    /// the mark). A drain that finds the TUN empty sends nothing and so owes nothing: the
+    /// receiving thread drains every TUN it writes to.
+    fn owe_answer(&self, peer: &Peer, marked: &mut bool) {
+        if !*marked {
+            *marked = true;
+            self.sent_data(peer);
+        }
+    }
+
     /// Everything a TUN has to read, encrypted into `batch` and sent to the peer in GSO
     /// batches.
     fn drain_batched(&self, peer: &Peer, reader: &mut Reader, batch: &mut GsoBatch) -> usize {
@@ -137,9 +148,10 @@ impl Shared {
         let mut send = |to: SocketAddr, contents: &[u8], segment: usize| {
             self.send_segments(contents, segment, to)
         };
-        self.sent_data(peer);
         let kept = peer.has_relay().then(|| self.now_ms());
+        let mut marked = false;
         let read = self.read_all(peer, reader, |packet| {
+            self.owe_answer(peer, &mut marked);
             let room = (packet.len() + DATA_OVERHEAD).max(HANDSHAKE_INIT_LEN);
             let slot = batch.slot(to, room, max_segments, &mut send);
             let result = peer.tunn().encapsulate(packet, slot);
@@ -166,11 +178,10 @@ impl Shared {
     fn drain(&self, peer: &Peer, reader: &mut Reader, dst: &mut [u8]) -> usize {
         let route = self.route(peer);
         let direct = matches!(route, Route::Direct(_));
-        if direct {
-            self.sent_data(peer);
-        }
         let kept = (direct && peer.has_relay()).then(|| self.now_ms());
+        let mut marked = !direct;
         self.read_all(peer, reader, |packet| {
+            self.owe_answer(peer, &mut marked);
             let result = peer.tunn().encapsulate(packet, dst);
             match result {
                 TunnResult::WriteToNetwork(datagram) => {
