@@ -7,7 +7,8 @@
 //! C (answering directly while its path lives) and the hub (unwrapping what the engine relays
 //! to C and handing it to C's session). Then C's direct path dies silently: C hears nothing
 //! and says nothing. The engine must notice, move C to the relay, and resend through the hub
-//! what the dead path swallowed, so C ends up with every number.
+//! what the dead path swallowed, so C ends up with every number, whether C answers with data
+//! of its own (a two-way stream) or only with WireGuard's handshakes (a one-way one).
 
 mod common;
 
@@ -17,7 +18,7 @@ use std::time::{Duration, Instant};
 
 use common::{Peer, Setup, dropped, setup};
 use defguard_boringtun::noise::TunnResult;
-use trellis_gateway::dataplane::engine::{DropReason, SUSPECT_AFTER};
+use trellis_gateway::dataplane::engine::{ASK_EVERY, DropReason, SUSPECT_AFTER};
 use trellis_netlab::netns::{can_run, in_netns, ip};
 
 const EVERY: Duration = Duration::from_millis(10);
@@ -42,9 +43,71 @@ struct World {
     got: BTreeSet<u32>,
     /// Whether C's direct path lives: C reads and answers its socket.
     direct: bool,
+    /// Whether C answers data with data of its own (a two-way stream); without, only
+    /// WireGuard's own messages answer the engine (a one-way stream).
+    answers: bool,
+    /// Handshake initiations C received directly: the engine asking the path for an answer.
+    questions: u32,
+    /// How often a numbered datagram goes.
+    every: Duration,
 }
 
 impl World {
+    /// An engine with the hub at 127.0.0.`octet` and C at the next address, both through their
+    /// handshakes, and a sender of numbered datagrams every `every` into C's TUN.
+    fn new(tag: &str, octet: u8, every: Duration) -> Self {
+        let s = setup(tag);
+        let mut hub = Peer::add_at(
+            &s,
+            &format!("r{tag}h"),
+            Ipv4Addr::new(127, 0, 0, octet),
+            false,
+        );
+        assert!(
+            hub.handshake(s.engine_addr, common::DEADLINE),
+            "no handshake with the hub"
+        );
+        let c_dev = format!("r{tag}c");
+        let mut c = Peer::add_relayed(
+            &s,
+            &c_dev,
+            Ipv4Addr::new(127, 0, 0, octet + 1),
+            false,
+            Some(hub.public),
+        );
+        assert!(
+            c.handshake(s.engine_addr, common::DEADLINE),
+            "no handshake with C"
+        );
+        for socket in [&hub.socket, &c.socket] {
+            // Both are drained each round without waiting (a read timeout rounds up to the
+            // kernel's tick, too slow for a burst).
+            socket.set_nonblocking(true).expect("non-blocking");
+            // The resend arrives as one burst (the engine's own socket asks for as much).
+            socket2::SockRef::from(socket)
+                .set_recv_buffer_size(4 << 20)
+                .expect("receive buffer");
+        }
+        let ns = s.ns.clone();
+        ip(&["-n", &ns, "route", "add", "10.201.0.0/24", "dev", &c_dev]).expect("route");
+        ip(&["-n", &ns, "addr", "add", "10.202.0.1/32", "dev", "lo"]).expect("source address");
+        let sender = in_netns(&ns, || UdpSocket::bind("10.202.0.1:0")).expect("sender");
+        let c_index = c.index;
+        Self {
+            s,
+            hub,
+            c,
+            c_index,
+            sender,
+            sent: 0,
+            got: BTreeSet::new(),
+            direct: true,
+            answers: true,
+            questions: 0,
+            every,
+        }
+    }
+
     /// C's session takes `datagram` (from the engine, directly or unwrapped by the hub);
     /// `reply_via_hub` says which way C's answers go.
     fn c_takes(&mut self, datagram: &[u8], reply_via_hub: bool) {
@@ -55,7 +118,7 @@ impl World {
                     let n = u32::from_be_bytes(inner[28..32].try_into().expect("4 bytes"));
                     self.got.insert(n);
                 }
-                if !reply_via_hub {
+                if !reply_via_hub && self.answers {
                     // C's own data: the engine hears C on the direct path.
                     self.c.send_data(self.s.engine_addr);
                 }
@@ -91,12 +154,13 @@ impl World {
                 payload.resize(100, 0);
                 self.sender.send_to(&payload, to).expect("send");
                 self.sent += 1;
-                next += EVERY;
+                next += self.every;
             }
             let mut idle = true;
             while let Ok((n, _)) = self.c.socket.recv_from(&mut buf) {
                 idle = false;
                 if self.direct {
+                    self.questions += u32::from(buf[0] == 1);
                     let datagram = buf[..n].to_vec();
                     self.c_takes(&datagram, false);
                 }
@@ -134,6 +198,28 @@ impl World {
         }
     }
 
+    /// Kills C's direct path silently while numbers keep coming, waits (at most `limit`) for
+    /// the engine to move C to the relay, then serves a while on the relay and the stragglers:
+    /// how long the move took, and how many numbers had gone before the cut.
+    fn cut(&mut self, limit: Duration) -> (Duration, u32) {
+        self.direct = false;
+        let cut_at = self.sent;
+        let started = Instant::now();
+        while !self.relayed() {
+            assert!(started.elapsed() < limit, "C never moved to the relay");
+            self.run(Duration::from_millis(50), true);
+        }
+        let switched_in = started.elapsed();
+        self.run(Duration::from_secs(1), true);
+        self.run(Duration::from_millis(500), false);
+        (switched_in, cut_at)
+    }
+
+    /// The numbers sent that C never got.
+    fn missing(&self) -> Vec<u32> {
+        (0..self.sent).filter(|n| !self.got.contains(n)).collect()
+    }
+
     fn relayed(&self) -> bool {
         self.s
             .engine
@@ -148,47 +234,7 @@ fn a_peer_whose_direct_path_dies_gets_every_datagram_through_the_hub() {
     if !can_run(test, &[]) {
         return;
     }
-    let s = setup("r");
-    let mut hub = Peer::add_at(&s, "rsh", Ipv4Addr::new(127, 0, 0, 21), false);
-    assert!(
-        hub.handshake(s.engine_addr, common::DEADLINE),
-        "no handshake with the hub"
-    );
-    let mut c = Peer::add_relayed(
-        &s,
-        "rsc",
-        Ipv4Addr::new(127, 0, 0, 22),
-        false,
-        Some(hub.public),
-    );
-    assert!(
-        c.handshake(s.engine_addr, common::DEADLINE),
-        "no handshake with C"
-    );
-    for socket in [&hub.socket, &c.socket] {
-        // Both are drained each round without waiting (a read timeout rounds up to the
-        // kernel's tick, too slow for a burst).
-        socket.set_nonblocking(true).expect("non-blocking");
-        // The resend arrives as one burst (the engine's own socket asks for as much).
-        socket2::SockRef::from(socket)
-            .set_recv_buffer_size(4 << 20)
-            .expect("receive buffer");
-    }
-    let ns = s.ns.clone();
-    ip(&["-n", &ns, "route", "add", "10.201.0.0/24", "dev", "rsc"]).expect("route");
-    ip(&["-n", &ns, "addr", "add", "10.202.0.1/32", "dev", "lo"]).expect("source address");
-    let sender = in_netns(&ns, || UdpSocket::bind("10.202.0.1:0")).expect("sender");
-    let c_index = c.index;
-    let mut w = World {
-        s,
-        hub,
-        c,
-        c_index,
-        sender,
-        sent: 0,
-        got: BTreeSet::new(),
-        direct: true,
-    };
+    let mut w = World::new("r", 21, EVERY);
 
     // The direct path lives: everything arrives directly, nothing is relayed.
     w.run(Duration::from_secs(1), true);
@@ -222,21 +268,8 @@ fn a_peer_whose_direct_path_dies_gets_every_datagram_through_the_hub() {
     );
 
     // The direct path dies silently while numbers keep coming.
-    w.direct = false;
-    let cut_at = w.sent;
-    let started = Instant::now();
-    while !w.relayed() {
-        assert!(
-            started.elapsed() < Duration::from_secs(10),
-            "C never moved to the relay"
-        );
-        w.run(Duration::from_millis(50), true);
-    }
-    let switched_in = started.elapsed();
-    // A while on the relay, then the stragglers.
-    w.run(Duration::from_secs(1), true);
-    w.run(Duration::from_millis(500), false);
-    let missing: Vec<u32> = (0..w.sent).filter(|n| !w.got.contains(n)).collect();
+    let (switched_in, cut_at) = w.cut(Duration::from_secs(10));
+    let missing = w.missing();
     let resent = w.s.engine.resent();
     eprintln!(
         "measured: relayed {switched_in:?} after the cut; {} sent ({} after the cut), {resent} resent through the hub, missing {missing:?}",
@@ -316,6 +349,44 @@ fn a_peer_heard_through_its_hub_is_followed_onto_the_relay_at_once() {
         );
         std::thread::sleep(Duration::from_millis(5));
     }
+}
+
+/// A one-way stream is answered only by the handshakes that ask its path for an answer, at
+/// most every `ASK_EVERY`: a path that dies right after one is noticed that much later, and
+/// what went into it meanwhile is still resent through the hub.
+#[test]
+fn a_one_way_stream_whose_path_dies_right_after_a_question_loses_nothing() {
+    let test = "a_one_way_stream_whose_path_dies_right_after_a_question_loses_nothing";
+    if !can_run(test, &[]) {
+        return;
+    }
+    // Slower than the other test's numbers: the dead path swallows several seconds of them,
+    // which must fit the datagrams a peer keeps for a resend.
+    let mut w = World::new("w", 51, Duration::from_millis(25));
+    w.answers = false;
+    let started = Instant::now();
+    while w.questions == 0 {
+        assert!(
+            started.elapsed() < ASK_EVERY,
+            "the engine never asked C's path about a stream C does not answer"
+        );
+        w.run(Duration::from_millis(20), true);
+    }
+    // C's answer to the question reaches the engine, and the path dies.
+    w.run(Duration::from_millis(100), true);
+    assert!(!w.relayed(), "C is relayed though it answered");
+    let (switched_in, cut_at) = w.cut(ASK_EVERY + Duration::from_secs(5));
+    let missing = w.missing();
+    eprintln!(
+        "measured: relayed {switched_in:?} after the cut; {} sent ({} after the cut), {} resent through the hub, missing {missing:?}",
+        w.sent,
+        w.sent - cut_at,
+        w.s.engine.resent()
+    );
+    assert!(
+        missing.is_empty(),
+        "numbers lost switching to the relay {switched_in:?} after a question: {missing:?}"
+    );
 }
 
 /// Only data the engine sends makes the direct path owe an answer: a peer that talks to a TUN
