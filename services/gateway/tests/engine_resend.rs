@@ -32,6 +32,33 @@ fn wrap(from: &[u8; 32], to: &[u8; 32], datagram: &[u8]) -> Vec<u8> {
     d
 }
 
+/// The hub at 127.0.0.`octet` and C, relayed through it, at the next address: both added to
+/// the engine as `r{tag}h` and `r{tag}c` and through their handshakes.
+fn hub_and_c(s: &Setup, tag: &str, octet: u8) -> (Peer, Peer) {
+    let mut hub = Peer::add_at(
+        s,
+        &format!("r{tag}h"),
+        Ipv4Addr::new(127, 0, 0, octet),
+        false,
+    );
+    assert!(
+        hub.handshake(s.engine_addr, common::DEADLINE),
+        "no handshake with the hub"
+    );
+    let mut c = Peer::add_relayed(
+        s,
+        &format!("r{tag}c"),
+        Ipv4Addr::new(127, 0, 0, octet + 1),
+        false,
+        Some(hub.public),
+    );
+    assert!(
+        c.handshake(s.engine_addr, common::DEADLINE),
+        "no handshake with C"
+    );
+    (hub, c)
+}
+
 /// The test's side of everything: C, the hub, and the numbered datagrams C received.
 struct World {
     s: Setup,
@@ -57,28 +84,8 @@ impl World {
     /// handshakes, and a sender of numbered datagrams every `every` into C's TUN.
     fn new(tag: &str, octet: u8, every: Duration) -> Self {
         let s = setup(tag);
-        let mut hub = Peer::add_at(
-            &s,
-            &format!("r{tag}h"),
-            Ipv4Addr::new(127, 0, 0, octet),
-            false,
-        );
-        assert!(
-            hub.handshake(s.engine_addr, common::DEADLINE),
-            "no handshake with the hub"
-        );
-        let c_dev = format!("r{tag}c");
-        let mut c = Peer::add_relayed(
-            &s,
-            &c_dev,
-            Ipv4Addr::new(127, 0, 0, octet + 1),
-            false,
-            Some(hub.public),
-        );
-        assert!(
-            c.handshake(s.engine_addr, common::DEADLINE),
-            "no handshake with C"
-        );
+        let (hub, c) = hub_and_c(&s, tag, octet);
+        let c_dev = c.dev.clone();
         for socket in [&hub.socket, &c.socket] {
             // Both are drained each round without waiting (a read timeout rounds up to the
             // kernel's tick, too slow for a burst).
@@ -300,22 +307,7 @@ fn a_peer_heard_through_its_hub_is_followed_onto_the_relay_at_once() {
         return;
     }
     let s: Setup = setup("f");
-    let mut hub = Peer::add_at(&s, "rfh", Ipv4Addr::new(127, 0, 0, 31), false);
-    assert!(
-        hub.handshake(s.engine_addr, common::DEADLINE),
-        "no handshake with the hub"
-    );
-    let mut c = Peer::add_relayed(
-        &s,
-        "rfc",
-        Ipv4Addr::new(127, 0, 0, 32),
-        false,
-        Some(hub.public),
-    );
-    assert!(
-        c.handshake(s.engine_addr, common::DEADLINE),
-        "no handshake with C"
-    );
+    let (hub, mut c) = hub_and_c(&s, "f", 31);
     let c_index = c.index;
     let relayed = |s: &Setup| s.engine.counters(c_index).is_some_and(|c| c.relayed);
     assert!(!relayed(&s), "C is relayed though heard directly");
@@ -402,22 +394,7 @@ fn a_peer_heard_with_nothing_to_answer_is_never_asked_for_an_answer() {
         return;
     }
     let s: Setup = setup("q");
-    let mut hub = Peer::add_at(&s, "rqh", Ipv4Addr::new(127, 0, 0, 41), false);
-    assert!(
-        hub.handshake(s.engine_addr, common::DEADLINE),
-        "no handshake with the hub"
-    );
-    let mut c = Peer::add_relayed(
-        &s,
-        "rqc",
-        Ipv4Addr::new(127, 0, 0, 42),
-        false,
-        Some(hub.public),
-    );
-    assert!(
-        c.handshake(s.engine_addr, common::DEADLINE),
-        "no handshake with C"
-    );
+    let (_hub, mut c) = hub_and_c(&s, "q", 41);
     let c_index = c.index;
     let received = |s: &Setup| s.engine.counters(c_index).map_or(0, |k| k.rx_bytes);
     let before = received(&s);
