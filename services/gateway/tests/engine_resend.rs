@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 
 use common::{Peer, Setup, dropped, setup};
 use defguard_boringtun::noise::TunnResult;
-use trellis_gateway::dataplane::engine::{ASK_EVERY, DropReason, SUSPECT_AFTER};
+use trellis_gateway::dataplane::engine::{ANSWER_WITHIN, ASK_EVERY, DropReason, SUSPECT_AFTER};
 use trellis_netlab::netns::{can_run, in_netns, ip};
 
 const EVERY: Duration = Duration::from_millis(10);
@@ -379,6 +379,42 @@ fn a_one_way_stream_whose_path_dies_right_after_a_question_loses_nothing() {
         missing.is_empty(),
         "numbers lost switching to the relay {switched_in:?} after a question: {missing:?}"
     );
+}
+
+/// A question answered, then the peer's own data again: the path is known to carry both ways,
+/// so when it dies soon after, the engine asks again as soon as data goes unanswered instead of
+/// waiting out `ASK_EVERY` (which is for streams nothing but a handshake answers). A TCP
+/// connection's last acknowledgement is such a question's usual cause: nothing answers it.
+#[test]
+fn a_path_that_dies_soon_after_a_question_is_left_as_fast_as_any_once_data_answered() {
+    let test = "a_path_that_dies_soon_after_a_question_is_left_as_fast_as_any_once_data_answered";
+    if !can_run(test, &[]) {
+        return;
+    }
+    let mut w = World::new("a", 61, EVERY);
+    w.answers = false;
+    let started = Instant::now();
+    while w.questions == 0 {
+        assert!(
+            started.elapsed() < ASK_EVERY,
+            "the engine never asked C's path about data C did not answer"
+        );
+        w.run(Duration::from_millis(20), true);
+    }
+    // C answers the question, then data with data again; the path dies well within
+    // ASK_EVERY of the question.
+    w.answers = true;
+    w.run(Duration::from_millis(600), true);
+    assert!(!w.relayed(), "C is relayed though it answers");
+    let (switched_in, _) = w.cut(ASK_EVERY + Duration::from_secs(5));
+    let missing = w.missing();
+    eprintln!("measured: relayed {switched_in:?} after the cut, missing {missing:?}");
+    let bound = SUSPECT_AFTER + ANSWER_WITHIN + Duration::from_secs(1);
+    assert!(
+        switched_in < bound,
+        "the engine took {switched_in:?} (over {bound:?}) to leave a path that died after a question"
+    );
+    assert!(missing.is_empty(), "numbers lost: {missing:?}");
 }
 
 /// Only data the engine sends makes the direct path owe an answer: a peer that talks to a TUN

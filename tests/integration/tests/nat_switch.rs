@@ -22,7 +22,7 @@
 use std::time::{Duration, Instant};
 
 use trellis_api::pb::gateway::{GetTunnelStatusRequest, TunnelPath};
-use trellis_gateway::dataplane::engine::SUSPECT_AFTER;
+use trellis_gateway::dataplane::engine::{ANSWER_WITHIN, SUSPECT_AFTER};
 use trellis_integration::failover::{Flows, PodPair, measured, udp_probes};
 use trellis_netlab::cluster::{Service, StoreKind};
 use trellis_netlab::{Fabric, FabricOptions, NatKind};
@@ -165,9 +165,14 @@ async fn a_pair_moves_between_the_relay_and_its_direct_path_without_breaking_a_c
         "probes lost switching to the relay: {received} of {sent}\n{}",
         fabric.logs()
     );
+    // Noticing takes SUSPECT_AFTER and ANSWER_WITHIN (1.5-1.8 s measured on a loaded 2-core
+    // machine); a gap near ASK_EVERY means a question asked before the cut held the next one
+    // back, which only a one-way stream should see.
+    let relay_gap_max = SUSPECT_AFTER + ANSWER_WITHIN + Duration::from_secs(2);
     assert!(
-        m.probe_gap_ms < 10_000.0,
-        "the relay took over too late: a probe gap of {} ms",
-        m.probe_gap_ms
+        m.probe_gap_ms < relay_gap_max.as_secs_f64() * 1000.0,
+        "the relay took over too late: a probe gap of {} ms (gaps over 100 ms [at s, ms]: {})",
+        m.probe_gap_ms,
+        gaps(&summary)
     );
 }

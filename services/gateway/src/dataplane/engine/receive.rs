@@ -18,6 +18,7 @@ use quinn_udp::{RecvMeta, UdpSocketState};
 use super::busy::BusyPoll;
 use super::drops::DropReason;
 use super::handshakes::HANDSHAKE_RATE_LIMIT;
+use super::resend::DATA;
 use super::tun::{WRITE_BATCH, Writer};
 use super::{BUF, Engine, RECV_TIMEOUT, Shared, relay};
 
@@ -197,6 +198,12 @@ impl Shared {
         peer.direct_rx_ms.store(self.now_ms(), Ordering::Relaxed);
         if peer.unanswered_ms.load(Ordering::Relaxed) != 0 {
             peer.unanswered_ms.store(0, Ordering::Relaxed);
+        }
+        if datagram.first() == Some(&DATA) && peer.asked_ms.load(Ordering::Relaxed) != 0 {
+            // The peer's own data after a question: the path carries both ways, so the next
+            // question need not wait out ASK_EVERY (that is for streams only a handshake
+            // answers).
+            peer.asked_ms.store(0, Ordering::Relaxed);
         }
         if !peer.confirmed.load(Ordering::Relaxed) {
             peer.confirmed.store(true, Ordering::Relaxed);

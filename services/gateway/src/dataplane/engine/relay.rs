@@ -49,7 +49,9 @@ pub const DIRECT_STALE: Duration = Duration::from_secs(30);
 pub const SUSPECT_AFTER: Duration = Duration::from_millis(500);
 /// How long that handshake's answer may take before the relay takes over.
 pub const ANSWER_WITHIN: Duration = Duration::from_secs(1);
-/// The least time between two such questions to one peer.
+/// The least time between two such questions to one peer, unless the peer's own data came
+/// directly since the last one (a two-way stream, whose path then dies, is asked again as soon
+/// as its data goes unanswered).
 pub const ASK_EVERY: Duration = Duration::from_secs(5);
 
 /// A public key's tag in relay headers: its first 8 bytes.
@@ -169,8 +171,8 @@ impl Shared {
     }
 
     /// Whether the timer thread should ask `peer`'s direct path for an answer now: data has
-    /// gone unanswered for [`SUSPECT_AFTER`], and no question was asked for [`ASK_EVERY`].
-    /// Marks the question asked.
+    /// gone unanswered for [`SUSPECT_AFTER`], and no question was asked for [`ASK_EVERY`] (a
+    /// question is forgotten when the peer's data comes directly). Marks the question asked.
     pub(super) fn should_ask(&self, peer: &Peer) -> bool {
         let since = peer.unanswered_ms.load(Ordering::Relaxed);
         let asked = peer.asked_ms.load(Ordering::Relaxed);

@@ -27,7 +27,7 @@ pub const RESEND_AGE: Duration = relay::ASK_EVERY
     .saturating_add(relay::ANSWER_WITHIN)
     .saturating_add(Duration::from_secs(1));
 /// WireGuard's data message type.
-const DATA: u8 = 4;
+pub(super) const DATA: u8 = 4;
 /// The most datagrams kept per peer (WireGuard's counter window takes 1024 out of order).
 const MAX_DATAGRAMS: usize = 512;
 /// The most bytes kept per peer.
