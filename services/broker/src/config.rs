@@ -40,11 +40,13 @@ pub struct Config {
 
     /// The peering token to use when the store holds none yet (otherwise a random one is
     /// generated). A secret: prefer the environment variable over the flag.
+    // Tokens are base64url and may start with '-'.
     #[arg(
         long,
         env = "TRELLIS_TOKEN",
         value_name = "TOKEN",
-        hide_env_values = true
+        hide_env_values = true,
+        allow_hyphen_values = true
     )]
     pub token: Option<String>,
 
@@ -110,5 +112,35 @@ impl Config {
     /// The resync period.
     pub fn resync(&self) -> Duration {
         Duration::from_secs(self.resync.max(1))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A generated token is base64url: one in 64 starts with '-', and must still be taken as
+    /// the flag's value, not as another flag.
+    #[test]
+    fn a_token_starting_with_a_hyphen_is_the_tokens_value() {
+        let token = "-F0123456789abcdefghijklmnopqrstuvwxyzABCDEF";
+        let config = Config::try_parse_from([
+            "trellis-broker",
+            "--cluster-id",
+            "hub",
+            "--store",
+            "memory://",
+            "--discovery",
+            "127.0.0.1:7101",
+            "--ipam",
+            "127.0.0.1:7104",
+            "--gateway",
+            "127.0.0.1:7106",
+            "--insecure-plaintext-peering",
+            "--token",
+            token,
+        ])
+        .unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(config.token.as_deref(), Some(token));
     }
 }

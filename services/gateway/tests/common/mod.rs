@@ -93,6 +93,11 @@ impl Peer {
         };
         let (engine, d) = (s.engine.clone(), dev.to_owned());
         let index = in_netns(&s.ns, move || engine.add_peer(&d, &config)).expect("add peer");
+        // As the gateway does before it brings a tunnel up: without it, the kernel's IPv6
+        // link-local chatter (router solicitations, MLD reports) leaves through the TUN at
+        // random moments, as data the engine sends the peer.
+        let ipv6 = format!("/proc/sys/net/ipv6/conf/{dev}/disable_ipv6");
+        in_netns(&s.ns, move || std::fs::write(ipv6, "1")).expect("ipv6 off");
         ip(&["-n", &s.ns, "link", "set", dev, "up"]).expect("tun up");
         let tunn = Tunn::new(
             StaticSecret::from(key.private_bytes()),

@@ -149,7 +149,8 @@ impl Shared {
             self.send_segments(contents, segment, to)
         };
         let kept = peer.has_relay().then(|| self.now_ms());
-        let mut marked = false;
+        // Only a peer with a relay is ever asked for an answer: no packet is looked at for others.
+        let mut marked = kept.is_none();
         let read = self.read_all(peer, reader, |packet| {
             self.owe_answer(peer, &mut marked, packet);
             let room = (packet.len() + DATA_OVERHEAD).max(HANDSHAKE_INIT_LEN);
@@ -179,7 +180,7 @@ impl Shared {
         let route = self.route(peer);
         let direct = matches!(route, Route::Direct(_));
         let kept = (direct && peer.has_relay()).then(|| self.now_ms());
-        let mut marked = !direct;
+        let mut marked = kept.is_none();
         self.read_all(peer, reader, |packet| {
             self.owe_answer(peer, &mut marked, packet);
             let result = peer.tunn().encapsulate(packet, dst);
