@@ -18,7 +18,6 @@ use std::time::{Duration, Instant};
 
 use common::{Peer, Setup, dropped, setup};
 use defguard_boringtun::noise::TunnResult;
-use socket2::{Domain, Protocol, SockAddr, Socket, Type};
 use trellis_gateway::dataplane::engine::{ANSWER_WITHIN, ASK_EVERY, DropReason, SUSPECT_AFTER};
 use trellis_netlab::netns::{can_run, in_netns, ip};
 
@@ -416,59 +415,6 @@ fn a_path_that_dies_soon_after_a_question_is_left_as_fast_as_any_once_data_answe
         "the engine took {switched_in:?} (over {bound:?}) to leave a path that died after a question"
     );
     assert!(missing.is_empty(), "numbers lost: {missing:?}");
-}
-
-/// A TCP segment that carries nothing and opens or closes nothing (a pure acknowledgement) is
-/// answered by nobody, so it makes the direct path owe no answer: a connection's last
-/// acknowledgement does not bring a handshake question (and with it `ASK_EVERY`'s hold on the
-/// next one). A UDP datagram, which may be answered, does.
-#[test]
-fn pure_tcp_acknowledgements_owe_no_answer_and_a_datagram_does() {
-    let test = "pure_tcp_acknowledgements_owe_no_answer_and_a_datagram_does";
-    if !can_run(test, &[]) {
-        return;
-    }
-    let mut w = World::new("k", 71, EVERY);
-    w.answers = false;
-    let raw = in_netns(&w.s.ns, || {
-        let raw = Socket::new(Domain::IPV4, Type::RAW, Some(Protocol::TCP))?;
-        raw.bind(&SocketAddr::from((Ipv4Addr::new(10, 202, 0, 1), 0)).into())?;
-        Ok(raw)
-    })
-    .expect("raw socket");
-    // Ports, sequence and acknowledgement numbers, a 20-byte header, ACK only, a window.
-    let mut ack = [0u8; 20];
-    ack[0..2].copy_from_slice(&40000u16.to_be_bytes());
-    ack[2..4].copy_from_slice(&80u16.to_be_bytes());
-    ack[4..8].copy_from_slice(&1u32.to_be_bytes());
-    ack[8..12].copy_from_slice(&1u32.to_be_bytes());
-    ack[12] = 5 << 4;
-    ack[13] = 0x10;
-    ack[14..16].copy_from_slice(&512u16.to_be_bytes());
-    let to = SockAddr::from(SocketAddr::from((Ipv4Addr::new(10, 201, 0, 1), 0)));
-    let sent = w.s.engine.counters(w.c_index).map_or(0, |k| k.tx_bytes);
-    for _ in 0..4 {
-        raw.send_to(&ack, &to).expect("acknowledgement");
-        w.run(SUSPECT_AFTER + Duration::from_millis(400), false);
-    }
-    assert!(
-        w.s.engine.counters(w.c_index).map_or(0, |k| k.tx_bytes) > sent,
-        "the acknowledgements did not leave through the engine"
-    );
-    assert_eq!(
-        w.questions, 0,
-        "the engine asked C's path to answer acknowledgements"
-    );
-
-    let payload = [0u8; 8];
-    w.sender
-        .send_to(&payload, (Ipv4Addr::new(10, 201, 0, 1), 9))
-        .expect("datagram");
-    w.run(SUSPECT_AFTER + Duration::from_millis(600), false);
-    assert_eq!(
-        w.questions, 1,
-        "the engine did not ask C's path to answer a datagram"
-    );
 }
 
 /// Only data the engine sends makes the direct path owe an answer: a peer that talks to a TUN

@@ -112,39 +112,6 @@ pub(super) enum Route {
     Relayed(SocketAddr, [u8; HEADER]),
 }
 
-/// Whether `packet` (an IP packet read from a TUN) may be answered, so that sending it makes
-/// the direct path owe an answer. A TCP segment with no payload that neither opens nor closes
-/// (a pure acknowledgement, or a reset) is answered by nobody: were it counted, every
-/// connection's last acknowledgement would bring a handshake question in the quiet after it,
-/// and [`ASK_EVERY`] would hold back the question that finds a path dying soon after. Anything
-/// else, or anything that does not parse as such a segment, may be answered.
-pub(super) fn may_be_answered(packet: &[u8]) -> bool {
-    const FIN_OR_SYN: u8 = 0x03;
-    let (tcp, segment_len) = match packet.first().map(|b| b >> 4) {
-        Some(4) if packet.len() >= 20 => {
-            let header = usize::from(packet[0] & 0x0f) * 4;
-            let total = usize::from(u16::from_be_bytes([packet[2], packet[3]]));
-            // Fragments are not parsed: whatever they hold may be answered.
-            let fragment = u16::from_be_bytes([packet[6], packet[7]]) & 0x3fff != 0;
-            if packet[9] != 6 || fragment || header < 20 || total < header {
-                return true;
-            }
-            (packet.get(header..).unwrap_or_default(), total - header)
-        }
-        // Without extension headers only: behind one, TCP is not looked for.
-        Some(6) if packet.len() >= 40 && packet[6] == 6 => (
-            &packet[40..],
-            usize::from(u16::from_be_bytes([packet[4], packet[5]])),
-        ),
-        _ => return true,
-    };
-    let Some(&flags) = tcp.get(13) else {
-        return true;
-    };
-    let header = usize::from(tcp[12] >> 4) * 4;
-    segment_len > header || flags & FIN_OR_SYN != 0
-}
-
 impl Shared {
     /// Milliseconds since the engine started, plus one (0 stands for "never").
     pub(super) fn now_ms(&self) -> u64 {
@@ -313,46 +280,6 @@ impl super::Engine {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// An IPv4 packet holding a TCP segment with `flags` and `payload` bytes after its header.
-    fn ipv4_tcp(flags: u8, payload: usize) -> Vec<u8> {
-        let mut p = vec![0u8; 40 + payload];
-        p[0] = 0x45;
-        p[2..4].copy_from_slice(&((40 + payload) as u16).to_be_bytes());
-        p[9] = 6;
-        p[20 + 12] = 5 << 4;
-        p[20 + 13] = flags;
-        p
-    }
-
-    #[test]
-    fn only_segments_that_carry_open_or_close_and_other_packets_may_be_answered() {
-        const ACK: u8 = 0x10;
-        assert!(!may_be_answered(&ipv4_tcp(ACK, 0)));
-        assert!(!may_be_answered(&ipv4_tcp(0x04, 0)), "a reset");
-        assert!(may_be_answered(&ipv4_tcp(ACK, 1)), "data");
-        assert!(may_be_answered(&ipv4_tcp(ACK | 0x01, 0)), "a FIN");
-        assert!(may_be_answered(&ipv4_tcp(0x02, 0)), "a SYN");
-        // A fragment, UDP, a truncated header: may be answered.
-        let mut fragment = ipv4_tcp(ACK, 0);
-        fragment[6] = 0x20;
-        assert!(may_be_answered(&fragment));
-        let mut udp = ipv4_tcp(ACK, 0);
-        udp[9] = 17;
-        assert!(may_be_answered(&udp));
-        assert!(may_be_answered(&ipv4_tcp(ACK, 0)[..30]));
-        assert!(may_be_answered(&[]));
-        // IPv6: the same segment behind a 40-byte header.
-        let mut v6 = vec![0u8; 60];
-        v6[0] = 0x60;
-        v6[4..6].copy_from_slice(&20u16.to_be_bytes());
-        v6[6] = 6;
-        v6[40 + 12] = 5 << 4;
-        v6[40 + 13] = ACK;
-        assert!(!may_be_answered(&v6));
-        v6[4..6].copy_from_slice(&21u16.to_be_bytes());
-        assert!(may_be_answered(&v6), "a byte of data");
-    }
 
     #[test]
     fn headers_round_trip_and_wireguard_messages_are_not_relayed_ones() {

@@ -22,7 +22,7 @@ use super::busy::BusyPoll;
 use super::drops::DropReason;
 use super::gso::{DATA_OVERHEAD, GsoBatch, HANDSHAKE_INIT_LEN};
 use super::peers::Peer;
-use super::relay::{self, Route};
+use super::relay::Route;
 use super::tun::{Read, Reader};
 use super::{BUF, Shared, TICK, WAKER};
 
@@ -129,12 +129,12 @@ impl Shared {
         }
     }
 
-    /// Marks `peer`'s direct path as owing an answer at the first packet of a drain that may be
-    /// answered ([`relay::may_be_answered`]), before it goes (marked after, an answer faster
-    /// than this thread would be overwritten by the mark). A drain that finds the TUN empty
-    /// sends nothing and so owes nothing: the receiving thread drains every TUN it writes to.
-    fn owe_answer(&self, peer: &Peer, marked: &mut bool, packet: &[u8]) {
-        if !*marked && relay::may_be_answered(packet) {
+    /// Marks `peer`'s direct path as owing an answer when the first packet of a drain is read,
+    /// before it goes (marked after, an answer faster than this thread would be overwritten by
+    /// the mark). A drain that finds the TUN empty sends nothing and so owes nothing: the
+    /// receiving thread drains every TUN it writes to.
+    fn owe_answer(&self, peer: &Peer, marked: &mut bool) {
+        if !*marked {
             *marked = true;
             self.sent_data(peer);
         }
@@ -149,10 +149,10 @@ impl Shared {
             self.send_segments(contents, segment, to)
         };
         let kept = peer.has_relay().then(|| self.now_ms());
-        // Only a peer with a relay is ever asked for an answer: no packet is looked at for others.
+        // Only a peer with a relay is ever asked for an answer.
         let mut marked = kept.is_none();
         let read = self.read_all(peer, reader, |packet| {
-            self.owe_answer(peer, &mut marked, packet);
+            self.owe_answer(peer, &mut marked);
             let room = (packet.len() + DATA_OVERHEAD).max(HANDSHAKE_INIT_LEN);
             let slot = batch.slot(to, room, max_segments, &mut send);
             let result = peer.tunn().encapsulate(packet, slot);
@@ -182,7 +182,7 @@ impl Shared {
         let kept = (direct && peer.has_relay()).then(|| self.now_ms());
         let mut marked = kept.is_none();
         self.read_all(peer, reader, |packet| {
-            self.owe_answer(peer, &mut marked, packet);
+            self.owe_answer(peer, &mut marked);
             let result = peer.tunn().encapsulate(packet, dst);
             match result {
                 TunnResult::WriteToNetwork(datagram) => {
