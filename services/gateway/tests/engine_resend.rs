@@ -222,6 +222,18 @@ impl World {
         (switched_in, cut_at)
     }
 
+    /// Sends numbers C does not answer until the engine asks C's direct path for an answer.
+    fn until_asked(&mut self) {
+        let started = Instant::now();
+        while self.questions == 0 {
+            assert!(
+                started.elapsed() < ASK_EVERY,
+                "the engine never asked C's path about data C did not answer"
+            );
+            self.run(Duration::from_millis(20), true);
+        }
+    }
+
     /// The numbers sent that C never got.
     fn missing(&self) -> Vec<u32> {
         (0..self.sent).filter(|n| !self.got.contains(n)).collect()
@@ -356,14 +368,7 @@ fn a_one_way_stream_whose_path_dies_right_after_a_question_loses_nothing() {
     // which must fit the datagrams a peer keeps for a resend.
     let mut w = World::new("w", 51, Duration::from_millis(25));
     w.answers = false;
-    let started = Instant::now();
-    while w.questions == 0 {
-        assert!(
-            started.elapsed() < ASK_EVERY,
-            "the engine never asked C's path about a stream C does not answer"
-        );
-        w.run(Duration::from_millis(20), true);
-    }
+    w.until_asked();
     // C's answer to the question reaches the engine, and the path dies.
     w.run(Duration::from_millis(100), true);
     assert!(!w.relayed(), "C is relayed though it answered");
@@ -393,14 +398,7 @@ fn a_path_that_dies_soon_after_a_question_is_left_as_fast_as_any_once_data_answe
     }
     let mut w = World::new("a", 61, EVERY);
     w.answers = false;
-    let started = Instant::now();
-    while w.questions == 0 {
-        assert!(
-            started.elapsed() < ASK_EVERY,
-            "the engine never asked C's path about data C did not answer"
-        );
-        w.run(Duration::from_millis(20), true);
-    }
+    w.until_asked();
     // C answers the question, then data with data again; the path dies well within
     // ASK_EVERY of the question.
     w.answers = true;

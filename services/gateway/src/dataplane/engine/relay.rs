@@ -156,16 +156,10 @@ impl Shared {
         since != 0 && asked > since && now.saturating_sub(asked) > ANSWER_WITHIN.as_millis() as u64
     }
 
-    /// Data went to `peer` directly: from now on its path owes an answer (a peer's own data,
-    /// acknowledgement or keepalive).
+    /// Data went directly to `peer`, which has a relay (the sender checks, once per drain):
+    /// from now on its path owes an answer (a peer's own data, acknowledgement or keepalive).
     pub(super) fn sent_data(&self, peer: &Peer) {
-        if peer
-            .relay_via
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .is_some()
-            && peer.unanswered_ms.load(Ordering::Relaxed) == 0
-        {
+        if peer.unanswered_ms.load(Ordering::Relaxed) == 0 {
             peer.unanswered_ms.store(self.now_ms(), Ordering::Relaxed);
         }
     }
