@@ -18,6 +18,7 @@ pub struct Counted {
     writes: AtomicU64,
     retries: AtomicU64,
     gate: tokio::sync::RwLock<()>,
+    read_latency: Duration,
 }
 
 impl Counted {
@@ -28,7 +29,17 @@ impl Counted {
             writes: AtomicU64::new(0),
             retries: AtomicU64::new(0),
             gate: tokio::sync::RwLock::new(()),
+            read_latency: Duration::ZERO,
         }
+    }
+
+    /// Makes every get and listing take `latency` first, as a store across a network does:
+    /// with tokio's paused clock, a test reads from the time it took how many reads an
+    /// operation made one after another.
+    #[must_use]
+    pub fn with_read_latency(mut self, latency: Duration) -> Self {
+        self.read_latency = latency;
+        self
     }
 
     /// Holds every write back (counted, then waiting) until the guard is dropped: lets a test
@@ -52,8 +63,11 @@ impl Counted {
         self.retries.load(Ordering::SeqCst)
     }
 
-    fn read(&self) {
+    async fn read(&self) {
         self.reads.fetch_add(1, Ordering::SeqCst);
+        if !self.read_latency.is_zero() {
+            tokio::time::sleep(self.read_latency).await;
+        }
     }
 
     fn write(&self) {
@@ -64,17 +78,17 @@ impl Counted {
 #[async_trait::async_trait]
 impl Store for Counted {
     async fn get(&self, key: &str) -> Result<Option<KeyValue>, StoreError> {
-        self.read();
+        self.read().await;
         self.inner.get(key).await
     }
 
     async fn list(&self, prefix: &str) -> Result<Listing, StoreError> {
-        self.read();
+        self.read().await;
         self.inner.list(prefix).await
     }
 
     async fn list_revisions(&self, prefix: &str) -> Result<RevisionListing, StoreError> {
-        self.read();
+        self.read().await;
         self.inner.list_revisions(prefix).await
     }
 

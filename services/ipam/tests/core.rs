@@ -522,6 +522,57 @@ async fn concurrent_new_peers_are_committed_together() {
     }
 }
 
+/// A pass reads the records of the requests it takes all at once, not one after the other:
+/// against a store whose every read takes 10 ms (tokio's paused clock), 16 concurrent new
+/// peers are answered within a few reads' time. One read per request in turn made a pass of
+/// 16 wait 16 reads, on etcd under load 16 round trips of a few milliseconds each.
+#[tokio::test(start_paused = true)]
+async fn a_pass_reads_the_records_of_its_requests_at_once() {
+    let latency = Duration::from_millis(10);
+    let counted = Arc::new(
+        trellis_store::counted::Counted::new(Arc::new(MemoryStore::new()))
+            .with_read_latency(latency),
+    );
+    let store: SharedStore = counted.clone();
+    let ipam = Arc::new(
+        Ipam::open(store, local(&["10.0.0.0/8"]))
+            .await
+            .expect("opens"),
+    );
+    let start = tokio::time::Instant::now();
+    let tasks: Vec<_> = (0..16)
+        .map(|n| {
+            let ipam = ipam.clone();
+            tokio::spawn(async move {
+                ipam.subnets_for(
+                    &cluster(&format!("c{n}")),
+                    net("10.0.0.0/16"),
+                    net("10.201.0.0/16"),
+                )
+                .await
+            })
+        })
+        .collect();
+    let mut nets = Vec::new();
+    for t in tasks {
+        let view = t.await.expect("joins").expect("maps");
+        nets.extend([view.pod_cidr_nat, view.external_cidr_nat]);
+    }
+    let took = start.elapsed();
+    // Each request's own read, then at most two passes of a few reads each (the epoch, the
+    // table once, the records together).
+    assert!(
+        took <= latency * 10,
+        "16 new peers took {took:?}: {} reads one after another",
+        took.as_millis() / latency.as_millis()
+    );
+    for (i, x) in nets.iter().enumerate() {
+        for y in &nets[i + 1..] {
+            assert!(!overlaps(*x, *y), "{x} overlaps {y}");
+        }
+    }
+}
+
 #[derive(Debug, Clone)]
 enum Step {
     Get {
