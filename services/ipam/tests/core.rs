@@ -573,6 +573,55 @@ async fn a_pass_reads_the_records_of_its_requests_at_once() {
     }
 }
 
+/// A new external allocation waits as few store round trips as its reads allow: the target's
+/// record once, then the endpoint, then the owner and a free address together, then the
+/// commit. Against a store whose reads take 10 ms (tokio's paused clock) that is three reads'
+/// time; reading the target twice and the owner and the address one after the other was five.
+#[tokio::test(start_paused = true)]
+async fn an_external_allocation_reads_what_it_can_at_once() {
+    let latency = Duration::from_millis(10);
+    let counted = Arc::new(
+        trellis_store::counted::Counted::new(Arc::new(MemoryStore::new()))
+            .with_read_latency(latency),
+    );
+    let store: SharedStore = counted.clone();
+    let ipam = Ipam::open(store, local(&["10.0.0.0/8"]))
+        .await
+        .expect("opens");
+    let a = ipam
+        .subnets_for(&cluster("a"), net("10.0.0.0/16"), net("10.201.0.0/16"))
+        .await
+        .expect("a");
+    ipam.subnets_for(&cluster("c"), net("10.0.0.0/16"), net("10.201.0.0/16"))
+        .await
+        .expect("c");
+    ipam.set_local_nat(&cluster("c"), net("10.80.0.0/16"), net("10.70.0.0/16"))
+        .await
+        .expect("c nat");
+    let pod_in_a = trellis_api::net::translate(ip("10.0.1.5"), net("10.0.0.0/16"), a.pod_cidr_nat)
+        .expect("inside");
+
+    let start = tokio::time::Instant::now();
+    let to_c = ipam
+        .map_endpoint_ip(&id("c"), pod_in_a, false)
+        .await
+        .expect("maps for c");
+    let took = start.elapsed();
+    assert_eq!(to_c.path, MappingPath::External);
+    assert!(net("10.70.0.0/16").contains(&to_c.ip), "{}", to_c.ip);
+    assert!(
+        took <= latency * 3,
+        "a new external allocation took {took:?}: {} reads one after another",
+        took.as_millis() / latency.as_millis()
+    );
+    // Asked again, it is the same address, found in one more pair of reads.
+    let again = ipam
+        .map_endpoint_ip(&id("c"), pod_in_a, false)
+        .await
+        .expect("maps again");
+    assert_eq!(again, to_c);
+}
+
 #[derive(Debug, Clone)]
 enum Step {
     Get {

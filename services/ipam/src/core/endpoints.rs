@@ -15,7 +15,8 @@ use trellis_store::{Op, Txn};
 
 use super::{Ipam, Mapped, MappingPath, put, unchanged};
 use crate::records::{
-    EXTERNAL_PREFIX, EndpointRecord, cluster_key, decode, encode, endpoint_key, external_key,
+    ClusterRecord, EXTERNAL_PREFIX, EndpointRecord, cluster_key, decode, encode, endpoint_key,
+    external_key,
 };
 
 /// Point reads of candidate external addresses before falling back to one listing.
@@ -39,7 +40,7 @@ impl Ipam {
         induced: bool,
     ) -> Result<Mapped> {
         let local = &self.local.ranges;
-        let (rec, _) = self.live_record(id).await?;
+        let (rec, rec_revision) = self.live_record(id).await?;
         if local.pod_cidr.contains(&ip) {
             let nat = rec.local_nat.ok_or_else(|| {
                 Error::FailedPrecondition(format!(
@@ -69,7 +70,7 @@ impl Ipam {
                 path: MappingPath::Home,
             });
         }
-        let external = self.map_external(id, ip).await?;
+        let external = self.map_external(id, ip, (rec, rec_revision)).await?;
         Ok(Mapped {
             ip: external,
             path: MappingPath::External,
@@ -77,14 +78,24 @@ impl Ipam {
     }
 
     /// The external path: one address of our external CIDR per original IP, shared by all
-    /// targets, returned in the target's view of our external CIDR.
-    async fn map_external(&self, id: &ClusterId, ip: IpAddr) -> Result<IpAddr> {
+    /// targets, returned in the target's view of our external CIDR. `target` is the target's
+    /// record as the caller just read it, used for the first try.
+    async fn map_external(
+        &self,
+        id: &ClusterId,
+        ip: IpAddr,
+        target: (ClusterRecord, i64),
+    ) -> Result<IpAddr> {
         let local = &self.local.ranges;
         let mut contention = Contention::on(&self.store, "mapping an endpoint");
         // After losing a candidate address to another allocator, continue after it.
         let mut hint = None;
+        let mut target = Some(target);
         loop {
-            let (rec, rec_revision) = self.live_record(id).await?;
+            let (rec, rec_revision) = match target.take() {
+                Some(read) => read,
+                None => self.live_record(id).await?,
+            };
             let nat = rec.local_nat.ok_or_else(|| {
                 Error::FailedPrecondition(format!(
                     "cluster {id} has not told us how it addresses our external CIDR yet (SetLocalNat)"
@@ -111,8 +122,10 @@ impl Ipam {
                 None => {
                     // The owner's record is guarded too: freeing it (which first marks it)
                     // must not race with a new mapping into its range.
-                    let (owner_id, owner_revision) = self.owner_of(ip).await?;
-                    let (external_ip, offset) = self.next_external(ip, hint).await?;
+                    // Both at once: every round trip before the commit is the caller's wait.
+                    let (owner, free) =
+                        tokio::join!(self.owner_of(ip), self.next_external(ip, hint));
+                    let ((owner_id, owner_revision), (external_ip, offset)) = (owner?, free?);
                     let er = EndpointRecord {
                         ip,
                         external_ip,
