@@ -52,6 +52,36 @@ async fn ipam_with(pools: &[&str]) -> (Ipam, SharedStore) {
     (ipam, store)
 }
 
+/// An IPAM on a memory store whose every read takes `latency`: on tokio's paused clock, a
+/// test reads from the time an operation took how many reads it made one after another.
+async fn ipam_with_read_latency(latency: Duration) -> Ipam {
+    let store: SharedStore = Arc::new(
+        trellis_store::counted::Counted::new(Arc::new(MemoryStore::new()))
+            .with_read_latency(latency),
+    );
+    Ipam::open(store, local(&["10.0.0.0/8"]))
+        .await
+        .expect("opens")
+}
+
+/// The hub's side of leaves A and C, both on our pod CIDR (so both remapped), C having told us
+/// how it addresses our ranges: A's view and A's pod 10.0.1.5 as the hub addresses it.
+async fn a_and_c_at_the_hub(ipam: &Ipam) -> (trellis_ipam::records::RemoteView, IpAddr) {
+    let a = ipam
+        .subnets_for(&cluster("a"), net("10.0.0.0/16"), net("10.201.0.0/16"))
+        .await
+        .expect("a");
+    ipam.subnets_for(&cluster("c"), net("10.0.0.0/16"), net("10.201.0.0/16"))
+        .await
+        .expect("c");
+    ipam.set_local_nat(&cluster("c"), net("10.80.0.0/16"), net("10.70.0.0/16"))
+        .await
+        .expect("c nat");
+    let pod_in_a = trellis_api::net::translate(ip("10.0.1.5"), net("10.0.0.0/16"), a.pod_cidr_nat)
+        .expect("inside");
+    (a, pod_in_a)
+}
+
 /// An IPAM that reuses freed ranges at once.
 async fn ipam_without_quarantine(pools: &[&str]) -> Ipam {
     let store: SharedStore = Arc::new(MemoryStore::new());
@@ -206,27 +236,13 @@ async fn set_local_nat_requires_our_prefix_lengths() {
 #[tokio::test]
 async fn third_cluster_ips_go_through_one_shared_external_address() {
     let ipam = ipam().await;
-    // Hub view: A and C both use 10.0.0.0/16 like us, so both get remapped.
-    let a = ipam
-        .subnets_for(&cluster("a"), net("10.0.0.0/16"), net("10.201.0.0/16"))
-        .await
-        .expect("a");
-    ipam.subnets_for(&cluster("c"), net("10.0.0.0/16"), net("10.201.0.0/16"))
-        .await
-        .expect("c");
+    let (a, pod_in_a) = a_and_c_at_the_hub(&ipam).await;
     ipam.subnets_for(&cluster("d"), net("10.9.0.0/16"), net("10.209.0.0/16"))
         .await
         .expect("d");
-    ipam.set_local_nat(&cluster("c"), net("10.80.0.0/16"), net("10.70.0.0/16"))
-        .await
-        .expect("c nat");
     ipam.set_local_nat(&cluster("d"), net("10.60.0.0/16"), net("10.50.0.0/16"))
         .await
         .expect("d nat");
-
-    // A pod of A, as the hub sees it.
-    let pod_in_a = trellis_api::net::translate(ip("10.0.1.5"), net("10.0.0.0/16"), a.pod_cidr_nat)
-        .expect("inside");
     let to_c = ipam
         .map_endpoint_ip(&id("c"), pod_in_a, false)
         .await
@@ -529,16 +545,7 @@ async fn concurrent_new_peers_are_committed_together() {
 #[tokio::test(start_paused = true)]
 async fn a_pass_reads_the_records_of_its_requests_at_once() {
     let latency = Duration::from_millis(10);
-    let counted = Arc::new(
-        trellis_store::counted::Counted::new(Arc::new(MemoryStore::new()))
-            .with_read_latency(latency),
-    );
-    let store: SharedStore = counted.clone();
-    let ipam = Arc::new(
-        Ipam::open(store, local(&["10.0.0.0/8"]))
-            .await
-            .expect("opens"),
-    );
+    let ipam = Arc::new(ipam_with_read_latency(latency).await);
     let start = tokio::time::Instant::now();
     let tasks: Vec<_> = (0..16)
         .map(|n| {
@@ -580,26 +587,8 @@ async fn a_pass_reads_the_records_of_its_requests_at_once() {
 #[tokio::test(start_paused = true)]
 async fn an_external_allocation_reads_what_it_can_at_once() {
     let latency = Duration::from_millis(10);
-    let counted = Arc::new(
-        trellis_store::counted::Counted::new(Arc::new(MemoryStore::new()))
-            .with_read_latency(latency),
-    );
-    let store: SharedStore = counted.clone();
-    let ipam = Ipam::open(store, local(&["10.0.0.0/8"]))
-        .await
-        .expect("opens");
-    let a = ipam
-        .subnets_for(&cluster("a"), net("10.0.0.0/16"), net("10.201.0.0/16"))
-        .await
-        .expect("a");
-    ipam.subnets_for(&cluster("c"), net("10.0.0.0/16"), net("10.201.0.0/16"))
-        .await
-        .expect("c");
-    ipam.set_local_nat(&cluster("c"), net("10.80.0.0/16"), net("10.70.0.0/16"))
-        .await
-        .expect("c nat");
-    let pod_in_a = trellis_api::net::translate(ip("10.0.1.5"), net("10.0.0.0/16"), a.pod_cidr_nat)
-        .expect("inside");
+    let ipam = ipam_with_read_latency(latency).await;
+    let (_, pod_in_a) = a_and_c_at_the_hub(&ipam).await;
 
     let start = tokio::time::Instant::now();
     let to_c = ipam
