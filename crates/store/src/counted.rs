@@ -1,6 +1,8 @@
 //! A store that counts what is asked of it: reads (gets and listings), writes (puts, deletes
 //! and transactions) and retried transactions. For tests and benchmarks that bound how much
-//! store work an operation does, so that a quadratic path cannot come back unnoticed.
+//! store work an operation does, so that a quadratic path cannot come back unnoticed. Its
+//! reads can be made slow ([`Counted::with_read_latency`]), so that a test can also bound how
+//! many of them an operation waits for one after another.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
