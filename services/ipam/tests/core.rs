@@ -603,7 +603,7 @@ async fn an_external_allocation_reads_what_it_can_at_once() {
         "a new external allocation took {took:?}: {} reads one after another",
         took.as_millis() / latency.as_millis()
     );
-    // Asked again, it is the same address, found in one more pair of reads.
+    // Asked again, it is the same address.
     let again = ipam
         .map_endpoint_ip(&id("c"), pod_in_a, false)
         .await
