@@ -58,7 +58,7 @@ impl Reference {
     }
 
     /// The arguments that run the device for interface `name` in the foreground.
-    fn args(self, name: &str) -> Vec<String> {
+    pub fn args(self, name: &str) -> Vec<String> {
         match self {
             Reference::WireguardGo => vec!["-f".into(), name.into()],
             // Dropping privileges would leave it unable to reconfigure the interface.

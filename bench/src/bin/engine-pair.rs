@@ -1,20 +1,20 @@
-//! The userspace WireGuard engine alone, against Debian's `wireguard-go`, in the same two
-//! namespaces in the same run (issue 18): a quick harness for iterating on the engine's
-//! throughput. **Root only.**
+//! The userspace WireGuard engine alone, against Debian's `wireguard-go` and GotaTun's
+//! `gotatun`, in the same two namespaces in the same run (issue 18): a quick harness for
+//! iterating on the engine. **Root only.**
 //!
 //! Two namespaces joined by a veth pair (MTU 1500); in each, a tunnel interface (MTU 1420) with
 //! one peer, the other namespace. `trellis`: this process runs one [`Engine`] per namespace
-//! (its threads enter the namespace); `wireguard-go`: one `wireguard-go` process per namespace,
-//! configured with `wg`; `trellis-unbatched`: the engine with one syscall per datagram
-//! ([`Io::PerDatagram`], the engine before batched I/O); `trellis-no-offload`: the engine with
-//! its TUN interfaces opened without the kernel's offloads (one packet per read and write, the
-//! engine before ADR 0030). iperf3 TCP over the tunnel, one stream and `--streams` streams, and the
-//! CPU seconds the implementation used per GB moved, then request/response (sockperf
-//! ping-pong) at one and `--streams` connections, and ping's round trip through the tunnel
-//! against the veth beneath it. `trellis-busy-poll`: the engine with its threads polling for
-//! [`BUSY_POLL_US`] after their last packet (ADR 0032, opt-in). No NAT, no nftables, no policy
-//! routing: the gateway's full path is what `dataplane-bench` measures; this is the engine's
-//! ceiling.
+//! (its threads enter the namespace); `wireguard-go` and `gotatun`: one such process per
+//! namespace, configured with `wg` (`gotatun` comes from `scripts/install-gotatun.sh`);
+//! `trellis-unbatched`: the engine with one syscall per datagram ([`Io::PerDatagram`], the
+//! engine before batched I/O); `trellis-no-offload`: the engine with its TUN interfaces opened
+//! without the kernel's offloads (one packet per read and write, the engine before ADR 0030);
+//! `trellis-busy-poll`: the engine with its threads polling for [`BUSY_POLL_US`] after their
+//! last packet (ADR 0032, opt-in). iperf3 TCP over the tunnel, one stream and `--streams`
+//! streams, and the CPU seconds the implementation used per GB moved, then request/response
+//! (sockperf ping-pong) at one and `--streams` connections, and ping's round trip through the
+//! tunnel against the veth beneath it. No NAT, no nftables, no policy routing: the gateway's
+//! full path is what `dataplane-bench` measures; this is the engine's ceiling.
 
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
@@ -23,6 +23,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context as _, bail};
 use clap::Parser;
 use trellis_bench::dataplane::rr::{quantile, tcp_rr};
+use trellis_bench::reference::Reference;
 use trellis_bench::results::RequestResponse;
 use trellis_gateway::dataplane::engine::{BUSY_POLL_US, Engine, Io, Options, PeerConfig};
 use trellis_gateway::keys::KeyPair;
@@ -50,7 +51,7 @@ struct Args {
     #[arg(long, default_value_t = 0.2)]
     ping_interval: f64,
     /// Which implementations to run, in this order, repeats allowed (`trellis`,
-    /// `trellis-no-offload`, `trellis-busy-poll`, `trellis-unbatched`, `wireguard-go`).
+    /// `trellis-no-offload`, `trellis-busy-poll`, `trellis-unbatched`, `wireguard-go`, `gotatun`).
     #[arg(
         long,
         value_delimiter = ',',
@@ -255,22 +256,28 @@ fn trellis(args: &Args, options: Options) -> anyhow::Result<()> {
     measure(label, args, &|| cpu_seconds(pid))
 }
 
-fn wireguard_go(args: &Args) -> anyhow::Result<()> {
+/// A reference device (`wireguard-go`, `gotatun`): one process per namespace, configured with
+/// `wg`.
+fn reference(args: &Args, reference: Reference) -> anyhow::Result<()> {
     let keys = [KeyPair::generate(), KeyPair::generate()];
     let mut processes = Vec::new();
     for i in 0..2 {
         let child = Command::new("ip")
-            .args(["netns", "exec", NS[i], "wireguard-go", "-f", DEV[i]])
+            .args(["netns", "exec", NS[i], reference.program()])
+            .args(reference.args(DEV[i]))
             .env("WG_I_PREFER_BUGGY_USERSPACE_TO_POLISHED_KMOD", "1")
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
-            .context("wireguard-go")?;
+            .with_context(|| format!("starting {}", reference.program()))?;
         processes.push(Killed(child));
+        let socket = format!("/var/run/wireguard/{}.sock", DEV[i]);
         let deadline = Instant::now() + Duration::from_secs(10);
-        while ip(&["-n", NS[i], "link", "show", DEV[i]]).is_err() {
+        while ip(&["-n", NS[i], "link", "show", DEV[i]]).is_err()
+            || !std::path::Path::new(&socket).exists()
+        {
             if Instant::now() > deadline {
-                bail!("wireguard-go made no {}", DEV[i]);
+                bail!("{} made no {}", reference.program(), DEV[i]);
             }
             std::thread::sleep(Duration::from_millis(50));
         }
@@ -298,14 +305,23 @@ fn wireguard_go(args: &Args) -> anyhow::Result<()> {
         let _ = std::fs::remove_file(&conf);
         address_tunnel(i)?;
     }
-    // wireguard-go daemonizes nothing with -f, but `ip netns exec` is its parent: find it.
-    let pids: Vec<u32> = run(NS[0], &["pgrep", "-f", "wireguard-go -f wgp"])?
+    // `ip netns exec` is the devices' parent and exits into them: find their processes.
+    let pattern = format!("{} .*wgp", reference.program());
+    let pids: Vec<u32> = run(NS[0], &["pgrep", "-f", &pattern])?
         .lines()
         .filter_map(|l| l.trim().parse().ok())
         .collect();
-    measure("wireguard-go", args, &|| {
+    let cleanup = || {
+        for dev in DEV {
+            let _ = std::fs::remove_file(format!("/var/run/wireguard/{dev}.sock"));
+        }
+    };
+    let measured = measure(reference.name(), args, &|| {
         pids.iter().map(|p| cpu_seconds(*p)).sum()
-    })
+    });
+    drop(processes);
+    cleanup();
+    measured
 }
 
 fn main() -> anyhow::Result<()> {
@@ -352,7 +368,8 @@ fn main() -> anyhow::Result<()> {
                     ..Options::default()
                 },
             )?,
-            "wireguard-go" => wireguard_go(&args)?,
+            "wireguard-go" => reference(&args, Reference::WireguardGo)?,
+            "gotatun" => reference(&args, Reference::GotaTun)?,
             other => bail!("unknown implementation {other}"),
         }
     }

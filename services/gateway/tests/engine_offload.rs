@@ -372,6 +372,52 @@ fn without_offloads_the_same_traffic_crosses_packet_by_packet() {
     );
 }
 
+/// With busy polling on, side 0's TUN thread keeps polling after it sends an echo request,
+/// and reads the socket too: the reply that comes back within its window is received there,
+/// on a running vCPU, not after the receiving thread's wake-up. Off (the default), it never is.
+#[test]
+fn replies_within_the_polling_window_are_received_by_the_polling_tun_thread() {
+    if !can_run(
+        "replies_within_the_polling_window_are_received_by_the_polling_tun_thread",
+        &["ip", "ping"],
+    ) {
+        return;
+    }
+    let echoes = |pair: &Pair| {
+        let before = pair.engines[0].received_while_polling();
+        assert!(
+            pair.ping(&["-c", "20", "-i", "0.05", "-W", "1", INNER[1]]),
+            "echoes through the tunnel went unanswered"
+        );
+        pair.engines[0].received_while_polling() - before
+    };
+    // A window far longer than a round trip, so a debug build on a loaded machine is inside it.
+    let polling = Pair::up(
+        "bp",
+        Options {
+            busy_poll: Duration::from_millis(20),
+            ..Options::default()
+        },
+    );
+    let received = echoes(&polling);
+    drop(polling);
+    let idle = Pair::up("nb", Options::default());
+    let received_idle = echoes(&idle);
+    eprintln!(
+        "measured: {received} of 20 echo replies received by the polling tun thread; \
+         {received_idle} without busy polling"
+    );
+    // The receiving thread is woken for each reply too, and now and then it may get there first.
+    assert!(
+        received >= 5,
+        "only {received} of 20 echo replies were received by the polling tun thread"
+    );
+    assert_eq!(
+        received_idle, 0,
+        "without busy polling the tun thread never receives"
+    );
+}
+
 /// An echo request written into side 1's TUN is answered by side 1's kernel before the write
 /// returns: the receiving thread sends the reply itself, where waking the TUN thread would cost
 /// a wake-up on another vCPU (on a virtual machine, the dearest step of a round trip).

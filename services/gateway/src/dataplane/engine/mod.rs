@@ -108,7 +108,7 @@ use self::handshakes::{
 };
 use self::peers::Peers;
 pub use self::peers::{Counters, PeerConfig};
-use self::receive::{udp_loop, udp_loop_batched};
+use self::receive::{Inbound, udp_loop, udp_loop_batched};
 pub use self::relay::{
     ANSWER_WITHIN, ASK_EVERY, DIRECT_STALE, RELAY_AFTER, RelayPolicy, SUSPECT_AFTER,
 };
@@ -190,6 +190,8 @@ struct Shared {
     peers: RwLock<Peers>,
     /// The sending buffers, held by whichever thread drains a TUN ([`Outbound`]).
     outbound: Mutex<Outbound>,
+    /// The batched socket's receiving buffers, held by whichever thread receives ([`Inbound`]).
+    inbound: Mutex<Inbound>,
     registry: mio::Registry,
     waker: Waker,
     stop: AtomicBool,
@@ -207,6 +209,8 @@ struct Shared {
     resent: AtomicU64,
     /// Packets a receiving thread sent itself ([`Engine::answered_at_once`]).
     answered: AtomicU64,
+    /// Receives of the TUN thread while it polled ([`Engine::received_while_polling`]).
+    received_while_polling: AtomicU64,
     /// Whether new TUN interfaces are opened with offloads ([`Options::tun_offload`]).
     tun_offload: bool,
     /// The hot threads' busy-polling window ([`Options::busy_poll`]).
@@ -310,6 +314,7 @@ impl Engine {
             .unwrap_or(1);
         let (handshake_queue, queued_handshakes) = std::sync::mpsc::sync_channel(HANDSHAKE_QUEUE);
         let own_tag = relay::tag(public.as_bytes());
+        let inbound = Inbound::new(batched.is_some());
         let shared = Arc::new(Shared {
             socket,
             batched,
@@ -323,6 +328,7 @@ impl Engine {
             public,
             peers: RwLock::new(Peers::default()),
             outbound: Mutex::new(Outbound::new()),
+            inbound: Mutex::new(inbound),
             registry,
             waker,
             stop: AtomicBool::new(false),
@@ -334,6 +340,7 @@ impl Engine {
             relay_buckets: Mutex::new(buckets::TokenBuckets::new(relay::MAX_PAIRS)),
             resent: AtomicU64::new(0),
             answered: AtomicU64::new(0),
+            received_while_polling: AtomicU64::new(0),
             tun_offload,
             busy_poll,
             dropped: Default::default(),

@@ -298,35 +298,102 @@ pub(super) fn udp_loop(shared: &Shared) {
     }
 }
 
-/// Datagrams of the batched socket: each of the `quinn_udp::BATCH_SIZE` buffers may hold up
-/// to 64 KiB of datagrams coalesced by GRO, `stride` bytes apart.
+/// The batched socket's receiving buffers and the sink they are decrypted into, held by
+/// whichever thread receives: the receiving thread, or the TUN thread while it busy-polls
+/// ([`Inbound::receive_once`]). One holder at a time keeps a peer's datagrams in the order the
+/// socket gave them. Each of the `quinn_udp::BATCH_SIZE` buffers may hold up to 64 KiB of
+/// datagrams coalesced by GRO, `stride` bytes apart.
+pub(super) struct Inbound {
+    bufs: Vec<Vec<u8>>,
+    meta: Vec<RecvMeta>,
+    sink: Sink,
+}
+
+impl Inbound {
+    /// Buffers for the batched socket; none for [`Io::PerDatagram`](super::Io::PerDatagram),
+    /// whose thread keeps its own.
+    pub(super) fn new(batched: bool) -> Self {
+        let slots = if batched { quinn_udp::BATCH_SIZE } else { 0 };
+        Self {
+            bufs: (0..slots).map(|_| vec![0u8; BUF]).collect(),
+            meta: vec![RecvMeta::default(); slots],
+            sink: Sink::new(WRITE_BATCH),
+        }
+    }
+
+    /// One `recvmmsg` without waiting, and everything it returned handled, written and
+    /// answered ([`Sink::flush`]): how many buffers it filled, or `WouldBlock`.
+    pub(super) fn receive_once(
+        &mut self,
+        shared: &Shared,
+        state: &UdpSocketState,
+    ) -> io::Result<usize> {
+        let Self { bufs, meta, sink } = self;
+        let mut slices: Vec<IoSliceMut<'_>> = bufs.iter_mut().map(|b| IoSliceMut::new(b)).collect();
+        let n = state.recv((&shared.socket).into(), &mut slices, meta)?;
+        for (meta, buf) in meta.iter().zip(&slices).take(n) {
+            let from = canonical(meta.addr);
+            let stride = if meta.stride == 0 {
+                meta.len
+            } else {
+                meta.stride
+            };
+            let data = buf.get(..meta.len).unwrap_or_default();
+            for datagram in data.chunks(stride.max(1)) {
+                shared.receive(from, datagram, sink);
+            }
+        }
+        // Nothing waits for the next datagrams: they may be a while.
+        sink.flush(shared);
+        Ok(n)
+    }
+}
+
+impl Shared {
+    /// The TUN thread, busy-polling, receives what has arrived if nobody else is receiving
+    /// ([`Engine::received_while_polling`]): a reply that comes back within its window is then
+    /// handled on a running vCPU instead of after the receiving thread's wake-up.
+    pub(super) fn receive_while_polling(&self) -> bool {
+        let Some(state) = &self.batched else {
+            return false;
+        };
+        let mut inbound = match self.inbound.try_lock() {
+            Ok(inbound) => inbound,
+            Err(TryLockError::Poisoned(poisoned)) => poisoned.into_inner(),
+            Err(TryLockError::WouldBlock) => return false,
+        };
+        match inbound.receive_once(self, state) {
+            Ok(n) if n > 0 => {
+                self.received_while_polling
+                    .fetch_add(n as u64, Ordering::Relaxed);
+                true
+            }
+            _ => false,
+        }
+    }
+}
+
+impl Engine {
+    /// `recvmmsg` calls of the TUN thread that returned datagrams while it busy-polled
+    /// ([`Shared::receive_while_polling`]).
+    pub fn received_while_polling(&self) -> u64 {
+        self.shared.received_while_polling.load(Ordering::Relaxed)
+    }
+}
+
+/// The batched socket's receiving thread: waits in `poll(2)` without holding the buffers, so
+/// the TUN thread can take a datagram while it polls, then receives what it was woken for.
 pub(super) fn udp_loop_batched(shared: &Shared, state: &UdpSocketState) {
-    let slots = quinn_udp::BATCH_SIZE;
-    let mut bufs: Vec<Vec<u8>> = (0..slots).map(|_| vec![0u8; BUF]).collect();
-    let mut slices: Vec<IoSliceMut<'_>> = bufs.iter_mut().map(|b| IoSliceMut::new(b)).collect();
-    let mut meta = vec![RecvMeta::default(); slots];
-    let mut sink = Sink::new(WRITE_BATCH);
     let timeout = PollTimeout::try_from(RECV_TIMEOUT).unwrap_or(PollTimeout::NONE);
     let mut busy = BusyPoll::new(shared.busy_poll);
     while !shared.stop.load(Ordering::Relaxed) {
-        match state.recv((&shared.socket).into(), &mut slices, &mut meta) {
-            Ok(n) => {
-                busy.handled();
-                for (meta, buf) in meta.iter().zip(&slices).take(n) {
-                    let from = canonical(meta.addr);
-                    let stride = if meta.stride == 0 {
-                        meta.len
-                    } else {
-                        meta.stride
-                    };
-                    let data = buf.get(..meta.len).unwrap_or_default();
-                    for datagram in data.chunks(stride.max(1)) {
-                        shared.receive(from, datagram, &mut sink);
-                    }
-                }
-                // Nothing waits for the next datagrams: they may be a while.
-                sink.flush(shared);
-            }
+        let received = shared
+            .inbound
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .receive_once(shared, state);
+        match received {
+            Ok(_) => busy.handled(),
             Err(err) if err.kind() == io::ErrorKind::WouldBlock && busy.spin() => {}
             Err(err) if err.kind() == io::ErrorKind::WouldBlock => {
                 let mut fds = [PollFd::new(shared.socket.as_fd(), PollFlags::POLLIN)];

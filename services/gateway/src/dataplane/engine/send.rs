@@ -243,8 +243,14 @@ pub(super) fn tun_loop(shared: &Shared, mut poll: Poll) {
     let mut events = Events::with_capacity(256);
     let mut busy = BusyPoll::new(shared.busy_poll);
     while !shared.stop.load(Ordering::Relaxed) {
-        // Within the busy-polling window, epoll is asked without waiting.
-        let timeout = busy.spin().then_some(Duration::ZERO);
+        // Within the busy-polling window, epoll is asked without waiting, and the socket is
+        // read too: a reply arriving now is handled here, on a running vCPU, rather than after
+        // the receiving thread wakes (ADR 0032).
+        let spinning = busy.spin();
+        if spinning && shared.receive_while_polling() {
+            busy.handled();
+        }
+        let timeout = spinning.then_some(Duration::ZERO);
         if let Err(err) = poll.poll(&mut events, timeout) {
             if err.kind() != io::ErrorKind::Interrupted {
                 tracing::warn!(error = %err, "waiting for the tun interfaces failed");
