@@ -132,8 +132,9 @@ pub struct Config {
     /// keeps the vCPU running, which cut a single request/response connection's median round
     /// trip about four times in our measurements; the sending thread also reads the socket
     /// while it polls, so a reply arriving within the window is handled without a wake-up. The
-    /// price is CPU while traffic flows (never at idle). On a node whose cores are all busy that CPU is taken from everything
-    /// else, so it is opt-in; 200, the window Linux's guest halt polling uses, is a good start.
+    /// price is CPU while traffic flows (never at idle). On a node whose cores are all busy
+    /// that CPU is taken from everything else, so it is opt-in; 200, the window Linux's guest
+    /// halt polling uses, is a good start.
     #[arg(
         long,
         env = "TRELLIS_BUSY_POLL_US",

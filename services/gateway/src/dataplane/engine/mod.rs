@@ -23,10 +23,11 @@
 //! the WireGuard timers (handshake retries, keepalives, rekeys) four times a second, and one
 //! handles handshake messages, which the receiving thread hands over through a bounded queue.
 //! Latency is the number of wake-ups (ADR 0032): the two hot threads can keep polling for a
-//! short window after their last packet before they sleep (`busy`, opt-in), and what the
-//! kernel answers while the receiving thread writes into a TUN (an echo reply, an
-//! acknowledgement) is sent by that thread at once; the sending buffers sit behind one lock,
-//! so whichever thread drains a TUN sends its packets in order.
+//! short window after their last packet before they sleep (`busy`, opt-in), the TUN thread
+//! reading the socket too while it polls, and what the kernel answers while the receiving
+//! thread writes into a TUN (an echo reply, an acknowledgement) is sent by that thread at
+//! once; the sending buffers and the receiving ones each sit behind one lock, so whichever
+//! thread drains a TUN, or receives from the socket, handles its packets in order.
 //!
 //! Handshakes are where an attacker who knows public keys can make us work (every member of a
 //! fabric learns every gateway's key from the NetworkConfigs), so they get the defences of
@@ -209,7 +210,7 @@ struct Shared {
     resent: AtomicU64,
     /// Packets a receiving thread sent itself ([`Engine::answered_at_once`]).
     answered: AtomicU64,
-    /// Receives of the TUN thread while it polled ([`Engine::received_while_polling`]).
+    /// What the TUN thread received while it polled ([`Engine::received_while_polling`]).
     received_while_polling: AtomicU64,
     /// Whether new TUN interfaces are opened with offloads ([`Options::tun_offload`]).
     tun_offload: bool,

@@ -374,8 +374,8 @@ impl Shared {
 }
 
 impl Engine {
-    /// `recvmmsg` calls of the TUN thread that returned datagrams while it busy-polled
-    /// ([`Shared::receive_while_polling`]).
+    /// Receive buffers the TUN thread filled while it busy-polled, each a datagram or a run
+    /// of one sender's datagrams coalesced by GRO (ADR 0032).
     pub fn received_while_polling(&self) -> u64 {
         self.shared.received_while_polling.load(Ordering::Relaxed)
     }
