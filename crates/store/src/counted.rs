@@ -1,8 +1,8 @@
-//! A store that counts what is asked of it: reads (gets and listings), writes (puts, deletes
-//! and transactions) and retried transactions. For tests and benchmarks that bound how much
-//! store work an operation does, so that a quadratic path cannot come back unnoticed. Its
-//! reads can be made slow ([`Counted::with_read_latency`]), so that a test can also bound how
-//! many of them an operation waits for one after another.
+//! A store that counts what is asked of it: reads (gets and listings, with listings also
+//! counted apart), writes (puts, deletes and transactions) and retried transactions. For tests
+//! and benchmarks that bound how much store work an operation does, so that a quadratic path
+//! cannot come back unnoticed. Its reads can be made slow ([`Counted::with_read_latency`]), so
+//! that a test can also bound how many of them an operation waits for one after another.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
@@ -17,6 +17,7 @@ use crate::{
 pub struct Counted {
     inner: SharedStore,
     reads: AtomicU64,
+    listings: AtomicU64,
     writes: AtomicU64,
     retries: AtomicU64,
     gate: tokio::sync::RwLock<()>,
@@ -28,6 +29,7 @@ impl Counted {
         Self {
             inner,
             reads: AtomicU64::new(0),
+            listings: AtomicU64::new(0),
             writes: AtomicU64::new(0),
             retries: AtomicU64::new(0),
             gate: tokio::sync::RwLock::new(()),
@@ -53,6 +55,12 @@ impl Counted {
     /// Gets and listings so far.
     pub fn reads(&self) -> u64 {
         self.reads.load(Ordering::SeqCst)
+    }
+
+    /// Listings so far (also counted among the reads): what a test bounds where an operation
+    /// must not read a whole prefix.
+    pub fn listings(&self) -> u64 {
+        self.listings.load(Ordering::SeqCst)
     }
 
     /// Puts, deletes and transactions so far.
@@ -85,11 +93,13 @@ impl Store for Counted {
     }
 
     async fn list(&self, prefix: &str) -> Result<Listing, StoreError> {
+        self.listings.fetch_add(1, Ordering::SeqCst);
         self.read().await;
         self.inner.list(prefix).await
     }
 
     async fn list_revisions(&self, prefix: &str) -> Result<RevisionListing, StoreError> {
+        self.listings.fetch_add(1, Ordering::SeqCst);
         self.read().await;
         self.inner.list_revisions(prefix).await
     }

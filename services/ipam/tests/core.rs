@@ -611,6 +611,92 @@ async fn an_external_allocation_reads_what_it_can_at_once() {
     assert_eq!(again, to_c);
 }
 
+/// Maps `endpoint` (a pod of another leaf) for leaf C: a new external allocation.
+async fn map_for_c(ipam: &Ipam, endpoint: IpAddr) {
+    let mapped = ipam
+        .map_endpoint_ip(&id("c"), endpoint, false)
+        .await
+        .expect("maps for c");
+    assert_eq!(mapped.path, MappingPath::External);
+}
+
+/// At a hub, a new external allocation names the owner of its endpoint from the allocation
+/// table the hub keeps and reads that one record, rather than listing every peer's record
+/// (with n peers, n records decoded for every new endpoint). A restarted hub lists once, to
+/// fill the table.
+#[tokio::test]
+async fn an_external_allocation_finds_its_owner_without_listing_every_peer() {
+    let counted = Arc::new(trellis_store::counted::Counted::new(Arc::new(
+        MemoryStore::new(),
+    )));
+    let store: SharedStore = counted.clone();
+    let ipam = Ipam::open(store.clone(), local(&["10.0.0.0/8"]))
+        .await
+        .expect("opens");
+    let (a, _) = a_and_c_at_the_hub(&ipam).await;
+    for n in 0..30u8 {
+        ipam.subnets_for(
+            &cluster(&format!("p{n}")),
+            net(&format!("172.16.{n}.0/24")),
+            net(&format!("172.17.{n}.0/24")),
+        )
+        .await
+        .expect("peer");
+    }
+    let pod_of_a = |host: u8| {
+        trellis_api::net::translate(
+            ip(&format!("10.0.1.{host}")),
+            net("10.0.0.0/16"),
+            a.pod_cidr_nat,
+        )
+        .expect("inside")
+    };
+    let before = counted.listings();
+    for host in 1..=10 {
+        map_for_c(&ipam, pod_of_a(host)).await;
+    }
+    let listings = counted.listings() - before;
+    assert_eq!(
+        listings, 0,
+        "10 new external allocations at a hub of 32 peers listed the records {listings} times"
+    );
+
+    let restarted = Ipam::open(store, local(&["10.0.0.0/8"]))
+        .await
+        .expect("reopens");
+    let before = counted.listings();
+    for host in 11..=20 {
+        map_for_c(&restarted, pod_of_a(host)).await;
+    }
+    let listings = counted.listings() - before;
+    assert_eq!(
+        listings, 1,
+        "a restarted hub listed the records {listings} times for 10 new external allocations"
+    );
+}
+
+/// The allocation table a replica keeps can be behind another replica's work: after the
+/// other frees leaf A, an endpoint in A's former range has no owner, whatever the kept table
+/// says, and nothing is mapped into the freed range.
+#[tokio::test]
+async fn a_kept_table_behind_another_replicas_free_maps_nothing_into_the_freed_range() {
+    let store: SharedStore = Arc::new(MemoryStore::new());
+    let one = Ipam::open(store.clone(), local(&["10.0.0.0/8"]))
+        .await
+        .expect("opens");
+    let (_, pod_in_a) = a_and_c_at_the_hub(&one).await;
+    // `one` keeps the table in which A owns the range; `two` frees A behind its back.
+    let two = Ipam::open(store, local(&["10.0.0.0/8"]))
+        .await
+        .expect("opens a second replica");
+    assert!(two.free(&id("a")).await.expect("frees a"));
+    let err = one
+        .map_endpoint_ip(&id("c"), pod_in_a, false)
+        .await
+        .expect_err("a's range has no owner any more");
+    assert!(matches!(err, Error::NotFound(_)), "{err}");
+}
+
 #[derive(Debug, Clone)]
 enum Step {
     Get {

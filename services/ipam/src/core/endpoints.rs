@@ -163,13 +163,27 @@ impl Ipam {
     }
 
     /// The live remote cluster whose pod CIDR (as we address it) holds `ip`, with its
-    /// record's revision, or `NotFound`.
+    /// record's revision, or `NotFound`. The kept allocation table names it without a
+    /// listing (at a hub with n peers, a listing decodes n records for every new endpoint);
+    /// its record, read to be compared at the commit, confirms it, since the table may be
+    /// behind another replica's allocations and frees. Without the table, or when the record
+    /// disagrees, one listing answers and is kept as the table.
     async fn owner_of(&self, ip: IpAddr) -> Result<(ClusterId, i64)> {
-        self.snapshot()
-            .await?
+        let owns = |r: &ClusterRecord| {
+            !r.freeing && r.remote.is_some_and(|v| v.pod_cidr_nat.contains(&ip))
+        };
+        if let Some(candidate) = self.kept_pod_owner(ip)
+            && let Some((rec, revision)) = self.record(&candidate).await?
+            && owns(&rec)
+        {
+            return Ok((rec.id, revision));
+        }
+        let snapshot = self.snapshot().await?;
+        self.keep_table(&snapshot);
+        snapshot
             .records
             .into_iter()
-            .find(|(r, _)| !r.freeing && r.remote.is_some_and(|v| v.pod_cidr_nat.contains(&ip)))
+            .find(|(r, _)| owns(r))
             .map(|(r, revision)| (r.id, revision))
             .ok_or_else(|| {
                 Error::NotFound(format!(

@@ -1,9 +1,12 @@
 //! A remote cluster's ranges, both ways: how we address its pod and external CIDRs
 //! ([`Ipam::subnets_for`], remapped from the pools when they conflict) and how it addresses
 //! ours ([`Ipam::set_local_nat`]). The allocation table is cached per epoch ([`Allocated`]), so
-//! that a mapping does not list the whole table. New mappings are decided and committed in
+//! that a mapping does not list the whole table, nor an external mapping to find the owner of
+//! its endpoint. New mappings are decided and committed in
 //! passes: the request that gets the allocation lock serves every request waiting with it, in
 //! one transaction, so concurrent new peers share one commit instead of queueing for one each.
+
+use std::net::IpAddr;
 
 use ipnet::IpNet;
 use trellis_api::{ClusterId, ClusterIdentity};
@@ -47,6 +50,14 @@ impl Allocated {
                 .collect(),
             quarantined: snapshot.quarantined.iter().cloned().collect(),
         }
+    }
+
+    /// The cluster whose pod CIDR, as we address it, holds `ip`, as of this table.
+    fn pod_owner(&self, ip: IpAddr) -> Option<&ClusterId> {
+        self.nat
+            .iter()
+            .find(|(_, [pod_cidr_nat, _])| pod_cidr_nat.contains(&ip))
+            .map(|(id, _)| id)
     }
 
     /// The ranges still in quarantine (freed less than `quarantine` ago) for a cluster other
@@ -196,6 +207,28 @@ impl Ipam {
                     }
                 }
             }
+        }
+    }
+
+    /// The cluster the kept allocation table says owns `ip`, when the table is at hand (no
+    /// pass is using it). The table may be behind another replica's work: callers check the
+    /// owner's record.
+    pub(super) fn kept_pod_owner(&self, ip: IpAddr) -> Option<ClusterId> {
+        let table = self.allocating.try_lock().ok()?;
+        table.as_ref()?.pod_owner(ip).cloned()
+    }
+
+    /// Keeps the table a listing has just read, unless the one kept is as new or a pass is
+    /// using it: a replica that never allocates still learns its peers' ranges once.
+    pub(super) fn keep_table(&self, snapshot: &Snapshot) {
+        let Ok(mut table) = self.allocating.try_lock() else {
+            return;
+        };
+        if table
+            .as_ref()
+            .is_none_or(|kept| kept.epoch_revision < snapshot.epoch_revision)
+        {
+            *table = Some(Allocated::of(snapshot));
         }
     }
 
