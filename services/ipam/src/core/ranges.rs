@@ -1,10 +1,10 @@
 //! A remote cluster's ranges, both ways: how we address its pod and external CIDRs
 //! ([`Ipam::subnets_for`], remapped from the pools when they conflict) and how it addresses
 //! ours ([`Ipam::set_local_nat`]). The allocation table is cached per epoch ([`Allocated`]), so
-//! that a mapping does not list the whole table, nor an external mapping to find the owner of
-//! its endpoint. New mappings are decided and committed in
-//! passes: the request that gets the allocation lock serves every request waiting with it, in
-//! one transaction, so concurrent new peers share one commit instead of queueing for one each.
+//! that neither a new mapping nor an external allocation looking for its endpoint's owner
+//! lists the whole table. New mappings are decided and committed in passes: the request that
+//! gets the allocation lock serves every request waiting with it, in one transaction, so
+//! concurrent new peers share one commit instead of queueing for one each.
 
 use std::net::IpAddr;
 
