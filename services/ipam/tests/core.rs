@@ -620,6 +620,19 @@ async fn map_for_c(ipam: &Ipam, endpoint: IpAddr) {
     assert_eq!(mapped.path, MappingPath::External);
 }
 
+/// The listings `ipam` makes while it maps `endpoints` for leaf C.
+async fn listings_mapping(
+    counted: &trellis_store::counted::Counted,
+    ipam: &Ipam,
+    endpoints: impl IntoIterator<Item = IpAddr>,
+) -> u64 {
+    let before = counted.listings();
+    for endpoint in endpoints {
+        map_for_c(ipam, endpoint).await;
+    }
+    counted.listings() - before
+}
+
 /// At a hub, a new external allocation names the owner of its endpoint from the allocation
 /// table the hub keeps and reads that one record, rather than listing every peer's record
 /// (with n peers, n records decoded for every new endpoint). A restarted hub lists once, to
@@ -651,11 +664,7 @@ async fn an_external_allocation_finds_its_owner_without_listing_every_peer() {
         )
         .expect("inside")
     };
-    let before = counted.listings();
-    for host in 1..=10 {
-        map_for_c(&ipam, pod_of_a(host)).await;
-    }
-    let listings = counted.listings() - before;
+    let listings = listings_mapping(&counted, &ipam, (1..=10).map(pod_of_a)).await;
     assert_eq!(
         listings, 0,
         "10 new external allocations at a hub of 32 peers listed the records {listings} times"
@@ -664,11 +673,7 @@ async fn an_external_allocation_finds_its_owner_without_listing_every_peer() {
     let restarted = Ipam::open(store, local(&["10.0.0.0/8"]))
         .await
         .expect("reopens");
-    let before = counted.listings();
-    for host in 11..=20 {
-        map_for_c(&restarted, pod_of_a(host)).await;
-    }
-    let listings = counted.listings() - before;
+    let listings = listings_mapping(&counted, &restarted, (11..=20).map(pod_of_a)).await;
     assert_eq!(
         listings, 1,
         "a restarted hub listed the records {listings} times for 10 new external allocations"
