@@ -309,6 +309,8 @@ impl BrokerApi for FakeBroker {
             nc.generation,
         ));
         Ok(Response::new(ppb::SubmitNetworkConfigResponse {
+            // A relayed NetworkConfig names no peering.
+            peering_id: String::new(),
             accepted: true,
             status: Some(pb::NetworkConfigStatus {
                 pod_cidr_nat: "10.250.0.0/16".into(),

@@ -1,25 +1,37 @@
 //! [`Gate`]: a TCP proxy in front of one service that a test opens and closes, to play a
 //! network partition between clusters while the test itself still reaches every service
 //! directly. Closing refuses new connections and cuts the open ones (gRPC clients keep their
-//! HTTP/2 connections, so refusing new ones alone would change nothing).
+//! HTTP/2 connections, so refusing new ones alone would change nothing). Stalling cuts the open
+//! ones too but keeps the new ones waiting, unanswered, until the gate opens: a silent
+//! partition whose calls are still on their way when it heals.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
-/// A proxy to one address; open until [`Gate::close`].
+/// A proxy to one address; open until [`Gate::close`] or [`Gate::stall`].
 #[derive(Debug)]
 pub struct Gate {
     /// Where to connect instead of the target.
     pub addr: SocketAddr,
-    open: Arc<AtomicBool>,
-    /// Bumped on close: every proxied connection drops when it changes.
+    state: watch::Sender<State>,
+    /// Bumped on close and stall: every proxied connection drops when it changes.
     cut: watch::Sender<u64>,
+    /// Connections accepted while stalled and not yet let through.
+    stalled: Arc<AtomicUsize>,
     task: JoinHandle<()>,
+}
+
+/// What a gate does with a new connection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum State {
+    Open,
+    Closed,
+    Stalled,
 }
 
 impl Gate {
@@ -27,18 +39,31 @@ impl Gate {
     pub async fn start(target: SocketAddr) -> std::io::Result<Self> {
         let listener = TcpListener::bind(("127.0.0.1", 0)).await?;
         let addr = listener.local_addr()?;
-        let open = Arc::new(AtomicBool::new(true));
+        let (state, _) = watch::channel(State::Open);
         let (cut, _) = watch::channel(0u64);
+        let stalled = Arc::new(AtomicUsize::new(0));
         let task = tokio::spawn({
-            let (open, cut) = (open.clone(), cut.clone());
+            let (state, cut, stalled) = (state.clone(), cut.clone(), stalled.clone());
             async move {
                 while let Ok((inside, _)) = listener.accept().await {
-                    if !open.load(Ordering::SeqCst) {
+                    let mut opened = state.subscribe();
+                    let now = *opened.borrow_and_update();
+                    if now == State::Closed {
                         drop(inside);
                         continue;
                     }
-                    let mut cut = cut.subscribe();
+                    let cut = cut.clone();
+                    let stalled = stalled.clone();
                     tokio::spawn(async move {
+                        if now == State::Stalled {
+                            stalled.fetch_add(1, Ordering::SeqCst);
+                            let opened = opened.wait_for(|s| *s == State::Open).await.is_ok();
+                            stalled.fetch_sub(1, Ordering::SeqCst);
+                            if !opened {
+                                return;
+                            }
+                        }
+                        let mut cut = cut.subscribe();
                         let Ok(mut outside) = TcpStream::connect(target).await else {
                             return;
                         };
@@ -53,21 +78,34 @@ impl Gate {
         });
         Ok(Self {
             addr,
-            open,
+            state,
             cut,
+            stalled,
             task,
         })
     }
 
     /// Refuses new connections and cuts the open ones.
     pub fn close(&self) {
-        self.open.store(false, Ordering::SeqCst);
+        self.state.send_replace(State::Closed);
         self.cut.send_modify(|n| *n += 1);
     }
 
-    /// Lets connections through again.
+    /// Cuts the open connections and keeps new ones waiting, with what their clients sent,
+    /// until [`Gate::open`] lets them through.
+    pub fn stall(&self) {
+        self.state.send_replace(State::Stalled);
+        self.cut.send_modify(|n| *n += 1);
+    }
+
+    /// Lets connections through again, the stalled ones first.
     pub fn open(&self) {
-        self.open.store(true, Ordering::SeqCst);
+        self.state.send_replace(State::Open);
+    }
+
+    /// Connections waiting at the stalled gate.
+    pub fn stalled(&self) -> usize {
+        self.stalled.load(Ordering::SeqCst)
     }
 }
 

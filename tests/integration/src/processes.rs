@@ -280,6 +280,19 @@ impl ProcessCluster {
         }
     }
 
+    /// With [`Options::gated`]: other clusters' calls to this one's broker hang, unanswered,
+    /// until [`ProcessCluster::partition`]`(false)` lets them through: a silent partition that
+    /// heals while they are on their way ([`Gate::stall`]). Returns the broker's gate, to see
+    /// what waits at it.
+    pub fn stall_broker(&self) -> &Gate {
+        let gate = self
+            .gates
+            .get(&Service::Broker)
+            .unwrap_or_else(|| panic!("{}: started without gates", self.id));
+        gate.stall();
+        gate
+    }
+
     /// Cuts this cluster and `other` from each other, and only from each other, until the
     /// returned [`Cut`] is dropped: no process of either reaches a service (or gate) of the
     /// other; both still reach every other cluster. Both must have started with

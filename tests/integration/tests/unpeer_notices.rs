@@ -1,7 +1,8 @@
 //! Unpeering notices (issue 15, item 3), with real service processes on real etcds: an old
 //! notice must not undo a later re-peering (neither one held back by a partition nor one
-//! already on the wire when the new peering began), and an unpeering whose notice was
-//! persisted when the broker crashed is completed on restart, on both sides.
+//! already on the wire when the new peering began, nor one naming no peering still on its way),
+//! an unpeering whose notice was persisted when the broker crashed is completed on restart, on
+//! both sides, and a broker restarted on an emptied store learns its peering's ID again.
 
 use std::time::Duration;
 
@@ -11,7 +12,9 @@ use trellis_api::pb::types::{self as types, ConditionStatus};
 use trellis_api::peers::{Condition, UNPEERED_REASON};
 use trellis_broker::peering_id::PeeringId;
 use trellis_integration::peering::unpeer;
-use trellis_integration::peering::{eventually, no_tunnel_to, peer, tunnel_to};
+use trellis_integration::peering::{
+    eventually, no_tunnel_to, peer, peer_request, token, tunnel_to,
+};
 use trellis_integration::processes::{Options, ProcessCluster, Service};
 
 const LIMIT: Duration = Duration::from_secs(60);
@@ -245,4 +248,116 @@ async fn an_unpeer_notice_on_the_wire_when_a_new_peering_began_does_not_end_it()
         (!peered_with(&b, &a.id).await).then_some(())
     })
     .await;
+}
+
+/// A broker restarted on an emptied store has lost its peering IDs while discovery keeps the
+/// peerings: the peer names the ID it keeps in its answer to the NetworkConfig the broker sends
+/// it again, and the broker keeps it, so that its unpeering notices name the peering again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broker_restarted_on_an_emptied_store_learns_its_peering_id_again_from_the_peer() {
+    let Some(mut a) = ProcessCluster::start("leaf-a", "10.0.0.0/16", "10.201.0.0/16")
+        .await
+        .expect("a starts")
+    else {
+        return;
+    };
+    let b = ProcessCluster::start("hub-b", "10.0.0.0/16", "10.201.0.0/16")
+        .await
+        .expect("b starts")
+        .expect("etcd is there");
+    peer(&a, &b).await;
+    both_tunnels(&a, &b).await;
+    let first = peering_id(&a, &b.id).await;
+
+    a.kill9(Service::Broker).expect("kill");
+    let store = a.store(Service::Broker).await.expect("opens the store");
+    for kv in store.list("").await.expect("lists").kvs {
+        store.delete(&kv.key).await.expect("deletes");
+    }
+    a.restart(Service::Broker).await.expect("restarts");
+    both_tunnels(&a, &b).await;
+    let b_id = trellis_api::ClusterId::parse("id", &b.id).expect("id");
+    let key = trellis_broker::records::peering_key(&b_id);
+    let learned = eventually("a keeps a peering ID for b again", LIMIT, || async {
+        store.get(&key).await.expect("reads")
+    })
+    .await;
+    let learned: PeeringId = trellis_store::record::decode(&key, &learned.value).expect("decodes");
+    assert_eq!(learned, first, "a learned another peering's ID");
+    assert_eq!(peering_id(&b, &a.id).await, first);
+}
+
+/// An unpeering notice that names no peering (from a broker that lost its IDs and has not heard
+/// them again, or from a peer built before IDs) would end whichever peering the receiver holds.
+/// If it is still on its way (a silent partition heals under it) while a new peering's
+/// handshake reaches the receiver by another path, it must arrive before that handshake, never
+/// after: the receiver would end the new peering while the sender keeps it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unpeer_notice_without_a_peering_id_still_on_its_way_does_not_end_a_new_peering() {
+    let Some(a) = ProcessCluster::start("leaf-a", "10.0.0.0/16", "10.201.0.0/16")
+        .await
+        .expect("a starts")
+    else {
+        return;
+    };
+    let gated = Options {
+        gated: true,
+        ..Options::default()
+    };
+    let b = ProcessCluster::start_with("hub-b", "10.0.0.0/16", "10.201.0.0/16", gated)
+        .await
+        .expect("b starts")
+        .expect("etcd is there");
+    peer(&a, &b).await;
+    both_tunnels(&a, &b).await;
+
+    // a forgets the peering's ID (the exchange is settled, so nothing tells it again).
+    let store = a.store(Service::Broker).await.expect("opens the store");
+    let b_id = trellis_api::ClusterId::parse("id", &b.id).expect("id");
+    let key = trellis_broker::records::peering_key(&b_id);
+    assert!(store.delete(&key).await.expect("deletes"));
+
+    // a unpeers b while calls to b's broker hang: the notice, naming no peering, waits at the
+    // gate.
+    let gate = b.stall_broker();
+    let unpeering = tokio::spawn({
+        let a = a.broker().await.expect("connects");
+        let b = b.id.clone();
+        async move {
+            let mut a = a;
+            a.unpeer(trellis_api::pb::peering::UnpeerRequest { cluster_id: b })
+                .await
+        }
+    });
+    eventually("the notice waits at b's gate", LIMIT, || async {
+        (gate.stalled() > 0).then_some(())
+    })
+    .await;
+    // The operator peers them again (the handshake reaches b's broker directly) and the
+    // partition heals while the notice is still on its way.
+    let peering = tokio::spawn({
+        let a = a.broker().await.expect("connects");
+        let request = peer_request(&b, token(&b).await);
+        async move {
+            let mut a = a;
+            a.peer(request).await
+        }
+    });
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    b.partition(false);
+    let unpeered = unpeering.await.expect("joins");
+    assert!(unpeered.is_ok(), "{unpeered:?}");
+    let peered = peering.await.expect("joins");
+    assert!(peered.is_ok(), "{peered:?}");
+
+    // Notice retries and resyncs (2 s) later, both sides keep the new peering.
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    assert!(
+        peered_with(&b, &a.id).await,
+        "the notice ended the new peering on b while a keeps it:\n{}\n{}",
+        a.logs(30),
+        b.logs(30)
+    );
+    assert!(peered_with(&a, &b.id).await);
+    both_tunnels(&a, &b).await;
 }

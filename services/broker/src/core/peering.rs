@@ -4,6 +4,7 @@
 //! when the remote ends it, and the unpeering notices in between, stored before anything
 //! changes so that a crash is rolled forward (ADR 0010).
 
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::PoisonError;
 
 use trellis_api::model::Addresses;
@@ -14,7 +15,7 @@ use trellis_runtime::tls::PinnedCa;
 
 use super::Broker;
 use crate::peering_id::PeeringId;
-use crate::records::{PendingNotify, encode, notify_key, peering_key};
+use crate::records::{NOTIFY_PREFIX, PendingNotify, encode, notify_key, peering_key};
 
 impl Broker {
     /// Serialises starting, ending and notifying the peering with `remote` (in this process;
@@ -32,6 +33,43 @@ impl Broker {
             .or_default()
             .clone();
         lock.lock_owned().await
+    }
+
+    /// The locks of every cluster an unpeering notice may be on its way to that a handshake
+    /// with `address` could reach: the `expected` cluster; without it, the full peer that
+    /// advertises `address` and every cluster with a pending notice (few, and only until
+    /// delivered). Taken in ID order, the one order every holder of several uses.
+    pub(super) async fn lock_notified(
+        &self,
+        address: &str,
+        expected: Option<&ClusterId>,
+    ) -> Result<BTreeMap<ClusterId, tokio::sync::OwnedMutexGuard<()>>> {
+        let mut ids = BTreeSet::new();
+        match expected {
+            Some(expected) => {
+                ids.insert(expected.clone());
+            }
+            None => {
+                let peers = self.peers().await?;
+                ids.extend(
+                    peers
+                        .full
+                        .iter()
+                        .filter(|(_, (_, addresses, _))| addresses.broker == address)
+                        .map(|(id, _)| id.clone()),
+                );
+                for kv in self.store.list(NOTIFY_PREFIX).await?.kvs {
+                    let pending: PendingNotify = crate::records::decode(&kv.key, &kv.value)?;
+                    ids.insert(pending.remote.id);
+                }
+            }
+        }
+        let mut held = BTreeMap::new();
+        for id in ids {
+            let guard = self.lock_peering(&id).await;
+            held.insert(id, guard);
+        }
+        Ok(held)
     }
 
     /// Pins (or, `None` on unpeering, unpins) a peer's CA in our own trust store at once; the
@@ -103,7 +141,7 @@ impl Broker {
     }
 
     /// The ID of the current peering with `remote`, if it has one.
-    async fn peering_id(&self, remote: &ClusterId) -> Result<Option<PeeringId>> {
+    pub async fn peering_id(&self, remote: &ClusterId) -> Result<Option<PeeringId>> {
         let key = peering_key(remote);
         match self.store.get(&key).await? {
             Some(kv) => Ok(Some(crate::records::decode(&key, &kv.value)?)),
@@ -123,6 +161,25 @@ impl Broker {
             Some(id) => self.store.put(&key, encode(id)?).await.map(drop)?,
             None => self.store.delete(&key).await.map(drop)?,
         }
+        Ok(())
+    }
+
+    /// The full peer `remote` named `told` as our peering's ID in its answer to our
+    /// NetworkConfig: kept if we keep none (our store was emptied), so that an unpeering notice
+    /// names this peering again and cannot end a later one. A different ID of our own stands:
+    /// it came from a handshake, the remote's word does not replace it.
+    pub async fn learn_peering_id(&self, remote: &ClusterId, told: &PeeringId) -> Result<()> {
+        if self.peering_id(remote).await?.is_some() {
+            return Ok(());
+        }
+        let _peering = self.lock_peering(remote).await;
+        if self.peering_id(remote).await?.is_some()
+            || !self.peers_of(&[remote]).await?.is_full_peer(remote)
+        {
+            return Ok(());
+        }
+        self.keep_peering_id(remote, Some(told)).await?;
+        tracing::info!(remote.id = %remote, peering_id = %told, "learned our peering's id from the remote");
         Ok(())
     }
 

@@ -74,6 +74,11 @@ impl BrokerService {
         self.authz.require(peer, rpc, claim, expected.as_str())?;
         let (generation, held_generation) = generations_from_pb(&nc)?;
         let spec = NetworkSpec::from_proto("network_config.spec", nc.spec.as_ref())?;
+        // Only a full peer, calling directly, has a peering with us to be told of.
+        let peering_id = match via {
+            None => self.core.peering_id(&origin.id).await?,
+            Some(_) => None,
+        };
         let answer = self
             .core
             .receive(Received {
@@ -85,6 +90,7 @@ impl BrokerService {
             })
             .await?;
         Ok(pb::SubmitNetworkConfigResponse {
+            peering_id: peering_id.map(|id| id.to_string()).unwrap_or_default(),
             accepted: answer.accepted,
             status: Some(types::NetworkConfigStatus {
                 receiver_generation: answer.receiver_generation,

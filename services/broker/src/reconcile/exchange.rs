@@ -340,7 +340,13 @@ async fn deliver(broker: &Broker, remote: &Remote, out: &OutgoingNc) -> Result<(
         held_generation,
     };
     let status = match &remote.route {
-        Route::Direct { broker: address } => broker.ports().peers().submit(address, id, nc).await?,
+        Route::Direct { broker: address } => {
+            let (status, peering_id) = broker.ports().peers().submit(address, id, nc).await?;
+            if let Some(told) = &peering_id {
+                broker.learn_peering_id(id, told).await?;
+            }
+            status
+        }
         Route::Relayed { forwarder, hub } => {
             broker
                 .ports()

@@ -226,13 +226,15 @@ impl PeerClusters {
     }
 
     /// Submits our NetworkConfig `nc` to the broker of the full peer `remote` at `address`,
-    /// batched with our other submissions to it; the remote's status, if it gave one.
+    /// batched with our other submissions to it; the remote's status, if it gave one, and the
+    /// ID it keeps for our peering (a malformed one is left out, with a warning: it only ever
+    /// fills a gap in our own records).
     pub async fn submit(
         &self,
         address: &str,
         remote: &ClusterId,
         nc: NetworkConfig,
-    ) -> Result<Option<NetworkConfigStatus>> {
+    ) -> Result<(Option<NetworkConfigStatus>, Option<PeeringId>)> {
         let answer = self
             .submitter(address, remote)?
             .call(SubmitNetworkConfigRequest {
@@ -242,7 +244,11 @@ impl PeerClusters {
             .map_err(|s| {
                 Error::from(s).context(format!("submitting our network config to {remote}"))
             })?;
-        Ok(answer.status)
+        let peering_id = PeeringId::parse_optional("peering_id", &answer.peering_id)
+            .inspect_err(|err| tracing::warn!(remote.id = %remote, error = %err, "ignoring an unusable peering id"))
+            .ok()
+            .flatten();
+        Ok((answer.status, peering_id))
     }
 
     /// Relays our NetworkConfig `nc` to the induced peer `remote` through the forwarder of
