@@ -60,14 +60,12 @@ async fn both_tunnels(a: &ProcessCluster, b: &ProcessCluster) {
     eventually("b's tunnel to a", LIMIT, || tunnel_to(b, &a.id)).await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_stale_unpeer_notice_does_not_undo_a_later_re_peering() {
-    let Some(a) = ProcessCluster::start("leaf-a", "10.0.0.0/16", "10.201.0.0/16")
+/// Leaf `a` peered with hub `b`, whose services other clusters reach only through gates, with
+/// both tunnels up; `None` without etcd (skipped, loudly).
+async fn peered_with_gated_b() -> Option<(ProcessCluster, ProcessCluster)> {
+    let a = ProcessCluster::start("leaf-a", "10.0.0.0/16", "10.201.0.0/16")
         .await
-        .expect("a starts")
-    else {
-        return;
-    };
+        .expect("a starts")?;
     let gated = Options {
         gated: true,
         ..Options::default()
@@ -78,6 +76,14 @@ async fn a_stale_unpeer_notice_does_not_undo_a_later_re_peering() {
         .expect("etcd is there");
     peer(&a, &b).await;
     both_tunnels(&a, &b).await;
+    Some((a, b))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stale_unpeer_notice_does_not_undo_a_later_re_peering() {
+    let Some((a, b)) = peered_with_gated_b().await else {
+        return;
+    };
 
     // b is cut off: a's unpeering notice cannot be delivered and stays pending.
     b.partition(true);
@@ -159,22 +165,9 @@ async fn an_unpeering_persisted_before_a_crash_is_completed_on_both_sides_after_
 /// would have.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unpeer_notice_on_the_wire_when_a_new_peering_began_does_not_end_it() {
-    let Some(a) = ProcessCluster::start("leaf-a", "10.0.0.0/16", "10.201.0.0/16")
-        .await
-        .expect("a starts")
-    else {
+    let Some((a, b)) = peered_with_gated_b().await else {
         return;
     };
-    let gated = Options {
-        gated: true,
-        ..Options::default()
-    };
-    let b = ProcessCluster::start_with("hub-b", "10.0.0.0/16", "10.201.0.0/16", gated)
-        .await
-        .expect("b starts")
-        .expect("etcd is there");
-    peer(&a, &b).await;
-    both_tunnels(&a, &b).await;
     let first = peering_id(&a, &b.id).await;
     assert_eq!(peering_id(&b, &a.id).await, first, "both sides keep one ID");
 
@@ -294,22 +287,9 @@ async fn a_broker_restarted_on_an_emptied_store_learns_its_peering_id_again_from
 /// after: the receiver would end the new peering while the sender keeps it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unpeer_notice_without_a_peering_id_still_on_its_way_does_not_end_a_new_peering() {
-    let Some(a) = ProcessCluster::start("leaf-a", "10.0.0.0/16", "10.201.0.0/16")
-        .await
-        .expect("a starts")
-    else {
+    let Some((a, b)) = peered_with_gated_b().await else {
         return;
     };
-    let gated = Options {
-        gated: true,
-        ..Options::default()
-    };
-    let b = ProcessCluster::start_with("hub-b", "10.0.0.0/16", "10.201.0.0/16", gated)
-        .await
-        .expect("b starts")
-        .expect("etcd is there");
-    peer(&a, &b).await;
-    both_tunnels(&a, &b).await;
 
     // a forgets the peering's ID (the exchange is settled, so nothing tells it again).
     let store = a.store(Service::Broker).await.expect("opens the store");
