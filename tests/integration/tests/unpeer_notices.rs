@@ -60,17 +60,17 @@ async fn both_tunnels(a: &ProcessCluster, b: &ProcessCluster) {
     eventually("b's tunnel to a", LIMIT, || tunnel_to(b, &a.id)).await;
 }
 
-/// Leaf `a` peered with hub `b`, whose services other clusters reach only through gates, with
-/// both tunnels up; `None` without etcd (skipped, loudly).
-async fn peered_with_gated_b() -> Option<(ProcessCluster, ProcessCluster)> {
+/// Leaf `a` peered with hub `b` (whose services other clusters reach only through gates when
+/// `gated`), with both tunnels up; `None` without etcd (skipped, loudly).
+async fn peered_pair(gated: bool) -> Option<(ProcessCluster, ProcessCluster)> {
     let a = ProcessCluster::start("leaf-a", "10.0.0.0/16", "10.201.0.0/16")
         .await
         .expect("a starts")?;
-    let gated = Options {
-        gated: true,
+    let options = Options {
+        gated,
         ..Options::default()
     };
-    let b = ProcessCluster::start_with("hub-b", "10.0.0.0/16", "10.201.0.0/16", gated)
+    let b = ProcessCluster::start_with("hub-b", "10.0.0.0/16", "10.201.0.0/16", options)
         .await
         .expect("b starts")
         .expect("etcd is there");
@@ -81,7 +81,7 @@ async fn peered_with_gated_b() -> Option<(ProcessCluster, ProcessCluster)> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stale_unpeer_notice_does_not_undo_a_later_re_peering() {
-    let Some((a, b)) = peered_with_gated_b().await else {
+    let Some((a, b)) = peered_pair(true).await else {
         return;
     };
 
@@ -109,18 +109,9 @@ async fn a_stale_unpeer_notice_does_not_undo_a_later_re_peering() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unpeering_persisted_before_a_crash_is_completed_on_both_sides_after_restart() {
-    let Some(mut a) = ProcessCluster::start("leaf-a", "10.0.0.0/16", "10.201.0.0/16")
-        .await
-        .expect("a starts")
-    else {
+    let Some((mut a, b)) = peered_pair(false).await else {
         return;
     };
-    let b = ProcessCluster::start("hub-b", "10.0.0.0/16", "10.201.0.0/16")
-        .await
-        .expect("b starts")
-        .expect("etcd is there");
-    peer(&a, &b).await;
-    both_tunnels(&a, &b).await;
 
     // a's broker dies right after Unpeer persisted its intent, the notice, and before it
     // changed anything else: that is what its store holds when it comes back.
@@ -165,7 +156,7 @@ async fn an_unpeering_persisted_before_a_crash_is_completed_on_both_sides_after_
 /// would have.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unpeer_notice_on_the_wire_when_a_new_peering_began_does_not_end_it() {
-    let Some((a, b)) = peered_with_gated_b().await else {
+    let Some((a, b)) = peered_pair(true).await else {
         return;
     };
     let first = peering_id(&a, &b.id).await;
@@ -248,18 +239,9 @@ async fn an_unpeer_notice_on_the_wire_when_a_new_peering_began_does_not_end_it()
 /// it again, and the broker keeps it, so that its unpeering notices name the peering again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_broker_restarted_on_an_emptied_store_learns_its_peering_id_again_from_the_peer() {
-    let Some(mut a) = ProcessCluster::start("leaf-a", "10.0.0.0/16", "10.201.0.0/16")
-        .await
-        .expect("a starts")
-    else {
+    let Some((mut a, b)) = peered_pair(false).await else {
         return;
     };
-    let b = ProcessCluster::start("hub-b", "10.0.0.0/16", "10.201.0.0/16")
-        .await
-        .expect("b starts")
-        .expect("etcd is there");
-    peer(&a, &b).await;
-    both_tunnels(&a, &b).await;
     let first = peering_id(&a, &b.id).await;
 
     a.kill9(Service::Broker).expect("kill");
@@ -287,7 +269,7 @@ async fn a_broker_restarted_on_an_emptied_store_learns_its_peering_id_again_from
 /// after: the receiver would end the new peering while the sender keeps it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unpeer_notice_without_a_peering_id_still_on_its_way_does_not_end_a_new_peering() {
-    let Some((a, b)) = peered_with_gated_b().await else {
+    let Some((a, b)) = peered_pair(true).await else {
         return;
     };
 

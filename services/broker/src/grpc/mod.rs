@@ -74,11 +74,7 @@ impl BrokerService {
         self.authz.require(peer, rpc, claim, expected.as_str())?;
         let (generation, held_generation) = generations_from_pb(&nc)?;
         let spec = NetworkSpec::from_proto("network_config.spec", nc.spec.as_ref())?;
-        // Only a full peer, calling directly, has a peering with us to be told of.
-        let peering_id = match via {
-            None => self.core.peering_id(&origin.id).await?,
-            Some(_) => None,
-        };
+        let direct = via.is_none().then(|| origin.id.clone());
         let answer = self
             .core
             .receive(Received {
@@ -89,6 +85,12 @@ impl BrokerService {
                 held_generation,
             })
             .await?;
+        // Only a full peer, calling directly (checked by `receive`), has a peering with us to
+        // be told of.
+        let peering_id = match &direct {
+            Some(origin) => self.core.peering_id(origin).await?,
+            None => None,
+        };
         Ok(pb::SubmitNetworkConfigResponse {
             peering_id: peering_id.map(|id| id.to_string()).unwrap_or_default(),
             accepted: answer.accepted,
