@@ -80,6 +80,11 @@ struct Args {
     /// Where the services keep their state.
     #[arg(long, value_enum, default_value_t = Store::Memory)]
     store: Store,
+    /// The gateways' `--busy-poll-us` (0, the gateway's default, polls not at all). Passed as
+    /// a flag, so that a `TRELLIS_BUSY_POLL_US` left in the environment cannot change the
+    /// numbers unrecorded; the result records it.
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u64).range(0..=10_000))]
+    busy_poll_us: u64,
     /// Where to write the JSON result.
     #[arg(long, default_value = "bench/results/dataplane.json")]
     out: PathBuf,
@@ -99,6 +104,7 @@ async fn main() -> anyhow::Result<()> {
         iperf_seconds: args.iperf_seconds,
         rr_seconds: args.rr_seconds,
         store: args.store,
+        busy_poll_us: args.busy_poll_us,
     };
     if args.scenario == Scenario::NodePath {
         let missing = trellis_netlab::missing_prerequisites(&["ip", "nft", "ping", "iperf3"]);

@@ -224,6 +224,7 @@ pub async fn leaf_to_leaf(
         iperf_seconds: Some(settings.iperf_seconds),
         wireguard: WIREGUARD.into(),
         build: build().into(),
+        busy_poll_us: Some(settings.busy_poll_us),
         store: settings.store,
         emulation,
         rtt_through_zero_delay_relay: relay_overhead,

@@ -43,6 +43,8 @@ pub struct Settings {
     pub rr_seconds: u32,
     /// Where the services keep their state.
     pub store: Store,
+    /// The gateways' busy-polling window, in microseconds (0: none).
+    pub busy_poll_us: u64,
 }
 
 fn options(settings: &Settings, hub_no_induced: bool) -> FabricOptions {
@@ -54,7 +56,12 @@ fn options(settings: &Settings, hub_no_induced: bool) -> FabricOptions {
     };
     o.extra_args = vec![(
         Service::Gateway,
-        vec!["--mappings-interval".into(), "1".into()],
+        vec![
+            "--mappings-interval".into(),
+            "1".into(),
+            "--busy-poll-us".into(),
+            settings.busy_poll_us.to_string(),
+        ],
     )];
     o
 }

@@ -84,6 +84,7 @@ pub async fn node_path(settings: &Settings, run: RunInfo) -> anyhow::Result<Node
         iperf_seconds: Some(settings.iperf_seconds),
         wireguard: WIREGUARD.into(),
         build: build().into(),
+        busy_poll_us: Some(settings.busy_poll_us),
         store: settings.store,
         nodes_per_cluster: Some(NODES),
         rtt_ratio: Some(rtt_non_gateway_nodes.median_ms / rtt_gateway_nodes.median_ms),

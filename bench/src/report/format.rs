@@ -40,6 +40,15 @@ pub(super) fn opt(v: Option<f64>, decimals: usize) -> String {
     v.map_or_else(|| "—".into(), |v| num(v, decimals))
 }
 
+/// The gateways' busy-polling window as a run recorded it.
+pub(super) fn busy_polling(us: Option<u64>) -> String {
+    match us {
+        None => "busy polling: not recorded".into(),
+        Some(0) => "busy polling: off".into(),
+        Some(us) => format!("busy polling: {us} µs"),
+    }
+}
+
 pub(super) fn opt_usize(v: Option<usize>) -> String {
     v.map_or_else(|| "—".into(), |v| num(v as f64, 0))
 }

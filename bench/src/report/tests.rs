@@ -92,7 +92,7 @@ fn dataplane_vs_wireguard_go(
         "iperf_seconds": 10, "throughput": [cmp(1, tunnel, wg.0), cmp(4, 1.25 * tunnel, wg.1)],
         "rtt_trellis": overhead(overhead_ms), "rtt_wireguard_go": overhead(0.5)});
     json!({"side_by_side": side_by_side, "benchmark": "dataplane_leaf_to_leaf", "machine": machine(), "wireguard": "userspace",
-           "build": "release", "store": "memory", "emulation": "netem", "hub_link_rtt_ms": 180,
+           "build": "release", "busy_poll_us": 200, "store": "memory", "emulation": "netem", "hub_link_rtt_ms": 180,
            "leaf_link_rtt_ms": 20, "rtt_no_netem_tunnel": rtt(0.5), "rtt_no_netem_bare": rtt(0.1),
            "throughput": {"tunnel_mbit_s": tunnel, "bare_veth_mbit_s": 1000.0,
                           "tunnel_fraction_of_bare": tunnel / 1000.0, "seconds": 10},
@@ -369,6 +369,10 @@ fn tables_and_notes_carry_the_numbers() {
     assert!(doc.contains("run: full, started 2026-11-22T01:00:00Z, commit `0123456789+dirty`"));
     assert!(doc.contains("| CPU | Test CPU, 2 cores |"));
     assert!(doc.contains("| induced (A→C direct) | 20 | 21.000 |"));
+    assert!(
+        doc.contains("build: release; busy polling: 200 µs; store: memory;"),
+        "{doc}"
+    );
     assert!(
         doc.contains("| 1 TCP stream, Mbit/s | 300 (290–310) | 250 (240–260) | **1.20** |"),
         "{doc}"

@@ -189,6 +189,10 @@ pub struct DataplaneResult {
     pub wireguard: String,
     #[serde(default)]
     pub build: String,
+    /// The gateways' busy-polling window in microseconds (0: none); `None` in results from
+    /// before it was recorded, which all ran without polling's flag.
+    #[serde(default)]
+    pub busy_poll_us: Option<u64>,
     pub store: Store,
     /// How the link delays were added.
     pub emulation: Emulation,
@@ -249,6 +253,10 @@ pub struct NodePathResult {
     pub wireguard: String,
     #[serde(default)]
     pub build: String,
+    /// The gateways' busy-polling window in microseconds (0: none); `None` in results from
+    /// before it was recorded, which all ran without polling's flag.
+    #[serde(default)]
+    pub busy_poll_us: Option<u64>,
     pub store: Store,
     #[serde(default)]
     pub nodes_per_cluster: Option<usize>,

@@ -131,10 +131,13 @@ pub struct Config {
     /// microseconds, and a round trip through two gateways wakes four threads: polling briefly
     /// keeps the vCPU running, which cut a single request/response connection's median round
     /// trip about four times in our measurements; the sending thread also reads the socket
-    /// while it polls, so a reply arriving within the window is handled without a wake-up. The
+    /// while it polls, so a reply arriving within the window is handled without a wake-up
+    /// (`trellis_gateway_received_while_polling_total` counts those): for a lone request's
+    /// reply, the window must exceed the round trip to the peer's gateway and back. The
     /// price is CPU while traffic flows (never at idle). On a node whose cores are all busy
-    /// that CPU is taken from everything else, so it is opt-in; 200, the window Linux's guest
-    /// halt polling uses, is a good start.
+    /// that CPU is taken from everything else, so it is opt-in. 200, the window Linux's guest
+    /// halt polling uses, is a good start for request/response traffic; a lone ping's reply
+    /// between two gateways on one virtual machine needed 500 in our measurements.
     #[arg(
         long,
         env = "TRELLIS_BUSY_POLL_US",

@@ -288,6 +288,12 @@ impl Gateway {
         self.engine.as_ref().map(|e| e.resent())
     }
 
+    /// Receive batches the userspace engine's TUN thread took while it busy-polled (ADR 0032;
+    /// `None` without the engine).
+    pub fn received_while_polling(&self) -> Option<u64> {
+        self.engine.as_ref().map(|e| e.received_while_polling())
+    }
+
     /// The interface name of the tunnel to `peer`.
     pub fn interface_name(&self, peer: &ClusterId) -> String {
         names::interface_name(

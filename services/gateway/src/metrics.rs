@@ -12,7 +12,9 @@
 //! datagram refused or over its pair's rate, a resent copy already had), `trellis_tunnel_path{path}`
 //! how many tunnels go direct and how many through a hub's relay, and
 //! `trellis_gateway_resent_datagrams_total` what was resent through a hub when a tunnel's
-//! direct path died.
+//! direct path died; `trellis_gateway_received_while_polling_total` what the sending thread
+//! received while it busy-polled, so an operator who turned polling on sees whether replies
+//! come back within its window.
 
 use std::sync::{Arc, Mutex};
 use std::time::SystemTime;
@@ -181,6 +183,17 @@ impl Collector for TunnelCollector {
                     ConstCounter::new(0u64).metric_type(),
                 )?;
                 ConstCounter::new(resent).encode(family)?;
+            }
+            if let Some(caught) = core.received_while_polling() {
+                let family = encoder.encode_descriptor(
+                    "trellis_gateway_received_while_polling",
+                    "Receive batches the engine's sending thread took from the socket while it \
+                     busy-polled (--busy-poll-us), each a reply that skipped the receiving \
+                     thread's wake-up; stays 0 with polling off",
+                    None,
+                    ConstCounter::new(0u64).metric_type(),
+                )?;
+                ConstCounter::new(caught).encode(family)?;
             }
         }
         let mut paths = encoder.encode_descriptor(

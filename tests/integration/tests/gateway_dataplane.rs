@@ -44,6 +44,9 @@ const C: usize = 2;
 const LIMIT: Duration = Duration::from_secs(60);
 /// The gateways' `--metrics-listen` port (each in its own namespace).
 const GATEWAY_METRICS: u16 = 9106;
+/// The gateways' busy-polling window: wide, so that a debug build's reply on a loaded machine
+/// still comes back within it.
+const BUSY_POLL_US: u64 = 5_000;
 /// The endpoints services' default metrics port (free in each cluster's namespace).
 const ENDPOINTS_METRICS: u16 = 9105;
 
@@ -73,6 +76,8 @@ impl Lab {
         options.hub_no_induced = hub_no_induced;
         // Hub-path mappings show up in the gateway within a second.
         // Metrics on every address of the gateway's namespace (the test scrapes 127.0.0.1 there).
+        // The engines busy-poll (opt-in, ADR 0032), so that the full path's polling runs with
+        // the real control plane; the other data-plane tests keep the default, no polling.
         options.extra_args = vec![(
             Service::Gateway,
             vec![
@@ -80,6 +85,8 @@ impl Lab {
                 "1".into(),
                 "--metrics-listen".into(),
                 format!("0.0.0.0:{GATEWAY_METRICS}"),
+                "--busy-poll-us".into(),
+                BUSY_POLL_US.to_string(),
             ],
         )];
         let started = Instant::now();
@@ -275,6 +282,17 @@ fn tunnel_counters(python: &Path, gw_ns: &str, peer: &str) -> BTreeMap<String, f
     out
 }
 
+/// The gateway's `trellis_gateway_received_while_polling_total`.
+fn received_while_polling(python: &Path, gw_ns: &str) -> f64 {
+    let addr = SocketAddr::from(([127, 0, 0, 1], GATEWAY_METRICS));
+    let samples = parse(python, &scrape_in(gw_ns, addr));
+    samples
+        .iter()
+        .find(|s| s.name == "trellis_gateway_received_while_polling_total")
+        .unwrap_or_else(|| panic!("no received_while_polling in {samples:?}"))
+        .value
+}
+
 fn loss_free(out: &std::process::Output) -> bool {
     out.status.success() && String::from_utf8_lossy(&out.stdout).contains(" 0% packet loss")
 }
@@ -353,6 +371,9 @@ async fn leaf_to_leaf_is_direct_with_the_real_control_plane_and_survives_the_hub
     let a_gw_ns = fabric.gw_ns(A).to_owned();
     let tunnel_metrics = |python: &Path| tunnel_counters(python, &a_gw_ns, "c");
     let metrics_before = python.as_deref().map(tunnel_metrics);
+    let polled_before = python
+        .as_deref()
+        .map(|python| received_while_polling(python, &a_gw_ns));
     let before = fabric.topology.uplink_counters(B).expect("counters");
     let out = fabric.ping(
         A,
@@ -387,6 +408,12 @@ async fn leaf_to_leaf_is_direct_with_the_real_control_plane_and_survives_the_hub
         }
         assert_eq!(after["trellis_gateway_tunnel_state{state=up}"], 1.0);
         assert!(after["trellis_gateway_tunnel_handshake_age_seconds"] < 180.0);
+        // A's sending thread polls after each request, and C's reply mostly comes back within
+        // the window: it is received there, without waking A's receiving thread.
+        let polled =
+            received_while_polling(python, &a_gw_ns) - polled_before.expect("scraped before");
+        eprintln!("measured: A's sending thread received {polled} of 50 replies while it polled");
+        assert!(polled >= 10.0, "{polled} replies received while polling");
     }
 
     // Status: A's tunnel to C is up with the traffic counted.

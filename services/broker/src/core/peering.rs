@@ -271,3 +271,27 @@ impl Broker {
         Ok(true)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The remote's word only fills a gap: an ID of our own came from a handshake and stands,
+    /// so an answer naming another one (a peering the remote has not yet given up) changes
+    /// nothing here.
+    #[tokio::test]
+    async fn an_id_of_our_own_stands_against_the_one_the_remote_names() {
+        let broker = crate::reconcile::broker();
+        let remote = ClusterId::parse("id", "hub").expect("id");
+        let (ours, told) = (PeeringId::random(), PeeringId::random());
+        broker
+            .keep_peering_id(&remote, Some(&ours))
+            .await
+            .expect("kept");
+        broker
+            .learn_peering_id(&remote, &told)
+            .await
+            .expect("nothing to do");
+        assert_eq!(broker.peering_id(&remote).await.expect("reads"), Some(ours));
+    }
+}

@@ -62,10 +62,10 @@ pub struct Unsettled {
     pub ids: BTreeSet<ClusterId>,
 }
 
-/// A broker over an empty in-memory store whose local services never answer: what the
-/// submodules' unit tests run passes and wake-ups against.
+/// A broker over an empty in-memory store whose local services never answer: what the unit
+/// tests run passes, wake-ups and the core's store-only paths against.
 #[cfg(test)]
-fn broker() -> Broker {
+pub(crate) fn broker() -> Broker {
     let ports = crate::remote::Ports::new(
         "127.0.0.1:9",
         "127.0.0.1:9",

@@ -244,11 +244,7 @@ impl PeerClusters {
             .map_err(|s| {
                 Error::from(s).context(format!("submitting our network config to {remote}"))
             })?;
-        let peering_id = PeeringId::parse_optional("peering_id", &answer.peering_id)
-            .inspect_err(|err| tracing::warn!(remote.id = %remote, error = %err, "ignoring an unusable peering id"))
-            .ok()
-            .flatten();
-        Ok((answer.status, peering_id))
+        Ok((answer.status, told_peering_id(remote, &answer.peering_id)))
     }
 
     /// Relays our NetworkConfig `nc` to the induced peer `remote` through the forwarder of
@@ -433,5 +429,29 @@ impl PeerClusters {
             address,
             expected,
         )?))
+    }
+}
+/// The peering ID a remote named in its answer: none when it named none, and none (with a
+/// warning) when what it named is malformed, since it only ever fills a gap in our records.
+fn told_peering_id(remote: &ClusterId, text: &str) -> Option<PeeringId> {
+    PeeringId::parse_optional("peering_id", text)
+        .inspect_err(|err| tracing::warn!(remote.id = %remote, error = %err, "ignoring an unusable peering id"))
+        .ok()
+        .flatten()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_malformed_peering_id_in_an_answer_is_left_out() {
+        let remote = ClusterId::parse("id", "hub").expect("id");
+        let id = PeeringId::random();
+        assert_eq!(told_peering_id(&remote, id.as_str()), Some(id));
+        assert_eq!(told_peering_id(&remote, ""), None, "a peer before IDs");
+        for malformed in ["NOT-HEX", "0123456789ABCDEF", &"a".repeat(65)] {
+            assert_eq!(told_peering_id(&remote, malformed), None, "{malformed}");
+        }
     }
 }

@@ -266,9 +266,12 @@ pub(super) fn tun_loop(shared: &Shared, mut poll: Poll) {
                 continue;
             };
             if let Some(peer) = shared.peer(index) {
-                busy.handled();
                 let mut out = shared.outbound.lock().unwrap_or_else(|e| e.into_inner());
                 shared.drain_tun(&peer, &mut out);
+                // The window opens once what was read has left: a reply can only come back
+                // after that, and a window opened before the encrypting and sending would
+                // close that much sooner on it.
+                busy.handled();
             }
         }
     }
