@@ -190,7 +190,7 @@ pub struct DataplaneResult {
     #[serde(default)]
     pub build: String,
     /// The gateways' busy-polling window in microseconds (0: none); `None` in results from
-    /// before it was recorded, which all ran without polling's flag.
+    /// before it was recorded (the run's note says what the gateways were given).
     #[serde(default)]
     pub busy_poll_us: Option<u64>,
     pub store: Store,
@@ -254,7 +254,7 @@ pub struct NodePathResult {
     #[serde(default)]
     pub build: String,
     /// The gateways' busy-polling window in microseconds (0: none); `None` in results from
-    /// before it was recorded, which all ran without polling's flag.
+    /// before it was recorded (the run's note says what the gateways were given).
     #[serde(default)]
     pub busy_poll_us: Option<u64>,
     pub store: Store,

@@ -187,9 +187,9 @@ impl Collector for TunnelCollector {
             if let Some(caught) = core.received_while_polling() {
                 let family = encoder.encode_descriptor(
                     "trellis_gateway_received_while_polling",
-                    "Receive batches the engine's sending thread took from the socket while it \
-                     busy-polled (--busy-poll-us), each a reply that skipped the receiving \
-                     thread's wake-up; stays 0 with polling off",
+                    "Receives that gave the engine's sending thread datagrams while it \
+                     busy-polled (--busy-poll-us): replies handled without waking the \
+                     receiving thread; stays 0 with polling off",
                     None,
                     ConstCounter::new(0u64).metric_type(),
                 )?;

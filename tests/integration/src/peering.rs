@@ -20,7 +20,7 @@ use crate::processes::ProcessCluster;
 pub use trellis_testkit::eventually;
 pub use trellis_testkit::peering::{
     Peerable, answered_tunnel_to, no_tunnel_to, peer, peer_request, peer_with_token, token,
-    tunnel_to, tunnels, unpeer,
+    try_peer, tunnel_to, tunnels, unpeer,
 };
 
 impl Peerable for InProcessCluster {

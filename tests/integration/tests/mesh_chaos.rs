@@ -33,7 +33,7 @@ use trellis_api::pb::peering::{ListRelaysRequest, UnpeerRequest, WithdrawNetwork
 use trellis_api::pb::types;
 use trellis_integration::cut::Cut;
 use trellis_integration::peering::unpeer;
-use trellis_integration::peering::{expected_hub_mesh, nat_views_agree, peer, remote_id};
+use trellis_integration::peering::{expected_hub_mesh, nat_views_agree, peer, remote_id, try_peer};
 use trellis_integration::processes::{Options, ProcessCluster, Service};
 use trellis_integration::rng::Rng;
 
@@ -426,8 +426,17 @@ async fn random_failures_unpeerings_and_partitions_always_converge_to_a_consiste
             ));
         }
         for l in unpeered {
-            peer(&mesh.leaves[l], &mesh.hub).await;
-            log.push(format!("re-peer {}", mesh.leaves[l].id));
+            let leaf = &mesh.leaves[l];
+            if let Err(err) = try_peer(leaf, &mesh.hub).await {
+                panic!(
+                    "seed {seed}, round {round} ({}): re-peering {} failed: {err:#}\n{}\n{}",
+                    log.join("; "),
+                    leaf.id,
+                    leaf.logs(60),
+                    mesh.hub.logs(60)
+                );
+            }
+            log.push(format!("re-peer {}", leaf.id));
         }
         eprintln!("round {round}: {}", log.join("; "));
         quiet(&mesh, &LEAVES, seed, round, &log).await;

@@ -323,3 +323,61 @@ async fn an_unpeer_notice_without_a_peering_id_still_on_its_way_does_not_end_a_n
     assert!(peered_with(&a, &b.id).await);
     both_tunnels(&a, &b).await;
 }
+
+/// A peer's unpeering notice still on its way (a silent partition heals under it) while the
+/// cluster it unpeered asks to peer again: the notice's sender answers the handshake only once
+/// its notice is through, and the handshake's sender must take the notice meanwhile. A broker
+/// that held its peering's lock across its own handshake waited for the notice, the notice's
+/// sender for the handshake: the handshake timed out (`mesh_chaos`, seed 1796285431427397987).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handshake_sent_while_the_peers_notice_is_on_its_way_waits_for_it_and_succeeds() {
+    let Some((a, b)) = peered_pair(true).await else {
+        return;
+    };
+
+    // a unpeers b while calls to b's broker hang: its notice waits at b's gate.
+    let gate = b.stall_broker();
+    let unpeering = tokio::spawn({
+        let a = a.broker().await.expect("connects");
+        let b = b.id.clone();
+        async move {
+            let mut a = a;
+            a.unpeer(trellis_api::pb::peering::UnpeerRequest { cluster_id: b })
+                .await
+        }
+    });
+    eventually("the notice waits at b's gate", LIMIT, || async {
+        (gate.stalled() > 0).then_some(())
+    })
+    .await;
+    // b's operator peers with a again (b reaches a directly), and the partition heals while
+    // the handshake waits for a's notice.
+    let peering = tokio::spawn({
+        let b_broker = b.broker().await.expect("connects");
+        let request = peer_request(&a, token(&a).await);
+        async move {
+            let mut b = b_broker;
+            b.peer(request).await
+        }
+    });
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    b.partition(false);
+    let unpeered = unpeering.await.expect("joins");
+    assert!(unpeered.is_ok(), "{unpeered:?}");
+    let peered = peering.await.expect("joins");
+    assert!(
+        peered.is_ok(),
+        "b's handshake failed: {peered:?}\n{}\n{}",
+        a.logs(30),
+        b.logs(30)
+    );
+
+    // The notice ended the old peering, the handshake began the new one, on both sides.
+    eventually("a peered with b again", LIMIT, || async {
+        peered_with(&a, &b.id).await.then_some(())
+    })
+    .await;
+    assert!(peered_with(&b, &a.id).await);
+    assert_eq!(peering_id(&a, &b.id).await, peering_id(&b, &a.id).await);
+    both_tunnels(&a, &b).await;
+}

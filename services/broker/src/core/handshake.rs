@@ -207,7 +207,9 @@ impl Broker {
         // An unpeering notice to this cluster still on its way must reach it before our
         // handshake, never after: it would end the new peering there (a notice from a store
         // that lost its peering IDs names none, so nothing else fences it). Notices go out
-        // under their remote's lock, so we hold it across the handshake.
+        // under their remote's sending lock, so we hold it across the handshake. Only that
+        // one: the remote may answer only after its own notice to us is through, which takes
+        // our peering lock.
         let mut notified = self.lock_notified(address, expected).await?;
         let peering_id = PeeringId::random();
         let our_ca = self.our_ca();
@@ -254,13 +256,14 @@ impl Broker {
         let ca = self
             .peer_ca("ca_certificate", &remote.id, &answer.ca_certificate)
             .map_err(unusable)?;
-        // One lock at a time from here, so two peerings never wait for each other's.
+        // One remote's locks from here, so two peerings never wait for each other's.
         let held = notified.remove(&remote.id);
         drop(notified);
-        let _peering = match held {
+        let _sending = match held {
             Some(held) => held,
-            None => self.lock_peering(&remote.id).await,
+            None => self.lock_sending(&remote.id).await,
         };
+        let _peering = self.lock_peering(&remote.id).await;
         self.cancel_notice(&remote.id).await?;
         self.keep_peering_id(&remote.id, Some(&peering_id)).await?;
         self.record_peering(&remote, Some(&addresses), true, PEERED_REASON, ca.as_ref())

@@ -29,7 +29,7 @@ pub mod statuses;
 mod view;
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::Mutex;
 use std::time::Duration;
 
 use trellis_api::model::WgKey;
@@ -59,10 +59,9 @@ pub struct Broker {
     /// The reconciler's two lanes (full peers, induced peers): what each must look at next
     /// and how to wake it (in memory only: a restart runs a full pass anyway).
     lanes: [LaneState; 2],
-    /// One lock per remote, held while a peering with it starts or ends and while its
-    /// unpeering notice is acted on, so a notice is never sent about (or rolled forward over)
-    /// a peering that was started again in between.
-    peering_locks: Mutex<HashMap<ClusterId, Arc<tokio::sync::Mutex<()>>>>,
+    /// Two locks per remote ([`peering::RemoteLocks`]): one over its peering's state, one
+    /// over what we send it about the peering (our notices, our handshakes).
+    peering_locks: Mutex<HashMap<ClusterId, peering::RemoteLocks>>,
     /// Where a peer's ranges, and its views of ours, may lie (`--allowed-remote-cidrs`).
     allowed: AllowedRanges,
     /// The reconciler's resync period (`--resync`).

@@ -5,7 +5,7 @@
 //! changes so that a crash is rolled forward (ADR 0010).
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::sync::PoisonError;
+use std::sync::{Arc, PoisonError};
 
 use trellis_api::model::Addresses;
 use trellis_api::peers::UNPEERED_REASON;
@@ -17,27 +17,52 @@ use super::Broker;
 use crate::peering_id::PeeringId;
 use crate::records::{NOTIFY_PREFIX, PendingNotify, encode, notify_key, peering_key};
 
+/// The locks of one remote (in this process: the broker runs as one replica per cluster, and
+/// its Deployment is `Recreate` so that a rollout never runs two). Whoever takes both takes
+/// `sending` first.
+#[derive(Debug, Default, Clone)]
+pub(super) struct RemoteLocks {
+    /// Over the peering's state: starting it, ending it, acting on a notice about it, so a
+    /// notice is never sent about (or rolled forward over) a peering started again in between.
+    peering: Arc<tokio::sync::Mutex<()>>,
+    /// Over what we send the remote about the peering: our unpeering notice's delivery and our
+    /// handshake, so that a notice still on its way reaches it before our next handshake.
+    /// Never taken on behalf of the remote's own calls: a handshake waiting on the remote's
+    /// notice must leave our side free to take that notice (the remote answers the handshake
+    /// only once its notice is through).
+    sending: Arc<tokio::sync::Mutex<()>>,
+}
+
 impl Broker {
-    /// Serialises starting, ending and notifying the peering with `remote` (in this process;
-    /// the broker runs as one replica per cluster, and its Deployment is `Recreate` so that a
-    /// rollout never runs two).
-    pub(super) async fn lock_peering(
-        &self,
-        remote: &ClusterId,
-    ) -> tokio::sync::OwnedMutexGuard<()> {
-        let lock = self
-            .peering_locks
+    fn remote_locks(&self, remote: &ClusterId) -> RemoteLocks {
+        self.peering_locks
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .entry(remote.clone())
             .or_default()
-            .clone();
-        lock.lock_owned().await
+            .clone()
     }
 
-    /// The locks of every cluster an unpeering notice may be on its way to that a handshake
-    /// with `address` could reach: the `expected` cluster; without it, the full peer that
-    /// advertises `address` and every cluster with a pending notice (few, and only until
+    /// Serialises starting, ending and acting on notices about the peering with `remote`.
+    pub(super) async fn lock_peering(
+        &self,
+        remote: &ClusterId,
+    ) -> tokio::sync::OwnedMutexGuard<()> {
+        self.remote_locks(remote).peering.lock_owned().await
+    }
+
+    /// Serialises what we send `remote` about the peering: the delivery of our unpeering
+    /// notice, our handshake. Taken before [`Broker::lock_peering`] by whoever takes both.
+    pub(super) async fn lock_sending(
+        &self,
+        remote: &ClusterId,
+    ) -> tokio::sync::OwnedMutexGuard<()> {
+        self.remote_locks(remote).sending.lock_owned().await
+    }
+
+    /// The sending locks of every cluster an unpeering notice may be on its way to that a
+    /// handshake with `address` could reach: the `expected` cluster; without it, the full peer
+    /// that advertises `address` and every cluster with a pending notice (few, and only until
     /// delivered). Taken in ID order, the one order every holder of several uses.
     pub(super) async fn lock_notified(
         &self,
@@ -66,7 +91,7 @@ impl Broker {
         }
         let mut held = BTreeMap::new();
         for id in ids {
-            let guard = self.lock_peering(&id).await;
+            let guard = self.lock_sending(&id).await;
             held.insert(id, guard);
         }
         Ok(held)
@@ -105,6 +130,7 @@ impl Broker {
     /// built on it) and tells the remote, retrying later if it is unreachable.
     #[tracing::instrument(skip(self))]
     pub async fn unpeer(&self, id: &ClusterId) -> Result<bool> {
+        let _sending = self.lock_sending(id).await;
         let _peering = self.lock_peering(id).await;
         let peers = self.peers().await?;
         let Some((remote, addresses, _)) = peers.full.get(id).cloned() else {
@@ -198,6 +224,7 @@ impl Broker {
     /// and changing discovery), then delivers the notice. A notice a new peering cancelled in
     /// the meantime is gone and nothing happens. Returns whether nothing is left to do.
     pub async fn act_on_notice(&self, remote: &ClusterId) -> Result<bool> {
+        let _sending = self.lock_sending(remote).await;
         let _peering = self.lock_peering(remote).await;
         let key = notify_key(remote);
         let Some(kv) = self.store.get(&key).await? else {

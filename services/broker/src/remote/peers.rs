@@ -431,6 +431,7 @@ impl PeerClusters {
         )?))
     }
 }
+
 /// The peering ID a remote named in its answer: none when it named none, and none (with a
 /// warning) when what it named is malformed, since it only ever fills a gap in our records.
 fn told_peering_id(remote: &ClusterId, text: &str) -> Option<PeeringId> {
