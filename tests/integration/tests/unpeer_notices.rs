@@ -79,6 +79,40 @@ async fn peered_pair(gated: bool) -> Option<(ProcessCluster, ProcessCluster)> {
     Some((a, b))
 }
 
+/// `a` unpeers `b` while calls to `b`'s broker hang, so its notice waits at `b`'s gate; then
+/// `from` peers with `to`, and the gate opens 2 s later with the handshake under way (a silent
+/// partition healing under both calls). The Unpeer must succeed; the Peer's answer is returned.
+async fn notice_stalled_while_peering(
+    a: &ProcessCluster,
+    b: &ProcessCluster,
+    from: &ProcessCluster,
+    to: &ProcessCluster,
+) -> Result<tonic::Response<trellis_api::pb::peering::PeerResponse>, tonic::Status> {
+    let gate = b.stall_broker();
+    let unpeering = tokio::spawn({
+        let mut a = a.broker().await.expect("connects");
+        let b = b.id.clone();
+        async move {
+            a.unpeer(trellis_api::pb::peering::UnpeerRequest { cluster_id: b })
+                .await
+        }
+    });
+    eventually("the notice waits at b's gate", LIMIT, || async {
+        (gate.stalled() > 0).then_some(())
+    })
+    .await;
+    let peering = tokio::spawn({
+        let mut from = from.broker().await.expect("connects");
+        let request = peer_request(to, token(to).await);
+        async move { from.peer(request).await }
+    });
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    b.partition(false);
+    let unpeered = unpeering.await.expect("joins");
+    assert!(unpeered.is_ok(), "{unpeered:?}");
+    peering.await.expect("joins")
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stale_unpeer_notice_does_not_undo_a_later_re_peering() {
     let Some((a, b)) = peered_pair(true).await else {
@@ -279,37 +313,9 @@ async fn an_unpeer_notice_without_a_peering_id_still_on_its_way_does_not_end_a_n
     let key = trellis_broker::records::peering_key(&b_id);
     assert!(store.delete(&key).await.expect("deletes"));
 
-    // a unpeers b while calls to b's broker hang: the notice, naming no peering, waits at the
-    // gate.
-    let gate = b.stall_broker();
-    let unpeering = tokio::spawn({
-        let a = a.broker().await.expect("connects");
-        let b = b.id.clone();
-        async move {
-            let mut a = a;
-            a.unpeer(trellis_api::pb::peering::UnpeerRequest { cluster_id: b })
-                .await
-        }
-    });
-    eventually("the notice waits at b's gate", LIMIT, || async {
-        (gate.stalled() > 0).then_some(())
-    })
-    .await;
-    // The operator peers them again (the handshake reaches b's broker directly) and the
-    // partition heals while the notice is still on its way.
-    let peering = tokio::spawn({
-        let a = a.broker().await.expect("connects");
-        let request = peer_request(&b, token(&b).await);
-        async move {
-            let mut a = a;
-            a.peer(request).await
-        }
-    });
-    tokio::time::sleep(Duration::from_secs(2)).await;
-    b.partition(false);
-    let unpeered = unpeering.await.expect("joins");
-    assert!(unpeered.is_ok(), "{unpeered:?}");
-    let peered = peering.await.expect("joins");
+    // a unpeers b, the notice (naming no peering) waits at b's gate, and a peers b again (the
+    // handshake reaches b's broker directly) while it is still on its way.
+    let peered = notice_stalled_while_peering(&a, &b, &a, &b).await;
     assert!(peered.is_ok(), "{peered:?}");
 
     // Notice retries and resyncs (2 s) later, both sides keep the new peering.
@@ -335,36 +341,9 @@ async fn a_handshake_sent_while_the_peers_notice_is_on_its_way_waits_for_it_and_
         return;
     };
 
-    // a unpeers b while calls to b's broker hang: its notice waits at b's gate.
-    let gate = b.stall_broker();
-    let unpeering = tokio::spawn({
-        let a = a.broker().await.expect("connects");
-        let b = b.id.clone();
-        async move {
-            let mut a = a;
-            a.unpeer(trellis_api::pb::peering::UnpeerRequest { cluster_id: b })
-                .await
-        }
-    });
-    eventually("the notice waits at b's gate", LIMIT, || async {
-        (gate.stalled() > 0).then_some(())
-    })
-    .await;
-    // b's operator peers with a again (b reaches a directly), and the partition heals while
-    // the handshake waits for a's notice.
-    let peering = tokio::spawn({
-        let b_broker = b.broker().await.expect("connects");
-        let request = peer_request(&a, token(&a).await);
-        async move {
-            let mut b = b_broker;
-            b.peer(request).await
-        }
-    });
-    tokio::time::sleep(Duration::from_secs(2)).await;
-    b.partition(false);
-    let unpeered = unpeering.await.expect("joins");
-    assert!(unpeered.is_ok(), "{unpeered:?}");
-    let peered = peering.await.expect("joins");
+    // a unpeers b, the notice waits at b's gate, and b peers a again (b reaches a directly)
+    // while it is still on its way.
+    let peered = notice_stalled_while_peering(&a, &b, &b, &a).await;
     assert!(
         peered.is_ok(),
         "b's handshake failed: {peered:?}\n{}\n{}",
