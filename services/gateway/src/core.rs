@@ -288,7 +288,7 @@ impl Gateway {
         self.engine.as_ref().map(|e| e.resent())
     }
 
-    /// Receive batches the userspace engine's TUN thread took while it busy-polled (ADR 0032;
+    /// Receive buffers the userspace engine's TUN thread filled while it busy-polled (ADR 0032;
     /// `None` without the engine).
     pub fn received_while_polling(&self) -> Option<u64> {
         self.engine.as_ref().map(|e| e.received_while_polling())

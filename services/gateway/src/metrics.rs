@@ -187,9 +187,10 @@ impl Collector for TunnelCollector {
             if let Some(caught) = core.received_while_polling() {
                 let family = encoder.encode_descriptor(
                     "trellis_gateway_received_while_polling",
-                    "Receives that gave the engine's sending thread datagrams while it \
-                     busy-polled (--busy-poll-us): replies handled without waking the \
-                     receiving thread; stays 0 with polling off",
+                    "Receive buffers (a datagram, or one sender's datagrams coalesced by GRO) \
+                     the engine's sending thread filled while it busy-polled (--busy-poll-us): \
+                     replies handled without waking the receiving thread; stays 0 with \
+                     polling off",
                     None,
                     ConstCounter::new(0u64).metric_type(),
                 )?;

@@ -340,6 +340,7 @@ async fn a_handshake_sent_while_the_peers_notice_is_on_its_way_waits_for_it_and_
     let Some((a, b)) = peered_pair(true).await else {
         return;
     };
+    let first = peering_id(&a, &b.id).await;
 
     // a unpeers b, the notice waits at b's gate, and b peers a again (b reaches a directly)
     // while it is still on its way.
@@ -357,6 +358,12 @@ async fn a_handshake_sent_while_the_peers_notice_is_on_its_way_waits_for_it_and_
     })
     .await;
     assert!(peered_with(&b, &a.id).await);
-    assert_eq!(peering_id(&a, &b.id).await, peering_id(&b, &a.id).await);
+    let second = peering_id(&b, &a.id).await;
+    assert_ne!(second, first, "b still keeps the old peering");
+    assert_eq!(
+        peering_id(&a, &b.id).await,
+        second,
+        "a keeps another peering"
+    );
     both_tunnels(&a, &b).await;
 }

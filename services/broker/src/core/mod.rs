@@ -61,7 +61,7 @@ pub struct Broker {
     lanes: [LaneState; 2],
     /// Two locks per remote ([`peering::RemoteLocks`]): one over its peering's state, one
     /// over what we send it about the peering (our notices, our handshakes).
-    peering_locks: Mutex<HashMap<ClusterId, peering::RemoteLocks>>,
+    remote_locks: Mutex<HashMap<ClusterId, peering::RemoteLocks>>,
     /// Where a peer's ranges, and its views of ours, may lie (`--allowed-remote-cidrs`).
     allowed: AllowedRanges,
     /// The reconciler's resync period (`--resync`).
@@ -95,7 +95,7 @@ impl Broker {
             ports,
             initial_token,
             lanes: [LaneState::new(), LaneState::new()],
-            peering_locks: Mutex::new(HashMap::new()),
+            remote_locks: Mutex::new(HashMap::new()),
             allowed: AllowedRanges::default(),
             resync: DEFAULT_RESYNC,
             own_key: Mutex::new(None),

@@ -35,7 +35,7 @@ pub(super) struct RemoteLocks {
 
 impl Broker {
     fn remote_locks(&self, remote: &ClusterId) -> RemoteLocks {
-        self.peering_locks
+        self.remote_locks
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .entry(remote.clone())
