@@ -34,7 +34,7 @@ use std::path::PathBuf;
 
 use anyhow::bail;
 use clap::{Parser, ValueEnum};
-use trellis_bench::dataplane::{Settings, leaf_to_leaf, node_path};
+use trellis_bench::dataplane::{self, Settings, leaf_to_leaf, node_path};
 use trellis_bench::results::{Emulation, Store};
 use trellis_bench::{RunArgs, RunInfo, write_json};
 use trellis_netlab::netem;
@@ -85,6 +85,13 @@ struct Args {
     /// numbers unrecorded; the result records it.
     #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u64).range(0..=10_000))]
     busy_poll_us: u64,
+    /// Holds the kernel's CPU latency limit (`/dev/cpu_dma_latency`) at this many microseconds
+    /// for the run, as a low-latency node tuning does; 0 keeps idle CPUs polling instead of
+    /// halting, which makes waking a thread on an idle vCPU cheap and keeps every core busy
+    /// while idle. Without it the machine's own limit stands. The result records the limit in
+    /// force either way (ADR 0032).
+    #[arg(long, value_name = "MICROSECONDS")]
+    cpu_latency_us: Option<u32>,
     /// Where to write the JSON result.
     #[arg(long, default_value = "bench/results/dataplane.json")]
     out: PathBuf,
@@ -96,6 +103,11 @@ struct Args {
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     let run = RunInfo::start(&args.run);
+    // Held until the process ends: the kernel drops the request when the file closes.
+    let _cpu_latency = args
+        .cpu_latency_us
+        .map(dataplane::cpu_latency::hold)
+        .transpose()?;
     let settings = Settings {
         samples: args.samples,
         hub_link_ms: args.hub_link_ms,
@@ -105,6 +117,7 @@ async fn main() -> anyhow::Result<()> {
         rr_seconds: args.rr_seconds,
         store: args.store,
         busy_poll_us: args.busy_poll_us,
+        cpu_latency_limit: dataplane::cpu_latency::limit(),
     };
     if args.scenario == Scenario::NodePath {
         let missing = trellis_netlab::missing_prerequisites(&["ip", "nft", "ping", "iperf3"]);

@@ -225,6 +225,7 @@ pub async fn leaf_to_leaf(
         wireguard: WIREGUARD.into(),
         build: build().into(),
         busy_poll_us: Some(settings.busy_poll_us),
+        cpu_latency_limit: settings.cpu_latency_limit,
         store: settings.store,
         emulation,
         rtt_through_zero_delay_relay: relay_overhead,

@@ -9,8 +9,9 @@ use std::time::Duration;
 
 use trellis_netlab::{FabricOptions, Service, StoreKind};
 
-use crate::results::Store;
+use crate::results::{CpuLatencyLimit, Store};
 
+pub mod cpu_latency;
 mod leaf_to_leaf;
 mod links;
 mod node_path;
@@ -45,6 +46,8 @@ pub struct Settings {
     pub store: Store,
     /// The gateways' busy-polling window, in microseconds (0: none).
     pub busy_poll_us: u64,
+    /// The kernel's CPU latency limit as the run found it (`None`: unreadable).
+    pub cpu_latency_limit: Option<CpuLatencyLimit>,
 }
 
 fn options(settings: &Settings, hub_no_induced: bool) -> FabricOptions {

@@ -85,6 +85,7 @@ pub async fn node_path(settings: &Settings, run: RunInfo) -> anyhow::Result<Node
         wireguard: WIREGUARD.into(),
         build: build().into(),
         busy_poll_us: Some(settings.busy_poll_us),
+        cpu_latency_limit: settings.cpu_latency_limit,
         store: settings.store,
         nodes_per_cluster: Some(NODES),
         rtt_ratio: Some(rtt_non_gateway_nodes.median_ms / rtt_gateway_nodes.median_ms),

@@ -4,7 +4,7 @@
 use std::fmt::Write as _;
 use std::path::PathBuf;
 
-use super::format::{busy_polling, num, opt, run_line};
+use super::format::{busy_polling, cpu_latency, num, opt, run_line};
 use super::inputs::Inputs;
 use super::notes::note;
 use super::output::PLOT_DIR;
@@ -51,10 +51,11 @@ pub(super) fn dataplane_section(
             md.push_str(&note(inputs, "dataplane"));
             let _ = writeln!(
                 md,
-                "WireGuard: {}; build: {}; {}; store: {}; link delays by: {}; {} pings per measurement.\n",
+                "WireGuard: {}; build: {}; {}; {}; store: {}; link delays by: {}; {} pings per measurement.\n",
                 d.wireguard,
                 d.build,
                 busy_polling(d.busy_poll_us),
+                cpu_latency(d.cpu_latency_limit),
                 d.store,
                 d.emulation.as_str().replace('_', " "),
                 d.samples

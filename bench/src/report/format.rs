@@ -5,7 +5,7 @@ use std::fmt::Write as _;
 
 use serde::Serialize;
 
-use crate::results::{Header, RunKind};
+use crate::results::{CpuLatencyLimit, Header, RunKind};
 
 /// A number with `decimals` decimals and thin grouping of thousands (as in the earlier
 /// hand-written tables: `49 788`).
@@ -46,6 +46,15 @@ pub(super) fn busy_polling(us: Option<u64>) -> String {
         None => "busy polling: not recorded".into(),
         Some(0) => "busy polling: off".into(),
         Some(us) => format!("busy polling: {us} µs"),
+    }
+}
+
+/// The kernel's CPU latency limit as a run recorded it.
+pub(super) fn cpu_latency(limit: Option<CpuLatencyLimit>) -> String {
+    match limit {
+        None => "CPU latency limit: not recorded".into(),
+        Some(CpuLatencyLimit::None) => "CPU latency limit: none".into(),
+        Some(CpuLatencyLimit::Microseconds(us)) => format!("CPU latency limit: {us} µs"),
     }
 }
 

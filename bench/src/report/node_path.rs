@@ -3,7 +3,7 @@
 use std::fmt::Write as _;
 
 use super::document::opening;
-use super::format::{busy_polling, num};
+use super::format::{busy_polling, cpu_latency, num};
 use super::inputs::Inputs;
 use crate::results::NodePathResult;
 
@@ -15,10 +15,11 @@ pub(super) fn node_path_section(md: &mut String, inputs: &Inputs) {
     let d = &p.doc;
     let _ = writeln!(
         md,
-        "WireGuard: {}; build: {}; {}; store: {}; {} nodes per cluster; {} pings per RTT, {} s per iperf3 run.\n",
+        "WireGuard: {}; build: {}; {}; {}; store: {}; {} nodes per cluster; {} pings per RTT, {} s per iperf3 run.\n",
         d.wireguard,
         d.build,
         busy_polling(d.busy_poll_us),
+        cpu_latency(d.cpu_latency_limit),
         d.store,
         d.nodes_per_cluster.map_or("?".into(), |n| n.to_string()),
         d.samples.map_or("?".into(), |n| n.to_string()),

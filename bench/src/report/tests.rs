@@ -92,7 +92,7 @@ fn dataplane_vs_wireguard_go(
         "iperf_seconds": 10, "throughput": [cmp(1, tunnel, wg.0), cmp(4, 1.25 * tunnel, wg.1)],
         "rtt_trellis": overhead(overhead_ms), "rtt_wireguard_go": overhead(0.5)});
     json!({"side_by_side": side_by_side, "benchmark": "dataplane_leaf_to_leaf", "machine": machine(), "wireguard": "userspace",
-           "build": "release", "busy_poll_us": 200, "store": "memory", "emulation": "netem", "hub_link_rtt_ms": 180,
+           "build": "release", "busy_poll_us": 200, "cpu_latency_limit": {"microseconds": 0}, "store": "memory", "emulation": "netem", "hub_link_rtt_ms": 180,
            "leaf_link_rtt_ms": 20, "rtt_no_netem_tunnel": rtt(0.5), "rtt_no_netem_bare": rtt(0.1),
            "throughput": {"tunnel_mbit_s": tunnel, "bare_veth_mbit_s": 1000.0,
                           "tunnel_fraction_of_bare": tunnel / 1000.0, "seconds": 10},
@@ -370,7 +370,9 @@ fn tables_and_notes_carry_the_numbers() {
     assert!(doc.contains("| CPU | Test CPU, 2 cores |"));
     assert!(doc.contains("| induced (A→C direct) | 20 | 21.000 |"));
     assert!(
-        doc.contains("build: release; busy polling: 200 µs; store: memory;"),
+        doc.contains(
+            "build: release; busy polling: 200 µs; CPU latency limit: 0 µs; store: memory;"
+        ),
         "{doc}"
     );
     assert!(
@@ -1093,4 +1095,22 @@ fn issue_39_targets_read_the_comparison_request_response_and_the_node_path() {
         "{}",
         t[6].measured
     );
+}
+
+#[test]
+fn a_runs_cpu_latency_limit_reads_as_it_was_recorded() {
+    use crate::results::CpuLatencyLimit;
+    assert_eq!(format::cpu_latency(None), "CPU latency limit: not recorded");
+    assert_eq!(
+        format::cpu_latency(Some(CpuLatencyLimit::None)),
+        "CPU latency limit: none"
+    );
+    assert_eq!(
+        format::cpu_latency(Some(CpuLatencyLimit::Microseconds(20))),
+        "CPU latency limit: 20 µs"
+    );
+    let recorded: crate::results::DataplaneResult = serde_json::from_value(json!({
+        "store": "memory", "emulation": "netem", "cpu_latency_limit": "none"}))
+    .expect("a result with no limit parses");
+    assert_eq!(recorded.cpu_latency_limit, Some(CpuLatencyLimit::None));
 }

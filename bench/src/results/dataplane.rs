@@ -170,6 +170,18 @@ impl SideBySide {
     }
 }
 
+/// The kernel's CPU latency limit (`/dev/cpu_dma_latency`) a run had: how long an idle CPU
+/// may take to wake.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CpuLatencyLimit {
+    /// None (the kernel's default): an idle CPU takes the deepest idle state it likes; a vCPU
+    /// halts.
+    None,
+    /// At most this many microseconds.
+    Microseconds(u32),
+}
+
 /// Leaf to leaf. Every option is set by the writer; they are options because results from
 /// before a measurement existed lack it, and the report says so rather than showing zeros.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -193,6 +205,10 @@ pub struct DataplaneResult {
     /// before it was recorded (the run's note says what the gateways were given).
     #[serde(default)]
     pub busy_poll_us: Option<u64>,
+    /// The kernel's CPU latency limit during the run; `None` in results from before it was
+    /// recorded.
+    #[serde(default)]
+    pub cpu_latency_limit: Option<CpuLatencyLimit>,
     pub store: Store,
     /// How the link delays were added.
     pub emulation: Emulation,
@@ -257,6 +273,10 @@ pub struct NodePathResult {
     /// before it was recorded (the run's note says what the gateways were given).
     #[serde(default)]
     pub busy_poll_us: Option<u64>,
+    /// The kernel's CPU latency limit during the run; `None` in results from before it was
+    /// recorded.
+    #[serde(default)]
+    pub cpu_latency_limit: Option<CpuLatencyLimit>,
     pub store: Store,
     #[serde(default)]
     pub nodes_per_cluster: Option<usize>,

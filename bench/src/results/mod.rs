@@ -18,8 +18,8 @@ mod run;
 mod tls;
 
 pub use dataplane::{
-    Comparison, DataplaneResult, Emulation, NodePathResult, RequestResponse, RrComparison, RrPath,
-    Rtt, RttOverhead, Side, SideBySide, Throughput, Transfer,
+    Comparison, CpuLatencyLimit, DataplaneResult, Emulation, NodePathResult, RequestResponse,
+    RrComparison, RrPath, Rtt, RttOverhead, Side, SideBySide, Throughput, Transfer,
 };
 pub use endpoints::{EndpointsParameters, EndpointsResult, EndpointsScenario};
 pub use exports::{DnsLoad, ExportsParameters, ExportsResult};
