@@ -6,8 +6,10 @@
 
 use std::time::Duration;
 
+use tonic::transport::Channel;
 use trellis_api::pb::discovery::ListForeignClustersRequest;
 use trellis_api::pb::peering::NotifyUnpeerRequest;
+use trellis_api::pb::peering::broker_client::BrokerClient;
 use trellis_api::pb::types::{self as types, ConditionStatus};
 use trellis_api::peers::{Condition, UNPEERED_REASON};
 use trellis_broker::peering_id::PeeringId;
@@ -63,14 +65,22 @@ async fn both_tunnels(a: &ProcessCluster, b: &ProcessCluster) {
 /// Leaf `a` peered with hub `b` (whose services other clusters reach only through gates when
 /// `gated`), with both tunnels up; `None` without etcd (skipped, loudly).
 async fn peered_pair(gated: bool) -> Option<(ProcessCluster, ProcessCluster)> {
-    let a = ProcessCluster::start("leaf-a", "10.0.0.0/16", "10.201.0.0/16")
-        .await
-        .expect("a starts")?;
-    let options = Options {
+    peered_pair_gated(false, gated).await
+}
+
+/// [`peered_pair`], each side behind gates or not.
+async fn peered_pair_gated(
+    a_gated: bool,
+    b_gated: bool,
+) -> Option<(ProcessCluster, ProcessCluster)> {
+    let gated = |gated| Options {
         gated,
         ..Options::default()
     };
-    let b = ProcessCluster::start_with("hub-b", "10.0.0.0/16", "10.201.0.0/16", options)
+    let a = ProcessCluster::start_with("leaf-a", "10.0.0.0/16", "10.201.0.0/16", gated(a_gated))
+        .await
+        .expect("a starts")?;
+    let b = ProcessCluster::start_with("hub-b", "10.0.0.0/16", "10.201.0.0/16", gated(b_gated))
         .await
         .expect("b starts")
         .expect("etcd is there");
@@ -366,4 +376,53 @@ async fn a_handshake_sent_while_the_peers_notice_is_on_its_way_waits_for_it_and_
         "a keeps another peering"
     );
     both_tunnels(&a, &b).await;
+}
+
+/// Two brokers unpeer each other at the same moment, each notice held at the other's gate
+/// until both gates open together. Each side's handler of the other's notice must get through
+/// while its own delivery is on its way: a broker that held the peering's lock across its
+/// delivery kept the other's notice waiting for it, both calls waited until they timed out
+/// (15 s), and both notices were left for the reconciler to send again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_brokers_unpeering_each_other_at_once_both_deliver_their_notices() {
+    let Some((a, b)) = peered_pair_gated(true, true).await else {
+        return;
+    };
+    let gates = [a.stall_broker(), b.stall_broker()];
+    let unpeering = |mut from: BrokerClient<Channel>, to: &ProcessCluster| {
+        let request = trellis_api::pb::peering::UnpeerRequest {
+            cluster_id: to.id.clone(),
+        };
+        tokio::spawn(async move { from.unpeer(request).await })
+    };
+    let a_unpeers = unpeering(a.broker().await.expect("connects"), &b);
+    let b_unpeers = unpeering(b.broker().await.expect("connects"), &a);
+    eventually("both notices wait at the other's gate", LIMIT, || async {
+        gates.iter().all(|g| g.stalled() > 0).then_some(())
+    })
+    .await;
+    a.partition(false);
+    b.partition(false);
+    for (side, unpeered) in [("a", a_unpeers.await), ("b", b_unpeers.await)] {
+        let unpeered = unpeered.expect("joins");
+        assert!(unpeered.is_ok(), "{side}'s Unpeer failed: {unpeered:?}");
+    }
+
+    // Each Unpeer returns once its notice was delivered or given up on: none may be left.
+    for (side, remote, cluster) in [("a", &b.id, &a), ("b", &a.id, &b)] {
+        let store = cluster
+            .store(Service::Broker)
+            .await
+            .expect("opens the store");
+        let remote = trellis_api::ClusterId::parse("id", remote).expect("id");
+        let key = trellis_broker::records::notify_key(&remote);
+        assert!(
+            store.get(&key).await.expect("reads").is_none(),
+            "{side}'s notice was not delivered:\n{}\n{}",
+            a.logs(30),
+            b.logs(30)
+        );
+    }
+    assert!(!peered_with(&a, &b.id).await);
+    assert!(!peered_with(&b, &a.id).await);
 }

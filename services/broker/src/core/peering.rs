@@ -23,7 +23,8 @@ use crate::records::{NOTIFY_PREFIX, PendingNotify, encode, notify_key, peering_k
 #[derive(Debug, Default, Clone)]
 pub(super) struct RemoteLocks {
     /// Over the peering's state: starting it, ending it, acting on a notice about it, so a
-    /// notice is never sent about (or rolled forward over) a peering started again in between.
+    /// notice is never rolled forward over a peering started again in between. A notice that
+    /// names no peering is delivered under it too ([`Broker::deliver_ended`]).
     peering: Arc<tokio::sync::Mutex<()>>,
     /// Over what we send the remote about the peering: our unpeering notice's delivery and our
     /// handshake, so that a notice still on its way reaches it before our next handshake.
@@ -131,7 +132,7 @@ impl Broker {
     #[tracing::instrument(skip(self))]
     pub async fn unpeer(&self, id: &ClusterId) -> Result<bool> {
         let _sending = self.lock_sending(id).await;
-        let _peering = self.lock_peering(id).await;
+        let peering = self.lock_peering(id).await;
         let peers = self.peers().await?;
         let Some((remote, addresses, _)) = peers.full.get(id).cloned() else {
             return Ok(false);
@@ -159,7 +160,7 @@ impl Broker {
         }
         self.end_peering(&remote).await?;
         if let Some(pending) = &pending {
-            self.deliver_notify(pending).await;
+            self.deliver_ended(pending, peering).await;
         }
         tracing::info!(remote.id = %id, "unpeered");
         self.wake();
@@ -225,7 +226,7 @@ impl Broker {
     /// the meantime is gone and nothing happens. Returns whether nothing is left to do.
     pub async fn act_on_notice(&self, remote: &ClusterId) -> Result<bool> {
         let _sending = self.lock_sending(remote).await;
-        let _peering = self.lock_peering(remote).await;
+        let peering = self.lock_peering(remote).await;
         let key = notify_key(remote);
         let Some(kv) = self.store.get(&key).await? else {
             return Ok(true);
@@ -236,7 +237,25 @@ impl Broker {
             self.end_peering(&pending.remote).await?;
             self.wake();
         }
-        Ok(self.deliver_notify(&pending).await)
+        Ok(self.deliver_ended(&pending, peering).await)
+    }
+
+    /// Delivers `pending` once our side of its peering has ended, under the sending lock and
+    /// `peering`, the peering lock. A notice that names its peering is fenced by that ID on
+    /// the remote's side, so the peering lock is let go first: the remote's own calls about
+    /// the peering (its notice to us when both sides unpeer at once, its handshake) are
+    /// answered while ours is on its way, instead of both sides' calls waiting for each other
+    /// until they time out. One that names none would end whichever peering the remote holds
+    /// when it lands, so it keeps the lock: no peering can begin before it is through.
+    async fn deliver_ended(
+        &self,
+        pending: &PendingNotify,
+        peering: tokio::sync::OwnedMutexGuard<()>,
+    ) -> bool {
+        if pending.peering_id.is_some() {
+            drop(peering);
+        }
+        self.deliver_notify(pending).await
     }
 
     /// Tries to deliver a pending unpeering notice; forgets it once acknowledged.
