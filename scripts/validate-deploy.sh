@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Validates the deployment files offline (no Docker engine, no Kubernetes cluster needed):
 #   - deploy/grafana/*.json: well-formed JSON with panels, querying only metrics the code registers;
+#   - deploy/prometheus/*.yaml: the alerting rules and their tests query only metrics the code
+#     registers (promtool checks the rules themselves, in tests/integration/tests/deploy_monitoring.rs);
 #   - docker-compose.yml against the compose-spec JSON schema bundled in check-jsonschema;
 #   - every kustomize overlay, rendered with `kubectl kustomize`, strictly against the
 #     Kubernetes OpenAPI schemas bundled in kubernetes-validate (unknown fields are errors, and
@@ -33,16 +35,27 @@ out=$(check-jsonschema --builtin-schema vendor.compose-spec docker-compose.yml 2
 services=$(grep -cE '^  [a-z0-9-]+:' <(sed -n '/^services:/,/^[a-z]/p' docker-compose.yml))
 log "docker-compose.yml: valid against the compose-spec schema ($services services)"
 
+# Every metric $1 names is one the code registers (a renamed metric would leave an empty panel
+# or an alert that never fires): names without the encoder's suffixes, quoted in crates/ or
+# services/.
+registered() {
+  for metric in $(grep -oE '\b(grpc_server|grpc_client|trellis)_[a-z_]+' "$1" | sed -E 's/_(total|bucket|count|sum)$//' | sort -u); do
+    grep -rqF "\"$metric\"" crates services || fail "$1 queries $metric, which no service registers"
+  done
+}
+
 # --- Grafana dashboards ---------------------------------------------------------------------
 for f in deploy/grafana/*.json; do
   out=$(python3 -c 'import json, sys; d = json.load(open(sys.argv[1])); assert d["panels"], "no panels"; print(len(d["panels"]))' "$f" 2>&1) \
     || fail "$f is not a valid dashboard JSON:"$'\n'"$out"
   log "$f: valid JSON ($out panels)"
-  # Every metric a panel queries is one the code registers (a renamed metric would leave an
-  # empty panel): names without the encoder's suffixes, quoted in crates/ or services/.
-  for metric in $(grep -oE '\b(grpc_server|grpc_client|trellis)_[a-z_]+' "$f" | sed -E 's/_(total|bucket|count|sum)$//' | sort -u); do
-    grep -rqF "\"$metric\"" crates services || fail "$f queries $metric, which no service registers"
-  done
+  registered "$f"
+done
+
+# --- Prometheus alerting rules --------------------------------------------------------------
+for f in deploy/prometheus/*.yaml; do
+  registered "$f"
+  log "$f: queries only registered metrics"
 done
 
 # --- kustomize overlays -----------------------------------------------------------------------

@@ -3,9 +3,15 @@
 //! skipped loudly):
 //!
 //! - the alerting rules (`deploy/prometheus/trellis-alerts.yaml`) load, and their unit tests
-//!   (`trellis-alerts.test.yaml`: a 7-day certificate with 5 days left is quiet, one with less
-//!   than a quarter of its lifetime left warns after 10 minutes, one with less than a tenth is
-//!   critical at once; a CA 20 days from expiry warns, 3 days is critical, a year is quiet) pass;
+//!   (`trellis-alerts.test.yaml`) pass. Certificates: a 7-day certificate with 5 days left is
+//!   quiet, one with less than a quarter of its lifetime left warns after 10 minutes, one with
+//!   less than a tenth is critical at once; a CA 20 days from expiry warns, 3 days is critical,
+//!   a year is quiet. The gateway: a tunnel of the active replica down for 5 minutes is
+//!   critical while the standby's tunnels (no handshakes, as a standby should have) stay quiet;
+//!   a gateway with no active replica is critical after a minute; a standby that is not warm
+//!   warns; decrypted packets the host refuses warn while forged datagrams dropped do not. The
+//!   services: store errors warn but a compacted watch does not; internal errors warn but
+//!   invalid arguments do not; a remap pool 95 % used warns, one 10 % used does not;
 //! - every query of the Grafana dashboard (`deploy/grafana/trellis.json`) is valid PromQL: each
 //!   is loaded by `promtool` as a recording rule.
 
@@ -41,7 +47,7 @@ fn the_alerting_rules_load_and_their_unit_tests_pass() {
     let dir = deploy().join("prometheus");
     let (ok, text) = promtool(&["check", "rules", "trellis-alerts.yaml"], &dir);
     assert!(ok, "promtool check rules: {text}");
-    assert!(text.contains("4 rules found"), "{text}");
+    assert!(text.contains("11 rules found"), "{text}");
     let (ok, text) = promtool(&["test", "rules", "trellis-alerts.test.yaml"], &dir);
     assert!(ok, "promtool test rules: {text}");
 }
