@@ -61,4 +61,24 @@ mod tests {
         assert_eq!(decode(20), CpuLatencyLimit::Microseconds(20));
         assert_eq!(decode(-1), CpuLatencyLimit::None);
     }
+
+    /// The kernel keeps the smallest limit anyone holds, so another holder may lower what is
+    /// read but never raise it above ours.
+    #[test]
+    fn a_held_limit_is_in_force_until_it_is_dropped() {
+        if !trellis_netlab::netns::can_run("a_held_limit_is_in_force_until_it_is_dropped", &[]) {
+            return;
+        }
+        let held = hold(7).expect("holds a limit");
+        match limit() {
+            Some(CpuLatencyLimit::Microseconds(us)) => assert!(us <= 7, "{us} µs in force"),
+            other => panic!("a held 7 µs limit reads as {other:?}"),
+        }
+        drop(held);
+        assert!(limit().is_some(), "the limit is still readable");
+        assert!(
+            hold(u32::MAX).is_err(),
+            "a limit the device cannot take is refused"
+        );
+    }
 }
