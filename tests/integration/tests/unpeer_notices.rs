@@ -2,7 +2,8 @@
 //! notice must not undo a later re-peering (neither one held back by a partition nor one
 //! already on the wire when the new peering began, nor one naming no peering still on its way),
 //! an unpeering whose notice was persisted when the broker crashed is completed on restart, on
-//! both sides, and a broker restarted on an emptied store learns its peering's ID again.
+//! both sides, a broker restarted on an emptied store learns its peering's ID again, and two
+//! brokers unpeering each other at once both deliver their notices.
 
 use std::time::Duration;
 
