@@ -8,7 +8,7 @@ export PATH := $(ROOT)/.tools/bin:$(HOME)/.cargo/bin:$(PATH)
 export CARGO_TARGET_DIR ?= $(HOME)/.cache/trellis/target
 export CARGO_TERM_COLOR ?= never
 
-.PHONY: demo setup test fmt-check clippy lint-proto validate-deploy build nextest fmt bench bench-quick bench-report bench-ipam bench-mesh bench-endpoints bench-exports bench-dataplane bench-failover bench-nat bench-tls bench-lab clean
+.PHONY: demo setup test fmt-check clippy doc lint-proto validate-deploy build nextest fmt bench bench-quick bench-report bench-ipam bench-mesh bench-endpoints bench-exports bench-dataplane bench-failover bench-nat bench-tls bench-lab clean
 
 setup:
 	bash scripts/setup.sh
@@ -18,6 +18,12 @@ fmt-check:
 
 clippy:
 	cargo clippy --workspace --all-targets --locked -- -D warnings
+
+# The docs of every crate, private items included (they are the project's internals guide):
+# a broken or ambiguous link, or text rustdoc reads as an HTML tag, fails. Links from public
+# items to private ones are fine here, where both are documented.
+doc:
+	RUSTDOCFLAGS="-D warnings -A rustdoc::private_intra_doc_links" cargo doc --workspace --no-deps --document-private-items --locked
 
 lint-proto:
 	buf lint
@@ -37,7 +43,7 @@ build:
 nextest: build
 	cargo nextest run --workspace --locked --no-fail-fast
 
-test: setup fmt-check lint-proto validate-deploy clippy nextest
+test: setup fmt-check lint-proto validate-deploy clippy doc nextest
 
 fmt:
 	cargo fmt --all

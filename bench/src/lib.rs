@@ -2,7 +2,7 @@
 //! machine a run happened on, what identifies a run (date, git commit, quick or full, a
 //! free-form note), the writing of a JSON result file, and the per-process measurements read
 //! from /proc, and the reference tunnels of the data-plane benchmark, wireguard-go and GotaTun
-//! ([`reference`]). What the result files hold is [`results`], the one schema the
+//! ([`mod@reference`]). What the result files hold is [`results`], the one schema the
 //! benchmarks write and the report generator (`bench-report`, [`report`]) reads. The larger
 //! benchmarks' parts live in [`mesh`], [`dataplane`] and [`nat`]; their binaries keep `main` and
 //! flags.

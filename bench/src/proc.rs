@@ -19,7 +19,7 @@ pub struct ProcUsage {
     pub rss_kib: u64,
 }
 
-/// Clock ticks per second of /proc/<pid>/stat times (USER_HZ, 100 on every Linux ABI
+/// Clock ticks per second of `/proc/<pid>/stat` times (USER_HZ, 100 on every Linux ABI
 /// we run on; asked from getconf so that an exotic kernel is still read right).
 fn clock_ticks() -> f64 {
     std::process::Command::new("getconf")
@@ -32,7 +32,7 @@ fn clock_ticks() -> f64 {
         .unwrap_or(100.0)
 }
 
-/// utime + stime of /proc/<pid>/stat content, in ticks. The command name (field 2) may hold
+/// utime + stime of `/proc/<pid>/stat` content, in ticks. The command name (field 2) may hold
 /// spaces and parentheses, so fields are counted after its closing parenthesis.
 pub fn parse_stat_ticks(stat: &str) -> Option<u64> {
     let after = &stat[stat.rfind(')')? + 1..];
@@ -43,7 +43,7 @@ pub fn parse_stat_ticks(stat: &str) -> Option<u64> {
     Some(utime + stime)
 }
 
-/// A `Vm…:` line of /proc/<pid>/status, in KiB.
+/// A `Vm…:` line of `/proc/<pid>/status`, in KiB.
 pub fn parse_status_kib(status: &str, key: &str) -> Option<u64> {
     status
         .lines()

@@ -18,7 +18,7 @@
 //!   through the A–C tunnel (pod to pod) and over the bare path the tunnel's UDP packets take
 //!   (A's gateway to C's gateway: veth, bridge, veth). Side by side with the reference, Debian's
 //!   `wireguard-go` between two more gateway namespaces of the same topology
-//!   ([`trellis_bench::wireguard_go`]), alternating in rounds: iperf3 at 1 and 4 TCP streams,
+//!   ([`trellis_bench::reference`]), alternating in rounds: iperf3 at 1 and 4 TCP streams,
 //!   CPU seconds of the tunnel processes (both ends) per GB of payload, RTT overhead (tunnel
 //!   RTT minus the underlay's, pinged in the same round), and request/response (sockperf
 //!   ping-pong, 64-byte TCP messages, 1 and 4 connections: transactions per second and

@@ -1,8 +1,8 @@
 //! The parts of `dataplane-bench` (the binary's doc describes the topology and the
 //! scenarios): the link delays ([`links`]), ping and iperf3 ([`probe`]), request/response with
 //! sockperf ([`rr`]), the side by side with
-//! wireguard-go ([`side_by_side`]), the leaf-to-leaf scenarios ([`leaf_to_leaf`]) and the node
-//! path ([`node_path`]). What it writes is [`crate::results::DataplaneResult`] and
+//! wireguard-go ([`side_by_side`]), the leaf-to-leaf scenarios ([`mod@leaf_to_leaf`]) and the node
+//! path ([`mod@node_path`]). What it writes is [`crate::results::DataplaneResult`] and
 //! [`crate::results::NodePathResult`].
 
 use std::time::Duration;

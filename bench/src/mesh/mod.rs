@@ -1,7 +1,7 @@
 //! The parts of `mesh-bench` (induced mesh setup time against the number of leaves; the
 //! binary's doc describes the benchmark and its modes): the hub ([`hub`]) and the leaves
 //! ([`leaves`]) of one run by mode, following every broker's TunnelEndpoints ([`tallies`]),
-//! the measurement of one run ([`measure`]), each run in a process of its own ([`run`]), and
+//! the measurement of one run ([`measure`]), each run in a process of its own ([`mod@run`]), and
 //! the medians and summary table of one size ([`summary`]). What it writes is
 //! [`crate::results::MeshResult`].
 

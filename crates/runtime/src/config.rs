@@ -277,7 +277,7 @@ pub struct PeerTlsConfig {
     pub tls_ca_cert: Option<PathBuf>,
 
     /// This service's certificate (PEM), issued by the cluster CA, naming
-    /// spiffe://trellis/cluster/<cluster-id>/<service>. Re-read when it changes (renewal).
+    /// `spiffe://trellis/cluster/<cluster-id>/<service>`. Re-read when it changes (renewal).
     #[arg(
         long,
         env = "TRELLIS_TLS_CERT",
@@ -428,7 +428,7 @@ pub trait HasCommon {
     fn common(&self) -> &CommonConfig;
 }
 
-/// Access to the flags [`crate::launch`] needs (identity, logs, shutdown): every service has
+/// Access to the flags [`crate::launch()`] needs (identity, logs, shutdown): every service has
 /// them through [`HasCommon`]; a process without a store (the route agent) implements this
 /// directly.
 pub trait HasBase {

@@ -22,7 +22,7 @@
 //! - [`shutdown`]: SIGTERM/SIGINT to a cancellation token, graceful drain; [`supervise`]: a
 //!   background task or thread that fails fails the service, so that it is restarted;
 //! - [`metrics`]: Prometheus metrics on `--metrics-listen`, gRPC server metrics for free;
-//! - [`launch`]: the `main` of every service binary;
+//! - [`launch()`]: the `main` of every service binary;
 //! - [`tls`], [`peer`]: mutual TLS between clusters and the authorization of cluster-facing
 //!   RPCs (ADR 0014);
 //! - [`local_auth`]: the local token this cluster's own callers present on the plaintext

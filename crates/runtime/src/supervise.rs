@@ -8,7 +8,7 @@
 //!   readiness probe takes it out of rotation, the liveness probe sees it failing);
 //! - serving stops after the grace period, the other background tasks are aborted;
 //! - [`crate::server::GrpcServer::spawn`]'s task ends with the failure as its error, so the
-//!   binary exits non-zero ([`crate::launch`]) and the orchestrator restarts it at once,
+//!   binary exits non-zero ([`crate::launch()`]) and the orchestrator restarts it at once,
 //!   without waiting for the liveness probe's failures to add up.
 //!
 //! The server watches the background tasks it is given itself (a task that panics, or returns

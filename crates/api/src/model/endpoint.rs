@@ -1,5 +1,5 @@
 //! A gateway's WireGuard endpoint as it travels between clusters: an IP address or a DNS name,
-//! and a UDP port ("192.0.2.10:51840", "[2001:db8::a]:51840", "gw.hub.example:51840").
+//! and a UDP port (`192.0.2.10:51840`, `[2001:db8::a]:51840`, `gw.hub.example:51840`).
 //!
 //! A name is carried as it is, never resolved on the way: the gateway that uses the endpoint
 //! resolves it when it configures the tunnel (and again on every later pass), so a name whose

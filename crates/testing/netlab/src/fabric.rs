@@ -43,7 +43,7 @@ pub struct FabricOptions {
     /// Nodes per cluster: 1 is the one-namespace topology; more build a node network with a
     /// route agent on every node ([`Topology::build_with_nodes`]).
     pub nodes: usize,
-    /// With nodes: per-cluster node networks, in `names` order, instead of 100.64.<n>.0/24
+    /// With nodes: per-cluster node networks, in `names` order, instead of `100.64.<n>.0/24`
     /// (empty, or a shorter list: the default for the rest). Each IPAM is told its node
     /// network (`--reserved`), as the deployment does with `TRELLIS_RESERVED`.
     pub node_networks: Vec<String>,

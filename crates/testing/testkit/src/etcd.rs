@@ -163,7 +163,7 @@ impl Etcd {
     }
 
     /// Starts etcd, or returns `None` when it is not installed (see
-    /// [`require_tool`](crate::require_tool): skips loudly, fails in CI).
+    /// [`require_tool`]: skips loudly, fails in CI).
     ///
     /// # Panics
     ///

@@ -13,7 +13,7 @@
 //! - [`SilentRelay`]: a TCP relay a test turns silent (swallows everything, closes nothing), to
 //!   play a crashed node or a dropping partition on loopback;
 //! - [`spawn_tied`]: a child process killed when this process dies, however it dies;
-//! - [`eventually`] / [`eventually_eq`] (and [`within`] / [`within_eq`], which return the
+//! - [`eventually()`] / [`eventually_eq`] (and [`within`] / [`within_eq`], which return the
 //!   timeout instead of panicking): the one poller every test waits with;
 //! - [`Service`]: the Trellis services a lab or a test starts as processes;
 //! - [`exports::export_request`]: the service export the endpoint tests send;

@@ -155,7 +155,7 @@ pub async fn answered_tunnel_to(
 }
 
 /// `Some` once the cluster's broker answers that it holds no TunnelEndpoint towards `remote`;
-/// `None` while it holds one and while it cannot be reached (for [`crate::eventually`]: absence is
+/// `None` while it holds one and while it cannot be reached (for [`crate::eventually()`]: absence is
 /// proven by an answer, never by a failed call).
 pub async fn no_tunnel_to(cluster: &impl Peerable, remote: &str) -> Option<()> {
     match answered_tunnel_to(cluster, remote).await {

@@ -169,7 +169,7 @@ fn via_of(field: &str, via: Option<&types::ClusterIdentity>) -> Result<Option<Cl
         .transpose()
 }
 
-/// Checks that a NetworkConfig (reference) is (origin → us [via]) and names it consistently.
+/// Checks that a NetworkConfig (reference) is (origin → us \[via\]) and names it consistently.
 fn check_pair(
     us: &ClusterId,
     prefix: &str,

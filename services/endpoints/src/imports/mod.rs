@@ -17,7 +17,7 @@
 //! Readiness: an endpoint whose address this cluster can no longer reach is written not ready
 //! (see [`Reachability`]), instead of steering traffic to a wrong address.
 //!
-//! - [`merge`]: the MCS rules that make one import of every exporter's export;
+//! - [`mod@merge`]: the MCS rules that make one import of every exporter's export;
 //! - [`objects`]: the Kubernetes objects of an import and the writer that converges them.
 
 mod merge;

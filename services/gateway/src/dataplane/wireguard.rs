@@ -1,6 +1,6 @@
 //! One WireGuard interface per peer, userspace or kernel.
 //!
-//! **Userspace** interfaces are TUN interfaces of our own [`Engine`](super::engine::Engine),
+//! **Userspace** interfaces are TUN interfaces of our own [`Engine`],
 //! which owns the gateway's one WireGuard UDP port for every peer (ADR 0022). A device here is
 //! one peer of the engine; nothing is spoken over a UAPI socket any more, so the spike's
 //! pitfalls of boringtun's `DeviceHandle` (stolen signals, host-global socket names, stale

@@ -8,7 +8,7 @@
 //! HMAC-SHA256 keyed from the gateway's WireGuard private key (every replica holds it, from
 //! the store; nothing else does), and carries the sender's wall clock: a receiver takes a
 //! heartbeat only if its time is later than the last one taken from that replica and within
-//! [`MAX_SKEW`] of its own clock, so a recorded heartbeat replayed later is refused.
+//! [`MAX_SKEW_NANOS`] of its own clock, so a recorded heartbeat replayed later is refused.
 //!
 //! Layout (big-endian): `"TGHB"`, version (1), flags (bit 0: active, bit 1: warm), length of the
 //! replica ID, the ID, epoch (u64), sent time in nanoseconds since the Unix epoch (i64), then

@@ -1,6 +1,6 @@
 //! The election loop: what runs it ([`Replicas::run`], which starts the socket's and the
 //! handoff's tasks beside it), what one heartbeat changes, and how a decision is published as
-//! the [`View`] the core follows. The loop alone owns the [`Election`], so its rules need no
+//! the [`View`](super::View) the core follows. The loop alone owns the [`Election`], so its rules need no
 //! lock; the store is read on a period, and at once when a heartbeat names a newer active.
 
 use std::sync::Arc;

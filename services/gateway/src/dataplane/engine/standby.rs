@@ -18,7 +18,7 @@ impl Engine {
     }
 
     /// Makes the engine a standby's (`true`: it sends nothing, not even keepalives, and drops
-    /// every datagram, counted as [`DropReason::Standby`]) or the active's. Becoming active
+    /// every datagram, counted as [`DropReason::Standby`](super::DropReason::Standby)) or the active's. Becoming active
     /// starts a fresh session with every peer and sends each an initiation at once: its
     /// timestamp is this moment's, newer than any the previous active sent, so every remote
     /// accepts it and, the message being authenticated, moves its endpoint for us here
