@@ -42,19 +42,25 @@ async fn peered_with(cluster: &ProcessCluster, remote: &str) -> bool {
     })
 }
 
-/// The ID `cluster`'s broker keeps for its current peering with `remote`.
-async fn peering_id(cluster: &ProcessCluster, remote: &str) -> PeeringId {
+/// What `cluster`'s broker stores about `remote` under the key `key_of` names, with the key.
+async fn broker_record(
+    cluster: &ProcessCluster,
+    remote: &str,
+    key_of: fn(&trellis_api::ClusterId) -> String,
+) -> (String, Option<trellis_store::KeyValue>) {
     let store = cluster
         .store(Service::Broker)
         .await
         .expect("opens the store");
-    let remote = trellis_api::ClusterId::parse("id", remote).expect("id");
-    let key = trellis_broker::records::peering_key(&remote);
-    let kv = store
-        .get(&key)
-        .await
-        .expect("reads")
-        .unwrap_or_else(|| panic!("{} keeps no peering ID for {remote}", cluster.id));
+    let key = key_of(&trellis_api::ClusterId::parse("id", remote).expect("id"));
+    let kv = store.get(&key).await.expect("reads");
+    (key, kv)
+}
+
+/// The ID `cluster`'s broker keeps for its current peering with `remote`.
+async fn peering_id(cluster: &ProcessCluster, remote: &str) -> PeeringId {
+    let (key, kv) = broker_record(cluster, remote, trellis_broker::records::peering_key).await;
+    let kv = kv.unwrap_or_else(|| panic!("{} keeps no peering ID for {remote}", cluster.id));
     trellis_store::record::decode(&key, &kv.value).expect("decodes")
 }
 
@@ -411,14 +417,9 @@ async fn two_brokers_unpeering_each_other_at_once_both_deliver_their_notices() {
 
     // Each Unpeer returns once its notice was delivered or given up on: none may be left.
     for (side, remote, cluster) in [("a", &b.id, &a), ("b", &a.id, &b)] {
-        let store = cluster
-            .store(Service::Broker)
-            .await
-            .expect("opens the store");
-        let remote = trellis_api::ClusterId::parse("id", remote).expect("id");
-        let key = trellis_broker::records::notify_key(&remote);
+        let (_, notice) = broker_record(cluster, remote, trellis_broker::records::notify_key).await;
         assert!(
-            store.get(&key).await.expect("reads").is_none(),
+            notice.is_none(),
             "{side}'s notice was not delivered:\n{}\n{}",
             a.logs(30),
             b.logs(30)
