@@ -202,8 +202,10 @@ pub(super) fn nat_findings(
             Some(Service::Ipam),
             format!("peer {peer}'s IPAM has no record of {local}, while {local} has one of {peer}"),
             format!(
-                "check {peer}'s broker logs for {local}; unpeering and peering again rebuilds \
-                 both records"
+                "{peer} may have ended the peering without its unpeering notice reaching \
+                 {local}, or lost its records: check {peer}'s broker logs for {local}; for a \
+                 full peer, `trellisctl unpeer {peer}` here and peering again rebuilds both \
+                 records"
             ),
         )];
     };
