@@ -1,11 +1,11 @@
 //! The Linux reconciler: makes the current network namespace match a set of [`PeerPlan`]s.
 //!
-//! Per peer: a WireGuard interface (a TUN of the userspace engine, or a kernel device; MTU: the underlay's minus 80, up, rp_filter off), main-table routes for the peer's
-//! NAT'ed CIDRs, a table holding `default dev <interface>`, and an
-//! `ip rule fwmark <mark> lookup <table>`; for all peers together, the `ip trellis` nftables
-//! table. Everything is derived
-//! from the plans, so applying the same plans twice changes nothing, and a start first removes
-//! whatever a previous run left (rules at our priority, our table, our kernel interfaces: they
+//! Per peer: a WireGuard interface (a TUN of the userspace engine, or a kernel device; MTU: the
+//! underlay's minus 80, up, rp_filter off), main-table routes for the peer's NAT'ed CIDRs, a
+//! table holding `default dev <interface>`, and an `ip rule fwmark <mark> lookup <table>`; for
+//! all peers together, the `ip trellis` nftables table. Everything is derived from the plans,
+//! so applying the same plans twice changes nothing, and a start first removes whatever a
+//! previous run left (rules at our priority, our table, our kernel interfaces: they
 //! all outlive a SIGKILLed process, spike pitfall 7).
 //!
 //! A pass is either a [`Pass::Changes`] pass, which configures only the peers whose plan (or
