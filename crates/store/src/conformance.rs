@@ -20,6 +20,7 @@ use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::Duration;
 
+use bytes::Bytes;
 use futures::StreamExt;
 
 use crate::{
@@ -128,7 +129,7 @@ pub async fn get_missing_then_put_then_get(store: SharedStore) {
         kv,
         KeyValue {
             key: "k".into(),
-            value: b"v1".to_vec(),
+            value: Bytes::from_static(b"v1"),
             create_revision: rev,
             mod_revision: rev,
             version: 1,
@@ -173,7 +174,7 @@ pub async fn list_by_prefix_is_sorted_and_scoped(store: SharedStore) {
     let listing = store.list("a/").await.expect("list");
     assert_eq!(keys(&listing.kvs), ["a/0", "a/1", "a/2", "a/3/x"]);
     assert_eq!(listing.revision, last);
-    assert_eq!(listing.kvs[1].value, b"a/1");
+    assert_eq!(listing.kvs[1].value, &b"a/1"[..]);
 
     let listing = store.list("ab/").await.expect("list");
     assert_eq!(keys(&listing.kvs), ["ab/1"]);
@@ -394,7 +395,7 @@ pub async fn txn_value_compare(store: SharedStore) {
     assert!(attempt("a", "k").await);
     assert_eq!(
         get(&store, "hit").await.map(|kv| kv.value),
-        Some(b"a".to_vec())
+        Some(Bytes::from_static(b"a"))
     );
 }
 
@@ -415,7 +416,7 @@ pub async fn txn_mod_revision_compare(store: SharedStore) {
     assert!(store.txn(swap(current)).await.expect("txn").succeeded);
     assert_eq!(
         get(&store, "k").await.map(|kv| kv.value),
-        Some(b"3".to_vec())
+        Some(Bytes::from_static(b"3"))
     );
 }
 
@@ -500,10 +501,7 @@ pub async fn watch_from_now_sees_puts_and_deletes_in_order(store: SharedStore) {
 
     let event = next_event(&mut events).await;
     let kv = put_event(&event);
-    assert_eq!(
-        (kv.key.as_str(), kv.value.as_slice()),
-        ("w/a", b"1".as_slice())
-    );
+    assert_eq!((kv.key.as_str(), &kv.value[..]), ("w/a", b"1".as_slice()));
     assert_eq!(
         (kv.create_revision, kv.mod_revision, kv.version),
         (first, first, 1)
@@ -511,7 +509,7 @@ pub async fn watch_from_now_sees_puts_and_deletes_in_order(store: SharedStore) {
 
     let event = next_event(&mut events).await;
     let kv = put_event(&event);
-    assert_eq!(kv.value, b"2");
+    assert_eq!(kv.value, &b"2"[..]);
     assert_eq!(
         (kv.create_revision, kv.mod_revision, kv.version),
         (first, second, 2)
@@ -540,7 +538,7 @@ pub async fn watch_resumes_without_gaps_or_duplicates(store: SharedStore) {
     ];
     assert_eq!(put_event(&replayed[0]).key, "r/2");
     assert_eq!(put_event(&replayed[0]).mod_revision, missed[0]);
-    assert_eq!(put_event(&replayed[1]).value, b"c");
+    assert_eq!(put_event(&replayed[1]).value, &b"c"[..]);
     assert_eq!(put_event(&replayed[1]).mod_revision, missed[1]);
     assert_eq!(delete_event(&replayed[2]).0, "r/2");
 
@@ -724,7 +722,7 @@ pub async fn put_without_lease_detaches_the_key(store: SharedStore) {
     store.revoke_lease(lease).await.expect("revoke");
     assert_eq!(
         get(&store, "k").await.map(|kv| kv.value),
-        Some(b"2".to_vec())
+        Some(Bytes::from_static(b"2"))
     );
 }
 

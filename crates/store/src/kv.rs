@@ -2,6 +2,8 @@
 
 use std::fmt;
 
+use bytes::Bytes;
+
 /// A store-wide logical clock: every change bumps it by one. A fresh store is at revision 1.
 pub type Revision = i64;
 
@@ -22,8 +24,9 @@ impl fmt::Display for LeaseId {
 pub struct KeyValue {
     /// The key, without any store prefix.
     pub key: String,
-    /// The value.
-    pub value: Vec<u8>,
+    /// The value. Shared, not copied: the memory store hands out the buffer it keeps (and keeps
+    /// in its watch history), so reads and events cost a reference count, not a copy.
+    pub value: Bytes,
     /// The revision that created the key (since it last did not exist).
     pub create_revision: Revision,
     /// The revision that last changed the key.

@@ -347,7 +347,7 @@ mod tests {
         assert_eq!(attempts, 2);
         assert_eq!(metrics.retries(), 1);
         let value = store.get("k").await.expect("get").expect("exists").value;
-        assert_eq!(value, b"6");
+        assert_eq!(value, &b"6"[..]);
         let text = text(&metrics);
         assert_eq!(
             sample(&text, "trellis_store_transaction_retries_total"),

@@ -236,7 +236,7 @@ async fn etcd_outage_is_unavailable_and_recovers() {
     loop {
         match store.get("k").await {
             Ok(kv) => {
-                assert_eq!(kv.map(|kv| kv.value), Some(b"v".to_vec()));
+                assert_eq!(kv.map(|kv| kv.value.to_vec()), Some(b"v".to_vec()));
                 break;
             }
             Err(err) if Instant::now() < deadline => {

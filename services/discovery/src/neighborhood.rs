@@ -566,7 +566,7 @@ mod tests {
     fn put(record: &ForeignClusterRecord) -> WatchEvent {
         let key = cluster_key(&record.identity.id);
         WatchEvent::Put(KeyValue {
-            value: encode(record).expect("encodes"),
+            value: encode(record).expect("encodes").into(),
             key,
             create_revision: 2,
             mod_revision: 3,

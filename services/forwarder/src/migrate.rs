@@ -62,7 +62,7 @@ async fn move_one(store: &SharedStore, old: &str) -> Result<bool> {
                 success: vec![
                     Op::Put {
                         key: new.clone(),
-                        value: kv.value.clone(),
+                        value: kv.value.to_vec(),
                         lease: None,
                     },
                     Op::Delete {

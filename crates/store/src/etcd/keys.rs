@@ -2,6 +2,8 @@
 
 use std::sync::Arc;
 
+use bytes::Bytes;
+
 use crate::error::StoreError;
 use crate::kv::{KeyValue, LeaseId};
 
@@ -65,7 +67,7 @@ impl Keys {
     pub(super) fn kv(&self, kv: &etcd_client::KeyValue) -> Result<KeyValue, StoreError> {
         Ok(KeyValue {
             key: self.strip(kv.key())?,
-            value: kv.value().to_vec(),
+            value: Bytes::copy_from_slice(kv.value()),
             create_revision: kv.create_revision(),
             mod_revision: kv.mod_revision(),
             version: kv.version(),

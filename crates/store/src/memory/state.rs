@@ -9,6 +9,7 @@ use std::ops::Bound;
 use std::sync::Arc;
 use std::time::Duration;
 
+use bytes::Bytes;
 use tokio::time::Instant;
 
 use crate::error::StoreError;
@@ -25,7 +26,7 @@ pub(super) struct Batch {
 
 #[derive(Debug)]
 struct Entry {
-    value: Vec<u8>,
+    value: Bytes,
     create_revision: Revision,
     mod_revision: Revision,
     version: i64,
@@ -279,7 +280,7 @@ impl State {
             }
         }
         let entry = Entry {
-            value,
+            value: Bytes::from(value),
             create_revision,
             mod_revision: revision,
             version,

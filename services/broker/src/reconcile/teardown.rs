@@ -114,7 +114,7 @@ pub async fn remove_state(broker: &Broker, id: &ClusterId) -> Result<()> {
         });
         ops.push(Op::Put {
             key: tombstone_key(id),
-            value: kv.value,
+            value: kv.value.to_vec(),
             lease: None,
         });
     }
@@ -149,7 +149,7 @@ pub async fn withdrawn(broker: &Broker, id: &ClusterId) -> Result<bool> {
         });
         ops.push(Op::Put {
             key: tombstone_key(id),
-            value: kv.value,
+            value: kv.value.to_vec(),
             lease: None,
         });
     }
