@@ -18,16 +18,21 @@
 //! relay. So a round trip across a link adds the link's delay, as with netem on both ends.
 //!
 //! Only the tunnels' UDP packets are delayed (not the control plane's gRPC between gateways),
-//! and the relay adds a userspace hop (sub-millisecond, measured by the benchmark with a 0 ms
-//! link). Dropping [`Relays`] stops the relays and removes the rewrites.
+//! and the relay adds a userspace hop (measured by the benchmark with a 0 ms link). Each
+//! direction of a link runs on two threads of its own, one receiving and one sending when a
+//! datagram is due, which sleeps with the kernel's timers. The relay used to wait on tokio's
+//! timer, which rounds every deadline up to its next millisecond tick: a capture on the bridge
+//! showed a datagram through a 0 ms relay leaving 1.27 ms after it arrived, against 0.1–0.2 ms
+//! now, and a ping through 0 ms relays took 3.1 ms against 0.8 ms now (0.56 ms without relays).
+//! Dropping [`Relays`] stops the relays and removes the rewrites.
 
-use std::net::{Ipv4Addr, SocketAddr};
-use std::time::Duration;
+use std::net::{Ipv4Addr, SocketAddr, UdpSocket};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, bail};
-use tokio::net::UdpSocket;
-use tokio::task::JoinHandle;
-use tokio::time::Instant;
 
 use crate::netns::{exec, in_netns, ip};
 use crate::topology::{BRIDGE, Topology};
@@ -68,9 +73,14 @@ pub struct RelayedLink {
 /// Running relays; stopped, and the gateways' rewrites removed, on drop.
 #[derive(Debug)]
 pub struct Relays {
-    tasks: Vec<JoinHandle<()>>,
+    /// Set on drop: the receiving threads see it within [`STOP_CHECK`], and each sending
+    /// thread ends when its receiving thread has.
+    stop: Arc<AtomicBool>,
     namespaces: Vec<String>,
 }
+
+/// How long a receiving thread waits for a datagram before it checks whether to stop.
+const STOP_CHECK: Duration = Duration::from_millis(100);
 
 const TABLE: &str = "netlab";
 
@@ -89,52 +99,73 @@ fn nft(ns: &str, script: &str) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// A blocking UDP socket at `address` (port chosen by the kernel) in namespace `ns`, for the
+/// relay's threads.
 async fn socket_in(ns: &str, address: Ipv4Addr) -> anyhow::Result<UdpSocket> {
     let ns = ns.to_owned();
     let socket = tokio::task::spawn_blocking(move || {
         in_netns(&ns, move || {
-            let s = std::net::UdpSocket::bind(SocketAddr::from((address, 0)))?;
-            s.set_nonblocking(true)?;
+            let s = UdpSocket::bind(SocketAddr::from((address, 0)))?;
+            s.set_read_timeout(Some(STOP_CHECK))?;
             Ok(s)
         })
     })
     .await??;
-    Ok(UdpSocket::from_std(socket)?)
+    Ok(socket)
 }
 
-/// Forwards everything `from` receives through `to` to `dest`, `delay` later, in order.
+/// Forwards everything `from` receives through `to` to `dest`, `delay` later, in order, on
+/// two threads (see the module doc) that end once `stop` is set.
 fn pump(
-    from: std::sync::Arc<UdpSocket>,
-    to: std::sync::Arc<UdpSocket>,
+    from: Arc<UdpSocket>,
+    to: Arc<UdpSocket>,
     dest: SocketAddr,
     delay: Duration,
-) -> Vec<JoinHandle<()>> {
-    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<(Instant, Vec<u8>)>();
-    let receive = tokio::spawn(async move {
-        let mut buf = vec![0u8; 65_536];
-        while let Ok((n, _)) = from.recv_from(&mut buf).await {
-            if tx
-                .send((Instant::now() + delay, buf[..n].to_vec()))
-                .is_err()
-            {
-                return;
+    stop: Arc<AtomicBool>,
+) -> anyhow::Result<()> {
+    let (tx, rx) = mpsc::channel::<(Instant, Vec<u8>)>();
+    std::thread::Builder::new()
+        .name("netlab-relay-rx".into())
+        .spawn(move || {
+            let mut buf = vec![0u8; 65_536];
+            while !stop.load(Ordering::Relaxed) {
+                match from.recv_from(&mut buf) {
+                    Ok((n, _)) => {
+                        if tx
+                            .send((Instant::now() + delay, buf[..n].to_vec()))
+                            .is_err()
+                        {
+                            return;
+                        }
+                    }
+                    Err(e)
+                        if matches!(
+                            e.kind(),
+                            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                        ) => {}
+                    Err(_) => return,
+                }
             }
-        }
-    });
-    let send = tokio::spawn(async move {
-        while let Some((due, packet)) = rx.recv().await {
-            tokio::time::sleep_until(due).await;
-            let _ = to.send_to(&packet, dest).await;
-        }
-    });
-    vec![receive, send]
+        })?;
+    std::thread::Builder::new()
+        .name("netlab-relay-tx".into())
+        .spawn(move || {
+            while let Ok((due, packet)) = rx.recv() {
+                let now = Instant::now();
+                if due > now {
+                    std::thread::sleep(due - now);
+                }
+                let _ = to.send_to(&packet, dest);
+            }
+        })?;
+    Ok(())
 }
 
 /// Starts one relay per link and redirects the gateways' WireGuard packets through them.
 pub async fn relay_links(topology: &Topology, links: &[RelayedLink]) -> anyhow::Result<Relays> {
     let inet = &topology.inet_ns;
     let mut relays = Relays {
-        tasks: Vec::new(),
+        stop: Arc::new(AtomicBool::new(false)),
         namespaces: Vec::new(),
     };
     let mut rewrites: std::collections::BTreeMap<usize, Vec<String>> = Default::default();
@@ -153,14 +184,19 @@ pub async fn relay_links(topology: &Topology, links: &[RelayedLink]) -> anyhow::
                 BRIDGE,
             ])?;
         }
-        let rx = std::sync::Arc::new(socket_in(inet, relay).await?);
-        let ry = std::sync::Arc::new(socket_in(inet, relay).await?);
+        let rx = Arc::new(socket_in(inet, relay).await?);
+        let ry = Arc::new(socket_in(inet, relay).await?);
         let (rx_port, ry_port) = (rx.local_addr()?.port(), ry.local_addr()?.port());
         let one_way = link.rtt / 2;
-        relays
-            .tasks
-            .extend(pump(rx.clone(), ry.clone(), link.y_endpoint, one_way));
-        relays.tasks.extend(pump(ry, rx, link.x_endpoint, one_way));
+        let stop = &relays.stop;
+        pump(
+            rx.clone(),
+            ry.clone(),
+            link.y_endpoint,
+            one_way,
+            stop.clone(),
+        )?;
+        pump(ry, rx, link.x_endpoint, one_way, stop.clone())?;
         // Matched by the gateway's own port and the destination: the other end's address, or
         // this link's relay address (WireGuard may have roamed to an earlier relay of it).
         let rule = move |own_port: u16, other: SocketAddr, relay_port: u16| {
@@ -198,8 +234,61 @@ impl Drop for Relays {
         for ns in &self.namespaces {
             let _ = exec(ns, "nft", &["delete", "table", "ip", TABLE]);
         }
-        for t in &self.tasks {
-            t.abort();
+        self.stop.store(true, Ordering::Relaxed);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn local() -> UdpSocket {
+        let s = UdpSocket::bind("127.0.0.1:0").expect("bind");
+        s.set_read_timeout(Some(Duration::from_secs(5)))
+            .expect("timeout");
+        s
+    }
+
+    /// Every datagram arrives whole, in order, from the relay's sending socket, and none before
+    /// its delay has passed; once stopped, the relay forwards nothing more.
+    #[test]
+    fn a_pump_forwards_in_order_after_the_delay_until_stopped() {
+        let (client, server) = (local(), local());
+        let (faces_client, faces_server) = (Arc::new(local()), Arc::new(local()));
+        faces_client
+            .set_read_timeout(Some(STOP_CHECK))
+            .expect("timeout");
+        let delay = Duration::from_millis(20);
+        let stop = Arc::new(AtomicBool::new(false));
+        let to = server.local_addr().expect("addr");
+        pump(
+            faces_client.clone(),
+            faces_server.clone(),
+            to,
+            delay,
+            stop.clone(),
+        )
+        .expect("pump");
+        let relay = faces_client.local_addr().expect("addr");
+        let mut sent = Vec::new();
+        for i in 0..3u8 {
+            sent.push(Instant::now());
+            client.send_to(&[i; 100], relay).expect("send");
         }
+        let mut buf = [0u8; 200];
+        for (i, at) in sent.iter().enumerate() {
+            let (n, from) = server.recv_from(&mut buf).expect("relayed");
+            assert!(at.elapsed() >= delay, "datagram {i} came before its delay");
+            assert_eq!(from, faces_server.local_addr().expect("addr"));
+            assert_eq!(&buf[..n], &[u8::try_from(i).expect("small"); 100][..]);
+        }
+        stop.store(true, Ordering::Relaxed);
+        std::thread::sleep(STOP_CHECK * 2);
+        client.send_to(b"late", relay).expect("send");
+        server.set_read_timeout(Some(delay * 5)).expect("timeout");
+        assert!(
+            server.recv_from(&mut buf).is_err(),
+            "a stopped relay still forwarded"
+        );
     }
 }
