@@ -80,11 +80,15 @@ struct Args {
     /// Where the services keep their state.
     #[arg(long, value_enum, default_value_t = Store::Memory)]
     store: Store,
-    /// The gateways' `--busy-poll-us` (0, the gateway's default, polls not at all). Passed as
-    /// a flag, so that a `TRELLIS_BUSY_POLL_US` left in the environment cannot change the
+    /// The gateways' `--busy-poll-us` (500, the gateway's default; 0 polls not at all). Passed
+    /// as a flag, so that a `TRELLIS_BUSY_POLL_US` left in the environment cannot change the
     /// numbers unrecorded; the result records it.
-    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u64).range(0..=10_000))]
+    #[arg(long, default_value_t = 500, value_parser = clap::value_parser!(u64).range(0..=10_000))]
     busy_poll_us: u64,
+    /// The gateways' `--busy-poll-budget-percent` (5, the gateway's default; 100 polls without
+    /// a cap). Passed and recorded like `--busy-poll-us`.
+    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u8).range(0..=100))]
+    busy_poll_budget_percent: u8,
     /// Holds the kernel's CPU latency limit (`/dev/cpu_dma_latency`) at this many microseconds
     /// for the run, as a low-latency node tuning does; 0 keeps idle CPUs polling instead of
     /// halting, which makes waking a thread on an idle vCPU cheap and keeps every core busy
@@ -117,6 +121,7 @@ async fn main() -> anyhow::Result<()> {
         rr_seconds: args.rr_seconds,
         store: args.store,
         busy_poll_us: args.busy_poll_us,
+        busy_poll_budget_percent: args.busy_poll_budget_percent,
         cpu_latency_limit: dataplane::cpu_latency::limit(),
     };
     if args.scenario == Scenario::NodePath {

@@ -225,6 +225,7 @@ pub async fn leaf_to_leaf(
         wireguard: WIREGUARD.into(),
         build: build().into(),
         busy_poll_us: Some(settings.busy_poll_us),
+        busy_poll_budget_percent: Some(settings.busy_poll_budget_percent),
         cpu_latency_limit: settings.cpu_latency_limit,
         store: settings.store,
         emulation,

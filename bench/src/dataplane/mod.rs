@@ -46,6 +46,8 @@ pub struct Settings {
     pub store: Store,
     /// The gateways' busy-polling window, in microseconds (0: none).
     pub busy_poll_us: u64,
+    /// The share of the time, in percent, each polling thread may poll.
+    pub busy_poll_budget_percent: u8,
     /// The kernel's CPU latency limit as the run found it (`None`: unreadable).
     pub cpu_latency_limit: Option<CpuLatencyLimit>,
 }
@@ -64,6 +66,8 @@ fn options(settings: &Settings, hub_no_induced: bool) -> FabricOptions {
             "1".into(),
             "--busy-poll-us".into(),
             settings.busy_poll_us.to_string(),
+            "--busy-poll-budget-percent".into(),
+            settings.busy_poll_budget_percent.to_string(),
         ],
     )];
     o

@@ -54,7 +54,7 @@ pub(super) fn dataplane_section(
                 "WireGuard: {}; build: {}; {}; {}; store: {}; link delays by: {}; {} pings per measurement.\n",
                 d.wireguard,
                 d.build,
-                busy_polling(d.busy_poll_us),
+                busy_polling(d.busy_poll_us, d.busy_poll_budget_percent),
                 cpu_latency(d.cpu_latency_limit),
                 d.store,
                 d.emulation.as_str().replace('_', " "),

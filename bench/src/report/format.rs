@@ -40,12 +40,16 @@ pub(super) fn opt(v: Option<f64>, decimals: usize) -> String {
     v.map_or_else(|| "—".into(), |v| num(v, decimals))
 }
 
-/// The gateways' busy-polling window as a run recorded it.
-pub(super) fn busy_polling(us: Option<u64>) -> String {
-    match us {
-        None => "busy polling: not recorded".into(),
-        Some(0) => "busy polling: off".into(),
-        Some(us) => format!("busy polling: {us} µs"),
+/// The gateways' busy-polling window and budget as a run recorded them.
+pub(super) fn busy_polling(us: Option<u64>, budget_percent: Option<u8>) -> String {
+    match (us, budget_percent) {
+        (None, _) => "busy polling: not recorded".into(),
+        (Some(0), _) | (_, Some(0)) => "busy polling: off".into(),
+        // Runs from before the budget polled without one.
+        (Some(us), None | Some(100..)) => format!("busy polling: {us} µs, no budget"),
+        (Some(us), Some(percent)) => {
+            format!("busy polling: {us} µs, at most {percent} % of the time")
+        }
     }
 }
 

@@ -18,7 +18,7 @@ pub(super) fn node_path_section(md: &mut String, inputs: &Inputs) {
         "WireGuard: {}; build: {}; {}; {}; store: {}; {} nodes per cluster; {} pings per RTT, {} s per iperf3 run.\n",
         d.wireguard,
         d.build,
-        busy_polling(d.busy_poll_us),
+        busy_polling(d.busy_poll_us, d.busy_poll_budget_percent),
         cpu_latency(d.cpu_latency_limit),
         d.store,
         d.nodes_per_cluster.map_or("?".into(), |n| n.to_string()),

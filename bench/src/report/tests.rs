@@ -371,7 +371,7 @@ fn tables_and_notes_carry_the_numbers() {
     assert!(doc.contains("| induced (A→C direct) | 20 | 21.000 |"));
     assert!(
         doc.contains(
-            "build: release; busy polling: 200 µs; CPU latency limit: 0 µs; store: memory;"
+            "build: release; busy polling: 200 µs, no budget; CPU latency limit: 0 µs; store: memory;"
         ),
         "{doc}"
     );

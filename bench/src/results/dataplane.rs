@@ -205,6 +205,10 @@ pub struct DataplaneResult {
     /// before it was recorded (the run's note says what the gateways were given).
     #[serde(default)]
     pub busy_poll_us: Option<u64>,
+    /// The share of the time, in percent, each polling thread could poll; `None` in results
+    /// from before the budget existed (polling, where on, was not capped).
+    #[serde(default)]
+    pub busy_poll_budget_percent: Option<u8>,
     /// The kernel's CPU latency limit during the run; `None` in results from before it was
     /// recorded.
     #[serde(default)]
@@ -273,6 +277,10 @@ pub struct NodePathResult {
     /// before it was recorded (the run's note says what the gateways were given).
     #[serde(default)]
     pub busy_poll_us: Option<u64>,
+    /// The share of the time, in percent, each polling thread could poll; `None` in results
+    /// from before the budget existed (polling, where on, was not capped).
+    #[serde(default)]
+    pub busy_poll_budget_percent: Option<u8>,
     /// The kernel's CPU latency limit during the run; `None` in results from before it was
     /// recorded.
     #[serde(default)]

@@ -126,26 +126,39 @@ pub struct Config {
     pub no_tun_offload: bool,
 
     /// How long, in microseconds, the userspace data plane's sending and receiving threads keep
-    /// polling after their last packet before they sleep; 0 (the default) sleeps at once. On a
-    /// virtual machine, waking a thread on an idle (halted) vCPU costs tens to hundreds of
+    /// polling after their last packet before they sleep; 0 sleeps at once. On a virtual
+    /// machine, waking a thread on an idle (halted) vCPU costs tens to hundreds of
     /// microseconds, and a round trip through two gateways wakes four threads: polling briefly
-    /// keeps the vCPU running, which cut a single request/response connection's median round
-    /// trip about four times in our measurements; the sending thread also reads the socket
-    /// while it polls, so a reply arriving within the window is handled without a wake-up
+    /// keeps the vCPU running. The sending thread also reads the socket while it polls, so a
+    /// reply arriving within the window is handled without a wake-up
     /// (`trellis_gateway_received_while_polling_total` counts those): for a lone request's
-    /// reply, the window must exceed the round trip to the peer's gateway and back. The
-    /// price is CPU while traffic flows (never at idle). On a node whose cores are all busy
-    /// that CPU is taken from everything else, so it is opt-in. 200, the window Linux's guest
-    /// halt polling uses, is a good start for request/response traffic; a lone ping's reply
-    /// between two gateways on one virtual machine needed 500 in our measurements.
+    /// reply, the window must exceed the round trip to the peer's gateway and back (500 µs
+    /// covered two gateways on one virtual machine in our measurements). The price is CPU
+    /// while traffic flows, never at idle, and `--busy-poll-budget-percent` caps it
+    /// (`trellis_gateway_busy_poll_seconds_total` shows what was spent).
     #[arg(
         long,
         env = "TRELLIS_BUSY_POLL_US",
         value_name = "MICROSECONDS",
-        default_value_t = 0,
+        default_value_t = 500,
         value_parser = clap::value_parser!(u64).range(0..=10_000)
     )]
     pub busy_poll_us: u64,
+
+    /// The share of the time, in percent, each of the data plane's two polling threads may
+    /// spend polling (`--busy-poll-us`); past it a thread sleeps at once until time has paid
+    /// the share back (it may save up one second's share). Sparse request/response traffic,
+    /// whose latency polling is for, stays far below 5 %; a steady stream whose packets keep
+    /// reopening the window would otherwise keep a core busy. 100 polls without a cap; 0 never
+    /// polls.
+    #[arg(
+        long,
+        env = "TRELLIS_BUSY_POLL_BUDGET_PERCENT",
+        value_name = "PERCENT",
+        default_value_t = 5,
+        value_parser = clap::value_parser!(u8).range(0..=100)
+    )]
+    pub busy_poll_budget_percent: u8,
 
     /// Which WireGuard implementation to drive, or `none` for no data plane at all.
     #[arg(long, env = "TRELLIS_DATAPLANE", value_enum, default_value_t = DataplaneFlag::Auto)]

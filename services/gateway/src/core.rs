@@ -294,6 +294,11 @@ impl Gateway {
         self.engine.as_ref().map(|e| e.received_while_polling())
     }
 
+    /// Time the userspace engine's hot threads spent busy-polling (`None` without the engine).
+    pub fn busy_polled(&self) -> Option<std::time::Duration> {
+        self.engine.as_ref().map(|e| e.busy_polled())
+    }
+
     /// The interface name of the tunnel to `peer`.
     pub fn interface_name(&self, peer: &ClusterId) -> String {
         names::interface_name(

@@ -97,6 +97,7 @@ pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started
             let options = engine::Options {
                 tun_offload: !config.no_tun_offload,
                 busy_poll: Duration::from_micros(config.busy_poll_us),
+                busy_poll_budget_percent: config.busy_poll_budget_percent,
                 ..engine::Options::default()
             };
             let engine =

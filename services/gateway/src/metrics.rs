@@ -13,8 +13,8 @@
 //! how many tunnels go direct and how many through a hub's relay, and
 //! `trellis_gateway_resent_datagrams_total` what was resent through a hub when a tunnel's
 //! direct path died; `trellis_gateway_received_while_polling_total` what the sending thread
-//! received while it busy-polled, so an operator who turned polling on sees whether replies
-//! come back within its window.
+//! received while it busy-polled, so an operator sees whether replies come back within its
+//! window, and `trellis_gateway_busy_poll_seconds_total` what the polling cost in CPU time.
 
 use std::sync::{Arc, Mutex};
 use std::time::SystemTime;
@@ -195,6 +195,17 @@ impl Collector for TunnelCollector {
                     ConstCounter::new(0u64).metric_type(),
                 )?;
                 ConstCounter::new(caught).encode(family)?;
+            }
+            if let Some(polled) = core.busy_polled() {
+                let family = encoder.encode_descriptor(
+                    "trellis_gateway_busy_poll_seconds",
+                    "Seconds the engine's sending and receiving threads spent busy-polling \
+                     after their last packet (--busy-poll-us), together: the CPU polling cost, \
+                     capped per thread by --busy-poll-budget-percent; stays 0 with polling off",
+                    None,
+                    ConstCounter::new(0.0f64).metric_type(),
+                )?;
+                ConstCounter::new(polled.as_secs_f64()).encode(family)?;
             }
         }
         let mut paths = encoder.encode_descriptor(

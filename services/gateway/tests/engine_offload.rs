@@ -328,10 +328,11 @@ fn every_kind_of_traffic_crosses_offloaded_tuns_intact_in_super_packets() {
     ) {
         return;
     }
-    // With busy polling on (the gateway's opt-in, ADR 0032): its threads' polling paths carry
-    // every kind of traffic here too.
+    // With busy polling on and no budget (ADR 0032): its threads' polling paths carry every
+    // kind of traffic here too.
     let options = Options {
         busy_poll: Duration::from_micros(BUSY_POLL_US),
+        busy_poll_budget_percent: 100,
         ..Options::default()
     };
     let pair = Pair::up("on", options);
@@ -374,7 +375,8 @@ fn without_offloads_the_same_traffic_crosses_packet_by_packet() {
 
 /// With busy polling on, side 0's TUN thread keeps polling after it sends an echo request,
 /// and reads the socket too: the reply that comes back within its window is received there,
-/// on a running vCPU, not after the receiving thread's wake-up. Off (the default), it never is.
+/// on a running vCPU, not after the receiving thread's wake-up. Off (the engine's default), it
+/// never is.
 #[test]
 fn replies_within_the_polling_window_are_received_by_the_polling_tun_thread() {
     if !can_run(
@@ -396,6 +398,7 @@ fn replies_within_the_polling_window_are_received_by_the_polling_tun_thread() {
         "bp",
         Options {
             busy_poll: Duration::from_millis(20),
+            busy_poll_budget_percent: 100,
             ..Options::default()
         },
     );
@@ -441,6 +444,53 @@ fn replies_the_kernel_makes_at_once_leave_from_the_receiving_thread() {
     assert!(
         answered >= 10,
         "only {answered} of 20 echo replies left from the receiving thread"
+    );
+}
+
+/// Polling is capped by its budget: pings 50 ms apart through a 20 ms window keep each hot
+/// thread polling most of the time without a cap, and with a 5 % budget side 0's threads poll
+/// no longer than their saved-up second's share and 5 % of the time since the engine started.
+#[test]
+fn the_polling_budget_caps_the_time_the_threads_spend_polling() {
+    if !can_run(
+        "the_polling_budget_caps_the_time_the_threads_spend_polling",
+        &["ip", "ping"],
+    ) {
+        return;
+    }
+    let polled = |tag: &str, budget_percent: u8| {
+        let started = Instant::now();
+        let pair = Pair::up(
+            tag,
+            Options {
+                busy_poll: Duration::from_millis(20),
+                busy_poll_budget_percent: budget_percent,
+                ..Options::default()
+            },
+        );
+        assert!(
+            pair.ping(&["-c", "40", "-i", "0.05", "-W", "1", INNER[1]]),
+            "echoes through the tunnel went unanswered"
+        );
+        (pair.engines[0].busy_polled(), started.elapsed())
+    };
+    let (uncapped, _) = polled("bu", 100);
+    let (capped, elapsed) = polled("bc", 5);
+    // Two hot threads, each with one second's share saved up and 5 % of the time since; a
+    // slice that overran the share (a yield on a busy machine) is paid back, but the last one
+    // of each thread may still be owed.
+    let bound = 2 * (Duration::from_millis(50) + elapsed / 20) + Duration::from_millis(60);
+    eprintln!(
+        "measured: polled {uncapped:?} without a budget, {capped:?} with 5 % over {elapsed:?} \
+         (bound {bound:?})"
+    );
+    assert!(
+        uncapped > bound,
+        "without a budget the threads polled only {uncapped:?}: the traffic does not test the cap"
+    );
+    assert!(
+        capped <= bound,
+        "with a 5 % budget the threads polled {capped:?} in {elapsed:?}"
     );
 }
 

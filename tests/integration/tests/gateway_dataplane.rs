@@ -76,8 +76,9 @@ impl Lab {
         options.hub_no_induced = hub_no_induced;
         // Hub-path mappings show up in the gateway within a second.
         // Metrics on every address of the gateway's namespace (the test scrapes 127.0.0.1 there).
-        // The engines busy-poll (opt-in, ADR 0032), so that the full path's polling runs with
-        // the real control plane; the other data-plane tests keep the default, no polling.
+        // The engines busy-poll with a wide window and no budget (ADR 0032), so that every
+        // reply of the pings below can come back within the window; the other data-plane
+        // tests keep the default window and budget.
         options.extra_args = vec![(
             Service::Gateway,
             vec![
@@ -87,6 +88,8 @@ impl Lab {
                 format!("0.0.0.0:{GATEWAY_METRICS}"),
                 "--busy-poll-us".into(),
                 BUSY_POLL_US.to_string(),
+                "--busy-poll-budget-percent".into(),
+                "100".into(),
             ],
         )];
         let started = Instant::now();

@@ -102,7 +102,7 @@ use defguard_boringtun::x25519::{PublicKey, StaticSecret};
 use mio::{Poll, Token, Waker};
 use quinn_udp::UdpSocketState;
 
-pub use self::busy::BUSY_POLL_US;
+pub use self::busy::{BUSY_POLL_BUDGET_PERCENT, BUSY_POLL_US};
 pub use self::drops::DropReason;
 use self::handshakes::{
     HANDSHAKE_QUEUE, HANDSHAKE_RATE_LIMIT, SourceBuckets, handshake_loop, timer_loop,
@@ -143,6 +143,9 @@ pub struct Options {
     /// they sleep (`busy`); zero, the default, sleeps at once ([`BUSY_POLL_US`] is where to
     /// start when latency matters more than CPU).
     pub busy_poll: Duration,
+    /// The share of the time, in percent, each of those threads may spend polling (100: no
+    /// cap; [`BUSY_POLL_BUDGET_PERCENT`] by default).
+    pub busy_poll_budget_percent: u8,
 }
 
 impl Default for Options {
@@ -151,6 +154,7 @@ impl Default for Options {
             io: Io::Batched,
             tun_offload: true,
             busy_poll: Duration::ZERO,
+            busy_poll_budget_percent: BUSY_POLL_BUDGET_PERCENT,
         }
     }
 }
@@ -214,8 +218,12 @@ struct Shared {
     received_while_polling: AtomicU64,
     /// Whether new TUN interfaces are opened with offloads ([`Options::tun_offload`]).
     tun_offload: bool,
-    /// The hot threads' busy-polling window ([`Options::busy_poll`]).
+    /// The hot threads' busy-polling window ([`Options::busy_poll`]) and budget
+    /// ([`Options::busy_poll_budget_percent`]).
     busy_poll: Duration,
+    busy_poll_budget_percent: u8,
+    /// Nanoseconds the hot threads spent polling ([`Engine::busy_polled`]).
+    polled_ns: AtomicU64,
     dropped: [AtomicU64; DropReason::ALL.len()],
     /// Makes the timer thread panic: how the tests show a dead thread is noticed.
     #[cfg(test)]
@@ -265,6 +273,7 @@ impl Engine {
             io,
             tun_offload,
             busy_poll,
+            busy_poll_budget_percent,
         } = options;
         let (socket, dual_stack) =
             bind(port).map_err(|e| io_err(format!("binding the wireguard port {port}: {e}")))?;
@@ -344,6 +353,8 @@ impl Engine {
             received_while_polling: AtomicU64::new(0),
             tun_offload,
             busy_poll,
+            busy_poll_budget_percent,
+            polled_ns: AtomicU64::new(0),
             dropped: Default::default(),
             #[cfg(test)]
             crash_timers: AtomicBool::new(false),
@@ -378,6 +389,7 @@ impl Engine {
             ?io,
             tun_offload,
             busy_poll_us = busy_poll.as_micros(),
+            busy_poll_budget_percent,
             "userspace wireguard engine listening"
         );
         Ok(Self {

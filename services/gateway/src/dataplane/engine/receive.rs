@@ -8,14 +8,13 @@ use std::net::{IpAddr, SocketAddr};
 use std::os::fd::AsFd as _;
 use std::sync::TryLockError;
 use std::sync::atomic::Ordering;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use defguard_boringtun::noise::handshake::parse_handshake_anon;
 use defguard_boringtun::noise::{Packet, TunnResult};
 use nix::poll::{PollFd, PollFlags, PollTimeout};
 use quinn_udp::{RecvMeta, UdpSocketState};
 
-use super::busy::BusyPoll;
 use super::drops::DropReason;
 use super::handshakes::HANDSHAKE_RATE_LIMIT;
 use super::resend::DATA;
@@ -379,13 +378,18 @@ impl Engine {
     pub fn received_while_polling(&self) -> u64 {
         self.shared.received_while_polling.load(Ordering::Relaxed)
     }
+
+    /// Time the hot threads have spent busy-polling, together (what polling costs in CPU).
+    pub fn busy_polled(&self) -> Duration {
+        Duration::from_nanos(self.shared.polled_ns.load(Ordering::Relaxed))
+    }
 }
 
 /// The batched socket's receiving thread: waits in `poll(2)` without holding the buffers, so
 /// the TUN thread can take a datagram while it polls, then receives what it was woken for.
 pub(super) fn udp_loop_batched(shared: &Shared, state: &UdpSocketState) {
     let timeout = PollTimeout::try_from(RECV_TIMEOUT).unwrap_or(PollTimeout::NONE);
-    let mut busy = BusyPoll::new(shared.busy_poll);
+    let mut busy = shared.busy_poll();
     while !shared.stop.load(Ordering::Relaxed) {
         let received = shared
             .inbound

@@ -18,7 +18,6 @@ use mio::{Events, Poll};
 use nix::poll::{PollFd, PollFlags, PollTimeout};
 use quinn_udp::{Transmit, UdpSocketState};
 
-use super::busy::BusyPoll;
 use super::drops::DropReason;
 use super::gso::{DATA_OVERHEAD, GsoBatch, HANDSHAKE_INIT_LEN};
 use super::peers::Peer;
@@ -241,7 +240,7 @@ impl Shared {
 
 pub(super) fn tun_loop(shared: &Shared, mut poll: Poll) {
     let mut events = Events::with_capacity(256);
-    let mut busy = BusyPoll::new(shared.busy_poll);
+    let mut busy = shared.busy_poll();
     while !shared.stop.load(Ordering::Relaxed) {
         // Within the busy-polling window, epoll is asked without waiting, and the socket is
         // read too: a reply arriving now is handled here, on a running vCPU, rather than after
