@@ -15,7 +15,7 @@
 //! Unbounded, a window costs a whole core whenever packets come a little further apart than it
 //! (each one reopens it just before it would close). The budget bounds that: each thread may
 //! poll for a share of the time that passes (a token bucket holding one second's share), and
-//! sleeps at once while the share is spent. Sparse request/response traffic, whose latency the
+//! sleeps at once while the share is spent, until it holds a whole window's worth again. Sparse request/response traffic, whose latency the
 //! polling is for, stays far below it; a steady stream that would keep a thread polling
 //! forever falls back to sleeping after its first second's share (ADR 0032).
 
@@ -89,8 +89,9 @@ impl<'a> BusyPoll<'a> {
             return false;
         }
         let now = Instant::now();
+        let polling = self.spinning_since.is_some();
         self.charge(now);
-        if now >= self.until || !self.allows(now) {
+        if now >= self.until || !self.allows(now, polling) {
             return false;
         }
         self.spinning_since = Some(now);
@@ -107,8 +108,11 @@ impl<'a> BusyPoll<'a> {
         }
     }
 
-    /// Refills the budget for the time passed; whether any of it is left.
-    fn allows(&mut self, now: Instant) -> bool {
+    /// Refills the budget for the time passed; whether the thread may poll on (`polling`: it
+    /// is polling already) or start: a start takes a whole window's worth. Otherwise a thread
+    /// past its share would poll in slivers of what a few microseconds refill, a yield and an
+    /// empty read per packet that only slow it down.
+    fn allows(&mut self, now: Instant, polling: bool) -> bool {
         if self.share >= 1.0 {
             return true;
         }
@@ -118,7 +122,12 @@ impl<'a> BusyPoll<'a> {
             .tokens_ns
             .saturating_add(nanos(passed.mul_f64(self.share)))
             .min(self.cap_ns);
-        self.tokens_ns > 0
+        let needed = if polling {
+            0
+        } else {
+            nanos(self.window).min(self.cap_ns)
+        };
+        self.tokens_ns > 0 && self.tokens_ns >= needed
     }
 }
 
@@ -180,26 +189,38 @@ mod tests {
     }
 
     #[test]
-    fn the_budget_ends_polling_before_the_window_and_refills_with_time() {
+    fn the_budget_ends_polling_and_refills_with_time_a_window_at_a_time() {
         let spent = AtomicU64::new(0);
-        // 5 %: 50 ms to spend at first, then 5 ms for every 100 ms that pass.
-        let mut busy = BusyPoll::new(Duration::from_secs(10), 5, &spent);
-        busy.handled();
-        let polled = poll_out(&mut busy);
+        // 5 %: 50 ms to spend at first, then 5 ms for every 100 ms that pass; a 2 ms window.
+        let mut busy = BusyPoll::new(Duration::from_millis(2), 5, &spent);
+        // Packets all the time: every spin finds one, so only the budget ends the polling.
+        let start = Instant::now();
+        loop {
+            busy.handled();
+            if !busy.spin() {
+                break;
+            }
+        }
+        let polled = start.elapsed();
         assert!(
             polled >= Duration::from_millis(50) && polled < Duration::from_secs(5),
-            "polled {polled:?}: the saved-up share (50 ms), not the 10 s window"
+            "polled {polled:?} with packets all the time: the saved-up share, 50 ms"
         );
+        busy.handled();
         let at_once = poll_out(&mut busy);
         assert!(
-            at_once < Duration::from_millis(5),
-            "polled {at_once:?} right after the share was spent, though the window is open"
+            at_once < Duration::from_micros(500),
+            "polled {at_once:?} right after the share was spent: less than a window is left"
         );
-        std::thread::sleep(Duration::from_millis(200));
-        let again = poll_out(&mut busy);
+        // 60 ms refill 3 ms: a whole window's worth, so the next packet polls its window.
+        std::thread::sleep(Duration::from_millis(60));
+        let start = Instant::now();
+        busy.handled();
+        poll_out(&mut busy);
+        let again = start.elapsed();
         assert!(
-            again >= Duration::from_millis(5) && again < Duration::from_millis(500),
-            "polled {again:?} after 200 ms: about that time's share (10 ms)"
+            again >= Duration::from_millis(2) && again < Duration::from_millis(50),
+            "polled {again:?} after 60 ms: the 2 ms window"
         );
         let counted = Duration::from_nanos(spent.load(Ordering::Relaxed));
         assert!(
