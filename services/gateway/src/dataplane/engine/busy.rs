@@ -15,9 +15,10 @@
 //! Unbounded, a window costs a whole core whenever packets come a little further apart than it
 //! (each one reopens it just before it would close). The budget bounds that: each thread may
 //! poll for a share of the time that passes (a token bucket holding one second's share), and
-//! sleeps at once while the share is spent, until it holds a whole window's worth again. Sparse request/response traffic, whose latency the
-//! polling is for, stays far below it; a steady stream that would keep a thread polling
-//! forever falls back to sleeping after its first second's share (ADR 0032).
+//! sleeps at once while the share is spent, until it holds a whole window's worth again.
+//! Sparse request/response traffic, whose latency the polling is for, stays far below it; a
+//! steady stream that would keep a thread polling forever falls back to sleeping after its
+//! first second's share (ADR 0032).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
