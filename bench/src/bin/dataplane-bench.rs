@@ -80,10 +80,10 @@ struct Args {
     /// Where the services keep their state.
     #[arg(long, value_enum, default_value_t = Store::Memory)]
     store: Store,
-    /// The gateways' `--busy-poll-us` (500, the gateway's default; 0 polls not at all). Passed
-    /// as a flag, so that a `TRELLIS_BUSY_POLL_US` left in the environment cannot change the
+    /// The gateways' `--busy-poll-us` (0, the gateway's default, polls not at all). Passed as
+    /// a flag, so that a `TRELLIS_BUSY_POLL_US` left in the environment cannot change the
     /// numbers unrecorded; the result records it.
-    #[arg(long, default_value_t = 500, value_parser = clap::value_parser!(u64).range(0..=10_000))]
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u64).range(0..=10_000))]
     busy_poll_us: u64,
     /// The gateways' `--busy-poll-budget-percent` (5, the gateway's default; 100 polls without
     /// a cap). Passed and recorded like `--busy-poll-us`.

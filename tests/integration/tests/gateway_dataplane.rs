@@ -78,7 +78,7 @@ impl Lab {
         // Metrics on every address of the gateway's namespace (the test scrapes 127.0.0.1 there).
         // The engines busy-poll with a wide window and no budget (ADR 0032), so that every
         // reply of the pings below can come back within the window; the other data-plane
-        // tests keep the default window and budget.
+        // tests keep the default, no polling.
         options.extra_args = vec![(
             Service::Gateway,
             vec![
