@@ -127,8 +127,7 @@ pub struct Config {
 
     /// How long, in microseconds, the userspace data plane's sending and receiving threads keep
     /// polling after their last packet before they sleep; 0 (the default) sleeps at once. On a
-    /// virtual
-    /// machine, waking a thread on an idle (halted) vCPU costs tens to hundreds of
+    /// virtual machine, waking a thread on an idle (halted) vCPU costs tens to hundreds of
     /// microseconds, and a round trip through two gateways wakes four threads: polling briefly
     /// keeps the vCPU running. The sending thread also reads the socket while it polls, so a
     /// reply arriving within the window is handled without a wake-up
@@ -136,7 +135,7 @@ pub struct Config {
     /// reply, the window must exceed the round trip to the peer's gateway and back (500 µs
     /// covered two gateways on one virtual machine in our measurements). The price is CPU
     /// while traffic flows, never at idle, and `--busy-poll-budget-percent` caps it
-    /// (`trellis_gateway_busy_poll_seconds_total` shows what was spent). It is opt-in: with
+    /// (`trellis_gateway_busy_poll_seconds_total` shows the time spent in polling windows). It is opt-in: with
     /// 500 µs and the default budget, a lone request's round trip was about 0.1 ms shorter in
     /// our measurements, four connections' request/response rate higher, and one connection's
     /// steady ping-pong 17-25 % slower.

@@ -14,7 +14,7 @@
 //! `trellis_gateway_resent_datagrams_total` what was resent through a hub when a tunnel's
 //! direct path died; `trellis_gateway_received_while_polling_total` what the sending thread
 //! received while it busy-polled, so an operator sees whether replies come back within its
-//! window, and `trellis_gateway_busy_poll_seconds_total` what the polling cost in CPU time.
+//! window, and `trellis_gateway_busy_poll_seconds_total` the time spent in polling windows.
 
 use std::sync::{Arc, Mutex};
 use std::time::SystemTime;
@@ -199,9 +199,10 @@ impl Collector for TunnelCollector {
             if let Some(polled) = core.busy_polled() {
                 let family = encoder.encode_descriptor(
                     "trellis_gateway_busy_poll_seconds",
-                    "Seconds the engine's sending and receiving threads spent busy-polling \
-                     after their last packet (--busy-poll-us), together: the CPU polling cost, \
-                     capped per thread by --busy-poll-budget-percent; stays 0 with polling off",
+                    "Seconds the engine's sending and receiving threads spent inside their \
+                     busy-polling windows (--busy-poll-us), together, the packets handled there \
+                     included: what the budget (--busy-poll-budget-percent) charges; stays 0 \
+                     with polling off",
                     None,
                     ConstCounter::new(0.0f64).metric_type(),
                 )?;
