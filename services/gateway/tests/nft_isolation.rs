@@ -95,3 +95,78 @@ async fn a_peer_whose_rules_nft_refuses_leaves_the_other_peers_rules_applied() {
     assert!(table.contains(&good.interface), "{table}");
     assert!(!table.contains(&bad.interface), "{table}");
 }
+
+/// A hub's tables for 254 leaves, each with hub-path mappings and a hub-path target inside
+/// the pod CIDR: nft takes them (the maps hold no overlapping keys), and every chain a
+/// forwarded packet crosses holds the same few rules as for one leaf (ADR 0033).
+#[tokio::test]
+async fn a_hub_of_254_leaves_gets_tables_nft_takes_with_a_packet_meeting_few_rules() {
+    use std::net::IpAddr;
+    use trellis_gateway::dataplane::guard::{self, TunnelGuard};
+    if !is_root() || trellis_testkit::require_tool("nft").is_none() {
+        assert!(!trellis_testkit::in_ci(), "CI runs as root with nft");
+        eprintln!("SKIPPED: needs root and nft");
+        return;
+    }
+    let ns = Netns(format!("tlnfh{}", std::process::id()));
+    let added = std::process::Command::new("ip")
+        .args(["netns", "add", &ns.0])
+        .status()
+        .expect("ip runs");
+    assert!(added.success());
+    let net = |s: String| s.parse().expect("net");
+    let ip = |s: String| s.parse::<IpAddr>().expect("ip");
+    let mut nats = Vec::new();
+    let mut guards = Vec::new();
+    let mut hub_snat = Vec::new();
+    for i in 1..=254u32 {
+        let interface = format!("tg{i:08x}");
+        let key = ip(format!("10.92.{i}.7"));
+        let target = ip(format!("10.100.{i}.10"));
+        nats.push(PeerNat {
+            interface: interface.clone(),
+            mark: i << 16,
+            hub_dnat: vec![(key, target)],
+            dnat: vec![(net(format!("10.83.{i}.0/24")), net("10.0.0.0/24".into()))],
+            snat: vec![(net("10.0.0.0/24".into()), net(format!("10.81.{i}.0/24")))],
+        });
+        hub_snat.push((target, ip(format!("10.201.{i}.7"))));
+        guards.push(TunnelGuard {
+            interface,
+            allowed: vec![net("10.0.0.0/16".into()), net(format!("10.0.{i}.7/32"))],
+            zoned: true,
+        });
+    }
+    let nat = nft::script(&nats, &hub_snat);
+    let guard = guard::script(&guards);
+    nft_in(&ns.0, &["-f", "-"], &nat)
+        .await
+        .expect("nft takes the hub's NAT table");
+    nft_in(&ns.0, &["-f", "-"], &guard)
+        .await
+        .expect("nft takes the hub's guard table");
+    // With handles, each rule (however its elements are wrapped) ends in one.
+    let listed = nft_in(&ns.0, &["-a", "list", "ruleset"], "")
+        .await
+        .expect("lists");
+    for (chain, most) in [
+        ("pre_raw", 4),
+        ("out_raw", 1),
+        ("pre_mangle", 2),
+        ("forward", 5),
+        ("input", 2),
+    ] {
+        let body = listed
+            .split(&format!("chain {chain} {{"))
+            .nth(1)
+            .and_then(|rest| rest.split("\n\t}").next())
+            .unwrap_or_else(|| panic!("chain {chain} in {listed}"));
+        // The chain's own handle is on its first line.
+        let rules = body.matches("# handle").count() - 1;
+        assert!(
+            (1..=most).contains(&rules),
+            "chain {chain} has {rules} rules for 254 leaves: {body}"
+        );
+    }
+    assert!(listed.contains("\"tg000000fe\" : 254"), "{listed}");
+}

@@ -194,10 +194,17 @@ impl Lab {
         String::from_utf8_lossy(&out.stdout).into_owned()
     }
 
-    /// (`ct mark set` rules in our nft table, our ip rules, our interfaces) of gateway `i`.
+    /// (entries of the `ct mark set` map in our nft table, our ip rules, our interfaces) of
+    /// gateway `i`.
     fn dataplane_counts(&self, i: usize) -> (usize, usize, usize) {
         let ns = self.gw_ns(i);
-        let marks = self.ruleset(i).matches("ct mark set").count();
+        let ruleset = self.ruleset(i);
+        // One map, one `"interface" : mark` entry per peer (nft may wrap it over lines).
+        let marks = ruleset
+            .split("ct mark set iifname map {")
+            .nth(1)
+            .and_then(|rest| rest.split('}').next())
+            .map_or(0, |entries| entries.matches(" : ").count());
         let rules = ip(&["-n", ns, "-4", "rule", "show", "pref", "1784"])
             .expect("rules")
             .lines()

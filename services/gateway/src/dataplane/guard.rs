@@ -74,40 +74,54 @@ pub fn script(tunnels: &[TunnelGuard]) -> String {
     if !zoned.is_empty() {
         let _ = writeln!(s, "    oifname {{ {} }} ct zone 0 drop", zoned.join(", "));
     }
-    for t in tunnels {
-        let allowed: Vec<String> = t
+    // One set lookup for every tunnel's established traffic, one map lookup for where each
+    // tunnel's new connections may go: per-tunnel rules were walked one by one by every packet,
+    // a cost that grew with the hub's peers (ADR 0033).
+    let _ = writeln!(
+        s,
+        "    iifname {{ {interfaces} }} ct state established,related accept"
+    );
+    let verdicts: Vec<String> = tunnels
+        .iter()
+        .enumerate()
+        .map(|(i, t)| format!("\"{}\" : jump {}", t.interface, from_chain(i)))
+        .collect();
+    let _ = writeln!(s, "    iifname vmap {{ {} }}", verdicts.join(", "));
+    s.push_str("  }\n");
+    s.push_str("  chain input {\n    type filter hook input priority filter; policy accept;\n");
+    let _ = writeln!(
+        s,
+        "    iifname {{ {interfaces} }} ct state established,related accept"
+    );
+    let _ = writeln!(s, "    iifname {{ {interfaces} }} drop");
+    s.push_str("  }\n");
+    for (i, t) in tunnels.iter().enumerate() {
+        let _ = writeln!(s, "  chain {} {{", from_chain(i));
+        // An interval set refuses overlapping elements: a hub-path target inside the pod CIDR
+        // would otherwise fail the whole script.
+        let v4: Vec<IpNet> = t
             .allowed
             .iter()
             .filter(|n| n.addr().is_ipv4())
+            .copied()
+            .collect();
+        let allowed: Vec<String> = IpNet::aggregate(&v4)
+            .iter()
             .map(ToString::to_string)
             .collect();
-        let _ = writeln!(
-            s,
-            "    iifname \"{}\" ct state established,related accept",
-            t.interface
-        );
         if !allowed.is_empty() {
-            let _ = writeln!(
-                s,
-                "    iifname \"{}\" ip daddr {{ {} }} accept",
-                t.interface,
-                allowed.join(", ")
-            );
+            let _ = writeln!(s, "    ip daddr {{ {} }} accept", allowed.join(", "));
         }
-        let _ = writeln!(s, "    iifname \"{}\" drop", t.interface);
+        s.push_str("    drop\n  }\n");
     }
-    s.push_str("  }\n");
-    s.push_str("  chain input {\n    type filter hook input priority filter; policy accept;\n");
-    for t in tunnels {
-        let _ = writeln!(
-            s,
-            "    iifname \"{}\" ct state established,related accept",
-            t.interface
-        );
-        let _ = writeln!(s, "    iifname \"{}\" drop", t.interface);
-    }
-    s.push_str("  }\n}\n");
+    s.push_str("}\n");
     s
+}
+
+/// The chain holding what new connections from the `index`th tunnel may reach (named by
+/// position: interface names need not be valid chain names).
+fn from_chain(index: usize) -> String {
+    format!("from_tunnel_{index}")
 }
 
 /// The destinations of hub-path DNAT entries as single-address ranges.
@@ -133,25 +147,43 @@ mod tests {
 
     #[test]
     fn each_tunnel_reaches_only_its_allowed_destinations_and_established_traffic() {
-        let s = script(&[TunnelGuard {
-            interface: "tga".into(),
-            allowed: vec![
-                "10.0.0.0/16".parse().expect("net"),
-                "10.83.0.10/32".parse().expect("net"),
-            ],
-            zoned: true,
-        }]);
+        let s = script(&[
+            TunnelGuard {
+                interface: "tga".into(),
+                allowed: vec![
+                    "10.0.0.0/16".parse().expect("net"),
+                    "10.83.0.10/32".parse().expect("net"),
+                    // Inside the pod CIDR: merged into it, as the interval set requires.
+                    "10.0.3.7/32".parse().expect("net"),
+                ],
+                zoned: true,
+            },
+            tunnel("tgb", true),
+        ]);
         assert!(s.starts_with("table ip trellis-guard {}\ndelete table ip trellis-guard\n"));
         let est = s
-            .find("iifname \"tga\" ct state established,related accept")
+            .find("iifname { \"tga\", \"tgb\" } ct state established,related accept")
             .expect(&s);
-        let allow = s
-            .find("iifname \"tga\" ip daddr { 10.0.0.0/16, 10.83.0.10/32 } accept")
+        let dispatch = s
+            .find("iifname vmap { \"tga\" : jump from_tunnel_0, \"tgb\" : jump from_tunnel_1 }")
             .expect(&s);
-        let drop = s.find("iifname \"tga\" drop").expect(&s);
-        assert!(est < allow && allow < drop, "{s}");
-        assert!(s.contains("hook input"), "{s}");
-        assert_eq!(s.matches("iifname \"tga\" drop").count(), 2, "{s}");
+        assert!(est < dispatch, "{s}");
+        let from_a = s.find("chain from_tunnel_0 {").expect(&s);
+        let from_b = s.find("chain from_tunnel_1 {").expect(&s);
+        assert!(
+            s[from_a..from_b].contains("ip daddr { 10.0.0.0/16, 10.83.0.10/32 } accept\n    drop"),
+            "{s}"
+        );
+        // A tunnel allowed nothing opens nothing.
+        assert!(
+            s[from_b..].starts_with("chain from_tunnel_1 {\n    drop\n  }"),
+            "{s}"
+        );
+        let input = s.find("hook input").expect(&s);
+        assert!(
+            s[input..from_a].contains("iifname { \"tga\", \"tgb\" } drop"),
+            "{s}"
+        );
     }
 
     #[test]
@@ -170,7 +202,7 @@ mod tests {
                  oifname != { \"tga\", \"tgb\" } drop",
             )
             .expect(&s);
-        let per_tunnel = s.find("iifname \"tga\" ct state").expect(&s);
+        let per_tunnel = s.find("ct state established,related accept").expect(&s);
         assert!(
             first < original && original < per_tunnel && reply < per_tunnel,
             "{s}"
@@ -181,7 +213,7 @@ mod tests {
     fn nothing_enters_a_zoned_peers_tunnel_from_the_default_zone() {
         let s = script(&[tunnel("tga", true), tunnel("tgz", false)]);
         let zone = s.find("oifname { \"tga\" } ct zone 0 drop").expect(&s);
-        let per_tunnel = s.find("iifname \"tga\" ct state").expect(&s);
+        let per_tunnel = s.find("ct state established,related accept").expect(&s);
         assert!(
             s.find("hook forward").expect(&s) < zone && zone < per_tunnel,
             "{s}"

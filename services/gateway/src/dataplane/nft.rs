@@ -22,6 +22,11 @@
 //!   into the tunnel they came from.
 //! - `pre_nat`: DNAT the destination from how the peer addresses us to our real ranges.
 //! - `post_nat`: SNAT the source from the peer's real ranges to how we address the peer.
+//!
+//! The chains every packet crosses (`pre_raw`, `out_raw`, `pre_mangle`) hold one map per
+//! purpose, keyed by interface or destination, not one rule per peer: nft walks a chain's rules
+//! in order, so a hub's packets paid for every leaf before theirs (ADR 0033). The NAT chains
+//! keep a rule per peer, since nft consults them only for a connection's first packet.
 
 use std::fmt::Write as _;
 use std::net::IpAddr;
@@ -78,8 +83,41 @@ pub fn zone(mark: u32) -> u16 {
     u16::try_from(mark >> 16).unwrap_or(u16::MAX)
 }
 
+/// `{ key : value, ... }` of `entries`, or `None` for none: a map nft looks a key up in with
+/// one hash or interval lookup, whatever the number of peers. Rules per peer would be walked
+/// one by one by every packet, a cost that grows with the peers a hub has (ADR 0033).
+fn lookup<K: std::fmt::Display, V: std::fmt::Display>(
+    entries: impl IntoIterator<Item = (K, V)>,
+) -> Option<String> {
+    let entries: Vec<String> = entries
+        .into_iter()
+        .map(|(k, v)| format!("{k} : {v}"))
+        .collect();
+    (!entries.is_empty()).then(|| format!("{{ {} }}", entries.join(", ")))
+}
+
+/// Each peer's views with the zone of the peer they belong to, for an interval map, which
+/// refuses overlapping keys: a view overlapping one already taken (of an earlier peer, or the
+/// same peer's wider one) is left out. Our IPAM gives every peer views of its own, so this
+/// only keeps a corrupt set of mappings from failing the whole script.
+fn view_zones(zoned: &[&PeerNat]) -> Vec<(IpNet, u16)> {
+    let mut taken: Vec<(IpNet, u16)> = Vec::new();
+    for p in zoned {
+        for view in p.views() {
+            let overlaps = taken
+                .iter()
+                .any(|(t, _)| t.contains(&view) || view.contains(t));
+            if !overlaps {
+                taken.push((view, p.zone()));
+            }
+        }
+    }
+    taken
+}
+
 /// The zone rules of `pre_raw` (from a tunnel, or towards a peer) and of `out_raw` (the
-/// gateway node's own packets towards a peer).
+/// gateway node's own packets towards a peer): one lookup each, keyed by interface or by
+/// destination.
 fn zones(s: &mut String, peers: &[PeerNat], hub_snat: &[(IpAddr, IpAddr)]) {
     let zoned: Vec<&PeerNat> = peers.iter().filter(|p| p.zone() != 0).collect();
     s.push_str("  chain pre_raw {\n    type filter hook prerouting priority raw; policy accept;\n");
@@ -87,41 +125,37 @@ fn zones(s: &mut String, peers: &[PeerNat], hub_snat: &[(IpAddr, IpAddr)]) {
     if let Some(externals) = set(hub_snat.iter().filter(|(_, x)| x.is_ipv4()).map(|(_, x)| x)) {
         let _ = writeln!(s, "    ip daddr {externals} return");
     }
-    for p in &zoned {
-        if let Some(keys) = set(p
-            .hub_dnat
-            .iter()
-            .filter(|(k, _)| k.is_ipv4())
-            .map(|(k, _)| k))
-        {
-            let _ = writeln!(
-                s,
-                "    iifname \"{}\" ip daddr {keys} ct original zone set {} accept",
-                p.interface,
-                p.zone()
-            );
-        }
-        let _ = writeln!(
-            s,
-            "    iifname \"{}\" ct zone set {} accept",
-            p.interface,
-            p.zone()
-        );
-    }
-    let towards: Vec<String> = zoned
+    let mut originals: Vec<(String, u16)> = zoned
         .iter()
-        .filter_map(|p| {
-            set(p.views()).map(|views| format!("    ip daddr {views} ct zone set {}\n", p.zone()))
+        .flat_map(|p| {
+            p.hub_dnat
+                .iter()
+                .filter(|(k, _)| k.is_ipv4())
+                .map(|(k, _)| (format!("\"{}\" . {k}", p.interface), p.zone()))
         })
         .collect();
-    for rule in &towards {
-        s.push_str(rule);
+    originals.sort();
+    originals.dedup_by(|a, b| a.0 == b.0);
+    if let Some(m) = lookup(originals) {
+        let _ = writeln!(
+            s,
+            "    ct original zone set iifname . ip daddr map {m} accept"
+        );
     }
+    if let Some(m) = lookup(
+        zoned
+            .iter()
+            .map(|p| (format!("\"{}\"", p.interface), p.zone())),
+    ) {
+        let _ = writeln!(s, "    ct zone set iifname map {m} accept");
+    }
+    let towards = lookup(view_zones(&zoned))
+        .map(|m| format!("    ct zone set ip daddr map {m}\n"))
+        .unwrap_or_default();
+    s.push_str(&towards);
     s.push_str("  }\n");
     s.push_str("  chain out_raw {\n    type filter hook output priority raw; policy accept;\n");
-    for rule in &towards {
-        s.push_str(rule);
-    }
+    s.push_str(&towards);
     s.push_str("  }\n");
 }
 
@@ -159,12 +193,11 @@ pub fn script(peers: &[PeerNat], hub_snat: &[(IpAddr, IpAddr)]) -> String {
     s.push_str(
         "  chain pre_mangle {\n    type filter hook prerouting priority mangle; policy accept;\n",
     );
-    for p in peers {
-        let _ = writeln!(
-            s,
-            "    iifname \"{}\" ct state new ct mark set {:#010x}",
-            p.interface, p.mark
-        );
+    let marks = peers
+        .iter()
+        .map(|p| (format!("\"{}\"", p.interface), format!("{:#010x}", p.mark)));
+    if let Some(m) = lookup(marks) {
+        let _ = writeln!(s, "    ct state new ct mark set iifname map {m}");
     }
     let _ = writeln!(
         s,
@@ -262,7 +295,7 @@ mod tests {
             "{s}"
         );
         assert!(
-            s.contains("iifname \"tg01234567\" ct state new ct mark set 0xca810000"),
+            s.contains("ct state new ct mark set iifname map { \"tg01234567\" : 0xca810000 }"),
             "{s}"
         );
         // The peer's own conntrack zone (its slot), set before conntrack looks the packet up:
@@ -271,15 +304,15 @@ mod tests {
             .find("type filter hook prerouting priority raw")
             .expect(&s);
         let from = s
-            .find("iifname \"tg01234567\" ct zone set 51841 accept")
+            .find("ct zone set iifname map { \"tg01234567\" : 51841 } accept")
             .expect(&s);
         let towards = s
-            .find("ip daddr { 10.81.0.0/16 } ct zone set 51841")
+            .find("ct zone set ip daddr map { 10.81.0.0/16 : 51841 }")
             .expect(&s);
         let out = s.find("type filter hook output priority raw").expect(&s);
         assert!(raw < from && from < towards && towards < out, "{s}");
         assert!(
-            s[out..].contains("ip daddr { 10.81.0.0/16 } ct zone set 51841"),
+            s[out..].contains("ct zone set ip daddr map { 10.81.0.0/16 : 51841 }"),
             "{s}"
         );
         assert!(
@@ -313,9 +346,11 @@ mod tests {
         // the mapping's external address) looked up in the default zone.
         let replies = s.find("ip daddr { 10.201.3.7 } return").expect(&s);
         let hub_zone = s
-            .find("iifname \"tga\" ip daddr { 10.92.3.7 } ct original zone set 1 accept")
+            .find("ct original zone set iifname . ip daddr map { \"tga\" . 10.92.3.7 : 1 } accept")
             .expect(&s);
-        let zone = s.find("iifname \"tga\" ct zone set 1 accept").expect(&s);
+        let zone = s
+            .find("ct zone set iifname map { \"tga\" : 1 } accept")
+            .expect(&s);
         assert!(replies < hub_zone && hub_zone < zone, "{s}");
         let snat = s
             .find("ct status dnat snat ip to ip daddr map { 10.83.0.10 : 10.201.3.7 }")
@@ -329,5 +364,48 @@ mod tests {
             script(&[], &[]),
             "table ip trellis {}\ndelete table ip trellis\n"
         );
+    }
+
+    #[test]
+    fn every_peer_is_one_map_entry_and_overlapping_views_are_left_out() {
+        let peer = |i: u32, view: &str| PeerNat {
+            interface: format!("tg{i}"),
+            mark: i << 16,
+            hub_dnat: vec![],
+            dnat: vec![],
+            snat: vec![(net("10.0.0.0/16"), net(view))],
+        };
+        let peers: Vec<PeerNat> = (1..=254)
+            .map(|i| peer(i, &format!("10.{}.0.0/16", 100 + i % 100)))
+            .chain([peer(300, "10.250.0.0/16"), peer(301, "10.250.7.0/24")])
+            .collect();
+        let s = script(&peers, &[]);
+        // However many peers, a packet meets the same few rules.
+        let pre_raw = s.find("chain pre_raw").expect(&s);
+        let out_raw = s.find("chain out_raw").expect(&s);
+        assert_eq!(s[pre_raw..out_raw].matches("ct zone set").count(), 2, "{s}");
+        let zones = s
+            .lines()
+            .find(|l| l.contains("ct zone set iifname map"))
+            .expect(&s);
+        assert!(
+            zones.contains("\"tg254\" : 254") && zones.contains("\"tg1\" : 1"),
+            "{zones}"
+        );
+        let marks = s
+            .lines()
+            .find(|l| l.contains("ct mark set iifname map"))
+            .expect(&s);
+        assert!(marks.contains("\"tg301\" : 0x012d0000"), "{marks}");
+        // Views shared by two peers (a corrupt state) keep the first peer's zone rather than
+        // failing the interval map, and so the whole script.
+        let views = s
+            .lines()
+            .find(|l| l.contains("ct zone set ip daddr map"))
+            .expect(&s);
+        assert_eq!(views.matches("10.101.0.0/16").count(), 1, "{views}");
+        assert!(views.contains("10.101.0.0/16 : 1,"), "{views}");
+        assert!(views.contains("10.250.0.0/16 : 300"), "{views}");
+        assert!(!views.contains("10.250.7.0/24"), "{views}");
     }
 }
