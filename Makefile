@@ -8,7 +8,7 @@ export PATH := $(ROOT)/.tools/bin:$(HOME)/.cargo/bin:$(PATH)
 export CARGO_TARGET_DIR ?= $(HOME)/.cache/trellis/target
 export CARGO_TERM_COLOR ?= never
 
-.PHONY: demo setup test fmt-check clippy doc lint-proto validate-deploy build nextest fmt bench bench-quick bench-report bench-ipam bench-mesh bench-endpoints bench-exports bench-dataplane bench-failover bench-nat bench-tls bench-lab clean
+.PHONY: demo setup test fmt-check clippy doc lint-proto validate-deploy build nextest fmt bench bench-quick bench-report bench-ipam bench-mesh bench-endpoints bench-exports bench-dataplane bench-gateway-rules bench-failover bench-nat bench-tls bench-lab clean
 
 setup:
 	bash scripts/setup.sh
@@ -92,6 +92,12 @@ bench-dataplane: setup
 	cargo run --release --locked -p trellis-bench --bin dataplane-bench -- --out bench/results/dataplane.json
 	cargo run --release --locked -p trellis-bench --bin dataplane-bench -- --scenario node-path \
 		--out bench/results/dataplane-nodes.json
+
+# Root only: ping RTT through a router holding the gateway's rules for one peer and for a hub's
+# 254, against plain routing (ADR 0033).
+bench-gateway-rules: setup
+	cargo run --release --locked -p trellis-bench --bin gateway-rules-bench -- \
+		--out bench/results/gateway-rules.json
 
 # Root only: kills each cluster's active gateway replica in turn (issue 33, ADR 0023).
 bench-failover: setup

@@ -116,6 +116,7 @@ if [ "$kind" = quick ]; then
     --out "$out/exports.json"
   dataplane=(--samples 10 --iperf-seconds 3 --rounds 2 --out "$out/dataplane.json")
   nodes=(--scenario node-path --samples 10 --iperf-seconds 3 --out "$out/dataplane-nodes.json")
+  rules=(--rounds 2 --pings-per-round 15 --out "$out/gateway-rules.json")
   failover=(--kills 6 --connections 5 --out "$out/failover.json")
   nat=(--leaves-per-kind 2 --repeats 1 --pings 100 --iperf-seconds 3 --out "$out/nat.json")
 else
@@ -141,6 +142,7 @@ else
   run exports-bench --out "$out/exports.json"
   dataplane=(--out "$out/dataplane.json")
   nodes=(--scenario node-path --out "$out/dataplane-nodes.json")
+  rules=(--out "$out/gateway-rules.json")
   failover=(--out "$out/failover.json")
   nat=(--out "$out/nat.json")
 fi
@@ -159,6 +161,7 @@ else
   bash scripts/install-gotatun.sh || log "gotatun-cli could not be installed; dataplane-bench says GotaTun was not measured"
   run dataplane-bench "${dataplane[@]}"
   run dataplane-bench "${nodes[@]}"
+  run gateway-rules-bench "${rules[@]}"
 fi
 
 # Gateway failover: root (network namespaces), python3 for the flows, conntrack for the handoff.

@@ -12,6 +12,7 @@ use super::endpoints::endpoints_section;
 use super::exports::exports_section;
 use super::failover::failover_section;
 use super::format::{num, opt, run_line, short_commit};
+use super::gateway_rules::gateway_rules_section;
 use super::inputs::{BENCHMARKS, Inputs};
 use super::ipam::ipam_section;
 use super::lab::lab_section;
@@ -59,6 +60,7 @@ pub fn render(inputs: &Inputs) -> Output {
     exports_section(&mut md, inputs);
     dataplane_section(&mut md, inputs, &mut files);
     node_path_section(&mut md, inputs);
+    gateway_rules_section(&mut md, inputs);
     failover_section(&mut md, inputs);
     nat_section(&mut md, inputs);
     tls_section(&mut md, inputs);

@@ -8,7 +8,7 @@ use anyhow::Context as _;
 use serde_json::Value;
 
 /// The benchmarks, by result file name (`<name>.json`).
-pub const BENCHMARKS: [&str; 13] = [
+pub const BENCHMARKS: [&str; 14] = [
     "ipam",
     "mesh",
     "mesh-hub-processes",
@@ -18,6 +18,7 @@ pub const BENCHMARKS: [&str; 13] = [
     "exports",
     "dataplane",
     "dataplane-nodes",
+    "gateway-rules",
     "failover",
     "nat",
     "tls",

@@ -18,6 +18,7 @@ mod endpoints;
 mod exports;
 mod failover;
 mod format;
+mod gateway_rules;
 mod inputs;
 mod ipam;
 mod lab;

@@ -9,6 +9,7 @@ mod dataplane;
 mod endpoints;
 mod exports;
 mod failover;
+mod gateway_rules;
 mod ipam;
 mod lab;
 mod latency;
@@ -24,6 +25,7 @@ pub use dataplane::{
 pub use endpoints::{EndpointsParameters, EndpointsResult, EndpointsScenario};
 pub use exports::{DnsLoad, ExportsParameters, ExportsResult};
 pub use failover::{FailoverParameters, FailoverResult, Kill, Spread};
+pub use gateway_rules::{GatewayRulesParameters, GatewayRulesResult, RulesVariant};
 pub use ipam::{Consistency, IpamParameters, IpamResult, IpamScenario, MetricsOverhead};
 pub use lab::{LabParameters, LabResult, LabRun};
 pub use latency::LatencySummary;

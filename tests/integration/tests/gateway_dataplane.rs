@@ -32,6 +32,7 @@ use trellis_api::pb::endpoints::{
 use trellis_api::pb::gateway::TunnelState;
 use trellis_api::pb::ipam::ListEndpointMappingsRequest;
 use trellis_api::pb::types::{ClusterIdentity, PeeringKind};
+use trellis_gateway::names::{BUCKET_PRIORITY, RULE_BUCKETS};
 use trellis_integration::prom::{Sample, parse, parser_python, scrape_in};
 use trellis_netlab::netns::{exec, ip};
 use trellis_netlab::topology::host;
@@ -205,9 +206,19 @@ impl Lab {
             .nth(1)
             .and_then(|rest| rest.split('}').next())
             .map_or(0, |entries| entries.matches(" : ").count());
-        let rules = ip(&["-n", ns, "-4", "rule", "show", "pref", "1784"])
+        // Peer rules: the `lookup` rules in the gateway's buckets (ADR 0033).
+        let rules = ip(&["-n", ns, "-4", "rule", "show"])
             .expect("rules")
             .lines()
+            .filter(|l| {
+                l.contains(" lookup ")
+                    && l.split(':')
+                        .next()
+                        .and_then(|p| p.trim().parse::<u32>().ok())
+                        .is_some_and(|pref| {
+                            (BUCKET_PRIORITY..BUCKET_PRIORITY + RULE_BUCKETS).contains(&pref)
+                        })
+            })
             .count();
         let links = ip(&["-n", ns, "-o", "link", "show"])
             .expect("links")

@@ -54,6 +54,7 @@ use trellis_runtime::metrics::prometheus_client::metrics::gauge::Gauge;
 use self::peers::remove_device;
 pub use self::routes::refuse;
 use self::rules::sync_rules;
+pub use self::rules::{Action, PolicyRule, policy_rules};
 use super::PeerPlan;
 use super::cmd;
 use super::engine::Engine;

@@ -1,20 +1,133 @@
-//! Our policy-routing rules (one per peer at [`RULE_PRIORITY`], its connection mark to its
-//! table), made exactly what the plans want on every pass; and, at start, the removal of what
-//! a previous run left: rules, nftables tables and interfaces all outlive a SIGKILLed process.
+//! Our policy-routing rules, made exactly what the plans want on every pass; and, at start,
+//! the removal of what a previous run left: rules, nftables tables and interfaces all outlive a
+//! SIGKILLed process.
+//!
+//! Each peer has a rule sending its connection mark to its table. The kernel walks policy rules
+//! in order for every packet it routes, so a hub's 254 peer rules in one row were walked by
+//! every packet through the node, and a marked reply walked them up to its own (ADR 0033).
+//! While there are peer rules, they are laid out as:
+//! - at [`SKIP_PRIORITY`], packets without a peer's mark (all but the replies of peers'
+//!   connections) jump past every rule of ours, to a no-op at [`PAST_RULES_PRIORITY`];
+//! - at [`RULE_PRIORITY`], [`RULE_BUCKETS`] rules send a marked packet, by the low bits of its
+//!   slot, to its bucket at [`BUCKET_PRIORITY`] + bucket, where its peer's rule is.
 
 use std::collections::BTreeSet;
 
 use super::{Linux, guard_script};
 use crate::dataplane::cmd::{self, ip};
 use crate::dataplane::nft;
-use crate::names::{MARK_MASK, RULE_PRIORITY};
+use crate::names::{
+    BUCKET_PRIORITY, MARK_MASK, PAST_RULES_PRIORITY, RULE_BUCKETS, RULE_PRIORITY, SKIP_PRIORITY,
+};
+
+/// One policy rule of ours, as `ip rule` shows and takes it.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+pub struct PolicyRule {
+    pub pref: u32,
+    /// `(mark, mask)` matched, if any.
+    pub fwmark: Option<(u32, u32)>,
+    pub action: Action,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Action {
+    Lookup(u32),
+    Goto(u32),
+    Nop,
+}
+
+impl PolicyRule {
+    /// The arguments after `ip rule add|del`.
+    pub fn args(&self) -> Vec<String> {
+        let mut args = vec!["pref".to_owned(), self.pref.to_string()];
+        if let Some((mark, mask)) = self.fwmark {
+            args.push("fwmark".into());
+            args.push(format!("{mark:#x}/{mask:#x}"));
+        }
+        match self.action {
+            Action::Lookup(table) => args.extend(["lookup".into(), table.to_string()]),
+            Action::Goto(pref) => args.extend(["goto".into(), pref.to_string()]),
+            Action::Nop => args.push("nop".into()),
+        }
+        args
+    }
+
+    /// `1800:\tfrom all fwmark 0xca810000/0xffff0000 lookup 51841`, `1783:\tfrom all fwmark
+    /// 0/0xffff0000 goto 1816`, `1816:\tfrom all nop`; any other shape is not one of ours.
+    fn parse(line: &str) -> Option<Self> {
+        let (pref, rest) = line.split_once(':')?;
+        let pref: u32 = pref.trim().parse().ok()?;
+        let words: Vec<&str> = rest.split_whitespace().collect();
+        let after = |key: &str| {
+            words
+                .iter()
+                .position(|w| *w == key)
+                .and_then(|i| words.get(i + 1))
+        };
+        let hex = |s: &str| u32::from_str_radix(s.trim_start_matches("0x"), 16).ok();
+        let fwmark = match after("fwmark") {
+            Some(m) => {
+                let (mark, mask) = m.split_once('/')?;
+                Some((hex(mark)?, hex(mask)?))
+            }
+            None => None,
+        };
+        let action = if let Some(table) = after("lookup") {
+            Action::Lookup(table.parse().ok()?)
+        } else if let Some(target) = after("goto") {
+            Action::Goto(target.parse().ok()?)
+        } else if words.last() == Some(&"nop") {
+            Action::Nop
+        } else {
+            return None;
+        };
+        Some(Self {
+            pref,
+            fwmark,
+            action,
+        })
+    }
+}
+
+/// Whether `pref` is one of the priorities we own.
+fn ours(pref: u32) -> bool {
+    (SKIP_PRIORITY..=PAST_RULES_PRIORITY).contains(&pref)
+}
+
+/// Every rule we want for peers with these `(mark, table)`, in the order to add them (each
+/// `goto` after its target): none for no peers.
+pub fn policy_rules(peers: &BTreeSet<(u32, u32)>) -> Vec<PolicyRule> {
+    if peers.is_empty() {
+        return Vec::new();
+    }
+    let bucket_mask = (RULE_BUCKETS - 1) << 16;
+    let mut rules = vec![PolicyRule {
+        pref: PAST_RULES_PRIORITY,
+        fwmark: None,
+        action: Action::Nop,
+    }];
+    rules.extend(peers.iter().map(|(mark, table)| PolicyRule {
+        pref: BUCKET_PRIORITY + ((mark & bucket_mask) >> 16),
+        fwmark: Some((*mark, MARK_MASK)),
+        action: Action::Lookup(*table),
+    }));
+    rules.extend((0..RULE_BUCKETS).map(|b| PolicyRule {
+        pref: RULE_PRIORITY,
+        fwmark: Some((b << 16, bucket_mask)),
+        action: Action::Goto(BUCKET_PRIORITY + b),
+    }));
+    rules.push(PolicyRule {
+        pref: SKIP_PRIORITY,
+        fwmark: Some((0, MARK_MASK)),
+        action: Action::Goto(PAST_RULES_PRIORITY),
+    });
+    rules
+}
 
 impl Linux {
     pub(super) async fn remove_stale(&self) -> anyhow::Result<()> {
         let rules = current_rules().await?;
-        for (mark, table) in &rules {
-            delete_rule(*mark, *table).await?;
-        }
+        sync_rules(&BTreeSet::new()).await?;
         cmd::run("nft", &["-f", "-"], Some(&nft::script(&[], &[]))).await?;
         cmd::run("nft", &["-f", "-"], Some(&guard_script(&[], &[]))).await?;
         let links = ip(&["-o", "link", "show"]).await?;
@@ -34,57 +147,32 @@ impl Linux {
     }
 }
 
-/// Makes our policy rules (at [`RULE_PRIORITY`]) exactly `want`: `(mark, table)` each.
+/// Makes our policy rules exactly those [`policy_rules`] wants for `want`: `(mark, table)`
+/// per peer. Rules of ours that are not wanted (a previous layout's included) go first.
 pub(super) async fn sync_rules(want: &BTreeSet<(u32, u32)>) -> anyhow::Result<()> {
     let have = current_rules().await?;
-    for (mark, table) in have.difference(want) {
-        delete_rule(*mark, *table).await?;
+    let wanted = policy_rules(want);
+    for rule in have.iter().filter(|r| !wanted.contains(r)) {
+        let mut args = vec!["rule".to_owned(), "del".to_owned()];
+        args.extend(rule.args());
+        ip(&args.iter().map(String::as_str).collect::<Vec<_>>()).await?;
     }
-    for (mark, table) in want.difference(&have) {
-        rule("add", *mark, *table).await?;
+    for rule in wanted.iter().filter(|r| !have.contains(r)) {
+        let mut args = vec!["rule".to_owned(), "add".to_owned()];
+        args.extend(rule.args());
+        ip(&args.iter().map(String::as_str).collect::<Vec<_>>()).await?;
     }
     Ok(())
 }
 
-/// Our rules: `(mark, table)` of every rule at [`RULE_PRIORITY`].
-async fn current_rules() -> anyhow::Result<BTreeSet<(u32, u32)>> {
-    let text = ip(&["-4", "rule", "show", "pref", &RULE_PRIORITY.to_string()]).await?;
-    Ok(text.lines().filter_map(parse_rule).collect())
-}
-
-async fn delete_rule(mark: u32, table: u32) -> anyhow::Result<()> {
-    rule("del", mark, table).await
-}
-
-/// `ip rule add|del` of our rule sending `mark` to `table`.
-async fn rule(op: &str, mark: u32, table: u32) -> anyhow::Result<()> {
-    ip(&[
-        "rule",
-        op,
-        "pref",
-        &RULE_PRIORITY.to_string(),
-        "fwmark",
-        &format!("{mark:#x}/{MARK_MASK:#x}"),
-        "lookup",
-        &table.to_string(),
-    ])
-    .await
-    .map(drop)
-}
-
-/// `1784: from all fwmark 0xca810000/0xffff0000 lookup 51841` → `(0xca810000, 51841)`.
-fn parse_rule(line: &str) -> Option<(u32, u32)> {
-    let words: Vec<&str> = line.split_whitespace().collect();
-    let after = |key: &str| {
-        words
-            .iter()
-            .position(|w| *w == key)
-            .and_then(|i| words.get(i + 1))
-    };
-    let mark = after("fwmark")?.split('/').next()?;
-    let mark = u32::from_str_radix(mark.trim_start_matches("0x"), 16).ok()?;
-    let table = after("lookup")?.parse().ok()?;
-    Some((mark, table))
+/// Our rules: those at our priorities with a shape of ours.
+async fn current_rules() -> anyhow::Result<BTreeSet<PolicyRule>> {
+    let text = ip(&["-4", "rule", "show"]).await?;
+    Ok(text
+        .lines()
+        .filter_map(PolicyRule::parse)
+        .filter(|r| ours(r.pref))
+        .collect())
 }
 
 /// The interface name of an `ip -o link show` line (`3: tg01234567: <...`, or `name@peer`).
@@ -104,12 +192,26 @@ mod tests {
     use super::*;
 
     #[test]
-    fn parses_rules_and_link_names() {
+    fn parses_rules_as_ip_shows_them_and_link_names() {
+        let rule = PolicyRule::parse("1800:\tfrom all fwmark 0xca810000/0xffff0000 lookup 51841");
         assert_eq!(
-            parse_rule("1784:\tfrom all fwmark 0xca810000/0xffff0000 lookup 51841"),
-            Some((0xca81_0000, 51841))
+            rule,
+            Some(PolicyRule {
+                pref: 1800,
+                fwmark: Some((0xca81_0000, 0xffff_0000)),
+                action: Action::Lookup(51841)
+            })
         );
-        assert_eq!(parse_rule("0:\tfrom all lookup local"), None);
+        assert_eq!(
+            PolicyRule::parse("1783:\tfrom all fwmark 0/0xffff0000 goto 1816")
+                .map(|r| (r.fwmark, r.action)),
+            Some((Some((0, 0xffff_0000)), Action::Goto(1816)))
+        );
+        assert_eq!(
+            PolicyRule::parse("1816:\tfrom all nop").map(|r| r.action),
+            Some(Action::Nop)
+        );
+        assert_eq!(PolicyRule::parse("0:\tfrom all lookup local"), None);
         assert_eq!(
             link_name("7: tg0a1b2c3d: <POINTOPOINT,NOARP,UP> mtu 1420"),
             Some("tg0a1b2c3d")
@@ -118,5 +220,45 @@ mod tests {
         assert!(is_ours("tg", "tg0a1b2c3d"));
         assert!(!is_ours("tg", "tg0a1b2c3"));
         assert!(!is_ours("tg", "eth0"));
+    }
+
+    #[test]
+    fn peer_rules_are_bucketed_behind_a_skip_for_unmarked_packets() {
+        assert!(policy_rules(&BTreeSet::new()).is_empty());
+        let peers: BTreeSet<(u32, u32)> = (51_841..=52_094).map(|s| (s << 16, s)).collect();
+        let rules = policy_rules(&peers);
+        // Every rule parses back from its own arguments, as `ip rule show` prints them.
+        for rule in &rules {
+            let line = format!("{}:\tfrom all {}", rule.pref, rule.args()[2..].join(" "));
+            assert_eq!(PolicyRule::parse(&line).as_ref(), Some(rule), "{line}");
+            assert!(ours(rule.pref), "{rule:?}");
+        }
+        // A goto comes after its target, which is a higher priority.
+        for (i, rule) in rules.iter().enumerate() {
+            if let Action::Goto(target) = rule.action {
+                assert!(target > rule.pref);
+                assert!(
+                    target == PAST_RULES_PRIORITY || rules[..i].iter().any(|r| r.pref == target),
+                    "{rule:?} before its target"
+                );
+            }
+        }
+        let skip = rules.last().expect("rules");
+        assert_eq!(skip.pref, SKIP_PRIORITY);
+        assert_eq!(skip.fwmark, Some((0, MARK_MASK)));
+        // A marked packet walks at most the dispatch rules and one bucket.
+        let dispatch = rules.iter().filter(|r| r.pref == RULE_PRIORITY).count();
+        let mut per_bucket = std::collections::BTreeMap::new();
+        for r in rules
+            .iter()
+            .filter(|r| matches!(r.action, Action::Lookup(_)))
+        {
+            *per_bucket.entry(r.pref).or_insert(0) += 1;
+            let (mark, _) = r.fwmark.expect("marked");
+            assert_eq!(r.pref - BUCKET_PRIORITY, (mark >> 16) % RULE_BUCKETS);
+        }
+        assert_eq!(dispatch, RULE_BUCKETS as usize);
+        assert_eq!(per_bucket.values().sum::<usize>(), 254);
+        assert!(per_bucket.values().all(|n| *n <= 16), "{per_bucket:?}");
     }
 }
