@@ -9,6 +9,25 @@ use trellis_runtime::cmd;
 
 struct Netns(String);
 
+impl Netns {
+    /// A fresh namespace named after `prefix` and this process, or `None` (skipped loudly)
+    /// where the test cannot run: not root, or no `nft`.
+    fn create(prefix: &str) -> Option<Self> {
+        if !is_root() || trellis_testkit::require_tool("nft").is_none() {
+            assert!(!trellis_testkit::in_ci(), "CI runs as root with nft");
+            eprintln!("SKIPPED: needs root and nft");
+            return None;
+        }
+        let ns = Self(format!("{prefix}{}", std::process::id()));
+        let added = std::process::Command::new("ip")
+            .args(["netns", "add", &ns.0])
+            .status()
+            .expect("ip runs");
+        assert!(added.success());
+        Some(ns)
+    }
+}
+
 impl Drop for Netns {
     fn drop(&mut self) {
         let _ = std::process::Command::new("ip")
@@ -43,17 +62,9 @@ async fn nft_in(ns: &str, args: &[&str], script: &str) -> anyhow::Result<String>
 
 #[tokio::test]
 async fn a_peer_whose_rules_nft_refuses_leaves_the_other_peers_rules_applied() {
-    if !is_root() || trellis_testkit::require_tool("nft").is_none() {
-        assert!(!trellis_testkit::in_ci(), "CI runs as root with nft");
-        eprintln!("SKIPPED: needs root and nft");
+    let Some(ns) = Netns::create("tlnft") else {
         return;
-    }
-    let ns = Netns(format!("tlnft{}", std::process::id()));
-    let added = std::process::Command::new("ip")
-        .args(["netns", "add", &ns.0])
-        .status()
-        .expect("ip runs");
-    assert!(added.success());
+    };
     let good = peer(
         "tggood0001",
         0xca01_0000,
@@ -103,17 +114,9 @@ async fn a_peer_whose_rules_nft_refuses_leaves_the_other_peers_rules_applied() {
 async fn a_hub_of_254_leaves_gets_tables_nft_takes_with_a_packet_meeting_few_rules() {
     use std::net::IpAddr;
     use trellis_gateway::dataplane::guard::{self, TunnelGuard};
-    if !is_root() || trellis_testkit::require_tool("nft").is_none() {
-        assert!(!trellis_testkit::in_ci(), "CI runs as root with nft");
-        eprintln!("SKIPPED: needs root and nft");
+    let Some(ns) = Netns::create("tlnfh") else {
         return;
-    }
-    let ns = Netns(format!("tlnfh{}", std::process::id()));
-    let added = std::process::Command::new("ip")
-        .args(["netns", "add", &ns.0])
-        .status()
-        .expect("ip runs");
-    assert!(added.success());
+    };
     let net = |s: String| s.parse().expect("net");
     let ip = |s: String| s.parse::<IpAddr>().expect("ip");
     let mut nats = Vec::new();

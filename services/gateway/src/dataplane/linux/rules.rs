@@ -29,10 +29,14 @@ pub struct PolicyRule {
     pub action: Action,
 }
 
+/// What a rule does with a packet it matches.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Action {
+    /// Route by this table.
     Lookup(u32),
+    /// Go on at the rule of this priority.
     Goto(u32),
+    /// Nothing: go on with the next rule.
     Nop,
 }
 
