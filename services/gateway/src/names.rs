@@ -9,10 +9,11 @@ const IFNAME_MAX: usize = 15;
 /// Hex digits of the pair hash in an interface name.
 const HASH_DIGITS: usize = 8;
 
-/// Priority of the rules dispatching a marked packet to its bucket of peer rules (below the
-/// main table's 32766). Every priority we use lies in [`SKIP_PRIORITY`]..=[`PAST_RULES_PRIORITY`],
-/// so a restart finds and removes whatever a previous run left there. Before ADR 0033 the peer
-/// rules themselves lived at this priority; a restart removes those too.
+/// Priority of the rule dispatching a marked packet to bucket 0 of the peer rules; bucket `b`'s
+/// is at this plus `b`, all below the main table's 32766. Every priority we use lies in
+/// [`SKIP_PRIORITY`]..=[`PAST_RULES_PRIORITY`], so a restart finds and removes whatever a
+/// previous run left there. Before ADR 0033 the peer rules themselves lived at this priority;
+/// a restart removes those too.
 pub const RULE_PRIORITY: u32 = 1784;
 
 /// Priority of the rule sending packets without a peer's mark past all of ours, to the no-op
@@ -23,8 +24,9 @@ pub const SKIP_PRIORITY: u32 = RULE_PRIORITY - 1;
 /// packet walks the dispatch rules and one bucket, not every peer's rule.
 pub const RULE_BUCKETS: u32 = 16;
 
-/// Priority of the first bucket of peer rules; bucket `b` is at this plus `b`.
-pub const BUCKET_PRIORITY: u32 = 1800;
+/// Priority of the first bucket of peer rules; bucket `b` is at this plus `b`. Above every
+/// dispatch rule's (`goto` only jumps forwards).
+pub const BUCKET_PRIORITY: u32 = RULE_PRIORITY + RULE_BUCKETS;
 
 /// Priority of the no-op rule the skip rule jumps to (`goto` needs a rule to land on).
 pub const PAST_RULES_PRIORITY: u32 = BUCKET_PRIORITY + RULE_BUCKETS;

@@ -8,8 +8,9 @@
 //! While there are peer rules, they are laid out as:
 //! - at [`SKIP_PRIORITY`], packets without a peer's mark (all but the replies of peers'
 //!   connections) jump past every rule of ours, to a no-op at [`PAST_RULES_PRIORITY`];
-//! - at [`RULE_PRIORITY`], [`RULE_BUCKETS`] rules send a marked packet, by the low bits of its
-//!   slot, to its bucket at [`BUCKET_PRIORITY`] + bucket, where its peer's rule is.
+//! - at [`RULE_PRIORITY`] + bucket, a rule per bucket in use sends a marked packet, by the low
+//!   bits of its slot (one of [`RULE_BUCKETS`] buckets), to its bucket at [`BUCKET_PRIORITY`] +
+//!   bucket, where its peer's rule is.
 
 use std::collections::BTreeSet;
 
@@ -115,8 +116,15 @@ pub fn policy_rules(peers: &BTreeSet<(u32, u32)>) -> Vec<PolicyRule> {
         fwmark: Some((*mark, MARK_MASK)),
         action: Action::Lookup(*table),
     }));
-    rules.extend((0..RULE_BUCKETS).map(|b| PolicyRule {
-        pref: RULE_PRIORITY,
+    // A dispatch rule only for the buckets holding a peer: a leaf's few marked replies walk
+    // a rule or two, not sixteen. Each at a priority of its own: `ip rule del` takes a mark of
+    // 0 (bucket 0's) for "any mark" and would delete whichever dispatch rule came first.
+    let buckets: BTreeSet<u32> = peers
+        .iter()
+        .map(|(mark, _)| (mark & bucket_mask) >> 16)
+        .collect();
+    rules.extend(buckets.into_iter().map(|b| PolicyRule {
+        pref: RULE_PRIORITY + b,
         fwmark: Some((b << 16, bucket_mask)),
         action: Action::Goto(BUCKET_PRIORITY + b),
     }));
@@ -159,7 +167,15 @@ pub(super) async fn sync_rules(want: &BTreeSet<(u32, u32)>) -> anyhow::Result<()
     for rule in have.iter().filter(|r| !wanted.contains(r)) {
         let mut args = vec!["rule".to_owned(), "del".to_owned()];
         args.extend(rule.args());
-        ip(&args.iter().map(String::as_str).collect::<Vec<_>>()).await?;
+        match ip(&args.iter().map(String::as_str).collect::<Vec<_>>()).await {
+            // Gone already (deleted by hand, say): what this pass wanted.
+            Err(err) if format!("{err:#}").contains("No such file or directory") => {
+                tracing::debug!(rule = ?rule, "policy rule already gone");
+            }
+            other => {
+                other?;
+            }
+        }
     }
     for rule in wanted.iter().filter(|r| !have.contains(r)) {
         let mut args = vec!["rule".to_owned(), "add".to_owned()];
@@ -229,6 +245,17 @@ mod tests {
     #[test]
     fn peer_rules_are_bucketed_behind_a_skip_for_unmarked_packets() {
         assert!(policy_rules(&BTreeSet::new()).is_empty());
+        // One peer: the no-op, its rule, its bucket's dispatch, the skip.
+        let one = policy_rules(&BTreeSet::from([(51_841 << 16, 51_841)]));
+        assert_eq!(
+            one.iter().map(|r| r.pref).collect::<Vec<_>>(),
+            [
+                PAST_RULES_PRIORITY,
+                BUCKET_PRIORITY + 1,
+                RULE_PRIORITY + 1,
+                SKIP_PRIORITY
+            ]
+        );
         let peers: BTreeSet<(u32, u32)> = (51_841..=52_094).map(|s| (s << 16, s)).collect();
         let rules = policy_rules(&peers);
         // Every rule parses back from its own arguments, as `ip rule show` prints them.
@@ -251,7 +278,11 @@ mod tests {
         assert_eq!(skip.pref, SKIP_PRIORITY);
         assert_eq!(skip.fwmark, Some((0, MARK_MASK)));
         // A marked packet walks at most the dispatch rules and one bucket.
-        let dispatch = rules.iter().filter(|r| r.pref == RULE_PRIORITY).count();
+        let dispatch: BTreeSet<u32> = rules
+            .iter()
+            .filter(|r| r.pref >= RULE_PRIORITY && r.pref < BUCKET_PRIORITY)
+            .map(|r| r.pref)
+            .collect();
         let mut per_bucket = std::collections::BTreeMap::new();
         for r in rules
             .iter()
@@ -261,7 +292,15 @@ mod tests {
             let (mark, _) = r.fwmark.expect("marked");
             assert_eq!(r.pref - BUCKET_PRIORITY, (mark >> 16) % RULE_BUCKETS);
         }
-        assert_eq!(dispatch, RULE_BUCKETS as usize);
+        // One dispatch rule per priority: `ip rule del` finds each by its priority alone.
+        assert_eq!(dispatch.len(), RULE_BUCKETS as usize);
+        assert_eq!(
+            rules
+                .iter()
+                .filter(|r| r.pref >= RULE_PRIORITY && r.pref < BUCKET_PRIORITY)
+                .count(),
+            dispatch.len()
+        );
         assert_eq!(per_bucket.values().sum::<usize>(), 254);
         assert!(per_bucket.values().all(|n| *n <= 16), "{per_bucket:?}");
     }
