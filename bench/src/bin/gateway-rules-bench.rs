@@ -15,13 +15,14 @@ use std::path::PathBuf;
 use anyhow::{Context as _, bail, ensure};
 use clap::Parser;
 use ipnet::IpNet;
+use trellis_bench::nat::percentile;
 use trellis_bench::results::{GatewayRulesParameters, GatewayRulesResult, RulesVariant};
 use trellis_bench::{Machine, RunArgs, RunInfo, median, write_json};
 use trellis_gateway::dataplane::guard::{self, TunnelGuard};
 use trellis_gateway::dataplane::linux::policy_rules;
 use trellis_gateway::dataplane::nft::{self, PeerNat};
 use trellis_gateway::names::{PAST_RULES_PRIORITY, SKIP_PRIORITY};
-use trellis_netlab::netns::{Namespaces, exec, ip};
+use trellis_netlab::netns::{Namespaces, exec, ip, nft_apply};
 use trellis_netlab::topology::ping_rtts;
 
 /// Measures ping RTT through a router holding the gateway's rules for one peer and for a hub's
@@ -103,23 +104,10 @@ fn peer(i: usize, n: usize) -> (PeerNat, TunnelGuard, u32) {
     (nat, guard, slot)
 }
 
-fn nft_in(ns: &str, script: &str) -> anyhow::Result<()> {
-    let path = std::env::temp_dir().join(format!("gateway-rules-bench-{}.nft", std::process::id()));
-    std::fs::write(&path, script)?;
-    let out = exec(ns, "nft", &["-f", &path.to_string_lossy()])?;
-    let _ = std::fs::remove_file(&path);
-    ensure!(
-        out.status.success(),
-        "nft refused the script: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    Ok(())
-}
-
 /// The router with `peers` peers' tables and their policy rules, laid out as the gateway lays
 /// them out (none: plain routing), or with only the measured peer's rule (`every_rule` false).
 fn configure(router: &str, peers: usize, every_rule: bool) -> anyhow::Result<()> {
-    nft_in(
+    nft_apply(
         router,
         &format!("{}{}", nft::script(&[], &[]), guard::script(&[])),
     )?;
@@ -134,7 +122,7 @@ fn configure(router: &str, peers: usize, every_rule: bool) -> anyhow::Result<()>
     let last_slot = all.last().map(|(_, _, slot)| *slot).unwrap_or_default();
     let nats: Vec<PeerNat> = all.iter().map(|(n, _, _)| n.clone()).collect();
     let guards: Vec<TunnelGuard> = all.iter().map(|(_, g, _)| g.clone()).collect();
-    nft_in(
+    nft_apply(
         router,
         &format!("{}{}", nft::script(&nats, &[]), guard::script(&guards)),
     )?;
@@ -210,15 +198,6 @@ fn build(namespaces: &mut Namespaces, tag: &str) -> anyhow::Result<(String, Stri
     Ok((pod, router, peer))
 }
 
-fn percentile(mut v: Vec<f64>, q: f64) -> Option<f64> {
-    if v.is_empty() {
-        return None;
-    }
-    v.sort_by(f64::total_cmp);
-    let at = ((v.len() - 1) as f64 * q).round() as usize;
-    v.get(at).copied()
-}
-
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     let run = RunInfo::start(&args.run);
@@ -276,7 +255,7 @@ fn main() -> anyhow::Result<()> {
             policy_rules: if *every_rule { *peers } else { 1 },
             samples: rtts.len(),
             median_ms: median(&rtts),
-            p90_ms: percentile(rtts, 0.9),
+            p90_ms: percentile(&rtts, 0.9),
         })
         .collect();
     let gap = |a: usize, b: usize| Some(variants[a].median_ms? - variants[b].median_ms?);

@@ -34,7 +34,7 @@ use std::str::FromStr;
 
 use anyhow::{Context as _, bail};
 
-use crate::netns::{exec, ip};
+use crate::netns::{exec, ip, nft_apply};
 use crate::topology::{BRIDGE, Site, Topology, UPLINK};
 
 /// The router's nftables table.
@@ -173,7 +173,8 @@ impl Topology {
             port,
         )?;
         let rules = ruleset(kind, &site, private_ip, public_ip, port);
-        nft(&router, &rules).with_context(|| format!("the {kind} router of {}", site.name))?;
+        nft_apply(&router, &rules)
+            .with_context(|| format!("the {kind} router of {}", site.name))?;
         Ok(NatRouter {
             kind,
             site: index,
@@ -347,22 +348,6 @@ fn ruleset(
     )
 }
 
-/// Loads `rules` into `ns` with `nft -f -`.
-fn nft(ns: &str, rules: &str) -> anyhow::Result<()> {
-    let path = std::env::temp_dir().join(format!("{ns}.nft"));
-    std::fs::write(&path, rules)?;
-    let out = exec(ns, "nft", &["-f", &path.to_string_lossy()]);
-    let _ = std::fs::remove_file(&path);
-    let out = out?;
-    if !out.status.success() {
-        bail!(
-            "nft: {}\n{rules}",
-            String::from_utf8_lossy(&out.stderr).trim()
-        );
-    }
-    Ok(())
-}
-
 /// The table [`NatRouter::cut`] adds.
 const CUT_TABLE: &str = "netlab-cut";
 
@@ -375,7 +360,7 @@ impl NatRouter {
             .ns
             .as_deref()
             .context("a site without a router has nothing to cut")?;
-        nft(
+        nft_apply(
             ns,
             &format!(
                 "table ip {CUT_TABLE} {{

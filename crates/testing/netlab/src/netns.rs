@@ -61,6 +61,32 @@ pub fn exec(ns: &str, program: &str, args: &[&str]) -> anyhow::Result<std::proce
         .with_context(|| format!("running {program} in {ns}"))
 }
 
+/// Loads nftables `script` inside namespace `ns` (`nft -f -`, one transaction); nft's
+/// complaint and the script when it refuses.
+pub fn nft_apply(ns: &str, script: &str) -> anyhow::Result<()> {
+    use std::io::Write as _;
+    let mut child = Command::new("ip")
+        .args(["netns", "exec", ns, "nft", "-f", "-"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .with_context(|| format!("running nft in {ns}"))?;
+    child
+        .stdin
+        .take()
+        .context("nft's stdin")?
+        .write_all(script.as_bytes())?;
+    let out = child.wait_with_output()?;
+    if !out.status.success() {
+        bail!(
+            "nft -f in {ns} failed: {}\n{script}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    Ok(())
+}
+
 /// The packet count of the first counter `nft list <what>` shows inside namespace `ns` (a
 /// chain or table holding one counter rule); panics without one, as a test's count would be
 /// meaningless.

@@ -12,7 +12,7 @@ use std::collections::BTreeSet;
 
 use anyhow::{Context as _, bail};
 
-use crate::netns::{exec, ip};
+use crate::netns::{exec, ip, nft_apply};
 use crate::topology::{NODE_LINK, Site};
 
 const TABLE: &str = "netlab-partition";
@@ -91,18 +91,7 @@ fn drop_from(ns: &str, macs: &[String]) -> anyhow::Result<()> {
          \"{NODE_LINK}\" priority -500; policy accept;\n    ether saddr {{ {} }} drop\n  }}\n}}\n",
         macs.join(", ")
     );
-    let path = std::env::temp_dir().join(format!("netlab-partition-{ns}.nft"));
-    std::fs::write(&path, &script)?;
-    let out = exec(ns, "nft", &["-f", &path.to_string_lossy()]);
-    let _ = std::fs::remove_file(&path);
-    let out = out?;
-    if !out.status.success() {
-        bail!(
-            "nft -f in {ns} failed: {}\n{script}",
-            String::from_utf8_lossy(&out.stderr).trim()
-        );
-    }
-    Ok(())
+    nft_apply(ns, &script)
 }
 
 #[cfg(test)]

@@ -34,7 +34,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, bail};
 
-use crate::netns::{exec, in_netns, ip};
+use crate::netns::{exec, in_netns, ip, nft_apply};
 use crate::topology::{BRIDGE, Topology};
 
 /// The internet namespace's address on the bridge where the relay of the link between sites
@@ -83,21 +83,6 @@ pub struct Relays {
 const STOP_CHECK: Duration = Duration::from_millis(100);
 
 const TABLE: &str = "netlab";
-
-fn nft(ns: &str, script: &str) -> anyhow::Result<()> {
-    let path = std::env::temp_dir().join(format!("netlab-{ns}.nft"));
-    std::fs::write(&path, script)?;
-    let out = exec(ns, "nft", &["-f", &path.to_string_lossy()]);
-    let _ = std::fs::remove_file(&path);
-    let out = out?;
-    if !out.status.success() {
-        bail!(
-            "nft -f in {ns} failed: {}\n{script}",
-            String::from_utf8_lossy(&out.stderr).trim()
-        );
-    }
-    Ok(())
-}
 
 /// A blocking UDP socket at `address` (port chosen by the kernel) in namespace `ns`, for the
 /// relay's threads.
@@ -223,7 +208,7 @@ pub async fn relay_links(topology: &Topology, links: &[RelayedLink]) -> anyhow::
              type route hook output priority mangle; policy accept;\n{}\n  }}\n}}\n",
             rules.join("\n")
         );
-        nft(ns, &script)?;
+        nft_apply(ns, &script)?;
         relays.namespaces.push(ns.clone());
     }
     Ok(relays)

@@ -161,21 +161,16 @@ fn zones(s: &mut String, peers: &[PeerNat], hub_snat: &[(IpAddr, IpAddr)]) {
 
 fn map(entries: &[(IpNet, IpNet)]) -> Option<String> {
     // Identity entries are no-ops; a map of only those needs no rule at all.
-    let entries: Vec<String> = entries
-        .iter()
-        .filter(|(from, to)| from != to)
-        .map(|(from, to)| format!("{from} : {to}"))
-        .collect();
-    (!entries.is_empty()).then(|| format!("{{ {} }}", entries.join(", ")))
+    lookup(entries.iter().filter(|(from, to)| from != to).copied())
 }
 
 fn addr_map(entries: &[(IpAddr, IpAddr)]) -> Option<String> {
-    let entries: Vec<String> = entries
-        .iter()
-        .filter(|(from, to)| from.is_ipv4() && to.is_ipv4())
-        .map(|(from, to)| format!("{from} : {to}"))
-        .collect();
-    (!entries.is_empty()).then(|| format!("{{ {} }}", entries.join(", ")))
+    lookup(
+        entries
+            .iter()
+            .filter(|(from, to)| from.is_ipv4() && to.is_ipv4())
+            .copied(),
+    )
 }
 
 /// The script that replaces our table with one for `peers` (or just removes it when there are

@@ -138,8 +138,7 @@ pub fn policy_rules(peers: &BTreeSet<(u32, u32)>) -> Vec<PolicyRule> {
 
 impl Linux {
     pub(super) async fn remove_stale(&self) -> anyhow::Result<()> {
-        let rules = current_rules().await?;
-        sync_rules(&BTreeSet::new()).await?;
+        let rules = sync_rules(&BTreeSet::new()).await?;
         cmd::run("nft", &["-f", "-"], Some(&nft::script(&[], &[]))).await?;
         cmd::run("nft", &["-f", "-"], Some(&guard_script(&[], &[]))).await?;
         let links = ip(&["-o", "link", "show"]).await?;
@@ -151,7 +150,7 @@ impl Linux {
             }
         }
         tracing::info!(
-            rules = rules.len(),
+            rules,
             interfaces = removed,
             "removed data plane state left by a previous run"
         );
@@ -160,11 +159,13 @@ impl Linux {
 }
 
 /// Makes our policy rules exactly those [`policy_rules`] wants for `want`: `(mark, table)`
-/// per peer. Rules of ours that are not wanted (a previous layout's included) go first.
-pub(super) async fn sync_rules(want: &BTreeSet<(u32, u32)>) -> anyhow::Result<()> {
+/// per peer. Rules of ours that are not wanted (a previous layout's included) go first; how
+/// many there were is returned.
+pub(super) async fn sync_rules(want: &BTreeSet<(u32, u32)>) -> anyhow::Result<usize> {
     let have = current_rules().await?;
     let wanted = policy_rules(want);
-    for rule in have.iter().filter(|r| !wanted.contains(r)) {
+    let unwanted: Vec<&PolicyRule> = have.iter().filter(|r| !wanted.contains(r)).collect();
+    for rule in &unwanted {
         let mut args = vec!["rule".to_owned(), "del".to_owned()];
         args.extend(rule.args());
         match ip(&args.iter().map(String::as_str).collect::<Vec<_>>()).await {
@@ -182,7 +183,7 @@ pub(super) async fn sync_rules(want: &BTreeSet<(u32, u32)>) -> anyhow::Result<()
         args.extend(rule.args());
         ip(&args.iter().map(String::as_str).collect::<Vec<_>>()).await?;
     }
-    Ok(())
+    Ok(unwanted.len())
 }
 
 /// Our rules: those at our priorities with a shape of ours.
