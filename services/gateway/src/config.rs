@@ -135,10 +135,10 @@ pub struct Config {
     /// reply, the window must exceed the round trip to the peer's gateway and back (500 µs
     /// covered two gateways on one virtual machine in our measurements). The price is CPU
     /// while traffic flows, never at idle, and `--busy-poll-budget-percent` caps it
-    /// (`trellis_gateway_busy_poll_seconds_total` shows the time spent in polling windows). It is opt-in: with
-    /// 500 µs and the default budget, a lone request's round trip was about 0.1 ms shorter in
-    /// our measurements, four connections' request/response rate higher, and one connection's
-    /// steady ping-pong 17-25 % slower.
+    /// (`trellis_gateway_busy_poll_seconds_total` shows the time spent in polling windows).
+    /// It is opt-in: with 500 µs and the default budget, a lone request's round trip was about
+    /// 0.1 ms shorter in our measurements, four connections' request/response rate higher,
+    /// and one connection's steady ping-pong 17-25 % slower.
     #[arg(
         long,
         env = "TRELLIS_BUSY_POLL_US",
