@@ -126,24 +126,21 @@ pub struct Config {
     pub no_tun_offload: bool,
 
     /// How long, in microseconds, the userspace data plane's sending and receiving threads keep
-    /// polling after their last packet before they sleep; 0 (the default) sleeps at once. On a
-    /// virtual machine, waking a thread on an idle (halted) vCPU costs tens to hundreds of
+    /// polling after their last packet before they sleep; 0 sleeps at once. On a virtual
+    /// machine, waking a thread on an idle (halted) vCPU costs tens to hundreds of
     /// microseconds, and a round trip through two gateways wakes four threads: polling briefly
     /// keeps the vCPU running. The sending thread also reads the socket while it polls, so a
     /// reply arriving within the window is handled without a wake-up
     /// (`trellis_gateway_received_while_polling_total` counts those): for a lone request's
-    /// reply, the window must exceed the round trip to the peer's gateway and back (500 µs
-    /// covered two gateways on one virtual machine in our measurements). The price is CPU
-    /// while traffic flows, never at idle, and `--busy-poll-budget-percent` caps it
+    /// reply, the window must exceed the round trip to the peer's gateway and back (500 µs, the
+    /// default, covered two gateways on one virtual machine in our measurements). The price is
+    /// CPU while traffic flows, never at idle, and `--busy-poll-budget-percent` caps it
     /// (`trellis_gateway_busy_poll_seconds_total` shows the time spent in polling windows).
-    /// It is opt-in: with 500 µs and the default budget, a lone request's round trip was about
-    /// 0.1 ms shorter in our measurements, four connections' request/response rate higher,
-    /// and one connection's steady ping-pong 17-25 % slower.
     #[arg(
         long,
         env = "TRELLIS_BUSY_POLL_US",
         value_name = "MICROSECONDS",
-        default_value_t = 0,
+        default_value_t = 500,
         value_parser = clap::value_parser!(u64).range(0..=10_000)
     )]
     pub busy_poll_us: u64,
@@ -151,14 +148,16 @@ pub struct Config {
     /// The share of the time, in percent, each of the data plane's two polling threads may
     /// spend polling (`--busy-poll-us`); past it a thread sleeps at once until time has paid
     /// the share back (it may save up one second's share). Sparse request/response traffic,
-    /// whose latency polling is for, stays far below 5 %; a steady stream whose packets keep
-    /// reopening the window would otherwise keep a core busy. 100 polls without a cap; 0 never
+    /// whose latency polling is for, needs far less than 1 % (a request every 200 ms, 0.25 %);
+    /// a steady stream whose packets keep reopening the window would otherwise keep a core
+    /// busy. At 5 % one connection's steady ping-pong ran 17-25 % slower than without polling
+    /// in our measurements, at 1 % (the default) as fast. 100 polls without a cap; 0 never
     /// polls.
     #[arg(
         long,
         env = "TRELLIS_BUSY_POLL_BUDGET_PERCENT",
         value_name = "PERCENT",
-        default_value_t = 5,
+        default_value_t = crate::dataplane::engine::BUSY_POLL_BUDGET_PERCENT,
         value_parser = clap::value_parser!(u8).range(0..=100)
     )]
     pub busy_poll_budget_percent: u8,

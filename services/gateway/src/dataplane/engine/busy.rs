@@ -33,7 +33,7 @@ pub const BUSY_POLL_US: u64 = 200;
 
 /// The share of the time, in percent, a hot thread may spend polling when nothing else is
 /// said ([`Options::busy_poll_budget_percent`](super::Options::busy_poll_budget_percent)).
-pub const BUSY_POLL_BUDGET_PERCENT: u8 = 5;
+pub const BUSY_POLL_BUDGET_PERCENT: u8 = 1;
 
 /// How much of its share a thread may save up: one second's worth.
 const BUDGET_HORIZON: Duration = Duration::from_secs(1);
