@@ -66,6 +66,12 @@ pub struct Unsettled {
 /// tests run passes, wake-ups and the core's store-only paths against.
 #[cfg(test)]
 pub(crate) fn broker() -> Broker {
+    broker_on(Arc::new(trellis_store::MemoryStore::new()))
+}
+
+/// [`broker`] over `store`.
+#[cfg(test)]
+pub(crate) fn broker_on(store: trellis_store::SharedStore) -> Broker {
     let ports = crate::remote::Ports::new(
         "127.0.0.1:9",
         "127.0.0.1:9",
@@ -77,10 +83,5 @@ pub(crate) fn broker() -> Broker {
     .expect("valid addresses");
     let identity =
         trellis_api::ClusterIdentity::parse("id", "leaf-a", "name", "").expect("identity");
-    Broker::new(
-        identity,
-        Arc::new(trellis_store::MemoryStore::new()),
-        ports,
-        None,
-    )
+    Broker::new(identity, store, ports, None)
 }

@@ -4,7 +4,7 @@
 
 use trellis_api::ClusterId;
 use trellis_api::model::TunnelEndpoint;
-use trellis_error::Result;
+use trellis_error::{Error, Result};
 use trellis_store::{Compare, Op, Txn};
 
 use crate::core::Broker;
@@ -76,18 +76,25 @@ pub(super) async fn write_tunnel(broker: &Broker, id: &ClusterId) -> Result<()> 
             failure: vec![],
         })
         .await?;
-    if committed.succeeded {
-        tracing::info!(
-            remote.id = %id,
-            kind = ?tunnel.kind,
-            remote_pod_cidr_nat = %tunnel.remote_nat.pod_cidr_nat,
-            local_pod_cidr_nat = %tunnel.local_nat.pod_cidr_nat,
-            generation,
-            "tunnel endpoint ready"
-        );
-        if tunnel.via.is_some() && tunnel.remote_candidates.is_empty() {
-            broker.wake_candidates();
-        }
+    if !committed.succeeded {
+        // Someone wrote the record since we read it: the candidate refresh, most likely. The
+        // pass retries a failed remote, and the retry merges again over what is there now; an
+        // Ok here would leave the record as it was until the next thing that wakes this remote,
+        // which for a settled exchange may be never.
+        return Err(Error::Aborted(
+            "the tunnel endpoint changed concurrently".into(),
+        ));
+    }
+    tracing::info!(
+        remote.id = %id,
+        kind = ?tunnel.kind,
+        remote_pod_cidr_nat = %tunnel.remote_nat.pod_cidr_nat,
+        local_pod_cidr_nat = %tunnel.local_nat.pod_cidr_nat,
+        generation,
+        "tunnel endpoint ready"
+    );
+    if tunnel.via.is_some() && tunnel.remote_candidates.is_empty() {
+        broker.wake_candidates();
     }
     Ok(())
 }
@@ -98,7 +105,7 @@ pub(super) async fn remove_tunnel(broker: &Broker, id: &ClusterId) -> Result<()>
     let Some(kv) = store.get(&tunnel_key(id)).await? else {
         return Ok(());
     };
-    store
+    let committed = store
         .txn(
             Txn::new()
                 .when(Compare::mod_revision(tunnel_key(id), kv.mod_revision))
@@ -106,5 +113,245 @@ pub(super) async fn remove_tunnel(broker: &Broker, id: &ClusterId) -> Result<()>
                 .then(Op::put(tombstone_key(id), kv.value)),
         )
         .await?;
+    if !committed.succeeded {
+        // Changed since we read it (the candidate refresh): the teardown stops here and is
+        // retried, or it would go on to remove the NetworkConfigs, and with them the last sign
+        // that this record is held, leaving the gateway a tunnel nobody removes.
+        return Err(Error::Aborted(
+            "the tunnel endpoint changed concurrently".into(),
+        ));
+    }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::net::SocketAddr;
+    use std::sync::{Arc, Mutex};
+    use std::time::Duration;
+
+    use trellis_api::ClusterIdentity;
+    use trellis_api::model::{NatView, NetworkSpec, WgKey};
+    use trellis_store::{
+        KeyValue, LeaseId, Listing, MemoryStore, Revision, SharedStore, Store, StoreError,
+        TxnOutcome, WatchStream,
+    };
+
+    use super::*;
+    use crate::records::IncomingNc;
+
+    /// The memory store, with one write made by someone else just before the next
+    /// transaction: what the candidate refresh (`core::candidates`) does when it lands between
+    /// this module's read of a TunnelEndpoint and its compare-and-put.
+    #[derive(Debug, Default)]
+    struct Interleaved {
+        inner: MemoryStore,
+        before_next_txn: Mutex<Option<(String, Vec<u8>)>>,
+    }
+
+    #[async_trait::async_trait]
+    impl Store for Interleaved {
+        async fn get(&self, key: &str) -> Result<Option<KeyValue>, StoreError> {
+            self.inner.get(key).await
+        }
+        async fn list(&self, prefix: &str) -> Result<Listing, StoreError> {
+            self.inner.list(prefix).await
+        }
+        async fn put(&self, key: &str, value: Vec<u8>) -> Result<Revision, StoreError> {
+            self.inner.put(key, value).await
+        }
+        async fn delete(&self, key: &str) -> Result<bool, StoreError> {
+            self.inner.delete(key).await
+        }
+        async fn txn(&self, txn: Txn) -> Result<TxnOutcome, StoreError> {
+            let other = self.before_next_txn.lock().expect("lock").take();
+            if let Some((key, value)) = other {
+                self.inner.put(&key, value).await?;
+            }
+            self.inner.txn(txn).await
+        }
+        async fn watch(
+            &self,
+            prefix: &str,
+            start: Option<Revision>,
+        ) -> Result<WatchStream, StoreError> {
+            self.inner.watch(prefix, start).await
+        }
+        async fn grant_lease(&self, ttl: Duration) -> Result<LeaseId, StoreError> {
+            self.inner.grant_lease(ttl).await
+        }
+        async fn keep_alive(&self, lease: LeaseId) -> Result<(), StoreError> {
+            self.inner.keep_alive(lease).await
+        }
+        async fn revoke_lease(&self, lease: LeaseId) -> Result<(), StoreError> {
+            self.inner.revoke_lease(lease).await
+        }
+        async fn put_with_lease(
+            &self,
+            key: &str,
+            value: Vec<u8>,
+            lease: LeaseId,
+        ) -> Result<Revision, StoreError> {
+            self.inner.put_with_lease(key, value, lease).await
+        }
+    }
+
+    fn identity(id: &str) -> ClusterIdentity {
+        ClusterIdentity::parse("id", id, "name", id).expect("identity")
+    }
+
+    fn spec(endpoint: &str, key: u8) -> NetworkSpec {
+        NetworkSpec {
+            pod_cidr: "10.0.0.0/16".parse().expect("net"),
+            external_cidr: "10.201.0.0/16".parse().expect("net"),
+            endpoint: endpoint.parse().expect("endpoint"),
+            public_key: WgKey::from_bytes([key; 32]),
+        }
+    }
+
+    fn view() -> NatView {
+        NatView {
+            pod_cidr_nat: "10.1.0.0/16".parse().expect("net"),
+            external_cidr_nat: "10.2.0.0/16".parse().expect("net"),
+        }
+    }
+
+    fn processed(observed_generation: i64) -> Decision {
+        Decision::Processed {
+            view: view(),
+            observed_generation,
+        }
+    }
+
+    async fn tunnel(store: &SharedStore, id: &ClusterId) -> TunnelEndpoint {
+        let kv = store
+            .get(&tunnel_key(id))
+            .await
+            .expect("get")
+            .expect("a tunnel endpoint");
+        decode(&tunnel_key(id), &kv.value).expect("decode")
+    }
+
+    /// A leaf C holds an induced TunnelEndpoint for A; A's gateway moves, and A's new
+    /// NetworkConfig arrives while the candidate refresh writes the hub's view of A (its new
+    /// address) into the same record. The TunnelEndpoint must end up with A's new endpoint:
+    /// losing the race may fail this write (the pass retries a failed remote), but never
+    /// silently, as it did when the lab saw C send to A's old address for minutes.
+    #[tokio::test]
+    async fn a_new_endpoint_is_not_lost_to_a_concurrent_candidate_refresh() {
+        let interleaved = Arc::new(Interleaved::default());
+        let store: SharedStore = interleaved.clone();
+        let broker = crate::reconcile::broker_on(store.clone());
+        let a = identity("leaf-a");
+        let hub = Some(identity("hub"));
+        let out = OutgoingNc {
+            remote: a.clone(),
+            via: hub.clone(),
+            forwarder: Some("192.0.2.2:7103".into()),
+            spec: spec("192.0.2.3:51840", 3),
+            generation: 7,
+            decision: Some(processed(7)),
+            receiver_generation: 0,
+            trace: None,
+        };
+        store
+            .put(&out_key(&a.id), encode(&out).expect("encode"))
+            .await
+            .expect("put");
+        let mut incoming = IncomingNc {
+            remote: a.clone(),
+            via: hub,
+            spec: spec("192.0.2.1:51840", 1),
+            generation: 11,
+            decision: processed(11),
+        };
+        store
+            .put(&in_key(&a.id), encode(&incoming).expect("encode"))
+            .await
+            .expect("put");
+        write_tunnel(&broker, &a.id).await.expect("first write");
+        let first = tunnel(&store, &a.id).await;
+        assert_eq!(first.remote_endpoint.to_string(), "192.0.2.1:51840");
+
+        // A moved: its new NetworkConfig is decided, and the hub already sees A there.
+        let moved: SocketAddr = "192.0.2.128:51840".parse().expect("addr");
+        incoming.spec = spec(&moved.to_string(), 1);
+        incoming.generation = 12;
+        incoming.decision = processed(12);
+        store
+            .put(&in_key(&a.id), encode(&incoming).expect("encode"))
+            .await
+            .expect("put");
+        let mut refreshed = first.clone();
+        refreshed.remote_candidates = vec![moved];
+        refreshed.generation += 1;
+        *interleaved.before_next_txn.lock().expect("lock") =
+            Some((tunnel_key(&a.id), encode(&refreshed).expect("encode")));
+
+        let raced = write_tunnel(&broker, &a.id).await;
+        let now = tunnel(&store, &a.id).await;
+        if now.remote_endpoint.to_string() != moved.to_string() {
+            // Lost the race: only an error makes the pass retry this remote.
+            let err = raced.expect_err("the new endpoint was dropped without an error");
+            assert!(
+                matches!(err, trellis_error::Error::Aborted(_)),
+                "not a conflict: {err}"
+            );
+            write_tunnel(&broker, &a.id).await.expect("the retry");
+        }
+        let now = tunnel(&store, &a.id).await;
+        assert_eq!(now.remote_endpoint.to_string(), moved.to_string());
+        assert_eq!(
+            now.remote_candidates,
+            vec![moved],
+            "the refresh's candidates kept"
+        );
+        assert!(now.generation > refreshed.generation, "{now:?}");
+    }
+
+    /// A teardown that races the candidate refresh must not report the TunnelEndpoint gone
+    /// while it is still there: the teardown removes the NetworkConfigs next, and a record left
+    /// behind then would keep a tunnel to a remote nothing holds any more.
+    #[tokio::test]
+    async fn a_removal_racing_a_candidate_refresh_is_not_reported_done() {
+        let interleaved = Arc::new(Interleaved::default());
+        let store: SharedStore = interleaved.clone();
+        let broker = crate::reconcile::broker_on(store.clone());
+        let a = identity("leaf-a");
+        let mut record = TunnelEndpoint::merge(
+            a.clone(),
+            Some(identity("hub")),
+            (&spec("192.0.2.3:51840", 3), view()),
+            (&spec("192.0.2.1:51840", 1), view()),
+            1,
+        );
+        store
+            .put(&tunnel_key(&a.id), encode(&record).expect("encode"))
+            .await
+            .expect("put");
+        record.remote_candidates = vec!["192.0.2.128:51840".parse().expect("addr")];
+        record.generation += 1;
+        *interleaved.before_next_txn.lock().expect("lock") =
+            Some((tunnel_key(&a.id), encode(&record).expect("encode")));
+
+        let raced = remove_tunnel(&broker, &a.id).await;
+        let left = store.get(&tunnel_key(&a.id)).await.expect("get");
+        if left.is_some() {
+            let err = raced.expect_err("reported removed while still there");
+            assert!(
+                matches!(err, trellis_error::Error::Aborted(_)),
+                "not a conflict: {err}"
+            );
+            remove_tunnel(&broker, &a.id).await.expect("the retry");
+        }
+        assert!(store.get(&tunnel_key(&a.id)).await.expect("get").is_none());
+        assert!(
+            store
+                .get(&tombstone_key(&a.id))
+                .await
+                .expect("get")
+                .is_some(),
+            "watchers see the deletion"
+        );
+    }
 }
