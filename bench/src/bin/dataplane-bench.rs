@@ -83,11 +83,19 @@ struct Args {
     /// The gateways' `--busy-poll-us` (500, the gateway's default; 0 polls not at all). Passed as
     /// a flag, so that a `TRELLIS_BUSY_POLL_US` left in the environment cannot change the
     /// numbers unrecorded; the result records it.
-    #[arg(long, default_value_t = 500, value_parser = clap::value_parser!(u64).range(0..=10_000))]
+    #[arg(
+        long,
+        default_value_t = trellis_gateway::config::DEFAULT_BUSY_POLL_US,
+        value_parser = clap::value_parser!(u64).range(0..=10_000)
+    )]
     busy_poll_us: u64,
     /// The gateways' `--busy-poll-budget-percent` (1, the gateway's default; 100 polls without
     /// a cap). Passed and recorded like `--busy-poll-us`.
-    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u8).range(0..=100))]
+    #[arg(
+        long,
+        default_value_t = trellis_gateway::dataplane::engine::BUSY_POLL_BUDGET_PERCENT,
+        value_parser = clap::value_parser!(u8).range(0..=100)
+    )]
     busy_poll_budget_percent: u8,
     /// Holds the kernel's CPU latency limit (`/dev/cpu_dma_latency`) at this many microseconds
     /// for the run, as a low-latency node tuning does; 0 keeps idle CPUs polling instead of

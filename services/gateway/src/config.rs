@@ -10,6 +10,10 @@ use trellis_runtime::config::{HasCommon, ports as default_ports, underlay_mtu_ar
 
 use crate::ports::PortRange;
 
+/// The gateway's busy-polling window by default, in microseconds (`--busy-poll-us`): long
+/// enough for a lone request's reply through two gateways on one virtual machine (ADR 0032).
+pub const DEFAULT_BUSY_POLL_US: u64 = 500;
+
 /// Which data plane the gateway drives.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum DataplaneFlag {
@@ -140,7 +144,7 @@ pub struct Config {
         long,
         env = "TRELLIS_BUSY_POLL_US",
         value_name = "MICROSECONDS",
-        default_value_t = 500,
+        default_value_t = DEFAULT_BUSY_POLL_US,
         value_parser = clap::value_parser!(u64).range(0..=10_000)
     )]
     pub busy_poll_us: u64,
