@@ -2,7 +2,9 @@
 //! counted apart), writes (puts, deletes and transactions) and retried transactions. For tests
 //! and benchmarks that bound how much store work an operation does, so that a quadratic path
 //! cannot come back unnoticed. Its reads can be made slow ([`Counted::with_read_latency`]), so
-//! that a test can also bound how many of them an operation waits for one after another.
+//! that a test can also bound how many of them an operation waits for one after another. And
+//! it can let someone else write between an operation's read and its transaction
+//! ([`Counted::interleave`]), so that a test can make an operation lose its compare.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
@@ -22,6 +24,7 @@ pub struct Counted {
     retries: AtomicU64,
     gate: tokio::sync::RwLock<()>,
     read_latency: Duration,
+    interleaved: std::sync::Mutex<Option<(String, Vec<u8>)>>,
 }
 
 impl Counted {
@@ -34,6 +37,7 @@ impl Counted {
             retries: AtomicU64::new(0),
             gate: tokio::sync::RwLock::new(()),
             read_latency: Duration::ZERO,
+            interleaved: std::sync::Mutex::new(None),
         }
     }
 
@@ -50,6 +54,12 @@ impl Counted {
     /// line up concurrent operations behind one that is writing.
     pub async fn hold(&self) -> tokio::sync::RwLockWriteGuard<'_, ()> {
         self.gate.write().await
+    }
+
+    /// Puts `value` under `key` just before the next transaction, as another writer would
+    /// between that transaction's reads and its commit (not counted among the writes).
+    pub fn interleave(&self, key: &str, value: Vec<u8>) {
+        *self.interleaved.lock().unwrap_or_else(|e| e.into_inner()) = Some((key.to_owned(), value));
     }
 
     /// Gets and listings so far.
@@ -123,6 +133,14 @@ impl Store for Counted {
     async fn txn(&self, txn: Txn) -> Result<TxnOutcome, StoreError> {
         self.write();
         let _open = self.gate.read().await;
+        let other = self
+            .interleaved
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
+        if let Some((key, value)) = other {
+            self.inner.put(&key, value).await?;
+        }
         self.inner.txn(txn).await
     }
 

@@ -127,74 +127,15 @@ pub(super) async fn remove_tunnel(broker: &Broker, id: &ClusterId) -> Result<()>
 #[cfg(test)]
 mod tests {
     use std::net::SocketAddr;
-    use std::sync::{Arc, Mutex};
-    use std::time::Duration;
+    use std::sync::Arc;
 
     use trellis_api::ClusterIdentity;
     use trellis_api::model::{NatView, NetworkSpec, WgKey};
-    use trellis_store::{
-        KeyValue, LeaseId, Listing, MemoryStore, Revision, SharedStore, Store, StoreError,
-        TxnOutcome, WatchStream,
-    };
+    use trellis_store::counted::Counted;
+    use trellis_store::{MemoryStore, SharedStore};
 
     use super::*;
     use crate::records::IncomingNc;
-
-    /// The memory store, with one write made by someone else just before the next
-    /// transaction: what the candidate refresh (`core::candidates`) does when it lands between
-    /// this module's read of a TunnelEndpoint and its compare-and-put.
-    #[derive(Debug, Default)]
-    struct Interleaved {
-        inner: MemoryStore,
-        before_next_txn: Mutex<Option<(String, Vec<u8>)>>,
-    }
-
-    #[async_trait::async_trait]
-    impl Store for Interleaved {
-        async fn get(&self, key: &str) -> Result<Option<KeyValue>, StoreError> {
-            self.inner.get(key).await
-        }
-        async fn list(&self, prefix: &str) -> Result<Listing, StoreError> {
-            self.inner.list(prefix).await
-        }
-        async fn put(&self, key: &str, value: Vec<u8>) -> Result<Revision, StoreError> {
-            self.inner.put(key, value).await
-        }
-        async fn delete(&self, key: &str) -> Result<bool, StoreError> {
-            self.inner.delete(key).await
-        }
-        async fn txn(&self, txn: Txn) -> Result<TxnOutcome, StoreError> {
-            let other = self.before_next_txn.lock().expect("lock").take();
-            if let Some((key, value)) = other {
-                self.inner.put(&key, value).await?;
-            }
-            self.inner.txn(txn).await
-        }
-        async fn watch(
-            &self,
-            prefix: &str,
-            start: Option<Revision>,
-        ) -> Result<WatchStream, StoreError> {
-            self.inner.watch(prefix, start).await
-        }
-        async fn grant_lease(&self, ttl: Duration) -> Result<LeaseId, StoreError> {
-            self.inner.grant_lease(ttl).await
-        }
-        async fn keep_alive(&self, lease: LeaseId) -> Result<(), StoreError> {
-            self.inner.keep_alive(lease).await
-        }
-        async fn revoke_lease(&self, lease: LeaseId) -> Result<(), StoreError> {
-            self.inner.revoke_lease(lease).await
-        }
-        async fn put_with_lease(
-            &self,
-            key: &str,
-            value: Vec<u8>,
-            lease: LeaseId,
-        ) -> Result<Revision, StoreError> {
-            self.inner.put_with_lease(key, value, lease).await
-        }
-    }
 
     fn identity(id: &str) -> ClusterIdentity {
         ClusterIdentity::parse("id", id, "name", id).expect("identity")
@@ -239,7 +180,8 @@ mod tests {
     /// silently, as it did when the lab saw C send to A's old address for minutes.
     #[tokio::test]
     async fn a_new_endpoint_is_not_lost_to_a_concurrent_candidate_refresh() {
-        let interleaved = Arc::new(Interleaved::default());
+        // The candidate refresh's write lands between our read and our compare-and-put.
+        let interleaved = Arc::new(Counted::new(Arc::new(MemoryStore::new())));
         let store: SharedStore = interleaved.clone();
         let broker = crate::reconcile::broker_on(store.clone());
         let a = identity("leaf-a");
@@ -285,8 +227,7 @@ mod tests {
         let mut refreshed = first.clone();
         refreshed.remote_candidates = vec![moved];
         refreshed.generation += 1;
-        *interleaved.before_next_txn.lock().expect("lock") =
-            Some((tunnel_key(&a.id), encode(&refreshed).expect("encode")));
+        interleaved.interleave(&tunnel_key(&a.id), encode(&refreshed).expect("encode"));
 
         let raced = write_tunnel(&broker, &a.id).await;
         let now = tunnel(&store, &a.id).await;
@@ -314,7 +255,8 @@ mod tests {
     /// behind then would keep a tunnel to a remote nothing holds any more.
     #[tokio::test]
     async fn a_removal_racing_a_candidate_refresh_is_not_reported_done() {
-        let interleaved = Arc::new(Interleaved::default());
+        // The candidate refresh's write lands between our read and our compare-and-put.
+        let interleaved = Arc::new(Counted::new(Arc::new(MemoryStore::new())));
         let store: SharedStore = interleaved.clone();
         let broker = crate::reconcile::broker_on(store.clone());
         let a = identity("leaf-a");
@@ -331,8 +273,7 @@ mod tests {
             .expect("put");
         record.remote_candidates = vec!["192.0.2.128:51840".parse().expect("addr")];
         record.generation += 1;
-        *interleaved.before_next_txn.lock().expect("lock") =
-            Some((tunnel_key(&a.id), encode(&record).expect("encode")));
+        interleaved.interleave(&tunnel_key(&a.id), encode(&record).expect("encode"));
 
         let raced = remove_tunnel(&broker, &a.id).await;
         let left = store.get(&tunnel_key(&a.id)).await.expect("get");
