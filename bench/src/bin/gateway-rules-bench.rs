@@ -3,10 +3,12 @@
 //! gateway renders (`nft::script`, `guard::script`) and one policy rule per peer, and a peer
 //! reached through a veth standing in for its tunnel. The peer pings the pod through the
 //! router's DNAT and SNAT, `--pings-per-round` at `--ping-interval-ms`, with the router in turns
-//! in three configurations per round: no table at all (plain routing), one peer's rules, and a
+//! in five configurations per round: no table at all (plain routing), one peer's rules, a
 //! hub's (`--peers`, the measured peer last, every other one with views, marks, a policy rule
-//! and an allowed range of its own). The gap between the last two is what a packet pays for
-//! the peers it does not come from (ADR 0033).
+//! and an allowed range of its own) with only the measured peer's policy rule and with all of
+//! them, and a sketch of what one peer's rules would be under a stateless wire convention
+//! (ADR 0032). The gap between one peer and the hub is what a packet pays for the peers it does
+//! not come from (ADR 0033).
 
 use std::collections::BTreeSet;
 use std::net::Ipv4Addr;
@@ -48,6 +50,9 @@ struct Args {
     #[command(flatten)]
     run: RunArgs,
 }
+
+/// The configuration with [`configure_stateless_sketch`]'s rules.
+const STATELESS_SKETCH: &str = "one peer, stateless sketch (ADR 0032)";
 
 /// The interface standing in for the measured peer's tunnel, in the router.
 const TUNNEL: &str = "tgbench";
@@ -157,6 +162,43 @@ fn configure(router: &str, peers: usize, every_rule: bool) -> anyhow::Result<()>
     Ok(())
 }
 
+/// The router with a sketch of the rules a stateless wire convention would need for the
+/// measured peer (ADR 0032), none of it built in the gateway: packets from the peer's tunnel
+/// and towards its range skip connection tracking; what arrives from the tunnel may reach the
+/// pods only; and what leaves into the tunnel is translated by stateless rewrites, here to the
+/// addresses it already has, so the ping still finds its way while every rewrite and its
+/// checksum update are paid. No policy rule: replies find the tunnel by their destination.
+fn configure_stateless_sketch(router: &str) -> anyhow::Result<()> {
+    configure(router, 0, true)?;
+    let script = r#"table ip TABLE {
+  chain pre_raw {
+    type filter hook prerouting priority raw; policy accept;
+    iifname { "TUNNEL" } notrack
+    ip daddr { 172.16.0.0/30 } notrack
+  }
+  chain forward {
+    type filter hook forward priority filter; policy accept;
+    iifname vmap { "TUNNEL" : jump from_peer }
+  }
+  chain from_peer {
+    ip daddr { 10.0.0.0/16 } accept
+    drop
+  }
+  chain post {
+    type filter hook postrouting priority srcnat; policy accept;
+    oifname vmap { "TUNNEL" : jump to_peer }
+  }
+  chain to_peer {
+    ip saddr 10.0.0.0/16 ip saddr set ip saddr & 0.0.255.255 | 10.0.0.0
+    ip daddr 172.16.0.0/30 ip daddr set ip daddr & 0.0.0.3 | 172.16.0.0
+  }
+}
+"#
+    .replace("TABLE", nft::TABLE)
+    .replace("TUNNEL", TUNNEL);
+    nft_apply(router, &script)
+}
+
 /// Pod — router — peer, the router forwarding between them.
 fn build(namespaces: &mut Namespaces, tag: &str) -> anyhow::Result<(String, String, String)> {
     let (pod, router, peer) = (format!("{tag}p"), format!("{tag}r"), format!("{tag}q"));
@@ -224,13 +266,21 @@ fn main() -> anyhow::Result<()> {
         ("one peer", 1, true),
         ("hub's tables, one policy rule", args.peers, false),
         ("hub", args.peers, true),
+        (STATELESS_SKETCH, 1, false),
     ];
     let mut samples: Vec<Vec<f64>> = vec![Vec::new(); variants.len()];
     for round in 1..=args.rounds {
         for (i, (name, peers, every_rule)) in variants.iter().enumerate() {
-            configure(&router, *peers, *every_rule)
-                .with_context(|| format!("configuring {name}"))?;
-            let target = if *peers == 0 { POD } else { POD_SEEN };
+            let sketch = *name == STATELESS_SKETCH;
+            if sketch {
+                configure_stateless_sketch(&router)
+            } else {
+                configure(&router, *peers, *every_rule)
+            }
+            .with_context(|| format!("configuring {name}"))?;
+            // The sketch translates nothing on the way in: the peer would have sent the pod's
+            // own address.
+            let target = if *peers == 0 || sketch { POD } else { POD_SEEN };
             // One warm-up ping (ARP, the conntrack entry), then the samples.
             let _ = ping_rtts(&peer_ns, target, 1, 0.2)?;
             let rtts = ping_rtts(&peer_ns, target, args.pings_per_round, interval)?;
@@ -252,7 +302,11 @@ fn main() -> anyhow::Result<()> {
         .map(|((name, peers, every_rule), rtts)| RulesVariant {
             name: (*name).into(),
             peers: *peers,
-            policy_rules: if *every_rule { *peers } else { 1 },
+            policy_rules: match (*name == STATELESS_SKETCH, *every_rule) {
+                (true, _) => 0,
+                (false, true) => *peers,
+                (false, false) => 1,
+            },
             samples: rtts.len(),
             median_ms: median(&rtts),
             p90_ms: percentile(&rtts, 0.9),
@@ -273,6 +327,7 @@ fn main() -> anyhow::Result<()> {
         hub_tables_over_one_peer_ms: gap(2, 1),
         hub_over_bare_ms: gap(3, 0),
         hub_over_one_peer_ms: gap(3, 1),
+        stateless_sketch_over_bare_ms: gap(4, 0),
         variants,
     };
     for v in &result.variants {

@@ -26,6 +26,10 @@ pub struct GatewayRulesResult {
     pub hub_over_bare_ms: Option<f64>,
     /// The hub's cost over one peer's: how much a packet pays for the peers it is not from.
     pub hub_over_one_peer_ms: Option<f64>,
+    /// The sketch of a stateless wire convention's rules for one peer (ADR 0032) over plain
+    /// routing; absent from runs before it was measured.
+    #[serde(default)]
+    pub stateless_sketch_over_bare_ms: Option<f64>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
