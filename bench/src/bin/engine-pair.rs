@@ -232,6 +232,7 @@ fn trellis(args: &Args, options: Options) -> anyhow::Result<()> {
             candidates: Vec::new(),
             relay_via: None,
             relayable: false,
+            translation: None,
         };
         let engine = in_netns(NS[i], move || {
             let engine = Engine::start_with(PORT, private, options)?;

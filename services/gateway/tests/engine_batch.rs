@@ -191,6 +191,7 @@ fn setup(tag: &str) -> Setup {
             candidates: Vec::new(),
             relay_via: None,
             relayable: false,
+            translation: None,
         };
         let dev = format!("ebt{tag}{i}");
         // The TUN is created in the namespace of the thread that adds the peer.

@@ -18,6 +18,7 @@ use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream, UdpSocket};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use trellis_gateway::dataplane::engine::translate::{Rewrite, Translation};
 use trellis_gateway::dataplane::engine::{BUSY_POLL_US, Engine, Options, PeerConfig};
 use trellis_gateway::keys::KeyPair;
 use trellis_netlab::netns::{Namespaces, can_run, exec, in_netns, ip};
@@ -36,8 +37,35 @@ struct Pair {
     engines: Vec<Arc<Engine>>,
 }
 
+/// Both sides' one address when they translate (the same on both: their real ranges overlap),
+/// and how each side addresses the other: side 0 reaches side 1 at `VIEWS[1]`, side 1 sees side
+/// 0 at `VIEWS[0]`.
+const REAL: &str = "10.98.0.1";
+const VIEWS: [&str; 2] = ["10.81.0.1", "10.83.0.1"];
+
+/// What side `i` of a translating pair rewrites on its way out: its real range to how the
+/// other side addresses it, the other side's range as it addresses it to the real one.
+fn translation(i: usize) -> Translation {
+    let net = |s: &str| format!("{s}/24").parse::<ipnet::Ipv4Net>().expect("net");
+    let rewrite = |from: &str, to: &str| Rewrite::new(net(from), net(to)).expect("same length");
+    Translation {
+        source: vec![rewrite(REAL, VIEWS[i])],
+        destination: vec![rewrite(VIEWS[1 - i], REAL)],
+    }
+}
+
 impl Pair {
     fn up(tag: &str, options: Options) -> Self {
+        Self::build(tag, options, false)
+    }
+
+    /// A pair whose engines translate what they send (ADR 0032's stateless wire convention):
+    /// both sides have the same address, [`REAL`], and nothing in either kernel translates.
+    fn translated(tag: &str, options: Options) -> Self {
+        Self::build(tag, options, true)
+    }
+
+    fn build(tag: &str, options: Options, translated: bool) -> Self {
         let pid = std::process::id();
         let ns = [0, 1].map(|i| format!("eo{tag}{i}{pid}"));
         let dev = [0, 1].map(|i| format!("eot{tag}{i}"));
@@ -66,14 +94,20 @@ impl Pair {
                 endpoint: format!("{}:51820", UNDERLAY[1 - i])
                     .parse()
                     .expect("endpoint"),
-                allowed_ips: vec![
-                    format!("{}/32", INNER[1 - i]).parse().expect("net"),
-                    format!("{}/128", INNER6[1 - i]).parse().expect("net"),
-                ],
+                allowed_ips: if translated {
+                    // What arrives comes from the other side as this side addresses it.
+                    vec![format!("{}/24", VIEWS[1 - i]).parse().expect("net")]
+                } else {
+                    vec![
+                        format!("{}/32", INNER[1 - i]).parse().expect("net"),
+                        format!("{}/128", INNER6[1 - i]).parse().expect("net"),
+                    ]
+                },
                 keepalive: 0,
                 candidates: Vec::new(),
                 relay_via: None,
                 relayable: false,
+                translation: translated.then(|| translation(i)),
             };
             let name = dev[i].clone();
             let engine = in_netns(&ns[i], move || {
@@ -83,9 +117,14 @@ impl Pair {
             })
             .expect("engine");
             engines.push(engine);
-            let (v4, v6) = (format!("{}/24", INNER[i]), format!("{}/64", INNER6[i]));
-            ip(&["-n", &ns[i], "addr", "add", &v4, "dev", &dev[i]]).expect("inner address");
-            ip(&["-n", &ns[i], "addr", "add", &v6, "dev", &dev[i], "nodad"]).expect("inner v6");
+            if translated {
+                let real = format!("{REAL}/32");
+                ip(&["-n", &ns[i], "addr", "add", &real, "dev", &dev[i]]).expect("real address");
+            } else {
+                let (v4, v6) = (format!("{}/24", INNER[i]), format!("{}/64", INNER6[i]));
+                ip(&["-n", &ns[i], "addr", "add", &v4, "dev", &dev[i]]).expect("inner address");
+                ip(&["-n", &ns[i], "addr", "add", &v6, "dev", &dev[i], "nodad"]).expect("inner v6");
+            }
             ip(&[
                 "-n",
                 &ns[i],
@@ -97,6 +136,14 @@ impl Pair {
                 "up",
             ])
             .expect("tunnel up");
+            if translated {
+                let view = format!("{}/24", VIEWS[1 - i])
+                    .parse::<ipnet::Ipv4Net>()
+                    .expect("net")
+                    .trunc()
+                    .to_string();
+                ip(&["-n", &ns[i], "route", "add", &view, "dev", &dev[i]]).expect("route");
+            }
         }
         let pair = Self {
             _namespaces: namespaces,
@@ -105,7 +152,8 @@ impl Pair {
             engines,
         };
         let until = Instant::now() + DEADLINE;
-        while !pair.ping(&["-c", "1", "-W", "1", INNER[1]]) {
+        let other = if translated { VIEWS[1] } else { INNER[1] };
+        while !pair.ping(&["-c", "1", "-W", "1", other]) {
             assert!(Instant::now() < until, "no answer through the tunnel");
         }
         pair
@@ -633,4 +681,112 @@ fn super_packets_with_lying_virtio_headers_are_dropped_and_counted_and_traffic_g
         "a super-packet of more segments than a read holds was not dropped and counted"
     );
     tcp_send(&pair, 0, INNER[1].parse().expect("ip"), 1 << 20);
+}
+
+/// ADR 0032's stateless wire convention between two engines whose sides have the same address
+/// and no rule in either kernel: each engine rewrites what it sends into the other side's
+/// terms, so each side's sockets see the other at the address it uses for it. TCP in both
+/// directions (super-packets split, then translated segment by segment), UDP echoes of every
+/// size (fragments included), pings, and an ICMP error: a datagram to a closed port comes back
+/// as "connection refused", which needs the packet the error quotes translated too. No kernel
+/// counts a bad checksum.
+#[test]
+fn engines_that_translate_what_they_send_connect_two_sides_with_one_address() {
+    if !can_run(
+        "engines_that_translate_what_they_send_connect_two_sides_with_one_address",
+        &["ip", "ping"],
+    ) {
+        return;
+    }
+    let pair = Pair::translated("tr", Options::default());
+    let view = |i: usize| VIEWS[i].parse::<IpAddr>().expect("ip");
+    for from in [0, 1] {
+        let at = SocketAddr::new(view(1 - from), 5201);
+        let listener =
+            in_netns(&pair.ns[1 - from], || TcpListener::bind("0.0.0.0:5201")).expect("listen");
+        let len = 4 << 20;
+        let server = std::thread::spawn(move || {
+            let (mut conn, seen) = listener.accept().expect("accept");
+            conn.set_read_timeout(Some(DEADLINE)).expect("timeout");
+            let mut got = vec![0u8; len];
+            conn.read_exact(&mut got).expect("everything arrives");
+            (seen.ip(), (0..len).find(|&i| got[i] != byte(i)))
+        });
+        let mut conn = in_netns(&pair.ns[from], move || {
+            TcpStream::connect_timeout(&at, DEADLINE)
+        })
+        .expect("connect through the tunnel");
+        let sent: Vec<u8> = (0..len).map(byte).collect();
+        conn.write_all(&sent).expect("everything is sent");
+        let (seen, changed) = server.join().expect("receiver");
+        assert_eq!(seen, view(from), "side {} saw side {from} as", 1 - from);
+        assert_eq!(
+            changed, None,
+            "the first byte that changed from side {from}"
+        );
+    }
+
+    let server = in_netns(&pair.ns[1], || UdpSocket::bind("0.0.0.0:5301")).expect("bind");
+    server
+        .set_read_timeout(Some(Duration::from_millis(500)))
+        .expect("timeout");
+    let client = in_netns(&pair.ns[0], || UdpSocket::bind("0.0.0.0:0")).expect("bind");
+    client
+        .set_read_timeout(Some(Duration::from_millis(500)))
+        .expect("timeout");
+    let at = SocketAddr::new(view(1), 5301);
+    let mut buf = vec![0u8; 65536];
+    for size in [1, 1000, 1392, 1393, 3000, 30_000, 65_507] {
+        let datagram: Vec<u8> = (0..size).map(|i| byte(i + size)).collect();
+        let echoed = (0..5).any(|_| {
+            client.send_to(&datagram, at).expect("send");
+            let Ok((n, from)) = server.recv_from(&mut buf) else {
+                return false;
+            };
+            assert_eq!(from.ip(), view(0), "side 1 saw side 0 as");
+            assert_eq!(&buf[..n], &datagram[..], "a {size}-byte datagram changed");
+            server.send_to(&buf[..n], from).expect("echo");
+            matches!(client.recv_from(&mut buf), Ok((n, from)) if buf[..n] == datagram[..] && from == at)
+        });
+        assert!(echoed, "a {size}-byte datagram never came back intact");
+    }
+    for args in [
+        vec!["-c", "2", "-W", "2", VIEWS[1]],
+        vec!["-c", "2", "-W", "2", "-s", "4000", VIEWS[1]],
+    ] {
+        assert!(pair.ping(&args), "ping {args:?} through the tunnel failed");
+    }
+
+    // Nobody listens on side 1's port 5399: its kernel answers "port unreachable", quoting the
+    // datagram as it arrived there; only with the quote translated back does side 0's kernel
+    // match it to the socket and report the refusal.
+    let closed = SocketAddr::new(view(1), 5399);
+    let refused = in_netns(&pair.ns[0], move || {
+        let socket = UdpSocket::bind("0.0.0.0:0")?;
+        socket.connect(closed)?;
+        socket.set_read_timeout(Some(Duration::from_millis(500)))?;
+        let mut buf = [0u8; 16];
+        for _ in 0..5 {
+            socket.send(b"anyone?")?;
+            match socket.recv(&mut buf) {
+                Err(err) if err.kind() == std::io::ErrorKind::ConnectionRefused => return Ok(true),
+                _ => {}
+            }
+        }
+        Ok::<_, std::io::Error>(false)
+    })
+    .expect("udp");
+    assert!(
+        refused,
+        "the port unreachable never reached the sending socket"
+    );
+
+    for i in 0..2 {
+        let bad: Vec<_> = pair
+            .error_counters(i)
+            .into_iter()
+            .filter(|(_, v)| *v != 0)
+            .collect();
+        assert!(bad.is_empty(), "side {i}'s kernel counted errors: {bad:?}");
+    }
 }

@@ -174,6 +174,7 @@ impl Device {
                     candidates: spec.peer_candidates.clone(),
                     relay_via: spec.relay_via.map(|k| *k.as_bytes()),
                     relayable: spec.relayable,
+                    translation: None,
                 };
                 match *index {
                     Some(i) => engine.update_peer(i, &config)?,

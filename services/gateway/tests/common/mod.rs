@@ -90,6 +90,7 @@ impl Peer {
             candidates: Vec::new(),
             relay_via,
             relayable,
+            translation: None,
         };
         let (engine, d) = (s.engine.clone(), dev.to_owned());
         let index = in_netns(&s.ns, move || engine.add_peer(&d, &config)).expect("add peer");

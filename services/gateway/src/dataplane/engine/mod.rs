@@ -64,6 +64,8 @@
 //!   every datagram to its peer's session and into its TUN;
 //! - `send`: the TUN thread, encrypting what the TUNs hold and sending it, singly or in GSO
 //!   sends;
+//! - [`translate`]: the stateless rewrite of a packet's addresses before it is encrypted, for a
+//!   peer configured with one ([`PeerConfig::translation`]);
 //! - `gso`: [`GsoBatch`](gso::GsoBatch), the datagrams of one GSO send;
 //! - `tun`: a peer's TUN interface with the kernel's offloads, the reader that splits
 //!   super-packets and the writer that coalesces what is written;
@@ -88,6 +90,7 @@ mod relay;
 mod resend;
 mod send;
 mod standby;
+pub mod translate;
 mod tun;
 
 use std::io;

@@ -17,6 +17,7 @@ use ipnet::IpNet;
 use mio::unix::SourceFd;
 use mio::{Interest, Token};
 
+use super::translate::Translation;
 use super::tun::Tun;
 use super::{Engine, Shared, io_err, relay, resend};
 
@@ -41,6 +42,10 @@ pub struct PeerConfig {
     /// Whether we relay this peer's datagrams to our other relayable peers and theirs to it (a
     /// full peer of a hub, whose pairs the hub introduced).
     pub relayable: bool,
+    /// The addresses of every IPv4 packet from its TUN rewritten before it is encrypted, the
+    /// sending side of a stateless wire convention (ADR 0032); `None` sends packets as the
+    /// kernel wrote them.
+    pub translation: Option<Translation>,
 }
 
 /// A peer's counters.
@@ -70,6 +75,7 @@ pub(super) struct Peer {
     pub(super) allowed_ips: RwLock<Vec<IpNet>>,
     pub(super) keepalive: Mutex<u16>,
     pub(super) candidates: RwLock<Vec<SocketAddr>>,
+    pub(super) translation: RwLock<Option<Arc<Translation>>>,
     /// Whether an authenticated message came from the peer directly since it was added: until
     /// then the timer thread probes every candidate.
     pub(super) confirmed: AtomicBool,
@@ -126,6 +132,14 @@ impl Peer {
         }
         self.initiation
             .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// The translation of what leaves its TUN, if any.
+    pub(super) fn translation(&self) -> Option<Arc<Translation>> {
+        self.translation
+            .read()
             .unwrap_or_else(|e| e.into_inner())
             .clone()
     }
@@ -189,6 +203,7 @@ impl Engine {
                 allowed_ips: RwLock::new(config.allowed_ips.clone()),
                 keepalive: Mutex::new(config.keepalive),
                 candidates: RwLock::new(config.candidates.clone()),
+                translation: RwLock::new(config.translation.clone().map(Arc::new)),
                 confirmed: AtomicBool::new(false),
                 probing: Mutex::new((Instant::now(), Instant::now())),
                 tag: relay::tag(&config.public_key),
@@ -246,6 +261,8 @@ impl Engine {
         drop(configured);
         *peer.allowed_ips.write().unwrap_or_else(|e| e.into_inner()) = config.allowed_ips.clone();
         *peer.relay_via.write().unwrap_or_else(|e| e.into_inner()) = config.relay_via;
+        *peer.translation.write().unwrap_or_else(|e| e.into_inner()) =
+            config.translation.clone().map(Arc::new);
         peer.relayable.store(config.relayable, Ordering::Relaxed);
         let new_candidates = {
             let mut candidates = peer.candidates.write().unwrap_or_else(|e| e.into_inner());

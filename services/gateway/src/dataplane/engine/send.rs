@@ -22,6 +22,7 @@ use super::drops::DropReason;
 use super::gso::{DATA_OVERHEAD, GsoBatch, HANDSHAKE_INIT_LEN};
 use super::peers::Peer;
 use super::relay::Route;
+use super::translate::Outcome;
 use super::tun::{Read, Reader};
 use super::{BUF, Shared, TICK, WAKER};
 
@@ -108,15 +109,27 @@ impl Shared {
     }
 
     /// Calls `each` with every packet `peer`'s TUN has to read now, super-packets split into
-    /// their segments; a super-packet that cannot be split is dropped and counted. Returns how
-    /// many packets there were.
+    /// their segments and each translated when the peer has a translation; a super-packet that
+    /// cannot be split, or an IPv4 packet whose header cannot be translated, is dropped and
+    /// counted. Returns how many packets there were.
     fn read_all(&self, peer: &Peer, reader: &mut Reader, mut each: impl FnMut(&[u8])) -> usize {
+        let translation = peer.translation();
         let mut read = 0;
         // Edge-triggered: read until the TUN says it is empty.
         loop {
             match peer.tun.read(reader) {
                 Read::Packets(n) => {
-                    (0..n).for_each(|i| each(reader.packet(i)));
+                    for i in 0..n {
+                        let packet = reader.packet_mut(i);
+                        if let Some(translation) = &translation
+                            && translation.apply(packet) == Outcome::Malformed
+                        {
+                            tracing::debug!(interface = %peer.name, "dropped a packet whose header cannot be translated");
+                            self.count(DropReason::TunRead);
+                            continue;
+                        }
+                        each(packet);
+                    }
                     read += n;
                 }
                 Read::Empty => return read,

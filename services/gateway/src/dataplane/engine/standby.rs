@@ -39,6 +39,7 @@ impl Engine {
                 candidates: peer.candidates(),
                 relay_via: *peer.relay_via.read().unwrap_or_else(|e| e.into_inner()),
                 relayable: peer.relayable.load(Ordering::Relaxed),
+                translation: peer.translation().map(|t| (*t).clone()),
             };
             *peer.tunn() = shared.tunn(&config, peer.index);
             // Where the previous active last heard the peer may be out of date (the peer's

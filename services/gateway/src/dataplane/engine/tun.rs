@@ -132,12 +132,12 @@ impl Reader {
         }
     }
 
-    /// The `i`th packet of the last read.
-    pub(super) fn packet(&self, i: usize) -> &[u8] {
+    /// The `i`th packet of the last read, to be translated in place before it is sent.
+    pub(super) fn packet_mut(&mut self, i: usize) -> &mut [u8] {
         let size = self.sizes.get(i).copied().unwrap_or_default();
         self.bufs
-            .get(i)
-            .and_then(|buf| buf.get(OFFSET..OFFSET + size))
+            .get_mut(i)
+            .and_then(|buf| buf.get_mut(OFFSET..OFFSET + size))
             .unwrap_or_default()
     }
 }
