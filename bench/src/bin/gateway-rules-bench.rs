@@ -78,6 +78,7 @@ fn peer(i: usize, n: usize) -> (PeerNat, TunnelGuard, u32) {
             hub_dnat: vec![],
             dnat: vec![(net("10.83.0.0/16"), net("10.0.0.0/16"))],
             snat: vec![(net("172.16.0.0/30"), net("10.81.0.0/30"))],
+            stateless: false,
         };
         let guard = TunnelGuard {
             interface: TUNNEL.into(),
@@ -100,6 +101,7 @@ fn peer(i: usize, n: usize) -> (PeerNat, TunnelGuard, u32) {
             net("172.31.0.0/30"),
             net(&format!("10.{}.{lo}.0/30", 128 + hi)),
         )],
+        stateless: false,
     };
     let guard = TunnelGuard {
         interface,

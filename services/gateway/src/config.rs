@@ -166,6 +166,15 @@ pub struct Config {
     )]
     pub busy_poll_budget_percent: u8,
 
+    /// Experimental: every tunnel uses a stateless wire convention (ADR 0032). This gateway
+    /// translates what it sends into the peer's terms (the userspace engine rewrites the
+    /// addresses), and expects the peer to send in ours, so its traffic needs no connection
+    /// tracking, NAT or policy routing here. It is not negotiated yet: every gateway of the
+    /// clusterset must be started with it alike, or the tunnels between those that are and
+    /// those that are not carry nothing. Needs the userspace data plane.
+    #[arg(long, env = "TRELLIS_STATELESS_WIRE")]
+    pub stateless_wire: bool,
+
     /// Which WireGuard implementation to drive, or `none` for no data plane at all.
     #[arg(long, env = "TRELLIS_DATAPLANE", value_enum, default_value_t = DataplaneFlag::Auto)]
     pub dataplane: DataplaneFlag,

@@ -92,6 +92,8 @@ pub struct Settings {
     /// MTU of every tunnel device (the underlay's minus WireGuard's overhead), announced to the
     /// route agents.
     pub tunnel_mtu: u32,
+    /// Every tunnel uses ADR 0032's stateless wire convention (`--stateless-wire`).
+    pub stateless_wire: bool,
 }
 
 /// What every node must route to the gateway node (`WatchRoutes`).
@@ -376,6 +378,7 @@ impl Gateway {
                         slot: 0,
                         listen_port: 0,
                         interface: self.interface_name(id),
+                        stateless: self.settings.stateless_wire,
                     });
                     continue;
                 }
@@ -385,6 +388,7 @@ impl Gateway {
                 slot,
                 listen_port: self.listen_port(slot),
                 interface: self.interface_name(id),
+                stateless: self.settings.stateless_wire,
             });
         }
         // The data plane's `ip` table is IPv4 only for now: an IPv6 TunnelEndpoint gets an

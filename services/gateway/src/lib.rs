@@ -107,6 +107,10 @@ pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started
                     .context("starting the userspace wireguard engine")?;
             Some(Flavor::Userspace(Arc::new(engine)))
         }
+        Mode::Kernel if config.stateless_wire => anyhow::bail!(
+            "--stateless-wire needs the userspace data plane (--dataplane userspace): kernel \
+             WireGuard cannot rewrite what it sends"
+        ),
         Mode::Kernel => Some(Flavor::Kernel),
     };
     let engine = match &flavor {
@@ -156,6 +160,7 @@ pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started
         node_name,
         node_ip: config.node_ip,
         tunnel_mtu: config.tunnel_mtu(),
+        stateless_wire: config.stateless_wire,
     };
     if let Some(dp) = &dataplane {
         boot.metrics().register(

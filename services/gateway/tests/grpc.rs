@@ -281,6 +281,7 @@ fn gateway_with(
             node_name: "node-0".into(),
             node_ip: None,
             tunnel_mtu: 1420,
+            stateless_wire: false,
         },
         Mode::None,
         keys,

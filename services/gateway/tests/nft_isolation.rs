@@ -51,6 +51,7 @@ fn peer(interface: &str, mark: u32, dnat: [(&str, &str); 2]) -> PeerNat {
         hub_dnat: vec![],
         dnat: dnat.iter().map(|(a, b)| (net(a), net(b))).collect(),
         snat: vec![(net("10.0.0.0/16"), net("10.90.0.0/16"))],
+        stateless: false,
     }
 }
 
@@ -132,6 +133,7 @@ async fn a_hub_of_254_leaves_gets_tables_nft_takes_with_a_packet_meeting_few_rul
             hub_dnat: vec![(key, target)],
             dnat: vec![(net(format!("10.83.{i}.0/24")), net("10.0.0.0/24".into()))],
             snat: vec![(net("10.0.0.0/24".into()), net(format!("10.81.{i}.0/24")))],
+            stateless: false,
         });
         hub_snat.push((target, ip(format!("10.201.{i}.7"))));
         guards.push(TunnelGuard {
@@ -172,4 +174,47 @@ async fn a_hub_of_254_leaves_gets_tables_nft_takes_with_a_packet_meeting_few_rul
         );
     }
     assert!(listed.contains("\"tg000000fe\" : 254"), "{listed}");
+}
+
+/// A stateless peer's rules (ADR 0032) next to a zoned peer's, with a hub-path mapping: nft
+/// takes the table, and it lists the untracked traffic.
+#[tokio::test]
+async fn a_stateless_peer_next_to_a_zoned_one_is_taken_by_nft() {
+    let Some(ns) = Netns::create("tlsl") else {
+        return;
+    };
+    let net = |s: &str| s.parse().expect("net");
+    let ip = |s: &str| s.parse().expect("ip");
+    let zoned = peer(
+        "tgzoned001",
+        0xca01_0000,
+        [
+            ("10.83.0.0/16", "10.0.0.0/16"),
+            ("10.84.0.0/16", "10.201.0.0/16"),
+        ],
+    );
+    let stateless = PeerNat {
+        interface: "tgplain002".into(),
+        mark: 0xca02_0000,
+        hub_dnat: vec![(ip("10.201.3.7"), ip("10.100.0.9"))],
+        dnat: vec![],
+        snat: vec![
+            (net("10.85.0.0/16"), net("10.85.0.0/16")),
+            (net("10.86.0.0/16"), net("10.86.0.0/16")),
+        ],
+        stateless: true,
+    };
+    let script = nft::script(&[zoned, stateless], &[(ip("10.100.0.9"), ip("10.201.3.7"))]);
+    nft_in(&ns.0, &["-f", "-"], &script)
+        .await
+        .unwrap_or_else(|e| panic!("{e:#}\n{script}"));
+    let table = nft_in(&ns.0, &["list", "table", "ip", nft::TABLE], "")
+        .await
+        .expect("lists");
+    // nft lists a one-element set as its element, and adjacent ranges merged.
+    assert!(table.contains("iifname \"tgplain002\" notrack"), "{table}");
+    assert!(
+        table.contains("ip daddr { 10.85.0.0-10.86.255.255 } notrack"),
+        "{table}"
+    );
 }

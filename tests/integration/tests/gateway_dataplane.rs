@@ -73,6 +73,11 @@ impl Lab {
     /// Builds the topology, starts the three clusters (B with `--no-induced` when asked) and
     /// peers A and C with B.
     async fn up(hub_no_induced: bool) -> Self {
+        Self::up_with(hub_no_induced, false).await
+    }
+
+    /// [`Lab::up`], every gateway with `--stateless-wire` when `stateless` (ADR 0032).
+    async fn up_with(hub_no_induced: bool, stateless: bool) -> Self {
         let mut options = FabricOptions::three_clusters();
         options.hub_no_induced = hub_no_induced;
         // Hub-path mappings show up in the gateway within a second.
@@ -93,6 +98,9 @@ impl Lab {
                 "100".into(),
             ],
         )];
+        if stateless {
+            options.extra_args[0].1.push("--stateless-wire".into());
+        }
         let started = Instant::now();
         let fabric = Fabric::up(options).await.expect("fabric up");
         eprintln!(
@@ -684,6 +692,105 @@ async fn without_induced_peering_leaf_traffic_takes_the_hub_path_dnated_at_the_h
         "nothing answers at {address} anymore"
     );
     eprintln!("measured: whole test {} ms", started.elapsed().as_millis());
+    drop(fabric);
+}
+
+/// ADR 0032's stateless wire convention, every gateway started with `--stateless-wire`: each
+/// engine translates what it sends into the receiver's terms, so the kernels track, zone, mark
+/// and translate nothing of the leaves' traffic, and the pods see each other exactly as under
+/// the old convention: A's pod reaches C's pod (induced) and B's, each side sees the other in
+/// its own view, whichever side opened the connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_the_stateless_wire_pods_see_each_other_as_before_and_the_kernels_translate_nothing() {
+    if !can_run(
+        "with_the_stateless_wire_pods_see_each_other_as_before_and_the_kernels_translate_nothing",
+    ) {
+        return;
+    }
+    let fabric = Lab::up_with(false, true).await;
+    fabric
+        .wait_tunnel_endpoints(A, &[("b", PeeringKind::Full), ("c", PeeringKind::Induced)])
+        .await;
+    fabric
+        .wait_tunnel_endpoints(C, &[("a", PeeringKind::Induced), ("b", PeeringKind::Full)])
+        .await;
+    let (path, address) = fabric.reflect_c_pod_to_a().await;
+    assert_eq!(path, TranslationPath::Induced);
+    assert_eq!(address, host(fabric.view(A, C, false).await, 10));
+    fabric.wait_ping(A, address, LIMIT).await;
+    let seen = fabric.tcp(A, C, address).await;
+    assert_eq!(seen, host(fabric.view(C, A, false).await, 10).to_string());
+    // The other way round, and with the hub.
+    let a_at_c = host(fabric.view(C, A, false).await, 10);
+    fabric.wait_ping(C, a_at_c, LIMIT).await;
+    let seen = fabric.tcp(C, A, a_at_c).await;
+    assert_eq!(seen, host(fabric.view(A, C, false).await, 10).to_string());
+    let b_at_a = host(fabric.view(A, B, false).await, 10);
+    fabric.wait_ping(A, b_at_a, LIMIT).await;
+    let seen = fabric.tcp(A, B, b_at_a).await;
+    assert_eq!(seen, host(fabric.view(B, A, false).await, 10).to_string());
+    let out = fabric.ping(
+        A,
+        address,
+        &["-c", "20", "-i", "0.02", "-s", "3000", "-W", "1"],
+    );
+    assert!(loss_free(&out), "{}", String::from_utf8_lossy(&out.stdout));
+
+    for i in [A, B, C] {
+        let rules = fabric.ruleset(i);
+        assert!(rules.contains("notrack"), "{rules}");
+        for kernel_side in ["ct zone set iifname", "dnat ip prefix", "snat ip prefix"] {
+            assert!(!rules.contains(kernel_side), "{kernel_side}:\n{rules}");
+        }
+        // No marks and no policy rules: replies find a tunnel by their destination.
+        assert_eq!(fabric.dataplane_counts(i), (0, 0, 2), "{}", NAMES[i]);
+    }
+    drop(fabric);
+}
+
+/// The hub path under the stateless wire convention: A sends to B's mapping at B's real
+/// external address (its engine translated it), B's kernel tracks that connection only, for its
+/// DNAT to C's pod, and C's pod sees the hub's mapping address in its own view, as before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_the_stateless_wire_the_hub_path_is_tracked_at_the_hub_only() {
+    if !can_run("with_the_stateless_wire_the_hub_path_is_tracked_at_the_hub_only") {
+        return;
+    }
+    let fabric = Lab::up_with(true, true).await;
+    fabric
+        .wait_tunnel_endpoints(B, &[("a", PeeringKind::Full), ("c", PeeringKind::Full)])
+        .await;
+    fabric
+        .wait_tunnel_endpoints(A, &[("b", PeeringKind::Full)])
+        .await;
+    let (path, address) = fabric.reflect_c_pod_to_a().await;
+    assert_eq!(path, TranslationPath::HubExternal);
+    let a_view_b_external = fabric.view(A, B, true).await;
+    let external: Ipv4Net = "10.201.0.0/16".parse().expect("net");
+    let real = trellis_gateway::dataplane::rebase(
+        address.into(),
+        a_view_b_external.into(),
+        external.into(),
+    )
+    .expect("in A's view of B's external CIDR");
+    fabric
+        .wait_ruleset(B, "B's hub-path DNAT, keyed by its real address", |r| {
+            r.contains(&format!("{real} : "))
+        })
+        .await;
+    fabric.wait_ping(A, address, LIMIT).await;
+    let c_view_b_external = fabric.view(C, B, true).await;
+    let seen = fabric.tcp(A, C, address).await;
+    assert!(
+        in_net(&seen, c_view_b_external),
+        "C's pod saw {seen}, expected an address in {c_view_b_external}"
+    );
+    let out = fabric.ping(
+        A,
+        address,
+        &["-c", "20", "-i", "0.02", "-s", "1000", "-W", "1"],
+    );
+    assert!(loss_free(&out), "{}", String::from_utf8_lossy(&out.stdout));
     drop(fabric);
 }
 

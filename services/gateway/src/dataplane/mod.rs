@@ -21,6 +21,7 @@ use std::path::Path;
 use ipnet::IpNet;
 use trellis_api::model::TunnelEndpoint;
 
+use self::engine::translate::{Rewrite, Translation};
 use crate::config::DataplaneFlag;
 use crate::mappings::HubMapping;
 use crate::names;
@@ -59,6 +60,10 @@ pub struct PeerPlan {
     /// kernel mode.
     pub listen_port: u16,
     pub interface: String,
+    /// Whether the tunnel uses ADR 0032's stateless wire convention: we translate what we
+    /// send into the peer's terms and the peer sends in ours, so nothing of the peer's needs
+    /// a conntrack zone, NAT or a mark here (`--stateless-wire`).
+    pub stateless: bool,
 }
 
 fn dedup(nets: impl IntoIterator<Item = IpNet>) -> Vec<IpNet> {
@@ -84,8 +89,14 @@ impl PeerPlan {
     /// send back through the tunnel (after conntrack un-NATs them) go to those real addresses.
     /// With one interface per peer, overlapping real ranges of different peers never meet in
     /// one cryptokey routing table.
+    ///
+    /// Under the stateless convention the peer sends from its ranges as we address them, and
+    /// our replies leave translated: the routed CIDRs are all it may use.
     pub fn allowed_ips(&self) -> Vec<IpNet> {
         let te = &self.endpoint;
+        if self.stateless {
+            return self.routed();
+        }
         dedup(
             self.routed()
                 .into_iter()
@@ -107,11 +118,15 @@ impl PeerPlan {
     /// the peer, `(the address the peer uses, the destination as we address it)`. The peer
     /// addresses our external CIDR through its own view of it (`local_nat.external_cidr_nat`),
     /// so the external address is rebased onto that view (same host bits).
+    /// Under the stateless convention the peer translated it into our real address already.
     pub fn hub_dnat(&self, hub: &[HubMapping]) -> Vec<(IpAddr, IpAddr)> {
         let te = &self.endpoint;
         hub.iter()
             .filter(|m| m.clusters.contains(&te.remote.id))
             .filter_map(|m| {
+                if self.stateless {
+                    return Some((m.external_ip, m.destination));
+                }
                 let seen = rebase(
                     m.external_ip,
                     te.local_external_cidr,
@@ -129,15 +144,56 @@ impl PeerPlan {
             interface: self.interface.clone(),
             mark: self.mark(),
             hub_dnat: self.hub_dnat(hub),
-            dnat: vec![
-                (te.local_nat.pod_cidr_nat, te.local_pod_cidr),
-                (te.local_nat.external_cidr_nat, te.local_external_cidr),
-            ],
-            snat: vec![
-                (te.remote_pod_cidr, te.remote_nat.pod_cidr_nat),
-                (te.remote_external_cidr, te.remote_nat.external_cidr_nat),
-            ],
+            stateless: self.stateless,
+            dnat: if self.stateless {
+                Vec::new()
+            } else {
+                vec![
+                    (te.local_nat.pod_cidr_nat, te.local_pod_cidr),
+                    (te.local_nat.external_cidr_nat, te.local_external_cidr),
+                ]
+            },
+            // Under the stateless convention, the views of the peer only (a source map that
+            // translates nothing): the ruleset leaves them untracked.
+            snat: if self.stateless {
+                self.routed().into_iter().map(|view| (view, view)).collect()
+            } else {
+                vec![
+                    (te.remote_pod_cidr, te.remote_nat.pod_cidr_nat),
+                    (te.remote_external_cidr, te.remote_nat.external_cidr_nat),
+                ]
+            },
         }
+    }
+
+    /// What the engine rewrites in what it sends the peer under the stateless convention: our
+    /// real ranges into how the peer addresses them, our views of the peer into its real ranges
+    /// (IPv4, identities left out); `None` under the old one.
+    pub fn translation(&self) -> Option<Translation> {
+        if !self.stateless {
+            return None;
+        }
+        let te = &self.endpoint;
+        let rewrites = |pairs: [(IpNet, IpNet); 2]| {
+            pairs
+                .into_iter()
+                .filter(|(from, to)| from != to)
+                .filter_map(|pair| match pair {
+                    (IpNet::V4(from), IpNet::V4(to)) => Rewrite::new(from, to),
+                    _ => None,
+                })
+                .collect()
+        };
+        Some(Translation {
+            source: rewrites([
+                (te.local_pod_cidr, te.local_nat.pod_cidr_nat),
+                (te.local_external_cidr, te.local_nat.external_cidr_nat),
+            ]),
+            destination: rewrites([
+                (te.remote_nat.pod_cidr_nat, te.remote_pod_cidr),
+                (te.remote_nat.external_cidr_nat, te.remote_external_cidr),
+            ]),
+        })
     }
 }
 
@@ -156,7 +212,7 @@ impl PeerPlan {
         guard::TunnelGuard {
             interface: self.interface.clone(),
             allowed: dedup(allowed),
-            zoned: nft::zone(self.mark()) != 0,
+            zoned: !self.stateless && nft::zone(self.mark()) != 0,
         }
     }
 }
@@ -237,7 +293,53 @@ mod tests {
             slot: 51841,
             listen_port: 51840,
             interface: "tg01234567".into(),
+            stateless: false,
         }
+    }
+
+    /// Under the stateless convention the peer's tunnel accepts our views of it only, its
+    /// table has no NAT and no zone for it, the hub path is keyed by our real external
+    /// addresses, and the engine translates our ranges into the peer's view of them and our
+    /// views of the peer into its real ranges.
+    #[test]
+    fn a_stateless_peer_is_translated_by_the_engine_and_left_alone_by_the_kernel() {
+        let stateless = PeerPlan {
+            stateless: true,
+            ..plan("a")
+        };
+        assert_eq!(
+            stateless.allowed_ips(),
+            vec![net("10.81.0.0/16"), net("10.91.0.0/16")]
+        );
+        let hub = [mapping("10.201.3.7", "10.100.0.9", &["a"])];
+        assert_eq!(
+            stateless.hub_dnat(&hub),
+            vec![(ip("10.201.3.7"), ip("10.100.0.9"))]
+        );
+        let nat = stateless.nat(&hub);
+        assert!(nat.stateless && nat.dnat.is_empty(), "{nat:?}");
+        assert!(nat.snat.iter().all(|(from, to)| from == to), "{nat:?}");
+        assert!(!stateless.guard(&hub).zoned);
+        let translation = stateless.translation().expect("a translation");
+        let rewrite = |from: &str, to: &str| {
+            let v4 = |s: &str| s.parse::<ipnet::Ipv4Net>().expect("net");
+            Rewrite::new(v4(from), v4(to)).expect("same length")
+        };
+        assert_eq!(
+            translation.source,
+            vec![
+                rewrite("10.0.0.0/16", "10.82.0.0/16"),
+                rewrite("10.201.0.0/16", "10.92.0.0/16")
+            ]
+        );
+        assert_eq!(
+            translation.destination,
+            vec![
+                rewrite("10.81.0.0/16", "10.0.0.0/16"),
+                rewrite("10.91.0.0/16", "10.201.0.0/16")
+            ]
+        );
+        assert_eq!(plan("a").translation(), None);
     }
 
     fn mapping(external: &str, destination: &str, clusters: &[&str]) -> HubMapping {

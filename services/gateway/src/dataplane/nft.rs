@@ -50,6 +50,10 @@ pub struct PeerNat {
     pub dnat: Vec<(IpNet, IpNet)>,
     /// `(the peer's real range, how we see it)`: source prefix map.
     pub snat: Vec<(IpNet, IpNet)>,
+    /// ADR 0032's stateless wire convention: the peer sends in our terms and we translate what
+    /// we send it, so its traffic is left untracked (but for the hub path's, which DNAT needs)
+    /// and gets no zone, mark or NAT; `snat` then only names our views of it, identically.
+    pub stateless: bool,
 }
 
 impl PeerNat {
@@ -119,12 +123,26 @@ fn view_zones(zoned: &[&PeerNat]) -> Vec<(IpNet, u16)> {
 /// gateway node's own packets towards a peer): one lookup each, keyed by interface or by
 /// destination.
 fn zones(s: &mut String, peers: &[PeerNat], hub_snat: &[(IpAddr, IpAddr)]) {
-    let zoned: Vec<&PeerNat> = peers.iter().filter(|p| p.zone() != 0).collect();
+    let zoned: Vec<&PeerNat> = peers
+        .iter()
+        .filter(|p| p.zone() != 0 && !p.stateless)
+        .collect();
+    let stateless: Vec<&PeerNat> = peers.iter().filter(|p| p.stateless).collect();
     s.push_str("  chain pre_raw {\n    type filter hook prerouting priority raw; policy accept;\n");
-    // Replies of hub-path connections: the default zone holds their reply tuples.
+    // Replies of hub-path connections: the default zone holds their reply tuples. Under the
+    // stateless convention these addresses are also what a peer's hub-path connections arrive
+    // for, tracked there too (their DNAT needs it).
     if let Some(externals) = set(hub_snat.iter().filter(|(_, x)| x.is_ipv4()).map(|(_, x)| x)) {
         let _ = writeln!(s, "    ip daddr {externals} return");
     }
+    let untracked_from = set(stateless.iter().map(|p| format!("\"{}\"", p.interface)));
+    if let Some(interfaces) = untracked_from {
+        let _ = writeln!(s, "    iifname {interfaces} notrack accept");
+    }
+    let untracked_to = set(stateless.iter().flat_map(|p| p.views()))
+        .map(|views| format!("    ip daddr {views} notrack accept\n"))
+        .unwrap_or_default();
+    s.push_str(&untracked_to);
     let mut originals: Vec<(String, u16)> = zoned
         .iter()
         .flat_map(|p| {
@@ -155,6 +173,7 @@ fn zones(s: &mut String, peers: &[PeerNat], hub_snat: &[(IpAddr, IpAddr)]) {
     s.push_str(&towards);
     s.push_str("  }\n");
     s.push_str("  chain out_raw {\n    type filter hook output priority raw; policy accept;\n");
+    s.push_str(&untracked_to);
     s.push_str(&towards);
     s.push_str("  }\n");
 }
@@ -190,6 +209,7 @@ pub fn script(peers: &[PeerNat], hub_snat: &[(IpAddr, IpAddr)]) -> String {
     );
     let marks = peers
         .iter()
+        .filter(|p| !p.stateless)
         .map(|p| (format!("\"{}\"", p.interface), format!("{:#010x}", p.mark)));
     if let Some(m) = lookup(marks) {
         let _ = writeln!(s, "    ct state new ct mark set iifname map {m}");
@@ -283,6 +303,7 @@ mod tests {
                 (net("10.201.0.0/16"), net("10.201.0.0/16")),
             ],
             snat: vec![(net("10.0.0.0/16"), net("10.81.0.0/16"))],
+            stateless: false,
         }];
         let s = script(&peers, &[]);
         assert!(
@@ -330,6 +351,7 @@ mod tests {
             hub_dnat: vec![(ip("10.92.3.7"), ip("10.83.0.10"))],
             dnat: vec![(net("10.92.0.0/16"), net("10.201.0.0/16"))],
             snat: vec![(net("10.0.0.0/16"), net("10.81.0.0/16"))],
+            stateless: false,
         }];
         let s = script(&peers, &[(ip("10.83.0.10"), ip("10.201.3.7"))]);
         let hub = s
@@ -353,6 +375,64 @@ mod tests {
         assert!(snat < s.find("snat ip prefix to").expect(&s), "{s}");
     }
 
+    /// A stateless peer (ADR 0032) next to a zoned one: its traffic from its tunnel and
+    /// towards its views is left untracked, before the zones; it has no zone, no mark and no
+    /// prefix NAT; its hub-path DNAT stays, keyed as given, and the hub path's addresses are
+    /// tracked first.
+    #[test]
+    fn a_stateless_peer_is_untracked_and_gets_no_zone_mark_or_prefix_nat() {
+        let ip = |s: &str| s.parse::<IpAddr>().expect("ip");
+        let zoned = PeerNat {
+            interface: "tgzoned001".into(),
+            mark: 0xca01_0000,
+            hub_dnat: vec![],
+            dnat: vec![(net("10.83.0.0/16"), net("10.0.0.0/16"))],
+            snat: vec![(net("10.0.0.0/16"), net("10.81.0.0/16"))],
+            stateless: false,
+        };
+        let stateless = PeerNat {
+            interface: "tgplain002".into(),
+            mark: 0xca02_0000,
+            hub_dnat: vec![(ip("10.201.3.7"), ip("10.100.0.9"))],
+            dnat: vec![],
+            snat: vec![(net("10.85.0.0/16"), net("10.85.0.0/16"))],
+            stateless: true,
+        };
+        let s = script(&[zoned, stateless], &[(ip("10.100.0.9"), ip("10.201.3.7"))]);
+        let chain = |name: &str| {
+            let at = s.find(&format!("chain {name} {{")).expect(name);
+            s[at..at + s[at..].find("  }").expect("end")].to_owned()
+        };
+        let pre_raw = chain("pre_raw");
+        let hub = pre_raw
+            .find("ip daddr { 10.201.3.7 } return")
+            .expect(&pre_raw);
+        let from = pre_raw
+            .find("iifname { \"tgplain002\" } notrack accept")
+            .expect(&pre_raw);
+        let to = pre_raw
+            .find("ip daddr { 10.85.0.0/16 } notrack accept")
+            .expect(&pre_raw);
+        let zones = pre_raw.find("ct zone set iifname map").expect(&pre_raw);
+        assert!(hub < from && from < to && to < zones, "{pre_raw}");
+        assert!(!pre_raw[zones..].contains("tgplain002"), "{pre_raw}");
+        assert!(!pre_raw[zones..].contains("10.85.0.0/16"), "{pre_raw}");
+        assert!(chain("out_raw").contains("ip daddr { 10.85.0.0/16 } notrack accept"));
+        assert!(!chain("pre_mangle").contains("tgplain002"), "{s}");
+        let pre_nat = chain("pre_nat");
+        assert!(
+            pre_nat.contains(
+                "iifname \"tgplain002\" dnat ip to ip daddr map { 10.201.3.7 : 10.100.0.9 }"
+            ),
+            "{pre_nat}"
+        );
+        assert!(
+            !pre_nat.contains("tgplain002\" dnat ip prefix"),
+            "{pre_nat}"
+        );
+        assert!(!chain("post_nat").contains("tgplain002"), "{s}");
+    }
+
     #[test]
     fn no_peers_only_removes_the_table() {
         assert_eq!(
@@ -369,6 +449,7 @@ mod tests {
             hub_dnat: vec![],
             dnat: vec![],
             snat: vec![(net("10.0.0.0/16"), net(view))],
+            stateless: false,
         };
         let peers: Vec<PeerNat> = (1..=254)
             .map(|i| peer(i, &format!("10.{}.0.0/16", 100 + i % 100)))

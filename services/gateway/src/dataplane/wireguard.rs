@@ -24,6 +24,7 @@ use defguard_wireguard_rs::{InterfaceConfiguration, Kernel, WGApi, WireguardInte
 use ipnet::IpNet;
 use trellis_api::model::WgKey;
 
+use super::engine::translate::Translation;
 use super::engine::{Engine, PeerConfig};
 use crate::keys::KeyPair;
 
@@ -65,6 +66,9 @@ pub struct DeviceSpec {
     pub allowed_ips: Vec<IpNet>,
     pub keepalive: u16,
     pub mtu: u32,
+    /// What the userspace engine rewrites in every packet it sends the peer (ADR 0032's
+    /// stateless wire convention); a kernel device cannot, and is never given one.
+    pub translation: Option<Translation>,
 }
 
 impl fmt::Debug for DeviceSpec {
@@ -174,7 +178,7 @@ impl Device {
                     candidates: spec.peer_candidates.clone(),
                     relay_via: spec.relay_via.map(|k| *k.as_bytes()),
                     relayable: spec.relayable,
-                    translation: None,
+                    translation: spec.translation.clone(),
                 };
                 match *index {
                     Some(i) => engine.update_peer(i, &config)?,

@@ -235,7 +235,12 @@ impl Linux {
                 cmd::run("nft", &["-f", "-"], Some(&guard)).await?;
                 applied.guard = Some(guard);
             }
-            let rules: BTreeSet<(u32, u32)> = plans.iter().map(|p| (p.mark(), p.table())).collect();
+            // A stateless peer's replies find its tunnel by their destination: no mark, no rule.
+            let rules: BTreeSet<(u32, u32)> = plans
+                .iter()
+                .filter(|p| !p.stateless)
+                .map(|p| (p.mark(), p.table()))
+                .collect();
             if applied.rules.as_ref() != Some(&rules) {
                 applied.rules = None;
                 sync_rules(&rules).await?;

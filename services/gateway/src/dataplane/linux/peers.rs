@@ -67,6 +67,7 @@ impl Linux {
             allowed_ips: plan.allowed_ips(),
             keepalive: self.keepalive,
             mtu: self.mtu,
+            translation: plan.translation(),
         };
         let (key, configured) = (self.key.clone(), device.clone());
         let result = tokio::task::spawn_blocking(move || configured.configure(&key, &spec))
