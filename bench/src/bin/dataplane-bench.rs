@@ -97,6 +97,10 @@ struct Args {
         value_parser = clap::value_parser!(u8).range(0..=100)
     )]
     busy_poll_budget_percent: u8,
+    /// The gateways' `--stateless-wire` (ADR 0032): each engine translates what it sends, and
+    /// the kernels leave the tunnels' traffic untracked. Recorded in the result.
+    #[arg(long)]
+    stateless_wire: bool,
     /// Holds the kernel's CPU latency limit (`/dev/cpu_dma_latency`) at this many microseconds
     /// for the run, as a low-latency node tuning does; 0 keeps idle CPUs polling instead of
     /// halting, which makes waking a thread on an idle vCPU cheap and keeps every core busy
@@ -130,6 +134,7 @@ async fn main() -> anyhow::Result<()> {
         store: args.store,
         busy_poll_us: args.busy_poll_us,
         busy_poll_budget_percent: args.busy_poll_budget_percent,
+        stateless_wire: args.stateless_wire,
         cpu_latency_limit: dataplane::cpu_latency::limit(),
     };
     if args.scenario == Scenario::NodePath {

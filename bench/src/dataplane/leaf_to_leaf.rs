@@ -226,6 +226,7 @@ pub async fn leaf_to_leaf(
         build: build().into(),
         busy_poll_us: Some(settings.busy_poll_us),
         busy_poll_budget_percent: Some(settings.busy_poll_budget_percent),
+        stateless_wire: settings.stateless_wire,
         cpu_latency_limit: settings.cpu_latency_limit,
         store: settings.store,
         emulation,

@@ -86,6 +86,7 @@ pub async fn node_path(settings: &Settings, run: RunInfo) -> anyhow::Result<Node
         build: build().into(),
         busy_poll_us: Some(settings.busy_poll_us),
         busy_poll_budget_percent: Some(settings.busy_poll_budget_percent),
+        stateless_wire: settings.stateless_wire,
         cpu_latency_limit: settings.cpu_latency_limit,
         store: settings.store,
         nodes_per_cluster: Some(NODES),

@@ -51,8 +51,13 @@ pub(super) fn dataplane_section(
             md.push_str(&note(inputs, "dataplane"));
             let _ = writeln!(
                 md,
-                "WireGuard: {}; build: {}; {}; {}; store: {}; link delays by: {}; {} pings per measurement.\n",
+                "WireGuard: {}{}; build: {}; {}; {}; store: {}; link delays by: {}; {} pings per measurement.\n",
                 d.wireguard,
+                if d.stateless_wire {
+                    ", stateless wire convention (ADR 0032)"
+                } else {
+                    ""
+                },
                 d.build,
                 busy_polling(d.busy_poll_us, d.busy_poll_budget_percent),
                 cpu_latency(d.cpu_latency_limit),

@@ -209,6 +209,10 @@ pub struct DataplaneResult {
     /// from before the budget existed (polling, where on, was not capped).
     #[serde(default)]
     pub busy_poll_budget_percent: Option<u8>,
+    /// Whether the gateways ran with `--stateless-wire` (ADR 0032); false in results from
+    /// before the flag existed.
+    #[serde(default)]
+    pub stateless_wire: bool,
     /// The kernel's CPU latency limit during the run; `None` in results from before it was
     /// recorded.
     #[serde(default)]
@@ -281,6 +285,10 @@ pub struct NodePathResult {
     /// from before the budget existed (polling, where on, was not capped).
     #[serde(default)]
     pub busy_poll_budget_percent: Option<u8>,
+    /// Whether the gateways ran with `--stateless-wire` (ADR 0032); false in results from
+    /// before the flag existed.
+    #[serde(default)]
+    pub stateless_wire: bool,
     /// The kernel's CPU latency limit during the run; `None` in results from before it was
     /// recorded.
     #[serde(default)]
