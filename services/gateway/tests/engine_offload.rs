@@ -219,17 +219,20 @@ fn byte(i: usize) -> u8 {
     (i as u32).wrapping_mul(2_654_435_761).rotate_right(13) as u8
 }
 
-/// Sends `len` bytes over TCP from side `from` to the other side's `to`; checks every byte.
-fn tcp_send(pair: &Pair, from: usize, to: IpAddr, len: usize) {
+/// Sends `len` bytes over TCP from side `from` to the other side at `to`; checks every byte.
+/// Returns the address the receiver saw the connection come from.
+fn tcp_send(pair: &Pair, from: usize, to: IpAddr, len: usize) -> IpAddr {
     let at = SocketAddr::new(to, 5201);
-    let listener = in_netns(&pair.ns[1 - from], move || TcpListener::bind(at)).expect("listen");
+    // Any address of the receiver's: under translation `to` is only how the sender sees it.
+    let any = SocketAddr::new(unspecified(to), 5201);
+    let listener = in_netns(&pair.ns[1 - from], move || TcpListener::bind(any)).expect("listen");
     let server = std::thread::spawn(move || {
-        let (mut conn, _) = listener.accept().expect("accept");
+        let (mut conn, seen) = listener.accept().expect("accept");
         conn.set_read_timeout(Some(DEADLINE)).expect("timeout");
         let mut got = vec![0u8; len];
         conn.read_exact(&mut got)
             .expect("the receiver reads everything");
-        (0..len).find(|&i| got[i] != byte(i))
+        (seen.ip(), (0..len).find(|&i| got[i] != byte(i)))
     });
     let mut conn = in_netns(&pair.ns[from], move || {
         TcpStream::connect_timeout(&at, DEADLINE)
@@ -237,28 +240,41 @@ fn tcp_send(pair: &Pair, from: usize, to: IpAddr, len: usize) {
     .expect("connect through the tunnel");
     let sent: Vec<u8> = (0..len).map(byte).collect();
     conn.write_all(&sent).expect("the sender sends everything");
+    let (seen, changed) = server.join().expect("receiver");
     assert_eq!(
-        server.join().expect("receiver"),
-        None,
+        changed, None,
         "the first byte that changed on the way from side {from} to {to}"
     );
+    seen
 }
 
-/// UDP datagrams of `sizes` from side 0 to side 1, echoed; every byte checked.
-fn udp_echo(pair: &Pair, to: IpAddr, sizes: &[usize]) {
+/// The unspecified address of `ip`'s family.
+fn unspecified(ip: IpAddr) -> IpAddr {
+    if ip.is_ipv4() {
+        IpAddr::from([0u8; 4])
+    } else {
+        IpAddr::from([0u16; 8])
+    }
+}
+
+/// UDP datagrams of `sizes` from side 0 to side 1 at `to`, echoed; every byte checked, and the
+/// echo must come back from `to`. Returns the addresses side 1 saw them come from.
+fn udp_echo(pair: &Pair, to: IpAddr, sizes: &[usize]) -> Vec<IpAddr> {
     let at = SocketAddr::new(to, 5301);
-    let server = in_netns(&pair.ns[1], move || UdpSocket::bind(at)).expect("bind");
+    let any = SocketAddr::new(unspecified(to), 5301);
+    let server = in_netns(&pair.ns[1], move || UdpSocket::bind(any)).expect("bind");
     server
         .set_read_timeout(Some(Duration::from_millis(500)))
         .expect("timeout");
-    let any: SocketAddr = if to.is_ipv4() { "0.0.0.0:0" } else { "[::]:0" }
-        .parse()
-        .expect("any");
-    let client = in_netns(&pair.ns[0], move || UdpSocket::bind(any)).expect("bind");
+    let client = in_netns(&pair.ns[0], move || {
+        UdpSocket::bind(SocketAddr::new(unspecified(to), 0))
+    })
+    .expect("bind");
     client
         .set_read_timeout(Some(Duration::from_millis(500)))
         .expect("timeout");
     let mut buf = vec![0u8; 65536];
+    let mut seen = Vec::new();
     for &size in sizes {
         let datagram: Vec<u8> = (0..size).map(|i| byte(i + size)).collect();
         // A datagram (or one of its fragments) may be lost on a loaded machine; a few tries.
@@ -272,14 +288,18 @@ fn udp_echo(pair: &Pair, to: IpAddr, sizes: &[usize]) {
                 &datagram[..],
                 "a {size}-byte datagram changed on the way"
             );
+            if !seen.contains(&from.ip()) {
+                seen.push(from.ip());
+            }
             server.send_to(&buf[..n], from).expect("echo");
-            matches!(client.recv_from(&mut buf), Ok((n, _)) if buf[..n] == datagram[..])
+            matches!(client.recv_from(&mut buf), Ok((n, back)) if buf[..n] == datagram[..] && back == at)
         });
         assert!(
             echoed,
             "a {size}-byte datagram to {to} never came back intact"
         );
     }
+    seen
 }
 
 /// One UDP segmentation-offload send of `segments` datagrams of `segment` bytes from side 0
@@ -701,55 +721,11 @@ fn engines_that_translate_what_they_send_connect_two_sides_with_one_address() {
     let pair = Pair::translated("tr", Options::default());
     let view = |i: usize| VIEWS[i].parse::<IpAddr>().expect("ip");
     for from in [0, 1] {
-        let at = SocketAddr::new(view(1 - from), 5201);
-        let listener =
-            in_netns(&pair.ns[1 - from], || TcpListener::bind("0.0.0.0:5201")).expect("listen");
-        let len = 4 << 20;
-        let server = std::thread::spawn(move || {
-            let (mut conn, seen) = listener.accept().expect("accept");
-            conn.set_read_timeout(Some(DEADLINE)).expect("timeout");
-            let mut got = vec![0u8; len];
-            conn.read_exact(&mut got).expect("everything arrives");
-            (seen.ip(), (0..len).find(|&i| got[i] != byte(i)))
-        });
-        let mut conn = in_netns(&pair.ns[from], move || {
-            TcpStream::connect_timeout(&at, DEADLINE)
-        })
-        .expect("connect through the tunnel");
-        let sent: Vec<u8> = (0..len).map(byte).collect();
-        conn.write_all(&sent).expect("everything is sent");
-        let (seen, changed) = server.join().expect("receiver");
+        let seen = tcp_send(&pair, from, view(1 - from), 4 << 20);
         assert_eq!(seen, view(from), "side {} saw side {from} as", 1 - from);
-        assert_eq!(
-            changed, None,
-            "the first byte that changed from side {from}"
-        );
     }
-
-    let server = in_netns(&pair.ns[1], || UdpSocket::bind("0.0.0.0:5301")).expect("bind");
-    server
-        .set_read_timeout(Some(Duration::from_millis(500)))
-        .expect("timeout");
-    let client = in_netns(&pair.ns[0], || UdpSocket::bind("0.0.0.0:0")).expect("bind");
-    client
-        .set_read_timeout(Some(Duration::from_millis(500)))
-        .expect("timeout");
-    let at = SocketAddr::new(view(1), 5301);
-    let mut buf = vec![0u8; 65536];
-    for size in [1, 1000, 1392, 1393, 3000, 30_000, 65_507] {
-        let datagram: Vec<u8> = (0..size).map(|i| byte(i + size)).collect();
-        let echoed = (0..5).any(|_| {
-            client.send_to(&datagram, at).expect("send");
-            let Ok((n, from)) = server.recv_from(&mut buf) else {
-                return false;
-            };
-            assert_eq!(from.ip(), view(0), "side 1 saw side 0 as");
-            assert_eq!(&buf[..n], &datagram[..], "a {size}-byte datagram changed");
-            server.send_to(&buf[..n], from).expect("echo");
-            matches!(client.recv_from(&mut buf), Ok((n, from)) if buf[..n] == datagram[..] && from == at)
-        });
-        assert!(echoed, "a {size}-byte datagram never came back intact");
-    }
+    let sizes = [1, 1000, 1392, 1393, 3000, 30_000, 65_507];
+    assert_eq!(udp_echo(&pair, view(1), &sizes), vec![view(0)]);
     for args in [
         vec!["-c", "2", "-W", "2", VIEWS[1]],
         vec!["-c", "2", "-W", "2", "-s", "4000", VIEWS[1]],
