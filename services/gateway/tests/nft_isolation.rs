@@ -197,10 +197,10 @@ async fn a_stateless_peer_next_to_a_zoned_one_is_taken_by_nft() {
         interface: "tgplain002".into(),
         mark: 0xca02_0000,
         hub_dnat: vec![(ip("10.201.3.7"), ip("10.100.0.9"))],
-        dnat: vec![],
+        dnat: vec![(net("10.87.0.0/16"), net("10.0.0.0/16"))],
         snat: vec![
-            (net("10.85.0.0/16"), net("10.85.0.0/16")),
-            (net("10.86.0.0/16"), net("10.86.0.0/16")),
+            (net("10.0.0.0/16"), net("10.85.0.0/16")),
+            (net("10.201.0.0/16"), net("10.86.0.0/16")),
         ],
         stateless: true,
     };
@@ -217,4 +217,7 @@ async fn a_stateless_peer_next_to_a_zoned_one_is_taken_by_nft() {
         table.contains("ip daddr { 10.85.0.0-10.86.255.255 } notrack"),
         "{table}"
     );
+    // Its prefix maps are not rendered; the zoned peer's are (a positive control).
+    assert!(!table.contains("10.87.0.0/16"), "{table}");
+    assert!(table.contains("10.83.0.0/16 : 10.0.0.0/16"), "{table}");
 }

@@ -145,24 +145,14 @@ impl PeerPlan {
             mark: self.mark(),
             hub_dnat: self.hub_dnat(hub),
             stateless: self.stateless,
-            dnat: if self.stateless {
-                Vec::new()
-            } else {
-                vec![
-                    (te.local_nat.pod_cidr_nat, te.local_pod_cidr),
-                    (te.local_nat.external_cidr_nat, te.local_external_cidr),
-                ]
-            },
-            // Under the stateless convention, the views of the peer only (a source map that
-            // translates nothing): the ruleset leaves them untracked.
-            snat: if self.stateless {
-                self.routed().into_iter().map(|view| (view, view)).collect()
-            } else {
-                vec![
-                    (te.remote_pod_cidr, te.remote_nat.pod_cidr_nat),
-                    (te.remote_external_cidr, te.remote_nat.external_cidr_nat),
-                ]
-            },
+            dnat: vec![
+                (te.local_nat.pod_cidr_nat, te.local_pod_cidr),
+                (te.local_nat.external_cidr_nat, te.local_external_cidr),
+            ],
+            snat: vec![
+                (te.remote_pod_cidr, te.remote_nat.pod_cidr_nat),
+                (te.remote_external_cidr, te.remote_nat.external_cidr_nat),
+            ],
         }
     }
 
@@ -316,9 +306,7 @@ mod tests {
             stateless.hub_dnat(&hub),
             vec![(ip("10.201.3.7"), ip("10.100.0.9"))]
         );
-        let nat = stateless.nat(&hub);
-        assert!(nat.stateless && nat.dnat.is_empty(), "{nat:?}");
-        assert!(nat.snat.iter().all(|(from, to)| from == to), "{nat:?}");
+        assert!(stateless.nat(&hub).stateless);
         assert!(!stateless.guard(&hub).zoned);
         let translation = stateless.translation().expect("a translation");
         let rewrite = |from: &str, to: &str| {

@@ -52,7 +52,8 @@ pub struct PeerNat {
     pub snat: Vec<(IpNet, IpNet)>,
     /// ADR 0032's stateless wire convention: the peer sends in our terms and we translate what
     /// we send it, so its traffic is left untracked (but for the hub path's, which DNAT needs)
-    /// and gets no zone, mark or NAT; `snat` then only names our views of it, identically.
+    /// and gets no zone, mark or prefix NAT (`dnat` and `snat` then only say what its views
+    /// are).
     pub stateless: bool,
 }
 
@@ -231,7 +232,7 @@ pub fn script(peers: &[PeerNat], hub_snat: &[(IpAddr, IpAddr)]) -> String {
                 p.interface
             );
         }
-        if let Some(m) = map(&p.dnat) {
+        if let Some(m) = map(&p.dnat).filter(|_| !p.stateless) {
             let _ = writeln!(
                 s,
                 "    iifname \"{}\" dnat ip prefix to ip daddr map {m}",
@@ -246,7 +247,7 @@ pub fn script(peers: &[PeerNat], hub_snat: &[(IpAddr, IpAddr)]) -> String {
     if let Some(m) = addr_map(hub_snat) {
         let _ = writeln!(s, "    ct status dnat snat ip to ip daddr map {m}");
     }
-    for p in peers {
+    for p in peers.iter().filter(|p| !p.stateless) {
         if let Some(m) = map(&p.snat) {
             let _ = writeln!(
                 s,
@@ -394,8 +395,8 @@ mod tests {
             interface: "tgplain002".into(),
             mark: 0xca02_0000,
             hub_dnat: vec![(ip("10.201.3.7"), ip("10.100.0.9"))],
-            dnat: vec![],
-            snat: vec![(net("10.85.0.0/16"), net("10.85.0.0/16"))],
+            dnat: vec![(net("10.84.0.0/16"), net("10.0.0.0/16"))],
+            snat: vec![(net("10.0.0.0/16"), net("10.85.0.0/16"))],
             stateless: true,
         };
         let s = script(&[zoned, stateless], &[(ip("10.100.0.9"), ip("10.201.3.7"))]);

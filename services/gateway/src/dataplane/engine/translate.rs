@@ -4,7 +4,8 @@
 //! destination, whoever opened the flow. The receiving gateway then needs no conntrack zone, no
 //! NAT and no mark for it. The engine applies a peer's translation to every packet it reads
 //! from the peer's TUN ([`PeerConfig::translation`](super::PeerConfig::translation)); the
-//! gateway does not configure one yet, and still translates on arrival (ADR 0008).
+//! gateway configures one for every peer only with `--stateless-wire`, and otherwise still
+//! translates on arrival (ADR 0008).
 //!
 //! A translation is two lists of prefix rewrites, one for the source and one for the
 //! destination; an address in a rewrite's `from` keeps its host bits and takes `to`'s network
@@ -14,7 +15,7 @@
 //! errors the packet they quote, which is translated the other way round (it went from the peer
 //! to us), with the ICMP checksum over what changed in it.
 
-use std::net::Ipv4Addr;
+use std::net::{IpAddr, Ipv4Addr};
 
 use ipnet::Ipv4Net;
 
@@ -36,10 +37,10 @@ impl Rewrite {
     }
 
     fn apply(&self, address: Ipv4Addr) -> Option<Ipv4Addr> {
-        self.from.contains(&address).then(|| {
-            let host = u32::from(address) & u32::from(self.from.hostmask());
-            Ipv4Addr::from(u32::from(self.to.network()) | host)
-        })
+        match crate::dataplane::rebase(address.into(), self.from.into(), self.to.into())? {
+            IpAddr::V4(rebased) => Some(rebased),
+            IpAddr::V6(_) => None,
+        }
     }
 }
 
@@ -213,7 +214,8 @@ impl Header {
             UDP => self.len + 6,
             _ => return true,
         };
-        let Some(field) = packet.get(at..at + 2) else {
+        // Only where the packet holds it: bytes past its total length are not its own.
+        let Some(field) = packet.get(at..at + 2).filter(|_| at + 2 <= self.end) else {
             return true;
         };
         let checksum = u16::from_be_bytes([field[0], field[1]]);
