@@ -117,6 +117,9 @@ fn spec(n: u8) -> NetworkSpec {
             external_cidr: format!("10.{}.0.0/16", 100 + n),
             endpoint: format!("192.0.2.{n}:51840"),
             public_key: "AQIDBAUGBwgJCgsMDQ4PEBESExQVFhcYGRobHB0eHyA=".into(),
+            // Odd specs offer the stateless wire convention: records that carry it intact
+            // compare equal.
+            stateless_wire: n % 2 == 1,
         }),
     )
     .expect("valid spec")

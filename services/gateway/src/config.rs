@@ -166,12 +166,12 @@ pub struct Config {
     )]
     pub busy_poll_budget_percent: u8,
 
-    /// Experimental: every tunnel uses a stateless wire convention (ADR 0032). This gateway
-    /// translates what it sends into the peer's terms (the userspace engine rewrites the
-    /// addresses), and expects the peer to send in ours, so its traffic needs no connection
-    /// tracking, NAT or policy routing here. It is not negotiated yet: every gateway of the
-    /// clusterset must be started with it alike, or the tunnels between those that are and
-    /// those that are not carry nothing. Needs the userspace data plane.
+    /// Experimental: offer the stateless wire convention (ADR 0032, 0034). The broker tells
+    /// every peer in its NetworkConfigs; a tunnel to a peer whose gateway offers it too uses
+    /// it: each side's engine translates what it sends into the other's terms, so that
+    /// peer's traffic needs no connection tracking, NAT or policy routing here. Tunnels to
+    /// peers that do not offer it keep the kernel's double NAT. Needs the userspace data
+    /// plane.
     #[arg(long, env = "TRELLIS_STATELESS_WIRE")]
     pub stateless_wire: bool,
 

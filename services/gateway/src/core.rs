@@ -43,6 +43,9 @@ pub struct GatewayInfo {
     pub listen_port: u16,
     /// How long a port without an applied tunnel is kept after the last request for it.
     pub unused_port_grace: std::time::Duration,
+    /// The data plane translates what it sends: the broker offers the stateless wire
+    /// convention (ADR 0034).
+    pub stateless_wire: bool,
 }
 
 /// A tunnel's lifecycle state (the proto's TunnelState).
@@ -92,7 +95,8 @@ pub struct Settings {
     /// MTU of every tunnel device (the underlay's minus WireGuard's overhead), announced to the
     /// route agents.
     pub tunnel_mtu: u32,
-    /// Every tunnel uses ADR 0032's stateless wire convention (`--stateless-wire`).
+    /// The data plane translates what it sends (`--stateless-wire`): offered to every peer,
+    /// used with those that offer it too (ADR 0034).
     pub stateless_wire: bool,
 }
 
@@ -267,7 +271,15 @@ impl Gateway {
             mode: self.mode,
             listen_port: port,
             unused_port_grace: self.settings.ports.unused_grace,
+            stateless_wire: self.settings.stateless_wire,
         })
+    }
+
+    /// Whether the tunnel described by `te` uses the stateless wire convention: both sides
+    /// offered it, and this gateway still does (one restarted without it must not translate
+    /// on a record written before; its broker withdraws the offer, and the peer follows).
+    fn stateless(&self, te: &TunnelEndpoint) -> bool {
+        self.settings.stateless_wire && te.stateless_wire
     }
 
     /// The port the peer holding `slot` sends to.
@@ -378,7 +390,7 @@ impl Gateway {
                         slot: 0,
                         listen_port: 0,
                         interface: self.interface_name(id),
-                        stateless: self.settings.stateless_wire,
+                        stateless: self.stateless(te),
                     });
                     continue;
                 }
@@ -388,7 +400,7 @@ impl Gateway {
                 slot,
                 listen_port: self.listen_port(slot),
                 interface: self.interface_name(id),
-                stateless: self.settings.stateless_wire,
+                stateless: self.stateless(te),
             });
         }
         // The data plane's `ip` table is IPv4 only for now: an IPv6 TunnelEndpoint gets an

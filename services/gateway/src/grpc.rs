@@ -44,6 +44,7 @@ impl GatewayService {
             listen_port: u32::from(info.listen_port),
             unused_port_grace_seconds: u32::try_from(info.unused_port_grace.as_secs())
                 .unwrap_or(u32::MAX),
+            stateless_wire: info.stateless_wire,
         })
     }
 

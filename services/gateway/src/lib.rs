@@ -160,7 +160,8 @@ pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started
         node_name,
         node_ip: config.node_ip,
         tunnel_mtu: config.tunnel_mtu(),
-        stateless_wire: config.stateless_wire,
+        // Only an engine translates: without one (`--dataplane none`) nothing is offered.
+        stateless_wire: config.stateless_wire && shared_port.is_some(),
     };
     if let Some(dp) = &dataplane {
         boot.metrics().register(

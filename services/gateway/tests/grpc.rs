@@ -102,6 +102,7 @@ fn te(remote: &str, nat_octet: u8) -> TunnelEndpoint {
         remote_endpoint: "192.0.2.9:51840".parse().expect("addr"),
         remote_public_key: WgKey::from_bytes([9; 32]),
         remote_candidates: Vec::new(),
+        stateless_wire: false,
         generation: 1,
     }
 }
@@ -148,6 +149,7 @@ async fn a_dns_name_endpoint_is_published_with_each_peers_port() {
         external_cidr: "10.201.0.0/16".into(),
         endpoint: b.endpoint.clone(),
         public_key: b.public_key,
+        stateless_wire: b.stateless_wire,
     };
     let parsed = trellis_api::model::NetworkSpec::from_proto("spec", Some(&spec)).expect("valid");
     assert_eq!(parsed.endpoint.to_string(), b.endpoint);

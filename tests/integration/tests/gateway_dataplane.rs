@@ -73,11 +73,12 @@ impl Lab {
     /// Builds the topology, starts the three clusters (B with `--no-induced` when asked) and
     /// peers A and C with B.
     async fn up(hub_no_induced: bool) -> Self {
-        Self::up_with(hub_no_induced, false).await
+        Self::up_with(hub_no_induced, &[]).await
     }
 
-    /// [`Lab::up`], every gateway with `--stateless-wire` when `stateless` (ADR 0032).
-    async fn up_with(hub_no_induced: bool, stateless: bool) -> Self {
+    /// [`Lab::up`], the gateways of the clusters in `stateless` with `--stateless-wire`
+    /// (ADR 0032, 0034).
+    async fn up_with(hub_no_induced: bool, stateless: &[usize]) -> Self {
         let mut options = FabricOptions::three_clusters();
         options.hub_no_induced = hub_no_induced;
         // Hub-path mappings show up in the gateway within a second.
@@ -98,9 +99,10 @@ impl Lab {
                 "100".into(),
             ],
         )];
-        if stateless {
-            options.extra_args[0].1.push("--stateless-wire".into());
-        }
+        options.cluster_args = stateless
+            .iter()
+            .map(|i| (*i, Service::Gateway, vec!["--stateless-wire".into()]))
+            .collect();
         let started = Instant::now();
         let fabric = Fabric::up(options).await.expect("fabric up");
         eprintln!(
@@ -707,7 +709,7 @@ async fn with_the_stateless_wire_pods_see_each_other_as_before_and_the_kernels_t
     ) {
         return;
     }
-    let fabric = Lab::up_with(false, true).await;
+    let fabric = Lab::up_with(false, &[A, B, C]).await;
     fabric
         .wait_tunnel_endpoints(A, &[("b", PeeringKind::Full), ("c", PeeringKind::Induced)])
         .await;
@@ -756,7 +758,7 @@ async fn with_the_stateless_wire_the_hub_path_is_tracked_at_the_hub_only() {
     if !can_run("with_the_stateless_wire_the_hub_path_is_tracked_at_the_hub_only") {
         return;
     }
-    let fabric = Lab::up_with(true, true).await;
+    let fabric = Lab::up_with(true, &[A, B, C]).await;
     fabric
         .wait_tunnel_endpoints(B, &[("a", PeeringKind::Full), ("c", PeeringKind::Full)])
         .await;
@@ -791,6 +793,86 @@ async fn with_the_stateless_wire_the_hub_path_is_tracked_at_the_hub_only() {
         &["-c", "20", "-i", "0.02", "-s", "1000", "-W", "1"],
     );
     assert!(loss_free(&out), "{}", String::from_utf8_lossy(&out.stdout));
+    drop(fabric);
+}
+
+/// The stateless wire convention is negotiated per tunnel (ADR 0034): A and the hub B offer
+/// it, C does not. A and B use it between them; B and C keep the kernels' double NAT, and so
+/// does the hub path between A and C, which crosses both kinds of tunnel at B. Every pod sees
+/// every other in its own view, as under one convention.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_stateless_wire_is_used_only_between_gateways_that_both_offer_it() {
+    if !can_run("the_stateless_wire_is_used_only_between_gateways_that_both_offer_it") {
+        return;
+    }
+    let fabric = Lab::up_with(true, &[A, B]).await;
+    fabric
+        .wait_tunnel_endpoints(B, &[("a", PeeringKind::Full), ("c", PeeringKind::Full)])
+        .await;
+    for leaf in [A, C] {
+        fabric
+            .wait_tunnel_endpoints(leaf, &[("b", PeeringKind::Full)])
+            .await;
+    }
+    for (i, j, expected) in [(A, B, true), (B, A, true), (B, C, false), (C, B, false)] {
+        let te = trellis_integration::peering::answered_tunnel_to(
+            &fabric.clusters[i],
+            &fabric.clusters[j].id,
+        )
+        .await
+        .expect("ListTunnelEndpoints")
+        .expect("a tunnel endpoint");
+        assert_eq!(
+            te.stateless_wire, expected,
+            "{}'s tunnel to {}",
+            NAMES[i], NAMES[j]
+        );
+    }
+    // Direct traffic, each pod seen in the receiver's view of its cluster.
+    for (from, to) in [(A, B), (B, A), (B, C), (C, B)] {
+        let address = host(fabric.view(from, to, false).await, 10);
+        fabric.wait_ping(from, address, LIMIT).await;
+        let seen = fabric.tcp(from, to, address).await;
+        assert_eq!(
+            seen,
+            host(fabric.view(to, from, false).await, 10).to_string(),
+            "{} to {}",
+            NAMES[from],
+            NAMES[to]
+        );
+    }
+    // The hub path, both ways: each leaf's pod sees the hub's mapping in its view of B.
+    for (from, to) in [(A, C), (C, A)] {
+        let (path, address) = fabric
+            .reflect_pod(B, to, from)
+            .await
+            .unwrap_or_else(|e| panic!("{e:#}\n{}", fabric.logs()));
+        assert_eq!(path, TranslationPath::HubExternal);
+        fabric.wait_ping(from, address, LIMIT).await;
+        let seen = fabric.tcp(from, to, address).await;
+        let hub_view = fabric.view(to, B, true).await;
+        assert!(
+            in_net(&seen, hub_view),
+            "{}'s pod saw {seen}, expected an address in {hub_view}",
+            NAMES[to]
+        );
+    }
+    // A's kernel translates nothing; C's does all of its own; B's both.
+    let (a, b, c) = (fabric.ruleset(A), fabric.ruleset(B), fabric.ruleset(C));
+    assert!(
+        a.contains("notrack") && !a.contains("ct zone set iifname"),
+        "{a}"
+    );
+    assert!(
+        !c.contains("notrack") && c.contains("ct zone set iifname"),
+        "{c}"
+    );
+    assert!(
+        b.contains("notrack") && b.contains("ct zone set iifname"),
+        "{b}"
+    );
+    assert_eq!(fabric.dataplane_counts(A), (0, 0, 1), "a");
+    assert_eq!(fabric.dataplane_counts(B).0, 1, "b marks C's tunnel only");
     drop(fabric);
 }
 

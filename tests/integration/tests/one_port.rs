@@ -135,6 +135,7 @@ async fn twenty_peers_on_one_cidr_share_one_udp_port_survive_hostile_datagrams_a
                 format!("127.0.0.1:{HEARTBEAT_PORT}"),
             ],
         )],
+        cluster_args: Vec::new(),
         nodes: 1,
         node_networks: Vec::new(),
         unreserved: Vec::new(),

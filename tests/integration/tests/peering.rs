@@ -298,6 +298,7 @@ fn network_config(origin: &str, destination: &str, pod: &str) -> types::NetworkC
             external_cidr: "10.209.0.0/16".into(),
             endpoint: "127.0.0.1:51999".into(),
             public_key: "AQEBAQEBAQEBAQEBAQEBAQEBAQEBAQEBAQEBAQEBAQE=".into(),
+            stateless_wire: false,
         }),
         status: None,
         generation: 1,

@@ -75,6 +75,7 @@ fn nc(origin: &str, destination: &str, via: Option<&str>, generation: i64) -> ty
             external_cidr: "10.98.0.0/16".into(),
             endpoint: "127.0.0.1:51999".into(),
             public_key: "aGVsbG8gd29ybGQgaGVsbG8gd29ybGQgaGVsbG8gd28=".into(),
+            stateless_wire: false,
         }),
         status: None,
         generation,

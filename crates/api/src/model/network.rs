@@ -20,6 +20,9 @@ pub struct NetworkSpec {
     pub endpoint: Endpoint,
     /// The sender's WireGuard public key.
     pub public_key: WgKey,
+    /// The sender's gateway offers the stateless wire convention (ADR 0034).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub stateless_wire: bool,
 }
 
 impl NetworkSpec {
@@ -53,6 +56,7 @@ impl NetworkSpec {
             external_cidr,
             endpoint,
             public_key,
+            stateless_wire: spec.stateless_wire,
         })
     }
 
@@ -63,6 +67,7 @@ impl NetworkSpec {
             external_cidr: self.external_cidr.to_string(),
             endpoint: self.endpoint.to_string(),
             public_key: self.public_key.to_string(),
+            stateless_wire: self.stateless_wire,
         }
     }
 }
@@ -140,6 +145,7 @@ mod tests {
             external_cidr: "10.201.0.0/16".into(),
             endpoint: "192.0.2.10:51840".into(),
             public_key: WgKey::from_bytes([3; 32]).to_string(),
+            stateless_wire: true,
         }
     }
 

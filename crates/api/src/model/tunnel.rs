@@ -60,6 +60,10 @@ pub struct TunnelEndpoint {
     /// refresh, not by the merge.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub remote_candidates: Vec<SocketAddr>,
+    /// Both NetworkConfigs offered the stateless wire convention: each gateway translates what
+    /// it sends to the other (ADR 0034).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub stateless_wire: bool,
     /// Bumped by the broker on every change.
     pub generation: i64,
 }
@@ -95,6 +99,7 @@ impl TunnelEndpoint {
             remote_endpoint: theirs.0.endpoint.clone(),
             remote_public_key: theirs.0.public_key,
             remote_candidates: Vec::new(),
+            stateless_wire: local.0.stateless_wire && theirs.0.stateless_wire,
             generation,
         }
     }
@@ -123,6 +128,7 @@ impl TunnelEndpoint {
                 .iter()
                 .map(ToString::to_string)
                 .collect(),
+            stateless_wire: self.stateless_wire,
         }
     }
 
@@ -233,6 +239,7 @@ impl TunnelEndpoint {
             remote_endpoint,
             remote_public_key,
             remote_candidates,
+            stateless_wire: te.stateless_wire,
             generation: te.generation,
         })
     }
@@ -287,6 +294,7 @@ mod tests {
             external_cidr: ext.parse().expect("net"),
             endpoint: endpoint.parse().expect("addr"),
             public_key: WgKey::from_bytes([key; 32]),
+            stateless_wire: false,
         }
     }
 
@@ -325,10 +333,48 @@ mod tests {
         assert_eq!(te.remote_public_key, WgKey::from_bytes([3; 32]));
     }
 
+    /// The stateless wire convention needs both sides: a tunnel uses it only when both
+    /// NetworkConfigs offered it, never on one side's word.
+    #[test]
+    fn a_tunnel_is_stateless_only_when_both_sides_offered_it() {
+        for (ours, theirs) in [(false, false), (true, false), (false, true), (true, true)] {
+            let mut local = spec("10.0.0.0/16", "10.201.0.0/16", "192.0.2.1:51840", 1);
+            let mut remote = spec("10.0.0.0/16", "10.201.0.0/16", "192.0.2.3:51840", 3);
+            local.stateless_wire = ours;
+            remote.stateless_wire = theirs;
+            let te = TunnelEndpoint::merge(
+                identity("c"),
+                None,
+                (&local, view("10.81.0.0/16", "10.82.0.0/16")),
+                (&remote, view("10.83.0.0/16", "10.84.0.0/16")),
+                1,
+            );
+            assert_eq!(te.stateless_wire, ours && theirs, "{ours} {theirs}");
+        }
+    }
+
+    /// A record stored before the convention existed reads as not stateless, and one that
+    /// does not use it is stored as before.
+    #[test]
+    fn records_without_the_convention_are_stored_as_before() {
+        let te = a_to_c();
+        let json = serde_json::to_value(&te).expect("json");
+        assert!(json.get("stateless_wire").is_none(), "{json}");
+        let back: TunnelEndpoint = serde_json::from_value(json).expect("reads");
+        assert!(!back.stateless_wire);
+        let stateless = TunnelEndpoint {
+            stateless_wire: true,
+            ..te
+        };
+        let json = serde_json::to_value(&stateless).expect("json");
+        assert_eq!(json["stateless_wire"], serde_json::json!(true));
+    }
+
     #[test]
     fn proto_round_trip_preserves_everything() {
         let mut te = a_to_c();
         te.remote_candidates = vec!["198.51.100.3:40002".parse().expect("addr")];
+        te.stateless_wire = true;
         let wire = te.to_proto(42);
         assert_eq!(wire.revision, 42);
         assert_eq!(

@@ -40,6 +40,8 @@ pub struct FabricOptions {
     pub store: StoreKind,
     /// Extra flags per service, for every cluster.
     pub extra_args: Vec<(Service, Vec<String>)>,
+    /// Extra flags per service for one cluster (its index in `names`), after `extra_args`.
+    pub cluster_args: Vec<(usize, Service, Vec<String>)>,
     /// Nodes per cluster: 1 is the one-namespace topology; more build a node network with a
     /// route agent on every node ([`Topology::build_with_nodes`]).
     pub nodes: usize,
@@ -124,6 +126,7 @@ impl FabricOptions {
             hub_no_induced: false,
             store: StoreKind::EtcdPerService,
             extra_args: Vec::new(),
+            cluster_args: Vec::new(),
             nodes: 1,
             node_networks: Vec::new(),
             unreserved: Vec::new(),
@@ -250,6 +253,13 @@ impl Fabric {
             o.reserve_node_network = !options.unreserved.contains(&i);
             o.store = options.store;
             o.extra_args = options.extra_args.clone();
+            o.extra_args.extend(
+                options
+                    .cluster_args
+                    .iter()
+                    .filter(|(cluster, ..)| *cluster == i)
+                    .map(|(_, service, args)| (*service, args.clone())),
+            );
             o.standby_gateways = second_uplinks[i].map(|ip| (1, ip)).into_iter().collect();
             o.tls = options.tls;
             NsCluster::start(site, o)

@@ -127,6 +127,7 @@ pub(crate) async fn run(
             }
             extra
         },
+        cluster_args: Vec::new(),
         nodes,
         node_networks: Vec::new(),
         unreserved: Vec::new(),

@@ -217,6 +217,7 @@ mod tests {
             external_cidr: "10.201.0.0/16".parse().expect("net"),
             endpoint: endpoint.parse().expect("endpoint"),
             public_key: WgKey::from_bytes([key; 32]),
+            stateless_wire: false,
         };
         let view = NatView {
             pod_cidr_nat: "10.0.0.0/16".parse().expect("net"),

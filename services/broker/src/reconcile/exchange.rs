@@ -38,13 +38,17 @@ pub(super) struct GatewayBasics {
     /// quarter keeps at least half of it in hand. A gateway that does not say its grace period
     /// is asked once per resync, as ADR 0007 has it.
     reask: Duration,
+    /// Whether the gateway translates what it sends (the stateless wire convention, offered
+    /// to every remote alike).
+    stateless_wire: bool,
 }
 
 impl GatewayBasics {
-    /// Whether `spec` still carries the gateway's key and host.
+    /// Whether `spec` still carries the gateway's key, host and offer.
     fn carried_by(&self, spec: &NetworkSpec) -> bool {
         spec.public_key.to_string() == self.public_key
             && self.endpoint_host.as_ref() == Some(spec.endpoint.host())
+            && spec.stateless_wire == self.stateless_wire
     }
 }
 
@@ -66,6 +70,7 @@ pub(super) async fn gateway_basics(broker: &Broker, fresh: bool) -> Result<Gatew
             .ok()
             .map(|e| e.host().clone()),
         reask: reask_period(info.unused_port_grace, broker.resync()),
+        stateless_wire: info.stateless_wire,
     })
 }
 
@@ -173,6 +178,7 @@ async fn local_spec(
     };
     pass.pod.clone_into(&mut wire.pod_cidr);
     pass.external.clone_into(&mut wire.external_cidr);
+    wire.stateless_wire = pass.basics.stateless_wire;
     NetworkSpec::from_proto("local", Some(&wire)).map_err(|e| {
         Error::Internal(format!(
             "the local IPAM or gateway answered unusable parameters: {e}"
@@ -387,6 +393,7 @@ mod tests {
                 external_cidr: "10.1.0.0/16".into(),
                 endpoint: endpoint.into(),
                 public_key: KEY.into(),
+                stateless_wire: false,
             }),
         )
         .expect("spec")
@@ -399,6 +406,7 @@ mod tests {
             endpoint_host: trellis_api::model::Endpoint::parse("endpoint", &format!("{host}:1"))
                 .ok()
                 .map(|e| e.host().clone()),
+            stateless_wire: false,
         }
     }
 
@@ -457,6 +465,26 @@ mod tests {
         };
         let asked = local_spec(&broker, &remote, &moved_pass, Some(&current)).await;
         assert!(asked.is_err(), "the gateway was not asked: {asked:?}");
+        // The gateway now offers the stateless wire convention: a spec without the offer is
+        // not kept, and one with it keeps it.
+        let offering = GatewayBasics {
+            stateless_wire: true,
+            ..basics("192.0.2.1")
+        };
+        let offering_pass = Pass {
+            basics: &offering,
+            ..pass
+        };
+        let asked = local_spec(&broker, &remote, &offering_pass, Some(&current)).await;
+        assert!(asked.is_err(), "kept a spec without the offer: {asked:?}");
+        let offered = NetworkSpec {
+            stateless_wire: true,
+            ..current.clone()
+        };
+        let kept = local_spec(&broker, &remote, &offering_pass, Some(&offered))
+            .await
+            .expect("kept without the gateway");
+        assert!(kept.stateless_wire);
         let first = local_spec(&broker, &remote, &pass, None).await;
         assert!(
             first.is_err(),

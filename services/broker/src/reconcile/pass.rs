@@ -259,6 +259,7 @@ mod tests {
                 external_cidr: "10.1.0.0/16".into(),
                 endpoint: "192.0.2.1:51820".into(),
                 public_key: "AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA=".into(),
+                stateless_wire: false,
             }),
         )
         .expect("spec");

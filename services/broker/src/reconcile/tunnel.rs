@@ -147,6 +147,7 @@ mod tests {
             external_cidr: "10.201.0.0/16".parse().expect("net"),
             endpoint: endpoint.parse().expect("endpoint"),
             public_key: WgKey::from_bytes([key; 32]),
+            stateless_wire: false,
         }
     }
 
@@ -248,6 +249,60 @@ mod tests {
             "the refresh's candidates kept"
         );
         assert!(now.generation > refreshed.generation, "{now:?}");
+    }
+
+    /// The TunnelEndpoint uses the stateless wire convention once both NetworkConfigs offer
+    /// it, and drops it, with a new generation for the gateway to apply, as soon as either
+    /// side withdraws the offer (a gateway restarted without it).
+    #[tokio::test]
+    async fn the_tunnel_follows_both_sides_offers_of_the_stateless_wire() {
+        let store: SharedStore = Arc::new(MemoryStore::new());
+        let broker = crate::reconcile::broker_on(store.clone());
+        let a = identity("leaf-a");
+        let offering = |endpoint: &str, key: u8, offer: bool| NetworkSpec {
+            stateless_wire: offer,
+            ..spec(endpoint, key)
+        };
+        let out = |offer: bool| OutgoingNc {
+            remote: a.clone(),
+            via: None,
+            forwarder: None,
+            spec: offering("192.0.2.3:51840", 3, offer),
+            generation: 7,
+            decision: Some(processed(7)),
+            receiver_generation: 0,
+            trace: None,
+        };
+        let incoming = |offer: bool| IncomingNc {
+            remote: a.clone(),
+            via: None,
+            spec: offering("192.0.2.1:51840", 1, offer),
+            generation: 11,
+            decision: processed(11),
+        };
+        let mut last: Option<TunnelEndpoint> = None;
+        for (ours, theirs, expected) in [
+            (true, false, false),
+            (true, true, true),
+            (true, false, false),
+            (false, true, false),
+        ] {
+            store
+                .put(&out_key(&a.id), encode(&out(ours)).expect("encode"))
+                .await
+                .expect("put");
+            store
+                .put(&in_key(&a.id), encode(&incoming(theirs)).expect("encode"))
+                .await
+                .expect("put");
+            write_tunnel(&broker, &a.id).await.expect("write");
+            let te = tunnel(&store, &a.id).await;
+            assert_eq!(te.stateless_wire, expected, "ours {ours}, theirs {theirs}");
+            if let Some(last) = last.filter(|l| l.stateless_wire != te.stateless_wire) {
+                assert!(te.generation > last.generation, "no new generation: {te:?}");
+            }
+            last = Some(te);
+        }
     }
 
     /// A teardown that races the candidate refresh must not report the TunnelEndpoint gone

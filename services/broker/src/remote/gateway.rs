@@ -28,6 +28,9 @@ pub struct GatewayInfo {
     /// How long the gateway keeps a port without a tunnel after the last request for it
     /// (`None` from a gateway that does not say).
     pub unused_port_grace: Option<Duration>,
+    /// The gateway translates what it sends itself: our NetworkConfigs offer the stateless
+    /// wire convention (ADR 0034).
+    pub stateless_wire: bool,
 }
 
 /// Where the gateway sees one full peer's gateway.
@@ -191,6 +194,7 @@ impl Gateway {
             public_key: answer.public_key,
             unused_port_grace: (answer.unused_port_grace_seconds > 0)
                 .then(|| Duration::from_secs(answer.unused_port_grace_seconds.into())),
+            stateless_wire: answer.stateless_wire,
         })
     }
 

@@ -278,6 +278,7 @@ mod tests {
                 )
                 .expect("key"),
                 remote_candidates: Vec::new(),
+                stateless_wire: false,
                 generation: 1,
             }),
             slot: 51841,

@@ -120,6 +120,24 @@ fn view_zones(zoned: &[&PeerNat]) -> Vec<(IpNet, u16)> {
     taken
 }
 
+/// `"interface" . address` of each of `peers`' hub-path DNAT keys, with the peer's zone
+/// (peers without a zone left out).
+fn hub_originals(peers: &[&PeerNat]) -> Vec<(String, u16)> {
+    let mut originals: Vec<(String, u16)> = peers
+        .iter()
+        .filter(|p| p.zone() != 0)
+        .flat_map(|p| {
+            p.hub_dnat
+                .iter()
+                .filter(|(k, _)| k.is_ipv4())
+                .map(|(k, _)| (format!("\"{}\" . {k}", p.interface), p.zone()))
+        })
+        .collect();
+    originals.sort();
+    originals.dedup_by(|a, b| a.0 == b.0);
+    originals
+}
+
 /// The zone rules of `pre_raw` (from a tunnel, or towards a peer) and of `out_raw` (the
 /// gateway node's own packets towards a peer): one lookup each, keyed by interface or by
 /// destination.
@@ -130,6 +148,18 @@ fn zones(s: &mut String, peers: &[PeerNat], hub_snat: &[(IpAddr, IpAddr)]) {
         .collect();
     let stateless: Vec<&PeerNat> = peers.iter().filter(|p| p.stateless).collect();
     s.push_str("  chain pre_raw {\n    type filter hook prerouting priority raw; policy accept;\n");
+    // A stateless peer's hub-path connections arrive for our real external addresses, which
+    // the rule below leaves in the default zone for the replies. They need their peer's zone
+    // in the original direction all the same: the guard lets nothing from the default zone
+    // into a zoned tunnel, and the hub path may lead into one. Only replies from the
+    // mapping's destination share these addresses, and no mapping is handed to the cluster
+    // it leads to, so no reply matches a key.
+    if let Some(m) = lookup(hub_originals(&stateless)) {
+        let _ = writeln!(
+            s,
+            "    ct original zone set iifname . ip daddr map {m} accept"
+        );
+    }
     // Replies of hub-path connections: the default zone holds their reply tuples. Under the
     // stateless convention these addresses are also what a peer's hub-path connections arrive
     // for, tracked there too (their DNAT needs it).
@@ -143,19 +173,7 @@ fn zones(s: &mut String, peers: &[PeerNat], hub_snat: &[(IpAddr, IpAddr)]) {
     let untracked_to = set(stateless.iter().flat_map(|p| p.views()))
         .map(|views| format!("    ip daddr {views} notrack accept\n"))
         .unwrap_or_default();
-    s.push_str(&untracked_to);
-    let mut originals: Vec<(String, u16)> = zoned
-        .iter()
-        .flat_map(|p| {
-            p.hub_dnat
-                .iter()
-                .filter(|(k, _)| k.is_ipv4())
-                .map(|(k, _)| (format!("\"{}\" . {k}", p.interface), p.zone()))
-        })
-        .collect();
-    originals.sort();
-    originals.dedup_by(|a, b| a.0 == b.0);
-    if let Some(m) = lookup(originals) {
+    if let Some(m) = lookup(hub_originals(&zoned)) {
         let _ = writeln!(
             s,
             "    ct original zone set iifname . ip daddr map {m} accept"
@@ -168,6 +186,10 @@ fn zones(s: &mut String, peers: &[PeerNat], hub_snat: &[(IpAddr, IpAddr)]) {
     ) {
         let _ = writeln!(s, "    ct zone set iifname map {m} accept");
     }
+    // Only after the zoned tunnels took theirs: what a zoned peer sends is addressed in its
+    // own terms, which may be the very addresses we use as views of a stateless peer (both
+    // are remaps of overlapping pod CIDRs), and it must reach its zone's DNAT.
+    s.push_str(&untracked_to);
     let towards = lookup(view_zones(&zoned))
         .map(|m| format!("    ct zone set ip daddr map {m}\n"))
         .unwrap_or_default();
@@ -376,10 +398,12 @@ mod tests {
         assert!(snat < s.find("snat ip prefix to").expect(&s), "{s}");
     }
 
-    /// A stateless peer (ADR 0032) next to a zoned one: its traffic from its tunnel and
-    /// towards its views is left untracked, before the zones; it has no zone, no mark and no
-    /// prefix NAT; its hub-path DNAT stays, keyed as given, and the hub path's addresses are
-    /// tracked first.
+    /// A stateless peer (ADR 0032) next to a zoned one: its traffic from its tunnel is left
+    /// untracked before the zones, and traffic towards its views after the zoned tunnels' own
+    /// (whose destinations may be the same addresses in their terms) and before the zones
+    /// towards views. It has no mark and no prefix NAT, and a zone only for its hub-path
+    /// connections, in their original direction, ahead of the rule that keeps the replies to
+    /// those addresses in the default zone; its hub-path DNAT stays, keyed as given.
     #[test]
     fn a_stateless_peer_is_untracked_and_gets_no_zone_mark_or_prefix_nat() {
         let ip = |s: &str| s.parse::<IpAddr>().expect("ip");
@@ -405,9 +429,15 @@ mod tests {
             s[at..at + s[at..].find("  }").expect("end")].to_owned()
         };
         let pre_raw = chain("pre_raw");
+        let hub_zone = pre_raw
+            .find(
+                "ct original zone set iifname . ip daddr map { \"tgplain002\" . 10.201.3.7 : 51714 } accept",
+            )
+            .expect(&pre_raw);
         let hub = pre_raw
             .find("ip daddr { 10.201.3.7 } return")
             .expect(&pre_raw);
+        assert!(hub_zone < hub, "{pre_raw}");
         let from = pre_raw
             .find("iifname { \"tgplain002\" } notrack accept")
             .expect(&pre_raw);
@@ -415,9 +445,13 @@ mod tests {
             .find("ip daddr { 10.85.0.0/16 } notrack accept")
             .expect(&pre_raw);
         let zones = pre_raw.find("ct zone set iifname map").expect(&pre_raw);
-        assert!(hub < from && from < to && to < zones, "{pre_raw}");
+        let towards = pre_raw.find("ct zone set ip daddr map").expect(&pre_raw);
+        assert!(
+            hub < from && from < zones && zones < to && to < towards,
+            "{pre_raw}"
+        );
         assert!(!pre_raw[zones..].contains("tgplain002"), "{pre_raw}");
-        assert!(!pre_raw[zones..].contains("10.85.0.0/16"), "{pre_raw}");
+        assert!(!pre_raw[towards..].contains("10.85.0.0/16"), "{pre_raw}");
         assert!(chain("out_raw").contains("ip daddr { 10.85.0.0/16 } notrack accept"));
         assert!(!chain("pre_mangle").contains("tgplain002"), "{s}");
         let pre_nat = chain("pre_nat");
