@@ -48,6 +48,12 @@
 //!
 //! With `TRELLIS_TEST_NO_GUARD=1` phase 1 runs without the guards too, and the test fails.
 //!
+//! The second test runs the same under the stateless wire convention (ADR 0034, every gateway
+//! with `--stateless-wire`): the peer's traffic is untracked at our gateway, the peer addresses
+//! us in our own terms (the targets are our real addresses), and the source its pods use is our
+//! view of it; the impersonator undoes our engine's translation of the answers in its own
+//! namespace, as a stateless peer's engine would.
+//!
 //! Skipped (with a `SKIPPED:` line) when not root or without `ip`/`nft`/`ping`/`python3`/
 //! `wireguard-go`/`wg` (`scripts/setup.sh` installs them); CI runs as root and fails instead.
 
@@ -60,7 +66,7 @@ use std::time::{Duration, Instant};
 use ipnet::Ipv4Net;
 use trellis_api::pb::types::TunnelEndpoint;
 use trellis_gateway::keys::KeyPair;
-use trellis_netlab::netns::{exec, ip, listen_in, nft_packets};
+use trellis_netlab::netns::{exec, ip, listen_in, nft_apply, nft_packets};
 use trellis_netlab::topology::{UPLINK, host, link_counters};
 use trellis_netlab::{Fabric, FabricOptions, Service, Site, StoreKind};
 
@@ -86,6 +92,8 @@ const UNMAPPED_HOST: u32 = 0xc809;
 const BLACKHOLE_HOST: u32 = 254;
 /// The nftables table counting what leaves our gateway node's underlay towards (e).
 const UNDERLAY_COUNT: &str = "tlunderlay";
+/// The impersonator's nftables table undoing our engine's translation (stateless wire only).
+const UNTRANSLATE: &str = "tluntranslate";
 
 fn can_run(test: &str) -> bool {
     trellis_netlab::netns::can_run(
@@ -94,11 +102,15 @@ fn can_run(test: &str) -> bool {
     )
 }
 
-async fn up() -> Fabric {
+/// The three clusters, every gateway with `--stateless-wire` when `stateless` (ADR 0034).
+async fn up(stateless: bool) -> Fabric {
     let mut options = FabricOptions::three_clusters();
     // The peer's gateway key is read from its store: etcd, which outlives the killed process.
     options.store = StoreKind::EtcdPerService;
     options.nodes = 3;
+    if stateless {
+        options.extra_args = vec![(Service::Gateway, vec!["--stateless-wire".into()])];
+    }
     let fabric = Fabric::up(options).await.expect("fabric up");
     fabric
         .wait_mesh(LIMIT)
@@ -161,11 +173,18 @@ struct Impersonator {
     real: Ipv4Addr,
     /// An address in our view of the peer's pod CIDR (we do not translate it).
     seen: Ipv4Addr,
+    /// The source a well-behaved peer's pods send from as they reach us: `real` under the
+    /// double NAT (we translate it), `seen` under the stateless wire (the peer translated it,
+    /// and our engine accepts nothing else from its tunnel).
+    sender: Ipv4Addr,
 }
 
 impl Impersonator {
-    /// Replaces `evil`'s (killed) gateway towards `ours`.
-    async fn start(fabric: &Fabric, run: &str, evil: usize, ours: usize) -> Self {
+    /// Replaces `evil`'s (killed) gateway towards `ours`. Under the stateless wire
+    /// (`stateless`), it also undoes in its namespace what our engine does to what it sends
+    /// back (our real ranges into the peer's views of them, our view of the peer into its
+    /// real range), so that its sockets see the answers as a stateless peer's pods would.
+    async fn start(fabric: &Fabric, run: &str, evil: usize, ours: usize, stateless: bool) -> Self {
         let ns = fabric.topology.sites[evil].gw_ns.clone();
         let c_to_a = tunnel_endpoint(fabric, evil, ours).await;
         let a_to_c = tunnel_endpoint(fabric, ours, evil).await;
@@ -250,6 +269,20 @@ impl Impersonator {
             all.extend(args.iter().copied());
             ip(&all).unwrap_or_else(|e| panic!("{e:#}"));
         }
+        if stateless {
+            untranslate(&ns, &device, &a_to_c, (real, seen));
+            // Our real addresses are the targets now, and this namespace holds some of them
+            // in its own cluster's terms (the same pod CIDR): the probes' rules must come
+            // before the local table, or those targets answer from here.
+            for args in [
+                ["rule", "add", "pref", "200", "lookup", "local"],
+                ["rule", "del", "pref", "0", "lookup", "local"],
+            ] {
+                let mut all = vec!["-n", ns.as_str()];
+                all.extend(args);
+                ip(&all).unwrap_or_else(|e| panic!("{e:#}"));
+            }
+        }
         // Answers come from wherever; the probes' sources are only routed through the device.
         for dev in ["all", device.as_str()] {
             exec(
@@ -265,6 +298,7 @@ impl Impersonator {
             _process: process,
             real,
             seen,
+            sender: if stateless { seen } else { real },
         }
     }
 
@@ -341,6 +375,40 @@ impl Drop for Impersonator {
         // wireguard-go's control socket is host-wide and outlives a killed process.
         let _ = std::fs::remove_file(format!("/var/run/wireguard/{}.sock", self.device));
     }
+}
+
+/// Stateless rewrites in the impersonator's namespace, ahead of conntrack, of what arrives on
+/// `device`: `real` (where our engine sends answers to `seen`) back to `seen`, and our real
+/// pod and external ranges as the peer sees them back to our real ones. `a_to_c` is our
+/// TunnelEndpoint for the peer.
+fn untranslate(
+    ns: &str,
+    device: &str,
+    a_to_c: &TunnelEndpoint,
+    (real, seen): (Ipv4Addr, Ipv4Addr),
+) {
+    let mut rules = vec![format!(
+        "iifname \"{device}\" ip daddr {real} ip daddr set {seen}"
+    )];
+    for (ours, theirs) in [
+        (&a_to_c.local_pod_cidr, &a_to_c.local_pod_cidr_nat),
+        (&a_to_c.local_external_cidr, &a_to_c.local_external_cidr_nat),
+    ] {
+        let (ours, theirs) = (net(ours), net(theirs));
+        if ours != theirs {
+            rules.push(format!(
+                "iifname \"{device}\" ip saddr {theirs} ip saddr set ip saddr & {} | {}",
+                ours.hostmask(),
+                ours.network()
+            ));
+        }
+    }
+    let script = format!(
+        "table ip {UNTRANSLATE} {{\n  chain pre {{\n    type filter hook prerouting priority \
+         raw - 10;\n    {}\n  }}\n}}\n",
+        rules.join("\n    ")
+    );
+    nft_apply(ns, &script).unwrap_or_else(|e| panic!("{e:#}\n{script}"));
 }
 
 /// Something (a)-(c) probe.
@@ -471,7 +539,7 @@ fn leaked(evil: &Impersonator, ns: &str, dev: &str, to: Ipv4Addr) -> u64 {
             "-W",
             "1",
             "-I",
-            &evil.real.to_string(),
+            &evil.sender.to_string(),
             &to.to_string(),
         ],
     )
@@ -523,7 +591,7 @@ fn underlay_count(ns: &str) -> u64 {
 }
 
 /// Packets that left the underlay of `ns` towards (e) while `LEAK_PINGS` pings went from the
-/// peer's real source to `to` (the address as the peer addresses it).
+/// peer's pods' source to `to` (the address as the peer addresses it).
 fn leaked_out(evil: &Impersonator, ns: &str, to: Ipv4Addr) -> u64 {
     let before = underlay_count(ns);
     exec(
@@ -539,7 +607,7 @@ fn leaked_out(evil: &Impersonator, ns: &str, to: Ipv4Addr) -> u64 {
             "-W",
             "1",
             "-I",
-            &evil.real.to_string(),
+            &evil.sender.to_string(),
             &to.to_string(),
         ],
     )
@@ -618,7 +686,23 @@ async fn a_peer_sending_anything_through_its_tunnel_reaches_only_our_pods() {
     if !can_run("a_peer_sending_anything_through_its_tunnel_reaches_only_our_pods") {
         return;
     }
-    let mut fabric = up().await;
+    hostile_peer(false).await;
+}
+
+/// The same under the stateless wire convention (ADR 0034): the peer's traffic is untracked
+/// here, the peer addresses us in our own terms (no DNAT of ours to lean on) and our engine
+/// takes only our views of the peer as sources. The guard must stop the same things.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn under_the_stateless_wire_a_peer_sending_anything_reaches_only_our_pods() {
+    if !can_run("under_the_stateless_wire_a_peer_sending_anything_reaches_only_our_pods") {
+        return;
+    }
+    hostile_peer(true).await;
+}
+
+/// The whole test, under the double NAT or, with `stateless`, the stateless wire.
+async fn hostile_peer(stateless: bool) {
+    let mut fabric = up(stateless).await;
     let run = fabric.topology.run.clone();
     let roles = choose_roles(&fabric).await;
     let id = |i: usize| fabric.clusters[i].id.clone();
@@ -643,21 +727,32 @@ async fn a_peer_sending_anything_through_its_tunnel_reaches_only_our_pods() {
         .view(roles.evil, roles.ours, false)
         .await
         .expect("view");
-    let as_peer_sees = |addr: Ipv4Addr| rebase(addr, ours.pod_cidr, peer_view);
+    // Under the stateless wire the peer translates: it addresses us in our own terms.
+    let as_peer_sees = |addr: Ipv4Addr| {
+        if stateless {
+            addr
+        } else {
+            rebase(addr, ours.pod_cidr, peer_view)
+        }
+    };
     let to_third_dev = route_dev(&ours.gw_ns, roles.third_target);
     // (e): an unmapped address of our external CIDR, real and as the peer addresses it.
     let our_external = net(&tunnel_endpoint(&fabric, roles.ours, roles.evil)
         .await
         .local_external_cidr);
     let unmapped = host(our_external, UNMAPPED_HOST);
-    let unmapped_seen = rebase(
-        unmapped,
-        our_external,
-        fabric
-            .view(roles.evil, roles.ours, true)
-            .await
-            .expect("view"),
-    );
+    let unmapped_seen = if stateless {
+        unmapped
+    } else {
+        rebase(
+            unmapped,
+            our_external,
+            fabric
+                .view(roles.evil, roles.ours, true)
+                .await
+                .expect("view"),
+        )
+    };
     let nat = exec(&ours.gw_ns, "nft", &["list", "table", "ip", "trellis"]).expect("nft runs");
     let nat = String::from_utf8_lossy(&nat.stdout);
     assert!(
@@ -669,7 +764,7 @@ async fn a_peer_sending_anything_through_its_tunnel_reaches_only_our_pods() {
     fabric.clusters[roles.evil]
         .kill9(Service::Gateway)
         .expect("kill");
-    let evil = Impersonator::start(&fabric, &run, roles.evil, roles.ours).await;
+    let evil = Impersonator::start(&fabric, &run, roles.evil, roles.ours, stateless).await;
 
     let first_host = |slice: Ipv4Net| host(slice, 1);
     let n1_pod_side = as_peer_sees(first_host(n1.pod_slice));
@@ -715,7 +810,7 @@ async fn a_peer_sending_anything_through_its_tunnel_reaches_only_our_pods() {
 
     // (d) first: the impersonator's handshake with us, then pod traffic through it.
     let started = Instant::now();
-    while !evil.pings(evil.real, pod_seen) {
+    while !evil.pings(evil.sender, pod_seen) {
         assert!(
             started.elapsed() < LIMIT,
             "the impersonator never reached our pod at {pod_seen}\n{}",
@@ -753,8 +848,8 @@ async fn a_peer_sending_anything_through_its_tunnel_reaches_only_our_pods() {
     let started = Instant::now();
     let (mut pod_pings, mut pod_accepted) = (false, false);
     while !(pod_pings && pod_accepted) && started.elapsed() < Duration::from_secs(20) {
-        pod_pings = pod_pings || evil.pings(evil.real, pod_seen);
-        if !pod_accepted && evil.connects(evil.real, pod) {
+        pod_pings = pod_pings || evil.pings(evil.sender, pod_seen);
+        if !pod_accepted && evil.connects(evil.sender, pod) {
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
         pod_accepted = at_pod.load(Ordering::SeqCst) > 0;
