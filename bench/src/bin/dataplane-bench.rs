@@ -97,10 +97,12 @@ struct Args {
         value_parser = clap::value_parser!(u8).range(0..=100)
     )]
     busy_poll_budget_percent: u8,
-    /// The gateways' `--stateless-wire` (ADR 0032): each engine translates what it sends, and
-    /// the kernels leave the tunnels' traffic untracked. Recorded in the result.
+    /// The gateways' `--no-stateless-wire`: every tunnel keeps the kernels' double NAT
+    /// (ADR 0008) instead of the default stateless wire convention, where each engine
+    /// translates what it sends and the kernels leave the tunnels' traffic untracked
+    /// (ADR 0032, 0034). Recorded in the result.
     #[arg(long)]
-    stateless_wire: bool,
+    no_stateless_wire: bool,
     /// Holds the kernel's CPU latency limit (`/dev/cpu_dma_latency`) at this many microseconds
     /// for the run, as a low-latency node tuning does; 0 keeps idle CPUs polling instead of
     /// halting, which makes waking a thread on an idle vCPU cheap and keeps every core busy
@@ -134,7 +136,7 @@ async fn main() -> anyhow::Result<()> {
         store: args.store,
         busy_poll_us: args.busy_poll_us,
         busy_poll_budget_percent: args.busy_poll_budget_percent,
-        stateless_wire: args.stateless_wire,
+        stateless_wire: !args.no_stateless_wire,
         cpu_latency_limit: dataplane::cpu_latency::limit(),
     };
     if args.scenario == Scenario::NodePath {

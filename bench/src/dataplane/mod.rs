@@ -48,7 +48,8 @@ pub struct Settings {
     pub busy_poll_us: u64,
     /// The share of the time, in percent, each polling thread may poll.
     pub busy_poll_budget_percent: u8,
-    /// The gateways' `--stateless-wire` (ADR 0032).
+    /// Whether the gateways offer the stateless wire convention (ADR 0034): the default, off
+    /// with `--no-stateless-wire`.
     pub stateless_wire: bool,
     /// The kernel's CPU latency limit as the run found it (`None`: unreadable).
     pub cpu_latency_limit: Option<CpuLatencyLimit>,
@@ -72,8 +73,8 @@ fn options(settings: &Settings, hub_no_induced: bool) -> FabricOptions {
             settings.busy_poll_budget_percent.to_string(),
         ],
     )];
-    if settings.stateless_wire {
-        o.extra_args[0].1.push("--stateless-wire".into());
+    if !settings.stateless_wire {
+        o.extra_args[0].1.push("--no-stateless-wire".into());
     }
     o
 }

@@ -209,8 +209,8 @@ pub struct DataplaneResult {
     /// from before the budget existed (polling, where on, was not capped).
     #[serde(default)]
     pub busy_poll_budget_percent: Option<u8>,
-    /// Whether the gateways ran with `--stateless-wire` (ADR 0032); false in results from
-    /// before the flag existed.
+    /// Whether the gateways offered the stateless wire convention (ADR 0032, 0034); false in
+    /// results from before it existed, when every tunnel used the double NAT.
     #[serde(default)]
     pub stateless_wire: bool,
     /// The kernel's CPU latency limit during the run; `None` in results from before it was
@@ -285,8 +285,8 @@ pub struct NodePathResult {
     /// from before the budget existed (polling, where on, was not capped).
     #[serde(default)]
     pub busy_poll_budget_percent: Option<u8>,
-    /// Whether the gateways ran with `--stateless-wire` (ADR 0032); false in results from
-    /// before the flag existed.
+    /// Whether the gateways offered the stateless wire convention (ADR 0032, 0034); false in
+    /// results from before it existed, when every tunnel used the double NAT.
     #[serde(default)]
     pub stateless_wire: bool,
     /// The kernel's CPU latency limit during the run; `None` in results from before it was

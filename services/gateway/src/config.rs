@@ -166,14 +166,14 @@ pub struct Config {
     )]
     pub busy_poll_budget_percent: u8,
 
-    /// Experimental: offer the stateless wire convention (ADR 0032, 0034). The broker tells
-    /// every peer in its NetworkConfigs; a tunnel to a peer whose gateway offers it too uses
-    /// it: each side's engine translates what it sends into the other's terms, so that
-    /// peer's traffic needs no connection tracking, NAT or policy routing here. Tunnels to
-    /// peers that do not offer it keep the kernel's double NAT. Needs the userspace data
-    /// plane.
-    #[arg(long, env = "TRELLIS_STATELESS_WIRE")]
-    pub stateless_wire: bool,
+    /// Do not offer the stateless wire convention (ADR 0032, 0034). By default a userspace
+    /// gateway offers it to every peer (its broker says so in its NetworkConfigs), and a
+    /// tunnel to a peer whose gateway offers it too uses it: each side's engine translates
+    /// what it sends into the other's terms, so that peer's traffic needs no connection
+    /// tracking, NAT or policy routing here. With this flag, or with kernel WireGuard (which
+    /// cannot rewrite what it sends), every tunnel keeps the kernels' double NAT (ADR 0008).
+    #[arg(long, env = "TRELLIS_NO_STATELESS_WIRE")]
+    pub no_stateless_wire: bool,
 
     /// Which WireGuard implementation to drive, or `none` for no data plane at all.
     #[arg(long, env = "TRELLIS_DATAPLANE", value_enum, default_value_t = DataplaneFlag::Auto)]

@@ -95,8 +95,9 @@ pub struct Settings {
     /// MTU of every tunnel device (the underlay's minus WireGuard's overhead), announced to the
     /// route agents.
     pub tunnel_mtu: u32,
-    /// The data plane translates what it sends (`--stateless-wire`): offered to every peer,
-    /// used with those that offer it too (ADR 0034).
+    /// The data plane translates what it sends (the userspace engine, unless
+    /// `--no-stateless-wire`): offered to every peer, used with those that offer it too
+    /// (ADR 0034).
     pub stateless_wire: bool,
 }
 

@@ -107,10 +107,6 @@ pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started
                     .context("starting the userspace wireguard engine")?;
             Some(Flavor::Userspace(Arc::new(engine)))
         }
-        Mode::Kernel if config.stateless_wire => anyhow::bail!(
-            "--stateless-wire needs the userspace data plane (--dataplane userspace): kernel \
-             WireGuard cannot rewrite what it sends"
-        ),
         Mode::Kernel => Some(Flavor::Kernel),
     };
     let engine = match &flavor {
@@ -160,8 +156,9 @@ pub async fn start(config: Config, shutdown: Shutdown) -> anyhow::Result<Started
         node_name,
         node_ip: config.node_ip,
         tunnel_mtu: config.tunnel_mtu(),
-        // Only an engine translates: without one (`--dataplane none`) nothing is offered.
-        stateless_wire: config.stateless_wire && shared_port.is_some(),
+        // Only the userspace engine translates: kernel WireGuard cannot rewrite what it sends,
+        // and without a data plane nothing does.
+        stateless_wire: !config.no_stateless_wire && shared_port.is_some(),
     };
     if let Some(dp) = &dataplane {
         boot.metrics().register(

@@ -76,8 +76,8 @@ impl Lab {
         Self::up_with(hub_no_induced, &[]).await
     }
 
-    /// [`Lab::up`], the gateways of the clusters in `stateless` with `--stateless-wire`
-    /// (ADR 0032, 0034).
+    /// [`Lab::up`], the gateways of the clusters in `stateless` offering the stateless wire
+    /// convention (the default), the others with `--no-stateless-wire` (ADR 0034).
     async fn up_with(hub_no_induced: bool, stateless: &[usize]) -> Self {
         let mut options = FabricOptions::three_clusters();
         options.hub_no_induced = hub_no_induced;
@@ -99,9 +99,10 @@ impl Lab {
                 "100".into(),
             ],
         )];
-        options.cluster_args = stateless
-            .iter()
-            .map(|i| (*i, Service::Gateway, vec!["--stateless-wire".into()]))
+        options.cluster_args = [A, B, C]
+            .into_iter()
+            .filter(|i| !stateless.contains(i))
+            .map(|i| (i, Service::Gateway, vec!["--no-stateless-wire".into()]))
             .collect();
         let started = Instant::now();
         let fabric = Fabric::up(options).await.expect("fabric up");

@@ -214,9 +214,12 @@ async fn a_standby_takes_over_each_clusters_tunnels_and_node_path_after_a_kill()
     probes_resumed(&summary, &fabric);
 
     // The hub's and C's failovers: the connections were opened by A's pod, so on B and C they
-    // are the peer's, translated there. The push connections make sure that after the switch
-    // the first packet of each comes from B's or C's pod, the side that looks like a
-    // connection of its own: without the handoff (ADR 0023) every one of them is reset.
+    // are the peer's. The push connections make sure that after the switch the first packet
+    // of each comes from B's or C's pod. Under the stateless wire (the default here) no
+    // conntrack entry holds their translation, so the new active's engine carries them as
+    // the old one did; under the double NAT they need the handoff (ADR 0023), which
+    // `each_clusters_active_cut_off_is_replaced_by_its_standby_and_steps_down_on_return`
+    // exercises.
     let flows = pods.flows("bc", &pods.targets(true));
     tokio::time::sleep(Duration::from_secs(3)).await;
     fail_over(&mut fabric, B).await;
@@ -232,11 +235,15 @@ async fn a_standby_takes_over_each_clusters_tunnels_and_node_path_after_a_kill()
 }
 
 /// Hub B and leaves A and C on one pod CIDR, three nodes each and two gateway replicas per
-/// cluster, peered.
-async fn replicated_fabric() -> Fabric {
+/// cluster, peered; every tunnel under the double NAT (`--no-stateless-wire`, ADR 0008) when
+/// `double_nat`, under the stateless wire convention (the default, ADR 0034) otherwise.
+async fn replicated_fabric(double_nat: bool) -> Fabric {
     let mut options = FabricOptions::three_clusters();
     options.nodes = 3;
     options.gateways = 2;
+    if double_nat {
+        options.extra_args = vec![(Service::Gateway, vec!["--no-stateless-wire".into()])];
+    }
     let fabric = Fabric::up(options).await.expect("fabric up");
     fabric
         .wait_mesh(LIMIT)
@@ -276,7 +283,7 @@ async fn a_store_outage_and_a_standby_restart_lose_no_probe_and_never_make_two_a
     if !can_run("a_store_outage_and_a_standby_restart_lose_no_probe_and_never_make_two_actives") {
         return;
     }
-    let mut fabric = replicated_fabric().await;
+    let mut fabric = replicated_fabric(false).await;
     let (active, epoch) = the_active(&fabric, A, LIMIT).await;
     let standby = 1 - active;
 
@@ -381,7 +388,8 @@ async fn each_clusters_active_cut_off_is_replaced_by_its_standby_and_steps_down_
     {
         return;
     }
-    let fabric = replicated_fabric().await;
+    // The double NAT, whose connections the peers opened need the handoff (ADR 0023).
+    let fabric = replicated_fabric(true).await;
     let pods = Pods::up(&fabric).await;
     let flows = pods.flows("cut", &pods.targets(true));
     tokio::time::sleep(Duration::from_secs(2)).await;
@@ -407,7 +415,8 @@ async fn a_packet_that_missed_its_conntrack_zone_never_leaves_through_a_tunnel()
     if !can_run("a_packet_that_missed_its_conntrack_zone_never_leaves_through_a_tunnel") {
         return;
     }
-    let fabric = replicated_fabric().await;
+    // Zones exist only under the double NAT.
+    let fabric = replicated_fabric(true).await;
     let (active, _) = the_active(&fabric, C, LIMIT).await;
     let ns = fabric.topology.sites[C].nodes[active].netns.clone();
     let pods = Pods::up(&fabric).await;

@@ -48,8 +48,8 @@
 //!
 //! With `TRELLIS_TEST_NO_GUARD=1` phase 1 runs without the guards too, and the test fails.
 //!
-//! The second test runs the same under the stateless wire convention (ADR 0034, every gateway
-//! with `--stateless-wire`): the peer's traffic is untracked at our gateway, the peer addresses
+//! The first test runs under the double NAT (every gateway with `--no-stateless-wire`), the
+//! second under the stateless wire convention (the default, ADR 0034): the peer's traffic is untracked at our gateway, the peer addresses
 //! us in our own terms (the targets are our real addresses), and the source its pods use is our
 //! view of it; the impersonator undoes our engine's translation of the answers in its own
 //! namespace, as a stateless peer's engine would.
@@ -102,14 +102,15 @@ fn can_run(test: &str) -> bool {
     )
 }
 
-/// The three clusters, every gateway with `--stateless-wire` when `stateless` (ADR 0034).
+/// The three clusters, every gateway offering the stateless wire convention (the default)
+/// when `stateless`, none (`--no-stateless-wire`) otherwise (ADR 0034).
 async fn up(stateless: bool) -> Fabric {
     let mut options = FabricOptions::three_clusters();
     // The peer's gateway key is read from its store: etcd, which outlives the killed process.
     options.store = StoreKind::EtcdPerService;
     options.nodes = 3;
-    if stateless {
-        options.extra_args = vec![(Service::Gateway, vec!["--stateless-wire".into()])];
+    if !stateless {
+        options.extra_args = vec![(Service::Gateway, vec!["--no-stateless-wire".into()])];
     }
     let fabric = Fabric::up(options).await.expect("fabric up");
     fabric

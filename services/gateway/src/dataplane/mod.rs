@@ -62,7 +62,7 @@ pub struct PeerPlan {
     pub interface: String,
     /// Whether the tunnel uses ADR 0032's stateless wire convention: we translate what we
     /// send into the peer's terms and the peer sends in ours, so nothing of the peer's needs
-    /// a conntrack zone, NAT or a mark here (`--stateless-wire`).
+    /// a conntrack zone, NAT or a mark here (both sides offered it, ADR 0034).
     pub stateless: bool,
 }
 

@@ -4,8 +4,8 @@
 //! destination, whoever opened the flow. The receiving gateway then needs no conntrack zone, no
 //! NAT and no mark for it. The engine applies a peer's translation to every packet it reads
 //! from the peer's TUN ([`PeerConfig::translation`](super::PeerConfig::translation)); the
-//! gateway configures one for every peer only with `--stateless-wire`, and otherwise still
-//! translates on arrival (ADR 0008).
+//! gateway configures one for every peer whose tunnel uses the convention (both sides offered
+//! it, ADR 0034), and for the others still translates on arrival (ADR 0008).
 //!
 //! A translation is two lists of prefix rewrites, one for the source and one for the
 //! destination; an address in a rewrite's `from` keeps its host bits and takes `to`'s network
