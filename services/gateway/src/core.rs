@@ -277,8 +277,9 @@ impl Gateway {
     }
 
     /// Whether the tunnel described by `te` uses the stateless wire convention: both sides
-    /// offered it, and this gateway still does (one restarted without it must not translate
-    /// on a record written before; its broker withdraws the offer, and the peer follows).
+    /// offered it, and this gateway still does (one restarted with `--no-stateless-wire` must
+    /// not translate on a record written before; its broker withdraws the offer, and the peer
+    /// follows).
     fn stateless(&self, te: &TunnelEndpoint) -> bool {
         self.settings.stateless_wire && te.stateless_wire
     }

@@ -126,6 +126,9 @@ pub struct TunnelEndpointView {
     pub remote_pod_cidr_nat: String,
     pub remote_external_cidr: String,
     pub remote_external_cidr_nat: String,
+    /// Both gateways offered the stateless wire convention: each translates what it sends.
+    /// Otherwise each gateway's kernel translates what it receives (the double NAT).
+    pub stateless_wire: bool,
     pub generation: i64,
 }
 

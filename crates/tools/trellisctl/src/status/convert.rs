@@ -102,6 +102,7 @@ impl TunnelEndpointView {
             remote_pod_cidr_nat: te.remote_pod_cidr_nat.clone(),
             remote_external_cidr: te.remote_external_cidr.clone(),
             remote_external_cidr_nat: te.remote_external_cidr_nat.clone(),
+            stateless_wire: te.stateless_wire,
             generation: te.generation,
         }
     }

@@ -155,6 +155,7 @@ impl StatusView {
             "REMOTE POD (REAL -> OUR VIEW)",
             "REMOTE EXTERNAL (REAL -> OUR VIEW)",
             "THEIR VIEW OF OUR POD / EXTERNAL",
+            "TRANSLATED BY",
             "GEN",
         ]);
         for te in rows {
@@ -166,6 +167,12 @@ impl StatusView {
                 real_to_view(&te.remote_pod_cidr, &te.remote_pod_cidr_nat),
                 real_to_view(&te.remote_external_cidr, &te.remote_external_cidr_nat),
                 format!("{} / {}", te.local_pod_cidr_nat, te.local_external_cidr_nat),
+                if te.stateless_wire {
+                    "sender"
+                } else {
+                    "receiver"
+                }
+                .to_owned(),
                 te.generation.to_string(),
             ]);
         }

@@ -60,6 +60,7 @@ fn sample() -> StatusView {
         remote_external_cidr_nat: "10.201.0.0/16".into(),
         local_pod_cidr_nat: "10.81.0.0/16".into(),
         local_external_cidr_nat: "10.202.0.0/16".into(),
+        stateless_wire: true,
         generation: 3,
         ..Default::default()
     };
@@ -140,6 +141,12 @@ fn table_shows_kinds_origins_nat_views_and_tunnel_health() {
     ] {
         assert!(text.contains(expected), "missing {expected:?} in:\n{text}");
     }
+    // Under the stateless wire convention the sender translates.
+    assert!(
+        text.lines()
+            .any(|l| l.starts_with("leaf-c  induced  hub") && l.contains(" sender ")),
+        "{text}"
+    );
 }
 
 #[test]
