@@ -54,7 +54,7 @@ pub(super) fn dataplane_section(
                 "WireGuard: {}{}; build: {}; {}; {}; store: {}; link delays by: {}; {} pings per measurement.\n",
                 d.wireguard,
                 if d.stateless_wire {
-                    ", stateless wire convention (ADR 0032)"
+                    ", stateless wire convention (ADR 0034)"
                 } else {
                     ""
                 },
