@@ -502,6 +502,7 @@ async fn a_hub_path_flow_never_follows_its_removed_mapping_into_the_next_peers_t
     options.store = StoreKind::EtcdPerService;
     options.hub_no_induced = true;
     options.extra_args = vec![(Service::Ipam, vec!["--range-quarantine".into(), "0".into()])];
+    let external: ipnet::IpNet = options.external_cidr.parse().expect("external CIDR");
     let fabric = Fabric::up(options).await.expect("fabric up");
     let id = |i: usize| fabric.clusters[i].id.clone();
     let mut peers: Vec<String> = [A, LEAVES[0], LEAVES[1]].map(id).to_vec();
@@ -607,11 +608,20 @@ async fn a_hub_path_flow_never_follows_its_removed_mapping_into_the_next_peers_t
         .wait_ping(HUB, to_new, LIMIT)
         .await
         .expect("L's pod reaches new's pod");
-    // L's gateway has applied the mappings without old's endpoint.
+    // L's gateway has applied the mappings without old's endpoint. Its DNAT is keyed by the
+    // address as A sends it: A's view of L's external CIDR under the double NAT, L's real
+    // external address under the stateless wire (A's engine translated it).
+    let real = trellis_gateway::dataplane::rebase(
+        mapped.into(),
+        fabric.view(A, HUB, true).await.expect("view").into(),
+        external,
+    )
+    .expect("the mapping is in A's view of L's external CIDR");
     let started = Instant::now();
     loop {
         let out = exec(&l_site.gw_ns, "nft", &["list", "table", "ip", "trellis"]).expect("nft");
-        if !String::from_utf8_lossy(&out.stdout).contains(&format!("{mapped} :")) {
+        let table = String::from_utf8_lossy(&out.stdout);
+        if !table.contains(&format!("{mapped} :")) && !table.contains(&format!("{real} :")) {
             break;
         }
         assert!(
